@@ -1,0 +1,40 @@
+//===- ZoptOps.h - zopt operations ------------------------------*- C++ -*-===//
+#ifndef ZOPT_DIALECT_ZOPT_IR_ZOPTOPS_H
+#define ZOPT_DIALECT_ZOPT_IR_ZOPTOPS_H
+
+#include "mlir/Bytecode/BytecodeOpInterface.h"
+#include "mlir/IR/Builders.h"
+#include "mlir/IR/BuiltinOps.h"
+#include "mlir/IR/OpDefinition.h"
+#include "mlir/IR/SymbolTable.h"
+#include "mlir/Interfaces/SideEffectInterfaces.h"
+#include "zopt/Dialect/Zopt/IR/ZoptDialect.h"
+
+#include "zopt/Dialect/Zopt/IR/ZoptEnums.h.inc"
+#define GET_ATTRDEF_CLASSES
+#include "zopt/Dialect/Zopt/IR/ZoptAttrs.h.inc"
+
+namespace mlir::zopt {
+class StepOp;
+class StateOp;
+class YieldOp;
+} // namespace mlir::zopt
+
+#define GET_OP_CLASSES
+#include "zopt/Dialect/Zopt/IR/Zopt.h.inc"
+
+namespace mlir::zopt {
+/// Bit width of a storage element type (f32: 32, bf16/f16: 16), 0 otherwise.
+unsigned storageBits(Type t);
+/// The abi.h zopt_dtype code of a storage type (1 f32, 2 bf16, 3 f16), or 0.
+unsigned dtypeCode(Type t);
+/// Default value and valid range of a hyperparameter slot, shared by the
+/// verifier, the descriptor writer and (through the descriptor) the runtime.
+struct HyperInfo {
+  double defaultValue, minValue, maxValue;
+  bool maxExclusive;
+};
+HyperInfo getHyperInfo(HyperKind kind);
+} // namespace mlir::zopt
+
+#endif

@@ -1,0 +1,35 @@
+//===- Pipelines.h - zopt's named compilation phases ------------*- C++ -*-===//
+#ifndef ZOPT_PIPELINES_PIPELINES_H
+#define ZOPT_PIPELINES_PIPELINES_H
+
+#include "mlir/Pass/PassManager.h"
+#include "mlir/Pass/PassOptions.h"
+
+#include <optional>
+
+namespace mlir::zopt {
+
+/// The phases of the compilation, in order. `zopt-compile --compile-to=P`
+/// and `zopt-opt --zopt-pipeline="compile-to=P"` stop after phase P.
+enum class Phase { Input, Decompose, Plan, Fuse, Codegen };
+std::optional<Phase> parsePhase(llvm::StringRef name);
+llvm::StringRef phaseName(Phase p);
+
+struct PipelineOptions : public PassPipelineOptions<PipelineOptions> {
+  Option<std::string> compileTo{
+      *this, "compile-to",
+      llvm::cl::desc("Last phase: input, decompose, plan, fuse, codegen"),
+      llvm::cl::init("codegen")};
+  ListOption<std::string> isas{
+      *this, "isas", llvm::cl::desc("CPU ISA variants: avx512, avx2")};
+};
+
+/// Adds the passes of every phase up to and including `last`.
+void buildPipeline(OpPassManager &pm, Phase last, ArrayRef<std::string> isas);
+
+/// Registers `zopt-pipeline` for zopt-opt.
+void registerPipelines();
+
+} // namespace mlir::zopt
+
+#endif

@@ -1,0 +1,121 @@
+//===- Passes.td - zopt passes -----------------------------*- tablegen -*-===//
+#ifndef ZOPT_TRANSFORMS_PASSES_TD
+#define ZOPT_TRANSFORMS_PASSES_TD
+
+include "mlir/Pass/PassBase.td"
+
+def ZoptDecompose : Pass<"zopt-decompose", "ModuleOp"> {
+  let summary = "Expands named rules and primitives into per-element math";
+  let description = [{
+    Named rules (`zopt.adam`) become primitives; primitives become `arith`
+    and `math` ops: f32 math per element, with the coefficients that depend
+    only on hyperparameters and the step count computed in f64 from
+    `zopt.hyper` / `zopt.global` values. `zopt.unscale` and
+    `zopt.clip_by_global_norm` are left for `zopt-plan`.
+
+    ```mlir
+    %m1 = zopt.ema %m, %g, %b1 : f32, f32
+    // becomes
+    %one = arith.constant 1.0 : f64
+    %c = arith.subf %one, %b1 : f64
+    %b1f = arith.truncf %b1 : f64 to f32
+    %cf = arith.truncf %c : f64 to f32
+    %0 = arith.mulf %b1f, %m : f32
+    %1 = arith.mulf %cf, %g : f32
+    %m1 = arith.addf %0, %1 : f32
+    ```
+  }];
+  let dependentDialects = ["::mlir::arith::ArithDialect", "::mlir::math::MathDialect"];
+  let statistics = [
+    Statistic<"numRules", "rules", "Named rules expanded">,
+    Statistic<"numPrimitives", "primitives", "Primitives expanded">
+  ];
+}
+
+def ZoptPlan : Pass<"zopt-plan", "ModuleOp"> {
+  let summary = "Decides placement, partitioning and the global reductions";
+  let description = [{
+    Decides where the fused update runs (where the optimizer states live),
+    records the ZeRO partition of the flat per-group buffers
+    (`zopt.partition`), numbers the state and hyperparameter slots of the
+    descriptor, and turns `zopt.clip_by_global_norm` and `zopt.unscale` into
+    multiplications by runtime globals plus one `zopt.reduce_sumsq` over the
+    value the global norm / non-finite check is taken of.
+
+    ```mlir
+    %gc = zopt.clip_by_global_norm %g max 1.0 : f32
+    // becomes
+    zopt.reduce_sumsq %g : f32
+    %c = zopt.global clip_coef
+    %cf = arith.truncf %c : f64 to f32
+    %gc = arith.mulf %g, %cf : f32
+    ```
+  }];
+  let dependentDialects = ["::mlir::arith::ArithDialect"];
+}
+
+def ZoptFuse : Pass<"zopt-fuse", "ModuleOp"> {
+  let summary = "Splits the step into a descriptor, a prepare function and fused kernels";
+  let description = [{
+    Values that do not depend on any state are uniform per group: they move
+    into `zk.prepare` (computed in f64 once per group and step) and reach
+    the kernels as `zk.coeff` slots. What depends on state becomes the body
+    of one `zk.kernel ... update` (one pass over memory) and, when the plan
+    asked for a reduction, one `zk.kernel ... sumsq`.
+
+    ```mlir
+    zopt.step @s { ... }
+    // becomes
+    zk.descriptor {...}
+    zk.prepare @s_prepare { ... }
+    zk.kernel @s_update update { ... }
+    ```
+  }];
+  let dependentDialects = ["::mlir::zk::ZKDialect", "::mlir::arith::ArithDialect"];
+  let statistics = [
+    Statistic<"numCoeffs", "coefficients", "Uniform values passed as coefficients">
+  ];
+}
+
+def ConvertZKToCPU : Pass<"convert-zk-to-cpu", "ModuleOp"> {
+  let summary = "Generates vectorized CPU functions from zk kernels";
+  let description = [{
+    Each `zk.kernel` becomes one function per ISA variant with the C ABI of
+    runtime/include/zopt/abi.h: an `scf.for` over full vectors at the
+    variant's width (16 x f32 for AVX-512, 8 x f32 for AVX2) and a scalar
+    tail. bf16 loads widen exactly by shifting; bf16 stores round to nearest
+    even in integer arithmetic (bit-exact, NaN-preserving); f16 uses the
+    hardware conversions. `zk.prepare` becomes an f64 host function, and
+    `zk.descriptor` the exported `zopt_step_descriptor` constant.
+
+    ```mlir
+    zk.kernel @k update { ... }
+    // becomes
+    func.func @k_avx512(%states: !llvm.ptr, %n: i64, %coeffs: !llvm.ptr)
+    func.func @k_avx2(%states: !llvm.ptr, %n: i64, %coeffs: !llvm.ptr)
+    ```
+  }];
+  let options = [
+    ListOption<"isas", "isas", "std::string",
+               "ISA variants to emit: avx512, avx2 (default: both)">
+  ];
+  let dependentDialects = ["::mlir::func::FuncDialect", "::mlir::scf::SCFDialect",
+                           "::mlir::LLVM::LLVMDialect", "::mlir::vector::VectorDialect",
+                           "::mlir::arith::ArithDialect", "::mlir::math::MathDialect"];
+}
+
+def ZoptSetTargetAttrs : Pass<"zopt-set-target-attrs", "ModuleOp"> {
+  let summary = "Moves the ISA of each function onto its llvm.func target attributes";
+  let description = [{
+    After conversion to the LLVM dialect, a function tagged
+    `zopt.isa = "avx512"` gets `target_cpu = "x86-64-v4"` (and a 512-bit
+    minimum legal vector width), `"avx2"` gets `x86-64-v3`: one object file
+    carries every variant and the runtime picks by CPU features.
+
+    ```mlir
+    llvm.func @k_avx2(...) attributes {target_cpu = "x86-64-v3"}
+    ```
+  }];
+}
+
+#endif

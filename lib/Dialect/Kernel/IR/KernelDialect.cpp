@@ -1,0 +1,63 @@
+//===- KernelDialect.cpp - zk dialect -------------------------------------===//
+#include "zopt/Dialect/Kernel/IR/KernelDialect.h"
+
+#include "mlir/IR/DialectImplementation.h"
+#include "llvm/ADT/TypeSwitch.h"
+#include "zopt/abi.h"
+
+using namespace mlir;
+using namespace mlir::zk;
+
+#include "zopt/Dialect/Kernel/IR/KernelDialect.cpp.inc"
+#include "zopt/Dialect/Kernel/IR/KernelEnums.cpp.inc"
+#define GET_ATTRDEF_CLASSES
+#include "zopt/Dialect/Kernel/IR/KernelAttrs.cpp.inc"
+
+void ZKDialect::initialize() {
+  addOperations<
+#define GET_OP_LIST
+#include "zopt/Dialect/Kernel/IR/Kernel.cpp.inc"
+      >();
+  addAttributes<
+#define GET_ATTRDEF_LIST
+#include "zopt/Dialect/Kernel/IR/KernelAttrs.cpp.inc"
+      >();
+}
+
+LogicalResult DescriptorOp::verify() {
+  size_t n = getStateKinds().size();
+  if (getStateDtypes().size() != n || getStatePlacements().size() != n ||
+      getStateRoundings().size() != n || getStateInits().size() != n ||
+      getStateAccess().size() != n)
+    return emitOpError("state arrays must all have the same length");
+  if (n > ZOPT_MAX_STATES)
+    return emitOpError("at most ") << ZOPT_MAX_STATES << " states";
+  size_t h = getHyperKinds().size();
+  if (getHyperDefaults().size() != h || getHyperMins().size() != h ||
+      getHyperMaxs().size() != h || getHyperMaxExclusive().size() != h)
+    return emitOpError("hyper arrays must all have the same length");
+  if (h > ZOPT_MAX_HYPERS)
+    return emitOpError("at most ") << ZOPT_MAX_HYPERS << " hyperparameters";
+  if (getNumCoeffs() < 0 || getNumCoeffs() > ZOPT_MAX_COEFFS)
+    return emitOpError("coefficient count must be in [0, ")
+           << ZOPT_MAX_COEFFS << "]";
+  if (getName().size() >= ZOPT_NAME_LEN)
+    return emitOpError("step name longer than ") << ZOPT_NAME_LEN - 1;
+  return success();
+}
+
+LogicalResult KernelOp::verifyRegions() {
+  bool hasAcc = false, hasStore = false;
+  for (Operation &op : getBody().front()) {
+    hasAcc |= isa<AccumulateOp>(op);
+    hasStore |= isa<StoreOp>(op);
+  }
+  if (getRole() == KernelRole::update && (hasAcc || !hasStore))
+    return emitOpError("an update kernel stores and does not accumulate");
+  if (getRole() == KernelRole::sumsq && (!hasAcc || hasStore))
+    return emitOpError("a sumsq kernel accumulates and does not store");
+  return success();
+}
+
+#define GET_OP_CLASSES
+#include "zopt/Dialect/Kernel/IR/Kernel.cpp.inc"

@@ -1,0 +1,133 @@
+//===- ZoptDialect.cpp - zopt dialect -------------------------------------===//
+#include "zopt/Dialect/Zopt/IR/ZoptOps.h"
+
+#include "mlir/IR/DialectImplementation.h"
+#include "llvm/ADT/TypeSwitch.h"
+
+#include <cmath>
+#include <limits>
+
+using namespace mlir;
+using namespace mlir::zopt;
+
+#include "zopt/Dialect/Zopt/IR/ZoptDialect.cpp.inc"
+#include "zopt/Dialect/Zopt/IR/ZoptEnums.cpp.inc"
+#define GET_ATTRDEF_CLASSES
+#include "zopt/Dialect/Zopt/IR/ZoptAttrs.cpp.inc"
+
+void ZoptDialect::initialize() {
+  addOperations<
+#define GET_OP_LIST
+#include "zopt/Dialect/Zopt/IR/Zopt.cpp.inc"
+      >();
+  addAttributes<
+#define GET_ATTRDEF_LIST
+#include "zopt/Dialect/Zopt/IR/ZoptAttrs.cpp.inc"
+      >();
+}
+
+unsigned mlir::zopt::storageBits(Type t) {
+  if (t.isF32())
+    return 32;
+  if (t.isBF16() || t.isF16())
+    return 16;
+  return 0;
+}
+
+unsigned mlir::zopt::dtypeCode(Type t) {
+  if (t.isF32())
+    return 1;
+  if (t.isBF16())
+    return 2;
+  if (t.isF16())
+    return 3;
+  return 0;
+}
+
+HyperInfo mlir::zopt::getHyperInfo(HyperKind kind) {
+  const double inf = std::numeric_limits<double>::infinity();
+  switch (kind) {
+  case HyperKind::lr:
+    return {1e-3, 0.0, inf, false};
+  case HyperKind::beta1:
+    return {0.9, 0.0, 1.0, true};
+  case HyperKind::beta2:
+    return {0.999, 0.0, 1.0, true};
+  case HyperKind::eps:
+    return {1e-8, std::numeric_limits<double>::min(), inf, false};
+  case HyperKind::weight_decay:
+    return {0.0, 0.0, inf, false};
+  case HyperKind::momentum:
+    return {0.9, 0.0, 1.0, false};
+  case HyperKind::dampening:
+    return {0.0, 0.0, 1.0, false};
+  case HyperKind::bias_correction:
+    return {1.0, 0.0, 1.0, false};
+  }
+  llvm_unreachable("unknown hyper kind");
+}
+
+//===----------------------------------------------------------------------===//
+// Op verifiers
+//===----------------------------------------------------------------------===//
+
+LogicalResult StateOp::verify() {
+  if (!storageBits(getType()))
+    return emitOpError("state '")
+           << stringifyStateKind(getKind()) << "' has type " << getType()
+           << "; states are stored as f32, bf16 or f16";
+  if (getRounding() && *getRounding() != Rounding::nearest_even &&
+      getType().isF32())
+    return emitOpError("rounding applies to narrowing stores; state '")
+           << stringifyStateKind(getKind())
+           << "' is f32 and never rounds: drop 'rounding'";
+  return success();
+}
+
+LogicalResult HyperOp::verify() {
+  if (!getDefaultValue())
+    return success();
+  HyperInfo info = getHyperInfo(getKind());
+  double v = getDefaultValue()->convertToDouble();
+  bool ok = std::isfinite(v) && v >= info.minValue &&
+            (info.maxExclusive ? v < info.maxValue : v <= info.maxValue);
+  if (!ok)
+    return emitOpError("default ")
+           << stringifyHyperKind(getKind()) << " = " << v
+           << " is out of range [" << info.minValue << ", " << info.maxValue
+           << (info.maxExclusive ? ")" : "]");
+  return success();
+}
+
+LogicalResult ClipByGlobalNormOp::verify() {
+  double v = getMaxNorm().convertToDouble();
+  if (!(v > 0.0) || !std::isfinite(v))
+    return emitOpError("max_norm must be a positive finite number, got ") << v;
+  return success();
+}
+
+LogicalResult YieldOp::verify() {
+  if (getValues().size() != getTargets().size())
+    return emitOpError("yields ")
+           << getValues().size() << " values into " << getTargets().size()
+           << " states; pair each new value with one state";
+  for (auto [i, v] : llvm::enumerate(getValues()))
+    if (!storageBits(v.getType()))
+      return emitOpError("value #") << i << " has type " << v.getType()
+                                    << "; only f32, bf16 or f16 can be stored";
+  return success();
+}
+
+StateOp StepOp::getState(StateKind kind) {
+  for (Operation &op : getBody().front())
+    if (auto s = dyn_cast<StateOp>(op); s && s.getKind() == kind)
+      return s;
+  return {};
+}
+
+YieldOp StepOp::getYield() {
+  return dyn_cast<YieldOp>(getBody().front().getTerminator());
+}
+
+#define GET_OP_CLASSES
+#include "zopt/Dialect/Zopt/IR/Zopt.cpp.inc"

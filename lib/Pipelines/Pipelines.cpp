@@ -1,0 +1,76 @@
+//===- Pipelines.cpp - zopt's named compilation phases --------------------===//
+#include "zopt/Pipelines/Pipelines.h"
+
+#include "mlir/Conversion/ArithToLLVM/ArithToLLVM.h"
+#include "mlir/Conversion/ControlFlowToLLVM/ControlFlowToLLVM.h"
+#include "mlir/Conversion/FuncToLLVM/ConvertFuncToLLVMPass.h"
+#include "mlir/Conversion/MathToLLVM/MathToLLVM.h"
+#include "mlir/Conversion/ReconcileUnrealizedCasts/ReconcileUnrealizedCasts.h"
+#include "mlir/Conversion/SCFToControlFlow/SCFToControlFlow.h"
+#include "mlir/Conversion/VectorToLLVM/ConvertVectorToLLVMPass.h"
+#include "mlir/Pass/PassRegistry.h"
+#include "mlir/Transforms/Passes.h"
+#include "zopt/Transforms/Passes.h"
+
+using namespace mlir;
+using namespace mlir::zopt;
+
+static const char *const kPhaseNames[] = {"input", "decompose", "plan", "fuse",
+                                          "codegen"};
+
+std::optional<Phase> mlir::zopt::parsePhase(StringRef name) {
+  for (unsigned i = 0; i < std::size(kPhaseNames); ++i)
+    if (name == kPhaseNames[i])
+      return Phase(i);
+  return std::nullopt;
+}
+
+StringRef mlir::zopt::phaseName(Phase p) { return kPhaseNames[int(p)]; }
+
+void mlir::zopt::buildPipeline(OpPassManager &pm, Phase last,
+                               ArrayRef<std::string> isas) {
+  // input: parsing and verification happen before any pass.
+  if (last < Phase::Decompose)
+    return;
+  pm.addPass(createZoptDecompose());
+  pm.addPass(createCanonicalizerPass());
+  pm.addPass(createCSEPass());
+  if (last < Phase::Plan)
+    return;
+  pm.addPass(createZoptPlan());
+  pm.addPass(createCSEPass());
+  if (last < Phase::Fuse)
+    return;
+  pm.addPass(createZoptFuse());
+  pm.addPass(createCanonicalizerPass());
+  pm.addPass(createCSEPass());
+  if (last < Phase::Codegen)
+    return;
+  ConvertZKToCPUOptions cpu;
+  cpu.isas = llvm::to_vector(isas);
+  pm.addPass(createConvertZKToCPU(cpu));
+  pm.addPass(createCanonicalizerPass());
+  pm.addPass(createSCFToControlFlowPass());
+  pm.addPass(createConvertVectorToLLVMPass());
+  pm.addPass(createConvertMathToLLVMPass());
+  pm.addPass(createArithToLLVMConversionPass());
+  pm.addPass(createConvertFuncToLLVMPass());
+  pm.addPass(createConvertControlFlowToLLVMPass());
+  pm.addPass(createReconcileUnrealizedCastsPass());
+  pm.addPass(createZoptSetTargetAttrs());
+}
+
+void mlir::zopt::registerPipelines() {
+  PassPipelineRegistration<PipelineOptions>(
+      "zopt-pipeline",
+      "zopt's phases up to compile-to (input, decompose, plan, fuse, codegen)",
+      [](OpPassManager &pm, const PipelineOptions &opts) {
+        auto phase = parsePhase(opts.compileTo);
+        if (!phase) {
+          llvm::errs() << "zopt-pipeline: unknown phase '" << opts.compileTo
+                       << "'\n";
+          phase = Phase::Codegen;
+        }
+        buildPipeline(pm, *phase, llvm::to_vector(opts.isas));
+      });
+}

@@ -1,0 +1,203 @@
+/*===- zopt/abi.h - The step.so contract ----------------------*- C -*-===*
+ *
+ * The one reviewed contract between zopt-compile (the writer) and the zopt
+ * runtime (the reader). Everything a runtime needs to drive a compiled step
+ * is in a step.so as:
+ *
+ *   1. one exported, read-only object named ZOPT_DESC_SYMBOL of type
+ *      zopt_step_descriptor (magic, ABI version, size, checksum, states,
+ *      hyperparameter slots, kernel table), and
+ *   2. the kernels the descriptor's kernel table names, exported with the C
+ *      signatures below.
+ *
+ * Plain C99, no dependency: the compiler includes it to fill the descriptor,
+ * the runtime to validate it. Any change to a layout or a signature bumps
+ * ZOPT_ABI_VERSION. docs/ABI.md explains every field.
+ *===----------------------------------------------------------------------===*/
+#ifndef ZOPT_ABI_H
+#define ZOPT_ABI_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define ZOPT_ABI_VERSION 1u
+#define ZOPT_DESC_MAGIC "ZOPTDSC1" /* 8 bytes, no terminator stored */
+#define ZOPT_DESC_SYMBOL "zopt_step_descriptor"
+
+#define ZOPT_MAX_STATES 12
+#define ZOPT_MAX_HYPERS 16
+#define ZOPT_MAX_COEFFS 64
+#define ZOPT_MAX_KERNELS 16
+#define ZOPT_NAME_LEN 64
+
+/* Element types of stored state. */
+typedef enum zopt_dtype {
+  ZOPT_DTYPE_F32 = 1,
+  ZOPT_DTYPE_BF16 = 2,
+  ZOPT_DTYPE_F16 = 3,
+} zopt_dtype;
+
+/* Where a state lives. */
+typedef enum zopt_placement {
+  ZOPT_PLACE_CPU = 1,
+  ZOPT_PLACE_GPU = 2,
+} zopt_placement;
+
+/* What a state is. The runtime owns every kind but PARAM and GRAD, which are
+ * the user's tensors. */
+typedef enum zopt_state_kind {
+  ZOPT_STATE_PARAM = 1,
+  ZOPT_STATE_GRAD = 2,
+  ZOPT_STATE_MASTER = 3,
+  ZOPT_STATE_EXP_AVG = 4,
+  ZOPT_STATE_EXP_AVG_SQ = 5,
+  ZOPT_STATE_MAX_EXP_AVG_SQ = 6,
+  ZOPT_STATE_MOMENTUM_BUFFER = 7,
+} zopt_state_kind;
+
+/* Rounding of a narrowing store into the state. */
+typedef enum zopt_rounding {
+  ZOPT_ROUND_NEAREST_EVEN = 1,
+  ZOPT_ROUND_STOCHASTIC = 2, /* reserved: rejected by the compiler today */
+} zopt_rounding;
+
+/* How the runtime initializes a state it owns at finalize. */
+typedef enum zopt_state_init {
+  ZOPT_INIT_USER = 1,       /* PARAM, GRAD: the user's memory */
+  ZOPT_INIT_ZERO = 2,       /* moments */
+  ZOPT_INIT_FROM_PARAM = 3, /* master: the param, widened */
+} zopt_state_init;
+
+/* Access bits of a state in the update kernel. */
+#define ZOPT_ACCESS_READ 1u
+#define ZOPT_ACCESS_WRITE 2u
+
+/* Hyperparameter slots of a parameter group. Values are doubles. */
+typedef enum zopt_hyper_kind {
+  ZOPT_HYPER_LR = 1,
+  ZOPT_HYPER_BETA1 = 2,
+  ZOPT_HYPER_BETA2 = 3,
+  ZOPT_HYPER_EPS = 4,
+  ZOPT_HYPER_WEIGHT_DECAY = 5,
+  ZOPT_HYPER_MOMENTUM = 6,
+  ZOPT_HYPER_DAMPENING = 7,
+  ZOPT_HYPER_BIAS_CORRECTION = 8, /* 0 = off, otherwise on */
+} zopt_hyper_kind;
+
+/* The step-level scalars the runtime hands the prepare kernel, by index. */
+typedef enum zopt_global {
+  ZOPT_GLOBAL_STEP = 0,           /* the group's 1-based step count t */
+  ZOPT_GLOBAL_CLIP_COEF = 1,      /* min(1, max_norm / (norm + 1e-6)) or 1 */
+  ZOPT_GLOBAL_INV_LOSS_SCALE = 2, /* 1 / S, or 1 without loss scaling */
+  ZOPT_NUM_GLOBALS = 3,
+} zopt_global;
+
+/* Kernel roles and their C signatures. `states` holds one pointer per
+ * descriptor state (in descriptor order) to the first element the call
+ * covers; `n` elements are processed; pointers need no alignment.
+ *
+ * PREPARE: per group and step, computes in double from the group's
+ *   hyperparameters (descriptor order) and the globals the float
+ *   coefficients of the elementwise kernels.
+ *     void prepare(const double *hypers, const double *globals, float *coeffs);
+ * UPDATE: the fused elementwise update, one pass over memory.
+ *     void update(void *const *states, int64_t n, const float *coeffs);
+ * SUMSQ: sum over n elements of x*x in double, where x is the value the
+ *   description's global-norm/non-finite check is taken over (after
+ *   unscaling). Non-finite inputs make the result non-finite.
+ *     double sumsq(void *const *states, int64_t n, const float *coeffs);
+ */
+typedef enum zopt_kernel_role {
+  ZOPT_KERNEL_PREPARE = 1,
+  ZOPT_KERNEL_UPDATE = 2,
+  ZOPT_KERNEL_SUMSQ = 3,
+} zopt_kernel_role;
+
+/* Instruction-set variant of a CPU kernel. The runtime picks the best one
+ * the CPU supports; NONE means baseline x86-64 (used for PREPARE). */
+typedef enum zopt_isa {
+  ZOPT_ISA_NONE = 0,
+  ZOPT_ISA_AVX2 = 1,   /* x86-64-v3: AVX2, FMA, F16C */
+  ZOPT_ISA_AVX512 = 2, /* x86-64-v4: AVX-512 F/BW/DQ/VL */
+} zopt_isa;
+
+typedef void (*zopt_prepare_fn)(const double *hypers, const double *globals,
+                                float *coeffs);
+typedef void (*zopt_update_fn)(void *const *states, int64_t n,
+                               const float *coeffs);
+typedef double (*zopt_sumsq_fn)(void *const *states, int64_t n,
+                                const float *coeffs);
+
+/* Descriptor flags. */
+#define ZOPT_FLAG_CLIP 1u       /* global-norm clipping; max_norm is valid */
+#define ZOPT_FLAG_LOSS_SCALE 2u /* grads are loss-scaled; skip non-finite */
+#define ZOPT_FLAG_SUMSQ 4u      /* a SUMSQ kernel exists */
+
+typedef struct zopt_state_desc {
+  uint32_t kind;      /* zopt_state_kind */
+  uint32_t dtype;     /* zopt_dtype */
+  uint32_t placement; /* zopt_placement */
+  uint32_t rounding;  /* zopt_rounding of narrowing stores */
+  uint32_t init;      /* zopt_state_init */
+  uint32_t access;    /* ZOPT_ACCESS_* bits in the UPDATE kernel */
+} zopt_state_desc;
+
+typedef struct zopt_hyper_desc {
+  uint32_t kind; /* zopt_hyper_kind */
+  uint32_t reserved;
+  double default_value; /* used when the user sets no value */
+  double min_value;     /* valid range, inclusive */
+  double max_value;     /* valid range; max_exclusive says if exclusive */
+  uint32_t max_exclusive;
+  uint32_t reserved2;
+} zopt_hyper_desc;
+
+typedef struct zopt_kernel_desc {
+  uint32_t role;   /* zopt_kernel_role */
+  uint32_t isa;    /* zopt_isa */
+  uint32_t device; /* zopt_placement the kernel runs on */
+  uint32_t reserved;
+  char symbol[ZOPT_NAME_LEN]; /* exported symbol, NUL-terminated */
+} zopt_kernel_desc;
+
+typedef struct zopt_step_descriptor {
+  char magic[8];        /* ZOPT_DESC_MAGIC */
+  uint32_t abi_version; /* ZOPT_ABI_VERSION */
+  uint32_t size;        /* sizeof(zopt_step_descriptor) */
+  uint64_t checksum;    /* zopt_desc_checksum() of the struct */
+  char name[ZOPT_NAME_LEN]; /* the step's symbol name */
+  uint32_t zero_stage;  /* 0..3 */
+  uint32_t align;       /* partition alignment in elements, power of two */
+  uint32_t flags;       /* ZOPT_FLAG_* */
+  uint32_t num_states;
+  uint32_t num_hypers;
+  uint32_t num_coeffs;
+  uint32_t num_kernels;
+  uint32_t reserved0;
+  double max_norm; /* with ZOPT_FLAG_CLIP */
+  zopt_state_desc states[ZOPT_MAX_STATES];
+  zopt_hyper_desc hypers[ZOPT_MAX_HYPERS];
+  zopt_kernel_desc kernels[ZOPT_MAX_KERNELS];
+} zopt_step_descriptor;
+
+/* FNV-1a 64 over the descriptor's bytes with the checksum field read as
+ * zero. Writer and reader call this same function. */
+static inline uint64_t zopt_desc_checksum(const zopt_step_descriptor *d) {
+  const unsigned char *p = (const unsigned char *)d;
+  uint64_t h = 1469598103934665603ull;
+  const uint64_t off = (uint64_t)((const char *)&d->checksum - (const char *)d);
+  for (uint64_t i = 0; i < sizeof(*d); ++i) {
+    unsigned char c = (i >= off && i < off + sizeof(d->checksum)) ? 0 : p[i];
+    h = (h ^ c) * 1099511628211ull;
+  }
+  return h;
+}
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* ZOPT_ABI_H */

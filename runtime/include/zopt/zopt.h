@@ -1,0 +1,206 @@
+/*===- zopt/zopt.h - zopt runtime C API -----------------------*- C -*-===*
+ *
+ * The stable, versioned C API of libzopt_runtime. A training job links only
+ * this library (no LLVM/MLIR). Every call returns a zopt_status; on failure
+ * zopt_last_error() holds a readable message for the calling thread.
+ *
+ * Life of an optimizer:
+ *   zopt_step_load("step.so")            -> zopt_step*
+ *   zopt_optimizer_create(step)          -> zopt_optimizer*
+ *   zopt_optimizer_add_group(...)         (hyperparameters per group)
+ *   zopt_optimizer_add_tensor(...)        (user param/grad memory)
+ *   zopt_optimizer_finalize(...)          (allocate + init master/moments)
+ *   loop: zopt_optimizer_set_hyper(...); zopt_optimizer_step(...)
+ *
+ * Threading: the error message is per thread. One optimizer must not be used
+ * from two threads at the same time; distinct optimizers are independent.
+ * step() itself runs on a persistent pool of zopt_optimizer_set_num_threads
+ * threads (default: $ZOPT_NUM_THREADS, else the hardware concurrency).
+ *
+ * Distribution: this library runs with world size 1 (no ZeRO partitioning
+ * across processes yet). The state layout is already partition-ready: per
+ * group, each runtime-owned state is one flat 64-byte-aligned buffer in which
+ * every tensor's segment starts at a multiple of the descriptor's `align`
+ * elements and the total is a multiple of `align`, so a rank's slice is a
+ * contiguous view.
+ *===----------------------------------------------------------------------===*/
+#ifndef ZOPT_ZOPT_H
+#define ZOPT_ZOPT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "zopt/abi.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define ZOPT_API_VERSION 1u
+
+/* Symbol visibility: the library is built with hidden visibility; only the
+ * functions declared here are exported. */
+#if defined(__GNUC__) || defined(__clang__)
+#define ZOPT_API __attribute__((visibility("default")))
+#else
+#define ZOPT_API
+#endif
+
+typedef enum zopt_status {
+  ZOPT_OK = 0,
+  ZOPT_ERR_INVALID_ARGUMENT = 1, /* null pointer, bad size/dtype/id/value */
+  ZOPT_ERR_IO = 2,               /* file cannot be opened/read/written */
+  ZOPT_ERR_ABI = 3,              /* step.so foreign, truncated, mismatched */
+  ZOPT_ERR_BAD_STATE = 4,        /* call out of order (step before finalize) */
+  ZOPT_ERR_CHECKPOINT = 5,       /* corrupt or mismatched checkpoint */
+  ZOPT_ERR_OUT_OF_MEMORY = 6,
+  ZOPT_ERR_UNSUPPORTED = 7,      /* e.g. a GPU-placed state without CUDA */
+  ZOPT_ERR_INTERNAL = 8,
+} zopt_status;
+
+typedef struct zopt_step zopt_step;
+typedef struct zopt_optimizer zopt_optimizer;
+
+/* Message of the last failed call on this thread ("" if none). */
+ZOPT_API const char *zopt_last_error(void);
+/* ZOPT_API_VERSION the library was built with; ZOPT_ABI_VERSION it reads. */
+ZOPT_API uint32_t zopt_api_version(void);
+ZOPT_API uint32_t zopt_abi_version(void);
+
+/* ---- compiled steps ---------------------------------------------------- */
+
+/* Loads a step.so, validates its descriptor (magic, ABI version, size,
+ * checksum, field ranges) and resolves every kernel it names. */
+ZOPT_API zopt_status zopt_step_load(const char *path, zopt_step **out);
+ZOPT_API void zopt_step_free(zopt_step *step);
+/* The validated descriptor (owned by the step). */
+ZOPT_API const zopt_step_descriptor *zopt_step_get_descriptor(const zopt_step *step);
+/* ISA of the UPDATE kernel picked for this CPU (env ZOPT_CPU=avx2|avx512
+ * overrides; asking for an ISA the CPU lacks is an error at load;
+ * ZOPT_CPU=none forces the baseline variants). The override caps the ISA:
+ * the best variant at or below it is used. */
+ZOPT_API zopt_isa zopt_step_isa(const zopt_step *step);
+
+/* ---- optimizer --------------------------------------------------------- */
+
+ZOPT_API zopt_status zopt_optimizer_create(const zopt_step *step, zopt_optimizer **out);
+ZOPT_API void zopt_optimizer_free(zopt_optimizer *opt);
+
+/* Threads used by step() (default: $ZOPT_NUM_THREADS, else the hardware
+ * concurrency); 1..4096, any time. Results do not depend on it: the norm's
+ * partial sums are added in a fixed order. */
+ZOPT_API zopt_status zopt_optimizer_set_num_threads(zopt_optimizer *opt, int n);
+
+/* Adds a parameter group whose hyperparameters start at the descriptor's
+ * defaults; returns its id (0, 1, ...). Only before finalize. */
+ZOPT_API zopt_status zopt_optimizer_add_group(zopt_optimizer *opt, int *group_id);
+/* Sets/gets one hyperparameter of a group by name ("lr", "beta1", "beta2",
+ * "eps", "weight_decay", "momentum", "dampening", "bias_correction").
+ * Any time; the name must be a slot of the step; the value is range-checked
+ * (lr >= 0, 0 <= beta < 1, eps > 0, ...). */
+ZOPT_API zopt_status zopt_optimizer_set_hyper(zopt_optimizer *opt, int group,
+                                     const char *name, double value);
+ZOPT_API zopt_status zopt_optimizer_get_hyper(const zopt_optimizer *opt, int group,
+                                     const char *name, double *value);
+
+/* Tensor ids count 0, 1, ... over all groups in the order of the calls.
+ * Registers a tensor: the user's param and grad memory (host pointers for
+ * CPU-placed param/grad), its element count and dtype (must equal the
+ * descriptor's param/grad dtype). The memory must stay valid. Only before
+ * finalize. A param pointer registered twice is an error. */
+ZOPT_API zopt_status zopt_optimizer_add_tensor(zopt_optimizer *opt, int group,
+                                      void *param, void *grad, int64_t numel,
+                                      zopt_dtype dtype, int *tensor_id);
+
+/* Allocates master and optimizer states (flat, aligned, per group),
+ * initializes them (master from the params, moments zero). Needs at least
+ * one tensor. */
+ZOPT_API zopt_status zopt_optimizer_finalize(zopt_optimizer *opt);
+
+/* ---- loss scaling (steps compiled with loss scaling) ------------------ */
+
+typedef struct zopt_loss_scaler_config {
+  double init_scale;      /* default 65536 */
+  double growth_factor;   /* default 2 */
+  double backoff_factor;  /* default 0.5 */
+  int64_t growth_interval; /* default 2000 good steps */
+  double min_scale;       /* default 1 */
+  int dynamic;            /* 0: static scale, 1: dynamic (default) */
+} zopt_loss_scaler_config;
+
+ZOPT_API zopt_status zopt_optimizer_configure_loss_scaler(
+    zopt_optimizer *opt, const zopt_loss_scaler_config *config);
+/* configure_loss_scaler may be called any time; it (re)starts the scaler at
+ * init_scale. Semantics: PyTorch GradScaler / DeepSpeed DynamicLossScaler.
+ * For a step compiled without loss scaling the scaler has no effect and
+ * get_loss_scale reports 1.
+ * The scale S the gradients for the next step must be multiplied by. */
+ZOPT_API zopt_status zopt_optimizer_get_loss_scale(const zopt_optimizer *opt,
+                                          double *scale);
+
+/* ---- the step ---------------------------------------------------------- */
+
+typedef struct zopt_step_result {
+  double grad_norm;  /* global norm of the unscaled grads; NaN if the step
+                        has no reduction (no clipping, no loss scaling) */
+  int skipped;       /* 1 if non-finite grads skipped the step */
+  double loss_scale; /* scale used for this step (1 without scaling) */
+} zopt_step_result;
+
+/* One optimizer step over every tensor of every group. On a skipped step no
+ * state changes (bit-identical), the group step counts do not advance.
+ * `result` may be NULL. */
+ZOPT_API zopt_status zopt_optimizer_step(zopt_optimizer *opt, zopt_step_result *result);
+
+/* Per-group 1-based count of the steps taken (0 before the first). */
+ZOPT_API zopt_status zopt_optimizer_get_step_count(const zopt_optimizer *opt,
+                                          int group, int64_t *count);
+
+/* ---- state access ------------------------------------------------------ */
+
+/* PARAM and GRAD address the user's memory (allowed before finalize); the
+ * other kinds exist after finalize (ZOPT_ERR_BAD_STATE before).
+ * Copies state `kind` of tensor `tensor` as float32 (canonical form,
+ * whatever the storage dtype); `numel` must equal the tensor's. */
+ZOPT_API zopt_status zopt_optimizer_read_state_f32(const zopt_optimizer *opt,
+                                          int tensor, zopt_state_kind kind,
+                                          float *out, int64_t numel);
+/* Writes a state from float32, rounding to its storage dtype (nearest even). */
+ZOPT_API zopt_status zopt_optimizer_write_state_f32(zopt_optimizer *opt, int tensor,
+                                           zopt_state_kind kind,
+                                           const float *in, int64_t numel);
+/* Storage-exact copies: `bytes` must equal numel * sizeof(storage dtype). */
+ZOPT_API zopt_status zopt_optimizer_read_state_raw(const zopt_optimizer *opt,
+                                          int tensor, zopt_state_kind kind,
+                                          void *out, size_t bytes);
+ZOPT_API zopt_status zopt_optimizer_write_state_raw(zopt_optimizer *opt, int tensor,
+                                           zopt_state_kind kind,
+                                           const void *in, size_t bytes);
+
+/* ---- checkpoints (docs/CHECKPOINT.md) ---------------------------------- */
+
+/* Both need a finalized optimizer. A checkpoint holds the runtime-owned
+ * states (not PARAM/GRAD, which belong to the model's checkpoint), the
+ * per-group step counts and hyperparameters and the loss-scaler state;
+ * load restores all of them.
+ * Writes to path.tmp, fsyncs, then renames to path. */
+ZOPT_API zopt_status zopt_optimizer_save(const zopt_optimizer *opt, const char *path);
+/* Validates everything before changing anything: on any error the current
+ * state is untouched. States saved in another dtype are converted. */
+ZOPT_API zopt_status zopt_optimizer_load(zopt_optimizer *opt, const char *path);
+
+/* ---- introspection ----------------------------------------------------- */
+
+typedef struct zopt_memory_info {
+  uint64_t bytes_cpu; /* optimizer-owned + user param/grad bytes on CPU */
+  uint64_t bytes_gpu;
+  uint64_t num_params; /* total elements */
+} zopt_memory_info;
+ZOPT_API zopt_status zopt_optimizer_memory_info(const zopt_optimizer *opt,
+                                       zopt_memory_info *info);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* ZOPT_ZOPT_H */

@@ -1,0 +1,32 @@
+# -*- Python -*-
+import os
+import lit.formats
+from lit.llvm import llvm_config
+from lit.llvm.subst import ToolSubst
+
+config.name = "ZOPT"
+config.test_format = lit.formats.ShTest(not llvm_config.use_lit_shell)
+config.suffixes = [".mlir", ".test"]
+config.test_source_root = os.path.dirname(__file__)
+config.test_exec_root = os.path.join(config.zopt_obj_root, "test")
+config.excludes = ["CMakeLists.txt", "lit.cfg.py", "lit.site.cfg.py", "Inputs"]
+
+config.substitutions.append(("%examples", os.path.join(config.zopt_src_root, "examples")))
+config.substitutions.append(("%zopt_bin", config.zopt_tools_dir))
+
+llvm_config.use_default_substitutions()
+llvm_config.with_environment("PATH", config.llvm_tools_dir, append_path=True)
+tool_dirs = [config.zopt_tools_dir, config.llvm_tools_dir]
+llvm_config.add_tool_substitutions(["zopt-opt", "zopt-compile"], tool_dirs)
+
+# Features of this machine, for tests that execute code.
+def cpu_has(flag):
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(flag in line.split() for line in f if line.startswith("flags"))
+    except OSError:
+        return False
+if cpu_has("avx2") and cpu_has("fma") and cpu_has("f16c"):
+    config.available_features.add("cpu-avx2")
+if all(cpu_has(x) for x in ("avx512f", "avx512bw", "avx512dq", "avx512vl")):
+    config.available_features.add("cpu-avx512")
