@@ -1,6 +1,7 @@
 // Mixed precision with fp16: f16 params/grads, f32 master and moments, the
 // gradients arrive multiplied by a (dynamic) loss scale S. zopt.unscale
 // divides by S and makes the step skip as a whole on any non-finite gradient.
+// The rule is Adam with L2 weight decay (torch.optim.Adam).
 zopt.step @adam_f16_loss_scale {
   %p = zopt.state param : f16 on cpu
   %g = zopt.state grad : f16 on cpu
@@ -13,6 +14,6 @@ zopt.step @adam_f16_loss_scale {
   %eps = zopt.hyper eps
   %wd = zopt.hyper weight_decay
   %gs = zopt.unscale %g : f16
-  %w1, %m1, %v1 = zopt.adam %w, %gs, %m, %v, %lr, %b1, %b2, %eps, %wd {decoupled} : f32, f32, f32, f32
+  %w1, %m1, %v1 = zopt.adam %w, %gs, %m, %v, %lr, %b1, %b2, %eps, %wd : f32, f32, f32, f32
   zopt.yield %w1, %m1, %v1, %w1 into %w, %m, %v, %p : f32, f32, f32, f32 into f32, f32, f32, f16
 }

@@ -5,6 +5,7 @@
 #include "llvm/ADT/TypeSwitch.h"
 
 #include <cmath>
+#include <cstdio>
 #include <limits>
 
 using namespace mlir;
@@ -67,6 +68,12 @@ HyperInfo mlir::zopt::getHyperInfo(HyperKind kind) {
   llvm_unreachable("unknown hyper kind");
 }
 
+std::string mlir::zopt::formatNumber(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", v);
+  return buf;
+}
+
 //===----------------------------------------------------------------------===//
 // Op verifiers
 //===----------------------------------------------------------------------===//
@@ -93,16 +100,17 @@ LogicalResult HyperOp::verify() {
             (info.maxExclusive ? v < info.maxValue : v <= info.maxValue);
   if (!ok)
     return emitOpError("default ")
-           << stringifyHyperKind(getKind()) << " = " << v
-           << " is out of range [" << info.minValue << ", " << info.maxValue
-           << (info.maxExclusive ? ")" : "]");
+           << stringifyHyperKind(getKind()) << " = " << formatNumber(v)
+           << " is out of range [" << formatNumber(info.minValue) << ", "
+           << formatNumber(info.maxValue) << (info.maxExclusive ? ")" : "]");
   return success();
 }
 
 LogicalResult ClipByGlobalNormOp::verify() {
   double v = getMaxNorm().convertToDouble();
   if (!(v > 0.0) || !std::isfinite(v))
-    return emitOpError("max_norm must be a positive finite number, got ") << v;
+    return emitOpError("max_norm must be a positive finite number, got ")
+           << formatNumber(v);
   return success();
 }
 

@@ -119,7 +119,7 @@ def ZK_KernelOp : ZK_Op<"kernel", [Symbol, IsolatedFromAbove, SingleBlock,
   }];
   let arguments = (ins SymbolNameAttr:$sym_name, ZK_KernelRoleAttr:$role);
   let regions = (region SizedRegion<1>:$body);
-  let assemblyFormat = "$sym_name $role attr-dict-with-keyword $body";
+  let assemblyFormat = "$sym_name `` $role attr-dict-with-keyword $body";
   let hasRegionVerifier = 1;
 }
 

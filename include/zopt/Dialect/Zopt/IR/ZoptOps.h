@@ -35,6 +35,8 @@ struct HyperInfo {
   bool maxExclusive;
 };
 HyperInfo getHyperInfo(HyperKind kind);
+/// A double as diagnostics print it (%g: 1, 0.001, inf).
+std::string formatNumber(double v);
 } // namespace mlir::zopt
 
 #endif

@@ -70,7 +70,7 @@ def Zopt_StateOp : Zopt_Op<"state", [Pure, HasParent<"StepOp">]> {
                    OptionalAttr<Zopt_RoundingAttr>:$rounding);
   let results = (outs AnyType:$result);
   let assemblyFormat =
-      "$kind `:` type($result) `on` $placement (`rounding` $rounding^)? attr-dict";
+      "`` $kind `:` type($result) `on` `` $placement (`rounding` `` $rounding^)? attr-dict";
   let hasVerifier = 1;
 }
 
@@ -87,7 +87,7 @@ def Zopt_HyperOp : Zopt_Op<"hyper", [Pure]> {
   }];
   let arguments = (ins Zopt_HyperKindAttr:$kind, OptionalAttr<F64Attr>:$default_value);
   let results = (outs F64:$result);
-  let assemblyFormat = "$kind (`default` $default_value^)? attr-dict";
+  let assemblyFormat = "`` $kind (`default` $default_value^)? attr-dict";
   let hasVerifier = 1;
 }
 
@@ -103,7 +103,7 @@ def Zopt_GlobalOp : Zopt_Op<"global", [Pure]> {
   }];
   let arguments = (ins Zopt_GlobalKindAttr:$kind);
   let results = (outs F64:$result);
-  let assemblyFormat = "$kind attr-dict";
+  let assemblyFormat = "`` $kind attr-dict";
 }
 
 def Zopt_YieldOp : Zopt_Op<"yield", [Terminator, HasParent<"StepOp">,

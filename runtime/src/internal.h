@@ -1,0 +1,161 @@
+// internal.h - shared internals of libzopt_runtime (not installed).
+#ifndef ZOPT_RUNTIME_INTERNAL_H
+#define ZOPT_RUNTIME_INTERNAL_H
+
+#include "zopt/zopt.h"
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_set>
+#include <vector>
+
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "libzopt_runtime assumes a little-endian host"
+#endif
+
+namespace zopt {
+
+// ---- errors -------------------------------------------------------------
+// Sets the calling thread's last-error message and returns `st`.
+zopt_status fail(zopt_status st, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+void clear_error();
+
+// ---- dtypes -------------------------------------------------------------
+size_t dtype_size(uint32_t dt);  // 0 for an unknown dtype
+const char *dtype_name(uint32_t dt);
+const char *state_kind_name(uint32_t kind);
+const char *hyper_name(uint32_t kind);
+int hyper_kind_from_name(const char *name);  // 0 if unknown
+
+float bf16_to_f32(uint16_t h);
+uint16_t f32_to_bf16(float f);  // round to nearest even, NaN stays NaN
+float f16_to_f32(uint16_t h);
+uint16_t f32_to_f16(float f);  // round to nearest even, NaN stays NaN
+
+// Converts n elements between storage dtypes via f32 (widening exact,
+// narrowing round-to-nearest-even).
+void convert(const void *src, uint32_t src_dt, void *dst, uint32_t dst_dt,
+             int64_t n);
+
+uint64_t fnv1a64(const void *data, size_t n,
+                 uint64_t h = 1469598103934665603ull);
+
+// ---- thread pool --------------------------------------------------------
+// A persistent pool: n-1 worker threads plus the calling thread. run(fn)
+// calls fn(ctx, tid) once for every tid in [0, n) and returns when all are
+// done. Created once per optimizer, never per step.
+class ThreadPool {
+ public:
+  explicit ThreadPool(int n);
+  ~ThreadPool();
+  int size() const { return n_; }
+  void run(void (*fn)(void *ctx, int tid), void *ctx);
+
+ private:
+  void worker(int tid);
+  int n_;
+  std::vector<std::thread> threads_;
+  std::mutex mu_;
+  std::condition_variable cv_start_, cv_done_;
+  uint64_t generation_ = 0;
+  int pending_ = 0;
+  bool stop_ = false;
+  void (*fn_)(void *, int) = nullptr;
+  void *ctx_ = nullptr;
+};
+
+}  // namespace zopt
+
+// ---- the opaque API types -----------------------------------------------
+struct zopt_step {
+  zopt_step_descriptor desc;  // validated copy
+  void *handle = nullptr;     // dlopen handle
+  std::string path;
+  zopt_prepare_fn prepare = nullptr;
+  zopt_update_fn update = nullptr;
+  zopt_sumsq_fn sumsq = nullptr;
+  zopt_isa update_isa = ZOPT_ISA_NONE;
+  bool has_cpu_kernels = false;
+  int param_index = -1, grad_index = -1;
+  int refcount = 1;  // step + each optimizer created from it
+};
+
+namespace zopt {
+
+struct Tensor {
+  int group;
+  void *param;
+  void *grad;
+  int64_t numel;
+  int64_t offset;  // element offset inside the group's flat buffers
+};
+
+struct Group {
+  std::vector<double> hypers;  // descriptor order
+  int64_t step_count = 0;
+  std::vector<int> tensors;    // tensor ids in add order
+  int64_t padded_total = 0;    // elements, multiple of align
+  std::vector<void *> buffers; // per descriptor state; null for PARAM/GRAD
+};
+
+// A unit of work: a slice of one tensor with the kernel's state pointers.
+struct Chunk {
+  int group;
+  int tensor;
+  int64_t start;
+  int64_t len;
+  void *ptrs[ZOPT_MAX_STATES];
+};
+
+struct LossScaler {
+  zopt_loss_scaler_config cfg;
+  double scale;
+  int64_t good_steps;  // consecutive good steps since the last change
+};
+
+}  // namespace zopt
+
+struct zopt_optimizer {
+  const zopt_step *step = nullptr;
+  const zopt_step_descriptor *d = nullptr;
+  std::vector<zopt::Group> groups;
+  std::vector<zopt::Tensor> tensors;
+  bool finalized = false;
+  int num_threads = 1;
+  zopt::LossScaler scaler;
+  // finalize products
+  std::vector<zopt::Chunk> chunks;
+  std::vector<size_t> thread_begin;  // chunk ranges per thread (size T+1)
+  std::vector<double> partials;      // per-chunk sumsq partials
+  zopt::ThreadPool *pool = nullptr;
+  std::vector<float> coeffs;         // groups x ZOPT_MAX_COEFFS
+  std::unordered_set<const void *> params;  // registered param pointers
+};
+
+namespace zopt {
+// Index of the descriptor state of `kind`, or -1.
+int state_index(const zopt_step_descriptor *d, uint32_t kind);
+int hyper_index(const zopt_step_descriptor *d, uint32_t kind);
+// Pointer to element 0 of state `si` of tensor `t` (user memory for PARAM
+// and GRAD, the group's flat buffer otherwise). Requires finalize for owned.
+void *state_ptr(const zopt_optimizer *o, int t, int si);
+bool is_owned_kind(uint32_t kind);
+// The integer in an enum-typed API argument, read without an enum-typed load
+// (a C caller may pass any value; loading it as the C++ enum would be UB).
+template <class E>
+inline uint32_t raw_enum(const E &e) {
+  static_assert(sizeof(E) == sizeof(uint32_t), "enum size");
+  uint32_t v;
+  memcpy(&v, &e, sizeof v);
+  return v;
+}
+void release_step(const zopt_step *s);
+}  // namespace zopt
+
+#endif

@@ -1,0 +1,332 @@
+// loader.cpp - zopt_step_load: dlopen a step.so, validate its descriptor,
+// resolve its kernels and pick the best ISA variant for this CPU.
+#include "internal.h"
+
+#include <dlfcn.h>
+#include <link.h>
+#include <cpuid.h>
+#include <sys/stat.h>
+#include <cerrno>
+#include <cstdio>
+#include <elf.h>
+#include <cmath>
+#include <cstdlib>
+
+using namespace zopt;
+
+namespace {
+
+bool nul_terminated(const char *s, size_t n) { return memchr(s, 0, n) != nullptr; }
+
+// F16C via CPUID (leaf 1, ECX bit 29): clang's __builtin_cpu_supports has no
+// "f16c" feature string.
+bool cpu_has_f16c() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return false;
+  return (c >> 29) & 1u;
+}
+
+bool cpu_has(zopt_isa isa) {
+  __builtin_cpu_init();
+  switch (isa) {
+    case ZOPT_ISA_NONE: return true;
+    case ZOPT_ISA_AVX2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             cpu_has_f16c();
+    case ZOPT_ISA_AVX512:
+      return cpu_has(ZOPT_ISA_AVX2) && __builtin_cpu_supports("avx512f") &&
+             __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512dq") &&
+             __builtin_cpu_supports("avx512vl");
+  }
+  return false;
+}
+
+const char *isa_name(uint32_t i) {
+  return i == ZOPT_ISA_AVX512 ? "avx512" : i == ZOPT_ISA_AVX2 ? "avx2" : "none";
+}
+
+// Validates every field of a descriptor whose magic/version/size/checksum
+// already passed. Returns ZOPT_OK or an ABI error with a message.
+zopt_status validate_fields(const zopt_step_descriptor *d) {
+  if (!nul_terminated(d->name, ZOPT_NAME_LEN))
+    return fail(ZOPT_ERR_ABI, "descriptor name is not NUL-terminated");
+  if (d->zero_stage > 3)
+    return fail(ZOPT_ERR_ABI, "descriptor zero_stage %u out of range [0, 3]", d->zero_stage);
+  if (d->align == 0 || (d->align & (d->align - 1)) || d->align > (1u << 20))
+    return fail(ZOPT_ERR_ABI, "descriptor align %u is not a power of two <= 2^20", d->align);
+  const uint32_t known = ZOPT_FLAG_CLIP | ZOPT_FLAG_LOSS_SCALE | ZOPT_FLAG_SUMSQ;
+  if (d->flags & ~known)
+    return fail(ZOPT_ERR_ABI, "descriptor has unknown flags 0x%x", d->flags & ~known);
+  if ((d->flags & (ZOPT_FLAG_CLIP | ZOPT_FLAG_LOSS_SCALE)) && !(d->flags & ZOPT_FLAG_SUMSQ))
+    return fail(ZOPT_ERR_ABI, "descriptor needs a SUMSQ kernel for clipping/loss scaling");
+  if ((d->flags & ZOPT_FLAG_CLIP) && !(std::isfinite(d->max_norm) && d->max_norm > 0))
+    return fail(ZOPT_ERR_ABI, "descriptor max_norm %g must be finite and > 0", d->max_norm);
+  if (d->num_states < 2 || d->num_states > ZOPT_MAX_STATES)
+    return fail(ZOPT_ERR_ABI, "descriptor num_states %u out of range [2, %d]", d->num_states, ZOPT_MAX_STATES);
+  if (d->num_hypers > ZOPT_MAX_HYPERS)
+    return fail(ZOPT_ERR_ABI, "descriptor num_hypers %u > %d", d->num_hypers, ZOPT_MAX_HYPERS);
+  if (d->num_coeffs > ZOPT_MAX_COEFFS)
+    return fail(ZOPT_ERR_ABI, "descriptor num_coeffs %u > %d", d->num_coeffs, ZOPT_MAX_COEFFS);
+  if (d->num_kernels < 1 || d->num_kernels > ZOPT_MAX_KERNELS)
+    return fail(ZOPT_ERR_ABI, "descriptor num_kernels %u out of range [1, %d]", d->num_kernels, ZOPT_MAX_KERNELS);
+  int seen_kind[8] = {0};
+  for (uint32_t i = 0; i < d->num_states; ++i) {
+    const zopt_state_desc &s = d->states[i];
+    if (s.kind < ZOPT_STATE_PARAM || s.kind > ZOPT_STATE_MOMENTUM_BUFFER)
+      return fail(ZOPT_ERR_ABI, "state %u: kind %u out of range", i, s.kind);
+    if (!dtype_size(s.dtype))
+      return fail(ZOPT_ERR_ABI, "state %u (%s): dtype %u out of range", i, state_kind_name(s.kind), s.dtype);
+    if (s.placement != ZOPT_PLACE_CPU && s.placement != ZOPT_PLACE_GPU)
+      return fail(ZOPT_ERR_ABI, "state %u (%s): placement %u out of range", i, state_kind_name(s.kind), s.placement);
+    if (s.rounding != ZOPT_ROUND_NEAREST_EVEN && s.rounding != ZOPT_ROUND_STOCHASTIC)
+      return fail(ZOPT_ERR_ABI, "state %u (%s): rounding %u out of range", i, state_kind_name(s.kind), s.rounding);
+    if (s.init < ZOPT_INIT_USER || s.init > ZOPT_INIT_FROM_PARAM)
+      return fail(ZOPT_ERR_ABI, "state %u (%s): init %u out of range", i, state_kind_name(s.kind), s.init);
+    if (s.access & ~(ZOPT_ACCESS_READ | ZOPT_ACCESS_WRITE))
+      return fail(ZOPT_ERR_ABI, "state %u (%s): access bits 0x%x out of range", i, state_kind_name(s.kind), s.access);
+    bool user = s.kind == ZOPT_STATE_PARAM || s.kind == ZOPT_STATE_GRAD;
+    if (user != (s.init == ZOPT_INIT_USER))
+      return fail(ZOPT_ERR_ABI, "state %u (%s): init %u does not fit the kind", i, state_kind_name(s.kind), s.init);
+    if (seen_kind[s.kind]++)
+      return fail(ZOPT_ERR_ABI, "descriptor has more than one %s state", state_kind_name(s.kind));
+  }
+  if (seen_kind[ZOPT_STATE_PARAM] != 1 || seen_kind[ZOPT_STATE_GRAD] != 1)
+    return fail(ZOPT_ERR_ABI, "descriptor needs exactly one param and one grad state");
+  int seen_hyper[9] = {0};
+  for (uint32_t i = 0; i < d->num_hypers; ++i) {
+    const zopt_hyper_desc &h = d->hypers[i];
+    if (h.kind < ZOPT_HYPER_LR || h.kind > ZOPT_HYPER_BIAS_CORRECTION)
+      return fail(ZOPT_ERR_ABI, "hyper %u: kind %u out of range", i, h.kind);
+    if (seen_hyper[h.kind]++)
+      return fail(ZOPT_ERR_ABI, "descriptor has more than one %s hyper", hyper_name(h.kind));
+    if (h.max_exclusive > 1)
+      return fail(ZOPT_ERR_ABI, "hyper %s: max_exclusive %u is not 0/1", hyper_name(h.kind), h.max_exclusive);
+    if (std::isnan(h.min_value) || std::isnan(h.max_value) || !(h.min_value <= h.max_value))
+      return fail(ZOPT_ERR_ABI, "hyper %s: bad range [%g, %g]", hyper_name(h.kind), h.min_value, h.max_value);
+    bool ok = std::isfinite(h.default_value) && h.default_value >= h.min_value &&
+              (h.max_exclusive ? h.default_value < h.max_value : h.default_value <= h.max_value);
+    if (!ok)
+      return fail(ZOPT_ERR_ABI, "hyper %s: default %g outside its range", hyper_name(h.kind), h.default_value);
+  }
+  int nsumsq = 0;
+  for (uint32_t i = 0; i < d->num_kernels; ++i) {
+    const zopt_kernel_desc &k = d->kernels[i];
+    if (k.role < ZOPT_KERNEL_PREPARE || k.role > ZOPT_KERNEL_SUMSQ)
+      return fail(ZOPT_ERR_ABI, "kernel %u: role %u out of range", i, k.role);
+    if (k.isa > ZOPT_ISA_AVX512)
+      return fail(ZOPT_ERR_ABI, "kernel %u: isa %u out of range", i, k.isa);
+    if (k.device != ZOPT_PLACE_CPU && k.device != ZOPT_PLACE_GPU)
+      return fail(ZOPT_ERR_ABI, "kernel %u: device %u out of range", i, k.device);
+    if (!nul_terminated(k.symbol, ZOPT_NAME_LEN) || !k.symbol[0])
+      return fail(ZOPT_ERR_ABI, "kernel %u: symbol is empty or not NUL-terminated", i);
+    if (k.role == ZOPT_KERNEL_SUMSQ) ++nsumsq;
+  }
+  if ((d->flags & ZOPT_FLAG_SUMSQ) && !nsumsq)
+    return fail(ZOPT_ERR_ABI, "descriptor flags SUMSQ but names no SUMSQ kernel");
+  return ZOPT_OK;
+}
+
+// dlopen() of a truncated ELF whose headers survive maps segments past the
+// end of the file and dies with SIGBUS on first touch, so the file is
+// checked first: ELF magic, 64-bit little-endian x86-64 shared object,
+// program headers, every PT_LOAD segment and the section header table
+// inside the file.
+zopt_status check_elf(const char *path, uint64_t size) {
+  FILE *f = fopen(path, "rb");
+  if (!f) return fail(ZOPT_ERR_IO, "cannot open step '%s': %s", path, strerror(errno));
+  ElfW(Ehdr) eh;
+  size_t got = fread(&eh, 1, sizeof eh, f);
+  auto done = [&](zopt_status st) {
+    fclose(f);
+    return st;
+  };
+  if (got < 4 || memcmp(eh.e_ident, ELFMAG, SELFMAG) != 0)
+    return done(fail(ZOPT_ERR_ABI, "'%s' is not an ELF shared library (bad ELF magic)", path));
+  if (got < sizeof eh)
+    return done(fail(ZOPT_ERR_ABI, "'%s' is truncated (%llu bytes, shorter than an ELF header)", path,
+                     (unsigned long long)size));
+  if (eh.e_ident[EI_CLASS] != ELFCLASS64 || eh.e_ident[EI_DATA] != ELFDATA2LSB)
+    return done(fail(ZOPT_ERR_ABI, "'%s' is not a 64-bit little-endian ELF file", path));
+  if (eh.e_type != ET_DYN) return done(fail(ZOPT_ERR_ABI, "'%s' is not a shared library (ELF type %u)", path, eh.e_type));
+#if defined(__x86_64__)
+  if (eh.e_machine != EM_X86_64)
+    return done(fail(ZOPT_ERR_ABI, "'%s' is built for another machine (ELF machine %u)", path, eh.e_machine));
+#endif
+  if (eh.e_phentsize != sizeof(ElfW(Phdr)) || eh.e_phnum == 0 ||
+      eh.e_phoff + (uint64_t)eh.e_phnum * sizeof(ElfW(Phdr)) > size)
+    return done(fail(ZOPT_ERR_ABI, "'%s' is truncated or corrupt (program headers outside the file)", path));
+  if (eh.e_shnum && eh.e_shoff + (uint64_t)eh.e_shnum * eh.e_shentsize > size)
+    return done(fail(ZOPT_ERR_ABI,
+                     "'%s' is truncated (%llu bytes; section headers end at %llu)", path, (unsigned long long)size,
+                     (unsigned long long)(eh.e_shoff + (uint64_t)eh.e_shnum * eh.e_shentsize)));
+  if (fseek(f, (long)eh.e_phoff, SEEK_SET) != 0) return done(fail(ZOPT_ERR_IO, "cannot read '%s'", path));
+  for (unsigned i = 0; i < eh.e_phnum; ++i) {
+    ElfW(Phdr) ph;
+    if (fread(&ph, 1, sizeof ph, f) != sizeof ph)
+      return done(fail(ZOPT_ERR_ABI, "'%s' is truncated (program header %u)", path, i));
+    if (ph.p_type == PT_LOAD && ph.p_offset + ph.p_filesz > size)
+      return done(fail(ZOPT_ERR_ABI, "'%s' is truncated (%llu bytes; a loadable segment ends at %llu)", path,
+                       (unsigned long long)size, (unsigned long long)(ph.p_offset + ph.p_filesz)));
+  }
+  return done(ZOPT_OK);
+}
+
+}  // namespace
+
+namespace zopt {
+void release_step(const zopt_step *cs) {
+  zopt_step *s = const_cast<zopt_step *>(cs);
+  if (--s->refcount > 0) return;
+  if (s->handle) dlclose(s->handle);
+  delete s;
+}
+}  // namespace zopt
+
+extern "C" {
+
+ZOPT_API zopt_status zopt_step_load(const char *path, zopt_step **out) {
+  if (!out) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_step_load: out is NULL");
+  *out = nullptr;
+  if (!path || !*path) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_step_load: path is NULL or empty");
+  struct stat st;
+  if (stat(path, &st) != 0)
+    return fail(ZOPT_ERR_IO, "cannot open step '%s': %s", path, strerror(errno));
+  if (!S_ISREG(st.st_mode))
+    return fail(ZOPT_ERR_IO, "step '%s' is not a regular file", path);
+
+  // ZOPT_CPU override, validated before loading anything.
+  int max_isa = ZOPT_ISA_AVX512;
+  while (max_isa > 0 && !cpu_has((zopt_isa)max_isa)) --max_isa;
+  if (const char *env = getenv("ZOPT_CPU")) {
+    if (*env) {
+      int want;
+      if (!strcmp(env, "avx512")) want = ZOPT_ISA_AVX512;
+      else if (!strcmp(env, "avx2")) want = ZOPT_ISA_AVX2;
+      else if (!strcmp(env, "none") || !strcmp(env, "baseline")) want = ZOPT_ISA_NONE;
+      else
+        return fail(ZOPT_ERR_INVALID_ARGUMENT, "ZOPT_CPU='%s' is not one of avx512, avx2, none", env);
+      if (!cpu_has((zopt_isa)want))
+        return fail(ZOPT_ERR_UNSUPPORTED, "ZOPT_CPU=%s but this CPU lacks %s", env, env);
+      max_isa = want;
+    }
+  }
+
+  if (zopt_status est = check_elf(path, (uint64_t)st.st_size)) return est;
+  dlerror();
+  void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+  if (!h) {
+    const char *e = dlerror();
+    return fail(ZOPT_ERR_ABI, "cannot load step '%s' (truncated or not a shared library?): %s",
+                path, e ? e : "unknown dlopen error");
+  }
+  auto bail = [&](zopt_status st) {
+    dlclose(h);
+    return st;
+  };
+  dlerror();
+  void *sym = dlsym(h, ZOPT_DESC_SYMBOL);
+  if (!sym) return bail(fail(ZOPT_ERR_ABI, "'%s' is not a zopt step (no zopt_step_descriptor symbol)", path));
+  size_t symsize = 0;
+  {
+    Dl_info info;
+    const ElfW(Sym) *es = nullptr;
+    if (dladdr1(sym, &info, (void **)&es, RTLD_DL_SYMENT) && es) symsize = es->st_size;
+  }
+  const zopt_step_descriptor *d = (const zopt_step_descriptor *)sym;
+  if (symsize && symsize < sizeof(zopt_step_descriptor))  // never read past the object
+    return bail(fail(ZOPT_ERR_ABI, "'%s': zopt_step_descriptor is only %zu bytes, expected %zu", path, symsize,
+                     sizeof(zopt_step_descriptor)));
+  if (memcmp(d->magic, ZOPT_DESC_MAGIC, 8) != 0)
+    return bail(fail(ZOPT_ERR_ABI, "'%s': bad descriptor magic (expected \"%s\")", path, ZOPT_DESC_MAGIC));
+  if (d->abi_version != ZOPT_ABI_VERSION)
+    return bail(fail(ZOPT_ERR_ABI, "'%s': step ABI version %u, this runtime reads ABI version %u", path,
+                     d->abi_version, ZOPT_ABI_VERSION));
+  if (d->size != sizeof(zopt_step_descriptor))
+    return bail(fail(ZOPT_ERR_ABI, "'%s': descriptor size %u, expected %zu", path, d->size,
+                     sizeof(zopt_step_descriptor)));
+  zopt_step *s = new (std::nothrow) zopt_step;
+  if (!s) return bail(fail(ZOPT_ERR_OUT_OF_MEMORY, "out of memory"));
+  memcpy(&s->desc, d, sizeof s->desc);
+  d = &s->desc;
+  auto bail2 = [&](zopt_status st) {
+    delete s;
+    return bail(st);
+  };
+  uint64_t ck = zopt_desc_checksum(d);
+  if (ck != d->checksum)
+    return bail2(fail(ZOPT_ERR_ABI, "'%s': descriptor checksum mismatch (stored %016llx, computed %016llx)", path,
+                      (unsigned long long)d->checksum, (unsigned long long)ck));
+  if (zopt_status st = validate_fields(d)) {
+    std::string m = zopt_last_error();
+    return bail2(fail(st, "'%s': %s", path, m.c_str()));
+  }
+  for (uint32_t i = 0; i < d->num_states; ++i) {
+    if (d->states[i].kind == ZOPT_STATE_PARAM) s->param_index = (int)i;
+    if (d->states[i].kind == ZOPT_STATE_GRAD) s->grad_index = (int)i;
+  }
+  // Resolve every CPU kernel; keep the best variant per role.
+  int best[4] = {-1, -1, -1, -1};
+  void *fn[4] = {nullptr, nullptr, nullptr, nullptr};
+  bool any_cpu = false;
+  for (uint32_t i = 0; i < d->num_kernels; ++i) {
+    const zopt_kernel_desc &k = d->kernels[i];
+    if (k.device != ZOPT_PLACE_CPU) continue;  // device code lives in the cubin
+    any_cpu = true;
+    dlerror();
+    void *f = dlsym(h, k.symbol);
+    if (!f) {
+      const char *e = dlerror();
+      return bail2(fail(ZOPT_ERR_ABI, "'%s': kernel symbol '%s' not found: %s", path, k.symbol, e ? e : ""));
+    }
+    if ((int)k.isa <= max_isa && (int)k.isa > best[k.role]) {
+      best[k.role] = (int)k.isa;
+      fn[k.role] = f;
+    }
+  }
+  if (any_cpu) {
+    for (int role = ZOPT_KERNEL_PREPARE; role <= ZOPT_KERNEL_SUMSQ; ++role) {
+      bool needed = role != ZOPT_KERNEL_SUMSQ || (d->flags & ZOPT_FLAG_SUMSQ);
+      bool present = false;
+      for (uint32_t i = 0; i < d->num_kernels; ++i)
+        present |= d->kernels[i].role == (uint32_t)role && d->kernels[i].device == ZOPT_PLACE_CPU;
+      if (needed && !present)
+        return bail2(fail(ZOPT_ERR_ABI, "'%s': no CPU %s kernel", path,
+                          role == 1 ? "PREPARE" : role == 2 ? "UPDATE" : "SUMSQ"));
+      if (needed && !fn[role])
+        return bail2(fail(ZOPT_ERR_UNSUPPORTED, "'%s': no %s kernel variant runs on this CPU (best allowed ISA: %s)",
+                          path, role == 1 ? "PREPARE" : role == 2 ? "UPDATE" : "SUMSQ", isa_name(max_isa)));
+    }
+    s->prepare = (zopt_prepare_fn)fn[ZOPT_KERNEL_PREPARE];
+    s->update = (zopt_update_fn)fn[ZOPT_KERNEL_UPDATE];
+    s->sumsq = (zopt_sumsq_fn)fn[ZOPT_KERNEL_SUMSQ];
+    s->update_isa = (zopt_isa)best[ZOPT_KERNEL_UPDATE];
+    s->has_cpu_kernels = true;
+  }
+  s->handle = h;
+  s->path = path;
+  *out = s;
+  return ZOPT_OK;
+}
+
+ZOPT_API void zopt_step_free(zopt_step *step) {
+  if (step) release_step(step);
+}
+
+ZOPT_API const zopt_step_descriptor *zopt_step_get_descriptor(const zopt_step *step) {
+  if (!step) {
+    fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_step_get_descriptor: step is NULL");
+    return nullptr;
+  }
+  return &step->desc;
+}
+
+ZOPT_API zopt_isa zopt_step_isa(const zopt_step *step) {
+  if (!step) {
+    fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_step_isa: step is NULL");
+    return ZOPT_ISA_NONE;
+  }
+  return step->update_isa;
+}
+
+}  // extern "C"

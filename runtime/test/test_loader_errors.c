@@ -1,0 +1,121 @@
+/* Loader error paths: foreign, broken, truncated and missing step files.
+ * argv[1]: directory holding the fixture libraries (fx_*.so). */
+#include "test_util.h"
+
+#include <unistd.h>
+
+static char fxdir[4096];
+
+static const char *fx(const char *name) {
+  static char p[4200];
+  snprintf(p, sizeof p, "%s/%s.so", fxdir, name);
+  return p;
+}
+
+static void expect_load_fails(const char *name, zopt_status code, const char *needle) {
+  zopt_step *s = (zopt_step *)1;
+  zopt_status st = zopt_step_load(fx(name), &s);
+  const char *m = zopt_last_error();
+  if (st != code || s != NULL || !m[0] || (needle && !strstr(m, needle))) {
+    fprintf(stderr, "fixture %s: status %d (want %d), step %p, message '%s' (want '%s')\n", name, (int)st,
+            (int)code, (void *)s, m, needle ? needle : "");
+    zt_failures++;
+  } else {
+    printf("  %-16s -> %d: %s\n", name, (int)st, m);
+  }
+}
+
+int main(int argc, char **argv) {
+  if (argc < 2) {
+    fprintf(stderr, "usage: %s FIXTURE_DIR\n", argv[0]);
+    return 2;
+  }
+  snprintf(fxdir, sizeof fxdir, "%s", argv[1]);
+  unsetenv("ZOPT_CPU");
+
+  ZT_CHECK(zopt_api_version() == ZOPT_API_VERSION);
+  ZT_CHECK(zopt_abi_version() == ZOPT_ABI_VERSION);
+
+  /* null pointers */
+  zopt_step *s = NULL;
+  ZT_ERR(zopt_step_load(NULL, &s), ZOPT_ERR_INVALID_ARGUMENT);
+  ZT_ERR(zopt_step_load(fx("fx_gpustate"), NULL), ZOPT_ERR_INVALID_ARGUMENT);
+  ZT_ERR(zopt_step_load("", &s), ZOPT_ERR_INVALID_ARGUMENT);
+  zopt_optimizer *o = NULL;
+  ZT_ERR(zopt_optimizer_create(NULL, &o), ZOPT_ERR_INVALID_ARGUMENT);
+  ZT_CHECK(zopt_step_get_descriptor(NULL) == NULL);
+  zopt_step_free(NULL);   /* no-op */
+  zopt_optimizer_free(NULL);
+  ZT_ERR(zopt_optimizer_step(NULL, NULL), ZOPT_ERR_INVALID_ARGUMENT);
+  ZT_ERR(zopt_optimizer_save(NULL, "/tmp/x"), ZOPT_ERR_INVALID_ARGUMENT);
+  ZT_ERR(zopt_optimizer_load(NULL, "/tmp/x"), ZOPT_ERR_INVALID_ARGUMENT);
+
+  /* missing file, directory */
+  ZT_ERR(zopt_step_load("/nonexistent/dir/step.so", &s), ZOPT_ERR_IO);
+  ZT_ERR(zopt_step_load("/tmp", &s), ZOPT_ERR_IO);
+
+  /* broken descriptors */
+  expect_load_fails("fx_nodesc", ZOPT_ERR_ABI, "not a zopt step (no zopt_step_descriptor symbol)");
+  expect_load_fails("fx_smalldesc", ZOPT_ERR_ABI, "bytes");
+  expect_load_fails("fx_badmagic", ZOPT_ERR_ABI, "magic");
+  expect_load_fails("fx_badversion", ZOPT_ERR_ABI, "ABI version 2");
+  expect_load_fails("fx_badchecksum", ZOPT_ERR_ABI, "checksum");
+  expect_load_fails("fx_badenum", ZOPT_ERR_ABI, "dtype 9");
+  expect_load_fails("fx_twoparams", ZOPT_ERR_ABI, "param");
+  expect_load_fails("fx_missingsym", ZOPT_ERR_ABI, "fx_no_such_kernel");
+  expect_load_fails("fx_unterminated", ZOPT_ERR_ABI, "NUL");
+  expect_load_fails("fx_toomany", ZOPT_ERR_ABI, "num_states");
+
+  /* truncated copy of a real shared library, and a text file */
+  {
+    char tpath[] = "/tmp/zopt_trunc_XXXXXX";
+    int fd = mkstemp(tpath);
+    FILE *in = fopen(fx("fx_gpustate"), "rb");
+    ZT_CHECK(fd >= 0 && in);
+    if (fd >= 0 && in) {
+      char buf[700];
+      size_t k = fread(buf, 1, sizeof buf, in);
+      ZT_CHECK(write(fd, buf, k) == (ssize_t)k);
+      close(fd);
+      ZT_ERR(zopt_step_load(tpath, &s), ZOPT_ERR_ABI);
+      printf("  truncated        -> %s\n", zopt_last_error());
+      FILE *t = fopen(tpath, "w");
+      fputs("this is not an ELF file\n", t);
+      fclose(t);
+      ZT_ERR(zopt_step_load(tpath, &s), ZOPT_ERR_ABI);
+      printf("  text file        -> %s\n", zopt_last_error());
+      unlink(tpath);
+    }
+    if (in) fclose(in);
+  }
+
+  /* a loadable descriptor with a GPU-placed state: create refuses */
+  ZT_OK(zopt_step_load(fx("fx_gpustate"), &s));
+  if (s) {
+    ZT_CHECK(zopt_step_get_descriptor(s) != NULL);
+    ZT_ERR(zopt_optimizer_create(s, NULL), ZOPT_ERR_INVALID_ARGUMENT);
+    o = (zopt_optimizer *)1;
+    ZT_ERR(zopt_optimizer_create(s, &o), ZOPT_ERR_UNSUPPORTED);
+    ZT_CHECK(o == NULL);
+    ZT_CHECK(strstr(zopt_last_error(), "GPU-placed state needs the CUDA backend") != NULL);
+    zopt_step_free(s);
+  }
+
+  /* ZOPT_CPU override */
+  setenv("ZOPT_CPU", "sparc", 1);
+  ZT_ERR(zopt_step_load(fx("fx_gpustate"), &s), ZOPT_ERR_INVALID_ARGUMENT);
+  setenv("ZOPT_CPU", "none", 1);
+  ZT_OK(zopt_step_load(fx("fx_gpustate"), &s));
+  if (s) {
+    ZT_CHECK(zopt_step_isa(s) == ZOPT_ISA_NONE);
+    zopt_step_free(s);
+  }
+  unsetenv("ZOPT_CPU");
+
+  if (zt_failures) {
+    fprintf(stderr, "%d failure(s)\n", zt_failures);
+    return 1;
+  }
+  printf("test_loader_errors: all passed\n");
+  return 0;
+}

@@ -1,0 +1,69 @@
+// RUN: zopt-opt %s --split-input-file --zopt-plan | FileCheck %s
+
+// Clipping becomes a reduction marker over the value it clips plus a
+// multiplication by the runtime clip coefficient; the step records max_norm,
+// where the update runs, which buffers ZeRO-2 partitions, and state slots.
+// CHECK-LABEL: zopt.step @clip
+// CHECK-SAME: zopt.device = #zopt<placement cpu>
+// CHECK-SAME: zopt.max_norm = 5.000000e-01 : f64
+// CHECK-SAME: zopt.partitioned = ["exp_avg", "grad"]
+// CHECK: zopt.state param : bf16 on cpu {zopt.slot = 0 : i64}
+// CHECK: %[[G:.+]] = zopt.state grad : bf16 on cpu {zopt.slot = 1 : i64}
+// CHECK: zopt.state exp_avg : f32 on cpu {zopt.slot = 2 : i64}
+// CHECK: %[[GF:.+]] = arith.extf %[[G]] : bf16 to f32
+// CHECK: zopt.reduce_sumsq %[[GF]] : f32
+// CHECK: %[[C:.+]] = zopt.global clip_coef
+// CHECK: %[[CF:.+]] = arith.truncf %[[C]] : f64 to f32
+// CHECK: arith.mulf %[[GF]], %[[CF]] : f32
+// CHECK-NOT: zopt.clip_by_global_norm
+zopt.step @clip attributes {zero_stage = 2 : i64} {
+  %p = zopt.state param : bf16 on cpu
+  %g = zopt.state grad : bf16 on cpu
+  %m = zopt.state exp_avg : f32 on cpu
+  %lr = zopt.hyper lr
+  %b1 = zopt.hyper beta1
+  %gc = zopt.clip_by_global_norm %g max 0.5 : bf16
+  %m1 = zopt.ema %m, %gc, %b1 : f32, f32
+  %p1 = zopt.apply %p, %m1, %lr : bf16, f32
+  zopt.yield %p1, %m1 into %p, %m : f32, f32 into bf16, f32
+}
+
+// -----
+
+// Loss scaling alone: multiply by 1/S and reduce the unscaled gradient for
+// the non-finite check; the step is marked as loss-scaled.
+// CHECK-LABEL: zopt.step @scaled
+// CHECK-SAME: zopt.loss_scale
+// CHECK: %[[S:.+]] = zopt.global inv_loss_scale
+// CHECK: %[[SF:.+]] = arith.truncf %[[S]] : f64 to f32
+// CHECK: %[[U:.+]] = arith.mulf %{{.+}}, %[[SF]] : f32
+// CHECK: zopt.reduce_sumsq %[[U]] : f32
+zopt.step @scaled {
+  %p = zopt.state param : f16 on cpu
+  %g = zopt.state grad : f16 on cpu
+  %w = zopt.state master : f32 on cpu
+  %lr = zopt.hyper lr
+  %gs = zopt.unscale %g : f16
+  %w1 = zopt.apply %w, %gs, %lr : f32, f32
+  zopt.yield %w1, %w1 into %w, %p : f32, f32 into f32, f16
+}
+
+// -----
+
+// Loss scaling and clipping: one reduction, over the unscaled gradient.
+// CHECK-LABEL: zopt.step @both
+// CHECK: zopt.global inv_loss_scale
+// CHECK: %[[U:.+]] = arith.mulf
+// CHECK: zopt.reduce_sumsq %[[U]] : f32
+// CHECK-NOT: zopt.reduce_sumsq
+// CHECK: zopt.global clip_coef
+zopt.step @both {
+  %p = zopt.state param : f16 on cpu
+  %g = zopt.state grad : f16 on cpu
+  %w = zopt.state master : f32 on cpu
+  %lr = zopt.hyper lr
+  %gs = zopt.unscale %g : f16
+  %gc = zopt.clip_by_global_norm %gs max 1.0 : f32
+  %w1 = zopt.apply %w, %gc, %lr : f32, f32
+  zopt.yield %w1, %w1 into %w, %p : f32, f32 into f32, f16
+}
