@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The main job: set up, build, compile an example step (AdamW, bf16 params and
+# grads with an f32 master and moments, clip 1.0) into step.so and run it
+# through the runtime: per-step time, throughput against the in-place stream
+# roofline measured in the same run, bytes per parameter on each placement.
+# Usage: scripts/main.sh [example.mlir] [zopt-run options]
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+build="${BUILD_DIR:-$root/build}"
+bash "$root/scripts/build.sh" >/dev/null
+example="${1:-$root/examples/adamw_bf16_master.mlir}"
+shift || true
+name="$(basename "$example" .mlir)"
+mkdir -p "$build/main"
+echo "== zopt-compile $example -o $build/main/$name.so"
+"$build/bin/zopt-compile" "$example" -o "$build/main/$name.so" --timing 2>&1 | grep -E "Total|LLVM IR|machine code|link" || true
+echo "== zopt-run $build/main/$name.so $*"
+"$build/bin/zopt-run" "$build/main/$name.so" "$@"
