@@ -1,5 +1,5 @@
 // checkpoint.cpp - zopt_optimizer_save / zopt_optimizer_load.
-// Format: runtime/CHECKPOINT.md (little-endian, FNV-1a-64 checksums).
+// Format: docs/CHECKPOINT.md (little-endian, FNV-1a-64 checksums).
 #include "internal.h"
 
 #include <fcntl.h>
