@@ -8,7 +8,7 @@ zopt.step @lion_bf16 {
   %m = zopt.state exp_avg : bf16 on cpu
   %lr = zopt.hyper lr
   %b1 = zopt.hyper beta1
-  %b2 = zopt.hyper beta2
+  %b2 = zopt.hyper beta2 default 0.99
   %wd = zopt.hyper weight_decay
   %c = zopt.ema %m, %g, %b1 : bf16, bf16
   %s = zopt.sign %c : f32

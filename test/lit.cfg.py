@@ -30,3 +30,4 @@ if cpu_has("avx2") and cpu_has("fma") and cpu_has("f16c"):
     config.available_features.add("cpu-avx2")
 if all(cpu_has(x) for x in ("avx512f", "avx512bw", "avx512dq", "avx512vl")):
     config.available_features.add("cpu-avx512")
+llvm_config.add_tool_substitutions(["zopt-kernel-check"], tool_dirs)

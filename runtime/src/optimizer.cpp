@@ -130,7 +130,9 @@ zopt_status resolve_state(const zopt_optimizer *o, int t, uint32_t kind, const c
 }
 
 zopt_status check_hyper_value(const zopt_hyper_desc &h, double v) {
-  bool ok = !std::isnan(v) && v >= h.min_value && (h.max_exclusive ? v < h.max_value : v <= h.max_value);
+  // Hyperparameters are finite: an infinite lr or weight decay is never
+  // meant and would turn every parameter into inf/NaN.
+  bool ok = std::isfinite(v) && v >= h.min_value && (h.max_exclusive ? v < h.max_value : v <= h.max_value);
   if (!ok)
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s = %g out of range [%g, %g%c", hyper_name(h.kind), v, h.min_value,
                 h.max_value, h.max_exclusive ? ')' : ']');

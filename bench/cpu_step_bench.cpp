@@ -1,0 +1,343 @@
+//===- cpu_step_bench.cpp - UPDATE kernel vs in-place stream roofline -----===//
+//
+// zopt-bench-cpu STEP.so [--n=67108864] [--threads=2] [--reps=9] [--warmup=2]
+//                        [--isa=auto|avx2|avx512]
+//
+// Times the step's UPDATE kernel over n parameters split into one contiguous
+// slice per thread (threads created once, pthread-barrier synchronized), and in
+// the same run an in-place stream over the same buffers and threads: read
+// every array the UPDATE reads (descriptor access bits), write back every
+// array it writes, no math. The stream is written in plain C++ (GCC/Clang
+// vector extensions, regular stores, no non-temporal hints) in an AVX2 and
+// an AVX-512 version; the faster is the roofline. Kernel and stream runs are
+// interleaved per repetition so machine noise hits both alike; medians are
+// reported.
+//===----------------------------------------------------------------------===//
+
+#include "zopt/abi.h"
+
+#include <dlfcn.h>
+#include <pthread.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+//===----------------------------------------------------------------------===//
+// The in-place stream. Arrays are byte streams: an f32 array moves 4 bytes
+// per element, a bf16/f16 array 2. A chunk is 8 (AVX2) or 16 (AVX-512)
+// elements. Read-only arrays are folded into the stored values through an
+// opaque all-zero mask so that the loads cannot be removed; written arrays get
+// back what they held (write-only arrays: the mask), so buffers keep their
+// values.
+//===----------------------------------------------------------------------===//
+
+struct Arr {
+  uint8_t *p;
+  int es;      // bytes per element
+  bool rd, wr; // access in the UPDATE kernel
+};
+
+constexpr int kMaxArr = ZOPT_MAX_STATES;
+
+#define ZOPT_STREAM_BODY(V32, V16, L)                                                   \
+  V32 z32;                                                                              \
+  V16 z16;                                                                              \
+  std::memset(&z32, 0, sizeof z32);                                                     \
+  std::memset(&z16, 0, sizeof z16);                                                     \
+  /* opaque zero: the compiler cannot prove it is zero */                               \
+  z32 = z32 | uint32_t(mask);                                                                \
+  z16 = z16 | uint16_t(mask);                                                                \
+  size_t i = begin;                                                                     \
+  for (; i + (L) <= end; i += (L)) {                                                    \
+    V32 acc32 = z32;                                                                    \
+    V16 acc16 = z16;                                                                    \
+    for (int a = 0; a < na; ++a) {                                                      \
+      if (arr[a].rd && !arr[a].wr) {                                                    \
+        if (arr[a].es == 4) { V32 x; std::memcpy(&x, arr[a].p + i * 4, sizeof x); acc32 |= x & z32; } \
+        else { V16 x; std::memcpy(&x, arr[a].p + i * 2, sizeof x); acc16 |= x & z16; } \
+      }                                                                                 \
+    }                                                                                   \
+    for (int a = 0; a < na; ++a) {                                                      \
+      if (!arr[a].wr) continue;                                                         \
+      if (arr[a].es == 4) {                                                             \
+        V32 x = acc32;                                                                  \
+        if (arr[a].rd) { V32 y; std::memcpy(&y, arr[a].p + i * 4, sizeof y); x ^= y; }  \
+        std::memcpy(arr[a].p + i * 4, &x, sizeof x);                                    \
+      } else {                                                                          \
+        V16 x = acc16;                                                                  \
+        if (arr[a].rd) { V16 y; std::memcpy(&y, arr[a].p + i * 2, sizeof y); x ^= y; }  \
+        std::memcpy(arr[a].p + i * 2, &x, sizeof x);                                    \
+      }                                                                                 \
+    }                                                                                   \
+  }                                                                                     \
+  for (; i < end; ++i) /* tail: bytes */                                                \
+    for (int a = 0; a < na; ++a)                                                        \
+      if (arr[a].wr && !arr[a].rd) std::memset(arr[a].p + i * arr[a].es, int(mask), arr[a].es);
+
+// Specialized for the exact array list (na, access, widths are loop
+// invariants: clang unswitches/unrolls the inner loops; checked in the asm).
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef uint32_t v16u32 __attribute__((vector_size(64)));
+typedef uint16_t v16u16 __attribute__((vector_size(32)));
+
+template <int NA>
+__attribute__((target("avx2,fma,f16c"), noinline)) void
+streamAvx2(const Arr *arr, size_t begin, size_t end, uint32_t mask) {
+  const int na = NA;
+  ZOPT_STREAM_BODY(v8u32, v8u16, 8)
+}
+
+template <int NA>
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl"), noinline)) void
+streamAvx512(const Arr *arr, size_t begin, size_t end, uint32_t mask) {
+  const int na = NA;
+  ZOPT_STREAM_BODY(v16u32, v16u16, 16)
+}
+
+typedef void (*stream_fn)(const Arr *, size_t, size_t, uint32_t);
+stream_fn pickStream(int na, bool avx512) {
+  switch (na) {
+  case 3: return avx512 ? streamAvx512<3> : streamAvx2<3>;
+  case 4: return avx512 ? streamAvx512<4> : streamAvx2<4>;
+  case 5: return avx512 ? streamAvx512<5> : streamAvx2<5>;
+  case 6: return avx512 ? streamAvx512<6> : streamAvx2<6>;
+  }
+  return nullptr;
+}
+
+//===----------------------------------------------------------------------===//
+// Thread team.
+//===----------------------------------------------------------------------===//
+
+enum Job { kQuit, kKernel, kStream2, kStream512 };
+
+struct Team {
+  int nthreads;
+  size_t n;
+  pthread_barrier_t bar;
+  volatile int job = kQuit;
+  const zopt_step_descriptor *d;
+  zopt_update_fn update;
+  std::vector<uint8_t *> base; // one per state
+  const float *coeffs;
+  volatile uint32_t mask = 0;
+};
+
+size_t sliceBegin(const Team &t, int tid) {
+  // Contiguous halves, boundaries rounded to 64 elements.
+  size_t per = (t.n / t.nthreads + 63) & ~size_t(63);
+  return std::min(t.n, per * size_t(tid));
+}
+
+void doJob(Team &t, int tid, int job) {
+  size_t b = sliceBegin(t, tid), e = sliceBegin(t, tid + 1);
+  if (tid == t.nthreads - 1) e = t.n;
+  if (job == kKernel) {
+    void *ptrs[ZOPT_MAX_STATES];
+    for (uint32_t s = 0; s < t.d->num_states; ++s)
+      ptrs[s] = t.base[s] + b * (t.d->states[s].dtype == ZOPT_DTYPE_F32 ? 4 : 2);
+    t.update(ptrs, int64_t(e - b), t.coeffs);
+  } else {
+    Arr arr[kMaxArr];
+    int na = int(t.d->num_states);
+    for (int s = 0; s < na; ++s) {
+      const zopt_state_desc &sd = t.d->states[s];
+      arr[s] = {t.base[s], sd.dtype == ZOPT_DTYPE_F32 ? 4 : 2,
+                bool(sd.access & ZOPT_ACCESS_READ), bool(sd.access & ZOPT_ACCESS_WRITE)};
+    }
+    pickStream(na, job == kStream512)(arr, b, e, t.mask);
+  }
+}
+
+struct Worker { Team *t; int tid; };
+
+void *workerMain(void *p) {
+  Worker *w = static_cast<Worker *>(p);
+  for (;;) {
+    pthread_barrier_wait(&w->t->bar); // start
+    int job = w->t->job;
+    if (job == kQuit) return nullptr;
+    doJob(*w->t, w->tid, job);
+    pthread_barrier_wait(&w->t->bar); // end
+  }
+}
+
+// Runs `job` on all threads (the caller is thread 0); returns seconds.
+double runJob(Team &t, int job) {
+  t.job = job;
+  pthread_barrier_wait(&t.bar);
+  auto t0 = std::chrono::steady_clock::now();
+  doJob(t, 0, job);
+  pthread_barrier_wait(&t.bar);
+  auto t1 = std::chrono::steady_clock::now();
+  return std::chrono::duration<double>(t1 - t0).count();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  size_t k = v.size();
+  return k % 2 ? v[k / 2] : 0.5 * (v[k / 2 - 1] + v[k / 2]);
+}
+
+bool cpuHas512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+}
+
+uint16_t bf16Of(float f) { uint32_t b; std::memcpy(&b, &f, 4); return uint16_t((b + 0x7FFF + ((b >> 16) & 1)) >> 16); }
+
+} // namespace
+
+int main(int argc, char **argv) {
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: %s STEP.so [--n=N] [--threads=T] [--reps=R] [--warmup=W] "
+                         "[--isa=auto|avx2|avx512]\n", argv[0]);
+    return 2;
+  }
+  size_t n = size_t(64) << 20;
+  int threads = 2, reps = 9, warmup = 2;
+  std::string isaOpt = "auto";
+  for (int i = 2; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a.rfind("--n=", 0) == 0) n = std::strtoull(a.c_str() + 4, nullptr, 10);
+    else if (a.rfind("--threads=", 0) == 0) threads = std::atoi(a.c_str() + 10);
+    else if (a.rfind("--reps=", 0) == 0) reps = std::atoi(a.c_str() + 7);
+    else if (a.rfind("--warmup=", 0) == 0) warmup = std::atoi(a.c_str() + 9);
+    else if (a.rfind("--isa=", 0) == 0) isaOpt = a.substr(6);
+    else { std::fprintf(stderr, "unknown option %s\n", a.c_str()); return 2; }
+  }
+  std::string file = std::strchr(argv[1], '/') ? argv[1] : std::string("./") + argv[1];
+  void *lib = dlopen(file.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (!lib) { std::fprintf(stderr, "dlopen: %s\n", dlerror()); return 1; }
+  auto *d = static_cast<const zopt_step_descriptor *>(dlsym(lib, ZOPT_DESC_SYMBOL));
+  if (!d || std::memcmp(d->magic, ZOPT_DESC_MAGIC, 8) || d->abi_version != ZOPT_ABI_VERSION ||
+      d->checksum != zopt_desc_checksum(d)) {
+    std::fprintf(stderr, "bad descriptor\n");
+    return 1;
+  }
+  bool has512 = cpuHas512();
+  zopt_prepare_fn prepare = nullptr;
+  zopt_update_fn update = nullptr;
+  uint32_t isa = 0;
+  for (uint32_t k = 0; k < d->num_kernels; ++k) {
+    const zopt_kernel_desc &kd = d->kernels[k];
+    void *fn = dlsym(lib, kd.symbol);
+    if (kd.role == ZOPT_KERNEL_PREPARE) prepare = (zopt_prepare_fn)fn;
+    if (kd.role != ZOPT_KERNEL_UPDATE || !fn) continue;
+    bool want = isaOpt == "auto" ? (kd.isa != ZOPT_ISA_AVX512 || has512) && kd.isa >= isa
+                                 : (isaOpt == "avx512") == (kd.isa == ZOPT_ISA_AVX512);
+    if (kd.isa == ZOPT_ISA_AVX512 && !has512) want = false;
+    if (want && (!update || kd.isa >= isa)) { update = (zopt_update_fn)fn; isa = kd.isa; }
+  }
+  if (!prepare || !update || !pickStream(int(d->num_states), false)) {
+    std::fprintf(stderr, "no runnable prepare/update kernel\n");
+    return 1;
+  }
+
+  // Coefficients: defaults, lr 1e-3, t = 3, no clipping, no loss scale.
+  double hy[ZOPT_MAX_HYPERS];
+  for (uint32_t h = 0; h < d->num_hypers; ++h) hy[h] = d->hypers[h].default_value;
+  double globals[ZOPT_NUM_GLOBALS] = {3, 1, 1};
+  float coeffs[ZOPT_MAX_COEFFS];
+  prepare(hy, globals, coeffs);
+
+  Team t;
+  t.nthreads = threads;
+  t.n = n;
+  t.d = d;
+  t.update = update;
+  t.coeffs = coeffs;
+  double bytesPerParam = 0;
+  for (uint32_t s = 0; s < d->num_states; ++s) {
+    size_t es = d->states[s].dtype == ZOPT_DTYPE_F32 ? 4 : 2;
+    if (d->states[s].access & ZOPT_ACCESS_READ) bytesPerParam += es;
+    if (d->states[s].access & ZOPT_ACCESS_WRITE) bytesPerParam += es;
+    size_t bytes = (n * es + (2u << 20) - 1) & ~size_t((2u << 20) - 1);
+    void *p = std::aligned_alloc(2u << 20, bytes);
+    madvise(p, bytes, MADV_HUGEPAGE);
+    t.base.push_back(static_cast<uint8_t *>(p));
+  }
+  pthread_barrier_init(&t.bar, nullptr, unsigned(threads));
+  std::vector<pthread_t> th(threads);
+  std::vector<Worker> ws(threads);
+  for (int i = 1; i < threads; ++i) {
+    ws[i] = {&t, i};
+    pthread_create(&th[i], nullptr, workerMain, &ws[i]);
+  }
+  // First touch by the owning thread: run a fill through the team.
+  auto fillSlice = [&](int tid) {
+    size_t b = sliceBegin(t, tid), e = tid == threads - 1 ? n : sliceBegin(t, tid + 1);
+    for (uint32_t s = 0; s < d->num_states; ++s) {
+      uint32_t kind = d->states[s].kind;
+      float val = kind == ZOPT_STATE_EXP_AVG_SQ || kind == ZOPT_STATE_MAX_EXP_AVG_SQ ? 1e-4f
+                  : kind == ZOPT_STATE_GRAD ? 1e-2f : kind == ZOPT_STATE_EXP_AVG ? 1e-3f : 0.5f;
+      if (d->states[s].dtype == ZOPT_DTYPE_F32) {
+        float *p = reinterpret_cast<float *>(t.base[s]);
+        for (size_t i = b; i < e; ++i) p[i] = val * (1.0f + float(i % 97) * 0.01f);
+      } else {
+        uint16_t *p = reinterpret_cast<uint16_t *>(t.base[s]);
+        uint16_t h = d->states[s].dtype == ZOPT_DTYPE_BF16 ? bf16Of(val) : uint16_t(0x3800);
+        for (size_t i = b; i < e; ++i) p[i] = h;
+      }
+    }
+  };
+  {
+    std::vector<pthread_t> ft(threads);
+    struct Arg { decltype(fillSlice) *f; int tid; };
+    std::vector<Arg> args(threads);
+    for (int i = 0; i < threads; ++i) {
+      args[i] = {&fillSlice, i};
+      pthread_create(&ft[i], nullptr, [](void *a) -> void * {
+        Arg *x = static_cast<Arg *>(a);
+        (*x->f)(x->tid);
+        return nullptr;
+      }, &args[i]);
+    }
+    for (int i = 0; i < threads; ++i) pthread_join(ft[i], nullptr);
+  }
+
+  for (int w = 0; w < warmup; ++w) {
+    runJob(t, kKernel);
+    runJob(t, kStream2);
+    if (has512) runJob(t, kStream512);
+  }
+  std::vector<double> tk, ts2, ts512;
+  for (int r = 0; r < reps; ++r) {
+    tk.push_back(runJob(t, kKernel));
+    ts2.push_back(runJob(t, kStream2));
+    if (has512) ts512.push_back(runJob(t, kStream512));
+  }
+  t.job = kQuit;
+  pthread_barrier_wait(&t.bar);
+  for (int i = 1; i < threads; ++i) pthread_join(th[i], nullptr);
+
+  double mk = median(tk), m2 = median(ts2), m512 = has512 ? median(ts512) : INFINITY;
+  double roof = std::min(m2, m512);
+  double gb = bytesPerParam * double(n) / 1e9;
+  std::printf("step=%s isa=%s n=%zu threads=%d reps=%d bytes/param=%.0f\n", d->name,
+              isa == ZOPT_ISA_AVX512 ? "avx512" : isa == ZOPT_ISA_AVX2 ? "avx2" : "baseline", n,
+              threads, reps, bytesPerParam);
+  std::printf("kernel:        median %.3f ms  %.3f Gparam/s  %.2f GB/s  (min %.3f max %.3f ms)\n",
+              mk * 1e3, n / mk / 1e9, gb / mk, *std::min_element(tk.begin(), tk.end()) * 1e3,
+              *std::max_element(tk.begin(), tk.end()) * 1e3);
+  std::printf("stream avx2:   median %.3f ms  %.2f GB/s\n", m2 * 1e3, gb / m2);
+  if (has512) std::printf("stream avx512: median %.3f ms  %.2f GB/s\n", m512 * 1e3, gb / m512);
+  else std::printf("stream avx512: not run (CPU lacks AVX-512)\n");
+  std::printf("RESULT %s isa=%s params_per_s=%.4g kernel_GBps=%.2f roofline_GBps=%.2f "
+              "roofline=%s ratio=%.3f\n",
+              d->name, isa == ZOPT_ISA_AVX512 ? "avx512" : "avx2", n / mk, gb / mk, gb / roof,
+              m512 < m2 ? "avx512" : "avx2", roof / mk);
+  return 0;
+}

@@ -1,0 +1,86 @@
+"""Shared fixtures. The zopt binaries (zopt-compile, libzopt_runtime.so) are
+REQUIRED: tests that need them FAIL (never skip) when they are missing, since
+CI builds them before running this suite. Locate them with ZOPT_COMPILE /
+ZOPT_RUNTIME_LIB, or build them under <repo>/build."""
+import hashlib
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
+
+import zopt  # noqa: E402
+from zopt.describe import describe  # noqa: E402
+
+_MISSING = None
+
+
+def _binaries_problem():
+    global _MISSING
+    if _MISSING is None:
+        probs = []
+        if zopt.find_compiler() is None:
+            probs.append("zopt-compile not found (ZOPT_COMPILE or "
+                         f"{os.path.join(zopt._lib.REPO_ROOT, 'build/bin/zopt-compile')})")
+        try:
+            lib = zopt.find_runtime_library()
+        except zopt.ZoptError as e:
+            lib, probs = None, probs + [str(e)]
+        if lib is None and not any("ZOPT_RUNTIME_LIB" in p for p in probs):
+            probs.append("libzopt_runtime.so not found (ZOPT_RUNTIME_LIB or "
+                         f"{os.path.join(zopt._lib.REPO_ROOT, 'build/**/libzopt_runtime.so')})")
+        _MISSING = "; ".join(probs)
+    return _MISSING
+
+
+class StepCache:
+    """Compiles each distinct description once per session (keyed by the
+    sha256 of its text) and loads each step.so once."""
+
+    def __init__(self, root):
+        self.root = root
+        self.steps = {}
+        self.compiles = 0
+        self.compile_seconds = 0.0
+
+    def text(self, text):
+        h = hashlib.sha256(text.encode()).hexdigest()[:20]
+        if h not in self.steps:
+            import time
+            out = os.path.join(self.root, f"{h}.so")
+            t0 = time.perf_counter()
+            zopt.compile(text, out_path=out)
+            self.compile_seconds += time.perf_counter() - t0
+            self.compiles += 1
+            self.steps[h] = zopt.Step(out)
+        return self.steps[h]
+
+    def __call__(self, **kw):
+        return self.text(describe(**kw))
+
+
+_CACHE = None
+
+
+@pytest.fixture(scope="session")
+def zopt_bins():
+    prob = _binaries_problem()
+    if prob:
+        pytest.fail("zopt binaries are missing - build them before running the "
+                    f"Python tests (CI builds them first): {prob}", pytrace=False)
+    return True
+
+
+@pytest.fixture(scope="session")
+def steps(zopt_bins, tmp_path_factory):
+    global _CACHE
+    _CACHE = StepCache(str(tmp_path_factory.mktemp("zopt-steps")))
+    return _CACHE
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _CACHE is not None:
+        terminalreporter.write_line(
+            f"zopt: {_CACHE.compiles} step(s) compiled in "
+            f"{_CACHE.compile_seconds:.1f} s")

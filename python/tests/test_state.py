@@ -1,0 +1,255 @@
+"""Skipped steps under f16 loss scaling, checkpoint and state_dict round
+trips (bit-exact resume)."""
+import math
+import os
+import pickle
+
+import numpy as np
+import pytest
+
+import zopt
+from zopt.reference import Reference
+from zopt_testutil import Problem, check_param, from_storage
+
+SIZES = [[1, 17, 1000], [33]]
+HYP = [dict(lr=0.01, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01),
+       dict(lr=0.02, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1,
+            bias_correction=False)]
+
+
+def make(steps, layout, amsgrad=False, clip=None, rule="adamw", seed=3,
+         scaler=None):
+    step = steps(rule=rule, amsgrad=amsgrad, layout=layout, clip=clip)
+    prob = Problem(seed, layout, SIZES)
+    if prob.loss_scaled and scaler is None:
+        scaler = dict(init_scale=1024.0)
+    groups = [dict(params=gp, **HYP[i]) for i, gp in enumerate(prob.group_params())]
+    opt = zopt.Optimizer(step, groups, loss_scaler=scaler)
+    return step, prob, opt
+
+
+def snapshot(opt, prob):
+    """Everything a step can change, storage-exact."""
+    snap = {"params": [p.copy() for p in prob.params],
+            "counts": [opt.step_count(g) for g in range(len(SIZES))],
+            "scale": opt.loss_scale if prob.loss_scaled else None}
+    for t in range(opt.num_tensors):
+        for k in opt.step_obj.owned_states:
+            snap[(t, int(k))] = opt.read_state_raw(t, k)
+    return snap
+
+
+def assert_same(a, b, what):
+    assert a["counts"] == b["counts"], what
+    assert a["scale"] == b["scale"], what
+    for x, y in zip(a["params"], b["params"]):
+        assert x.tobytes() == y.tobytes(), f"{what}: param bits differ"
+    for k in a:
+        if isinstance(k, tuple):
+            assert a[k].tobytes() == b[k].tobytes(), f"{what}: state {k} bits differ"
+
+
+def test_skipped_step_f16_loss_scale(steps):
+    step, prob, opt = make(steps, "f16_loss_scale", clip=5.0)
+    p64 = prob.params64()
+    ref = Reference("adamw", [dict(params=[p64[i] for i, g in enumerate(prob.group_of)
+                                           if g == gi], **HYP[gi])
+                              for gi in range(len(SIZES))],
+                    layout="f16_loss_scale", clip=5.0,
+                    loss_scaler=dict(init_scale=1024.0))
+    scales = [1.0, 0.05, 1.0, 0.5, 0.05, 1.0]
+    for s, sc in enumerate(scales):
+        S = opt.loss_scale
+        assert S == ref.scaler.scale
+        g64 = prob.set_grads(sc, loss_scale=S)
+        if s == 2:  # inject an inf into one gradient
+            prob.grads[2][5] = np.float16(np.inf)
+            g64[2][5] = np.inf
+            before = snapshot(opt, prob)
+        norm, skipped = opt.step()
+        rnorm, rskipped, _ = ref.step(g64)
+        assert skipped == rskipped == (s == 2), s
+        assert opt.last_result.loss_scale == S
+        if s == 2:
+            assert_same(before, {**snapshot(opt, prob), "scale": S},
+                        "skipped step changed state")
+            assert opt.loss_scale == S * 0.5, "scale did not back off"
+            assert opt.step_count(0) == 2 and opt.step_count(1) == 2
+        else:
+            assert norm == pytest.approx(rnorm, rel=1e-6)
+        for i in range(len(prob.params)):
+            check_param(from_storage(prob.params[i], "f16"), ref.param(i), "f16",
+                        f"step {s} tensor {i} param")
+            check_param(opt.read_state(i, "master"), ref.state(i, "master"), "f32",
+                        f"step {s} tensor {i} master")
+    assert opt.step_count(0) == len(scales) - 1
+
+
+def test_nan_grad_skips_too(steps):
+    step, prob, opt = make(steps, "f16_loss_scale")
+    prob.set_grads(1.0, loss_scale=opt.loss_scale)
+    opt.step()
+    prob.set_grads(1.0, loss_scale=opt.loss_scale)
+    prob.grads[0][0] = np.float16(np.nan)
+    before = snapshot(opt, prob)
+    S = opt.loss_scale
+    norm, skipped = opt.step()
+    assert skipped
+    assert_same(before, {**snapshot(opt, prob), "scale": S}, "NaN skip")
+
+
+def test_overflowing_scaled_grad_skips(steps):
+    # a grad whose scaled value overflows f16 to inf (the realistic case)
+    step, prob, opt = make(steps, "f16_loss_scale",
+                           scaler=dict(init_scale=65536.0))
+    assert opt.loss_scale == 65536.0
+    prob.set_grads(0.01, loss_scale=opt.loss_scale)
+    with np.errstate(over="ignore"):
+        prob.grads[3][0] = np.float16(70000.0)  # -> inf in f16
+    assert np.isinf(prob.grads[3][0])
+    _, skipped = opt.step()
+    assert skipped and opt.loss_scale == 32768.0
+
+
+LAYOUT_CASES = [("f32", False, None), ("bf16", True, 5.0),
+                ("bf16_master", False, 5.0), ("f16_loss_scale", True, None)]
+
+
+def _run(opt, prob, k, seed):
+    """k steps with deterministic grads (depend on seed and step only)."""
+    for s in range(k):
+        rng = np.random.default_rng(seed * 100 + s)
+        S = opt.loss_scale if prob.loss_scaled else 1.0
+        prob.rng = rng
+        prob.set_grads(1.0 if s % 2 else 0.05, loss_scale=S)
+        opt.param_groups[0]["lr"] = 0.01 * (1 + 0.1 * s)
+        opt.step()
+
+
+@pytest.mark.parametrize("layout,amsgrad,clip", LAYOUT_CASES)
+def test_checkpoint_resume_bit_exact(steps, tmp_path, layout, amsgrad, clip):
+    step, prob, opt = make(steps, layout, amsgrad, clip)
+    _run(opt, prob, 3, seed=1)
+    ck = str(tmp_path / "opt.zckpt")
+    opt.save(ck)
+    assert os.path.exists(ck) and not os.path.exists(ck + ".tmp")
+    saved_params = [p.copy() for p in prob.params]
+    lr0 = opt.param_groups[0]["lr"]
+    _run(opt, prob, 4, seed=2)
+    first = snapshot(opt, prob)
+    # restore: the user restores the model params, zopt the optimizer
+    for p, s in zip(prob.params, saved_params):
+        p[...] = s
+    opt.load(ck)
+    assert opt.param_groups[0]["lr"] == pytest.approx(lr0)
+    assert opt.step_count(0) == 3
+    _run(opt, prob, 4, seed=2)
+    assert_same(first, snapshot(opt, prob), "resume from checkpoint")
+
+
+@pytest.mark.parametrize("layout,amsgrad,clip", LAYOUT_CASES[:2])
+def test_checkpoint_into_fresh_optimizer(steps, tmp_path, layout, amsgrad, clip):
+    step, prob, opt = make(steps, layout, amsgrad, clip)
+    _run(opt, prob, 3, seed=1)
+    ck = str(tmp_path / "opt.zckpt")
+    opt.save(ck)
+    saved_params = [p.copy() for p in prob.params]
+    _run(opt, prob, 3, seed=2)
+    first = snapshot(opt, prob)
+    # a second optimizer over other memory with the same shapes
+    _, prob2, opt2 = make(steps, layout, amsgrad, clip, seed=99)
+    for p, s in zip(prob2.params, saved_params):
+        p[...] = s
+    opt2.load(ck)
+    _run(opt2, prob2, 3, seed=2)
+    assert_same(first, snapshot(opt2, prob2), "fresh optimizer from checkpoint")
+
+
+def test_checkpoint_mismatch_leaves_state(steps, tmp_path):
+    step, prob, opt = make(steps, "f32")
+    _run(opt, prob, 2, seed=1)
+    ck = str(tmp_path / "a.zckpt")
+    opt.save(ck)
+    # different tensor sizes
+    step2 = steps(rule="adamw", layout="f32")
+    rng = np.random.default_rng(0)
+    pairs = [(rng.standard_normal(5).astype(np.float32), np.zeros(5, np.float32))]
+    other = zopt.Optimizer(step2, pairs)
+    other.step()
+    before = other.read_state(0, "exp_avg").copy()
+    with pytest.raises(zopt.ZoptError) as e:
+        other.load(ck)
+    assert e.value.code == zopt.Status.CHECKPOINT
+    np.testing.assert_array_equal(other.read_state(0, "exp_avg"), before)
+    # truncated / corrupt files
+    data = open(ck, "rb").read()
+    bad = str(tmp_path / "bad.zckpt")
+    for blob in (data[: len(data) // 2], data[:-1] + bytes([data[-1] ^ 0xFF]),
+                 b"garbage"):
+        open(bad, "wb").write(blob)
+        snap = snapshot(opt, prob)
+        with pytest.raises(zopt.ZoptError) as e:
+            opt.load(bad)
+        assert e.value.code in (zopt.Status.CHECKPOINT, zopt.Status.IO)
+        assert_same(snap, snapshot(opt, prob), "failed load changed state")
+    with pytest.raises(zopt.ZoptError) as e:
+        opt.load(str(tmp_path / "missing.zckpt"))
+    assert e.value.code == zopt.Status.IO
+
+
+@pytest.mark.parametrize("layout,amsgrad,clip", LAYOUT_CASES)
+def test_state_dict_round_trip(steps, layout, amsgrad, clip):
+    step, prob, opt = make(steps, layout, amsgrad, clip)
+    _run(opt, prob, 3, seed=1)
+    sd = pickle.loads(pickle.dumps(opt.state_dict()))
+    assert sd["step_count"] == [3, 3]
+    for t in range(opt.num_tensors):
+        for k, arr in sd["state"][t].items():
+            assert arr.dtype == np.float32 and arr.size == prob.params[t].size
+    saved_params = [p.copy() for p in prob.params]
+    _run(opt, prob, 4, seed=2)
+    first = snapshot(opt, prob)
+    for p, s in zip(prob.params, saved_params):
+        p[...] = s
+    opt.load_state_dict(sd)
+    assert opt.step_count(0) == 3
+    _run(opt, prob, 4, seed=2)
+    assert_same(first, snapshot(opt, prob), "resume from state_dict")
+
+
+def test_state_dict_edit_takes_effect(steps):
+    step, prob, opt = make(steps, "f32")
+    _run(opt, prob, 2, seed=1)
+    sd = opt.state_dict()
+    sd["state"][0]["exp_avg"][:] = 0.25
+    sd["param_groups"][1]["lr"] = 0.125
+    opt.load_state_dict(sd)
+    np.testing.assert_array_equal(opt.read_state(0, "exp_avg"), 0.25)
+    assert opt.get_hyper(1, "lr") == 0.125
+
+
+@pytest.mark.parametrize("layout,clip", [("bf16_master", 5.0), ("f32", None)])
+def test_threads_bit_identical(steps, layout, clip):
+    """1 thread and 2 threads give the same bits (norm reduction included)."""
+    outs = []
+    for nt in (1, 2):
+        step = steps(rule="adamw", layout=layout, clip=clip)
+        prob = Problem(5, layout, [[1, 17, 100000]])
+        opt = zopt.Optimizer(step, [dict(params=prob.group_params()[0], lr=0.01)],
+                             num_threads=nt)
+        norms = []
+        for s in range(3):
+            prob.set_grads(1.0)
+            norms.append(opt.step()[0])
+        outs.append((snapshot_one(opt, prob), norms))
+    (a, na), (b, nb) = outs
+    assert [x.tobytes() for x in a] == [x.tobytes() for x in b]
+    assert np.array_equal(np.array(na), np.array(nb), equal_nan=True)
+
+
+def snapshot_one(opt, prob):
+    out = [p.copy() for p in prob.params]
+    for t in range(opt.num_tensors):
+        for k in opt.step_obj.owned_states:
+            out.append(opt.read_state_raw(t, k))
+    return out

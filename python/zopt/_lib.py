@@ -1,0 +1,259 @@
+"""ctypes bindings of libzopt_runtime (runtime/include/zopt/zopt.h, abi.h).
+
+The library is located, in order, by:
+  1. the environment variable ZOPT_RUNTIME_LIB (a path to the .so);
+  2. ``build/**/libzopt_runtime.so*`` under the repository root (the folder
+     two levels above this package);
+  3. the dynamic loader's search path (``libzopt_runtime.so``).
+"""
+from __future__ import annotations
+
+import ctypes
+import enum
+import glob
+import os
+import threading
+
+REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
+# ---- abi.h ---------------------------------------------------------------
+ABI_VERSION = 1
+API_VERSION = 1
+MAX_STATES = 12
+MAX_HYPERS = 16
+MAX_COEFFS = 64
+MAX_KERNELS = 16
+NAME_LEN = 64
+
+FLAG_CLIP = 1
+FLAG_LOSS_SCALE = 2
+FLAG_SUMSQ = 4
+
+
+class Status(enum.IntEnum):
+    OK = 0
+    INVALID_ARGUMENT = 1
+    IO = 2
+    ABI = 3
+    BAD_STATE = 4
+    CHECKPOINT = 5
+    OUT_OF_MEMORY = 6
+    UNSUPPORTED = 7
+    INTERNAL = 8
+
+
+class DType(enum.IntEnum):
+    F32 = 1
+    BF16 = 2
+    F16 = 3
+
+
+class Placement(enum.IntEnum):
+    CPU = 1
+    GPU = 2
+
+
+class StateKind(enum.IntEnum):
+    PARAM = 1
+    GRAD = 2
+    MASTER = 3
+    EXP_AVG = 4
+    EXP_AVG_SQ = 5
+    MAX_EXP_AVG_SQ = 6
+    MOMENTUM_BUFFER = 7
+
+
+class HyperKind(enum.IntEnum):
+    LR = 1
+    BETA1 = 2
+    BETA2 = 3
+    EPS = 4
+    WEIGHT_DECAY = 5
+    MOMENTUM = 6
+    DAMPENING = 7
+    BIAS_CORRECTION = 8
+
+
+class Isa(enum.IntEnum):
+    NONE = 0
+    AVX2 = 1
+    AVX512 = 2
+
+
+STATE_NAMES = {k: k.name.lower() for k in StateKind}
+STATE_BY_NAME = {v: k for k, v in STATE_NAMES.items()}
+HYPER_NAMES = {k: k.name.lower() for k in HyperKind}
+HYPER_BY_NAME = {v: k for k, v in HYPER_NAMES.items()}
+DTYPE_NAMES = {DType.F32: "f32", DType.BF16: "bf16", DType.F16: "f16"}
+DTYPE_ITEMSIZE = {DType.F32: 4, DType.BF16: 2, DType.F16: 2}
+
+
+class StateDesc(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_uint32), ("dtype", ctypes.c_uint32),
+                ("placement", ctypes.c_uint32), ("rounding", ctypes.c_uint32),
+                ("init", ctypes.c_uint32), ("access", ctypes.c_uint32)]
+
+
+class HyperDesc(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_uint32), ("reserved", ctypes.c_uint32),
+                ("default_value", ctypes.c_double),
+                ("min_value", ctypes.c_double), ("max_value", ctypes.c_double),
+                ("max_exclusive", ctypes.c_uint32),
+                ("reserved2", ctypes.c_uint32)]
+
+
+class KernelDesc(ctypes.Structure):
+    _fields_ = [("role", ctypes.c_uint32), ("isa", ctypes.c_uint32),
+                ("device", ctypes.c_uint32), ("reserved", ctypes.c_uint32),
+                ("symbol", ctypes.c_char * NAME_LEN)]
+
+
+class StepDescriptor(ctypes.Structure):
+    _fields_ = [("magic", ctypes.c_char * 8), ("abi_version", ctypes.c_uint32),
+                ("size", ctypes.c_uint32), ("checksum", ctypes.c_uint64),
+                ("name", ctypes.c_char * NAME_LEN),
+                ("zero_stage", ctypes.c_uint32), ("align", ctypes.c_uint32),
+                ("flags", ctypes.c_uint32), ("num_states", ctypes.c_uint32),
+                ("num_hypers", ctypes.c_uint32), ("num_coeffs", ctypes.c_uint32),
+                ("num_kernels", ctypes.c_uint32), ("reserved0", ctypes.c_uint32),
+                ("max_norm", ctypes.c_double),
+                ("states", StateDesc * MAX_STATES),
+                ("hypers", HyperDesc * MAX_HYPERS),
+                ("kernels", KernelDesc * MAX_KERNELS)]
+
+
+# ---- zopt.h ----------------------------------------------------------------
+class LossScalerConfig(ctypes.Structure):
+    _fields_ = [("init_scale", ctypes.c_double),
+                ("growth_factor", ctypes.c_double),
+                ("backoff_factor", ctypes.c_double),
+                ("growth_interval", ctypes.c_int64),
+                ("min_scale", ctypes.c_double), ("dynamic", ctypes.c_int)]
+
+
+class StepResult(ctypes.Structure):
+    _fields_ = [("grad_norm", ctypes.c_double), ("skipped", ctypes.c_int),
+                ("loss_scale", ctypes.c_double)]
+
+
+class MemoryInfo(ctypes.Structure):
+    _fields_ = [("bytes_cpu", ctypes.c_uint64), ("bytes_gpu", ctypes.c_uint64),
+                ("num_params", ctypes.c_uint64)]
+
+
+class ZoptError(RuntimeError):
+    """An error reported by the zopt runtime, the compiler or the bindings.
+
+    ``code`` is a :class:`Status` (the C ``zopt_status``), ``message`` the
+    runtime's ``zopt_last_error()`` text (or the compiler's diagnostics).
+    """
+
+    def __init__(self, code, message):
+        try:
+            code = Status(int(code))
+        except ValueError:
+            code = int(code)
+        self.code = code
+        self.message = message
+        name = code.name if isinstance(code, Status) else str(code)
+        super().__init__(f"[{name}] {message}")
+
+
+def find_runtime_library():
+    env = os.environ.get("ZOPT_RUNTIME_LIB")
+    if env:
+        if not os.path.exists(env):
+            raise ZoptError(Status.IO, f"ZOPT_RUNTIME_LIB={env!r} does not exist")
+        return env
+    hits = sorted(glob.glob(os.path.join(REPO_ROOT, "build", "**",
+                                         "libzopt_runtime.so*"),
+                            recursive=True), key=len)
+    hits = [h for h in hits if os.path.isfile(h)]
+    if hits:
+        return hits[0]
+    return None
+
+
+_P = ctypes.c_void_p
+_S = ctypes.c_int  # zopt_status
+_SIGS = {
+    "zopt_last_error": (ctypes.c_char_p, []),
+    "zopt_api_version": (ctypes.c_uint32, []),
+    "zopt_abi_version": (ctypes.c_uint32, []),
+    "zopt_step_load": (_S, [ctypes.c_char_p, ctypes.POINTER(_P)]),
+    "zopt_step_free": (None, [_P]),
+    "zopt_step_get_descriptor": (ctypes.POINTER(StepDescriptor), [_P]),
+    "zopt_step_isa": (ctypes.c_int, [_P]),
+    "zopt_optimizer_create": (_S, [_P, ctypes.POINTER(_P)]),
+    "zopt_optimizer_free": (None, [_P]),
+    "zopt_optimizer_set_num_threads": (_S, [_P, ctypes.c_int]),
+    "zopt_optimizer_add_group": (_S, [_P, ctypes.POINTER(ctypes.c_int)]),
+    "zopt_optimizer_set_hyper": (_S, [_P, ctypes.c_int, ctypes.c_char_p,
+                                      ctypes.c_double]),
+    "zopt_optimizer_get_hyper": (_S, [_P, ctypes.c_int, ctypes.c_char_p,
+                                      ctypes.POINTER(ctypes.c_double)]),
+    "zopt_optimizer_add_tensor": (_S, [_P, ctypes.c_int, _P, _P, ctypes.c_int64,
+                                       ctypes.c_int, ctypes.POINTER(ctypes.c_int)]),
+    "zopt_optimizer_finalize": (_S, [_P]),
+    "zopt_optimizer_configure_loss_scaler": (_S, [_P, ctypes.POINTER(LossScalerConfig)]),
+    "zopt_optimizer_get_loss_scale": (_S, [_P, ctypes.POINTER(ctypes.c_double)]),
+    "zopt_optimizer_step": (_S, [_P, ctypes.POINTER(StepResult)]),
+    "zopt_optimizer_get_step_count": (_S, [_P, ctypes.c_int,
+                                           ctypes.POINTER(ctypes.c_int64)]),
+    "zopt_optimizer_read_state_f32": (_S, [_P, ctypes.c_int, ctypes.c_int, _P,
+                                           ctypes.c_int64]),
+    "zopt_optimizer_write_state_f32": (_S, [_P, ctypes.c_int, ctypes.c_int, _P,
+                                            ctypes.c_int64]),
+    "zopt_optimizer_read_state_raw": (_S, [_P, ctypes.c_int, ctypes.c_int, _P,
+                                           ctypes.c_size_t]),
+    "zopt_optimizer_write_state_raw": (_S, [_P, ctypes.c_int, ctypes.c_int, _P,
+                                            ctypes.c_size_t]),
+    "zopt_optimizer_save": (_S, [_P, ctypes.c_char_p]),
+    "zopt_optimizer_load": (_S, [_P, ctypes.c_char_p]),
+    "zopt_optimizer_memory_info": (_S, [_P, ctypes.POINTER(MemoryInfo)]),
+}
+
+_lib = None
+_lib_lock = threading.Lock()
+
+
+def lib():
+    """The loaded runtime library (loaded on first use)."""
+    global _lib
+    with _lib_lock:
+        if _lib is not None:
+            return _lib
+        path = find_runtime_library()
+        if path is None:
+            raise ZoptError(
+                Status.IO,
+                "libzopt_runtime.so not found: set ZOPT_RUNTIME_LIB or build the "
+                f"runtime under {os.path.join(REPO_ROOT, 'build')}")
+        try:
+            L = ctypes.CDLL(path)
+        except OSError as e:
+            raise ZoptError(Status.IO, f"cannot load {path}: {e}") from None
+        for name, (res, args) in _SIGS.items():
+            try:
+                fn = getattr(L, name)
+            except AttributeError:
+                raise ZoptError(Status.ABI,
+                                f"{path} does not export {name}") from None
+            fn.restype = res
+            fn.argtypes = args
+        if L.zopt_api_version() != API_VERSION:
+            raise ZoptError(Status.ABI, f"{path}: API version "
+                            f"{L.zopt_api_version()}, bindings expect {API_VERSION}")
+        L._zopt_path = path
+        _lib = L
+        return L
+
+
+def check(status, what=""):
+    """Raises ZoptError for a non-OK status with zopt_last_error()."""
+    if status != 0:
+        msg = lib().zopt_last_error()
+        msg = msg.decode("utf-8", "replace") if msg else ""
+        if what:
+            msg = f"{what}: {msg}" if msg else what
+        raise ZoptError(status, msg)

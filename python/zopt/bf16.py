@@ -1,0 +1,58 @@
+"""bfloat16 helpers for numpy.
+
+numpy has no bfloat16 type. zopt represents bf16 arrays on the numpy side as
+``np.uint16`` arrays holding the raw bit patterns (the upper 16 bits of the
+IEEE float32 with the same value). torch.bfloat16 tensors are used directly.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def to_f32(u16):
+    """bf16 bit patterns (uint16) -> float32 values (exact)."""
+    a = np.ascontiguousarray(u16)
+    if a.dtype != np.uint16:
+        raise TypeError(f"bf16 arrays are uint16 bit patterns, got {a.dtype}")
+    return (a.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def from_f32(f32):
+    """float32 (or anything castable to it) -> bf16 bit patterns (uint16).
+
+    Rounds to nearest, ties to even; NaN stays NaN (quiet, sign kept);
+    values past the bf16 range become +-inf like any RNE narrowing.
+    """
+    a = np.ascontiguousarray(np.asarray(f32, dtype=np.float32))
+    bits = a.view(np.uint32)
+    lsb = (bits >> np.uint32(16)) & np.uint32(1)
+    rounded = ((bits + np.uint32(0x7FFF) + lsb) >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(a)
+    if nan.any():
+        quiet = ((bits >> np.uint32(16)) | np.uint32(0x0040)).astype(np.uint16)
+        rounded = np.where(nan, quiet, rounded)
+    return rounded.reshape(a.shape)
+
+
+def round_f64(x):
+    """float64 -> float64 value of the nearest bf16 (ties to even).
+
+    Rounds the float64 directly (one rounding, no float32 detour) by bit
+    manipulation of the float64 mantissa (52 -> 7 bits). Exact for the normal
+    bf16 range; NaN stays NaN; overflow gives inf.
+    """
+    a = np.ascontiguousarray(np.asarray(x, dtype=np.float64))
+    bits = a.view(np.uint64)
+    drop = np.uint64(45)
+    lsb = (bits >> drop) & np.uint64(1)
+    half = np.uint64((1 << 44) - 1)
+    r = ((bits + half + lsb) >> drop) << drop
+    out = r.view(np.float64).copy()
+    # The f64 mantissa is rounded; a value past the largest bf16 overflows.
+    big = np.abs(out) > float(np.float32(3.3895313892515355e38))
+    out[big] = np.copysign(np.inf, out[big])
+    nan = np.isnan(a)
+    out[nan] = np.nan
+    inf = np.isinf(a)
+    out[inf] = a[inf]
+    return out.reshape(a.shape)
