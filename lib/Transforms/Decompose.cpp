@@ -112,10 +112,15 @@ static bool expandPrimitive(Operation *op) {
           })
           .Case([&](MomentumOp o) {
             // t == 1: buf = g; else buf = mu * buf + (1 - dampening) * g.
+            // momentum == 0 is plain SGD in torch (no buffer, dampening
+            // ignored): buf = g as well.
             Value first = a.cmp(arith::CmpFPredicate::OEQ, stepCount(), one64());
+            Value noMomentum =
+                a.cmp(arith::CmpFPredicate::OEQ, o.getMomentum(), a.f64(0.0));
+            Value plain = arith::OrIOp::create(b, o.getLoc(), first, noMomentum);
             Value ca = a.select(first, a.f64(0.0), o.getMomentum());
             Value cb =
-                a.select(first, one64(), a.sub(one64(), o.getDampening()));
+                a.select(plain, one64(), a.sub(one64(), o.getDampening()));
             return a.add(a.mul(a.coeff(ca), a.toF32(o.getBuf())),
                          a.mul(a.coeff(cb), a.toF32(o.getGrad())));
           })
