@@ -103,10 +103,13 @@ static bool expandPrimitive(Operation *op) {
                 on, a.sub(one64(), a.pow(o.getBeta1(), t)), one64());
             Value bc2s = a.select(
                 on, a.sqrt(a.sub(one64(), a.pow(o.getBeta2(), t))), one64());
+            // Both reciprocals are per-group coefficients, so the element
+            // math has one division (the divider is the scarce unit).
             Value invBc1 = a.div(one64(), bc1);
+            Value invBc2s = a.div(one64(), bc2s);
             Value mhat = a.mul(a.toF32(o.getExpAvg()), a.coeff(invBc1));
-            Value den = a.add(a.div(a.sqrt(a.toF32(o.getExpAvgSq())),
-                                    a.coeff(bc2s)),
+            Value den = a.add(a.mul(a.sqrt(a.toF32(o.getExpAvgSq())),
+                                    a.coeff(invBc2s)),
                               a.coeff(o.getEps()));
             return a.div(mhat, den);
           })
