@@ -240,6 +240,27 @@ struct ConvertZKToCPU
       }
       k.erase();
     }
+    // GPU kernels recorded by convert-zk-to-gpu: the entries of the CUDA
+    // module and one fatbinary image per architecture (abi.h, GPU kernels).
+    if (auto ks = d->getAttrOfType<ArrayAttr>("zopt.gpu_kernels")) {
+      auto images = d->getAttrOfType<ArrayAttr>("zopt.gpu_images");
+      for (auto [list, role] :
+           {std::pair{ks, -1}, std::pair{images, int(ZOPT_KERNEL_GPU_IMAGE)}}) {
+        for (Attribute a : list ? list : ArrayAttr::get(&getContext(), {})) {
+          auto pair = cast<ArrayAttr>(a);
+          int64_t num = cast<IntegerAttr>(pair[0]).getInt();
+          if (desc.num_kernels >= ZOPT_MAX_KERNELS) {
+            d.emitError("too many kernels for the descriptor");
+            return signalPassFailure();
+          }
+          zopt_kernel_desc &kd = desc.kernels[desc.num_kernels++];
+          kd.role = role < 0 ? uint32_t(num) : uint32_t(role);
+          kd.isa = role < 0 ? ZOPT_ISA_NONE : uint32_t(num);
+          kd.device = ZOPT_PLACE_GPU;
+          copyName(kd.symbol, cast<StringAttr>(pair[1]).getValue());
+        }
+      }
+    }
     desc.checksum = zopt_desc_checksum(&desc);
 
     auto arrTy = LLVM::LLVMArrayType::get(IntegerType::get(&getContext(), 8),
