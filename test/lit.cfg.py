@@ -31,3 +31,15 @@ if cpu_has("avx2") and cpu_has("fma") and cpu_has("f16c"):
 if all(cpu_has(x) for x in ("avx512f", "avx512bw", "avx512dq", "avx512vl")):
     config.available_features.add("cpu-avx512")
 llvm_config.add_tool_substitutions(["zopt-kernel-check"], tool_dirs)
+
+# The CUDA toolkit (ptxas, fatbinary, libdevice) for GPU code generation.
+# lit scrubs the environment, so the path is passed explicitly to the tools
+# (%cuda_root); tests that need it say `REQUIRES: cuda-toolkit`.
+cuda_root = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
+if not os.path.exists(os.path.join(cuda_root, "bin", "ptxas")):
+    cuda_root = "/usr/local/cuda"
+config.substitutions.append(("%cuda_root", cuda_root))
+config.substitutions.append(("%ptxas", os.path.join(cuda_root, "bin", "ptxas")))
+if all(os.path.exists(os.path.join(cuda_root, p)) for p in
+       ("bin/ptxas", "bin/fatbinary", "nvvm/libdevice/libdevice.10.bc")):
+    config.available_features.add("cuda-toolkit")

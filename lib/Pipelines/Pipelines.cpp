@@ -4,6 +4,8 @@
 #include "mlir/Conversion/ArithToLLVM/ArithToLLVM.h"
 #include "mlir/Conversion/ControlFlowToLLVM/ControlFlowToLLVM.h"
 #include "mlir/Conversion/FuncToLLVM/ConvertFuncToLLVMPass.h"
+#include "mlir/Conversion/GPUToNVVM/GPUToNVVMPass.h"
+#include "mlir/Dialect/GPU/Transforms/Passes.h"
 #include "mlir/Conversion/MathToLLVM/MathToLLVM.h"
 #include "mlir/Conversion/ReconcileUnrealizedCasts/ReconcileUnrealizedCasts.h"
 #include "mlir/Conversion/SCFToControlFlow/SCFToControlFlow.h"
@@ -11,6 +13,8 @@
 #include "mlir/Pass/PassRegistry.h"
 #include "mlir/Transforms/Passes.h"
 #include "zopt/Transforms/Passes.h"
+
+#include <cstdlib>
 
 using namespace mlir;
 using namespace mlir::zopt;
@@ -28,7 +32,8 @@ std::optional<Phase> mlir::zopt::parsePhase(StringRef name) {
 StringRef mlir::zopt::phaseName(Phase p) { return kPhaseNames[int(p)]; }
 
 void mlir::zopt::buildPipeline(OpPassManager &pm, Phase last,
-                               ArrayRef<std::string> isas) {
+                               ArrayRef<std::string> isas,
+                               const GpuOptions &gpu) {
   // input: parsing and verification happen before any pass.
   if (last < Phase::Decompose)
     return;
@@ -46,11 +51,35 @@ void mlir::zopt::buildPipeline(OpPassManager &pm, Phase last,
   pm.addPass(createCSEPass());
   if (last < Phase::Codegen)
     return;
+  if (!gpu.chips.empty()) {
+    ConvertZKToGPUOptions g;
+    g.chips = llvm::to_vector(gpu.chips);
+    pm.addPass(createConvertZKToGPU(g));
+  }
   ConvertZKToCPUOptions cpu;
   cpu.isas = llvm::to_vector(isas);
   pm.addPass(createConvertZKToCPU(cpu));
   pm.addPass(createCanonicalizerPass());
   pm.addPass(createSCFToControlFlowPass());
+  if (!gpu.chips.empty()) {
+    // Device code: NVVM, then PTX + cubin per chip (ptxas) in a fatbinary
+    // with the PTX kept, embedded as byte arrays. An explicit toolkit path
+    // makes a missing libdevice a hard error (never an unresolved call).
+    pm.addNestedPass<gpu::GPUModuleOp>(createConvertGpuOpsToNVVMOps());
+    pm.addNestedPass<gpu::GPUModuleOp>(createZoptGPUPreciseSqrt());
+    pm.addNestedPass<gpu::GPUModuleOp>(createReconcileUnrealizedCastsPass());
+    GpuModuleToBinaryPassOptions bin;
+    // Never empty: without a path, libdevice would be skipped silently.
+    bin.toolkitPath = gpu.toolkitPath;
+    if (bin.toolkitPath.empty())
+      if (const char *env = std::getenv("CUDA_HOME"); env && *env)
+        bin.toolkitPath = env;
+    if (bin.toolkitPath.empty())
+      bin.toolkitPath = "/usr/local/cuda";
+    bin.compilationTarget = gpu.format;
+    pm.addPass(createGpuModuleToBinaryPass(bin));
+    pm.addPass(createZoptEmbedGPUBinaries());
+  }
   pm.addPass(createConvertVectorToLLVMPass());
   pm.addPass(createConvertMathToLLVMPass());
   pm.addPass(createArithToLLVMConversionPass());
@@ -71,6 +100,9 @@ void mlir::zopt::registerPipelines() {
                        << "'\n";
           phase = Phase::Codegen;
         }
-        buildPipeline(pm, *phase, llvm::to_vector(opts.isas));
+        GpuOptions gpu;
+        gpu.chips.assign(opts.gpu.begin(), opts.gpu.end());
+        gpu.toolkitPath = opts.cudaPath;
+        buildPipeline(pm, *phase, llvm::to_vector(opts.isas), gpu);
       });
 }

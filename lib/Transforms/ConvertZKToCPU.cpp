@@ -10,6 +10,7 @@
 // vector type. bf16 values are carried as the f32 they exactly widen to.
 //
 //===----------------------------------------------------------------------===//
+#include "BodyEmitter.h"
 #include "zopt/Transforms/Passes.h"
 #include "zopt/abi.h"
 
@@ -39,159 +40,6 @@ static std::optional<IsaInfo> lookupIsa(StringRef name) {
   if (name == "avx2")
     return IsaInfo{"avx2", 8, ZOPT_ISA_AVX2};
   return std::nullopt;
-}
-
-/// Builds code for one kernel body at one width.
-struct BodyEmitter {
-  OpBuilder &b;
-  Location loc;
-  int lanes; // 1: scalar
-  ArrayRef<Value> statePtrs;  // indexed by slot (null when unused)
-  ArrayRef<Value> coeffScalars;
-  SmallVector<Value> coeffVecs;
-
-  Type vec(Type t) {
-    if (lanes == 1)
-      return t;
-    return VectorType::get({lanes}, t);
-  }
-  Value splatConst(arith::ConstantOp c) {
-    if (lanes == 1)
-      return b.clone(*c)->getResult(0);
-    auto attr = cast<TypedAttr>(c.getValue());
-    return arith::ConstantOp::create(
-        b, loc, DenseElementsAttr::get(cast<ShapedType>(vec(attr.getType())),
-                                       attr));
-  }
-  Value intCst(Type elem, int64_t v) {
-    Type t = vec(elem);
-    if (lanes == 1)
-      return arith::ConstantOp::create(b, loc, t, b.getIntegerAttr(elem, v));
-    return arith::ConstantOp::create(
-        b, loc, DenseElementsAttr::get(cast<ShapedType>(t),
-                                       b.getIntegerAttr(elem, v)));
-  }
-  Value elemPtr(int64_t slot, Type memElem, Value i) {
-    auto ptrTy = LLVM::LLVMPointerType::get(b.getContext());
-    return LLVM::GEPOp::create(b, loc, ptrTy, memElem, statePtrs[slot],
-                               ValueRange{i});
-  }
-  /// bf16 bits -> f32 (exact).
-  Value bf16BitsToF32(Value bits16) {
-    Value w = arith::ExtUIOp::create(b, loc, vec(b.getI32Type()), bits16);
-    w = arith::ShLIOp::create(b, loc, w, intCst(b.getI32Type(), 16));
-    return arith::BitcastOp::create(b, loc, vec(b.getF32Type()), w);
-  }
-  /// f32 -> bf16 bits, round to nearest even; NaN stays a (quiet) NaN.
-  Value f32ToBf16Bits(Value x) {
-    Type i32 = b.getI32Type();
-    Value bits = arith::BitcastOp::create(b, loc, vec(i32), x);
-    Value lsb = arith::AndIOp::create(
-        b, loc, arith::ShRUIOp::create(b, loc, bits, intCst(i32, 16)),
-        intCst(i32, 1));
-    Value rounded = arith::AddIOp::create(
-        b, loc, bits, arith::AddIOp::create(b, loc, lsb, intCst(i32, 0x7FFF)));
-    Value hi = arith::ShRUIOp::create(b, loc, rounded, intCst(i32, 16));
-    Value nanBits = arith::OrIOp::create(
-        b, loc, arith::ShRUIOp::create(b, loc, bits, intCst(i32, 16)),
-        intCst(i32, 0x40));
-    Value isNan =
-        arith::CmpFOp::create(b, loc, arith::CmpFPredicate::UNO, x, x);
-    Value sel = arith::SelectOp::create(b, loc, isNan, nanBits, hi);
-    return arith::TruncIOp::create(b, loc, vec(b.getI16Type()), sel);
-  }
-
-  /// Emits the body for the element(s) at index `i`; returns the value to
-  /// accumulate (sumsq kernels) or null.
-  Value emit(Block &body, Value i) {
-    IRMapping map;
-    Value acc;
-    auto get = [&](Value v) { return map.lookup(v); };
-    for (Operation &op : body) {
-      if (auto l = dyn_cast<zk::LoadOp>(op)) {
-        Type t = l.getType();
-        Value r;
-        if (t.isBF16()) {
-          Value p = elemPtr(l.getSlot(), b.getI16Type(), i);
-          r = bf16BitsToF32(
-              LLVM::LoadOp::create(b, loc, vec(b.getI16Type()), p, 2));
-        } else {
-          Value p = elemPtr(l.getSlot(), t, i);
-          r = LLVM::LoadOp::create(b, loc, vec(t), p, t.isF32() ? 4 : 2);
-        }
-        map.map(l.getResult(), r);
-      } else if (auto c = dyn_cast<zk::CoeffOp>(op)) {
-        map.map(c.getResult(), lanes == 1 ? coeffScalars[c.getIndex()]
-                                          : coeffVecs[c.getIndex()]);
-      } else if (auto c = dyn_cast<arith::ConstantOp>(op)) {
-        map.map(c.getResult(), splatConst(c));
-      } else if (auto e = dyn_cast<arith::ExtFOp>(op);
-                 e && e.getIn().getType().isBF16()) {
-        map.map(e.getResult(), get(e.getIn())); // already f32
-      } else if (auto t = dyn_cast<arith::TruncFOp>(op);
-                 t && t.getType().isBF16()) {
-        map.map(t.getResult(), bf16BitsToF32(f32ToBf16Bits(get(t.getIn()))));
-      } else if (auto s = dyn_cast<zk::StoreOp>(op)) {
-        Type st = s.getStorage();
-        Value v = get(s.getValue());
-        Type vt = s.getValue().getType();
-        if (vt.isBF16())
-          vt = b.getF32Type(); // carried as f32
-        if (vt.isF16() && !st.isF16())
-          v = arith::ExtFOp::create(b, loc, vec(b.getF32Type()), v);
-        Value toStore;
-        int align = 4;
-        Type memElem = st;
-        if (st.isF32()) {
-          toStore = v;
-        } else if (st.isBF16()) {
-          toStore = f32ToBf16Bits(v);
-          memElem = b.getI16Type();
-          align = 2;
-        } else { // f16
-          toStore = vt.isF16() ? v
-                               : arith::TruncFOp::create(
-                                     b, loc, vec(b.getF16Type()), v)
-                                     .getResult();
-          align = 2;
-        }
-        LLVM::StoreOp::create(b, loc, toStore, elemPtr(s.getSlot(), memElem, i),
-                              align);
-      } else if (auto a = dyn_cast<zk::AccumulateOp>(op)) {
-        Value x = get(a.getValue());
-        Type f64 = vec(b.getF64Type());
-        if (!a.getValue().getType().isF64())
-          x = arith::ExtFOp::create(b, loc, f64, x);
-        acc = arith::MulFOp::create(b, loc, x, x);
-      } else {
-        // Elementwise arith/math: same op at vector type.
-        OperationState st(loc, op.getName());
-        for (Value v : op.getOperands())
-          st.addOperands(get(v));
-        for (Type t : op.getResultTypes())
-          st.addTypes(vec(t.isBF16() ? b.getF32Type() : t));
-        st.addAttributes(op.getAttrs());
-        // Let LLVM fuse a*b+c into FMA: fp32 math with one rounding fewer,
-        // never less accurate than the unfused form.
-        if (isa<arith::MulFOp, arith::AddFOp, arith::SubFOp>(op))
-          st.attributes.set("fastmath", arith::FastMathFlagsAttr::get(
-                                          b.getContext(),
-                                          arith::FastMathFlags::contract));
-        Operation *n = b.create(st);
-        for (auto [o, r] : llvm::zip(op.getResults(), n->getResults()))
-          map.map(o, r);
-      }
-    }
-    return acc;
-  }
-};
-
-static Value loadPtrAt(OpBuilder &b, Location loc, Value base, int64_t idx,
-                       Type elem, Type result) {
-  auto ptrTy = LLVM::LLVMPointerType::get(b.getContext());
-  Value p = LLVM::GEPOp::create(b, loc, ptrTy, elem, base,
-                                ArrayRef<LLVM::GEPArg>{int32_t(idx)});
-  return LLVM::LoadOp::create(b, loc, result, p);
 }
 
 static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
@@ -302,26 +150,15 @@ static func::FuncOp lowerPrepare(OpBuilder &mb, zk::PrepareOp p) {
   Block *entry = fn.addEntryBlock();
   OpBuilder b = OpBuilder::atBlockEnd(entry);
   Type f64 = b.getF64Type(), f32 = b.getF32Type();
-  IRMapping map;
-  for (Operation &op : p.getBody().front()) {
-    if (auto h = dyn_cast<zk::HyperOp>(op)) {
-      map.map(h.getResult(), loadPtrAt(b, loc, entry->getArgument(0),
-                                       h.getIndex(), f64, f64));
-    } else if (auto g = dyn_cast<zk::GlobalOp>(op)) {
-      map.map(g.getResult(), loadPtrAt(b, loc, entry->getArgument(1),
-                                       g.getIndex(), f64, f64));
-    } else if (auto s = dyn_cast<zk::SetCoeffOp>(op)) {
-      Value v = map.lookup(s.getValue());
-      if (!v.getType().isF32())
-        v = arith::TruncFOp::create(b, loc, f32, v);
-      Value ptr = LLVM::GEPOp::create(
-          b, loc, ptrTy, f32, entry->getArgument(2),
-          ArrayRef<LLVM::GEPArg>{int32_t(s.getIndex())});
-      LLVM::StoreOp::create(b, loc, v, ptr);
-    } else {
-      b.clone(op, map);
-    }
-  }
+  emitPrepareBody(
+      b, loc, p,
+      [&](int64_t i) { return loadPtrAt(b, loc, entry->getArgument(0), i, f64, f64); },
+      [&](int64_t i) { return loadPtrAt(b, loc, entry->getArgument(1), i, f64, f64); },
+      [&](int64_t i, Value v) {
+        Value ptr = LLVM::GEPOp::create(b, loc, ptrTy, f32, entry->getArgument(2),
+                                        ArrayRef<LLVM::GEPArg>{int32_t(i)});
+        LLVM::StoreOp::create(b, loc, v, ptr);
+      });
   func::ReturnOp::create(b, loc);
   return fn;
 }
@@ -409,6 +246,27 @@ struct ConvertZKToCPU
                   isa.code, f.getSymName());
       }
       k.erase();
+    }
+    // GPU kernels recorded by convert-zk-to-gpu: the entries of the CUDA
+    // module and one fatbinary image per architecture (abi.h, GPU kernels).
+    if (auto ks = d->getAttrOfType<ArrayAttr>("zopt.gpu_kernels")) {
+      auto images = d->getAttrOfType<ArrayAttr>("zopt.gpu_images");
+      for (auto [list, role] :
+           {std::pair{ks, -1}, std::pair{images, int(ZOPT_KERNEL_GPU_IMAGE)}}) {
+        for (Attribute a : list ? list : ArrayAttr::get(&getContext(), {})) {
+          auto pair = cast<ArrayAttr>(a);
+          int64_t num = cast<IntegerAttr>(pair[0]).getInt();
+          if (desc.num_kernels >= ZOPT_MAX_KERNELS) {
+            d.emitError("too many kernels for the descriptor");
+            return signalPassFailure();
+          }
+          zopt_kernel_desc &kd = desc.kernels[desc.num_kernels++];
+          kd.role = role < 0 ? uint32_t(num) : uint32_t(role);
+          kd.isa = role < 0 ? ZOPT_ISA_NONE : uint32_t(num);
+          kd.device = ZOPT_PLACE_GPU;
+          copyName(kd.symbol, cast<StringAttr>(pair[1]).getValue());
+        }
+      }
     }
     desc.checksum = zopt_desc_checksum(&desc);
 

@@ -31,11 +31,8 @@ static LogicalResult planStep(StepOp step) {
     if (auto s = dyn_cast<StateOp>(op);
         s && s.getKind() != StateKind::param && s.getKind() != StateKind::grad)
       device = s.getPlacement();
-  for (Operation &op : body)
-    if (auto s = dyn_cast<StateOp>(op); s && s.getPlacement() == Placement::gpu)
-      return s.emitOpError("is placed on gpu: this build of zopt generates "
-                           "CPU code only (GPU code generation is the GPU "
-                           "path's work); place every state on cpu");
+  // GPU-placed states need gpu_arch (checked by the verifier): the kernels
+  // are then compiled for the device by convert-zk-to-gpu.
   step->setAttr("zopt.device", PlacementAttr::get(ctx, device));
 
   // Partition: flat per-group buffers, each tensor's segment padded to

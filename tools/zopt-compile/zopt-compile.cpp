@@ -7,6 +7,11 @@
 //===----------------------------------------------------------------------===//
 #include "mlir/Dialect/Arith/IR/Arith.h"
 #include "mlir/Dialect/Func/IR/FuncOps.h"
+#include "mlir/Dialect/GPU/IR/GPUDialect.h"
+#include "mlir/Dialect/LLVMIR/NVVMDialect.h"
+#include "mlir/InitAllExtensions.h"
+#include "mlir/Target/LLVMIR/Dialect/All.h"
+#include "mlir/Target/LLVM/NVVM/Target.h"
 #include "mlir/Dialect/LLVMIR/LLVMDialect.h"
 #include "mlir/Dialect/Math/IR/Math.h"
 #include "mlir/Dialect/SCF/IR/SCF.h"
@@ -18,6 +23,7 @@
 #include "mlir/Support/FileUtilities.h"
 #include "mlir/Support/Timing.h"
 #include "llvm/Support/CommandLine.h"
+#include <cstdlib>
 #include "llvm/Support/FileSystem.h"
 #include "llvm/Support/InitLLVM.h"
 #include "llvm/Support/Path.h"
@@ -38,7 +44,8 @@ static cl::opt<std::string> outputFile("o", cl::desc("Output file ('-': stdout)"
                                        cl::value_desc("file"), cl::init(""),
                                        cl::cat(cat));
 static cl::opt<std::string>
-    emitKind("emit", cl::desc("What to write: mlir, llvm, asm, obj, so (default)"),
+    emitKind("emit", cl::desc("What to write: mlir, llvm, asm, obj, so (default), "
+                             "ptx (the GPU kernels of the first --gpu chip)"),
              cl::init("so"), cl::cat(cat));
 static cl::opt<std::string> compileTo(
     "compile-to",
@@ -50,6 +57,16 @@ static cl::opt<std::string>
         cl::desc("CPU variants to emit: auto (AVX-512 and AVX2, picked at load "
                  "time), x86-64-v4 (AVX-512 only), x86-64-v3 (AVX2 only)"),
         cl::init("auto"), cl::cat(cat));
+static cl::list<std::string>
+    gpuArchs("gpu",
+             cl::desc("CUDA architectures for GPU-placed states, e.g. "
+                      "--gpu=sm_80,sm_90 (default: the step's gpu_arch)"),
+             cl::CommaSeparated, cl::cat(cat));
+static cl::opt<std::string>
+    cudaPath("cuda-path",
+             cl::desc("CUDA toolkit (ptxas, fatbinary, nvvm/libdevice); "
+                      "default: $CUDA_HOME, else /usr/local/cuda"),
+             cl::init(""), cl::cat(cat));
 static cl::opt<bool> timing("timing", cl::desc("Report the time of each phase"),
                             cl::init(false), cl::cat(cat));
 
@@ -99,10 +116,10 @@ int main(int argc, char **argv) {
       return fail("--compile-to prints MLIR; it cannot be combined with --emit=" +
                   emitKind);
   }
-  if (!last && !llvm::is_contained({"mlir", "llvm", "asm", "obj", "so"},
+  if (!last && !llvm::is_contained({"mlir", "llvm", "asm", "obj", "so", "ptx"},
                                    std::string(emitKind)))
     return fail("unknown --emit='" + emitKind +
-                "'; expected mlir, llvm, asm, obj or so");
+                "'; expected mlir, llvm, asm, obj, so or ptx");
   if (!last && emitKind == "so" && (outputFile.empty() || outputFile == "-"))
     return fail("--emit=so needs an output file: -o step.so");
 
@@ -110,8 +127,12 @@ int main(int argc, char **argv) {
   tm.setEnabled(timing);
   TimingScope root = tm.getRootScope();
 
-  MLIRContext ctx;
-  ctx.loadDialect<zopt::ZoptDialect, zk::ZKDialect, arith::ArithDialect,
+  DialectRegistry registry;
+  registerAllExtensions(registry);
+  registerAllToLLVMIRTranslations(registry);
+  NVVM::registerNVVMTargetInterfaceExternalModels(registry);
+  MLIRContext ctx(registry);
+  ctx.loadDialect<gpu::GPUDialect, NVVM::NVVMDialect, zopt::ZoptDialect, zk::ZKDialect, arith::ArithDialect,
                   math::MathDialect, func::FuncDialect, scf::SCFDialect,
                   vector::VectorDialect, LLVM::LLVMDialect>();
   llvm::SourceMgr sm;
@@ -130,15 +151,75 @@ int main(int argc, char **argv) {
   if (!module)
     return 1; // diagnostics already printed with their locations
 
+  // GPU: the architectures of --gpu, else the step's gpu_arch; the toolkit
+  // is checked up front when a state is on the GPU.
+  zopt::GpuOptions gpuOpts;
+  gpuOpts.chips.assign(gpuArchs.begin(), gpuArchs.end());
+  bool onGpu = false;
+  module->walk([&](zopt::StepOp step) {
+    if (gpuOpts.chips.empty() && !gpuArchs.getNumOccurrences())
+      if (auto arch = step.getGpuArch())
+        gpuOpts.chips.push_back(arch->str());
+  });
+  // The kernels run where the optimizer states live (else the param).
+  module->walk([&](zopt::StepOp step) {
+    std::optional<zopt::Placement> dev, param;
+    step.walk([&](zopt::StateOp s) {
+      if (s.getKind() == zopt::StateKind::param)
+        param = s.getPlacement();
+      else if (s.getKind() != zopt::StateKind::grad)
+        dev = s.getPlacement();
+    });
+    onGpu |= dev.value_or(param.value_or(zopt::Placement::cpu)) ==
+             zopt::Placement::gpu;
+  });
+  if (!onGpu)
+    gpuOpts.chips.clear(); // a CPU-only compile, exactly as without GPU
+  if (onGpu) {
+    std::string tk = cudaPath;
+    if (tk.empty())
+      if (const char *env = std::getenv("CUDA_HOME"); env && *env)
+        tk = env;
+    if (tk.empty())
+      tk = "/usr/local/cuda";
+    for (const char *need : {"bin/ptxas", "bin/fatbinary",
+                             "nvvm/libdevice/libdevice.10.bc"}) {
+      llvm::SmallString<256> p(tk);
+      llvm::sys::path::append(p, need);
+      if (!llvm::sys::fs::exists(p))
+        return fail("the step has states on the GPU, but the CUDA toolkit at '" +
+                    tk + "' has no " + need +
+                    " (set --cuda-path or CUDA_HOME to a CUDA 12+ toolkit)");
+    }
+    gpuOpts.toolkitPath = tk;
+    if (gpuOpts.chips.empty())
+      return fail("the step has states on the GPU but no architecture: set "
+                  "gpu_arch on zopt.step or pass --gpu=sm_90");
+  }
+  if (!last && emitKind == "ptx") {
+    if (!onGpu)
+      return fail("--emit=ptx needs a step whose optimizer states are on the GPU");
+    gpuOpts.chips.resize(1);
+    gpuOpts.format = "isa";
+  }
+
   zopt::Phase stop = last.value_or(zopt::Phase::Codegen);
   if (!last && emitKind == "mlir")
     stop = zopt::Phase::Codegen;
   PassManager pm(&ctx);
   pm.enableTiming(root);
-  zopt::buildPipeline(pm, stop, isas);
+  zopt::buildPipeline(pm, stop, isas, gpuOpts);
   if (failed(pm.run(*module)))
     return 1;
 
+  if (!last && emitKind == "ptx") {
+    std::string suffix = "_gpu_" + gpuOpts.chips.front();
+    for (auto g : module->getOps<LLVM::GlobalOp>())
+      if (g.getSymName().ends_with(suffix))
+        if (auto v = dyn_cast_or_null<StringAttr>(g.getValueOrNull()))
+          return failed(writeOutput(outputFile, v.getValue(), false));
+    return fail("no PTX was generated");
+  }
   if (last || emitKind == "mlir") {
     std::string text;
     llvm::raw_string_ostream os(text);

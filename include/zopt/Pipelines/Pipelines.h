@@ -6,6 +6,8 @@
 #include "mlir/Pass/PassOptions.h"
 
 #include <optional>
+#include <string>
+#include <vector>
 
 namespace mlir::zopt {
 
@@ -22,10 +24,23 @@ struct PipelineOptions : public PassPipelineOptions<PipelineOptions> {
       llvm::cl::init("codegen")};
   ListOption<std::string> isas{
       *this, "isas", llvm::cl::desc("CPU ISA variants: avx512, avx2")};
+  ListOption<std::string> gpu{
+      *this, "gpu", llvm::cl::desc("CUDA architectures, e.g. sm_80,sm_90")};
+  Option<std::string> cudaPath{
+      *this, "cuda-path", llvm::cl::desc("CUDA toolkit directory"),
+      llvm::cl::init("")};
+};
+
+/// GPU code generation: empty `chips` means a CPU-only compile.
+struct GpuOptions {
+  std::vector<std::string> chips; // e.g. sm_80, sm_90
+  std::string toolkitPath;        // CUDA toolkit (ptxas, fatbinary, libdevice)
+  std::string format = "fatbin";  // gpu-module-to-binary format (isa: PTX)
 };
 
 /// Adds the passes of every phase up to and including `last`.
-void buildPipeline(OpPassManager &pm, Phase last, ArrayRef<std::string> isas);
+void buildPipeline(OpPassManager &pm, Phase last, ArrayRef<std::string> isas,
+                   const GpuOptions &gpu = {});
 
 /// Registers `zopt-pipeline` for zopt-opt.
 void registerPipelines();

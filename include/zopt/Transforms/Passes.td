@@ -104,6 +104,63 @@ def ConvertZKToCPU : Pass<"convert-zk-to-cpu", "ModuleOp"> {
                            "::mlir::arith::ArithDialect", "::mlir::math::MathDialect"];
 }
 
+def ConvertZKToGPU : Pass<"convert-zk-to-gpu", "ModuleOp"> {
+  let summary = "Generates one CUDA module (gpu.module) from the zk kernels of a GPU step";
+  let description = [{
+    Runs only when the optimizer states live on the GPU (the descriptor's
+    placements); a CPU step is left to `convert-zk-to-cpu`. Every
+    `zk.kernel` becomes a `gpu.func` kernel in `gpu.module @<step>_gpu`
+    (one `#nvvm.target` per chip) with the launch ABI of abi.h's "GPU
+    kernels" section: UPDATE is one persistent grid-stride launch over a
+    segment table with 16-byte vector accesses and a scalar tail; SUMSQ is a
+    two-stage f64 reduction (block partials, last-block-done) that writes the
+    norm, clip coefficient and skip flag to a device buffer and recomputes
+    the coefficient table; `zk.prepare` is also compiled as a kernel. The
+    kernel-table entries are recorded on the `zk.descriptor` for
+    `convert-zk-to-cpu`, which must run after this pass.
+
+    ```mlir
+    zk.kernel @s_update update { ... }
+    // becomes
+    gpu.module @s_gpu [#nvvm.target<O = 3, chip = "sm_90", features = "+ptx80">] {
+      gpu.func @s_update(%states: !llvm.ptr, %segs: !llvm.ptr, %n: i64,
+                         %coeffs: !llvm.ptr, %sg: !llvm.ptr) kernel { ... }
+    }
+    ```
+  }];
+  let options = [
+    ListOption<"chips", "chips", "std::string",
+               "CUDA architectures to compile for, e.g. sm_80,sm_90">,
+    Option<"features", "features", "std::string", "\"+ptx80\"",
+           "PTX features of every target">
+  ];
+  let dependentDialects = ["::mlir::gpu::GPUDialect", "::mlir::NVVM::NVVMDialect",
+                           "::mlir::scf::SCFDialect", "::mlir::LLVM::LLVMDialect",
+                           "::mlir::memref::MemRefDialect",
+                           "::mlir::arith::ArithDialect", "::mlir::math::MathDialect"];
+}
+
+def ZoptEmbedGPUBinaries : Pass<"zopt-embed-gpu-binaries", "ModuleOp"> {
+  let summary = "Turns gpu.binary objects into exported byte arrays of step.so";
+  let description = [{
+    After `gpu-module-to-binary`: every object of `gpu.binary @<m>` for
+    `#nvvm.target<chip = "sm_XX">` becomes the exported constant byte array
+    `<m>_sm_XX` plus `const uint64_t <m>_sm_XX_size`, the symbols the
+    descriptor's GPU_IMAGE entries name.
+  }];
+  let dependentDialects = ["::mlir::LLVM::LLVMDialect"];
+}
+
+def ZoptGPUPreciseSqrt : Pass<"zopt-gpu-precise-sqrt", "::mlir::gpu::GPUModuleOp"> {
+  let summary = "IEEE square roots in GPU kernels (after convert-gpu-to-nvvm)";
+  let description = [{
+    libdevice's `__nv_sqrtf` is `sqrt.approx.f32` by default; the CPU kernels
+    use the correctly rounded square root. Calls to `__nv_sqrtf` and
+    `__nv_sqrt` become `llvm.intr.sqrt`, which NVPTX emits as `sqrt.rn`.
+  }];
+  let dependentDialects = ["::mlir::LLVM::LLVMDialect"];
+}
+
 def ZoptSetTargetAttrs : Pass<"zopt-set-target-attrs", "ModuleOp"> {
   let summary = "Moves the ISA of each function onto its llvm.func target attributes";
   let description = [{

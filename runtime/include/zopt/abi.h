@@ -114,6 +114,7 @@ typedef enum zopt_kernel_role {
   ZOPT_KERNEL_PREPARE = 1,
   ZOPT_KERNEL_UPDATE = 2,
   ZOPT_KERNEL_SUMSQ = 3,
+  ZOPT_KERNEL_GPU_IMAGE = 4, /* a GPU code image; see "GPU kernels" below */
 } zopt_kernel_role;
 
 /* Instruction-set variant of a CPU kernel. The runtime picks the best one
@@ -195,6 +196,87 @@ static inline uint64_t zopt_desc_checksum(const zopt_step_descriptor *d) {
   }
   return h;
 }
+
+/*===-- GPU kernels (additive to ABI version 1) ---------------------------===*
+ *
+ * A step whose optimizer states live on the GPU (zopt.step with gpu_arch)
+ * has its elementwise kernels compiled for the device. Its kernel table then
+ * holds, besides the host PREPARE entry (device = CPU, as above):
+ *
+ *   - one entry per compiled architecture with role = ZOPT_KERNEL_GPU_IMAGE,
+ *     device = ZOPT_PLACE_GPU, isa = the SM number (80 for sm_80, 90 for
+ *     sm_90), symbol = an exported, read-only byte array holding a CUDA
+ *     fatbinary (magic 0xBA55ED50) with the cubin for that SM *and* the PTX
+ *     (so a newer GPU can JIT it). Its size in bytes is the exported
+ *     `const uint64_t <symbol>_size`. The runtime loads the image with the
+ *     highest isa <= the device's compute capability (cuModuleLoadData).
+ *   - entries with role PREPARE, SUMSQ (when ZOPT_FLAG_SUMSQ) and UPDATE,
+ *     device = ZOPT_PLACE_GPU, isa = ZOPT_ISA_NONE, whose symbol names the
+ *     `.entry` of that kernel inside every image (cuModuleGetFunction); these
+ *     are not symbols of the step.so.
+ *
+ * All pointers below are device pointers; every launch goes on one stream,
+ * in the order PREPARE, SUMSQ, UPDATE, with no host synchronisation:
+ *
+ * PREPARE (grid-stride over groups, any grid):
+ *     void prepare(const double *hypers,   // [num_groups][num_hypers]
+ *                  const double *globals,  // [num_groups][ZOPT_NUM_GLOBALS]
+ *                  int64_t num_groups,
+ *                  float *coeffs);         // out: [num_groups][num_coeffs]
+ *   The host PREPARE run on the device for every group. The CLIP_COEF
+ *   global is taken from `globals` here (pass 1); with clipping, SUMSQ
+ *   recomputes the table with the device-computed coefficient.
+ *
+ * SUMSQ (persistent grid, blockDim.x = ZOPT_GPU_BLOCK, gridDim.x <=
+ *   ZOPT_GPU_MAX_BLOCKS):
+ *     void sumsq(void *const *states,          // [num_segments][num_states]
+ *                const zopt_gpu_segment *segs, // [num_segments]
+ *                int64_t num_segments,
+ *                float *coeffs,                // [num_groups][num_coeffs]
+ *                double *partials,             // [gridDim.x] scratch
+ *                zopt_gpu_step_globals *sg,
+ *                const double *hypers, const double *globals,
+ *                int64_t num_groups);
+ *   Two-stage, deterministic: every block writes its f64 partial sum of
+ *   squares to partials[blockIdx.x]; the last block to finish (atomic
+ *   counter sg->blocks_done, reset to 0 by that block) adds the partials in
+ *   block order and writes sg: sumsq, norm = sqrt(sumsq), clip_coef =
+ *   min(1, max_norm / (norm + 1e-6)) with ZOPT_FLAG_CLIP (else 1),
+ *   nonfinite, and skip = nonfinite with ZOPT_FLAG_LOSS_SCALE. The same
+ *   block then re-runs PREPARE for every group with that clip_coef. The
+ *   runtime zero-fills *sg once when allocating it.
+ *
+ * UPDATE (persistent grid-stride, any grid; blockDim.x a multiple of 32):
+ *     void update(void *const *states,          // [num_segments][num_states]
+ *                 const zopt_gpu_segment *segs,
+ *                 int64_t num_segments,
+ *                 const float *coeffs,          // [num_groups][num_coeffs]
+ *                 const zopt_gpu_step_globals *sg); // NULL: never skip
+ *   ONE launch for all tensors of the step. Returns at once when sg->skip.
+ *   Segment s covers segs[s].n elements at the pointers
+ *   states[s * num_states + k] (k = descriptor state index; unused states
+ *   may be NULL). When every used pointer of a segment is 16-byte aligned,
+ *   it is processed with 16-byte vector loads/stores (4 x f32, 8 x 16-bit)
+ *   plus a scalar tail; otherwise element by element.
+ */
+#define ZOPT_GPU_BLOCK 256      /* SUMSQ block size (threads), power of two */
+#define ZOPT_GPU_MAX_BLOCKS 65535
+
+typedef struct zopt_gpu_segment {
+  int64_t n;      /* elements */
+  uint32_t group; /* parameter group: row of the coefficient table */
+  uint32_t reserved;
+} zopt_gpu_segment; /* 16 bytes */
+
+typedef struct zopt_gpu_step_globals {
+  double sumsq;         /* sum over all segments of x*x */
+  double norm;          /* sqrt(sumsq) */
+  double clip_coef;     /* min(1, max_norm / (norm + 1e-6)), or 1 */
+  uint32_t nonfinite;   /* sumsq is NaN or Inf */
+  uint32_t skip;        /* UPDATE does nothing this step */
+  uint32_t blocks_done; /* SUMSQ's internal counter; 0 between launches */
+  uint32_t reserved;
+} zopt_gpu_step_globals; /* 40 bytes */
 
 #ifdef __cplusplus
 } /* extern "C" */

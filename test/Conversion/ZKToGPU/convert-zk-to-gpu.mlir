@@ -1,0 +1,115 @@
+// RUN: zopt-opt %s --split-input-file --convert-zk-to-gpu="chips=sm_80,sm_90" --convert-zk-to-cpu="isas=avx2" | FileCheck %s
+
+// A step whose states are on the GPU: one gpu.module with one NVVM target
+// per chip and three kernels (prepare, update, sumsq) with the launch ABI of
+// abi.h; the update is one grid-stride loop over the segment table with
+// 16-byte vector accesses (8 x bf16) through global-space pointers and a
+// scalar tail; the host keeps only the f64 prepare and the descriptor.
+
+zk.descriptor {name = "t", zero_stage = 0 : i64, align = 1 : i64, flags = 5 : i64,
+  max_norm = 1.0 : f64, num_coeffs = 2 : i64,
+  state_kinds = array<i32: 1, 2>, state_dtypes = array<i32: 2, 2>,
+  state_placements = array<i32: 2, 2>, state_roundings = array<i32: 1, 1>,
+  state_inits = array<i32: 1, 1>, state_access = array<i32: 3, 1>,
+  hyper_kinds = array<i32: 1>, hyper_defaults = array<f64: 0.001>,
+  hyper_mins = array<f64: 0.0>, hyper_maxs = array<f64: 1.0>,
+  hyper_max_exclusive = array<i32: 0>}
+
+// CHECK-LABEL: gpu.module @t_gpu [#nvvm.target<O = 3, chip = "sm_80", features = "+ptx80">, #nvvm.target<O = 3, chip = "sm_90", features = "+ptx80">]
+// CHECK: gpu.func @t_prepare_gpu(%{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr, %{{.+}}: i64, %{{.+}}: !llvm.ptr) kernel
+// CHECK: scf.for
+// The clip coefficient (global 1) comes from the globals table here.
+// CHECK: llvm.getelementptr %{{.+}}[1] : (!llvm.ptr<1>) -> !llvm.ptr<1>, f64
+// CHECK: llvm.store %{{.+}}, %{{.+}} : f32, !llvm.ptr<1>
+// CHECK: gpu.return
+zk.prepare @t_prepare {
+  %lr = zk.hyper 0
+  %c = arith.truncf %lr : f64 to f32
+  zk.set_coeff 0, %c : f32
+  %clip = zk.global 1
+  %cc = arith.truncf %clip : f64 to f32
+  zk.set_coeff 1, %cc : f32
+}
+
+// CHECK-LABEL: gpu.func @t_update(%{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr, %{{.+}}: i64, %{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr) kernel
+// CHECK: llvm.addrspacecast %{{.+}} : !llvm.ptr to !llvm.ptr<1>
+// The skip flag of the step globals (byte 28).
+// CHECK: llvm.getelementptr %{{.+}}[7] : (!llvm.ptr<1>) -> !llvm.ptr<1>, i32
+// CHECK: gpu.block_id  x
+// CHECK: gpu.grid_dim  x
+// CHECK: scf.for
+// CHECK: arith.andi %{{.+}}, %{{.+}} : i64
+// CHECK: scf.for
+// CHECK: llvm.load %{{.+}} {alignment = 16 : i64} : !llvm.ptr<1> -> vector<8xi16>
+// CHECK: arith.constant dense<32767> : vector<8xi32>
+// CHECK: llvm.store %{{.+}}, %{{.+}} {alignment = 16 : i64} : vector<8xi16>, !llvm.ptr<1>
+// CHECK: scf.for
+// CHECK: llvm.load %{{.+}} {alignment = 2 : i64} : !llvm.ptr<1> -> i16
+// CHECK: llvm.store %{{.+}}, %{{.+}} {alignment = 2 : i64} : i16, !llvm.ptr<1>
+// CHECK: gpu.return
+zk.kernel @t_update update {
+  %p = zk.load 0 : bf16
+  %g = zk.load 1 : bf16
+  %pf = arith.extf %p : bf16 to f32
+  %gf = arith.extf %g : bf16 to f32
+  %lr = zk.coeff 0
+  %clip = zk.coeff 1
+  %gc = arith.mulf %gf, %clip : f32
+  %d = arith.mulf %lr, %gc : f32
+  %p1 = arith.subf %pf, %d : f32
+  zk.store 0, %p1 : f32 into bf16
+}
+
+// Two-stage reduction: f64 per thread, a shared-memory tree, the block's
+// partial, then the last block (atomic counter) sums the partials in order,
+// writes norm / clip / flags and recomputes the coefficient table.
+// CHECK-LABEL: gpu.func @t_sumsq(
+// CHECK-SAME: workgroup(%{{.+}} : memref<256xf64, #gpu.address_space<workgroup>>, %{{.+}} : memref<1xi32, #gpu.address_space<workgroup>>) kernel
+// CHECK: arith.mulf %{{.+}}, %{{.+}} : vector<8xf64>
+// CHECK: gpu.barrier
+// CHECK: nvvm.memory.barrier <gpu>
+// CHECK: llvm.atomicrmw add %{{.+}}, %{{.+}} acq_rel : !llvm.ptr<1>, i32
+// CHECK: llvm.load volatile %{{.+}} : !llvm.ptr<1> -> f64
+// CHECK: math.sqrt %{{.+}} : f64
+// CHECK: arith.constant 9.9999999999999995E-7 : f64
+// CHECK: arith.cmpf uno
+// CHECK: gpu.barrier
+// CHECK: scf.for
+// CHECK: gpu.return
+zk.kernel @t_sumsq sumsq {
+  %g = zk.load 1 : bf16
+  %gf = arith.extf %g : bf16 to f32
+  zk.accumulate_sumsq %gf : f32
+}
+
+// CHECK: func.func @t_prepare(%{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr) attributes {zopt.isa = "none"}
+// CHECK-NOT: func.func @t_update
+// CHECK: llvm.mlir.global external constant @zopt_step_descriptor
+
+// -----
+
+// A CPU step is left to convert-zk-to-cpu: no gpu.module.
+zk.descriptor {name = "c", zero_stage = 0 : i64, align = 1 : i64, flags = 0 : i64,
+  max_norm = 0.0 : f64, num_coeffs = 1 : i64,
+  state_kinds = array<i32: 1, 2>, state_dtypes = array<i32: 1, 1>,
+  state_placements = array<i32: 1, 1>, state_roundings = array<i32: 1, 1>,
+  state_inits = array<i32: 1, 1>, state_access = array<i32: 3, 1>,
+  hyper_kinds = array<i32: 1>, hyper_defaults = array<f64: 0.001>,
+  hyper_mins = array<f64: 0.0>, hyper_maxs = array<f64: 1.0>,
+  hyper_max_exclusive = array<i32: 0>}
+zk.prepare @c_prepare {
+  %lr = zk.hyper 0
+  %c = arith.truncf %lr : f64 to f32
+  zk.set_coeff 0, %c : f32
+}
+// CHECK-NOT: gpu.module
+// CHECK: func.func @c_update_avx2(%{{.+}}: !llvm.ptr, %{{.+}}: i64, %{{.+}}: !llvm.ptr)
+// CHECK-SAME: zopt.isa = "avx2"
+zk.kernel @c_update update {
+  %p = zk.load 0 : f32
+  %g = zk.load 1 : f32
+  %lr = zk.coeff 0
+  %d = arith.mulf %lr, %g : f32
+  %p1 = arith.subf %p, %d : f32
+  zk.store 0, %p1 : f32 into f32
+}
