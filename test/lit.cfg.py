@@ -17,7 +17,7 @@ config.substitutions.append(("%zopt_bin", config.zopt_tools_dir))
 llvm_config.use_default_substitutions()
 llvm_config.with_environment("PATH", config.llvm_tools_dir, append_path=True)
 tool_dirs = [config.zopt_tools_dir, config.llvm_tools_dir]
-llvm_config.add_tool_substitutions(["zopt-opt", "zopt-compile"], tool_dirs)
+llvm_config.add_tool_substitutions(["zopt-opt", "zopt-compile", "zopt-run"], tool_dirs)
 
 # Features of this machine, for tests that execute code.
 def cpu_has(flag):

@@ -82,6 +82,7 @@ struct zopt_step {
   zopt_sumsq_fn sumsq = nullptr;
   zopt_isa update_isa = ZOPT_ISA_NONE;
   bool has_cpu_kernels = false;
+  bool has_gpu_code = false;  // GPU images present (need the CUDA backend)
   int param_index = -1, grad_index = -1;
   int refcount = 1;  // step + each optimizer created from it
 };

@@ -112,12 +112,21 @@ zopt_status validate_fields(const zopt_step_descriptor *d) {
   int nsumsq = 0;
   for (uint32_t i = 0; i < d->num_kernels; ++i) {
     const zopt_kernel_desc &k = d->kernels[i];
-    if (k.role < ZOPT_KERNEL_PREPARE || k.role > ZOPT_KERNEL_SUMSQ)
-      return fail(ZOPT_ERR_ABI, "kernel %u: role %u out of range", i, k.role);
-    if (k.isa > ZOPT_ISA_AVX512)
-      return fail(ZOPT_ERR_ABI, "kernel %u: isa %u out of range", i, k.isa);
     if (k.device != ZOPT_PLACE_CPU && k.device != ZOPT_PLACE_GPU)
       return fail(ZOPT_ERR_ABI, "kernel %u: device %u out of range", i, k.device);
+    if (k.device == ZOPT_PLACE_CPU) {
+      if (k.role < ZOPT_KERNEL_PREPARE || k.role > ZOPT_KERNEL_SUMSQ)
+        return fail(ZOPT_ERR_ABI, "kernel %u: role %u out of range", i, k.role);
+      if (k.isa > ZOPT_ISA_AVX512)
+        return fail(ZOPT_ERR_ABI, "kernel %u: isa %u out of range", i, k.isa);
+    } else {
+      // GPU entries (abi.h "GPU kernels"): images carry the SM number in
+      // `isa`; kernel entries name an .entry inside the images.
+      if (k.role < ZOPT_KERNEL_PREPARE || k.role > ZOPT_KERNEL_GPU_IMAGE)
+        return fail(ZOPT_ERR_ABI, "GPU kernel %u: role %u out of range", i, k.role);
+      if (k.role == ZOPT_KERNEL_GPU_IMAGE && (k.isa < 50 || k.isa > 200))
+        return fail(ZOPT_ERR_ABI, "GPU image %u: sm_%u is not a CUDA architecture", i, k.isa);
+    }
     if (!nul_terminated(k.symbol, ZOPT_NAME_LEN) || !k.symbol[0])
       return fail(ZOPT_ERR_ABI, "kernel %u: symbol is empty or not NUL-terminated", i);
     if (k.role == ZOPT_KERNEL_SUMSQ) ++nsumsq;
@@ -271,7 +280,17 @@ ZOPT_API zopt_status zopt_step_load(const char *path, zopt_step **out) {
   bool any_cpu = false;
   for (uint32_t i = 0; i < d->num_kernels; ++i) {
     const zopt_kernel_desc &k = d->kernels[i];
-    if (k.device != ZOPT_PLACE_CPU) continue;  // device code lives in the cubin
+    if (k.device != ZOPT_PLACE_CPU) {
+      // Device code lives in the images; check that each image is exported.
+      if (k.role == ZOPT_KERNEL_GPU_IMAGE) {
+        std::string size_sym = std::string(k.symbol) + "_size";
+        if (!dlsym(h, k.symbol) || !dlsym(h, size_sym.c_str()))
+          return bail2(fail(ZOPT_ERR_ABI, "'%s': GPU image '%s' or its size is not exported", path,
+                            k.symbol));
+        s->has_gpu_code = true;
+      }
+      continue;
+    }
     any_cpu = true;
     dlerror();
     void *f = dlsym(h, k.symbol);
@@ -286,7 +305,9 @@ ZOPT_API zopt_status zopt_step_load(const char *path, zopt_step **out) {
   }
   if (any_cpu) {
     for (int role = ZOPT_KERNEL_PREPARE; role <= ZOPT_KERNEL_SUMSQ; ++role) {
-      bool needed = role != ZOPT_KERNEL_SUMSQ || (d->flags & ZOPT_FLAG_SUMSQ);
+      // A GPU step keeps only its host PREPARE on the CPU.
+      bool needed = role == ZOPT_KERNEL_PREPARE ||
+                    (!s->has_gpu_code && (role != ZOPT_KERNEL_SUMSQ || (d->flags & ZOPT_FLAG_SUMSQ)));
       bool present = false;
       for (uint32_t i = 0; i < d->num_kernels; ++i)
         present |= d->kernels[i].role == (uint32_t)role && d->kernels[i].device == ZOPT_PLACE_CPU;

@@ -115,6 +115,7 @@ int main(int argc, char **argv) {
                 "[--steps K] [--threads P]\n");
     return argc < 2 ? 2 : 0;
   }
+  std::setvbuf(stdout, nullptr, _IOLBF, 0); // progress lines as they come
   const char *path = argv[1];
   long long nParams = 16ll << 20;
   int nTensors = 64, steps = 10;
