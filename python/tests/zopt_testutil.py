@@ -11,6 +11,18 @@ from zopt.reference import Reference, round_to
 NP_OF = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
 
 
+
+def assert_within(a, r, err, bound, what, extra=""):
+    """Raises with the worst offender when any |a - r| = err exceeds bound
+    (NaN counts as exceeding)."""
+    bad = ~(err <= bound)
+    if bad.any():
+        i = int(np.argmax(np.where(bad, err / np.maximum(bound, 1e-300), 0)))
+        tail = extra(i) if callable(extra) else extra
+        raise AssertionError(
+            f"{what}: {int(bad.sum())}/{a.size} elements off; worst [{i}] "
+            f"zopt={a[i]!r} ref={r[i]!r} err={err[i]:.3g} bound={bound[i]:.3g}{tail}")
+
 def to_storage(x64, dtype):
     """float64 values -> numpy storage array of dtype (RNE)."""
     if dtype == "bf16":
@@ -50,12 +62,7 @@ def check_f32(actual, ref, what, rtol=1e-6, floor=None, atol_frac=0.0):
         floor = 0.1 * mx
     bound = rtol * np.maximum(np.abs(r), floor) + atol_frac * mx
     err = np.abs(a - r)
-    bad = ~(err <= bound)
-    if bad.any():
-        i = int(np.argmax(np.where(bad, err / np.maximum(bound, 1e-300), 0)))
-        raise AssertionError(
-            f"{what}: {int(bad.sum())}/{a.size} elements off; worst [{i}] "
-            f"zopt={a[i]!r} ref={r[i]!r} err={err[i]:.3g} bound={bound[i]:.3g}")
+    assert_within(a, r, err, bound, what)
 
 
 def check_storage(actual, ref, dtype, what, k_ulp=2, atol_frac=1e-6,
@@ -70,13 +77,7 @@ def check_storage(actual, ref, dtype, what, k_ulp=2, atol_frac=1e-6,
     mx = float(np.max(np.abs(r))) if r.size else 0.0
     bound = k_ulp * ulp(np.maximum(np.abs(a), np.abs(r)), dtype) + atol_frac * mx + atol
     err = np.abs(a - r)
-    bad = ~(err <= bound)
-    if bad.any():
-        i = int(np.argmax(np.where(bad, err / np.maximum(bound, 1e-300), 0)))
-        raise AssertionError(
-            f"{what} ({dtype}): {int(bad.sum())}/{a.size} elements beyond "
-            f"{k_ulp} ulp; worst [{i}] zopt={a[i]!r} ref={r[i]!r} err={err[i]:.3g} "
-            f"bound={bound[i]:.3g}")
+    assert_within(a, r, err, bound, f"{what} ({dtype}, {k_ulp} ulp)")
     mism = int(np.count_nonzero(a != r))
     # small tensors: allow one element
     if mism > max(1, max_mismatch_frac * a.size):
@@ -119,13 +120,8 @@ class ParamChecker:
             bound = (2 * ulp(np.maximum(np.abs(a), np.abs(r)), dtype)
                      + 2 * ulp(rm, dtype) + 4 * sens)
         err = np.abs(a - r)
-        bad = ~(err <= bound)
-        if bad.any():
-            i = int(np.argmax(np.where(bad, err / np.maximum(bound, 1e-300), 0)))
-            raise AssertionError(
-                f"{what} ({dtype}): {int(bad.sum())}/{a.size} elements off; worst "
-                f"[{i}] zopt={a[i]!r} ref={r[i]!r} err={err[i]:.3g} "
-                f"bound={bound[i]:.3g} (sens {sens[i]:.3g})")
+        assert_within(a, r, err, bound, f"{what} ({dtype})",
+                      lambda i: f" (sens {sens[i]:.3g})")
 
 
 class StateChecker:
@@ -156,12 +152,7 @@ class StateChecker:
             a = np.asarray(actual, dtype=np.float64).reshape(-1)
             bound = 1e-5 * np.abs(r) + 1e-6 * m + extra
             err = np.abs(a - r)
-            bad = ~(err <= bound)
-            if bad.any():
-                i = int(np.argmax(np.where(bad, err / np.maximum(bound, 1e-300), 0)))
-                raise AssertionError(
-                    f"{what}: {int(bad.sum())}/{a.size} elements off; worst [{i}] "
-                    f"zopt={a[i]!r} ref={r[i]!r} err={err[i]:.3g} bound={bound[i]:.3g}")
+            assert_within(a, r, err, bound, what)
         else:
             check_storage(actual, ref, dtype, what, atol_frac=0.0,
                           atol=2 * float(ulp(m, dtype)) + extra)

@@ -321,7 +321,7 @@ ZOPT_API zopt_status zopt_step_load(const char *path, zopt_step **out) {
     s->prepare = (zopt_prepare_fn)fn[ZOPT_KERNEL_PREPARE];
     s->update = (zopt_update_fn)fn[ZOPT_KERNEL_UPDATE];
     s->sumsq = (zopt_sumsq_fn)fn[ZOPT_KERNEL_SUMSQ];
-    s->update_isa = (zopt_isa)best[ZOPT_KERNEL_UPDATE];
+    s->update_isa = best[ZOPT_KERNEL_UPDATE] < 0 ? ZOPT_ISA_NONE : (zopt_isa)best[ZOPT_KERNEL_UPDATE];
     s->has_cpu_kernels = true;
   }
   s->handle = h;

@@ -78,7 +78,8 @@ ZOPT_API const zopt_step_descriptor *zopt_step_get_descriptor(const zopt_step *s
 /* ISA of the UPDATE kernel picked for this CPU (env ZOPT_CPU=avx2|avx512
  * overrides; asking for an ISA the CPU lacks is an error at load;
  * ZOPT_CPU=none forces the baseline variants). The override caps the ISA:
- * the best variant at or below it is used. */
+ * the best variant at or below it is used. ZOPT_ISA_NONE for a step whose
+ * update runs on the GPU. */
 ZOPT_API zopt_isa zopt_step_isa(const zopt_step *step);
 
 /* ---- optimizer --------------------------------------------------------- */
