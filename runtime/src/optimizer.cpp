@@ -193,7 +193,7 @@ ZOPT_API zopt_status zopt_optimizer_create(const zopt_step *step, zopt_optimizer
   if (!step->has_gpu_code)
     for (uint32_t i = 0; i < d->num_states; ++i)
       if (d->states[i].placement == ZOPT_PLACE_GPU)
-        return fail(ZOPT_ERR_UNSUPPORTED, "%s state '%s' is on the GPU but the step has no GPU code", d->name,
+        return fail(ZOPT_ERR_UNSUPPORTED, "%s state '%s': GPU-placed state needs the CUDA backend and the step has no GPU code", d->name,
                     state_kind_name(d->states[i].kind));
   if (!step->has_gpu_code && !step->has_cpu_kernels)
     return fail(ZOPT_ERR_UNSUPPORTED, "step '%s' has no CPU kernels (needs the CUDA backend)", d->name);
