@@ -43,3 +43,20 @@ config.substitutions.append(("%ptxas", os.path.join(cuda_root, "bin", "ptxas")))
 if all(os.path.exists(os.path.join(cuda_root, p)) for p in
        ("bin/ptxas", "bin/fatbinary", "nvvm/libdevice/libdevice.10.bc")):
     config.available_features.add("cuda-toolkit")
+
+# A usable CUDA GPU (driver + device) for tests that execute GPU steps: a
+# tiny ctypes probe of libcuda (cuInit, cuDeviceGetCount). Tests that need
+# it say `REQUIRES: cuda-gpu` and report UNSUPPORTED elsewhere, never pass.
+def cuda_gpu_present():
+    import ctypes
+    try:
+        cu = ctypes.CDLL("libcuda.so.1")
+        if cu.cuInit(0) != 0:
+            return False
+        n = ctypes.c_int(0)
+        return cu.cuDeviceGetCount(ctypes.byref(n)) == 0 and n.value > 0
+    except (OSError, AttributeError):
+        return False
+if cuda_gpu_present():
+    config.available_features.add("cuda-gpu")
+llvm_config.add_tool_substitutions(["zopt-gpu-check"], tool_dirs)

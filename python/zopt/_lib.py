@@ -211,6 +211,8 @@ _SIGS = {
     "zopt_optimizer_save": (_S, [_P, ctypes.c_char_p]),
     "zopt_optimizer_load": (_S, [_P, ctypes.c_char_p]),
     "zopt_optimizer_memory_info": (_S, [_P, ctypes.POINTER(MemoryInfo)]),
+    "zopt_optimizer_set_stream": (_S, [_P, _P]),
+    "zopt_optimizer_gpu_result": (_S, [_P, ctypes.POINTER(StepResult)]),
 }
 
 _lib = None

@@ -67,7 +67,9 @@ class Step:
             hd = d.hypers[i]
             self.hypers[HYPER_NAMES[HyperKind(hd.kind)]] = (
                 hd.default_value, hd.min_value, hd.max_value, bool(hd.max_exclusive))
-        self.isa = _lib.Isa(self._lib.zopt_step_isa(h))
+        isa = self._lib.zopt_step_isa(h)
+        # A GPU step has no CPU update kernel (its ISA reads -1).
+        self.isa = _lib.Isa(isa) if isa >= 0 else None
 
     @property
     def loss_scaled(self):
@@ -253,9 +255,9 @@ class Optimizer:
     def _buffer(x, what):
         """(data pointer, numel, zopt dtype) of a numpy array / torch tensor."""
         if _is_torch(x):
-            if x.device.type != "cpu":
+            if x.device.type not in ("cpu", "cuda"):
                 raise ZoptError(Status.UNSUPPORTED, f"{what} is on {x.device}; "
-                                "only CPU tensors are supported by these bindings")
+                                "only CPU and CUDA tensors are supported")
             if not x.is_contiguous():
                 raise ZoptError(Status.INVALID_ARGUMENT, f"{what} is not contiguous")
             dt = _torch_dtypes().get(x.dtype)
@@ -355,12 +357,30 @@ class Optimizer:
                 loss = closure()
         self._refresh_grads()
         self._push_hypers()
+        if self._on_cuda():
+            # GPU steps enqueue on PyTorch's current stream (no host sync
+            # without loss scaling; read the norm with gpu_result()).
+            check(self._lib.zopt_optimizer_set_stream(
+                self._h, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)),
+                "zopt_optimizer_set_stream")
         r = _lib.StepResult()
         check(self._lib.zopt_optimizer_step(self._h, ctypes.byref(r)),
               "zopt_optimizer_step")
         self.last_result = r
         self.last_loss = loss
         return float(r.grad_norm), bool(r.skipped)
+
+    def _on_cuda(self):
+        return any(_is_torch(t["param"]) and t["param"].device.type == "cuda"
+                   for t in self._tensors)
+
+    def gpu_result(self):
+        """(grad_norm, skipped, loss_scale) of the last GPU step: waits for
+        the stream and reads the device-side result."""
+        r = _lib.StepResult()
+        check(self._lib.zopt_optimizer_gpu_result(self._h, ctypes.byref(r)),
+              "zopt_optimizer_gpu_result")
+        return float(r.grad_norm), bool(r.skipped), float(r.loss_scale)
 
     def step_count(self, gid=0):
         c = ctypes.c_int64()

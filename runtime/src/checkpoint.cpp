@@ -101,6 +101,10 @@ ZOPT_API zopt_status zopt_optimizer_save(const zopt_optimizer *o, const char *pa
   if (!o) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_save: optimizer is NULL");
   if (!path || !*path) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_save: path is NULL or empty");
   if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_save: call zopt_optimizer_finalize first");
+  if (o->gpu)
+    return fail(ZOPT_ERR_UNSUPPORTED,
+                "zopt_optimizer_save: checkpoints of GPU steps are not implemented yet (read/write the states "
+                "with zopt_optimizer_read_state_raw/write_state_raw)");
   const zopt_step_descriptor *d = o->d;
   Writer w;
   try {
@@ -221,6 +225,10 @@ ZOPT_API zopt_status zopt_optimizer_load(zopt_optimizer *o, const char *path) {
   if (!o) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_load: optimizer is NULL");
   if (!path || !*path) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_load: path is NULL or empty");
   if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_load: call zopt_optimizer_finalize first");
+  if (o->gpu)
+    return fail(ZOPT_ERR_UNSUPPORTED,
+                "zopt_optimizer_load: checkpoints of GPU steps are not implemented yet (read/write the states "
+                "with zopt_optimizer_read_state_raw/write_state_raw)");
   const zopt_step_descriptor *d = o->d;
 
   // 1. Read the whole file (64-byte aligned buffer).

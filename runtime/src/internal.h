@@ -114,6 +114,8 @@ struct Chunk {
   void *ptrs[ZOPT_MAX_STATES];
 };
 
+struct GpuState;  // gpu.cpp: the CUDA backend of a GPU step
+
 struct LossScaler {
   zopt_loss_scaler_config cfg;
   double scale;
@@ -137,6 +139,7 @@ struct zopt_optimizer {
   zopt::ThreadPool *pool = nullptr;
   std::vector<float> coeffs;         // groups x ZOPT_MAX_COEFFS
   std::unordered_set<const void *> params;  // registered param pointers
+  zopt::GpuState *gpu = nullptr;  // set for steps that run on the GPU
 };
 
 namespace zopt {
@@ -157,6 +160,18 @@ inline uint32_t raw_enum(const E &e) {
   return v;
 }
 void release_step(const zopt_step *s);
+
+// ---- the CUDA backend (gpu.cpp) ------------------------------------------
+// For a step with GPU code, the owned state buffers of a group hold device
+// addresses (state_ptr returns device pointers) and these replace the CPU
+// paths of optimizer.cpp.
+zopt_status gpu_create(zopt_optimizer *o);  // driver, context, module
+zopt_status gpu_check_tensor(const zopt_optimizer *o, void *param, void *grad);
+zopt_status gpu_finalize(zopt_optimizer *o);
+zopt_status gpu_step(zopt_optimizer *o, zopt_step_result *result);
+// Synchronous staging copy of state `si` of tensor `t` (bytes of storage).
+zopt_status gpu_copy(const zopt_optimizer *o, int t, int si, void *host, size_t bytes, bool to_device);
+void gpu_free(zopt_optimizer *o);
 }  // namespace zopt
 
 #endif

@@ -97,6 +97,21 @@ void run_job(void *ctx, int tid) {
   }
 }
 
+// f32 access to a GPU state: a storage-dtype staging copy, converted here.
+zopt_status gpu_convert_copy(const zopt_optimizer *o, int t, int si, float *f32, int64_t n, bool to_device) {
+  const uint32_t dt = o->d->states[si].dtype;
+  std::vector<unsigned char> tmp;
+  try {
+    tmp.resize((size_t)n * dtype_size(dt));
+  } catch (...) {
+    return fail(ZOPT_ERR_OUT_OF_MEMORY, "out of host memory for a staging copy");
+  }
+  if (to_device) convert(f32, ZOPT_DTYPE_F32, tmp.data(), dt, n);
+  if (zopt_status st = gpu_copy(o, t, si, tmp.data(), tmp.size(), to_device)) return st;
+  if (!to_device) convert(tmp.data(), dt, f32, ZOPT_DTYPE_F32, n);
+  return ZOPT_OK;
+}
+
 #define CHECK_OPT(o, fn)                                                     \
   do {                                                                       \
     if (!(o)) return fail(ZOPT_ERR_INVALID_ARGUMENT, fn ": optimizer is NULL"); \
@@ -175,11 +190,12 @@ ZOPT_API zopt_status zopt_optimizer_create(const zopt_step *step, zopt_optimizer
   *out = nullptr;
   if (!step) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_create: step is NULL");
   const zopt_step_descriptor *d = &step->desc;
-  for (uint32_t i = 0; i < d->num_states; ++i)
-    if (d->states[i].placement == ZOPT_PLACE_GPU)
-      return fail(ZOPT_ERR_UNSUPPORTED, "%s state '%s': GPU-placed state needs the CUDA backend", d->name,
-                  state_kind_name(d->states[i].kind));
-  if (!step->has_cpu_kernels)
+  if (!step->has_gpu_code)
+    for (uint32_t i = 0; i < d->num_states; ++i)
+      if (d->states[i].placement == ZOPT_PLACE_GPU)
+        return fail(ZOPT_ERR_UNSUPPORTED, "%s state '%s': GPU-placed state needs the CUDA backend and the step has no GPU code", d->name,
+                    state_kind_name(d->states[i].kind));
+  if (!step->has_gpu_code && !step->has_cpu_kernels)
     return fail(ZOPT_ERR_UNSUPPORTED, "step '%s' has no CPU kernels (needs the CUDA backend)", d->name);
   zopt_optimizer *o = new (std::nothrow) zopt_optimizer;
   if (!o) return fail(ZOPT_ERR_OUT_OF_MEMORY, "out of memory");
@@ -190,6 +206,12 @@ ZOPT_API zopt_status zopt_optimizer_create(const zopt_step *step, zopt_optimizer
   o->scaler.cfg = {65536.0, 2.0, 0.5, 2000, 1.0, 1};
   o->scaler.scale = 65536.0;
   o->scaler.good_steps = 0;
+  if (step->has_gpu_code) {
+    if (zopt_status st = gpu_create(o)) {
+      zopt_optimizer_free(o);
+      return st;
+    }
+  }
   *out = o;
   return ZOPT_OK;
 }
@@ -197,6 +219,7 @@ ZOPT_API zopt_status zopt_optimizer_create(const zopt_step *step, zopt_optimizer
 ZOPT_API void zopt_optimizer_free(zopt_optimizer *o) {
   if (!o) return;
   delete o->pool;
+  gpu_free(o);  // device buffers first (nulls them)
   free_buffers(o);
   const zopt_step *s = o->step;
   delete o;
@@ -290,6 +313,8 @@ ZOPT_API zopt_status zopt_optimizer_add_tensor(zopt_optimizer *o, int group, voi
   if (dt != pdt)
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: dtype %s (%u) does not match the step's param dtype %s", fn,
                 dtype_name(dt), dt, dtype_name(pdt));
+  if (o->gpu)
+    if (zopt_status st = gpu_check_tensor(o, param, grad)) return st;
   if (o->params.count(param))
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: param pointer %p is already registered", fn, param);
   if (o->tensors.size() >= (size_t)0x7fffffff) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: too many tensors", fn);
@@ -309,6 +334,11 @@ ZOPT_API zopt_status zopt_optimizer_finalize(zopt_optimizer *o) {
   if (o->finalized) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_finalize: already finalized");
   if (o->tensors.empty()) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_finalize: no tensors were added");
   const zopt_step_descriptor *d = o->d;
+  if (o->gpu) {
+    if (zopt_status st = gpu_finalize(o)) return st;
+    o->finalized = true;
+    return ZOPT_OK;
+  }
   const int64_t align = d->align;
   try {
     // Layout: each tensor's segment starts at a multiple of `align`
@@ -420,6 +450,7 @@ ZOPT_API zopt_status zopt_optimizer_get_loss_scale(const zopt_optimizer *o, doub
 ZOPT_API zopt_status zopt_optimizer_step(zopt_optimizer *o, zopt_step_result *result) {
   CHECK_OPT(o, "zopt_optimizer_step");
   if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_step: call zopt_optimizer_finalize first");
+  if (o->gpu) return gpu_step(o, result);
   const zopt_step_descriptor *d = o->d;
   const zopt_step *s = o->step;
   const bool ls = d->flags & ZOPT_FLAG_LOSS_SCALE;
@@ -494,6 +525,7 @@ ZOPT_API zopt_status zopt_optimizer_read_state_f32(const zopt_optimizer *o, int 
   if (numel != o->tensors[tensor].numel)
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: numel %lld != tensor's %lld", fn, (long long)numel,
                 (long long)o->tensors[tensor].numel);
+  if (o->gpu) return gpu_convert_copy(o, tensor, si, out, numel, false);
   convert(state_ptr(o, tensor, si), o->d->states[si].dtype, out, ZOPT_DTYPE_F32, numel);
   return ZOPT_OK;
 }
@@ -508,6 +540,7 @@ ZOPT_API zopt_status zopt_optimizer_write_state_f32(zopt_optimizer *o, int tenso
   if (numel != o->tensors[tensor].numel)
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: numel %lld != tensor's %lld", fn, (long long)numel,
                 (long long)o->tensors[tensor].numel);
+  if (o->gpu) return gpu_convert_copy(o, tensor, si, const_cast<float *>(in), numel, true);
   convert(in, ZOPT_DTYPE_F32, state_ptr(o, tensor, si), o->d->states[si].dtype, numel);
   return ZOPT_OK;
 }
@@ -521,6 +554,7 @@ ZOPT_API zopt_status zopt_optimizer_read_state_raw(const zopt_optimizer *o, int 
   if (zopt_status st = resolve_state(o, tensor, raw_enum(kind), fn, &si)) return st;
   size_t want = (size_t)o->tensors[tensor].numel * dtype_size(o->d->states[si].dtype);
   if (bytes != want) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: bytes %zu != %zu", fn, bytes, want);
+  if (o->gpu) return gpu_copy(o, tensor, si, out, bytes, false);
   memcpy(out, state_ptr(o, tensor, si), bytes);
   return ZOPT_OK;
 }
@@ -534,6 +568,7 @@ ZOPT_API zopt_status zopt_optimizer_write_state_raw(zopt_optimizer *o, int tenso
   if (zopt_status st = resolve_state(o, tensor, raw_enum(kind), fn, &si)) return st;
   size_t want = (size_t)o->tensors[tensor].numel * dtype_size(o->d->states[si].dtype);
   if (bytes != want) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: bytes %zu != %zu", fn, bytes, want);
+  if (o->gpu) return gpu_copy(o, tensor, si, const_cast<void *>(in), bytes, true);
   memmove(state_ptr(o, tensor, si), in, bytes);
   return ZOPT_OK;
 }

@@ -107,7 +107,7 @@ ZOPT_API zopt_status zopt_optimizer_get_hyper(const zopt_optimizer *opt, int gro
 /* Tensor ids count 0, 1, ... over all groups in the order of the calls.
  * Registers a tensor: the user's param and grad memory (host pointers for
  * CPU-placed param/grad), its element count and dtype (must equal the
- * descriptor's param/grad dtype). The memory must stay valid. Only before
+ * descriptor's param/grad dtype; device pointers for GPU steps). The memory must stay valid. Only before
  * finalize. A param pointer registered twice is an error. */
 ZOPT_API zopt_status zopt_optimizer_add_tensor(zopt_optimizer *opt, int group,
                                       void *param, void *grad, int64_t numel,
@@ -152,6 +152,35 @@ typedef struct zopt_step_result {
  * state changes (bit-identical), the group step counts do not advance.
  * `result` may be NULL. */
 ZOPT_API zopt_status zopt_optimizer_step(zopt_optimizer *opt, zopt_step_result *result);
+
+/* ---- GPU steps (docs/GPU.md) ------------------------------------------ */
+
+/* A step compiled with GPU-placed states runs through the CUDA driver API,
+ * loaded at run time (libcuda.so.1; without it zopt_optimizer_create fails
+ * with ZOPT_ERR_UNSUPPORTED "no CUDA driver ..."). The optimizer uses the
+ * context current on the calling thread at create (e.g. PyTorch's), else
+ * device 0's primary context. Param and grad are device pointers (checked
+ * at add_tensor); the optimizer owns its state buffers in device memory.
+ *
+ * zopt_optimizer_step enqueues on the optimizer's stream: two small
+ * host-to-device copies (hyperparameters, per-group step count and loss
+ * scale), then PREPARE, SUMSQ (clipping / loss scaling) and UPDATE, with no
+ * allocation. Without loss scaling it does not wait for the GPU: the
+ * result's grad_norm is NaN and skipped is 0 (the device never skips such
+ * a step); read the norm with zopt_optimizer_gpu_result. With loss scaling
+ * it waits for the stream at the end (the skip flag decides the step counts
+ * and the dynamic scale) and fills the result exactly as on the CPU.
+ * State reads/writes are synchronous staging copies on the stream;
+ * checkpoints (save/load) of GPU steps return ZOPT_ERR_UNSUPPORTED. */
+
+/* The CUstream (a CUstream or cudaStream_t handle) steps and state copies
+ * are enqueued on; NULL (the default) is the legacy default stream. Only
+ * for GPU steps (ZOPT_ERR_BAD_STATE otherwise). */
+ZOPT_API zopt_status zopt_optimizer_set_stream(zopt_optimizer *opt, void *cu_stream);
+/* Waits for the stream and reads the last step's device-side result:
+ * grad_norm (NaN without a norm reduction), skipped, and the loss scale
+ * that step used. ZOPT_ERR_BAD_STATE before the first step. */
+ZOPT_API zopt_status zopt_optimizer_gpu_result(zopt_optimizer *opt, zopt_step_result *result);
 
 /* Per-group 1-based count of the steps taken (0 before the first). */
 ZOPT_API zopt_status zopt_optimizer_get_step_count(const zopt_optimizer *opt,

@@ -1,0 +1,91 @@
+"""GPU step benchmark (never run yet: written without a GPU).
+
+For each layout: zopt's GPU step (CUDA events, median of --iters), GB/s
+from the roofline bytes/param, the ratio to a device-to-device copy measured
+in the same run, torch.optim.AdamW(fused=True) on the same layout, and for
+clipped layouts clip_grad_norm_ + fused AdamW. Prints a table and writes it
+as markdown (--out) for docs/benchmarks/."""
+import argparse
+import os
+import statistics
+
+import torch
+
+import zopt
+
+# name -> (param dtype, bytes/param/step, clip, torch layout note)
+LAYOUTS = {
+    "f32": (torch.float32, 28, False),
+    "f32_clip": (torch.float32, 28 + 4, True),
+    "bf16_master_clip": (torch.bfloat16, 28 + 2, True),
+    "bf16": (torch.bfloat16, 14, False),
+}
+
+
+def timed(fn, iters):
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(ts)
+
+
+def make_params(n, dtype, parts=8):
+    sizes = [n // parts] * (parts - 1) + [n - (n // parts) * (parts - 1)]
+    ps = [torch.nn.Parameter(torch.randn(s, device="cuda", dtype=dtype) * 0.02) for s in sizes]
+    for p in ps:
+        p.grad = torch.randn_like(p) * 1e-3
+    return ps
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", required=True, help="folder of <layout>.gpu.so")
+    ap.add_argument("--out", default="gpu_bench.md")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--params", type=float, default=0, help="parameter count (default: largest that fits, cap 2e9)")
+    a = ap.parse_args()
+    dev = torch.cuda.get_device_name()
+    rows = []
+    for name, (dt, bpp, clip) in LAYOUTS.items():
+        so = os.path.join(a.steps, name + ".gpu.so")
+        if not os.path.exists(so):
+            continue
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info()
+        # zopt: p, g + owned states; torch: its own p, g, m, v (+ master).
+        state_bytes = {"f32": 16, "f32_clip": 16, "bf16_master_clip": 16, "bf16": 8}[name]
+        n = int(a.params) or int(min(2e9, 0.8 * free / (2 * state_bytes + 4)))
+        ps = make_params(n, dt)
+        opt = zopt.Optimizer(zopt.Step(so), ps, lr=1e-4, weight_decay=0.01)
+        t_zopt = timed(opt.step, a.iters)
+        opt.gpu_result()
+        del opt
+        # Device-to-device copy of the same byte volume (read + write).
+        src = torch.empty(int(bpp * n / 2), dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        t_copy = timed(lambda: dst.copy_(src), a.iters)
+        del src, dst
+        torch.cuda.empty_cache()
+        topt = torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, fused=True)
+        t_torch = timed(topt.step, a.iters)
+        t_clip = timed(lambda: (torch.nn.utils.clip_grad_norm_(ps, 1.0), topt.step()), a.iters) if clip else float("nan")
+        del topt, ps
+        gbs = bpp * n / t_zopt / 1e9
+        rows.append((name, n, t_zopt * 1e3, gbs, t_copy / t_zopt, t_torch * 1e3, t_clip * 1e3))
+    hdr = "| layout | params | zopt ms | zopt GB/s | copy time / zopt time | torch fused AdamW ms | clip_grad_norm_ + fused ms |"
+    lines = [f"GPU: {dev}, torch {torch.__version__}", "", hdr, "|" + "---|" * 7]
+    for r in rows:
+        lines.append(f"| {r[0]} | {r[1]:.3g} | {r[2]:.3f} | {r[3]:.0f} | {r[4]:.2f} | {r[5]:.3f} | {r[6]:.3f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    with open(a.out, "w") as f:
+        f.write(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Compiles the GPU benchmark/test steps HERE (needs LLVM/MLIR + the CUDA
+# toolkit) into .carry/ (git-ignored) together with the runtime library and
+# the test binaries, so that a GPU machine without LLVM/MLIR can run
+#   device run --carry .carry  "bash bench/gpu/run_gpu_bench.sh"
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+build="${BUILD_DIR:-$root/build}"
+out="$root/.carry"
+cuda="${CUDA_HOME:-/usr/local/cuda}"
+ninja -C "$build" zopt-compile zopt_runtime zopt-gpu-check
+rm -rf "$out" && mkdir -p "$out/steps" "$out/lib" "$out/bin"
+cp -a "$build"/lib/libzopt_runtime.so* "$out/lib/"
+cp "$build/bin/zopt-gpu-check" "$out/bin/"
+compile() {  # name src : GPU step and its CPU twin
+  "$build/bin/zopt-compile" "$2" --gpu=sm_80,sm_90 --cuda-path="$cuda" -o "$out/steps/$1.gpu.so"
+  sed -e 's/ on gpu/ on cpu/g' -e 's/, gpu_arch = "sm_90"//' "$2" > "$out/steps/$1.cpu.mlir"
+  "$build/bin/zopt-compile" "$out/steps/$1.cpu.mlir" -o "$out/steps/$1.cpu.so"
+}
+in="$root/test/Integration/CUDA/Inputs"
+compile f32 "$in/adamw_f32_gpu.mlir"
+compile f32_clip "$in/adamw_f32_clip_gpu.mlir"
+compile bf16_master_clip "$root/examples/adamw_bf16_gpu.mlir"
+compile bf16 "$in/adamw_bf16_gpu.mlir"
+compile f16_loss_scale "$in/adam_f16_loss_scale_gpu.mlir"
+du -sh "$out"

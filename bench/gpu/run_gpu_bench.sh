@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One command on a GPU machine (CUDA driver, PyTorch; no LLVM/MLIR needed):
+# uses the steps and runtime that bench/gpu/prepare_carry.sh put in .carry/.
+# 1. zopt-gpu-check on every layout (GPU vs CPU step), 2. the benchmark.
+# Writes the markdown table to ${OUT:-.}/gpu_bench.md.
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+carry="${CARRY:-$root/.carry}"
+export ZOPT_RUNTIME_LIB="$carry/lib/libzopt_runtime.so"
+export LD_LIBRARY_PATH="$carry/lib:${LD_LIBRARY_PATH:-}"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
+rc=0
+for l in f32 f32_clip bf16_master_clip bf16 f16_loss_scale; do
+  extra=""; [ "$l" = f16_loss_scale ] && extra="--steps=4 --inf-at=2"
+  echo "== zopt-gpu-check $l"
+  "$carry/bin/zopt-gpu-check" "$carry/steps/$l.gpu.so" "$carry/steps/$l.cpu.so" $extra | tail -3 || rc=1
+done
+PYTHONPATH="$root/python" python3 "$root/bench/gpu/gpu_bench.py" --steps "$carry/steps" \
+  --out "${OUT:-.}/gpu_bench.md" "$@" || rc=1
+exit $rc
