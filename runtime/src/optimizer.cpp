@@ -515,16 +515,31 @@ ZOPT_API zopt_status zopt_optimizer_get_step_count(const zopt_optimizer *o, int 
   return ZOPT_OK;
 }
 
+// The checks every state access shares: the buffer, the state, and its
+// size (`size` elements for f32 access, `size` bytes of storage for raw).
+static zopt_status check_state_access(const zopt_optimizer *o, int tensor, zopt_state_kind kind,
+                                      const void *buf, bool raw, uint64_t size, const char *fn,
+                                      int *si) {
+  if (!buf) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: %s is NULL", fn, raw ? "buffer" : "array");
+  if (zopt_status st = resolve_state(o, tensor, raw_enum(kind), fn, si)) return st;
+  uint64_t numel = (uint64_t)o->tensors[tensor].numel;
+  if (!raw && size != numel)
+    return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: numel %lld != tensor's %lld", fn, (long long)size,
+                (long long)numel);
+  uint64_t want = numel * dtype_size(o->d->states[*si].dtype);
+  if (raw && size != want)
+    return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: bytes %llu != %llu", fn, (unsigned long long)size,
+                (unsigned long long)want);
+  return ZOPT_OK;
+}
+
 ZOPT_API zopt_status zopt_optimizer_read_state_f32(const zopt_optimizer *o, int tensor, zopt_state_kind kind,
                                                    float *out, int64_t numel) {
   const char *fn = "zopt_optimizer_read_state_f32";
   CHECK_OPT(o, "zopt_optimizer_read_state_f32");
-  if (!out) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: out is NULL", fn);
   int si;
-  if (zopt_status st = resolve_state(o, tensor, raw_enum(kind), fn, &si)) return st;
-  if (numel != o->tensors[tensor].numel)
-    return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: numel %lld != tensor's %lld", fn, (long long)numel,
-                (long long)o->tensors[tensor].numel);
+  if (zopt_status st = check_state_access(o, tensor, kind, out, false, (uint64_t)numel, fn, &si))
+    return st;
   if (o->gpu) return gpu_convert_copy(o, tensor, si, out, numel, false);
   convert(state_ptr(o, tensor, si), o->d->states[si].dtype, out, ZOPT_DTYPE_F32, numel);
   return ZOPT_OK;
@@ -534,12 +549,9 @@ ZOPT_API zopt_status zopt_optimizer_write_state_f32(zopt_optimizer *o, int tenso
                                                     const float *in, int64_t numel) {
   const char *fn = "zopt_optimizer_write_state_f32";
   CHECK_OPT(o, "zopt_optimizer_write_state_f32");
-  if (!in) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: in is NULL", fn);
   int si;
-  if (zopt_status st = resolve_state(o, tensor, raw_enum(kind), fn, &si)) return st;
-  if (numel != o->tensors[tensor].numel)
-    return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: numel %lld != tensor's %lld", fn, (long long)numel,
-                (long long)o->tensors[tensor].numel);
+  if (zopt_status st = check_state_access(o, tensor, kind, in, false, (uint64_t)numel, fn, &si))
+    return st;
   if (o->gpu) return gpu_convert_copy(o, tensor, si, const_cast<float *>(in), numel, true);
   convert(in, ZOPT_DTYPE_F32, state_ptr(o, tensor, si), o->d->states[si].dtype, numel);
   return ZOPT_OK;
@@ -549,11 +561,9 @@ ZOPT_API zopt_status zopt_optimizer_read_state_raw(const zopt_optimizer *o, int 
                                                    void *out, size_t bytes) {
   const char *fn = "zopt_optimizer_read_state_raw";
   CHECK_OPT(o, "zopt_optimizer_read_state_raw");
-  if (!out) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: out is NULL", fn);
   int si;
-  if (zopt_status st = resolve_state(o, tensor, raw_enum(kind), fn, &si)) return st;
-  size_t want = (size_t)o->tensors[tensor].numel * dtype_size(o->d->states[si].dtype);
-  if (bytes != want) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: bytes %zu != %zu", fn, bytes, want);
+  if (zopt_status st = check_state_access(o, tensor, kind, out, true, bytes, fn, &si))
+    return st;
   if (o->gpu) return gpu_copy(o, tensor, si, out, bytes, false);
   memcpy(out, state_ptr(o, tensor, si), bytes);
   return ZOPT_OK;
@@ -563,11 +573,9 @@ ZOPT_API zopt_status zopt_optimizer_write_state_raw(zopt_optimizer *o, int tenso
                                                     const void *in, size_t bytes) {
   const char *fn = "zopt_optimizer_write_state_raw";
   CHECK_OPT(o, "zopt_optimizer_write_state_raw");
-  if (!in) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: in is NULL", fn);
   int si;
-  if (zopt_status st = resolve_state(o, tensor, raw_enum(kind), fn, &si)) return st;
-  size_t want = (size_t)o->tensors[tensor].numel * dtype_size(o->d->states[si].dtype);
-  if (bytes != want) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: bytes %zu != %zu", fn, bytes, want);
+  if (zopt_status st = check_state_access(o, tensor, kind, in, true, bytes, fn, &si))
+    return st;
   if (o->gpu) return gpu_copy(o, tensor, si, const_cast<void *>(in), bytes, true);
   memmove(state_ptr(o, tensor, si), in, bytes);
   return ZOPT_OK;
