@@ -61,7 +61,7 @@ static LogicalResult planStep(StepOp step) {
   for (Operation &op : body)
     if (auto s = dyn_cast<StateOp>(op))
       states.push_back(s);
-  llvm::stable_sort(states, [](StateOp x, StateOp y) {
+  llvm::sort(states, [](StateOp x, StateOp y) { // kinds are unique
     return int(x.getKind()) < int(y.getKind());
   });
   for (auto [i, s] : llvm::enumerate(states))
