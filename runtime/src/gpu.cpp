@@ -176,18 +176,9 @@ zopt_status gpu_finalize(zopt_optimizer *o) {
   const zopt_step_descriptor *d = o->d;
   if (zopt_status st = make_current(g)) return st;
   const int64_t A = gpu_align(d);
-  int64_t total = 0, max_n = 0;
-  for (auto &gr : o->groups) {
-    int64_t off = 0;
-    for (int t : gr.tensors) {
-      o->tensors[t].offset = off;
-      off += o->tensors[t].numel;
-      off = (off + A - 1) / A * A;
-      max_n = std::max(max_n, o->tensors[t].numel);
-    }
-    gr.padded_total = off;
-    total += off;
-  }
+  const int64_t max_n = layout_segments(o, A);
+  int64_t total = 0;
+  for (auto &gr : o->groups) total += gr.padded_total;
   CUstream s = g->stream;
   auto undo = [&](zopt_status st) {
     for (CUdeviceptr p : g->allocs) cu->MemFree(p);
@@ -328,16 +319,7 @@ zopt_status gpu_step(zopt_optimizer *o, zopt_step_result *result) {
     if (zopt_status st = read_sg(g, &sg)) return st;
     skipped = sg.skip != 0;
     norm = sg.norm;
-    if (skipped) {
-      if (o->scaler.cfg.dynamic) {
-        o->scaler.scale = std::max(o->scaler.scale * o->scaler.cfg.backoff_factor, o->scaler.cfg.min_scale);
-        o->scaler.good_steps = 0;
-      }
-    } else if (o->scaler.cfg.dynamic && ++o->scaler.good_steps >= o->scaler.cfg.growth_interval) {
-      double ns = o->scaler.scale * o->scaler.cfg.growth_factor;
-      if (std::isfinite(ns)) o->scaler.scale = ns;
-      o->scaler.good_steps = 0;
-    }
+    update_loss_scaler(o, skipped);
   }
   if (!skipped)
     for (auto &gr : o->groups) gr.step_count++;

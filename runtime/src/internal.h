@@ -149,6 +149,14 @@ int hyper_index(const zopt_step_descriptor *d, uint32_t kind);
 // Pointer to element 0 of state `si` of tensor `t` (user memory for PARAM
 // and GRAD, the group's flat buffer otherwise). Requires finalize for owned.
 void *state_ptr(const zopt_optimizer *o, int t, int si);
+// Lays out every group's flat buffers: each tensor's segment starts at a
+// multiple of `align` elements and the group total is one too. Sets
+// Tensor::offset and Group::padded_total; returns the largest numel.
+int64_t layout_segments(zopt_optimizer *o, int64_t align);
+// The dynamic loss scaler after a step (PyTorch GradScaler / DeepSpeed):
+// on overflow back off (not below min_scale) and restart the count, else
+// grow after growth_interval good steps. No-op for a static scale.
+void update_loss_scaler(zopt_optimizer *o, bool overflow);
 bool is_owned_kind(uint32_t kind);
 // The integer in an enum-typed API argument, read without an enum-typed load
 // (a C caller may pass any value; loading it as the C++ enum would be UB).

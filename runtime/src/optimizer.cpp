@@ -158,6 +158,34 @@ zopt_status check_hyper_value(const zopt_hyper_desc &h, double v) {
 
 namespace zopt {
 
+int64_t layout_segments(zopt_optimizer *o, int64_t align) {
+  int64_t max_n = 0;
+  for (auto &g : o->groups) {
+    int64_t off = 0;
+    for (int t : g.tensors) {
+      o->tensors[t].offset = off;
+      off += o->tensors[t].numel;
+      off = (off + align - 1) / align * align;
+      max_n = std::max(max_n, o->tensors[t].numel);
+    }
+    g.padded_total = off;
+  }
+  return max_n;
+}
+
+void update_loss_scaler(zopt_optimizer *o, bool overflow) {
+  auto &sc = o->scaler;
+  if (!sc.cfg.dynamic) return;
+  if (overflow) {
+    sc.scale = std::max(sc.scale * sc.cfg.backoff_factor, sc.cfg.min_scale);
+    sc.good_steps = 0;
+  } else if (++sc.good_steps >= sc.cfg.growth_interval) {
+    double ns = sc.scale * sc.cfg.growth_factor;
+    if (std::isfinite(ns)) sc.scale = ns;
+    sc.good_steps = 0;
+  }
+}
+
 int state_index(const zopt_step_descriptor *d, uint32_t kind) {
   for (uint32_t i = 0; i < d->num_states; ++i)
     if (d->states[i].kind == kind) return (int)i;
@@ -341,17 +369,7 @@ ZOPT_API zopt_status zopt_optimizer_finalize(zopt_optimizer *o) {
   }
   const int64_t align = d->align;
   try {
-    // Layout: each tensor's segment starts at a multiple of `align`
-    // elements; the group total is a multiple of `align`.
-    for (auto &g : o->groups) {
-      int64_t off = 0;
-      for (int t : g.tensors) {
-        o->tensors[t].offset = off;
-        off += o->tensors[t].numel;
-        off = (off + align - 1) / align * align;
-      }
-      g.padded_total = off;
-    }
+    layout_segments(o, align);
     for (auto &g : o->groups) {
       if (!g.padded_total) continue;
       for (uint32_t s = 0; s < d->num_states; ++s) {
@@ -475,10 +493,7 @@ ZOPT_API zopt_status zopt_optimizer_step(zopt_optimizer *o, zopt_step_result *re
     for (double p : o->partials) sum += p;  // fixed order: independent of threads
     norm = std::sqrt(sum);
     if (!std::isfinite(sum)) {
-      if (ls && o->scaler.cfg.dynamic) {
-        o->scaler.scale = std::max(o->scaler.scale * o->scaler.cfg.backoff_factor, o->scaler.cfg.min_scale);
-        o->scaler.good_steps = 0;
-      }
+      if (ls) update_loss_scaler(o, true);
       if (result) {
         result->grad_norm = norm;
         result->skipped = 1;
@@ -492,13 +507,7 @@ ZOPT_API zopt_status zopt_optimizer_step(zopt_optimizer *o, zopt_step_result *re
   Job job{o, 2};
   o->pool->run(run_job, &job);
   for (auto &g : o->groups) g.step_count++;
-  if (ls && o->scaler.cfg.dynamic) {
-    if (++o->scaler.good_steps >= o->scaler.cfg.growth_interval) {
-      double ns = o->scaler.scale * o->scaler.cfg.growth_factor;
-      if (std::isfinite(ns)) o->scaler.scale = ns;
-      o->scaler.good_steps = 0;
-    }
-  }
+  if (ls) update_loss_scaler(o, false);
   if (result) {
     result->grad_norm = norm;
     result->skipped = 0;
