@@ -15,6 +15,7 @@
 //===----------------------------------------------------------------------===//
 
 #include "zopt/abi.h"
+#include "zopt/cpu.h"
 
 #include <dlfcn.h>
 #include <pthread.h>
@@ -182,11 +183,6 @@ double median(std::vector<double> v) {
   return k % 2 ? v[k / 2] : 0.5 * (v[k / 2 - 1] + v[k / 2]);
 }
 
-bool cpuHas512() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-}
 
 uint16_t bf16Of(float f) { uint32_t b; std::memcpy(&b, &f, 4); return uint16_t((b + 0x7FFF + ((b >> 16) & 1)) >> 16); }
 
@@ -195,7 +191,7 @@ uint16_t bf16Of(float f) { uint32_t b; std::memcpy(&b, &f, 4); return uint16_t((
 int main(int argc, char **argv) {
   if (argc < 2) {
     std::fprintf(stderr, "usage: %s STEP.so [--n=N] [--threads=T] [--reps=R] [--warmup=W] "
-                         "[--isa=auto|avx2|avx512]\n", argv[0]);
+                         "[--isa=auto|avx2|avx512|avx512bf16]\n", argv[0]);
     return 2;
   }
   size_t n = size_t(64) << 20;
@@ -219,7 +215,12 @@ int main(int argc, char **argv) {
     std::fprintf(stderr, "bad descriptor\n");
     return 1;
   }
-  bool has512 = cpuHas512();
+  bool has512 = zopt_cpu_runs_isa(ZOPT_ISA_AVX512);
+  int wantIsa = isaOpt == "auto" ? -1 : zopt_isa_from_name(isaOpt.c_str());
+  if (isaOpt != "auto" && wantIsa < 0) {
+    std::fprintf(stderr, "unknown --isa=%s\n", isaOpt.c_str());
+    return 2;
+  }
   zopt_prepare_fn prepare = nullptr;
   zopt_update_fn update = nullptr;
   uint32_t isa = 0;
@@ -227,11 +228,10 @@ int main(int argc, char **argv) {
     const zopt_kernel_desc &kd = d->kernels[k];
     void *fn = dlsym(lib, kd.symbol);
     if (kd.role == ZOPT_KERNEL_PREPARE) prepare = (zopt_prepare_fn)fn;
-    if (kd.role != ZOPT_KERNEL_UPDATE || !fn) continue;
-    bool want = isaOpt == "auto" ? (kd.isa != ZOPT_ISA_AVX512 || has512) && kd.isa >= isa
-                                 : (isaOpt == "avx512") == (kd.isa == ZOPT_ISA_AVX512);
-    if (kd.isa == ZOPT_ISA_AVX512 && !has512) want = false;
-    if (want && (!update || kd.isa >= isa)) { update = (zopt_update_fn)fn; isa = kd.isa; }
+    if (kd.role != ZOPT_KERNEL_UPDATE || !fn || !zopt_cpu_runs_isa(kd.isa)) continue;
+    // auto: the variant the runtime would pick (the highest the CPU runs).
+    bool want = wantIsa < 0 ? (!update || kd.isa > isa) : int(kd.isa) == wantIsa;
+    if (want) { update = (zopt_update_fn)fn; isa = kd.isa; }
   }
   if (!prepare || !update) {
     std::fprintf(stderr, "no runnable prepare/update kernel\n");
@@ -319,7 +319,7 @@ int main(int argc, char **argv) {
   double roof = std::min(m2, m512);
   double gb = bytesPerParam * double(n) / 1e9;
   std::printf("step=%s isa=%s n=%zu threads=%d reps=%d bytes/param=%.0f\n", d->name,
-              isa == ZOPT_ISA_AVX512 ? "avx512" : isa == ZOPT_ISA_AVX2 ? "avx2" : "baseline", n,
+              zopt_isa_name(isa), n,
               threads, reps, bytesPerParam);
   std::printf("kernel:        median %.3f ms  %.3f Gparam/s  %.2f GB/s  (min %.3f max %.3f ms)\n",
               mk * 1e3, n / mk / 1e9, gb / mk, *std::min_element(tk.begin(), tk.end()) * 1e3,
@@ -329,7 +329,7 @@ int main(int argc, char **argv) {
   else std::printf("stream avx512: not run (CPU lacks AVX-512)\n");
   std::printf("RESULT %s isa=%s params_per_s=%.4g kernel_GBps=%.2f roofline_GBps=%.2f "
               "roofline=%s ratio=%.3f\n",
-              d->name, isa == ZOPT_ISA_AVX512 ? "avx512" : "avx2", n / mk, gb / mk, gb / roof,
+              d->name, zopt_isa_name(isa), n / mk, gb / mk, gb / roof,
               m512 < m2 ? "avx512" : "avx2", roof / mk);
   return 0;
 }

@@ -1,28 +1,101 @@
 //===- kernel_compute_bench.cpp - UPDATE kernel cost with data in L1 ------===//
 //
-//   zopt-bench-compute step.so <isa: 1 = avx2, 2 = avx512>
+//   zopt-bench-compute STEP.so [ISA...]      ISA: avx2 | avx512 | avx512bf16
 //
-// Calls one UPDATE variant over 4096 elements (L1/L2-resident) many times on
-// one thread: the kernel's compute cost per element, without memory. Used to
-// tell a compute-bound layout from a memory-bound one (docs/benchmarks/cpu.md).
+// Calls each UPDATE variant (all those this CPU runs, or the ones named) over
+// 4096 elements (L1/L2-resident) many times on one thread: the kernel's
+// compute cost per element, without memory. Used to tell a compute-bound
+// layout from a memory-bound one (docs/benchmarks/cpu.md). States hold 1.0
+// (f32 1.0f, bf16 pairs 0x3f80): finite, normal values on every path.
 //===----------------------------------------------------------------------===//
-#include <dlfcn.h>
-#include <chrono>
-#include <cstdio>
-#include <cstdint>
-#include <vector>
-#include <cstring>
-#include <cstdlib>
 #include "zopt/abi.h"
-int main(int argc,char**argv){
-  if(argc<3){printf("usage: zopt-bench-compute step.so <1|2>\n");return 2;}
-  void*h=dlopen(argv[1],RTLD_NOW); if(!h){printf("%s\n",dlerror());return 1;} auto*d=(zopt_step_descriptor*)dlsym(h,"zopt_step_descriptor");
-  zopt_prepare_fn prep=nullptr; zopt_update_fn upd=nullptr;
-  for(unsigned i=0;i<d->num_kernels;i++){auto&k=d->kernels[i]; if(k.role==1)prep=(zopt_prepare_fn)dlsym(h,k.symbol); if(k.role==2&&k.isa==(unsigned)atoi(argv[2]))upd=(zopt_update_fn)dlsym(h,k.symbol);}
-  if(!prep||!upd){printf("no PREPARE or no UPDATE variant with that isa\n");return 1;}
-  double hy[16]; for(unsigned i=0;i<d->num_hypers;i++)hy[i]=d->hypers[i].default_value; double gl[3]={3,1,1}; float co[64]; prep(hy,gl,co);
-  long n=4096; std::vector<std::vector<uint32_t>> b(d->num_states, std::vector<uint32_t>(n,0x3f803f80)); void*p[12]; for(unsigned i=0;i<d->num_states;i++)p[i]=b[i].data();
-  for(int r=0;r<1000;r++)upd(p,n,co);
-  auto t0=std::chrono::steady_clock::now(); int R=20000; for(int r=0;r<R;r++) upd(p,n,co); auto t1=std::chrono::steady_clock::now();
-  printf("%s isa %s: %.3f ns/elem (L1-resident, 1 thread)\n",d->name,argv[2],std::chrono::duration<double>(t1-t0).count()/R/n*1e9);
+#include "zopt/cpu.h"
+
+#include <dlfcn.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+int main(int argc, char **argv) {
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: %s STEP.so [avx2|avx512|avx512bf16...]\n", argv[0]);
+    return 2;
+  }
+  void *h = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
+  if (!h) {
+    std::fprintf(stderr, "dlopen: %s\n", dlerror());
+    return 1;
+  }
+  auto *d = static_cast<const zopt_step_descriptor *>(dlsym(h, ZOPT_DESC_SYMBOL));
+  if (!d || std::memcmp(d->magic, ZOPT_DESC_MAGIC, 8) || d->abi_version != ZOPT_ABI_VERSION ||
+      d->checksum != zopt_desc_checksum(d)) {
+    std::fprintf(stderr, "bad descriptor\n");
+    return 1;
+  }
+  std::vector<int> wanted;
+  for (int i = 2; i < argc; ++i) {
+    int isa = zopt_isa_from_name(argv[i]);
+    if (isa < 0) {
+      std::fprintf(stderr, "unknown ISA '%s'\n", argv[i]);
+      return 2;
+    }
+    wanted.push_back(isa);
+  }
+  zopt_prepare_fn prep = nullptr;
+  for (uint32_t i = 0; i < d->num_kernels; ++i)
+    if (d->kernels[i].role == ZOPT_KERNEL_PREPARE)
+      prep = (zopt_prepare_fn)dlsym(h, d->kernels[i].symbol);
+  if (!prep) {
+    std::fprintf(stderr, "no PREPARE kernel\n");
+    return 1;
+  }
+  double hy[ZOPT_MAX_HYPERS];
+  for (uint32_t i = 0; i < d->num_hypers; ++i) hy[i] = d->hypers[i].default_value;
+  double gl[ZOPT_NUM_GLOBALS] = {3, 1, 1};
+  float co[ZOPT_MAX_COEFFS];
+  prep(hy, gl, co);
+
+  const long n = 4096;
+  std::vector<std::vector<uint32_t>> buf(d->num_states, std::vector<uint32_t>(n));
+  void *ptrs[ZOPT_MAX_STATES];
+  for (uint32_t s = 0; s < d->num_states; ++s) {
+    uint32_t v = d->states[s].dtype == ZOPT_DTYPE_F32 ? 0x3f800000u : 0x3f803f80u;
+    std::fill(buf[s].begin(), buf[s].end(), v);
+    ptrs[s] = buf[s].data();
+  }
+  int ran = 0;
+  for (uint32_t i = 0; i < d->num_kernels; ++i) {
+    const zopt_kernel_desc &k = d->kernels[i];
+    if (k.role != ZOPT_KERNEL_UPDATE || k.device != ZOPT_PLACE_CPU) continue;
+    bool named = false;
+    for (int w : wanted) named |= w == int(k.isa);
+    if (!wanted.empty() && !named) continue;
+    if (!zopt_cpu_runs_isa(k.isa)) {
+      std::printf("%s %s: not run, this CPU lacks the instruction set\n", d->name,
+                  zopt_isa_name(k.isa));
+      continue;
+    }
+    auto upd = (zopt_update_fn)dlsym(h, k.symbol);
+    if (!upd) continue;
+    // Re-fill between variants: the update drifts the values a little.
+    for (uint32_t s = 0; s < d->num_states; ++s)
+      std::fill(buf[s].begin(), buf[s].end(),
+                d->states[s].dtype == ZOPT_DTYPE_F32 ? 0x3f800000u : 0x3f803f80u);
+    for (int r = 0; r < 1000; ++r) upd(ptrs, n, co);
+    const int R = 20000;
+    auto t0 = std::chrono::steady_clock::now();
+    for (int r = 0; r < R; ++r) upd(ptrs, n, co);
+    auto t1 = std::chrono::steady_clock::now();
+    std::printf("%s %s: %.3f ns/elem (L1-resident, 1 thread)\n", d->name, zopt_isa_name(k.isa),
+                std::chrono::duration<double>(t1 - t0).count() / R / n * 1e9);
+    ++ran;
+  }
+  if (!ran) {
+    std::fprintf(stderr, "no UPDATE variant ran\n");
+    return 1;
+  }
+  return 0;
 }

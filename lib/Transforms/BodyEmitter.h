@@ -4,6 +4,14 @@
 // zk.kernel at `lanes` lanes (1: scalar). bf16 is carried as the f32 it
 // exactly widens to; narrowing to bf16 rounds to nearest even in integer
 // arithmetic (bit-exact, NaN-preserving), so both devices round identically.
+// Two CPU refinements, both bit-identical to that:
+//  - packHalves: 16-bit vectors are widened and narrowed by shuffles (one
+//    interleave with zero in, one pick of the high halves out: VPERMI2W on
+//    AVX-512) instead of zero-extend + shift and shift + truncate;
+//  - nativeBf16: bf16 stores use the hardware conversion (VCVTNEPS2BF16,
+//    round to nearest even, NaN -> quiet NaN exactly as the integer form),
+//    except that it flushes subnormal inputs to zero: a vector holding any
+//    subnormal takes the integer form instead.
 // Also the f64 zk.prepare body, with the sources of hyperparameters and
 // globals and the sink of coefficients left to the caller.
 //
@@ -13,6 +21,8 @@
 
 #include "mlir/Dialect/Arith/IR/Arith.h"
 #include "mlir/Dialect/LLVMIR/LLVMDialect.h"
+#include "mlir/Dialect/SCF/IR/SCF.h"
+#include "mlir/Dialect/Vector/IR/VectorOps.h"
 #include "mlir/IR/Builders.h"
 #include "mlir/IR/IRMapping.h"
 #include "zopt/Dialect/Kernel/IR/KernelDialect.h"
@@ -32,6 +42,10 @@ struct BodyEmitter {
   /// Alignment in bytes of vector loads/stores (0: the element's own, as
   /// for unaligned CPU pointers). Scalar accesses always use the element's.
   int vecAlign = 0;
+  /// 16-bit <-> 32-bit lanes by shuffles (CPU vectors; see the header).
+  bool packHalves = false;
+  /// bf16 stores through the hardware conversion (needs +avx512bf16).
+  bool nativeBf16 = false;
 
   int64_t alignFor(int elemAlign) {
     return (lanes > 1 && vecAlign) ? vecAlign : elemAlign;
@@ -65,12 +79,35 @@ struct BodyEmitter {
   }
   /// bf16 bits -> f32 (exact).
   Value bf16BitsToF32(Value bits16) {
+    if (packHalves && lanes > 1) {
+      // Interleave with zero: each value lands in the high half of a lane.
+      Value zero = intCst(b.getI16Type(), 0);
+      SmallVector<int64_t> mask;
+      for (int j = 0; j < lanes; ++j)
+        mask.append({lanes, j});
+      Value w = vector::ShuffleOp::create(b, loc, bits16, zero, mask);
+      return vector::BitCastOp::create(b, loc, vec(b.getF32Type()), w);
+    }
     Value w = arith::ExtUIOp::create(b, loc, vec(b.getI32Type()), bits16);
     w = arith::ShLIOp::create(b, loc, w, intCst(b.getI32Type(), 16));
     return arith::BitcastOp::create(b, loc, vec(b.getF32Type()), w);
   }
-  /// f32 -> bf16 bits, round to nearest even; NaN stays a (quiet) NaN.
-  Value f32ToBf16Bits(Value x) {
+  /// The high 16 bits of each i32 lane.
+  Value high16(Value v32) {
+    if (packHalves && lanes > 1) {
+      Value h = vector::BitCastOp::create(
+          b, loc, VectorType::get({2 * lanes}, b.getI16Type()), v32);
+      SmallVector<int64_t> mask;
+      for (int j = 0; j < lanes; ++j)
+        mask.push_back(2 * j + 1);
+      return vector::ShuffleOp::create(b, loc, h, h, mask);
+    }
+    Value hi = arith::ShRUIOp::create(b, loc, v32, intCst(b.getI32Type(), 16));
+    return arith::TruncIOp::create(b, loc, vec(b.getI16Type()), hi);
+  }
+  /// f32 -> bf16 bits in integer arithmetic: round to nearest even; a NaN
+  /// keeps its sign and payload and becomes quiet.
+  Value f32ToBf16BitsInt(Value x) {
     Type i32 = b.getI32Type();
     Value bits = arith::BitcastOp::create(b, loc, vec(i32), x);
     Value lsb = arith::AndIOp::create(
@@ -78,14 +115,55 @@ struct BodyEmitter {
         intCst(i32, 1));
     Value rounded = arith::AddIOp::create(
         b, loc, bits, arith::AddIOp::create(b, loc, lsb, intCst(i32, 0x7FFF)));
-    Value hi = arith::ShRUIOp::create(b, loc, rounded, intCst(i32, 16));
-    Value nanBits = arith::OrIOp::create(
-        b, loc, arith::ShRUIOp::create(b, loc, bits, intCst(i32, 16)),
-        intCst(i32, 0x40));
+    Value nanBits = arith::OrIOp::create(b, loc, bits, intCst(i32, 0x400000));
     Value isNan =
         arith::CmpFOp::create(b, loc, arith::CmpFPredicate::UNO, x, x);
-    Value sel = arith::SelectOp::create(b, loc, isNan, nanBits, hi);
-    return arith::TruncIOp::create(b, loc, vec(b.getI16Type()), sel);
+    return high16(arith::SelectOp::create(b, loc, isNan, nanBits, rounded));
+  }
+  /// f32 -> bf16 bits, round to nearest even; NaN stays a (quiet) NaN.
+  Value f32ToBf16Bits(Value x) {
+    if (!nativeBf16 || lanes != 32)
+      return f32ToBf16BitsInt(x);
+    // Two 16-lane halves: VFPCLASSPS finds subnormals (which VCVTNE2PS2BF16
+    // would flush to zero; such a vector takes the integer form), then one
+    // VCVTNE2PS2BF16 rounds both halves into one register.
+    MLIRContext *ctx = b.getContext();
+    Type i1x16 = VectorType::get({16}, b.getI1Type());
+    Value half[2];
+    for (int h = 0; h < 2; ++h)
+      half[h] = vector::ExtractStridedSliceOp::create(
+          b, loc, x, ArrayRef<int64_t>{16 * h}, ArrayRef<int64_t>{16},
+          ArrayRef<int64_t>{1});
+    Value subnormal = LLVM::ConstantOp::create(b, loc, b.getI32Type(),
+                                               b.getI32IntegerAttr(0x20));
+    Value k[2];
+    for (int h = 0; h < 2; ++h)
+      k[h] = LLVM::CallIntrinsicOp::create(
+                 b, loc, i1x16,
+                 StringAttr::get(ctx, "llvm.x86.avx512.fpclass.ps.512"),
+                 ValueRange{half[h], subnormal})
+                 .getResult(0);
+    Value any = vector::ReductionOp::create(
+        b, loc, vector::CombiningKind::OR,
+        arith::OrIOp::create(b, loc, k[0], k[1]));
+    Type i16v = vec(b.getI16Type());
+    auto ifOp = scf::IfOp::create(b, loc, TypeRange{i16v}, any,
+                                  /*withElseRegion=*/true);
+    {
+      OpBuilder::InsertionGuard g(b);
+      b.setInsertionPointToStart(&ifOp.getThenRegion().front());
+      scf::YieldOp::create(b, loc, f32ToBf16BitsInt(x));
+      b.setInsertionPointToStart(&ifOp.getElseRegion().front());
+      // The intrinsic's second operand fills the low half.
+      Value c = LLVM::CallIntrinsicOp::create(
+                    b, loc, vec(b.getBF16Type()),
+                    StringAttr::get(ctx, "llvm.x86.avx512bf16.cvtne2ps2bf16.512"),
+                    ValueRange{half[1], half[0]})
+                    .getResult(0);
+      scf::YieldOp::create(b, loc,
+                           Value(arith::BitcastOp::create(b, loc, i16v, c)));
+    }
+    return ifOp.getResult(0);
   }
 
   /// Emits the body for the element(s) at index `i`; returns the value to

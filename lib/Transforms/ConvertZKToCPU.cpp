@@ -5,9 +5,15 @@
 //   void name_<isa>(void *const *states, int64_t n, const float *coeffs)
 //   double name_<isa>(...)                        (sumsq kernels)
 //
-// with a loop over full vectors of W lanes (W = 16 for AVX-512, 8 for AVX2)
-// and a scalar loop over the tail; the body is the kernel body cloned at
-// vector type. bf16 values are carried as the f32 they exactly widen to.
+// with a loop over full vectors and a scalar loop over the tail; the body is
+// the kernel body cloned at vector type. W = 16 lanes for AVX-512, 8 for
+// AVX2: UPDATE kernels run 2W lanes per iteration (LLVM splits them into two
+// registers: independent work for the divide/sqrt unit while loads are in
+// flight, and two 16-bit vectors pack into one register-wide store), SUMSQ
+// kernels W. bf16 values are carried as the f32 they exactly widen to. The
+// avx512bf16 variant narrows to bf16 with VCVTNEPS2BF16 (BodyEmitter.h); it
+// is emitted only for UPDATE kernels that store bf16, where it differs from
+// the avx512 one, unless it is the only variant asked for.
 //
 //===----------------------------------------------------------------------===//
 #include "BodyEmitter.h"
@@ -32,14 +38,23 @@ struct IsaInfo {
   const char *name;
   int lanes;
   zopt_isa code;
+  bool nativeBf16;
 };
 
 static std::optional<IsaInfo> lookupIsa(StringRef name) {
+  if (name == "avx512bf16")
+    return IsaInfo{"avx512bf16", 16, ZOPT_ISA_AVX512BF16, true};
   if (name == "avx512")
-    return IsaInfo{"avx512", 16, ZOPT_ISA_AVX512};
+    return IsaInfo{"avx512", 16, ZOPT_ISA_AVX512, false};
   if (name == "avx2")
-    return IsaInfo{"avx2", 8, ZOPT_ISA_AVX2};
+    return IsaInfo{"avx2", 8, ZOPT_ISA_AVX2, false};
   return std::nullopt;
+}
+
+static bool storesBf16(zk::KernelOp k) {
+  bool any = false;
+  k.getBody().walk([&](zk::StoreOp s) { any |= s.getStorage().isBF16(); });
+  return any;
 }
 
 static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
@@ -76,35 +91,33 @@ static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
     if (auto c = dyn_cast<zk::CoeffOp>(op))
       maxCoeff = std::max<int64_t>(maxCoeff, c.getIndex());
   }
+  // Update kernels run 2W lanes per iteration, sum-of-squares kernels W.
+  const int lanes = isSum ? isa.lanes : 2 * isa.lanes;
   SmallVector<Value> cs, cv;
   for (int64_t c = 0; c <= maxCoeff; ++c) {
     cs.push_back(loadPtrAt(b, loc, coeffs, c, f32, f32));
     cv.push_back(vector::BroadcastOp::create(
-        b, loc, VectorType::get({isa.lanes}, f32), cs.back()));
+        b, loc, VectorType::get({lanes}, f32), cs.back()));
   }
 
-  Value W = arith::ConstantOp::create(b, loc, b.getI64IntegerAttr(isa.lanes));
+  Value W = arith::ConstantOp::create(b, loc, b.getI64IntegerAttr(lanes));
   Value zero = arith::ConstantOp::create(b, loc, b.getI64IntegerAttr(0));
   Value one = arith::ConstantOp::create(b, loc, b.getI64IntegerAttr(1));
 
-  BodyEmitter vecE{b, loc, isa.lanes, ptrs, cs, cv};
+  BodyEmitter vecE{b, loc, lanes, ptrs, cs, cv};
+  vecE.packHalves = true;
+  vecE.nativeBf16 = isa.nativeBf16;
   BodyEmitter sclE{b, loc, 1, ptrs, cs, {}};
   if (!isSum) {
-    // Two vectors per iteration (independent work for the divide/sqrt unit
-    // while loads are in flight), then the scalar tail.
-    Value W2 = arith::ConstantOp::create(b, loc,
-                                         b.getI64IntegerAttr(2 * isa.lanes));
-    Value nVec2 = arith::SubIOp::create(b, loc, n,
-                                        arith::RemSIOp::create(b, loc, n, W2));
-    auto l1 = scf::ForOp::create(b, loc, zero, nVec2, W2);
+    Value nVec = arith::SubIOp::create(b, loc, n,
+                                       arith::RemSIOp::create(b, loc, n, W));
+    auto l1 = scf::ForOp::create(b, loc, zero, nVec, W);
     {
       OpBuilder::InsertionGuard g(b);
       b.setInsertionPoint(l1.getBody()->getTerminator());
-      Value i0 = l1.getInductionVar();
-      vecE.emit(body, i0);
-      vecE.emit(body, arith::AddIOp::create(b, loc, i0, W));
+      vecE.emit(body, l1.getInductionVar());
     }
-    auto l2 = scf::ForOp::create(b, loc, nVec2, n, one);
+    auto l2 = scf::ForOp::create(b, loc, nVec, n, one);
     {
       OpBuilder::InsertionGuard g(b);
       b.setInsertionPoint(l2.getBody()->getTerminator());
@@ -115,13 +128,14 @@ static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
   }
   Value nVec =
       arith::SubIOp::create(b, loc, n, arith::RemSIOp::create(b, loc, n, W));
-  auto accTy = VectorType::get({isa.lanes}, f64);
+  auto accTy = VectorType::get({lanes}, f64);
   Value accInit = arith::ConstantOp::create(
       b, loc, DenseElementsAttr::get(accTy, b.getF64FloatAttr(0.0)));
   auto l1 = scf::ForOp::create(
       b, loc, zero, nVec, W, ValueRange{accInit},
       [&](OpBuilder &lb, Location l, Value iv, ValueRange iter) {
-        BodyEmitter e{lb, l, isa.lanes, ptrs, cs, cv};
+        BodyEmitter e{lb, l, lanes, ptrs, cs, cv};
+        e.packHalves = true;
         Value sq = e.emit(body, iv);
         scf::YieldOp::create(lb, l,
                              ValueRange{arith::AddFOp::create(lb, l, iter[0], sq)});
@@ -176,11 +190,12 @@ struct ConvertZKToCPU
     SmallVector<IsaInfo> variants;
     SmallVector<std::string> names(isas.begin(), isas.end());
     if (names.empty())
-      names = {"avx512", "avx2"};
+      names = {"avx512bf16", "avx512", "avx2"};
     for (const std::string &n : names) {
       auto info = lookupIsa(n);
       if (!info) {
-        m.emitError("unknown ISA variant '") << n << "'; expected avx512 or avx2";
+        m.emitError("unknown ISA variant '")
+            << n << "'; expected avx512bf16, avx512 or avx2";
         return signalPassFailure();
       }
       variants.push_back(*info);
@@ -234,8 +249,14 @@ struct ConvertZKToCPU
       addKernel(ZOPT_KERNEL_PREPARE, ZOPT_ISA_NONE, f.getSymName());
       p.erase();
     }
+    bool onlyNativeBf16 = llvm::all_of(
+        variants, [](const IsaInfo &v) { return v.nativeBf16; });
     for (auto k : llvm::make_early_inc_range(m.getOps<zk::KernelOp>())) {
+      bool bf16Update =
+          k.getRole() == zk::KernelRole::update && storesBf16(k);
       for (const IsaInfo &isa : variants) {
+        if (isa.nativeBf16 && !bf16Update && !onlyNativeBf16)
+          continue; // would be identical to the avx512 variant
         if (desc.num_kernels >= ZOPT_MAX_KERNELS) {
           k.emitError("too many kernels for the descriptor");
           return signalPassFailure();

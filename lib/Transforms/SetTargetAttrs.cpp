@@ -16,7 +16,12 @@ struct ZoptSetTargetAttrs
     getOperation().walk([&](LLVM::LLVMFuncOp f) {
       StringRef name = f.getSymName();
       const char *cpu = nullptr, *width = nullptr;
-      if (name.ends_with("_avx512")) {
+      if (name.ends_with("_avx512bf16")) {
+        cpu = "x86-64-v4";
+        width = "512";
+        f.setTargetFeaturesAttr(
+            LLVM::TargetFeaturesAttr::get(ctx, "+avx512bf16"));
+      } else if (name.ends_with("_avx512")) {
         cpu = "x86-64-v4";
         width = "512";
       } else if (name.ends_with("_avx2")) {

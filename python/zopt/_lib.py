@@ -78,6 +78,7 @@ class Isa(enum.IntEnum):
     NONE = 0
     AVX2 = 1
     AVX512 = 2
+    AVX512BF16 = 3
 
 
 STATE_NAMES = {k: k.name.lower() for k in StateKind}

@@ -1,10 +1,10 @@
 // loader.cpp - zopt_step_load: dlopen a step.so, validate its descriptor,
 // resolve its kernels and pick the best ISA variant for this CPU.
 #include "internal.h"
+#include "zopt/cpu.h"
 
 #include <dlfcn.h>
 #include <link.h>
-#include <cpuid.h>
 #include <sys/stat.h>
 #include <cerrno>
 #include <cstdio>
@@ -18,33 +18,9 @@ namespace {
 
 bool nul_terminated(const char *s, size_t n) { return memchr(s, 0, n) != nullptr; }
 
-// F16C via CPUID (leaf 1, ECX bit 29): clang's __builtin_cpu_supports has no
-// "f16c" feature string.
-bool cpu_has_f16c() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid(1, &a, &b, &c, &d)) return false;
-  return (c >> 29) & 1u;
-}
+bool cpu_has(zopt_isa isa) { return zopt_cpu_runs_isa(isa) != 0; }
 
-bool cpu_has(zopt_isa isa) {
-  __builtin_cpu_init();
-  switch (isa) {
-    case ZOPT_ISA_NONE: return true;
-    case ZOPT_ISA_AVX2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-             cpu_has_f16c();
-    case ZOPT_ISA_AVX512:
-      return cpu_has(ZOPT_ISA_AVX2) && __builtin_cpu_supports("avx512f") &&
-             __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512dq") &&
-             __builtin_cpu_supports("avx512vl");
-  }
-  return false;
-}
-
-const char *isa_name(uint32_t i) {
-  return i == ZOPT_ISA_AVX512 ? "avx512" : i == ZOPT_ISA_AVX2 ? "avx2" : "none";
-}
+const char *isa_name(uint32_t i) { return zopt_isa_name(i); }
 
 // Validates every field of a descriptor whose magic/version/size/checksum
 // already passed. Returns ZOPT_OK or an ABI error with a message.
@@ -117,7 +93,7 @@ zopt_status validate_fields(const zopt_step_descriptor *d) {
     if (k.device == ZOPT_PLACE_CPU) {
       if (k.role < ZOPT_KERNEL_PREPARE || k.role > ZOPT_KERNEL_SUMSQ)
         return fail(ZOPT_ERR_ABI, "kernel %u: role %u out of range", i, k.role);
-      if (k.isa > ZOPT_ISA_AVX512)
+      if (k.isa > ZOPT_ISA_MAX)
         return fail(ZOPT_ERR_ABI, "kernel %u: isa %u out of range", i, k.isa);
     } else {
       // GPU entries (abi.h "GPU kernels"): images carry the SM number in
@@ -205,16 +181,13 @@ ZOPT_API zopt_status zopt_step_load(const char *path, zopt_step **out) {
     return fail(ZOPT_ERR_IO, "step '%s' is not a regular file", path);
 
   // ZOPT_CPU override, validated before loading anything.
-  int max_isa = ZOPT_ISA_AVX512;
-  while (max_isa > 0 && !cpu_has((zopt_isa)max_isa)) --max_isa;
+  int max_isa = (int)zopt_cpu_best_isa();
   if (const char *env = getenv("ZOPT_CPU")) {
     if (*env) {
-      int want;
-      if (!strcmp(env, "avx512")) want = ZOPT_ISA_AVX512;
-      else if (!strcmp(env, "avx2")) want = ZOPT_ISA_AVX2;
-      else if (!strcmp(env, "none") || !strcmp(env, "baseline")) want = ZOPT_ISA_NONE;
-      else
-        return fail(ZOPT_ERR_INVALID_ARGUMENT, "ZOPT_CPU='%s' is not one of avx512, avx2, none", env);
+      int want = zopt_isa_from_name(env);
+      if (want < 0)
+        return fail(ZOPT_ERR_INVALID_ARGUMENT,
+                    "ZOPT_CPU='%s' is not one of avx512bf16, avx512, avx2, none", env);
       if (!cpu_has((zopt_isa)want))
         return fail(ZOPT_ERR_UNSUPPORTED, "ZOPT_CPU=%s but this CPU lacks %s", env, env);
       max_isa = want;

@@ -11,6 +11,7 @@
 //
 //===----------------------------------------------------------------------===//
 #include "zopt/zopt.h"
+#include "zopt/cpu.h"
 
 #include <algorithm>
 #include <chrono>
@@ -140,9 +141,7 @@ int main(int argc, char **argv) {
   zopt_step *step = nullptr;
   CHECK_Z(zopt_step_load(path, &step));
   const zopt_step_descriptor *d = zopt_step_get_descriptor(step);
-  const char *isa = zopt_step_isa(step) == ZOPT_ISA_AVX512 ? "avx512"
-                    : zopt_step_isa(step) == ZOPT_ISA_AVX2 ? "avx2"
-                                                           : "baseline";
+  const char *isa = zopt_isa_name(zopt_step_isa(step));
   std::printf("step %s (ABI %u, ZeRO stage %u, align %u), kernels: %s, "
               "%d threads\n",
               d->name, d->abi_version, d->zero_stage, d->align, isa, threads);

@@ -1,9 +1,12 @@
 // RUN: zopt-opt %s --convert-zk-to-cpu="isas=avx512,avx2" | FileCheck %s
+// RUN: zopt-opt %s --convert-zk-to-cpu | FileCheck %s --check-prefix=BF16
 
-// One function per kernel and ISA, with the C ABI of abi.h; a vector loop at
-// the ISA's width and a scalar tail loop; bf16 stores round to nearest even
-// in integer arithmetic (add 0x7FFF + lsb, keep the high half, NaN -> quiet
-// NaN); the descriptor becomes the exported zopt_step_descriptor constant.
+// One function per kernel and ISA, with the C ABI of abi.h; a vector loop of
+// two registers per iteration for updates (one for sums of squares) and a
+// scalar tail loop; bf16 loads widen by interleaving with zero, bf16 stores
+// round to nearest even in integer arithmetic (add 0x7FFF + lsb, NaN -> set
+// the quiet bit) and keep the high halves with one shuffle; the descriptor
+// becomes the exported zopt_step_descriptor constant.
 
 zk.descriptor {name = "t", zero_stage = 0 : i64, align = 1 : i64, flags = 4 : i64,
   max_norm = 0.0 : f64, num_coeffs = 1 : i64,
@@ -26,20 +29,45 @@ zk.prepare @t_prepare {
 
 // CHECK-LABEL: func.func @t_update_avx512(%{{.+}}: !llvm.ptr, %{{.+}}: i64, %{{.+}}: !llvm.ptr)
 // CHECK-SAME: zopt.isa = "avx512"
-// CHECK: scf.for
-// CHECK: llvm.load %{{.+}} {alignment = 2 : i64} : !llvm.ptr -> vector<16xi16>
-// CHECK: arith.shli %{{.+}}, %{{.+}} : vector<16xi32>
-// CHECK: arith.bitcast %{{.+}} : vector<16xi32> to vector<16xf32>
-// CHECK: arith.subf %{{.+}}, %{{.+}} : vector<16xf32>
-// CHECK: arith.constant dense<32767> : vector<16xi32>
+// CHECK: scf.for %{{.+}} step %c32_i64
+// CHECK: llvm.load %{{.+}} {alignment = 2 : i64} : !llvm.ptr -> vector<32xi16>
+// CHECK: vector.shuffle %{{.+}}, %{{.+}} [32, 0, 32, 1, {{.+}}, 32, 31] : vector<32xi16>, vector<32xi16>
+// CHECK: vector.bitcast %{{.+}} : vector<64xi16> to vector<32xf32>
+// CHECK: arith.subf %{{.+}}, %{{.+}} : vector<32xf32>
+// CHECK-NOT: call_intrinsic
+// CHECK: arith.constant dense<32767> : vector<32xi32>
+// CHECK: arith.constant dense<4194304> : vector<32xi32>
 // CHECK: arith.cmpf uno
-// CHECK: arith.trunci %{{.+}} : vector<16xi32> to vector<16xi16>
-// CHECK: llvm.store %{{.+}}, %{{.+}} {alignment = 2 : i64} : vector<16xi16>, !llvm.ptr
+// CHECK: vector.bitcast %{{.+}} : vector<32xi32> to vector<64xi16>
+// CHECK: vector.shuffle %{{.+}}, %{{.+}} [1, 3, 5, {{.+}}, 61, 63] : vector<64xi16>, vector<64xi16>
+// CHECK: llvm.store %{{.+}}, %{{.+}} {alignment = 2 : i64} : vector<32xi16>, !llvm.ptr
 // CHECK: scf.for
 // CHECK: llvm.load %{{.+}} {alignment = 2 : i64} : !llvm.ptr -> i16
 // CHECK: llvm.store %{{.+}}, %{{.+}} {alignment = 2 : i64} : i16, !llvm.ptr
 // CHECK-LABEL: func.func @t_update_avx2
-// CHECK: vector<8xi16>
+// CHECK: vector<16xi16>
+
+// By default a third variant of the bf16-storing update: subnormal lanes
+// found with VFPCLASSPS send the vector down the integer path, else one
+// VCVTNE2PS2BF16 rounds both halves. The sumsq kernel stores nothing, so its
+// best variant stays avx512.
+// BF16-LABEL: func.func @t_update_avx512bf16(
+// BF16-SAME: zopt.isa = "avx512bf16"
+// BF16: scf.for
+// BF16: llvm.call_intrinsic "llvm.x86.avx512.fpclass.ps.512"(%{{.+}}, %{{.+}}) : (vector<16xf32>, i32) -> vector<16xi1>
+// BF16: llvm.call_intrinsic "llvm.x86.avx512.fpclass.ps.512"
+// BF16: vector.reduction <or>, %{{.+}} : vector<16xi1> into i1
+// BF16: scf.if %{{.+}} -> (vector<32xi16>) {
+// BF16: arith.cmpf uno
+// BF16: } else {
+// BF16: llvm.call_intrinsic "llvm.x86.avx512bf16.cvtne2ps2bf16.512"(%{{.+}}, %{{.+}}) : (vector<16xf32>, vector<16xf32>) -> vector<32xbf16>
+// BF16: arith.bitcast %{{.+}} : vector<32xbf16> to vector<32xi16>
+// BF16: llvm.store %{{.+}}, %{{.+}} {alignment = 2 : i64} : vector<32xi16>, !llvm.ptr
+// BF16-LABEL: func.func @t_update_avx512(
+// BF16-LABEL: func.func @t_update_avx2(
+// BF16-NOT: func.func @t_sumsq_avx512bf16
+// BF16-LABEL: func.func @t_sumsq_avx512(
+// BF16-NOT: func.func @t_sumsq_avx512bf16
 zk.kernel @t_update update {
   %p = zk.load 0 : bf16
   %g = zk.load 1 : bf16

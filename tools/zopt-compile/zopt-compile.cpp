@@ -54,8 +54,10 @@ static cl::opt<std::string> compileTo(
     cl::init(""), cl::cat(cat));
 static cl::opt<std::string>
     cpu("cpu",
-        cl::desc("CPU variants to emit: auto (AVX-512 and AVX2, picked at load "
-                 "time), x86-64-v4 (AVX-512 only), x86-64-v3 (AVX2 only)"),
+        cl::desc("CPU variants to emit: auto (AVX-512 with AVX512_BF16, "
+                 "AVX-512 and AVX2, the best picked at load time), "
+                 "avx512bf16 (that one only), x86-64-v4 (AVX-512 only), "
+                 "x86-64-v3 (AVX2 only)"),
         cl::init("auto"), cl::cat(cat));
 static cl::list<std::string>
     gpuArchs("gpu",
@@ -98,13 +100,16 @@ int main(int argc, char **argv) {
 
   std::vector<std::string> isas;
   if (cpu == "auto")
-    isas = {"avx512", "avx2"};
+    isas = {"avx512bf16", "avx512", "avx2"};
+  else if (cpu == "avx512bf16")
+    isas = {"avx512bf16"};
   else if (cpu == "x86-64-v4" || cpu == "avx512")
     isas = {"avx512"};
   else if (cpu == "x86-64-v3" || cpu == "avx2")
     isas = {"avx2"};
   else
-    return fail("unknown --cpu='" + cpu + "'; expected auto, x86-64-v4 or x86-64-v3");
+    return fail("unknown --cpu='" + cpu +
+                "'; expected auto, avx512bf16, x86-64-v4 or x86-64-v3");
 
   std::optional<zopt::Phase> last;
   if (!compileTo.empty()) {

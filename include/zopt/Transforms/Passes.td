@@ -81,12 +81,16 @@ def ConvertZKToCPU : Pass<"convert-zk-to-cpu", "ModuleOp"> {
   let summary = "Generates vectorized CPU functions from zk kernels";
   let description = [{
     Each `zk.kernel` becomes one function per ISA variant with the C ABI of
-    runtime/include/zopt/abi.h: an `scf.for` over full vectors at the
-    variant's width (16 x f32 for AVX-512, 8 x f32 for AVX2) and a scalar
-    tail. bf16 loads widen exactly by shifting; bf16 stores round to nearest
-    even in integer arithmetic (bit-exact, NaN-preserving); f16 uses the
-    hardware conversions. `zk.prepare` becomes an f64 host function, and
-    `zk.descriptor` the exported `zopt_step_descriptor` constant.
+    runtime/include/zopt/abi.h: an `scf.for` over full vectors and a scalar
+    tail. Update kernels take two registers' worth per iteration (32 x f32
+    for AVX-512, 16 x f32 for AVX2), sum-of-squares kernels one. bf16 loads
+    widen exactly by a shuffle with zero; bf16 stores round to nearest even
+    in integer arithmetic (bit-exact, NaN-preserving) and pack two registers
+    with one shuffle; f16 uses the hardware conversions. The `avx512bf16`
+    variant (only for update kernels that store bf16) rounds with the
+    hardware conversion instead, falling back to the integer form for a
+    vector holding a subnormal. `zk.prepare` becomes an f64 host function,
+    and `zk.descriptor` the exported `zopt_step_descriptor` constant.
 
     ```mlir
     zk.kernel @k update { ... }
@@ -97,7 +101,7 @@ def ConvertZKToCPU : Pass<"convert-zk-to-cpu", "ModuleOp"> {
   }];
   let options = [
     ListOption<"isas", "isas", "std::string",
-               "ISA variants to emit: avx512, avx2 (default: both)">
+               "ISA variants to emit: avx512bf16, avx512, avx2 (default: all)">
   ];
   let dependentDialects = ["::mlir::func::FuncDialect", "::mlir::scf::SCFDialect",
                            "::mlir::LLVM::LLVMDialect", "::mlir::vector::VectorDialect",
@@ -166,7 +170,8 @@ def ZoptSetTargetAttrs : Pass<"zopt-set-target-attrs", "ModuleOp"> {
   let description = [{
     After conversion to the LLVM dialect, a function tagged
     `zopt.isa = "avx512"` gets `target_cpu = "x86-64-v4"` (and a 512-bit
-    minimum legal vector width), `"avx2"` gets `x86-64-v3`: one object file
+    minimum legal vector width), `"avx512bf16"` the same plus the
+    `+avx512bf16` target feature, `"avx2"` gets `x86-64-v3`: one object file
     carries every variant and the runtime picks by CPU features.
 
     ```mlir

@@ -117,12 +117,17 @@ typedef enum zopt_kernel_role {
   ZOPT_KERNEL_GPU_IMAGE = 4, /* a GPU code image; see "GPU kernels" below */
 } zopt_kernel_role;
 
-/* Instruction-set variant of a CPU kernel. The runtime picks the best one
- * the CPU supports; NONE means baseline x86-64 (used for PREPARE). */
+/* Instruction-set variant of a CPU kernel. Each value's instructions are a
+ * superset of the one before, so the runtime picks the highest variant the
+ * CPU supports (zopt/cpu.h); NONE means baseline x86-64 (used for PREPARE).
+ * AVX512BF16 variants are emitted only for kernels that store bf16 (they
+ * round with VCVTNEPS2BF16); other kernels' best variant is AVX512. */
 typedef enum zopt_isa {
   ZOPT_ISA_NONE = 0,
-  ZOPT_ISA_AVX2 = 1,   /* x86-64-v3: AVX2, FMA, F16C */
-  ZOPT_ISA_AVX512 = 2, /* x86-64-v4: AVX-512 F/BW/DQ/VL */
+  ZOPT_ISA_AVX2 = 1,       /* x86-64-v3: AVX2, FMA, F16C */
+  ZOPT_ISA_AVX512 = 2,     /* x86-64-v4: AVX-512 F/BW/DQ/VL */
+  ZOPT_ISA_AVX512BF16 = 3, /* x86-64-v4 + AVX512_BF16 */
+  ZOPT_ISA_MAX = ZOPT_ISA_AVX512BF16,
 } zopt_isa;
 
 typedef void (*zopt_prepare_fn)(const double *hypers, const double *globals,

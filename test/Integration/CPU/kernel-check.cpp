@@ -53,6 +53,7 @@
 //===----------------------------------------------------------------------===//
 
 #include "zopt/abi.h"
+#include "zopt/cpu.h"
 
 #include <dlfcn.h>
 
@@ -246,20 +247,9 @@ struct Step {
   std::vector<std::pair<uint32_t, zopt_sumsq_fn>> sumsqs;
 };
 
-const char *isaName(uint32_t isa) {
-  return isa == ZOPT_ISA_AVX512 ? "avx512" : isa == ZOPT_ISA_AVX2 ? "avx2" : "baseline";
-}
+const char *isaName(uint32_t isa) { return zopt_isa_name(isa); }
 
-bool cpuRuns(uint32_t isa) {
-  __builtin_cpu_init();
-  if (isa == ZOPT_ISA_AVX512)
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  if (isa == ZOPT_ISA_AVX2)
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
-  return true;
-}
+bool cpuRuns(uint32_t isa) { return zopt_cpu_runs_isa(isa) != 0; }
 
 // Fills the descriptor-ordered hyperparameter array.
 std::vector<double> hyperArray(const Step &st, const Hypers &h) {
