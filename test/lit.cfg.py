@@ -59,4 +59,6 @@ def cuda_gpu_present():
         return False
 if cuda_gpu_present():
     config.available_features.add("cuda-gpu")
-llvm_config.add_tool_substitutions(["zopt-gpu-check"], tool_dirs)
+llvm_config.add_tool_substitutions(["zopt-gpu-check", "zopt-gpu-host-check"], tool_dirs)
+# The stand-in CUDA driver of test/Integration/GPUHost.
+config.substitutions.append(("%fake_cuda", os.path.join(config.zopt_obj_root, "lib", "libzopt-fake-cuda.so")))

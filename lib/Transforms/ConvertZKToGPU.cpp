@@ -9,6 +9,7 @@
 //   <step>_sumsq(states, segs, num_segments, coeffs, partials, sg,
 //                hypers, globals, num_groups)          (if a sumsq kernel)
 //   <step>_update(states, segs, num_segments, coeffs, sg)
+//   <step>_finish(globals, num_groups, sg, scaler)
 //
 // The update is ONE persistent grid-stride launch over a segment table; the
 // kernel body is the shared BodyEmitter at 16 bytes per access of the
@@ -101,6 +102,17 @@ constexpr int64_t kSgNorm = offsetof(zopt_gpu_step_globals, norm) / 8;
 constexpr int64_t kSgNonfinite = offsetof(zopt_gpu_step_globals, nonfinite) / 4;
 constexpr int64_t kSgSkip = offsetof(zopt_gpu_step_globals, skip) / 4;
 constexpr int64_t kSgDone = offsetof(zopt_gpu_step_globals, blocks_done) / 4;
+constexpr int64_t kSgApplied = offsetof(zopt_gpu_step_globals, steps_applied) / 4;
+/// Layout of zopt_gpu_scaler, in units of the field's type.
+constexpr int64_t kScScale = offsetof(zopt_gpu_scaler, scale) / 8;
+constexpr int64_t kScGrowth = offsetof(zopt_gpu_scaler, growth_factor) / 8;
+constexpr int64_t kScBackoff = offsetof(zopt_gpu_scaler, backoff_factor) / 8;
+constexpr int64_t kScMin = offsetof(zopt_gpu_scaler, min_scale) / 8;
+constexpr int64_t kScInterval = offsetof(zopt_gpu_scaler, growth_interval) / 8;
+constexpr int64_t kScGood = offsetof(zopt_gpu_scaler, good_steps) / 8;
+constexpr int64_t kScLast = offsetof(zopt_gpu_scaler, last_scale) / 8;
+constexpr int64_t kScDynamic = offsetof(zopt_gpu_scaler, dynamic) / 4;
+static_assert(sizeof(zopt_gpu_scaler) == 64, "scaler layout");
 static_assert(sizeof(zopt_gpu_segment) == 16, "segment layout");
 
 struct KernelInfo {
@@ -430,7 +442,8 @@ static void buildSumsqKernel(OpBuilder &gb, zk::KernelOp k, const Step &st) {
                                       g.f64(std::numeric_limits<double>::infinity()));
     Value nonfinite = arith::ExtUIOp::create(
         b, loc, i32, arith::OrIOp::create(b, loc, nan, inf));
-    Value skip = (st.flags & ZOPT_FLAG_LOSS_SCALE) ? nonfinite : g.i32(0);
+    // A non-finite norm skips the whole step, as on the CPU.
+    Value skip = nonfinite;
     LLVM::StoreOp::create(b, loc, s, g.gepc(f64, sg, kSgSumsq));
     LLVM::StoreOp::create(b, loc, norm, g.gepc(f64, sg, kSgNorm));
     LLVM::StoreOp::create(b, loc, clip, g.gepc(f64, sg, kSgClip));
@@ -448,6 +461,125 @@ static void buildSumsqKernel(OpBuilder &gb, zk::KernelOp k, const Step &st) {
     b.setInsertionPoint(gl.getBody()->getTerminator());
     emitPrepareForGroup(g, st, hypers, globals, coeffs, gl.getInductionVar(),
                         clip);
+  }
+  b.setInsertionPointToEnd(&entry);
+  gpu::ReturnOp::create(b, loc);
+}
+
+/// FINISH: the step's bookkeeping on the device (abi.h): step counts, the
+/// dynamic loss scaler and 1/S in the globals table. Thread 0 of block 0.
+static void buildFinishKernel(OpBuilder &gb, Location loc, const Step &st) {
+  OpBuilder::InsertionGuard guard(gb);
+  MLIRContext *ctx = gb.getContext();
+  Type ptr = LLVM::LLVMPointerType::get(ctx), i64 = gb.getI64Type(),
+       f64 = gb.getF64Type(), i32 = gb.getI32Type();
+  auto fn = makeKernel(gb, loc, st.name + "_finish", {ptr, i64, ptr, ptr});
+  Block &entry = fn.getBody().front();
+  Value globals = entry.getArgument(0), ngroups = entry.getArgument(1),
+        sgGeneric = entry.getArgument(2), scGeneric = entry.getArgument(3);
+  OpBuilder b = OpBuilder::atBlockEnd(&entry);
+  G g{b, loc};
+  globals = g.toGlobal(globals);
+  Value sg = g.toGlobal(sgGeneric), sc = g.toGlobal(scGeneric);
+  auto isNull = [&](Value p) {
+    return LLVM::ICmpOp::create(b, loc, LLVM::ICmpPredicate::eq, p,
+                                LLVM::ZeroOp::create(b, loc, ptr));
+  };
+  Value first = arith::AndIOp::create(
+      b, loc,
+      arith::CmpIOp::create(b, loc, arith::CmpIPredicate::eq, g.tid(), g.i64(0)),
+      arith::CmpIOp::create(b, loc, arith::CmpIPredicate::eq, g.bid(), g.i64(0)));
+  auto t0 = scf::IfOp::create(b, loc, first, /*withElse=*/false);
+  b.setInsertionPoint(t0.thenBlock()->getTerminator());
+
+  // skip = sg ? sg->skip : 0
+  Value sgNull = isNull(sgGeneric);
+  auto skipIf = scf::IfOp::create(
+      b, loc, sgNull,
+      [&](OpBuilder &tb, Location l) {
+        scf::YieldOp::create(tb, l, ValueRange{G{tb, l}.i32(0)});
+      },
+      [&](OpBuilder &eb, Location l) {
+        G ge{eb, l};
+        scf::YieldOp::create(
+            eb, l, ValueRange{ge.load(i32, ge.gepc(i32, sg, kSgSkip))});
+      });
+  Value skip = arith::CmpIOp::create(b, loc, arith::CmpIPredicate::ne,
+                                     skipIf.getResult(0), g.i32(0));
+  Value applied = arith::XOrIOp::create(
+      b, loc, skip, arith::ConstantOp::create(b, loc, b.getBoolAttr(true)));
+  auto stepIf = scf::IfOp::create(b, loc, applied, /*withElse=*/false);
+  {
+    OpBuilder::InsertionGuard ig(b);
+    b.setInsertionPoint(stepIf.thenBlock()->getTerminator());
+    auto loop = scf::ForOp::create(b, loc, g.i64(0), ngroups, g.i64(1));
+    {
+      OpBuilder::InsertionGuard lg(b);
+      b.setInsertionPoint(loop.getBody()->getTerminator());
+      Value p = g.gep(f64, globals,
+                      g.add(g.mul(loop.getInductionVar(), g.i64(ZOPT_NUM_GLOBALS)),
+                            g.i64(ZOPT_GLOBAL_STEP)));
+      LLVM::StoreOp::create(
+          b, loc, arith::AddFOp::create(b, loc, g.load(f64, p), g.f64(1.0)), p);
+    }
+    auto cnt = scf::IfOp::create(
+        b, loc,
+        arith::XOrIOp::create(b, loc, sgNull,
+                              arith::ConstantOp::create(b, loc, b.getBoolAttr(true))),
+        /*withElse=*/false);
+    b.setInsertionPoint(cnt.thenBlock()->getTerminator());
+    Value p = g.gepc(i32, sg, kSgApplied);
+    LLVM::StoreOp::create(b, loc, g.add(g.load(i32, p), g.i32(1)), p);
+  }
+
+  if (st.flags & ZOPT_FLAG_LOSS_SCALE) {
+    auto scIf = scf::IfOp::create(
+        b, loc,
+        arith::XOrIOp::create(b, loc, isNull(scGeneric),
+                              arith::ConstantOp::create(b, loc, b.getBoolAttr(true))),
+        /*withElse=*/false);
+    b.setInsertionPoint(scIf.thenBlock()->getTerminator());
+    auto fld = [&](Type t, int64_t i) { return g.gepc(t, sc, i); };
+    Value scale = g.load(f64, fld(f64, kScScale));
+    LLVM::StoreOp::create(b, loc, scale, fld(f64, kScLast));
+    Value good = g.load(i64, fld(i64, kScGood));
+    Value dynamic = arith::CmpIOp::create(b, loc, arith::CmpIPredicate::ne,
+                                          g.load(i32, fld(i32, kScDynamic)),
+                                          g.i32(0));
+    // Skipped: back off, never below min_scale.
+    Value minS = g.load(f64, fld(f64, kScMin));
+    Value backed = arith::MulFOp::create(b, loc, scale,
+                                         g.load(f64, fld(f64, kScBackoff)));
+    Value backedC = arith::SelectOp::create(
+        b, loc,
+        arith::CmpFOp::create(b, loc, arith::CmpFPredicate::OLT, backed, minS),
+        minS, backed);
+    // Applied: grow after growth_interval good steps, if the result is finite.
+    Value good1 = g.add(good, g.i64(1));
+    Value grow = arith::CmpIOp::create(b, loc, arith::CmpIPredicate::sge, good1,
+                                       g.load(i64, fld(i64, kScInterval)));
+    Value grown = arith::MulFOp::create(b, loc, scale,
+                                        g.load(f64, fld(f64, kScGrowth)));
+    Value finite = arith::CmpFOp::create(
+        b, loc, arith::CmpFPredicate::OLT, math::AbsFOp::create(b, loc, grown),
+        g.f64(std::numeric_limits<double>::infinity()));
+    Value applyScale = arith::SelectOp::create(
+        b, loc, arith::AndIOp::create(b, loc, grow, finite), grown, scale);
+    Value applyGood = arith::SelectOp::create(b, loc, grow, g.i64(0), good1);
+    Value newScale = arith::SelectOp::create(b, loc, skip, backedC, applyScale);
+    Value newGood = arith::SelectOp::create(b, loc, skip, g.i64(0), applyGood);
+    newScale = arith::SelectOp::create(b, loc, dynamic, newScale, scale);
+    newGood = arith::SelectOp::create(b, loc, dynamic, newGood, good);
+    LLVM::StoreOp::create(b, loc, newScale, fld(f64, kScScale));
+    LLVM::StoreOp::create(b, loc, newGood, fld(i64, kScGood));
+    Value inv = arith::DivFOp::create(b, loc, g.f64(1.0), newScale);
+    auto loop = scf::ForOp::create(b, loc, g.i64(0), ngroups, g.i64(1));
+    b.setInsertionPoint(loop.getBody()->getTerminator());
+    LLVM::StoreOp::create(
+        b, loc, inv,
+        g.gep(f64, globals,
+              g.add(g.mul(loop.getInductionVar(), g.i64(ZOPT_NUM_GLOBALS)),
+                    g.i64(ZOPT_GLOBAL_INV_LOSS_SCALE))));
   }
   b.setInsertionPointToEnd(&entry);
   gpu::ReturnOp::create(b, loc);
@@ -537,6 +669,8 @@ struct ConvertZKToGPU
       }
       k.erase();
     }
+    buildFinishKernel(gb, d.getLoc(), st);
+    entry(ZOPT_KERNEL_FINISH, st.name + "_finish");
     d->setAttr("zopt.gpu_kernels", ArrayAttr::get(ctx, entries));
     d->setAttr("zopt.gpu_images", ArrayAttr::get(ctx, images));
   }

@@ -358,8 +358,9 @@ class Optimizer:
         self._refresh_grads()
         self._push_hypers()
         if self._on_cuda():
-            # GPU steps enqueue on PyTorch's current stream (no host sync
-            # without loss scaling; read the norm with gpu_result()).
+            # GPU steps only enqueue on PyTorch's current stream (no host
+            # sync; the step returns (nan, False): read the outcome with
+            # gpu_result()).
             check(self._lib.zopt_optimizer_set_stream(
                 self._h, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)),
                 "zopt_optimizer_set_stream")

@@ -101,11 +101,27 @@ ZOPT_API zopt_status zopt_optimizer_save(const zopt_optimizer *o, const char *pa
   if (!o) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_save: optimizer is NULL");
   if (!path || !*path) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_save: path is NULL or empty");
   if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_save: call zopt_optimizer_finalize first");
-  if (o->gpu)
-    return fail(ZOPT_ERR_UNSUPPORTED,
-                "zopt_optimizer_save: checkpoints of GPU steps are not implemented yet (read/write the states "
-                "with zopt_optimizer_read_state_raw/write_state_raw)");
+  if (o->gpu)  // step counts and scaler from the device (waits for the stream)
+    if (zopt_status st = gpu_pull(const_cast<zopt_optimizer *>(o))) return st;
   const zopt_step_descriptor *d = o->d;
+  // The bytes of state s of tensor t: in place for CPU states, staged
+  // through `staging` for GPU ones (each state is read twice, for the
+  // header's checksum and for the data, so no whole-model host copy).
+  std::vector<unsigned char> staging;
+  auto state_bytes = [&](size_t t, uint32_t s, const void **out) -> zopt_status {
+    size_t bytes = (size_t)o->tensors[t].numel * dtype_size(d->states[s].dtype);
+    if (!o->gpu) {
+      *out = state_ptr(o, (int)t, (int)s);
+      return ZOPT_OK;
+    }
+    try {
+      staging.resize(bytes);
+    } catch (...) {
+      return fail(ZOPT_ERR_OUT_OF_MEMORY, "zopt_optimizer_save: out of host memory");
+    }
+    *out = staging.data();
+    return gpu_copy(o, (int)t, (int)s, staging.data(), bytes, false);
+  };
   Writer w;
   try {
     w.bytes(kMagic, 8);
@@ -153,7 +169,9 @@ ZOPT_API zopt_status zopt_optimizer_save(const zopt_optimizer *o, const char *pa
         w.put<uint32_t>(d->states[s].dtype);
         w.put<uint64_t>(bytes);
         w.put<uint64_t>(off);
-        w.put<uint64_t>(fnv1a64(state_ptr(o, (int)t, (int)s), bytes));
+        const void *p = nullptr;
+        if (zopt_status st = state_bytes(t, s, &p)) return st;
+        w.put<uint64_t>(fnv1a64(p, bytes));
         off = (off + bytes + kDataAlign - 1) / kDataAlign * kDataAlign;
       }
     }
@@ -190,7 +208,12 @@ ZOPT_API zopt_status zopt_optimizer_save(const zopt_optimizer *o, const char *pa
       if (!is_owned_kind(d->states[s].kind)) continue;
       if (!pad_to((pos + kDataAlign - 1) / kDataAlign * kDataAlign)) return io_fail("cannot write");
       size_t bytes = (size_t)o->tensors[t].numel * dtype_size(d->states[s].dtype);
-      const void *p = state_ptr(o, (int)t, (int)s);
+      const void *p = nullptr;
+      if (zopt_status st = state_bytes(t, s, &p)) {
+        ::close(fd);
+        ::unlink(tmp.c_str());
+        return st;
+      }
       h = fnv1a64(p, bytes, h);
       if (!write_all(fd, p, bytes)) return io_fail("cannot write");
       pos += bytes;
@@ -225,10 +248,6 @@ ZOPT_API zopt_status zopt_optimizer_load(zopt_optimizer *o, const char *path) {
   if (!o) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_load: optimizer is NULL");
   if (!path || !*path) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_load: path is NULL or empty");
   if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_load: call zopt_optimizer_finalize first");
-  if (o->gpu)
-    return fail(ZOPT_ERR_UNSUPPORTED,
-                "zopt_optimizer_load: checkpoints of GPU steps are not implemented yet (read/write the states "
-                "with zopt_optimizer_read_state_raw/write_state_raw)");
   const zopt_step_descriptor *d = o->d;
 
   // 1. Read the whole file (64-byte aligned buffer).
@@ -393,19 +412,37 @@ ZOPT_API zopt_status zopt_optimizer_load(zopt_optimizer *o, const char *path) {
     }
   }
 
-  // 4. Apply (cannot fail from here on).
+  // 4. Apply. Cannot fail for CPU states; GPU states go through a host
+  // staging buffer and a copy, which fails only if the device does (then
+  // the optimizer's state is undefined: the CUDA context is unusable).
+  std::vector<unsigned char> staging;
+  if (o->gpu) {
+    size_t most = 0;
+    for (uint32_t t = 0; t < ntensors; ++t)
+      for (uint32_t s = 0; s < d->num_states; ++s)
+        if (is_owned_kind(d->states[s].kind))
+          most = std::max(most, (size_t)tensors[t].numel * dtype_size(d->states[s].dtype));
+    try {
+      staging.resize(most);
+    } catch (...) {
+      return ck_fail(path, "out of host memory for staging");
+    }
+  }
   for (uint32_t t = 0; t < ntensors; ++t) {
     for (uint32_t s = 0; s < d->num_states; ++s) {
       uint32_t kind = d->states[s].kind;
       if (!is_owned_kind(kind)) continue;
-      void *dst = state_ptr(o, (int)t, (int)s);
+      size_t bytes = (size_t)tensors[t].numel * dtype_size(d->states[s].dtype);
+      void *dst = o->gpu ? (void *)staging.data() : state_ptr(o, (int)t, (int)s);
       const StateRec *found = nullptr;
       for (const StateRec &sr : tensors[t].states)
         if (sr.kind == kind) found = &sr;
       if (found)
         convert(buf + found->offset, found->dtype, dst, d->states[s].dtype, tensors[t].numel);
       else
-        memset(dst, 0, (size_t)tensors[t].numel * dtype_size(d->states[s].dtype));
+        memset(dst, 0, bytes);
+      if (o->gpu)
+        if (zopt_status st = gpu_copy(o, (int)t, (int)s, dst, bytes, true)) return st;
     }
   }
   for (uint32_t g = 0; g < ngroups; ++g) {
@@ -416,6 +453,10 @@ ZOPT_API zopt_status zopt_optimizer_load(zopt_optimizer *o, const char *path) {
     }
   }
   o->scaler = ls;
+  if (o->gpu) {  // step counts, scaler and hyperparameters to the device
+    gpu_hypers_changed(o);
+    return gpu_push(o);
+  }
   return ZOPT_OK;
 }
 

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <new>
 
 using namespace zopt;
@@ -22,15 +23,21 @@ struct GpuState {
   bool retained = false;  // we retained the device's primary context
   int sm = 0, num_sms = 1, image_sm = 0;
   CUmodule mod = nullptr;
-  CUfunction prepare = nullptr, sumsq = nullptr, update = nullptr;
+  CUfunction prepare = nullptr, sumsq = nullptr, update = nullptr, finish = nullptr;
   CUstream stream = nullptr;  // 0: the legacy default stream
   std::vector<CUdeviceptr> allocs;
-  CUdeviceptr d_states = 0, d_segs = 0, d_hypers = 0, d_globals = 0, d_coeffs = 0, d_partials = 0, d_sg = 0;
-  std::vector<double> h_hypers, h_globals;  // staging of the per-step tables
+  CUdeviceptr d_states = 0, d_segs = 0, d_hypers = 0, d_globals = 0, d_coeffs = 0, d_partials = 0, d_sg = 0,
+              d_scaler = 0;
+  std::vector<double> h_hypers;  // staging of the hyperparameter table
   int64_t num_segments = 0;
   unsigned prepare_grid = 1, sumsq_grid = 1, update_grid = 1;
   bool stepped = false;
-  double last_scale = 1.0;
+  // The running state (step counts, loss scaler) lives on the device once
+  // finalized; `device_ahead` says the host copy in zopt_optimizer is stale
+  // (steps ran since the last gpu_pull), `hypers_dirty` that the device's
+  // hyperparameter table is.
+  bool device_ahead = false;
+  bool hypers_dirty = true;
 };
 
 }  // namespace zopt
@@ -138,13 +145,20 @@ zopt_status gpu_create(zopt_optimizer *o) {
   for (uint32_t i = 0; i < d->num_kernels; ++i) {
     const zopt_kernel_desc &k = d->kernels[i];
     if (k.device != ZOPT_PLACE_GPU || k.role == ZOPT_KERNEL_GPU_IMAGE) continue;
-    CUfunction *slot = k.role == ZOPT_KERNEL_PREPARE ? &g->prepare : k.role == ZOPT_KERNEL_SUMSQ ? &g->sumsq : &g->update;
+    CUfunction *slot = k.role == ZOPT_KERNEL_PREPARE  ? &g->prepare
+                       : k.role == ZOPT_KERNEL_SUMSQ  ? &g->sumsq
+                       : k.role == ZOPT_KERNEL_FINISH ? &g->finish
+                                                      : &g->update;
     if (CUresult r = cu->ModuleGetFunction(slot, g->mod, k.symbol))
       return bail(fail(ZOPT_ERR_ABI, "step '%s': kernel '%s' not in the GPU image: %s", d->name, k.symbol,
                        error_string(r)));
   }
   if (!g->prepare || !g->update || (!g->sumsq && (d->flags & ZOPT_FLAG_SUMSQ)))
     return bail(fail(ZOPT_ERR_ABI, "step '%s': GPU kernel table lacks PREPARE, UPDATE or SUMSQ", d->name));
+  if (!g->finish)
+    return bail(fail(ZOPT_ERR_ABI,
+                     "step '%s': GPU kernel table lacks FINISH (compiled by an older zopt-compile: recompile the step)",
+                     d->name));
   o->gpu = g;
   return ZOPT_OK;
 }
@@ -236,7 +250,6 @@ zopt_status gpu_finalize(zopt_optimizer *o) {
   }
   g->num_segments = (int64_t)S;
   g->h_hypers.assign(std::max<size_t>(G * d->num_hypers, 1), 0.0);
-  g->h_globals.assign(G * ZOPT_NUM_GLOBALS, 0.0);
   const int64_t per_block = (int64_t)kUpdateBlock * 8;
   g->update_grid = (unsigned)std::clamp<int64_t>((max_n + per_block - 1) / per_block, 1, (int64_t)g->num_sms * 8);
   g->sumsq_grid = (unsigned)std::clamp<int64_t>((total + per_block - 1) / per_block, 1,
@@ -246,10 +259,11 @@ zopt_status gpu_finalize(zopt_optimizer *o) {
   if ((st = dalloc(g, ptrs.size() * 8, &g->d_states, "state table")) ||
       (st = dalloc(g, segs.size() * sizeof(zopt_gpu_segment), &g->d_segs, "segment table")) ||
       (st = dalloc(g, g->h_hypers.size() * 8, &g->d_hypers, "hyperparameter table")) ||
-      (st = dalloc(g, g->h_globals.size() * 8, &g->d_globals, "globals table")) ||
+      (st = dalloc(g, G * ZOPT_NUM_GLOBALS * 8, &g->d_globals, "globals table")) ||
       (st = dalloc(g, G * std::max<uint32_t>(d->num_coeffs, 1) * 4, &g->d_coeffs, "coefficient table")) ||
       (st = dalloc(g, (size_t)g->sumsq_grid * 8, &g->d_partials, "norm partials")) ||
-      (st = dalloc(g, sizeof(zopt_gpu_step_globals), &g->d_sg, "step globals")))
+      (st = dalloc(g, sizeof(zopt_gpu_step_globals), &g->d_sg, "step globals")) ||
+      (st = dalloc(g, sizeof(zopt_gpu_scaler), &g->d_scaler, "loss scaler")))
     return undo(st);
   CUresult r = cu->MemcpyHtoDAsync(g->d_states, ptrs.data(), ptrs.size() * 8, s);
   if (!r) r = cu->MemcpyHtoDAsync(g->d_segs, segs.data(), segs.size() * sizeof(zopt_gpu_segment), s);
@@ -257,42 +271,86 @@ zopt_status gpu_finalize(zopt_optimizer *o) {
   if (!r) r = cu->MemsetD8Async(g->d_partials, 0, (size_t)g->sumsq_grid * 8, s);
   if (!r) r = cu->StreamSynchronize(s);
   if (r) return undo(fail(ZOPT_ERR_INTERNAL, "zopt_optimizer_finalize: building device tables: %s", error_string(r)));
+  g->hypers_dirty = true;
+  g->device_ahead = false;
+  if (zopt_status st2 = gpu_push(o)) return undo(st2);
   return ZOPT_OK;
 }
 
-// Reads the device's step globals (synchronizes the optimizer's stream).
-static zopt_status read_sg(GpuState *g, zopt_gpu_step_globals *sg) {
-  CUresult r = g->cu->MemcpyDtoHAsync(sg, g->d_sg, sizeof *sg, g->stream);
+zopt_status gpu_push(zopt_optimizer *o) {
+  GpuState *g = o->gpu;
+  if (!g->d_globals) return ZOPT_OK;  // not finalized: finalize pushes
+  if (zopt_status st = make_current(g)) return st;
+  const zopt_step_descriptor *d = o->d;
+  const bool ls = d->flags & ZOPT_FLAG_LOSS_SCALE;
+  const double S = ls ? o->scaler.scale : 1.0;
+  std::vector<double> globals(o->groups.size() * ZOPT_NUM_GLOBALS);
+  for (size_t gi = 0; gi < o->groups.size(); ++gi) {
+    double *gl = &globals[gi * ZOPT_NUM_GLOBALS];
+    gl[ZOPT_GLOBAL_STEP] = (double)(o->groups[gi].step_count + 1);
+    gl[ZOPT_GLOBAL_CLIP_COEF] = 1.0;
+    gl[ZOPT_GLOBAL_INV_LOSS_SCALE] = 1.0 / S;
+  }
+  zopt_gpu_scaler sc;
+  memset(&sc, 0, sizeof sc);
+  sc.scale = S;
+  sc.last_scale = S;
+  sc.growth_factor = o->scaler.cfg.growth_factor;
+  sc.backoff_factor = o->scaler.cfg.backoff_factor;
+  sc.min_scale = o->scaler.cfg.min_scale;
+  sc.growth_interval = o->scaler.cfg.growth_interval;
+  sc.good_steps = o->scaler.good_steps;
+  sc.dynamic = ls && o->scaler.cfg.dynamic ? 1u : 0u;
+  CUresult r = g->cu->MemcpyHtoDAsync(g->d_globals, globals.data(), globals.size() * 8, g->stream);
+  if (!r) r = g->cu->MemcpyHtoDAsync(g->d_scaler, &sc, sizeof sc, g->stream);
   if (!r) r = g->cu->StreamSynchronize(g->stream);
-  if (r) return fail(ZOPT_ERR_INTERNAL, "reading the GPU step result: %s", error_string(r));
+  if (r) return fail(ZOPT_ERR_INTERNAL, "writing the GPU step state: %s", error_string(r));
+  g->device_ahead = false;
   return ZOPT_OK;
 }
+
+zopt_status gpu_pull(zopt_optimizer *o) {
+  GpuState *g = o->gpu;
+  if (!g->device_ahead) return ZOPT_OK;
+  if (zopt_status st = make_current(g)) return st;
+  std::vector<double> globals(o->groups.size() * ZOPT_NUM_GLOBALS);
+  zopt_gpu_scaler sc;
+  CUresult r = g->cu->MemcpyDtoHAsync(globals.data(), g->d_globals, globals.size() * 8, g->stream);
+  if (!r) r = g->cu->MemcpyDtoHAsync(&sc, g->d_scaler, sizeof sc, g->stream);
+  if (!r) r = g->cu->StreamSynchronize(g->stream);
+  if (r) return fail(ZOPT_ERR_INTERNAL, "reading the GPU step state: %s", error_string(r));
+  for (size_t gi = 0; gi < o->groups.size(); ++gi)
+    o->groups[gi].step_count = (int64_t)globals[gi * ZOPT_NUM_GLOBALS + ZOPT_GLOBAL_STEP] - 1;
+  if (o->d->flags & ZOPT_FLAG_LOSS_SCALE) {
+    o->scaler.scale = sc.scale;
+    o->scaler.good_steps = sc.good_steps;
+  }
+  g->device_ahead = false;
+  return ZOPT_OK;
+}
+
+void gpu_hypers_changed(zopt_optimizer *o) { o->gpu->hypers_dirty = true; }
 
 zopt_status gpu_step(zopt_optimizer *o, zopt_step_result *result) {
   GpuState *g = o->gpu;
   const Driver *cu = g->cu;
   const zopt_step_descriptor *d = o->d;
   if (zopt_status st = make_current(g)) return st;
-  const bool ls = d->flags & ZOPT_FLAG_LOSS_SCALE;
   const bool has_sumsq = d->flags & ZOPT_FLAG_SUMSQ;
-  const double S = ls ? o->scaler.scale : 1.0;
+  const bool ls = d->flags & ZOPT_FLAG_LOSS_SCALE;
   const size_t G = o->groups.size(), H = d->num_hypers;
-  for (size_t gi = 0; gi < G; ++gi) {
-    const Group &gr = o->groups[gi];
-    for (size_t h = 0; h < H; ++h) g->h_hypers[gi * H + h] = gr.hypers[h];
-    double *gl = &g->h_globals[gi * ZOPT_NUM_GLOBALS];
-    gl[ZOPT_GLOBAL_STEP] = (double)(gr.step_count + 1);
-    gl[ZOPT_GLOBAL_CLIP_COEF] = 1.0;
-    gl[ZOPT_GLOBAL_INV_LOSS_SCALE] = 1.0 / S;
-  }
   CUstream s = g->stream;
-  // Pageable sources: the driver stages them before returning, so the
-  // staging vectors may be rewritten by the next step at once.
-  CU_TRY(cu->MemcpyHtoDAsync(g->d_hypers, g->h_hypers.data(), g->h_hypers.size() * 8, s), "cuMemcpyHtoDAsync(hypers)");
-  CU_TRY(cu->MemcpyHtoDAsync(g->d_globals, g->h_globals.data(), g->h_globals.size() * 8, s),
-         "cuMemcpyHtoDAsync(globals)");
+  if (g->hypers_dirty) {
+    // Only when a hyperparameter changed. A pageable source: the driver
+    // stages it before returning, so h_hypers may be rewritten at once.
+    for (size_t gi = 0; gi < G; ++gi)
+      for (size_t h = 0; h < H; ++h) g->h_hypers[gi * H + h] = o->groups[gi].hypers[h];
+    CU_TRY(cu->MemcpyHtoDAsync(g->d_hypers, g->h_hypers.data(), g->h_hypers.size() * 8, s),
+           "cuMemcpyHtoDAsync(hypers)");
+    g->hypers_dirty = false;
+  }
   int64_t ng = (int64_t)G, nseg = g->num_segments;
-  CUdeviceptr no_sg = 0;
+  CUdeviceptr no_ptr = 0;
   {
     void *args[] = {&g->d_hypers, &g->d_globals, &ng, &g->d_coeffs};
     CU_TRY(cu->LaunchKernel(g->prepare, g->prepare_grid, 1, 1, kPrepareBlock, 1, 1, 0, s, args, nullptr),
@@ -305,28 +363,20 @@ zopt_status gpu_step(zopt_optimizer *o, zopt_step_result *result) {
            "launching SUMSQ");
   }
   {
-    void *args[] = {&g->d_states, &g->d_segs, &nseg, &g->d_coeffs, has_sumsq ? &g->d_sg : &no_sg};
+    void *args[] = {&g->d_states, &g->d_segs, &nseg, &g->d_coeffs, has_sumsq ? &g->d_sg : &no_ptr};
     CU_TRY(cu->LaunchKernel(g->update, g->update_grid, 1, 1, kUpdateBlock, 1, 1, 0, s, args, nullptr),
            "launching UPDATE");
   }
-  g->stepped = true;
-  g->last_scale = S;
-  bool skipped = false;
-  double norm = NAN;
-  if (ls) {
-    // The skip flag decides the step counts and the scaler: read it now.
-    zopt_gpu_step_globals sg;
-    if (zopt_status st = read_sg(g, &sg)) return st;
-    skipped = sg.skip != 0;
-    norm = sg.norm;
-    update_loss_scaler(o, skipped);
+  {
+    void *args[] = {&g->d_globals, &ng, has_sumsq ? &g->d_sg : &no_ptr, ls ? &g->d_scaler : &no_ptr};
+    CU_TRY(cu->LaunchKernel(g->finish, 1, 1, 1, 32, 1, 1, 0, s, args, nullptr), "launching FINISH");
   }
-  if (!skipped)
-    for (auto &gr : o->groups) gr.step_count++;
-  if (result) {
-    result->grad_norm = norm;  // without loss scaling: see zopt_optimizer_gpu_result
-    result->skipped = skipped;
-    result->loss_scale = S;
+  g->stepped = true;
+  g->device_ahead = true;
+  if (result) {  // on the device: zopt_optimizer_gpu_result reads it
+    result->grad_norm = NAN;
+    result->skipped = 0;
+    result->loss_scale = NAN;
   }
   return ZOPT_OK;
 }
@@ -336,10 +386,16 @@ zopt_status gpu_result(zopt_optimizer *o, zopt_step_result *result) {
   if (!g->stepped) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_gpu_result: no step has run yet");
   if (zopt_status st = make_current(g)) return st;
   zopt_gpu_step_globals sg;
-  if (zopt_status st = read_sg(g, &sg)) return st;
-  result->grad_norm = (o->d->flags & ZOPT_FLAG_SUMSQ) ? sg.norm : NAN;
-  result->skipped = sg.skip != 0;
-  result->loss_scale = g->last_scale;
+  zopt_gpu_scaler sc;
+  CUresult r = g->cu->MemcpyDtoHAsync(&sg, g->d_sg, sizeof sg, g->stream);
+  if (!r) r = g->cu->MemcpyDtoHAsync(&sc, g->d_scaler, sizeof sc, g->stream);
+  if (!r) r = g->cu->StreamSynchronize(g->stream);
+  if (r) return fail(ZOPT_ERR_INTERNAL, "reading the GPU step result: %s", error_string(r));
+  if (zopt_status st = gpu_pull(o)) return st;
+  const bool has_sumsq = o->d->flags & ZOPT_FLAG_SUMSQ;
+  result->grad_norm = has_sumsq ? sg.norm : NAN;
+  result->skipped = has_sumsq && sg.skip != 0;
+  result->loss_scale = (o->d->flags & ZOPT_FLAG_LOSS_SCALE) ? sc.last_scale : 1.0;
   return ZOPT_OK;
 }
 

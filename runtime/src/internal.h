@@ -177,6 +177,14 @@ zopt_status gpu_create(zopt_optimizer *o);  // driver, context, module
 zopt_status gpu_check_tensor(const zopt_optimizer *o, void *param, void *grad);
 zopt_status gpu_finalize(zopt_optimizer *o);
 zopt_status gpu_step(zopt_optimizer *o, zopt_step_result *result);
+// The step counts and the loss scaler live on the device after finalize.
+// gpu_pull refreshes the host copies (groups[].step_count, scaler) when steps
+// ran since the last pull (synchronizes the stream); gpu_push writes the
+// host copies to the device (after configure_loss_scaler or a checkpoint
+// load). gpu_hypers_changed marks the device's hyperparameter table stale.
+zopt_status gpu_pull(zopt_optimizer *o);
+zopt_status gpu_push(zopt_optimizer *o);
+void gpu_hypers_changed(zopt_optimizer *o);
 // Synchronous staging copy of state `si` of tensor `t` (bytes of storage).
 zopt_status gpu_copy(const zopt_optimizer *o, int t, int si, void *host, size_t bytes, bool to_device);
 void gpu_free(zopt_optimizer *o);

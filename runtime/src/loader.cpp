@@ -98,7 +98,7 @@ zopt_status validate_fields(const zopt_step_descriptor *d) {
     } else {
       // GPU entries (abi.h "GPU kernels"): images carry the SM number in
       // `isa`; kernel entries name an .entry inside the images.
-      if (k.role < ZOPT_KERNEL_PREPARE || k.role > ZOPT_KERNEL_GPU_IMAGE)
+      if (k.role < ZOPT_KERNEL_PREPARE || k.role > ZOPT_KERNEL_FINISH)
         return fail(ZOPT_ERR_ABI, "GPU kernel %u: role %u out of range", i, k.role);
       if (k.role == ZOPT_KERNEL_GPU_IMAGE && (k.isa < 50 || k.isa > 200))
         return fail(ZOPT_ERR_ABI, "GPU image %u: sm_%u is not a CUDA architecture", i, k.isa);

@@ -312,6 +312,7 @@ ZOPT_API zopt_status zopt_optimizer_set_hyper(zopt_optimizer *o, int group, cons
   int hi = 0;
   if (zopt_status st = find_hyper(o, group, name, "zopt_optimizer_set_hyper", &hi)) return st;
   if (zopt_status st = check_hyper_value(o->d->hypers[hi], value)) return st;
+  if (o->gpu && o->groups[group].hypers[hi] != value) gpu_hypers_changed(o);
   o->groups[group].hypers[hi] = value;
   return ZOPT_OK;
 }
@@ -452,15 +453,20 @@ ZOPT_API zopt_status zopt_optimizer_configure_loss_scaler(zopt_optimizer *o, con
     if (!(std::isfinite(c->min_scale) && c->min_scale > 0 && c->min_scale <= c->init_scale))
       return fail(ZOPT_ERR_INVALID_ARGUMENT, "loss scaler: min_scale = %g out of range (0, init_scale]", c->min_scale);
   }
+  if (o->gpu)  // the device holds the step counts: refresh before pushing
+    if (zopt_status st = gpu_pull(o)) return st;
   o->scaler.cfg = *c;
   o->scaler.scale = c->init_scale;
   o->scaler.good_steps = 0;
+  if (o->gpu) return gpu_push(o);
   return ZOPT_OK;
 }
 
 ZOPT_API zopt_status zopt_optimizer_get_loss_scale(const zopt_optimizer *o, double *scale) {
   CHECK_OPT(o, "zopt_optimizer_get_loss_scale");
   if (!scale) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_get_loss_scale: scale is NULL");
+  if (o->gpu)  // the scaler runs on the device (waits for the stream)
+    if (zopt_status st = gpu_pull(const_cast<zopt_optimizer *>(o))) return st;
   *scale = (o->d->flags & ZOPT_FLAG_LOSS_SCALE) ? o->scaler.scale : 1.0;
   return ZOPT_OK;
 }
@@ -520,6 +526,8 @@ ZOPT_API zopt_status zopt_optimizer_get_step_count(const zopt_optimizer *o, int 
   CHECK_OPT(o, "zopt_optimizer_get_step_count");
   if (!count) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_get_step_count: count is NULL");
   if (zopt_status st = check_group(o, group, "zopt_optimizer_get_step_count")) return st;
+  if (o->gpu)  // the step counts advance on the device (waits for the stream)
+    if (zopt_status st = gpu_pull(const_cast<zopt_optimizer *>(o))) return st;
   *count = o->groups[group].step_count;
   return ZOPT_OK;
 }

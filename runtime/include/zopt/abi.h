@@ -115,6 +115,7 @@ typedef enum zopt_kernel_role {
   ZOPT_KERNEL_UPDATE = 2,
   ZOPT_KERNEL_SUMSQ = 3,
   ZOPT_KERNEL_GPU_IMAGE = 4, /* a GPU code image; see "GPU kernels" below */
+  ZOPT_KERNEL_FINISH = 5,    /* GPU only: step bookkeeping after UPDATE */
 } zopt_kernel_role;
 
 /* Instruction-set variant of a CPU kernel. Each value's instructions are a
@@ -215,13 +216,21 @@ static inline uint64_t zopt_desc_checksum(const zopt_step_descriptor *d) {
  *     (so a newer GPU can JIT it). Its size in bytes is the exported
  *     `const uint64_t <symbol>_size`. The runtime loads the image with the
  *     highest isa <= the device's compute capability (cuModuleLoadData).
- *   - entries with role PREPARE, SUMSQ (when ZOPT_FLAG_SUMSQ) and UPDATE,
- *     device = ZOPT_PLACE_GPU, isa = ZOPT_ISA_NONE, whose symbol names the
- *     `.entry` of that kernel inside every image (cuModuleGetFunction); these
- *     are not symbols of the step.so.
+ *   - entries with role PREPARE, SUMSQ (when ZOPT_FLAG_SUMSQ), UPDATE and
+ *     FINISH, device = ZOPT_PLACE_GPU, isa = ZOPT_ISA_NONE, whose symbol
+ *     names the `.entry` of that kernel inside every image
+ *     (cuModuleGetFunction); these are not symbols of the step.so.
+ *
+ * The step's running state lives on the device, so that a step is a fixed
+ * sequence of launches with no host synchronisation and nothing the host
+ * must compute per step (it can be captured in a CUDA graph and replayed):
+ * the globals table (per group: the 1-based step t of the *next* step, a
+ * clip coefficient of 1, 1/S) and, with loss scaling, the dynamic loss
+ * scaler (zopt_gpu_scaler). The runtime initializes both and reads them
+ * back on demand; FINISH advances them.
  *
  * All pointers below are device pointers; every launch goes on one stream,
- * in the order PREPARE, SUMSQ, UPDATE, with no host synchronisation:
+ * in the order PREPARE, SUMSQ, UPDATE, FINISH:
  *
  * PREPARE (grid-stride over groups, any grid):
  *     void prepare(const double *hypers,   // [num_groups][num_hypers]
@@ -247,7 +256,8 @@ static inline uint64_t zopt_desc_checksum(const zopt_step_descriptor *d) {
  *   counter sg->blocks_done, reset to 0 by that block) adds the partials in
  *   block order and writes sg: sumsq, norm = sqrt(sumsq), clip_coef =
  *   min(1, max_norm / (norm + 1e-6)) with ZOPT_FLAG_CLIP (else 1),
- *   nonfinite, and skip = nonfinite with ZOPT_FLAG_LOSS_SCALE. The same
+ *   nonfinite, and skip = nonfinite (as the CPU runtime: a non-finite
+ *   norm skips the whole step, with or without loss scaling). The same
  *   block then re-runs PREPARE for every group with that clip_coef. The
  *   runtime zero-fills *sg once when allocating it.
  *
@@ -263,6 +273,19 @@ static inline uint64_t zopt_desc_checksum(const zopt_step_descriptor *d) {
  *   may be NULL). When every used pointer of a segment is 16-byte aligned,
  *   it is processed with 16-byte vector loads/stores (4 x f32, 8 x 16-bit)
  *   plus a scalar tail; otherwise element by element.
+ *
+ * FINISH (one block of any size; thread 0 does the work):
+ *     void finish(double *globals,              // [num_groups][ZOPT_NUM_GLOBALS]
+ *                 int64_t num_groups,
+ *                 zopt_gpu_step_globals *sg,    // NULL: no SUMSQ, never skipped
+ *                 zopt_gpu_scaler *sc);         // NULL: no loss scaling
+ *   skip = sg ? sg->skip : 0. Unless skip, every group's STEP global
+ *   advances by 1 and sg->steps_applied by 1 (when sg). With sc,
+ *   sc->last_scale = sc->scale first; then with sc->dynamic, the scaler
+ *   updates as zopt_optimizer_configure_loss_scaler documents (skip:
+ *   scale = max(scale * backoff, min_scale), good_steps = 0; else after
+ *   growth_interval good steps scale *= growth if finite); then every
+ *   group's INV_LOSS_SCALE global becomes 1 / sc->scale.
  */
 #define ZOPT_GPU_BLOCK 256      /* SUMSQ block size (threads), power of two */
 #define ZOPT_GPU_MAX_BLOCKS 65535
@@ -280,8 +303,20 @@ typedef struct zopt_gpu_step_globals {
   uint32_t nonfinite;   /* sumsq is NaN or Inf */
   uint32_t skip;        /* UPDATE does nothing this step */
   uint32_t blocks_done; /* SUMSQ's internal counter; 0 between launches */
-  uint32_t reserved;
+  uint32_t steps_applied; /* FINISH: steps not skipped (wraps at 2^32) */
 } zopt_gpu_step_globals; /* 40 bytes */
+
+typedef struct zopt_gpu_scaler {
+  double scale;           /* S: the grads of the next step are scaled by S */
+  double growth_factor;
+  double backoff_factor;
+  double min_scale;
+  int64_t growth_interval;
+  int64_t good_steps;     /* finite steps since the last change */
+  double last_scale;      /* FINISH: the S of the step it ran after */
+  uint32_t dynamic;       /* 0: static S */
+  uint32_t reserved;
+} zopt_gpu_scaler; /* 64 bytes */
 
 #ifdef __cplusplus
 } /* extern "C" */

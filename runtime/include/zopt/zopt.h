@@ -162,24 +162,31 @@ ZOPT_API zopt_status zopt_optimizer_step(zopt_optimizer *opt, zopt_step_result *
  * device 0's primary context. Param and grad are device pointers (checked
  * at add_tensor); the optimizer owns its state buffers in device memory.
  *
- * zopt_optimizer_step enqueues on the optimizer's stream: two small
- * host-to-device copies (hyperparameters, per-group step count and loss
- * scale), then PREPARE, SUMSQ (clipping / loss scaling) and UPDATE, with no
- * allocation. Without loss scaling it does not wait for the GPU: the
- * result's grad_norm is NaN and skipped is 0 (the device never skips such
- * a step); read the norm with zopt_optimizer_gpu_result. With loss scaling
- * it waits for the stream at the end (the skip flag decides the step counts
- * and the dynamic scale) and fills the result exactly as on the CPU.
- * State reads/writes are synchronous staging copies on the stream;
- * checkpoints (save/load) of GPU steps return ZOPT_ERR_UNSUPPORTED. */
+ * The step's running state lives on the device: the per-group step counts
+ * and, with loss scaling, the dynamic loss scaler are advanced by the FINISH
+ * kernel, and a step whose global norm is non-finite is skipped on the
+ * device (with clipping or loss scaling, as on the CPU). So
+ * zopt_optimizer_step only enqueues, on the optimizer's stream, PREPARE,
+ * SUMSQ (clipping / loss scaling), UPDATE and FINISH, plus one
+ * host-to-device copy of the hyperparameter table when a value changed
+ * since the last step (set_hyper with a new value, or a checkpoint load):
+ * no allocation, no host synchronisation, no device-to-host copy, so the
+ * step can be captured in a CUDA graph (change hyperparameters outside
+ * captures). Its result reports grad_norm = NaN, skipped = 0, loss_scale =
+ * NaN: the outcome is on the device; zopt_optimizer_gpu_result waits for
+ * the stream and reads it. get_step_count, get_loss_scale, save and
+ * configure_loss_scaler read the device's state (waiting for the stream).
+ * State reads/writes and checkpoints (save/load) are synchronous staging
+ * copies on the stream. */
 
 /* The CUstream (a CUstream or cudaStream_t handle) steps and state copies
  * are enqueued on; NULL (the default) is the legacy default stream. Only
  * for GPU steps (ZOPT_ERR_BAD_STATE otherwise). */
 ZOPT_API zopt_status zopt_optimizer_set_stream(zopt_optimizer *opt, void *cu_stream);
 /* Waits for the stream and reads the last step's device-side result:
- * grad_norm (NaN without a norm reduction), skipped, and the loss scale
- * that step used. ZOPT_ERR_BAD_STATE before the first step. */
+ * grad_norm (NaN without a norm reduction), skipped (non-finite norm), and
+ * the loss scale that step used (1 without loss scaling).
+ * ZOPT_ERR_BAD_STATE before the first step. */
 ZOPT_API zopt_status zopt_optimizer_gpu_result(zopt_optimizer *opt, zopt_step_result *result);
 
 /* Per-group 1-based count of the steps taken (0 before the first). */
