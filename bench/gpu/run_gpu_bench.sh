@@ -10,10 +10,12 @@ export ZOPT_RUNTIME_LIB="$carry/lib/libzopt_runtime.so"
 export LD_LIBRARY_PATH="$carry/lib:${LD_LIBRARY_PATH:-}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
 rc=0
-for l in f32 f32_clip bf16_master_clip bf16 f16_loss_scale; do
-  extra=""; [ "$l" = f16_loss_scale ] && extra="--steps=4 --inf-at=2"
-  echo "== zopt-gpu-check $l"
-  "$carry/bin/zopt-gpu-check" "$carry/steps/$l.gpu.so" "$carry/steps/$l.cpu.so" $extra | tail -3 || rc=1
+# layout:extra options (the same runs as test/Integration/CUDA/*.test)
+for run in "f32:" "f32_clip:" "f32_clip:--steps=4 --inf-at=2" "bf16_master_clip:" "bf16:" \
+           "f16_loss_scale:--steps=4 --inf-at=2" "f16_loss_scale:--steps=6 --inf-at=4 --graph"; do
+  l="${run%%:*}"; extra="${run#*:}"
+  echo "== zopt-gpu-check $l $extra"
+  "$carry/bin/zopt-gpu-check" "$carry/steps/$l.gpu.so" "$carry/steps/$l.cpu.so" $extra | tail -4 || rc=1
 done
 PYTHONPATH="$root/python" python3 "$root/bench/gpu/gpu_bench.py" --steps "$carry/steps" \
   --out "${OUT:-.}/gpu_bench.md" "$@" || rc=1

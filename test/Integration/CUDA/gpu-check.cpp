@@ -39,6 +39,13 @@ struct Cu {
   int (*MemcpyHtoD)(CUdeviceptr, const void *, size_t);
   int (*MemcpyDtoH)(void *, CUdeviceptr, size_t);
   int (*CtxSynchronize)();
+  // CUDA graphs (--graph)
+  int (*StreamCreate)(void **, unsigned);
+  int (*StreamBeginCapture)(void *, int);
+  int (*StreamEndCapture)(void *, void **);
+  int (*GraphInstantiate)(void **, void *, unsigned long long);
+  int (*GraphLaunch)(void *, void *);
+  int (*StreamSynchronize)(void *);
 } cu;
 
 int passed = 0, failed = 0;
@@ -86,15 +93,17 @@ bool close_enough(uint32_t dt, const unsigned char *a, const unsigned char *b) {
 
 int main(int argc, char **argv) {
   if (argc < 3) {
-    fprintf(stderr, "usage: zopt-gpu-check GPU_STEP.so CPU_STEP.so [--steps=N] [--inf-at=K] [--seed=S]\n");
+    fprintf(stderr, "usage: zopt-gpu-check GPU_STEP.so CPU_STEP.so [--steps=N] [--inf-at=K] [--seed=S] [--graph]\n");
     return 2;
   }
   int steps = 3, inf_at = 0;
+  bool graph = false;  // steps 2.. replay a CUDA graph captured from step 2
   unsigned seed = 1;
   for (int i = 3; i < argc; ++i) {
     if (!strncmp(argv[i], "--steps=", 8)) steps = atoi(argv[i] + 8);
     else if (!strncmp(argv[i], "--inf-at=", 9)) inf_at = atoi(argv[i] + 9);
     else if (!strncmp(argv[i], "--seed=", 7)) seed = (unsigned)atoi(argv[i] + 7);
+    else if (!strcmp(argv[i], "--graph")) graph = true;
     else return fprintf(stderr, "unknown option %s\n", argv[i]), 2;
   }
   void *h = dlopen("libcuda.so.1", RTLD_NOW);
@@ -105,6 +114,9 @@ int main(int argc, char **argv) {
     R(DevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain"); R(CtxSetCurrent, "cuCtxSetCurrent");
     R(MemAlloc, "cuMemAlloc_v2"); R(MemcpyHtoD, "cuMemcpyHtoD_v2"); R(MemcpyDtoH, "cuMemcpyDtoH_v2");
     R(CtxSynchronize, "cuCtxSynchronize");
+    R(StreamCreate, "cuStreamCreate"); R(StreamBeginCapture, "cuStreamBeginCapture_v2");
+    R(StreamEndCapture, "cuStreamEndCapture"); R(GraphInstantiate, "cuGraphInstantiateWithFlags");
+    R(GraphLaunch, "cuGraphLaunch"); R(StreamSynchronize, "cuStreamSynchronize");
 #undef R
     if (cu.Init && cu.Init(0) == 0) cu.DeviceGetCount(&ndev);
   }
@@ -188,7 +200,30 @@ int main(int argc, char **argv) {
     }
     zopt_step_result rc{}, rg{}, rg2{};
     Z(zopt_optimizer_step(oc, &rc));
-    Z(zopt_optimizer_step(og, &rg));
+    if (graph && step >= 2) {
+      // Capture zopt_optimizer_step once (step 2), then replay the graph:
+      // the step must be capturable (no sync, no allocation, no pageable
+      // copy: the hyperparameters did not change since step 1) and the
+      // device-side step counts / scaler must advance on every replay.
+      static void *stream = nullptr, *exec = nullptr;
+      if (!exec) {
+        C(cu.StreamCreate(&stream, 1 /* non-blocking */));
+        Z(zopt_optimizer_set_stream(og, stream));
+        C(cu.StreamBeginCapture(stream, 0 /* global */));
+        Z(zopt_optimizer_step(og, &rg));
+        void *g = nullptr;
+        C(cu.StreamEndCapture(stream, &g));
+        C(cu.GraphInstantiate(&exec, g, 0));
+        printf("PASS step %d: zopt_optimizer_step captured into a CUDA graph\n", step);
+        ++passed;
+      }
+      C(cu.GraphLaunch(exec, stream));
+      C(cu.StreamSynchronize(stream));
+      rg.grad_norm = NAN;
+      rg.skipped = 0;
+    } else {
+      Z(zopt_optimizer_step(og, &rg));
+    }
     Z(zopt_optimizer_gpu_result(og, &rg2));
     char buf[256];
     snprintf(buf, sizeof buf, "step %d skipped cpu=%d gpu=%d", step, rc.skipped, rg2.skipped);
