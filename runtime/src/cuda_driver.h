@@ -56,7 +56,9 @@ constexpr unsigned MEMORYTYPE_HOST = 1, MEMORYTYPE_DEVICE = 2, MEMORYTYPE_UNIFIE
   X(MemsetD8Async, "cuMemsetD8Async", CUresult (*)(CUdeviceptr, unsigned char, size_t, CUstream)) \
   X(StreamSynchronize, "cuStreamSynchronize", CUresult (*)(CUstream))                     \
   X(GetErrorString, "cuGetErrorString", CUresult (*)(CUresult, const char **))            \
-  X(PointerGetAttribute, "cuPointerGetAttribute", CUresult (*)(void *, int, CUdeviceptr))
+  X(PointerGetAttribute, "cuPointerGetAttribute", CUresult (*)(void *, int, CUdeviceptr))   \
+  X(MemHostAlloc, "cuMemHostAlloc", CUresult (*)(void **, size_t, unsigned))              \
+  X(MemFreeHost, "cuMemFreeHost", CUresult (*)(void *))
 
 struct Driver {
 #define ZOPT_CU_MEMBER(name, sym, type) \

@@ -1,8 +1,7 @@
 // gpu.cpp - the CUDA backend of the optimizer: steps whose states live on the
 // GPU (abi.h "GPU kernels"). Driver API only, loaded at run time
 // (cuda_driver.h); see docs/GPU.md for the design and what has been tested.
-#include "cuda_driver.h"
-#include "internal.h"
+#include "gpu_internal.h"
 
 #include <dlfcn.h>
 
@@ -14,33 +13,6 @@
 using namespace zopt;
 using namespace zopt::cu;
 
-namespace zopt {
-
-struct GpuState {
-  const Driver *cu = nullptr;
-  CUcontext ctx = nullptr;
-  CUdevice dev = 0;
-  bool retained = false;  // we retained the device's primary context
-  int sm = 0, num_sms = 1, image_sm = 0;
-  CUmodule mod = nullptr;
-  CUfunction prepare = nullptr, sumsq = nullptr, update = nullptr, finish = nullptr;
-  CUstream stream = nullptr;  // 0: the legacy default stream
-  std::vector<CUdeviceptr> allocs;
-  CUdeviceptr d_states = 0, d_segs = 0, d_hypers = 0, d_globals = 0, d_coeffs = 0, d_partials = 0, d_sg = 0,
-              d_scaler = 0;
-  std::vector<double> h_hypers;  // staging of the hyperparameter table
-  int64_t num_segments = 0;
-  unsigned prepare_grid = 1, sumsq_grid = 1, update_grid = 1;
-  bool stepped = false;
-  // The running state (step counts, loss scaler) lives on the device once
-  // finalized; `device_ahead` says the host copy in zopt_optimizer is stale
-  // (steps ran since the last gpu_pull), `hypers_dirty` that the device's
-  // hyperparameter table is.
-  bool device_ahead = false;
-  bool hypers_dirty = true;
-};
-
-}  // namespace zopt
 
 namespace {
 
@@ -53,10 +25,6 @@ constexpr unsigned kPrepareBlock = 64;
     if (r_ != CUDA_SUCCESS) return fail(ZOPT_ERR_INTERNAL, "%s: %s", what, error_string(r_)); \
   } while (0)
 
-zopt_status make_current(const GpuState *g) {
-  CU_TRY(g->cu->CtxSetCurrent(g->ctx), "cuCtxSetCurrent");
-  return ZOPT_OK;
-}
 
 zopt_status dalloc(GpuState *g, size_t bytes, CUdeviceptr *out, const char *what) {
   bytes = std::max<size_t>(bytes, 16);
@@ -76,6 +44,64 @@ int64_t gpu_align(const zopt_step_descriptor *d) { return std::max<int64_t>(d->a
 
 namespace zopt {
 
+// The driver, a context (the caller's current one, e.g. PyTorch's, else
+// device 0's primary context) and the device's properties.
+zopt_status make_current(const GpuState *g) {
+  CU_TRY(g->cu->CtxSetCurrent(g->ctx), "cuCtxSetCurrent");
+  return ZOPT_OK;
+}
+
+zopt_status cuda_attach(GpuState *g, const char *name, const char *what) {
+  const char *why = "";
+  const Driver *cu = driver(&why);
+  if (!cu) return fail(ZOPT_ERR_UNSUPPORTED, "step '%s' %s: %s", name, what, why);
+  g->cu = cu;
+  CUcontext cur = nullptr;
+  if (cu->CtxGetCurrent(&cur) == CUDA_SUCCESS && cur) {
+    g->ctx = cur;
+    if (CUresult r = cu->CtxGetDevice(&g->dev)) return fail(ZOPT_ERR_INTERNAL, "cuCtxGetDevice: %s", error_string(r));
+  } else {
+    int n = 0;
+    if (cu->DeviceGetCount(&n) != CUDA_SUCCESS || n < 1)
+      return fail(ZOPT_ERR_UNSUPPORTED, "step '%s' %s: no CUDA device", name, what);
+    if (CUresult r = cu->DeviceGet(&g->dev, 0)) return fail(ZOPT_ERR_INTERNAL, "cuDeviceGet: %s", error_string(r));
+    if (CUresult r = cu->DevicePrimaryCtxRetain(&g->ctx, g->dev))
+      return fail(ZOPT_ERR_INTERNAL, "cuDevicePrimaryCtxRetain: %s", error_string(r));
+    g->retained = true;
+    if (CUresult r = cu->CtxSetCurrent(g->ctx)) {
+      cuda_detach(g);
+      return fail(ZOPT_ERR_INTERNAL, "cuCtxSetCurrent: %s", error_string(r));
+    }
+  }
+  int maj = 0, min = 0;
+  cu->DeviceGetAttribute(&maj, ATTR_CC_MAJOR, g->dev);
+  cu->DeviceGetAttribute(&min, ATTR_CC_MINOR, g->dev);
+  cu->DeviceGetAttribute(&g->num_sms, ATTR_MULTIPROCESSOR_COUNT, g->dev);
+  g->sm = maj * 10 + min;
+  g->num_sms = std::max(g->num_sms, 1);
+  return ZOPT_OK;
+}
+
+void cuda_detach(GpuState *g) {
+  if (g->retained) g->cu->DevicePrimaryCtxRelease(g->dev);
+  g->retained = false;
+}
+
+zopt_status gpu_check_pointers(const GpuState *g, void *param, void *grad) {
+  if (zopt_status st = make_current(g)) return st;
+  for (int i = 0; i < 2; ++i) {
+    void *p = i ? grad : param;
+    unsigned type = 0;
+    CUresult r = g->cu->PointerGetAttribute(&type, POINTER_ATTRIBUTE_MEMORY_TYPE, (CUdeviceptr)(uintptr_t)p);
+    if (r != CUDA_SUCCESS || (type != MEMORYTYPE_DEVICE && type != MEMORYTYPE_UNIFIED))
+      return fail(ZOPT_ERR_INVALID_ARGUMENT,
+                  "zopt_optimizer_add_tensor: %s pointer %p is not CUDA device memory (the step's %s are on the "
+                  "GPU)",
+                  i ? "grad" : "param", p, i ? "grads" : "params");
+  }
+  return ZOPT_OK;
+}
+
 bool gpu_enabled(const zopt_optimizer *o) { return o->gpu != nullptr; }
 
 zopt_status gpu_create(zopt_optimizer *o) {
@@ -87,41 +113,19 @@ zopt_status gpu_create(zopt_optimizer *o) {
                   "%s state '%s' is on the CPU: mixed CPU/GPU placement (offload) is not implemented by the CUDA "
                   "backend yet",
                   d->name, state_kind_name(d->states[i].kind));
-  const char *why = "";
-  const Driver *cu = driver(&why);
-  if (!cu) return fail(ZOPT_ERR_UNSUPPORTED, "step '%s' runs on the GPU: %s", d->name, why);
   GpuState *g = new (std::nothrow) GpuState;
   if (!g) return fail(ZOPT_ERR_OUT_OF_MEMORY, "out of memory");
-  g->cu = cu;
+  if (zopt_status st = cuda_attach(g, d->name, "runs on the GPU")) {
+    delete g;
+    return st;
+  }
+  const Driver *cu = g->cu;
   auto bail = [&](zopt_status st) {
     if (g->mod) cu->ModuleUnload(g->mod);
-    if (g->retained) cu->DevicePrimaryCtxRelease(g->dev);
+    cuda_detach(g);
     delete g;
     return st;
   };
-  // The caller's current context (e.g. PyTorch's), else device 0's primary.
-  CUcontext cur = nullptr;
-  if (cu->CtxGetCurrent(&cur) == CUDA_SUCCESS && cur) {
-    g->ctx = cur;
-    if (CUresult r = cu->CtxGetDevice(&g->dev))
-      return bail(fail(ZOPT_ERR_INTERNAL, "cuCtxGetDevice: %s", error_string(r)));
-  } else {
-    int n = 0;
-    if (cu->DeviceGetCount(&n) != CUDA_SUCCESS || n < 1)
-      return bail(fail(ZOPT_ERR_UNSUPPORTED, "step '%s' runs on the GPU: no CUDA device", d->name));
-    if (CUresult r = cu->DeviceGet(&g->dev, 0)) return bail(fail(ZOPT_ERR_INTERNAL, "cuDeviceGet: %s", error_string(r)));
-    if (CUresult r = cu->DevicePrimaryCtxRetain(&g->ctx, g->dev))
-      return bail(fail(ZOPT_ERR_INTERNAL, "cuDevicePrimaryCtxRetain: %s", error_string(r)));
-    g->retained = true;
-    if (CUresult r = cu->CtxSetCurrent(g->ctx))
-      return bail(fail(ZOPT_ERR_INTERNAL, "cuCtxSetCurrent: %s", error_string(r)));
-  }
-  int maj = 0, min = 0;
-  cu->DeviceGetAttribute(&maj, ATTR_CC_MAJOR, g->dev);
-  cu->DeviceGetAttribute(&min, ATTR_CC_MINOR, g->dev);
-  cu->DeviceGetAttribute(&g->num_sms, ATTR_MULTIPROCESSOR_COUNT, g->dev);
-  g->sm = maj * 10 + min;
-  g->num_sms = std::max(g->num_sms, 1);
   // The image with the highest SM <= the device's.
   const char *image = nullptr;
   std::string have;
@@ -164,19 +168,7 @@ zopt_status gpu_create(zopt_optimizer *o) {
 }
 
 zopt_status gpu_check_tensor(const zopt_optimizer *o, void *param, void *grad) {
-  const GpuState *g = o->gpu;
-  if (zopt_status st = make_current(g)) return st;
-  for (int i = 0; i < 2; ++i) {
-    void *p = i ? grad : param;
-    unsigned type = 0;
-    CUresult r = g->cu->PointerGetAttribute(&type, POINTER_ATTRIBUTE_MEMORY_TYPE, (CUdeviceptr)(uintptr_t)p);
-    if (r != CUDA_SUCCESS || (type != MEMORYTYPE_DEVICE && type != MEMORYTYPE_UNIFIED))
-      return fail(ZOPT_ERR_INVALID_ARGUMENT,
-                  "zopt_optimizer_add_tensor: %s pointer %p is not CUDA device memory (the step's states are on the "
-                  "GPU)",
-                  i ? "grad" : "param", p);
-  }
-  return ZOPT_OK;
+  return gpu_check_pointers(o->gpu, param, grad);
 }
 
 zopt_status gpu_set_stream(zopt_optimizer *o, void *stream) {
@@ -421,7 +413,7 @@ void gpu_free(zopt_optimizer *o) {
   }
   for (auto &gr : o->groups)
     for (void *&b : gr.buffers) b = nullptr;
-  if (g->retained) g->cu->DevicePrimaryCtxRelease(g->dev);
+  cuda_detach(g);
   delete g;
   o->gpu = nullptr;
 }
@@ -432,7 +424,9 @@ extern "C" {
 
 ZOPT_API zopt_status zopt_optimizer_set_stream(zopt_optimizer *o, void *cu_stream) {
   if (!o) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_set_stream: optimizer is NULL");
-  if (!o->gpu) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_set_stream: step '%s' does not run on the GPU", o->d->name);
+  if (o->offload) return offload_set_stream(o, cu_stream);
+  if (!o->gpu)
+    return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_set_stream: step '%s' has nothing on the GPU", o->d->name);
   return gpu_set_stream(o, cu_stream);
 }
 

@@ -140,6 +140,7 @@ struct zopt_optimizer {
   std::vector<float> coeffs;         // groups x ZOPT_MAX_COEFFS
   std::unordered_set<const void *> params;  // registered param pointers
   zopt::GpuState *gpu = nullptr;  // set for steps that run on the GPU
+  zopt::GpuState *offload = nullptr;  // set for offloaded steps (offload.cpp)
 };
 
 namespace zopt {
@@ -188,6 +189,23 @@ void gpu_hypers_changed(zopt_optimizer *o);
 // Synchronous staging copy of state `si` of tensor `t` (bytes of storage).
 zopt_status gpu_copy(const zopt_optimizer *o, int t, int si, void *host, size_t bytes, bool to_device);
 void gpu_free(zopt_optimizer *o);
+
+// ---- offloaded steps (offload.cpp): params/grads on the GPU, optimizer
+// states and kernels on the CPU; PARAM/GRAD get pinned host staging buffers
+// in the groups' flat layout, copied around the CPU step.
+bool is_offload_step(const zopt_step *s);
+zopt_status offload_create(zopt_optimizer *o);
+zopt_status offload_check_tensor(const zopt_optimizer *o, void *param, void *grad);
+zopt_status offload_alloc_staging(zopt_optimizer *o, size_t bytes, void **out);
+// Params (at finalize, or when the update reads them) and grads (each step)
+// from the GPU into the staging, then one stream synchronisation.
+zopt_status offload_before_step(zopt_optimizer *o, bool init);
+// The written params back to the GPU, asynchronously on the stream.
+zopt_status offload_after_step(zopt_optimizer *o);
+// Synchronous copy of the user's device PARAM/GRAD of tensor t.
+zopt_status offload_copy(const zopt_optimizer *o, int t, int si, void *host, size_t bytes, bool to_device);
+zopt_status offload_set_stream(zopt_optimizer *o, void *stream);
+void offload_free(zopt_optimizer *o);
 }  // namespace zopt
 
 #endif

@@ -24,9 +24,11 @@ int default_threads() {
 
 void free_buffers(zopt_optimizer *o) {
   for (auto &g : o->groups) {
-    for (void *&b : g.buffers) {
-      free(b);
-      b = nullptr;
+    for (size_t s = 0; s < g.buffers.size(); ++s) {
+      // An offloaded step's param/grad staging is pinned memory, released
+      // by offload_free.
+      if (!(o->offload && !is_owned_kind(o->d->states[s].kind))) free(g.buffers[s]);
+      g.buffers[s] = nullptr;
     }
   }
 }
@@ -97,7 +99,18 @@ void run_job(void *ctx, int tid) {
   }
 }
 
-// f32 access to a GPU state: a storage-dtype staging copy, converted here.
+// Where state si lives in device memory: every state of a GPU step; the
+// user's params/grads of an offloaded step.
+bool on_device(const zopt_optimizer *o, int si) {
+  return o->gpu || (o->offload && !is_owned_kind(o->d->states[si].kind));
+}
+
+// Synchronous copy between host memory and a device-resident state.
+zopt_status device_copy(const zopt_optimizer *o, int t, int si, void *host, size_t bytes, bool to_device) {
+  return o->gpu ? gpu_copy(o, t, si, host, bytes, to_device) : offload_copy(o, t, si, host, bytes, to_device);
+}
+
+// f32 access to a device state: a storage-dtype staging copy, converted here.
 zopt_status gpu_convert_copy(const zopt_optimizer *o, int t, int si, float *f32, int64_t n, bool to_device) {
   const uint32_t dt = o->d->states[si].dtype;
   std::vector<unsigned char> tmp;
@@ -107,7 +120,7 @@ zopt_status gpu_convert_copy(const zopt_optimizer *o, int t, int si, float *f32,
     return fail(ZOPT_ERR_OUT_OF_MEMORY, "out of host memory for a staging copy");
   }
   if (to_device) convert(f32, ZOPT_DTYPE_F32, tmp.data(), dt, n);
-  if (zopt_status st = gpu_copy(o, t, si, tmp.data(), tmp.size(), to_device)) return st;
+  if (zopt_status st = device_copy(o, t, si, tmp.data(), tmp.size(), to_device)) return st;
   if (!to_device) convert(tmp.data(), dt, f32, ZOPT_DTYPE_F32, n);
   return ZOPT_OK;
 }
@@ -203,8 +216,10 @@ bool is_owned_kind(uint32_t kind) { return kind != ZOPT_STATE_PARAM && kind != Z
 void *state_ptr(const zopt_optimizer *o, int t, int si) {
   const Tensor &x = o->tensors[t];
   uint32_t kind = o->d->states[si].kind;
-  if (kind == ZOPT_STATE_PARAM) return x.param;
-  if (kind == ZOPT_STATE_GRAD) return x.grad;
+  if (!o->offload) {  // offloaded steps stage params and grads in host buffers
+    if (kind == ZOPT_STATE_PARAM) return x.param;
+    if (kind == ZOPT_STATE_GRAD) return x.grad;
+  }
   char *b = (char *)o->groups[x.group].buffers[si];
   return b + (size_t)x.offset * dtype_size(o->d->states[si].dtype);
 }
@@ -218,7 +233,8 @@ ZOPT_API zopt_status zopt_optimizer_create(const zopt_step *step, zopt_optimizer
   *out = nullptr;
   if (!step) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_create: step is NULL");
   const zopt_step_descriptor *d = &step->desc;
-  if (!step->has_gpu_code)
+  const bool offload = is_offload_step(step);
+  if (!step->has_gpu_code && !offload)
     for (uint32_t i = 0; i < d->num_states; ++i)
       if (d->states[i].placement == ZOPT_PLACE_GPU)
         return fail(ZOPT_ERR_UNSUPPORTED, "%s state '%s': GPU-placed state needs the CUDA backend and the step has no GPU code", d->name,
@@ -234,8 +250,8 @@ ZOPT_API zopt_status zopt_optimizer_create(const zopt_step *step, zopt_optimizer
   o->scaler.cfg = {65536.0, 2.0, 0.5, 2000, 1.0, 1};
   o->scaler.scale = 65536.0;
   o->scaler.good_steps = 0;
-  if (step->has_gpu_code) {
-    if (zopt_status st = gpu_create(o)) {
+  if (step->has_gpu_code || offload) {
+    if (zopt_status st = step->has_gpu_code ? gpu_create(o) : offload_create(o)) {
       zopt_optimizer_free(o);
       return st;
     }
@@ -247,7 +263,8 @@ ZOPT_API zopt_status zopt_optimizer_create(const zopt_step *step, zopt_optimizer
 ZOPT_API void zopt_optimizer_free(zopt_optimizer *o) {
   if (!o) return;
   delete o->pool;
-  gpu_free(o);  // device buffers first (nulls them)
+  gpu_free(o);      // device buffers first (nulls them)
+  offload_free(o);  // pinned staging (nulls it)
   free_buffers(o);
   const zopt_step *s = o->step;
   delete o;
@@ -344,6 +361,8 @@ ZOPT_API zopt_status zopt_optimizer_add_tensor(zopt_optimizer *o, int group, voi
                 dtype_name(dt), dt, dtype_name(pdt));
   if (o->gpu)
     if (zopt_status st = gpu_check_tensor(o, param, grad)) return st;
+  if (o->offload)
+    if (zopt_status st = offload_check_tensor(o, param, grad)) return st;
   if (o->params.count(param))
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: param pointer %p is already registered", fn, param);
   if (o->tensors.size() >= (size_t)0x7fffffff) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: too many tensors", fn);
@@ -374,9 +393,18 @@ ZOPT_API zopt_status zopt_optimizer_finalize(zopt_optimizer *o) {
     for (auto &g : o->groups) {
       if (!g.padded_total) continue;
       for (uint32_t s = 0; s < d->num_states; ++s) {
-        if (!is_owned_kind(d->states[s].kind)) continue;
         size_t bytes = (size_t)g.padded_total * dtype_size(d->states[s].dtype);
         bytes = (bytes + 63) & ~(size_t)63;
+        if (!is_owned_kind(d->states[s].kind)) {
+          if (!o->offload) continue;
+          void *p = nullptr;  // pinned staging of an offloaded param/grad
+          if (zopt_status st = offload_alloc_staging(o, bytes, &p)) {
+            free_buffers(o);
+            return st;
+          }
+          g.buffers[s] = p;
+          continue;
+        }
         void *p = nullptr;
         if (posix_memalign(&p, 64, bytes) != 0 || !p) {
           free_buffers(o);
@@ -415,6 +443,15 @@ ZOPT_API zopt_status zopt_optimizer_finalize(zopt_optimizer *o) {
     o->chunks.clear();
     return fail(ZOPT_ERR_OUT_OF_MEMORY, "zopt_optimizer_finalize: out of memory");
   }
+  // Offload: the params from the GPU first (the master is made from them).
+  if (o->offload)
+    if (zopt_status st = offload_before_step(o, true)) {
+      delete o->pool;
+      o->pool = nullptr;
+      free_buffers(o);
+      o->chunks.clear();
+      return st;
+    }
   // Initialize (first touch by the thread that will update the chunk).
   Job job{o, 0};
   o->pool->run(run_job, &job);
@@ -475,6 +512,8 @@ ZOPT_API zopt_status zopt_optimizer_step(zopt_optimizer *o, zopt_step_result *re
   CHECK_OPT(o, "zopt_optimizer_step");
   if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_step: call zopt_optimizer_finalize first");
   if (o->gpu) return gpu_step(o, result);
+  if (o->offload)
+    if (zopt_status st = offload_before_step(o, false)) return st;
   const zopt_step_descriptor *d = o->d;
   const zopt_step *s = o->step;
   const bool ls = d->flags & ZOPT_FLAG_LOSS_SCALE;
@@ -512,6 +551,8 @@ ZOPT_API zopt_status zopt_optimizer_step(zopt_optimizer *o, zopt_step_result *re
   for (size_t gi = 0; gi < o->groups.size(); ++gi) prepare(gi, clip);
   Job job{o, 2};
   o->pool->run(run_job, &job);
+  if (o->offload)  // the new params back to the GPU (asynchronous)
+    if (zopt_status st = offload_after_step(o)) return st;
   for (auto &g : o->groups) g.step_count++;
   if (ls) update_loss_scaler(o, false);
   if (result) {
@@ -557,7 +598,7 @@ ZOPT_API zopt_status zopt_optimizer_read_state_f32(const zopt_optimizer *o, int 
   int si;
   if (zopt_status st = check_state_access(o, tensor, kind, out, false, (uint64_t)numel, fn, &si))
     return st;
-  if (o->gpu) return gpu_convert_copy(o, tensor, si, out, numel, false);
+  if (on_device(o, si)) return gpu_convert_copy(o, tensor, si, out, numel, false);
   convert(state_ptr(o, tensor, si), o->d->states[si].dtype, out, ZOPT_DTYPE_F32, numel);
   return ZOPT_OK;
 }
@@ -569,7 +610,7 @@ ZOPT_API zopt_status zopt_optimizer_write_state_f32(zopt_optimizer *o, int tenso
   int si;
   if (zopt_status st = check_state_access(o, tensor, kind, in, false, (uint64_t)numel, fn, &si))
     return st;
-  if (o->gpu) return gpu_convert_copy(o, tensor, si, const_cast<float *>(in), numel, true);
+  if (on_device(o, si)) return gpu_convert_copy(o, tensor, si, const_cast<float *>(in), numel, true);
   convert(in, ZOPT_DTYPE_F32, state_ptr(o, tensor, si), o->d->states[si].dtype, numel);
   return ZOPT_OK;
 }
@@ -581,7 +622,7 @@ ZOPT_API zopt_status zopt_optimizer_read_state_raw(const zopt_optimizer *o, int 
   int si;
   if (zopt_status st = check_state_access(o, tensor, kind, out, true, bytes, fn, &si))
     return st;
-  if (o->gpu) return gpu_copy(o, tensor, si, out, bytes, false);
+  if (on_device(o, si)) return device_copy(o, tensor, si, out, bytes, false);
   memcpy(out, state_ptr(o, tensor, si), bytes);
   return ZOPT_OK;
 }
@@ -593,7 +634,7 @@ ZOPT_API zopt_status zopt_optimizer_write_state_raw(zopt_optimizer *o, int tenso
   int si;
   if (zopt_status st = check_state_access(o, tensor, kind, in, true, bytes, fn, &si))
     return st;
-  if (o->gpu) return gpu_copy(o, tensor, si, const_cast<void *>(in), bytes, true);
+  if (on_device(o, si)) return device_copy(o, tensor, si, const_cast<void *>(in), bytes, true);
   memmove(state_ptr(o, tensor, si), in, bytes);
   return ZOPT_OK;
 }

@@ -179,9 +179,16 @@ ZOPT_API zopt_status zopt_optimizer_step(zopt_optimizer *opt, zopt_step_result *
  * State reads/writes and checkpoints (save/load) are synchronous staging
  * copies on the stream. */
 
-/* The CUstream (a CUstream or cudaStream_t handle) steps and state copies
+/* Offloaded steps (param and grad `on gpu`, every optimizer state on the
+ * CPU: ZeRO-Offload) run their CPU kernels between copies on the stream:
+ * grads (and params, when the update reads them) from the GPU with one
+ * synchronisation before, new params back to the GPU (asynchronous) after,
+ * unless the step was skipped. The result is complete when step returns.
+ * PARAM/GRAD state access addresses the device memory (synchronous copies).
+ *
+ * The CUstream (a CUstream or cudaStream_t handle) steps and state copies
  * are enqueued on; NULL (the default) is the legacy default stream. Only
- * for GPU steps (ZOPT_ERR_BAD_STATE otherwise). */
+ * for GPU and offloaded steps (ZOPT_ERR_BAD_STATE otherwise). */
 ZOPT_API zopt_status zopt_optimizer_set_stream(zopt_optimizer *opt, void *cu_stream);
 /* Waits for the stream and reads the last step's device-side result:
  * grad_norm (NaN without a norm reduction), skipped (non-finite norm), and

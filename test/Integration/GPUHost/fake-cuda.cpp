@@ -144,6 +144,16 @@ API CUresult cuMemFree_v2(CUdeviceptr p) {
   st().allocs.erase(it);
   return kOk;
 }
+API CUresult cuMemHostAlloc(void **p, size_t bytes, unsigned) {
+  log("cuMemHostAlloc");
+  *p = aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
+  return *p ? kOk : kOutOfMemory;
+}
+API CUresult cuMemFreeHost(void *p) {
+  log("cuMemFreeHost");
+  free(p);
+  return kOk;
+}
 API CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, void *) {
   log("cuMemcpyHtoDAsync");
   memcpy((void *)(uintptr_t)dst, src, n);

@@ -1,6 +1,7 @@
 //===- gpu-host-check.cpp - the runtime's host side of a GPU step ------------===//
 //
 //   zopt-gpu-host-check FAKE_DRIVER.so GPU_STEP.so
+//   zopt-gpu-host-check FAKE_DRIVER.so OFFLOAD_STEP.so CPU_TWIN.so
 //
 // Runs a GPU step against libzopt-fake-cuda.so (set ZOPT_CUDA_DRIVER to the
 // same path): "device" memory is host memory and kernels are only recorded,
@@ -13,6 +14,12 @@
 // value changed), results read back on demand, launch errors, and GPU
 // checkpoints. The numerics of the kernels are checked on a real GPU by
 // zopt-gpu-check (test/Integration/CUDA).
+//
+// An offloaded step (params/grads on the GPU, states and kernels on the CPU)
+// runs completely here: its "device" copies are memcpys and its kernels are
+// CPU kernels. It is compared bit for bit with CPU_TWIN.so (the same
+// description with everything on the CPU) over several steps with changing
+// grads, a skipped step and a checkpoint, and its copies are counted.
 //===----------------------------------------------------------------------===//
 #include "zopt/zopt.h"
 
@@ -58,11 +65,148 @@ bool ends_with(const std::string &s, const char *suf) {
   return s.size() >= n && s.compare(s.size() - n, n, suf) == 0;
 }
 
+int offload_check(Fake &f, zopt_step *step, const char *twin_path) {
+  zopt_step *twin = nullptr;
+  Z(zopt_step_load(twin_path, &twin));
+  const zopt_step_descriptor *d = zopt_step_get_descriptor(step);
+  const bool ls = d->flags & ZOPT_FLAG_LOSS_SCALE, has_sumsq = d->flags & ZOPT_FLAG_SUMSQ;
+  int pi = -1;
+  for (uint32_t i = 0; i < d->num_states; ++i)
+    if (d->states[i].kind == ZOPT_STATE_PARAM) pi = (int)i;
+  const uint32_t pdt = d->states[pi].dtype;
+  const bool reads_param = d->states[pi].access & ZOPT_ACCESS_READ;
+  const size_t es = pdt == ZOPT_DTYPE_F32 ? 4 : 2;
+  zopt_optimizer *o = nullptr, *c = nullptr;
+  Z(zopt_optimizer_create(step, &o));
+  Z(zopt_optimizer_create(twin, &c));
+  const std::vector<int64_t> sizes = {1, 7, 17, 100, 1000, 4097, 70001};
+  const size_t T = sizes.size();
+  int go[2], gc[2];
+  for (int k = 0; k < 2; ++k) {
+    Z(zopt_optimizer_add_group(o, &go[k]));
+    Z(zopt_optimizer_add_group(c, &gc[k]));
+    Z(zopt_optimizer_set_hyper(o, go[k], "lr", k ? 3e-3 : 1e-3));
+    Z(zopt_optimizer_set_hyper(c, gc[k], "lr", k ? 3e-3 : 1e-3));
+  }
+  std::vector<unsigned long long> dp(T), dg(T);
+  std::vector<std::vector<unsigned char>> hp(T), hg(T);
+  unsigned rng = 12345;
+  auto rnd = [&]() {
+    rng = rng * 1664525u + 1013904223u;
+    return ((rng >> 8) & 0xFFFF) / 32768.0f - 1.0f;  // [-1, 1)
+  };
+  for (size_t t = 0; t < T; ++t) {
+    f.mem_alloc(&dp[t], sizes[t] * es);
+    f.mem_alloc(&dg[t], sizes[t] * es);
+    hp[t].resize(sizes[t] * es);
+    hg[t].resize(sizes[t] * es);
+    int id = 0;
+    Z(zopt_optimizer_add_tensor(o, go[t % 2], (void *)(uintptr_t)dp[t], (void *)(uintptr_t)dg[t], sizes[t],
+                                (zopt_dtype)pdt, &id));
+    Z(zopt_optimizer_add_tensor(c, gc[t % 2], hp[t].data(), hg[t].data(), sizes[t], (zopt_dtype)pdt, &id));
+    std::vector<float> v(sizes[t]);
+    for (auto &x : v) x = rnd();
+    Z(zopt_optimizer_write_state_f32(c, (int)t, ZOPT_STATE_PARAM, v.data(), sizes[t]));  // twin: host
+    memcpy((void *)(uintptr_t)dp[t], hp[t].data(), hp[t].size());                        // same bytes
+  }
+  if (ls) {
+    zopt_loss_scaler_config cfg = {1024.0, 2.0, 0.5, 2, 1.0, 1};
+    Z(zopt_optimizer_configure_loss_scaler(o, &cfg));
+    Z(zopt_optimizer_configure_loss_scaler(c, &cfg));
+  }
+  int a0 = f.num_calls();
+  Z(zopt_optimizer_finalize(o));
+  int host_allocs = 0;
+  for (int i = a0; i < f.num_calls(); ++i) host_allocs += !strcmp(f.call(i), "cuMemHostAlloc");
+  check(host_allocs == 4, "finalize: pinned staging for param and grad of each of 2 groups (" +
+                              std::to_string(host_allocs) + " cuMemHostAlloc)");
+  Z(zopt_optimizer_finalize(c));
+  void *const stream = (void *)0x0FF1;
+  Z(zopt_optimizer_set_stream(o, stream));
+
+  const int steps = 5, inf_at = has_sumsq ? 3 : 0;
+  for (int k = 1; k <= steps; ++k) {
+    for (size_t t = 0; t < T; ++t) {  // new grads, identical bytes on both
+      std::vector<float> v(sizes[t]);
+      for (auto &x : v) x = rnd() * (ls ? 64.f : 0.05f);
+      if (k == inf_at && t == T / 2) v[sizes[t] / 2] = INFINITY;
+      Z(zopt_optimizer_write_state_f32(c, (int)t, ZOPT_STATE_GRAD, v.data(), sizes[t]));
+      memcpy((void *)(uintptr_t)dg[t], hg[t].data(), hg[t].size());
+    }
+    zopt_step_result ro{}, rc{};
+    int c0 = f.num_calls();
+    Z(zopt_optimizer_step(o, &ro));
+    int dtoh = 0, htod = 0, syncs = 0, allocs = 0;
+    for (int i = c0; i < f.num_calls(); ++i) {
+      std::string n = f.call(i);
+      dtoh += n == "cuMemcpyDtoHAsync";
+      htod += n == "cuMemcpyHtoDAsync";
+      syncs += n == "cuStreamSynchronize";
+      allocs += n == "cuMemAlloc" || n == "cuMemHostAlloc";
+    }
+    Z(zopt_optimizer_step(c, &rc));
+    const int want_dtoh = (int)T * (reads_param ? 2 : 1), want_htod = rc.skipped ? 0 : (int)T;
+    check(dtoh == want_dtoh && htod == want_htod && syncs == 1 && allocs == 0,
+          "offload step " + std::to_string(k) + ": " + std::to_string(dtoh) + " copies from the GPU, " +
+              std::to_string(htod) + " to it, " + std::to_string(syncs) + " sync, no allocation");
+    bool same_result = ro.skipped == rc.skipped && ro.loss_scale == rc.loss_scale &&
+                       ((std::isnan(ro.grad_norm) && std::isnan(rc.grad_norm)) || ro.grad_norm == rc.grad_norm);
+    char buf[200];
+    snprintf(buf, sizeof buf, "offload step %d result = CPU twin's (norm %.17g, skipped %d, scale %g)", k, ro.grad_norm,
+             ro.skipped, ro.loss_scale);
+    check(same_result, buf);
+    bool params_same = true;
+    for (size_t t = 0; t < T; ++t)
+      params_same &= memcmp((void *)(uintptr_t)dp[t], hp[t].data(), hp[t].size()) == 0;
+    check(params_same, "offload step " + std::to_string(k) + ": params on the GPU bit-identical to the CPU twin's");
+    bool states_same = true;
+    for (size_t t = 0; t < T; ++t)
+      for (uint32_t s = 0; s < d->num_states; ++s) {
+        uint32_t kind = d->states[s].kind;
+        if (kind == ZOPT_STATE_PARAM || kind == ZOPT_STATE_GRAD) continue;
+        size_t b = sizes[t] * (d->states[s].dtype == ZOPT_DTYPE_F32 ? 4 : 2);
+        std::vector<unsigned char> x(b), y(b);
+        Z(zopt_optimizer_read_state_raw(o, (int)t, (zopt_state_kind)kind, x.data(), b));
+        Z(zopt_optimizer_read_state_raw(c, (int)t, (zopt_state_kind)kind, y.data(), b));
+        states_same &= x == y;
+      }
+    check(states_same, "offload step " + std::to_string(k) + ": optimizer states bit-identical to the CPU twin's");
+  }
+  int64_t n1 = -1, n2 = -2;
+  Z(zopt_optimizer_get_step_count(o, 1, &n1));
+  Z(zopt_optimizer_get_step_count(c, 1, &n2));
+  check(n1 == n2 && n1 == steps - (inf_at ? 1 : 0), "offload: step counts " + std::to_string(n1));
+  // PARAM access goes to the user's device memory.
+  std::vector<float> a(sizes[2]), b(sizes[2]);
+  Z(zopt_optimizer_read_state_f32(o, 2, ZOPT_STATE_PARAM, a.data(), sizes[2]));
+  Z(zopt_optimizer_read_state_f32(c, 2, ZOPT_STATE_PARAM, b.data(), sizes[2]));
+  check(a == b, "offload: read_state_f32(PARAM) reads the device param");
+  // Checkpoint round trip (the optimizer states are on the CPU).
+  std::string ck = std::string(twin_path) + ".offload.ckpt";
+  Z(zopt_optimizer_save(o, ck.c_str()));
+  Z(zopt_optimizer_step(o, nullptr));
+  Z(zopt_optimizer_load(o, ck.c_str()));
+  Z(zopt_optimizer_get_step_count(o, 1, &n1));
+  check(n1 == n2, "offload: checkpoint load restores the step count");
+  remove(ck.c_str());
+  zopt_optimizer_free(o);
+  zopt_optimizer_free(c);
+  zopt_step_free(twin);
+  int halloc = 0, hfree = 0;
+  for (int i = 0; i < f.num_calls(); ++i) {
+    halloc += !strcmp(f.call(i), "cuMemHostAlloc");
+    hfree += !strcmp(f.call(i), "cuMemFreeHost");
+  }
+  check(halloc == hfree, "offload: every pinned staging buffer freed");
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char **argv) {
-  if (argc != 3) {
-    fprintf(stderr, "usage: zopt-gpu-host-check FAKE_DRIVER.so GPU_STEP.so (with ZOPT_CUDA_DRIVER=FAKE_DRIVER.so)\n");
+  if (argc != 3 && argc != 4) {
+    fprintf(stderr, "usage: zopt-gpu-host-check FAKE_DRIVER.so GPU_STEP.so | OFFLOAD_STEP.so CPU_TWIN.so "
+                    "(with ZOPT_CUDA_DRIVER=FAKE_DRIVER.so)\n");
     return 2;
   }
   const char *env = getenv("ZOPT_CUDA_DRIVER");
@@ -91,6 +235,12 @@ int main(int argc, char **argv) {
 
   zopt_step *step = nullptr;
   Z(zopt_step_load(argv[2], &step));
+  if (argc == 4) {
+    offload_check(f, step, argv[3]);
+    zopt_step_free(step);
+    printf("%d passed, %d failed\n", passed, failed);
+    return failed ? 1 : 0;
+  }
   const zopt_step_descriptor *d = zopt_step_get_descriptor(step);
   const bool ls = d->flags & ZOPT_FLAG_LOSS_SCALE, has_sumsq = d->flags & ZOPT_FLAG_SUMSQ;
   uint32_t pdt = 0;

@@ -1,0 +1,154 @@
+// offload.cpp - steps whose params and grads live on the GPU while the
+// optimizer states and the update run on the CPU (ZeRO-Offload; the brief's
+// `param : bf16 on gpu`, `master : f32 on cpu` description). See docs/GPU.md
+// "Offloaded steps".
+//
+// The CPU path of optimizer.cpp does the work: PARAM and GRAD are given
+// pinned host staging buffers in the groups' flat layout (state_ptr returns
+// them), so the CPU kernels, the norm reduction, the thread partition and
+// checkpoints are the CPU step's, unchanged. Around it, on the optimizer's
+// stream:
+//   before: grads (and params, if the kernel reads them) device -> staging,
+//           then one stream synchronisation (the CPU needs the bytes);
+//   after:  unless the step was skipped, the written params staging ->
+//           device, asynchronously: the caller's later work on the stream
+//           is ordered after them, and the next step's synchronisation
+//           guarantees they finished before the staging is written again.
+#include "gpu_internal.h"
+
+#include <new>
+
+using namespace zopt;
+using namespace zopt::cu;
+
+namespace zopt {
+
+bool is_offload_step(const zopt_step *s) {
+  if (s->has_gpu_code) return false;
+  const zopt_step_descriptor *d = &s->desc;
+  bool any_gpu = false;
+  for (uint32_t i = 0; i < d->num_states; ++i) {
+    const zopt_state_desc &sd = d->states[i];
+    if (sd.placement != ZOPT_PLACE_GPU) continue;
+    if (is_owned_kind(sd.kind)) return false;  // a GPU-placed optimizer state: not an offload
+    any_gpu = true;
+  }
+  return any_gpu;
+}
+
+zopt_status offload_create(zopt_optimizer *o) {
+  const zopt_step_descriptor *d = o->d;
+  // Params and grads must be on the same side (the verifier's placement
+  // rules allow only param/grad on the GPU here; both, for an offload).
+  const int pi = o->step->param_index, gi = o->step->grad_index;
+  if (d->states[pi].placement != ZOPT_PLACE_GPU || d->states[gi].placement != ZOPT_PLACE_GPU)
+    return fail(ZOPT_ERR_UNSUPPORTED,
+                "step '%s': offload needs both param and grad on the GPU (param on %s, grad on %s)", d->name,
+                d->states[pi].placement == ZOPT_PLACE_GPU ? "gpu" : "cpu",
+                d->states[gi].placement == ZOPT_PLACE_GPU ? "gpu" : "cpu");
+  GpuState *g = new (std::nothrow) GpuState;
+  if (!g) return fail(ZOPT_ERR_OUT_OF_MEMORY, "out of memory");
+  if (zopt_status st = cuda_attach(g, d->name, "offloads its params from the GPU")) {
+    delete g;
+    return st;
+  }
+  o->offload = g;
+  return ZOPT_OK;
+}
+
+zopt_status offload_check_tensor(const zopt_optimizer *o, void *param, void *grad) {
+  return gpu_check_pointers(o->offload, param, grad);
+}
+
+zopt_status offload_alloc_staging(zopt_optimizer *o, size_t bytes, void **out) {
+  GpuState *g = o->offload;
+  if (zopt_status st = make_current(g)) return st;
+  void *p = nullptr;
+  CUresult r = g->cu->MemHostAlloc(&p, std::max<size_t>(bytes, 64), 0);
+  if (r != CUDA_SUCCESS || !p)
+    return fail(ZOPT_ERR_OUT_OF_MEMORY, "zopt_optimizer_finalize: cuMemHostAlloc(%zu bytes) for a staging buffer: %s",
+                bytes, error_string(r));
+  g->pinned.push_back(p);
+  *out = p;
+  return ZOPT_OK;
+}
+
+// Copies state `si` (PARAM or GRAD) of every tensor between the user's
+// device memory and the staging buffers, asynchronously on the stream.
+static zopt_status copy_all(zopt_optimizer *o, int si, bool to_device) {
+  GpuState *g = o->offload;
+  const size_t es = dtype_size(o->d->states[si].dtype);
+  const bool param = o->d->states[si].kind == ZOPT_STATE_PARAM;
+  for (size_t t = 0; t < o->tensors.size(); ++t) {
+    const Tensor &x = o->tensors[t];
+    CUdeviceptr dev = (CUdeviceptr)(uintptr_t)(param ? x.param : x.grad);
+    void *host = state_ptr(o, (int)t, si);
+    size_t bytes = (size_t)x.numel * es;
+    CUresult r = to_device ? g->cu->MemcpyHtoDAsync(dev, host, bytes, g->stream)
+                           : g->cu->MemcpyDtoHAsync(host, dev, bytes, g->stream);
+    if (r)
+      return fail(ZOPT_ERR_INTERNAL, "offload: copying the %s of tensor %zu %s the GPU: %s", param ? "param" : "grad",
+                  t, to_device ? "to" : "from", error_string(r));
+  }
+  return ZOPT_OK;
+}
+
+zopt_status offload_before_step(zopt_optimizer *o, bool init) {
+  GpuState *g = o->offload;
+  if (zopt_status st = make_current(g)) return st;
+  const zopt_step_descriptor *d = o->d;
+  const int pi = o->step->param_index, gi = o->step->grad_index;
+  // At finalize the params are needed to initialize the master; in a step
+  // only when the update reads them (no master). The grads: every step.
+  if (init || (d->states[pi].access & ZOPT_ACCESS_READ))
+    if (zopt_status st = copy_all(o, pi, false)) return st;
+  if (!init)
+    if (zopt_status st = copy_all(o, gi, false)) return st;
+  if (CUresult r = g->cu->StreamSynchronize(g->stream))
+    return fail(ZOPT_ERR_INTERNAL, "offload: waiting for the copies from the GPU: %s", error_string(r));
+  return ZOPT_OK;
+}
+
+zopt_status offload_after_step(zopt_optimizer *o) {
+  const int pi = o->step->param_index;
+  if (!(o->d->states[pi].access & ZOPT_ACCESS_WRITE)) return ZOPT_OK;
+  return copy_all(o, pi, true);
+}
+
+zopt_status offload_copy(const zopt_optimizer *o, int t, int si, void *host, size_t bytes, bool to_device) {
+  GpuState *g = o->offload;
+  if (zopt_status st = make_current(g)) return st;
+  const Tensor &x = o->tensors[t];
+  const bool param = o->d->states[si].kind == ZOPT_STATE_PARAM;
+  CUdeviceptr dev = (CUdeviceptr)(uintptr_t)(param ? x.param : x.grad);
+  // Ordered after the step's pending param copies (same stream).
+  CUresult r = to_device ? g->cu->MemcpyHtoDAsync(dev, host, bytes, g->stream)
+                         : g->cu->MemcpyDtoHAsync(host, dev, bytes, g->stream);
+  if (!r) r = g->cu->StreamSynchronize(g->stream);
+  if (r) return fail(ZOPT_ERR_INTERNAL, "copying the %s of tensor %d: %s", param ? "param" : "grad", t, error_string(r));
+  return ZOPT_OK;
+}
+
+zopt_status offload_set_stream(zopt_optimizer *o, void *stream) {
+  o->offload->stream = (CUstream)stream;
+  return ZOPT_OK;
+}
+
+void offload_free(zopt_optimizer *o) {
+  GpuState *g = o->offload;
+  if (!g) return;
+  if (g->cu->CtxSetCurrent(g->ctx) == CUDA_SUCCESS) {
+    g->cu->StreamSynchronize(g->stream);  // pending param copies read the staging
+    for (void *p : g->pinned) g->cu->MemFreeHost(p);
+  }
+  const int pi = o->step->param_index, gi = o->step->grad_index;
+  for (auto &gr : o->groups) {
+    if (pi >= 0 && (size_t)pi < gr.buffers.size()) gr.buffers[pi] = nullptr;
+    if (gi >= 0 && (size_t)gi < gr.buffers.size()) gr.buffers[gi] = nullptr;
+  }
+  cuda_detach(g);
+  delete g;
+  o->offload = nullptr;
+}
+
+}  // namespace zopt
