@@ -651,6 +651,9 @@ ZOPT_API zopt_status zopt_optimizer_memory_info(const zopt_optimizer *o, zopt_me
     uint64_t bytes = 0;
     if (!is_owned_kind(sd.kind)) {
       bytes = n * dtype_size(sd.dtype);
+      if (o->offload && o->finalized)  // plus its pinned host staging
+        for (const Group &g : o->groups)
+          if (g.buffers[s]) by[1] += ((uint64_t)g.padded_total * dtype_size(sd.dtype) + 63) & ~(uint64_t)63;
     } else if (o->finalized) {
       for (const Group &g : o->groups)
         if (g.buffers[s]) bytes += ((uint64_t)g.padded_total * dtype_size(sd.dtype) + 63) & ~(uint64_t)63;

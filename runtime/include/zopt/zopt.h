@@ -236,7 +236,8 @@ ZOPT_API zopt_status zopt_optimizer_load(zopt_optimizer *opt, const char *path);
 /* ---- introspection ----------------------------------------------------- */
 
 typedef struct zopt_memory_info {
-  uint64_t bytes_cpu; /* optimizer-owned + user param/grad bytes on CPU */
+  uint64_t bytes_cpu; /* optimizer-owned + user param/grad bytes on CPU
+                         (offloaded steps: + the pinned param/grad staging) */
   uint64_t bytes_gpu;
   uint64_t num_params; /* total elements */
 } zopt_memory_info;
