@@ -188,6 +188,23 @@ int offload_check(Fake &f, zopt_step *step, const char *twin_path) {
   Z(zopt_optimizer_load(o, ck.c_str()));
   Z(zopt_optimizer_get_step_count(o, 1, &n1));
   check(n1 == n2, "offload: checkpoint load restores the step count");
+  // A checkpoint of the all-CPU twin (a different step: other placements)
+  // loads into the offloaded optimizer.
+  Z(zopt_optimizer_step(o, nullptr));
+  Z(zopt_optimizer_save(c, ck.c_str()));
+  Z(zopt_optimizer_load(o, ck.c_str()));
+  bool cross = true;
+  for (size_t t = 0; t < T; ++t)
+    for (uint32_t s = 0; s < d->num_states; ++s) {
+      uint32_t kind = d->states[s].kind;
+      if (kind == ZOPT_STATE_PARAM || kind == ZOPT_STATE_GRAD) continue;
+      std::vector<float> x(sizes[t]), y(sizes[t]);
+      Z(zopt_optimizer_read_state_f32(o, (int)t, (zopt_state_kind)kind, x.data(), sizes[t]));
+      Z(zopt_optimizer_read_state_f32(c, (int)t, (zopt_state_kind)kind, y.data(), sizes[t]));
+      cross &= memcmp(x.data(), y.data(), x.size() * 4) == 0;
+    }
+  Z(zopt_optimizer_get_step_count(o, 1, &n1));
+  check(cross && n1 == n2, "offload: the all-CPU twin's checkpoint loads into the offloaded optimizer");
   remove(ck.c_str());
   zopt_optimizer_free(o);
   zopt_optimizer_free(c);
