@@ -77,6 +77,11 @@ struct BodyEmitter {
     return LLVM::GEPOp::create(b, loc, ptrTy, memElem, statePtrs[slot],
                                ValueRange{i});
   }
+  /// For the sum of squares of values narrower than f64: contract (FMA).
+  arith::FastMathFlagsAttr accumulateFastmath() {
+    return arith::FastMathFlagsAttr::get(b.getContext(),
+                                         arith::FastMathFlags::contract);
+  }
   /// bf16 bits -> f32 (exact).
   Value bf16BitsToF32(Value bits16) {
     if (packHalves && lanes > 1) {
@@ -226,9 +231,15 @@ struct BodyEmitter {
       } else if (auto a = dyn_cast<zk::AccumulateOp>(op)) {
         Value x = get(a.getValue());
         Type f64 = vec(b.getF64Type());
-        if (!a.getValue().getType().isF64())
+        if (!a.getValue().getType().isF64()) {
+          // The square of a widened f32 is exact in f64 (48 significant
+          // bits), so fusing it into the accumulation (FMA) changes no bit:
+          // the caller's add carries the same flag (accumulateFastmath).
           x = arith::ExtFOp::create(b, loc, f64, x);
-        acc = arith::MulFOp::create(b, loc, x, x);
+          acc = arith::MulFOp::create(b, loc, x, x, accumulateFastmath());
+        } else {
+          acc = arith::MulFOp::create(b, loc, x, x);
+        }
       } else {
         // Elementwise arith/math: same op at vector type.
         OperationState st(loc, op.getName());

@@ -91,8 +91,13 @@ static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
     if (auto c = dyn_cast<zk::CoeffOp>(op))
       maxCoeff = std::max<int64_t>(maxCoeff, c.getIndex());
   }
-  // Update kernels run 2W lanes per iteration, sum-of-squares kernels W.
-  const int lanes = isSum ? isa.lanes : 2 * isa.lanes;
+  // Two registers' worth per iteration (sum-of-squares kernels: of f32
+  // values, so four f64 accumulator registers on AVX-512).
+  const int lanes = 2 * isa.lanes;
+  bool sumsqOfNarrow = false;
+  body.walk([&](zk::AccumulateOp a) {
+    sumsqOfNarrow = !a.getValue().getType().isF64();
+  });
   SmallVector<Value> cs, cv;
   for (int64_t c = 0; c <= maxCoeff; ++c) {
     cs.push_back(loadPtrAt(b, loc, coeffs, c, f32, f32));
@@ -137,8 +142,9 @@ static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
         BodyEmitter e{lb, l, lanes, ptrs, cs, cv};
         e.packHalves = true;
         Value sq = e.emit(body, iv);
-        scf::YieldOp::create(lb, l,
-                             ValueRange{arith::AddFOp::create(lb, l, iter[0], sq)});
+        auto fm = sumsqOfNarrow ? e.accumulateFastmath() : arith::FastMathFlagsAttr();
+        scf::YieldOp::create(
+            lb, l, ValueRange{arith::AddFOp::create(lb, l, iter[0], sq, fm)});
       });
   Value partial = vector::ReductionOp::create(b, loc, vector::CombiningKind::ADD,
                                               l1.getResult(0));

@@ -248,6 +248,14 @@ int main(int argc, char **argv) {
   std::printf("\nmedian step %.2f ms = %.2f GB/s; in-place stream roofline "
               "(same run, same arrays) %.2f ms = %.2f GB/s; ratio %.2f\n",
               ts * 1e3, gbs, tr * 1e3, gbr, tr / ts);
+  if (d->flags & ZOPT_FLAG_SUMSQ) {
+    // The norm pass reads the grads once more than the roofline's bytes.
+    double extra = double(eb);
+    std::printf("(the step's global-norm pass reads the grads a second time: "
+                "%.0f bytes/param moved, so the ratio can reach at most "
+                "%.2f)\n",
+                bytesPerParam + extra, bytesPerParam / (bytesPerParam + extra));
+  }
   zopt_optimizer_free(opt);
   zopt_step_free(step);
   return 0;

@@ -79,13 +79,18 @@ zk.kernel @t_update update {
   zk.store 0, %p1 : f32 into bf16
 }
 
-// The reduction accumulates x*x in f64 lanes, then reduces once.
+// The reduction accumulates x*x in f64 lanes (two registers of f32 values
+// per iteration: four f64 accumulators on AVX-512), then reduces once. The
+// square of a widened f32 is exact, so mul and add may fuse (contract).
 // CHECK-LABEL: func.func @t_sumsq_avx512(%{{.+}}: !llvm.ptr, %{{.+}}: i64, %{{.+}}: !llvm.ptr) -> f64
-// CHECK: scf.for {{.+}} iter_args(%{{.+}} = %{{.+}}) -> (vector<16xf64>)
-// CHECK: arith.extf %{{.+}} : vector<16xf32> to vector<16xf64>
-// CHECK: arith.mulf %{{.+}}, %{{.+}} : vector<16xf64>
-// CHECK: vector.reduction <add>, %{{.+}} : vector<16xf64> into f64
+// CHECK: scf.for {{.+}} iter_args(%{{.+}} = %{{.+}}) -> (vector<32xf64>)
+// CHECK: arith.extf %{{.+}} : vector<32xf32> to vector<32xf64>
+// CHECK: arith.mulf %{{.+}}, %{{.+}} fastmath<contract> : vector<32xf64>
+// CHECK: arith.addf %{{.+}}, %{{.+}} fastmath<contract> : vector<32xf64>
+// CHECK: vector.reduction <add>, %{{.+}} : vector<32xf64> into f64
 // CHECK: scf.for {{.+}} -> (f64)
+// CHECK-LABEL: func.func @t_sumsq_avx2(
+// CHECK: -> (vector<16xf64>)
 zk.kernel @t_sumsq sumsq {
   %g = zk.load 1 : bf16
   %gf = arith.extf %g : bf16 to f32
