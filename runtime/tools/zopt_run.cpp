@@ -12,6 +12,7 @@
 //===----------------------------------------------------------------------===//
 #include "zopt/zopt.h"
 #include "zopt/cpu.h"
+#include "stream_roofline.h"
 
 #include <algorithm>
 #include <chrono>
@@ -23,6 +24,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+#include <memory>
+#include <sys/mman.h>
 
 #include <immintrin.h>
 
@@ -64,42 +67,44 @@ double now() {
       .count();
 }
 
-// The roofline: an in-place stream over arrays of the step's sizes and
-// dtypes: every array the step reads is read once, every array it writes is
-// written once (read-write arrays in place), split over `threads` threads
-// with the same contiguous partition as the data. Words are combined with
-// XOR, so no floating-point work is done and nothing can be optimized away.
+// Large host arrays: 2 MiB-aligned and advised as transparent huge pages,
+// as the runtime does for its own state buffers (with 4 KiB pages a step
+// that streams 7 arrays loses bandwidth to TLB misses). Freed with free().
+struct FreeDeleter {
+  void operator()(uint8_t *p) const { std::free(p); }
+};
+using HostBuf = std::unique_ptr<uint8_t, FreeDeleter>;
+HostBuf allocHuge(size_t bytes) {
+  const size_t huge = size_t(2) << 20;
+  bytes = (std::max<size_t>(bytes, 1) + huge - 1) / huge * huge;
+  uint8_t *p = static_cast<uint8_t *>(std::aligned_alloc(huge, bytes));
+  if (p)
+    madvise(p, bytes, MADV_HUGEPAGE);
+  return HostBuf(p);
+}
+
+// The roofline: the in-place stream of stream_roofline.h (the one the CPU
+// benchmark uses) over arrays of the step's sizes and dtypes: every array
+// the step reads is read, every array it writes is written (read-write
+// arrays in place), one vector of every array after the other, split over
+// `threads` threads with the same contiguous partition as the data.
 struct Stream {
-  struct Arr {
-    std::vector<uint64_t> mem;
-    bool read, write;
-  };
-  std::vector<Arr> arrs;
-  uint64_t mask = 0; // runtime zero
+  std::vector<HostBuf> mem;
+  std::vector<zopt_stream::Arr> arrs;
+  size_t n = 0;
+  uint32_t mask = 0;  // runtime zero
+  bool avx512 = false;
 
   void run(int threads) {
     std::vector<std::thread> ts;
-    std::vector<uint64_t> sink(threads * 8);
     for (int t = 0; t < threads; ++t)
       ts.emplace_back([&, t] {
-        uint64_t acc = 0;
-        for (Arr &a : arrs) {
-          size_t n = a.mem.size();
-          size_t lo = n * t / threads, hi = n * (t + 1) / threads;
-          uint64_t *p = a.mem.data();
-          if (a.read && a.write)
-            for (size_t j = lo; j < hi; ++j) p[j] ^= mask;
-          else if (a.write)
-            for (size_t j = lo; j < hi; ++j) p[j] = mask;
-          else
-            for (size_t j = lo; j < hi; ++j) acc ^= p[j];
-        }
-        sink[t * 8] = acc;
+        size_t lo = n * t / threads, hi = n * (t + 1) / threads;
+        (avx512 ? zopt_stream::streamAvx512 : zopt_stream::streamAvx2)(arrs.data(), (int)arrs.size(), lo, hi,
+                                                                         mask);
       });
     for (auto &t : ts)
       t.join();
-    for (uint64_t v : sink)
-      mask |= v & 0; // keep the reads observable
   }
 };
 
@@ -165,7 +170,8 @@ int main(int argc, char **argv) {
   std::mt19937 rng(1234);
   std::normal_distribution<float> normal(0.f, 1.f);
   size_t eb = dtypeBytes(pdtype);
-  std::vector<std::vector<uint8_t>> params(nTensors), grads(nTensors);
+  // Like the runtime's buffers and the roofline's arrays: huge pages.
+  std::vector<HostBuf> params(nTensors), grads(nTensors);
   zopt_optimizer *opt = nullptr;
   CHECK_Z(zopt_optimizer_create(step, &opt));
   CHECK_Z(zopt_optimizer_set_num_threads(opt, threads));
@@ -173,24 +179,28 @@ int main(int argc, char **argv) {
   CHECK_Z(zopt_optimizer_add_group(opt, &group));
   for (int t = 0; t < nTensors; ++t) {
     long long n = nParams / nTensors + (t < nParams % nTensors ? 1 : 0);
-    params[t].resize(size_t(n) * eb);
-    grads[t].resize(size_t(n) * eb);
+    params[t] = allocHuge(size_t(n) * eb);
+    grads[t] = allocHuge(size_t(n) * eb);
+    if (!params[t] || !grads[t]) {
+      std::fprintf(stderr, "zopt-run: out of memory for the tensors\n");
+      return 1;
+    }
     for (long long i = 0; i < n; ++i) {
       float p = normal(rng) * 0.05f, g = normal(rng) * 1e-3f;
       if (pdtype == ZOPT_DTYPE_F32) {
-        std::memcpy(&params[t][i * 4], &p, 4);
-        std::memcpy(&grads[t][i * 4], &g, 4);
+        std::memcpy(params[t].get() + i * 4, &p, 4);
+        std::memcpy(grads[t].get() + i * 4, &g, 4);
       } else {
         if (d->flags & ZOPT_FLAG_LOSS_SCALE)
           g *= 1024.f; // gradients arrive loss-scaled
         uint16_t pb = toBits16(p, pdtype), gb = toBits16(g, pdtype);
-        std::memcpy(&params[t][i * 2], &pb, 2);
-        std::memcpy(&grads[t][i * 2], &gb, 2);
+        std::memcpy(params[t].get() + i * 2, &pb, 2);
+        std::memcpy(grads[t].get() + i * 2, &gb, 2);
       }
     }
     int id;
-    CHECK_Z(zopt_optimizer_add_tensor(opt, group, params[t].data(),
-                                      grads[t].data(), n, zopt_dtype(pdtype),
+    CHECK_Z(zopt_optimizer_add_tensor(opt, group, params[t].get(),
+                                      grads[t].get(), n, zopt_dtype(pdtype),
                                       &id));
   }
   CHECK_Z(zopt_optimizer_finalize(opt));
@@ -211,16 +221,25 @@ int main(int argc, char **argv) {
 
   // Roofline arrays: same sizes and dtypes as the states.
   Stream stream;
-  stream.mask = uint64_t(std::getenv("ZOPT_RUN_NEVER_SET") != nullptr);
+  stream.mask = uint32_t(std::getenv("ZOPT_RUN_NEVER_SET") != nullptr);
+  stream.n = size_t(nParams);
+  stream.avx512 = zopt_cpu_runs_isa(ZOPT_ISA_AVX512);
   for (uint32_t s = 0; s < d->num_states; ++s) {
     const zopt_state_desc &sd = d->states[s];
     if (!sd.access)
       continue;
-    Stream::Arr a;
-    a.mem.assign((size_t(nParams) * dtypeBytes(sd.dtype) + 7) / 8, s + 1);
-    a.read = sd.access & ZOPT_ACCESS_READ;
-    a.write = sd.access & ZOPT_ACCESS_WRITE;
-    stream.arrs.push_back(std::move(a));
+    size_t es = dtypeBytes(sd.dtype);
+    HostBuf buf = allocHuge(size_t(nParams) * es);
+    if (!buf) {
+      std::fprintf(stderr, "zopt-run: out of memory for the roofline arrays\n");
+      return 1;
+    }
+    uint8_t *p = buf.get();
+    std::memset(p, int(s + 1), size_t(nParams) * es);
+    stream.mem.push_back(std::move(buf));
+    stream.arrs.push_back({p, int(es),
+                           bool(sd.access & ZOPT_ACCESS_READ),
+                           bool(sd.access & ZOPT_ACCESS_WRITE)});
   }
 
   std::printf("%5s %10s %10s %12s %9s %10s %8s\n", "step", "lr", "ms",

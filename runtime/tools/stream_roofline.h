@@ -1,0 +1,99 @@
+//===- stream_roofline.h - the in-place stream roofline ------------------===//
+//
+// Header-only, shared by the main job (zopt-run) and the CPU benchmark
+// (bench/zopt-bench-cpu), so that both hold a step against the same
+// roofline: one pass over the step's arrays that reads what the step reads
+// and writes back what it writes, with no math, interleaved per vector like
+// the fused kernel. Call streamAvx512 on CPUs with AVX-512, else streamAvx2
+// (or time both and take the faster), over [begin, end) elements.
+//===----------------------------------------------------------------------===//
+#ifndef ZOPT_STREAM_ROOFLINE_H
+#define ZOPT_STREAM_ROOFLINE_H
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+namespace zopt_stream {
+
+//===----------------------------------------------------------------------===//
+// The in-place stream. Arrays are byte streams: an f32 array moves 4 bytes
+// per element, a bf16/f16 array 2. Each iteration moves one vector of 8
+// (AVX2) or 16 (AVX-512) elements of every array, in the kernel's order
+// (reads, then read-writes, then writes):
+//   read-only   XOR-accumulated in a register, written to a volatile sink at
+//               the end, so no load can be removed;
+//   read-write  x ^= opaque zero, stored back in place;
+//   write-only  the opaque zero stored;
+// so buffers keep their values and exactly the bytes the UPDATE kernel moves
+// are moved. (The first version folded reads in as `acc |= x & z` from
+// acc = z, which the compiler reduced to acc = z by absorption, dropping
+// every read-only load: that roofline moved fewer bytes than it counted and
+// so read too high.) The arrays are sorted into per-class pointer lists
+// first, so the hot loop holds no per-element access tests.
+//===----------------------------------------------------------------------===//
+
+struct Arr {
+  uint8_t *p;
+  int es;      // bytes per element
+  bool rd, wr; // access in the UPDATE kernel
+};
+
+constexpr int kMaxArr = 16;
+inline volatile uint32_t gReadSink; // keeps the read-only loads of the stream
+
+// Class c of an array: 0 read-only, 1 read-write, 2 write-only; w: 0 = 4 bytes,
+// 1 = 2 bytes.
+struct Classes {
+  uint8_t *p[3][2][kMaxArr];
+  int n[3][2] = {};
+  explicit Classes(const Arr *arr, int na) {
+    for (int a = 0; a < na; ++a) {
+      int c = !arr[a].wr ? 0 : arr[a].rd ? 1 : 2, w = arr[a].es == 4 ? 0 : 1;
+      p[c][w][n[c][w]++] = arr[a].p;
+    }
+  }
+};
+
+#define ZOPT_STREAM_BODY(V32, V16, L)                                                   \
+  const Classes k(arr, na);                                                             \
+  V32 z32 = {}, acc32 = {};                                                             \
+  V16 z16 = {}, acc16 = {};                                                             \
+  z32 += uint32_t(mask); /* opaque zero: the compiler cannot prove it is zero */        \
+  z16 += uint16_t(mask);                                                                \
+  size_t i = begin;                                                                     \
+  for (; i + (L) <= end; i += (L)) {                                                    \
+    for (int a = 0; a < k.n[0][0]; ++a) { V32 x; std::memcpy(&x, k.p[0][0][a] + i * 4, sizeof x); acc32 ^= x; } \
+    for (int a = 0; a < k.n[0][1]; ++a) { V16 x; std::memcpy(&x, k.p[0][1][a] + i * 2, sizeof x); acc16 ^= x; } \
+    for (int a = 0; a < k.n[1][0]; ++a) { V32 x; std::memcpy(&x, k.p[1][0][a] + i * 4, sizeof x); x ^= z32; std::memcpy(k.p[1][0][a] + i * 4, &x, sizeof x); } \
+    for (int a = 0; a < k.n[1][1]; ++a) { V16 x; std::memcpy(&x, k.p[1][1][a] + i * 2, sizeof x); x ^= z16; std::memcpy(k.p[1][1][a] + i * 2, &x, sizeof x); } \
+    for (int a = 0; a < k.n[2][0]; ++a) std::memcpy(k.p[2][0][a] + i * 4, &z32, sizeof z32); \
+    for (int a = 0; a < k.n[2][1]; ++a) std::memcpy(k.p[2][1][a] + i * 2, &z16, sizeof z16); \
+  }                                                                                     \
+  for (; i < end; ++i) /* tail: bytes */                                                \
+    for (int a = 0; a < na; ++a)                                                        \
+      if (arr[a].wr && !arr[a].rd) std::memset(arr[a].p + i * arr[a].es, int(mask), arr[a].es); \
+  uint32_t s = 0;                                                                       \
+  for (int e = 0; e < (L); ++e) s ^= acc32[e] ^ acc16[e];                               \
+  gReadSink = s;
+
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef uint32_t v16u32 __attribute__((vector_size(64)));
+typedef uint16_t v16u16 __attribute__((vector_size(32)));
+
+__attribute__((target("avx2,fma,f16c"), noinline)) inline void
+streamAvx2(const Arr *arr, int na, size_t begin, size_t end, uint32_t mask) {
+  ZOPT_STREAM_BODY(v8u32, v8u16, 8)
+}
+
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl"), noinline)) inline void
+streamAvx512(const Arr *arr, int na, size_t begin, size_t end, uint32_t mask) {
+  ZOPT_STREAM_BODY(v16u32, v16u16, 16)
+}
+
+#undef ZOPT_STREAM_BODY
+
+} // namespace zopt_stream
+
+#endif
