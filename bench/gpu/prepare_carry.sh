@@ -24,4 +24,8 @@ compile bf16_master_clip "$root/examples/adamw_bf16_gpu.mlir"
 compile bf16 "$in/adamw_bf16_gpu.mlir"
 compile f16_loss_scale "$in/adam_f16_loss_scale_gpu.mlir"
 compile bf16_offload "$root/test/Integration/GPUHost/Inputs/adamw_bf16_offload.mlir"
+# The Python GPU/offload parity matrix (python/tests/test_cuda.py), for a
+# machine without zopt-compile: its steps, keyed as ZOPT_TEST_STEP_CACHE.
+ZOPT_COMPILE="$build/bin/zopt-compile" ZOPT_RUNTIME_LIB="$build/lib/libzopt_runtime.so" \
+  PYTHONPATH="$root/python:$root/python/tests" /usr/bin/python3 "$root/python/tests/test_cuda.py" "$out/stepcache"
 du -sh "$out"

@@ -73,20 +73,67 @@ def lr_at(base, s):
     return base * (1.0 + 0.5 * np.sin(1.3 * s + 0.7))
 
 
-@pytest.mark.parametrize("ngroups", [1, 3])
-@pytest.mark.parametrize("clip", [None, CLIP], ids=["noclip", "clip"])
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("bc", ["on", "off"], ids=["bc_on", "bc_off"])
-@pytest.mark.parametrize("amsgrad", [False, True], ids=["noams", "amsgrad"])
-@pytest.mark.parametrize("rule", ["adam", "adamw"])
-def test_adam_parity(steps, rule, amsgrad, bc, layout, clip, ngroups):
-    step = steps(rule=rule, amsgrad=amsgrad, layout=layout, clip=clip)
+# The matrix, shared with the GPU / offload runs in test_cuda.py.
+MATRIX = [dict(rule=r, amsgrad=a, bc=b, layout=l, clip=c, ngroups=n)
+          for r in ["adam", "adamw"] for a in [False, True] for b in ["on", "off"]
+          for l in LAYOUTS for c in [None, CLIP] for n in [1, 3]]
+
+
+def case_id(c):
+    return "-".join([c["rule"], "amsgrad" if c["amsgrad"] else "noams", "bc_" + c["bc"],
+                     c["layout"], "clip" if c["clip"] else "noclip", str(c["ngroups"])])
+
+
+class DeviceMirror:
+    """torch CUDA copies of a Problem's params/grads: the user's memory of a
+    GPU or offloaded step. The numpy arrays stay what the checks read: grads
+    are pushed before each step, params pulled after it."""
+
+    def __init__(self, prob):
+        self.prob = prob
+        self.p = [self._to_torch(a).cuda() for a in prob.params]
+        self.g = [self._to_torch(a).cuda() for a in prob.grads]
+
+    @staticmethod
+    def _to_torch(a):
+        if a.dtype == np.uint16:  # bf16 bit patterns
+            return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+        return torch.from_numpy(a.copy())
+
+    def group_params(self):
+        out = [[] for _ in self.prob.sizes]
+        for p, g, gi in zip(self.p, self.g, self.prob.group_of):
+            out[gi].append((p, g))
+        return out
+
+    def push_grads(self):
+        for d, a in zip(self.g, self.prob.grads):
+            d.copy_(self._to_torch(a))
+
+    def pull_params(self):
+        torch.cuda.synchronize()
+        for d, a in zip(self.p, self.prob.params):
+            h = d.cpu()
+            a[...] = h.view(torch.int16).numpy().view(np.uint16) if a.dtype == np.uint16 else h.numpy()
+
+
+@pytest.mark.parametrize("case", MATRIX, ids=[case_id(c) for c in MATRIX])
+def test_adam_parity(steps, case):
+    adam_parity_case(steps, **case)
+
+
+def adam_parity_case(steps, rule, amsgrad, bc, layout, clip, ngroups, placement="cpu"):
+    """One cell of the matrix. placement "gpu" / "offload": the step's
+    params/grads are torch CUDA tensors (DeviceMirror); the same data and
+    checks as on the CPU."""
+    step = steps(rule=rule, amsgrad=amsgrad, layout=layout, clip=clip, placement=placement)
     sizes, hyp, base_lr = group_setup(ngroups, bc)
     seed = zlib.crc32(repr((rule, amsgrad, bc, layout, clip, ngroups)).encode()) + SEED_OFFSET
     prob = Problem(seed, layout, sizes)
+    mirror = DeviceMirror(prob) if placement != "cpu" else None
     scaler = dict(init_scale=1024.0) if prob.loss_scaled else None
     groups = [dict(params=gp, lr=base_lr[i], **hyp[i])
-              for i, gp in enumerate(prob.group_params())]
+              for i, gp in enumerate((mirror or prob).group_params())]
     opt = zopt.Optimizer(step, groups, loss_scaler=scaler)
     p64 = prob.params64()
     ref = Reference(rule, [dict(params=[p64[i] for i, g in enumerate(prob.group_of)
@@ -123,7 +170,13 @@ def test_adam_parity(steps, rule, amsgrad, bc, layout, clip, ngroups):
             ref.groups[gi]["lr"] = lr
         sens_prev = [4 * ref.sensitivity(i) * (1 + np.abs(g64[i]) / max(S, 1.0))
                      for i in range(len(prob.params))]
+        if mirror:
+            mirror.push_grads()
         norm, skipped = opt.step()
+        if placement == "gpu":  # the outcome of a GPU step is on the device
+            norm, skipped, _ = opt.gpu_result()
+        if mirror:
+            mirror.pull_params()
         rnorm, rskipped, coef = ref.step(g64)
         assert skipped is False and rskipped is False
         clipped.append(coef < 1.0)

@@ -3,7 +3,14 @@
 On a machine without a CUDA device the GPU tests are reported SKIPPED with
 the reason "no CUDA device" (never passed). One test runs everywhere: on a
 machine without a device it checks that a GPU step is refused with
-ZOPT_ERR_UNSUPPORTED and a message naming CUDA."""
+ZOPT_ERR_UNSUPPORTED and a message naming CUDA.
+
+test_adam_parity_gpu / test_adam_parity_offload run the CPU parity matrix
+(test_adam_parity.MATRIX: 128 cells against the float64 reference, and
+torch for f32) with the params/grads as torch CUDA tensors: every state on
+the GPU, and params/grads on the GPU with the states on the CPU. On a GPU
+machine without zopt-compile they run from ZOPT_TEST_STEP_CACHE, filled here
+by bench/gpu/prepare_carry.sh (precompile_parity_steps below)."""
 import ctypes
 import os
 
@@ -13,6 +20,7 @@ import torch
 
 import zopt
 from zopt._lib import Status, ZoptError
+from test_adam_parity import MATRIX, adam_parity_case, case_id
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 EXAMPLE = os.path.join(REPO, "examples", "adamw_bf16_gpu.mlir")
@@ -51,20 +59,23 @@ def test_gpu_step_refused_without_device(tmp_path):
     assert "CUDA" in str(e.value)
 
 
+def _example_texts():
+    gpu = open(EXAMPLE).read()
+    return gpu, gpu.replace(" on gpu", " on cpu").replace(', gpu_arch = "sm_90"', "")
+
+
 @needs_gpu
-@needs_toolkit
-def test_bf16_master_matches_cpu_step(tmp_path):
-    gpu_so = _compile(EXAMPLE, tmp_path)
-    cpu_src = open(EXAMPLE).read().replace(" on gpu", " on cpu").replace(', gpu_arch = "sm_90"', "")
-    cpu_so = _compile(cpu_src, tmp_path, gpu=False)
+def test_bf16_master_matches_cpu_step(steps):
+    gpu_text, cpu_text = _example_texts()
+    gpu_step, cpu_step = steps.text(gpu_text), steps.text(cpu_text)
     torch.manual_seed(0)
     sizes = [1, 7, 17, 1000, 65537, 1000003]
     host = [torch.randn(n).to(torch.bfloat16) for n in sizes]
     grads = [(torch.randn(n) * 1e-2).to(torch.bfloat16) for n in sizes]
     pc = [torch.nn.Parameter(h.clone()) for h in host]
     pg = [torch.nn.Parameter(h.clone().cuda()) for h in host]
-    oc = zopt.Optimizer(zopt.Step(cpu_so), pc, lr=1e-3, weight_decay=0.01)
-    og = zopt.Optimizer(zopt.Step(gpu_so), pg, lr=1e-3, weight_decay=0.01)
+    oc = zopt.Optimizer(cpu_step, pc, lr=1e-3, weight_decay=0.01)
+    og = zopt.Optimizer(gpu_step, pg, lr=1e-3, weight_decay=0.01)
     for _ in range(3):
         for a, b, g in zip(pc, pg, grads):
             a.grad.copy_(g)
@@ -82,3 +93,36 @@ def test_bf16_master_matches_cpu_step(tmp_path):
         da = a.detach().view(torch.int16).numpy().astype(np.int32)
         db = b.detach().cpu().view(torch.int16).numpy().astype(np.int32)
         assert np.abs(da - db).max() <= 1
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", MATRIX, ids=[case_id(c) for c in MATRIX])
+def test_adam_parity_gpu(steps, case):
+    adam_parity_case(steps, **case, placement="gpu")
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", MATRIX, ids=[case_id(c) for c in MATRIX])
+def test_adam_parity_offload(steps, case):
+    adam_parity_case(steps, **case, placement="offload")
+
+
+def precompile_parity_steps(cache_dir):
+    """Compiles every step the two tests above use into cache_dir (the
+    ZOPT_TEST_STEP_CACHE layout); returns how many. Needs zopt-compile and
+    the CUDA toolkit: run it where the compiler is, carry the folder."""
+    from conftest import StepCache
+    os.makedirs(cache_dir, exist_ok=True)
+    cache = StepCache(cache_dir)
+    keys = ("rule", "amsgrad", "layout", "clip")
+    for placement in ("gpu", "offload"):
+        for c in MATRIX:
+            cache(**{k: c[k] for k in keys}, placement=placement)
+    for text in _example_texts():
+        cache.text(text)
+    return len(cache.steps)
+
+
+if __name__ == "__main__":
+    import sys
+    print(f"{precompile_parity_steps(sys.argv[1])} steps in {sys.argv[1]}")

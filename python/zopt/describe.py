@@ -13,6 +13,9 @@ Layouts (p/g = param/grad, w = master):
   "f16_loss_scale" f16 p/g (loss-scaled grads, zopt.unscale); f32 w, m, v.
 ``state_dtype`` overrides the dtype of the moments/buffers (e.g. Lion with
 an f32 master and a bf16 momentum, as in examples/lion_bf16.mlir).
+``placement``: "cpu" (everything on the CPU), "gpu" (everything on the GPU,
+compiled for ``gpu_arch``) or "offload" (param/grad on the GPU, every
+optimizer state on the CPU: ZeRO-Offload).
 """
 from __future__ import annotations
 
@@ -61,7 +64,7 @@ def _fmt(x):
 
 def describe(rule, amsgrad=False, nesterov=False, momentum=True, layout="f32",
              clip=None, state_dtype=None, style="auto", name=None,
-             attributes=None):
+             attributes=None, placement="cpu", gpu_arch="sm_90"):
     """MLIR text of one step.
 
     rule: "adam" (L2 decay, torch.optim.Adam), "adamw" (decoupled,
@@ -75,16 +78,20 @@ def describe(rule, amsgrad=False, nesterov=False, momentum=True, layout="f32",
     pg, wt, st, loss_scale = layout_types(layout, state_dtype)
     name = name or step_name(rule, amsgrad, nesterov, momentum, layout, clip,
                              state_dtype, style)
+    if placement not in ("cpu", "gpu", "offload"):
+        raise ValueError(f"unknown placement {placement!r}; known: cpu, gpu, offload")
+    user_on = "cpu" if placement == "cpu" else "gpu"      # param, grad
+    state_on = "gpu" if placement == "gpu" else "cpu"     # optimizer states
     L = []
-    attrs = ""
-    if attributes:
-        attrs = " attributes {" + ", ".join(
-            f"{k} = {v} : i64" for k, v in attributes.items()) + "}"
+    attr_list = [f"{k} = {v} : i64" for k, v in (attributes or {}).items()]
+    if placement != "cpu":
+        attr_list.append(f'gpu_arch = "{gpu_arch}"')
+    attrs = " attributes {" + ", ".join(attr_list) + "}" if attr_list else ""
     L.append(f"zopt.step @{name}{attrs} {{")
-    L.append(f"  %p = zopt.state param : {pg} on cpu")
-    L.append(f"  %g = zopt.state grad : {pg} on cpu")
+    L.append(f"  %p = zopt.state param : {pg} on {user_on}")
+    L.append(f"  %g = zopt.state grad : {pg} on {user_on}")
     if wt is not None:
-        L.append(f"  %w = zopt.state master : {wt} on cpu")
+        L.append(f"  %w = zopt.state master : {wt} on {state_on}")
         W, WT = "%w", wt
     else:
         W, WT = "%p", pg
@@ -98,7 +105,7 @@ def describe(rule, amsgrad=False, nesterov=False, momentum=True, layout="f32",
     elif rule == "lion":
         states_decl = [("%m", "exp_avg")]
     for v, kind in states_decl:
-        L.append(f"  {v} = zopt.state {kind} : {st} on cpu")
+        L.append(f"  {v} = zopt.state {kind} : {st} on {state_on}")
     hypers = {"adam": ["lr", "beta1", "beta2", "eps", "weight_decay"],
               "adamw": ["lr", "beta1", "beta2", "eps", "weight_decay"],
               "sgd": ["lr"] + (["momentum", "dampening"] if momentum else [])
