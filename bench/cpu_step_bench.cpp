@@ -76,7 +76,11 @@ void doJob(Team &t, int tid, int job) {
     void *ptrs[ZOPT_MAX_STATES];
     for (uint32_t s = 0; s < t.d->num_states; ++s)
       ptrs[s] = t.base[s] + b * (t.d->states[s].dtype == ZOPT_DTYPE_F32 ? 4 : 2);
-    t.update(ptrs, int64_t(e - b), t.coeffs);
+    if (t.d->flags & ZOPT_FLAG_STOCHASTIC)  // abi.h: (key, first) follow
+      ((zopt_update_sr_fn)(void *)t.update)(ptrs, int64_t(e - b), t.coeffs,
+                                            zopt_sr_key(0, 1, 0, 0), uint32_t(b));
+    else
+      t.update(ptrs, int64_t(e - b), t.coeffs);
   } else {
     Arr arr[kMaxArr];
     int na = int(t.d->num_states);

@@ -78,8 +78,14 @@ int main(int argc, char **argv) {
                   zopt_isa_name(k.isa));
       continue;
     }
-    auto upd = (zopt_update_fn)dlsym(h, k.symbol);
-    if (!upd) continue;
+    void *sym = dlsym(h, k.symbol);
+    if (!sym) continue;
+    // Steps with stochastic rounding take (key, first) too (abi.h).
+    const bool sr = d->flags & ZOPT_FLAG_STOCHASTIC;
+    auto upd = [&](void *const *p, long m, const float *c) {
+      if (sr) ((zopt_update_sr_fn)sym)(p, m, c, 0x12345678u, 0u);
+      else ((zopt_update_fn)sym)(p, m, c);
+    };
     // Re-fill between variants: the update drifts the values a little.
     for (uint32_t s = 0; s < d->num_states; ++s)
       std::fill(buf[s].begin(), buf[s].end(),

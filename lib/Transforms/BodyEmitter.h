@@ -26,6 +26,7 @@
 #include "mlir/IR/Builders.h"
 #include "mlir/IR/IRMapping.h"
 #include "zopt/Dialect/Kernel/IR/KernelDialect.h"
+#include "zopt/abi.h"
 
 #include <functional>
 
@@ -46,6 +47,9 @@ struct BodyEmitter {
   bool packHalves = false;
   /// bf16 stores through the hardware conversion (needs +avx512bf16).
   bool nativeBf16 = false;
+  /// Stochastic rounding (abi.h): the call's key (i32) and the element
+  /// index (i32, at `lanes` lanes) of the element(s) being emitted.
+  Value srKey, srIndex;
 
   int64_t alignFor(int elemAlign) {
     return (lanes > 1 && vecAlign) ? vecAlign : elemAlign;
@@ -171,6 +175,36 @@ struct BodyEmitter {
     return ifOp.getResult(0);
   }
 
+  /// f32 -> bf16 bits, stochastically (abi.h "Stochastic rounding"):
+  /// (bits + zopt_sr_bits(key, slot, index)) >> 16; NaN as nearest-even.
+  Value f32ToBf16BitsStochastic(Value x, int64_t slot) {
+    Type i32 = b.getI32Type();
+    auto mulC = [&](Value v, uint32_t c) {
+      return arith::MulIOp::create(b, loc, v, intCst(i32, int32_t(c)));
+    };
+    auto xorShr = [&](Value v, int k) {
+      return arith::XOrIOp::create(
+          b, loc, v, arith::ShRUIOp::create(b, loc, v, intCst(i32, k)));
+    };
+    Value kslot = arith::AddIOp::create(
+        b, loc, srKey,
+        arith::ConstantOp::create(
+            b, loc, b.getI32IntegerAttr(int32_t(uint32_t(slot) * 0x27D4EB2Fu))));
+    if (lanes > 1)
+      kslot = vector::BroadcastOp::create(b, loc, vec(i32), kslot);
+    Value h = arith::XOrIOp::create(b, loc, mulC(srIndex, 0x9E3779B1u), kslot);
+    h = mulC(xorShr(h, 16), 0x85EBCA6Bu);
+    h = mulC(xorShr(h, 13), 0xC2B2AE35u);
+    h = xorShr(h, 16);
+    Value r = arith::ShRUIOp::create(b, loc, h, intCst(i32, 16));
+    Value bits = arith::BitcastOp::create(b, loc, vec(i32), x);
+    Value sum = arith::AddIOp::create(b, loc, bits, r);
+    Value nanBits = arith::OrIOp::create(b, loc, bits, intCst(i32, 0x400000));
+    Value isNan =
+        arith::CmpFOp::create(b, loc, arith::CmpFPredicate::UNO, x, x);
+    return high16(arith::SelectOp::create(b, loc, isNan, nanBits, sum));
+  }
+
   /// Emits the body for the element(s) at index `i`; returns the value to
   /// accumulate (sumsq kernels) or null.
   Value emit(Block &body, Value i) {
@@ -216,7 +250,9 @@ struct BodyEmitter {
         if (st.isF32()) {
           toStore = v;
         } else if (st.isBF16()) {
-          toStore = f32ToBf16Bits(v);
+          toStore = s.getRounding() == ZOPT_ROUND_STOCHASTIC
+                        ? f32ToBf16BitsStochastic(v, s.getSlot())
+                        : f32ToBf16Bits(v);
           memElem = b.getI16Type();
           align = 2;
         } else { // f16

@@ -51,6 +51,14 @@ static std::optional<IsaInfo> lookupIsa(StringRef name) {
   return std::nullopt;
 }
 
+static bool storesStochastic(zk::KernelOp k) {
+  bool any = false;
+  k.getBody().walk([&](zk::StoreOp s) {
+    any |= s.getRounding() == ZOPT_ROUND_STOCHASTIC;
+  });
+  return any;
+}
+
 static bool storesBf16(zk::KernelOp k) {
   bool any = false;
   k.getBody().walk([&](zk::StoreOp s) { any |= s.getStorage().isBF16(); });
@@ -65,8 +73,13 @@ static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
   Type i64 = IntegerType::get(ctx, 64), f64 = Float64Type::get(ctx),
        f32 = Float32Type::get(ctx);
   bool isSum = k.getRole() == zk::KernelRole::sumsq;
-  auto fnTy = FunctionType::get(ctx, {ptrTy, i64, ptrTy},
-                                isSum ? TypeRange{f64} : TypeRange{});
+  // Stochastic rounding: (key, first) after the three ABI arguments.
+  bool sr = !isSum && storesStochastic(k);
+  Type i32 = IntegerType::get(ctx, 32);
+  SmallVector<Type> args = {ptrTy, i64, ptrTy};
+  if (sr)
+    args.append({i32, i32});
+  auto fnTy = FunctionType::get(ctx, args, isSum ? TypeRange{f64} : TypeRange{});
   auto fn = func::FuncOp::create(mb, loc,
                                  (k.getSymName() + "_" + isa.name).str(), fnTy);
   fn->setAttr("zopt.isa", StringAttr::get(ctx, isa.name));
@@ -113,6 +126,21 @@ static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
   vecE.packHalves = true;
   vecE.nativeBf16 = isa.nativeBf16;
   BodyEmitter sclE{b, loc, 1, ptrs, cs, {}};
+  Value srFirst, srIota;
+  if (sr) {
+    vecE.srKey = sclE.srKey = entry->getArgument(3);
+    srFirst = entry->getArgument(4);
+    SmallVector<int32_t> iota(lanes);
+    for (int j = 0; j < lanes; ++j)
+      iota[j] = j;
+    srIota = arith::ConstantOp::create(
+        b, loc, DenseIntElementsAttr::get(VectorType::get({lanes}, i32), iota));
+  }
+  // The i32 element index (mod 2^32) of element i of this call.
+  auto srIndexAt = [&](Value i) {
+    return arith::AddIOp::create(b, loc, srFirst,
+                                 arith::TruncIOp::create(b, loc, i32, i));
+  };
   if (!isSum) {
     Value nVec = arith::SubIOp::create(b, loc, n,
                                        arith::RemSIOp::create(b, loc, n, W));
@@ -120,12 +148,20 @@ static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
     {
       OpBuilder::InsertionGuard g(b);
       b.setInsertionPoint(l1.getBody()->getTerminator());
+      if (sr)
+        vecE.srIndex = arith::AddIOp::create(
+            b, loc,
+            vector::BroadcastOp::create(b, loc, VectorType::get({lanes}, i32),
+                                        srIndexAt(l1.getInductionVar())),
+            srIota);
       vecE.emit(body, l1.getInductionVar());
     }
     auto l2 = scf::ForOp::create(b, loc, nVec, n, one);
     {
       OpBuilder::InsertionGuard g(b);
       b.setInsertionPoint(l2.getBody()->getTerminator());
+      if (sr)
+        sclE.srIndex = srIndexAt(l2.getInductionVar());
       sclE.emit(body, l2.getInductionVar());
     }
     func::ReturnOp::create(b, loc);

@@ -38,6 +38,8 @@ struct StepFuser {
   llvm::MapVector<Value, int64_t> coeffs; // uniform value -> slot
   SmallVector<int> hyperKinds;            // descriptor order
   ReduceSumSqOp reduce;
+  bool stochastic = false; // some state rounds stochastically
+  StateOp stochasticState;
 
   StepFuser(StepOp step, unsigned &numCoeffs)
       : step(step), numCoeffs(numCoeffs), body(step.getBody().front()) {}
@@ -56,9 +58,16 @@ struct StepFuser {
         continue;
       }
       if (auto s = dyn_cast<StateOp>(op)) {
-        if (s.getRounding() && *s.getRounding() == Rounding::stochastic)
-          return s.emitOpError("stochastic rounding is reserved in the ABI "
-                               "but not implemented yet; use nearest_even");
+        if (s.getRounding() && *s.getRounding() == Rounding::stochastic) {
+          // abi.h "Stochastic rounding": bf16 stores on the CPU.
+          if (!s.getType().isBF16())
+            return s.emitOpError("stochastic rounding is implemented for bf16 "
+                                 "states; this state is ")
+                   << s.getType() << " (use nearest_even)";
+          if (!stochasticState)
+            stochasticState = s;
+          stochastic = true;
+        }
         varying.insert(&op);
         continue;
       }
@@ -66,6 +75,25 @@ struct StepFuser {
         return op.emitOpError("regions are not supported inside a zopt.step");
       if (llvm::any_of(op.getOperands(), [&](Value v) { return isVarying(v); }))
         varying.insert(&op);
+    }
+    // The update runs where the optimizer states live (a step with only
+    // param/grad: where the param is). GPU kernels round to nearest even.
+    if (stochastic) {
+      bool owned = false, onGpu = false;
+      for (StateOp s : body.getOps<StateOp>()) {
+        if (s.getKind() == StateKind::param || s.getKind() == StateKind::grad)
+          continue;
+        owned = true;
+        onGpu |= s.getPlacement() == Placement::gpu;
+      }
+      if (!owned)
+        for (StateOp s : body.getOps<StateOp>())
+          if (s.getKind() == StateKind::param)
+            onGpu = s.getPlacement() == Placement::gpu;
+      if (onGpu)
+        return stochasticState.emitOpError(
+            "stochastic rounding is implemented for updates that run on the "
+            "cpu; this step updates on the gpu (use nearest_even)");
     }
     // Coefficients: uniform, non-constant operands of varying ops.
     for (Operation &op : body) {
@@ -143,6 +171,8 @@ struct StepFuser {
       flags |= ZOPT_FLAG_LOSS_SCALE;
     if (reduce)
       flags |= ZOPT_FLAG_SUMSQ;
+    if (stochastic)
+      flags |= ZOPT_FLAG_STOCHASTIC;
     zk::DescriptorOp::create(
         b, step.getLoc(), b.getStringAttr(step.getSymName()),
         b.getI64IntegerAttr(step.getZeroStage()),

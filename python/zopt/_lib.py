@@ -201,6 +201,8 @@ _SIGS = {
     "zopt_optimizer_step": (_S, [_P, ctypes.POINTER(StepResult)]),
     "zopt_optimizer_get_step_count": (_S, [_P, ctypes.c_int,
                                            ctypes.POINTER(ctypes.c_int64)]),
+    "zopt_optimizer_set_seed": (_S, [_P, ctypes.c_uint64]),
+    "zopt_optimizer_get_seed": (_S, [_P, ctypes.POINTER(ctypes.c_uint64)]),
     "zopt_optimizer_read_state_f32": (_S, [_P, ctypes.c_int, ctypes.c_int, _P,
                                            ctypes.c_int64]),
     "zopt_optimizer_write_state_f32": (_S, [_P, ctypes.c_int, ctypes.c_int, _P,

@@ -56,3 +56,51 @@ def round_f64(x):
     inf = np.isinf(a)
     out[inf] = a[inf]
     return out.reshape(a.shape)
+
+
+# ---- stochastic rounding (runtime/include/zopt/abi.h, the definition) -----
+_M32 = 0xFFFFFFFF
+
+
+def fmix32(h):
+    """MurmurHash3's 32-bit finalizer on uint32 (numpy arrays or ints)."""
+    h = np.asarray(h, dtype=np.uint32)
+    with np.errstate(over="ignore"):
+        h = h ^ (h >> np.uint32(16))
+        h = h * np.uint32(0x85EBCA6B)
+        h = h ^ (h >> np.uint32(13))
+        h = h * np.uint32(0xC2B2AE35)
+        h = h ^ (h >> np.uint32(16))
+    return h
+
+
+def sr_key(seed, t, tensor, index_hi=0):
+    """zopt_sr_key: the key of (seed, 1-based step t, tensor, index >> 32)."""
+    seed, t = int(seed), int(t)
+    k = fmix32(np.uint32(seed & _M32) ^ fmix32(np.uint32(((seed >> 32) + 0x9E3779B9) & _M32)))
+    k = fmix32(k ^ np.uint32(t & _M32) ^ fmix32(np.uint32(((t >> 32) + 0x7F4A7C15) & _M32)))
+    k = fmix32(k ^ np.uint32(tensor))
+    return fmix32(k ^ np.uint32(index_hi))
+
+
+def sr_bits(key, slot, index):
+    """zopt_sr_bits: 16 random bits for element `index` (uint32 array) of
+    state `slot` under `key`."""
+    index = np.asarray(index, dtype=np.uint32)
+    with np.errstate(over="ignore"):
+        ks = np.uint32((int(key) + int(slot) * 0x27D4EB2F) & _M32)
+        h = (index * np.uint32(0x9E3779B1)) ^ ks
+    return fmix32(h) >> np.uint32(16)
+
+
+def from_f32_stochastic(f32, rbits):
+    """float32 -> bf16 bit patterns, rounded stochastically with the 16-bit
+    values `rbits`: (bits + r) >> 16; NaN as from_f32 (quiet)."""
+    a = np.ascontiguousarray(np.asarray(f32, dtype=np.float32))
+    bits = a.view(np.uint32)
+    with np.errstate(over="ignore"):
+        out = ((bits + np.asarray(rbits, dtype=np.uint32)) >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(a)
+    if nan.any():
+        out = np.where(nan, from_f32(a), out)
+    return out

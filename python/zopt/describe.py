@@ -13,6 +13,8 @@ Layouts (p/g = param/grad, w = master):
   "f16_loss_scale" f16 p/g (loss-scaled grads, zopt.unscale); f32 w, m, v.
 ``state_dtype`` overrides the dtype of the moments/buffers (e.g. Lion with
 an f32 master and a bf16 momentum, as in examples/lion_bf16.mlir).
+``stochastic``: state kinds (e.g. ("param",)) declared `rounding
+stochastic` (bf16 states; abi.h "Stochastic rounding").
 ``placement``: "cpu" (everything on the CPU), "gpu" (everything on the GPU,
 compiled for ``gpu_arch``) or "offload" (param/grad on the GPU, every
 optimizer state on the CPU: ZeRO-Offload).
@@ -64,7 +66,7 @@ def _fmt(x):
 
 def describe(rule, amsgrad=False, nesterov=False, momentum=True, layout="f32",
              clip=None, state_dtype=None, style="auto", name=None,
-             attributes=None, placement="cpu", gpu_arch="sm_90"):
+             attributes=None, placement="cpu", gpu_arch="sm_90", stochastic=()):
     """MLIR text of one step.
 
     rule: "adam" (L2 decay, torch.optim.Adam), "adamw" (decoupled,
@@ -88,10 +90,12 @@ def describe(rule, amsgrad=False, nesterov=False, momentum=True, layout="f32",
         attr_list.append(f'gpu_arch = "{gpu_arch}"')
     attrs = " attributes {" + ", ".join(attr_list) + "}" if attr_list else ""
     L.append(f"zopt.step @{name}{attrs} {{")
-    L.append(f"  %p = zopt.state param : {pg} on {user_on}")
+    def rnd(kind):  # `rounding stochastic` for the kinds named in `stochastic`
+        return " rounding stochastic" if kind in stochastic else ""
+    L.append(f"  %p = zopt.state param : {pg} on {user_on}{rnd('param')}")
     L.append(f"  %g = zopt.state grad : {pg} on {user_on}")
     if wt is not None:
-        L.append(f"  %w = zopt.state master : {wt} on {state_on}")
+        L.append(f"  %w = zopt.state master : {wt} on {state_on}{rnd('master')}")
         W, WT = "%w", wt
     else:
         W, WT = "%p", pg
@@ -105,7 +109,7 @@ def describe(rule, amsgrad=False, nesterov=False, momentum=True, layout="f32",
     elif rule == "lion":
         states_decl = [("%m", "exp_avg")]
     for v, kind in states_decl:
-        L.append(f"  {v} = zopt.state {kind} : {st} on {state_on}")
+        L.append(f"  {v} = zopt.state {kind} : {st} on {state_on}{rnd(kind)}")
     hypers = {"adam": ["lr", "beta1", "beta2", "eps", "weight_decay"],
               "adamw": ["lr", "beta1", "beta2", "eps", "weight_decay"],
               "sgd": ["lr"] + (["momentum", "dampening"] if momentum else [])

@@ -151,7 +151,8 @@ class Optimizer:
 
     def __init__(self, step, params, *, lr=None, betas=None, eps=None,
                  weight_decay=None, momentum=None, dampening=None,
-                 bias_correction=None, num_threads=None, loss_scaler=None):
+                 bias_correction=None, num_threads=None, loss_scaler=None,
+                 seed=None):
         if not isinstance(step, Step):
             step = Step(step)
         self.step_obj = step
@@ -182,6 +183,8 @@ class Optimizer:
                 self._add_group(g)
             if loss_scaler is not None:
                 self.configure_loss_scaler(**loss_scaler)
+            if seed is not None:
+                self.set_seed(seed)
             check(self._lib.zopt_optimizer_finalize(h), "zopt_optimizer_finalize")
         except BaseException:
             self._free()
@@ -382,6 +385,18 @@ class Optimizer:
         check(self._lib.zopt_optimizer_gpu_result(self._h, ctypes.byref(r)),
               "zopt_optimizer_gpu_result")
         return float(r.grad_norm), bool(r.skipped), float(r.loss_scale)
+
+    def set_seed(self, seed):
+        """Seed of stochastic rounding (steps with a bf16 state declared
+        `rounding stochastic`): same seed, same bits on any thread count."""
+        check(self._lib.zopt_optimizer_set_seed(self._h, int(seed) & (2**64 - 1)),
+              "set_seed")
+
+    @property
+    def seed(self):
+        s = ctypes.c_uint64()
+        check(self._lib.zopt_optimizer_get_seed(self._h, ctypes.byref(s)), "get_seed")
+        return s.value
 
     def step_count(self, gid=0):
         c = ctypes.c_int64()

@@ -141,6 +141,7 @@ struct zopt_optimizer {
   std::unordered_set<const void *> params;  // registered param pointers
   zopt::GpuState *gpu = nullptr;  // set for steps that run on the GPU
   zopt::GpuState *offload = nullptr;  // set for offloaded steps (offload.cpp)
+  uint64_t seed = 0;  // stochastic rounding (abi.h)
 };
 
 namespace zopt {

@@ -90,6 +90,19 @@ void run_job(void *ctx, int tid) {
       break;
     }
     case 2: {
+      if (d->flags & ZOPT_FLAG_STOCHASTIC) {
+        // abi.h "Stochastic rounding": the key of (seed, the group's step
+        // being taken, tensor, high half of the chunk's first index).
+        // Chunks start at multiples of kChunk, so none straddles 2^32.
+        zopt_update_sr_fn f = (zopt_update_sr_fn)(void *)o->step->update;
+        for (size_t i = b; i < e; ++i) {
+          const Chunk &c = o->chunks[i];
+          uint64_t t = (uint64_t)o->groups[c.group].step_count + 1;
+          uint32_t key = zopt_sr_key(o->seed, t, (uint32_t)c.tensor, (uint32_t)((uint64_t)c.start >> 32));
+          f(c.ptrs, c.len, coeffs + (size_t)c.group * ZOPT_MAX_COEFFS, key, (uint32_t)c.start);
+        }
+        break;
+      }
       zopt_update_fn f = o->step->update;
       for (size_t i = b; i < e; ++i) {
         const Chunk &c = o->chunks[i];
@@ -568,6 +581,19 @@ ZOPT_API zopt_status zopt_optimizer_step(zopt_optimizer *o, zopt_step_result *re
     result->skipped = 0;
     result->loss_scale = S;
   }
+  return ZOPT_OK;
+}
+
+ZOPT_API zopt_status zopt_optimizer_set_seed(zopt_optimizer *o, uint64_t seed) {
+  CHECK_OPT(o, "zopt_optimizer_set_seed");
+  o->seed = seed;
+  return ZOPT_OK;
+}
+
+ZOPT_API zopt_status zopt_optimizer_get_seed(const zopt_optimizer *o, uint64_t *seed) {
+  CHECK_OPT(o, "zopt_optimizer_get_seed");
+  if (!seed) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_get_seed: seed is NULL");
+  *seed = o->seed;
   return ZOPT_OK;
 }
 

@@ -61,7 +61,7 @@ typedef enum zopt_state_kind {
 /* Rounding of a narrowing store into the state. */
 typedef enum zopt_rounding {
   ZOPT_ROUND_NEAREST_EVEN = 1,
-  ZOPT_ROUND_STOCHASTIC = 2, /* reserved: rejected by the compiler today */
+  ZOPT_ROUND_STOCHASTIC = 2, /* bf16 states on the CPU: see ZOPT_FLAG_STOCHASTIC */
 } zopt_rounding;
 
 /* How the runtime initializes a state it owns at finalize. */
@@ -105,6 +105,10 @@ typedef enum zopt_global {
  *     void prepare(const double *hypers, const double *globals, float *coeffs);
  * UPDATE: the fused elementwise update, one pass over memory.
  *     void update(void *const *states, int64_t n, const float *coeffs);
+ *   With ZOPT_FLAG_STOCHASTIC (some bf16 state rounds stochastically) it
+ *   takes two more arguments, see "Stochastic rounding" below:
+ *     void update(void *const *states, int64_t n, const float *coeffs,
+ *                 uint32_t key, uint32_t first);
  * SUMSQ: sum over n elements of x*x in double, where x is the value the
  *   description's global-norm/non-finite check is taken over (after
  *   unscaling). Non-finite inputs make the result non-finite.
@@ -137,11 +141,53 @@ typedef void (*zopt_update_fn)(void *const *states, int64_t n,
                                const float *coeffs);
 typedef double (*zopt_sumsq_fn)(void *const *states, int64_t n,
                                 const float *coeffs);
+typedef void (*zopt_update_sr_fn)(void *const *states, int64_t n,
+                                  const float *coeffs, uint32_t key,
+                                  uint32_t first);
 
 /* Descriptor flags. */
 #define ZOPT_FLAG_CLIP 1u       /* global-norm clipping; max_norm is valid */
 #define ZOPT_FLAG_LOSS_SCALE 2u /* grads are loss-scaled; skip non-finite */
 #define ZOPT_FLAG_SUMSQ 4u      /* a SUMSQ kernel exists */
+#define ZOPT_FLAG_STOCHASTIC 8u /* UPDATE takes (key, first): stochastic rounding */
+
+/*===-- Stochastic rounding -----------------------------------------------===*
+ *
+ * A bf16 state declared `rounding stochastic` is stored as
+ *     bf16 = (bits(x) + r) >> 16          (x finite or infinite; 32-bit add)
+ *     bf16 = RNE(x)                       (x NaN: quiet, as for nearest_even)
+ * where r in [0, 2^16) is 16 bits of a counter-based hash of the run's
+ * seed, the group's step t (1-based, the step being taken), the tensor (its
+ * index in the optimizer, in add order), the element's index i in the
+ * tensor and the state's descriptor slot: the same bits on every thread
+ * count, chunking, ISA and run. E[bf16] = x for finite x below the largest
+ * finite bf16 (values beyond it may round to infinity, in proportion).
+ *
+ * The runtime passes key = zopt_sr_key(seed, t, tensor, i0 >> 32) and
+ * first = (uint32_t)i0 for a call whose states[*] point at element i0 of one
+ * tensor (calls never straddle a multiple of 2^32 elements); the kernel
+ * rounds element first + j (mod 2^32) of slot s with zopt_sr_bits(key, s,
+ * first + j). These functions are the definition (the tests' reference
+ * uses them too).
+ */
+static inline uint32_t zopt_fmix32(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x85EBCA6Bu;
+  h ^= h >> 13;
+  h *= 0xC2B2AE35u;
+  h ^= h >> 16;
+  return h;
+}
+static inline uint32_t zopt_sr_key(uint64_t seed, uint64_t t, uint32_t tensor,
+                                   uint32_t index_hi) {
+  uint32_t k = zopt_fmix32((uint32_t)seed ^ zopt_fmix32((uint32_t)(seed >> 32) + 0x9E3779B9u));
+  k = zopt_fmix32(k ^ (uint32_t)t ^ zopt_fmix32((uint32_t)(t >> 32) + 0x7F4A7C15u));
+  k = zopt_fmix32(k ^ tensor);
+  return zopt_fmix32(k ^ index_hi);
+}
+static inline uint32_t zopt_sr_bits(uint32_t key, uint32_t slot, uint32_t i) {
+  return zopt_fmix32((i * 0x9E3779B1u) ^ (key + slot * 0x27D4EB2Fu)) >> 16;
+}
 
 typedef struct zopt_state_desc {
   uint32_t kind;      /* zopt_state_kind */

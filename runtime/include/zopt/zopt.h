@@ -196,6 +196,14 @@ ZOPT_API zopt_status zopt_optimizer_set_stream(zopt_optimizer *opt, void *cu_str
  * ZOPT_ERR_BAD_STATE before the first step. */
 ZOPT_API zopt_status zopt_optimizer_gpu_result(zopt_optimizer *opt, zopt_step_result *result);
 
+/* The seed of stochastic rounding (steps with a bf16 state declared
+ * `rounding stochastic`; abi.h "Stochastic rounding"): the random bits of
+ * an element depend on (seed, the group's step, tensor, element, state)
+ * only, so a run is reproducible on any thread count. Default 0. Not part
+ * of checkpoints: to resume bit-exactly, set the same seed again. */
+ZOPT_API zopt_status zopt_optimizer_set_seed(zopt_optimizer *opt, uint64_t seed);
+ZOPT_API zopt_status zopt_optimizer_get_seed(const zopt_optimizer *opt, uint64_t *seed);
+
 /* Per-group 1-based count of the steps taken (0 before the first). */
 ZOPT_API zopt_status zopt_optimizer_get_step_count(const zopt_optimizer *opt,
                                           int group, int64_t *count);
