@@ -16,6 +16,7 @@
 // (lit/ctest "skip") when no CUDA device is present.
 //===----------------------------------------------------------------------===//
 #include "zopt/zopt.h"
+#include "../check_util.h"
 
 #include <dlfcn.h>
 
@@ -48,19 +49,9 @@ struct Cu {
   int (*StreamSynchronize)(void *);
 } cu;
 
-int passed = 0, failed = 0;
-void check(bool ok, const std::string &what) {
-  printf("%s %s\n", ok ? "PASS" : "FAIL", what.c_str());
-  (ok ? passed : failed)++;
-}
-#define Z(call)                                                                       \
-  do {                                                                                \
-    zopt_status s_ = (call);                                                          \
-    if (s_) {                                                                         \
-      fprintf(stderr, "%s failed (%d): %s\n", #call, (int)s_, zopt_last_error());    \
-      exit(1);                                                                        \
-    }                                                                                 \
-  } while (0)
+using zopt_check::check;
+using zopt_check::failed;
+using zopt_check::passed;
 #define C(call)                                                  \
   do {                                                           \
     if (int r_ = (call)) {                                       \

@@ -22,6 +22,7 @@
 // grads, a skipped step and a checkpoint, and its copies are counted.
 //===----------------------------------------------------------------------===//
 #include "zopt/zopt.h"
+#include "../check_util.h"
 
 #include <dlfcn.h>
 
@@ -34,20 +35,9 @@
 
 namespace {
 
-int passed = 0, failed = 0;
-void check(bool ok, const std::string &what) {
-  printf("%s %s\n", ok ? "PASS" : "FAIL", what.c_str());
-  (ok ? passed : failed)++;
-}
-
-#define Z(call)                                                                     \
-  do {                                                                              \
-    zopt_status s_ = (call);                                                        \
-    if (s_ != ZOPT_OK) {                                                            \
-      fprintf(stderr, "%s failed (%d): %s\n", #call, (int)s_, zopt_last_error());  \
-      exit(1);                                                                      \
-    }                                                                               \
-  } while (0)
+using zopt_check::check;
+using zopt_check::failed;
+using zopt_check::passed;
 
 struct Fake {
   int (*num_calls)();
