@@ -14,7 +14,7 @@ cp -a "$build"/lib/libzopt_runtime.so* "$out/lib/"
 cp "$build/bin/zopt-gpu-check" "$out/bin/"
 compile() {  # name src : GPU step and its CPU twin
   "$build/bin/zopt-compile" "$2" --gpu=sm_80,sm_90 --cuda-path="$cuda" -o "$out/steps/$1.gpu.so"
-  sed -e 's/ on gpu/ on cpu/g' -e 's/, gpu_arch = "sm_90"//' "$2" > "$out/steps/$1.cpu.mlir"
+  sed -e 's/ on gpu/ on cpu/g' -e 's/, gpu_arch = "sm_90"//' -e 's/ attributes {gpu_arch = "sm_90"}//' "$2" > "$out/steps/$1.cpu.mlir"
   "$build/bin/zopt-compile" "$out/steps/$1.cpu.mlir" -o "$out/steps/$1.cpu.so"
 }
 in="$root/test/Integration/CUDA/Inputs"
@@ -24,6 +24,7 @@ compile bf16_master_clip "$root/examples/adamw_bf16_gpu.mlir"
 compile bf16 "$in/adamw_bf16_gpu.mlir"
 compile f16_loss_scale "$in/adam_f16_loss_scale_gpu.mlir"
 compile bf16_offload "$root/test/Integration/GPUHost/Inputs/adamw_bf16_offload.mlir"
+compile bf16_sr "$root/test/zopt-compile/Inputs/stochastic-gpu.mlir"
 # The Python GPU/offload parity matrix (python/tests/test_cuda.py), for a
 # machine without zopt-compile: its steps, keyed as ZOPT_TEST_STEP_CACHE.
 ZOPT_COMPILE="$build/bin/zopt-compile" ZOPT_RUNTIME_LIB="$build/lib/libzopt_runtime.so" \

@@ -15,7 +15,7 @@ rc=0
 # layout:extra options (the same runs as test/Integration/CUDA/*.test)
 for run in "f32:" "f32_clip:" "f32_clip:--steps=4 --inf-at=2" "bf16_master_clip:" "bf16:" \
            "f16_loss_scale:--steps=4 --inf-at=2" "f16_loss_scale:--steps=6 --inf-at=4 --graph" \
-           "bf16_offload:--steps=4 --inf-at=2"; do
+           "bf16_offload:--steps=4 --inf-at=2" "bf16_sr:--steps=3"; do
   l="${run%%:*}"; extra="${run#*:}"
   echo "== zopt-gpu-check $l $extra"
   "$carry/bin/zopt-gpu-check" "$carry/steps/$l.gpu.so" "$carry/steps/$l.cpu.so" $extra | tail -4 || rc=1

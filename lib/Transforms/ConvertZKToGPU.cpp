@@ -153,6 +153,7 @@ struct Step {
 /// whether the 16-byte vector path applies.
 struct Segment {
   Value n;
+  Value group; // i64
   SmallVector<Value> ptrs;
   SmallVector<Value> cs, cv;
   Value nVec; // elements done by the vector loop
@@ -167,6 +168,7 @@ static Segment loadSegment(G &g, const Step &st, const KernelInfo &info,
       b.getI32Type(),
       g.gep(b.getI32Type(), segs, g.add(g.mul(s, g.i64(4)), g.i64(2))));
   group = arith::ExtUIOp::create(b, g.loc, b.getI64Type(), group);
+  seg.group = group;
   seg.ptrs.assign(st.numStates, Value());
   Value row = g.mul(s, g.i64(st.numStates));
   Value misalign = g.i64(0);
@@ -244,13 +246,55 @@ static void buildPrepareKernel(OpBuilder &gb, Location loc, const Step &st) {
   gpu::ReturnOp::create(b, loc);
 }
 
+/// zopt_fmix32 (abi.h) on an i32 value.
+static Value fmix32(G &g, Value h) {
+  OpBuilder &b = g.b;
+  auto xs = [&](Value v, int k) {
+    return arith::XOrIOp::create(b, g.loc, v,
+                                 arith::ShRUIOp::create(b, g.loc, v, g.i32(k)));
+  };
+  auto mul = [&](Value v, uint32_t c) {
+    return arith::MulIOp::create(b, g.loc, v, g.i32(int32_t(c)));
+  };
+  h = mul(xs(h, 16), 0x85EBCA6Bu);
+  h = mul(xs(h, 13), 0xC2B2AE35u);
+  return xs(h, 16);
+}
+
+/// zopt_sr_key (abi.h) without its last step: fmix32(k ^ index_hi) of the
+/// result is the key. seed, t: i64; tensor: i32.
+static Value srKeyPartial(G &g, Value seed, Value t, Value tensor) {
+  OpBuilder &b = g.b;
+  Type i32 = b.getI32Type();
+  auto lo = [&](Value v) { return arith::TruncIOp::create(b, g.loc, i32, v); };
+  auto hi = [&](Value v) {
+    return lo(arith::ShRUIOp::create(b, g.loc, v, g.i64(32)));
+  };
+  auto x = [&](Value a, Value c) { return arith::XOrIOp::create(b, g.loc, a, c); };
+  auto add = [&](Value a, uint32_t c) {
+    return arith::AddIOp::create(b, g.loc, a, g.i32(int32_t(c)));
+  };
+  Value k = fmix32(g, x(lo(seed), fmix32(g, add(hi(seed), 0x9E3779B9u))));
+  k = fmix32(g, x(x(k, lo(t)), fmix32(g, add(hi(t), 0x7F4A7C15u))));
+  return fmix32(g, x(k, tensor));
+}
+
 static void buildUpdateKernel(OpBuilder &gb, zk::KernelOp k, const Step &st) {
   OpBuilder::InsertionGuard guard(gb);
   Location loc = k.getLoc();
   MLIRContext *ctx = gb.getContext();
   Type ptr = LLVM::LLVMPointerType::get(ctx), i64 = gb.getI64Type();
   KernelInfo info = analyze(k);
-  auto fn = makeKernel(gb, loc, k.getSymName(), {ptr, ptr, i64, ptr, ptr});
+  // Stochastic rounding (abi.h): the device globals (the group's step t)
+  // and the seed follow the five ABI arguments.
+  bool sr = false;
+  k.getBody().walk([&](zk::StoreOp s) {
+    sr |= s.getRounding() == ZOPT_ROUND_STOCHASTIC;
+  });
+  SmallVector<Type> args = {ptr, ptr, i64, ptr, ptr};
+  if (sr)
+    args.append({ptr, i64});
+  auto fn = makeKernel(gb, loc, k.getSymName(), args);
   Block &entry = fn.getBody().front();
   Value states = entry.getArgument(0), segs = entry.getArgument(1),
         nseg = entry.getArgument(2), coeffs = entry.getArgument(3),
@@ -287,12 +331,48 @@ static void buildUpdateKernel(OpBuilder &gb, zk::KernelOp k, const Step &st) {
   b.setInsertionPoint(segLoop.getBody()->getTerminator());
   Segment seg = loadSegment(g, st, info, states, segs, coeffs,
                             segLoop.getInductionVar());
+  Type i32 = b.getI32Type();
+  Value srPartial;
+  if (sr) {
+    // Per segment: t of its group (device globals) and its tensor index.
+    Value globals = g.toGlobal(entry.getArgument(5));
+    Value tD = g.load(b.getF64Type(),
+                      g.gep(b.getF64Type(), globals,
+                            g.add(g.mul(seg.group, g.i64(ZOPT_NUM_GLOBALS)),
+                                  g.i64(ZOPT_GLOBAL_STEP))));
+    Value t = arith::FPToUIOp::create(b, loc, b.getI64Type(), tD);
+    Value tensor = g.load(
+        i32, g.gep(i32, segs, g.add(g.mul(segLoop.getInductionVar(), g.i64(4)),
+                                   g.i64(3))));
+    srPartial = srKeyPartial(g, entry.getArgument(6), t, tensor);
+  }
+  // The key and i32 index of element i (vectors never straddle 2^32).
+  auto setSr = [&](BodyEmitter &e, Value i) {
+    if (!sr)
+      return;
+    Value hi = arith::TruncIOp::create(
+        b, loc, i32, arith::ShRUIOp::create(b, loc, i, g.i64(32)));
+    e.srKey = fmix32(g, arith::XOrIOp::create(b, loc, srPartial, hi));
+    Value lo = arith::TruncIOp::create(b, loc, i32, i);
+    if (e.lanes == 1) {
+      e.srIndex = lo;
+      return;
+    }
+    SmallVector<int32_t> iota(e.lanes);
+    for (int j = 0; j < e.lanes; ++j)
+      iota[j] = j;
+    auto vt = VectorType::get({e.lanes}, i32);
+    e.srIndex = arith::AddIOp::create(
+        b, loc, vector::BroadcastOp::create(b, loc, vt, lo),
+        arith::ConstantOp::create(b, loc, DenseIntElementsAttr::get(vt, iota)));
+  };
   auto vl = scf::ForOp::create(b, loc, g.mul(gtid, L), seg.nVec, g.mul(nthr, L));
   {
     OpBuilder::InsertionGuard ig(b);
     b.setInsertionPoint(vl.getBody()->getTerminator());
     BodyEmitter e{b, loc, info.lanes, seg.ptrs, seg.cs, seg.cv};
     e.vecAlign = 16;
+    setSr(e, vl.getInductionVar());
     e.emit(body, vl.getInductionVar());
   }
   auto sl = scf::ForOp::create(b, loc, g.add(seg.nVec, gtid), seg.n, nthr);
@@ -300,6 +380,7 @@ static void buildUpdateKernel(OpBuilder &gb, zk::KernelOp k, const Step &st) {
     OpBuilder::InsertionGuard ig(b);
     b.setInsertionPoint(sl.getBody()->getTerminator());
     BodyEmitter e{b, loc, 1, seg.ptrs, seg.cs, {}};
+    setSr(e, sl.getInductionVar());
     e.emit(body, sl.getInductionVar());
   }
   b.setInsertionPointToEnd(&entry);

@@ -39,7 +39,6 @@ struct StepFuser {
   SmallVector<int> hyperKinds;            // descriptor order
   ReduceSumSqOp reduce;
   bool stochastic = false; // some state rounds stochastically
-  StateOp stochasticState;
 
   StepFuser(StepOp step, unsigned &numCoeffs)
       : step(step), numCoeffs(numCoeffs), body(step.getBody().front()) {}
@@ -59,13 +58,11 @@ struct StepFuser {
       }
       if (auto s = dyn_cast<StateOp>(op)) {
         if (s.getRounding() && *s.getRounding() == Rounding::stochastic) {
-          // abi.h "Stochastic rounding": bf16 stores on the CPU.
+          // abi.h "Stochastic rounding": bf16 stores (CPU and GPU kernels).
           if (!s.getType().isBF16())
             return s.emitOpError("stochastic rounding is implemented for bf16 "
                                  "states; this state is ")
                    << s.getType() << " (use nearest_even)";
-          if (!stochasticState)
-            stochasticState = s;
           stochastic = true;
         }
         varying.insert(&op);
@@ -75,25 +72,6 @@ struct StepFuser {
         return op.emitOpError("regions are not supported inside a zopt.step");
       if (llvm::any_of(op.getOperands(), [&](Value v) { return isVarying(v); }))
         varying.insert(&op);
-    }
-    // The update runs where the optimizer states live (a step with only
-    // param/grad: where the param is). GPU kernels round to nearest even.
-    if (stochastic) {
-      bool owned = false, onGpu = false;
-      for (StateOp s : body.getOps<StateOp>()) {
-        if (s.getKind() == StateKind::param || s.getKind() == StateKind::grad)
-          continue;
-        owned = true;
-        onGpu |= s.getPlacement() == Placement::gpu;
-      }
-      if (!owned)
-        for (StateOp s : body.getOps<StateOp>())
-          if (s.getKind() == StateKind::param)
-            onGpu = s.getPlacement() == Placement::gpu;
-      if (onGpu)
-        return stochasticState.emitOpError(
-            "stochastic rounding is implemented for updates that run on the "
-            "cpu; this step updates on the gpu (use nearest_even)");
     }
     // Coefficients: uniform, non-constant operands of varying ops.
     for (Operation &op : body) {

@@ -238,7 +238,7 @@ zopt_status gpu_finalize(zopt_optimizer *o) {
     for (size_t k = 0; k < NS; ++k) ptrs[t * NS + k] = (uint64_t)(uintptr_t)state_ptr(o, (int)t, (int)k);
     segs[t].n = o->tensors[t].numel;
     segs[t].group = (uint32_t)o->tensors[t].group;
-    segs[t].reserved = 0;
+    segs[t].tensor = (uint32_t)t;
   }
   g->num_segments = (int64_t)S;
   g->h_hypers.assign(std::max<size_t>(G * d->num_hypers, 1), 0.0);
@@ -355,7 +355,10 @@ zopt_status gpu_step(zopt_optimizer *o, zopt_step_result *result) {
            "launching SUMSQ");
   }
   {
-    void *args[] = {&g->d_states, &g->d_segs, &nseg, &g->d_coeffs, has_sumsq ? &g->d_sg : &no_ptr};
+    // Stochastic rounding: the device's globals (step t) and the seed too.
+    uint64_t seed = o->seed;
+    void *args[] = {&g->d_states, &g->d_segs, &nseg, &g->d_coeffs, has_sumsq ? &g->d_sg : &no_ptr,
+                    &g->d_globals, &seed};
     CU_TRY(cu->LaunchKernel(g->update, g->update_grid, 1, 1, kUpdateBlock, 1, 1, 0, s, args, nullptr),
            "launching UPDATE");
   }

@@ -61,7 +61,7 @@ typedef enum zopt_state_kind {
 /* Rounding of a narrowing store into the state. */
 typedef enum zopt_rounding {
   ZOPT_ROUND_NEAREST_EVEN = 1,
-  ZOPT_ROUND_STOCHASTIC = 2, /* bf16 states on the CPU: see ZOPT_FLAG_STOCHASTIC */
+  ZOPT_ROUND_STOCHASTIC = 2, /* bf16 states: see "Stochastic rounding" */
 } zopt_rounding;
 
 /* How the runtime initializes a state it owns at finalize. */
@@ -313,6 +313,12 @@ static inline uint64_t zopt_desc_checksum(const zopt_step_descriptor *d) {
  *                 int64_t num_segments,
  *                 const float *coeffs,          // [num_groups][num_coeffs]
  *                 const zopt_gpu_step_globals *sg); // NULL: never skip
+ *   With ZOPT_FLAG_STOCHASTIC two more arguments follow:
+ *                 const double *globals,        // [num_groups][ZOPT_NUM_GLOBALS]
+ *                 uint64_t seed);
+ *   and element i of segment s rounds with zopt_sr_bits(zopt_sr_key(seed,
+ *   t of its group, segs[s].tensor, i >> 32), slot, (uint32_t)i), the same
+ *   bits as on the CPU.
  *   ONE launch for all tensors of the step. Returns at once when sg->skip.
  *   Segment s covers segs[s].n elements at the pointers
  *   states[s * num_states + k] (k = descriptor state index; unused states
@@ -337,9 +343,9 @@ static inline uint64_t zopt_desc_checksum(const zopt_step_descriptor *d) {
 #define ZOPT_GPU_MAX_BLOCKS 65535
 
 typedef struct zopt_gpu_segment {
-  int64_t n;      /* elements */
-  uint32_t group; /* parameter group: row of the coefficient table */
-  uint32_t reserved;
+  int64_t n;       /* elements */
+  uint32_t group;  /* parameter group: row of the coefficient table */
+  uint32_t tensor; /* the tensor's index in the optimizer (stochastic rounding) */
 } zopt_gpu_segment; /* 16 bytes */
 
 typedef struct zopt_gpu_step_globals {

@@ -199,8 +199,10 @@ ZOPT_API zopt_status zopt_optimizer_gpu_result(zopt_optimizer *opt, zopt_step_re
 /* The seed of stochastic rounding (steps with a bf16 state declared
  * `rounding stochastic`; abi.h "Stochastic rounding"): the random bits of
  * an element depend on (seed, the group's step, tensor, element, state)
- * only, so a run is reproducible on any thread count. Default 0. Not part
- * of checkpoints: to resume bit-exactly, set the same seed again. */
+ * only, so a run is reproducible on any thread count, and CPU and GPU steps
+ * draw the same bits. Default 0. Not part of checkpoints: to resume
+ * bit-exactly, set the same seed again. A GPU step captured in a CUDA graph
+ * keeps the seed it had at capture. */
 ZOPT_API zopt_status zopt_optimizer_set_seed(zopt_optimizer *opt, uint64_t seed);
 ZOPT_API zopt_status zopt_optimizer_get_seed(const zopt_optimizer *opt, uint64_t *seed);
 

@@ -41,6 +41,7 @@ struct State {
   std::map<uintptr_t, size_t> allocs;  // base -> bytes
   std::vector<std::string> functions;  // CUfunction = index + 1
   int fail_next_launch = 0;
+  int update_nargs = 5;  // 7 for steps with stochastic rounding
   uint32_t image_magic = 0;
   int context_current = 0;
 };
@@ -60,7 +61,7 @@ int nargs_of(const std::string &name) {
   };
   if (ends("_prepare_gpu")) return 4;
   if (ends("_sumsq")) return 9;
-  if (ends("_update")) return 5;
+  if (ends("_update")) return st().update_nargs;
   if (ends("_finish")) return 4;
   return 0;
 }
@@ -202,4 +203,5 @@ API const char *fake_cuda_launch(int i, unsigned grid[3], unsigned block[3], voi
 }
 API int fake_cuda_num_allocs(void) { return (int)st().allocs.size(); }
 API void fake_cuda_fail_next_launch(void) { st().fail_next_launch = 1; }
+API void fake_cuda_set_update_nargs(int n) { st().update_nargs = n; }
 API unsigned fake_cuda_image_magic(void) { return st().image_magic; }

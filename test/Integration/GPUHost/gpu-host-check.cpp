@@ -46,6 +46,7 @@ struct Fake {
   const char *(*launch)(int, unsigned *, unsigned *, void **, unsigned long long *);
   int (*num_allocs)();
   void (*fail_next_launch)();
+  void (*set_update_nargs)(int);
   unsigned (*image_magic)();
   int (*mem_alloc)(unsigned long long *, size_t);
 };
@@ -233,6 +234,7 @@ int main(int argc, char **argv) {
   *(void **)&f.launch = dlsym(h, "fake_cuda_launch");
   *(void **)&f.num_allocs = dlsym(h, "fake_cuda_num_allocs");
   *(void **)&f.fail_next_launch = dlsym(h, "fake_cuda_fail_next_launch");
+  *(void **)&f.set_update_nargs = dlsym(h, "fake_cuda_set_update_nargs");
   *(void **)&f.image_magic = dlsym(h, "fake_cuda_image_magic");
   *(void **)&f.mem_alloc = dlsym(h, "cuMemAlloc_v2");
   if (!f.num_calls || !f.launch || !f.mem_alloc) {
@@ -255,9 +257,13 @@ int main(int argc, char **argv) {
     if (d->states[i].kind == ZOPT_STATE_PARAM) pdt = d->states[i].dtype;
   const size_t es = pdt == ZOPT_DTYPE_F32 ? 4 : 2;
 
+  const bool sr = d->flags & ZOPT_FLAG_STOCHASTIC;
+  f.set_update_nargs(sr ? 7 : 5);
   zopt_optimizer *o = nullptr;
   Z(zopt_optimizer_create(step, &o));
   check(f.image_magic() == 0xBA55ED50u, "cuModuleLoadData got a CUDA fatbinary (magic 0xBA55ED50)");
+  const uint64_t seed = 0x0123456789ABCDEFull;
+  if (sr) Z(zopt_optimizer_set_seed(o, seed));
 
   // Two groups, tensors of odd sizes, params/grads in "device" memory.
   const std::vector<int64_t> sizes = {1, 7, 17, 100, 1000, 4097};
@@ -320,7 +326,14 @@ int main(int argc, char **argv) {
     on_stream &= s == stream;
     if (ends_with(n, "_prepare_gpu")) { names.push_back("PREPARE"); d_hypers = args[0]; d_globals = args[1]; ngroups = args[2]; }
     else if (ends_with(n, "_sumsq")) { names.push_back("SUMSQ"); d_sg = args[5]; }
-    else if (ends_with(n, "_update")) { names.push_back("UPDATE"); d_states = args[0]; d_segs = args[1]; nseg = args[2]; check(args[4] == d_sg, "UPDATE reads the SUMSQ step globals (or NULL without SUMSQ)"); }
+    else if (ends_with(n, "_update")) {
+      names.push_back("UPDATE");
+      d_states = args[0]; d_segs = args[1]; nseg = args[2];
+      check(args[4] == d_sg, "UPDATE reads the SUMSQ step globals (or NULL without SUMSQ)");
+      if (sr)
+        check(args[5] == d_globals && args[6] == seed,
+              "stochastic rounding: UPDATE gets the device globals (step t) and the seed");
+    }
     else if (ends_with(n, "_finish")) {
       names.push_back("FINISH");
       check(grid[0] == 1 && args[0] == d_globals && args[1] == ngroups && args[2] == d_sg,
@@ -340,7 +353,7 @@ int main(int argc, char **argv) {
   const unsigned long long *ptrs = (const unsigned long long *)(uintptr_t)d_states;
   bool segs_ok = true, ptrs_ok = true;
   for (size_t t = 0; t < sizes.size(); ++t) {
-    segs_ok &= segs[t].n == sizes[t] && segs[t].group == t % 2;
+    segs_ok &= segs[t].n == sizes[t] && segs[t].group == t % 2 && segs[t].tensor == t;
     for (uint32_t k = 0; k < d->num_states; ++k) {
       unsigned long long p = ptrs[t * d->num_states + k];
       uint32_t kind = d->states[k].kind;
@@ -349,7 +362,7 @@ int main(int argc, char **argv) {
       else ptrs_ok &= p != 0 && p % 16 == 0;  // owned: 16-byte aligned segments
     }
   }
-  check(segs_ok, "segment table: n and group of every tensor");
+  check(segs_ok, "segment table: n, group and tensor index of every tensor");
   check(ptrs_ok, "state table: the user's param/grad pointers, 16-byte aligned owned states");
   const double *hy = (const double *)(uintptr_t)d_hypers;
   int lr_i = -1;

@@ -59,9 +59,9 @@ def Zopt_StateOp : Zopt_Op<"state", [Pure, HasParent<"StepOp">]> {
     and `grad` are the user's tensors; every other kind is owned by the
     runtime and initialized by it (`master` from the param, moments to
     zero). Narrowing stores into the state round as `rounding` says
-    (default `nearest_even`; `stochastic`: bf16 states of steps that update
-    on the CPU, with the counter-based random bits of abi.h, reproducible
-    from the optimizer's seed on any thread count).
+    (default `nearest_even`; `stochastic`: bf16 states, with the
+    counter-based random bits of abi.h, reproducible from the optimizer's
+    seed on any thread count and the same on CPU and GPU).
 
     ```mlir
     %w = zopt.state master : f32 on cpu
