@@ -32,6 +32,25 @@
 
 namespace mlir::zopt {
 
+/// zopt_fmix32 (abi.h) on an i32 scalar or vector: the one emitter of the
+/// stochastic-rounding hash for the CPU and GPU code generators.
+inline Value emitFmix32(OpBuilder &b, Location loc, Value h) {
+  Type t = h.getType();
+  auto cst = [&](uint32_t v) -> Value {
+    Attribute a = b.getI32IntegerAttr(int32_t(v));
+    if (auto vt = dyn_cast<VectorType>(t))
+      return arith::ConstantOp::create(b, loc, DenseElementsAttr::get(vt, a));
+    return arith::ConstantOp::create(b, loc, t, cast<TypedAttr>(a));
+  };
+  auto xorShr = [&](Value v, uint32_t k) {
+    return arith::XOrIOp::create(b, loc, v,
+                                 arith::ShRUIOp::create(b, loc, v, cst(k)));
+  };
+  h = arith::MulIOp::create(b, loc, xorShr(h, 16), cst(0x85EBCA6Bu));
+  h = arith::MulIOp::create(b, loc, xorShr(h, 13), cst(0xC2B2AE35u));
+  return xorShr(h, 16);
+}
+
 /// Builds code for one kernel body at one width.
 struct BodyEmitter {
   OpBuilder &b;
@@ -179,23 +198,18 @@ struct BodyEmitter {
   /// (bits + zopt_sr_bits(key, slot, index)) >> 16; NaN as nearest-even.
   Value f32ToBf16BitsStochastic(Value x, int64_t slot) {
     Type i32 = b.getI32Type();
-    auto mulC = [&](Value v, uint32_t c) {
-      return arith::MulIOp::create(b, loc, v, intCst(i32, int32_t(c)));
-    };
-    auto xorShr = [&](Value v, int k) {
-      return arith::XOrIOp::create(
-          b, loc, v, arith::ShRUIOp::create(b, loc, v, intCst(i32, k)));
-    };
     Value kslot = arith::AddIOp::create(
         b, loc, srKey,
         arith::ConstantOp::create(
             b, loc, b.getI32IntegerAttr(int32_t(uint32_t(slot) * 0x27D4EB2Fu))));
     if (lanes > 1)
       kslot = vector::BroadcastOp::create(b, loc, vec(i32), kslot);
-    Value h = arith::XOrIOp::create(b, loc, mulC(srIndex, 0x9E3779B1u), kslot);
-    h = mulC(xorShr(h, 16), 0x85EBCA6Bu);
-    h = mulC(xorShr(h, 13), 0xC2B2AE35u);
-    h = xorShr(h, 16);
+    Value h = arith::XOrIOp::create(
+        b, loc,
+        arith::MulIOp::create(b, loc, srIndex,
+                              intCst(i32, int32_t(0x9E3779B1u))),
+        kslot);
+    h = emitFmix32(b, loc, h);
     Value r = arith::ShRUIOp::create(b, loc, h, intCst(i32, 16));
     Value bits = arith::BitcastOp::create(b, loc, vec(i32), x);
     Value sum = arith::AddIOp::create(b, loc, bits, r);

@@ -246,20 +246,7 @@ static void buildPrepareKernel(OpBuilder &gb, Location loc, const Step &st) {
   gpu::ReturnOp::create(b, loc);
 }
 
-/// zopt_fmix32 (abi.h) on an i32 value.
-static Value fmix32(G &g, Value h) {
-  OpBuilder &b = g.b;
-  auto xs = [&](Value v, int k) {
-    return arith::XOrIOp::create(b, g.loc, v,
-                                 arith::ShRUIOp::create(b, g.loc, v, g.i32(k)));
-  };
-  auto mul = [&](Value v, uint32_t c) {
-    return arith::MulIOp::create(b, g.loc, v, g.i32(int32_t(c)));
-  };
-  h = mul(xs(h, 16), 0x85EBCA6Bu);
-  h = mul(xs(h, 13), 0xC2B2AE35u);
-  return xs(h, 16);
-}
+static Value fmix32(G &g, Value h) { return emitFmix32(g.b, g.loc, h); }
 
 /// zopt_sr_key (abi.h) without its last step: fmix32(k ^ index_hi) of the
 /// result is the key. seed, t: i64; tensor: i32.
