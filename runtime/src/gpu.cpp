@@ -301,24 +301,32 @@ zopt_status gpu_push(zopt_optimizer *o) {
   return ZOPT_OK;
 }
 
-zopt_status gpu_pull(zopt_optimizer *o) {
+// Reads the device's step state (globals, scaler, and the step globals when
+// `sg` is given) with one stream synchronisation and refreshes the host
+// copies in `o` (step counts, scaler).
+static zopt_status read_device_state(zopt_optimizer *o, zopt_gpu_step_globals *sg, zopt_gpu_scaler *sc) {
   GpuState *g = o->gpu;
-  if (!g->device_ahead) return ZOPT_OK;
   if (zopt_status st = make_current(g)) return st;
   std::vector<double> globals(o->groups.size() * ZOPT_NUM_GLOBALS);
-  zopt_gpu_scaler sc;
   CUresult r = g->cu->MemcpyDtoHAsync(globals.data(), g->d_globals, globals.size() * 8, g->stream);
-  if (!r) r = g->cu->MemcpyDtoHAsync(&sc, g->d_scaler, sizeof sc, g->stream);
+  if (!r) r = g->cu->MemcpyDtoHAsync(sc, g->d_scaler, sizeof *sc, g->stream);
+  if (!r && sg) r = g->cu->MemcpyDtoHAsync(sg, g->d_sg, sizeof *sg, g->stream);
   if (!r) r = g->cu->StreamSynchronize(g->stream);
   if (r) return fail(ZOPT_ERR_INTERNAL, "reading the GPU step state: %s", error_string(r));
   for (size_t gi = 0; gi < o->groups.size(); ++gi)
     o->groups[gi].step_count = (int64_t)globals[gi * ZOPT_NUM_GLOBALS + ZOPT_GLOBAL_STEP] - 1;
   if (o->d->flags & ZOPT_FLAG_LOSS_SCALE) {
-    o->scaler.scale = sc.scale;
-    o->scaler.good_steps = sc.good_steps;
+    o->scaler.scale = sc->scale;
+    o->scaler.good_steps = sc->good_steps;
   }
   g->device_ahead = false;
   return ZOPT_OK;
+}
+
+zopt_status gpu_pull(zopt_optimizer *o) {
+  if (!o->gpu->device_ahead) return ZOPT_OK;
+  zopt_gpu_scaler sc;
+  return read_device_state(o, nullptr, &sc);
 }
 
 void gpu_hypers_changed(zopt_optimizer *o) { o->gpu->hypers_dirty = true; }
@@ -379,14 +387,9 @@ zopt_status gpu_step(zopt_optimizer *o, zopt_step_result *result) {
 zopt_status gpu_result(zopt_optimizer *o, zopt_step_result *result) {
   GpuState *g = o->gpu;
   if (!g->stepped) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_gpu_result: no step has run yet");
-  if (zopt_status st = make_current(g)) return st;
   zopt_gpu_step_globals sg;
   zopt_gpu_scaler sc;
-  CUresult r = g->cu->MemcpyDtoHAsync(&sg, g->d_sg, sizeof sg, g->stream);
-  if (!r) r = g->cu->MemcpyDtoHAsync(&sc, g->d_scaler, sizeof sc, g->stream);
-  if (!r) r = g->cu->StreamSynchronize(g->stream);
-  if (r) return fail(ZOPT_ERR_INTERNAL, "reading the GPU step result: %s", error_string(r));
-  if (zopt_status st = gpu_pull(o)) return st;
+  if (zopt_status st = read_device_state(o, &sg, &sc)) return st;
   const bool has_sumsq = o->d->flags & ZOPT_FLAG_SUMSQ;
   result->grad_norm = has_sumsq ? sg.norm : NAN;
   result->skipped = has_sumsq && sg.skip != 0;
