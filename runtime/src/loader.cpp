@@ -18,10 +18,6 @@ namespace {
 
 bool nul_terminated(const char *s, size_t n) { return memchr(s, 0, n) != nullptr; }
 
-bool cpu_has(zopt_isa isa) { return zopt_cpu_runs_isa(isa) != 0; }
-
-const char *isa_name(uint32_t i) { return zopt_isa_name(i); }
-
 // Validates every field of a descriptor whose magic/version/size/checksum
 // already passed. Returns ZOPT_OK or an ABI error with a message.
 zopt_status validate_fields(const zopt_step_descriptor *d) {
@@ -188,7 +184,7 @@ ZOPT_API zopt_status zopt_step_load(const char *path, zopt_step **out) {
       if (want < 0)
         return fail(ZOPT_ERR_INVALID_ARGUMENT,
                     "ZOPT_CPU='%s' is not one of avx512bf16, avx512, avx2, none", env);
-      if (!cpu_has((zopt_isa)want))
+      if (!zopt_cpu_runs_isa((uint32_t)want))
         return fail(ZOPT_ERR_UNSUPPORTED, "ZOPT_CPU=%s but this CPU lacks %s", env, env);
       max_isa = want;
     }
@@ -289,7 +285,7 @@ ZOPT_API zopt_status zopt_step_load(const char *path, zopt_step **out) {
                           role == 1 ? "PREPARE" : role == 2 ? "UPDATE" : "SUMSQ"));
       if (needed && !fn[role])
         return bail2(fail(ZOPT_ERR_UNSUPPORTED, "'%s': no %s kernel variant runs on this CPU (best allowed ISA: %s)",
-                          path, role == 1 ? "PREPARE" : role == 2 ? "UPDATE" : "SUMSQ", isa_name(max_isa)));
+                          path, role == 1 ? "PREPARE" : role == 2 ? "UPDATE" : "SUMSQ", zopt_isa_name((uint32_t)max_isa)));
     }
     s->prepare = (zopt_prepare_fn)fn[ZOPT_KERNEL_PREPARE];
     s->update = (zopt_update_fn)fn[ZOPT_KERNEL_UPDATE];
