@@ -23,6 +23,7 @@
 #include "zopt/abi.h"
 #include "zopt/cpu.h"
 #include "stream_roofline.h"
+#include "bench_step.h"
 
 #include <dlfcn.h>
 #include <pthread.h>
@@ -76,11 +77,7 @@ void doJob(Team &t, int tid, int job) {
     void *ptrs[ZOPT_MAX_STATES];
     for (uint32_t s = 0; s < t.d->num_states; ++s)
       ptrs[s] = t.base[s] + b * (t.d->states[s].dtype == ZOPT_DTYPE_F32 ? 4 : 2);
-    if (t.d->flags & ZOPT_FLAG_STOCHASTIC)  // abi.h: (key, first) follow
-      ((zopt_update_sr_fn)(void *)t.update)(ptrs, int64_t(e - b), t.coeffs,
-                                            zopt_sr_key(0, 1, 0, 0), uint32_t(b));
-    else
-      t.update(ptrs, int64_t(e - b), t.coeffs);
+    zopt_bench::callUpdate(t.d, (void *)t.update, ptrs, int64_t(e - b), t.coeffs, b);
   } else {
     Arr arr[kMaxArr];
     int na = int(t.d->num_states);
@@ -146,15 +143,9 @@ int main(int argc, char **argv) {
     else if (a.rfind("--isa=", 0) == 0) isaOpt = a.substr(6);
     else { std::fprintf(stderr, "unknown option %s\n", a.c_str()); return 2; }
   }
-  std::string file = std::strchr(argv[1], '/') ? argv[1] : std::string("./") + argv[1];
-  void *lib = dlopen(file.c_str(), RTLD_NOW | RTLD_LOCAL);
-  if (!lib) { std::fprintf(stderr, "dlopen: %s\n", dlerror()); return 1; }
-  auto *d = static_cast<const zopt_step_descriptor *>(dlsym(lib, ZOPT_DESC_SYMBOL));
-  if (!d || std::memcmp(d->magic, ZOPT_DESC_MAGIC, 8) || d->abi_version != ZOPT_ABI_VERSION ||
-      d->checksum != zopt_desc_checksum(d)) {
-    std::fprintf(stderr, "bad descriptor\n");
-    return 1;
-  }
+  void *lib = nullptr;
+  const zopt_step_descriptor *d = zopt_bench::loadStep(argv[1], &lib);
+  if (!d) return 1;
   bool has512 = zopt_cpu_runs_isa(ZOPT_ISA_AVX512);
   int wantIsa = isaOpt == "auto" ? -1 : zopt_isa_from_name(isaOpt.c_str());
   if (isaOpt != "auto" && wantIsa < 0) {
@@ -178,12 +169,8 @@ int main(int argc, char **argv) {
     return 1;
   }
 
-  // Coefficients: defaults, lr 1e-3, t = 3, no clipping, no loss scale.
-  double hy[ZOPT_MAX_HYPERS];
-  for (uint32_t h = 0; h < d->num_hypers; ++h) hy[h] = d->hypers[h].default_value;
-  double globals[ZOPT_NUM_GLOBALS] = {3, 1, 1};
   float coeffs[ZOPT_MAX_COEFFS];
-  prepare(hy, globals, coeffs);
+  zopt_bench::defaultCoeffs(d, prepare, coeffs);
 
   Team t;
   t.nthreads = threads;

@@ -10,6 +10,7 @@
 //===----------------------------------------------------------------------===//
 #include "zopt/abi.h"
 #include "zopt/cpu.h"
+#include "bench_step.h"
 
 #include <dlfcn.h>
 
@@ -24,17 +25,9 @@ int main(int argc, char **argv) {
     std::fprintf(stderr, "usage: %s STEP.so [avx2|avx512|avx512bf16...]\n", argv[0]);
     return 2;
   }
-  void *h = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
-  if (!h) {
-    std::fprintf(stderr, "dlopen: %s\n", dlerror());
-    return 1;
-  }
-  auto *d = static_cast<const zopt_step_descriptor *>(dlsym(h, ZOPT_DESC_SYMBOL));
-  if (!d || std::memcmp(d->magic, ZOPT_DESC_MAGIC, 8) || d->abi_version != ZOPT_ABI_VERSION ||
-      d->checksum != zopt_desc_checksum(d)) {
-    std::fprintf(stderr, "bad descriptor\n");
-    return 1;
-  }
+  void *h = nullptr;
+  const zopt_step_descriptor *d = zopt_bench::loadStep(argv[1], &h);
+  if (!d) return 1;
   std::vector<int> wanted;
   for (int i = 2; i < argc; ++i) {
     int isa = zopt_isa_from_name(argv[i]);
@@ -52,11 +45,8 @@ int main(int argc, char **argv) {
     std::fprintf(stderr, "no PREPARE kernel\n");
     return 1;
   }
-  double hy[ZOPT_MAX_HYPERS];
-  for (uint32_t i = 0; i < d->num_hypers; ++i) hy[i] = d->hypers[i].default_value;
-  double gl[ZOPT_NUM_GLOBALS] = {3, 1, 1};
   float co[ZOPT_MAX_COEFFS];
-  prep(hy, gl, co);
+  zopt_bench::defaultCoeffs(d, prep, co);
 
   const long n = 4096;
   std::vector<std::vector<uint32_t>> buf(d->num_states, std::vector<uint32_t>(n));
@@ -80,11 +70,8 @@ int main(int argc, char **argv) {
     }
     void *sym = dlsym(h, k.symbol);
     if (!sym) continue;
-    // Steps with stochastic rounding take (key, first) too (abi.h).
-    const bool sr = d->flags & ZOPT_FLAG_STOCHASTIC;
     auto upd = [&](void *const *p, long m, const float *c) {
-      if (sr) ((zopt_update_sr_fn)sym)(p, m, c, 0x12345678u, 0u);
-      else ((zopt_update_fn)sym)(p, m, c);
+      zopt_bench::callUpdate(d, sym, p, m, c, 0);
     };
     // Re-fill between variants: the update drifts the values a little.
     for (uint32_t s = 0; s < d->num_states; ++s)
