@@ -49,10 +49,10 @@ inline void defaultCoeffs(const zopt_step_descriptor *d, zopt_prepare_fn prepare
 inline void callUpdate(const zopt_step_descriptor *d, void *fn, void *const *ptrs, int64_t n,
                        const float *coeffs, uint64_t first) {
   if (d->flags & ZOPT_FLAG_STOCHASTIC)
-    ((zopt_update_sr_fn)fn)(ptrs, n, coeffs, zopt_sr_key(0, 1, 0, uint32_t(first >> 32)),
+    ((zopt_update_sr_fn)fn)(ptrs, ptrs, n, coeffs, zopt_sr_key(0, 1, 0, uint32_t(first >> 32)),
                             uint32_t(first));
   else
-    ((zopt_update_fn)fn)(ptrs, n, coeffs);
+    ((zopt_update_fn)fn)(ptrs, ptrs, n, coeffs);
 }
 
 } // namespace zopt_bench

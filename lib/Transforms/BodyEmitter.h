@@ -69,6 +69,12 @@ struct BodyEmitter {
   /// Stochastic rounding (abi.h): the call's key (i32) and the element
   /// index (i32, at `lanes` lanes) of the element(s) being emitted.
   Value srKey, srIndex;
+  /// Where stores go, by slot (CPU UPDATE kernels: the `out` pointer table;
+  /// empty: statePtrs, i.e. in place).
+  ArrayRef<Value> storePtrs;
+  /// A vector<lanes x i1>: loads read only the set lanes (the others are
+  /// zero), for a tail shorter than a vector.
+  Value loadMask;
 
   int64_t alignFor(int elemAlign) {
     return (lanes > 1 && vecAlign) ? vecAlign : elemAlign;
@@ -95,10 +101,20 @@ struct BodyEmitter {
         b, loc, DenseElementsAttr::get(cast<ShapedType>(t),
                                        b.getIntegerAttr(elem, v)));
   }
-  Value elemPtr(int64_t slot, Type memElem, Value i) {
-    Type ptrTy = statePtrs[slot].getType(); // keeps the address space
-    return LLVM::GEPOp::create(b, loc, ptrTy, memElem, statePtrs[slot],
-                               ValueRange{i});
+  Value elemPtr(int64_t slot, Type memElem, Value i, bool store = false) {
+    Value base = store && !storePtrs.empty() ? storePtrs[slot] : statePtrs[slot];
+    Type ptrTy = base.getType(); // keeps the address space
+    return LLVM::GEPOp::create(b, loc, ptrTy, memElem, base, ValueRange{i});
+  }
+  /// A load of `t` values at `p`: masked (zero-filled) under loadMask.
+  Value loadAt(Type t, Value p, int64_t align) {
+    if (!loadMask || lanes == 1)
+      return LLVM::LoadOp::create(b, loc, t, p, align);
+    auto vt = cast<VectorType>(t);
+    Value zero = arith::ConstantOp::create(
+        b, loc, DenseElementsAttr::get(vt, b.getZeroAttr(vt.getElementType())));
+    return LLVM::MaskedLoadOp::create(b, loc, t, p, loadMask, zero,
+                                      uint32_t(align));
   }
   /// For the sum of squares of values narrower than f64: contract (FMA).
   arith::FastMathFlagsAttr accumulateFastmath() {
@@ -231,12 +247,10 @@ struct BodyEmitter {
         Value r;
         if (t.isBF16()) {
           Value p = elemPtr(l.getSlot(), b.getI16Type(), i);
-          r = bf16BitsToF32(
-              LLVM::LoadOp::create(b, loc, vec(b.getI16Type()), p, alignFor(2)));
+          r = bf16BitsToF32(loadAt(vec(b.getI16Type()), p, alignFor(2)));
         } else {
           Value p = elemPtr(l.getSlot(), t, i);
-          r = LLVM::LoadOp::create(b, loc, vec(t), p,
-                                   alignFor(t.isF32() ? 4 : 2));
+          r = loadAt(vec(t), p, alignFor(t.isF32() ? 4 : 2));
         }
         map.map(l.getResult(), r);
       } else if (auto c = dyn_cast<zk::CoeffOp>(op)) {
@@ -276,7 +290,8 @@ struct BodyEmitter {
                                      .getResult();
           align = 2;
         }
-        LLVM::StoreOp::create(b, loc, toStore, elemPtr(s.getSlot(), memElem, i),
+        LLVM::StoreOp::create(b, loc, toStore,
+                              elemPtr(s.getSlot(), memElem, i, /*store=*/true),
                               alignFor(align));
       } else if (auto a = dyn_cast<zk::AccumulateOp>(op)) {
         Value x = get(a.getValue());

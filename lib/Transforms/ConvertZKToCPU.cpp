@@ -2,15 +2,20 @@
 //
 // Every zk.kernel becomes one function per ISA variant:
 //
-//   void name_<isa>(void *const *states, int64_t n, const float *coeffs)
-//   double name_<isa>(...)                        (sumsq kernels)
+//   void name_<isa>(void *const *in, void *const *out, int64_t n,
+//                   const float *coeffs)                 (update kernels)
+//   double name_<isa>(void *const *states, int64_t n,
+//                     const float *coeffs)               (sumsq kernels)
 //
-// with a loop over full vectors and a scalar loop over the tail; the body is
-// the kernel body cloned at vector type. W = 16 lanes for AVX-512, 8 for
-// AVX2: UPDATE kernels run 2W lanes per iteration (LLVM splits them into two
-// registers: independent work for the divide/sqrt unit while loads are in
-// flight, and two 16-bit vectors pack into one register-wide store), SUMSQ
-// kernels W. bf16 values are carried as the f32 they exactly widen to. The
+// with a loop over full vectors and the tail; the body is the kernel body
+// cloned at vector type. W = 16 lanes for AVX-512, 8 for AVX2: UPDATE
+// kernels run 2W lanes per iteration (LLVM splits them into two registers:
+// independent work for the divide/sqrt unit while loads are in flight, and
+// two 16-bit vectors pack into one register-wide store) and a scalar tail,
+// loading through `in` and storing through `out`. SUMSQ kernels run
+// ZOPT_SUMSQ_LANES f64 accumulators on every ISA, a masked tail and an
+// ordered lane sum: the order abi.h defines, so the result is the same bits
+// on every variant. bf16 values are carried as the f32 they exactly widen to. The
 // avx512bf16 variant narrows to bf16 with VCVTNEPS2BF16 (BodyEmitter.h); it
 // is emitted only for UPDATE kernels that store bf16, where it differs from
 // the avx512 one, unless it is the only variant asked for.
@@ -73,10 +78,13 @@ static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
   Type i64 = IntegerType::get(ctx, 64), f64 = Float64Type::get(ctx),
        f32 = Float32Type::get(ctx);
   bool isSum = k.getRole() == zk::KernelRole::sumsq;
-  // Stochastic rounding: (key, first) after the three ABI arguments.
+  // Stochastic rounding: (key, first) after the ABI arguments.
   bool sr = !isSum && storesStochastic(k);
   Type i32 = IntegerType::get(ctx, 32);
-  SmallVector<Type> args = {ptrTy, i64, ptrTy};
+  // UPDATE: (in, out, n, coeffs[, key, first]); SUMSQ: (states, n, coeffs).
+  SmallVector<Type> args =
+      isSum ? SmallVector<Type>{ptrTy, i64, ptrTy}
+            : SmallVector<Type>{ptrTy, ptrTy, i64, ptrTy};
   if (sr)
     args.append({i32, i32});
   auto fnTy = FunctionType::get(ctx, args, isSum ? TypeRange{f64} : TypeRange{});
@@ -87,26 +95,27 @@ static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
               LLVM::LinkageAttr::get(ctx, LLVM::Linkage::External));
   Block *entry = fn.addEntryBlock();
   OpBuilder b = OpBuilder::atBlockEnd(entry);
-  Value states = entry->getArgument(0), n = entry->getArgument(1),
-        coeffs = entry->getArgument(2);
+  Value inTable = entry->getArgument(0);
+  Value outTable = isSum ? Value() : entry->getArgument(1);
+  Value n = entry->getArgument(isSum ? 1 : 2),
+        coeffs = entry->getArgument(isSum ? 2 : 3);
   Block &body = k.getBody().front();
 
-  SmallVector<Value> ptrs(numStates);
+  SmallVector<Value> ptrs(numStates), outPtrs(numStates);
   int64_t maxCoeff = -1;
   for (Operation &op : body) {
-    int64_t slot = -1;
-    if (auto l = dyn_cast<zk::LoadOp>(op))
-      slot = l.getSlot();
-    if (auto s = dyn_cast<zk::StoreOp>(op))
-      slot = s.getSlot();
-    if (slot >= 0 && !ptrs[slot])
-      ptrs[slot] = loadPtrAt(b, loc, states, slot, ptrTy, ptrTy);
+    if (auto l = dyn_cast<zk::LoadOp>(op); l && !ptrs[l.getSlot()])
+      ptrs[l.getSlot()] = loadPtrAt(b, loc, inTable, l.getSlot(), ptrTy, ptrTy);
+    if (auto s = dyn_cast<zk::StoreOp>(op); s && !outPtrs[s.getSlot()])
+      outPtrs[s.getSlot()] =
+          loadPtrAt(b, loc, outTable, s.getSlot(), ptrTy, ptrTy);
     if (auto c = dyn_cast<zk::CoeffOp>(op))
       maxCoeff = std::max<int64_t>(maxCoeff, c.getIndex());
   }
-  // Two registers' worth per iteration (sum-of-squares kernels: of f32
-  // values, so four f64 accumulator registers on AVX-512).
-  const int lanes = 2 * isa.lanes;
+  // UPDATE: two registers' worth per iteration. SUMSQ: ZOPT_SUMSQ_LANES f64
+  // accumulators on every ISA (abi.h: the sum's order is part of the
+  // contract, so the bits do not depend on the variant).
+  const int lanes = isSum ? ZOPT_SUMSQ_LANES : 2 * isa.lanes;
   bool sumsqOfNarrow = false;
   body.walk([&](zk::AccumulateOp a) {
     sumsqOfNarrow = !a.getValue().getType().isF64();
@@ -125,11 +134,13 @@ static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
   BodyEmitter vecE{b, loc, lanes, ptrs, cs, cv};
   vecE.packHalves = true;
   vecE.nativeBf16 = isa.nativeBf16;
+  vecE.storePtrs = outPtrs;
   BodyEmitter sclE{b, loc, 1, ptrs, cs, {}};
+  sclE.storePtrs = outPtrs;
   Value srFirst, srIota;
   if (sr) {
-    vecE.srKey = sclE.srKey = entry->getArgument(3);
-    srFirst = entry->getArgument(4);
+    vecE.srKey = sclE.srKey = entry->getArgument(4);
+    srFirst = entry->getArgument(5);
     SmallVector<int32_t> iota(lanes);
     for (int j = 0; j < lanes; ++j)
       iota[j] = j;
@@ -141,9 +152,9 @@ static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
     return arith::AddIOp::create(b, loc, srFirst,
                                  arith::TruncIOp::create(b, loc, i32, i));
   };
+  Value nVec = arith::SubIOp::create(b, loc, n,
+                                     arith::RemSIOp::create(b, loc, n, W));
   if (!isSum) {
-    Value nVec = arith::SubIOp::create(b, loc, n,
-                                       arith::RemSIOp::create(b, loc, n, W));
     auto l1 = scf::ForOp::create(b, loc, zero, nVec, W);
     {
       OpBuilder::InsertionGuard g(b);
@@ -167,32 +178,53 @@ static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
     func::ReturnOp::create(b, loc);
     return fn;
   }
-  Value nVec =
-      arith::SubIOp::create(b, loc, n, arith::RemSIOp::create(b, loc, n, W));
+  // SUMSQ: lane l accumulates elements l, l + LANES, ...; the tail is one
+  // masked iteration (absent lanes add +0.0, which changes no sum); then the
+  // lanes are added in order (vector.reduction without reassociation is
+  // LLVM's ordered reduction: ((0 + a0) + a1) + ...).
   auto accTy = VectorType::get({lanes}, f64);
   Value accInit = arith::ConstantOp::create(
       b, loc, DenseElementsAttr::get(accTy, b.getF64FloatAttr(0.0)));
+  auto accumulate = [&](BodyEmitter &e, Value iv, Value acc,
+                        Value mask) -> Value {
+    Value sq = e.emit(body, iv);
+    if (mask)
+      sq = arith::SelectOp::create(
+          e.b, loc, mask, sq,
+          arith::ConstantOp::create(
+              e.b, loc, DenseElementsAttr::get(accTy, e.b.getF64FloatAttr(0.0))));
+    auto fm = sumsqOfNarrow ? e.accumulateFastmath() : arith::FastMathFlagsAttr();
+    return arith::AddFOp::create(e.b, loc, acc, sq, fm);
+  };
   auto l1 = scf::ForOp::create(
       b, loc, zero, nVec, W, ValueRange{accInit},
       [&](OpBuilder &lb, Location l, Value iv, ValueRange iter) {
         BodyEmitter e{lb, l, lanes, ptrs, cs, cv};
         e.packHalves = true;
-        Value sq = e.emit(body, iv);
-        auto fm = sumsqOfNarrow ? e.accumulateFastmath() : arith::FastMathFlagsAttr();
-        scf::YieldOp::create(
-            lb, l, ValueRange{arith::AddFOp::create(lb, l, iter[0], sq, fm)});
-      });
-  Value partial = vector::ReductionOp::create(b, loc, vector::CombiningKind::ADD,
-                                              l1.getResult(0));
-  auto l2 = scf::ForOp::create(
-      b, loc, nVec, n, one, ValueRange{partial},
-      [&](OpBuilder &lb, Location l, Value iv, ValueRange iter) {
-        BodyEmitter e{lb, l, 1, ptrs, cs, {}};
-        Value sq = e.emit(body, iv);
         scf::YieldOp::create(lb, l,
-                             ValueRange{arith::AddFOp::create(lb, l, iter[0], sq)});
+                             ValueRange{accumulate(e, iv, iter[0], Value())});
       });
-  func::ReturnOp::create(b, loc, l2.getResult(0));
+  Value acc = l1.getResult(0);
+  Value hasTail = arith::CmpIOp::create(b, loc, arith::CmpIPredicate::slt, nVec, n);
+  auto tail = scf::IfOp::create(b, loc, TypeRange{accTy}, hasTail, true);
+  {
+    OpBuilder::InsertionGuard g(b);
+    b.setInsertionPointToStart(&tail.getThenRegion().front());
+    Value rem = arith::SubIOp::create(b, loc, n, nVec);
+    Value mask = vector::CreateMaskOp::create(
+        b, loc, VectorType::get({lanes}, b.getI1Type()),
+        ValueRange{arith::IndexCastOp::create(b, loc, b.getIndexType(), rem)});
+    BodyEmitter e{b, loc, lanes, ptrs, cs, cv};
+    e.packHalves = true;
+    e.loadMask = mask;
+    scf::YieldOp::create(b, loc, ValueRange{accumulate(e, nVec, acc, mask)});
+    b.setInsertionPointToStart(&tail.getElseRegion().front());
+    scf::YieldOp::create(b, loc, ValueRange{acc});
+  }
+  Value total = vector::ReductionOp::create(
+      b, loc, vector::CombiningKind::ADD, tail.getResult(0));
+  func::ReturnOp::create(b, loc, total);
+  (void)one;
   return fn;
 }
 
@@ -222,6 +254,88 @@ static func::FuncOp lowerPrepare(OpBuilder &mb, zk::PrepareOp p) {
 static void copyName(char *dst, StringRef s) {
   std::memset(dst, 0, ZOPT_NAME_LEN);
   std::memcpy(dst, s.data(), std::min<size_t>(s.size(), ZOPT_NAME_LEN - 1));
+}
+
+/// The zopt.program of the module (made by zopt-plan) into the descriptor's
+/// program table (abi.h "The step program"); erases it.
+static LogicalResult lowerProgram(ModuleOp m, zk::DescriptorOp d,
+                                  zopt_step_descriptor &desc) {
+  auto progs = llvm::to_vector(m.getOps<ProgramOp>());
+  if (progs.size() != 1)
+    return m.emitError("expected exactly one zopt.program (made by zopt-plan), "
+                       "found ")
+           << progs.size();
+  ProgramOp prog = progs.front();
+  // Collectives run where the update does (offloaded steps: on the host
+  // staging the grads were copied to).
+  Placement device = Placement::cpu;
+  prog.getBody().walk([&](UpdateOp u) { device = u.getOn(); });
+  auto slotOf = [&](Operation *op, StateKind k) -> FailureOr<uint32_t> {
+    for (auto [i, kind] : llvm::enumerate(d.getStateKinds()))
+      if (kind == int32_t(k))
+        return uint32_t(i);
+    return op->emitOpError("names a state the step does not have");
+  };
+  for (Operation &op : prog.getBody().front()) {
+    if (desc.num_program >= ZOPT_MAX_PROGRAM)
+      return op.emitOpError("the program has more than ")
+             << ZOPT_MAX_PROGRAM << " ops";
+    zopt_program_op &p = desc.program[desc.num_program++];
+    std::memset(&p, 0, sizeof p);
+    auto at = [&](Placement pl) {
+      p.src = p.dst = uint32_t(pl);
+    };
+    if (auto c = dyn_cast<CopyOp>(op)) {
+      auto slot = slotOf(&op, c.getState());
+      if (failed(slot))
+        return failure();
+      p.code = ZOPT_OP_COPY;
+      p.state = *slot;
+      p.dtype = dtypeCode(c.getType());
+      p.src = uint32_t(c.getSrc());
+      p.dst = uint32_t(c.getDst());
+      p.flags = c.getUnlessSkipped() ? ZOPT_OPF_UNLESS_SKIPPED : 0;
+    } else if (auto r = dyn_cast<ReduceScatterOp>(op)) {
+      auto slot = slotOf(&op, r.getState());
+      if (failed(slot))
+        return failure();
+      p.code = ZOPT_OP_REDUCE_SCATTER;
+      p.state = *slot;
+      p.dtype = dtypeCode(r.getType());
+      p.accum = dtypeCode(r.getAccumulate());
+      at(device);
+    } else if (auto g = dyn_cast<AllGatherOp>(op)) {
+      auto slot = slotOf(&op, g.getState());
+      if (failed(slot))
+        return failure();
+      p.code = ZOPT_OP_ALL_GATHER;
+      p.state = *slot;
+      p.dtype = dtypeCode(g.getType());
+      p.flags = g.getUnlessSkipped() ? ZOPT_OPF_UNLESS_SKIPPED : 0;
+      at(device);
+    } else if (auto np = dyn_cast<NormPartialsOp>(op)) {
+      p.code = ZOPT_OP_NORM_PARTIALS;
+      p.range = uint32_t(np.getRange());
+      at(np.getOn());
+    } else if (isa<NormOp>(op)) {
+      p.code = ZOPT_OP_NORM;
+      at(device);
+    } else if (auto pr = dyn_cast<zopt::PrepareOp>(op)) {
+      p.code = ZOPT_OP_PREPARE;
+      at(pr.getOn());
+    } else if (auto u = dyn_cast<UpdateOp>(op)) {
+      p.code = ZOPT_OP_UPDATE;
+      p.range = uint32_t(u.getRange());
+      at(u.getOn());
+    } else if (auto f = dyn_cast<FinishOp>(op)) {
+      p.code = ZOPT_OP_FINISH;
+      at(f.getOn());
+    } else {
+      return op.emitOpError("is not a step-program op");
+    }
+  }
+  prog.erase();
+  return success();
 }
 
 struct ConvertZKToCPU
@@ -268,7 +382,9 @@ struct ConvertZKToCPU
                         uint32_t(d.getStatePlacements()[i]),
                         uint32_t(d.getStateRoundings()[i]),
                         uint32_t(d.getStateInits()[i]),
-                        uint32_t(d.getStateAccess()[i])};
+                        uint32_t(d.getStateAccess()[i]),
+                        uint32_t(d.getStateFlags()[i]),
+                        0u};
     for (unsigned i = 0; i < desc.num_hypers; ++i) {
       zopt_hyper_desc &h = desc.hypers[i];
       h.kind = d.getHyperKinds()[i];
@@ -331,6 +447,8 @@ struct ConvertZKToCPU
         }
       }
     }
+    if (failed(lowerProgram(m, d, desc)))
+      return signalPassFailure();
     desc.checksum = zopt_desc_checksum(&desc);
 
     auto arrTy = LLVM::LLVMArrayType::get(IntegerType::get(&getContext(), 8),

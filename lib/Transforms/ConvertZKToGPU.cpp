@@ -112,7 +112,8 @@ constexpr int64_t kScInterval = offsetof(zopt_gpu_scaler, growth_interval) / 8;
 constexpr int64_t kScGood = offsetof(zopt_gpu_scaler, good_steps) / 8;
 constexpr int64_t kScLast = offsetof(zopt_gpu_scaler, last_scale) / 8;
 constexpr int64_t kScDynamic = offsetof(zopt_gpu_scaler, dynamic) / 4;
-static_assert(sizeof(zopt_gpu_scaler) == 64, "scaler layout");
+constexpr int64_t kScDivisor = offsetof(zopt_gpu_scaler, grad_divisor) / 8;
+static_assert(sizeof(zopt_gpu_scaler) == 72, "scaler layout");
 static_assert(sizeof(zopt_gpu_segment) == 16, "segment layout");
 
 struct KernelInfo {
@@ -640,14 +641,17 @@ static void buildFinishKernel(OpBuilder &gb, Location loc, const Step &st) {
     newGood = arith::SelectOp::create(b, loc, dynamic, newGood, good);
     LLVM::StoreOp::create(b, loc, newScale, fld(f64, kScScale));
     LLVM::StoreOp::create(b, loc, newGood, fld(i64, kScGood));
-    Value inv = arith::DivFOp::create(b, loc, g.f64(1.0), newScale);
+    // GRAD_SCALE = 1 / (S * D) (abi.h).
+    Value inv = arith::DivFOp::create(
+        b, loc, g.f64(1.0),
+        arith::MulFOp::create(b, loc, newScale, g.load(f64, fld(f64, kScDivisor))));
     auto loop = scf::ForOp::create(b, loc, g.i64(0), ngroups, g.i64(1));
     b.setInsertionPoint(loop.getBody()->getTerminator());
     LLVM::StoreOp::create(
         b, loc, inv,
         g.gep(f64, globals,
               g.add(g.mul(loop.getInductionVar(), g.i64(ZOPT_NUM_GLOBALS)),
-                    g.i64(ZOPT_GLOBAL_INV_LOSS_SCALE))));
+                    g.i64(ZOPT_GLOBAL_GRAD_SCALE))));
   }
   b.setInsertionPointToEnd(&entry);
   gpu::ReturnOp::create(b, loc);

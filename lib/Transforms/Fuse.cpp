@@ -102,7 +102,11 @@ struct StepFuser {
   }
 
   void buildDescriptor(OpBuilder &b) {
-    SmallVector<int32_t> kinds, dtypes, places, rounds, inits, access;
+    SmallVector<int32_t> kinds, dtypes, places, rounds, inits, access, sflags;
+    llvm::DenseSet<StringRef> partitioned;
+    if (auto parts = step->getAttrOfType<ArrayAttr>("zopt.partitioned"))
+      for (Attribute a : parts)
+        partitioned.insert(cast<StringAttr>(a).getValue());
     SmallVector<StateOp> states(body.getOps<StateOp>());
     llvm::sort(states, [](StateOp x, StateOp y) { return slotOf(x) < slotOf(y); });
     YieldOp yield = step.getYield();
@@ -125,6 +129,9 @@ struct StepFuser {
       });
       access.push_back((read ? ZOPT_ACCESS_READ : 0) |
                        (targets.contains(s.getResult()) ? ZOPT_ACCESS_WRITE : 0));
+      sflags.push_back(partitioned.contains(stringifyStateKind(s.getKind()))
+                           ? ZOPT_STATE_PARTITIONED
+                           : 0);
     }
     SmallVector<double> defs, mins, maxs;
     SmallVector<int32_t> excl;
@@ -159,6 +166,7 @@ struct StepFuser {
         b.getDenseI32ArrayAttr(kinds), b.getDenseI32ArrayAttr(dtypes),
         b.getDenseI32ArrayAttr(places), b.getDenseI32ArrayAttr(rounds),
         b.getDenseI32ArrayAttr(inits), b.getDenseI32ArrayAttr(access),
+        b.getDenseI32ArrayAttr(sflags),
         b.getDenseI32ArrayAttr(hyperKinds), b.getDenseF64ArrayAttr(defs),
         b.getDenseF64ArrayAttr(mins), b.getDenseF64ArrayAttr(maxs),
         b.getDenseI32ArrayAttr(excl));

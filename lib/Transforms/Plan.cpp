@@ -20,6 +20,75 @@ static Value scaleByGlobal(OpBuilder &b, Location loc, Value x,
   return a.mul(a.toF32(x), a.coeff(s));
 }
 
+/// Whether the update reads state `s` (any use but being a yield target).
+static bool updateReads(StepOp step, StateOp s) {
+  YieldOp yield = step.getYield();
+  return llvm::any_of(s->getUses(), [&](OpOperand &u) {
+    return u.getOwner() != yield.getOperation() ||
+           u.getOperandNumber() < yield.getValues().size();
+  });
+}
+
+/// The step program (abi.h "The step program"): what one step does on every
+/// rank, in order, decided by the ZeRO stage, the placements, clipping and
+/// loss scaling.
+///   stage 0: every rank holds every state and updates every element; the
+///            grads are reduced and gathered (DDP's all-reduce).
+///   stage 1: the optimizer states are sharded; grads reduced and gathered
+///            (every rank keeps the full mean gradient, as DeepSpeed's
+///            ZeRO-1 does); each rank updates its shards; params gathered.
+///   stage 2: as 1, but the grads are only reduced into their owners' shards.
+///   stage 3: as 2, and the params stay sharded (no gather: the forward
+///            gathers them on demand).
+/// Offloaded steps (param and grad on the GPU, the update on the CPU) copy
+/// the grads (and the params, when the update reads them) to host staging
+/// first and the new params back last.
+static void buildProgram(StepOp step, Placement device, int64_t stage) {
+  MLIRContext *ctx = step.getContext();
+  StateOp param = step.getState(StateKind::param);
+  StateOp grad = step.getState(StateKind::grad);
+  Type pt = param.getType(), gt = grad.getType();
+  auto where = PlacementAttr::get(ctx, device);
+  bool norm = step->hasAttr("zopt.max_norm") || step->hasAttr("zopt.loss_scale");
+  bool offload = device == Placement::cpu && param.getPlacement() == Placement::gpu;
+  auto range = RangeAttr::get(ctx, stage == 0 ? zopt::Range::all : zopt::Range::owned);
+
+  OpBuilder b(ctx);
+  b.setInsertionPointAfter(step);
+  auto prog = ProgramOp::create(b, step.getLoc(), step.getSymName());
+  prog.getBody().push_back(new Block());
+  b.setInsertionPointToStart(&prog.getBody().front());
+  Location loc = step.getLoc();
+  auto kindAttr = [&](StateKind k) { return StateKindAttr::get(ctx, k); };
+  auto gpu = PlacementAttr::get(ctx, Placement::gpu);
+  auto cpu = PlacementAttr::get(ctx, Placement::cpu);
+  if (offload) {
+    CopyOp::create(b, loc, kindAttr(StateKind::grad), TypeAttr::get(gt), gpu,
+                   cpu, nullptr);
+    if (updateReads(step, param))
+      CopyOp::create(b, loc, kindAttr(StateKind::param), TypeAttr::get(pt), gpu,
+                     cpu, nullptr);
+  }
+  ReduceScatterOp::create(b, loc, kindAttr(StateKind::grad), TypeAttr::get(gt),
+                          TypeAttr::get(b.getF32Type()));
+  if (stage <= 1)
+    AllGatherOp::create(b, loc, kindAttr(StateKind::grad), TypeAttr::get(gt),
+                        nullptr);
+  zopt::PrepareOp::create(b, loc, where);
+  if (norm) {
+    NormPartialsOp::create(b, loc, range, where);
+    NormOp::create(b, loc);
+  }
+  UpdateOp::create(b, loc, range, where);
+  if (stage == 1 || stage == 2)
+    AllGatherOp::create(b, loc, kindAttr(StateKind::param), TypeAttr::get(pt),
+                        b.getUnitAttr());
+  if (offload)
+    CopyOp::create(b, loc, kindAttr(StateKind::param), TypeAttr::get(pt), cpu,
+                   gpu, b.getUnitAttr());
+  FinishOp::create(b, loc, where);
+}
+
 static LogicalResult planStep(StepOp step) {
   MLIRContext *ctx = step.getContext();
   Block &body = step.getBody().front();
@@ -67,7 +136,11 @@ static LogicalResult planStep(StepOp step) {
   for (auto [i, s] : llvm::enumerate(states))
     s->setAttr("zopt.slot", IntegerAttr::get(IntegerType::get(ctx, 64), i));
 
-  // Global reductions.
+  // The gradient scale: every read of the grad becomes `g * grad_scale`
+  // (1 / (S * D): loss scale and divisor, the world size by default, so the
+  // reduced gradient is the ranks' mean). Multiplying by 1.0 is exact, so a
+  // one-rank step without loss scaling computes the same bits as before.
+  StateOp gradState = step.getState(StateKind::grad);
   UnscaleOp unscale;
   ClipByGlobalNormOp clip;
   for (Operation &op : body) {
@@ -76,12 +149,44 @@ static LogicalResult planStep(StepOp step) {
     if (auto c = dyn_cast<ClipByGlobalNormOp>(op))
       clip = c;
   }
+  if (unscale && unscale.getGrad() != gradState.getResult())
+    return unscale.emitOpError("must take the grad state (the loss-scaled "
+                               "gradient) as its operand");
+  {
+    YieldOp yield = step.getYield();
+    OpBuilder b(ctx);
+    b.setInsertionPointAfter(gradState);
+    Value scaled = scaleByGlobal(b, gradState.getLoc(), gradState.getResult(),
+                                 GlobalKind::grad_scale);
+    Operation *mul = scaled.getDefiningOp();
+    Operation *widen = mul->getOperand(0).getDefiningOp(); // null for f32
+    // After decompose, a narrow grad is only read through arith.extf: those
+    // widenings become the scaled value itself.
+    for (OpOperand &use : llvm::make_early_inc_range(gradState->getUses())) {
+      Operation *owner = use.getOwner();
+      if (owner == mul || owner == widen)
+        continue;
+      if (owner == yield.getOperation() &&
+          use.getOperandNumber() >= yield.getValues().size())
+        continue; // a yield target
+      if (auto ext = dyn_cast<arith::ExtFOp>(owner);
+          ext && ext.getType().isF32()) {
+        ext.replaceAllUsesWith(scaled);
+        ext.erase();
+        continue;
+      }
+      use.set(scaled);
+    }
+  }
+
+  // Global reductions: one sum of squares over the value clipping / the
+  // non-finite check is taken of.
   if (unscale) {
-    OpBuilder b(unscale);
-    Value r = scaleByGlobal(b, unscale.getLoc(), unscale.getGrad(),
-                            GlobalKind::inv_loss_scale);
-    if (!clip) // the non-finite check alone
-      ReduceSumSqOp::create(b, r.getLoc(), r);
+    Value r = unscale.getGrad(); // now g * grad_scale: the division is done
+    if (!clip) { // the non-finite check alone
+      OpBuilder b(unscale);
+      ReduceSumSqOp::create(b, unscale.getLoc(), r);
+    }
     unscale.replaceAllUsesWith(r);
     unscale.erase();
     step->setAttr("zopt.loss_scale", UnitAttr::get(ctx));
@@ -95,6 +200,8 @@ static LogicalResult planStep(StepOp step) {
     clip.replaceAllUsesWith(r);
     clip.erase();
   }
+
+  buildProgram(step, device, stage);
   return success();
 }
 

@@ -17,12 +17,13 @@ import threading
 REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 # ---- abi.h ---------------------------------------------------------------
-ABI_VERSION = 1
-API_VERSION = 1
+ABI_VERSION = 2
+API_VERSION = 2
 MAX_STATES = 12
 MAX_HYPERS = 16
 MAX_COEFFS = 64
 MAX_KERNELS = 16
+MAX_PROGRAM = 16
 NAME_LEN = 64
 
 FLAG_CLIP = 1
@@ -92,7 +93,15 @@ DTYPE_ITEMSIZE = {DType.F32: 4, DType.BF16: 2, DType.F16: 2}
 class StateDesc(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_uint32), ("dtype", ctypes.c_uint32),
                 ("placement", ctypes.c_uint32), ("rounding", ctypes.c_uint32),
-                ("init", ctypes.c_uint32), ("access", ctypes.c_uint32)]
+                ("init", ctypes.c_uint32), ("access", ctypes.c_uint32),
+                ("flags", ctypes.c_uint32), ("reserved", ctypes.c_uint32)]
+
+
+class ProgramOp(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint32), ("state", ctypes.c_uint32),
+                ("range", ctypes.c_uint32), ("dtype", ctypes.c_uint32),
+                ("accum", ctypes.c_uint32), ("src", ctypes.c_uint32),
+                ("dst", ctypes.c_uint32), ("flags", ctypes.c_uint32)]
 
 
 class HyperDesc(ctypes.Structure):
@@ -120,7 +129,9 @@ class StepDescriptor(ctypes.Structure):
                 ("max_norm", ctypes.c_double),
                 ("states", StateDesc * MAX_STATES),
                 ("hypers", HyperDesc * MAX_HYPERS),
-                ("kernels", KernelDesc * MAX_KERNELS)]
+                ("kernels", KernelDesc * MAX_KERNELS),
+                ("num_program", ctypes.c_uint32), ("reserved1", ctypes.c_uint32),
+                ("program", ProgramOp * MAX_PROGRAM)]
 
 
 # ---- zopt.h ----------------------------------------------------------------
@@ -139,7 +150,10 @@ class StepResult(ctypes.Structure):
 
 class MemoryInfo(ctypes.Structure):
     _fields_ = [("bytes_cpu", ctypes.c_uint64), ("bytes_gpu", ctypes.c_uint64),
-                ("num_params", ctypes.c_uint64)]
+                ("num_params", ctypes.c_uint64), ("state_bytes", ctypes.c_uint64),
+                ("state_bytes_one_rank", ctypes.c_uint64),
+                ("scratch_bytes", ctypes.c_uint64), ("world_size", ctypes.c_int32),
+                ("rank", ctypes.c_int32)]
 
 
 class ZoptError(RuntimeError):
@@ -213,9 +227,20 @@ _SIGS = {
                                             ctypes.c_size_t]),
     "zopt_optimizer_save": (_S, [_P, ctypes.c_char_p]),
     "zopt_optimizer_load": (_S, [_P, ctypes.c_char_p]),
+    "zopt_optimizer_load_ex": (_S, [_P, ctypes.c_char_p, ctypes.c_uint32]),
     "zopt_optimizer_memory_info": (_S, [_P, ctypes.POINTER(MemoryInfo)]),
     "zopt_optimizer_set_stream": (_S, [_P, _P]),
     "zopt_optimizer_gpu_result": (_S, [_P, ctypes.POINTER(StepResult)]),
+    "zopt_optimizer_set_comm": (_S, [_P, _P]),
+    "zopt_optimizer_get_world": (_S, [_P, ctypes.POINTER(ctypes.c_int),
+                                      ctypes.POINTER(ctypes.c_int)]),
+    "zopt_optimizer_set_bucket_elems": (_S, [_P, ctypes.c_int64]),
+    "zopt_optimizer_set_grad_divisor": (_S, [_P, ctypes.c_double]),
+    "zopt_optimizer_get_grad_divisor": (_S, [_P, ctypes.POINTER(ctypes.c_double)]),
+    "zopt_optimizer_set_active": (_S, [_P, _P, ctypes.c_int64]),
+    "zopt_optimizer_get_tensor_step": (_S, [_P, ctypes.c_int,
+                                            ctypes.POINTER(ctypes.c_int64)]),
+    "zopt_optimizer_gather_params": (_S, [_P, ctypes.c_int, ctypes.c_int, _P]),
 }
 
 _lib = None

@@ -281,7 +281,7 @@ zopt_status gpu_push(zopt_optimizer *o) {
     double *gl = &globals[gi * ZOPT_NUM_GLOBALS];
     gl[ZOPT_GLOBAL_STEP] = (double)(o->groups[gi].step_count + 1);
     gl[ZOPT_GLOBAL_CLIP_COEF] = 1.0;
-    gl[ZOPT_GLOBAL_INV_LOSS_SCALE] = 1.0 / S;
+    gl[ZOPT_GLOBAL_GRAD_SCALE] = 1.0 / (S * grad_divisor(o));
   }
   zopt_gpu_scaler sc;
   memset(&sc, 0, sizeof sc);
@@ -293,6 +293,7 @@ zopt_status gpu_push(zopt_optimizer *o) {
   sc.growth_interval = o->scaler.cfg.growth_interval;
   sc.good_steps = o->scaler.good_steps;
   sc.dynamic = ls && o->scaler.cfg.dynamic ? 1u : 0u;
+  sc.grad_divisor = grad_divisor(o);
   CUresult r = g->cu->MemcpyHtoDAsync(g->d_globals, globals.data(), globals.size() * 8, g->stream);
   if (!r) r = g->cu->MemcpyHtoDAsync(g->d_scaler, &sc, sizeof sc, g->stream);
   if (!r) r = g->cu->StreamSynchronize(g->stream);

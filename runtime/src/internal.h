@@ -2,6 +2,7 @@
 #ifndef ZOPT_RUNTIME_INTERNAL_H
 #define ZOPT_RUNTIME_INTERNAL_H
 
+#include "zopt/comm.h"
 #include "zopt/zopt.h"
 
 #include <condition_variable>
@@ -43,8 +44,10 @@ uint16_t f32_to_f16(float f);  // round to nearest even, NaN stays NaN
 void convert(const void *src, uint32_t src_dt, void *dst, uint32_t dst_dt,
              int64_t n);
 
-uint64_t fnv1a64(const void *data, size_t n,
-                 uint64_t h = 1469598103934665603ull);
+// FNV-1a 64 (offset basis 14695981039346656037, prime 1099511628211; `h`
+// continues a running hash).
+constexpr uint64_t kFnvBasis = 14695981039346656037ull;
+uint64_t fnv1a64(const void *data, size_t n, uint64_t h = kFnvBasis);
 
 // ---- thread pool --------------------------------------------------------
 // A persistent pool: n-1 worker threads plus the calling thread. run(fn)
@@ -70,6 +73,12 @@ class ThreadPool {
   void *ctx_ = nullptr;
 };
 
+// Runs f(tid) for tid in [0, pool->size()) on the pool.
+template <class F>
+void parallel(ThreadPool *pool, F &&f) {
+  pool->run([](void *c, int tid) { (*(F *)c)(tid); }, (void *)&f);
+}
+
 }  // namespace zopt
 
 // ---- the opaque API types -----------------------------------------------
@@ -94,27 +103,22 @@ struct Tensor {
   void *param;
   void *grad;
   int64_t numel;
-  int64_t offset;  // element offset inside the group's flat buffers
+  int64_t offset;  // GPU steps: element offset inside the group's flat buffers
+  int64_t steps = 0;  // steps this tensor took (torch's per-param `step`)
 };
 
 struct Group {
   std::vector<double> hypers;  // descriptor order
-  int64_t step_count = 0;
+  int64_t step_count = 0;      // steps in which any of its tensors was updated
   std::vector<int> tensors;    // tensor ids in add order
-  int64_t padded_total = 0;    // elements, multiple of align
-  std::vector<void *> buffers; // per descriptor state; null for PARAM/GRAD
-};
-
-// A unit of work: a slice of one tensor with the kernel's state pointers.
-struct Chunk {
-  int group;
-  int tensor;
-  int64_t start;
-  int64_t len;
-  void *ptrs[ZOPT_MAX_STATES];
+  int64_t padded_total = 0;    // GPU steps: elements, multiple of align
+  std::vector<void *> buffers; // GPU steps: per descriptor state; null for PARAM/GRAD
 };
 
 struct GpuState;  // gpu.cpp: the CUDA backend of a GPU step
+namespace exec {
+struct Program;   // exec/exec.h: the step program of a CPU-updated step
+}
 
 struct LossScaler {
   zopt_loss_scaler_config cfg;
@@ -132,29 +136,40 @@ struct zopt_optimizer {
   bool finalized = false;
   int num_threads = 1;
   zopt::LossScaler scaler;
-  // finalize products
-  std::vector<zopt::Chunk> chunks;
-  std::vector<size_t> thread_begin;  // chunk ranges per thread (size T+1)
-  std::vector<double> partials;      // per-chunk sumsq partials
   zopt::ThreadPool *pool = nullptr;
-  std::vector<float> coeffs;         // groups x ZOPT_MAX_COEFFS
   std::unordered_set<const void *> params;  // registered param pointers
   zopt::GpuState *gpu = nullptr;  // set for steps that run on the GPU
   zopt::GpuState *offload = nullptr;  // set for offloaded steps (offload.cpp)
   uint64_t seed = 0;  // stochastic rounding (abi.h)
+  // Ranks: the communicator (NULL until set: world size 1), and what
+  // finalize read of it.
+  zopt_comm *comm = nullptr;
+  int world = 1, rank = 0;
+  int64_t bucket_elems = 0;  // 0: layout::kDefaultBucket
+  double grad_divisor = 0;   // D of GRAD_SCALE = 1/(S*D); 0: the world size
+  // Tensors that have a gradient this step (empty: all); see
+  // zopt_optimizer_set_active.
+  std::vector<uint8_t> active;
+  zopt::exec::Program *prog = nullptr;  // finalize product (CPU-updated steps)
 };
 
 namespace zopt {
 // Index of the descriptor state of `kind`, or -1.
 int state_index(const zopt_step_descriptor *d, uint32_t kind);
 int hyper_index(const zopt_step_descriptor *d, uint32_t kind);
-// Pointer to element 0 of state `si` of tensor `t` (user memory for PARAM
-// and GRAD, the group's flat buffer otherwise). Requires finalize for owned.
+// Pointer to element 0 of state `si` of tensor `t` where this rank holds the
+// whole tensor contiguously: user memory for PARAM and GRAD, an offloaded
+// step's host staging, a GPU step's device buffer, an unsharded runtime
+// buffer. NULL for a state sharded across ranks (exec::runs gives its
+// pieces). Requires finalize for runtime-held states.
 void *state_ptr(const zopt_optimizer *o, int t, int si);
-// Lays out every group's flat buffers: each tensor's segment starts at a
-// multiple of `align` elements and the group total is one too. Sets
-// Tensor::offset and Group::padded_total; returns the largest numel.
+// GPU steps: lays out every group's flat device buffers: each tensor's
+// segment starts at a multiple of `align` elements and the group total is
+// one too. Sets Tensor::offset and Group::padded_total; returns the largest
+// numel.
 int64_t layout_segments(zopt_optimizer *o, int64_t align);
+// The divisor D of the gradient scale 1/(S*D) (abi.h ZOPT_GLOBAL_GRAD_SCALE).
+double grad_divisor(const zopt_optimizer *o);
 // The dynamic loss scaler after a step (PyTorch GradScaler / DeepSpeed):
 // on overflow back off (not below min_scale) and restart the count, else
 // grow after growth_interval good steps. No-op for a static scale.
@@ -198,11 +213,10 @@ bool is_offload_step(const zopt_step *s);
 zopt_status offload_create(zopt_optimizer *o);
 zopt_status offload_check_tensor(const zopt_optimizer *o, void *param, void *grad);
 zopt_status offload_alloc_staging(zopt_optimizer *o, size_t bytes, void **out);
-// Params (at finalize, or when the update reads them) and grads (each step)
-// from the GPU into the staging, then one stream synchronisation.
-zopt_status offload_before_step(zopt_optimizer *o, bool init);
-// The written params back to the GPU, asynchronously on the stream.
-zopt_status offload_after_step(zopt_optimizer *o);
+// Asynchronous copies of state si (PARAM or GRAD) of every tensor between
+// the user's device memory and the host staging (state_ptr); with
+// `sync`, waits for the stream afterwards.
+zopt_status offload_copy_state(zopt_optimizer *o, int si, bool to_device, bool sync);
 // Synchronous copy of the user's device PARAM/GRAD of tensor t.
 zopt_status offload_copy(const zopt_optimizer *o, int t, int si, void *host, size_t bytes, bool to_device);
 zopt_status offload_set_stream(zopt_optimizer *o, void *stream);

@@ -60,6 +60,8 @@ zopt_status validate_fields(const zopt_step_descriptor *d) {
     bool user = s.kind == ZOPT_STATE_PARAM || s.kind == ZOPT_STATE_GRAD;
     if (user != (s.init == ZOPT_INIT_USER))
       return fail(ZOPT_ERR_ABI, "state %u (%s): init %u does not fit the kind", i, state_kind_name(s.kind), s.init);
+    if (s.flags & ~ZOPT_STATE_PARTITIONED || s.reserved)
+      return fail(ZOPT_ERR_ABI, "state %u (%s): unknown flags 0x%x", i, state_kind_name(s.kind), s.flags);
     if (seen_kind[s.kind]++)
       return fail(ZOPT_ERR_ABI, "descriptor has more than one %s state", state_kind_name(s.kind));
   }
@@ -105,6 +107,31 @@ zopt_status validate_fields(const zopt_step_descriptor *d) {
   }
   if ((d->flags & ZOPT_FLAG_SUMSQ) && !nsumsq)
     return fail(ZOPT_ERR_ABI, "descriptor flags SUMSQ but names no SUMSQ kernel");
+  // The step program (abi.h): every field in range; whether the runtime can
+  // run it for this optimizer is decided at finalize.
+  if (d->num_program < 1 || d->num_program > ZOPT_MAX_PROGRAM)
+    return fail(ZOPT_ERR_ABI, "descriptor num_program %u out of range [1, %d]", d->num_program, ZOPT_MAX_PROGRAM);
+  if (d->reserved1) return fail(ZOPT_ERR_ABI, "descriptor reserved field is not 0");
+  for (uint32_t i = 0; i < d->num_program; ++i) {
+    const zopt_program_op &p = d->program[i];
+    auto place_ok = [](uint32_t v) { return v == ZOPT_PLACE_CPU || v == ZOPT_PLACE_GPU; };
+    if (p.code < ZOPT_OP_COPY || p.code > ZOPT_OP_FINISH)
+      return fail(ZOPT_ERR_ABI, "program op %u: code %u out of range", i, p.code);
+    if (p.state >= d->num_states) return fail(ZOPT_ERR_ABI, "program op %u: state %u out of range", i, p.state);
+    if (p.range > ZOPT_RANGE_ALL) return fail(ZOPT_ERR_ABI, "program op %u: range %u out of range", i, p.range);
+    bool needs_range = p.code == ZOPT_OP_NORM_PARTIALS || p.code == ZOPT_OP_UPDATE;
+    if (needs_range != (p.range != 0))
+      return fail(ZOPT_ERR_ABI, "program op %u: range %u does not fit the op", i, p.range);
+    bool moves = p.code == ZOPT_OP_COPY || p.code == ZOPT_OP_REDUCE_SCATTER || p.code == ZOPT_OP_ALL_GATHER;
+    if (moves ? !dtype_size(p.dtype) : p.dtype != 0)
+      return fail(ZOPT_ERR_ABI, "program op %u: dtype %u does not fit the op", i, p.dtype);
+    if ((p.code == ZOPT_OP_REDUCE_SCATTER) != (p.accum != 0) || (p.accum && !dtype_size(p.accum)))
+      return fail(ZOPT_ERR_ABI, "program op %u: accumulation dtype %u does not fit the op", i, p.accum);
+    if (!place_ok(p.src) || !place_ok(p.dst) || ((p.code != ZOPT_OP_COPY) && p.src != p.dst))
+      return fail(ZOPT_ERR_ABI, "program op %u: placements %u -> %u out of range", i, p.src, p.dst);
+    if (p.flags & ~ZOPT_OPF_UNLESS_SKIPPED)
+      return fail(ZOPT_ERR_ABI, "program op %u: unknown flags 0x%x", i, p.flags);
+  }
   return ZOPT_OK;
 }
 

@@ -3,17 +3,18 @@
 // `param : bf16 on gpu`, `master : f32 on cpu` description). See docs/GPU.md
 // "Offloaded steps".
 //
-// The CPU path of optimizer.cpp does the work: PARAM and GRAD are given
-// pinned host staging buffers in the groups' flat layout (state_ptr returns
-// them), so the CPU kernels, the norm reduction, the thread partition and
-// checkpoints are the CPU step's, unchanged. Around it, on the optimizer's
-// stream:
-//   before: grads (and params, if the kernel reads them) device -> staging,
-//           then one stream synchronisation (the CPU needs the bytes);
-//   after:  unless the step was skipped, the written params staging ->
-//           device, asynchronously: the caller's later work on the stream
-//           is ordered after them, and the next step's synchronisation
-//           guarantees they finished before the staging is written again.
+// The CPU step program (exec/) does the work: PARAM and GRAD are given
+// pinned host staging buffers in the full layout (state_ptr returns them),
+// so the CPU kernels, the norm reduction, the collectives, the thread
+// partition and checkpoints are the CPU step's, unchanged. The program's
+// COPY ops (zopt-plan puts them first and last) call offload_copy_state on
+// the optimizer's stream:
+//   first: grads (and params, if the kernel reads them) device -> staging,
+//          then one stream synchronisation (the CPU needs the bytes);
+//   last:  unless the step was skipped, the written params staging ->
+//          device, asynchronously: the caller's later work on the stream
+//          is ordered after them, and the next step's synchronisation
+//          guarantees they finished before the staging is written again.
 #include "gpu_internal.h"
 
 #include <new>
@@ -73,14 +74,14 @@ zopt_status offload_alloc_staging(zopt_optimizer *o, size_t bytes, void **out) {
   return ZOPT_OK;
 }
 
-// Copies state `si` (PARAM or GRAD) of every tensor between the user's
-// device memory and the staging buffers, asynchronously on the stream.
-static zopt_status copy_all(zopt_optimizer *o, int si, bool to_device) {
+zopt_status offload_copy_state(zopt_optimizer *o, int si, bool to_device, bool sync) {
   GpuState *g = o->offload;
+  if (zopt_status st = make_current(g)) return st;
   const size_t es = dtype_size(o->d->states[si].dtype);
   const bool param = o->d->states[si].kind == ZOPT_STATE_PARAM;
   for (size_t t = 0; t < o->tensors.size(); ++t) {
     const Tensor &x = o->tensors[t];
+    if (!x.numel) continue;
     CUdeviceptr dev = (CUdeviceptr)(uintptr_t)(param ? x.param : x.grad);
     void *host = state_ptr(o, (int)t, si);
     size_t bytes = (size_t)x.numel * es;
@@ -90,29 +91,11 @@ static zopt_status copy_all(zopt_optimizer *o, int si, bool to_device) {
       return fail(ZOPT_ERR_INTERNAL, "offload: copying the %s of tensor %zu %s the GPU: %s", param ? "param" : "grad",
                   t, to_device ? "to" : "from", error_string(r));
   }
+  if (sync)
+    if (CUresult r = g->cu->StreamSynchronize(g->stream))
+      return fail(ZOPT_ERR_INTERNAL, "offload: waiting for the copies %s the GPU: %s", to_device ? "to" : "from",
+                  error_string(r));
   return ZOPT_OK;
-}
-
-zopt_status offload_before_step(zopt_optimizer *o, bool init) {
-  GpuState *g = o->offload;
-  if (zopt_status st = make_current(g)) return st;
-  const zopt_step_descriptor *d = o->d;
-  const int pi = o->step->param_index, gi = o->step->grad_index;
-  // At finalize the params are needed to initialize the master; in a step
-  // only when the update reads them (no master). The grads: every step.
-  if (init || (d->states[pi].access & ZOPT_ACCESS_READ))
-    if (zopt_status st = copy_all(o, pi, false)) return st;
-  if (!init)
-    if (zopt_status st = copy_all(o, gi, false)) return st;
-  if (CUresult r = g->cu->StreamSynchronize(g->stream))
-    return fail(ZOPT_ERR_INTERNAL, "offload: waiting for the copies from the GPU: %s", error_string(r));
-  return ZOPT_OK;
-}
-
-zopt_status offload_after_step(zopt_optimizer *o) {
-  const int pi = o->step->param_index;
-  if (!(o->d->states[pi].access & ZOPT_ACCESS_WRITE)) return ZOPT_OK;
-  return copy_all(o, pi, true);
 }
 
 zopt_status offload_copy(const zopt_optimizer *o, int t, int si, void *host, size_t bytes, bool to_device) {
@@ -140,11 +123,6 @@ void offload_free(zopt_optimizer *o) {
   if (g->cu->CtxSetCurrent(g->ctx) == CUDA_SUCCESS) {
     g->cu->StreamSynchronize(g->stream);  // pending param copies read the staging
     for (void *p : g->pinned) g->cu->MemFreeHost(p);
-  }
-  const int pi = o->step->param_index, gi = o->step->grad_index;
-  for (auto &gr : o->groups) {
-    if (pi >= 0 && (size_t)pi < gr.buffers.size()) gr.buffers[pi] = nullptr;
-    if (gi >= 0 && (size_t)gi < gr.buffers.size()) gr.buffers[gi] = nullptr;
   }
   cuda_detach(g);
   delete g;

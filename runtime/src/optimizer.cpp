@@ -1,6 +1,10 @@
-// optimizer.cpp - groups, tensors, flat state buffers, the threaded step,
-// loss scaling, state access and introspection.
+// optimizer.cpp - the optimizer's C API: groups, tensors, hyperparameters,
+// ranks, finalize, the step (exec/ runs CPU-updated steps, gpu.cpp GPU
+// steps), loss scaling, state access and introspection.
 #include "internal.h"
+
+#include "comm/comm_internal.h"
+#include "exec/exec.h"
 
 #include <cmath>
 #include <sys/mman.h>
@@ -11,9 +15,6 @@ using namespace zopt;
 
 namespace {
 
-constexpr int64_t kChunk = 65536;         // elements per work unit (multiple of 64)
-constexpr int64_t kChunkOverhead = 256;   // per-call cost in element-equivalents
-
 int default_threads() {
   if (const char *e = getenv("ZOPT_NUM_THREADS")) {
     int v = atoi(e);
@@ -21,96 +22,6 @@ int default_threads() {
   }
   unsigned n = std::thread::hardware_concurrency();
   return n ? (int)n : 1;
-}
-
-void free_buffers(zopt_optimizer *o) {
-  for (auto &g : o->groups) {
-    for (size_t s = 0; s < g.buffers.size(); ++s) {
-      // An offloaded step's param/grad staging is pinned memory, released
-      // by offload_free.
-      if (!(o->offload && !is_owned_kind(o->d->states[s].kind))) free(g.buffers[s]);
-      g.buffers[s] = nullptr;
-    }
-  }
-}
-
-// Splits the chunk list into contiguous per-thread ranges of ~equal cost.
-void partition(zopt_optimizer *o) {
-  int T = o->num_threads;
-  size_t n = o->chunks.size();
-  double total = 0;
-  for (auto &c : o->chunks) total += (double)(c.len + kChunkOverhead);
-  o->thread_begin.assign(T + 1, n);
-  o->thread_begin[0] = 0;
-  double cum = 0;
-  size_t i = 0;
-  for (int t = 1; t < T; ++t) {
-    double target = total * t / T;
-    while (i < n && cum + 0.5 * (o->chunks[i].len + kChunkOverhead) < target) {
-      cum += (double)(o->chunks[i].len + kChunkOverhead);
-      ++i;
-    }
-    o->thread_begin[t] = i;
-  }
-  o->thread_begin[T] = n;
-}
-
-struct Job {
-  zopt_optimizer *o;
-  int mode;  // 0 init, 1 sumsq, 2 update
-};
-
-void run_job(void *ctx, int tid) {
-  Job *j = (Job *)ctx;
-  zopt_optimizer *o = j->o;
-  const zopt_step_descriptor *d = o->d;
-  size_t b = o->thread_begin[tid], e = o->thread_begin[tid + 1];
-  const float *coeffs = o->coeffs.data();
-  switch (j->mode) {
-    case 0:  // first-touch init of the owned states of every chunk
-      for (size_t i = b; i < e; ++i) {
-        const Chunk &c = o->chunks[i];
-        for (uint32_t s = 0; s < d->num_states; ++s) {
-          const zopt_state_desc &sd = d->states[s];
-          if (!is_owned_kind(sd.kind)) continue;
-          if (sd.init == ZOPT_INIT_FROM_PARAM)
-            convert(c.ptrs[o->step->param_index], d->states[o->step->param_index].dtype, c.ptrs[s], sd.dtype,
-                    c.len);
-          else
-            memset(c.ptrs[s], 0, (size_t)c.len * dtype_size(sd.dtype));
-        }
-      }
-      break;
-    case 1: {
-      zopt_sumsq_fn f = o->step->sumsq;
-      for (size_t i = b; i < e; ++i) {
-        const Chunk &c = o->chunks[i];
-        o->partials[i] = f(c.ptrs, c.len, coeffs + (size_t)c.group * ZOPT_MAX_COEFFS);
-      }
-      break;
-    }
-    case 2: {
-      if (d->flags & ZOPT_FLAG_STOCHASTIC) {
-        // abi.h "Stochastic rounding": the key of (seed, the group's step
-        // being taken, tensor, high half of the chunk's first index).
-        // Chunks start at multiples of kChunk, so none straddles 2^32.
-        zopt_update_sr_fn f = (zopt_update_sr_fn)(void *)o->step->update;
-        for (size_t i = b; i < e; ++i) {
-          const Chunk &c = o->chunks[i];
-          uint64_t t = (uint64_t)o->groups[c.group].step_count + 1;
-          uint32_t key = zopt_sr_key(o->seed, t, (uint32_t)c.tensor, (uint32_t)((uint64_t)c.start >> 32));
-          f(c.ptrs, c.len, coeffs + (size_t)c.group * ZOPT_MAX_COEFFS, key, (uint32_t)c.start);
-        }
-        break;
-      }
-      zopt_update_fn f = o->step->update;
-      for (size_t i = b; i < e; ++i) {
-        const Chunk &c = o->chunks[i];
-        f(c.ptrs, c.len, coeffs + (size_t)c.group * ZOPT_MAX_COEFFS);
-      }
-      break;
-    }
-  }
 }
 
 // Where state si lives in device memory: every state of a GPU step; the
@@ -122,21 +33,6 @@ bool on_device(const zopt_optimizer *o, int si) {
 // Synchronous copy between host memory and a device-resident state.
 zopt_status device_copy(const zopt_optimizer *o, int t, int si, void *host, size_t bytes, bool to_device) {
   return o->gpu ? gpu_copy(o, t, si, host, bytes, to_device) : offload_copy(o, t, si, host, bytes, to_device);
-}
-
-// f32 access to a device state: a storage-dtype staging copy, converted here.
-zopt_status gpu_convert_copy(const zopt_optimizer *o, int t, int si, float *f32, int64_t n, bool to_device) {
-  const uint32_t dt = o->d->states[si].dtype;
-  std::vector<unsigned char> tmp;
-  try {
-    tmp.resize((size_t)n * dtype_size(dt));
-  } catch (...) {
-    return fail(ZOPT_ERR_OUT_OF_MEMORY, "out of host memory for a staging copy");
-  }
-  if (to_device) convert(f32, ZOPT_DTYPE_F32, tmp.data(), dt, n);
-  if (zopt_status st = device_copy(o, t, si, tmp.data(), tmp.size(), to_device)) return st;
-  if (!to_device) convert(tmp.data(), dt, f32, ZOPT_DTYPE_F32, n);
-  return ZOPT_OK;
 }
 
 #define CHECK_OPT(o, fn)                                                     \
@@ -229,14 +125,30 @@ bool is_owned_kind(uint32_t kind) { return kind != ZOPT_STATE_PARAM && kind != Z
 
 void *state_ptr(const zopt_optimizer *o, int t, int si) {
   const Tensor &x = o->tensors[t];
-  uint32_t kind = o->d->states[si].kind;
-  if (!o->offload) {  // offloaded steps stage params and grads in host buffers
+  const uint32_t kind = o->d->states[si].kind;
+  if (o->gpu) {  // a GPU step: the group's flat device buffers
     if (kind == ZOPT_STATE_PARAM) return x.param;
     if (kind == ZOPT_STATE_GRAD) return x.grad;
+    char *b = (char *)o->groups[x.group].buffers[si];
+    return b + (size_t)x.offset * dtype_size(o->d->states[si].dtype);
   }
-  char *b = (char *)o->groups[x.group].buffers[si];
-  return b + (size_t)x.offset * dtype_size(o->d->states[si].dtype);
+  const exec::Program *P = o->prog;
+  if (!P || !P->buf[si]) {  // the user's memory
+    if (kind == ZOPT_STATE_PARAM) return x.param;
+    if (kind == ZOPT_STATE_GRAD) return x.grad;
+    return nullptr;  // not finalized
+  }
+  if (P->sharded[si] && o->world > 1) return nullptr;  // pieces: exec::runs
+  // A full buffer (a sharded one at world size 1 is full): within a group
+  // the buckets are contiguous, so the tensor's segment is too.
+  const layout::Segment &seg = P->L1.tensors[t];
+  char *b = (char *)P->buf[si];
+  if (!seg.numel) return b;
+  const layout::Bucket &k = P->L1.buckets[seg.bucket];
+  return b + (size_t)(k.local_offset + seg.flat - k.begin) * dtype_size(o->d->states[si].dtype);
 }
+
+double grad_divisor(const zopt_optimizer *o) { return o->grad_divisor > 0 ? o->grad_divisor : (double)o->world; }
 
 }  // namespace zopt
 
@@ -277,9 +189,9 @@ ZOPT_API zopt_status zopt_optimizer_create(const zopt_step *step, zopt_optimizer
 ZOPT_API void zopt_optimizer_free(zopt_optimizer *o) {
   if (!o) return;
   delete o->pool;
-  gpu_free(o);      // device buffers first (nulls them)
-  offload_free(o);  // pinned staging (nulls it)
-  free_buffers(o);
+  exec::destroy(o);  // host buffers (not the pinned staging)
+  gpu_free(o);       // device buffers (nulls them)
+  offload_free(o);   // pinned staging
   const zopt_step *s = o->step;
   delete o;
   release_step(s);
@@ -299,7 +211,7 @@ ZOPT_API zopt_status zopt_optimizer_set_num_threads(zopt_optimizer *o, int n) {
     delete o->pool;
     o->pool = p;
     o->num_threads = n;
-    partition(o);
+    exec::repartition(o);
   } else {
     o->num_threads = n;
   }
@@ -364,25 +276,27 @@ ZOPT_API zopt_status zopt_optimizer_add_tensor(zopt_optimizer *o, int group, voi
   if (!tensor_id) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: tensor_id is NULL", fn);
   if (o->finalized) return fail(ZOPT_ERR_BAD_STATE, "%s: optimizer already finalized", fn);
   if (zopt_status st = check_group(o, group, fn)) return st;
-  if (!param || !grad) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: %s pointer is NULL", fn, !param ? "param" : "grad");
-  if (param == grad) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: param and grad are the same memory", fn);
-  if (numel <= 0) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: numel = %lld must be > 0", fn, (long long)numel);
+  if (numel < 0) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: numel = %lld must be >= 0", fn, (long long)numel);
+  // An empty tensor (numel 0, as torch allows) has no memory to check.
+  if (numel > 0 && (!param || !grad))
+    return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: %s pointer is NULL", fn, !param ? "param" : "grad");
+  if (numel > 0 && param == grad) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: param and grad are the same memory", fn);
   if (numel > ((int64_t)1 << 48)) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: numel = %lld too large", fn, (long long)numel);
   uint32_t pdt = o->d->states[o->step->param_index].dtype;
   const uint32_t dt = raw_enum(dtype);
   if (dt != pdt)
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: dtype %s (%u) does not match the step's param dtype %s", fn,
                 dtype_name(dt), dt, dtype_name(pdt));
-  if (o->gpu)
+  if (o->gpu && numel > 0)
     if (zopt_status st = gpu_check_tensor(o, param, grad)) return st;
-  if (o->offload)
+  if (o->offload && numel > 0)
     if (zopt_status st = offload_check_tensor(o, param, grad)) return st;
-  if (o->params.count(param))
+  if (numel > 0 && o->params.count(param))
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: param pointer %p is already registered", fn, param);
   if (o->tensors.size() >= (size_t)0x7fffffff) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: too many tensors", fn);
   try {
-    o->params.insert(param);
-    o->tensors.push_back(Tensor{group, param, grad, numel, 0});
+    if (numel > 0) o->params.insert(param);
+    o->tensors.push_back(Tensor{group, param, grad, numel, 0, 0});
     o->groups[group].tensors.push_back((int)o->tensors.size() - 1);
   } catch (...) {
     return fail(ZOPT_ERR_OUT_OF_MEMORY, "out of memory");
@@ -391,105 +305,96 @@ ZOPT_API zopt_status zopt_optimizer_add_tensor(zopt_optimizer *o, int group, voi
   return ZOPT_OK;
 }
 
+// At world size > 1 every rank must have registered the same step, groups
+// and tensors (a rank that disagrees would run other collectives), and the
+// same param values (ranks that start from different weights drift apart
+// silently): exchanged and compared, naming the ranks that differ.
+static zopt_status check_ranks_agree(zopt_optimizer *o) {
+  uint64_t sig[2];
+  uint64_t h = fnv1a64(&o->d->checksum, sizeof o->d->checksum);
+  int64_t b = o->bucket_elems;
+  h = fnv1a64(&b, sizeof b, h);
+  for (const Tensor &x : o->tensors) {
+    int64_t v[2] = {x.group, x.numel};
+    h = fnv1a64(v, sizeof v, h);
+  }
+  sig[0] = h;
+  // The params as this rank sees them (user memory, or the offload staging).
+  const int pi = o->step->param_index;
+  const size_t es = dtype_size(o->d->states[pi].dtype);
+  // Eight bytes at a time (a pass at memory speed over every param).
+  auto mix = [](const void *p, size_t n, uint64_t h) {
+    const unsigned char *c = (const unsigned char *)p;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      uint64_t w;
+      memcpy(&w, c + i, 8);
+      h = (h ^ w) * 0x100000001B3ull;
+      h ^= h >> 29;
+    }
+    return fnv1a64(c + i, n - i, h);
+  };
+  uint64_t ph = kFnvBasis;
+  for (size_t t = 0; t < o->tensors.size(); ++t) {
+    const Tensor &x = o->tensors[t];
+    if (!x.numel) continue;
+    const void *p = o->offload ? state_ptr(o, (int)t, pi) : x.param;
+    ph = mix(p, (size_t)x.numel * es, ph);
+  }
+  sig[1] = ph;
+  std::vector<uint64_t> all((size_t)o->world * 2);
+  if (zopt_status st = comm_all_gather(o->comm, sig, all.data(), sizeof sig, "FINALIZE layout and param check"))
+    return st;
+  std::string bad_layout, bad_params;
+  for (int q = 0; q < o->world; ++q) {
+    if (all[2 * q] != all[0]) bad_layout += (bad_layout.empty() ? "" : ", ") + std::to_string(q);
+    else if (all[2 * q + 1] != all[1]) bad_params += (bad_params.empty() ? "" : ", ") + std::to_string(q);
+  }
+  if (!bad_layout.empty())
+    return fail(ZOPT_ERR_INVALID_ARGUMENT,
+                "zopt_optimizer_finalize: rank(s) %s registered another step, bucket size, or other groups or "
+                "tensors than rank 0: every rank must register the same tensors in the same order",
+                bad_layout.c_str());
+  if (!bad_params.empty())
+    return fail(ZOPT_ERR_INVALID_ARGUMENT,
+                "zopt_optimizer_finalize: the params of rank(s) %s differ from rank 0's: every rank must start from "
+                "the same weights (seed the model identically or load the same checkpoint on every rank)",
+                bad_params.c_str());
+  return ZOPT_OK;
+}
+
 ZOPT_API zopt_status zopt_optimizer_finalize(zopt_optimizer *o) {
   CHECK_OPT(o, "zopt_optimizer_finalize");
   if (o->finalized) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_finalize: already finalized");
   if (o->tensors.empty()) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_finalize: no tensors were added");
-  const zopt_step_descriptor *d = o->d;
+  o->world = o->comm ? zopt_comm_size(o->comm) : 1;
+  o->rank = o->comm ? zopt_comm_rank(o->comm) : 0;
   if (o->gpu) {
+    if (o->world > 1)
+      return fail(ZOPT_ERR_UNSUPPORTED,
+                  "zopt_optimizer_finalize: step '%s' updates on the GPU, which runs at world size 1 for now "
+                  "(the communicator has %d ranks); ZeRO across GPU ranks is not implemented yet",
+                  o->d->name, o->world);
     if (zopt_status st = gpu_finalize(o)) return st;
     o->finalized = true;
     return ZOPT_OK;
   }
-  const int64_t align = d->align;
+  if (o->world > 4096)
+    return fail(ZOPT_ERR_UNSUPPORTED, "zopt_optimizer_finalize: world size %d > 4096", o->world);
   try {
-    layout_segments(o, align);
-    for (auto &g : o->groups) {
-      if (!g.padded_total) continue;
-      for (uint32_t s = 0; s < d->num_states; ++s) {
-        size_t bytes = (size_t)g.padded_total * dtype_size(d->states[s].dtype);
-        bytes = (bytes + 63) & ~(size_t)63;
-        if (!is_owned_kind(d->states[s].kind)) {
-          if (!o->offload) continue;
-          void *p = nullptr;  // pinned staging of an offloaded param/grad
-          if (zopt_status st = offload_alloc_staging(o, bytes, &p)) {
-            free_buffers(o);
-            return st;
-          }
-          g.buffers[s] = p;
-          continue;
-        }
-        void *p = nullptr;
-        // Large buffers on 2 MiB boundaries, advised as transparent huge
-        // pages: the step streams several of them at once, and with 4 KiB
-        // pages the TLB misses cost bandwidth (where THP is "madvise", the
-        // common default, nothing else gets huge pages).
-        const size_t huge = size_t(2) << 20;
-        const bool big = bytes >= 2 * huge;
-        if (posix_memalign(&p, big ? huge : 64, bytes) != 0 || !p) {
-          free_buffers(o);
-          return fail(ZOPT_ERR_OUT_OF_MEMORY, "zopt_optimizer_finalize: cannot allocate %zu bytes for %s", bytes,
-                      state_kind_name(d->states[s].kind));
-        }
-        if (big) madvise(p, bytes, MADV_HUGEPAGE);  // advice only: failure is harmless
-        g.buffers[s] = p;
-      }
-    }
-    // Work units.
-    o->chunks.clear();
-    for (size_t gi = 0; gi < o->groups.size(); ++gi) {
-      for (int t : o->groups[gi].tensors) {
-        const Tensor &x = o->tensors[t];
-        for (int64_t st = 0; st < x.numel; st += kChunk) {
-          Chunk c;
-          c.group = (int)gi;
-          c.tensor = t;
-          c.start = st;
-          c.len = std::min(kChunk, x.numel - st);
-          memset(c.ptrs, 0, sizeof c.ptrs);
-          for (uint32_t s = 0; s < d->num_states; ++s) {
-            char *base = (char *)state_ptr(o, t, (int)s);
-            c.ptrs[s] = base + (size_t)st * dtype_size(d->states[s].dtype);
-          }
-          o->chunks.push_back(c);
-        }
-      }
-    }
-    o->partials.assign(o->chunks.size(), 0.0);
-    o->coeffs.assign(o->groups.size() * ZOPT_MAX_COEFFS, 0.0f);
     o->pool = new ThreadPool(o->num_threads);
-    partition(o);
   } catch (...) {
-    free_buffers(o);
-    o->chunks.clear();
-    return fail(ZOPT_ERR_OUT_OF_MEMORY, "zopt_optimizer_finalize: out of memory");
+    return fail(ZOPT_ERR_OUT_OF_MEMORY, "zopt_optimizer_finalize: cannot start %d threads", o->num_threads);
   }
-  // Offload: the params from the GPU first (the master is made from them).
-  if (o->offload)
-    if (zopt_status st = offload_before_step(o, true)) {
-      delete o->pool;
-      o->pool = nullptr;
-      free_buffers(o);
-      o->chunks.clear();
-      return st;
-    }
-  // Initialize (first touch by the thread that will update the chunk).
-  Job job{o, 0};
-  o->pool->run(run_job, &job);
-  // Zero the alignment padding between segments.
-  for (auto &g : o->groups) {
-    for (uint32_t s = 0; s < d->num_states; ++s) {
-      if (!is_owned_kind(d->states[s].kind) || !g.buffers[s]) continue;
-      size_t es = dtype_size(d->states[s].dtype);
-      int64_t pos = 0;
-      for (int t : g.tensors) {
-        const Tensor &x = o->tensors[t];
-        if (x.offset > pos) memset((char *)g.buffers[s] + pos * es, 0, (size_t)(x.offset - pos) * es);
-        pos = x.offset + x.numel;
-      }
-      if (g.padded_total > pos) memset((char *)g.buffers[s] + pos * es, 0, (size_t)(g.padded_total - pos) * es);
-    }
-  }
+  auto bail = [&](zopt_status st) {
+    exec::destroy(o);
+    delete o->pool;
+    o->pool = nullptr;
+    return st;
+  };
+  if (zopt_status st = exec::build(o)) return bail(st);
+  if (o->world > 1)
+    if (zopt_status st = check_ranks_agree(o)) return bail(st);
   o->finalized = true;
   return ZOPT_OK;
 }
@@ -532,56 +437,16 @@ ZOPT_API zopt_status zopt_optimizer_get_loss_scale(const zopt_optimizer *o, doub
 ZOPT_API zopt_status zopt_optimizer_step(zopt_optimizer *o, zopt_step_result *result) {
   CHECK_OPT(o, "zopt_optimizer_step");
   if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_step: call zopt_optimizer_finalize first");
-  if (o->gpu) return gpu_step(o, result);
-  if (o->offload)
-    if (zopt_status st = offload_before_step(o, false)) return st;
-  const zopt_step_descriptor *d = o->d;
-  const zopt_step *s = o->step;
-  const bool ls = d->flags & ZOPT_FLAG_LOSS_SCALE;
-  const double S = ls ? o->scaler.scale : 1.0;
-  const double inv_s = 1.0 / S;
-  double hyp[ZOPT_MAX_HYPERS + 1];
-  auto prepare = [&](size_t gi, double clip) {
-    const Group &g = o->groups[gi];
-    double globals[ZOPT_NUM_GLOBALS];
-    globals[ZOPT_GLOBAL_STEP] = (double)(g.step_count + 1);
-    globals[ZOPT_GLOBAL_CLIP_COEF] = clip;
-    globals[ZOPT_GLOBAL_INV_LOSS_SCALE] = inv_s;
-    for (uint32_t h = 0; h < d->num_hypers; ++h) hyp[h] = g.hypers[h];
-    s->prepare(hyp, globals, o->coeffs.data() + gi * ZOPT_MAX_COEFFS);
-  };
-  double norm = NAN, clip = 1.0;
-  if (d->flags & ZOPT_FLAG_SUMSQ) {
-    for (size_t gi = 0; gi < o->groups.size(); ++gi) prepare(gi, 1.0);
-    Job job{o, 1};
-    o->pool->run(run_job, &job);
-    double sum = 0;
-    for (double p : o->partials) sum += p;  // fixed order: independent of threads
-    norm = std::sqrt(sum);
-    if (!std::isfinite(sum)) {
-      if (ls) update_loss_scaler(o, true);
-      if (result) {
-        result->grad_norm = norm;
-        result->skipped = 1;
-        result->loss_scale = S;
-      }
-      return ZOPT_OK;
-    }
-    if (d->flags & ZOPT_FLAG_CLIP) clip = std::min(1.0, d->max_norm / (norm + 1e-6));
+  if (o->gpu) {
+    if (!o->active.empty())
+      for (uint8_t a : o->active)
+        if (!a)
+          return fail(ZOPT_ERR_UNSUPPORTED,
+                      "zopt_optimizer_step: GPU steps update every tensor (a gradient mask with inactive tensors "
+                      "is not supported on the GPU yet)");
+    return gpu_step(o, result);
   }
-  for (size_t gi = 0; gi < o->groups.size(); ++gi) prepare(gi, clip);
-  Job job{o, 2};
-  o->pool->run(run_job, &job);
-  if (o->offload)  // the new params back to the GPU (asynchronous)
-    if (zopt_status st = offload_after_step(o)) return st;
-  for (auto &g : o->groups) g.step_count++;
-  if (ls) update_loss_scaler(o, false);
-  if (result) {
-    result->grad_norm = norm;
-    result->skipped = 0;
-    result->loss_scale = S;
-  }
-  return ZOPT_OK;
+  return exec::run(o, result);
 }
 
 ZOPT_API zopt_status zopt_optimizer_set_seed(zopt_optimizer *o, uint64_t seed) {
@@ -612,9 +477,9 @@ ZOPT_API zopt_status zopt_optimizer_get_step_count(const zopt_optimizer *o, int 
 static zopt_status check_state_access(const zopt_optimizer *o, int tensor, zopt_state_kind kind,
                                       const void *buf, bool raw, uint64_t size, const char *fn,
                                       int *si) {
-  if (!buf) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: %s is NULL", fn, raw ? "buffer" : "array");
   if (zopt_status st = resolve_state(o, tensor, raw_enum(kind), fn, si)) return st;
   uint64_t numel = (uint64_t)o->tensors[tensor].numel;
+  if (!buf && numel) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: %s is NULL", fn, raw ? "buffer" : "array");
   if (!raw && size != numel)
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: numel %lld != tensor's %lld", fn, (long long)size,
                 (long long)numel);
@@ -625,6 +490,43 @@ static zopt_status check_state_access(const zopt_optimizer *o, int tensor, zopt_
   return ZOPT_OK;
 }
 
+// State si of tensor t in its storage dtype, whole: device copies for GPU
+// memory, a copy of host memory, or (a state sharded across ranks) a
+// collective gather: every rank reads.
+static zopt_status read_storage(const zopt_optimizer *o, int t, int si, void *out, size_t bytes) {
+  if (on_device(o, si)) return device_copy(o, t, si, out, bytes, false);
+  if (const void *p = state_ptr(o, t, si)) {
+    if (bytes) memcpy(out, p, bytes);
+    return ZOPT_OK;
+  }
+  void *dst[1] = {out};
+  return exec::gather_state(const_cast<zopt_optimizer *>(o), si, t, 1, dst);
+}
+
+// Writes state si of tensor t from its storage dtype: each rank keeps the
+// elements it holds (no communication).
+static zopt_status write_storage(zopt_optimizer *o, int t, int si, const void *in, size_t bytes) {
+  if (on_device(o, si)) return device_copy(o, t, si, const_cast<void *>(in), bytes, true);
+  if (void *p = state_ptr(o, t, si)) {
+    if (bytes) memmove(p, in, bytes);
+    return ZOPT_OK;
+  }
+  std::vector<exec::Run> runs;
+  exec::runs(o, t, si, &runs);
+  const size_t es = dtype_size(o->d->states[si].dtype);
+  for (const exec::Run &r : runs) memmove(r.ptr, (const char *)in + (size_t)r.start * es, (size_t)r.len * es);
+  return ZOPT_OK;
+}
+
+static zopt_status with_staging(int64_t n, uint32_t dt, std::vector<unsigned char> *tmp) {
+  try {
+    tmp->resize((size_t)n * dtype_size(dt));
+  } catch (...) {
+    return fail(ZOPT_ERR_OUT_OF_MEMORY, "out of host memory for a staging copy of %lld elements", (long long)n);
+  }
+  return ZOPT_OK;
+}
+
 ZOPT_API zopt_status zopt_optimizer_read_state_f32(const zopt_optimizer *o, int tensor, zopt_state_kind kind,
                                                    float *out, int64_t numel) {
   const char *fn = "zopt_optimizer_read_state_f32";
@@ -632,8 +534,12 @@ ZOPT_API zopt_status zopt_optimizer_read_state_f32(const zopt_optimizer *o, int 
   int si;
   if (zopt_status st = check_state_access(o, tensor, kind, out, false, (uint64_t)numel, fn, &si))
     return st;
-  if (on_device(o, si)) return gpu_convert_copy(o, tensor, si, out, numel, false);
-  convert(state_ptr(o, tensor, si), o->d->states[si].dtype, out, ZOPT_DTYPE_F32, numel);
+  const uint32_t dt = o->d->states[si].dtype;
+  if (dt == ZOPT_DTYPE_F32) return read_storage(o, tensor, si, out, (size_t)numel * 4);
+  std::vector<unsigned char> tmp;
+  if (zopt_status st = with_staging(numel, dt, &tmp)) return st;
+  if (zopt_status st = read_storage(o, tensor, si, tmp.data(), tmp.size())) return st;
+  convert(tmp.data(), dt, out, ZOPT_DTYPE_F32, numel);
   return ZOPT_OK;
 }
 
@@ -644,9 +550,12 @@ ZOPT_API zopt_status zopt_optimizer_write_state_f32(zopt_optimizer *o, int tenso
   int si;
   if (zopt_status st = check_state_access(o, tensor, kind, in, false, (uint64_t)numel, fn, &si))
     return st;
-  if (on_device(o, si)) return gpu_convert_copy(o, tensor, si, const_cast<float *>(in), numel, true);
-  convert(in, ZOPT_DTYPE_F32, state_ptr(o, tensor, si), o->d->states[si].dtype, numel);
-  return ZOPT_OK;
+  const uint32_t dt = o->d->states[si].dtype;
+  if (dt == ZOPT_DTYPE_F32) return write_storage(o, tensor, si, in, (size_t)numel * 4);
+  std::vector<unsigned char> tmp;
+  if (zopt_status st = with_staging(numel, dt, &tmp)) return st;
+  convert(in, ZOPT_DTYPE_F32, tmp.data(), dt, numel);
+  return write_storage(o, tensor, si, tmp.data(), tmp.size());
 }
 
 ZOPT_API zopt_status zopt_optimizer_read_state_raw(const zopt_optimizer *o, int tensor, zopt_state_kind kind,
@@ -656,9 +565,7 @@ ZOPT_API zopt_status zopt_optimizer_read_state_raw(const zopt_optimizer *o, int 
   int si;
   if (zopt_status st = check_state_access(o, tensor, kind, out, true, bytes, fn, &si))
     return st;
-  if (on_device(o, si)) return device_copy(o, tensor, si, out, bytes, false);
-  memcpy(out, state_ptr(o, tensor, si), bytes);
-  return ZOPT_OK;
+  return read_storage(o, tensor, si, out, bytes);
 }
 
 ZOPT_API zopt_status zopt_optimizer_write_state_raw(zopt_optimizer *o, int tensor, zopt_state_kind kind,
@@ -668,36 +575,147 @@ ZOPT_API zopt_status zopt_optimizer_write_state_raw(zopt_optimizer *o, int tenso
   int si;
   if (zopt_status st = check_state_access(o, tensor, kind, in, true, bytes, fn, &si))
     return st;
-  if (on_device(o, si)) return device_copy(o, tensor, si, const_cast<void *>(in), bytes, true);
-  memmove(state_ptr(o, tensor, si), in, bytes);
-  return ZOPT_OK;
+  return write_storage(o, tensor, si, in, bytes);
 }
 
 ZOPT_API zopt_status zopt_optimizer_memory_info(const zopt_optimizer *o, zopt_memory_info *info) {
   CHECK_OPT(o, "zopt_optimizer_memory_info");
   if (!info) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_memory_info: info is NULL");
   const zopt_step_descriptor *d = o->d;
-  uint64_t by[3] = {0, 0, 0};
+  memset(info, 0, sizeof *info);
   uint64_t n = 0;
   for (const Tensor &t : o->tensors) n += (uint64_t)t.numel;
+  info->num_params = n;
+  info->world_size = o->world;
+  info->rank = o->rank;
+  // The user's params and grads where they live.
   for (uint32_t s = 0; s < d->num_states; ++s) {
     const zopt_state_desc &sd = d->states[s];
-    uint64_t bytes = 0;
-    if (!is_owned_kind(sd.kind)) {
-      bytes = n * dtype_size(sd.dtype);
-      if (o->offload && o->finalized)  // plus its pinned host staging
-        for (const Group &g : o->groups)
-          if (g.buffers[s]) by[1] += ((uint64_t)g.padded_total * dtype_size(sd.dtype) + 63) & ~(uint64_t)63;
-    } else if (o->finalized) {
-      for (const Group &g : o->groups)
-        if (g.buffers[s]) bytes += ((uint64_t)g.padded_total * dtype_size(sd.dtype) + 63) & ~(uint64_t)63;
-    }
-    by[sd.placement == ZOPT_PLACE_GPU ? 2 : 1] += bytes;
+    if (is_owned_kind(sd.kind)) continue;
+    (sd.placement == ZOPT_PLACE_GPU ? info->bytes_gpu : info->bytes_cpu) += n * dtype_size(sd.dtype);
   }
-  info->bytes_cpu = by[1];
-  info->bytes_gpu = by[2];
-  info->num_params = n;
+  if (!o->finalized) return ZOPT_OK;
+  if (o->gpu) {
+    for (uint32_t s = 0; s < d->num_states; ++s)
+      if (is_owned_kind(d->states[s].kind))
+        for (const Group &g : o->groups)
+          info->state_bytes += ((uint64_t)g.padded_total * dtype_size(d->states[s].dtype) + 63) & ~(uint64_t)63;
+    info->state_bytes_one_rank = info->state_bytes;
+    info->bytes_gpu += info->state_bytes;
+    return ZOPT_OK;
+  }
+  uint64_t scratch = 0;
+  exec::state_bytes(o, &info->state_bytes, &info->state_bytes_one_rank, &scratch);
+  info->scratch_bytes = scratch;
+  info->bytes_cpu += info->state_bytes + scratch;
+  for (uint32_t s = 0; s < d->num_states; ++s)  // an offloaded step's pinned staging
+    if (o->prog->pinned[s]) info->bytes_cpu += o->prog->buf_bytes[s];
   return ZOPT_OK;
+}
+
+// ---- ranks (zopt/comm.h) ---------------------------------------------------
+
+ZOPT_API zopt_status zopt_optimizer_set_comm(zopt_optimizer *o, zopt_comm *comm) {
+  CHECK_OPT(o, "zopt_optimizer_set_comm");
+  if (o->finalized) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_set_comm: the optimizer is already finalized");
+  if (comm) {
+    int r = zopt_comm_rank(comm), w = zopt_comm_size(comm);
+    if (w < 1 || r < 0 || r >= w)
+      return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_set_comm: rank %d / world size %d out of range", r, w);
+    if (zopt_comm_memory(comm) != ZOPT_COMM_MEM_HOST && !o->gpu)
+      return fail(ZOPT_ERR_INVALID_ARGUMENT,
+                  "zopt_optimizer_set_comm: communicator '%s' moves device memory, but step '%s' updates on the CPU: "
+                  "use a host communicator (mpi, loopback, torch gloo)",
+                  zopt_comm_name(comm), o->d->name);
+  }
+  o->comm = comm;
+  return ZOPT_OK;
+}
+
+ZOPT_API zopt_status zopt_optimizer_get_world(const zopt_optimizer *o, int *rank, int *world) {
+  CHECK_OPT(o, "zopt_optimizer_get_world");
+  if (!rank || !world) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_get_world: NULL argument");
+  *world = o->comm ? zopt_comm_size(o->comm) : 1;
+  *rank = o->comm ? zopt_comm_rank(o->comm) : 0;
+  return ZOPT_OK;
+}
+
+ZOPT_API zopt_status zopt_optimizer_set_bucket_elems(zopt_optimizer *o, int64_t elems) {
+  CHECK_OPT(o, "zopt_optimizer_set_bucket_elems");
+  if (o->finalized) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_set_bucket_elems: already finalized");
+  if (elems < 1 || elems > ((int64_t)1 << 40))
+    return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_set_bucket_elems: %lld not in [1, 2^40]", (long long)elems);
+  o->bucket_elems = elems;
+  return ZOPT_OK;
+}
+
+ZOPT_API zopt_status zopt_optimizer_set_grad_divisor(zopt_optimizer *o, double divisor) {
+  CHECK_OPT(o, "zopt_optimizer_set_grad_divisor");
+  if (!(std::isfinite(divisor) && divisor >= 0))
+    return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_set_grad_divisor: %g must be finite and > 0 (0: the world size)",
+                divisor);
+  if (o->gpu && o->finalized)  // the device holds the step counts: refresh before pushing
+    if (zopt_status st = gpu_pull(o)) return st;
+  o->grad_divisor = divisor;
+  if (o->gpu && o->finalized) return gpu_push(o);
+  return ZOPT_OK;
+}
+
+ZOPT_API zopt_status zopt_optimizer_get_grad_divisor(const zopt_optimizer *o, double *divisor) {
+  CHECK_OPT(o, "zopt_optimizer_get_grad_divisor");
+  if (!divisor) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_get_grad_divisor: divisor is NULL");
+  *divisor = grad_divisor(o);
+  return ZOPT_OK;
+}
+
+ZOPT_API zopt_status zopt_optimizer_set_active(zopt_optimizer *o, const uint8_t *active, int64_t n) {
+  CHECK_OPT(o, "zopt_optimizer_set_active");
+  if (!active) {
+    o->active.clear();
+    return ZOPT_OK;
+  }
+  if (n != (int64_t)o->tensors.size())
+    return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_set_active: %lld entries for %zu tensors", (long long)n,
+                o->tensors.size());
+  bool all = true;
+  for (int64_t i = 0; i < n; ++i) {
+    if (active[i] > 1)
+      return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_set_active: entry %lld is %u (0 or 1)", (long long)i,
+                  active[i]);
+    all = all && active[i];
+  }
+  try {
+    if (all) o->active.clear();
+    else o->active.assign(active, active + n);
+  } catch (...) {
+    return fail(ZOPT_ERR_OUT_OF_MEMORY, "out of memory");
+  }
+  return ZOPT_OK;
+}
+
+ZOPT_API zopt_status zopt_optimizer_get_tensor_step(const zopt_optimizer *o, int tensor, int64_t *count) {
+  CHECK_OPT(o, "zopt_optimizer_get_tensor_step");
+  if (!count) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_get_tensor_step: count is NULL");
+  if (zopt_status st = check_tensor(o, tensor, "zopt_optimizer_get_tensor_step")) return st;
+  if (o->gpu) {  // GPU steps count per group on the device
+    if (zopt_status st = gpu_pull(const_cast<zopt_optimizer *>(o))) return st;
+    *count = o->groups[o->tensors[tensor].group].step_count;
+    return ZOPT_OK;
+  }
+  *count = o->tensors[tensor].steps;
+  return ZOPT_OK;
+}
+
+ZOPT_API zopt_status zopt_optimizer_gather_params(zopt_optimizer *o, int first, int count, void *const *dst) {
+  const char *fn = "zopt_optimizer_gather_params";
+  CHECK_OPT(o, "zopt_optimizer_gather_params");
+  if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "%s: call zopt_optimizer_finalize first", fn);
+  if (first < 0 || count < 0 || (size_t)first + (size_t)count > o->tensors.size())
+    return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: tensors [%d, %d + %d) out of range (have %zu)", fn, first, first,
+                count, o->tensors.size());
+  if (o->gpu || o->offload)
+    return fail(ZOPT_ERR_UNSUPPORTED, "%s: the params of step '%s' live on the GPU, whole", fn, o->d->name);
+  return exec::gather_state(o, o->step->param_index, first, count, dst);
 }
 
 }  // extern "C"

@@ -160,7 +160,6 @@ static void run_step(const char *path) {
   /* add_tensor validation */
   zopt_dtype other = pdt == ZOPT_DTYPE_F32 ? ZOPT_DTYPE_BF16 : ZOPT_DTYPE_F32;
   ZT_ERR(zopt_optimizer_add_tensor(o, g0, p[0], g[0], numel[0], other, &tid), ZOPT_ERR_INVALID_ARGUMENT);
-  ZT_ERR(zopt_optimizer_add_tensor(o, g0, p[0], g[0], 0, (zopt_dtype)pdt, &tid), ZOPT_ERR_INVALID_ARGUMENT);
   ZT_ERR(zopt_optimizer_add_tensor(o, g0, p[0], g[0], -5, (zopt_dtype)pdt, &tid), ZOPT_ERR_INVALID_ARGUMENT);
   ZT_ERR(zopt_optimizer_add_tensor(o, 7, p[0], g[0], numel[0], (zopt_dtype)pdt, &tid), ZOPT_ERR_INVALID_ARGUMENT);
   ZT_ERR(zopt_optimizer_add_tensor(o, -1, p[0], g[0], numel[0], (zopt_dtype)pdt, &tid), ZOPT_ERR_INVALID_ARGUMENT);

@@ -65,6 +65,7 @@ int main(int argc, char **argv) {
   expect_load_fails("fx_missingsym", ZOPT_ERR_ABI, "fx_no_such_kernel");
   expect_load_fails("fx_unterminated", ZOPT_ERR_ABI, "NUL");
   expect_load_fails("fx_toomany", ZOPT_ERR_ABI, "num_states");
+  expect_load_fails("fx_badprogram", ZOPT_ERR_ABI, "program op 1: range 7");
 
   /* truncated copy of a real shared library, and a text file */
   {

@@ -1,7 +1,7 @@
 // RUN: zopt-opt %s --convert-zk-to-cpu="isas=avx512" | FileCheck %s
 
 // A store with rounding = 2 (stochastic): the update takes (key, first)
-// after the ABI's three arguments, the element index vector is first + i +
+// after the ABI's four arguments, the element index vector is first + i +
 // iota, and the 16 random bits are fmix32((index * 0x9E3779B1) ^ (key +
 // slot * 0x27D4EB2F)) >> 16 (abi.h), added to the f32 bits before the high
 // halves are kept; NaN keeps the nearest-even quiet form.
@@ -10,7 +10,7 @@ zk.descriptor {name = "t", zero_stage = 0 : i64, align = 1 : i64, flags = 8 : i6
   max_norm = 0.0 : f64, num_coeffs = 1 : i64,
   state_kinds = array<i32: 1, 2>, state_dtypes = array<i32: 2, 2>,
   state_placements = array<i32: 1, 1>, state_roundings = array<i32: 2, 1>,
-  state_inits = array<i32: 1, 1>, state_access = array<i32: 3, 1>,
+  state_inits = array<i32: 1, 1>, state_access = array<i32: 3, 1>, state_flags = array<i32: 0, 0>,
   hyper_kinds = array<i32: 1>, hyper_defaults = array<f64: 0.001>,
   hyper_mins = array<f64: 0.0>, hyper_maxs = array<f64: 1.0>,
   hyper_max_exclusive = array<i32: 0>}
@@ -22,7 +22,7 @@ zk.prepare @t_prepare {
 }
 
 // CHECK-LABEL: func.func @t_update_avx512(
-// CHECK-SAME: %{{.+}}: !llvm.ptr, %{{.+}}: i64, %{{.+}}: !llvm.ptr, %[[KEY:[a-z0-9]+]]: i32, %[[FIRST:[a-z0-9]+]]: i32)
+// CHECK-SAME: %{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr, %{{.+}}: i64, %{{.+}}: !llvm.ptr, %[[KEY:[a-z0-9]+]]: i32, %[[FIRST:[a-z0-9]+]]: i32)
 // CHECK: arith.constant dense<[0, 1, 2, {{.+}}, 31]> : vector<32xi32>
 // CHECK: scf.for
 // CHECK: arith.trunci %{{.+}} : i64 to i32
@@ -47,4 +47,11 @@ zk.kernel @t_update update {
   %d = arith.mulf %lr, %gf : f32
   %p1 = arith.subf %pf, %d : f32
   zk.store 0, %p1 {rounding = 2 : i32} : f32 into bf16
+}
+
+// The step program (made by zopt-plan) becomes the descriptor's table.
+zopt.program for "t" {
+  zopt.prepare on cpu
+  zopt.update owned on cpu
+  zopt.finish on cpu
 }

@@ -1,9 +1,11 @@
 // RUN: zopt-opt %s --convert-zk-to-cpu="isas=avx512,avx2" | FileCheck %s
 // RUN: zopt-opt %s --convert-zk-to-cpu | FileCheck %s --check-prefix=BF16
 
-// One function per kernel and ISA, with the C ABI of abi.h; a vector loop of
-// two registers per iteration for updates (one for sums of squares) and a
-// scalar tail loop; bf16 loads widen by interleaving with zero, bf16 stores
+// One function per kernel and ISA, with the C ABI of abi.h; updates load
+// through the `in` pointer table and store through `out`, a vector loop of
+// two registers per iteration and a scalar tail loop; sums of squares run
+// 32 f64 lanes on every ISA (abi.h's order) with a masked tail; bf16 loads
+// widen by interleaving with zero, bf16 stores
 // round to nearest even in integer arithmetic (add 0x7FFF + lsb, NaN -> set
 // the quiet bit) and keep the high halves with one shuffle; the descriptor
 // becomes the exported zopt_step_descriptor constant.
@@ -12,7 +14,7 @@ zk.descriptor {name = "t", zero_stage = 0 : i64, align = 1 : i64, flags = 4 : i6
   max_norm = 0.0 : f64, num_coeffs = 1 : i64,
   state_kinds = array<i32: 1, 2>, state_dtypes = array<i32: 2, 2>,
   state_placements = array<i32: 1, 1>, state_roundings = array<i32: 1, 1>,
-  state_inits = array<i32: 1, 1>, state_access = array<i32: 3, 1>,
+  state_inits = array<i32: 1, 1>, state_access = array<i32: 3, 1>, state_flags = array<i32: 0, 0>,
   hyper_kinds = array<i32: 1>, hyper_defaults = array<f64: 0.001>,
   hyper_mins = array<f64: 0.0>, hyper_maxs = array<f64: 1.0>,
   hyper_max_exclusive = array<i32: 0>}
@@ -27,8 +29,12 @@ zk.prepare @t_prepare {
   zk.set_coeff 0, %c : f32
 }
 
-// CHECK-LABEL: func.func @t_update_avx512(%{{.+}}: !llvm.ptr, %{{.+}}: i64, %{{.+}}: !llvm.ptr)
+// CHECK-LABEL: func.func @t_update_avx512(
+// CHECK-SAME: %[[IN:[a-z0-9]+]]: !llvm.ptr, %[[OUT:[a-z0-9]+]]: !llvm.ptr, %{{.+}}: i64, %{{.+}}: !llvm.ptr)
 // CHECK-SAME: zopt.isa = "avx512"
+// CHECK: llvm.getelementptr %[[IN]][0]
+// CHECK: llvm.getelementptr %[[IN]][1]
+// CHECK: llvm.getelementptr %[[OUT]][0]
 // CHECK: scf.for %{{.+}} step %c32_i64
 // CHECK: llvm.load %{{.+}} {alignment = 2 : i64} : !llvm.ptr -> vector<32xi16>
 // CHECK: vector.shuffle %{{.+}}, %{{.+}} [32, 0, 32, 1, {{.+}}, 32, 31] : vector<32xi16>, vector<32xi16>
@@ -79,18 +85,23 @@ zk.kernel @t_update update {
   zk.store 0, %p1 : f32 into bf16
 }
 
-// The reduction accumulates x*x in f64 lanes (two registers of f32 values
-// per iteration: four f64 accumulators on AVX-512), then reduces once. The
+// The reduction accumulates x*x in 32 f64 lanes on every ISA (lane l takes
+// elements l, l + 32, ...), the tail is one masked iteration, then the lanes
+// are added in order (no reassociation: LLVM's ordered reduction). The
 // square of a widened f32 is exact, so mul and add may fuse (contract).
 // CHECK-LABEL: func.func @t_sumsq_avx512(%{{.+}}: !llvm.ptr, %{{.+}}: i64, %{{.+}}: !llvm.ptr) -> f64
 // CHECK: scf.for {{.+}} iter_args(%{{.+}} = %{{.+}}) -> (vector<32xf64>)
 // CHECK: arith.extf %{{.+}} : vector<32xf32> to vector<32xf64>
 // CHECK: arith.mulf %{{.+}}, %{{.+}} fastmath<contract> : vector<32xf64>
 // CHECK: arith.addf %{{.+}}, %{{.+}} fastmath<contract> : vector<32xf64>
+// CHECK: scf.if %{{.+}} -> (vector<32xf64>)
+// CHECK: vector.create_mask %{{.+}} : vector<32xi1>
+// CHECK: llvm.intr.masked.load %{{.+}}, %{{.+}}, %{{.+}} {alignment = 2 : i32} : (!llvm.ptr, vector<32xi1>, vector<32xi16>) -> vector<32xi16>
+// CHECK: arith.select %{{.+}}, %{{.+}}, %{{.+}} : vector<32xi1>, vector<32xf64>
 // CHECK: vector.reduction <add>, %{{.+}} : vector<32xf64> into f64
-// CHECK: scf.for {{.+}} -> (f64)
+// CHECK-NOT: fastmath<reassoc
 // CHECK-LABEL: func.func @t_sumsq_avx2(
-// CHECK: -> (vector<16xf64>)
+// CHECK: -> (vector<32xf64>)
 zk.kernel @t_sumsq sumsq {
   %g = zk.load 1 : bf16
   %gf = arith.extf %g : bf16 to f32
@@ -98,3 +109,12 @@ zk.kernel @t_sumsq sumsq {
 }
 
 // CHECK: llvm.mlir.global external constant @zopt_step_descriptor("ZOPTDSC1
+// CHECK-NOT: zopt.program
+
+// The step program (made by zopt-plan) becomes the descriptor's table.
+zopt.program for "t" {
+  zopt.prepare on cpu
+  zopt.update owned on cpu
+  zopt.finish on cpu
+}
+

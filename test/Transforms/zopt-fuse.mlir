@@ -12,6 +12,7 @@
 // CHECK-SAME: name = "adamw_bf16"
 // CHECK-SAME: state_access = array<i32: 2, 1, 3, 3, 3>
 // CHECK-SAME: state_dtypes = array<i32: 2, 2, 1, 1, 1>
+// CHECK-SAME: state_flags = array<i32: 0, 0, 0, 0, 0>
 // CHECK-SAME: state_inits = array<i32: 1, 1, 3, 2, 2>
 // CHECK-SAME: state_kinds = array<i32: 1, 2, 3, 4, 5>
 
@@ -20,6 +21,7 @@
 // CHECK-DAG: zk.hyper 0
 // CHECK-DAG: zk.global 0
 // CHECK-DAG: zk.global 1
+// CHECK-DAG: zk.global 2
 // CHECK-DAG: math.powf %{{.+}}, %{{.+}} : f64
 // CHECK: zk.set_coeff 0,
 
@@ -37,11 +39,17 @@
 // CHECK: zk.store 4, %{{.+}} : f32 into f32
 // CHECK: zk.store 0, %[[W1]] : f32 into bf16
 
+// The sum of squares is over the scaled grad (coefficient: grad_scale).
 // CHECK-LABEL: zk.kernel @adamw_bf16_sumsq sumsq
 // CHECK: %[[G2:.+]] = zk.load 1 : bf16
 // CHECK: %[[GF:.+]] = arith.extf %[[G2]] : bf16 to f32
-// CHECK: zk.accumulate_sumsq %[[GF]] : f32
+// CHECK: %[[GS:.+]] = zk.coeff
+// CHECK: %[[X:.+]] = arith.mulf %[[GF]], %[[GS]] : f32
+// CHECK: zk.accumulate_sumsq %[[X]] : f32
 // CHECK-NOT: zk.store
+
+// The program stays for codegen, which writes it into the descriptor.
+// CHECK: zopt.program for "adamw_bf16"
 zopt.step @adamw_bf16 {
   %p = zopt.state param : bf16 on cpu
   %g = zopt.state grad : bf16 on cpu

@@ -23,7 +23,7 @@
 extern "C" {
 #endif
 
-#define ZOPT_ABI_VERSION 1u
+#define ZOPT_ABI_VERSION 2u
 #define ZOPT_DESC_MAGIC "ZOPTDSC1" /* 8 bytes, no terminator stored */
 #define ZOPT_DESC_SYMBOL "zopt_step_descriptor"
 
@@ -31,6 +31,7 @@ extern "C" {
 #define ZOPT_MAX_HYPERS 16
 #define ZOPT_MAX_COEFFS 64
 #define ZOPT_MAX_KERNELS 16
+#define ZOPT_MAX_PROGRAM 16
 #define ZOPT_NAME_LEN 64
 
 /* Element types of stored state. */
@@ -75,6 +76,13 @@ typedef enum zopt_state_init {
 #define ZOPT_ACCESS_READ 1u
 #define ZOPT_ACCESS_WRITE 2u
 
+/* State flags. PARTITIONED: under ZeRO the state is sharded across the W
+ * ranks (stage >= 1: the optimizer states; stage >= 2 the grad; stage 3 the
+ * param): rank r holds (and updates) only its shards. A partitioned PARAM
+ * (ZeRO-3) is held by the runtime, initialized from the user's param at
+ * finalize and gathered into user memory on request. */
+#define ZOPT_STATE_PARTITIONED 1u
+
 /* Hyperparameter slots of a parameter group. Values are doubles. */
 typedef enum zopt_hyper_kind {
   ZOPT_HYPER_LR = 1,
@@ -91,29 +99,46 @@ typedef enum zopt_hyper_kind {
 typedef enum zopt_global {
   ZOPT_GLOBAL_STEP = 0,           /* the group's 1-based step count t */
   ZOPT_GLOBAL_CLIP_COEF = 1,      /* min(1, max_norm / (norm + 1e-6)) or 1 */
-  ZOPT_GLOBAL_INV_LOSS_SCALE = 2, /* 1 / S, or 1 without loss scaling */
+  ZOPT_GLOBAL_GRAD_SCALE = 2,     /* 1 / (S * D): S the loss scale (1 without
+                                     loss scaling), D the gradient divisor
+                                     (the world size W by default: the
+                                     reduced gradient is the ranks' mean) */
   ZOPT_NUM_GLOBALS = 3,
 } zopt_global;
 
-/* Kernel roles and their C signatures. `states` holds one pointer per
+/* Kernel roles and their C signatures. A pointer table holds one pointer per
  * descriptor state (in descriptor order) to the first element the call
- * covers; `n` elements are processed; pointers need no alignment.
+ * covers (NULL for a state the kernel does not touch); `n` elements are
+ * processed; pointers need no alignment.
  *
  * PREPARE: per group and step, computes in double from the group's
  *   hyperparameters (descriptor order) and the globals the float
  *   coefficients of the elementwise kernels.
  *     void prepare(const double *hypers, const double *globals, float *coeffs);
- * UPDATE: the fused elementwise update, one pass over memory.
- *     void update(void *const *states, int64_t n, const float *coeffs);
+ * UPDATE: the fused elementwise update, one pass over memory. Every state
+ *   the update reads (ZOPT_ACCESS_READ) is loaded through `in`, every state
+ *   it writes (ZOPT_ACCESS_WRITE) is stored through `out`; in place is
+ *   in[s] == out[s]. All loads of an element happen before its stores.
+ *     void update(void *const *in, void *const *out, int64_t n,
+ *                 const float *coeffs);
  *   With ZOPT_FLAG_STOCHASTIC (some bf16 state rounds stochastically) it
  *   takes two more arguments, see "Stochastic rounding" below:
- *     void update(void *const *states, int64_t n, const float *coeffs,
- *                 uint32_t key, uint32_t first);
- * SUMSQ: sum over n elements of x*x in double, where x is the value the
+ *     void update(void *const *in, void *const *out, int64_t n,
+ *                 const float *coeffs, uint32_t key, uint32_t first);
+ * SUMSQ: the sum over n elements of x*x, where x (f32) is the value the
  *   description's global-norm/non-finite check is taken over (after
- *   unscaling). Non-finite inputs make the result non-finite.
+ *   unscaling), in this exact order, on every ISA:
+ *     a[l] = +0.0 for l < ZOPT_SUMSQ_LANES;
+ *     for i = 0 .. n-1:  a[i % ZOPT_SUMSQ_LANES] += (double)x_i * (double)x_i;
+ *     return ((a[0] + a[1]) + a[2]) + ... + a[ZOPT_SUMSQ_LANES - 1];
+ *   (the product is exact in double, so each step rounds once). The result
+ *   depends on the element values and n only, never on the ISA variant:
+ *   with the runtime's fixed blocks (docs/DISTRIBUTED.md) the global norm
+ *   is the same bits on every ISA, thread count and world size.
+ *   Non-finite inputs make the result non-finite.
  *     double sumsq(void *const *states, int64_t n, const float *coeffs);
  */
+#define ZOPT_SUMSQ_LANES 32
 typedef enum zopt_kernel_role {
   ZOPT_KERNEL_PREPARE = 1,
   ZOPT_KERNEL_UPDATE = 2,
@@ -137,13 +162,13 @@ typedef enum zopt_isa {
 
 typedef void (*zopt_prepare_fn)(const double *hypers, const double *globals,
                                 float *coeffs);
-typedef void (*zopt_update_fn)(void *const *states, int64_t n,
-                               const float *coeffs);
+typedef void (*zopt_update_fn)(void *const *in, void *const *out,
+                               int64_t n, const float *coeffs);
 typedef double (*zopt_sumsq_fn)(void *const *states, int64_t n,
                                 const float *coeffs);
-typedef void (*zopt_update_sr_fn)(void *const *states, int64_t n,
-                                  const float *coeffs, uint32_t key,
-                                  uint32_t first);
+typedef void (*zopt_update_sr_fn)(void *const *in, void *const *out,
+                                  int64_t n, const float *coeffs,
+                                  uint32_t key, uint32_t first);
 
 /* Descriptor flags. */
 #define ZOPT_FLAG_CLIP 1u       /* global-norm clipping; max_norm is valid */
@@ -196,6 +221,8 @@ typedef struct zopt_state_desc {
   uint32_t rounding;  /* zopt_rounding of narrowing stores */
   uint32_t init;      /* zopt_state_init */
   uint32_t access;    /* ZOPT_ACCESS_* bits in the UPDATE kernel */
+  uint32_t flags;     /* ZOPT_STATE_* */
+  uint32_t reserved;  /* 0 */
 } zopt_state_desc;
 
 typedef struct zopt_hyper_desc {
@@ -216,6 +243,67 @@ typedef struct zopt_kernel_desc {
   char symbol[ZOPT_NAME_LEN]; /* exported symbol, NUL-terminated */
 } zopt_kernel_desc;
 
+/*===-- The step program --------------------------------------------------===*
+ *
+ * What a step does, in order, on every rank: the plan phase decides it from
+ * the description (ZeRO stage, placements, clipping, loss scaling) and the
+ * runtime executes it as written, at any world size W (docs/DISTRIBUTED.md
+ * defines the layout: per group a flat space of the tensors' segments, cut
+ * into buckets; rank r owns shard r of every bucket). Ops flagged
+ * ZOPT_OPF_UNLESS_SKIPPED do not run on a step that NORM skipped.
+ *
+ *   COPY            state `state` of every tensor from placement `src` to
+ *                   `dst` (offload: user GPU memory <-> pinned host staging)
+ *   REDUCE_SCATTER  state `state` (the grad), per bucket: every rank's
+ *                   values of rank r's shard go to rank r (wire dtype
+ *                   `dtype`), which adds them in `accum` (f32) in rank
+ *                   order, ((g_0 + g_1) + g_2) + ..., rounds to `dtype` and
+ *                   stores the result in its own shard. W = 1: nothing.
+ *   ALL_GATHER      state `state`, per bucket: every rank's shard to every
+ *                   rank (the full tensors in user memory afterwards).
+ *   PREPARE         the coefficient table (per group and step count) with a
+ *                   clip coefficient of 1.
+ *   NORM_PARTIALS   SUMSQ over the fixed norm blocks of `range` (OWNED: this
+ *                   rank's shards, ALL: everything), one partial per block.
+ *   NORM            every rank's partials to every rank, added in block
+ *                   order: norm, clip coefficient, skip (non-finite); with
+ *                   clipping the coefficient table is recomputed with the
+ *                   clip coefficient.
+ *   UPDATE          the UPDATE kernel over `range`.
+ *   FINISH          step counts advance (unless skipped); the loss scaler.
+ *
+ * `src` is where an op runs (and dst = src), except for COPY.
+ */
+typedef enum zopt_op_code {
+  ZOPT_OP_COPY = 1,
+  ZOPT_OP_REDUCE_SCATTER = 2,
+  ZOPT_OP_ALL_GATHER = 3,
+  ZOPT_OP_NORM_PARTIALS = 4,
+  ZOPT_OP_NORM = 5,
+  ZOPT_OP_PREPARE = 6,
+  ZOPT_OP_UPDATE = 7,
+  ZOPT_OP_FINISH = 8,
+} zopt_op_code;
+
+typedef enum zopt_range {
+  ZOPT_RANGE_OWNED = 1, /* this rank's shards (W = 1: everything) */
+  ZOPT_RANGE_ALL = 2,   /* every element, on every rank */
+} zopt_range;
+
+#define ZOPT_OPF_UNLESS_SKIPPED 1u
+
+typedef struct zopt_program_op {
+  uint32_t code;  /* zopt_op_code */
+  uint32_t state; /* descriptor state index (COPY, REDUCE_SCATTER,
+                     ALL_GATHER), else 0 */
+  uint32_t range; /* zopt_range (NORM_PARTIALS, UPDATE), else 0 */
+  uint32_t dtype; /* wire dtype (REDUCE_SCATTER, ALL_GATHER, COPY), else 0 */
+  uint32_t accum; /* REDUCE_SCATTER: the dtype it adds in (F32), else 0 */
+  uint32_t src;   /* zopt_placement: where the op runs; COPY's source */
+  uint32_t dst;   /* COPY's destination; = src otherwise */
+  uint32_t flags; /* ZOPT_OPF_* */
+} zopt_program_op; /* 32 bytes */
+
 typedef struct zopt_step_descriptor {
   char magic[8];        /* ZOPT_DESC_MAGIC */
   uint32_t abi_version; /* ZOPT_ABI_VERSION */
@@ -234,13 +322,18 @@ typedef struct zopt_step_descriptor {
   zopt_state_desc states[ZOPT_MAX_STATES];
   zopt_hyper_desc hypers[ZOPT_MAX_HYPERS];
   zopt_kernel_desc kernels[ZOPT_MAX_KERNELS];
+  uint32_t num_program; /* ops in `program` */
+  uint32_t reserved1;
+  zopt_program_op program[ZOPT_MAX_PROGRAM];
 } zopt_step_descriptor;
 
-/* FNV-1a 64 over the descriptor's bytes with the checksum field read as
- * zero. Writer and reader call this same function. */
+/* FNV-1a 64 (offset basis 14695981039346656037, prime 1099511628211) over
+ * the descriptor's bytes with the checksum field read as zero. Writer and
+ * reader call this same function. (ABI version 1 used a wrong offset basis,
+ * 1469598103934665603.) */
 static inline uint64_t zopt_desc_checksum(const zopt_step_descriptor *d) {
   const unsigned char *p = (const unsigned char *)d;
-  uint64_t h = 1469598103934665603ull;
+  uint64_t h = 14695981039346656037ull;
   const uint64_t off = (uint64_t)((const char *)&d->checksum - (const char *)d);
   for (uint64_t i = 0; i < sizeof(*d); ++i) {
     unsigned char c = (i >= off && i < off + sizeof(d->checksum)) ? 0 : p[i];
@@ -337,7 +430,7 @@ static inline uint64_t zopt_desc_checksum(const zopt_step_descriptor *d) {
  *   updates as zopt_optimizer_configure_loss_scaler documents (skip:
  *   scale = max(scale * backoff, min_scale), good_steps = 0; else after
  *   growth_interval good steps scale *= growth if finite); then every
- *   group's INV_LOSS_SCALE global becomes 1 / sc->scale.
+ *   group's GRAD_SCALE global becomes 1 / (sc->scale * sc->grad_divisor).
  */
 #define ZOPT_GPU_BLOCK 256      /* SUMSQ block size (threads), power of two */
 #define ZOPT_GPU_MAX_BLOCKS 65535
@@ -368,7 +461,8 @@ typedef struct zopt_gpu_scaler {
   double last_scale;      /* FINISH: the S of the step it ran after */
   uint32_t dynamic;       /* 0: static S */
   uint32_t reserved;
-} zopt_gpu_scaler; /* 64 bytes */
+  double grad_divisor;    /* D of ZOPT_GLOBAL_GRAD_SCALE = 1 / (S * D) */
+} zopt_gpu_scaler; /* 72 bytes */
 
 #ifdef __cplusplus
 } /* extern "C" */

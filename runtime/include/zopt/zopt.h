@@ -17,12 +17,15 @@
  * step() itself runs on a persistent pool of zopt_optimizer_set_num_threads
  * threads (default: $ZOPT_NUM_THREADS, else the hardware concurrency).
  *
- * Distribution: this library runs with world size 1 (no ZeRO partitioning
- * across processes yet). The state layout is already partition-ready: per
- * group, each runtime-owned state is one flat 64-byte-aligned buffer in which
- * every tensor's segment starts at a multiple of the descriptor's `align`
- * elements and the total is a multiple of `align`, so a rank's slice is a
- * contiguous view.
+ * Ranks (ZeRO): an optimizer given a communicator (zopt/comm.h,
+ * zopt_optimizer_set_comm) of W ranks runs the step's compiled program on
+ * every rank: gradients are reduced across ranks (their mean by default),
+ * each rank keeps and updates only its shards of the states the ZeRO stage
+ * partitions, the global norm and the skip decision are the same on every
+ * rank, and updated params are gathered (ZeRO-1/2) or stay sharded
+ * (ZeRO-3: zopt_optimizer_gather_params). The result is bit-identical to a
+ * one-rank step on the rank-order sum of the ranks' gradients, at any W.
+ * docs/DISTRIBUTED.md has the layout and the semantics.
  *===----------------------------------------------------------------------===*/
 #ifndef ZOPT_ZOPT_H
 #define ZOPT_ZOPT_H
@@ -36,7 +39,7 @@
 extern "C" {
 #endif
 
-#define ZOPT_API_VERSION 1u
+#define ZOPT_API_VERSION 2u
 
 /* Symbol visibility: the library is built with hidden visibility; only the
  * functions declared here are exported. */
@@ -60,6 +63,7 @@ typedef enum zopt_status {
 
 typedef struct zopt_step zopt_step;
 typedef struct zopt_optimizer zopt_optimizer;
+typedef struct zopt_comm zopt_comm; /* zopt/comm.h */
 
 /* Message of the last failed call on this thread ("" if none). */
 ZOPT_API const char *zopt_last_error(void);
@@ -106,9 +110,10 @@ ZOPT_API zopt_status zopt_optimizer_get_hyper(const zopt_optimizer *opt, int gro
 
 /* Tensor ids count 0, 1, ... over all groups in the order of the calls.
  * Registers a tensor: the user's param and grad memory (host pointers for
- * CPU-placed param/grad), its element count and dtype (must equal the
- * descriptor's param/grad dtype; device pointers for GPU steps). The memory must stay valid. Only before
- * finalize. A param pointer registered twice is an error. */
+ * CPU-placed param/grad, device pointers for GPU-placed ones), its element
+ * count and dtype (must equal the descriptor's param dtype). The memory
+ * must stay valid. Only before finalize. A param pointer registered twice
+ * is an error. An empty tensor (numel 0) may pass NULL pointers. */
 ZOPT_API zopt_status zopt_optimizer_add_tensor(zopt_optimizer *opt, int group,
                                       void *param, void *grad, int64_t numel,
                                       zopt_dtype dtype, int *tensor_id);
@@ -206,7 +211,8 @@ ZOPT_API zopt_status zopt_optimizer_gpu_result(zopt_optimizer *opt, zopt_step_re
 ZOPT_API zopt_status zopt_optimizer_set_seed(zopt_optimizer *opt, uint64_t seed);
 ZOPT_API zopt_status zopt_optimizer_get_seed(const zopt_optimizer *opt, uint64_t *seed);
 
-/* Per-group 1-based count of the steps taken (0 before the first). */
+/* Per group: the steps in which any of the group's tensors was updated (0
+ * before the first). */
 ZOPT_API zopt_status zopt_optimizer_get_step_count(const zopt_optimizer *opt,
                                           int group, int64_t *count);
 
@@ -233,26 +239,82 @@ ZOPT_API zopt_status zopt_optimizer_write_state_raw(zopt_optimizer *opt, int ten
 
 /* ---- checkpoints (docs/CHECKPOINT.md) ---------------------------------- */
 
-/* Both need a finalized optimizer. A checkpoint holds the runtime-owned
- * states (not PARAM/GRAD, which belong to the model's checkpoint), the
- * per-group step counts and hyperparameters and the loss-scaler state;
- * load restores all of them.
- * Writes to path.tmp, fsyncs, then renames to path. */
+/* Both need a finalized optimizer; with several ranks both are collective.
+ * A checkpoint holds the runtime-owned states (not PARAM/GRAD, which belong
+ * to the model's checkpoint), the step counts (per group and per tensor),
+ * the hyperparameters, the loss-scaler state and the stochastic-rounding
+ * seed; load restores all of them. Rank r of W writes the elements it
+ * holds to `path` (rank 0) or `path.<r>-of-<W>`, each through
+ * `<file>.tmp`, fsync and a rename done only when every rank wrote its
+ * file (docs/CHECKPOINT.md). */
 ZOPT_API zopt_status zopt_optimizer_save(const zopt_optimizer *opt, const char *path);
 /* Validates everything before changing anything: on any error the current
- * state is untouched. States saved in another dtype are converted. */
+ * state is untouched (on every rank: the ranks agree before applying).
+ * States saved in another dtype, placement or world size are converted
+ * (a checkpoint saved at W ranks loads at any W). A checkpoint of another
+ * update rule (optimizer states the step lacks, or lacks states the step
+ * has: e.g. AdamW's moments into SGD) is refused unless `flags` has
+ * ZOPT_LOAD_ALLOW_RULE_CHANGE: then missing states start at zero (a
+ * missing master from the params) and extra ones are dropped. */
+#define ZOPT_LOAD_ALLOW_RULE_CHANGE 1u
+ZOPT_API zopt_status zopt_optimizer_load_ex(zopt_optimizer *opt, const char *path, uint32_t flags);
+/* zopt_optimizer_load_ex(opt, path, 0). */
 ZOPT_API zopt_status zopt_optimizer_load(zopt_optimizer *opt, const char *path);
 
 /* ---- introspection ----------------------------------------------------- */
 
 typedef struct zopt_memory_info {
-  uint64_t bytes_cpu; /* optimizer-owned + user param/grad bytes on CPU
-                         (offloaded steps: + the pinned param/grad staging) */
+  uint64_t bytes_cpu; /* runtime-held + user param/grad bytes on the CPU, with
+                         collective scratch and an offloaded step's pinned
+                         param/grad staging */
   uint64_t bytes_gpu;
   uint64_t num_params; /* total elements */
+  uint64_t state_bytes;          /* runtime-owned states this rank holds
+                                    (master, moments; ZeRO-3 params) */
+  uint64_t state_bytes_one_rank; /* the same for one rank holding all */
+  uint64_t scratch_bytes;        /* collective buffers (one bucket) */
+  int32_t world_size, rank;
 } zopt_memory_info;
 ZOPT_API zopt_status zopt_optimizer_memory_info(const zopt_optimizer *opt,
                                        zopt_memory_info *info);
+
+/* ---- ranks (ZeRO; docs/DISTRIBUTED.md) ---------------------------------- */
+
+/* The communicator of this rank (zopt/comm.h); before finalize. NULL (the
+ * default): world size 1. It must outlive the optimizer. Every rank must
+ * register the same groups and tensors in the same order, with the same
+ * param values (checked at finalize, which is collective), and step with
+ * the same hyperparameters, seed and loss scale (checked every step). A
+ * host communicator for CPU-updated steps; GPU steps run at world size 1. */
+ZOPT_API zopt_status zopt_optimizer_set_comm(zopt_optimizer *opt, zopt_comm *comm);
+ZOPT_API zopt_status zopt_optimizer_get_world(const zopt_optimizer *opt, int *rank, int *world);
+/* Elements per bucket of the layout (rounded up to the 32768-element norm
+ * block; default 8388608): the unit of every collective and the size of
+ * the collective scratch. Before finalize. */
+ZOPT_API zopt_status zopt_optimizer_set_bucket_elems(zopt_optimizer *opt, int64_t elems);
+/* The gradient divisor D: the update sees grad / (S * D) (S the loss
+ * scale). 0 (the default) means the world size, so that the reduced
+ * gradient is the mean over ranks, as DDP's; set W * A to also average A
+ * accumulated micro-batches, 1 to sum. Any time. */
+ZOPT_API zopt_status zopt_optimizer_set_grad_divisor(zopt_optimizer *opt, double divisor);
+ZOPT_API zopt_status zopt_optimizer_get_grad_divisor(const zopt_optimizer *opt, double *divisor);
+/* Which tensors have a gradient (active[i] = 1) for the following steps;
+ * NULL: all (the default). A tensor without a gradient on every rank is
+ * left alone entirely, like torch.optim skips a param whose grad is None:
+ * no weight decay, no moment update, its step count does not advance, and
+ * its gradient memory is not read. With several ranks a tensor active on
+ * any rank is updated, the others contributing zeros. */
+ZOPT_API zopt_status zopt_optimizer_set_active(zopt_optimizer *opt, const uint8_t *active, int64_t n);
+/* The steps tensor `tensor` took (torch's per-param state['step']; a
+ * tensor left alone by set_active does not advance). The bias corrections
+ * and stochastic rounding of a tensor use its own count. */
+ZOPT_API zopt_status zopt_optimizer_get_tensor_step(const zopt_optimizer *opt, int tensor, int64_t *count);
+/* The current params of tensors [first, first + count) into dst[i] (NULL
+ * or a NULL entry: the registered param memory). Under ZeRO-3 the params
+ * are held sharded by the runtime and this is a collective: every rank
+ * calls it with the same tensors (e.g. before each forward). Otherwise the
+ * params already are in user memory: a copy. */
+ZOPT_API zopt_status zopt_optimizer_gather_params(zopt_optimizer *opt, int first, int count, void *const *dst);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -10,7 +10,7 @@ zk.descriptor {name = "t", zero_stage = 0 : i64, align = 1 : i64, flags = 5 : i6
   max_norm = 1.0 : f64, num_coeffs = 2 : i64,
   state_kinds = array<i32: 1, 2>, state_dtypes = array<i32: 2, 2>,
   state_placements = array<i32: 2, 2>, state_roundings = array<i32: 1, 1>,
-  state_inits = array<i32: 1, 1>, state_access = array<i32: 3, 1>,
+  state_inits = array<i32: 1, 1>, state_access = array<i32: 3, 1>, state_flags = array<i32: 0, 0>,
   hyper_kinds = array<i32: 1>, hyper_defaults = array<f64: 0.001>,
   hyper_mins = array<f64: 0.0>, hyper_maxs = array<f64: 1.0>,
   hyper_max_exclusive = array<i32: 0>}
@@ -86,6 +86,14 @@ zk.kernel @t_sumsq sumsq {
 // CHECK-NOT: func.func @t_update
 // CHECK: llvm.mlir.global external constant @zopt_step_descriptor
 
+zopt.program for "t" {
+  zopt.prepare on gpu
+  zopt.norm_partials all on gpu
+  zopt.norm
+  zopt.update all on gpu
+  zopt.finish on gpu
+}
+
 // -----
 
 // A CPU step is left to convert-zk-to-cpu: no gpu.module.
@@ -93,7 +101,7 @@ zk.descriptor {name = "c", zero_stage = 0 : i64, align = 1 : i64, flags = 0 : i6
   max_norm = 0.0 : f64, num_coeffs = 1 : i64,
   state_kinds = array<i32: 1, 2>, state_dtypes = array<i32: 1, 1>,
   state_placements = array<i32: 1, 1>, state_roundings = array<i32: 1, 1>,
-  state_inits = array<i32: 1, 1>, state_access = array<i32: 3, 1>,
+  state_inits = array<i32: 1, 1>, state_access = array<i32: 3, 1>, state_flags = array<i32: 0, 0>,
   hyper_kinds = array<i32: 1>, hyper_defaults = array<f64: 0.001>,
   hyper_mins = array<f64: 0.0>, hyper_maxs = array<f64: 1.0>,
   hyper_max_exclusive = array<i32: 0>}
@@ -112,4 +120,10 @@ zk.kernel @c_update update {
   %d = arith.mulf %lr, %g : f32
   %p1 = arith.subf %p, %d : f32
   zk.store 0, %p1 : f32 into f32
+}
+
+zopt.program for "c" {
+  zopt.prepare on cpu
+  zopt.update all on cpu
+  zopt.finish on cpu
 }

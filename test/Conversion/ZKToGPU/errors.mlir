@@ -7,7 +7,7 @@ zk.descriptor {name = "e", zero_stage = 0 : i64, align = 1 : i64, flags = 0 : i6
   max_norm = 0.0 : f64, num_coeffs = 1 : i64,
   state_kinds = array<i32: 1, 2>, state_dtypes = array<i32: 1, 1>,
   state_placements = array<i32: 2, 2>, state_roundings = array<i32: 1, 1>,
-  state_inits = array<i32: 1, 1>, state_access = array<i32: 3, 1>,
+  state_inits = array<i32: 1, 1>, state_access = array<i32: 3, 1>, state_flags = array<i32: 0, 0>,
   hyper_kinds = array<i32: 1>, hyper_defaults = array<f64: 0.001>,
   hyper_mins = array<f64: 0.0>, hyper_maxs = array<f64: 1.0>,
   hyper_max_exclusive = array<i32: 0>}

@@ -90,6 +90,7 @@ void report(bool ok, const char *fmt, ...) {
 //===----------------------------------------------------------------------===//
 
 uint32_t f32Bits(float f) { uint32_t b; std::memcpy(&b, &f, 4); return b; }
+uint64_t f64Bits(double f) { uint64_t b; std::memcpy(&b, &f, 8); return b; }
 float bitsF32(uint32_t b) { float f; std::memcpy(&f, &b, 4); return f; }
 
 double decodeBf16(uint16_t h) { return bitsF32(uint32_t(h) << 16); }
@@ -609,9 +610,32 @@ void checkUpdate(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n, cons
     }
   }
   std::vector<Buf> before = bufs;
+  // Out of place first (abi.h: loads through `in`, stores through `out`):
+  // the written states go to separate buffers; every input stays as it was.
+  std::vector<Buf> outBufs = bufs;
+  std::vector<void *> inPtrs, outPtrs;
+  for (uint32_t i = 0; i < d->num_states; ++i) {
+    inPtrs.push_back(bufs[i].ptr());
+    if (d->states[i].access & ZOPT_ACCESS_WRITE)
+      for (size_t e = 0; e < n; ++e)
+        outBufs[i].setBits(e, d->states[i].dtype == ZOPT_DTYPE_F32 ? 0xFFFFFFFFu : 0xFFFFu);
+    outPtrs.push_back((d->states[i].access & ZOPT_ACCESS_WRITE) ? outBufs[i].ptr() : nullptr);
+  }
+  fn(inPtrs.data(), outPtrs.data(), int64_t(n), co.data());
+  size_t inChanged = 0;
+  for (uint32_t i = 0; i < d->num_states; ++i)
+    for (size_t e = 0; e < n; ++e) inChanged += bufs[i].bits(e) != before[i].bits(e);
+  // Then in place; the results must be the same bits.
   std::vector<void *> ptrs;
   for (auto &b : bufs) ptrs.push_back(b.ptr());
-  fn(ptrs.data(), int64_t(n), co.data());
+  fn(ptrs.data(), ptrs.data(), int64_t(n), co.data());
+  size_t placeDiff = 0;
+  for (uint32_t i = 0; i < d->num_states; ++i)
+    if (d->states[i].access & ZOPT_ACCESS_WRITE)
+      for (size_t e = 0; e < n; ++e) placeDiff += bufs[i].bits(e) != outBufs[i].bits(e);
+  report(inChanged == 0 && placeDiff == 0,
+         "update[%s] n=%zu out of place: %zu input elements changed, %zu outputs differ from "
+         "the in-place run", isaName(isa), n, inChanged, placeDiff);
 
   bool hasBuf = st.idx[ZOPT_STATE_MOMENTUM_BUFFER] >= 0;
   size_t bad = 0, offByOne = 0, ambiguous = 0;
@@ -730,6 +754,17 @@ void checkSumsq(const Step &st, uint32_t isa, zopt_sumsq_fn fn, size_t n, uint64
   std::vector<void *> ptrs;
   for (auto &b : bufs) ptrs.push_back(b.ptr());
   double got = fn(ptrs.data(), int64_t(n), co.data());
+  // abi.h's exact order: ZOPT_SUMSQ_LANES lane sums, then the lanes in order.
+  double lane[ZOPT_SUMSQ_LANES] = {0};
+  for (size_t e = 0; e < n; ++e) {
+    double x = double(float(g.value(e) * c.invLossScale));
+    lane[e % ZOPT_SUMSQ_LANES] += x * x;
+  }
+  double canon = lane[0];
+  for (int l = 1; l < ZOPT_SUMSQ_LANES; ++l) canon += lane[l];
+  report(f64Bits(got) == f64Bits(canon),
+         "sumsq[%s] n=%zu: the order of abi.h (%d lanes): got %.17g canonical %.17g",
+         isaName(isa), n, ZOPT_SUMSQ_LANES, got, canon);
   double ref = double(sum);
   double tol = double(n > 1 ? n - 1 : 0) * std::ldexp(1.0, -53) * ref * 1.01 +
                double(n) * std::ldexp(1.0, -63) * ref;
@@ -827,7 +862,7 @@ void checkRne(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n) {
   for (size_t e = 0; e < n; ++e) masterIn[e] = bufs[im].bits(e);
   std::vector<void *> ptrs;
   for (auto &b : bufs) ptrs.push_back(b.ptr());
-  fn(ptrs.data(), int64_t(n), co.data());
+  fn(ptrs.data(), ptrs.data(), int64_t(n), co.data());
   size_t bad = 0, nanPayloadChanged = 0;
   std::string first;
   for (size_t e = 0; e < n; ++e) {

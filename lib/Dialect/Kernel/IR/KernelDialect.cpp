@@ -28,7 +28,7 @@ LogicalResult DescriptorOp::verify() {
   size_t n = getStateKinds().size();
   if (getStateDtypes().size() != n || getStatePlacements().size() != n ||
       getStateRoundings().size() != n || getStateInits().size() != n ||
-      getStateAccess().size() != n)
+      getStateAccess().size() != n || getStateFlags().size() != n)
     return emitOpError("state arrays must all have the same length");
   if (n > ZOPT_MAX_STATES)
     return emitOpError("at most ") << ZOPT_MAX_STATES << " states";

@@ -39,7 +39,8 @@ def ZK_DescriptorOp : ZK_Op<"descriptor", []> {
   let summary = "what the runtime must know about the compiled step";
   let description = [{
     Codes follow runtime/include/zopt/abi.h: per state kind, dtype,
-    placement, rounding, init and access bits; per hyper slot kind, default,
+    placement, rounding, init, access bits and flags (partitioned under
+    ZeRO); per hyper slot kind, default,
     min, max and exclusivity of max.
     ```mlir
     zk.descriptor {name = "adamw", zero_stage = 0 : i64, align = 16 : i64,
@@ -53,6 +54,7 @@ def ZK_DescriptorOp : ZK_Op<"descriptor", []> {
                    DenseI32ArrayAttr:$state_placements,
                    DenseI32ArrayAttr:$state_roundings,
                    DenseI32ArrayAttr:$state_inits, DenseI32ArrayAttr:$state_access,
+                   DenseI32ArrayAttr:$state_flags,
                    DenseI32ArrayAttr:$hyper_kinds, DenseF64ArrayAttr:$hyper_defaults,
                    DenseF64ArrayAttr:$hyper_mins, DenseF64ArrayAttr:$hyper_maxs,
                    DenseI32ArrayAttr:$hyper_max_exclusive);

@@ -96,8 +96,10 @@ def Zopt_HyperOp : Zopt_Op<"hyper", [Pure]> {
 def Zopt_GlobalOp : Zopt_Op<"global", [Pure]> {
   let summary = "a step-level runtime scalar computed by the runtime";
   let description = [{
-    Introduced by the compiler: `step` (the group's 1-based step count),
-    `clip_coef` (global-norm clip coefficient), `inv_loss_scale` (1/S).
+    Introduced by the compiler: `step` (the 1-based step count),
+    `clip_coef` (global-norm clip coefficient), `grad_scale` (1/(S*D): S
+    the loss scale, D the gradient divisor, by default the world size, so
+    that the reduced gradient is the ranks' mean).
 
     ```mlir
     %t = zopt.global step
@@ -322,6 +324,136 @@ def Zopt_AdamOp : Zopt_Op<"adam", [Pure]> {
     `,` $eps `,` $weight_decay attr-dict `:` type($param) `,` type($grad) `,`
     type($exp_avg) `,` type($exp_avg_sq)
   }];
+}
+
+//===----------------------------------------------------------------------===//
+// The step program (made by the plan phase)
+//===----------------------------------------------------------------------===//
+
+def Zopt_ProgramOp : Zopt_Op<"program", [IsolatedFromAbove, SingleBlock,
+                                         NoTerminator]> {
+  let summary = "what one step does on every rank, in order";
+  let description = [{
+    Made by the plan phase from the step's ZeRO stage, placements, clipping
+    and loss scaling: the collectives, norm, update and copies one step runs,
+    in the order every rank runs them (abi.h "The step program"). Shapes and
+    the world size are run-time values; the runtime instantiates the program
+    at finalize and executes it as written.
+
+    ```mlir
+    zopt.program for "adamw" {
+      zopt.reduce_scatter grad : bf16 accumulate f32
+      zopt.prepare on cpu
+      zopt.norm_partials owned on cpu
+      zopt.norm
+      zopt.update owned on cpu
+      zopt.all_gather param : bf16 unless_skipped
+      zopt.finish on cpu
+    }
+    ```
+  }];
+  let arguments = (ins StrAttr:$step);
+  let regions = (region SizedRegion<1>:$body);
+  let assemblyFormat = "`for` $step attr-dict-with-keyword $body";
+  let hasRegionVerifier = 1;
+}
+
+class Zopt_ProgramStep<string mnemonic, list<Trait> traits = []>
+    : Zopt_Op<mnemonic, !listconcat(traits, [HasParent<"ProgramOp">])>;
+
+def Zopt_CopyOp : Zopt_ProgramStep<"copy"> {
+  let summary = "copies a state of every tensor between placements";
+  let description = [{
+    Offloaded steps: the grads (and params the update reads) from the GPU
+    into pinned host staging before the update, the new params back after.
+    ```mlir
+    zopt.copy grad : bf16 from gpu to cpu
+    zopt.copy param : bf16 from cpu to gpu unless_skipped
+    ```
+  }];
+  let arguments = (ins Zopt_StateKindAttr:$state, TypeAttr:$type,
+                   Zopt_PlacementAttr:$src, Zopt_PlacementAttr:$dst,
+                   UnitAttr:$unless_skipped);
+  let assemblyFormat = [{
+    `` $state `:` $type `from` `` $src `to` `` $dst (`unless_skipped` $unless_skipped^)? attr-dict
+  }];
+}
+
+def Zopt_ReduceScatterOp : Zopt_ProgramStep<"reduce_scatter"> {
+  let summary = "adds every rank's values of each shard into its owner, in rank order";
+  let description = [{
+    Per bucket, every rank sends rank r its values of shard r (as `type`);
+    rank r adds the W pieces in `accumulate` in rank order and stores the
+    rounded sum into its shard. At world size 1 it does nothing.
+    ```mlir
+    zopt.reduce_scatter grad : bf16 accumulate f32
+    ```
+  }];
+  let arguments = (ins Zopt_StateKindAttr:$state, TypeAttr:$type,
+                   TypeAttr:$accumulate);
+  let assemblyFormat = "`` $state `:` $type `accumulate` $accumulate attr-dict";
+}
+
+def Zopt_AllGatherOp : Zopt_ProgramStep<"all_gather"> {
+  let summary = "every rank's shards of a state to every rank";
+  let description = [{
+    ```mlir
+    zopt.all_gather param : bf16 unless_skipped
+    ```
+  }];
+  let arguments = (ins Zopt_StateKindAttr:$state, TypeAttr:$type,
+                   UnitAttr:$unless_skipped);
+  let assemblyFormat = [{
+    `` $state `:` $type (`unless_skipped` $unless_skipped^)? attr-dict
+  }];
+}
+
+def Zopt_NormPartialsOp : Zopt_ProgramStep<"norm_partials"> {
+  let summary = "sum-of-squares partials of the fixed norm blocks";
+  let description = [{
+    One partial per norm block of `range` (`owned`: this rank's shards;
+    `all`: every element), computed by the sumsq kernel.
+    ```mlir
+    zopt.norm_partials owned on cpu
+    ```
+  }];
+  let arguments = (ins Zopt_RangeAttr:$range, Zopt_PlacementAttr:$on);
+  let assemblyFormat = "`` $range `on` `` $on attr-dict";
+}
+
+def Zopt_NormOp : Zopt_ProgramStep<"norm"> {
+  let summary = "the global norm, clip coefficient and skip decision";
+  let description = [{
+    Every rank's partials to every rank, added in block order (independent
+    of the world size, thread count and ISA): every rank takes the same
+    decision. With clipping, the coefficient table is recomputed with the
+    clip coefficient.
+    ```mlir
+    zopt.norm
+    ```
+  }];
+  let assemblyFormat = "attr-dict";
+}
+
+def Zopt_PrepareOp : Zopt_ProgramStep<"prepare"> {
+  let summary = "computes the per-group coefficient table (clip coefficient 1)";
+  let description = "```mlir\nzopt.prepare on cpu\n```";
+  let arguments = (ins Zopt_PlacementAttr:$on);
+  let assemblyFormat = "`on` `` $on attr-dict";
+}
+
+def Zopt_UpdateOp : Zopt_ProgramStep<"update"> {
+  let summary = "runs the fused update over `range`";
+  let description = "```mlir\nzopt.update owned on cpu\n```";
+  let arguments = (ins Zopt_RangeAttr:$range, Zopt_PlacementAttr:$on);
+  let assemblyFormat = "`` $range `on` `` $on attr-dict";
+}
+
+def Zopt_FinishOp : Zopt_ProgramStep<"finish"> {
+  let summary = "advances the step counts and the loss scaler";
+  let description = "```mlir\nzopt.finish on cpu\n```";
+  let arguments = (ins Zopt_PlacementAttr:$on);
+  let assemblyFormat = "`on` `` $on attr-dict";
 }
 
 #endif

@@ -1,0 +1,811 @@
+// exec/exec.cpp - builds and runs the step program of a CPU-updated step
+// (exec.h). docs/DISTRIBUTED.md describes the layout and the collectives.
+#include "exec/exec.h"
+
+#include "comm/comm_internal.h"
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <new>
+
+namespace zopt {
+namespace exec {
+
+using layout::kNormBlock;
+using layout::Layout;
+using layout::Piece;
+
+namespace {
+
+constexpr int64_t kChunk = 65536;        // elements per update work unit
+constexpr int64_t kChunkOverhead = 256;  // per-call cost in element-equivalents
+constexpr int64_t k2to32 = int64_t(1) << 32;
+
+const char *op_name(uint32_t code) {
+  switch (code) {
+    case ZOPT_OP_COPY: return "COPY";
+    case ZOPT_OP_REDUCE_SCATTER: return "REDUCE_SCATTER";
+    case ZOPT_OP_ALL_GATHER: return "ALL_GATHER";
+    case ZOPT_OP_NORM_PARTIALS: return "NORM_PARTIALS";
+    case ZOPT_OP_NORM: return "NORM";
+    case ZOPT_OP_PREPARE: return "PREPARE";
+    case ZOPT_OP_UPDATE: return "UPDATE";
+    case ZOPT_OP_FINISH: return "FINISH";
+  }
+  return "?";
+}
+
+size_t es_of(const zopt_optimizer *o, int si) { return dtype_size(o->d->states[si].dtype); }
+
+// Element `start` of tensor t's full view of state si (user memory, offload
+// staging or a full runtime buffer).
+char *view(const zopt_optimizer *o, int si, int t, int64_t start) {
+  return (char *)state_ptr(o, t, si) + (size_t)start * es_of(o, si);
+}
+
+// The address of the element at flat offset `flat` of bucket b (tensor t,
+// element `start`) in state si, on this rank. For a sharded buffer the
+// element must lie in this rank's shard.
+void *addr(const zopt_optimizer *o, int si, int b, int t, int64_t start, int64_t flat) {
+  const Program &P = *o->prog;
+  if (P.buf[si] && P.sharded[si])
+    return (char *)P.buf[si] + (size_t)P.L.local_index(b, o->rank, flat) * es_of(o, si);
+  return view(o, si, t, start);
+}
+
+bool active(const Program &P, int t) { return P.global_active.empty() || P.global_active[t]; }
+
+// Element `start` of tensor t's param as the user gave it (offload: its
+// host staging copy), whatever the runtime holds.
+const void *user_param(const zopt_optimizer *o, int t, int64_t start) {
+  const int pi = o->step->param_index;
+  if (o->offload) return view(o, pi, t, start);
+  return (const char *)o->tensors[t].param + (size_t)start * es_of(o, pi);
+}
+
+// Splits a chunk list into contiguous per-thread ranges of ~equal cost.
+void partition(Work &w, int T) {
+  size_t n = w.chunks.size();
+  double total = 0;
+  for (auto &c : w.chunks) total += (double)(c.len + kChunkOverhead);
+  w.thread_begin.assign(T + 1, n);
+  w.thread_begin[0] = 0;
+  double cum = 0;
+  size_t i = 0;
+  for (int t = 1; t < T; ++t) {
+    double target = total * t / T;
+    while (i < n && cum + 0.5 * (w.chunks[i].len + kChunkOverhead) < target) {
+      cum += (double)(w.chunks[i].len + kChunkOverhead);
+      ++i;
+    }
+    w.thread_begin[t] = i;
+  }
+  w.thread_begin[T] = n;
+}
+
+// The chunk of tensor piece `p` of bucket b, elements [off, off + len) of it.
+Chunk make_chunk(const zopt_optimizer *o, int b, const Piece &p, int64_t off, int64_t len) {
+  Chunk c;
+  c.tensor = p.tensor;
+  c.group = o->tensors[p.tensor].group;
+  c.start = p.start + off;
+  c.len = len;
+  for (uint32_t s = 0; s < ZOPT_MAX_STATES; ++s) c.ptrs[s] = nullptr;
+  for (uint32_t s = 0; s < o->d->num_states; ++s) {
+    const Program &P = *o->prog;
+    // A sharded state has no element outside this rank's shards (range ALL
+    // is refused for such programs at build).
+    c.ptrs[s] = addr(o, (int)s, b, p.tensor, c.start, p.flat + off);
+    (void)P;
+  }
+  return c;
+}
+
+// The flat range of bucket b a range covers on this rank.
+void range_of(const zopt_optimizer *o, int range, int b, int64_t *a, int64_t *e) {
+  const Program &P = *o->prog;
+  if (range == ZOPT_RANGE_OWNED) {
+    P.L.shard_range(b, o->rank, a, e);
+  } else {
+    *a = P.L.buckets[b].begin;
+    *e = *a + P.L.buckets[b].len;
+  }
+}
+
+void build_update_work(zopt_optimizer *o, Work &w, int range) {
+  const Program &P = *o->prog;
+  w.chunks.clear();
+  for (int b = 0; b < (int)P.L.buckets.size(); ++b) {
+    int64_t a, e;
+    range_of(o, range, b, &a, &e);
+    for (const Piece &p : P.L.pieces(P.L.buckets[b].group, a, e)) {
+      // Work units of at most kChunk elements that never straddle a
+      // multiple of 2^32 of the tensor (stochastic rounding's index_hi).
+      for (int64_t off = 0; off < p.len;) {
+        int64_t at = p.start + off;
+        int64_t lim = std::min(p.len - off, kChunk);
+        lim = std::min(lim, (at / k2to32 + 1) * k2to32 - at);
+        w.chunks.push_back(make_chunk(o, b, p, off, lim));
+        off += lim;
+      }
+    }
+  }
+  partition(w, o->num_threads);
+  w.built = true;
+}
+
+// The norm blocks of a range: OWNED, this rank's blocks of every bucket
+// (shard / kNormBlock each); ALL, every block of every bucket at W = 1.
+// Blocks are listed in this rank's partials order (bucket, block).
+void build_blocks(zopt_optimizer *o, Blocks &B, int range) {
+  const Program &P = *o->prog;
+  const Layout &L = range == ZOPT_RANGE_OWNED ? P.L : P.L1;
+  const int r = range == ZOPT_RANGE_OWNED ? o->rank : 0;
+  B.sumsq.chunks.clear();
+  B.first.clear();
+  for (int b = 0; b < (int)L.buckets.size(); ++b) {
+    const layout::Bucket &k = L.buckets[b];
+    int64_t nb = k.shard / kNormBlock;
+    for (int64_t j = 0; j < nb; ++j) {
+      B.first.push_back(B.sumsq.chunks.size());
+      int64_t a = k.begin + (int64_t)r * k.shard + j * kNormBlock;
+      int64_t e = std::min(a + kNormBlock, k.begin + k.len);
+      for (const Piece &p : L.pieces(k.group, a, e)) B.sumsq.chunks.push_back(make_chunk(o, b, p, 0, p.len));
+    }
+  }
+  B.first.push_back(B.sumsq.chunks.size());
+  B.chunk_partials.assign(B.sumsq.chunks.size(), 0.0);
+  B.partials.assign(B.first.size() - 1, 0.0);
+  partition(B.sumsq, o->num_threads);
+  B.sumsq.built = true;
+}
+
+void free_buffers(zopt_optimizer *o) {
+  Program &P = *o->prog;
+  for (size_t s = 0; s < P.buf.size(); ++s) {
+    if (P.buf[s] && !P.pinned[s]) free(P.buf[s]);  // pinned: offload_free
+    P.buf[s] = nullptr;
+  }
+}
+
+// An uninitialized buffer: large ones on 2 MiB boundaries, advised as
+// transparent huge pages (the step streams several of them at once and
+// 4 KiB pages cost TLB misses; where THP is "madvise", the common default,
+// nothing else gets huge pages).
+zopt_status alloc_host(size_t bytes, const char *what, void **out) {
+  const size_t huge = size_t(2) << 20;
+  const bool big = bytes >= 2 * huge;
+  void *p = nullptr;
+  if (posix_memalign(&p, big ? huge : 64, std::max<size_t>(bytes, 64)) != 0 || !p)
+    return fail(ZOPT_ERR_OUT_OF_MEMORY, "zopt_optimizer_finalize: cannot allocate %zu bytes for %s", bytes, what);
+  if (big) madvise(p, bytes, MADV_HUGEPAGE);  // advice only
+  *out = p;
+  return ZOPT_OK;
+}
+
+// Zeroes what no tensor covers (align gaps, bucket padding) in a held
+// buffer: it is part of what collectives and checkpoints move.
+void zero_gaps(zopt_optimizer *o, int si) {
+  Program &P = *o->prog;
+  const bool sh = P.sharded[si];
+  const Layout &L = sh ? P.L : P.L1;
+  const int r = sh ? o->rank : 0;
+  const size_t es = es_of(o, si);
+  char *base = (char *)P.buf[si];
+  for (int b = 0; b < (int)L.buckets.size(); ++b) {
+    const layout::Bucket &k = L.buckets[b];
+    int64_t a = k.begin + (int64_t)r * k.shard, e = a + k.shard;
+    int64_t pos = a;  // flat position up to which the shard is accounted for
+    for (const Piece &p : L.pieces(k.group, a, std::min(e, k.begin + k.len))) {
+      if (p.flat > pos) memset(base + (size_t)(k.local_offset + pos - a) * es, 0, (size_t)(p.flat - pos) * es);
+      pos = p.flat + p.len;
+    }
+    if (e > pos) memset(base + (size_t)(k.local_offset + pos - a) * es, 0, (size_t)(e - pos) * es);
+  }
+}
+
+// ---- collectives --------------------------------------------------------
+
+// Adds W pieces of n elements of dtype dt in rank order in f32 and stores the
+// rounded sum: ((x_0 + x_1) + x_2) + ... (abi.h REDUCE_SCATTER).
+void fold(uint32_t dt, int W, const char *const *src, char *dst, int64_t n) {
+  if (dt == ZOPT_DTYPE_F32) {
+    float *d = (float *)dst;
+    const float *s0 = (const float *)src[0];
+    for (int64_t i = 0; i < n; ++i) d[i] = s0[i];
+    for (int q = 1; q < W; ++q) {
+      const float *sq = (const float *)src[q];
+      for (int64_t i = 0; i < n; ++i) d[i] = d[i] + sq[i];
+    }
+    return;
+  }
+  // 16-bit dtypes: widen, add in f32 registers of a small block, narrow.
+  constexpr int64_t kB = 1024;
+  float acc[kB];
+  for (int64_t i0 = 0; i0 < n; i0 += kB) {
+    int64_t m = std::min(kB, n - i0);
+    convert(src[0] + i0 * 2, dt, acc, ZOPT_DTYPE_F32, m);
+    for (int q = 1; q < W; ++q) {
+      float tmp[kB];
+      convert(src[q] + i0 * 2, dt, tmp, ZOPT_DTYPE_F32, m);
+      for (int64_t i = 0; i < m; ++i) acc[i] = acc[i] + tmp[i];
+    }
+    convert(acc, ZOPT_DTYPE_F32, dst + i0 * 2, dt, m);
+  }
+}
+
+// A short description of what a collective does, for the checks and errors.
+const char *what(char *buf, size_t n, const char *op, const zopt_optimizer *o, int si, int b) {
+  snprintf(buf, n, "%s %s bucket %d", op, si >= 0 ? state_kind_name(o->d->states[si].kind) : "", b);
+  return buf;
+}
+
+// REDUCE_SCATTER: per bucket, every rank's values of shard q to rank q,
+// which adds them in rank order into its own shard of the state.
+zopt_status reduce_scatter(zopt_optimizer *o, const zopt_program_op &op) {
+  Program &P = *o->prog;
+  const int W = o->world, r = o->rank, si = (int)op.state;
+  const uint32_t dt = o->d->states[si].dtype;
+  const size_t es = dtype_size(dt);
+  const bool has_local_mask = !o->active.empty();
+  for (int b = 0; b < (int)P.L.buckets.size(); ++b) {
+    const layout::Bucket &k = P.L.buckets[b];
+    char *send = (char *)P.send.data();
+    // Pack: shard q's elements, in flat order, zero where no tensor (or a
+    // tensor without a gradient on this rank) is.
+    for (int q = 0; q < W; ++q) {
+      int64_t a = k.begin + (int64_t)q * k.shard, e = a + k.shard;
+      char *dst = send + (size_t)q * k.shard * es;
+      int64_t pos = a;
+      for (const Piece &p : P.L.pieces(k.group, a, std::min(e, k.begin + k.len))) {
+        if (p.flat > pos) memset(dst + (pos - a) * es, 0, (size_t)(p.flat - pos) * es);
+        if (has_local_mask && !o->active[p.tensor])
+          memset(dst + (p.flat - a) * es, 0, (size_t)p.len * es);
+        else
+          memcpy(dst + (p.flat - a) * es, view(o, si, p.tensor, p.start), (size_t)p.len * es);
+        pos = p.flat + p.len;
+      }
+      if (e > pos) memset(dst + (pos - a) * es, 0, (size_t)(e - pos) * es);
+    }
+    char w[96];
+    if (zopt_status st = comm_all_to_all(o->comm, send, P.recv.data(), (size_t)k.shard * es,
+                                         what(w, sizeof w, "REDUCE_SCATTER", o, si, b)))
+      return st;
+    // Fold this rank's shard into the state, piece by piece, on the pool.
+    int64_t a, e;
+    P.L.shard_range(b, r, &a, &e);
+    std::vector<Piece> pieces = P.L.pieces(k.group, a, e);
+    const int64_t base = k.begin + (int64_t)r * k.shard;
+    const char *recv = (const char *)P.recv.data();
+    parallel(o->pool, [&](int tid) {
+      int T = o->pool->size();
+      // Split the shard's elements evenly; each thread folds its slices.
+      int64_t total = e - a, lo = a + total * tid / T, hi = a + total * (tid + 1) / T;
+      const char *srcs[4096];
+      for (const Piece &p : pieces) {
+        int64_t pa = std::max(lo, p.flat), pe = std::min(hi, p.flat + p.len);
+        if (pa >= pe || !active(P, p.tensor)) continue;
+        for (int q = 0; q < W; ++q) srcs[q] = recv + ((size_t)q * k.shard + (pa - base)) * es;
+        fold(dt, W, srcs, view(o, si, p.tensor, p.start + (pa - p.flat)), pe - pa);
+      }
+    });
+  }
+  return ZOPT_OK;
+}
+
+// ALL_GATHER: per bucket, every rank's shard of the state to every rank.
+zopt_status all_gather(zopt_optimizer *o, const zopt_program_op &op) {
+  Program &P = *o->prog;
+  const int W = o->world, r = o->rank, si = (int)op.state;
+  const size_t es = es_of(o, si);
+  for (int b = 0; b < (int)P.L.buckets.size(); ++b) {
+    const layout::Bucket &k = P.L.buckets[b];
+    char *send = (char *)P.send.data();
+    int64_t a = k.begin + (int64_t)r * k.shard, e = a + k.shard;
+    int64_t pos = a;
+    for (const Piece &p : P.L.pieces(k.group, a, std::min(e, k.begin + k.len))) {
+      if (p.flat > pos) memset(send + (pos - a) * es, 0, (size_t)(p.flat - pos) * es);
+      memcpy(send + (p.flat - a) * es, view(o, si, p.tensor, p.start), (size_t)p.len * es);
+      pos = p.flat + p.len;
+    }
+    if (e > pos) memset(send + (pos - a) * es, 0, (size_t)(e - pos) * es);
+    char w[96];
+    if (zopt_status st = comm_all_gather(o->comm, send, P.recv.data(), (size_t)k.shard * es,
+                                         what(w, sizeof w, "ALL_GATHER", o, si, b)))
+      return st;
+    const char *recv = (const char *)P.recv.data();
+    for (int q = 0; q < W; ++q) {
+      if (q == r) continue;
+      int64_t qa = k.begin + (int64_t)q * k.shard;
+      for (const Piece &p : P.L.pieces(k.group, qa, std::min(qa + k.shard, k.begin + k.len)))
+        memcpy(view(o, si, p.tensor, p.start), recv + (size_t)(p.flat - k.begin) * es, (size_t)p.len * es);
+    }
+  }
+  return ZOPT_OK;
+}
+
+// ---- the coefficient table ----------------------------------------------
+
+// One row per (group, t) among the tensors this step updates; prepare()
+// fills each with the given clip coefficient and gradient scale.
+void prepare_rows(zopt_optimizer *o, bool rebuild, double clip, double gscale) {
+  Program &P = *o->prog;
+  const zopt_step_descriptor *d = o->d;
+  if (rebuild) {
+    P.rows.clear();
+    P.row_of_tensor.assign(o->tensors.size(), -1);
+    for (size_t t = 0; t < o->tensors.size(); ++t) {
+      if (!active(P, (int)t)) continue;
+      std::pair<int, int64_t> key{o->tensors[t].group, o->tensors[t].steps + 1};
+      int row = -1;
+      for (size_t i = P.rows.size(); i-- > 0;)  // usually one row per group
+        if (P.rows[i] == key) {
+          row = (int)i;
+          break;
+        }
+      if (row < 0) {
+        row = (int)P.rows.size();
+        P.rows.push_back(key);
+      }
+      P.row_of_tensor[t] = row;
+    }
+    P.coeffs.assign(std::max<size_t>(P.rows.size(), 1) * ZOPT_MAX_COEFFS, 0.0f);
+  }
+  double hyp[ZOPT_MAX_HYPERS + 1];
+  for (size_t i = 0; i < P.rows.size(); ++i) {
+    const Group &g = o->groups[P.rows[i].first];
+    double globals[ZOPT_NUM_GLOBALS];
+    globals[ZOPT_GLOBAL_STEP] = (double)P.rows[i].second;
+    globals[ZOPT_GLOBAL_CLIP_COEF] = clip;
+    globals[ZOPT_GLOBAL_GRAD_SCALE] = gscale;
+    for (uint32_t h = 0; h < d->num_hypers; ++h) hyp[h] = g.hypers[h];
+    o->step->prepare(hyp, globals, P.coeffs.data() + i * ZOPT_MAX_COEFFS);
+  }
+}
+
+const float *coeffs_of(const Program &P, int t) {
+  return P.coeffs.data() + (size_t)P.row_of_tensor[t] * ZOPT_MAX_COEFFS;
+}
+
+// ---- kernels on the pool --------------------------------------------------
+
+void run_sumsq(zopt_optimizer *o, Blocks &B) {
+  Program &P = *o->prog;
+  zopt_sumsq_fn f = o->step->sumsq;
+  parallel(o->pool, [&](int tid) {
+    for (size_t i = B.sumsq.thread_begin[tid]; i < B.sumsq.thread_begin[tid + 1]; ++i) {
+      const Chunk &c = B.sumsq.chunks[i];
+      // A tensor without a gradient contributes +0.0: no sum changes.
+      B.chunk_partials[i] = active(P, c.tensor) ? f(c.ptrs, c.len, coeffs_of(P, c.tensor)) : 0.0;
+    }
+  });
+  for (size_t k = 0; k + 1 < B.first.size(); ++k) {
+    double s = 0;
+    for (size_t i = B.first[k]; i < B.first[k + 1]; ++i) s += B.chunk_partials[i];
+    B.partials[k] = s;
+  }
+}
+
+void run_update(zopt_optimizer *o, Work &w) {
+  Program &P = *o->prog;
+  const bool sr = o->d->flags & ZOPT_FLAG_STOCHASTIC;
+  parallel(o->pool, [&](int tid) {
+    for (size_t i = w.thread_begin[tid]; i < w.thread_begin[tid + 1]; ++i) {
+      const Chunk &c = w.chunks[i];
+      if (!active(P, c.tensor)) continue;
+      const float *co = coeffs_of(P, c.tensor);
+      if (sr) {
+        // abi.h "Stochastic rounding": the key of (seed, the tensor's step
+        // being taken, tensor, high half of the chunk's first index).
+        uint64_t t = (uint64_t)o->tensors[c.tensor].steps + 1;
+        uint32_t key = zopt_sr_key(o->seed, t, (uint32_t)c.tensor, (uint32_t)((uint64_t)c.start >> 32));
+        ((zopt_update_sr_fn)(void *)o->step->update)(c.ptrs, c.ptrs, c.len, co, key, (uint32_t)c.start);
+      } else {
+        o->step->update(c.ptrs, c.ptrs, c.len, co);
+      }
+    }
+  });
+}
+
+// ---- agreement between ranks -----------------------------------------------
+
+uint64_t hash_step_settings(const zopt_optimizer *o) {
+  uint64_t h = fnv1a64(&o->seed, sizeof o->seed);
+  for (const Group &g : o->groups) h = fnv1a64(g.hypers.data(), g.hypers.size() * sizeof(double), h);
+  double D = grad_divisor(o);
+  h = fnv1a64(&D, sizeof D, h);
+  h = fnv1a64(&o->scaler.scale, sizeof o->scaler.scale, h);
+  return h;
+}
+
+// Every rank's gradient mask (OR) and a check that every rank steps with the
+// same hyperparameters, seed, divisor and loss scale.
+zopt_status agree(zopt_optimizer *o) {
+  Program &P = *o->prog;
+  const size_t T = o->tensors.size();
+  if (o->world == 1) {
+    P.global_active = o->active;
+    return ZOPT_OK;
+  }
+  const size_t msg = 8 + T;
+  std::vector<unsigned char> mine(msg), all(msg * o->world);
+  uint64_t h = hash_step_settings(o);
+  memcpy(mine.data(), &h, 8);
+  for (size_t t = 0; t < T; ++t) mine[8 + t] = o->active.empty() ? 1 : o->active[t];
+  if (zopt_status st = comm_all_gather(o->comm, mine.data(), all.data(), msg, "STEP settings and gradient mask"))
+    return st;
+  for (int q = 0; q < o->world; ++q) {
+    uint64_t hq;
+    memcpy(&hq, all.data() + q * msg, 8);
+    if (hq != h)
+      return fail(ZOPT_ERR_INVALID_ARGUMENT,
+                  "zopt_optimizer_step: rank %d's hyperparameters, seed, gradient divisor or loss scale differ "
+                  "from rank %d's: every rank must step with the same values",
+                  q, o->rank);
+  }
+  P.global_active.assign(T, 0);
+  bool all_on = true;
+  for (size_t t = 0; t < T; ++t) {
+    for (int q = 0; q < o->world; ++q) P.global_active[t] |= all[q * msg + 8 + t];
+    all_on = all_on && P.global_active[t];
+  }
+  if (all_on) P.global_active.clear();
+  return ZOPT_OK;
+}
+
+}  // namespace
+
+// ---- build ------------------------------------------------------------------
+
+static zopt_status validate(zopt_optimizer *o) {
+  const zopt_step_descriptor *d = o->d;
+  if (d->num_program == 0)
+    return fail(ZOPT_ERR_ABI, "step '%s' has no step program", d->name);
+  int updates = 0;
+  for (uint32_t i = 0; i < d->num_program; ++i) {
+    const zopt_program_op &op = d->program[i];
+    const char *name = op_name(op.code);
+    auto bad = [&](const char *why) {
+      return fail(ZOPT_ERR_ABI, "step '%s': program op %u (%s) %s", d->name, i, name, why);
+    };
+    switch (op.code) {
+      case ZOPT_OP_COPY: {
+        uint32_t k = d->states[op.state].kind;
+        if (!o->offload || (k != ZOPT_STATE_PARAM && k != ZOPT_STATE_GRAD))
+          return bad("copies a state this runtime does not stage (only offloaded params and grads)");
+        if (op.src == op.dst) return bad("copies to the same placement");
+        break;
+      }
+      case ZOPT_OP_REDUCE_SCATTER:
+        if (d->states[op.state].kind != ZOPT_STATE_GRAD) return bad("reduces a state other than the grad");
+        if (op.dtype != d->states[op.state].dtype || op.accum != ZOPT_DTYPE_F32)
+          return bad("moves another dtype than the grad's or accumulates in other than f32");
+        break;
+      case ZOPT_OP_ALL_GATHER: {
+        uint32_t k = d->states[op.state].kind;
+        if (k != ZOPT_STATE_PARAM && k != ZOPT_STATE_GRAD) return bad("gathers a state other than param or grad");
+        if (op.dtype != d->states[op.state].dtype) return bad("moves another dtype than the state's");
+        if (d->states[op.state].flags & ZOPT_STATE_PARTITIONED)
+          return bad("gathers a state the runtime holds sharded (ZeRO-3 params are gathered on request)");
+        break;
+      }
+      case ZOPT_OP_NORM_PARTIALS:
+        if (!(d->flags & ZOPT_FLAG_SUMSQ)) return bad("needs a SUMSQ kernel");
+        if (op.range != ZOPT_RANGE_OWNED && op.range != ZOPT_RANGE_ALL) return bad("has no valid range");
+        o->prog->norm_range = (int)op.range;
+        break;
+      case ZOPT_OP_UPDATE:
+        if (op.range != ZOPT_RANGE_OWNED && op.range != ZOPT_RANGE_ALL) return bad("has no valid range");
+        o->prog->update_range = (int)op.range;
+        ++updates;
+        break;
+      case ZOPT_OP_NORM:
+      case ZOPT_OP_PREPARE:
+      case ZOPT_OP_FINISH:
+        break;
+      default:
+        return bad("is not an op this runtime knows");
+    }
+    if (op.code != ZOPT_OP_COPY && (op.src != ZOPT_PLACE_CPU))
+      return bad("runs on the GPU, but this step's update runs on the CPU");
+  }
+  if (updates != 1) return fail(ZOPT_ERR_ABI, "step '%s': the program has %d UPDATE ops (need 1)", d->name, updates);
+  bool any_sharded = false;
+  for (uint32_t s = 0; s < d->num_states; ++s) any_sharded |= (d->states[s].flags & ZOPT_STATE_PARTITIONED) != 0;
+  if (any_sharded && (o->prog->update_range == ZOPT_RANGE_ALL || o->prog->norm_range == ZOPT_RANGE_ALL))
+    return fail(ZOPT_ERR_ABI, "step '%s': the program updates every element but some states are sharded", d->name);
+  return ZOPT_OK;
+}
+
+zopt_status build(zopt_optimizer *o) {
+  const zopt_step_descriptor *d = o->d;
+  Program *P = new (std::nothrow) Program;
+  if (!P) return fail(ZOPT_ERR_OUT_OF_MEMORY, "zopt_optimizer_finalize: out of memory");
+  o->prog = P;
+  auto bail = [&](zopt_status st) {
+    destroy(o);
+    return st;
+  };
+  if (zopt_status st = validate(o)) return bail(st);
+  try {
+    P->ops.assign(d->program, d->program + d->num_program);
+    layout::Input in;
+    in.num_groups = (int)o->groups.size();
+    for (const Tensor &x : o->tensors) {
+      in.group.push_back(x.group);
+      in.numel.push_back(x.numel);
+    }
+    in.align = d->align;
+    in.bucket = o->bucket_elems > 0 ? o->bucket_elems : layout::kDefaultBucket;
+    in.world = o->world;
+    P->L = layout::make_layout(in);
+    in.world = 1;
+    P->L1 = layout::make_layout(in);
+    const size_t S = d->num_states;
+    P->buf.assign(S, nullptr);
+    P->sharded.assign(S, 0);
+    P->pinned.assign(S, 0);
+    P->buf_bytes.assign(S, 0);
+    size_t max_es = 0;
+    for (uint32_t s = 0; s < S; ++s) {
+      const zopt_state_desc &sd = d->states[s];
+      const size_t es = dtype_size(sd.dtype);
+      max_es = std::max(max_es, es);
+      const bool user = !is_owned_kind(sd.kind);
+      const bool zero3_param = sd.kind == ZOPT_STATE_PARAM && (sd.flags & ZOPT_STATE_PARTITIONED);
+      if (user && !zero3_param && !o->offload) continue;  // the user's memory
+      if (user && o->offload && !zero3_param) {
+        // Offload staging: full, pinned (offload.cpp frees it).
+        P->buf_bytes[s] = ((size_t)P->L1.local_elems * es + 63) & ~(size_t)63;
+        if (zopt_status st = offload_alloc_staging(o, P->buf_bytes[s], &P->buf[s])) return bail(st);
+        P->pinned[s] = 1;
+        continue;
+      }
+      P->sharded[s] = (sd.flags & ZOPT_STATE_PARTITIONED) ? 1 : 0;
+      const int64_t elems = P->sharded[s] ? P->L.local_elems : P->L1.local_elems;
+      P->buf_bytes[s] = ((size_t)elems * es + 63) & ~(size_t)63;
+      if (zopt_status st = alloc_host(P->buf_bytes[s], state_kind_name(sd.kind), &P->buf[s])) return bail(st);
+    }
+    if (o->world > 1) {
+      P->send.resize((size_t)P->L.max_padded * max_es);
+      P->recv.resize((size_t)P->L.max_padded * max_es);
+      P->gathered.resize((size_t)P->L.blocks_per_rank * o->world);
+    }
+    build_update_work(o, P->update_range == ZOPT_RANGE_OWNED ? P->update_owned : P->update_all, P->update_range);
+    if (P->norm_range)
+      build_blocks(o, P->norm_range == ZOPT_RANGE_OWNED ? P->norm_owned : P->norm_all, P->norm_range);
+  } catch (...) {
+    return bail(fail(ZOPT_ERR_OUT_OF_MEMORY, "zopt_optimizer_finalize: out of memory"));
+  }
+  // Offload: the params from the GPU first (the master is made from them).
+  if (o->offload)
+    if (zopt_status st = offload_copy_state(o, o->step->param_index, false, true)) return bail(st);
+  // Initialize the held states, each chunk by the thread that updates it
+  // (first touch): ZeRO-3 params and masters from the user's params,
+  // moments zero; then the gaps and padding zero.
+  Work &w = P->update_range == ZOPT_RANGE_OWNED ? P->update_owned : P->update_all;
+  const int pi = o->step->param_index;
+  parallel(o->pool, [&](int tid) {
+    for (size_t i = w.thread_begin[tid]; i < w.thread_begin[tid + 1]; ++i) {
+      const Chunk &c = w.chunks[i];
+      const void *src = user_param(o, c.tensor, c.start);
+      for (uint32_t s = 0; s < d->num_states; ++s) {
+        if (!P->buf[s] || P->pinned[s]) continue;
+        const zopt_state_desc &sd = d->states[s];
+        if (sd.kind == ZOPT_STATE_PARAM || sd.init == ZOPT_INIT_FROM_PARAM)
+          convert(src, d->states[pi].dtype, c.ptrs[s], sd.dtype, c.len);
+        else
+          memset(c.ptrs[s], 0, (size_t)c.len * dtype_size(sd.dtype));
+      }
+    }
+  });
+  for (uint32_t s = 0; s < d->num_states; ++s)
+    if (P->buf[s]) zero_gaps(o, (int)s);
+  return ZOPT_OK;
+}
+
+// Only for the state ptr of a whole tensor (exec.h runs).
+bool holds_whole(const zopt_optimizer *o, int si) {
+  const Program *P = o->prog;
+  return !P || !P->buf[si] || !P->sharded[si] || o->world == 1;
+}
+
+void runs(const zopt_optimizer *o, int t, int si, std::vector<Run> *out) {
+  out->clear();
+  const Tensor &x = o->tensors[t];
+  if (!x.numel) return;
+  if (holds_whole(o, si)) {
+    out->push_back(Run{0, x.numel, state_ptr(o, t, si)});
+    return;
+  }
+  const Program &P = *o->prog;
+  const layout::Segment &seg = P.L.tensors[t];
+  for (int b = seg.bucket; b < (int)P.L.buckets.size(); ++b) {
+    const layout::Bucket &k = P.L.buckets[b];
+    if (k.group != seg.group || k.begin >= seg.flat + seg.numel) break;
+    int64_t a, e;
+    P.L.shard_range(b, o->rank, &a, &e);
+    a = std::max(a, seg.flat);
+    e = std::min(e, seg.flat + seg.numel);
+    if (a < e)
+      out->push_back(Run{a - seg.flat, e - a,
+                         (char *)P.buf[si] + (size_t)P.L.local_index(b, o->rank, a) * es_of(o, si)});
+  }
+}
+
+void repartition(zopt_optimizer *o) {
+  Program *P = o->prog;
+  if (!P) return;
+  for (Work *w : {&P->update_owned, &P->update_all, &P->norm_owned.sumsq, &P->norm_all.sumsq})
+    if (w->built) partition(*w, o->num_threads);
+}
+
+void destroy(zopt_optimizer *o) {
+  if (!o->prog) return;
+  free_buffers(o);
+  delete o->prog;
+  o->prog = nullptr;
+}
+
+// ---- run --------------------------------------------------------------------
+
+zopt_status run(zopt_optimizer *o, zopt_step_result *result) {
+  Program &P = *o->prog;
+  const zopt_step_descriptor *d = o->d;
+  const bool ls = d->flags & ZOPT_FLAG_LOSS_SCALE;
+  const double S = ls ? o->scaler.scale : 1.0;
+  const double gscale = 1.0 / (S * grad_divisor(o));
+  if (zopt_status st = agree(o)) return st;
+  double norm = NAN, clip = 1.0;
+  bool skipped = false;
+  for (size_t i = 0; i < P.ops.size(); ++i) {
+    const zopt_program_op &op = P.ops[i];
+    if (skipped && (op.code == ZOPT_OP_UPDATE || (op.flags & ZOPT_OPF_UNLESS_SKIPPED))) continue;
+    switch (op.code) {
+      case ZOPT_OP_COPY: {
+        // To the host: wait after the last of a run of such copies (the CPU
+        // reads them next); to the device: asynchronous, ordered before the
+        // caller's next work on the stream.
+        const bool to_host = op.dst == ZOPT_PLACE_CPU;
+        const bool more = i + 1 < P.ops.size() && P.ops[i + 1].code == ZOPT_OP_COPY && P.ops[i + 1].dst == op.dst;
+        if (zopt_status st = offload_copy_state(o, (int)op.state, !to_host, to_host && !more)) return st;
+        break;
+      }
+      case ZOPT_OP_REDUCE_SCATTER:
+        if (o->world > 1)
+          if (zopt_status st = reduce_scatter(o, op)) return st;
+        break;
+      case ZOPT_OP_ALL_GATHER:
+        if (o->world > 1)
+          if (zopt_status st = all_gather(o, op)) return st;
+        break;
+      case ZOPT_OP_PREPARE:
+        prepare_rows(o, true, 1.0, gscale);
+        break;
+      case ZOPT_OP_NORM_PARTIALS:
+        run_sumsq(o, op.range == ZOPT_RANGE_OWNED ? P.norm_owned : P.norm_all);
+        break;
+      case ZOPT_OP_NORM: {
+        // Every rank's partials, added in (bucket, block) order: the same
+        // bits on every rank, at any world size, thread count and ISA.
+        double sum = 0;
+        if (P.norm_range == ZOPT_RANGE_OWNED) {
+          const std::vector<double> *all = &P.norm_owned.partials;
+          if (o->world > 1) {
+            if (zopt_status st = comm_all_gather(o->comm, P.norm_owned.partials.data(), P.gathered.data(),
+                                                 P.norm_owned.partials.size() * sizeof(double), "NORM partials"))
+              return st;
+            all = &P.gathered;
+          }
+          const int64_t bpr = P.L.blocks_per_rank;
+          for (const layout::Bucket &k : P.L.buckets) {
+            const int64_t nb = k.shard / kNormBlock;
+            for (int q = 0; q < o->world; ++q)
+              for (int64_t j = 0; j < nb; ++j) {
+                if ((q * nb + j) * kNormBlock >= k.len) break;
+                sum += (*all)[(size_t)(q * bpr + k.block_offset + j)];
+              }
+          }
+        } else {
+          for (const layout::Bucket &k : P.L1.buckets)
+            for (int64_t j = 0; j < k.shard / kNormBlock && j * kNormBlock < k.len; ++j)
+              sum += P.norm_all.partials[(size_t)(k.block_offset + j)];
+        }
+        norm = std::sqrt(sum);
+        if (!std::isfinite(sum)) {
+          skipped = true;
+        } else if (d->flags & ZOPT_FLAG_CLIP) {
+          clip = std::min(1.0, d->max_norm / (norm + 1e-6));
+          prepare_rows(o, false, clip, gscale);
+        }
+        break;
+      }
+      case ZOPT_OP_UPDATE:
+        run_update(o, op.range == ZOPT_RANGE_OWNED ? P.update_owned : P.update_all);
+        break;
+      case ZOPT_OP_FINISH:
+        if (!skipped) {
+          std::vector<uint8_t> touched(o->groups.size(), 0);
+          for (size_t t = 0; t < o->tensors.size(); ++t)
+            if (active(P, (int)t)) {
+              o->tensors[t].steps++;
+              touched[o->tensors[t].group] = 1;
+            }
+          for (size_t g = 0; g < o->groups.size(); ++g) o->groups[g].step_count += touched[g];
+        }
+        if (ls) update_loss_scaler(o, skipped);
+        break;
+    }
+  }
+  if (result) {
+    result->grad_norm = norm;
+    result->skipped = skipped ? 1 : 0;
+    result->loss_scale = S;
+  }
+  return ZOPT_OK;
+}
+
+// ---- gathers and accounting ---------------------------------------------
+
+zopt_status gather_state(zopt_optimizer *o, int si, int first, int count, void *const *dst) {
+  Program &P = *o->prog;
+  const size_t es = es_of(o, si);
+  auto dst_of = [&](int t) -> char * {
+    if (dst && dst[t - first]) return (char *)dst[t - first];
+    return (char *)o->tensors[t].param;  // PARAM only (the caller checks)
+  };
+  if (holds_whole(o, si)) {
+    // Whole on every rank (user memory, staging, a full buffer): a copy.
+    for (int t = first; t < first + count; ++t)
+      if (o->tensors[t].numel && dst_of(t) != (char *)state_ptr(o, t, si))
+        memcpy(dst_of(t), state_ptr(o, t, si), (size_t)o->tensors[t].numel * es);
+    return ZOPT_OK;
+  }
+  // Sharded: the buckets holding any element of the tensors, in order; each
+  // rank's shard of the held buffer is sent as it is (its padding is zero).
+  std::vector<int> buckets;
+  for (int t = first; t < first + count; ++t) {
+    const layout::Segment &sg = P.L.tensors[t];
+    if (!sg.numel) continue;
+    for (int b = sg.bucket; b < (int)P.L.buckets.size(); ++b) {
+      const layout::Bucket &k = P.L.buckets[b];
+      if (k.group != sg.group || k.begin >= sg.flat + sg.numel) break;
+      buckets.push_back(b);
+    }
+  }
+  std::sort(buckets.begin(), buckets.end());
+  buckets.erase(std::unique(buckets.begin(), buckets.end()), buckets.end());
+  for (int b : buckets) {
+    const layout::Bucket &k = P.L.buckets[b];
+    const char *send = (const char *)P.buf[si] + (size_t)k.local_offset * es;
+    char w[96];
+    if (zopt_status st = comm_all_gather(o->comm, send, P.recv.data(), (size_t)k.shard * es,
+                                         what(w, sizeof w, "GATHER", o, si, b)))
+      return st;
+    const unsigned char *recv = P.recv.data();
+    for (const Piece &p : P.L.pieces(k.group, k.begin, k.begin + k.len)) {
+      if (p.tensor < first || p.tensor >= first + count) continue;
+      memcpy(dst_of(p.tensor) + (size_t)p.start * es, recv + (size_t)(p.flat - k.begin) * es, (size_t)p.len * es);
+    }
+  }
+  return ZOPT_OK;
+}
+
+void state_bytes(const zopt_optimizer *o, uint64_t *mine, uint64_t *one_rank, uint64_t *scratch) {
+  *mine = *one_rank = *scratch = 0;
+  const Program *P = o->prog;
+  if (!P) return;
+  for (uint32_t s = 0; s < o->d->num_states; ++s) {
+    if (!P->buf[s] || P->pinned[s]) continue;
+    *mine += P->buf_bytes[s];
+    *one_rank += ((uint64_t)P->L1.local_elems * dtype_size(o->d->states[s].dtype) + 63) & ~(uint64_t)63;
+  }
+  *scratch = P->send.size() + P->recv.size() + P->gathered.size() * sizeof(double);
+}
+
+}  // namespace exec
+}  // namespace zopt

@@ -1,0 +1,105 @@
+// exec/exec.h - the step-program executor of CPU-updated steps.
+//
+// This subsystem owns what finalize builds and what a step runs for a step
+// whose update runs on the CPU (all-CPU and offloaded steps): the program
+// of the step.so (abi.h "The step program") instantiated with the world
+// size and the shapes — the layout (layout/), the runtime-held state
+// buffers, the work chunks of every op, the norm blocks, the collective
+// scratch — and its execution, op by op, in the same order on every rank.
+// Nothing here knows a ZeRO stage: the program says what to reduce, where
+// the norm is taken, what to update and what to gather.
+#ifndef ZOPT_RUNTIME_EXEC_H
+#define ZOPT_RUNTIME_EXEC_H
+
+#include "internal.h"
+#include "layout/layout.h"
+
+namespace zopt {
+namespace exec {
+
+// A unit of kernel work: a run of one tensor inside one bucket shard, with
+// the kernel's pointer tables (`in` == `out`: the update runs in place).
+struct Chunk {
+  int tensor;
+  int group;
+  int64_t start;  // element index in the tensor
+  int64_t len;
+  void *ptrs[ZOPT_MAX_STATES];
+};
+
+// The chunks of one range of the program (this rank's shards, or every
+// element) split into per-thread runs of about equal cost.
+struct Work {
+  bool built = false;
+  std::vector<Chunk> chunks;
+  std::vector<size_t> thread_begin;  // size T + 1
+};
+
+// Norm blocks of the range NORM_PARTIALS covers: block i's partial is the
+// in-order sum of chunks [first[i], first[i + 1]) of `sumsq`.
+struct Blocks {
+  Work sumsq;                  // chunks never larger than a norm block
+  std::vector<size_t> first;   // size nblocks + 1
+  std::vector<double> chunk_partials;
+  std::vector<double> partials;  // one per block, in this rank's block order
+};
+
+struct Program {
+  std::vector<zopt_program_op> ops;
+  layout::Layout L;   // at the world size: shards
+  layout::Layout L1;  // at world size 1: full buffers
+  // Per descriptor state: the runtime-held buffer (NULL: the user's memory),
+  // whether it is sharded (indexed by L) or full (by L1), pinned (offload
+  // staging, owned by offload.cpp) and its size.
+  std::vector<void *> buf;
+  std::vector<uint8_t> sharded, pinned;
+  std::vector<size_t> buf_bytes;
+  Work update_owned, update_all;
+  Blocks norm_owned, norm_all;
+  int update_range = ZOPT_RANGE_OWNED, norm_range = 0;  // norm_range 0: no norm
+  // Collective scratch (one bucket).
+  std::vector<unsigned char> send, recv;
+  std::vector<double> gathered;  // all ranks' norm partials
+  // The coefficient table: one row per (group, step count) in use.
+  std::vector<float> coeffs;
+  std::vector<int> row_of_tensor;
+  std::vector<std::pair<int, int64_t>> rows;  // (group, t) of each row
+  std::vector<uint8_t> global_active;  // per tensor, agreed by every rank
+  bool any_active = true;
+};
+
+// Builds the program at finalize (validates it against the step and the
+// communicator, lays out, allocates and initializes the runtime-held
+// states). On failure nothing is left allocated.
+zopt_status build(zopt_optimizer *o);
+// One step: runs the program.
+zopt_status run(zopt_optimizer *o, zopt_step_result *result);
+// Re-splits the work across o->num_threads threads.
+void repartition(zopt_optimizer *o);
+void destroy(zopt_optimizer *o);
+
+// A run of tensor t's state si held by this rank: elements
+// [start, start + len) of the tensor at `ptr`.
+struct Run {
+  int64_t start, len;
+  void *ptr;
+};
+// This rank's runs of state si of tensor t, in element order (the whole
+// tensor for user memory and full buffers; its pieces in this rank's shards
+// for a sharded state).
+void runs(const zopt_optimizer *o, int t, int si, std::vector<Run> *out);
+// Whether this rank holds every element of state si.
+bool holds_whole(const zopt_optimizer *o, int si);
+
+// State si of tensors [first, first + count), whole, into dst[i] (storage
+// dtype; a NULL entry or dst: the registered param memory, for PARAM). For
+// a state sharded across ranks this is a collective: every rank calls it
+// with the same tensors and receives every element.
+zopt_status gather_state(zopt_optimizer *o, int si, int first, int count, void *const *dst);
+// Bytes of runtime-held state this rank holds; what one rank would hold.
+void state_bytes(const zopt_optimizer *o, uint64_t *mine, uint64_t *one_rank, uint64_t *scratch);
+
+}  // namespace exec
+}  // namespace zopt
+
+#endif

@@ -1,0 +1,172 @@
+// RUN: zopt-opt %s --split-input-file --zopt-plan | FileCheck %s
+
+// The step program of each ZeRO stage and of offloaded steps: what one step
+// does on every rank, in order (abi.h "The step program").
+
+// ZeRO-1: the optimizer states are sharded; the grads are reduced and then
+// gathered (every rank keeps the full mean gradient, like DeepSpeed's
+// stage 1); each rank updates its shards; the params are gathered.
+// CHECK-LABEL: zopt.step @zero1
+// CHECK-SAME: zopt.partitioned = ["master", "exp_avg", "exp_avg_sq"]
+// CHECK: zopt.program for "zero1" {
+// CHECK-NEXT: zopt.reduce_scatter grad : bf16 accumulate f32
+// CHECK-NEXT: zopt.all_gather grad : bf16
+// CHECK-NEXT: zopt.prepare on cpu
+// CHECK-NEXT: zopt.norm_partials owned on cpu
+// CHECK-NEXT: zopt.norm
+// CHECK-NEXT: zopt.update owned on cpu
+// CHECK-NEXT: zopt.all_gather param : bf16 unless_skipped
+// CHECK-NEXT: zopt.finish on cpu
+// CHECK-NEXT: }
+zopt.step @zero1 attributes {zero_stage = 1 : i64} {
+  %p = zopt.state param : bf16 on cpu
+  %g = zopt.state grad : bf16 on cpu
+  %w = zopt.state master : f32 on cpu
+  %m = zopt.state exp_avg : f32 on cpu
+  %v = zopt.state exp_avg_sq : f32 on cpu
+  %lr = zopt.hyper lr
+  %b1 = zopt.hyper beta1
+  %b2 = zopt.hyper beta2
+  %eps = zopt.hyper eps
+  %wd = zopt.hyper weight_decay
+  %gc = zopt.clip_by_global_norm %g max 1.0 : bf16
+  %w1, %m1, %v1 = zopt.adam %w, %gc, %m, %v, %lr, %b1, %b2, %eps, %wd {decoupled} : f32, f32, f32, f32
+  zopt.yield %w1, %m1, %v1, %w1 into %w, %m, %v, %p : f32, f32, f32, f32 into f32, f32, f32, bf16
+}
+
+// -----
+
+// ZeRO-2: the grads are only reduced into their owners' shards.
+// CHECK-LABEL: zopt.step @zero2
+// CHECK-SAME: zopt.partitioned = ["master", "exp_avg", "exp_avg_sq", "grad"]
+// CHECK: zopt.program for "zero2" {
+// CHECK-NEXT: zopt.reduce_scatter grad : bf16 accumulate f32
+// CHECK-NEXT: zopt.prepare on cpu
+// CHECK-NEXT: zopt.norm_partials owned on cpu
+// CHECK-NEXT: zopt.norm
+// CHECK-NEXT: zopt.update owned on cpu
+// CHECK-NEXT: zopt.all_gather param : bf16 unless_skipped
+// CHECK-NEXT: zopt.finish on cpu
+zopt.step @zero2 attributes {zero_stage = 2 : i64} {
+  %p = zopt.state param : bf16 on cpu
+  %g = zopt.state grad : bf16 on cpu
+  %w = zopt.state master : f32 on cpu
+  %m = zopt.state exp_avg : f32 on cpu
+  %v = zopt.state exp_avg_sq : f32 on cpu
+  %lr = zopt.hyper lr
+  %b1 = zopt.hyper beta1
+  %b2 = zopt.hyper beta2
+  %eps = zopt.hyper eps
+  %wd = zopt.hyper weight_decay
+  %gc = zopt.clip_by_global_norm %g max 1.0 : bf16
+  %w1, %m1, %v1 = zopt.adam %w, %gc, %m, %v, %lr, %b1, %b2, %eps, %wd {decoupled} : f32, f32, f32, f32
+  zopt.yield %w1, %m1, %v1, %w1 into %w, %m, %v, %p : f32, f32, f32, f32 into f32, f32, f32, bf16
+}
+
+// -----
+
+// ZeRO-3: the params are partitioned too and stay sharded after the update
+// (no gather in the program: the forward gathers them on demand).
+// CHECK-LABEL: zopt.step @zero3
+// CHECK-SAME: zopt.partitioned = ["exp_avg", "exp_avg_sq", "grad", "param"]
+// CHECK: zopt.program for "zero3" {
+// CHECK-NEXT: zopt.reduce_scatter grad : f32 accumulate f32
+// CHECK-NEXT: zopt.prepare on cpu
+// CHECK-NEXT: zopt.update owned on cpu
+// CHECK-NEXT: zopt.finish on cpu
+// CHECK-NEXT: }
+zopt.step @zero3 attributes {zero_stage = 3 : i64} {
+  %p = zopt.state param : f32 on cpu
+  %g = zopt.state grad : f32 on cpu
+  %m = zopt.state exp_avg : f32 on cpu
+  %v = zopt.state exp_avg_sq : f32 on cpu
+  %lr = zopt.hyper lr
+  %b1 = zopt.hyper beta1
+  %b2 = zopt.hyper beta2
+  %eps = zopt.hyper eps
+  %wd = zopt.hyper weight_decay
+  %p1, %m1, %v1 = zopt.adam %p, %g, %m, %v, %lr, %b1, %b2, %eps, %wd {decoupled} : f32, f32, f32, f32
+  zopt.yield %p1, %m1, %v1 into %p, %m, %v : f32, f32, f32 into f32, f32, f32
+}
+
+// -----
+
+// Offload (ZeRO-Offload: param and grad on the GPU, the master and moments
+// on the CPU): the grads come to the host first, the new params go back
+// last unless the step was skipped; the update does not read the bf16
+// param (it has a master), so it is not copied in.
+// CHECK-LABEL: zopt.step @offload
+// CHECK: zopt.program for "offload" {
+// CHECK-NEXT: zopt.copy grad : bf16 from gpu to cpu
+// CHECK-NEXT: zopt.reduce_scatter grad : bf16 accumulate f32
+// CHECK-NEXT: zopt.prepare on cpu
+// CHECK-NEXT: zopt.norm_partials owned on cpu
+// CHECK-NEXT: zopt.norm
+// CHECK-NEXT: zopt.update owned on cpu
+// CHECK-NEXT: zopt.all_gather param : bf16 unless_skipped
+// CHECK-NEXT: zopt.copy param : bf16 from cpu to gpu unless_skipped
+// CHECK-NEXT: zopt.finish on cpu
+zopt.step @offload attributes {zero_stage = 2 : i64, gpu_arch = "sm_90"} {
+  %p = zopt.state param : bf16 on gpu
+  %g = zopt.state grad : bf16 on gpu
+  %w = zopt.state master : f32 on cpu
+  %m = zopt.state exp_avg : f32 on cpu
+  %v = zopt.state exp_avg_sq : f32 on cpu
+  %lr = zopt.hyper lr
+  %b1 = zopt.hyper beta1
+  %b2 = zopt.hyper beta2
+  %eps = zopt.hyper eps
+  %wd = zopt.hyper weight_decay
+  %gc = zopt.clip_by_global_norm %g max 1.0 : bf16
+  %w1, %m1, %v1 = zopt.adam %w, %gc, %m, %v, %lr, %b1, %b2, %eps, %wd {decoupled} : f32, f32, f32, f32
+  zopt.yield %w1, %m1, %v1, %w1 into %w, %m, %v, %p : f32, f32, f32, f32 into f32, f32, f32, bf16
+}
+
+// -----
+
+// Offload without a master: the update reads the param, so it comes to the
+// host with the grad.
+// CHECK-LABEL: zopt.step @offload_nomaster
+// CHECK: zopt.program for "offload_nomaster" {
+// CHECK-NEXT: zopt.copy grad : bf16 from gpu to cpu
+// CHECK-NEXT: zopt.copy param : bf16 from gpu to cpu
+// CHECK-NEXT: zopt.reduce_scatter grad : bf16 accumulate f32
+zopt.step @offload_nomaster attributes {zero_stage = 2 : i64, gpu_arch = "sm_90"} {
+  %p = zopt.state param : bf16 on gpu
+  %g = zopt.state grad : bf16 on gpu
+  %m = zopt.state exp_avg : bf16 on cpu
+  %v = zopt.state exp_avg_sq : bf16 on cpu
+  %lr = zopt.hyper lr
+  %b1 = zopt.hyper beta1
+  %b2 = zopt.hyper beta2
+  %eps = zopt.hyper eps
+  %wd = zopt.hyper weight_decay
+  %p1, %m1, %v1 = zopt.adam %p, %g, %m, %v, %lr, %b1, %b2, %eps, %wd {decoupled} : bf16, bf16, bf16, bf16
+  zopt.yield %p1, %m1, %v1 into %p, %m, %v : f32, f32, f32 into bf16, bf16, bf16
+}
+
+// -----
+
+// A GPU step: the same program, every op on the device (world size 1 for
+// now: the runtime refuses more ranks for GPU-updated steps).
+// CHECK-LABEL: zopt.step @gpu
+// CHECK-SAME: zopt.device = #zopt<placement gpu>
+// CHECK: zopt.program for "gpu" {
+// CHECK-NEXT: zopt.reduce_scatter grad : f32 accumulate f32
+// CHECK-NEXT: zopt.all_gather grad : f32
+// CHECK-NEXT: zopt.prepare on gpu
+// CHECK-NEXT: zopt.norm_partials all on gpu
+// CHECK-NEXT: zopt.norm
+// CHECK-NEXT: zopt.update all on gpu
+// CHECK-NEXT: zopt.finish on gpu
+zopt.step @gpu attributes {gpu_arch = "sm_90"} {
+  %p = zopt.state param : f32 on gpu
+  %g = zopt.state grad : f32 on gpu
+  %m = zopt.state exp_avg : f32 on gpu
+  %lr = zopt.hyper lr
+  %b1 = zopt.hyper beta1
+  %gc = zopt.clip_by_global_norm %g max 1.0 : f32
+  %m1 = zopt.ema %m, %gc, %b1 : f32, f32
+  %p1 = zopt.apply %p, %m1, %lr : f32, f32
+  zopt.yield %p1, %m1 into %p, %m : f32, f32 into f32, f32
+}
