@@ -59,6 +59,13 @@ def cuda_gpu_present():
         return False
 if cuda_gpu_present():
     config.available_features.add("cuda-gpu")
-llvm_config.add_tool_substitutions(["zopt-gpu-check", "zopt-gpu-host-check"], tool_dirs)
+llvm_config.add_tool_substitutions(["zopt-gpu-check", "zopt-gpu-host-check", "zopt-zero-check"], tool_dirs)
+# MPI (Open MPI's mpirun; as root it needs the allow-run-as-root flags, more
+# ranks than cores --oversubscribe): multi-process tests say REQUIRES: mpi.
+import shutil
+if shutil.which("mpirun") and os.path.exists(os.path.join(config.zopt_obj_root, "lib", "libzopt_comm_mpi.so")):
+    config.available_features.add("mpi")
+config.substitutions.append(("%mpirun", "mpirun --allow-run-as-root --oversubscribe --mca btl self,vader "
+                             "--mca btl_vader_single_copy_mechanism none --timeout 120"))
 # The stand-in CUDA driver of test/Integration/GPUHost.
 config.substitutions.append(("%fake_cuda", os.path.join(config.zopt_obj_root, "lib", "libzopt-fake-cuda.so")))

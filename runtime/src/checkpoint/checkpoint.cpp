@@ -256,8 +256,8 @@ zopt_status read_header(File &f, const std::string &path) {
     for (uint32_t i = 0; i < nkinds; ++i) {
       KindRec k{r.get<uint32_t>(), r.get<uint32_t>()};
       if (!r.ok) return ck_fail(path, "truncated header");
-      if (k.kind <= ZOPT_STATE_GRAD || k.kind > ZOPT_STATE_MOMENTUM_BUFFER)
-        return ck_fail(path, "state kind %u is not an optimizer state", k.kind);
+      if (k.kind == ZOPT_STATE_GRAD || k.kind < ZOPT_STATE_PARAM || k.kind > ZOPT_STATE_MOMENTUM_BUFFER)
+        return ck_fail(path, "state kind %u is not a state a checkpoint holds", k.kind);
       if (!dtype_size(k.dtype)) return ck_fail(path, "state %s: unknown dtype %u", state_kind_name(k.kind), k.dtype);
       for (const KindRec &o : f.kinds)
         if (o.kind == k.kind) return ck_fail(path, "state %s stored twice", state_kind_name(k.kind));
@@ -460,6 +460,14 @@ void save_runs(const zopt_optimizer *o, int t, int si, std::vector<exec::Run> *o
 
 bool on_gpu(const zopt_optimizer *o) { return o->gpu != nullptr; }
 
+// What a checkpoint holds: the optimizer states, and the params where the
+// runtime holds them (ZeRO-3: sharded, the model has no copy of its own).
+bool saved_state(const zopt_optimizer *o, uint32_t s) {
+  uint32_t k = o->d->states[s].kind;
+  if (is_owned_kind(k)) return true;
+  return k == ZOPT_STATE_PARAM && o->prog && o->prog->buf[s] && !o->prog->pinned[s];
+}
+
 // The bytes of a run: in place for host memory, staged for a GPU step.
 zopt_status run_bytes(const zopt_optimizer *o, int t, int si, const exec::Run &r, std::vector<unsigned char> &stage,
                       const void **out) {
@@ -487,7 +495,7 @@ static zopt_status save_file(const zopt_optimizer *o, const std::string &file) {
   const zopt_step_descriptor *d = o->d;
   std::vector<uint32_t> kinds;  // descriptor indices of the saved states
   for (uint32_t s = 0; s < d->num_states; ++s)
-    if (is_owned_kind(d->states[s].kind)) kinds.push_back(s);
+    if (saved_state(o, s)) kinds.push_back(s);
   struct P {
     uint32_t ki, t;
     exec::Run run;
@@ -732,7 +740,7 @@ static zopt_status stage_load(zopt_optimizer *o, const char *path, uint32_t flag
     if (is_owned_kind(k) && !file_has(k)) missing += std::string(missing.empty() ? "" : ", ") + state_kind_name(k);
   }
   for (const KindRec &k : f0.kinds)
-    if (state_index(d, k.kind) < 0 && k.kind != ZOPT_STATE_MASTER)
+    if (state_index(d, k.kind) < 0 && k.kind != ZOPT_STATE_MASTER && k.kind != ZOPT_STATE_PARAM)
       extra += std::string(extra.empty() ? "" : ", ") + state_kind_name(k.kind);
   if (!allow && (!missing.empty() || !extra.empty()))
     return ck_fail(path,
@@ -783,7 +791,7 @@ static zopt_status stage_load(zopt_optimizer *o, const char *path, uint32_t flag
   try {
     for (uint32_t s = 0; s < d->num_states; ++s) {
       const uint32_t kind = d->states[s].kind, dt = d->states[s].dtype;
-      if (!is_owned_kind(kind)) continue;
+      if (!saved_state(o, s)) continue;
       const size_t es = dtype_size(dt);
       for (size_t t = 0; t < o->tensors.size(); ++t) {
         if (o->gpu) {
@@ -796,6 +804,14 @@ static zopt_status stage_load(zopt_optimizer *o, const char *path, uint32_t flag
         for (const exec::Run &r : runs) {
           Staged::Dest dst{(int)t, (int)s, r.start, r.len, {}};
           dst.bytes.resize((size_t)r.len * es);
+          if (pit == index.end() && kind == ZOPT_STATE_PARAM) {
+            // A checkpoint of a step whose params the model holds: the
+            // runtime's shard from the model's params, as at finalize.
+            const size_t pes = dtype_size(dt);
+            memcpy(dst.bytes.data(), (const char *)o->tensors[t].param + (size_t)r.start * pes, (size_t)r.len * pes);
+            out.dests.push_back(std::move(dst));
+            continue;
+          }
           if (pit == index.end()) {
             if (kind == ZOPT_STATE_MASTER) {  // (allowed above) from the params, as at finalize
               std::vector<unsigned char> p((size_t)r.len * dtype_size(d->states[pidx].dtype));

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <new>
+#include <string>
 
 namespace zopt {
 namespace exec {
@@ -438,15 +439,20 @@ zopt_status agree(zopt_optimizer *o) {
   for (size_t t = 0; t < T; ++t) mine[8 + t] = o->active.empty() ? 1 : o->active[t];
   if (zopt_status st = comm_all_gather(o->comm, mine.data(), all.data(), msg, "STEP settings and gradient mask"))
     return st;
-  for (int q = 0; q < o->world; ++q) {
+  // Rank 0's values are the reference: name every rank that differs.
+  uint64_t h0;
+  memcpy(&h0, all.data(), 8);
+  std::string bad;
+  for (int q = 1; q < o->world; ++q) {
     uint64_t hq;
     memcpy(&hq, all.data() + q * msg, 8);
-    if (hq != h)
-      return fail(ZOPT_ERR_INVALID_ARGUMENT,
-                  "zopt_optimizer_step: rank %d's hyperparameters, seed, gradient divisor or loss scale differ "
-                  "from rank %d's: every rank must step with the same values",
-                  q, o->rank);
+    if (hq != h0) bad += (bad.empty() ? "" : ", ") + std::to_string(q);
   }
+  if (!bad.empty())
+    return fail(ZOPT_ERR_INVALID_ARGUMENT,
+                "zopt_optimizer_step: the hyperparameters, seed, gradient divisor or loss scale of rank(s) %s differ "
+                "from rank 0's: every rank must step with the same values",
+                bad.c_str());
   P.global_active.assign(T, 0);
   bool all_on = true;
   for (size_t t = 0; t < T; ++t) {

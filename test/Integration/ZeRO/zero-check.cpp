@@ -1,0 +1,478 @@
+// zopt-zero-check: a compiled step at W ranks against one rank, bit for bit.
+//
+// Every rank r of W builds the same model (tensors of awkward sizes in two
+// groups: empty, smaller than W, not divisible by anything, spanning
+// buckets) with the same initial params, and at step k uses its own
+// gradients G[r][k] (deterministic random, never zero). Every rank also
+// runs, locally, a one-rank optimizer of the same step (the reference) whose
+// gradient is the rank-order f32 sum of every rank's G, rounded to the grad
+// dtype, with the gradient divisor set to W (the mean). After every step
+// the W-rank result must equal the reference exactly: the norm, the skip
+// decision, the loss scale, the params in user memory (gathered under
+// ZeRO-3), the full grads where the stage keeps them, every optimizer state
+// (read through the C API, a collective gather for sharded states), and
+// the step counts.
+//
+//   zopt-zero-check STEP.so [options]
+//     --comm=loopback|mpi   ranks as threads (with --world=W) or MPI processes
+//     --world=W             loopback world size
+//     --steps=N             steps (default 4)
+//     --bucket=E            bucket elements (default 65536: several buckets)
+//     --threads=T           threads per rank (default 1)
+//     --grad-scale=X        gradient magnitude (clipping active or not)
+//     --accum=A             divisor W*A (A accumulated micro-batches)
+//     --inf-at=K            the last rank puts +inf in one gradient at step K
+//     --mask                tensor 3 has no gradient on any rank, tensor 5
+//                           has one on rank 0 only
+//     --delay               loopback: random delays and poisoned buffers
+//     --save=PATH           after the steps, save a checkpoint (collective)
+//     --load=PATH --from-world=Ws --loaded-steps=S
+//                           start from a checkpoint that a run at Ws ranks
+//                           saved after S steps; continue --steps steps
+//     --mismatch=stage|tensors|hyper|seed  rank 1 (only) differs: every rank
+//                           must fail with an error naming rank 1
+//     --other=STEP2.so      rank 1's step for --mismatch=stage
+#include "zopt/comm.h"
+#include "zopt/zopt.h"
+
+#include <cmath>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+struct Options {
+  std::string step, other, comm = "loopback", save, load, mismatch;
+  int world = 2, steps = 4, threads = 1, accum = 1, inf_at = -1, from_world = 1, loaded_steps = 0;
+  int64_t bucket = 65536;
+  double grad_scale = 0.05;
+  bool mask = false, delay = false;
+};
+
+std::mutex g_print_mu;
+int g_failures = 0, g_passes = 0;
+
+void report(int rank, bool ok, const char *fmt, ...) {
+  char m[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(m, sizeof m, fmt, ap);
+  va_end(ap);
+  std::lock_guard<std::mutex> lk(g_print_mu);
+  if (ok) {
+    ++g_passes;
+    if (rank == 0) printf("PASS %s\n", m);
+  } else {
+    ++g_failures;
+    printf("FAIL rank %d: %s\n", rank, m);
+  }
+  fflush(stdout);
+}
+
+#define CK(call)                                                                      \
+  do {                                                                                \
+    zopt_status st_ = (call);                                                         \
+    if (st_ != ZOPT_OK) {                                                             \
+      report(rank, false, "%s -> %d: %s", #call, (int)st_, zopt_last_error());       \
+      return false;                                                                   \
+    }                                                                                 \
+  } while (0)
+
+size_t esize(uint32_t dt) { return dt == ZOPT_DTYPE_F32 ? 4 : 2; }
+float to_f32(const void *p, uint32_t dt, size_t i) {
+  if (dt == ZOPT_DTYPE_F32) return ((const float *)p)[i];
+  uint16_t h = ((const uint16_t *)p)[i];
+  if (dt == ZOPT_DTYPE_BF16) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+  }
+  _Float16 x;
+  memcpy(&x, &h, 2);
+  return (float)x;
+}
+void from_f32(void *p, uint32_t dt, size_t i, float v) {
+  if (dt == ZOPT_DTYPE_F32) {
+    ((float *)p)[i] = v;
+  } else if (dt == ZOPT_DTYPE_BF16) {  // round to nearest even (finite and inf inputs)
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+      ((uint16_t *)p)[i] = (uint16_t)((u >> 16) | 0x40);
+      return;
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
+  } else {
+    _Float16 x = (_Float16)v;
+    memcpy((uint16_t *)p + i, &x, 2);
+  }
+}
+
+uint64_t mix(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  x ^= x >> 33;
+  return x;
+}
+// A deterministic value in +-[0.1, 1.1) * scale (never zero).
+float value(uint64_t a, uint64_t b, uint64_t c, uint64_t i, double scale) {
+  uint64_t h = mix(a * 0x9E3779B97F4A7C15ull ^ mix(b * 31 + c * 1000003 + i * 7919 + 17));
+  double u = (double)(h >> 11) / 9007199254740992.0;
+  return (float)((h & 1 ? 1.0 : -1.0) * (0.1 + u) * scale);
+}
+
+const std::vector<int64_t> kSizes = {0, 1, 3, 5, 1000, 33333, 70001, 130000, 7};
+const std::vector<int> kGroups = {0, 0, 1, 0, 1, 0, 1, 0, 1};
+
+struct Model {
+  const zopt_step *step;
+  const zopt_step_descriptor *d;
+  uint32_t pdt, gdt;
+  std::vector<std::vector<unsigned char>> p, g;
+  zopt_optimizer *o = nullptr;
+  ~Model() { zopt_optimizer_free(o); }
+};
+
+uint32_t dtype_of(const zopt_step_descriptor *d, uint32_t kind) {
+  for (uint32_t i = 0; i < d->num_states; ++i)
+    if (d->states[i].kind == kind) return d->states[i].dtype;
+  return 0;
+}
+
+// Builds a model with the initial params; `drop_last` registers one tensor
+// fewer (the tensors mismatch).
+bool build(int rank, const zopt_step *step, Model &m, const Options &opt, zopt_comm *comm, bool drop_last) {
+  m.step = step;
+  m.d = zopt_step_get_descriptor(step);
+  m.pdt = dtype_of(m.d, ZOPT_STATE_PARAM);
+  m.gdt = dtype_of(m.d, ZOPT_STATE_GRAD);
+  size_t T = kSizes.size() - (drop_last ? 1 : 0);
+  m.p.resize(T);
+  m.g.resize(T);
+  for (size_t t = 0; t < T; ++t) {
+    m.p[t].resize((size_t)kSizes[t] * esize(m.pdt) + 1);
+    m.g[t].resize((size_t)kSizes[t] * esize(m.gdt) + 1);
+    for (int64_t i = 0; i < kSizes[t]; ++i) from_f32(m.p[t].data(), m.pdt, (size_t)i, value(1, t, 0, i, 1.0));
+  }
+  CK(zopt_optimizer_create(step, &m.o));
+  CK(zopt_optimizer_set_num_threads(m.o, opt.threads));
+  int id;
+  CK(zopt_optimizer_add_group(m.o, &id));
+  CK(zopt_optimizer_add_group(m.o, &id));
+  for (size_t t = 0; t < T; ++t)
+    CK(zopt_optimizer_add_tensor(m.o, kGroups[t], m.p[t].data(), m.g[t].data(), kSizes[t], (zopt_dtype)m.pdt, &id));
+  if (comm) CK(zopt_optimizer_set_comm(m.o, comm));
+  CK(zopt_optimizer_set_bucket_elems(m.o, opt.bucket));
+  double v;
+  if (zopt_optimizer_get_hyper(m.o, 0, "lr", &v) == ZOPT_OK) {
+    CK(zopt_optimizer_set_hyper(m.o, 0, "lr", 1e-2));
+    CK(zopt_optimizer_set_hyper(m.o, 1, "lr", 3e-3));
+  }
+  if (zopt_optimizer_get_hyper(m.o, 0, "weight_decay", &v) == ZOPT_OK)
+    CK(zopt_optimizer_set_hyper(m.o, 1, "weight_decay", 0.1));
+  if (m.d->flags & ZOPT_FLAG_LOSS_SCALE) {
+    zopt_loss_scaler_config c = {1024.0, 2.0, 0.5, 2, 1.0, 1};
+    CK(zopt_optimizer_configure_loss_scaler(m.o, &c));
+  }
+  CK(zopt_optimizer_set_seed(m.o, 42));
+  return true;
+}
+
+// Rank r's gradient of tensor t at step k, already multiplied by the loss
+// scale S (exact: S is a power of two).
+float grad_value(const Options &opt, int r, int k, size_t t, int64_t i, double S) {
+  if (opt.inf_at == k && r == opt.world - 1 && t == 6 && i == 17) return INFINITY;
+  return (float)(value(2, t, (uint64_t)k * 4096 + (uint64_t)r, (uint64_t)i, opt.grad_scale) * S);
+}
+bool has_grad(const Options &opt, int r, size_t t) {
+  if (!opt.mask) return true;
+  if (t == 3) return false;
+  if (t == 5) return r == 0;
+  return true;
+}
+
+void fill_grads(Model &m, const Options &opt, int r, int k, double S) {
+  for (size_t t = 0; t < m.g.size(); ++t)
+    for (int64_t i = 0; i < kSizes[t]; ++i)
+      from_f32(m.g[t].data(), m.gdt, (size_t)i, has_grad(opt, r, t) ? grad_value(opt, r, k, t, i, S) : 0.0f);
+}
+
+// The reference's gradient: the rank-order f32 sum of every rank's
+// gradient (absent ones contribute nothing), rounded to the grad dtype.
+void fill_ref_grads(Model &m, const Options &opt, int world, int k, double S) {
+  for (size_t t = 0; t < m.g.size(); ++t)
+    for (int64_t i = 0; i < kSizes[t]; ++i) {
+      float acc = 0;
+      bool first = true;
+      for (int r = 0; r < world; ++r) {
+        // Each rank's value as stored in its grad dtype.
+        unsigned char tmp[4];
+        from_f32(tmp, m.gdt, 0, has_grad(opt, r, t) ? grad_value(opt, r, k, t, i, S) : 0.0f);
+        float x = to_f32(tmp, m.gdt, 0);
+        acc = first ? x : acc + x;
+        first = false;
+      }
+      from_f32(m.g[t].data(), m.gdt, (size_t)i, acc);
+    }
+}
+
+std::vector<uint8_t> mask_of(const Options &opt, int r) {
+  std::vector<uint8_t> a(kSizes.size());
+  for (size_t t = 0; t < a.size(); ++t) a[t] = has_grad(opt, r, t);
+  return a;
+}
+
+bool same_bits(double a, double b) { return memcmp(&a, &b, 8) == 0; }
+
+// Compares everything a step produces.
+bool compare(int rank, Model &m, Model &ref, const zopt_step_result &a, const zopt_step_result &b, int k,
+             const Options &opt, const char *tag) {
+  bool ok = true;
+  char what[160];
+  snprintf(what, sizeof what, "%s step %d", tag, k);
+  if (!(same_bits(a.grad_norm, b.grad_norm) || (std::isnan(a.grad_norm) && std::isnan(b.grad_norm))) ||
+      a.skipped != b.skipped || a.loss_scale != b.loss_scale) {
+    report(rank, false, "%s: result (norm %.17g, skipped %d, scale %g) != one rank's (%.17g, %d, %g)", what,
+           a.grad_norm, a.skipped, a.loss_scale, b.grad_norm, b.skipped, b.loss_scale);
+    ok = false;
+  }
+  const zopt_step_descriptor *d = m.d;
+  const bool zero3 = [&] {
+    for (uint32_t i = 0; i < d->num_states; ++i)
+      if (d->states[i].kind == ZOPT_STATE_PARAM) return (d->states[i].flags & ZOPT_STATE_PARTITIONED) != 0;
+    return false;
+  }();
+  // Params in user memory (ZeRO-3: gathered first, a collective).
+  if (zero3) CK(zopt_optimizer_gather_params(m.o, 0, (int)kSizes.size(), nullptr));
+  if (zero3) CK(zopt_optimizer_gather_params(ref.o, 0, (int)kSizes.size(), nullptr));
+  for (size_t t = 0; t < m.p.size(); ++t)
+    if (memcmp(m.p[t].data(), ref.p[t].data(), (size_t)kSizes[t] * esize(m.pdt)) != 0) {
+      size_t i = 0;
+      while (i < (size_t)kSizes[t] && to_f32(m.p[t].data(), m.pdt, i) == to_f32(ref.p[t].data(), m.pdt, i)) ++i;
+      report(rank, false, "%s: param of tensor %zu differs from one rank's at element %zu (%.9g vs %.9g)", what, t, i,
+             i < (size_t)kSizes[t] ? to_f32(m.p[t].data(), m.pdt, i) : 0.0f,
+             i < (size_t)kSizes[t] ? to_f32(ref.p[t].data(), m.pdt, i) : 0.0f);
+      ok = false;
+    }
+  // Every optimizer state, whole (sharded states: gathered, a collective).
+  for (uint32_t s = 0; s < d->num_states; ++s) {
+    uint32_t kind = d->states[s].kind;
+    if (kind == ZOPT_STATE_GRAD) continue;
+    size_t es = esize(d->states[s].dtype);
+    for (size_t t = 0; t < m.p.size(); ++t) {
+      std::vector<unsigned char> x((size_t)kSizes[t] * es + 1), y((size_t)kSizes[t] * es + 1);
+      CK(zopt_optimizer_read_state_raw(m.o, (int)t, (zopt_state_kind)kind, x.data(), (size_t)kSizes[t] * es));
+      CK(zopt_optimizer_read_state_raw(ref.o, (int)t, (zopt_state_kind)kind, y.data(), (size_t)kSizes[t] * es));
+      if (x != y) {
+        report(rank, false, "%s: state %u of tensor %zu differs from one rank's", what, kind, t);
+        ok = false;
+      }
+    }
+  }
+  for (size_t t = 0; t < m.p.size(); ++t) {
+    int64_t c1 = -1, c2 = -2;
+    CK(zopt_optimizer_get_tensor_step(m.o, (int)t, &c1));
+    CK(zopt_optimizer_get_tensor_step(ref.o, (int)t, &c2));
+    if (c1 != c2) {
+      report(rank, false, "%s: tensor %zu took %lld steps, one rank's %lld", what, t, (long long)c1, (long long)c2);
+      ok = false;
+    }
+  }
+  (void)opt;
+  return ok;
+}
+
+bool expect_error(int rank, zopt_status st, const char *what, const char *needle) {
+  const char *msg = zopt_last_error();
+  bool ok = st != ZOPT_OK && strstr(msg, needle);
+  report(rank, ok, "%s fails on every rank naming %s (rank %d: \"%s\")", what, needle, rank, st ? msg : "no error");
+  return ok;
+}
+
+// One rank's whole run.
+bool run_rank(int rank, int world, zopt_comm *comm, const Options &opt) {
+  zopt_step *step = nullptr, *other = nullptr;
+  CK(zopt_step_load(opt.step.c_str(), &step));
+  std::unique_ptr<zopt_step, void (*)(zopt_step *)> own_step(step, zopt_step_free);
+  if (!opt.other.empty()) CK(zopt_step_load(opt.other.c_str(), &other));
+  std::unique_ptr<zopt_step, void (*)(zopt_step *)> own_other(other, zopt_step_free);
+  Options o2 = opt;
+  o2.world = world;
+
+  // ---- deliberate mismatches: every rank must fail, naming rank 1 --------
+  if (!opt.mismatch.empty()) {
+    Model m;
+    const bool odd = rank == 1;
+    const zopt_step *s = (odd && opt.mismatch == "stage") ? other : step;
+    if (!build(rank, s, m, o2, comm, odd && opt.mismatch == "tensors")) return false;
+    zopt_status st = zopt_optimizer_finalize(m.o);
+    if (opt.mismatch == "tensors") return expect_error(rank, st, "another tensor list at finalize", "rank(s) 1");
+    if (opt.mismatch == "stage") return expect_error(rank, st, "another step (ZeRO stage) at finalize", "rank(s) 1");
+    CK(st);
+    if (opt.mismatch == "hyper" && odd) CK(zopt_optimizer_set_hyper(m.o, 0, "lr", 0.5));
+    if (opt.mismatch == "seed" && odd) CK(zopt_optimizer_set_seed(m.o, 7));
+    fill_grads(m, o2, rank, 1, 1.0);
+    zopt_step_result r{};
+    if (opt.mismatch == "call") {
+      // Rank 1 gathers params while the others step: the collectives differ.
+      st = odd ? zopt_optimizer_gather_params(m.o, 0, (int)kSizes.size(), nullptr) : zopt_optimizer_step(m.o, &r);
+      return expect_error(rank, st, "a rank calling another collective", "rank");
+    }
+    st = zopt_optimizer_step(m.o, &r);
+    return expect_error(rank, st, opt.mismatch == "hyper" ? "other hyperparameters" : "another seed", "rank(s) 1");
+  }
+
+  Model m, ref;
+  if (!build(rank, step, m, o2, comm, false) || !build(rank, step, ref, o2, nullptr, false)) return false;
+  CK(zopt_optimizer_finalize(m.o));
+  CK(zopt_optimizer_finalize(ref.o));
+  CK(zopt_optimizer_set_grad_divisor(m.o, (double)world * opt.accum));
+  CK(zopt_optimizer_set_grad_divisor(ref.o, (double)world * opt.accum));
+  if (opt.mask) {
+    std::vector<uint8_t> a = mask_of(o2, rank);
+    CK(zopt_optimizer_set_active(m.o, a.data(), (int64_t)a.size()));
+    // The reference has a gradient wherever any rank has one.
+    std::vector<uint8_t> any(kSizes.size());
+    for (size_t t = 0; t < any.size(); ++t)
+      for (int r = 0; r < world; ++r) any[t] |= has_grad(o2, r, t);
+    CK(zopt_optimizer_set_active(ref.o, any.data(), (int64_t)any.size()));
+  }
+  int first_step = 1;
+  if (!opt.load.empty()) {
+    // The reference replays the saving run's steps at its world size; the
+    // model's params are what they were then (the model's checkpoint).
+    Options os = o2;
+    os.world = opt.from_world;
+    CK(zopt_optimizer_set_grad_divisor(ref.o, (double)opt.from_world * opt.accum));
+    for (int k = 1; k <= opt.loaded_steps; ++k) {
+      double S = 1;
+      CK(zopt_optimizer_get_loss_scale(ref.o, &S));
+      fill_ref_grads(ref, os, opt.from_world, k, S);
+      zopt_step_result b{};
+      CK(zopt_optimizer_step(ref.o, &b));
+    }
+    CK(zopt_optimizer_set_grad_divisor(ref.o, (double)world * opt.accum));
+    for (size_t t = 0; t < m.p.size(); ++t) m.p[t] = ref.p[t];
+    CK(zopt_optimizer_load(m.o, opt.load.c_str()));
+    zopt_step_result none{NAN, 0, 0};
+    none.loss_scale = 0;
+    zopt_step_result z = none;
+    bool ok = compare(rank, m, ref, z, none, opt.loaded_steps, o2, "after loading");
+    report(rank, ok, "checkpoint of %d rank(s) after %d steps loads at %d rank(s): every state equals one rank's",
+           opt.from_world, opt.loaded_steps, world);
+    first_step = opt.loaded_steps + 1;
+  }
+  bool all_ok = true;
+  for (int k = first_step; k < first_step + opt.steps; ++k) {
+    double S = 1, Sr = 1;
+    CK(zopt_optimizer_get_loss_scale(m.o, &S));
+    CK(zopt_optimizer_get_loss_scale(ref.o, &Sr));
+    fill_grads(m, o2, rank, k, S);
+    fill_ref_grads(ref, o2, world, k, Sr);
+    zopt_step_result a{}, b{};
+    CK(zopt_optimizer_step(m.o, &a));
+    CK(zopt_optimizer_step(ref.o, &b));
+    bool ok = compare(rank, m, ref, a, b, k, o2, "");
+    // The stages that keep the full mean gradient on every rank (0, 1).
+    all_ok = all_ok && ok;
+    report(rank, ok, "step %d at %d rank(s) (norm %.17g%s) bit-identical to one rank on the rank-order sum", k, world,
+           a.grad_norm, a.skipped ? ", skipped" : "");
+  }
+  zopt_memory_info mi, mr;
+  CK(zopt_optimizer_memory_info(m.o, &mi));
+  CK(zopt_optimizer_memory_info(ref.o, &mr));
+  bool sharded = false;
+  for (uint32_t s = 0; s < m.d->num_states; ++s) sharded |= (m.d->states[s].flags & ZOPT_STATE_PARTITIONED) != 0;
+  // Each rank holds its shards of the partitioned states: ~1/W of one
+  // rank's bytes plus padding (at most one norm block per bucket and rank).
+  const uint64_t pad = 4 * 8 * 32768ull * 8;
+  bool mem_ok = mi.state_bytes_one_rank == mr.state_bytes_one_rank &&
+                (!sharded || world == 1 || mi.state_bytes * (uint64_t)world <= mr.state_bytes + (uint64_t)world * pad);
+  report(rank, mem_ok, "memory: %llu state bytes on this rank, %llu on one rank (world %d)",
+         (unsigned long long)mi.state_bytes, (unsigned long long)mr.state_bytes, world);
+  if (!opt.save.empty()) CK(zopt_optimizer_save(m.o, opt.save.c_str()));
+  return all_ok;
+}
+
+bool parse(int argc, char **argv, Options &o) {
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto val = [&](const char *k) -> const char * {
+      size_t n = strlen(k);
+      return a.compare(0, n, k) == 0 ? argv[i] + n : nullptr;
+    };
+    if (const char *v = val("--comm=")) o.comm = v;
+    else if (const char *v = val("--world=")) o.world = atoi(v);
+    else if (const char *v = val("--steps=")) o.steps = atoi(v);
+    else if (const char *v = val("--bucket=")) o.bucket = atoll(v);
+    else if (const char *v = val("--threads=")) o.threads = atoi(v);
+    else if (const char *v = val("--grad-scale=")) o.grad_scale = atof(v);
+    else if (const char *v = val("--accum=")) o.accum = atoi(v);
+    else if (const char *v = val("--inf-at=")) o.inf_at = atoi(v);
+    else if (const char *v = val("--save=")) o.save = v;
+    else if (const char *v = val("--load=")) o.load = v;
+    else if (const char *v = val("--from-world=")) o.from_world = atoi(v);
+    else if (const char *v = val("--loaded-steps=")) o.loaded_steps = atoi(v);
+    else if (const char *v = val("--mismatch=")) o.mismatch = v;
+    else if (const char *v = val("--other=")) o.other = v;
+    else if (a == "--mask") o.mask = true;
+    else if (a == "--delay") o.delay = true;
+    else if (a[0] != '-' && o.step.empty()) o.step = a;
+    else {
+      fprintf(stderr, "zopt-zero-check: unknown argument '%s'\n", argv[i]);
+      return false;
+    }
+  }
+  return !o.step.empty();
+}
+
+}  // namespace
+
+int main(int argc, char **argv) {
+  Options opt;
+  if (!parse(argc, argv, opt)) {
+    fprintf(stderr, "usage: zopt-zero-check STEP.so [--comm=loopback|mpi] [--world=W] [options]\n");
+    return 2;
+  }
+  if (opt.comm == "mpi") {
+    zopt_comm *c = nullptr;
+    if (zopt_comm_create_mpi(nullptr, &c) != ZOPT_OK) {
+      fprintf(stderr, "zopt-zero-check: %s\n", zopt_last_error());
+      return 1;
+    }
+    int rank = zopt_comm_rank(c), world = zopt_comm_size(c);
+    opt.world = world;
+    zopt_comm_set_timeout(c, 60);
+    run_rank(rank, world, c, opt);
+    zopt_comm_free(c);
+    printf("rank %d: %d passed, %d failed\n", rank, g_passes, g_failures);
+    return g_failures ? 1 : 0;
+  }
+  const int W = opt.world;
+  std::vector<zopt_comm *> comms(W);
+  zopt_loopback_options lo{};
+  lo.timeout_s = 20;
+  lo.flags = opt.delay ? (ZOPT_LOOPBACK_DELAY | ZOPT_LOOPBACK_POISON) : 0;
+  lo.seed = 5;
+  if (zopt_comm_create_loopback(W, &lo, comms.data()) != ZOPT_OK) {
+    fprintf(stderr, "zopt-zero-check: %s\n", zopt_last_error());
+    return 1;
+  }
+  std::vector<std::thread> th;
+  for (int r = 0; r < W; ++r) th.emplace_back([&, r] { run_rank(r, W, comms[r], opt); });
+  for (auto &t : th) t.join();
+  for (auto *c : comms) zopt_comm_free(c);
+  printf("%d passed, %d failed\n", g_passes, g_failures);
+  return g_failures ? 1 : 0;
+}
