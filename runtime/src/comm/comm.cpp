@@ -143,14 +143,6 @@ zopt_status poisoned(const zopt_comm *c, const char *fn) {
               c->first_error.c_str());
 }
 
-const char *code_name(int rc) {
-  switch (rc) {
-    case ZOPT_COMM_ERR_TIMEOUT: return "timeout";
-    case ZOPT_COMM_ERR_MISMATCH: return "mismatch";
-  }
-  return "failed";
-}
-
 // The signature exchange; returns ZOPT_OK or the poisoning failure.
 zopt_status check_signatures(zopt_comm *c, const CommSignature &mine, const std::string &prefix) {
   c->sigs.resize((size_t)c->size);
@@ -160,7 +152,7 @@ zopt_status check_signatures(zopt_comm *c, const CommSignature &mine, const std:
   else
     rc = c->ops->all_gather(c->ctx, &mine, c->sigs.data(), sizeof mine);
   if (rc != ZOPT_COMM_OK)
-    return poison(c, prefix + ": signature exchange " + code_name(rc) + ": " + engine_error(c));
+    return poison(c, prefix + ": signature exchange: " + engine_error(c));
   for (int q = 0; q < c->size; ++q)
     if (c->sigs[(size_t)q].magic == kCommSignatureMagic && c->sigs[(size_t)q].rank != (uint32_t)q)
       return poison(c, prefix + ": the engine's signature exchange put rank " +
