@@ -228,7 +228,7 @@ void test_missing_rank() {
     CT_ERR(zopt_comm_all_to_all(c, send.data(), recv.data(), 32), kCommErr,
            "timed out after 1 s", "rank 3 did not call collective #2 (its last collective was #1)");
     double dt = now_s() - t0;
-    CT_CHECK(dt > 0.9 && dt < 3, "rank %d failed after %.3f s (timeout 1 s)", r, dt);
+    CT_CHECK(dt > 0.9 && dt < 5, "rank %d failed after %.3f s (timeout 1 s)", r, dt);
     if (r == 2) printf("    rank 2: %s\n", zopt_last_error());
     std::lock_guard<std::mutex> lk(mu);
     ++failed;
