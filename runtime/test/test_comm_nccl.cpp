@@ -16,7 +16,7 @@
 //    ncclInvalidUsage surfaces at zopt_comm_synchronize;
 //  - the stand-in's own rules (send outside a group, unbalanced group,
 //    overlapping all-gather, host pointers, unmatched send/recv);
-//  - no current CUDA context, no NCCL library.
+//  - no current CUDA context, no NCCL library, a rank that never joins.
 //
 // Usage: zopt_test_comm_nccl <libzopt-fake-cuda.so> <stand-in libnccl.so.2>
 #include "comm_test_util.h"
@@ -379,6 +379,17 @@ int main(int argc, char **argv) {
       failures()++;
   }
   if (!run_ranks(1, 30, [](int) { stand_in_rules(); })) failures()++;
+  // A rank that never joins: ncclCommInitRank gives up (the stand-in's timeout).
+  if (run_ranks(1, 30, [&](int) {
+        setenv("FAKE_NCCL_INIT_TIMEOUT_S", "1", 1);
+        make_context_current(cuda());
+        zopt_comm *c = nullptr;
+        CT_ERR(zopt_comm_create_nccl(ids[2][0], 0, 2, nullptr, &c), kCommErr, "ncclCommInitRank (rank 0 of 2)",
+               "rank(s) 1 did not join within 1 s");
+      }))
+    pass("nccl: a rank that never joins: zopt_comm_create_nccl fails naming it");
+  else
+    failures()++;
 
   std::string rm = "rm -rf '" + g_logdir + "'";
   if (!failures() && system(rm.c_str()) != 0) fprintf(stderr, "cannot remove %s\n", g_logdir.c_str());

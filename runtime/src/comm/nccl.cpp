@@ -115,7 +115,7 @@ struct Nccl {
 std::string nccl_text(const Nccl *n, ncclResult_t r) {
   std::string s = n->L->GetErrorString ? n->L->GetErrorString(r) : "";
   s += " (ncclResult " + std::to_string(r) + ")";
-  if (n->L->GetLastError && n->comm) {
+  if (n->L->GetLastError) {  // NCCL ignores the argument (may be NULL, e.g. after a failed init)
     const char *last = n->L->GetLastError(n->comm);
     if (last && *last) s += std::string(": ") + last;
   }
