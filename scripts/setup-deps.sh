@@ -7,6 +7,7 @@ PKGS=(
   cmake ninja-build ccache
   clang-22 lld-22 llvm-22-dev llvm-22-tools libmlir-22-dev mlir-22-tools
   python3-numpy python3-pytest python3-torch
+  libopenmpi-dev openmpi-bin
 )
 missing=()
 for p in "${PKGS[@]}"; do

@@ -41,6 +41,7 @@ class Status(enum.IntEnum):
     OUT_OF_MEMORY = 6
     UNSUPPORTED = 7
     INTERNAL = 8
+    COMM = 9
 
 
 class DType(enum.IntEnum):
@@ -287,3 +288,64 @@ def check(status, what=""):
         if what:
             msg = f"{what}: {msg}" if msg else what
         raise ZoptError(status, msg)
+
+
+# ---- comm.h (runtime/include/zopt/comm.h): communicators ---------------------
+COMM_OPS_VERSION = 1
+COMM_OK = 0
+COMM_ERR_FAILED = 1
+COMM_ERR_TIMEOUT = 2
+COMM_ERR_MISMATCH = 3
+COMM_MEM_HOST = 1
+COMM_MEM_DEVICE = 2
+LOOPBACK_DELAY = 1
+LOOPBACK_POISON = 2
+NCCL_UNIQUE_ID_BYTES = 128
+
+# The engine table's function types. last_error returns a char* as an
+# integer address (a c_char_p result of a callback would dangle).
+COMM_XFER_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                ctypes.c_void_p, ctypes.c_size_t)
+COMM_SYNC_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+COMM_TIMEOUT_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_double)
+COMM_ABORT_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+COMM_ERROR_FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)
+COMM_DESTROY_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+class CommOps(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("memory", ctypes.c_uint32),
+                ("name", ctypes.c_char_p),
+                ("all_to_all", COMM_XFER_FN), ("all_gather", COMM_XFER_FN),
+                ("exchange", COMM_XFER_FN), ("synchronize", COMM_SYNC_FN),
+                ("set_timeout", COMM_TIMEOUT_FN), ("abort", COMM_ABORT_FN),
+                ("last_error", COMM_ERROR_FN), ("destroy", COMM_DESTROY_FN)]
+
+
+class LoopbackOptions(ctypes.Structure):
+    _fields_ = [("timeout_s", ctypes.c_double), ("flags", ctypes.c_uint32),
+                ("reserved", ctypes.c_uint32), ("seed", ctypes.c_uint64)]
+
+
+_SIGS.update({
+    "zopt_comm_create": (_S, [ctypes.POINTER(CommOps), _P, ctypes.c_int, ctypes.c_int,
+                              ctypes.POINTER(_P)]),
+    "zopt_comm_create_self": (_S, [ctypes.POINTER(_P)]),
+    "zopt_comm_create_loopback": (_S, [ctypes.c_int, ctypes.POINTER(LoopbackOptions),
+                                       ctypes.POINTER(_P)]),
+    "zopt_comm_create_mpi": (_S, [_P, ctypes.POINTER(_P)]),
+    "zopt_comm_nccl_unique_id": (_S, [_P]),
+    "zopt_comm_create_nccl": (_S, [_P, ctypes.c_int, ctypes.c_int, _P, ctypes.POINTER(_P)]),
+    "zopt_comm_free": (None, [_P]),
+    "zopt_comm_rank": (ctypes.c_int, [_P]),
+    "zopt_comm_size": (ctypes.c_int, [_P]),
+    "zopt_comm_name": (ctypes.c_char_p, [_P]),
+    "zopt_comm_memory": (ctypes.c_uint32, [_P]),
+    "zopt_comm_set_timeout": (_S, [_P, ctypes.c_double]),
+    "zopt_comm_set_checks": (_S, [_P, ctypes.c_int]),
+    "zopt_comm_count": (ctypes.c_uint64, [_P]),
+    "zopt_comm_all_to_all": (_S, [_P, _P, _P, ctypes.c_size_t]),
+    "zopt_comm_all_gather": (_S, [_P, _P, _P, ctypes.c_size_t]),
+    "zopt_comm_barrier": (_S, [_P]),
+    "zopt_comm_synchronize": (_S, [_P]),
+})

@@ -45,6 +45,10 @@ void load() {
   }
   ZOPT_CU_FUNCS(ZOPT_CU_RESOLVE)
 #undef ZOPT_CU_RESOLVE
+#define ZOPT_CU_RESOLVE_OPTIONAL(member, sym, type) \
+  L->d.member = reinterpret_cast<Driver::member##_fn>(dlsym(h, sym));
+  ZOPT_CU_OPTIONAL_FUNCS(ZOPT_CU_RESOLVE_OPTIONAL)
+#undef ZOPT_CU_RESOLVE_OPTIONAL
   CUresult r = L->d.Init(0);
   if (r != CUDA_SUCCESS) {
     L->why = "CUDA driver present but cuInit failed (no usable CUDA device?): " + describe(L->d, r);

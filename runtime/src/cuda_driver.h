@@ -60,11 +60,20 @@ constexpr unsigned MEMORYTYPE_HOST = 1, MEMORYTYPE_DEVICE = 2, MEMORYTYPE_UNIFIE
   X(MemHostAlloc, "cuMemHostAlloc", CUresult (*)(void **, size_t, unsigned))              \
   X(MemFreeHost, "cuMemFreeHost", CUresult (*)(void *))
 
+// Entry points resolved when present (null otherwise): a driver without
+// them still loads, and only the code that needs them (the NCCL
+// communicator, runtime/src/comm/nccl.cpp) refuses to run.
+#define ZOPT_CU_OPTIONAL_FUNCS(X) \
+  X(StreamQuery, "cuStreamQuery", CUresult (*)(CUstream))
+
+constexpr CUresult CUDA_ERROR_NOT_READY = 600;  // cuStreamQuery: work still pending
+
 struct Driver {
 #define ZOPT_CU_MEMBER(name, sym, type) \
   using name##_fn = type;                \
   name##_fn name = nullptr;
   ZOPT_CU_FUNCS(ZOPT_CU_MEMBER)
+  ZOPT_CU_OPTIONAL_FUNCS(ZOPT_CU_MEMBER)
 #undef ZOPT_CU_MEMBER
 };
 

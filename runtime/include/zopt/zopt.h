@@ -59,6 +59,9 @@ typedef enum zopt_status {
   ZOPT_ERR_OUT_OF_MEMORY = 6,
   ZOPT_ERR_UNSUPPORTED = 7,      /* e.g. a GPU-placed state without CUDA */
   ZOPT_ERR_INTERNAL = 8,
+  ZOPT_ERR_COMM = 9,             /* a collective failed: a rank disagreed,
+                                    died or timed out (zopt/comm.h); the
+                                    job cannot continue */
 } zopt_status;
 
 typedef struct zopt_step zopt_step;

@@ -11,12 +11,28 @@
 // step(), device-resident step state) on a machine without a GPU.
 //
 // Selected with ZOPT_CUDA_DRIVER=<path to this library>.
+//
+// Streams: every call acts at once unless another stand-in library (the
+// stand-in NCCL, runtime/test/fake_nccl) queues work on a stream with
+// fake_cuda_stream_enqueue. While a stream has queued work, a worker thread
+// runs it in order, and the async copies and memsets on that stream join
+// the queue (host-to-device copies read their source at the call, like
+// pageable copies; device-to-host copies into pageable memory wait for the
+// stream first, into cuMemHostAlloc memory they are queued);
+// cuStreamSynchronize waits for the queue and cuStreamQuery reports
+// CUDA_ERROR_NOT_READY (600) while it is not empty.
 //===----------------------------------------------------------------------===//
+#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <functional>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 typedef int CUresult;
@@ -49,6 +65,76 @@ struct State {
 State &st() {
   static State s;
   return s;
+}
+
+// ---- stream queues (see the header) ------------------------------------------
+struct StreamQueue {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::function<void()>> work;  // the front item runs until it is popped
+  bool worker = false;
+};
+
+std::mutex g_streams_mu;
+std::map<void *, StreamQueue *> *g_streams = new std::map<void *, StreamQueue *>;  // never freed
+std::mutex g_pinned_mu;
+std::map<uintptr_t, size_t> g_pinned;  // cuMemHostAlloc'ed ranges
+
+StreamQueue *queue_of(void *stream, bool create) {
+  std::lock_guard<std::mutex> lk(g_streams_mu);
+  auto it = g_streams->find(stream);
+  if (it != g_streams->end()) return it->second;
+  if (!create) return nullptr;
+  StreamQueue *q = new StreamQueue;
+  (*g_streams)[stream] = q;
+  return q;
+}
+
+void run_queue(StreamQueue *q) {
+  std::unique_lock<std::mutex> lk(q->mu);
+  for (;;) {
+    q->cv.wait(lk, [&] { return !q->work.empty(); });
+    std::function<void()> fn = q->work.front();
+    lk.unlock();
+    fn();
+    lk.lock();
+    q->work.pop_front();
+    q->cv.notify_all();
+  }
+}
+
+// Appends fn to the stream's queue (starting its worker).
+void enqueue(void *stream, std::function<void()> fn) {
+  StreamQueue *q = queue_of(stream, true);
+  std::lock_guard<std::mutex> lk(q->mu);
+  q->work.push_back(std::move(fn));
+  if (!q->worker) {
+    q->worker = true;
+    std::thread(run_queue, q).detach();
+  }
+  q->cv.notify_all();
+}
+
+bool busy(void *stream) {
+  StreamQueue *q = queue_of(stream, false);
+  if (!q) return false;
+  std::lock_guard<std::mutex> lk(q->mu);
+  return !q->work.empty();
+}
+
+void drain(void *stream) {
+  StreamQueue *q = queue_of(stream, false);
+  if (!q) return;
+  std::unique_lock<std::mutex> lk(q->mu);
+  q->cv.wait(lk, [&] { return q->work.empty(); });
+}
+
+bool pinned(const void *p, size_t n) {
+  std::lock_guard<std::mutex> lk(g_pinned_mu);
+  auto it = g_pinned.upper_bound((uintptr_t)p);
+  if (it == g_pinned.begin()) return false;
+  --it;
+  return (uintptr_t)p + n <= it->first + it->second;
 }
 
 void log(const char *api) { st().calls.push_back(api); }
@@ -148,29 +234,59 @@ API CUresult cuMemFree_v2(CUdeviceptr p) {
 API CUresult cuMemHostAlloc(void **p, size_t bytes, unsigned) {
   log("cuMemHostAlloc");
   *p = aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
+  if (*p) {
+    std::lock_guard<std::mutex> lk(g_pinned_mu);
+    g_pinned[(uintptr_t)*p] = bytes;
+  }
   return *p ? kOk : kOutOfMemory;
 }
 API CUresult cuMemFreeHost(void *p) {
   log("cuMemFreeHost");
+  {
+    std::lock_guard<std::mutex> lk(g_pinned_mu);
+    g_pinned.erase((uintptr_t)p);
+  }
   free(p);
   return kOk;
 }
-API CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, void *) {
+API CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, void *stream) {
   log("cuMemcpyHtoDAsync");
+  if (busy(stream)) {  // the source is read now, the device written in stream order
+    std::shared_ptr<std::vector<char>> copy(new std::vector<char>((const char *)src, (const char *)src + n));
+    enqueue(stream, [dst, copy] { memcpy((void *)(uintptr_t)dst, copy->data(), copy->size()); });
+    return kOk;
+  }
   memcpy((void *)(uintptr_t)dst, src, n);
   return kOk;
 }
-API CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, void *) {
+API CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, void *stream) {
   log("cuMemcpyDtoHAsync");
+  if (busy(stream)) {
+    if (pinned(dst, n)) {
+      enqueue(stream, [dst, src, n] { memcpy(dst, (const void *)(uintptr_t)src, n); });
+      return kOk;
+    }
+    drain(stream);  // pageable memory: the copy is synchronous
+  }
   memcpy(dst, (const void *)(uintptr_t)src, n);
   return kOk;
 }
-API CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, void *) {
+API CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, void *stream) {
   log("cuMemsetD8Async");
+  if (busy(stream)) {
+    enqueue(stream, [dst, v, n] { memset((void *)(uintptr_t)dst, v, n); });
+    return kOk;
+  }
   memset((void *)(uintptr_t)dst, v, n);
   return kOk;
 }
-API CUresult cuStreamSynchronize(void *) { log("cuStreamSynchronize"); return kOk; }
+API CUresult cuStreamSynchronize(void *stream) {
+  log("cuStreamSynchronize");
+  drain(stream);
+  return kOk;
+}
+// Not logged: callers poll it.
+API CUresult cuStreamQuery(void *stream) { return busy(stream) ? 600 /* CUDA_ERROR_NOT_READY */ : kOk; }
 API CUresult cuGetErrorString(CUresult r, const char **s) {
   *s = r == kLaunchFailed ? "CUDA_ERROR_LAUNCH_FAILED (fake)" : "fake CUDA error";
   return kOk;
@@ -205,3 +321,9 @@ API int fake_cuda_num_allocs(void) { return (int)st().allocs.size(); }
 API void fake_cuda_fail_next_launch(void) { st().fail_next_launch = 1; }
 API void fake_cuda_set_update_nargs(int n) { st().update_nargs = n; }
 API unsigned fake_cuda_image_magic(void) { return st().image_magic; }
+// For other stand-in libraries (the stand-in NCCL): runs fn(arg) on the
+// stream's worker thread after the stream's earlier queued work.
+API int fake_cuda_stream_enqueue(void *stream, void (*fn)(void *), void *arg) {
+  enqueue(stream, [fn, arg] { fn(arg); });
+  return 0;
+}
