@@ -242,6 +242,7 @@ _SIGS = {
     "zopt_optimizer_get_tensor_step": (_S, [_P, ctypes.c_int,
                                             ctypes.POINTER(ctypes.c_int64)]),
     "zopt_optimizer_gather_params": (_S, [_P, ctypes.c_int, ctypes.c_int, _P]),
+    "zopt_optimizer_refresh_master": (_S, [_P, ctypes.c_int, ctypes.c_int]),
 }
 
 _lib = None

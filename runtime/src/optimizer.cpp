@@ -706,6 +706,44 @@ ZOPT_API zopt_status zopt_optimizer_get_tensor_step(const zopt_optimizer *o, int
   return ZOPT_OK;
 }
 
+ZOPT_API zopt_status zopt_optimizer_refresh_master(zopt_optimizer *o, int first, int count) {
+  const char *fn = "zopt_optimizer_refresh_master";
+  CHECK_OPT(o, "zopt_optimizer_refresh_master");
+  if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "%s: call zopt_optimizer_finalize first", fn);
+  if (first < 0 || count < 0 || (size_t)first + (size_t)count > o->tensors.size())
+    return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: tensors [%d, %d + %d) out of range (have %zu)", fn, first, first,
+                count, o->tensors.size());
+  const zopt_step_descriptor *d = o->d;
+  const int pi = o->step->param_index;
+  const uint32_t pdt = d->states[pi].dtype;
+  // Offloaded params are on the GPU: bring them to the staging first.
+  if (o->offload)
+    if (zopt_status st = offload_copy_state(o, pi, false, true)) return st;
+  for (uint32_t s = 0; s < d->num_states; ++s) {
+    const uint32_t kind = d->states[s].kind, dt = d->states[s].dtype;
+    const bool held_param = kind == ZOPT_STATE_PARAM && o->prog && o->prog->buf[s] && !o->prog->pinned[s];
+    if (kind != ZOPT_STATE_MASTER && !held_param) continue;
+    for (int t = first; t < first + count; ++t) {
+      const Tensor &x = o->tensors[t];
+      if (!x.numel) continue;
+      if (o->gpu) {  // through host memory
+        std::vector<unsigned char> p, m;
+        if (zopt_status st = with_staging(x.numel, pdt, &p)) return st;
+        if (zopt_status st = with_staging(x.numel, dt, &m)) return st;
+        if (zopt_status st = gpu_copy(o, t, pi, p.data(), p.size(), false)) return st;
+        convert(p.data(), pdt, m.data(), dt, x.numel);
+        if (zopt_status st = gpu_copy(o, t, (int)s, m.data(), m.size(), true)) return st;
+        continue;
+      }
+      const char *src = o->offload ? (const char *)state_ptr(o, t, pi) : (const char *)x.param;
+      std::vector<exec::Run> runs;
+      exec::runs(o, t, (int)s, &runs);
+      for (const exec::Run &r : runs) convert(src + (size_t)r.start * dtype_size(pdt), pdt, r.ptr, dt, r.len);
+    }
+  }
+  return ZOPT_OK;
+}
+
 ZOPT_API zopt_status zopt_optimizer_gather_params(zopt_optimizer *o, int first, int count, void *const *dst) {
   const char *fn = "zopt_optimizer_gather_params";
   CHECK_OPT(o, "zopt_optimizer_gather_params");

@@ -312,6 +312,14 @@ ZOPT_API zopt_status zopt_optimizer_set_active(zopt_optimizer *opt, const uint8_
  * tensor left alone by set_active does not advance). The bias corrections
  * and stochastic rounding of a tensor use its own count. */
 ZOPT_API zopt_status zopt_optimizer_get_tensor_step(const zopt_optimizer *opt, int tensor, int64_t *count);
+/* Makes the master (and, under ZeRO-3, the runtime's param shard) of
+ * tensors [first, first + count) again the user's params, widened, as at
+ * finalize: call it after writing new values into params whose step keeps
+ * a master (e.g. loading pretrained weights into the model after the
+ * optimizer was built), or the next step would continue from the old
+ * master and overwrite them. Each rank refreshes what it holds from its
+ * own params (no communication). Moments are left as they are. */
+ZOPT_API zopt_status zopt_optimizer_refresh_master(zopt_optimizer *opt, int first, int count);
 /* The current params of tensors [first, first + count) into dst[i] (NULL
  * or a NULL entry: the registered param memory). Under ZeRO-3 the params
  * are held sharded by the runtime and this is a collective: every rank
