@@ -706,6 +706,20 @@ ZOPT_API zopt_status zopt_optimizer_get_tensor_step(const zopt_optimizer *o, int
   return ZOPT_OK;
 }
 
+ZOPT_API zopt_status zopt_optimizer_get_op_times(const zopt_optimizer *o, double *seconds, int n) {
+  const char *fn = "zopt_optimizer_get_op_times";
+  CHECK_OPT(o, "zopt_optimizer_get_op_times");
+  if (!seconds) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: seconds is NULL", fn);
+  if (o->gpu) return fail(ZOPT_ERR_UNSUPPORTED, "%s: a GPU step's ops run asynchronously on its stream", fn);
+  if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "%s: call zopt_optimizer_finalize first", fn);
+  const exec::Program &P = *o->prog;
+  if (n < (int)P.ops.size() + 1)
+    return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: n = %d, need %zu", fn, n, P.ops.size() + 1);
+  for (size_t i = 0; i < P.ops.size(); ++i) seconds[i] = i < P.op_seconds.size() ? P.op_seconds[i] : 0.0;
+  seconds[P.ops.size()] = P.agree_seconds;
+  return ZOPT_OK;
+}
+
 ZOPT_API zopt_status zopt_optimizer_refresh_master(zopt_optimizer *o, int first, int count) {
   const char *fn = "zopt_optimizer_refresh_master";
   CHECK_OPT(o, "zopt_optimizer_refresh_master");

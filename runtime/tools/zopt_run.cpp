@@ -1,6 +1,8 @@
 //===- zopt_run.cpp - run a compiled step through the runtime -------------===//
 //
 //   zopt-run step.so [--params N] [--tensors T] [--steps K] [--threads P]
+//   zopt-run step.so --ranks W [...]          W ranks as threads (loopback)
+//   mpirun -np W zopt-run step.so --mpi [...] W MPI processes
 //
 // The main job: loads a step.so, registers T tensors of random data
 // (N parameters in all), runs K optimizer steps with a changing lr and
@@ -115,10 +117,13 @@ double median(std::vector<double> v) {
 
 } // namespace
 
+// zopt_run_ranks.cpp: the main job at W ranks.
+int zopt_run_ranks(const char *path, int world, bool mpi, long long nParams, int nTensors, int steps, int threads);
+
 int main(int argc, char **argv) {
   if (argc < 2 || !std::strcmp(argv[1], "--help")) {
     std::printf("usage: zopt-run step.so [--params N] [--tensors T] "
-                "[--steps K] [--threads P]\n");
+                "[--steps K] [--threads P] [--ranks W | --mpi]\n");
     return argc < 2 ? 2 : 0;
   }
   std::setvbuf(stdout, nullptr, _IOLBF, 0); // progress lines as they come
@@ -126,17 +131,37 @@ int main(int argc, char **argv) {
   long long nParams = 16ll << 20;
   int nTensors = 64, steps = 10;
   int threads = int(std::thread::hardware_concurrency());
-  for (int i = 2; i + 1 < argc; i += 2) {
+  int ranks = 0;
+  bool mpi = false, threads_set = false;
+  for (int i = 2; i < argc; ++i) {
     std::string a = argv[i];
-    long long v = std::atoll(argv[i + 1]);
+    if (a == "--mpi") {
+      mpi = true;
+      continue;
+    }
+    if (i + 1 >= argc) {
+      std::fprintf(stderr, "zopt-run: %s needs a value\n", a.c_str());
+      return 2;
+    }
+    long long v = std::atoll(argv[++i]);
     if (a == "--params") nParams = v;
     else if (a == "--tensors") nTensors = int(v);
     else if (a == "--steps") steps = int(v);
-    else if (a == "--threads") threads = int(v);
+    else if (a == "--threads") threads = int(v), threads_set = true;
+    else if (a == "--ranks") ranks = int(v);
     else {
       std::fprintf(stderr, "zopt-run: unknown option %s\n", a.c_str());
       return 2;
     }
+  }
+  if (ranks > 0 || mpi) {
+    if (ranks < 0 || ranks > 64) {
+      std::fprintf(stderr, "zopt-run: --ranks %d not in [1, 64]\n", ranks);
+      return 2;
+    }
+    // The ranks share this machine's cores.
+    if (!threads_set) threads = std::max(1, threads / std::max(1, mpi ? 1 : ranks));
+    return zopt_run_ranks(path, ranks, mpi, nParams, nTensors, steps, threads);
   }
   if (nParams < nTensors || nTensors < 1 || steps < 1 || threads < 1) {
     std::fprintf(stderr, "zopt-run: need params >= tensors >= 1, steps >= 1\n");
@@ -260,6 +285,18 @@ int main(int argc, char **argv) {
                 dt * 1e3, double(nParams) / dt * 1e-9,
                 double(nParams) * bytesPerParam / dt * 1e-9, r.grad_norm,
                 r.skipped);
+  }
+  // Where the time of the last step went, op by op (zopt_optimizer_get_op_times).
+  {
+    static const char *names[] = {"?", "COPY", "REDUCE_SCATTER", "ALL_GATHER", "NORM_PARTIALS",
+                                   "NORM", "PREPARE", "UPDATE", "FINISH"};
+    std::vector<double> sec(d->num_program + 1);
+    if (zopt_optimizer_get_op_times(opt, sec.data(), (int)sec.size()) == ZOPT_OK) {
+      std::printf("\nlast step by program op:");
+      for (uint32_t i = 0; i < d->num_program; ++i)
+        std::printf(" %s %.2f ms%s", names[d->program[i].code <= 8 ? d->program[i].code : 0], sec[i] * 1e3,
+                    i + 1 < d->num_program ? "," : "\n");
+    }
   }
   double ts = median(stepTimes), tr = median(streamTimes);
   double gbs = double(nParams) * bytesPerParam / ts * 1e-9;

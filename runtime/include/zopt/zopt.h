@@ -320,6 +320,12 @@ ZOPT_API zopt_status zopt_optimizer_get_tensor_step(const zopt_optimizer *opt, i
  * master and overwrite them. Each rank refreshes what it holds from its
  * own params (no communication). Moments are left as they are. */
 ZOPT_API zopt_status zopt_optimizer_refresh_master(zopt_optimizer *opt, int first, int count);
+/* Where the last step's time went: seconds[i] is the wall time of op i of
+ * the step program (zopt_step_descriptor.program; 0 for an op the step
+ * skipped), seconds[num_program] the agreement between ranks that precedes
+ * them. `n` is the array's length (>= num_program + 1). CPU-updated steps
+ * (a GPU step's ops are asynchronous: ZOPT_ERR_UNSUPPORTED). */
+ZOPT_API zopt_status zopt_optimizer_get_op_times(const zopt_optimizer *opt, double *seconds, int n);
 /* The current params of tensors [first, first + count) into dst[i] (NULL
  * or a NULL entry: the registered param memory). Under ZeRO-3 the params
  * are held sharded by the runtime and this is a collective: every rank

@@ -7,6 +7,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -665,12 +666,21 @@ zopt_status run(zopt_optimizer *o, zopt_step_result *result) {
   const bool ls = d->flags & ZOPT_FLAG_LOSS_SCALE;
   const double S = ls ? o->scaler.scale : 1.0;
   const double gscale = 1.0 / (S * grad_divisor(o));
+  using clock = std::chrono::steady_clock;
+  auto t0 = clock::now();
   if (zopt_status st = agree(o)) return st;
+  P.agree_seconds = std::chrono::duration<double>(clock::now() - t0).count();
+  P.op_seconds.assign(P.ops.size(), 0.0);
   double norm = NAN, clip = 1.0;
   bool skipped = false;
   for (size_t i = 0; i < P.ops.size(); ++i) {
     const zopt_program_op &op = P.ops[i];
     if (skipped && (op.code == ZOPT_OP_UPDATE || (op.flags & ZOPT_OPF_UNLESS_SKIPPED))) continue;
+    struct Timer {
+      double *out;
+      clock::time_point t = clock::now();
+      ~Timer() { *out = std::chrono::duration<double>(clock::now() - t).count(); }
+    } timer{&P.op_seconds[i]};
     switch (op.code) {
       case ZOPT_OP_COPY: {
         // To the host: wait after the last of a run of such copies (the CPU

@@ -46,6 +46,8 @@ struct Blocks {
 
 struct Program {
   std::vector<zopt_program_op> ops;
+  std::vector<double> op_seconds;  // wall time of each op in the last step (0: did not run)
+  double agree_seconds = 0;        // the ranks' agreement before the ops
   layout::Layout L;   // at the world size: shards
   layout::Layout L1;  // at world size 1: full buffers
   // Per descriptor state: the runtime-held buffer (NULL: the user's memory),
