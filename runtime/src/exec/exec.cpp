@@ -212,34 +212,6 @@ void zero_gaps(zopt_optimizer *o, int si) {
 
 // ---- collectives --------------------------------------------------------
 
-// Adds W pieces of n elements of dtype dt in rank order in f32 and stores the
-// rounded sum: ((x_0 + x_1) + x_2) + ... (abi.h REDUCE_SCATTER).
-void fold(uint32_t dt, int W, const char *const *src, char *dst, int64_t n) {
-  if (dt == ZOPT_DTYPE_F32) {
-    float *d = (float *)dst;
-    const float *s0 = (const float *)src[0];
-    for (int64_t i = 0; i < n; ++i) d[i] = s0[i];
-    for (int q = 1; q < W; ++q) {
-      const float *sq = (const float *)src[q];
-      for (int64_t i = 0; i < n; ++i) d[i] = d[i] + sq[i];
-    }
-    return;
-  }
-  // 16-bit dtypes: widen, add in f32 registers of a small block, narrow.
-  constexpr int64_t kB = 1024;
-  float acc[kB];
-  for (int64_t i0 = 0; i0 < n; i0 += kB) {
-    int64_t m = std::min(kB, n - i0);
-    convert(src[0] + i0 * 2, dt, acc, ZOPT_DTYPE_F32, m);
-    for (int q = 1; q < W; ++q) {
-      float tmp[kB];
-      convert(src[q] + i0 * 2, dt, tmp, ZOPT_DTYPE_F32, m);
-      for (int64_t i = 0; i < m; ++i) acc[i] = acc[i] + tmp[i];
-    }
-    convert(acc, ZOPT_DTYPE_F32, dst + i0 * 2, dt, m);
-  }
-}
-
 // A short description of what a collective does, for the checks and errors.
 const char *what(char *buf, size_t n, const char *op, const zopt_optimizer *o, int si, int b) {
   snprintf(buf, n, "%s %s bucket %d", op, si >= 0 ? state_kind_name(o->d->states[si].kind) : "", b);

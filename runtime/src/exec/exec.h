@@ -98,6 +98,9 @@ bool holds_whole(const zopt_optimizer *o, int si);
 // a state sharded across ranks this is a collective: every rank calls it
 // with the same tensors and receives every element.
 zopt_status gather_state(zopt_optimizer *o, int si, int first, int count, void *const *dst);
+// REDUCE_SCATTER's sum (fold.cpp): W pieces of n elements of dtype dt added
+// in f32 in rank order, rounded to dt, stored at dst.
+void fold(uint32_t dt, int W, const char *const *src, char *dst, int64_t n);
 // Bytes of runtime-held state this rank holds; what one rank would hold.
 void state_bytes(const zopt_optimizer *o, uint64_t *mine, uint64_t *one_rank, uint64_t *scratch);
 
