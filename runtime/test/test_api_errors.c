@@ -110,6 +110,15 @@ static void truncate_copy(const char *src, const char *dst, long keep_from_end) 
 static void run_step(const char *path) {
   printf("== %s\n", path);
   zopt_step *step = NULL;
+  /* ZOPT_CPU=none: compiled CPU steps have no baseline variants (zopt.h). */
+  const char *was = getenv("ZOPT_CPU");
+  char saved[64] = "";
+  if (was) snprintf(saved, sizeof saved, "%s", was);
+  setenv("ZOPT_CPU", "none", 1);
+  ZT_ERR(zopt_step_load(path, &step), ZOPT_ERR_UNSUPPORTED);
+  ZT_CHECK(step == NULL && strstr(zopt_last_error(), "no UPDATE kernel variant runs") != NULL);
+  if (was) setenv("ZOPT_CPU", saved, 1);
+  else unsetenv("ZOPT_CPU");
   ZT_OK(zopt_step_load(path, &step));
   if (!step) return;
   const zopt_step_descriptor *d = zopt_step_get_descriptor(step);

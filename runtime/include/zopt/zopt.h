@@ -82,11 +82,14 @@ ZOPT_API zopt_status zopt_step_load(const char *path, zopt_step **out);
 ZOPT_API void zopt_step_free(zopt_step *step);
 /* The validated descriptor (owned by the step). */
 ZOPT_API const zopt_step_descriptor *zopt_step_get_descriptor(const zopt_step *step);
-/* ISA of the UPDATE kernel picked for this CPU (env ZOPT_CPU=avx2|avx512
- * overrides; asking for an ISA the CPU lacks is an error at load;
- * ZOPT_CPU=none forces the baseline variants). The override caps the ISA:
- * the best variant at or below it is used. ZOPT_ISA_NONE for a step whose
- * update runs on the GPU. */
+/* ISA of the UPDATE kernel picked for this CPU. The environment variable
+ * ZOPT_CPU=avx512bf16|avx512|avx2 caps it (the best variant at or below it
+ * is used; asking for an ISA the CPU lacks is an error at load). zopt-compile
+ * emits no baseline (pre-AVX2) variants: the kernels need x86-64-v3 (AVX2,
+ * FMA, F16C), so ZOPT_CPU=none makes every load of a CPU step fail with
+ * ZOPT_ERR_UNSUPPORTED ("no UPDATE kernel variant runs ..."). Every variant
+ * computes the same bits. ZOPT_ISA_NONE for a step whose update runs on the
+ * GPU. */
 ZOPT_API zopt_isa zopt_step_isa(const zopt_step *step);
 
 /* ---- optimizer --------------------------------------------------------- */

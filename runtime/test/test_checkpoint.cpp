@@ -1,0 +1,239 @@
+// Checkpoint format checks (docs/CHECKPOINT.md) that need no multi-rank
+// setup:
+//   - FNV-1a-64 against published test vectors, and the descriptor checksum
+//     of abi.h is that hash (the format-1 / ABI-1 offset basis was wrong);
+//   - a file with a non-zero `flags` field is refused;
+//   - a stale <path>.tmp (a save killed midway) neither breaks the next
+//     save nor is read by a load, and does not survive the next save;
+//   - a checkpoint of another update rule (AdamW into SGD) is refused unless
+//     ZOPT_LOAD_ALLOW_RULE_CHANGE, and a refused load changes nothing.
+// Steps: argv[1] = a directory with the compiled examples (adamw_f32.so and
+// sgd_nesterov_f32.so); without it only the hash checks run.
+#include "test_util.h"
+
+#include "zopt/abi.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+namespace {
+
+// FNV-1a-64 as the specification writes it (offset basis
+// 14695981039346656037, prime 1099511628211), independent of the runtime's.
+uint64_t fnv1a64(const void *data, size_t n) {
+  const unsigned char *p = (const unsigned char *)data;
+  uint64_t h = 14695981039346656037ull;
+  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
+  return h;
+}
+
+void test_fnv() {
+  // Published FNV-1a 64-bit test vectors (Fowler/Noll/Vo reference code).
+  ZT_CHECK(fnv1a64("", 0) == 0xcbf29ce484222325ull);
+  ZT_CHECK(fnv1a64("a", 1) == 0xaf63dc4c8601ec8cull);
+  ZT_CHECK(fnv1a64("foobar", 6) == 0x85944171f73967e8ull);
+  // abi.h's descriptor checksum is FNV-1a-64 of the struct, checksum read as 0.
+  zopt_step_descriptor d;
+  memset(&d, 0, sizeof d);
+  memcpy(d.magic, ZOPT_DESC_MAGIC, 8);
+  strcpy(d.name, "fnv");
+  d.checksum = 0x1234;
+  zopt_step_descriptor z = d;
+  z.checksum = 0;
+  ZT_CHECK(zopt_desc_checksum(&d) == fnv1a64(&z, sizeof z));
+  printf("  FNV-1a-64 test vectors and the descriptor checksum: checked\n");
+}
+
+struct Opt {
+  zopt_step *s = nullptr;
+  zopt_optimizer *o = nullptr;
+  std::vector<float> p[2], g[2];
+  ~Opt() {
+    zopt_optimizer_free(o);
+    zopt_step_free(s);
+  }
+  bool make(const std::string &path) {
+    if (zopt_step_load(path.c_str(), &s) != ZOPT_OK) return false;
+    ZT_OK(zopt_optimizer_create(s, &o));
+    int gid, tid;
+    ZT_OK(zopt_optimizer_add_group(o, &gid));
+    for (int t = 0; t < 2; ++t) {
+      p[t].assign(1000 + 7 * t, 0.5f + t);
+      g[t].assign(p[t].size(), 0.25f - t);
+      ZT_OK(zopt_optimizer_add_tensor(o, gid, p[t].data(), g[t].data(), (int64_t)p[t].size(), ZOPT_DTYPE_F32, &tid));
+    }
+    ZT_OK(zopt_optimizer_finalize(o));
+    return true;
+  }
+};
+
+std::vector<unsigned char> slurp(const std::string &f) {
+  std::vector<unsigned char> b;
+  FILE *fp = fopen(f.c_str(), "rb");
+  if (!fp) return b;
+  fseek(fp, 0, SEEK_END);
+  b.resize((size_t)ftell(fp));
+  fseek(fp, 0, SEEK_SET);
+  if (fread(b.data(), 1, b.size(), fp) != b.size()) b.clear();
+  fclose(fp);
+  return b;
+}
+void spit(const std::string &f, const std::vector<unsigned char> &b) {
+  FILE *fp = fopen(f.c_str(), "wb");
+  fwrite(b.data(), 1, b.size(), fp);
+  fclose(fp);
+}
+
+// FNV-1a with format 1's offset basis.
+uint64_t fnv_v1(const void *data, size_t n) {
+  const unsigned char *p = (const unsigned char *)data;
+  uint64_t h = 1469598103934665603ull;
+  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
+  return h;
+}
+
+// A format-1 file (what ABI-1 runtimes wrote) for the adamw_f32 optimizer
+// below: step counts 3, exp_avg = 0.5 + t, exp_avg_sq = 0.25.
+std::vector<unsigned char> v1_file(const zopt_step_descriptor *d, const std::vector<size_t> &numel) {
+  std::string w;
+  auto put = [&](const void *p, size_t n) { w.append((const char *)p, n); };
+  auto u32 = [&](uint32_t v) { put(&v, 4); };
+  auto u64 = [&](uint64_t v) { put(&v, 8); };
+  auto f64 = [&](double v) { put(&v, 8); };
+  put("ZOPTCKP1", 8);
+  u32(1);
+  u32(0);
+  u64(d->checksum);
+  put(d->name, ZOPT_NAME_LEN);
+  u32(1);
+  u32((uint32_t)numel.size());
+  f64(65536.0);
+  u64(0);
+  f64(65536.0), f64(2.0), f64(0.5);
+  u64(2000);
+  f64(1.0);
+  u32(1), u32(0);
+  u64(3);  // the group's step count
+  u32(d->num_hypers), u32(0);
+  for (uint32_t h = 0; h < d->num_hypers; ++h) u32(d->hypers[h].kind), u32(0), f64(d->hypers[h].default_value);
+  size_t header = w.size() + numel.size() * (16 + 2 * 32) + 8;
+  uint64_t off = (header + 63) / 64 * 64;
+  std::vector<std::vector<float>> data;
+  for (size_t t = 0; t < numel.size(); ++t) {
+    u32(0), u32(2);
+    u64(numel[t]);
+    for (uint32_t kind : {(uint32_t)ZOPT_STATE_EXP_AVG, (uint32_t)ZOPT_STATE_EXP_AVG_SQ}) {
+      data.emplace_back(numel[t], kind == ZOPT_STATE_EXP_AVG ? 0.5f + t : 0.25f);
+      u32(kind), u32(ZOPT_DTYPE_F32);
+      u64(numel[t] * 4);
+      u64(off);
+      u64(fnv_v1(data.back().data(), numel[t] * 4));
+      off = (off + numel[t] * 4 + 63) / 64 * 64;
+    }
+  }
+  u64(off);
+  for (auto &v : data) {
+    w.resize((w.size() + 63) / 64 * 64, '\0');
+    put(v.data(), v.size() * 4);
+  }
+  w.resize((w.size() + 63) / 64 * 64, '\0');
+  u64(fnv_v1(w.data(), w.size()));
+  return std::vector<unsigned char>(w.begin(), w.end());
+}
+
+void test_files(const std::string &dir) {
+  Opt a, sgd;
+  if (!a.make(dir + "/adamw_f32.so") || !sgd.make(dir + "/sgd_nesterov_f32.so")) {
+    printf("  (examples not found in %s: file checks skipped)\n", dir.c_str());
+    return;
+  }
+  char tmpl[] = "/tmp/zopt_ckpt_XXXXXX";
+  int fd = mkstemp(tmpl);
+  close(fd);
+  std::string path = tmpl;
+  zopt_step_result r;
+  ZT_OK(zopt_optimizer_step(a.o, &r));
+  // A stale .tmp from a killed save: garbage that must be neither read nor kept.
+  spit(path + ".tmp", std::vector<unsigned char>(4096, 0xAB));
+  ZT_OK(zopt_optimizer_save(a.o, path.c_str()));
+  ZT_CHECK(fopen((path + ".tmp").c_str(), "rb") == nullptr);
+  spit(path + ".tmp", std::vector<unsigned char>(100, 0xCD));
+  ZT_OK(zopt_optimizer_load(a.o, path.c_str()));
+  unlink((path + ".tmp").c_str());
+
+  // flags = 1 (and a header checksum that matches it): refused.
+  std::vector<unsigned char> good = slurp(path);
+  ZT_CHECK(good.size() > 64 && memcmp(good.data(), "ZOPTCKP2", 8) == 0);
+  uint64_t hsize, stored;
+  memcpy(&hsize, good.data() + 16, 8);
+  memcpy(&stored, good.data() + hsize, 8);
+  // The runtime's header checksum is the standard FNV-1a-64 (the doc's).
+  ZT_CHECK(stored == fnv1a64(good.data(), (size_t)hsize));
+  std::vector<unsigned char> bad = good;
+  bad[12] = 1;
+  uint64_t h = fnv1a64(bad.data(), (size_t)hsize);
+  memcpy(bad.data() + hsize, &h, 8);
+  spit(path + ".bad", bad);
+  ZT_ERR(zopt_optimizer_load(a.o, (path + ".bad").c_str()), ZOPT_ERR_CHECKPOINT);
+  ZT_CHECK(strstr(zopt_last_error(), "flags") != nullptr);
+  printf("  flags = 1 -> %s\n", zopt_last_error());
+
+  // Another update rule: refused, nothing changes; allowed with the flag.
+  std::vector<float> before(sgd.p[0].size()), after(before.size());
+  ZT_OK(zopt_optimizer_step(sgd.o, &r));
+  ZT_OK(zopt_optimizer_read_state_f32(sgd.o, 0, ZOPT_STATE_MOMENTUM_BUFFER, before.data(), (int64_t)before.size()));
+  ZT_ERR(zopt_optimizer_load(sgd.o, path.c_str()), ZOPT_ERR_CHECKPOINT);
+  printf("  AdamW into SGD -> %s\n", zopt_last_error());
+  ZT_CHECK(strstr(zopt_last_error(), "update rule") != nullptr);
+  ZT_OK(zopt_optimizer_read_state_f32(sgd.o, 0, ZOPT_STATE_MOMENTUM_BUFFER, after.data(), (int64_t)after.size()));
+  ZT_CHECK(before == after);
+  int64_t c = -1;
+  ZT_OK(zopt_optimizer_get_tensor_step(sgd.o, 0, &c));
+  ZT_CHECK(c == 1);
+  ZT_OK(zopt_optimizer_load_ex(sgd.o, path.c_str(), ZOPT_LOAD_ALLOW_RULE_CHANGE));
+  ZT_OK(zopt_optimizer_read_state_f32(sgd.o, 0, ZOPT_STATE_MOMENTUM_BUFFER, after.data(), (int64_t)after.size()));
+  bool zero = true;
+  for (float x : after) zero = zero && x == 0.0f;
+  ZT_CHECK(zero);  // the momentum buffer the AdamW file lacks starts at zero
+  ZT_ERR(zopt_optimizer_load_ex(sgd.o, path.c_str(), 4), ZOPT_ERR_INVALID_ARGUMENT);
+  unlink(path.c_str());
+  unlink((path + ".bad").c_str());
+  printf("  stale .tmp, flags, another update rule: checked\n");
+
+  // A format-1 file loads: its tensors whole, its group's step count.
+  Opt b;
+  b.make(dir + "/adamw_f32.so");
+  spit(path + ".v1", v1_file(zopt_step_get_descriptor(b.s), {b.p[0].size(), b.p[1].size()}));
+  ZT_OK(zopt_optimizer_load(b.o, (path + ".v1").c_str()));
+  for (int t = 0; t < 2; ++t) {
+    std::vector<float> m(b.p[t].size()), v(b.p[t].size());
+    ZT_OK(zopt_optimizer_read_state_f32(b.o, t, ZOPT_STATE_EXP_AVG, m.data(), (int64_t)m.size()));
+    ZT_OK(zopt_optimizer_read_state_f32(b.o, t, ZOPT_STATE_EXP_AVG_SQ, v.data(), (int64_t)v.size()));
+    ZT_CHECK(m == std::vector<float>(m.size(), 0.5f + t) && v == std::vector<float>(v.size(), 0.25f));
+    int64_t c = -1;
+    ZT_OK(zopt_optimizer_get_tensor_step(b.o, t, &c));
+    ZT_CHECK(c == 3);
+  }
+  std::vector<unsigned char> v1 = slurp(path + ".v1");
+  v1[v1.size() - 100] ^= 1;  // inside the data: the file checksum catches it
+  spit(path + ".v1", v1);
+  ZT_ERR(zopt_optimizer_load(b.o, (path + ".v1").c_str()), ZOPT_ERR_CHECKPOINT);
+  unlink((path + ".v1").c_str());
+  printf("  a format-1 checkpoint loads (and a corrupted one is refused): checked\n");
+}
+
+}  // namespace
+
+int main(int argc, char **argv) {
+  test_fnv();
+  if (argc > 1) test_files(argv[1]);
+  if (zt_failures) {
+    fprintf(stderr, "%d failure(s)\n", zt_failures);
+    return 1;
+  }
+  printf("test_checkpoint: all passed\n");
+  return 0;
+}
