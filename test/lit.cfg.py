@@ -65,7 +65,12 @@ llvm_config.add_tool_substitutions(["zopt-gpu-check", "zopt-gpu-host-check", "zo
 import shutil
 if shutil.which("mpirun") and os.path.exists(os.path.join(config.zopt_obj_root, "lib", "libzopt_comm_mpi.so")):
     config.available_features.add("mpi")
-config.substitutions.append(("%mpirun", "mpirun --allow-run-as-root --oversubscribe --mca btl self,vader "
+# Under AddressSanitizer (scripts/sanitize.sh) the MPI processes run without
+# leak detection: Open MPI's allocations outlive MPI_Finalize.
+mpi_env = ""
+if "ASAN_OPTIONS" in os.environ:
+    mpi_env = "env ASAN_OPTIONS=" + os.environ["ASAN_OPTIONS"] + ":detect_leaks=0 "
+config.substitutions.append(("%mpirun", mpi_env + "mpirun --allow-run-as-root --oversubscribe --mca btl self,vader "
                              "--mca btl_vader_single_copy_mechanism none --timeout 120"))
 # The stand-in CUDA driver of test/Integration/GPUHost.
 config.substitutions.append(("%fake_cuda", os.path.join(config.zopt_obj_root, "lib", "libzopt-fake-cuda.so")))

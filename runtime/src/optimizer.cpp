@@ -474,10 +474,10 @@ ZOPT_API zopt_status zopt_optimizer_get_step_count(const zopt_optimizer *o, int 
 
 // The checks every state access shares: the buffer, the state, and its
 // size (`size` elements for f32 access, `size` bytes of storage for raw).
-static zopt_status check_state_access(const zopt_optimizer *o, int tensor, zopt_state_kind kind,
+static zopt_status check_state_access(const zopt_optimizer *o, int tensor, uint32_t kind,
                                       const void *buf, bool raw, uint64_t size, const char *fn,
                                       int *si) {
-  if (zopt_status st = resolve_state(o, tensor, raw_enum(kind), fn, si)) return st;
+  if (zopt_status st = resolve_state(o, tensor, kind, fn, si)) return st;
   uint64_t numel = (uint64_t)o->tensors[tensor].numel;
   if (!buf && numel) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: %s is NULL", fn, raw ? "buffer" : "array");
   if (!raw && size != numel)
@@ -532,7 +532,7 @@ ZOPT_API zopt_status zopt_optimizer_read_state_f32(const zopt_optimizer *o, int 
   const char *fn = "zopt_optimizer_read_state_f32";
   CHECK_OPT(o, "zopt_optimizer_read_state_f32");
   int si;
-  if (zopt_status st = check_state_access(o, tensor, kind, out, false, (uint64_t)numel, fn, &si))
+  if (zopt_status st = check_state_access(o, tensor, raw_enum(kind), out, false, (uint64_t)numel, fn, &si))
     return st;
   const uint32_t dt = o->d->states[si].dtype;
   if (dt == ZOPT_DTYPE_F32) return read_storage(o, tensor, si, out, (size_t)numel * 4);
@@ -548,7 +548,7 @@ ZOPT_API zopt_status zopt_optimizer_write_state_f32(zopt_optimizer *o, int tenso
   const char *fn = "zopt_optimizer_write_state_f32";
   CHECK_OPT(o, "zopt_optimizer_write_state_f32");
   int si;
-  if (zopt_status st = check_state_access(o, tensor, kind, in, false, (uint64_t)numel, fn, &si))
+  if (zopt_status st = check_state_access(o, tensor, raw_enum(kind), in, false, (uint64_t)numel, fn, &si))
     return st;
   const uint32_t dt = o->d->states[si].dtype;
   if (dt == ZOPT_DTYPE_F32) return write_storage(o, tensor, si, in, (size_t)numel * 4);
@@ -563,7 +563,7 @@ ZOPT_API zopt_status zopt_optimizer_read_state_raw(const zopt_optimizer *o, int 
   const char *fn = "zopt_optimizer_read_state_raw";
   CHECK_OPT(o, "zopt_optimizer_read_state_raw");
   int si;
-  if (zopt_status st = check_state_access(o, tensor, kind, out, true, bytes, fn, &si))
+  if (zopt_status st = check_state_access(o, tensor, raw_enum(kind), out, true, bytes, fn, &si))
     return st;
   return read_storage(o, tensor, si, out, bytes);
 }
@@ -573,7 +573,7 @@ ZOPT_API zopt_status zopt_optimizer_write_state_raw(zopt_optimizer *o, int tenso
   const char *fn = "zopt_optimizer_write_state_raw";
   CHECK_OPT(o, "zopt_optimizer_write_state_raw");
   int si;
-  if (zopt_status st = check_state_access(o, tensor, kind, in, true, bytes, fn, &si))
+  if (zopt_status st = check_state_access(o, tensor, raw_enum(kind), in, true, bytes, fn, &si))
     return st;
   return write_storage(o, tensor, si, in, bytes);
 }
