@@ -124,6 +124,8 @@ _RULE_HYPERS = {
 _STATE_SSA = {"param": "%p", "grad": "%g", "master": "%w", "exp_avg": "%m",
               "exp_avg_sq": "%v", "max_exp_avg_sq": "%vm",
               "momentum_buffer": "%buf"}
+_DTYPE_ARGS = ("param", "grad", "master", "moments", "exp_avg", "exp_avg_sq",
+               "max_exp_avg_sq")
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_$.]*$")
 
 
@@ -215,11 +217,13 @@ class Spec:
 # Resolution and validation
 # ---------------------------------------------------------------------------
 
-def _hyper_default(name, arg, value):
+def _hyper_default(name, arg, value, check=True):
     try:
         v = float(value)
     except (TypeError, ValueError):
         raise _bad(arg, f"must be a number, got {value!r}") from None
+    if not check:
+        return v
     lo, hi, hi_ex, lo_ex = _HYPER_RANGES[name]
     ok = math.isfinite(v) and (v > lo if lo_ex else v >= lo) and \
         (v < hi if hi_ex else v <= hi)
@@ -231,7 +235,7 @@ def _hyper_default(name, arg, value):
 
 
 def _resolve_hypers(rule_key, lr=None, betas=None, eps=None, weight_decay=None,
-                    momentum=None, dampening=None):
+                    momentum=None, dampening=None, check=True):
     out = []
     given = {"lr": lr, "eps": eps, "weight_decay": weight_decay,
              "momentum": momentum, "dampening": dampening}
@@ -247,7 +251,7 @@ def _resolve_hypers(rule_key, lr=None, betas=None, eps=None, weight_decay=None,
         v = given.get(name)
         if v is not None:
             arg = {"beta1": "betas[0]", "beta2": "betas[1]"}.get(name, name)
-            out.append((name, _hyper_default(name, arg, v)))
+            out.append((name, _hyper_default(name, arg, v, check)))
     return tuple(out)
 
 
@@ -372,9 +376,9 @@ def _resolve_rounding(rounding, written, check):
                              kind == "grad" else f"this step has no {kind!r} state")
                        + "; allowed keys: " + ", ".join(repr(k) for k, _ in written))
         d = wd[kind]
-        if check and d == "f32":
+        if check and d == "f32" and mode != "nearest_even":
             raise _bad(arg, f"the {kind!r} state is f32 and never rounds (rule 14); "
-                       "rounding applies to bf16/f16 states")
+                       "stochastic rounding applies to bf16 states")
         if check and mode == "stochastic" and d == "f16":
             raise _bad(arg, f"the {kind!r} state is f16; stochastic rounding is "
                        "implemented for bf16 states only (rule 14); allowed: "
@@ -458,7 +462,7 @@ def resolve(rule, *, param="f32", grad=None, master=None, moments=None,
     rule_key = "sgd_plain" if rule == "sgd" and not momentum_buffer else rule
     hyp = _resolve_hypers(rule_key, lr=lr, betas=betas, eps=eps,
                           weight_decay=weight_decay, momentum=momentum,
-                          dampening=dampening)
+                          dampening=dampening, check=check)
     clip_v = None
     if clip is not None:
         try:
@@ -906,6 +910,8 @@ def _call_string(fname, fn, local):
         if n == "comments":
             continue
         if p.default is inspect.Parameter.empty or v is not p.default and v != p.default:
+            if n in _DTYPE_ARGS and v is not None and not isinstance(v, (str, bool)):
+                v = dtype_name(v, n)   # torch/numpy dtypes by their zopt name
             kw[n] = v
     return _call_repr(fname, kw)
 
