@@ -260,9 +260,8 @@ def load_config(ds_config):
         if not isinstance(cfg, dict):
             raise DeepSpeedConfigError("<config>", "must be a JSON object")
         return cfg
-    raise ZoptError(Status.INVALID_ARGUMENT,
-                    f"a DeepSpeed config is a dict, a path or JSON text, got "
-                    f"{type(ds_config).__name__}")
+    raise DeepSpeedConfigError("<config>", "must be a JSON object (a dict), a path or "
+                               f"JSON text, got {type(ds_config).__name__}")
 
 
 def _optimizer(opt, W, st):
@@ -426,6 +425,23 @@ def _dtypes(cfg, W, stage, st):
     if fp16_on and bf16_on:
         raise DeepSpeedConfigError(f"{bf16_key}.enabled", "fp16 and bf16 cannot both be "
                                    "enabled (DeepSpeed refuses it too)")
+    mwg = bos = False
+    if bf16_on:
+        mwg = _bool(bf16.get("bf16_master_weights_and_grads", False),
+                    f"{bf16_key}.bf16_master_weights_and_grads")
+        bos = _bool(bf16.get("bf16_optimizer_states", False),
+                    f"{bf16_key}.bf16_optimizer_states")
+        if (mwg or bos) and stage == 0:
+            f = "bf16_optimizer_states" if bos and not mwg else "bf16_master_weights_and_grads"
+            raise DeepSpeedConfigError(f"{bf16_key}.{f}", "DeepSpeed supports it with "
+                                       "ZeRO stage 1, 2 or 3 only (zero_optimization.stage "
+                                       "is 0)")
+        if bos and not mwg:
+            raise DeepSpeedConfigError(
+                f"{bf16_key}.bf16_optimizer_states", "DeepSpeed requires "
+                "bf16_master_weights_and_grads with it (bf16 states under an fp32 "
+                "master are a zopt layout DeepSpeed cannot configure: "
+                "zopt.steps.adamw(param='bf16', master='f32', moments='bf16'))")
     dt = cfg.get("data_types") or {}
     W.section(dt, "data_types", {"grad_accum_dtype": ""})
     acc = None
@@ -436,7 +452,9 @@ def _dtypes(cfg, W, stage, st):
     model = "f16" if fp16_on else ("bf16" if bf16_on else "f32")
     # DeepSpeed's engine (get_data_types): gradients accumulate in fp32 for
     # bf16 without ZeRO, else in the model's dtype, unless data_types says.
-    grad = acc if acc is not None else ("f32" if model == "bf16" and stage == 0 else model)
+    # bf16_master_weights_and_grads keeps the gradients in bf16.
+    grad = acc if acc is not None else (
+        "f32" if model == "bf16" and stage == 0 and not mwg else model)
     if grad != model:
         if model == "bf16" and grad == "f32":
             where = ("data_types.grad_accum_dtype" if acc is not None else
@@ -520,21 +538,6 @@ def _dtypes(cfg, W, stage, st):
     if "enabled" in bf16:
         W.use(f"{bf16_key}.enabled", f"honoured: bf16 {'on' if bf16_on else 'off'}")
     if bf16_on:
-        mwg = _bool(bf16.get("bf16_master_weights_and_grads", False),
-                    f"{bf16_key}.bf16_master_weights_and_grads")
-        bos = _bool(bf16.get("bf16_optimizer_states", False),
-                    f"{bf16_key}.bf16_optimizer_states")
-        if (mwg or bos) and stage == 0:
-            f = "bf16_optimizer_states" if bos and not mwg else "bf16_master_weights_and_grads"
-            raise DeepSpeedConfigError(f"{bf16_key}.{f}", "DeepSpeed supports it with "
-                                       "ZeRO stage 1, 2 or 3 only (zero_optimization.stage "
-                                       "is 0)")
-        if bos and not mwg:
-            raise DeepSpeedConfigError(
-                f"{bf16_key}.bf16_optimizer_states", "DeepSpeed requires "
-                "bf16_master_weights_and_grads with it (bf16 states under an fp32 "
-                "master are a zopt layout DeepSpeed cannot configure: "
-                "zopt.steps.adamw(param='bf16', master='f32', moments='bf16'))")
         chk_key = "check_grad_overflow" if "check_grad_overflow" in bf16 else "check_overflow"
         chk = _bool(bf16.get(chk_key, False), f"{bf16_key}.{chk_key}")
         if "immediate_grad_update" in bf16:
@@ -854,6 +857,8 @@ def from_config(ds_config, *, world_size=None, gpu_arch=None, device="cuda",
     if rule == "sgd":
         mom = okw["momentum"]
         kw.update(momentum=mom if mom > 0 else 0, nesterov=okw["nesterov"])
+        if mom == 0:
+            kw.pop("moments", None)   # plain SGD keeps no state
         hkw.pop("momentum", None)
         if mom == 0:
             hkw.pop("dampening", None)
@@ -994,7 +999,13 @@ def main(argv=None):
     ap.add_argument("-q", "--quiet", action="store_true", help="no summary on stderr")
     a = ap.parse_args(argv)
     try:
-        src = sys.stdin.read() if a.config == "-" else a.config
+        if a.config == "-":
+            try:
+                src = json.loads(sys.stdin.read())
+            except json.JSONDecodeError as e:
+                raise ZoptError(Status.INVALID_ARGUMENT, f"<stdin>: not JSON: {e}") from None
+        else:
+            src = a.config
         text, defaults = from_config(src, world_size=a.world_size, gpu_arch=a.gpu_arch,
                                      device=a.device, name=a.name)
         if a.output == "-":
