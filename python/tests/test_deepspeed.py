@@ -24,6 +24,9 @@ DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "deepspe
 K = zopt.StateKind
 DT = {"f32": zopt.DType.F32, "bf16": zopt.DType.BF16, "f16": zopt.DType.F16}
 CPU, GPU = 1, 2
+CUDA_ROOT = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
+HAVE_CUDA_TOOLKIT = all(os.path.exists(os.path.join(CUDA_ROOT, p)) for p in
+                        ("bin/ptxas", "bin/fatbinary", "nvvm/libdevice/libdevice.10.bc"))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -149,6 +152,9 @@ def test_config_imports_compiles_and_loads(zopt_bins, fname):
             f"{p} not accounted for: {sorted(d['fields'])}"
     # The description compiles and loads into the layout.
     assert "Imported from a DeepSpeed config" in text
+    if want["placement"] == "gpu" and not HAVE_CUDA_TOOLKIT:
+        pytest.skip(f"no CUDA toolkit at {CUDA_ROOT} to compile GPU kernels "
+                    "(the import itself was checked)")
     step = zopt.steps.load_text(text)
     got = {k.name.lower(): (dt, pl) for k, dt, pl in step.states}
     for kind, (dt, pl) in states.items():

@@ -347,16 +347,14 @@ def _resolve_rounding(rounding, written, check):
                            "the step stores is f32 (stochastic rounding applies to "
                            "bf16 states)")
             f16 = [k for k, d in narrow if d == "f16"]
+            bf16 = [k for k, d in narrow if d == "bf16"]
             if f16:
-                raise _bad("rounding", f"'stochastic' would apply to the f16 "
-                           f"state{'s' if len(f16) > 1 else ''} "
+                hint = (f": give a dict naming the bf16 states, e.g. {{{bf16[0]!r}: "
+                        "'stochastic'}" if bf16 else "")
+                raise _bad("rounding", "'stochastic' would apply to the f16 state"
+                           f"{'s' if len(f16) > 1 else ''} "
                            f"{', '.join(repr(k) for k in f16)}; stochastic rounding "
-                           "is implemented for bf16 states only (rule 14): give a "
-                           "dict naming the bf16 states, e.g. "
-                           f"{{{narrow[0][0]!r}: 'stochastic'}}" if any(
-                               d == 'bf16' for _, d in narrow) else
-                           "'stochastic' would apply to f16 states only; stochastic "
-                           "rounding is implemented for bf16 states (rule 14)")
+                           f"is implemented for bf16 states only (rule 14){hint}")
         return tuple((k, "stochastic") for k, d in narrow)
     if not isinstance(rounding, dict):
         raise _bad("rounding", f"{rounding!r}; allowed: None, 'nearest_even', "
