@@ -1,0 +1,1034 @@
+"""DeepSpeed config import: a ``ds_config.json`` -> a zopt step description.
+
+    import zopt
+    text, defaults = zopt.deepspeed.from_config("ds_config.json")
+    step = zopt.steps.load_text(text)                    # compiled, cached
+    opt = zopt.Optimizer(step, model.parameters(), **zopt.deepspeed.optimizer_kwargs(defaults))
+
+or from the shell: ``zopt-import-deepspeed ds_config.json -o step.mlir
+[--defaults defaults.json]`` (``python3 -m zopt.deepspeed``).
+
+Every field of the config is either honoured or refused: a refusal raises
+:class:`DeepSpeedConfigError` (a ``ZoptError``) whose ``field`` is the
+dotted path of the field (``"zero_optimization.offload_optimizer.device"``)
+and whose message says why and what is supported; an unknown field is
+refused with the list of the fields its section supports.
+``defaults["fields"]`` tells, for every field the config gave, how it was
+used.
+
+What maps to what (the table in python/README.md has the details):
+
+``optimizer``
+    ``type`` Adam / AdamW (DeepSpeed's ``adam_w_mode``, default true, makes
+    "Adam" AdamW; ``torch_adam`` picks torch's implementation, which for
+    AdamW defaults weight_decay to 0.01), Lion, SGD (torch.optim.SGD);
+    ``params`` lr, betas, eps, weight_decay, bias_correction, amsgrad,
+    momentum, dampening, nesterov become the description's
+    ``zopt.hyper ... default`` values (and ``defaults["hypers"]``).
+``fp16`` / ``bf16`` / ``data_types.grad_accum_dtype``
+    the dtypes: fp16 -> f16 params and grads, an f32 master and states,
+    loss scaling (``defaults["loss_scaler"]``: ``loss_scale`` 0 is dynamic
+    from ``2**initial_scale_power``, grown x2 every ``loss_scale_window``
+    good steps, halved on an overflow down to ``min_loss_scale``; a
+    non-zero ``loss_scale`` is static); bf16 -> bf16 params and grads, an
+    f32 master and f32 states, or with ``bf16_master_weights_and_grads`` the
+    bf16 param as the master, and with ``bf16_optimizer_states`` bf16
+    moments. Gradients accumulated in fp32 (DeepSpeed's default for bf16
+    without ZeRO) are refused: zopt's dialect gives the grad the param's
+    dtype (docs/Dialects/Zopt.md rule 7).
+``gradient_clipping``
+    ``zopt.clip_by_global_norm`` (0: off).
+``zero_optimization``
+    ``stage`` -> ``zero_stage``; ``offload_optimizer.device`` cpu ->
+    placement "offload" (params and grads on the GPU, states and update on
+    the CPU), none -> "gpu", nvme refused; ``reduce_bucket_size`` ->
+    ``defaults["bucket_elems"]``; the engine's other knobs have no effect
+    on the step and are listed as such.
+``gradient_accumulation_steps`` / ``train_batch_size`` / ``train_micro_batch_size_per_gpu``
+    ``defaults["gradient_accumulation_steps"]`` A and
+    ``defaults["grad_divisor"]`` = world_size * A (DeepSpeed divides each
+    micro-batch's loss by A; with zopt either do the same or sum the
+    gradients and set the divisor).
+``scheduler``
+    WarmupLR, WarmupDecayLR, WarmupCosineLR -> ``defaults["scheduler"]``, an
+    equivalent ``torch.optim.lr_scheduler.LambdaLR`` (:func:`torch_scheduler`)
+    or, without torch, :func:`lr_at`; OneCycle and LRRangeTest are refused.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+
+from ._lib import Status, ZoptError
+from . import steps as _steps
+
+SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "Lion", "SGD")
+SUPPORTED_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+
+
+class DeepSpeedConfigError(ZoptError):
+    """A DeepSpeed config field zopt cannot honour. ``field``: its dotted
+    path."""
+
+    def __init__(self, field, message):
+        self.field = field
+        super().__init__(Status.INVALID_ARGUMENT, f"{field}: {message}")
+
+
+# ---------------------------------------------------------------------------
+# Field bookkeeping
+# ---------------------------------------------------------------------------
+
+class _Walker:
+    """Reads a config section, records how every field was used and refuses
+    the fields nobody took."""
+
+    def __init__(self):
+        self.fields = {}   # dotted path -> how it was used
+
+    def section(self, d, path, known):
+        """Checks a section is a dict whose keys are all in ``known`` (a dict
+        key -> one-line description for the error)."""
+        if not isinstance(d, dict):
+            raise DeepSpeedConfigError(path or "<config>",
+                                       f"must be a JSON object, got {d!r}")
+        for k in d:
+            if k not in known:
+                p = f"{path}.{k}" if path else k
+                raise DeepSpeedConfigError(
+                    p, f"unknown or unsupported field; the fields zopt supports "
+                    f"{'in ' + repr(path) if path else 'at the top level'}: "
+                    + ", ".join(sorted(known)))
+        return d
+
+    def use(self, path, how):
+        self.fields[path] = how
+
+
+def _p(path, key):
+    return f"{path}.{key}" if path else key
+
+
+def _no_auto(v, path):
+    if isinstance(v, str) and v.strip().lower() == "auto":
+        raise DeepSpeedConfigError(path, "'auto' is filled in by the Hugging Face "
+                                   "Trainer's DeepSpeed integration; give the "
+                                   "value itself")
+    return v
+
+
+def _bool(v, path):
+    _no_auto(v, path)
+    if not isinstance(v, bool):
+        raise DeepSpeedConfigError(path, f"must be true or false, got {v!r}")
+    return v
+
+
+def _num(v, path, lo=None, hi=None, integer=False, lo_open=False):
+    _no_auto(v, path)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise DeepSpeedConfigError(path, f"must be a number, got {v!r}")
+    if integer and float(v) != int(v):
+        raise DeepSpeedConfigError(path, f"must be an integer, got {v!r}")
+    if not math.isfinite(v) or (lo is not None and (v <= lo if lo_open else v < lo)) \
+            or (hi is not None and v > hi):
+        rng = ("(" if lo_open else "[") + f"{lo}, {hi if hi is not None else 'inf'}]"
+        raise DeepSpeedConfigError(path, f"{v!r} is out of range {rng}")
+    return int(v) if integer else float(v)
+
+
+def _str(v, path, allowed):
+    _no_auto(v, path)
+    if not isinstance(v, str) or v.lower() not in [a.lower() for a in allowed]:
+        raise DeepSpeedConfigError(path, f"{v!r}; allowed: " + ", ".join(map(repr, allowed)))
+    return v.lower()
+
+
+# Fields that configure DeepSpeed's engine outside the optimizer step:
+# accepted, listed in defaults["fields"] as having no effect on the step.
+_TOP_NO_EFFECT = {
+    "steps_per_print": "logging",
+    "wall_clock_breakdown": "profiling",
+    "memory_breakdown": "profiling",
+    "dump_state": "logging",
+    "tensorboard": "monitoring",
+    "wandb": "monitoring",
+    "csv_monitor": "monitoring",
+    "comet": "monitoring",
+    "comms_logger": "logging",
+    "flops_profiler": "profiling",
+    "activation_checkpointing": "the model's forward/backward",
+    "checkpoint": "DeepSpeed's checkpoint files (zopt's optimizer checkpoints "
+                  "are its own: docs/CHECKPOINT.md)",
+    "dataloader_drop_last": "the data loader",
+    "aio": "asynchronous I/O of NVMe offload (device nvme is refused)",
+    "zero_allow_untested_optimizer": "every zopt rule is supported under ZeRO",
+    "zero_force_ds_cpu_optimizer": "zopt's own CPU kernels run offloaded steps",
+    "torch_autocast": "the model's forward/backward (the step sees the params' "
+                      "and grads' dtypes)",
+}
+
+_ZERO_NO_EFFECT = {
+    "contiguous_gradients": "gradient buffer layout of the engine",
+    "reduce_scatter": "collective choice of the engine",
+    "use_multi_rank_bucket_allreduce": "collective choice of the engine",
+    "allgather_partitions": "collective choice of the engine",
+    "allgather_bucket_size": "the engine's all-gather size (zopt uses one bucket "
+                             "size, reduce_bucket_size)",
+    "overlap_comm": "the engine's overlap of backward and reduction",
+    "load_from_fp32_weights": "checkpoint loading of the engine",
+    "elastic_checkpoint": "DeepSpeed's checkpoint files (zopt's load at any "
+                          "world size)",
+    "sub_group_size": "the engine's grouping of the update",
+    "stage3_prefetch_bucket_size": "ZeRO-3 parameter fetching of the engine",
+    "prefetch_bucket_size": "ZeRO-3 parameter fetching of the engine",
+    "stage3_param_persistence_threshold": "ZeRO-3 parameter fetching of the engine",
+    "param_persistence_threshold": "ZeRO-3 parameter fetching of the engine",
+    "stage3_model_persistence_threshold": "ZeRO-3 parameter fetching of the engine",
+    "model_persistence_threshold": "ZeRO-3 parameter fetching of the engine",
+    "stage3_max_live_parameters": "ZeRO-3 parameter fetching of the engine",
+    "max_live_parameters": "ZeRO-3 parameter fetching of the engine",
+    "stage3_max_reuse_distance": "ZeRO-3 parameter fetching of the engine",
+    "max_reuse_distance": "ZeRO-3 parameter fetching of the engine",
+    "stage3_gather_16bit_weights_on_model_save": "model saving",
+    "gather_16bit_weights_on_model_save": "model saving",
+    "stage3_gather_fp16_weights_on_model_save": "model saving",
+    "stage3_module_granularity_threshold": "ZeRO-3 parameter fetching of the engine",
+    "stage3_use_all_reduce_for_fetch_params": "ZeRO-3 parameter fetching of the engine",
+    "ignore_unused_parameters": "the engine's hooks (zopt skips a param whose "
+                                "grad is None)",
+    "legacy_stage1": "the engine's stage-1 implementation",
+    "round_robin_gradients": "the engine's gradient copy order",
+    "memory_efficient_linear": "the model's linear layers",
+    "pipeline_loading_checkpoint": "checkpoint loading of the engine",
+    "override_module_apply": "the model's module hooks",
+    "log_trace_cache_warnings": "logging",
+    "cpu_offload_use_pin_memory": "the engine's host buffers",
+    "mics_hierarchical_params_gather": "MiCS (refused unless mics_shard_size is -1)",
+}
+
+# Fields whose non-default value changes the step in a way zopt has no
+# counterpart for: (default, why).
+_ZERO_DEFAULT_ONLY = {
+    "zero_hpz_partition_size": (1, "ZeRO++ hierarchical partitioning"),
+    "zero_quantized_weights": (False, "ZeRO++ quantized weights"),
+    "zero_quantized_nontrainable_weights": (False, "ZeRO++ quantized weights"),
+    "zero_quantized_gradients": (False, "ZeRO++ quantized gradients"),
+    "zeropp_loco_param": (None, "ZeRO++ LoCo"),
+    "mics_shard_size": (-1, "MiCS sharding"),
+    "cpu_offload_param": (False, "parameter offload (zopt does not move the "
+                          "model's params between devices)"),
+}
+
+_OFFLOAD_OPT_NO_EFFECT = {
+    "pin_memory": "zopt's offloaded steps copy through the runtime's own host buffers",
+    "nvme_path": "NVMe offload only (device nvme is refused)",
+    "buffer_count": "NVMe offload only",
+    "pipeline_read": "NVMe offload only",
+    "pipeline_write": "NVMe offload only",
+    "fast_init": "NVMe offload only",
+}
+
+
+# ---------------------------------------------------------------------------
+# The import
+# ---------------------------------------------------------------------------
+
+def load_config(ds_config):
+    """A config dict from a dict, a JSON file path or JSON text."""
+    if isinstance(ds_config, dict):
+        return ds_config
+    if isinstance(ds_config, (str, os.PathLike)):
+        s = os.fspath(ds_config)
+        if s.lstrip().startswith("{"):
+            src, text = "<text>", s
+        else:
+            try:
+                with open(s) as f:
+                    text = f.read()
+            except OSError as e:
+                raise ZoptError(Status.IO, f"cannot read DeepSpeed config {s}: {e}") from None
+            src = s
+        try:
+            cfg = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ZoptError(Status.INVALID_ARGUMENT,
+                            f"{src}: not JSON: {e}") from None
+        if not isinstance(cfg, dict):
+            raise DeepSpeedConfigError("<config>", "must be a JSON object")
+        return cfg
+    raise DeepSpeedConfigError("<config>", "must be a JSON object (a dict), a path or "
+                               f"JSON text, got {type(ds_config).__name__}")
+
+
+def _optimizer(opt, W, st):
+    """optimizer section -> builder rule and kwargs; fills st."""
+    path = "optimizer"
+    W.section(opt, path, {"type": "", "params": "", "legacy_fusion": ""})
+    if "legacy_fusion" in opt:
+        if _bool(opt["legacy_fusion"], "optimizer.legacy_fusion"):
+            raise DeepSpeedConfigError("optimizer.legacy_fusion",
+                                       "DeepSpeed's legacy fused fp16 optimizer path; "
+                                       "allowed: false")
+        W.use("optimizer.legacy_fusion", "no effect on the step (false)")
+    if "type" not in opt:
+        raise DeepSpeedConfigError("optimizer.type", "missing; supported: "
+                                   + ", ".join(SUPPORTED_OPTIMIZERS))
+    t = _no_auto(opt["type"], "optimizer.type")
+    if not isinstance(t, str):
+        raise DeepSpeedConfigError("optimizer.type", f"must be a string, got {t!r}")
+    # DeepSpeed lower-cases its own optimizers' names; torch's (SGD) are
+    # looked up in torch.optim by their exact name.
+    kind = {"adam": "Adam", "adamw": "AdamW", "lion": "Lion"}.get(t.lower())
+    if kind is None and t == "SGD":
+        kind = "SGD"
+    if kind is None:
+        hint = " (DeepSpeed looks torch optimizers up by their exact name: 'SGD')" \
+            if t.lower() == "sgd" else ""
+        raise DeepSpeedConfigError("optimizer.type", f"{t!r} is not supported{hint}; "
+                                   "supported: " + ", ".join(SUPPORTED_OPTIMIZERS))
+    W.use("optimizer.type", f"honoured: {kind}")
+    params = opt.get("params", {})
+    if params is None:
+        params = {}
+    pp = "optimizer.params"
+    hy = {}
+    if kind in ("Adam", "AdamW"):
+        known = dict.fromkeys(["lr", "betas", "eps", "weight_decay", "bias_correction",
+                               "adam_w_mode", "torch_adam", "amsgrad", "foreach",
+                               "fused", "capturable", "differentiable", "maximize",
+                               "set_grad_none", "max_grad_norm"])
+    elif kind == "Lion":
+        known = dict.fromkeys(["lr", "betas", "weight_decay", "set_grad_none",
+                               "max_grad_norm"])
+    else:
+        known = dict.fromkeys(["lr", "momentum", "dampening", "weight_decay", "nesterov",
+                               "maximize", "foreach", "differentiable", "fused",
+                               "max_grad_norm"])
+    W.section(params, pp, known)
+    if "max_grad_norm" in params:
+        raise DeepSpeedConfigError(f"{pp}.max_grad_norm", "DeepSpeed refuses it as an "
+                                   "optimizer parameter: use the top-level "
+                                   "gradient_clipping")
+    if "maximize" in params and _bool(params["maximize"], f"{pp}.maximize"):
+        raise DeepSpeedConfigError(f"{pp}.maximize", "zopt's rules minimize; allowed: false")
+    for k in ("foreach", "fused", "capturable", "differentiable", "set_grad_none",
+              "maximize"):
+        if k in params:
+            _bool(params[k], f"{pp}.{k}")
+            W.use(f"{pp}.{k}", "no effect on the step (an implementation choice of "
+                  "the DeepSpeed/torch optimizer)")
+    if "lr" in params:
+        hy["lr"] = _num(params["lr"], f"{pp}.lr", lo=0.0)
+        W.use(f"{pp}.lr", f"honoured: lr default {hy['lr']!r}")
+    if "betas" in params:
+        b = _no_auto(params["betas"], f"{pp}.betas")
+        if not isinstance(b, (list, tuple)) or len(b) != 2:
+            raise DeepSpeedConfigError(f"{pp}.betas", f"must be a pair [beta1, beta2], got {b!r}")
+        hy["betas"] = (_num(b[0], f"{pp}.betas[0]", lo=0.0, hi=1.0),
+                       _num(b[1], f"{pp}.betas[1]", lo=0.0, hi=1.0))
+        for i in (0, 1):
+            if hy["betas"][i] >= 1.0:
+                raise DeepSpeedConfigError(f"{pp}.betas[{i}]", "must be below 1")
+        W.use(f"{pp}.betas", f"honoured: betas default {hy['betas']!r}")
+    if "eps" in params:
+        hy["eps"] = _num(params["eps"], f"{pp}.eps", lo=0.0, lo_open=True)
+        W.use(f"{pp}.eps", f"honoured: eps default {hy['eps']!r}")
+    if "weight_decay" in params:
+        hy["weight_decay"] = _num(params["weight_decay"], f"{pp}.weight_decay", lo=0.0)
+        W.use(f"{pp}.weight_decay", f"honoured: weight_decay default {hy['weight_decay']!r}")
+    kw = {}
+    if kind in ("Adam", "AdamW"):
+        torch_adam = _bool(params.get("torch_adam", False), f"{pp}.torch_adam")
+        w_mode = _bool(params.get("adam_w_mode", True), f"{pp}.adam_w_mode")
+        decoupled = kind == "AdamW" or w_mode
+        rule = "adamw" if decoupled else "adam"
+        if "adam_w_mode" in params:
+            W.use(f"{pp}.adam_w_mode", f"honoured: {'decoupled (AdamW)' if decoupled else 'L2 (Adam)'} weight decay")
+        if "torch_adam" in params:
+            W.use(f"{pp}.torch_adam", "honoured: the same rule as DeepSpeed's fused "
+                  "Adam" + ("; torch.optim.AdamW's default weight_decay 0.01 applies"
+                            if torch_adam and decoupled else ""))
+        if torch_adam and decoupled and "weight_decay" not in hy:
+            hy["weight_decay"] = 0.01   # torch.optim.AdamW's default
+        if "bias_correction" in params:
+            bc = _bool(params["bias_correction"], f"{pp}.bias_correction")
+            if torch_adam:
+                raise DeepSpeedConfigError(f"{pp}.bias_correction", "torch.optim.Adam(W) "
+                                           "has no bias_correction parameter (torch_adam: "
+                                           "true): DeepSpeed would fail")
+            hy["bias_correction"] = bc
+            W.use(f"{pp}.bias_correction", f"honoured: bias_correction {bc} (a per-group "
+                  "runtime value: defaults['hypers'])")
+        amsgrad = _bool(params.get("amsgrad", False), f"{pp}.amsgrad")
+        if amsgrad and not torch_adam:
+            raise DeepSpeedConfigError(f"{pp}.amsgrad", "DeepSpeed's fused Adam refuses "
+                                       "amsgrad and its CPU Adam ignores it; only "
+                                       "torch_adam: true runs amsgrad (zopt honours that)")
+        if "amsgrad" in params:
+            W.use(f"{pp}.amsgrad", f"honoured: amsgrad {amsgrad}")
+        kw["amsgrad"] = amsgrad
+        st["title"] = f"{kind} ({'torch' if torch_adam else 'DeepSpeed fused/CPU'} Adam, " \
+                      f"{'adam_w_mode' if decoupled else 'L2 weight decay'})"
+    elif kind == "Lion":
+        rule = "lion"
+        hy.setdefault("betas", (0.9, 0.999))   # DeepSpeed's FusedLion/CPU Lion default
+        st["title"] = "Lion (DeepSpeed FusedLion / CPU Lion)"
+    else:
+        rule = "sgd"
+        mom = params.get("momentum", 0.0)
+        mom = _num(mom, f"{pp}.momentum", lo=0.0, hi=1.0)
+        damp = _num(params.get("dampening", 0.0), f"{pp}.dampening", lo=0.0, hi=1.0)
+        nest = _bool(params.get("nesterov", False), f"{pp}.nesterov")
+        if nest and (mom <= 0 or damp != 0):
+            raise DeepSpeedConfigError(f"{pp}.nesterov", "Nesterov momentum requires a "
+                                       "momentum and zero dampening (torch.optim.SGD)")
+        kw["momentum"] = mom
+        kw["nesterov"] = nest
+        if mom > 0:
+            hy["momentum"] = mom
+            if "dampening" in params:
+                hy["dampening"] = damp
+        elif "dampening" in params:
+            W.use(f"{pp}.dampening", "no effect: plain SGD (momentum 0) has no buffer")
+        for k in ("momentum", "nesterov"):
+            if k in params:
+                W.use(f"{pp}.{k}", f"honoured: {k} {params[k]!r}")
+        if "dampening" in params and mom > 0:
+            W.use(f"{pp}.dampening", f"honoured: dampening default {damp!r}")
+        if "lr" not in hy:
+            st["notes"].append("optimizer.params.lr: not given (torch.optim.SGD "
+                               "requires it in torch 1.x); the runtime's default "
+                               "lr 0.001 applies")
+        st["title"] = "SGD (torch.optim.SGD)"
+    st["hypers"] = hy
+    return rule, kw
+
+
+def _dtypes(cfg, W, stage, st):
+    """fp16 / bf16 / data_types -> param dtype, master, moments, loss scaling."""
+    fp16 = cfg.get("fp16") or {}
+    bf16_key = "bf16" if "bf16" in cfg else ("bfloat16" if "bfloat16" in cfg else "bf16")
+    bf16 = cfg.get(bf16_key) or {}
+    W.section(fp16, "fp16", dict.fromkeys([
+        "enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window",
+        "hysteresis", "consecutive_hysteresis", "min_loss_scale",
+        "fp16_master_weights_and_grads"]))
+    W.section(bf16, bf16_key, dict.fromkeys([
+        "enabled", "immediate_grad_update", "check_grad_overflow", "check_overflow",
+        "bf16_master_weights_and_grads", "bf16_optimizer_states"]))
+    fp16_on = _bool(fp16.get("enabled", False), "fp16.enabled")
+    bf16_on = _bool(bf16.get("enabled", False), f"{bf16_key}.enabled")
+    if fp16_on and bf16_on:
+        raise DeepSpeedConfigError(f"{bf16_key}.enabled", "fp16 and bf16 cannot both be "
+                                   "enabled (DeepSpeed refuses it too)")
+    mwg = bos = False
+    if bf16_on:
+        mwg = _bool(bf16.get("bf16_master_weights_and_grads", False),
+                    f"{bf16_key}.bf16_master_weights_and_grads")
+        bos = _bool(bf16.get("bf16_optimizer_states", False),
+                    f"{bf16_key}.bf16_optimizer_states")
+        if (mwg or bos) and stage == 0:
+            f = "bf16_optimizer_states" if bos and not mwg else "bf16_master_weights_and_grads"
+            raise DeepSpeedConfigError(f"{bf16_key}.{f}", "DeepSpeed supports it with "
+                                       "ZeRO stage 1, 2 or 3 only (zero_optimization.stage "
+                                       "is 0)")
+        if bos and not mwg:
+            raise DeepSpeedConfigError(
+                f"{bf16_key}.bf16_optimizer_states", "DeepSpeed requires "
+                "bf16_master_weights_and_grads with it (bf16 states under an fp32 "
+                "master are a zopt layout DeepSpeed cannot configure: "
+                "zopt.steps.adamw(param='bf16', master='f32', moments='bf16'))")
+    dt = cfg.get("data_types") or {}
+    W.section(dt, "data_types", {"grad_accum_dtype": ""})
+    acc = None
+    if "grad_accum_dtype" in dt and dt["grad_accum_dtype"] is not None:
+        acc = {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}[
+            _str(dt["grad_accum_dtype"], "data_types.grad_accum_dtype",
+                 ("fp32", "fp16", "bf16"))]
+    model = "f16" if fp16_on else ("bf16" if bf16_on else "f32")
+    # DeepSpeed's engine (get_data_types): gradients accumulate in fp32 for
+    # bf16 without ZeRO, else in the model's dtype, unless data_types says.
+    # bf16_master_weights_and_grads keeps the gradients in bf16.
+    grad = acc if acc is not None else (
+        "f32" if model == "bf16" and stage == 0 and not mwg else model)
+    if grad != model:
+        if model == "bf16" and grad == "f32":
+            where = ("data_types.grad_accum_dtype" if acc is not None else
+                     f"{bf16_key}.enabled")
+            why = ("" if acc is not None else " (DeepSpeed's default for bf16 without "
+                   "ZeRO: its BF16_Optimizer accumulates gradients in fp32)")
+            raise DeepSpeedConfigError(
+                where, f"bf16 params with fp32 gradients{why} are not supported: the "
+                "zopt dialect gives the grad the param's dtype (docs/Dialects/Zopt.md "
+                "rule 7, torch keeps .grad in the param's dtype). Under ZeRO stage 1-3 "
+                "DeepSpeed accumulates bf16 gradients in bf16, which zopt supports: use "
+                "zero_optimization.stage >= 1 (and no data_types.grad_accum_dtype "
+                "'fp32')")
+        raise DeepSpeedConfigError("data_types.grad_accum_dtype",
+                                   f"{grad} gradient accumulation with {model} params is "
+                                   "not supported: the grad has the param's dtype (rule 7)")
+    if "grad_accum_dtype" in dt:
+        W.use("data_types.grad_accum_dtype", f"honoured: {grad} gradients")
+    kw = dict(param=model)
+    # ---- fp16
+    for k in ("enabled",):
+        if k in fp16:
+            W.use(f"fp16.{k}", f"honoured: fp16 {'on' if fp16_on else 'off'}")
+    scaler = None
+    if fp16_on:
+        if _bool(fp16.get("fp16_master_weights_and_grads", False),
+                 "fp16.fp16_master_weights_and_grads"):
+            raise DeepSpeedConfigError("fp16.fp16_master_weights_and_grads",
+                                       "an f16 master is refused by the dialect (rule 9: "
+                                       "it cannot hold small updates to large weights); "
+                                       "allowed: false")
+        if "auto_cast" in fp16:
+            _bool(fp16["auto_cast"], "fp16.auto_cast")
+            W.use("fp16.auto_cast", "no effect on the step (casts the model's inputs)")
+        ls = _num(fp16.get("loss_scale", 0), "fp16.loss_scale", lo=0.0)
+        power = _num(fp16.get("initial_scale_power", 16), "fp16.initial_scale_power",
+                     lo=0, hi=126, integer=True)
+        window = _num(fp16.get("loss_scale_window", 1000), "fp16.loss_scale_window",
+                      lo=1, integer=True)
+        hyst = _num(fp16.get("hysteresis", 2), "fp16.hysteresis", lo=1, integer=True)
+        consec = _bool(fp16.get("consecutive_hysteresis", False),
+                       "fp16.consecutive_hysteresis")
+        min_ls = _num(fp16.get("min_loss_scale", 1), "fp16.min_loss_scale", lo=0.0,
+                      lo_open=True)
+        dynamic = ls == 0
+        if dynamic and "hysteresis" in fp16 and hyst != 1:
+            raise DeepSpeedConfigError(
+                "fp16.hysteresis", f"{hyst}: zopt's dynamic loss scaler backs off at "
+                "every overflow (hysteresis 1); it has no delayed back-off. Set "
+                "\"hysteresis\": 1 to accept that")
+        if dynamic and "hysteresis" not in fp16:
+            st["notes"].append("fp16.hysteresis: not given; DeepSpeed's default 2 "
+                               "(tolerate one overflow before backing off) is not "
+                               "reproduced: zopt backs off at every overflow")
+        if consec and hyst != 1:
+            raise DeepSpeedConfigError("fp16.consecutive_hysteresis",
+                                       "needs a hysteresis, which zopt's scaler does not have")
+        if dynamic:
+            scaler = dict(init_scale=float(2 ** power), growth_factor=2.0,
+                          backoff_factor=0.5, growth_interval=window,
+                          min_scale=min_ls, dynamic=True)
+        else:
+            scaler = dict(init_scale=ls, growth_factor=2.0, backoff_factor=0.5,
+                          growth_interval=window, min_scale=min_ls, dynamic=False)
+        desc = "dynamic" if dynamic else f"static {ls!r}"
+        for k in ("loss_scale", "initial_scale_power", "loss_scale_window",
+                  "hysteresis", "consecutive_hysteresis", "min_loss_scale"):
+            if k in fp16:
+                used = dynamic or k in ("loss_scale",)
+                W.use(f"fp16.{k}", f"honoured: loss scaler ({desc}) in "
+                      "defaults['loss_scaler']" if used else
+                      "no effect: the loss scale is static")
+        if "fp16_master_weights_and_grads" in fp16:
+            W.use("fp16.fp16_master_weights_and_grads", "honoured: f32 master (false)")
+        kw.update(master="f32", moments="f32", loss_scale=True)
+    else:
+        for k in fp16:
+            if k != "enabled":
+                W.use(f"fp16.{k}", "no effect: fp16 is off")
+    # ---- bf16
+    if "enabled" in bf16:
+        W.use(f"{bf16_key}.enabled", f"honoured: bf16 {'on' if bf16_on else 'off'}")
+    if bf16_on:
+        chk_key = "check_grad_overflow" if "check_grad_overflow" in bf16 else "check_overflow"
+        chk = _bool(bf16.get(chk_key, False), f"{bf16_key}.{chk_key}")
+        if "immediate_grad_update" in bf16:
+            _bool(bf16["immediate_grad_update"], f"{bf16_key}.immediate_grad_update")
+            W.use(f"{bf16_key}.immediate_grad_update", "no effect on the step (when "
+                  "the engine accumulates gradients)")
+        if chk_key in bf16:
+            W.use(f"{bf16_key}.{chk_key}", "honoured: " + (
+                "non-finite gradients skip the step (zopt.unscale with a static "
+                "scale of 1)" if chk else "no overflow check"))
+        for k in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
+            if k in bf16:
+                W.use(f"{bf16_key}.{k}", f"honoured: {k} {bf16[k]}")
+        kw["master"] = None if mwg else "f32"
+        st["bf16_master"] = mwg
+        kw["moments"] = "bf16" if bos else "f32"
+        if chk:
+            kw["loss_scale"] = True
+            scaler = dict(init_scale=1.0, growth_factor=2.0, backoff_factor=0.5,
+                          growth_interval=1000, min_scale=1.0, dynamic=False)
+    else:
+        for k in bf16:
+            if k != "enabled":
+                W.use(f"{bf16_key}.{k}", "no effect: bf16 is off")
+    st["loss_scaler"] = scaler
+    return kw
+
+
+def _zero(cfg, W, st):
+    z = cfg.get("zero_optimization") or {}
+    if isinstance(z, bool):
+        raise DeepSpeedConfigError("zero_optimization", "the boolean form is DeepSpeed's "
+                                   "deprecated one; give {\"stage\": N}")
+    known = dict.fromkeys(["stage", "offload_optimizer", "offload_param", "cpu_offload",
+                           "reduce_bucket_size"])
+    known.update(_ZERO_NO_EFFECT)
+    known.update(_ZERO_DEFAULT_ONLY)
+    W.section(z, "zero_optimization", known)
+    stage = _num(z.get("stage", 0), "zero_optimization.stage", lo=0, hi=3, integer=True)
+    if "stage" in z:
+        W.use("zero_optimization.stage", f"honoured: zero_stage {stage}")
+    for k, why in _ZERO_NO_EFFECT.items():
+        if k in z:
+            _no_auto(z[k], f"zero_optimization.{k}")
+            W.use(f"zero_optimization.{k}", f"no effect on the step ({why})")
+    for k, (dflt, why) in _ZERO_DEFAULT_ONLY.items():
+        if k in z:
+            v = _no_auto(z[k], f"zero_optimization.{k}")
+            if v != dflt:
+                raise DeepSpeedConfigError(f"zero_optimization.{k}",
+                                           f"{why} is not supported; allowed: {json.dumps(dflt)}")
+            W.use(f"zero_optimization.{k}", f"honoured: {json.dumps(dflt)} (the default)")
+    if "reduce_bucket_size" in z:
+        st["bucket_elems"] = _num(z["reduce_bucket_size"],
+                                  "zero_optimization.reduce_bucket_size", lo=1, integer=True)
+        W.use("zero_optimization.reduce_bucket_size", "honoured: defaults['bucket_elems'] "
+              "(zopt_optimizer_set_bucket_elems; rounded up to 32768 elements)")
+    offload = False
+    oo = z.get("offload_optimizer")
+    if oo is not None:
+        path = "zero_optimization.offload_optimizer"
+        kn = {"device": "", "ratio": ""}
+        kn.update(_OFFLOAD_OPT_NO_EFFECT)
+        W.section(oo, path, kn)
+        dev = _str(oo.get("device", "none"), f"{path}.device", ("none", "cpu", "nvme"))
+        if dev == "nvme":
+            raise DeepSpeedConfigError(f"{path}.device", "NVMe offload is not supported; "
+                                       "allowed: 'cpu' (states and the update on the "
+                                       "CPU), 'none'")
+        offload = dev == "cpu"
+        W.use(f"{path}.device", "honoured: placement 'offload'" if offload else
+              "honoured: no offload")
+        if "ratio" in oo:
+            r = _num(oo["ratio"], f"{path}.ratio", lo=0.0, hi=1.0)
+            if r != 1.0 and offload:
+                raise DeepSpeedConfigError(f"{path}.ratio", "partial offload (a fraction "
+                                           "of the states on the CPU) is not supported: "
+                                           "zopt's optimizer states share one placement "
+                                           "(rule 13); allowed: 1.0")
+            W.use(f"{path}.ratio", "honoured: 1.0" if offload else "no effect: no offload")
+        for k, why in _OFFLOAD_OPT_NO_EFFECT.items():
+            if k in oo:
+                W.use(f"{path}.{k}", f"no effect on the step ({why})")
+    if "cpu_offload" in z:
+        if _bool(z["cpu_offload"], "zero_optimization.cpu_offload"):
+            offload = True
+            W.use("zero_optimization.cpu_offload", "honoured: placement 'offload' "
+                  "(DeepSpeed's deprecated spelling of offload_optimizer.device cpu)")
+        else:
+            W.use("zero_optimization.cpu_offload", "honoured: false")
+    op = z.get("offload_param")
+    if op is not None:
+        path = "zero_optimization.offload_param"
+        W.section(op, path, dict.fromkeys(["device", "nvme_path", "buffer_count",
+                                           "buffer_size", "max_in_cpu", "pin_memory"]))
+        dev = _str(op.get("device", "none"), f"{path}.device", ("none", "cpu", "nvme"))
+        if dev != "none":
+            raise DeepSpeedConfigError(f"{path}.device", f"'{dev}': parameter offload "
+                                       "(ZeRO-Infinity moves the model's params off the "
+                                       "GPU between uses) is not supported: zopt updates "
+                                       "the params where the model keeps them; allowed: "
+                                       "'none' (offload_optimizer.device 'cpu' offloads "
+                                       "the optimizer)")
+        for k in op:
+            W.use(f"{path}.{k}", "honoured: no parameter offload" if k == "device"
+                  else "no effect: no parameter offload")
+    return stage, offload
+
+
+def _batch(cfg, W, world_size, st):
+    A = None
+    if "gradient_accumulation_steps" in cfg:
+        A = _num(cfg["gradient_accumulation_steps"], "gradient_accumulation_steps",
+                 lo=1, integer=True)
+    tb = cfg.get("train_batch_size")
+    mb = cfg.get("train_micro_batch_size_per_gpu")
+    if tb is not None:
+        tb = _num(tb, "train_batch_size", lo=1, integer=True)
+    if mb is not None:
+        mb = _num(mb, "train_micro_batch_size_per_gpu", lo=1, integer=True)
+    if A is None and tb is not None and mb is not None:
+        if world_size:
+            if tb % (mb * world_size):
+                raise DeepSpeedConfigError("train_batch_size", f"{tb} is not a multiple "
+                                           f"of train_micro_batch_size_per_gpu ({mb}) x "
+                                           f"world size ({world_size})")
+            A = tb // (mb * world_size)
+            st["notes"].append(f"gradient_accumulation_steps: {A}, derived from "
+                               "train_batch_size / (micro batch x world size)")
+        else:
+            st["notes"].append("gradient_accumulation_steps: not given; DeepSpeed derives "
+                               "it from train_batch_size / (micro batch x world size): pass "
+                               "world_size to get it (taken as 1 here)")
+    if A is not None and tb is not None and mb is not None and world_size and \
+            tb != A * mb * world_size:
+        raise DeepSpeedConfigError("train_batch_size", f"{tb} != micro batch {mb} x "
+                                   f"accumulation {A} x world size {world_size}")
+    A = A or 1
+    if "gradient_accumulation_steps" in cfg:
+        W.use("gradient_accumulation_steps", f"honoured: defaults['grad_divisor'] = "
+              f"world size x {A}")
+    for k in ("train_batch_size", "train_micro_batch_size_per_gpu"):
+        if k in cfg:
+            W.use(k, "no effect on the step (the data loader's); checked against "
+                  "gradient_accumulation_steps")
+    st["gas"] = A
+    st["grad_divisor"] = (world_size * A) if world_size else None
+    if A > 1:
+        st["notes"].append(
+            f"gradient_accumulation_steps {A}: DeepSpeed divides each micro-batch's "
+            f"loss by {A}. With zopt, either divide the loss by {A} too, or sum the "
+            f"micro-batch gradients and set the gradient divisor to world_size x {A} "
+            f"(defaults['grad_divisor'], zopt_optimizer_set_grad_divisor)")
+
+
+def _scheduler(sch, W, st):
+    path = "scheduler"
+    W.section(sch, path, {"type": "", "params": ""})
+    t = _no_auto(sch.get("type"), "scheduler.type")
+    if t in ("OneCycle", "LRRangeTest"):
+        why = ("it cycles the momentum (beta1) too, which zopt's scheduler mapping "
+               "does not carry: use torch.optim.lr_scheduler.OneCycleLR on the optimizer"
+               if t == "OneCycle" else "a learning-rate range test is a tuning run, not a "
+               "schedule: run it with torch.optim.lr_scheduler.LambdaLR")
+        raise DeepSpeedConfigError("scheduler.type", f"{t!r} is not mapped ({why}); "
+                                   "supported: " + ", ".join(SUPPORTED_SCHEDULERS))
+    if t not in SUPPORTED_SCHEDULERS:
+        raise DeepSpeedConfigError("scheduler.type", f"{t!r} is not supported; "
+                                   "supported: " + ", ".join(SUPPORTED_SCHEDULERS))
+    params = sch.get("params") or {}
+    pp = "scheduler.params"
+    common = ["warmup_num_steps", "warmup_type", "last_batch_iteration"]
+    if t == "WarmupLR":
+        known = ["warmup_min_lr", "warmup_max_lr"] + common
+    elif t == "WarmupDecayLR":
+        known = ["warmup_min_lr", "warmup_max_lr", "total_num_steps"] + common
+    else:
+        known = ["warmup_min_ratio", "cos_min_ratio", "total_num_steps"] + common
+    W.section(params, pp, dict.fromkeys(known))
+    out = {"type": t}
+    dflt = dict(warmup_min_lr=0.0, warmup_max_lr=0.001, warmup_num_steps=1000,
+                warmup_type="log", last_batch_iteration=-1, warmup_min_ratio=0.0,
+                cos_min_ratio=0.0001)
+    for k in known:
+        if k == "total_num_steps":
+            if k not in params:
+                raise DeepSpeedConfigError(f"{pp}.total_num_steps", f"{t} needs it")
+            out[k] = _num(params[k], f"{pp}.{k}", lo=1, integer=True)
+        elif k == "warmup_type":
+            out[k] = _str(params.get(k, "log"), f"{pp}.{k}", ("log", "linear"))
+        elif k in ("warmup_num_steps",):
+            out[k] = _num(params.get(k, dflt[k]), f"{pp}.{k}", lo=0, integer=True)
+        elif k == "last_batch_iteration":
+            out[k] = _num(params.get(k, -1), f"{pp}.{k}", lo=-1, integer=True)
+        else:
+            v = params.get(k, dflt[k])
+            if isinstance(v, (list, tuple)):
+                raise DeepSpeedConfigError(f"{pp}.{k}", "per-group lists are not mapped: "
+                                           "give one value")
+            out[k] = _num(v, f"{pp}.{k}", lo=0.0)
+        if k in params:
+            W.use(f"{pp}.{k}", "honoured: defaults['scheduler']")
+    W.use("scheduler.type", f"honoured: torch.optim.lr_scheduler.LambdaLR reproducing "
+          f"DeepSpeed's {t} (zopt.deepspeed.torch_scheduler / lr_at)")
+    out["torch"] = ("torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lambda i: "
+                    f"zopt.deepspeed.lr_at(scheduler, i, base_lr) / base_lr)")
+    st["scheduler"] = out
+
+
+def from_config(ds_config, *, world_size=None, gpu_arch=None, device="cuda",
+                name=None, optimizer=None, comments=True):
+    """A DeepSpeed config (dict, JSON file path or JSON text) -> ``(text,
+    defaults)``: the zopt step description, and what to apply at runtime.
+
+    ``world_size``: the data-parallel world size, for the gradient divisor
+    and to derive gradient_accumulation_steps from the batch sizes.
+    ``device``: "cuda" (DeepSpeed's: params on the GPU, the update on the GPU
+    or, with offload_optimizer, on the CPU) or "cpu" (everything on the CPU,
+    e.g. DeepSpeed's CPU accelerator, or to test a config on a CPU machine).
+    ``gpu_arch``: the CUDA architecture (default sm_90). ``optimizer``: an
+    ``optimizer`` section to use when the config has none (DeepSpeed then
+    uses the client's torch optimizer, which a config cannot name).
+
+    ``defaults`` holds: ``hypers`` (zopt.Optimizer keyword arguments: lr,
+    betas, eps, weight_decay, momentum, dampening, bias_correction),
+    ``loss_scaler`` (zopt.Optimizer(loss_scaler=...) or None),
+    ``gradient_accumulation_steps``, ``grad_divisor`` (world_size x
+    accumulation, None without world_size), ``bucket_elems`` (or None),
+    ``scheduler`` (or None), ``step`` (the equivalent zopt.steps call:
+    ``{"rule": ..., **kwargs}``), ``fields`` ({dotted path: how it was
+    used}) and ``notes``. Raises DeepSpeedConfigError naming the field it
+    refuses.
+    """
+    cfg = load_config(ds_config)
+    W = _Walker()
+    known = {"optimizer", "scheduler", "fp16", "bf16", "bfloat16", "gradient_clipping",
+             "zero_optimization", "gradient_accumulation_steps", "train_batch_size",
+             "train_micro_batch_size_per_gpu", "data_types", "prescale_gradients",
+             "gradient_predivide_factor", "communication_data_type", "sparse_gradients",
+             "amp"} | set(_TOP_NO_EFFECT)
+    W.section(cfg, "", dict.fromkeys(known))
+    if "bf16" in cfg and "bfloat16" in cfg:
+        raise DeepSpeedConfigError("bfloat16", "give bf16 once ('bfloat16' is its old name)")
+    if device not in ("cuda", "cpu"):
+        raise ZoptError(Status.INVALID_ARGUMENT, f"device: {device!r}; allowed: 'cuda', 'cpu'")
+    st = {"notes": []}
+    for k, why in _TOP_NO_EFFECT.items():
+        if k in cfg:
+            W.use(k, f"no effect on the step ({why})")
+    # Top-level fields that must keep DeepSpeed's default.
+    for k, dflt, why in (
+            ("prescale_gradients", False, "zopt applies the gradient divisor in the "
+             "update, after the reduction"),
+            ("gradient_predivide_factor", 1.0, "zopt applies the gradient divisor in the "
+             "update, after the reduction"),
+            ("communication_data_type", None, "zopt's communicators reduce gradients in "
+             "their own dtype (docs/COMM.md)"),
+            ("sparse_gradients", False, "sparse embedding gradients are not supported")):
+        if k in cfg:
+            v = _no_auto(cfg[k], k)
+            if v != dflt:
+                raise DeepSpeedConfigError(k, f"{v!r}: {why}; allowed: {json.dumps(dflt)}")
+            W.use(k, f"honoured: {json.dumps(dflt)} (the default)")
+    if "amp" in cfg:
+        amp = cfg["amp"] or {}
+        W.section(amp, "amp", {k: "" for k in amp})  # apex arguments, if disabled
+        if _bool(amp.get("enabled", False), "amp.enabled"):
+            raise DeepSpeedConfigError("amp.enabled", "NVIDIA apex AMP is not supported: "
+                                       "use fp16 or bf16")
+        W.use("amp", "honoured: apex AMP off")
+    # ZeRO first: the bf16 gradient dtype depends on the stage.
+    stage, offload = _zero(cfg, W, st)
+    if "optimizer" not in cfg or cfg["optimizer"] is None:
+        if optimizer is None:
+            raise DeepSpeedConfigError(
+                "optimizer", "the config names no optimizer (DeepSpeed then uses the "
+                "client's torch optimizer, which a config cannot say): add an "
+                "optimizer section, pass optimizer={'type': ..., 'params': ...}, or "
+                "build the step with zopt.steps")
+        rule, okw = _optimizer(optimizer, W, st)
+        st["notes"].append("optimizer: from the optimizer= argument (the config has none)")
+    else:
+        rule, okw = _optimizer(cfg["optimizer"], W, st)
+    dkw = _dtypes(cfg, W, stage, st)
+    clip = None
+    if "gradient_clipping" in cfg:
+        c = _num(cfg["gradient_clipping"], "gradient_clipping", lo=0.0)
+        clip = c if c > 0 else None
+        W.use("gradient_clipping", f"honoured: clip_by_global_norm max {c!r}" if clip
+              else "honoured: no clipping (0)")
+    _batch(cfg, W, world_size, st)
+    st["scheduler"] = None
+    if cfg.get("scheduler") is not None:
+        _scheduler(cfg["scheduler"], W, st)
+    # ---- the step
+    if device == "cpu":
+        placement = "cpu"
+        if offload:
+            st["notes"].append("zero_optimization.offload_optimizer: device='cpu' puts "
+                               "everything on the CPU already")
+    else:
+        placement = "offload" if offload else "gpu"
+    master = dkw.get("master")
+    if st.get("bf16_master") and placement == "offload":
+        master = "bf16"  # DeepSpeed keeps the bf16 master partition on the CPU
+    kw = dict(param=dkw["param"], master=master, moments=dkw.get("moments"),
+              clip=clip, placement=placement, zero_stage=stage)
+    if dkw.get("loss_scale"):
+        kw["loss_scale"] = True
+    if placement != "cpu":
+        kw["gpu_arch"] = gpu_arch or _steps.DEFAULT_GPU_ARCH
+    hy = dict(st["hypers"])
+    hkw = {}
+    for k in ("lr", "betas", "eps", "weight_decay", "momentum", "dampening"):
+        if k in hy:
+            hkw[k] = hy[k]
+    if rule == "sgd":
+        mom = okw["momentum"]
+        kw.update(momentum=mom if mom > 0 else 0, nesterov=okw["nesterov"])
+        if mom == 0:
+            kw.pop("moments", None)   # plain SGD keeps no state
+        hkw.pop("momentum", None)
+        if mom == 0:
+            hkw.pop("dampening", None)
+    if rule in ("adam", "adamw"):
+        kw["amsgrad"] = okw["amsgrad"]
+    if name:
+        kw["name"] = name
+    notes = ["Imported from a DeepSpeed config by zopt.deepspeed.from_config: "
+             f"{st['title']}; zero stage {stage}"
+             + (", optimizer offloaded to the CPU" if offload else "") + "."]
+    if placement == "gpu" and stage > 0:
+        st["notes"].append("zero_optimization.stage: zopt runs GPU-placed steps at "
+                           "world size 1 today (zopt.h, zopt_optimizer_set_comm); "
+                           "partitioning across ranks applies to offloaded and CPU steps")
+    builder = _steps.BUILDERS[rule]
+    try:
+        spec = builder.spec(comments=comments, **kw, **hkw)
+    except ZoptError as e:   # a combination the dialect refuses
+        raise DeepSpeedConfigError("<config>", f"the layout this config asks for is "
+                                   f"refused by zopt: {e.message}") from None
+    spec = dataclasses.replace(spec, notes=tuple(notes))
+    text = spec.text()
+    runtime_hy = dict(hy)
+    if rule == "sgd" and okw["momentum"] == 0:
+        runtime_hy.pop("momentum", None)
+        runtime_hy.pop("dampening", None)
+    defaults = {
+        "hypers": runtime_hy,
+        "loss_scaler": st.get("loss_scaler"),
+        "gradient_accumulation_steps": st["gas"],
+        "grad_divisor": st["grad_divisor"],
+        "bucket_elems": st.get("bucket_elems"),
+        "scheduler": st["scheduler"],
+        "step": {"rule": rule, **{k: v for k, v in kw.items()}, **hkw},
+        "call": spec.call,
+        "fields": W.fields,
+        "notes": st["notes"],
+    }
+    return text, defaults
+
+
+def optimizer_kwargs(defaults):
+    """Keyword arguments for zopt.Optimizer from ``defaults``: the hypers and
+    the loss scaler."""
+    kw = dict(defaults.get("hypers") or {})
+    if defaults.get("loss_scaler"):
+        kw["loss_scaler"] = dict(defaults["loss_scaler"])
+    return kw
+
+
+def load(ds_config, **kw):
+    """``(zopt.Step, defaults)`` of a DeepSpeed config (compiled through the
+    zopt.steps cache)."""
+    text, defaults = from_config(ds_config, **kw)
+    return _steps.load_text(text), defaults
+
+
+# ---------------------------------------------------------------------------
+# Schedulers: DeepSpeed's formulas (deepspeed/runtime/lr_schedules.py)
+# ---------------------------------------------------------------------------
+
+def lr_at(scheduler, i, base_lr):
+    """The learning rate DeepSpeed's scheduler gives the ``i``-th optimizer
+    step (0-based) of a group whose configured lr is ``base_lr``. DeepSpeed
+    sets the lr when the scheduler is built (step 0) and after each step."""
+    t = scheduler["type"]
+    it = i - 1 + (scheduler.get("last_batch_iteration", -1) + 1)
+    W = max(2, scheduler.get("warmup_num_steps", 1000))
+    log = scheduler.get("warmup_type", "log") == "log"
+
+    def warm(it):
+        return math.log(it + 1) / math.log(W) if log else it / W
+
+    if t in ("WarmupLR", "WarmupDecayLR"):
+        lo, hi = scheduler.get("warmup_min_lr", 0.0), scheduler.get("warmup_max_lr", 0.001)
+        if it < 0:
+            return lo
+        if it < W:
+            gamma = warm(it)
+        elif t == "WarmupLR":
+            gamma = 1.0
+        else:
+            T = scheduler["total_num_steps"]
+            gamma = max(0.0, float(T - it) / float(max(1.0, T - W)))
+        return lo + (hi - lo) * gamma
+    if t == "WarmupCosineLR":
+        if it < 0:
+            return 0.0
+        if it < W:
+            r0 = scheduler.get("warmup_min_ratio", 0.0)
+            ratio = r0 + warm(it) * (1.0 - r0)
+        else:
+            T = scheduler["total_num_steps"]
+            cmin = scheduler.get("cos_min_ratio", 0.0001)
+            ratio = (1 + math.cos(math.pi * (it - W + 1) / (T - W))) / 2
+            ratio = max(0.0, cmin + (1.0 - cmin) * ratio)
+        return base_lr * ratio
+    raise ZoptError(Status.INVALID_ARGUMENT, f"unknown scheduler type {t!r}")
+
+
+def torch_scheduler(optimizer, scheduler):
+    """A torch.optim.lr_scheduler.LambdaLR on ``optimizer`` (anything with
+    torch's ``param_groups``) that gives each step DeepSpeed's learning
+    rate: step the scheduler after each optimizer step, as DeepSpeed does."""
+    import torch
+    lambdas = []
+    for g in optimizer.param_groups:
+        base = g.get("initial_lr", g["lr"])
+        if base <= 0 and scheduler["type"] != "WarmupCosineLR":
+            raise ZoptError(Status.INVALID_ARGUMENT, "a LambdaLR needs a positive initial "
+                            "lr in every param group")
+        lambdas.append(lambda i, b=base: lr_at(scheduler, i, b) / b if b > 0 else 0.0)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
+
+
+# ---------------------------------------------------------------------------
+# Command line: zopt-import-deepspeed
+# ---------------------------------------------------------------------------
+
+def main(argv=None):
+    import argparse
+    ap = argparse.ArgumentParser(
+        prog="zopt-import-deepspeed",
+        description="Writes the zopt step description of a DeepSpeed config "
+                    "(ds_config.json). Every field is honoured or refused, naming it.")
+    ap.add_argument("config", help="DeepSpeed config JSON file ('-': stdin)")
+    ap.add_argument("-o", "--output", default="-", help="step description (.mlir); "
+                    "default: stdout")
+    ap.add_argument("--defaults", metavar="JSON", help="also write the runtime "
+                    "defaults (hyperparameters, loss scaler, scheduler, divisor) and "
+                    "how each field was used")
+    ap.add_argument("--compile", metavar="SO", help="also compile the step to SO "
+                    "(zopt-compile)")
+    ap.add_argument("--world-size", type=int, default=None)
+    ap.add_argument("--gpu-arch", default=None, help="CUDA architecture (default sm_90)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--name", default=None, help="the step's symbol name")
+    ap.add_argument("-q", "--quiet", action="store_true", help="no summary on stderr")
+    a = ap.parse_args(argv)
+    try:
+        if a.config == "-":
+            try:
+                src = json.loads(sys.stdin.read())
+            except json.JSONDecodeError as e:
+                raise ZoptError(Status.INVALID_ARGUMENT, f"<stdin>: not JSON: {e}") from None
+        else:
+            src = a.config
+        text, defaults = from_config(src, world_size=a.world_size, gpu_arch=a.gpu_arch,
+                                     device=a.device, name=a.name)
+        if a.output == "-":
+            sys.stdout.write(text)
+        else:
+            with open(a.output, "w") as f:
+                f.write(text)
+        if a.defaults:
+            with open(a.defaults, "w") as f:
+                json.dump(defaults, f, indent=2)
+                f.write("\n")
+        if a.compile:
+            from .compiler import compile as _compile
+            _compile(text, out_path=a.compile)
+    except ZoptError as e:
+        print(f"zopt-import-deepspeed: {e.message}", file=sys.stderr)
+        return 1
+    if not a.quiet:
+        print(f"zopt-import-deepspeed: {defaults['call']}", file=sys.stderr)
+        for n in defaults["notes"]:
+            print(f"  note: {n}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

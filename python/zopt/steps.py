@@ -1,0 +1,1038 @@
+"""One line to a compiled optimizer step.
+
+    import zopt
+    step = zopt.steps.adamw(param="bf16", master="f32", moments="bf16", clip=1.0,
+                            rounding="stochastic", zero_stage=2)
+    opt = zopt.Optimizer(step, model.parameters(), lr=1e-3, weight_decay=0.01)
+
+    print(zopt.steps.adamw.text(param="bf16", master="f32"))   # the description
+    so = zopt.steps.adamw.path(param="bf16", master="f32")     # the step.so (C, zopt-run)
+
+Each builder (``adam``, ``adamw``, ``sgd``, ``lion``) writes a ``zopt.step``
+description (commented MLIR, the dialect of docs/Dialects/Zopt.md), compiles
+it once and returns the loaded ``zopt.Step``. Compiled steps are cached on
+disk by the sha256 of the description text (see :func:`cache_dir`), so the
+second call, in this process or any other, loads the cached step.so.
+
+Arguments every builder takes (keyword only):
+
+``param``
+    dtype of the model's params: ``"f32"``, ``"bf16"`` or ``"f16"`` (also
+    ``"float32"``, ``"bfloat16"``, ``"fp16"``, ``torch.bfloat16``, ...).
+``grad``
+    dtype of the gradients; ``None`` (default) is the param's dtype, the
+    only one the dialect accepts today (rule 7: torch keeps ``.grad`` in the
+    param's dtype).
+``master``
+    ``None`` (default: the param is the weight the update changes), ``"f32"``
+    (an fp32 master copy; the param is the rounded master) or ``"bf16"``
+    (only for bf16 params with ``placement="offload"``: the master lives on
+    the CPU, the param on the GPU). ``True`` means ``"f32"``.
+``moments``
+    dtype of every optimizer state (Adam's ``exp_avg``/``exp_avg_sq``/
+    ``max_exp_avg_sq``, SGD's momentum buffer, Lion's ``exp_avg``). Default:
+    the master's dtype, else the param's, except that f16 params without a
+    master get f32 states (``exp_avg_sq`` cannot be f16). Adam also takes
+    ``exp_avg=``, ``exp_avg_sq=``, ``max_exp_avg_sq=`` to set one state.
+``clip``
+    ``None`` (default) or the ``max_norm`` of global-norm gradient clipping
+    over all params of all groups (``torch.nn.utils.clip_grad_norm_``).
+``loss_scale``
+    ``True``: the gradients arrive multiplied by a loss scale and the step
+    divides by it and skips itself on any non-finite gradient
+    (``zopt.unscale``; configure the scaler on the optimizer). ``None``
+    (default) turns it on for f16 gradients (which require it) and off
+    otherwise.
+``rounding``
+    how narrowing stores round: ``None``/``"nearest_even"`` (default),
+    ``"stochastic"`` (every bf16 state the step writes: the param, a bf16
+    master, bf16 moments), or a dict ``{state kind: mode}``, e.g.
+    ``{"param": "stochastic"}``. Stochastic rounding is implemented for bf16
+    states only (docs/Dialects/Zopt.md rule 14).
+``placement``
+    ``"cpu"`` (default: everything on the CPU), ``"gpu"`` (everything on the
+    GPU) or ``"offload"`` (ZeRO-Offload: param and grad on the GPU, the
+    optimizer states and the update on the CPU).
+``gpu_arch``
+    CUDA architecture of GPU and offload steps (default ``"sm_90"``; at least
+    ``"sm_70"``); not allowed with ``placement="cpu"``.
+``zero_stage``
+    0 (default), 1, 2 or 3. ``align``: partition alignment in elements, a
+    power of two in [1, 2**20] (default 16).
+hyperparameter defaults
+    ``lr``, ``betas=(beta1, beta2)``, ``eps``, ``weight_decay`` (Adam, Lion),
+    ``momentum``, ``dampening`` (SGD): written into the description as
+    ``zopt.hyper ... default``; a param group that sets no value runs with
+    them. They stay runtime values (changing them never recompiles).
+``name``
+    the step's symbol name (default: one made from the options).
+``comments``
+    ``False`` leaves the comments out of the text.
+
+Invalid combinations raise :class:`zopt.ZoptError` (``INVALID_ARGUMENT``)
+naming the argument and what is allowed, before anything is compiled; the
+rules are the verifier's (docs/Dialects/Zopt.md), and the tests check that
+this module accepts exactly what zopt-compile accepts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import math
+import os
+import re
+import tempfile
+import threading
+
+from ._lib import Status, ZoptError
+
+RULES = ("adam", "adamw", "sgd", "lion")
+DTYPES = ("f32", "bf16", "f16")
+PLACEMENTS = ("cpu", "gpu", "offload")
+ROUNDINGS = ("nearest_even", "stochastic")
+STATE_KINDS = ("param", "grad", "master", "exp_avg", "exp_avg_sq",
+               "max_exp_avg_sq", "momentum_buffer")
+DEFAULT_GPU_ARCH = "sm_90"
+
+_BITS = {"f32": 32, "bf16": 16, "f16": 16}
+_DTYPE_ALIASES = {
+    "f32": "f32", "fp32": "f32", "float32": "f32", "float": "f32",
+    "bf16": "bf16", "bfloat16": "bf16",
+    "f16": "f16", "fp16": "f16", "float16": "f16", "half": "f16",
+}
+# Hyperparameter ranges (the runtime's and the verifier's, rule 16):
+# name -> (lo, hi, hi_exclusive, lo_exclusive)
+_HYPER_RANGES = {
+    "lr": (0.0, math.inf, False, False),
+    "beta1": (0.0, 1.0, True, False),
+    "beta2": (0.0, 1.0, True, False),
+    "eps": (0.0, math.inf, False, True),
+    "weight_decay": (0.0, math.inf, False, False),
+    "momentum": (0.0, 1.0, False, False),
+    "dampening": (0.0, 1.0, False, False),
+}
+_HYPER_SSA = {"lr": "%lr", "beta1": "%b1", "beta2": "%b2", "eps": "%eps",
+              "weight_decay": "%wd", "momentum": "%mu", "dampening": "%damp"}
+_RULE_HYPERS = {
+    "adam": ("lr", "beta1", "beta2", "eps", "weight_decay"),
+    "adamw": ("lr", "beta1", "beta2", "eps", "weight_decay"),
+    "sgd": ("lr", "momentum", "dampening", "weight_decay"),
+    "sgd_plain": ("lr", "weight_decay"),
+    "lion": ("lr", "beta1", "beta2", "weight_decay"),
+}
+_STATE_SSA = {"param": "%p", "grad": "%g", "master": "%w", "exp_avg": "%m",
+              "exp_avg_sq": "%v", "max_exp_avg_sq": "%vm",
+              "momentum_buffer": "%buf"}
+_DTYPE_ARGS = ("param", "grad", "master", "moments", "exp_avg", "exp_avg_sq",
+               "max_exp_avg_sq")
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_$.]*$")
+
+
+def _bad(arg, msg):
+    return ZoptError(Status.INVALID_ARGUMENT, f"{arg}: {msg}")
+
+
+def dtype_name(x, arg="dtype"):
+    """Canonical dtype name ("f32", "bf16", "f16") of a string alias, a torch
+    dtype or a numpy dtype; ZoptError naming ``arg`` otherwise."""
+    s = x
+    if not isinstance(s, str):
+        s = getattr(x, "__name__", None) or str(x)
+        s = s.replace("torch.", "")
+        try:  # numpy dtypes and scalar types
+            import numpy as np
+            s = np.dtype(x).name if not str(x).startswith("torch.") else s
+        except Exception:
+            pass
+    key = str(s).strip().lower()
+    if key in _DTYPE_ALIASES:
+        return _DTYPE_ALIASES[key]
+    raise _bad(arg, f"unknown dtype {x!r}; allowed: f32, bf16, f16 (or float32, "
+               "bfloat16, float16, fp32, fp16, torch/numpy dtypes)")
+
+
+def fmt_float(x):
+    """A double as an MLIR float literal that parses back to the same value."""
+    x = float(x)
+    s = repr(x)
+    if "e" in s or "E" in s:
+        mant, exp = s.lower().split("e")
+        if "." not in mant:
+            mant += ".0"
+        s = f"{mant}e{exp}"
+    elif "." not in s:
+        s += ".0"
+    return s
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """A resolved step: what the description says, every default filled in.
+
+    ``states``: ((kind, dtype), ...) of the optimizer states the step owns
+    beside the param and grad (master first); ``rounding``: ((kind, mode),
+    ...) for the states declared with a rounding; ``hypers``: ((name,
+    default), ...) of the defaults written into the description.
+    """
+    rule: str
+    param: str
+    grad: str
+    master: str | None
+    states: tuple
+    amsgrad: bool = False
+    nesterov: bool = False
+    momentum_buffer: bool = True
+    clip: float | None = None
+    loss_scale: bool = False
+    rounding: tuple = ()
+    placement: str = "cpu"
+    gpu_arch: str | None = None
+    zero_stage: int | None = 0
+    align: int | None = 16
+    hypers: tuple = ()
+    style: str = "primitives"
+    name: str = ""
+    comments: bool = True
+    call: str = ""          # the builder call, for the header comment
+    notes: tuple = ()       # extra header comment lines (e.g. DeepSpeed import)
+
+    @property
+    def state_dtypes(self):
+        return dict(self.states)
+
+    @property
+    def user_placement(self):
+        return "cpu" if self.placement == "cpu" else "gpu"
+
+    @property
+    def state_placement(self):
+        return "gpu" if self.placement == "gpu" else "cpu"
+
+    def text(self):
+        return _emit(self)
+
+
+# ---------------------------------------------------------------------------
+# Resolution and validation
+# ---------------------------------------------------------------------------
+
+def _hyper_default(name, arg, value, check=True):
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise _bad(arg, f"must be a number, got {value!r}") from None
+    if not check:
+        return v
+    lo, hi, hi_ex, lo_ex = _HYPER_RANGES[name]
+    ok = math.isfinite(v) and (v > lo if lo_ex else v >= lo) and \
+        (v < hi if hi_ex else v <= hi)
+    if not ok:
+        rng = ("(" if lo_ex else "[") + fmt_float(lo) + ", " + \
+            ("inf" if hi == math.inf else fmt_float(hi)) + (")" if hi_ex or hi == math.inf else "]")
+        raise _bad(arg, f"{value!r} is out of range {rng}")
+    return v
+
+
+def _resolve_hypers(rule_key, lr=None, betas=None, eps=None, weight_decay=None,
+                    momentum=None, dampening=None, check=True):
+    out = []
+    given = {"lr": lr, "eps": eps, "weight_decay": weight_decay,
+             "momentum": momentum, "dampening": dampening}
+    if betas is not None:
+        try:
+            b = tuple(betas)
+        except TypeError:
+            b = ()
+        if len(b) != 2:
+            raise _bad("betas", f"must be a pair (beta1, beta2), got {betas!r}")
+        given["beta1"], given["beta2"] = b
+    for name in _RULE_HYPERS[rule_key]:
+        v = given.get(name)
+        if v is not None:
+            arg = {"beta1": "betas[0]", "beta2": "betas[1]"}.get(name, name)
+            out.append((name, _hyper_default(name, arg, v, check)))
+    return tuple(out)
+
+
+def _default_moments(param, master):
+    if master is not None:
+        return master
+    return "f32" if param == "f16" else param
+
+
+def _validate(spec):
+    """The verifier's rules (docs/Dialects/Zopt.md), as errors naming the
+    builder argument."""
+    p, g, w = spec.param, spec.grad, spec.master
+    if g != p:
+        raise _bad("grad", f"{g} gradients with {p} params are not supported: the "
+                   f"grad has the param's dtype (rule 7; torch keeps .grad in the "
+                   f"param's dtype); allowed: grad={p!r} or None. (DeepSpeed's "
+                   "default bf16 layout, bf16 params with fp32 gradients, needs "
+                   "this rule relaxed.)")
+    if g == "f16" and not spec.loss_scale:
+        raise _bad("loss_scale", "f16 gradients need loss scaling (rule 8: fp16 "
+                   "training without a scaler underflows); allowed: True or None")
+    if w is not None:
+        if w == "f16":
+            raise _bad("master", "an f16 master cannot hold small updates to large "
+                       "weights (rule 9); allowed: None, 'f32'" +
+                       (", 'bf16'" if p == "bf16" and spec.placement == "offload" else ""))
+        if _BITS[w] < _BITS[p] or (w == "bf16" and p == "f16"):
+            raise _bad("master", f"a {w} master is less precise than {p} params "
+                       "(rule 9); allowed: None, 'f32'")
+        if w == p and spec.user_placement == spec.state_placement:
+            raise _bad("master", f"a {w} master of {p} params on the same placement "
+                       "duplicates the param (rule 9): leave master=None and the "
+                       "param is the weight" +
+                       (" (a bf16 master is allowed with placement='offload', "
+                        "where it lives on the CPU and the param on the GPU)"
+                        if w == "bf16" else ""))
+    sd = spec.state_dtypes
+    for kind in ("exp_avg_sq", "max_exp_avg_sq"):
+        if sd.get(kind) == "f16":
+            arg = kind if spec.rule in ("adam", "adamw") else "moments"
+            raise _bad(arg, f"'{kind}' cannot be f16: squared gradients under 6e-8 "
+                       "flush to zero and over 65504 overflow (rule 10); allowed: "
+                       "'f32', 'bf16' (exp_avg may be f16: give exp_avg='f16' and "
+                       "exp_avg_sq='bf16' or 'f32')")
+    if spec.clip is not None and not (spec.clip > 0 and math.isfinite(spec.clip)):
+        raise _bad("clip", f"max_norm must be positive and finite, got {spec.clip!r}; "
+                   "None turns clipping off")
+    if spec.placement not in PLACEMENTS:
+        raise _bad("placement", f"unknown placement {spec.placement!r}; allowed: "
+                   + ", ".join(PLACEMENTS))
+    if spec.gpu_arch is not None:
+        m = re.fullmatch(r"sm_(\d+)", spec.gpu_arch)
+        if not m or int(m.group(1)) < 70:
+            raise _bad("gpu_arch", f"{spec.gpu_arch!r} is not a CUDA architecture "
+                       "sm_70 or newer (e.g. 'sm_80', 'sm_90')")
+    if spec.zero_stage is not None and spec.zero_stage not in (0, 1, 2, 3):
+        raise _bad("zero_stage", f"{spec.zero_stage!r}; allowed: 0, 1, 2, 3")
+    if spec.align is not None and not (
+            isinstance(spec.align, int) and 1 <= spec.align <= (1 << 20)
+            and spec.align & (spec.align - 1) == 0):
+        raise _bad("align", f"{spec.align!r}; allowed: a power of two between 1 "
+                   "and 1048576 elements")
+    if not _NAME_RE.match(spec.name) or len(spec.name) > 63:
+        raise _bad("name", f"{spec.name!r} is not a symbol name of at most 63 "
+                   "characters ([A-Za-z_][A-Za-z0-9_$.]*)")
+
+
+def _written_states(param, master, states):
+    """(kind, dtype) of every state the step stores into."""
+    out = [("param", param)]
+    if master is not None:
+        out.append(("master", master))
+    out += [kv for kv in states if kv[0] != "master"]
+    return out
+
+
+def _resolve_rounding(rounding, written, check):
+    """rounding argument -> ((kind, mode), ...) for the declarations."""
+    if rounding is None:
+        return ()
+    narrow = [(k, d) for k, d in written if d != "f32"]
+    if isinstance(rounding, str):
+        mode = rounding
+        if mode not in ROUNDINGS:
+            raise _bad("rounding", f"unknown mode {mode!r}; allowed: None, "
+                       "'nearest_even', 'stochastic', or a dict {state: mode}")
+        if mode == "nearest_even":
+            return ()  # the default of every narrowing store
+        if check:
+            if not narrow:
+                raise _bad("rounding", "'stochastic' has no effect: every state "
+                           "the step stores is f32 (stochastic rounding applies to "
+                           "bf16 states)")
+            f16 = [k for k, d in narrow if d == "f16"]
+            bf16 = [k for k, d in narrow if d == "bf16"]
+            if f16:
+                hint = (f": give a dict naming the bf16 states, e.g. {{{bf16[0]!r}: "
+                        "'stochastic'}" if bf16 else "")
+                raise _bad("rounding", "'stochastic' would apply to the f16 state"
+                           f"{'s' if len(f16) > 1 else ''} "
+                           f"{', '.join(repr(k) for k in f16)}; stochastic rounding "
+                           f"is implemented for bf16 states only (rule 14){hint}")
+        return tuple((k, "stochastic") for k, d in narrow)
+    if not isinstance(rounding, dict):
+        raise _bad("rounding", f"{rounding!r}; allowed: None, 'nearest_even', "
+                   "'stochastic', or a dict {state kind: mode}")
+    wd = dict(written)
+    out = []
+    for kind, mode in rounding.items():
+        arg = f"rounding[{kind!r}]"
+        if mode not in ROUNDINGS:
+            raise _bad(arg, f"unknown mode {mode!r}; allowed: "
+                       + ", ".join(repr(r) for r in ROUNDINGS))
+        if kind not in wd:
+            if not check and kind == "grad":
+                out.append((kind, mode))
+                continue
+            raise _bad(arg, ("the grad is never stored, so it never rounds" if
+                             kind == "grad" else f"this step has no {kind!r} state")
+                       + "; allowed keys: " + ", ".join(repr(k) for k, _ in written))
+        d = wd[kind]
+        if check and d == "f32" and mode != "nearest_even":
+            raise _bad(arg, f"the {kind!r} state is f32 and never rounds (rule 14); "
+                       "stochastic rounding applies to bf16 states")
+        if check and mode == "stochastic" and d == "f16":
+            raise _bad(arg, f"the {kind!r} state is f16; stochastic rounding is "
+                       "implemented for bf16 states only (rule 14); allowed: "
+                       "'nearest_even'")
+        out.append((kind, mode))
+    order = {k: i for i, k in enumerate(STATE_KINDS)}
+    return tuple(sorted(out, key=lambda kv: order[kv[0]]))
+
+
+def _call_repr(fname, kw):
+    args = ", ".join(f"{k}={v!r}" for k, v in kw.items())
+    return f"zopt.steps.{fname}({args})"
+
+
+def resolve(rule, *, param="f32", grad=None, master=None, moments=None,
+            exp_avg=None, exp_avg_sq=None, max_exp_avg_sq=None, amsgrad=False,
+            nesterov=False, momentum_buffer=True, clip=None, loss_scale=None,
+            rounding=None, placement="cpu", gpu_arch=None, zero_stage=0,
+            align=16, lr=None, betas=None, eps=None, weight_decay=None,
+            momentum=None, dampening=None, style="primitives", name=None,
+            comments=True, call="", notes=(), check=True):
+    """The :class:`Spec` of a step (every builder goes through here).
+
+    ``check=False`` skips the cross-argument rules (used by the tests to
+    generate descriptions the verifier must refuse)."""
+    if rule not in RULES:
+        raise _bad("rule", f"unknown rule {rule!r}; allowed: " + ", ".join(RULES))
+    p = dtype_name(param, "param")
+    g = p if grad is None else dtype_name(grad, "grad")
+    if master is True:
+        master = "f32"
+    elif master is False:
+        master = None
+    w = None if master is None else dtype_name(master, "master")
+    if placement not in PLACEMENTS:
+        raise _bad("placement", f"unknown placement {placement!r}; allowed: "
+                   + ", ".join(PLACEMENTS))
+    if placement == "cpu":
+        if gpu_arch is not None and check:
+            raise _bad("gpu_arch", "a CPU step has no GPU code; give gpu_arch only "
+                       "with placement='gpu' or 'offload'")
+        arch = gpu_arch  # (only reaches here unchecked)
+    else:
+        arch = gpu_arch or DEFAULT_GPU_ARCH
+    md = _default_moments(p, w) if moments is None else dtype_name(moments, "moments")
+    states = []
+    if w is not None:
+        states.append(("master", w))
+    if rule in ("adam", "adamw"):
+        states.append(("exp_avg", md if exp_avg is None else dtype_name(exp_avg, "exp_avg")))
+        states.append(("exp_avg_sq", md if exp_avg_sq is None
+                       else dtype_name(exp_avg_sq, "exp_avg_sq")))
+        if amsgrad:  # default: the dtype of exp_avg_sq, whose running max it is
+            states.append(("max_exp_avg_sq", states[-1][1] if max_exp_avg_sq is None
+                           else dtype_name(max_exp_avg_sq, "max_exp_avg_sq")))
+        elif max_exp_avg_sq is not None:
+            raise _bad("max_exp_avg_sq", "is the amsgrad state: give amsgrad=True")
+    else:
+        for arg, v in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq),
+                       ("max_exp_avg_sq", max_exp_avg_sq)):
+            if v is not None:
+                raise _bad(arg, f"{rule} has no {arg} dtype to set; use moments=")
+        if amsgrad:
+            raise _bad("amsgrad", f"amsgrad is an Adam variant; {rule} has none")
+        if rule == "sgd" and momentum_buffer:
+            states.append(("momentum_buffer", md))
+        elif rule == "lion":
+            states.append(("exp_avg", md))
+    if rule != "sgd" and nesterov:
+        raise _bad("nesterov", f"nesterov is an SGD option; {rule} has none")
+    if rule == "sgd" and not momentum_buffer and moments is not None and check:
+        raise _bad("moments", "plain SGD (momentum=0) has no state to set a dtype for")
+    ls = (g == "f16") if loss_scale is None else bool(loss_scale)
+    written = _written_states(p, w, states)
+    rnd = _resolve_rounding(rounding, written, check)
+    if style not in ("primitives", "named"):
+        raise _bad("style", f"{style!r}; allowed: 'primitives', 'named' (zopt.adam)")
+    if style == "named" and (rule not in ("adam", "adamw") or amsgrad):
+        raise _bad("style", "the named rule zopt.adam covers adam/adamw without "
+                   "amsgrad; allowed here: 'primitives'")
+    rule_key = "sgd_plain" if rule == "sgd" and not momentum_buffer else rule
+    hyp = _resolve_hypers(rule_key, lr=lr, betas=betas, eps=eps,
+                          weight_decay=weight_decay, momentum=momentum,
+                          dampening=dampening, check=check)
+    clip_v = None
+    if clip is not None:
+        try:
+            clip_v = float(clip)
+        except (TypeError, ValueError):
+            raise _bad("clip", f"must be a number or None, got {clip!r}") from None
+    spec = Spec(rule=rule, param=p, grad=g, master=w, states=tuple(states),
+                amsgrad=bool(amsgrad), nesterov=bool(nesterov),
+                momentum_buffer=bool(momentum_buffer), clip=clip_v, loss_scale=ls,
+                rounding=rnd, placement=placement, gpu_arch=arch,
+                zero_stage=zero_stage, align=align, hypers=hyp, style=style,
+                name="", comments=comments, call=call, notes=tuple(notes))
+    spec = dataclasses.replace(spec, name=name or _auto_name(spec))
+    if check:
+        _validate(spec)
+    return spec
+
+
+def _auto_name(s):
+    parts = [s.rule]
+    if s.amsgrad:
+        parts.append("amsgrad")
+    if s.rule == "sgd":
+        parts.append("nesterov" if s.nesterov else ("mom" if s.momentum_buffer else "plain"))
+    parts.append(s.param)
+    if s.master:
+        parts.append("w" + s.master)
+    sts = [d for k, d in s.states if k != "master"]
+    if sts:
+        parts.append("s" + "".join(dict.fromkeys(sts)) if len(set(sts)) == 1
+                     else "s" + "_".join(sts))
+    if s.clip is not None:
+        parts.append("clip")
+    if s.loss_scale:
+        parts.append("ls")
+    if any(m == "stochastic" for _, m in s.rounding):
+        parts.append("sr")
+    if s.placement != "cpu":
+        parts.append(s.placement)
+    if s.zero_stage:
+        parts.append(f"z{s.zero_stage}")
+    return "_".join(parts)[:63]
+
+
+# ---------------------------------------------------------------------------
+# Emission: commented MLIR
+# ---------------------------------------------------------------------------
+
+_RULE_TITLES = {
+    "adam": "Adam with L2 weight decay (torch.optim.Adam)",
+    "adamw": "AdamW, decoupled weight decay (torch.optim.AdamW)",
+    "sgd": "SGD (torch.optim.SGD)",
+    "lion": "Lion (Chen et al. 2023; decoupled weight decay)",
+}
+
+
+def _title(s):
+    t = _RULE_TITLES[s.rule]
+    if s.amsgrad:
+        t += ", amsgrad"
+    if s.rule == "sgd":
+        t = ("SGD with Nesterov momentum (torch.optim.SGD, nesterov=True)" if s.nesterov
+             else "SGD with momentum (torch.optim.SGD)" if s.momentum_buffer
+             else "plain SGD, no momentum buffer (torch.optim.SGD, momentum=0)")
+    return t
+
+
+def _wrap(prefix, words, width=80):
+    """Comment lines of at most ``width`` columns; continuation lines keep
+    the prefix's indentation and comment marker, indented two more."""
+    cont = prefix[:prefix.index("//") + 2] + "   "
+    lines, cur = [], prefix
+    for w in words:
+        if len(cur) + len(w) + 1 > width and cur.strip() not in ("//", ""):
+            lines.append(cur.rstrip())
+            cur = cont
+        cur += ("" if cur.endswith(" ") else " ") + w
+    lines.append(cur.rstrip())
+    return lines
+
+
+def _header(s):
+    L = [f"// {_title(s)}."]
+    if s.call:
+        L += _wrap("// Built by", s.call.split(" "))
+    for n in s.notes:
+        L += _wrap("//", n.split(" "))
+    owned = ", ".join(f"{k} {d}" for k, d in s.states)
+    L += _wrap("//", (f"Tensors: the user's param ({s.param}) and grad ({s.grad}) on "
+                      f"{s.user_placement}; the optimizer's states"
+                      + (f" ({owned}) on {s.state_placement}." if owned else
+                         ": none.")).split(" "))
+    where = {"cpu": "The update runs on the CPU (AVX-512/AVX2 kernels).",
+             "gpu": f"The update runs on the GPU ({s.gpu_arch}).",
+             "offload": "ZeRO-Offload: grads go to the CPU, the update runs "
+                        "there, params come back to the GPU."}[s.placement]
+    L += _wrap("//", where.split(" "))
+    # Bytes per element the fused update moves.
+    b = {"f32": 4, "bf16": 2, "f16": 2}
+    rd = [("g", b[s.grad]), ("w" if s.master else "p", b[s.master or s.param])]
+    wr = [("w" if s.master else "p", b[s.master or s.param])]
+    short = {"exp_avg": "m", "exp_avg_sq": "v", "max_exp_avg_sq": "vm",
+             "momentum_buffer": "buf"}
+    for k, d in s.states:
+        if k == "master":
+            continue
+        rd.append((short[k], b[d]))
+        wr.append((short[k], b[d]))
+    if s.master:
+        wr.append(("p", b[s.param]))
+    L.append(f"// Bytes per parameter and step: read {sum(x for _, x in rd)} "
+             f"({', '.join(n for n, _ in rd)}), write {sum(x for _, x in wr)} "
+             f"({', '.join(n for n, _ in wr)}).")
+    return L
+
+
+class _Body:
+    def __init__(self, comments):
+        self.lines = []
+        self.comments = comments
+
+    def comment(self, text):
+        if self.comments:
+            for ln in _wrap("  //", text.split(" ")):
+                self.lines.append(ln)
+
+    def op(self, code, note=None):
+        if self.comments and note:
+            self.lines.append(f"  {code}   // {note}")
+        else:
+            self.lines.append(f"  {code}")
+
+
+def _emit(s):
+    """The MLIR text of a Spec (no validation: see resolve())."""
+    B = _Body(s.comments)
+    sd = s.state_dtypes
+    rnd = dict(s.rounding)
+    up, sp = s.user_placement, s.state_placement
+
+    def decl(kind, dtype, on, note=None):
+        r = f" rounding {rnd[kind]}" if kind in rnd else ""
+        B.op(f"{_STATE_SSA[kind]} = zopt.state {kind} : {dtype} on {on}{r}", note)
+
+    # --- states
+    B.comment("The user's tensors (the grad is read-only) and the optimizer's "
+              "states, each with its dtype and placement.")
+    decl("param", s.param, up, "the rounded master, written by the step"
+         if s.master else "the weight the update changes")
+    decl("grad", s.grad, up)
+    if s.master:
+        decl("master", s.master, sp, "the weight the update changes")
+    notes = {"exp_avg": "first moment m" if s.rule != "lion" else "momentum m",
+             "exp_avg_sq": "second moment v",
+             "max_exp_avg_sq": "running max of v (amsgrad)",
+             "momentum_buffer": "momentum buffer"}
+    for k, d in s.states:
+        if k != "master":
+            decl(k, d, sp, notes[k])
+    # --- hyperparameters
+    rule_key = "sgd_plain" if s.rule == "sgd" and not s.momentum_buffer else s.rule
+    defaults = dict(s.hypers)
+    B.comment("Hyperparameters: per-group runtime values (changing them never "
+              "recompiles); a default applies when a group sets none.")
+    for h in _RULE_HYPERS[rule_key]:
+        d = f" default {fmt_float(defaults[h])}" if h in defaults else ""
+        B.op(f"{_HYPER_SSA[h]} = zopt.hyper {h}{d}")
+    # --- gradient transformations
+    G, GT = "%g", s.grad
+    if s.loss_scale:
+        B.comment("The gradients arrive multiplied by the loss scale S: divide by "
+                  "it; any non-finite gradient skips the whole step (and the "
+                  "dynamic scaler backs off).")
+        B.op(f"%gs = zopt.unscale {G} : {GT}")
+        G, GT = "%gs", "f32"
+    if s.clip is not None:
+        B.comment("Clip by the global norm of all gradients of all groups: g *= "
+                  f"min(1, {fmt_float(s.clip)} / (norm + 1e-6)) "
+                  "(torch.nn.utils.clip_grad_norm_).")
+        B.op(f"%gc = zopt.clip_by_global_norm {G} max {fmt_float(s.clip)} : {GT}")
+        G, GT = "%gc", "f32"
+    W, WT = ("%w", s.master) if s.master else ("%p", s.param)
+    NEW = "%w1" if s.master else "%p1"
+    yields = []  # (value, state ssa, state dtype)
+    if s.rule in ("adam", "adamw"):
+        mt, vt = sd["exp_avg"], sd["exp_avg_sq"]
+        dec = s.rule == "adamw"
+        if s.style == "named":
+            B.comment("The named rule zopt.adam (decomposed by the compiler into "
+                      "the primitives ema, ema_sq, adam_direction, "
+                      + ("decoupled_decay" if dec else "l2_decay") + ", apply).")
+            attr = " {decoupled}" if dec else ""
+            B.op(f"{NEW}, %m1, %v1 = zopt.adam {W}, {G}, %m, %v, %lr, %b1, %b2, "
+                 f"%eps, %wd{attr} : {WT}, {GT}, {mt}, {vt}")
+        else:
+            if not dec:
+                B.comment("L2 weight decay folded into the gradient: g += wd * w.")
+                B.op(f"%gd = zopt.l2_decay {G}, {W}, %wd : {GT}, {WT}")
+                G, GT = "%gd", "f32"
+            B.comment("m = b1*m + (1-b1)*g;  v = b2*v + (1-b2)*g^2.")
+            B.op(f"%m1 = zopt.ema %m, {G}, %b1 : {mt}, {GT}")
+            B.op(f"%v1 = zopt.ema_sq %v, {G}, %b2 : {vt}, {GT}")
+            den = "%v1"
+            if s.amsgrad:
+                B.comment("amsgrad: the denominator uses the running max of v.")
+                B.op(f"%vm1 = zopt.max %vm, %v1 : {sd['max_exp_avg_sq']}, f32")
+                den = "%vm1"
+            B.comment("u = (m/bc1) / (sqrt(v)/sqrt(bc2) + eps), bc = 1 - beta^t "
+                      "when the group's bias_correction slot is set (the default).")
+            B.op(f"%u = zopt.adam_direction %m1, {den}, %b1, %b2, %eps : f32, f32")
+            if dec:
+                B.comment("Decoupled weight decay, then the step: w = w*(1 - lr*wd) "
+                          "- lr*u.")
+                B.op(f"%wdec = zopt.decoupled_decay {W}, %lr, %wd : {WT}")
+                B.op(f"{NEW} = zopt.apply %wdec, %u, %lr : f32, f32")
+            else:
+                B.comment("w = w - lr*u.")
+                B.op(f"{NEW} = zopt.apply {W}, %u, %lr : {WT}, f32")
+        yields += [(NEW, W, WT), ("%m1", "%m", mt), ("%v1", "%v", vt)]
+        if s.amsgrad:
+            yields.append(("%vm1", "%vm", sd["max_exp_avg_sq"]))
+    elif s.rule == "sgd":
+        B.comment("L2 weight decay folded into the gradient: g += wd * w.")
+        B.op(f"%gd = zopt.l2_decay {G}, {W}, %wd : {GT}, {WT}")
+        D = "%gd"
+        if s.momentum_buffer:
+            bt = sd["momentum_buffer"]
+            B.comment("buf = g at the first step, then buf = mu*buf + "
+                      "(1-dampening)*g.")
+            B.op(f"%buf1 = zopt.momentum %buf, %gd, %mu, %damp : {bt}, f32")
+            D = "%buf1"
+            if s.nesterov:
+                B.comment("Nesterov: d = g + mu*buf.")
+                B.op("%d = zopt.nesterov %gd, %buf1, %mu : f32, f32")
+                D = "%d"
+        B.comment("w = w - lr*d.")
+        B.op(f"{NEW} = zopt.apply {W}, {D}, %lr : {WT}, f32")
+        yields.append((NEW, W, WT))
+        if s.momentum_buffer:
+            yields.append(("%buf1", "%buf", sd["momentum_buffer"]))
+    else:  # lion
+        mt = sd["exp_avg"]
+        B.comment("The direction is the sign of an interpolation with beta1: "
+                  "d = sign(b1*m + (1-b1)*g).")
+        B.op(f"%c = zopt.ema %m, {G}, %b1 : {mt}, {GT}")
+        B.op("%d = zopt.sign %c : f32")
+        B.comment("Decoupled weight decay, then the step: w = w*(1 - lr*wd) - lr*d.")
+        B.op(f"%wdec = zopt.decoupled_decay {W}, %lr, %wd : {WT}")
+        B.op(f"{NEW} = zopt.apply %wdec, %d, %lr : f32, f32")
+        B.comment("The momentum is updated with beta2: m = b2*m + (1-b2)*g.")
+        B.op(f"%m1 = zopt.ema %m, {G}, %b2 : {mt}, {GT}")
+        yields += [(NEW, W, WT), ("%m1", "%m", mt)]
+    if s.master:
+        yields.append((NEW, "%p", s.param))
+    B.comment("Store every new value into its state"
+              + (" (the param is the rounded master)." if s.master else "."))
+    vals = ", ".join(v for v, _, _ in yields)
+    sts = ", ".join(t for _, t, _ in yields)
+    vts = ", ".join("f32" for _ in yields)
+    sdt = ", ".join(d for _, _, d in yields)
+    B.op(f"zopt.yield {vals} into {sts} : {vts} into {sdt}")
+
+    attrs = []
+    if s.zero_stage is not None:
+        attrs.append(f"zero_stage = {int(s.zero_stage)} : i64")
+    if s.align is not None:
+        attrs.append(f"align = {int(s.align)} : i64")
+    if s.gpu_arch is not None:
+        attrs.append(f'gpu_arch = "{s.gpu_arch}"')
+    attr = " attributes {" + ", ".join(attrs) + "}" if attrs else ""
+    out = _header(s) if s.comments else []
+    out.append(f"zopt.step @{s.name}{attr} {{")
+    out += B.lines
+    out.append("}")
+    return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------------------
+# Compiling and caching
+# ---------------------------------------------------------------------------
+
+def cache_dir():
+    """Where compiled steps are kept: ``$ZOPT_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/zopt``, else ``~/.cache/zopt``.
+
+    Layout: ``<dir>/steps/<sha256 of the text>.mlir`` (the description) and
+    ``<sha256>.<compiler id>.so`` (the step.so; the compiler id, a hash of the
+    zopt-compile binary's path, size and mtime, keeps a rebuilt compiler from
+    loading stale kernels). Files appear atomically (written under a
+    temporary name, then renamed), and a lock file per description makes
+    concurrent processes compile it once. Deleting the directory is safe.
+    """
+    d = os.environ.get("ZOPT_CACHE_DIR")
+    if not d:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(
+            os.path.expanduser("~"), ".cache")
+        d = os.path.join(base, "zopt")
+    return d
+
+
+def _compiler_id(exe):
+    st = os.stat(exe)
+    key = f"{os.path.realpath(exe)}\0{st.st_size}\0{st.st_mtime_ns}"
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def _atomic_write(path, data):
+    d = os.path.dirname(path)
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=os.path.basename(path))
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+class _FileLock:
+    def __init__(self, path):
+        self.path = path
+        self.f = None
+
+    def __enter__(self):
+        self.f = open(self.path, "a")
+        try:
+            import fcntl
+            fcntl.flock(self.f.fileno(), fcntl.LOCK_EX)
+        except ImportError:  # pragma: no cover (not POSIX: rename stays atomic)
+            pass
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            import fcntl
+            fcntl.flock(self.f.fileno(), fcntl.LOCK_UN)
+        except ImportError:  # pragma: no cover
+            pass
+        self.f.close()
+
+
+_loaded = {}
+_loaded_lock = threading.Lock()
+
+
+def compile_text(text):
+    """Compiles description text through the cache; returns the step.so path."""
+    from .compiler import compile as _compile, find_compiler
+    h = hashlib.sha256(text.encode()).hexdigest()
+    d = os.path.join(cache_dir(), "steps")
+    os.makedirs(d, exist_ok=True)
+    exe = find_compiler()
+    if exe is None:
+        # No compiler here (a GPU machine given precompiled steps): any
+        # cached build of this description.
+        hits = sorted((f for f in os.listdir(d)
+                       if f.startswith(h + ".") and f.endswith(".so")),
+                      key=lambda f: -os.path.getmtime(os.path.join(d, f)))
+        if hits:
+            return os.path.join(d, hits[0])
+        from .compiler import compile as _c  # raises the not-found error
+        _c(text)
+    so = os.path.join(d, f"{h}.{_compiler_id(exe)}.so")
+    if os.path.exists(so):
+        return so
+    mlir = os.path.join(d, f"{h}.mlir")
+    with _FileLock(os.path.join(d, f"{h}.lock")):
+        if os.path.exists(so):      # another process compiled it meanwhile
+            return so
+        if not os.path.exists(mlir):
+            _atomic_write(mlir, text)
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".so")
+        os.close(fd)
+        try:
+            _compile(mlir, out_path=tmp)
+            os.replace(tmp, so)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return so
+
+
+def load_text(text):
+    """The loaded zopt.Step of description text (compiled through the cache;
+    loaded once per process)."""
+    so = compile_text(text)
+    with _loaded_lock:
+        st = _loaded.get(so)
+        if st is None:
+            from .optimizer import Step
+            st = Step(so)
+            _loaded[so] = st
+        return st
+
+
+# ---------------------------------------------------------------------------
+# The builders
+# ---------------------------------------------------------------------------
+
+class Builder:
+    """``zopt.steps.<rule>``: call it for a compiled, loaded ``zopt.Step``;
+    ``.text(...)``/``.describe(...)`` for the description, ``.path(...)``
+    for the step.so, ``.spec(...)`` for the resolved :class:`Spec`. All take
+    the same keyword arguments."""
+
+    def __init__(self, fname, fn):
+        self.fname = fname
+        self._fn = fn
+        self.__signature__ = inspect.signature(fn)
+        self.__doc__ = fn.__doc__
+        self.__name__ = fname
+        self._params = [p for p in self.__signature__.parameters]
+
+    def spec(self, **kw):
+        unknown = [k for k in kw if k not in self._params]
+        if unknown:
+            raise _bad(unknown[0], f"zopt.steps.{self.fname}() takes no argument "
+                       f"{unknown[0]!r}; its arguments: {', '.join(self._params)}")
+        return self._fn(**kw)
+
+    def text(self, **kw):
+        """The description (MLIR text) these arguments build."""
+        return self.spec(**kw).text()
+
+    describe = text
+
+    def path(self, **kw):
+        """The compiled step.so (through the cache)."""
+        return compile_text(self.text(**kw))
+
+    def __call__(self, **kw):
+        """The compiled, loaded zopt.Step."""
+        return load_text(self.text(**kw))
+
+    def __repr__(self):
+        return f"<zopt.steps.{self.fname}{self.__signature__}>"
+
+
+def _call_string(fname, fn, local):
+    sig = inspect.signature(fn)
+    kw = {}
+    for n, p in sig.parameters.items():
+        v = local[n]
+        if n == "comments":
+            continue
+        if p.default is inspect.Parameter.empty or v is not p.default and v != p.default:
+            if n in _DTYPE_ARGS and v is not None and not isinstance(v, (str, bool)):
+                v = dtype_name(v, n)   # torch/numpy dtypes by their zopt name
+            kw[n] = v
+    return _call_repr(fname, kw)
+
+
+def _adam_like(fname, decoupled):
+    def fn(*, param="f32", grad=None, master=None, moments=None, exp_avg=None,
+           exp_avg_sq=None, max_exp_avg_sq=None, amsgrad=False, clip=None,
+           loss_scale=None, rounding=None, placement="cpu", gpu_arch=None,
+           zero_stage=0, align=16, lr=None, betas=None, eps=None,
+           weight_decay=None, bias_correction=True, style="primitives",
+           name=None, comments=True):
+        local = dict(locals())
+        if bias_correction is not True and bias_correction != 1:
+            raise _bad("bias_correction", "the description cannot give the "
+                       "bias_correction slot a default today (the compiler's "
+                       "decompose phase declares the slot itself and refuses a "
+                       "second default as conflicting); it is a per-group runtime "
+                       "value: pass bias_correction=False to zopt.Optimizer or "
+                       "set it in the param group")
+        return resolve("adamw" if decoupled else "adam", param=param, grad=grad,
+                       master=master, moments=moments, exp_avg=exp_avg,
+                       exp_avg_sq=exp_avg_sq, max_exp_avg_sq=max_exp_avg_sq,
+                       amsgrad=amsgrad, clip=clip, loss_scale=loss_scale,
+                       rounding=rounding, placement=placement, gpu_arch=gpu_arch,
+                       zero_stage=zero_stage, align=align, lr=lr, betas=betas,
+                       eps=eps, weight_decay=weight_decay, style=style, name=name,
+                       comments=comments, call=_call_string(fname, fn, local))
+    fn.__doc__ = (
+        ("AdamW (torch.optim.AdamW: decoupled weight decay w *= 1 - lr*wd)"
+         if decoupled else "Adam with L2 weight decay (torch.optim.Adam: g += wd*w)")
+        + ".\n\n``amsgrad=True`` adds the max_exp_avg_sq state. Bias correction "
+        "is a per-group runtime slot\n(on by default; ``bias_correction=False`` "
+        "on the optimizer or a param group\nturns it off). ``style='named'`` "
+        "writes the named rule zopt.adam instead of\nthe primitives (no "
+        "amsgrad). The other arguments: see zopt.steps.")
+    return Builder(fname, fn)
+
+
+adam = _adam_like("adam", False)
+adamw = _adam_like("adamw", True)
+
+
+def _sgd(*, param="f32", grad=None, master=None, moments=None, momentum=None,
+         dampening=None, nesterov=False, weight_decay=None, lr=None, clip=None,
+         loss_scale=None, rounding=None, placement="cpu", gpu_arch=None,
+         zero_stage=0, align=16, name=None, comments=True):
+    """SGD as torch.optim.SGD: L2 weight decay, then with a momentum buffer
+    buf = g (first step), buf = momentum*buf + (1 - dampening)*g, and with
+    ``nesterov=True`` the direction g + momentum*buf.
+
+    ``momentum``: ``None`` (default) keeps a momentum buffer with the momentum
+    a runtime value (the runtime's default 0.9 unless a group sets one); a
+    number is the default written into the description; ``0`` is plain SGD
+    with no buffer at all (torch's momentum=0), where ``dampening`` and
+    ``nesterov`` are refused. The buffer's dtype is ``moments``."""
+    local = dict(locals())
+    buf = True
+    if momentum is not None:
+        try:
+            mu = float(momentum)
+        except (TypeError, ValueError):
+            raise _bad("momentum", f"must be a number or None, got {momentum!r}") from None
+        if mu == 0.0:
+            buf = False
+            if nesterov:
+                raise _bad("nesterov", "Nesterov momentum needs a momentum "
+                           "(torch.optim.SGD refuses nesterov with momentum=0); "
+                           "allowed: momentum=None or > 0")
+            if dampening is not None:
+                raise _bad("dampening", "has no effect without momentum "
+                           "(momentum=0 is plain SGD with no buffer)")
+    if nesterov and dampening not in (None, 0, 0.0):
+        raise _bad("dampening", "Nesterov momentum needs zero dampening "
+                   "(torch.optim.SGD); allowed: None or 0")
+    return resolve("sgd", param=param, grad=grad, master=master, moments=moments,
+                   nesterov=nesterov, momentum_buffer=buf, clip=clip,
+                   loss_scale=loss_scale, rounding=rounding, placement=placement,
+                   gpu_arch=gpu_arch, zero_stage=zero_stage, align=align, lr=lr,
+                   weight_decay=weight_decay,
+                   momentum=momentum if buf else None,
+                   dampening=dampening, name=name, comments=comments,
+                   call=_call_string("sgd", _sgd, local))
+
+
+sgd = Builder("sgd", _sgd)
+
+
+def _lion(*, param="f32", grad=None, master=None, moments=None, clip=None,
+          loss_scale=None, rounding=None, placement="cpu", gpu_arch=None,
+          zero_stage=0, align=16, lr=None, betas=(0.9, 0.99), weight_decay=None,
+          name=None, comments=True):
+    """Lion (Chen et al. 2023): w = w*(1 - lr*wd) - lr*sign(b1*m + (1-b1)*g),
+    then m = b2*m + (1-b2)*g. One state, exp_avg (dtype ``moments``). betas
+    default to the paper's (0.9, 0.99), written into the description
+    (``betas=None`` leaves the runtime's slot defaults, 0.9 and 0.999)."""
+    local = dict(locals())
+    return resolve("lion", param=param, grad=grad, master=master, moments=moments,
+                   clip=clip, loss_scale=loss_scale, rounding=rounding,
+                   placement=placement, gpu_arch=gpu_arch, zero_stage=zero_stage,
+                   align=align, lr=lr, betas=betas, weight_decay=weight_decay,
+                   name=name, comments=comments,
+                   call=_call_string("lion", _lion, local))
+
+
+lion = Builder("lion", _lion)
+
+BUILDERS = {"adam": adam, "adamw": adamw, "sgd": sgd, "lion": lion}
+
+
+def build(rule, **kw):
+    """``zopt.steps.build("adamw", ...)`` is ``zopt.steps.adamw(...)``."""
+    if rule not in BUILDERS:
+        raise _bad("rule", f"unknown rule {rule!r}; allowed: " + ", ".join(RULES))
+    return BUILDERS[rule](**kw)
+
+
+def text(rule, **kw):
+    """``zopt.steps.text("adamw", ...)`` is ``zopt.steps.adamw.text(...)``."""
+    if rule not in BUILDERS:
+        raise _bad("rule", f"unknown rule {rule!r}; allowed: " + ", ".join(RULES))
+    return BUILDERS[rule].text(**kw)
+
+
+__all__ = ["adam", "adamw", "sgd", "lion", "build", "text", "resolve", "Spec",
+           "Builder", "cache_dir", "compile_text", "load_text", "dtype_name",
+           "RULES", "DTYPES", "PLACEMENTS", "ROUNDINGS"]
