@@ -6,6 +6,7 @@ import pickle
 
 import numpy as np
 import pytest
+import torch
 
 import zopt
 from zopt.reference import Reference
@@ -66,7 +67,8 @@ def test_skipped_step_f16_loss_scale(steps):
             prob.grads[2][5] = np.float16(np.inf)
             g64[2][5] = np.inf
             before = snapshot(opt, prob)
-        norm, skipped = opt.step()
+        opt.step()
+        norm, skipped = opt.step_result()
         rnorm, rskipped, _ = ref.step(g64)
         assert skipped == rskipped == (s == 2), s
         assert opt.last_result.loss_scale == S
@@ -93,7 +95,8 @@ def test_nan_grad_skips_too(steps):
     prob.grads[0][0] = np.float16(np.nan)
     before = snapshot(opt, prob)
     S = opt.loss_scale
-    norm, skipped = opt.step()
+    opt.step()
+    norm, skipped = opt.step_result()
     assert skipped
     assert_same(before, {**snapshot(opt, prob), "scale": S}, "NaN skip")
 
@@ -107,8 +110,8 @@ def test_overflowing_scaled_grad_skips(steps):
     with np.errstate(over="ignore"):
         prob.grads[3][0] = np.float16(70000.0)  # -> inf in f16
     assert np.isinf(prob.grads[3][0])
-    _, skipped = opt.step()
-    assert skipped and opt.loss_scale == 32768.0
+    opt.step()
+    assert opt.last_skipped and opt.loss_scale == 32768.0
 
 
 LAYOUT_CASES = [("f32", False, None), ("bf16", True, 5.0),
@@ -202,10 +205,16 @@ def test_state_dict_round_trip(steps, layout, amsgrad, clip):
     step, prob, opt = make(steps, layout, amsgrad, clip)
     _run(opt, prob, 3, seed=1)
     sd = pickle.loads(pickle.dumps(opt.state_dict()))
-    assert sd["step_count"] == [3, 3]
+    # torch's layout: per param 'step' and the states in their storage dtype
+    assert sd["zopt"]["group_steps"] == [3, 3]
+    want = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
     for t in range(opt.num_tensors):
-        for k, arr in sd["state"][t].items():
-            assert arr.dtype == np.float32 and arr.size == prob.params[t].size
+        st = sd["state"][t]
+        assert float(st["step"]) == 3.0
+        for k in opt.step_obj.owned_states:
+            arr = st[zopt.optimizer.TORCH_KEY[k]]
+            assert arr.dtype == want[zopt._lib.DTYPE_NAMES[step.state_dtype(k)]]
+            assert arr.numel() == prob.params[t].size
     saved_params = [p.copy() for p in prob.params]
     _run(opt, prob, 4, seed=2)
     first = snapshot(opt, prob)
@@ -240,7 +249,8 @@ def test_threads_bit_identical(steps, layout, clip):
         norms = []
         for s in range(3):
             prob.set_grads(1.0)
-            norms.append(opt.step()[0])
+            opt.step()
+            norms.append(opt.last_grad_norm)
         outs.append((snapshot_one(opt, prob), norms))
     (a, na), (b, nb) = outs
     assert [x.tobytes() for x in a] == [x.tobytes() for x in b]
