@@ -1088,11 +1088,12 @@ class Optimizer(_Base):
             else:
                 loss = closure()
         t0 = time.perf_counter()
-        h = self._handle()
+        self._handle()
         if self._a_params:
             self._sync_grads()
-        self._check_params()
+        self._check_params()  # may rebuild the native optimizer
         self._push_hypers()
+        h = self._h
         self.last_loss = loss
         if self.world_size == 1 and 1 not in self._active:
             self.last_grad_norm, self.last_skipped = float("nan"), False
@@ -1435,9 +1436,9 @@ class Optimizer(_Base):
         kinds = self._ckpt_kinds()
         data = {}
         for t, e in enumerate(self._entries):
-            if e.numel:
-                for k in kinds:
-                    data[(k, t)] = self._read_raw(t, k)
+            for k in kinds:
+                data[(k, t)] = self._read_raw(t, k) if e.numel else \
+                    np.empty(0, dtype=_NP_OF[self.step_obj.state_dtype(k)])
         return dict(kinds=kinds, data=data,
                     steps=[self._tensor_step(t) for t in range(len(self._entries))],
                     group_steps=[self.step_count(g) for g in range(len(self._pushed))],
