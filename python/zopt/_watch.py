@@ -4,11 +4,10 @@
 ``p._version``. For steps whose weight is a runtime-held master (bf16/f16
 params with an f32 master; ZeRO-3's held params) such writes would be lost:
 the next step continues from the old master. The optimizer knows what it
-wrote into each param (round(master)); :class:`Sampler` reads a few
-elements of every watched param (first, middle, last and one hashed
-position) in one numpy gather over the process's address space, once after
-each step and once before the next, and reports the tensors whose samples
-changed. A write that misses every sampled element is not seen
+wrote into each param (round(master)); :class:`Sampler` reads two
+elements of every watched param (the first and one at a hashed position)
+in one numpy gather over the process's address space, once after each step
+and once before the next, and reports the tensors whose samples changed. A write that misses every sampled element is not seen
 (``Optimizer.refresh_master()`` covers it).
 
 Only host memory is read, and only params whose storage the optimizer has
@@ -33,7 +32,7 @@ class Sampler:
         for tid, ptr, n in entries:
             if n <= 0 or not ptr:
                 continue
-            pos = {0, n - 1, n // 2, (tid * 2654435761 + 97) % n}
+            pos = {0, (tid * 2654435761 + 97) % n}
             for q in sorted(pos):
                 addrs.append(ptr + q * es)
                 owners.append(tid)
@@ -60,12 +59,17 @@ class Sampler:
         """Records the current samples (after the optimizer wrote params)."""
         self.baseline = self.read()
 
-    def changed(self):
-        """Tensor ids whose samples differ from the last snapshot."""
+    def changed(self, skip=()):
+        """Tensor ids whose samples differ from the last snapshot; the
+        tensors in ``skip`` are not read (their storage may be gone)."""
         if self.empty or self.baseline is None:
             return []
-        now = self._view[self._idx]
-        diff = now != self.baseline
+        if skip:
+            keep = ~np.isin(self._owners, np.asarray(list(skip), dtype=np.int64))
+            diff = np.zeros(self._idx.shape, dtype=bool)
+            diff[keep] = self._view[self._idx[keep]] != self.baseline[keep]
+        else:
+            diff = self._view[self._idx] != self.baseline
         if not diff.any():
             return []
         return sorted(set(self._owners[diff].tolist()))

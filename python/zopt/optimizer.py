@@ -74,6 +74,8 @@ KIND_OF_KEY = {v: k for k, v in TORCH_KEY.items()}
 _UNSET = object()
 _is = operator.is_
 _version_of = operator.attrgetter("_version")
+_grad_of = operator.attrgetter("grad")
+_data_ptr = torch.Tensor.data_ptr if torch is not None else None
 
 
 def _torch_dtypes():
@@ -682,10 +684,11 @@ class Optimizer(_Base):
         self._tp_params = [ents[t].param for t in self._tp_tids]
         self._tp_ptrs = self._current_ptrs()
         self._watch = self.step_obj.has_master or self.step_obj.zero3
+        self._one_pass = bool(self._a_tids) and self._a_tids == self._tp_tids
         self._reset_watch()
 
     def _current_ptrs(self):
-        return [(p.data_ptr() if p.numel() else 0) for p in self._tp_params]
+        return list(map(_data_ptr, self._tp_params))
 
     def _reset_watch(self):
         """The baselines of the write detection: now (after the optimizer
@@ -818,11 +821,39 @@ class Optimizer(_Base):
         return "\n".join(lines)
 
     # ---- per-step checks ------------------------------------------------------
-    def _sync_grads(self):
+    def _pre_step(self):
+        """Every per-param check of a step in one pass over the params when
+        every torch param is given alone (the usual case): each param's
+        metadata is brought into the caches once."""
+        ps = self._a_params
+        if not self._one_pass:
+            if ps:
+                self._sync_grads()
+            self._check_params()
+            return
+        G, P = [], []
+        ga, pa = G.append, P.append
+        if self._watch:
+            V = []
+            va = V.append
+            for p in ps:
+                ga(p.grad)
+                pa(p.data_ptr())
+                va(p._version)
+        else:
+            V = None
+            for p in ps:
+                ga(p.grad)
+                pa(p.data_ptr())
+        self._sync_grads(G)
+        self._check_params(P, V)
+
+    def _sync_grads(self, grads=None):
         """Which params have a gradient, and gradients into the registered
         memory. Fast path: every p.grad is the object it was last step."""
         ps = self._a_params
-        grads = [p.grad for p in ps]
+        if grads is None:
+            grads = list(map(_grad_of, ps))
         last = self._a_last
         if all(map(_is, grads, last)):
             return
@@ -873,33 +904,44 @@ class Optimizer(_Base):
         self._active_elems = int(np.dot(np.frombuffer(act, dtype=np.uint8).astype(np.int64),
                                         self._numels)) if len(act) else 0
 
-    def _check_params(self):
-        """Moved storages (p.data = ...), then writes into params the
-        runtime would not see (version counters, sampled elements)."""
+    def _check_params(self, ptrs=None, vers=None):
+        """Moved storages (p.data = ...) and writes into params the runtime
+        would not see (version counters, sampled elements): the moved
+        storages re-registered, the master made again from what changed."""
+        moved = []
         if self._tp_params:
-            ptrs = self._current_ptrs()
+            if ptrs is None:
+                ptrs = self._current_ptrs()
             if ptrs != self._tp_ptrs:
-                self._params_moved(ptrs)
-        if not self._watch:
+                moved = self._moved(ptrs)
+        if not self._watch and not moved:
             return
         changed = set()
-        if self._tp_params:
-            vers = list(map(_version_of, self._tp_params))
-            if vers != self._tp_vers:
-                for t, a, b in zip(self._tp_tids, vers, self._tp_vers):
-                    if a != b and t not in self._released:
-                        changed.add(t)
-                self._tp_vers = vers
-        if self._sampler is not None:
-            changed.update(self._sampler.changed())
+        if self._watch:
+            if self._tp_params:
+                if vers is None:
+                    vers = list(map(_version_of, self._tp_params))
+                if vers != self._tp_vers:
+                    for t, a, b in zip(self._tp_tids, vers, self._tp_vers):
+                        if a != b and t not in self._released:
+                            changed.add(t)
+                    self._tp_vers = vers
+            if self._sampler is not None:  # never reads a moved (maybe freed) storage
+                changed.update(self._sampler.changed(skip=moved))
+        if moved:
+            self._register_moved(moved)
+            changed.update(moved)
         if changed:
             self._refresh(sorted(changed))
 
-    def _params_moved(self, ptrs):
-        moved = [(t, j) for j, (t, a, b) in enumerate(zip(self._tp_tids, ptrs, self._tp_ptrs))
-                 if a != b]
-        for t, j in moved:
+    def _moved(self, ptrs):
+        """The non-empty params whose storage is not the one last seen
+        (validated: same shape, dtype, device and strides)."""
+        moved = []
+        for t, a, b in zip(self._tp_tids, ptrs, self._tp_ptrs):
             e = self._entries[t]
+            if a == b or not e.numel:
+                continue
             p = e.param
             if t in self._released:
                 raise ZoptError(Status.BAD_STATE,
@@ -913,32 +955,33 @@ class Optimizer(_Base):
                 what = f"dtype {p.dtype}"
             elif (p.device.type == "cuda") != e.cuda:
                 what = f"device {p.device}"
-            elif p.numel() and tuple(p.stride()) != e.stride:
+            elif tuple(p.stride()) != e.stride:
                 what = f"strides {tuple(p.stride())} (was {e.stride})"
             if what is not None:
                 raise ZoptError(Status.INVALID_ARGUMENT,
                                 f"{e.name} was replaced (p.data = ...) by a tensor of another "
                                 f"{what}: the optimizer's states no longer fit it; build a "
                                 "new optimizer for the changed model")
-        self._check_overlaps()
+            moved.append(t)
         self._tp_ptrs = ptrs
-        tids = [t for t, _ in moved]
+        if moved:
+            self._check_overlaps()
+        return moved
+
+    def _register_moved(self, tids):
+        """Moved params: under ZeRO-3 nothing to register (the runtime never
+        reads the registered param memory after finalize; the binding
+        passes the current storage everywhere). Otherwise the runtime
+        writes params in place: the native optimizer is rebuilt around the
+        new storage, every state kept."""
         if self.step_obj.zero3:
-            # The runtime never reads the registered param memory after
-            # finalize (the binding passes the current storage everywhere):
-            # the new values become the held params.
-            self._refresh(tids)
             return
-        # The runtime writes params in place: register the new storage by
-        # rebuilding the native optimizer, states kept; then the new values
-        # are the weights (the master from them).
         snap = self._snapshot()
-        for t, j in moved:
-            self._entries[t].pptr = ptrs[j]
+        for t in tids:
+            self._entries[t].pptr = self._entries[t].param.data_ptr()
         self._build_native()
         self._restore(snap)
         self.rebuilds += 1
-        self._refresh(tids)
 
     def _pre_rebuild(self):
         """Before a new native optimizer registers the params: ZeRO-3's
@@ -1089,9 +1132,7 @@ class Optimizer(_Base):
                 loss = closure()
         t0 = time.perf_counter()
         self._handle()
-        if self._a_params:
-            self._sync_grads()
-        self._check_params()  # may rebuild the native optimizer
+        self._pre_step()  # may rebuild the native optimizer
         self._push_hypers()
         h = self._h
         self.last_loss = loss
