@@ -43,6 +43,7 @@ import operator
 import os
 import tempfile
 import time
+import weakref
 
 import numpy as np
 
@@ -118,9 +119,10 @@ def _dense(t):
 
 
 def _np_bits(x):
-    """A torch CPU tensor (any layout) -> numpy array of its storage bits,
-    in memory order."""
-    x = x.detach()
+    """A torch CPU tensor (any layout) -> numpy array (a copy) of its
+    storage bits, in memory order. A copy: ``.numpy()`` on a tensor makes
+    its storage non-resizable for good (ZeRO-3 release would fail)."""
+    x = x.detach().clone()
     if x.dtype == torch.bfloat16:
         x = x.view(torch.int16)
         return x.numpy().view(np.uint16).reshape(-1)
@@ -278,7 +280,11 @@ class _StateView(collections.abc.Mapping):
     """``opt.state``: param -> dict of its states (copies, torch's keys)."""
 
     def __init__(self, opt):
-        self._opt = opt
+        self._ref = weakref.ref(opt)  # no cycle: the optimizer is freed by refcount
+
+    @property
+    def _opt(self):
+        return self._ref()
 
     def __getitem__(self, p):
         t = self._opt._tid_map.get(id(p))
@@ -682,6 +688,7 @@ class Optimizer(_Base):
         self._a_last = [_UNSET] * len(self._a_tids)
         self._tp_tids = [t for t, e in enumerate(ents) if e.torch]
         self._tp_params = [ents[t].param for t in self._tp_tids]
+        self._tp_index = {t: j for j, t in enumerate(self._tp_tids)}
         self._tp_ptrs = self._current_ptrs()
         self._watch = self.step_obj.has_master or self.step_obj.zero3
         self._one_pass = bool(self._a_tids) and self._a_tids == self._tp_tids
@@ -695,8 +702,8 @@ class Optimizer(_Base):
         wrote the params, loaded or refreshed)."""
         self._tp_vers = list(map(_version_of, self._tp_params))
         self._sampler = None
-        if not self._watch:
-            return
+        if not self._watch or self._zero3_mode == "hooks":
+            return  # hooks: params come and go per module (versions only)
         es = DTYPE_ITEMSIZE[self.step_obj.param_dtype]
         ent = []
         for t, e in enumerate(self._entries):
@@ -1785,6 +1792,11 @@ class Optimizer(_Base):
         if not self.step_obj.zero3:
             return
         tids = self._tids_of(params)
+        self._check_some(tids)  # user writes into held params are not lost
+        self._gather(tids)
+
+    def _gather(self, tids):
+        h = self._h
         for t in tids:
             if t in self._released:
                 e = self._entries[t]
@@ -1802,8 +1814,32 @@ class Optimizer(_Base):
                 check(self._lib.zopt_optimizer_gather_params(h, run[0], len(run), dst),
                       "zopt_optimizer_gather_params")
             run = [t] if t is not None else []
-        self._tp_ptrs = self._current_ptrs()
-        self._reset_watch()
+        self._seen(tids)
+
+    def _check_some(self, tids):
+        """The per-step write check (storage, version) on a few tensors."""
+        changed = []
+        for t in tids:
+            j = self._tp_index.get(t)
+            if j is None or t in self._released:
+                continue
+            p = self._tp_params[j]
+            if p.data_ptr() != self._tp_ptrs[j] or p._version != self._tp_vers[j]:
+                changed.append(t)
+        if changed:
+            self._check_params()
+
+    def _seen(self, tids):
+        """The storage and version of tids are the binding's own doing (a
+        gather or release): the new baselines of the per-step checks."""
+        for t in tids:
+            j = self._tp_index.get(t)
+            if j is not None:
+                p = self._tp_params[j]
+                self._tp_ptrs[j] = p.data_ptr()
+                self._tp_vers[j] = p._version
+        if self._zero3_mode != "hooks":
+            self._reset_watch()
 
     def release_params(self, params=None):
         """ZeRO-3: frees the storage of ``params`` (default all) while
@@ -1811,6 +1847,7 @@ class Optimizer(_Base):
         them, :meth:`gather_params` brings them back. A param that shares
         its storage with other tensors is kept. Local (no communication)."""
         self._zero3_only("release_params")
+        done = []
         for t in self._tids_of(params):
             e = self._entries[t]
             if t in self._released or not e.numel or e.cuda or not e.torch:
@@ -1818,10 +1855,13 @@ class Optimizer(_Base):
             st = e.param.data.storage()
             if st.size() != e.numel or e.param.storage_offset() != 0:
                 continue
-            st.resize_(0)
+            try:
+                st.resize_(0)
+            except RuntimeError:  # shared with numpy (.numpy()): kept
+                continue
             self._released.add(t)
-        self._tp_ptrs = self._current_ptrs()
-        self._reset_watch()
+            done.append(t)
+        self._seen(done)
 
     @property
     def released_params(self):
@@ -1829,7 +1869,7 @@ class Optimizer(_Base):
 
     def _after_zero3_step(self):
         if self._zero3_mode == "step":
-            self.gather_params()
+            self._gather(list(range(len(self._entries))))
         elif self._zero3_mode == "hooks":  # the model's copies are stale now
             stale = [t for t in range(len(self._entries)) if t not in self._released]
             if stale:
