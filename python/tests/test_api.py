@@ -258,3 +258,38 @@ def test_example_train_mlp(zopt_bins):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "OK" in r.stdout
+
+
+def test_numpy_only_without_torch(steps, tmp_path):
+    """The binding without torch (import blocked): numpy (param, grad)
+    pairs, steps, state_dict (numpy arrays) round trip, bf16 master."""
+    import subprocess
+    import sys
+    so = steps(rule="adamw", layout="bf16_master").path
+    code = f"""
+import sys
+sys.modules["torch"] = None  # import torch fails
+sys.path.insert(0, {os.path.join(REPO, 'python')!r})
+import numpy as np, zopt
+from zopt import bf16
+assert zopt.Optimizer.__mro__[1] is object
+rng = np.random.default_rng(0)
+p = bf16.from_f32(rng.standard_normal(100).astype(np.float32))
+g = bf16.from_f32(rng.standard_normal(100).astype(np.float32))
+o = zopt.Optimizer({so!r}, [(p, g)], lr=0.01)
+o.step(); o.step()
+sd = o.state_dict()
+assert sd["state"][0]["step"] == 2 and sd["state"][0]["exp_avg"].dtype == np.float32
+saved = p.copy()
+o.step()
+after = p.copy()
+p[...] = saved
+o.load_state_dict(sd)
+o.step()
+assert (p == after).all()
+print("NUMPY OK")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=60, env={**os.environ,
+                                        "ZOPT_RUNTIME_LIB": zopt.find_runtime_library()})
+    assert r.returncode == 0 and "NUMPY OK" in r.stdout, r.stdout + r.stderr

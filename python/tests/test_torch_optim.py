@@ -4,6 +4,7 @@ lost, bad hyperparameters and params refused, add_param_group, state[p],
 zero_grad, closures, every lr_scheduler, state_dict both ways, metrics."""
 import copy
 import math
+import os
 
 import numpy as np
 import pytest
@@ -503,3 +504,25 @@ def test_metrics_hook(adamw_f32):
     assert mt["active_tensors"] == 4 and mt["updated_elems"] == sum(p.numel() for p in m.parameters())
     assert mt["step_time_s"] > 0 and mt["bytes"] == mt["updated_elems"] * 28
     assert mt["bytes_per_s"] > 0 and mt["overhead_s"] >= 0
+
+
+def test_csv_logger_and_example(adamw_f32, tmp_path):
+    import subprocess
+    import sys
+    from zopt.metrics import CSVLogger, read_csv
+    m = mlp()
+    o = zopt.Optimizer(adamw_f32, [dict(params=m[0].parameters()),
+                                   dict(params=m[2].parameters(), lr=LR / 2)], lr=LR)
+    with CSVLogger(str(tmp_path / "m.csv")) as log:
+        o.register_metrics_hook(log)
+        for i in range(3):
+            train_step(m, o, i)
+    cols = read_csv(str(tmp_path / "m.csv"))
+    assert cols["step"] == [1.0, 2.0, 3.0] and cols["lr1"] == [LR / 2] * 3
+    assert cols["skipped"] == [0.0] * 3 and all(v > 0 for v in cols["bytes_per_s"])
+    repo = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+    r = subprocess.run([sys.executable, os.path.join(repo, "examples", "log_metrics.py"),
+                        "--out", str(tmp_path / "run"), "--steps", "60"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+    assert len(read_csv(str(tmp_path / "run" / "metrics.csv"))["step"]) == 60

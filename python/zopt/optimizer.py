@@ -155,10 +155,12 @@ class Step:
         self.max_norm = float(d.max_norm) if self.flags & _lib.FLAG_CLIP else None
         self.states = []  # (kind, dtype, placement) in descriptor order
         self.state_flags = {}
+        self.state_access = {}  # kind -> 1 read, 2 written, 3 both (abi.h)
         for i in range(d.num_states):
             s = d.states[i]
             self.states.append((StateKind(s.kind), DType(s.dtype), int(s.placement)))
             self.state_flags[StateKind(s.kind)] = int(s.flags)
+            self.state_access[StateKind(s.kind)] = int(s.access)
         self.hypers = {}  # name -> (default, min, max, max_exclusive)
         for i in range(d.num_hypers):
             hd = d.hypers[i]
@@ -666,13 +668,12 @@ class Optimizer(_Base):
         self._res = _lib.StepResult()
         self._res_ref = ctypes.byref(self._res)
         self._on_cuda = any(e.cuda for e in self._entries)
-        # Bytes one step moves per updated element (an estimate for the
-        # metrics): params read and written, grads read, every held state
-        # read and written.
+        # Bytes the update moves per updated element (for the metrics):
+        # each state read and/or written once, as the descriptor says.
         bpe = 0
         for k, dt, _ in self.step_obj.states:
-            es = DTYPE_ITEMSIZE[dt]
-            bpe += es if k == StateKind.GRAD else 2 * es
+            acc = self.step_obj.state_access.get(k, 3)
+            bpe += DTYPE_ITEMSIZE[dt] * ((acc & 1) + ((acc >> 1) & 1))
         self._bytes_per_elem = bpe
         self._numels = np.array([e.numel for e in self._entries], dtype=np.int64)
         self._active_elems = int(self._numels.sum())
@@ -1202,9 +1203,9 @@ class Optimizer(_Base):
         loss (the closure's, as a float, or None), lr (per group),
         active_tensors, updated_elems (this rank's share), step_time_s (the
         runtime's step), overhead_s (the binding's checks before it),
-        bytes (an estimate of the memory the step moved: params, grads and
-        every held state read and written once per updated element) and
-        bytes_per_s, refreshes / rebuilds (cumulative counts of master
+        bytes (the memory the update moved: each state read and/or written
+        once per updated element, as the step's descriptor says; collectives
+        and the norm pass not counted) and bytes_per_s, refreshes / rebuilds (cumulative counts of master
         refreshes and native rebuilds), no_grads (no param had a gradient:
         nothing ran)."""
         self._metrics_hooks.append(fn)
