@@ -142,3 +142,55 @@ def test_zero3_one_process_gather_release_and_user_writes(steps):
             hooks.remove()
     with pytest.raises(zopt.ZoptError, match="not ZeRO-3"):
         zopt.Optimizer(z0, zero_model().parameters()).release_params()
+
+
+def test_comm_loopback_threads(steps):
+    """comm= a zopt.comm.Comm: 2 loopback ranks as threads of this process
+    (ZeRO-2, f32), against one rank on the summed gradients; accumulation
+    of 2 micro-batches through grad_divisor (the mean over 4 gradients)."""
+    import threading
+    import numpy as np
+    from zopt.comm import Comm
+    step = steps.text(describe("adamw", layout="f32", attributes={"zero_stage": 2}))
+    rng = np.random.default_rng(0)
+    p0 = [rng.standard_normal(n).astype(np.float32) for n in (5, 300, 1)]
+    grads = [[[rng.standard_normal(p.size).astype(np.float32) for p in p0] for _ in range(2)]
+             for _ in range(3)]  # [step][rank][tensor]
+    comms = Comm.loopback(2, timeout=30)
+    out, errors = [None, None], []
+
+    def rank(r):
+        try:
+            ps = [torch.nn.Parameter(torch.from_numpy(p.copy())) for p in p0]
+            opt = zopt.Optimizer(step, ps, lr=0.01, weight_decay=0.1, comm=comms[r],
+                                 grad_divisor=4)
+            assert opt.world_size == 2 and opt.grad_divisor == 4
+            for s in range(3):
+                for p, g in zip(ps, grads[s][r]):  # two micro-batches: 2 * g
+                    p.grad = torch.from_numpy(g.copy())
+                    p.grad += torch.from_numpy(g)
+                opt.step()
+            out[r] = [p.detach().clone() for p in ps]
+            opt.close()
+        except BaseException as e:  # reported below
+            errors.append(e)
+    ts = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in ts), "loopback ranks hung"
+    for c in comms:
+        c.close()
+    if errors:
+        raise errors[0]
+    ps = [torch.nn.Parameter(torch.from_numpy(p.copy())) for p in p0]
+    ref = zopt.Optimizer(step, ps, lr=0.01, weight_decay=0.1, grad_divisor=4)
+    for s in range(3):
+        for i, p in enumerate(ps):
+            a, b = (torch.from_numpy(grads[s][r][i]) for r in range(2))
+            p.grad = (a + a) + (b + b)
+        ref.step()
+    for r in range(2):
+        for a, b in zip(out[r], ps):
+            assert torch.equal(a, b.detach())

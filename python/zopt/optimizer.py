@@ -332,7 +332,9 @@ class Optimizer(_Base):
     (default: the world size, i.e. the mean over ranks) and
     ``bucket_elems`` as in zopt.h. ``zero3_gather``: for ZeRO-3 steps,
     "step" (default) gathers the params into the model after every step;
-    "manual" leaves that to :meth:`gather_params` / :func:`zopt.zero3_hooks`.
+    "manual" leaves that to :meth:`gather_params`; :func:`zopt.zero3_hooks`
+    sets "hooks" (gathered per module, released after use and after the
+    step).
     """
 
     def __init__(self, step, params, *, lr=None, betas=None, eps=None,
@@ -869,36 +871,31 @@ class Optimizer(_Base):
         tids = self._a_tids
         regs = self._a_regs
         changed = False
-        for j, g in enumerate(grads):
-            if g is last[j]:
-                continue
-            t = tids[j]
-            if g is None:
-                if act[t]:
-                    act[t] = 0
+        with torch.no_grad():
+            for j, g in enumerate(grads):
+                if g is last[j]:
+                    continue
+                t = tids[j]
+                if g is None:
+                    if act[t]:
+                        act[t] = 0
+                        changed = True
+                    last[j] = None
+                    continue
+                reg = regs[j]
+                if g is not reg:
+                    # torch guarantees p.grad's shape, dtype and device
+                    if g.is_sparse:
+                        raise ZoptError(Status.UNSUPPORTED,
+                                        f"{self._entries[t].name} has a sparse gradient")
+                    reg.copy_(g)
+                    ps[j].grad = reg
+                if not act[t]:
+                    act[t] = 1
                     changed = True
-                last[j] = None
-                continue
-            reg = regs[j]
-            if g is not reg:
-                self._take_grad(t, ps[j], g, reg)
-            if not act[t]:
-                act[t] = 1
-                changed = True
-            last[j] = reg
+                last[j] = reg
         if changed:
             self._push_mask()
-
-    def _take_grad(self, t, p, g, reg):
-        e = self._entries[t]
-        if g.is_sparse:
-            raise ZoptError(Status.UNSUPPORTED, f"{e.name} has a sparse gradient")
-        if tuple(g.shape) != e.shape:
-            raise ZoptError(Status.INVALID_ARGUMENT,
-                            f"{e.name}: its .grad has shape {tuple(g.shape)}")
-        with torch.no_grad():
-            reg.copy_(g)
-        p.grad = reg
 
     def _push_mask(self):
         act = self._active
@@ -1579,8 +1576,8 @@ class Optimizer(_Base):
         ``'zopt'``: the loss scaler, the seed, per-group step counts, the
         step's name and states. State tensors are CPU copies in the state's
         storage dtype, shaped (and strided) like their param; a step with a
-        master adds 'master', ZeRO-3 steps 'param' (the held params). It
-        loads into ``torch.optim.AdamW`` & co. (which ignore the extras) and
+        master adds 'master' (ZeRO-3's held params are not in it: they are
+        the model's, after ``gather_params()``). It loads into ``torch.optim.AdamW`` & co. (which ignore the extras) and
         back. Collective at world size > 1."""
         self._prepare()
         self._push_hypers()
@@ -1593,7 +1590,7 @@ class Optimizer(_Base):
             d = {"step": torch.tensor(float(snap["steps"][t])) if torch is not None
                  else snap["steps"][t]}
             for k in snap["kinds"]:
-                if (k, t) in snap["data"]:
+                if (k, t) in snap["data"] and k != StateKind.PARAM:
                     d[TORCH_KEY[k]] = self._user_tensor(e, snap["data"][(k, t)],
                                                         s.state_dtype(k))
             state[t] = d
@@ -1613,7 +1610,7 @@ class Optimizer(_Base):
             "zopt": {
                 "format": "zopt-torch-state-dict-1",
                 "step_name": s.name,
-                "states": [TORCH_KEY[k] for k in snap["kinds"]],
+                "states": [TORCH_KEY[k] for k in snap["kinds"] if k != StateKind.PARAM],
                 "group_steps": snap["group_steps"],
                 "loss_scaler": dict(scale=scale, good_steps=good, **cfg),
                 "seed": snap["seed"],
