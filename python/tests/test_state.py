@@ -263,3 +263,29 @@ def snapshot_one(opt, prob):
         for k in opt.step_obj.owned_states:
             out.append(opt.read_state_raw(t, k))
     return out
+
+
+def test_checkpoint_writer_checksums_and_pieces(steps):
+    """zopt._ckpt: the side-by-side FNV equals the sequential one for
+    chunks of any length; a state_dict of tensors cut into several pieces
+    (larger than _ckpt.PIECE_BYTES) loads back bit for bit."""
+    from zopt import _ckpt
+    rng = np.random.default_rng(4)
+    chunks = [rng.integers(0, 256, n, dtype=np.uint8) for n in (0, 1, 7, 64, 1000, 3)]
+    assert _ckpt.fnv1a64_many(chunks) == [_ckpt.fnv1a64(c.tobytes()) for c in chunks]
+    step = steps(rule="adamw", layout="bf16_master")
+    n = _ckpt.PIECE_BYTES * 3 // 4 + 17  # > 2 pieces of f32 states
+    p = zopt.bf16.from_f32(rng.standard_normal(n).astype(np.float32))
+    g = np.zeros(n, np.uint16)
+    opt = zopt.Optimizer(step, [(p, g), (p[:0].copy(), g[:0].copy())], lr=0.01)
+    for s in range(2):
+        g[...] = zopt.bf16.from_f32(rng.standard_normal(n).astype(np.float32))
+        opt.step()
+    sd = opt.state_dict()
+    before = {k: opt.read_state_raw(0, k) for k in ("master", "exp_avg", "exp_avg_sq")}
+    for k in before:
+        opt.write_state(0, k, np.zeros(n, np.float32))
+    opt.load_state_dict(sd)
+    for k, v in before.items():
+        assert opt.read_state_raw(0, k).tobytes() == v.tobytes(), k
+    assert opt.tensor_step(0) == 2 and opt.tensor_step(1) == 2
