@@ -526,3 +526,67 @@ def test_csv_logger_and_example(adamw_f32, tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
     assert len(read_csv(str(tmp_path / "run" / "metrics.csv"))["step"]) == 60
+
+
+def test_train_side_by_side_with_torch(adamw_f32):
+    """One run through what a training script does, zopt beside
+    torch.optim.AdamW step by step: two param groups (no decay on biases
+    and LayerNorm), OneCycleLR with momentum cycling, 2 accumulated
+    micro-batches per step, a frozen layer, pretrained weights loaded in the
+    middle, and a state_dict round trip into fresh optimizers (zopt's into
+    torch's and torch's into zopt's)."""
+    def build():
+        torch.manual_seed(1)
+        m = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.LayerNorm(16),
+                                torch.nn.GELU(), torch.nn.Linear(16, 16), torch.nn.GELU(),
+                                torch.nn.Linear(16, 3))
+        m[3].requires_grad_(False)  # frozen
+        return m
+
+    def groups(m):
+        decay = [p for n, p in m.named_parameters() if n.endswith("weight") and p.dim() > 1]
+        rest = [p for n, p in m.named_parameters() if not (n.endswith("weight") and p.dim() > 1)]
+        return [dict(params=decay, weight_decay=WD), dict(params=rest, weight_decay=0.0)]
+
+    def sched(o):
+        return torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.02, total_steps=12,
+                                                   base_momentum=0.85, max_momentum=0.95)
+    mz, mt = build(), build()
+    oz = zopt.Optimizer(adamw_f32, groups(mz), lr=LR)
+    ot = torch.optim.AdamW(groups(mt), lr=LR, foreach=False)
+    sz, st = sched(oz), sched(ot)
+    pre = build()
+    with torch.no_grad():
+        for p in pre.parameters():
+            p.add_(0.1)
+    for s in range(12):
+        if s == 4:  # pretrained weights into both models
+            mz.load_state_dict(pre.state_dict())
+            mt.load_state_dict(pre.state_dict())
+        if s == 7:  # state_dict round trip, crossed over
+            zsd, tsd = oz.state_dict(), ot.state_dict()
+            oz2 = zopt.Optimizer(adamw_f32, groups(mz), lr=LR)
+            ot2 = torch.optim.AdamW(groups(mt), lr=LR, foreach=False)
+            oz2.load_state_dict(tsd)
+            ot2.load_state_dict(zsd)
+            for a, b in zip(oz2.param_groups, ot2.param_groups):
+                assert a["lr"] == b["lr"] and a["betas"] == pytest.approx(b["betas"], abs=0)
+            oz, ot = oz2, ot2
+            sz.optimizer, st.optimizer = oz, ot
+        losses = []
+        for m, o in ((mz, oz), (mt, ot)):
+            o.zero_grad()
+            total = 0.0
+            for k in range(2):  # accumulation
+                x, y = batch(10 * s + k)
+                loss = torch.nn.functional.mse_loss(m(x), y) / 2
+                loss.backward()
+                total += loss.item()
+            o.step()
+            losses.append(total)
+        assert losses[0] == pytest.approx(losses[1], rel=1e-4), s
+        close(mz.parameters(), mt.parameters(), rtol=1e-4, atol=1e-6)
+        assert torch.equal(mz[3].weight, pre[3].weight if s >= 4 else build()[3].weight)
+        sz.step()
+        st.step()
+    assert oz.tensor_step(mz[3].weight) == 0
