@@ -368,6 +368,9 @@ def test_add_param_group_keeps_states(adamw_f32):
         oz.add_param_group(dict(params=[mz[0].weight]))
     assert len(oz.param_groups) == 2
     train_step(mz, oz, 9)
+    oz.param_groups[1]["params"].append(torch.nn.Parameter(torch.ones(2)))
+    with pytest.raises(zopt.ZoptError, match="add_param_group"):
+        oz.step()
 
 
 # ---- schedulers ---------------------------------------------------------------------

@@ -661,6 +661,7 @@ class Optimizer(_Base):
         self.rank, self.world_size = r.value, w.value
         self._pushed = [_slots(g, self.step_obj.hypers) for g in self.param_groups]
         self._pushed_raw = [self._raw_hypers(g) for g in self.param_groups]
+        self._group_lens = [len(g["params"]) for g in self.param_groups]
         T = len(self._entries)
         self._active = bytearray(b"\x01" * T)
         self._active_c = (ctypes.c_uint8 * max(T, 1)).from_buffer(
@@ -1061,6 +1062,10 @@ class Optimizer(_Base):
                             "param_groups changed length: add groups with add_param_group()")
         keys = self._hyper_keys()
         for gid, group in enumerate(groups):
+            if len(group["params"]) != self._group_lens[gid]:
+                raise ZoptError(Status.BAD_STATE,
+                                f"param_groups[{gid}]['params'] was edited: the optimizer's "
+                                "tensors are fixed; add params with add_param_group()")
             raw = tuple(group.get(k) for k in keys)
             if raw == self._pushed_raw[gid]:
                 continue
