@@ -260,6 +260,12 @@ def _slots(group, hypers):
     return out
 
 
+def _frozen(v):
+    """A group value as compared between steps (a list edited in place,
+    e.g. betas, must count as changed)."""
+    return tuple(v) if isinstance(v, list) else v
+
+
 class _RemovableHandle:
     def __init__(self, hooks, fn):
         self._hooks, self._fn = hooks, fn
@@ -1043,7 +1049,7 @@ class Optimizer(_Base):
 
     # ---- hyperparameters ----------------------------------------------------
     def _raw_hypers(self, group):
-        return tuple(group.get(k) for k in self._hyper_keys())
+        return tuple(_frozen(group.get(k)) for k in self._hyper_keys())
 
     def _hyper_keys(self):
         ks = getattr(self, "_hkeys", None)
@@ -1066,7 +1072,7 @@ class Optimizer(_Base):
                 raise ZoptError(Status.BAD_STATE,
                                 f"param_groups[{gid}]['params'] was edited: the optimizer's "
                                 "tensors are fixed; add params with add_param_group()")
-            raw = tuple(group.get(k) for k in keys)
+            raw = tuple(_frozen(group.get(k)) for k in keys)
             if raw == self._pushed_raw[gid]:
                 continue
             slots = _slots(group, self.step_obj.hypers)
