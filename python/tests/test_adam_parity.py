@@ -172,7 +172,8 @@ def adam_parity_case(steps, rule, amsgrad, bc, layout, clip, ngroups, placement=
                      for i in range(len(prob.params))]
         if mirror:
             mirror.push_grads()
-        norm, skipped = opt.step()
+        opt.step()
+        norm, skipped = opt.last_grad_norm, opt.last_skipped
         if placement == "gpu":  # the outcome of a GPU step is on the device
             norm, skipped, _ = opt.gpu_result()
         if mirror:

@@ -78,9 +78,10 @@ def test_bf16_master_matches_cpu_step(steps):
     og = zopt.Optimizer(gpu_step, pg, lr=1e-3, weight_decay=0.01)
     for _ in range(3):
         for a, b, g in zip(pc, pg, grads):
-            a.grad.copy_(g)
-            b.grad.copy_(g.cuda())
-        norm_c, skipped_c = oc.step()
+            a.grad = g.clone()
+            b.grad = g.cuda()
+        oc.step()
+        norm_c, skipped_c = oc.step_result()
         og.step()
         norm_g, skipped_g, _ = og.gpu_result()
         assert skipped_c == skipped_g == False  # noqa: E712

@@ -361,7 +361,8 @@ def _run(text, defaults, rule, layout, state_dtype, clip, grad_scales, kinds, se
     for s, scale in enumerate(grad_scales):
         S = opt.loss_scale if prob.loss_scaled else 1.0
         g64 = prob.set_grads(scale, loss_scale=S)
-        _, sk = opt.step()
+        opt.step()
+        sk = opt.last_skipped
         _, _, _ = ref.step(g64)
         skipped.append(bool(sk))
         if prob.loss_scaled:

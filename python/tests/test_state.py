@@ -6,6 +6,7 @@ import pickle
 
 import numpy as np
 import pytest
+import torch
 
 import zopt
 from zopt.reference import Reference
@@ -66,7 +67,8 @@ def test_skipped_step_f16_loss_scale(steps):
             prob.grads[2][5] = np.float16(np.inf)
             g64[2][5] = np.inf
             before = snapshot(opt, prob)
-        norm, skipped = opt.step()
+        opt.step()
+        norm, skipped = opt.step_result()
         rnorm, rskipped, _ = ref.step(g64)
         assert skipped == rskipped == (s == 2), s
         assert opt.last_result.loss_scale == S
@@ -93,7 +95,8 @@ def test_nan_grad_skips_too(steps):
     prob.grads[0][0] = np.float16(np.nan)
     before = snapshot(opt, prob)
     S = opt.loss_scale
-    norm, skipped = opt.step()
+    opt.step()
+    norm, skipped = opt.step_result()
     assert skipped
     assert_same(before, {**snapshot(opt, prob), "scale": S}, "NaN skip")
 
@@ -107,8 +110,8 @@ def test_overflowing_scaled_grad_skips(steps):
     with np.errstate(over="ignore"):
         prob.grads[3][0] = np.float16(70000.0)  # -> inf in f16
     assert np.isinf(prob.grads[3][0])
-    _, skipped = opt.step()
-    assert skipped and opt.loss_scale == 32768.0
+    opt.step()
+    assert opt.last_skipped and opt.loss_scale == 32768.0
 
 
 LAYOUT_CASES = [("f32", False, None), ("bf16", True, 5.0),
@@ -202,10 +205,16 @@ def test_state_dict_round_trip(steps, layout, amsgrad, clip):
     step, prob, opt = make(steps, layout, amsgrad, clip)
     _run(opt, prob, 3, seed=1)
     sd = pickle.loads(pickle.dumps(opt.state_dict()))
-    assert sd["step_count"] == [3, 3]
+    # torch's layout: per param 'step' and the states in their storage dtype
+    assert sd["zopt"]["group_steps"] == [3, 3]
+    want = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
     for t in range(opt.num_tensors):
-        for k, arr in sd["state"][t].items():
-            assert arr.dtype == np.float32 and arr.size == prob.params[t].size
+        st = sd["state"][t]
+        assert float(st["step"]) == 3.0
+        for k in opt.step_obj.owned_states:
+            arr = st[zopt.optimizer.TORCH_KEY[k]]
+            assert arr.dtype == want[zopt._lib.DTYPE_NAMES[step.state_dtype(k)]]
+            assert arr.numel() == prob.params[t].size
     saved_params = [p.copy() for p in prob.params]
     _run(opt, prob, 4, seed=2)
     first = snapshot(opt, prob)
@@ -240,7 +249,8 @@ def test_threads_bit_identical(steps, layout, clip):
         norms = []
         for s in range(3):
             prob.set_grads(1.0)
-            norms.append(opt.step()[0])
+            opt.step()
+            norms.append(opt.last_grad_norm)
         outs.append((snapshot_one(opt, prob), norms))
     (a, na), (b, nb) = outs
     assert [x.tobytes() for x in a] == [x.tobytes() for x in b]
@@ -253,3 +263,29 @@ def snapshot_one(opt, prob):
         for k in opt.step_obj.owned_states:
             out.append(opt.read_state_raw(t, k))
     return out
+
+
+def test_checkpoint_writer_checksums_and_pieces(steps):
+    """zopt._ckpt: the side-by-side FNV equals the sequential one for
+    chunks of any length; a state_dict of tensors cut into several pieces
+    (larger than _ckpt.PIECE_BYTES) loads back bit for bit."""
+    from zopt import _ckpt
+    rng = np.random.default_rng(4)
+    chunks = [rng.integers(0, 256, n, dtype=np.uint8) for n in (0, 1, 7, 64, 1000, 3)]
+    assert _ckpt.fnv1a64_many(chunks) == [_ckpt.fnv1a64(c.tobytes()) for c in chunks]
+    step = steps(rule="adamw", layout="bf16_master")
+    n = _ckpt.PIECE_BYTES * 3 // 4 + 17  # > 2 pieces of f32 states
+    p = zopt.bf16.from_f32(rng.standard_normal(n).astype(np.float32))
+    g = np.zeros(n, np.uint16)
+    opt = zopt.Optimizer(step, [(p, g), (p[:0].copy(), g[:0].copy())], lr=0.01)
+    for s in range(2):
+        g[...] = zopt.bf16.from_f32(rng.standard_normal(n).astype(np.float32))
+        opt.step()
+    sd = opt.state_dict()
+    before = {k: opt.read_state_raw(0, k) for k in ("master", "exp_avg", "exp_avg_sq")}
+    for k in before:
+        opt.write_state(0, k, np.zeros(n, np.float32))
+    opt.load_state_dict(sd)
+    for k, v in before.items():
+        assert opt.read_state_raw(0, k).tobytes() == v.tobytes(), k
+    assert opt.tensor_step(0) == 2 and opt.tensor_step(1) == 2

@@ -4,7 +4,7 @@
     so = zopt.compile(open("examples/adamw_f32.mlir").read())
     opt = zopt.Optimizer(zopt.Step(so), model.parameters(), lr=1e-3,
                          weight_decay=0.01)
-    loss.backward(); grad_norm, skipped = opt.step()
+    loss.backward(); opt.step()       # opt.last_grad_norm, opt.last_skipped
 
     step = zopt.steps.adamw(param="bf16", master="f32", clip=1.0)  # one line
 """
@@ -15,6 +15,7 @@ from .compiler import compile, find_compiler
 from ._install import installation  # also: finds an installed runtime (see _install)
 from .optimizer import Optimizer, Step
 from . import steps
+from .zero3 import zero3_hooks
 
 
 def __getattr__(name):  # zopt.deepspeed loads on first use (python3 -m zopt.deepspeed)
@@ -25,4 +26,5 @@ def __getattr__(name):  # zopt.deepspeed loads on first use (python3 -m zopt.dee
 
 __all__ = ["bf16", "compile", "find_compiler", "find_runtime_library",
            "DType", "HyperKind", "Isa", "Placement", "StateKind", "Status",
-           "Step", "Optimizer", "ZoptError", "steps", "deepspeed", "installation"]
+           "Step", "Optimizer", "ZoptError", "steps", "deepspeed", "installation",
+           "zero3_hooks"]

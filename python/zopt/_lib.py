@@ -350,3 +350,9 @@ _SIGS.update({
     "zopt_comm_barrier": (_S, [_P]),
     "zopt_comm_synchronize": (_S, [_P]),
 })
+
+
+# ---- abi.h state flags, zopt.h load flags (appended) -------------------------
+STATE_PARTITIONED = 1          # ZOPT_STATE_PARTITIONED: sharded across ranks under ZeRO
+LOAD_ALLOW_RULE_CHANGE = 1     # ZOPT_LOAD_ALLOW_RULE_CHANGE (zopt_optimizer_load_ex)
+DTYPE_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}

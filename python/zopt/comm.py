@@ -286,3 +286,14 @@ class TorchComm(Comm):
         check(lib().zopt_comm_create(ctypes.byref(engine.ops), None, rank, engine.size,
                                      ctypes.byref(h)), "zopt_comm_create")
         super().__init__(h, keep=engine)
+
+    def close(self):
+        """Frees the communicator and drops its references to the process
+        group at once: the engine's callbacks refer back to it (a cycle),
+        and a cycle collected later in one of gloo's threads would destroy
+        the process group from its own thread (std::terminate)."""
+        engine = getattr(self, "_keep", None)
+        super().close()
+        if isinstance(engine, _TorchEngine):
+            engine.pg = engine.dist = None
+            engine.ops = None

@@ -1,30 +1,92 @@
-"""zopt.Step and zopt.Optimizer: a PyTorch-style front end over the C API."""
+"""zopt.Step and zopt.Optimizer: a torch.optim.Optimizer over the C API.
+
+``zopt.Optimizer`` subclasses ``torch.optim.Optimizer`` when torch is
+importable (and ``object`` otherwise, for numpy-only use). The runtime
+(``zopt_optimizer``, "the native optimizer") holds the states; this class
+keeps torch's view of them: ``param_groups`` with the tensors and
+hyperparameters (edited by hand or by any ``torch.optim.lr_scheduler``),
+``state[p]`` (copies of the per-param states under torch's keys),
+``state_dict()`` / ``load_state_dict()`` in torch's layout, ``zero_grad``,
+``step(closure)``. See docs/USAGE.md for the semantics in full; the
+non-obvious parts:
+
+Gradients. The runtime reads gradients from memory registered when the
+native optimizer is built. For a torch param given alone (the usual case)
+the binding allocates that memory itself (one flat buffer per dtype and
+device, one view per param, strided like the param) and never attaches it
+to a param that has no gradient: a param whose ``.grad`` is None at
+``step()`` (frozen, unused, or after ``zero_grad(set_to_none=True)``) is
+left alone exactly like torch (no decay, no moment update, its step count
+does not advance), through ``zopt_optimizer_set_active``. A ``.grad`` that
+is another tensor (e.g. fresh from backward) is copied into the param's
+view, and the view becomes ``p.grad`` (same values), so later backwards
+accumulate into it in place and ``zero_grad()`` is one fill per buffer.
+
+User writes into params. For steps whose weight the runtime holds (an f32
+master of bf16/f16 params; ZeRO-3's sharded params) a write into the
+params after the optimizer was built would be lost at the next step. Before
+each step the binding checks, per param: ``p._version`` (bumped by
+in-place ops on the param itself: ``model.load_state_dict``, ``p.copy_()``
+under ``no_grad``), ``p.data_ptr()`` (``p.data = new``: the native
+optimizer is rebuilt around the new storage, states kept) and a few
+sampled elements against what the last step wrote (``p.data.copy_()``,
+numpy writes); a change makes the master again the params
+(``zopt_optimizer_refresh_master``). Writes that miss every sampled element
+(a slice through ``p.data``) need ``opt.refresh_master()``.
+"""
 from __future__ import annotations
 
+import collections.abc
 import ctypes
 import math
+import operator
 import os
 import tempfile
+import time
+import weakref
 
 import numpy as np
 
-from . import _lib
+from . import _ckpt, _lib
 from ._lib import (DType, HyperKind, StateKind, Status, ZoptError, check, lib,
-                   DTYPE_NAMES, HYPER_NAMES, STATE_BY_NAME, STATE_NAMES)
+                   DTYPE_ITEMSIZE, DTYPE_NAMES, HYPER_BY_NAME, HYPER_NAMES,
+                   STATE_BY_NAME, STATE_NAMES)
+from ._watch import Sampler
 
 try:  # torch is optional
     import torch
+    _Base = torch.optim.Optimizer
 except Exception:  # pragma: no cover
     torch = None
+    _Base = object
 
 _NP_DTYPES = {np.dtype(np.float32): DType.F32, np.dtype(np.float16): DType.F16,
               np.dtype(np.uint16): DType.BF16}
 _NP_OF = {DType.F32: np.float32, DType.F16: np.float16, DType.BF16: np.uint16}
 
+# torch's per-param state keys <-> zopt state kinds ("master" and "param" are
+# zopt's own: the f32 master of low-precision params, ZeRO-3's held params).
+TORCH_KEY = {StateKind.EXP_AVG: "exp_avg", StateKind.EXP_AVG_SQ: "exp_avg_sq",
+             StateKind.MAX_EXP_AVG_SQ: "max_exp_avg_sq",
+             StateKind.MOMENTUM_BUFFER: "momentum_buffer",
+             StateKind.MASTER: "master", StateKind.PARAM: "param"}
+KIND_OF_KEY = {v: k for k, v in TORCH_KEY.items()}
+
+_UNSET = object()
+_is = operator.is_
+_version_of = operator.attrgetter("_version")
+_grad_of = operator.attrgetter("grad")
+_data_ptr = torch.Tensor.data_ptr if torch is not None else None
+
 
 def _torch_dtypes():
     return {torch.float32: DType.F32, torch.float16: DType.F16,
             torch.bfloat16: DType.BF16}
+
+
+def _torch_of(dt):
+    return {DType.F32: torch.float32, DType.F16: torch.float16,
+            DType.BF16: torch.bfloat16}[dt]
 
 
 def _is_torch(x):
@@ -42,6 +104,38 @@ def _kind(kind):
     return StateKind(int(kind))
 
 
+def _dense(t):
+    """True if a torch tensor's elements fill one block of memory without
+    overlap (contiguous, channels_last, transposed, ...)."""
+    if t.is_contiguous():
+        return True
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.size()) if sz != 1)
+    expect = 1
+    for st, sz in dims:
+        if st != expect:
+            return False
+        expect *= sz
+    return True
+
+
+def _np_bits(x):
+    """A torch CPU tensor (any layout) -> numpy array (a copy) of its
+    storage bits, in memory order. A copy: ``.numpy()`` on a tensor makes
+    its storage non-resizable for good (ZeRO-3 release would fail)."""
+    x = x.detach().clone()
+    if x.dtype == torch.bfloat16:
+        x = x.view(torch.int16)
+        return x.numpy().view(np.uint16).reshape(-1)
+    return x.numpy().reshape(-1)
+
+
+def _from_bits(a, dt):
+    """numpy storage array -> torch tensor (shares memory)."""
+    if dt == DType.BF16:
+        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
 class Step:
     """A compiled step loaded from a step.so (zopt_step_load)."""
 
@@ -57,11 +151,16 @@ class Step:
         self.flags = int(d.flags)
         self.zero_stage = int(d.zero_stage)
         self.align = int(d.align)
+        self.checksum = int(d.checksum)
         self.max_norm = float(d.max_norm) if self.flags & _lib.FLAG_CLIP else None
         self.states = []  # (kind, dtype, placement) in descriptor order
+        self.state_flags = {}
+        self.state_access = {}  # kind -> 1 read, 2 written, 3 both (abi.h)
         for i in range(d.num_states):
             s = d.states[i]
             self.states.append((StateKind(s.kind), DType(s.dtype), int(s.placement)))
+            self.state_flags[StateKind(s.kind)] = int(s.flags)
+            self.state_access[StateKind(s.kind)] = int(s.access)
         self.hypers = {}  # name -> (default, min, max, max_exclusive)
         for i in range(d.num_hypers):
             hd = d.hypers[i]
@@ -96,6 +195,19 @@ class Step:
         return [k for k, _, _ in self.states
                 if k not in (StateKind.PARAM, StateKind.GRAD)]
 
+    @property
+    def zero3(self):
+        """True if the runtime holds the params, sharded (ZeRO-3)."""
+        return bool(self.state_flags.get(StateKind.PARAM, 0) & _lib.STATE_PARTITIONED)
+
+    @property
+    def has_master(self):
+        return StateKind.MASTER in self.state_flags
+
+    @property
+    def adam_like(self):
+        return "eps" in self.hypers and StateKind.EXP_AVG_SQ in self.state_flags
+
     def __repr__(self):
         st = ", ".join(f"{STATE_NAMES[k]}:{DTYPE_NAMES[dt]}" for k, dt, _ in self.states)
         return f"<zopt.Step {self.name} [{st}] hypers={list(self.hypers)}>"
@@ -107,152 +219,329 @@ class Step:
             self._h = None
 
 
-# Group dict keys -> C hyper slots. 'betas' is a pair.
-_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening",
-               "bias_correction")
+# ---- hyperparameters of a group ------------------------------------------
+
+def _bool_hyper(name, v):
+    """bias_correction: True/False (or exactly 0/1), like the C API's
+    range but without its values in between."""
+    if isinstance(v, (bool, np.bool_)):
+        return 1.0 if v else 0.0
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        f = None
+    if f in (0.0, 1.0):
+        return f
+    raise ZoptError(Status.INVALID_ARGUMENT,
+                    f"{name} = {v!r} must be True or False (or 0/1)")
 
 
-def _group_to_slots(group, step_hypers, explicit_only_known=False):
-    """Flattens the hyper keys of a group dict to {slot name: float}."""
+def _slots(group, hypers):
+    """The hyperparameter keys of a group dict -> {slot name: float}. Keys
+    that are not hyperparameter names (schedulers' 'initial_lr', torch's
+    'amsgrad', 'foreach', ...) are carried along and ignored here."""
     out = {}
     for key, val in group.items():
         if key == "params" or val is None:
             continue
         if key == "betas":
-            b = tuple(val)
+            try:
+                b = tuple(val)
+            except TypeError:
+                b = ()
             if len(b) != 2:
                 raise ZoptError(Status.INVALID_ARGUMENT,
                                 f"betas must be a pair, got {val!r}")
             out["beta1"], out["beta2"] = float(b[0]), float(b[1])
         elif key == "bias_correction":
-            out[key] = 1.0 if bool(val) else 0.0
-        elif key in HYPER_NAMES.values():
+            out[key] = _bool_hyper(key, val)
+        elif key in HYPER_BY_NAME:
             out[key] = float(val)
-        # other keys (e.g. 'name', 'initial_lr' of torch schedulers) are
-        # carried along and ignored.
     return out
 
 
-class Optimizer:
-    """PyTorch-style optimizer running a compiled zopt step.
+def _frozen(v):
+    """A group value as compared between steps (a list edited in place,
+    e.g. betas, must count as changed)."""
+    return tuple(v) if isinstance(v, list) else v
 
-    ``params``: a list of tensors, or a list of dicts (param groups), each
-    with ``'params'`` and optional per-group hyperparameters ``lr``,
-    ``betas=(beta1, beta2)``, ``eps``, ``weight_decay``, ``momentum``,
-    ``dampening``, ``bias_correction`` (bool). A tensor is either a torch CPU
-    tensor whose ``.grad`` holds the gradient (zeros are allocated when it
-    is None), or a ``(param, grad)`` pair of numpy arrays (or torch tensors).
-    dtypes must match the step's param/grad dtype; bf16 numpy arrays are
-    uint16 bit patterns (see zopt.bf16). Arrays must be C-contiguous and
-    stay alive (the optimizer keeps references). Hyperparameters not given
-    take the step's defaults. ``param_groups`` may be edited between steps;
-    changed values are pushed to the runtime before the next step.
+
+class _RemovableHandle:
+    def __init__(self, hooks, fn):
+        self._hooks, self._fn = hooks, fn
+
+    def remove(self):
+        if self._fn in self._hooks:
+            self._hooks.remove(self._fn)
+
+
+class _Entry:
+    """One registered tensor."""
+    __slots__ = ("param", "grad", "auto", "torch", "cuda", "numel", "group",
+                 "pptr", "gptr", "nbytes", "shape", "stride", "name")
+
+    def __repr__(self):
+        return f"<{self.name}>"
+
+
+class _StateView(collections.abc.Mapping):
+    """``opt.state``: param -> dict of its states (copies, torch's keys)."""
+
+    def __init__(self, opt):
+        self._ref = weakref.ref(opt)  # no cycle: the optimizer is freed by refcount
+
+    @property
+    def _opt(self):
+        return self._ref()
+
+    def __getitem__(self, p):
+        t = self._opt._tid_map.get(id(p))
+        if t is None:
+            return {}
+        return self._opt._param_state(t)
+
+    def __contains__(self, p):
+        t = self._opt._tid_map.get(id(p))
+        return t is not None and self._opt._tensor_step(t) > 0
+
+    def _with_state(self):
+        return [e.param for t, e in enumerate(self._opt._entries)
+                if self._opt._tensor_step(t) > 0]
+
+    def __iter__(self):
+        return iter(self._with_state())
+
+    def __len__(self):
+        return len(self._with_state())
+
+    def __repr__(self):
+        return f"<zopt state of {len(self)} params (copies)>"
+
+
+class Optimizer(_Base):
+    """A ``torch.optim.Optimizer`` running a compiled zopt step.
+
+    ``step``: a :class:`Step` or the path of a step.so. ``params``: like
+    torch: an iterable of tensors or of dicts (param groups) with
+    ``'params'`` and per-group hyperparameters ``lr``, ``betas=(beta1,
+    beta2)``, ``eps``, ``weight_decay``, ``momentum``, ``dampening``,
+    ``bias_correction`` (bool). Besides torch tensors (whose ``.grad`` is
+    the gradient), a tensor entry may be a ``(param, grad)`` pair of numpy
+    arrays or torch tensors (the grad memory is the user's and is always
+    read). dtypes must be the step's param dtype; bf16 numpy arrays are
+    uint16 bit patterns (zopt.bf16). Hyperparameters not given take the
+    step's defaults; a hyperparameter the step has no slot for is an error.
+
+    Ranks: ``process_group=`` (a torch.distributed ProcessGroup, e.g. gloo)
+    or ``comm=`` (a :class:`zopt.comm.Comm`) runs the step across the
+    group's ranks (ZeRO per the step's description); ``grad_divisor``
+    (default: the world size, i.e. the mean over ranks) and
+    ``bucket_elems`` as in zopt.h. ``zero3_gather``: for ZeRO-3 steps,
+    "step" (default) gathers the params into the model after every step;
+    "manual" leaves that to :meth:`gather_params`; :func:`zopt.zero3_hooks`
+    sets "hooks" (gathered per module, released after use and after the
+    step).
     """
 
     def __init__(self, step, params, *, lr=None, betas=None, eps=None,
                  weight_decay=None, momentum=None, dampening=None,
                  bias_correction=None, num_threads=None, loss_scaler=None,
-                 seed=None):
+                 seed=None, process_group=None, comm=None, grad_divisor=None,
+                 bucket_elems=None, zero3_gather="step"):
+        self._h = None
         if not isinstance(step, Step):
             step = Step(step)
         self.step_obj = step
         self._lib = lib()
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                        momentum=momentum, dampening=dampening,
-                        bias_correction=bias_correction)
-        self.defaults = {k: v for k, v in defaults.items() if v is not None}
-        params = list(params)
-        if not params:
-            raise ZoptError(Status.INVALID_ARGUMENT, "optimizer got an empty "
-                            "parameter list")
-        if not isinstance(params[0], dict):
-            params = [{"params": params}]
-        h = ctypes.c_void_p()
-        check(self._lib.zopt_optimizer_create(step._h, ctypes.byref(h)),
-              "zopt_optimizer_create")
-        self._h = h
-        self._keep = []       # user memory kept alive
-        self._tensors = []    # per tensor: dict(param, grad, torch, gptr, pptr, numel)
+        self._num_threads = num_threads
+        self._bucket_elems = bucket_elems
+        self._grad_divisor = grad_divisor
+        self._seed = seed
+        self._scaler_cfg = None
+        self._good_steps = 0
+        self._metrics_hooks = []
+        self.last_metrics = None
+        self.last_result = None
+        self.last_grad_norm = float("nan")
+        self.last_skipped = False
+        self.last_loss_scale = 1.0
+        self.last_loss = None
+        self.steps_taken = 0
+        self.refreshes = 0
+        self.rebuilds = 0
+        if zero3_gather not in ("step", "manual", "hooks"):
+            raise ZoptError(Status.INVALID_ARGUMENT,
+                            f"zero3_gather={zero3_gather!r}: 'step', 'manual' or 'hooks'")
+        self._zero3_mode = zero3_gather
+        self._released = set()  # ZeRO-3: tensor ids whose storage is freed
+        # Communicator (ranks).
+        if process_group is not None and comm is not None:
+            raise ZoptError(Status.INVALID_ARGUMENT,
+                            "give process_group= or comm=, not both")
+        self._own_comm = False
+        if process_group is not None:
+            from .comm import TorchComm
+            comm = TorchComm(process_group)
+            self._own_comm = True
+        self._comm = comm
+        # Defaults: every slot of the step, from the keywords or the step.
+        kw = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                  momentum=momentum, dampening=dampening,
+                  bias_correction=bias_correction)
+        given = {k: v for k, v in kw.items() if v is not None}
+        bad = [k for k in _slots(given, step.hypers) if k not in step.hypers]
+        if bad:
+            raise ZoptError(Status.INVALID_ARGUMENT,
+                            f"step '{step.name}' has no hyperparameter "
+                            f"{', '.join(sorted(set(bad)))} (its slots: "
+                            f"{', '.join(step.hypers)})")
+        self.defaults = self._complete_group(given)
+        if torch is not None:
+            torch._C._log_api_usage_once("python.optimizer")
+            self._hook_for_profile()
         self.param_groups = []
-        self._pushed = []     # per group: {slot: value} last pushed
+        self._entries = []
+        self._grad_flats = []
+        self._state_view = _StateView(self)
+        groups = list(params) if not (_is_torch(params) or isinstance(params, np.ndarray)) \
+            else [params]
+        if not groups:
+            raise ZoptError(Status.INVALID_ARGUMENT, "optimizer got an empty parameter list")
+        if not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
         try:
-            if num_threads is not None:
-                check(self._lib.zopt_optimizer_set_num_threads(h, int(num_threads)),
-                      "set_num_threads")
-            for g in params:
-                self._add_group(g)
+            new = []
+            for g in groups:
+                new += self._add_group_py(g)
+            self._check_overlaps()
+            self._alloc_grads(new)
             if loss_scaler is not None:
-                self.configure_loss_scaler(**loss_scaler)
-            if seed is not None:
-                self.set_seed(seed)
-            check(self._lib.zopt_optimizer_finalize(h), "zopt_optimizer_finalize")
+                self._scaler_cfg = self._scaler_config(**loss_scaler)
+            self._build_native()
         except BaseException:
             self._free()
             raise
 
-    # ---- construction ----------------------------------------------------
-    def _add_group(self, g):
+    # ---- groups and tensors (Python side) ----------------------------------
+    def _complete_group(self, g):
+        """A group's hyperparameters with every slot of the step filled in
+        (the step's defaults), as torch keys ('betas' a pair)."""
+        hyp = self.step_obj.hypers
+        out = dict(g)
+        if "beta1" in hyp or "beta2" in hyp:
+            if "betas" not in out:
+                b1 = out.pop("beta1", hyp.get("beta1", (0.0,))[0])
+                b2 = out.pop("beta2", hyp.get("beta2", (0.0,))[0])
+                out["betas"] = (float(b1), float(b2))
+            else:
+                out["betas"] = tuple(float(b) for b in out["betas"])
+        for name, (dflt, _, _, _) in hyp.items():
+            if name in ("beta1", "beta2") or name in out:
+                continue
+            out[name] = bool(dflt) if name == "bias_correction" else float(dflt)
+        if "bias_correction" in out:
+            out["bias_correction"] = bool(_bool_hyper("bias_correction", out["bias_correction"]))
+        return out
+
+    def _add_group_py(self, g):
+        """Validates a param group, appends it to param_groups and its
+        tensors to the entries; returns the new entries."""
+        if not isinstance(g, dict):
+            raise ZoptError(Status.INVALID_ARGUMENT, "param group must be a dict")
         if "params" not in g:
             raise ZoptError(Status.INVALID_ARGUMENT, "param group without 'params'")
-        gid = ctypes.c_int()
-        check(self._lib.zopt_optimizer_add_group(self._h, ctypes.byref(gid)),
-              "zopt_optimizer_add_group")
-        gid = gid.value
-        group = dict(self.defaults)
-        group.update({k: v for k, v in g.items() if k != "params"})
-        for name, val in _group_to_slots(group, self.step_obj.hypers).items():
-            self._set_hyper(gid, name, val)
         ps = g["params"]
         if _is_torch(ps) or isinstance(ps, np.ndarray):
             ps = [ps]
-        ids = []
-        for p in list(ps):
-            ids.append(self._add_tensor(gid, p))
-        group["params"] = ids
+        elif isinstance(ps, set):
+            raise ZoptError(Status.INVALID_ARGUMENT,
+                            "params must be an ordered collection (a list), not a set")
+        ps = list(ps)
+        extra = {k: v for k, v in g.items() if k != "params"}
+        bad = [k for k in _slots(extra, self.step_obj.hypers) if k not in self.step_obj.hypers]
+        if bad:
+            raise ZoptError(Status.INVALID_ARGUMENT,
+                            f"param group {len(self.param_groups)}: step "
+                            f"'{self.step_obj.name}' has no hyperparameter "
+                            f"{', '.join(sorted(set(bad)))}")
+        group = dict(self.defaults)
+        group.update(extra)
+        group = self._complete_group(group)
+        _slots(group, self.step_obj.hypers)  # validates (betas, bias_correction)
+        gid = len(self.param_groups)
+        new = []
+        seen = {id(e.param) for e in self._entries}
+        for i, p in enumerate(ps):
+            e = self._entry(gid, i, p)
+            if id(e.param) in seen:
+                raise ZoptError(Status.INVALID_ARGUMENT,
+                                f"{e.name} appears twice in the optimizer's params")
+            seen.add(id(e.param))
+            new.append(e)
+        group["params"] = [e.param for e in new]
         self.param_groups.append(group)
-        self._pushed.append({})
-        self._sync_group_from_c(gid)
+        self._entries.extend(new)
+        return new
 
-    def _add_tensor(self, gid, p):
+    def _entry(self, gid, i, p):
         want = self.step_obj.param_dtype
+        e = _Entry()
+        e.group = gid
         if isinstance(p, (tuple, list)):
             if len(p) != 2:
                 raise ZoptError(Status.INVALID_ARGUMENT,
                                 "a tensor entry must be a param or a (param, grad) pair")
             param, grad = p
-            is_torch_param = False
+            e.auto = False
         elif _is_torch(p):
-            param = p
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grad = p.grad
-            is_torch_param = True
+            param, grad = p, None
+            e.auto = True
         elif isinstance(p, np.ndarray):
             raise ZoptError(Status.INVALID_ARGUMENT,
                             "numpy params need their gradient: pass (param, grad) pairs")
         else:
             raise ZoptError(Status.INVALID_ARGUMENT,
                             f"unsupported parameter type {type(p).__name__}")
-        pinfo = self._buffer(param, "param")
-        ginfo = self._buffer(grad, "grad")
-        if pinfo[1] != ginfo[1]:
-            raise ZoptError(Status.INVALID_ARGUMENT, f"param has {pinfo[1]} "
-                            f"elements but its grad has {ginfo[1]}")
-        if pinfo[2] != ginfo[2]:
+        e.param, e.grad = param, grad
+        e.torch = _is_torch(param)
+        e.name = f"param_groups[{gid}]['params'][{i}]"
+        if e.torch:
+            e.name += f" (shape {tuple(param.shape)}, {str(param.dtype).replace('torch.', '')})"
+            if not e.auto and not _is_torch(grad):
+                raise ZoptError(Status.INVALID_ARGUMENT,
+                                f"{e.name}: a torch param's grad must be a torch tensor")
+            if e.auto and not (param.is_leaf or param.retains_grad):
+                raise ZoptError(Status.INVALID_ARGUMENT,
+                                f"{e.name}: can't optimize a non-leaf tensor")
+        pptr, numel, dt = self._buffer(param, e.name)
+        if dt != want:
             raise ZoptError(Status.INVALID_ARGUMENT,
-                            f"param dtype {DTYPE_NAMES.get(pinfo[2])} but grad "
-                            f"dtype {DTYPE_NAMES.get(ginfo[2])}")
-        tid = ctypes.c_int()
-        check(self._lib.zopt_optimizer_add_tensor(
-            self._h, gid, ctypes.c_void_p(pinfo[0]), ctypes.c_void_p(ginfo[0]),
-            pinfo[1], int(pinfo[2]), ctypes.byref(tid)),
-            f"zopt_optimizer_add_tensor(group {gid}, expected dtype "
-            f"{DTYPE_NAMES.get(want, want)})")
-        self._keep.extend([param, grad])
-        self._tensors.append(dict(param=param, grad=grad, torch=is_torch_param,
-                                  pptr=pinfo[0], gptr=ginfo[0], numel=pinfo[1],
-                                  dtype=pinfo[2]))
-        return tid.value
+                            f"{e.name}: dtype {DTYPE_NAMES.get(dt)} does not match the "
+                            f"step's param dtype {DTYPE_NAMES.get(want)} (step "
+                            f"'{self.step_obj.name}')")
+        e.pptr, e.numel = pptr, numel
+        e.nbytes = numel * DTYPE_ITEMSIZE[dt]
+        e.cuda = e.torch and param.device.type == "cuda"
+        e.shape = tuple(param.shape)
+        e.stride = tuple(param.stride()) if e.torch else None
+        if not e.auto:
+            gptr, gn, gdt = self._buffer(grad, e.name + "'s grad")
+            if gn != numel:
+                raise ZoptError(Status.INVALID_ARGUMENT, f"{e.name}: param has {numel} "
+                                f"elements but its grad has {gn}")
+            if gdt != dt:
+                raise ZoptError(Status.INVALID_ARGUMENT,
+                                f"{e.name}: param dtype {DTYPE_NAMES.get(dt)} but grad "
+                                f"dtype {DTYPE_NAMES.get(gdt)}")
+            if e.torch and _is_torch(grad) and grad.stride() != param.stride() \
+                    and numel > 1 and not (param.is_contiguous() and grad.is_contiguous()):
+                raise ZoptError(Status.INVALID_ARGUMENT,
+                                f"{e.name}: param and grad have other memory layouts "
+                                f"(strides {param.stride()} vs {grad.stride()})")
+            e.gptr = gptr
+        else:
+            e.gptr = None
+        return e
 
     @staticmethod
     def _buffer(x, what):
@@ -261,13 +550,19 @@ class Optimizer:
             if x.device.type not in ("cpu", "cuda"):
                 raise ZoptError(Status.UNSUPPORTED, f"{what} is on {x.device}; "
                                 "only CPU and CUDA tensors are supported")
-            if not x.is_contiguous():
-                raise ZoptError(Status.INVALID_ARGUMENT, f"{what} is not contiguous")
+            if x.is_sparse:
+                raise ZoptError(Status.INVALID_ARGUMENT, f"{what} is sparse")
             dt = _torch_dtypes().get(x.dtype)
             if dt is None:
                 raise ZoptError(Status.INVALID_ARGUMENT,
-                                f"{what} dtype {x.dtype} is not f32/bf16/f16")
-            return x.data_ptr(), x.numel(), dt
+                                f"{what}: dtype {x.dtype} is not f32/bf16/f16")
+            if x.numel() and not _dense(x):
+                raise ZoptError(Status.INVALID_ARGUMENT,
+                                f"{what} is not dense in memory (strides {tuple(x.stride())} "
+                                f"for shape {tuple(x.shape)}: a strided or expanded view); "
+                                "pass a tensor that owns its memory, e.g. "
+                                "`p.data = p.data.contiguous()` before building the optimizer")
+            return (x.data_ptr() if x.numel() else 0), x.numel(), dt
         if isinstance(x, np.ndarray):
             if not x.flags.c_contiguous:
                 raise ZoptError(Status.INVALID_ARGUMENT, f"{what} is not C-contiguous")
@@ -276,28 +571,534 @@ class Optimizer:
             dt = _NP_DTYPES.get(x.dtype)
             if dt is None:
                 raise ZoptError(Status.INVALID_ARGUMENT,
-                                f"{what} dtype {x.dtype} is not float32, float16 or "
+                                f"{what}: dtype {x.dtype} is not float32, float16 or "
                                 "uint16 (bf16 bit patterns)")
-            return x.ctypes.data, x.size, dt
+            return (x.ctypes.data if x.size else 0), x.size, dt
         raise ZoptError(Status.INVALID_ARGUMENT,
                         f"{what}: expected a numpy array or torch tensor, got "
                         f"{type(x).__name__}")
 
-    # ---- hyperparameters -------------------------------------------------
+    def _check_overlaps(self):
+        """Params (and explicit grads) must not share memory: two views of
+        one storage would be updated twice per step."""
+        spans = []
+        for t, e in enumerate(self._entries):
+            if e.numel and t not in self._released:
+                dev = "cuda" if e.cuda else "cpu"
+                ptr = e.param.data_ptr() if e.torch else e.param.ctypes.data
+                spans.append((dev, ptr, ptr + e.nbytes, e.name))
+                if not e.auto:
+                    spans.append((dev, e.gptr, e.gptr + e.nbytes, e.name + "'s grad"))
+        spans.sort()
+        for a, b in zip(spans, spans[1:]):
+            if a[0] == b[0] and b[1] < a[2]:
+                raise ZoptError(Status.INVALID_ARGUMENT,
+                                f"{a[3]} and {b[3]} overlap in memory (views of one "
+                                "storage): each param must have memory of its own")
+
+    def _alloc_grads(self, entries):
+        """The gradient memory of torch params given alone: one flat buffer
+        per (dtype, device), one view per param strided like it (64-byte
+        aligned). Never attached to a param before it has a gradient."""
+        by = {}
+        for e in entries:
+            if e.auto:
+                by.setdefault((e.param.dtype, str(e.param.device)), []).append(e)
+        for (dtype, dev), es in by.items():
+            esz = torch.empty((), dtype=dtype).element_size()
+            q = max(1, 64 // esz)
+            offs, total = [], 0
+            for e in es:
+                offs.append(total)
+                total += (e.numel + q - 1) // q * q
+            flat = torch.zeros(max(total, 1), dtype=dtype, device=dev)
+            self._grad_flats.append(flat)
+            for e, o in zip(es, offs):
+                v = flat[o:o + e.numel]
+                e.grad = v.as_strided(e.shape, e.stride) if e.numel else v.view(e.shape)
+                e.gptr = e.grad.data_ptr() if e.numel else 0
+
+    # ---- the native optimizer ----------------------------------------------
+    def _build_native(self):
+        """Creates and finalizes a native optimizer over the current groups
+        and tensors (collective at world size > 1); frees the old one."""
+        L = self._lib
+        h = ctypes.c_void_p()
+        check(L.zopt_optimizer_create(self.step_obj._h, ctypes.byref(h)),
+              "zopt_optimizer_create")
+        try:
+            if self._num_threads is not None:
+                check(L.zopt_optimizer_set_num_threads(h, int(self._num_threads)),
+                      "set_num_threads")
+            if self._comm is not None:
+                check(L.zopt_optimizer_set_comm(h, self._comm._handle()),
+                      "zopt_optimizer_set_comm")
+            if self._bucket_elems is not None:
+                check(L.zopt_optimizer_set_bucket_elems(h, int(self._bucket_elems)),
+                      "set_bucket_elems")
+            if self._grad_divisor is not None:
+                check(L.zopt_optimizer_set_grad_divisor(h, float(self._grad_divisor)),
+                      "set_grad_divisor")
+            for gid, group in enumerate(self.param_groups):
+                g = ctypes.c_int()
+                check(L.zopt_optimizer_add_group(h, ctypes.byref(g)), "zopt_optimizer_add_group")
+                for name, val in _slots(group, self.step_obj.hypers).items():
+                    check(L.zopt_optimizer_set_hyper(h, gid, name.encode(), float(val)),
+                          f"param group {gid}: {name}={val!r}")
+            for e in self._entries:
+                tid = ctypes.c_int()
+                check(L.zopt_optimizer_add_tensor(
+                    h, e.group, ctypes.c_void_p(e.pptr or None), ctypes.c_void_p(e.gptr or None),
+                    e.numel, int(self.step_obj.param_dtype), ctypes.byref(tid)),
+                    f"zopt_optimizer_add_tensor({e.name})")
+            if self._scaler_cfg is not None:
+                self._configure_scaler(h, self._scaler_cfg)
+            if self._seed is not None:
+                check(L.zopt_optimizer_set_seed(h, int(self._seed) & (2**64 - 1)), "set_seed")
+            check(L.zopt_optimizer_finalize(h), "zopt_optimizer_finalize")
+        except BaseException:
+            L.zopt_optimizer_free(h)
+            raise
+        old, self._h = self._h, h
+        if old is not None and old.value:
+            L.zopt_optimizer_free(old)
+        r, w = ctypes.c_int(), ctypes.c_int()
+        check(L.zopt_optimizer_get_world(h, ctypes.byref(r), ctypes.byref(w)), "get_world")
+        self.rank, self.world_size = r.value, w.value
+        self._pushed = [_slots(g, self.step_obj.hypers) for g in self.param_groups]
+        self._pushed_raw = [self._raw_hypers(g) for g in self.param_groups]
+        self._group_lens = [len(g["params"]) for g in self.param_groups]
+        T = len(self._entries)
+        self._active = bytearray(b"\x01" * T)
+        self._active_c = (ctypes.c_uint8 * max(T, 1)).from_buffer(
+            self._active if T else bytearray(1))
+        self._mask_all = True
+        self._step_fn = L.zopt_optimizer_step
+        self._res = _lib.StepResult()
+        self._res_ref = ctypes.byref(self._res)
+        self._on_cuda = any(e.cuda for e in self._entries)
+        # Bytes the update moves per updated element (for the metrics):
+        # each state read and/or written once, as the descriptor says.
+        bpe = 0
+        for k, dt, _ in self.step_obj.states:
+            acc = self.step_obj.state_access.get(k, 3)
+            bpe += DTYPE_ITEMSIZE[dt] * ((acc & 1) + ((acc >> 1) & 1))
+        self._bytes_per_elem = bpe
+        self._numels = np.array([e.numel for e in self._entries], dtype=np.int64)
+        self._active_elems = int(self._numels.sum())
+        self._rebuild_lists()
+
+    def _rebuild_lists(self):
+        """The per-step fast-path tables."""
+        ents = self._entries
+        self._tid_map = {id(e.param): t for t, e in enumerate(ents)}
+        self._a_tids = [t for t, e in enumerate(ents) if e.auto]
+        self._a_params = [ents[t].param for t in self._a_tids]
+        self._a_regs = [ents[t].grad for t in self._a_tids]
+        self._a_last = [_UNSET] * len(self._a_tids)
+        self._tp_tids = [t for t, e in enumerate(ents) if e.torch]
+        self._tp_params = [ents[t].param for t in self._tp_tids]
+        self._tp_index = {t: j for j, t in enumerate(self._tp_tids)}
+        self._tp_ptrs = self._current_ptrs()
+        self._watch = self.step_obj.has_master or self.step_obj.zero3
+        self._one_pass = bool(self._a_tids) and self._a_tids == self._tp_tids
+        self._reset_watch()
+
+    def _current_ptrs(self):
+        return list(map(_data_ptr, self._tp_params))
+
+    def _reset_watch(self):
+        """The baselines of the write detection: now (after the optimizer
+        wrote the params, loaded or refreshed)."""
+        self._tp_vers = list(map(_version_of, self._tp_params))
+        self._sampler = None
+        if not self._watch or self._zero3_mode == "hooks":
+            return  # hooks: params come and go per module (versions only)
+        es = DTYPE_ITEMSIZE[self.step_obj.param_dtype]
+        ent = []
+        for t, e in enumerate(self._entries):
+            if e.cuda or t in self._released or not e.numel:
+                continue
+            ptr = e.param.data_ptr() if e.torch else e.param.ctypes.data
+            ent.append((t, ptr, e.numel))
+        s = Sampler(es, ent)
+        if not s.empty:
+            s.snapshot()
+            self._sampler = s
+
+    def _free(self):
+        h = getattr(self, "_h", None)
+        if h is not None and h.value:
+            self._lib.zopt_optimizer_free(h)
+        self._h = None
+        if getattr(self, "_own_comm", False) and getattr(self, "_comm", None) is not None:
+            self._comm.close()
+            self._comm = None
+
+    def _handle(self):
+        if self._h is None:
+            raise ZoptError(Status.BAD_STATE, "the optimizer is closed")
+        return self._h
+
+    def close(self):
+        """Frees the native optimizer (and a communicator it made)."""
+        self._free()
+
+    def __del__(self):
+        try:
+            self._free()
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
+    def __getstate__(self):
+        raise TypeError("a zopt.Optimizer cannot be pickled (it owns native memory); "
+                        "pickle opt.state_dict() instead")
+
+    # ---- torch.optim.Optimizer surface --------------------------------------
+    @property
+    def state(self):
+        """param -> {'step', 'exp_avg', ...}: copies of the runtime's states
+        under torch's keys (plus 'master' for steps with a master). Reading
+        it at world size > 1 gathers sharded states (collective)."""
+        return self._state_view
+
+    @state.setter
+    def state(self, value):  # torch's __setstate__ assigns it; states live in C
+        pass
+
+    def add_param_group(self, param_group):
+        """Adds a group like torch. The native optimizer (whose groups are
+        fixed at finalize) is rebuilt with the new group, keeping every
+        state, step count, the loss scaler and the seed of the others (at
+        world size > 1 every rank must call it)."""
+        if getattr(self, "_h", None) is None and not self.param_groups:
+            raise ZoptError(Status.BAD_STATE, "the optimizer is not built")
+        self._prepare()
+        snap = self._snapshot()
+        self._pre_rebuild()
+        n_groups, n_entries = len(self.param_groups), len(self._entries)
+        try:
+            new = self._add_group_py(dict(param_group))
+            self._check_overlaps()
+            self._alloc_grads(new)
+            self._build_native()
+        except BaseException:
+            del self.param_groups[n_groups:]
+            del self._entries[n_entries:]
+            raise
+        self._restore(snap)
+        self.rebuilds += 1
+
+    def zero_grad(self, set_to_none=False):
+        """Like torch: zeros the gradients (set_to_none=False, torch 1.13's
+        default) or sets them to None. The zopt-owned gradient memory of the
+        params is zeroed with one fill per buffer; explicit (param, grad)
+        pairs are always zeroed."""
+        ps = self._a_params
+        if ps:
+            grads = [p.grad for p in ps]
+            regs = self._a_regs
+            if set_to_none:
+                for p, g in zip(ps, grads):
+                    if g is not None:
+                        p.grad = None
+            else:
+                for f in self._grad_flats:
+                    f.zero_()
+                for p, g, r in zip(ps, grads, regs):
+                    if g is not None and g is not r:
+                        if g.grad_fn is not None:
+                            g.detach_()
+                        else:
+                            g.requires_grad_(False)
+                        g.zero_()
+        for e in self._entries:
+            if not e.auto:
+                if _is_torch(e.grad):
+                    e.grad.zero_()
+                else:
+                    e.grad[...] = 0
+
+    def __repr__(self):
+        s = self.step_obj
+        n = int(self._numels.sum()) if hasattr(self, "_numels") else 0
+        head = (f"zopt.Optimizer(step={s.name}, "
+                + ", ".join(f"{STATE_NAMES[k]}:{DTYPE_NAMES[dt]}" for k, dt, _ in s.states)
+                + f"; isa={s.isa.name if s.isa is not None else 'gpu'}, "
+                f"{len(self._entries)} tensors, {n} elements, "
+                f"rank {getattr(self, 'rank', 0)} of {getattr(self, 'world_size', 1)}, "
+                f"zero_stage={s.zero_stage}, steps taken {self.steps_taken}"
+                + (", closed" if self._h is None else "") + ")")
+        lines = [head]
+        for i, group in enumerate(self.param_groups):
+            lines.append(f"Parameter Group {i} ({len(group['params'])} tensors)")
+            for key in sorted(group):
+                if key != "params":
+                    lines.append(f"    {key}: {group[key]}")
+        return "\n".join(lines)
+
+    # ---- per-step checks ------------------------------------------------------
+    def _pre_step(self):
+        """Every per-param check of a step in one pass over the params when
+        every torch param is given alone (the usual case): each param's
+        metadata is brought into the caches once."""
+        ps = self._a_params
+        if not self._one_pass:
+            if ps:
+                self._sync_grads()
+            self._check_params()
+            return
+        G, P = [], []
+        ga, pa = G.append, P.append
+        if self._watch:
+            V = []
+            va = V.append
+            for p in ps:
+                ga(p.grad)
+                pa(p.data_ptr())
+                va(p._version)
+        else:
+            V = None
+            for p in ps:
+                ga(p.grad)
+                pa(p.data_ptr())
+        self._sync_grads(G)
+        self._check_params(P, V)
+
+    def _sync_grads(self, grads=None):
+        """Which params have a gradient, and gradients into the registered
+        memory. Fast path: every p.grad is the object it was last step."""
+        ps = self._a_params
+        if grads is None:
+            grads = list(map(_grad_of, ps))
+        last = self._a_last
+        if all(map(_is, grads, last)):
+            return
+        act = self._active
+        tids = self._a_tids
+        regs = self._a_regs
+        changed = False
+        with torch.no_grad():
+            for j, g in enumerate(grads):
+                if g is last[j]:
+                    continue
+                t = tids[j]
+                if g is None:
+                    if act[t]:
+                        act[t] = 0
+                        changed = True
+                    last[j] = None
+                    continue
+                reg = regs[j]
+                if g is not reg:
+                    # torch guarantees p.grad's shape, dtype and device
+                    if g.is_sparse:
+                        raise ZoptError(Status.UNSUPPORTED,
+                                        f"{self._entries[t].name} has a sparse gradient")
+                    reg.copy_(g)
+                    ps[j].grad = reg
+                if not act[t]:
+                    act[t] = 1
+                    changed = True
+                last[j] = reg
+        if changed:
+            self._push_mask()
+
+    def _push_mask(self):
+        act = self._active
+        all_on = 0 not in act
+        if all_on:
+            check(self._lib.zopt_optimizer_set_active(self._h, None, 0), "set_active")
+        else:
+            check(self._lib.zopt_optimizer_set_active(self._h, self._active_c, len(act)),
+                  "set_active")
+        self._mask_all = all_on
+        self._active_elems = int(np.dot(np.frombuffer(act, dtype=np.uint8).astype(np.int64),
+                                        self._numels)) if len(act) else 0
+
+    def _check_params(self, ptrs=None, vers=None):
+        """Moved storages (p.data = ...) and writes into params the runtime
+        would not see (version counters, sampled elements): the moved
+        storages re-registered, the master made again from what changed."""
+        moved = []
+        if self._tp_params:
+            if ptrs is None:
+                ptrs = self._current_ptrs()
+            if ptrs != self._tp_ptrs:
+                moved = self._moved(ptrs)
+        if not self._watch and not moved:
+            return
+        changed = set()
+        if self._watch:
+            if self._tp_params:
+                if vers is None:
+                    vers = list(map(_version_of, self._tp_params))
+                if vers != self._tp_vers:
+                    for t, a, b in zip(self._tp_tids, vers, self._tp_vers):
+                        if a != b and t not in self._released:
+                            changed.add(t)
+                    self._tp_vers = vers
+            if self._sampler is not None:  # never reads a moved (maybe freed) storage
+                changed.update(self._sampler.changed(skip=moved))
+        if moved:
+            self._register_moved(moved)
+            changed.update(moved)
+        if changed:
+            self._refresh(sorted(changed))
+
+    def _moved(self, ptrs):
+        """The non-empty params whose storage is not the one last seen
+        (validated: same shape, dtype, device and strides)."""
+        moved = []
+        for t, a, b in zip(self._tp_tids, ptrs, self._tp_ptrs):
+            e = self._entries[t]
+            if a == b or not e.numel:
+                continue
+            p = e.param
+            if t in self._released:
+                raise ZoptError(Status.BAD_STATE,
+                                f"{e.name} was released (ZeRO-3) and then given new "
+                                "memory by someone else: gather it with "
+                                "opt.gather_params() instead")
+            what = None
+            if tuple(p.shape) != e.shape:
+                what = f"shape {tuple(p.shape)} (was {e.shape})"
+            elif _torch_dtypes().get(p.dtype) != self.step_obj.param_dtype:
+                what = f"dtype {p.dtype}"
+            elif (p.device.type == "cuda") != e.cuda:
+                what = f"device {p.device}"
+            elif tuple(p.stride()) != e.stride:
+                what = f"strides {tuple(p.stride())} (was {e.stride})"
+            if what is not None:
+                raise ZoptError(Status.INVALID_ARGUMENT,
+                                f"{e.name} was replaced (p.data = ...) by a tensor of another "
+                                f"{what}: the optimizer's states no longer fit it; build a "
+                                "new optimizer for the changed model")
+            moved.append(t)
+        self._tp_ptrs = ptrs
+        if moved:
+            self._check_overlaps()
+        return moved
+
+    def _register_moved(self, tids):
+        """Moved params: under ZeRO-3 nothing to register (the runtime never
+        reads the registered param memory after finalize; the binding
+        passes the current storage everywhere). Otherwise the runtime
+        writes params in place: the native optimizer is rebuilt around the
+        new storage, every state kept."""
+        if self.step_obj.zero3:
+            return
+        snap = self._snapshot()
+        for t in tids:
+            self._entries[t].pptr = self._entries[t].param.data_ptr()
+        self._build_native()
+        self._restore(snap)
+        self.rebuilds += 1
+
+    def _pre_rebuild(self):
+        """Before a new native optimizer registers the params: ZeRO-3's
+        released params gathered (finalize reads them), every param's
+        current storage the one to register."""
+        if self.step_obj.zero3 and self._released:
+            self.gather_params([self._entries[t].param for t in sorted(self._released)])
+        for e in self._entries:
+            if e.torch and e.numel:
+                e.pptr = e.param.data_ptr()
+
+    def _refresh(self, tids):
+        """Master (and ZeRO-3's held params) := the user's params, for tids."""
+        if not self._watch or not tids:
+            return
+        L = self._lib
+        zero3 = self.step_obj.zero3
+        run = []
+        for t in sorted(set(tids)) + [None]:
+            if t is not None and zero3 and self._moved_from_registered(t):
+                self._refresh_by_write(t)
+                continue
+            if t is not None and run and t == run[-1] + 1:
+                run.append(t)
+                continue
+            if run:
+                check(L.zopt_optimizer_refresh_master(self._h, run[0], len(run)),
+                      "zopt_optimizer_refresh_master")
+            run = [t] if t is not None else []
+        self.refreshes += len(set(tids))
+        self._reset_watch()
+
+    def _moved_from_registered(self, t):
+        e = self._entries[t]
+        if not e.torch or not e.numel:
+            return False
+        return e.param.data_ptr() != e.pptr
+
+    def _refresh_by_write(self, t):
+        """ZeRO-3, a param whose storage is not the registered one: its held
+        shard (and master) written from the current storage (each rank
+        writes what it holds; no communication)."""
+        e = self._entries[t]
+        self._write_raw(t, StateKind.PARAM, self._memory_order(e, e.param))
+        if self.step_obj.has_master:
+            self.write_state(t, StateKind.MASTER,
+                             self._memory_order(e, e.param.detach().float()))
+
+    def _prepare(self):
+        """Checks before anything reads or writes the native optimizer."""
+        self._handle()
+        self._check_params()
+
+    # ---- hyperparameters ----------------------------------------------------
+    def _raw_hypers(self, group):
+        return tuple(_frozen(group.get(k)) for k in self._hyper_keys())
+
+    def _hyper_keys(self):
+        ks = getattr(self, "_hkeys", None)
+        if ks is None:
+            hyp = self.step_obj.hypers
+            ks = [k for k in ("lr", "betas", "beta1", "beta2", "eps", "weight_decay",
+                              "momentum", "dampening", "bias_correction")
+                  if k in hyp or (k == "betas" and "beta1" in hyp)]
+            self._hkeys = ks
+        return ks
+
+    def _push_hypers(self):
+        groups = self.param_groups
+        if len(groups) != len(self._pushed):
+            raise ZoptError(Status.BAD_STATE,
+                            "param_groups changed length: add groups with add_param_group()")
+        keys = self._hyper_keys()
+        for gid, group in enumerate(groups):
+            if len(group["params"]) != self._group_lens[gid]:
+                raise ZoptError(Status.BAD_STATE,
+                                f"param_groups[{gid}]['params'] was edited: the optimizer's "
+                                "tensors are fixed; add params with add_param_group()")
+            raw = tuple(_frozen(group.get(k)) for k in keys)
+            if raw == self._pushed_raw[gid]:
+                continue
+            slots = _slots(group, self.step_obj.hypers)
+            pushed = self._pushed[gid]
+            for name, val in slots.items():
+                if pushed.get(name) != val:
+                    self._set_hyper(gid, name, val)
+                    pushed[name] = val
+            self._pushed_raw[gid] = raw
+
     def _set_hyper(self, gid, name, value):
-        check(self._lib.zopt_optimizer_set_hyper(self._h, gid, name.encode(),
+        check(self._lib.zopt_optimizer_set_hyper(self._handle(), gid, name.encode(),
                                                  float(value)),
               f"set_hyper(group {gid}, {name}={value!r})")
 
     def get_hyper(self, gid, name):
         v = ctypes.c_double()
-        check(self._lib.zopt_optimizer_get_hyper(self._h, gid, name.encode(),
+        check(self._lib.zopt_optimizer_get_hyper(self._handle(), gid, name.encode(),
                                                  ctypes.byref(v)),
               f"get_hyper(group {gid}, {name})")
         return v.value
 
     def set_hyper(self, gid, name, value):
         """Sets one slot now (and mirrors it into param_groups)."""
+        if name == "bias_correction":
+            value = _bool_hyper(name, value)
         self._set_hyper(gid, name, value)
         self._sync_group_from_c(gid)
 
@@ -311,46 +1112,33 @@ class Optimizer:
             group[name] = bool(v) if name == "bias_correction" else v
         if "beta1" in vals or "beta2" in vals:
             group["betas"] = (vals.get("beta1"), vals.get("beta2"))
-        self._pushed[gid] = _group_to_slots(group, self.step_obj.hypers)
+        self._pushed[gid] = _slots(group, self.step_obj.hypers)
+        self._pushed_raw[gid] = self._raw_hypers(group)
 
-    def _push_hypers(self):
-        for gid, group in enumerate(self.param_groups):
-            slots = _group_to_slots(group, self.step_obj.hypers)
-            pushed = self._pushed[gid]
-            for name, val in slots.items():
-                if pushed.get(name) != val:
-                    self._set_hyper(gid, name, val)
-                    pushed[name] = val
+    @property
+    def grad_divisor(self):
+        """The divisor D of the gradients (grad / (loss scale * D)): the
+        world size by default (the mean over ranks, as DDP); set W * A to
+        also average A accumulated micro-batches, 1 to sum."""
+        v = ctypes.c_double()
+        check(self._lib.zopt_optimizer_get_grad_divisor(self._handle(), ctypes.byref(v)),
+              "get_grad_divisor")
+        return v.value
 
-    # ---- stepping --------------------------------------------------------
-    def _refresh_grads(self):
-        for t in self._tensors:
-            if not t["torch"]:
-                continue
-            p = t["param"]
-            if p.data_ptr() != t["pptr"]:
-                raise ZoptError(Status.BAD_STATE, "a parameter's storage moved "
-                                "since it was registered (p.data was replaced)")
-            g = p.grad
-            if g is None:
-                t["grad"].zero_()
-                p.grad = t["grad"]
-            elif g.data_ptr() != t["gptr"]:
-                t["grad"].copy_(g)
-                p.grad = t["grad"]
+    @grad_divisor.setter
+    def grad_divisor(self, d):
+        check(self._lib.zopt_optimizer_set_grad_divisor(self._handle(), float(d)),
+              "set_grad_divisor")
+        self._grad_divisor = float(d)
 
-    def zero_grad(self, set_to_none=False):
-        """Zeros every registered gradient in place (set_to_none is ignored:
-        the runtime reads the registered memory)."""
-        for t in self._tensors:
-            g = t["grad"]
-            if _is_torch(g):
-                g.zero_()
-            else:
-                g[...] = 0
-
+    # ---- stepping --------------------------------------------------------------
     def step(self, closure=None):
-        """One optimizer step. Returns (grad_norm, skipped)."""
+        """One optimizer step over the params that have a gradient; returns
+        the closure's loss (None without a closure), like torch. The
+        outcome is in ``last_grad_norm`` (NaN without a norm reduction),
+        ``last_skipped`` (non-finite gradients skipped the step),
+        ``last_loss_scale`` and ``last_metrics``. With no gradient at all
+        (world size 1) nothing changes and the runtime is not called."""
         loss = None
         if closure is not None:
             if torch is not None:
@@ -358,223 +1146,741 @@ class Optimizer:
                     loss = closure()
             else:
                 loss = closure()
-        self._refresh_grads()
+        t0 = time.perf_counter()
+        self._handle()
+        self._pre_step()  # may rebuild the native optimizer
         self._push_hypers()
-        if self._on_cuda():
-            # GPU steps only enqueue on PyTorch's current stream (no host
-            # sync; the step returns (nan, False): read the outcome with
-            # gpu_result()).
-            check(self._lib.zopt_optimizer_set_stream(
-                self._h, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)),
-                "zopt_optimizer_set_stream")
-        r = _lib.StepResult()
-        check(self._lib.zopt_optimizer_step(self._h, ctypes.byref(r)),
-              "zopt_optimizer_step")
-        self.last_result = r
+        h = self._h
         self.last_loss = loss
-        return float(r.grad_norm), bool(r.skipped)
+        if self.world_size == 1 and 1 not in self._active:
+            self.last_grad_norm, self.last_skipped = float("nan"), False
+            self._metrics(t0, None, None, no_grads=True)
+            return loss
+        if self._on_cuda:
+            # GPU steps only enqueue on PyTorch's current stream (no host
+            # sync; read the outcome with gpu_result()).
+            check(self._lib.zopt_optimizer_set_stream(
+                h, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)),
+                "zopt_optimizer_set_stream")
+        t1 = time.perf_counter()
+        st = self._step_fn(h, self._res_ref)
+        t2 = time.perf_counter()
+        if st:
+            check(st, "zopt_optimizer_step")
+        r = self._res
+        self.last_result = r
+        self.last_grad_norm = r.grad_norm
+        self.last_skipped = bool(r.skipped)
+        self.last_loss_scale = r.loss_scale
+        self.steps_taken += 1
+        cfg = self._scaler_cfg
+        if self.step_obj.loss_scaled and not self._on_cuda:
+            if cfg is None or cfg["dynamic"]:
+                interval = cfg["growth_interval"] if cfg else 2000
+                if r.skipped:
+                    self._good_steps = 0
+                else:
+                    self._good_steps += 1
+                    if self._good_steps >= interval:
+                        self._good_steps = 0
+        if self.step_obj.zero3:
+            self._after_zero3_step()
+        elif self._sampler is not None:
+            self._sampler.snapshot()
+        self._metrics(t0, t1, t2)
+        return loss
 
-    def _on_cuda(self):
-        return any(_is_torch(t["param"]) and t["param"].device.type == "cuda"
-                   for t in self._tensors)
+    def step_result(self):
+        """(grad_norm, skipped) of the last step."""
+        return self.last_grad_norm, self.last_skipped
 
     def gpu_result(self):
         """(grad_norm, skipped, loss_scale) of the last GPU step: waits for
         the stream and reads the device-side result."""
         r = _lib.StepResult()
-        check(self._lib.zopt_optimizer_gpu_result(self._h, ctypes.byref(r)),
+        check(self._lib.zopt_optimizer_gpu_result(self._handle(), ctypes.byref(r)),
               "zopt_optimizer_gpu_result")
         return float(r.grad_norm), bool(r.skipped), float(r.loss_scale)
 
+    # ---- metrics ------------------------------------------------------------------
+    def register_metrics_hook(self, fn):
+        """``fn(optimizer, metrics)`` after every step(); returns a handle
+        with ``remove()``. ``metrics`` (also ``opt.last_metrics``) holds:
+        step (steps taken), grad_norm (NaN without a norm reduction),
+        skipped, loss_scale (the scale this step's gradients carried),
+        loss (the closure's, as a float, or None), lr (per group),
+        active_tensors, updated_elems (this rank's share), step_time_s (the
+        runtime's step), overhead_s (the binding's checks before it),
+        bytes (the memory the update moved: each state read and/or written
+        once per updated element, as the step's descriptor says; collectives
+        and the norm pass not counted) and bytes_per_s, refreshes / rebuilds (cumulative counts of master
+        refreshes and native rebuilds), no_grads (no param had a gradient:
+        nothing ran)."""
+        self._metrics_hooks.append(fn)
+        return _RemovableHandle(self._metrics_hooks, fn)
+
+    @property
+    def metrics(self):
+        return self.last_metrics
+
+    def _metrics(self, t0, t1, t2, no_grads=False):
+        step_s = (t2 - t1) if t1 is not None else 0.0
+        over = (t1 - t0) if t1 is not None else (time.perf_counter() - t0)
+        elems = 0 if no_grads else self._active_elems / max(self.world_size, 1)
+        nbytes = int(elems * self._bytes_per_elem)
+        loss = self.last_loss
+        try:
+            loss = float(loss) if loss is not None else None
+        except (TypeError, ValueError):
+            loss = None
+        m = dict(step=self.steps_taken, grad_norm=float(self.last_grad_norm),
+                 skipped=bool(self.last_skipped),
+                 loss_scale=float(self.last_loss_scale) if not no_grads else float("nan"),
+                 loss=loss, lr=[g.get("lr") for g in self.param_groups],
+                 active_tensors=(len(self._active) - self._active.count(0)),
+                 updated_elems=int(elems), step_time_s=step_s, overhead_s=over,
+                 bytes=nbytes, bytes_per_s=(nbytes / step_s if step_s > 0 else float("nan")),
+                 refreshes=self.refreshes, rebuilds=self.rebuilds, no_grads=no_grads)
+        self.last_metrics = m
+        for fn in list(self._metrics_hooks):
+            fn(self, m)
+
+    # ---- seed, step counts -----------------------------------------------------------
     def set_seed(self, seed):
         """Seed of stochastic rounding (steps with a bf16 state declared
         `rounding stochastic`): same seed, same bits on any thread count."""
-        check(self._lib.zopt_optimizer_set_seed(self._h, int(seed) & (2**64 - 1)),
+        check(self._lib.zopt_optimizer_set_seed(self._handle(), int(seed) & (2**64 - 1)),
               "set_seed")
+        self._seed = int(seed) & (2**64 - 1)
 
     @property
     def seed(self):
         s = ctypes.c_uint64()
-        check(self._lib.zopt_optimizer_get_seed(self._h, ctypes.byref(s)), "get_seed")
+        check(self._lib.zopt_optimizer_get_seed(self._handle(), ctypes.byref(s)), "get_seed")
         return s.value
 
     def step_count(self, gid=0):
+        """Steps in which any tensor of group ``gid`` was updated."""
         c = ctypes.c_int64()
-        check(self._lib.zopt_optimizer_get_step_count(self._h, gid, ctypes.byref(c)),
+        check(self._lib.zopt_optimizer_get_step_count(self._handle(), gid, ctypes.byref(c)),
               "get_step_count")
         return c.value
 
-    # ---- loss scaling ----------------------------------------------------
-    def configure_loss_scaler(self, init_scale=65536.0, growth_factor=2.0,
-                              backoff_factor=0.5, growth_interval=2000,
-                              min_scale=1.0, dynamic=True):
-        cfg = _lib.LossScalerConfig(float(init_scale), float(growth_factor),
-                                    float(backoff_factor), int(growth_interval),
-                                    float(min_scale), 1 if dynamic else 0)
-        check(self._lib.zopt_optimizer_configure_loss_scaler(self._h,
-                                                             ctypes.byref(cfg)),
+    def _tensor_step(self, t):
+        c = ctypes.c_int64()
+        check(self._lib.zopt_optimizer_get_tensor_step(self._handle(), int(t), ctypes.byref(c)),
+              "get_tensor_step")
+        return c.value
+
+    def tensor_step(self, p):
+        """The steps param ``p`` (a param or a tensor index) took (torch's
+        state[p]['step'])."""
+        return self._tensor_step(self._tid(p))
+
+    def _tid(self, p):
+        if isinstance(p, (int, np.integer)):
+            self._tensor(int(p))
+            return int(p)
+        t = self._tid_map.get(id(p))
+        if t is None:
+            raise ZoptError(Status.INVALID_ARGUMENT, "not a param of this optimizer")
+        return t
+
+    # ---- loss scaling ------------------------------------------------------------------
+    @staticmethod
+    def _scaler_config(init_scale=65536.0, growth_factor=2.0, backoff_factor=0.5,
+                       growth_interval=2000, min_scale=1.0, dynamic=True):
+        return dict(init_scale=float(init_scale), growth_factor=float(growth_factor),
+                    backoff_factor=float(backoff_factor), growth_interval=int(growth_interval),
+                    min_scale=float(min_scale), dynamic=bool(dynamic))
+
+    def _configure_scaler(self, h, c):
+        cfg = _lib.LossScalerConfig(c["init_scale"], c["growth_factor"], c["backoff_factor"],
+                                    c["growth_interval"], c["min_scale"],
+                                    1 if c["dynamic"] else 0)
+        check(self._lib.zopt_optimizer_configure_loss_scaler(h, ctypes.byref(cfg)),
               "configure_loss_scaler")
-        self._scaler_cfg = dict(init_scale=init_scale, growth_factor=growth_factor,
-                                backoff_factor=backoff_factor,
-                                growth_interval=growth_interval,
-                                min_scale=min_scale, dynamic=dynamic)
+
+    def configure_loss_scaler(self, **kw):
+        """(Re)starts the loss scaler (init_scale, growth_factor,
+        backoff_factor, growth_interval, min_scale, dynamic)."""
+        c = self._scaler_config(**kw)
+        self._configure_scaler(self._handle(), c)
+        self._scaler_cfg = c
+        self._good_steps = 0
 
     @property
     def loss_scale(self):
         """The scale S the next step's gradients must be multiplied by."""
         s = ctypes.c_double()
-        check(self._lib.zopt_optimizer_get_loss_scale(self._h, ctypes.byref(s)),
+        check(self._lib.zopt_optimizer_get_loss_scale(self._handle(), ctypes.byref(s)),
               "get_loss_scale")
         return s.value
 
-    # ---- state access ----------------------------------------------------
+    def _scaler_state(self):
+        """(scale, good_steps, config) of the runtime's scaler."""
+        cfg = self._scaler_cfg or self._scaler_config()
+        if self._on_cuda and self.step_obj.loss_scaled:
+            with tempfile.TemporaryDirectory(prefix="zopt-sc-") as d:
+                p = os.path.join(d, "ck")
+                self.save(p)
+                scale, good, cfg, _ = _ckpt.read_scaler(p)
+                return scale, good, cfg
+        scale = self.loss_scale if self.step_obj.loss_scaled else cfg["init_scale"]
+        return scale, self._good_steps, cfg
+
+    # ---- state access -------------------------------------------------------------------
     @property
     def num_tensors(self):
-        return len(self._tensors)
+        return len(self._entries)
 
     def _tensor(self, tensor_idx):
-        if not (0 <= int(tensor_idx) < len(self._tensors)):
+        if not (0 <= int(tensor_idx) < len(self._entries)):
             raise ZoptError(Status.INVALID_ARGUMENT, f"no tensor {tensor_idx} "
-                            f"(the optimizer has {len(self._tensors)})")
-        return self._tensors[int(tensor_idx)]
+                            f"(the optimizer has {len(self._entries)})")
+        return self._entries[int(tensor_idx)]
 
     def read_state(self, tensor_idx, kind):
-        """State ``kind`` ('exp_avg', StateKind.MASTER, ...) of a tensor as a
-        float32 numpy array (flat)."""
+        """State ``kind`` ('exp_avg', StateKind.MASTER, ...) of a tensor (an
+        index or a param) as a float32 numpy array (flat, memory order)."""
         k = _kind(kind)
-        self._tensor(tensor_idx)
-        n = self._tensors[tensor_idx]["numel"]
+        t = self._tid(tensor_idx)
+        self._prepare()
+        n = self._entries[t].numel
         out = np.empty(n, dtype=np.float32)
         check(self._lib.zopt_optimizer_read_state_f32(
-            self._h, tensor_idx, int(k), ctypes.c_void_p(out.ctypes.data), n),
-            f"read_state({tensor_idx}, {STATE_NAMES[k]})")
+            self._h, t, int(k), ctypes.c_void_p(out.ctypes.data if n else None), n),
+            f"read_state({t}, {STATE_NAMES[k]})")
         return out
 
     def write_state(self, tensor_idx, kind, values):
+        """Writes a state from float32 values (rounded to its storage dtype)."""
         k = _kind(kind)
-        n = self._tensor(tensor_idx)["numel"]
+        t = self._tid(tensor_idx)
+        n = self._entries[t].numel
         a = np.ascontiguousarray(np.asarray(values, dtype=np.float32).reshape(-1))
         if a.size != n:
             raise ZoptError(Status.INVALID_ARGUMENT,
                             f"write_state: {a.size} values for a tensor of {n}")
         check(self._lib.zopt_optimizer_write_state_f32(
-            self._h, tensor_idx, int(k), ctypes.c_void_p(a.ctypes.data), n),
-            f"write_state({tensor_idx}, {STATE_NAMES[k]})")
+            self._handle(), t, int(k), ctypes.c_void_p(a.ctypes.data if n else None), n),
+            f"write_state({t}, {STATE_NAMES[k]})")
+        if k == StateKind.PARAM:
+            self._reset_watch()
 
     def read_state_raw(self, tensor_idx, kind):
         """Storage-exact copy of a state (uint16 for bf16, float16, float32)."""
         k = _kind(kind)
-        dt = self.step_obj.state_dtype(k)
-        if dt is None:
+        t = self._tid(tensor_idx)
+        self._prepare()
+        if self.step_obj.state_dtype(k) is None:
             raise ZoptError(Status.INVALID_ARGUMENT,
                             f"the step has no state {STATE_NAMES[k]}")
-        n = self._tensor(tensor_idx)["numel"]
+        return self._read_raw(t, k)
+
+    def _read_raw(self, t, k):
+        dt = self.step_obj.state_dtype(k)
+        n = self._entries[t].numel
         out = np.empty(n, dtype=_NP_OF[dt])
         check(self._lib.zopt_optimizer_read_state_raw(
-            self._h, tensor_idx, int(k), ctypes.c_void_p(out.ctypes.data),
-            out.nbytes), f"read_state_raw({tensor_idx}, {STATE_NAMES[k]})")
+            self._h, t, int(k), ctypes.c_void_p(out.ctypes.data if n else None),
+            out.nbytes), f"read_state_raw({t}, {STATE_NAMES[k]})")
         return out
+
+    def _write_raw(self, t, k, arr):
+        a = np.ascontiguousarray(arr)
+        check(self._lib.zopt_optimizer_write_state_raw(
+            self._h, t, int(k), ctypes.c_void_p(a.ctypes.data if a.size else None),
+            a.nbytes), f"write_state_raw({t}, {STATE_NAMES[k]})")
 
     def memory_info(self):
         m = _lib.MemoryInfo()
-        check(self._lib.zopt_optimizer_memory_info(self._h, ctypes.byref(m)),
+        check(self._lib.zopt_optimizer_memory_info(self._handle(), ctypes.byref(m)),
               "memory_info")
-        return dict(bytes_cpu=m.bytes_cpu, bytes_gpu=m.bytes_gpu,
-                    num_params=m.num_params)
+        return {f: getattr(m, f) for f, _ in _lib.MemoryInfo._fields_}
 
-    # ---- checkpoints -----------------------------------------------------
+    def refresh_master(self, params=None):
+        """Makes the master (and ZeRO-3's held params) again the params'
+        current values, for ``params`` (params or tensor indices; default
+        all): after writes the optimizer cannot see (a slice written
+        through ``p.data``, memory written from C)."""
+        self._handle()
+        tids = range(len(self._entries)) if params is None else [self._tid(p) for p in params]
+        tids = [t for t in tids if t not in self._released]
+        self._refresh(list(tids))
+
+    # ---- memory layout helpers -----------------------------------------------------------
+    def _memory_order(self, e, x):
+        """numpy storage bits of tensor x in the memory order of entry e's
+        param (x has e's shape; any layout)."""
+        if e.torch:
+            x = x.detach().to("cpu")
+            if e.stride is not None and e.numel and tuple(x.stride()) != e.stride:
+                y = torch.empty_strided(e.shape, e.stride, dtype=x.dtype)
+                y.copy_(x)
+                x = y
+            if e.numel:
+                x = x.as_strided((e.numel,), (1,))
+            return _np_bits(x)
+        return np.ascontiguousarray(x).reshape(-1)
+
+    def _user_tensor(self, e, flat, dt):
+        """A state (numpy storage bits, memory order) as the user sees it:
+        a CPU torch tensor shaped (and strided) like the param; for numpy
+        params (or without torch) a numpy array (bf16 widened to f32)."""
+        if torch is not None:
+            src = _from_bits(flat, dt)
+            if e.torch:
+                out = torch.empty_strided(e.shape, e.stride, dtype=src.dtype)
+                if e.numel:
+                    out.as_strided((e.numel,), (1,)).copy_(src)
+                return out
+            return src.clone().reshape(e.shape)
+        if dt == DType.BF16:
+            from . import bf16
+            return bf16.to_f32(flat).reshape(e.shape)
+        return flat.copy().reshape(e.shape)
+
+    def _flat_from_user(self, e, v, key):
+        """A state value from a state_dict -> numpy array in the param's
+        memory order (f32, bf16 bits or f16)."""
+        if _is_torch(v):
+            v = v.detach().to("cpu")
+            if v.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                v = v.float()
+            if v.numel() != e.numel or (tuple(v.shape) != e.shape and v.dim() > 1):
+                raise ZoptError(Status.CHECKPOINT,
+                                f"state_dict: {e.name}: '{key}' has shape {tuple(v.shape)}")
+            v = v.reshape(e.shape)
+            if e.torch:
+                return self._memory_order(e, v), _torch_dtypes()[v.dtype]
+            return _np_bits(v.contiguous()), _torch_dtypes()[v.dtype]
+        a = np.asarray(v)
+        if a.size != e.numel:
+            raise ZoptError(Status.CHECKPOINT,
+                            f"state_dict: {e.name}: '{key}' has {a.size} values")
+        if a.dtype not in (np.float32, np.float16, np.uint16):
+            a = a.astype(np.float32)
+        if e.torch and torch is not None and a.dtype != np.uint16:
+            return self._memory_order(e, torch.from_numpy(
+                np.ascontiguousarray(a).reshape(e.shape))), _NP_DTYPES[a.dtype]
+        return np.ascontiguousarray(a).reshape(-1), _NP_DTYPES[a.dtype]
+
+    def _param_state(self, t):
+        """state[p] of tensor t: {} before its first step."""
+        self._prepare()
+        steps = self._tensor_step(t)
+        if steps == 0:
+            return {}
+        e = self._entries[t]
+        d = {"step": torch.tensor(float(steps)) if torch is not None else steps}
+        for k in self.step_obj.owned_states:
+            d[TORCH_KEY[k]] = self._user_tensor(e, self._read_raw(t, k),
+                                                self.step_obj.state_dtype(k))
+        return d
+
+    # ---- snapshots and restores ------------------------------------------------------------
+    def _ckpt_kinds(self):
+        kinds = list(self.step_obj.owned_states)
+        if self.step_obj.zero3:
+            kinds.append(StateKind.PARAM)
+        return kinds
+
+    def _snapshot(self):
+        """Everything the native optimizer holds (states raw, step counts,
+        scaler, seed); collective at world size > 1 for sharded states."""
+        self._handle()
+        kinds = self._ckpt_kinds()
+        data = {}
+        for t, e in enumerate(self._entries):
+            for k in kinds:
+                data[(k, t)] = self._read_raw(t, k) if e.numel else \
+                    np.empty(0, dtype=_NP_OF[self.step_obj.state_dtype(k)])
+        return dict(kinds=kinds, data=data,
+                    steps=[self._tensor_step(t) for t in range(len(self._entries))],
+                    group_steps=[self.step_count(g) for g in range(len(self._pushed))],
+                    scaler=self._scaler_state(), seed=self.seed)
+
+    def _restore(self, snap, flags=0, file_kinds=None):
+        """Loads a snapshot (old tensors; new ones start fresh) through a
+        checkpoint file the binding writes (the only way to set step counts
+        and the scaler's state through the C API)."""
+        s = self.step_obj
+        kinds = list(file_kinds if file_kinds is not None else snap["kinds"])
+        dts = {}
+        for (k, t), a in snap["data"].items():
+            dts.setdefault(k, _NP_DTYPES[a.dtype])
+        kind_dt = [(k, dts.get(k, s.state_dtype(k) or DType.F32)) for k in kinds]
+        kidx = {k: i for i, (k, _) in enumerate(kind_dt)}
+        data = {}
+        for (k, t), a in snap["data"].items():
+            if k not in kidx:
+                continue
+            want = _NP_OF[kind_dt[kidx[k]][1]]
+            if a.dtype != want:
+                a = self._convert_bits(a, _NP_DTYPES[a.dtype], kind_dt[kidx[k]][1])
+            data[(kidx[k], t)] = a
+        steps = list(snap["steps"]) + [0] * (len(self._entries) - len(snap["steps"]))
+        gsteps = list(snap["group_steps"])
+        gsteps += [0] * (len(self.param_groups) - len(gsteps))
+        groups = []
+        for gid, g in enumerate(self.param_groups):
+            groups.append((gsteps[gid], [(int(HYPER_BY_NAME[n]), v)
+                                         for n, v in _slots(g, s.hypers).items()]))
+        tensors = [(e.group, e.numel, steps[t]) for t, e in enumerate(self._entries)]
+        scale, good, cfg = snap["scaler"]
+        scaler = (scale, good, cfg["init_scale"], cfg["growth_factor"], cfg["backoff_factor"],
+                  cfg["growth_interval"], cfg["min_scale"], cfg["dynamic"])
+        with tempfile.TemporaryDirectory(prefix="zopt-load-") as d:
+            path = os.path.join(d, "state.zckpt")
+            _ckpt.write(path, name=s.name, desc_checksum=s.checksum, scaler=scaler,
+                        seed=snap["seed"], kinds=[(int(k), int(dt)) for k, dt in kind_dt],
+                        groups=groups, tensors=tensors, data=data)
+            check(self._lib.zopt_optimizer_load_ex(self._handle(), path.encode(), flags),
+                  "load_state_dict")
+        self._scaler_cfg = dict(cfg)
+        self._good_steps = good
+        self._seed = snap["seed"]
+        self._reset_watch()
+
+    @staticmethod
+    def _convert_bits(a, src, dst):
+        if torch is not None:
+            return _np_bits(_from_bits(a, src).to(_torch_of(dst)))
+        from . import bf16
+        f = bf16.to_f32(a) if src == DType.BF16 else a.astype(np.float32)
+        return bf16.from_f32(f) if dst == DType.BF16 else f.astype(_NP_OF[dst])
+
+    # ---- checkpoints ------------------------------------------------------------------------
     def save(self, path):
-        """Writes a runtime checkpoint (zopt_optimizer_save)."""
+        """Writes a runtime checkpoint (zopt_optimizer_save; collective at
+        world size > 1, each rank writing its file)."""
+        self._prepare()
         self._push_hypers()
         check(self._lib.zopt_optimizer_save(self._h, os.fspath(path).encode()),
               f"save({path})")
 
-    def load(self, path):
-        """Loads a runtime checkpoint (zopt_optimizer_load); param_groups are
-        refreshed from the runtime afterwards."""
-        check(self._lib.zopt_optimizer_load(self._h, os.fspath(path).encode()),
+    def load(self, path, allow_rule_change=False):
+        """Loads a runtime checkpoint (zopt_optimizer_load_ex); a checkpoint
+        of another update rule is refused unless ``allow_rule_change``.
+        param_groups are refreshed from the runtime afterwards. Load the
+        model's params first: the params at this call are taken as the ones
+        that go with the checkpoint's master."""
+        self._prepare()
+        flags = _lib.LOAD_ALLOW_RULE_CHANGE if allow_rule_change else 0
+        check(self._lib.zopt_optimizer_load_ex(self._h, os.fspath(path).encode(), flags),
               f"load({path})")
         for gid in range(len(self.param_groups)):
             self._sync_group_from_c(gid)
+        try:
+            scale, good, cfg, seed = _ckpt.read_scaler(path)
+            self._good_steps, self._scaler_cfg = good, cfg
+            if seed is not None:
+                self._seed = seed
+        except (OSError, ValueError):
+            pass
+        self._reset_watch()
 
     def state_dict(self):
-        """A picklable snapshot: per-tensor states as float32 numpy arrays,
-        per-group step counts and hyperparameters, the loss scale, and the
-        runtime checkpoint bytes (which carry what the C API cannot set
-        directly: step counts and the loss scaler's internal state)."""
+        """torch's layout: ``{'state': {index: {'step': tensor, 'exp_avg':
+        tensor, ...}}, 'param_groups': [{..., 'params': [indices]}]}`` plus
+        ``'zopt'``: the loss scaler, the seed, per-group step counts, the
+        step's name and states. State tensors are CPU copies in the state's
+        storage dtype, shaped (and strided) like their param; a step with a
+        master adds 'master' (ZeRO-3's held params are not in it: they are
+        the model's, after ``gather_params()``). It loads into ``torch.optim.AdamW`` & co. (which ignore the extras) and
+        back. Collective at world size > 1."""
+        self._prepare()
         self._push_hypers()
+        snap = self._snapshot()
+        s = self.step_obj
         state = {}
-        for t in range(self.num_tensors):
-            state[t] = {STATE_NAMES[k]: self.read_state(t, k)
-                        for k in self.step_obj.owned_states}
-        groups = []
+        for t, e in enumerate(self._entries):
+            if snap["steps"][t] == 0:
+                continue
+            d = {"step": torch.tensor(float(snap["steps"][t])) if torch is not None
+                 else snap["steps"][t]}
+            for k in snap["kinds"]:
+                if (k, t) in snap["data"] and k != StateKind.PARAM:
+                    d[TORCH_KEY[k]] = self._user_tensor(e, snap["data"][(k, t)],
+                                                        s.state_dtype(k))
+            state[t] = d
+        groups, start = [], 0
         for g in self.param_groups:
-            groups.append({k: (list(v) if k == "params" else
-                               (tuple(v) if isinstance(v, tuple) else v))
-                           for k, v in g.items()})
-        with tempfile.TemporaryDirectory(prefix="zopt-sd-") as d:
-            p = os.path.join(d, "ckpt")
-            self.save(p)
-            with open(p, "rb") as f:
-                blob = f.read()
+            packed = {k: (tuple(v) if isinstance(v, tuple) else v)
+                      for k, v in g.items() if k != "params"}
+            if s.adam_like:
+                packed.setdefault("amsgrad", StateKind.MAX_EXP_AVG_SQ in s.state_flags)
+            packed["params"] = list(range(start, start + len(g["params"])))
+            start += len(g["params"])
+            groups.append(packed)
+        scale, good, cfg = snap["scaler"]
         return {
-            "format": "zopt-state-dict-1",
-            "step_name": self.step_obj.name,
             "state": state,
-            "step_count": [self.step_count(i) for i in range(len(self.param_groups))],
             "param_groups": groups,
-            "loss_scale": self.loss_scale if self.step_obj.loss_scaled else None,
-            "checkpoint": blob,
+            "zopt": {
+                "format": "zopt-torch-state-dict-1",
+                "step_name": s.name,
+                "states": [TORCH_KEY[k] for k in snap["kinds"] if k != StateKind.PARAM],
+                "group_steps": snap["group_steps"],
+                "loss_scaler": dict(scale=scale, good_steps=good, **cfg),
+                "seed": snap["seed"],
+                "world_size": self.world_size,
+            },
         }
 
-    def load_state_dict(self, sd):
-        """Restores a state_dict(). The runtime checkpoint it carries is
-        loaded first (step counts, loss scaler, states); the float32 state
-        arrays and the hyperparameters are then written over it, so edits to
-        them take effect. Without the checkpoint blob, step counts must
-        already match (the C API has no setter for them)."""
-        if sd.get("format") != "zopt-state-dict-1":
-            raise ZoptError(Status.CHECKPOINT, "not a zopt state_dict")
-        if len(sd["param_groups"]) != len(self.param_groups):
+    def load_state_dict(self, state_dict, allow_rule_change=False):
+        """Loads a state_dict in torch's layout: zopt's own, or a torch
+        optimizer's (``torch.optim.AdamW(...).state_dict()``): per-param
+        states by torch's keys, 'step' per param, the groups'
+        hyperparameters. A state_dict of another update rule (other states
+        or hyperparameters, e.g. SGD's momentum_buffer into AdamW, amsgrad
+        on/off) is refused unless ``allow_rule_change`` (then missing states
+        start at zero and extra ones are dropped), like the runtime's
+        ZOPT_LOAD_ALLOW_RULE_CHANGE. Without a 'master' (torch's), the
+        master is made from the params as they are now: load the model
+        first. Nothing changes if anything is refused."""
+        sd = state_dict
+        if sd.get("format") == "zopt-state-dict-1":  # the first binding's
+            return self._load_legacy(sd)
+        if "state" not in sd or "param_groups" not in sd:
             raise ZoptError(Status.CHECKPOINT,
-                            f"state_dict has {len(sd['param_groups'])} groups, "
-                            f"optimizer has {len(self.param_groups)}")
-        if len(sd["state"]) != self.num_tensors:
+                            "not an optimizer state_dict (no 'state' / 'param_groups')")
+        self._prepare()
+        s = self.step_obj
+        saved = sd["param_groups"]
+        if len(saved) != len(self.param_groups):
             raise ZoptError(Status.CHECKPOINT,
-                            f"state_dict has {len(sd['state'])} tensors, "
-                            f"optimizer has {self.num_tensors}")
+                            f"state_dict has {len(saved)} param groups, the optimizer "
+                            f"{len(self.param_groups)}")
+        for gid, (a, b) in enumerate(zip(saved, self.param_groups)):
+            if len(a["params"]) != len(b["params"]):
+                raise ZoptError(Status.CHECKPOINT,
+                                f"state_dict's param group {gid} has {len(a['params'])} "
+                                f"params, the optimizer's {len(b['params'])}")
+        id_map = {}
+        t = 0
+        for a in saved:
+            for pid in a["params"]:
+                id_map[pid] = t
+                t += 1
+        # What the state_dict's rule is.
+        problems = []
+        new_groups = []
+        for gid, g in enumerate(saved):
+            if g.get("maximize"):
+                raise ZoptError(Status.CHECKPOINT,
+                                f"state_dict's param group {gid} has maximize=True, which "
+                                "zopt steps do not do")
+            ng = {k: v for k, v in g.items() if k != "params"}
+            for key in list(ng):
+                slot_names = ["beta1", "beta2"] if key == "betas" else [key]
+                if key in HYPER_BY_NAME or key == "betas":
+                    missing = [n for n in slot_names if n not in s.hypers]
+                    if missing:
+                        problems.append(f"group {gid} has the hyperparameter '{key}'")
+                        del ng[key]
+            if s.adam_like and "amsgrad" in ng:
+                mine = StateKind.MAX_EXP_AVG_SQ in s.state_flags
+                if bool(ng["amsgrad"]) != mine:
+                    problems.append(f"group {gid} has amsgrad={ng['amsgrad']} (the step: {mine})")
+                    ng["amsgrad"] = mine
+            ng["params"] = self.param_groups[gid]["params"]
+            merged = dict(self.param_groups[gid])
+            merged.update(ng)
+            new_groups.append(self._complete_group(merged))
+        present = set()
+        for pid, st in sd["state"].items():
+            if pid not in id_map:
+                raise ZoptError(Status.CHECKPOINT,
+                                f"state_dict has state for param {pid!r}, which no group lists")
+            for key, v in st.items():
+                if key == "step" or v is None:
+                    continue
+                k = KIND_OF_KEY.get(key)
+                if k is None:
+                    problems.append(f"it has the state '{key}'")
+                elif k != StateKind.PARAM:
+                    present.add(k)
+        mine = set(s.owned_states)
+        extra = present - mine
+        lacking = (mine - present - {StateKind.MASTER}) if sd["state"] else set()
+        for k in sorted(extra):
+            problems.append(f"it has the state '{TORCH_KEY[k]}'")
+        for k in sorted(lacking):
+            problems.append(f"it lacks the state '{TORCH_KEY[k]}'")
+        if problems and not allow_rule_change:
+            z = sd.get("zopt", {})
+            who = f"step '{z['step_name']}'" if "step_name" in z else "another optimizer"
+            raise ZoptError(Status.CHECKPOINT,
+                            f"the state_dict was written by {who} with another update rule "
+                            f"than step '{s.name}': " + "; ".join(dict.fromkeys(problems))
+                            + ". Loading it would change the math; pass "
+                            "allow_rule_change=True to load it anyway (missing states "
+                            "start at zero, extra ones are dropped)")
+        # The snapshot to load.
+        kinds = [k for k in s.owned_states]  # every state the step has
+        if s.zero3:
+            kinds.append(StateKind.PARAM)
+        data = {}
+        steps = [0] * len(self._entries)
+        for pid, st in sd["state"].items():
+            t = id_map[pid]
+            e = self._entries[t]
+            stv = st.get("step", 0)
+            steps[t] = int(float(stv.item() if _is_torch(stv) else np.asarray(stv).item())) \
+                if stv is not None else 0
+            for key, v in st.items():
+                k = KIND_OF_KEY.get(key)
+                if k is None or v is None or k not in kinds or not e.numel:
+                    continue
+                flat, dt = self._flat_from_user(e, v, key)
+                data[(k, t)] = flat
+        if s.zero3:  # the held params: the model's params as they are now
+            self.gather_params([e.param for t, e in enumerate(self._entries)
+                                if t in self._released])
+            for t, e in enumerate(self._entries):
+                if e.numel:
+                    data[(StateKind.PARAM, t)] = self._memory_order(e, e.param) \
+                        if e.torch else np.ascontiguousarray(e.param).reshape(-1)
+        z = sd.get("zopt", {})
+        gsteps = z.get("group_steps")
+        if not gsteps or len(gsteps) != len(self.param_groups):
+            gsteps = [max([steps[t] for t, e in enumerate(self._entries) if e.group == g] or [0])
+                      for g in range(len(self.param_groups))]
+        scale, good, cfg = self._scaler_state()
+        if "loss_scaler" in z:
+            ls = dict(z["loss_scaler"])
+            scale, good = float(ls.pop("scale")), int(ls.pop("good_steps"))
+            cfg = self._scaler_config(**ls)
+        seed = int(z["seed"]) if "seed" in z else self.seed
+        snap = dict(kinds=kinds, data=data, steps=steps, group_steps=gsteps,
+                    scaler=(scale, good, cfg), seed=seed)
+        old_groups = self.param_groups
+        self.param_groups = new_groups
+        try:
+            self._restore(snap, flags=_lib.LOAD_ALLOW_RULE_CHANGE if allow_rule_change else 0)
+        except BaseException:
+            self.param_groups = old_groups
+            raise
+        for g, new in zip(old_groups, new_groups):  # keep the dict objects
+            g.clear()
+            g.update(new)
+        self.param_groups = old_groups
+        self._pushed = [_slots(g, s.hypers) for g in self.param_groups]
+        self._pushed_raw = [self._raw_hypers(g) for g in self.param_groups]
+
+    def _load_legacy(self, sd):
         blob = sd.get("checkpoint")
-        if blob is not None:
-            with tempfile.TemporaryDirectory(prefix="zopt-sd-") as d:
-                p = os.path.join(d, "ckpt")
-                with open(p, "wb") as f:
-                    f.write(blob)
-                self.load(p)
-        else:
-            for gid, c in enumerate(sd["step_count"]):
-                if self.step_count(gid) != c:
-                    raise ZoptError(Status.UNSUPPORTED,
-                                    "cannot restore step counts without the "
-                                    "checkpoint blob")
-        for t, kinds in sd["state"].items():
-            for name, arr in kinds.items():
-                self.write_state(int(t), name, arr)
-        for gid, g in enumerate(sd["param_groups"]):
-            mine = self.param_groups[gid]
-            for k, v in g.items():
-                if k != "params":
-                    mine[k] = v
-        self._push_hypers()
+        if blob is None:
+            raise ZoptError(Status.CHECKPOINT, "legacy zopt state_dict without its checkpoint")
+        with tempfile.TemporaryDirectory(prefix="zopt-sd-") as d:
+            p = os.path.join(d, "ckpt")
+            with open(p, "wb") as f:
+                f.write(blob)
+            self.load(p)
 
-    # ---- teardown --------------------------------------------------------
-    def _free(self):
-        h = getattr(self, "_h", None)
-        if h is not None and h.value:
-            self._lib.zopt_optimizer_free(h)
-        self._h = None
+    # ---- ZeRO-3 --------------------------------------------------------------------------
+    def _zero3_only(self, what):
+        if not self.step_obj.zero3:
+            raise ZoptError(Status.BAD_STATE,
+                            f"{what}: step '{self.step_obj.name}' is not ZeRO-3 (its params "
+                            "are the model's own memory, always current)")
 
-    def close(self):
-        self._free()
+    def _tids_of(self, params):
+        if params is None:
+            return list(range(len(self._entries)))
+        return sorted({self._tid(p) for p in params})
 
-    def __del__(self):
-        self._free()
+    def gather_params(self, params=None):
+        """ZeRO-3: writes the current full params (``params``, default all)
+        into the model's parameter storage, re-allocating released storage.
+        Collective: every rank calls it with the same params. For other
+        steps the params are always current and this does nothing."""
+        h = self._handle()
+        if not self.step_obj.zero3:
+            return
+        tids = self._tids_of(params)
+        self._check_some(tids)  # user writes into held params are not lost
+        self._gather(tids)
+
+    def _gather(self, tids):
+        h = self._h
+        for t in tids:
+            if t in self._released:
+                e = self._entries[t]
+                e.param.data.storage().resize_(e.numel)
+                self._released.discard(t)
+        run = []
+        for t in tids + [None]:
+            if t is not None and run and t == run[-1] + 1:
+                run.append(t)
+                continue
+            if run:
+                dst = (ctypes.c_void_p * len(run))(
+                    *[self._entries[u].param.data_ptr() if self._entries[u].numel else None
+                      for u in run])
+                check(self._lib.zopt_optimizer_gather_params(h, run[0], len(run), dst),
+                      "zopt_optimizer_gather_params")
+            run = [t] if t is not None else []
+        self._seen(tids)
+
+    def _check_some(self, tids):
+        """The per-step write check (storage, version) on a few tensors."""
+        changed = []
+        for t in tids:
+            j = self._tp_index.get(t)
+            if j is None or t in self._released:
+                continue
+            p = self._tp_params[j]
+            if p.data_ptr() != self._tp_ptrs[j] or p._version != self._tp_vers[j]:
+                changed.append(t)
+        if changed:
+            self._check_params()
+
+    def _seen(self, tids):
+        """The storage and version of tids are the binding's own doing (a
+        gather or release): the new baselines of the per-step checks."""
+        for t in tids:
+            j = self._tp_index.get(t)
+            if j is not None:
+                p = self._tp_params[j]
+                self._tp_ptrs[j] = p.data_ptr()
+                self._tp_vers[j] = p._version
+        if self._zero3_mode != "hooks":
+            self._reset_watch()
+
+    def release_params(self, params=None):
+        """ZeRO-3: frees the storage of ``params`` (default all) while
+        keeping their shape (``storage().resize_(0)``); the runtime holds
+        them, :meth:`gather_params` brings them back. A param that shares
+        its storage with other tensors is kept. Local (no communication)."""
+        self._zero3_only("release_params")
+        done = []
+        for t in self._tids_of(params):
+            e = self._entries[t]
+            if t in self._released or not e.numel or e.cuda or not e.torch:
+                continue
+            st = e.param.data.storage()
+            if st.size() != e.numel or e.param.storage_offset() != 0:
+                continue
+            try:
+                st.resize_(0)
+            except RuntimeError:  # shared with numpy (.numpy()): kept
+                continue
+            self._released.add(t)
+            done.append(t)
+        self._seen(done)
+
+    @property
+    def released_params(self):
+        return [self._entries[t].param for t in sorted(self._released)]
+
+    def _after_zero3_step(self):
+        if self._zero3_mode == "step":
+            self._gather(list(range(len(self._entries))))
+        elif self._zero3_mode == "hooks":  # the model's copies are stale now
+            stale = [t for t in range(len(self._entries)) if t not in self._released]
+            if stale:
+                self.release_params([self._entries[t].param for t in stale])
+        # "manual": the model keeps the old values until gather_params()

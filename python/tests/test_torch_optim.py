@@ -1,0 +1,595 @@
+"""zopt.Optimizer as a torch.optim.Optimizer, beside torch.optim.AdamW:
+params without gradients left alone, user writes into bf16 params never
+lost, bad hyperparameters and params refused, add_param_group, state[p],
+zero_grad, closures, every lr_scheduler, state_dict both ways, metrics."""
+import copy
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import zopt
+from zopt import bf16
+
+LR, WD, BETAS, EPS = 1e-2, 0.1, (0.9, 0.999), 1e-8
+
+
+def mlp(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    return m.to(dtype)
+
+
+def batch(i, dtype=torch.float32):
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randn(16, 6, generator=g).to(dtype), torch.randn(16, 3, generator=g).to(dtype)
+
+
+def train_step(model, opt, i, dtype=torch.float32):
+    x, y = batch(i, dtype)
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def close(a, b, rtol=2e-5, atol=1e-6):
+    for p, q in zip(a, b):
+        np.testing.assert_allclose(p.detach().float().numpy(), q.detach().float().numpy(),
+                                   rtol=rtol, atol=atol)
+
+
+def bits(t):
+    t = t.detach()
+    return t.view(torch.int16).clone() if t.dtype == torch.bfloat16 else t.clone()
+
+
+def same_bits(a, b):
+    return all(torch.equal(bits(p), bits(q)) for p, q in zip(a, b))
+
+
+@pytest.fixture
+def adamw_f32(steps):
+    return steps(rule="adamw", layout="f32")
+
+
+@pytest.fixture
+def adamw_bf16(steps):
+    return steps(rule="adamw", layout="bf16_master")
+
+
+# ---- params without gradients ---------------------------------------------
+
+def test_frozen_unused_and_none_grads_left_alone(adamw_f32):
+    """A requires_grad=False weight, a param unused in the graph and params
+    whose grad is None: no decay, no moment update, no step count (torch's
+    semantics); the others match torch.optim.AdamW."""
+    def build():
+        m = mlp()
+        m.extra = torch.nn.Parameter(torch.ones(4))  # never used
+        m[0].weight.requires_grad_(False)            # frozen
+        return m
+    mz, mt = build(), build()
+    oz = zopt.Optimizer(adamw_f32, mz.parameters(), lr=LR, weight_decay=WD)
+    ot = torch.optim.AdamW(mt.parameters(), lr=LR, weight_decay=WD, foreach=False)
+    frozen0, extra0 = mz[0].weight.detach().clone(), mz.extra.detach().clone()
+    for i in range(3):
+        train_step(mz, oz, i)
+        train_step(mt, ot, i)
+    assert torch.equal(mz[0].weight, frozen0) and torch.equal(mz.extra, extra0)
+    assert mz[0].weight.grad is None and mz.extra.grad is None  # never allocated
+    assert oz.state[mz.extra] == {} and oz.tensor_step(mz.extra) == 0
+    assert oz.tensor_step(mz[2].weight) == 3
+    close(mz.parameters(), mt.parameters())
+    # Only the last layer gets gradients for two steps: the others keep
+    # their states and step counts; bias corrections use each param's own
+    # count, as torch's per-param state['step'].
+    for i in range(3, 5):
+        for m, o in ((mz, oz), (mt, ot)):
+            o.zero_grad(set_to_none=True)
+            x, y = batch(i)
+            with torch.no_grad():
+                h = m[1](m[0](x))
+            torch.nn.functional.mse_loss(m[2](h), y).backward()
+            o.step()
+    assert oz.tensor_step(mz[0].bias) == 3 and oz.tensor_step(mz[2].bias) == 5
+    assert float(oz.state[mz[0].bias]["step"]) == float(ot.state[mt[0].bias]["step"]) == 3
+    close(mz.parameters(), mt.parameters())
+    close([oz.state[mz[0].bias]["exp_avg"]], [ot.state[mt[0].bias]["exp_avg"]])
+    # Every grad None: nothing changes (params, states, counts).
+    oz.zero_grad(set_to_none=True)
+    before = [p.detach().clone() for p in mz.parameters()]
+    sd = oz.state_dict()
+    oz.step()
+    assert same_bits(mz.parameters(), before)
+    assert oz.last_metrics["no_grads"]
+    sd2 = oz.state_dict()
+    for t in sd["state"]:
+        for k in sd["state"][t]:
+            assert torch.equal(sd["state"][t][k], sd2["state"][t][k])
+
+
+def test_grad_none_zero_and_foreign_tensors(adamw_f32):
+    """p.grad None (skipped), zeros (a real zero gradient: decayed, counted,
+    as torch) and a tensor assigned by hand (copied in) in one step."""
+    ps = [torch.nn.Parameter(torch.full((5,), 1.0 + i)) for i in range(3)]
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    oz = zopt.Optimizer(adamw_f32, ps, lr=LR, weight_decay=WD)
+    ot = torch.optim.AdamW(qs, lr=LR, weight_decay=WD, foreach=False)
+    for s in range(3):
+        for P in (ps, qs):
+            P[0].grad = None
+            P[1].grad = torch.zeros(5)
+            P[2].grad = torch.arange(5.0) * (s + 1)
+        oz.step()
+        ot.step()
+    close(ps, qs, rtol=1e-6)
+    assert torch.equal(ps[0].detach(), torch.full((5,), 1.0))
+    assert [oz.tensor_step(p) for p in ps] == [0, 3, 3]
+    assert torch.equal(ps[2].grad, torch.arange(5.0) * 3)  # same values kept
+
+
+# ---- user writes into bf16 params (master layouts) ---------------------------
+
+def _bf16_pair(step, seed=0):
+    m = mlp(seed, torch.bfloat16)
+    o = zopt.Optimizer(step, m.parameters(), lr=LR, weight_decay=WD)
+    return m, o
+
+
+def _master_is_params(o, m):
+    """The master holds exactly the (widened) bf16 params."""
+    for t, p in enumerate(m.parameters()):
+        np.testing.assert_array_equal(o.read_state(t, "master"),
+                                      p.detach().float().reshape(-1).numpy())
+
+
+@pytest.mark.parametrize("path", ["load_state_dict", "data_copy", "nograd_copy", "data_assign",
+                                  "mul_"])
+def test_bf16_master_never_loses_user_weights(adamw_bf16, path):
+    m, o = _bf16_pair(adamw_bf16)
+    for i in range(2):
+        train_step(m, o, i, torch.bfloat16)
+    pre = mlp(5, torch.bfloat16)  # "pretrained" weights
+    if path == "load_state_dict":
+        m.load_state_dict(pre.state_dict())
+    elif path == "data_copy":  # no version bump: found by the sampled check
+        for p, q in zip(m.parameters(), pre.parameters()):
+            p.data.copy_(q.data)
+    elif path == "nograd_copy":
+        with torch.no_grad():
+            for p, q in zip(m.parameters(), pre.parameters()):
+                p.copy_(q)
+    elif path == "data_assign":  # new storage: re-registered (rebuild)
+        exp = [o.read_state(t, "exp_avg").copy() for t in range(o.num_tensors)]
+        for p, q in zip(m.parameters(), pre.parameters()):
+            p.data = q.data.clone()
+        # any call finds the moved storage: the native optimizer is rebuilt
+        # around it, states kept
+        got = [o.read_state(t, "exp_avg") for t in range(o.num_tensors)]
+        for a, b in zip(got, exp):
+            np.testing.assert_array_equal(a, b)
+        assert o.rebuilds == 1
+    elif path == "mul_":
+        with torch.no_grad():
+            for p in m.parameters():
+                p.mul_(0.5)
+    want = [p.detach().clone() for p in m.parameters()]
+    # lr 0 and no decay: the step must keep the written weights exactly
+    for g in o.param_groups:
+        g["lr"], g["weight_decay"] = 0.0, 0.0
+    train_step(m, o, 5, torch.bfloat16)
+    assert same_bits(m.parameters(), want), f"{path}: the step lost the written weights"
+    assert o.refreshes >= 1
+    _master_is_params(o, m)
+    for g in o.param_groups:  # and training goes on from them
+        g["lr"], g["weight_decay"] = LR, WD
+    train_step(m, o, 6, torch.bfloat16)
+    assert not same_bits(m.parameters(), want)
+
+
+def test_bf16_numpy_write_and_explicit_refresh(adamw_bf16):
+    rng = np.random.default_rng(1)
+    p = bf16.from_f32(rng.standard_normal(300).astype(np.float32))
+    g = bf16.from_f32(rng.standard_normal(300).astype(np.float32) * 0.1)
+    o = zopt.Optimizer(adamw_bf16, [(p, g)], lr=0.0)
+    o.step()
+    new = bf16.from_f32(rng.standard_normal(300).astype(np.float32))
+    p[...] = new  # a numpy write: sampled
+    o.step()
+    np.testing.assert_array_equal(p, new)
+    np.testing.assert_array_equal(o.read_state(0, "master"), bf16.to_f32(new))
+    # A write that misses the sampled elements needs refresh_master().
+    p[100:110] = bf16.from_f32(np.full(10, 3.0, np.float32))
+    o.refresh_master()
+    o.step()
+    assert np.all(bf16.to_f32(p[100:110]) == 3.0)
+
+
+def test_optimizer_state_dict_resume_bf16(adamw_bf16):
+    """model then optimizer state_dict: a bit-exact resume (the loaded
+    master is kept); optimizer then model: the model's weights win."""
+    m, o = _bf16_pair(adamw_bf16)
+    for i in range(3):
+        train_step(m, o, i, torch.bfloat16)
+    msd, osd = copy.deepcopy(m.state_dict()), copy.deepcopy(o.state_dict())
+    for i in range(3, 6):
+        train_step(m, o, i, torch.bfloat16)
+    first = [p.detach().clone() for p in m.parameters()]
+    m2, o2 = _bf16_pair(adamw_bf16, seed=9)
+    m2.load_state_dict(msd)
+    o2.load_state_dict(osd)
+    for i in range(3, 6):
+        train_step(m2, o2, i, torch.bfloat16)
+    assert same_bits(m2.parameters(), first)
+    # the other order: the master is remade from the loaded model
+    m3, o3 = _bf16_pair(adamw_bf16, seed=9)
+    o3.load_state_dict(osd)
+    m3.load_state_dict(msd)
+    for g in o3.param_groups:
+        g["lr"], g["weight_decay"] = 0.0, 0.0
+    train_step(m3, o3, 0, torch.bfloat16)
+    assert same_bits(m3.parameters(), [v for v in msd.values()])
+
+
+# ---- bad input -------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [float("nan"), 2.0, 0.5, "yes", -1])
+def test_bias_correction_must_be_bool(adamw_f32, bad):
+    p = torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(zopt.ZoptError, match="bias_correction"):
+        zopt.Optimizer(adamw_f32, [p], bias_correction=bad)
+    with pytest.raises(zopt.ZoptError, match="bias_correction"):
+        zopt.Optimizer(adamw_f32, [dict(params=[p], bias_correction=bad)])
+    o = zopt.Optimizer(adamw_f32, [p])
+    with pytest.raises(zopt.ZoptError, match="bias_correction"):
+        o.set_hyper(0, "bias_correction", bad)
+    o.param_groups[0]["bias_correction"] = bad
+    p.grad = torch.ones(3)
+    with pytest.raises(zopt.ZoptError, match="bias_correction"):
+        o.step()
+    assert o.get_hyper(0, "bias_correction") == 1.0
+    for ok in (False, 0, 0.0, np.bool_(False)):
+        o.param_groups[0]["bias_correction"] = ok
+        o.step()
+        assert o.get_hyper(0, "bias_correction") == 0.0
+
+
+def test_empty_tensors(adamw_bf16):
+    ps = [torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16)),
+          torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16)),
+          torch.nn.Parameter(torch.empty(3, 0, dtype=torch.bfloat16))]
+    o = zopt.Optimizer(adamw_bf16, ps, lr=0.1)
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    o.step()
+    assert o.tensor_step(ps[0]) == 1 and float(ps[1][0]) < 1.0
+    sd = o.state_dict()
+    assert sd["state"][0]["exp_avg"].shape == (0,)
+    o.load_state_dict(sd)
+    o.step()
+
+
+def test_overlapping_views_refused(adamw_f32):
+    base = torch.zeros(10)
+    a = torch.nn.Parameter(base[:6])
+    b = torch.nn.Parameter(base[4:])
+    c = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(zopt.ZoptError) as e:
+        zopt.Optimizer(adamw_f32, [c, a, b])
+    msg = str(e.value)
+    assert "['params'][1]" in msg and "['params'][2]" in msg and "overlap" in msg
+    with pytest.raises(zopt.ZoptError, match="twice"):
+        zopt.Optimizer(adamw_f32, [c, c])
+    # disjoint views of one storage are fine
+    zopt.Optimizer(adamw_f32, [torch.nn.Parameter(base[:4]), torch.nn.Parameter(base[6:])])
+
+
+def test_non_contiguous_params(adamw_f32):
+    """channels_last and transposed params are dense: supported (states
+    strided like the param); a strided view is refused, naming the param
+    and the fix."""
+    torch.manual_seed(3)
+    w = torch.randn(4, 3, 5, 5).to(memory_format=torch.channels_last)
+    t = torch.randn(7, 5).t()
+    pz = [torch.nn.Parameter(w.clone(memory_format=torch.preserve_format)),
+          torch.nn.Parameter(t.clone().t().contiguous().t())]
+    assert not pz[0].is_contiguous() and not pz[1].is_contiguous()
+    pt = [torch.nn.Parameter(p.detach().clone()) for p in pz]
+    oz = zopt.Optimizer(adamw_f32, pz, lr=LR, weight_decay=WD)
+    ot = torch.optim.AdamW(pt, lr=LR, weight_decay=WD, foreach=False)
+    for s in range(3):
+        for P, O in ((pz, oz), (pt, ot)):
+            O.zero_grad()
+            (P[0].square().sum() * 0.5 + (P[1] * torch.arange(35.0).view(5, 7)).sum()).backward()
+            O.step()
+    close(pz, pt, rtol=1e-6)
+    st = oz.state[pz[0]]
+    assert st["exp_avg"].stride() == pz[0].stride()
+    close([st["exp_avg"]], [ot.state[pt[0]]["exp_avg"]], rtol=1e-6)
+    bad = torch.nn.Parameter(torch.zeros(4, 6)[:, ::2])
+    with pytest.raises(zopt.ZoptError) as e:
+        zopt.Optimizer(adamw_f32, [pz[0], bad])
+    assert "['params'][1]" in str(e.value) and "contiguous()" in str(e.value)
+
+
+# ---- the torch.optim.Optimizer surface -------------------------------------------
+
+def test_optimizer_surface(adamw_f32):
+    m = mlp()
+    o = zopt.Optimizer(adamw_f32, m.parameters(), lr=LR)
+    assert isinstance(o, torch.optim.Optimizer)
+    assert all(a is b for a, b in zip(o.param_groups[0]["params"], m.parameters()))
+    assert o.defaults["betas"] == pytest.approx(BETAS) and o.defaults["lr"] == LR
+    x, y = batch(0)
+
+    def closure():
+        o.zero_grad()
+        loss = torch.nn.functional.mse_loss(m(x), y)
+        loss.backward()
+        return loss
+    loss = o.step(closure)
+    assert isinstance(loss, torch.Tensor) and loss.item() > 0
+    assert math.isnan(o.last_grad_norm) and o.last_skipped is False
+    assert set(o.state[m[0].weight]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert o.state[m[0].weight]["exp_avg"].shape == m[0].weight.shape
+    assert len(o.state) == 4 and m[0].weight in o.state
+    r = repr(o)
+    assert "adamw_f32" in r and "Parameter Group 0" in r and "lr: 0.01" in r
+    # zero_grad honours set_to_none
+    o.zero_grad()
+    assert all(p.grad is not None and not p.grad.any() for p in m.parameters())
+    o.zero_grad(set_to_none=True)
+    assert all(p.grad is None for p in m.parameters())
+    with pytest.raises(TypeError, match="pickle"):
+        copy.deepcopy(o)
+
+
+def test_add_param_group_keeps_states(adamw_f32):
+    mz, mt = mlp(), mlp()
+    oz = zopt.Optimizer(adamw_f32, mz[0].parameters(), lr=LR, weight_decay=WD)
+    ot = torch.optim.AdamW(mt[0].parameters(), lr=LR, weight_decay=WD, foreach=False)
+    for i in range(2):
+        train_step(mz, oz, i)
+        train_step(mt, ot, i)
+    oz.add_param_group(dict(params=mz[2].parameters(), lr=2 * LR))
+    ot.add_param_group(dict(params=mt[2].parameters(), lr=2 * LR))
+    assert oz.rebuilds == 1 and oz.tensor_step(mz[0].weight) == 2
+    assert oz.param_groups[1]["lr"] == 2 * LR and oz.param_groups[1]["betas"] == BETAS
+    for i in range(2, 5):
+        train_step(mz, oz, i)
+        train_step(mt, ot, i)
+    close(mz.parameters(), mt.parameters())
+    assert oz.tensor_step(mz[0].weight) == 5 and oz.tensor_step(mz[2].weight) == 3
+    with pytest.raises(zopt.ZoptError):  # a param already in a group
+        oz.add_param_group(dict(params=[mz[0].weight]))
+    assert len(oz.param_groups) == 2
+    train_step(mz, oz, 9)
+    oz.param_groups[1]["params"].append(torch.nn.Parameter(torch.ones(2)))
+    with pytest.raises(zopt.ZoptError, match="add_param_group"):
+        oz.step()
+
+
+# ---- schedulers ---------------------------------------------------------------------
+
+SCHEDULERS = {
+    "LambdaLR": lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.9 ** s),
+    "CosineAnnealingLR": lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=6),
+    "OneCycleLR": lambda o: torch.optim.lr_scheduler.OneCycleLR(
+        o, max_lr=0.05, total_steps=10, cycle_momentum=True, base_momentum=0.8,
+        max_momentum=0.95),
+    "ReduceLROnPlateau": lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(
+        o, factor=0.5, patience=0),
+    "SequentialLR": lambda o: torch.optim.lr_scheduler.SequentialLR(
+        o, [torch.optim.lr_scheduler.LinearLR(o, start_factor=0.2, total_iters=3),
+            torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.8)], milestones=[3]),
+}
+
+
+@pytest.mark.filterwarnings("ignore:The epoch parameter")  # torch's own SequentialLR
+@pytest.mark.parametrize("name", list(SCHEDULERS))
+def test_lr_schedulers(adamw_f32, name):
+    mz, mt = mlp(), mlp()
+    groups = lambda m: [dict(params=m[0].parameters()), dict(params=m[2].parameters(), lr=LR / 2)]
+    oz = zopt.Optimizer(adamw_f32, groups(mz), lr=LR, weight_decay=WD)
+    ot = torch.optim.AdamW(groups(mt), lr=LR, weight_decay=WD, foreach=False)
+    sz, st = SCHEDULERS[name](oz), SCHEDULERS[name](ot)
+    for i in range(10):
+        lz, lt = train_step(mz, oz, i), train_step(mt, ot, i)
+        for gz, gt in zip(oz.param_groups, ot.param_groups):
+            assert gz["lr"] == gt["lr"]
+            assert gz["betas"] == pytest.approx(gt["betas"], abs=0)
+        for gid, gz in enumerate(oz.param_groups):  # pushed to the runtime
+            assert oz.get_hyper(gid, "lr") == gz["lr"]
+            assert oz.get_hyper(gid, "beta1") == gz["betas"][0]
+        close(mz.parameters(), mt.parameters(), rtol=1e-4)
+        if name == "ReduceLROnPlateau":
+            sz.step(1.0)  # a plateau: halves every step
+            st.step(1.0)
+        else:
+            sz.step()
+            st.step()
+    if name != "ReduceLROnPlateau":
+        assert oz._step_count == ot._step_count == 10
+    if name == "OneCycleLR":
+        assert oz.get_hyper(0, "beta1") != 0.9
+
+
+# ---- state_dict both ways -------------------------------------------------------------
+
+def test_torch_adamw_state_dict_into_zopt(adamw_f32):
+    mt = mlp()
+    ot = torch.optim.AdamW(mt.parameters(), lr=LR, weight_decay=WD, foreach=False)
+    for i in range(3):
+        train_step(mt, ot, i)
+    mz = copy.deepcopy(mt)
+    for p in mz.parameters():
+        p.grad = None
+    oz = zopt.Optimizer(adamw_f32, mz.parameters(), lr=1.0)
+    oz.load_state_dict(ot.state_dict())
+    assert oz.param_groups[0]["lr"] == LR and oz.get_hyper(0, "lr") == LR
+    for (p, q) in zip(mz.parameters(), mt.parameters()):
+        assert oz.tensor_step(p) == 3
+        assert torch.equal(oz.state[p]["exp_avg"], ot.state[q]["exp_avg"])
+        assert torch.equal(oz.state[p]["exp_avg_sq"], ot.state[q]["exp_avg_sq"])
+    for i in range(3, 8):
+        train_step(mz, oz, i)
+        train_step(mt, ot, i)
+        close(mz.parameters(), mt.parameters(), rtol=1e-5)
+
+
+def test_zopt_state_dict_into_torch_adamw(adamw_f32):
+    mz = mlp()
+    oz = zopt.Optimizer(adamw_f32, mz.parameters(), lr=LR, weight_decay=WD)
+    for i in range(3):
+        train_step(mz, oz, i)
+    mt = copy.deepcopy(mz)
+    for p in mt.parameters():
+        p.grad = None
+    ot = torch.optim.AdamW(mt.parameters(), lr=1.0, foreach=False)
+    ot.load_state_dict(oz.state_dict())
+    assert ot.param_groups[0]["lr"] == LR and ot.param_groups[0]["amsgrad"] is False
+    for p, q in zip(mz.parameters(), mt.parameters()):
+        assert torch.equal(oz.state[p]["exp_avg_sq"], ot.state[q]["exp_avg_sq"])
+        assert float(ot.state[q]["step"]) == 3
+    for i in range(3, 8):
+        train_step(mz, oz, i)
+        train_step(mt, ot, i)
+        close(mz.parameters(), mt.parameters(), rtol=1e-5)
+
+
+def test_other_rule_state_dict_refused(steps, adamw_f32):
+    m = mlp()
+    sgd = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    train_step(m, sgd, 0)
+    o = zopt.Optimizer(adamw_f32, m.parameters(), lr=LR)
+    train_step(m, o, 0)
+    before = o.state_dict()
+    with pytest.raises(zopt.ZoptError) as e:
+        o.load_state_dict(sgd.state_dict())
+    msg = str(e.value)
+    assert "momentum_buffer" in msg and "allow_rule_change=True" in msg, msg
+    after = o.state_dict()  # unchanged
+    assert torch.equal(before["state"][0]["exp_avg"], after["state"][0]["exp_avg"])
+    o.load_state_dict(sgd.state_dict(), allow_rule_change=True)
+    assert not o.read_state(m[0].weight, "exp_avg").any()  # missing states: zero
+    assert o.tensor_step(m[0].weight) == 0  # torch's SGD keeps no 'step'
+    # amsgrad on/off is another rule too
+    ams = torch.optim.AdamW(m.parameters(), lr=LR, amsgrad=True)
+    train_step(m, ams, 1)
+    with pytest.raises(zopt.ZoptError, match="max_exp_avg_sq|amsgrad"):
+        o.load_state_dict(ams.state_dict())
+    # zopt: a checkpoint of another rule (runtime file)
+    sgd_step = steps(rule="sgd", layout="f32")
+    os_ = zopt.Optimizer(sgd_step, m.parameters(), lr=0.1)
+    train_step(m, os_, 2)
+    with pytest.raises(zopt.ZoptError, match="allow_rule_change"):
+        o.load_state_dict(os_.state_dict())
+
+
+# ---- metrics ---------------------------------------------------------------------
+
+def test_metrics_hook(adamw_f32):
+    m = mlp()
+    o = zopt.Optimizer(adamw_f32, m.parameters(), lr=LR)
+    seen = []
+    h = o.register_metrics_hook(lambda opt, mt: seen.append(dict(mt)))
+    train_step(m, o, 0)
+    train_step(m, o, 1)
+    h.remove()
+    train_step(m, o, 2)
+    assert len(seen) == 2 and o.last_metrics["step"] == 3
+    mt = seen[-1]
+    assert mt["step"] == 2 and mt["lr"] == [LR] and mt["skipped"] is False
+    assert mt["active_tensors"] == 4 and mt["updated_elems"] == sum(p.numel() for p in m.parameters())
+    assert mt["step_time_s"] > 0 and mt["bytes"] == mt["updated_elems"] * 28
+    assert mt["bytes_per_s"] > 0 and mt["overhead_s"] >= 0
+
+
+def test_csv_logger_and_example(adamw_f32, tmp_path):
+    import subprocess
+    import sys
+    from zopt.metrics import CSVLogger, read_csv
+    m = mlp()
+    o = zopt.Optimizer(adamw_f32, [dict(params=m[0].parameters()),
+                                   dict(params=m[2].parameters(), lr=LR / 2)], lr=LR)
+    with CSVLogger(str(tmp_path / "m.csv")) as log:
+        o.register_metrics_hook(log)
+        for i in range(3):
+            train_step(m, o, i)
+    cols = read_csv(str(tmp_path / "m.csv"))
+    assert cols["step"] == [1.0, 2.0, 3.0] and cols["lr1"] == [LR / 2] * 3
+    assert cols["skipped"] == [0.0] * 3 and all(v > 0 for v in cols["bytes_per_s"])
+    repo = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+    r = subprocess.run([sys.executable, os.path.join(repo, "examples", "log_metrics.py"),
+                        "--out", str(tmp_path / "run"), "--steps", "60"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+    assert len(read_csv(str(tmp_path / "run" / "metrics.csv"))["step"]) == 60
+
+
+def test_train_side_by_side_with_torch(adamw_f32):
+    """One run through what a training script does, zopt beside
+    torch.optim.AdamW step by step: two param groups (no decay on biases
+    and LayerNorm), OneCycleLR with momentum cycling, 2 accumulated
+    micro-batches per step, a frozen layer, pretrained weights loaded in the
+    middle, and a state_dict round trip into fresh optimizers (zopt's into
+    torch's and torch's into zopt's)."""
+    def build():
+        torch.manual_seed(1)
+        m = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.LayerNorm(16),
+                                torch.nn.GELU(), torch.nn.Linear(16, 16), torch.nn.GELU(),
+                                torch.nn.Linear(16, 3))
+        m[3].requires_grad_(False)  # frozen
+        return m
+
+    def groups(m):
+        decay = [p for n, p in m.named_parameters() if n.endswith("weight") and p.dim() > 1]
+        rest = [p for n, p in m.named_parameters() if not (n.endswith("weight") and p.dim() > 1)]
+        return [dict(params=decay, weight_decay=WD), dict(params=rest, weight_decay=0.0)]
+
+    def sched(o):
+        return torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.02, total_steps=12,
+                                                   base_momentum=0.85, max_momentum=0.95)
+    mz, mt = build(), build()
+    oz = zopt.Optimizer(adamw_f32, groups(mz), lr=LR)
+    ot = torch.optim.AdamW(groups(mt), lr=LR, foreach=False)
+    sz, st = sched(oz), sched(ot)
+    pre = build()
+    with torch.no_grad():
+        for p in pre.parameters():
+            p.add_(0.1)
+    for s in range(12):
+        if s == 4:  # pretrained weights into both models
+            mz.load_state_dict(pre.state_dict())
+            mt.load_state_dict(pre.state_dict())
+        if s == 7:  # state_dict round trip, crossed over
+            zsd, tsd = oz.state_dict(), ot.state_dict()
+            oz2 = zopt.Optimizer(adamw_f32, groups(mz), lr=LR)
+            ot2 = torch.optim.AdamW(groups(mt), lr=LR, foreach=False)
+            oz2.load_state_dict(tsd)
+            ot2.load_state_dict(zsd)
+            for a, b in zip(oz2.param_groups, ot2.param_groups):
+                assert a["lr"] == b["lr"] and a["betas"] == pytest.approx(b["betas"], abs=0)
+            oz, ot = oz2, ot2
+            sz.optimizer, st.optimizer = oz, ot
+        losses = []
+        for m, o in ((mz, oz), (mt, ot)):
+            o.zero_grad()
+            total = 0.0
+            for k in range(2):  # accumulation
+                x, y = batch(10 * s + k)
+                loss = torch.nn.functional.mse_loss(m(x), y) / 2
+                loss.backward()
+                total += loss.item()
+            o.step()
+            losses.append(total)
+        assert losses[0] == pytest.approx(losses[1], rel=1e-4), s
+        close(mz.parameters(), mt.parameters(), rtol=1e-4, atol=1e-6)
+        assert torch.equal(mz[3].weight, pre[3].weight if s >= 4 else build()[3].weight)
+        sz.step()
+        st.step()
+    assert oz.tensor_step(mz[3].weight) == 0

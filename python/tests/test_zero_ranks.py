@@ -1,0 +1,196 @@
+"""zopt.Optimizer across 2 gloo processes (process_group=): ZeRO-2 and ZeRO-3
+(gathered after each step, and with zopt.zero3_hooks) train a small bf16
+model for a few steps; the params, masters and moments of both ranks must
+equal, bit for bit, a one-process run of the same step on the rank-order
+sum of the two ranks' gradients (divided by 2 as the runtime's default
+divisor, the world size, does). The processes have a hard timeout and are
+killed on failure. Also: the example examples/train_ddp_zero.py (mp.spawn,
+2 ranks) as a smoke test."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import zopt
+from test_comm import _free_port, _run_all, _runtime_env
+from zero_worker import LR, STEPS, WD, drop_grad, loss_of, zero_model
+from zopt.describe import describe
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
+
+CASES = {"z2": 2, "z3step": 3, "z3hooks": 3}
+
+
+def _step_text(stage):
+    return describe("adamw", layout="bf16_master", clip=1.0,
+                    attributes={"zero_stage": stage})
+
+
+def reference(step, world):
+    """One process, world size 1: each step the ranks' gradients are
+    computed with the same params and summed in f32 in rank order (the
+    runtime's fold), rounded to the grad dtype; the divisor is the
+    multi-rank run's default (its world size)."""
+    torch.set_num_threads(1)
+    model = zero_model()
+    opt = zopt.Optimizer(step, model.parameters(), lr=LR, weight_decay=WD,
+                         grad_divisor=world)
+    for s in range(STEPS):
+        total = [None] * 4
+        for r in range(world):
+            opt.zero_grad(set_to_none=True)
+            loss_of(model, s, r).backward()
+            drop_grad(model, s, r)
+            for i, p in enumerate(model.parameters()):
+                if p.grad is not None:
+                    g = p.grad.float()
+                    total[i] = g if total[i] is None else total[i] + g
+        for p, g in zip(model.parameters(), total):
+            p.grad = None if g is None else g.to(p.dtype)
+        opt.step()
+    sd = opt.state_dict()
+    return {"params": [p.detach().clone() for p in model.parameters()],
+            "master": [torch.from_numpy(opt.read_state(t, "master")) for t in range(4)],
+            "steps": [opt.tensor_step(t) for t in range(4)],
+            "exp_avg": [sd["state"][t]["exp_avg"] for t in range(4)]}
+
+
+def _equal(a, b):
+    if a.dtype == torch.bfloat16:
+        a, b = a.view(torch.int16), b.view(torch.int16)
+    return torch.equal(a, b)
+
+
+def test_zero2_zero3_two_gloo_ranks_bit_identical(steps, tmp_path):
+    sos = {case: steps.text(_step_text(stage)).path for case, stage in CASES.items()}
+    env = _runtime_env()
+    port = _free_port()
+    args = [f"{c}={so}" for c, so in sos.items()]
+    cmds = [[sys.executable, os.path.join(HERE, "zero_worker.py"), str(r), "2", str(port),
+             str(tmp_path), *args] for r in range(2)]
+    procs, outs = _run_all(cmds, timeout=180, env=env)
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and f"DONE rank {r}" in out, f"rank {r}:\n{out}"
+    for case, stage in CASES.items():
+        ref = reference(steps.text(_step_text(stage)), 2)
+        assert ref["steps"] == [4, 3, 4, 4]  # no rank had the first bias's grad at step 2
+        for r in range(2):
+            got = torch.load(os.path.join(tmp_path, f"{case}_rank{r}.pt"))
+            assert got["steps"] == ref["steps"], case
+            for what in ("params", "master", "exp_avg"):
+                for i, (a, b) in enumerate(zip(got[what], ref[what])):
+                    assert _equal(a, b), f"{case} rank {r}: {what} {i} differs from one rank"
+            # each rank holds its shard of the states (this model is one
+            # norm block of 32768 elements: the shards are that padding)
+            assert got["state_bytes"] <= got["one_rank"], case
+
+
+def test_example_train_ddp_zero(zopt_bins):
+    env = _runtime_env()
+    r = subprocess.run([sys.executable, os.path.join(REPO, "examples", "train_ddp_zero.py")],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "OK" in r.stdout, r.stdout + r.stderr
+
+
+def test_zero3_one_process_gather_release_and_user_writes(steps):
+    """World size 1: a ZeRO-3 step (params held by the runtime) trains
+    bit-identically to the ZeRO-0 step, with params gathered after every
+    step or through zero3_hooks; released params have no storage; weights
+    loaded into the model (after gather_params) are not lost."""
+    z0 = steps(rule="adamw", layout="bf16_master", clip=1.0)
+    z3 = steps.text(_step_text(3))
+    assert z3.zero3 and not z0.zero3
+
+    def run(step, mode):
+        torch.set_num_threads(1)
+        model = zero_model()
+        opt = zopt.Optimizer(step, model.parameters(), lr=LR, weight_decay=WD)
+        hooks = zopt.zero3_hooks(model, opt) if mode == "hooks" else None
+        for s in range(STEPS):
+            opt.zero_grad()
+            loss_of(model, s, 0).backward()
+            opt.step()
+            if hooks is not None:
+                assert len(opt.released_params) == 4
+                assert all(p.storage().size() == 0 for p in model.parameters())
+        opt.gather_params()
+        return model, opt, hooks
+    ref, _, _ = run(z0, None)
+    for mode in ("step", "hooks"):
+        model, opt, hooks = run(z3, mode)
+        for a, b in zip(model.parameters(), ref.parameters()):
+            assert _equal(a.detach(), b.detach()), mode
+        # user weights loaded after a gather survive the next gather/step
+        new = zero_model()
+        with torch.no_grad():
+            for p in new.parameters():
+                p.mul_(0.5)
+        model.load_state_dict(new.state_dict())
+        for g in opt.param_groups:
+            g["lr"], g["weight_decay"] = 0.0, 0.0
+        opt.zero_grad()
+        loss_of(model, 0, 0).backward()
+        opt.step()
+        opt.gather_params()
+        for a, b in zip(model.parameters(), new.parameters()):
+            assert _equal(a.detach(), b.detach()), f"{mode}: loaded weights lost"
+        if hooks is not None:
+            hooks.remove()
+    with pytest.raises(zopt.ZoptError, match="not ZeRO-3"):
+        zopt.Optimizer(z0, zero_model().parameters()).release_params()
+
+
+def test_comm_loopback_threads(steps):
+    """comm= a zopt.comm.Comm: 2 loopback ranks as threads of this process
+    (ZeRO-2, f32), against one rank on the summed gradients; accumulation
+    of 2 micro-batches through grad_divisor (the mean over 4 gradients)."""
+    import threading
+    import numpy as np
+    from zopt.comm import Comm
+    step = steps.text(describe("adamw", layout="f32", attributes={"zero_stage": 2}))
+    rng = np.random.default_rng(0)
+    p0 = [rng.standard_normal(n).astype(np.float32) for n in (5, 300, 1)]
+    grads = [[[rng.standard_normal(p.size).astype(np.float32) for p in p0] for _ in range(2)]
+             for _ in range(3)]  # [step][rank][tensor]
+    comms = Comm.loopback(2, timeout=30)
+    out, errors = [None, None], []
+
+    def rank(r):
+        try:
+            ps = [torch.nn.Parameter(torch.from_numpy(p.copy())) for p in p0]
+            opt = zopt.Optimizer(step, ps, lr=0.01, weight_decay=0.1, comm=comms[r],
+                                 grad_divisor=4)
+            assert opt.world_size == 2 and opt.grad_divisor == 4
+            for s in range(3):
+                for p, g in zip(ps, grads[s][r]):  # two micro-batches: 2 * g
+                    p.grad = torch.from_numpy(g.copy())
+                    p.grad += torch.from_numpy(g)
+                opt.step()
+            out[r] = [p.detach().clone() for p in ps]
+            opt.close()
+        except BaseException as e:  # reported below
+            errors.append(e)
+    ts = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in ts), "loopback ranks hung"
+    for c in comms:
+        c.close()
+    if errors:
+        raise errors[0]
+    ps = [torch.nn.Parameter(torch.from_numpy(p.copy())) for p in p0]
+    ref = zopt.Optimizer(step, ps, lr=0.01, weight_decay=0.1, grad_divisor=4)
+    for s in range(3):
+        for i, p in enumerate(ps):
+            a, b = (torch.from_numpy(grads[s][r][i]) for r in range(2))
+            p.grad = (a + a) + (b + b)
+        ref.step()
+    for r in range(2):
+        for a, b in zip(out[r], ps):
+            assert torch.equal(a, b.detach())

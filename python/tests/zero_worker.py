@@ -1,0 +1,102 @@
+"""One rank of test_zero_ranks.py: trains the small model of zero_model()
+with zopt.Optimizer(..., process_group=WORLD) on gloo, for each case given,
+and saves the final params, masters and step counts.
+
+    zero_worker.py RANK WORLD PORT OUTDIR CASE=STEP.so [CASE=STEP.so ...]
+
+CASE: "z2" (ZeRO-2), "z3step" (ZeRO-3, params gathered after each step),
+"z3hooks" (ZeRO-3 with zopt.zero3_hooks: gathered per module in forward and
+backward, released after). Rank r trains on batches (s, r); some params
+have no gradient on some ranks (drop_grad). Prints "DONE rank R" last.
+"""
+import datetime
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.abspath(os.path.join(HERE, "..")))
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import zopt  # noqa: E402
+
+STEPS = 4
+LR, WD = 1e-2, 0.1
+
+
+def zero_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 3)).to(torch.bfloat16)
+
+
+def zero_batch(s, r):
+    g = torch.Generator().manual_seed(1000 * s + r)
+    return (torch.randn(8, 6, generator=g).to(torch.bfloat16),
+            torch.randn(8, 3, generator=g).to(torch.bfloat16))
+
+
+def loss_of(model, s, r):
+    x, y = zero_batch(s, r)
+    return torch.nn.functional.mse_loss(model(x).float(), y.float())
+
+
+def drop_grad(model, s, r):
+    """The gradients a rank does not have at step s: at step 1 rank 1 lacks
+    the last bias's (the ranks' masks differ: updated with rank 0's
+    gradient), at step 2 no rank has the first bias's (left alone)."""
+    if s == 1 and r == 1:
+        model[2].bias.grad = None
+    if s == 2:
+        model[0].bias.grad = None
+
+
+def run_case(case, so, rank, world, outdir):
+    model = zero_model()
+    mode = {"z2": "step", "z3step": "step", "z3hooks": "step"}[case]
+    opt = zopt.Optimizer(zopt.Step(so), model.parameters(), lr=LR, weight_decay=WD,
+                         process_group=dist.group.WORLD, zero3_gather=mode)
+    assert opt.world_size == world and opt.rank == rank
+    hooks = zopt.zero3_hooks(model, opt) if case == "z3hooks" else None
+    for s in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        loss_of(model, s, rank).backward()
+        drop_grad(model, s, rank)
+        opt.step()
+        if hooks is not None:
+            assert len(opt.released_params) == 4, "params held after the step"
+    info = opt.memory_info()
+    opt.gather_params()
+    out = {"params": [p.detach().clone() for p in model.parameters()],
+           "master": [torch.from_numpy(opt.read_state(t, "master")) for t in range(opt.num_tensors)],
+           "steps": [opt.tensor_step(t) for t in range(opt.num_tensors)],
+           "state_bytes": info["state_bytes"], "one_rank": info["state_bytes_one_rank"]}
+    sd = opt.state_dict()  # collective; the moments gathered whole
+    out["exp_avg"] = [sd["state"][t]["exp_avg"] for t in range(opt.num_tensors)]
+    torch.save(out, os.path.join(outdir, f"{case}_rank{rank}.pt"))
+    print(f"ok {case} rank {rank}: state bytes {info['state_bytes']} of "
+          f"{info['state_bytes_one_rank']}", flush=True)
+    if hooks is not None:
+        hooks.remove()
+    opt.close()
+
+
+def main():
+    rank, world, port, outdir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = port
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    for arg in sys.argv[5:]:
+        case, so = arg.split("=", 1)
+        run_case(case, so, rank, world, outdir)
+    dist.barrier()
+    print(f"DONE rank {rank}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
