@@ -33,13 +33,14 @@ std::string cuda_version_str(int v) { return std::to_string(v / 1000) + "." + st
 zopt_status dalloc(GpuState *g, size_t bytes, CUdeviceptr *out, const char *what) {
   bytes = std::max<size_t>(bytes, 16);
   if (g->allocator.alloc) {
-    void *p = g->allocator.alloc(g->allocator.user, bytes, g->stream);
+    g->alloc_stream = g->stream;
+    void *p = g->allocator.alloc(g->allocator.user, bytes, g->alloc_stream);
     if (!p)
       return fail(ZOPT_ERR_OUT_OF_MEMORY,
                   "zopt_optimizer_finalize: the caller's device allocator returned NULL for %zu bytes (%s)", bytes,
                   what);
     if ((uintptr_t)p % 256) {
-      g->allocator.free(g->allocator.user, p, bytes, g->stream);
+      g->allocator.free(g->allocator.user, p, bytes, g->alloc_stream);
       return fail(ZOPT_ERR_INVALID_ARGUMENT,
                   "zopt_optimizer_finalize: the caller's device allocator returned %p for %s, not 256-byte aligned",
                   p, what);
@@ -60,7 +61,7 @@ zopt_status dalloc(GpuState *g, size_t bytes, CUdeviceptr *out, const char *what
 
 void dfree_all(GpuState *g) {
   for (auto &a : g->allocs) {
-    if (g->allocator.free) g->allocator.free(g->allocator.user, (void *)(uintptr_t)a.first, a.second, g->stream);
+    if (g->allocator.free) g->allocator.free(g->allocator.user, (void *)(uintptr_t)a.first, a.second, g->alloc_stream);
     else g->cu->MemFree(a.first);
   }
   g->allocs.clear();

@@ -48,6 +48,7 @@ struct GpuState {
   bool captured = false;
   // Device memory: cuMemAlloc, or the caller's allocator.
   zopt_device_allocator allocator{};
+  CUstream alloc_stream = nullptr;  // the stream given to allocator.alloc (finalize's)
   std::vector<std::pair<CUdeviceptr, size_t>> allocs;
   CUdeviceptr d_states = 0, d_segs = 0, d_chunks = 0, d_hypers = 0, d_globals = 0, d_coeffs = 0, d_partials = 0,
               d_sg = 0, d_scaler = 0;

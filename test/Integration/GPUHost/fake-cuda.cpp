@@ -66,6 +66,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -729,6 +730,34 @@ API CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned v, size_t n, void *strea
     return kOk;
   }
   memset32(dst, v, n);
+  return kOk;
+}
+// Synchronous copies and device synchronisation (applications, e.g.
+// zopt-gpu-check run against the stand-in).
+API CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) {
+  log("cuMemcpyHtoD");
+  touch(dst);
+  memcpy((void *)(uintptr_t)dst, src, n);
+  return kOk;
+}
+API CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
+  log("cuMemcpyDtoH");
+  memcpy(dst, (const void *)(uintptr_t)src, n);
+  return kOk;
+}
+API CUresult cuCtxSynchronize(void) {
+  log("cuCtxSynchronize");
+  std::vector<void *> streams;
+  {
+    std::lock_guard<std::mutex> lk(g_streams_mu);
+    for (auto &s : *g_streams) streams.push_back(s.first);
+  }
+  for (void *s : streams) drain(s);
+  return kOk;
+}
+API CUresult cuDeviceGetName(char *name, int len, int dev) {
+  log("cuDeviceGetName");
+  snprintf(name, (size_t)len, "zopt stand-in sm_90 #%d", dev);
   return kOk;
 }
 API CUresult cuStreamSynchronize(void *stream) {
