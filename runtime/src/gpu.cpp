@@ -757,9 +757,11 @@ zopt_status gpu_step(zopt_optimizer *o, zopt_step_result *result) {
     g->hypers_recorded = true;
     g->hypers_dirty = false;
   }
-  // After the latest hyperparameter write, wherever it ran; in a capture an
-  // external wait node: each replay waits for the latest write before it.
-  if (g->hypers_recorded)
+  // After the latest hyperparameter write, wherever it ran. In a capture,
+  // always (also before any write: writes may come between the replays):
+  // an external wait node, so each replay waits for the latest write made
+  // before its launch (an event never recorded is complete).
+  if (g->hypers_recorded || cap)
     CU_TRY(cu->StreamWaitEvent(s, g->hypers_ready, cap ? EVENT_WAIT_EXTERNAL : 0), "cuStreamWaitEvent(hypers)");
   int64_t ng = (int64_t)o->groups.size(), nchunks = g->num_chunks;
   CUdeviceptr no_ptr = 0;
