@@ -363,7 +363,6 @@ zopt_status gpu_create(zopt_optimizer *o) {
 static zopt_status load_module(GpuState *g, const zopt_step *s) {
   const zopt_step_descriptor *d = &s->desc;
   const Driver *cu = g->cu;
-  auto bail = [](zopt_status st) { return st; };
   // The image with the highest SM <= the device's.
   const char *image = nullptr;
   std::string have;
@@ -377,29 +376,29 @@ static zopt_status load_module(GpuState *g, const zopt_step *s) {
     }
   }
   if (!image)
-    return bail(fail(ZOPT_ERR_UNSUPPORTED, "step '%s': no GPU image runs on this sm_%d device (step has %s)", d->name,
-                     g->sm, have.c_str()));
+    return fail(ZOPT_ERR_UNSUPPORTED, "step '%s': no GPU image runs on this sm_%d device (step has %s)", d->name,
+                g->sm, have.c_str());
   const void *bytes = dlsym(s->handle, image);
-  if (!bytes) return bail(fail(ZOPT_ERR_ABI, "step '%s': GPU image '%s' not exported", d->name, image));
+  if (!bytes) return fail(ZOPT_ERR_ABI, "step '%s': GPU image '%s' not exported", d->name, image);
   // The driver must know the toolkit's CUDA version: a cubin of CUDA N needs
   // a driver of CUDA N.0 or newer.
   const std::string tk_sym = std::string(image) + "_cuda_version";
   if (const uint32_t *v = (const uint32_t *)dlsym(s->handle, tk_sym.c_str())) g->image_cuda_version = *v;
   const int need = (int)(g->image_cuda_version / 1000 * 1000);
   if (need && g->driver_version < need)
-    return bail(fail(ZOPT_ERR_UNSUPPORTED,
-                     "step '%s' was built by CUDA toolkit %s (sm_%d cubin + PTX), but the CUDA driver supports CUDA %s "
-                     "(cuDriverGetVersion = %d): CUDA %d binaries need a CUDA %d.0 driver or newer (R%d+ for CUDA "
-                     "13). Update the driver, or compile the step with an older toolkit (zopt-compile --cuda-path)",
-                     d->name, cuda_version_str((int)g->image_cuda_version).c_str(), g->image_sm,
-                     cuda_version_str(g->driver_version).c_str(), g->driver_version, need / 1000, need / 1000,
-                     need >= 13000 ? 580 : 525));
+    return fail(ZOPT_ERR_UNSUPPORTED,
+                "step '%s' was built by CUDA toolkit %s (sm_%d cubin + PTX), but the CUDA driver supports CUDA %s "
+                "(cuDriverGetVersion = %d): CUDA %d binaries need a CUDA %d.0 driver or newer (R%d or newer). "
+                "Update the driver, or compile the step with an older toolkit (zopt-compile --cuda-path)",
+                d->name, cuda_version_str((int)g->image_cuda_version).c_str(), g->image_sm,
+                cuda_version_str(g->driver_version).c_str(), g->driver_version, need / 1000, need / 1000,
+                need >= 13000 ? 580 : 525);
   if (CUresult r = cu->ModuleLoadData(&g->mod, bytes))
-    return bail(fail(ZOPT_ERR_UNSUPPORTED,
-                     "step '%s': cuModuleLoadData(sm_%d image, built by CUDA %s) on sm_%d with a CUDA %s driver: %s",
-                     d->name, g->image_sm,
-                     g->image_cuda_version ? cuda_version_str((int)g->image_cuda_version).c_str() : "(unknown)",
-                     g->sm, cuda_version_str(g->driver_version).c_str(), error_string(r)));
+    return fail(ZOPT_ERR_UNSUPPORTED,
+                "step '%s': cuModuleLoadData(sm_%d image, built by CUDA %s) on sm_%d with a CUDA %s driver: %s",
+                d->name, g->image_sm,
+                g->image_cuda_version ? cuda_version_str((int)g->image_cuda_version).c_str() : "(unknown)",
+                g->sm, cuda_version_str(g->driver_version).c_str(), error_string(r));
   g->sr = d->flags & ZOPT_FLAG_STOCHASTIC;
   for (uint32_t i = 0; i < d->num_kernels; ++i) {
     const zopt_kernel_desc &k = d->kernels[i];
@@ -409,34 +408,34 @@ static zopt_status load_module(GpuState *g, const zopt_step *s) {
                        : k.role == ZOPT_KERNEL_FINISH ? &g->finish
                                                       : &g->update;
     if (CUresult r = cu->ModuleGetFunction(slot, g->mod, k.symbol))
-      return bail(fail(ZOPT_ERR_ABI, "step '%s': kernel '%s' not in the GPU image: %s", d->name, k.symbol,
-                       error_string(r)));
+      return fail(ZOPT_ERR_ABI, "step '%s': kernel '%s' not in the GPU image: %s", d->name, k.symbol,
+                  error_string(r));
     const size_t nparams = k.role == ZOPT_KERNEL_PREPARE  ? 4
                            : k.role == ZOPT_KERNEL_SUMSQ  ? 10
                            : k.role == ZOPT_KERNEL_FINISH ? 4
                                                           : (g->sr ? 8 : 6);
-    if (zopt_status st = check_params(g, *slot, k.symbol, nparams, d->name)) return bail(st);
+    if (zopt_status st = check_params(g, *slot, k.symbol, nparams, d->name)) return st;
   }
   if (!g->prepare || !g->update || (!g->sumsq && (d->flags & ZOPT_FLAG_SUMSQ)))
-    return bail(fail(ZOPT_ERR_ABI, "step '%s': GPU kernel table lacks PREPARE, UPDATE or SUMSQ", d->name));
+    return fail(ZOPT_ERR_ABI, "step '%s': GPU kernel table lacks PREPARE, UPDATE or SUMSQ", d->name);
   if (!g->finish)
-    return bail(fail(ZOPT_ERR_ABI,
-                     "step '%s': GPU kernel table lacks FINISH (compiled by an older zopt-compile: recompile the step)",
-                     d->name));
+    return fail(ZOPT_ERR_ABI,
+                "step '%s': GPU kernel table lacks FINISH (compiled by an older zopt-compile: recompile the step)",
+                d->name);
   const std::string init = std::string(d->name) + "_init_gpu";
   if (cu->ModuleGetFunction(&g->init, g->mod, init.c_str()) != CUDA_SUCCESS) g->init = nullptr;
   if (g->init)
-    if (zopt_status st = check_params(g, g->init, init.c_str(), 4, d->name)) return bail(st);
+    if (zopt_status st = check_params(g, g->init, init.c_str(), 4, d->name)) return st;
   // Block sizes (.reqntid) and occupancy.
-  if (zopt_status st = occupancy(g, g->prepare, "PREPARE", ZOPT_GPU_PREPARE_BLOCK, nullptr, d->name)) return bail(st);
-  if (zopt_status st = occupancy(g, g->finish, "FINISH", ZOPT_GPU_FINISH_BLOCK, nullptr, d->name)) return bail(st);
+  if (zopt_status st = occupancy(g, g->prepare, "PREPARE", ZOPT_GPU_PREPARE_BLOCK, nullptr, d->name)) return st;
+  if (zopt_status st = occupancy(g, g->finish, "FINISH", ZOPT_GPU_FINISH_BLOCK, nullptr, d->name)) return st;
   if (zopt_status st = occupancy(g, g->update, "UPDATE", ZOPT_GPU_BLOCK, &g->update_blocks_per_sm, d->name))
-    return bail(st);
+    return st;
   if (g->sumsq)
     if (zopt_status st = occupancy(g, g->sumsq, "SUMSQ", ZOPT_GPU_BLOCK, &g->sumsq_blocks_per_sm, d->name))
-      return bail(st);
+      return st;
   if (g->init)
-    if (zopt_status st = occupancy(g, g->init, "INIT", ZOPT_GPU_BLOCK, nullptr, d->name)) return bail(st);
+    if (zopt_status st = occupancy(g, g->init, "INIT", ZOPT_GPU_BLOCK, nullptr, d->name)) return st;
   return gpu_events(g);
 }
 
