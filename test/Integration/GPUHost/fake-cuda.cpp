@@ -160,6 +160,7 @@ struct State {
 };
 
 std::recursive_mutex g_mu;  // guards st() against the stream workers
+std::atomic<int> g_delayed_done{0};  // delayed copies (fake_cuda_set_htod_delay) finished
 State &st() {
   static State s;
   return s;
@@ -660,6 +661,7 @@ API CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, vo
     enqueue(stream, [dst, src, n, us] {
       std::this_thread::sleep_for(std::chrono::microseconds(us));
       memcpy((void *)(uintptr_t)dst, src, n);
+      ++g_delayed_done;
     });
     return kOk;
   }
@@ -1056,6 +1058,8 @@ API void fake_cuda_patch_params(const char *suffix, int delta) {
 // Copies from pinned host memory to the device take `us` microseconds and
 // run in stream order (0: at once, the default).
 API void fake_cuda_set_htod_delay(unsigned us) { st().htod_delay_us = us; }
+// How many of those delayed copies have finished.
+API int fake_cuda_num_delayed_done(void) { return g_delayed_done.load(); }
 // For other stand-in libraries (the stand-in NCCL): runs fn(arg) on the
 // stream's worker thread after the stream's earlier queued work.
 API int fake_cuda_stream_enqueue(void *stream, void (*fn)(void *), void *arg) {
