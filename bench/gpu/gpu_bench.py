@@ -3,9 +3,14 @@
 For each layout: zopt's GPU step (CUDA events, median of --iters), GB/s
 from the roofline bytes/param, the ratio to a device-to-device copy measured
 in the same run, torch.optim.AdamW(fused=True) on the same layout, and for
-clipped layouts clip_grad_norm_ + fused AdamW. Prints a table and writes it
-as markdown (--out) for docs/benchmarks/."""
+clipped layouts clip_grad_norm_ + fused AdamW. Then the work list (issue 11,
+item 5): the same number of parameters as 1, 1,000 and 10,000 tensors (the
+step should cost about the same). Prints the device, the CUDA driver, the
+toolkit the steps were built with and torch's CUDA, then a table, and
+writes it as markdown (--out) for docs/benchmarks/."""
 import argparse
+import ctypes
+import datetime
 import os
 import statistics
 
@@ -34,6 +39,15 @@ def timed(fn, iters):
     return statistics.median(ts)
 
 
+def driver_version():
+    try:
+        v = ctypes.c_int()
+        ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(v))
+        return f"{v.value // 1000}.{v.value % 1000 // 10} ({v.value})"
+    except OSError:
+        return "unknown"
+
+
 def make_params(n, dtype, parts=8):
     sizes = [n // parts] * (parts - 1) + [n - (n // parts) * (parts - 1)]
     ps = [torch.nn.Parameter(torch.randn(s, device="cuda", dtype=dtype) * 0.02) for s in sizes]
@@ -48,8 +62,15 @@ def main():
     ap.add_argument("--out", default="gpu_bench.md")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--params", type=float, default=0, help="parameter count (default: largest that fits, cap 2e9)")
+    ap.add_argument("--toolkit", default="", help="file with the toolkit version the steps were built with")
+    ap.add_argument("--segment-params", type=float, default=1e8,
+                    help="parameters of the 1 / 1,000 / 10,000-tensor runs")
     a = ap.parse_args()
     dev = torch.cuda.get_device_name()
+    toolkit = open(a.toolkit).read().strip().replace("\n", " ") if a.toolkit and os.path.exists(a.toolkit) else "?"
+    versions = (f"{datetime.date.today()}: GPU {dev}, CUDA driver {driver_version()}, steps built by {toolkit}, "
+                f"torch {torch.__version__} (CUDA {torch.version.cuda})")
+    print(versions)
     rows = []
     for name, (dt, bpp, clip) in LAYOUTS.items():
         so = os.path.join(a.steps, name + ".gpu.so")
@@ -82,12 +103,34 @@ def main():
                      t_clip * 1e3, t_clip / t_zopt))
     hdr = ("| layout | params | zopt ms | zopt GB/s | copy / zopt (>= 0.90) | torch fused AdamW ms | "
            "torch / zopt (>= 1.0) | clip_grad_norm_ + fused ms | that / zopt (>= 1.25) |")
-    lines = [f"GPU: {dev}, torch {torch.__version__}. torch's fused AdamW keeps its states in the "
+    lines = [versions + ". torch's fused AdamW keeps its states in the "
              "param dtype (no f32 master): for bf16_master_clip it moves fewer bytes than zopt.",
              "", hdr, "|" + "---|" * 9]
     for r in rows:
         lines.append(f"| {r[0]} | {r[1]:.3g} | {r[2]:.3f} | {r[3]:.0f} | {r[4]:.2f} | {r[5]:.3f} | {r[6]:.2f} | "
                      f"{r[7]:.3f} | {r[8]:.2f} |")
+    # The work list: the same parameters as 1, 1,000 and 10,000 tensors.
+    seg = []
+    for name in ("f32", "bf16_master_clip"):
+        so = os.path.join(a.steps, name + ".gpu.so")
+        if not os.path.exists(so):
+            continue
+        dt = LAYOUTS[name][0]
+        n = int(a.segment_params)
+        base = None
+        for parts in (1, 1000, 10000):
+            torch.cuda.empty_cache()
+            ps = make_params(n, dt, parts)
+            opt = zopt.Optimizer(zopt.Step(so), ps, lr=1e-4, weight_decay=0.01)
+            t = timed(opt.step, a.iters)
+            opt.gpu_result()
+            del opt, ps
+            base = base or t
+            seg.append((name, n, parts, t * 1e3, t / base))
+    if seg:
+        lines += ["", "| layout | params | tensors | zopt ms | / one tensor |", "|---|---|---|---|---|"]
+        for r in seg:
+            lines.append(f"| {r[0]} | {r[1]:.3g} | {r[2]} | {r[3]:.3f} | {r[4]:.2f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     with open(a.out, "w") as f:

@@ -8,10 +8,13 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 build="${BUILD_DIR:-$root/build}"
 out="$root/.carry"
 cuda="${CUDA_HOME:-/usr/local/cuda}"
-ninja -C "$build" zopt-compile zopt_runtime zopt-gpu-check
+ninja -C "$build" -j2 zopt-compile zopt_runtime zopt-gpu-check
 rm -rf "$out" && mkdir -p "$out/steps" "$out/lib" "$out/bin"
 cp -a "$build"/lib/libzopt_runtime.so* "$out/lib/"
 cp "$build/bin/zopt-gpu-check" "$out/bin/"
+# The toolkit the steps are built with (the GPU machine's driver must be at
+# least as new: the runtime checks it, the benchmark reports both).
+"$cuda/bin/ptxas" --version | tail -2 > "$out/toolkit.txt"
 compile() {  # name src : GPU step and its CPU twin
   "$build/bin/zopt-compile" "$2" --gpu=sm_80,sm_90 --cuda-path="$cuda" -o "$out/steps/$1.gpu.so"
   sed -e 's/ on gpu/ on cpu/g' -e 's/, gpu_arch = "sm_90"//' -e 's/ attributes {gpu_arch = "sm_90"}//' "$2" > "$out/steps/$1.cpu.mlir"

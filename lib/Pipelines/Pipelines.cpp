@@ -62,9 +62,12 @@ void mlir::zopt::buildPipeline(OpPassManager &pm, Phase last,
   pm.addPass(createCanonicalizerPass());
   pm.addPass(createSCFToControlFlowPass());
   if (!gpu.chips.empty()) {
-    // Device code: NVVM, then PTX + cubin per chip (ptxas) in a fatbinary
-    // with the PTX kept, embedded as byte arrays. An explicit toolkit path
-    // makes a missing libdevice a hard error (never an unresolved call).
+    // Device code: NVVM, then PTX per chip (gpu-module-to-binary, format
+    // isa), then cubin (ptxas) + PTX in an uncompressed fatbinary per chip
+    // (zopt-embed-gpu-binaries runs the toolkit's tools itself: MLIR's own
+    // fatbinary call cannot pass --compress=false), embedded as byte arrays.
+    // An explicit toolkit path makes a missing libdevice a hard error (never
+    // an unresolved call).
     pm.addNestedPass<gpu::GPUModuleOp>(createConvertGpuOpsToNVVMOps());
     pm.addNestedPass<gpu::GPUModuleOp>(createZoptGPUPreciseSqrt());
     pm.addNestedPass<gpu::GPUModuleOp>(createReconcileUnrealizedCastsPass());
@@ -76,9 +79,12 @@ void mlir::zopt::buildPipeline(OpPassManager &pm, Phase last,
         bin.toolkitPath = env;
     if (bin.toolkitPath.empty())
       bin.toolkitPath = "/usr/local/cuda";
-    bin.compilationTarget = gpu.format;
+    bin.compilationTarget = "isa";
     pm.addPass(createGpuModuleToBinaryPass(bin));
-    pm.addPass(createZoptEmbedGPUBinaries());
+    ZoptEmbedGPUBinariesOptions embed;
+    if (gpu.format == "fatbin")
+      embed.toolkit = bin.toolkitPath;
+    pm.addPass(createZoptEmbedGPUBinaries(embed));
   }
   pm.addPass(createConvertVectorToLLVMPass());
   pm.addPass(createConvertMathToLLVMPass());

@@ -30,6 +30,13 @@
 #include "mlir/Dialect/Math/IR/Math.h"
 #include "mlir/Dialect/MemRef/IR/MemRef.h"
 
+#include "llvm/Support/FileSystem.h"
+#include "llvm/Support/MemoryBuffer.h"
+#include "llvm/Support/Path.h"
+#include "llvm/Support/Process.h"
+#include "llvm/Support/Program.h"
+#include "llvm/Support/FileUtilities.h"
+
 #include <cstddef>
 
 namespace mlir::zopt {
@@ -116,19 +123,26 @@ constexpr int64_t kScDivisor = offsetof(zopt_gpu_scaler, grad_divisor) / 8;
 static_assert(sizeof(zopt_gpu_scaler) == 72, "scaler layout");
 static_assert(sizeof(zopt_gpu_segment) == 16, "segment layout");
 
+static_assert(sizeof(zopt_gpu_chunk) == 16, "chunk layout");
+
 struct KernelInfo {
   SmallVector<int64_t> slots; // used state slots
+  SmallVector<int> bytes;     // element bytes of each used slot
   int64_t numCoeffs = 0;      // 1 + the highest coefficient index used
   int lanes = 4;              // 16 bytes of the narrowest state
+  int anchor = 0;             // index into `slots` of a narrowest state
 };
 
 static KernelInfo analyze(zk::KernelOp k) {
   KernelInfo info;
   int minBytes = 4;
   auto use = [&](int64_t slot, Type t) {
-    if (!llvm::is_contained(info.slots, slot))
+    int bytes = t.getIntOrFloatBitWidth() / 8;
+    if (!llvm::is_contained(info.slots, slot)) {
       info.slots.push_back(slot);
-    minBytes = std::min<int>(minBytes, t.getIntOrFloatBitWidth() / 8);
+      info.bytes.push_back(bytes);
+    }
+    minBytes = std::min<int>(minBytes, bytes);
   };
   for (Operation &op : k.getBody().front()) {
     if (auto l = dyn_cast<zk::LoadOp>(op))
@@ -139,6 +153,11 @@ static KernelInfo analyze(zk::KernelOp k) {
       info.numCoeffs = std::max<int64_t>(info.numCoeffs, c.getIndex() + 1);
   }
   info.lanes = 16 / minBytes;
+  for (size_t i = 0; i < info.slots.size(); ++i)
+    if (info.bytes[i] == minBytes) {
+      info.anchor = int(i);
+      break;
+    }
   return info;
 }
 
@@ -148,58 +167,121 @@ struct Step {
   uint32_t flags;
   double maxNorm;
   zk::PrepareOp prepare;
+  ArrayRef<int32_t> kinds, dtypes, inits;
 };
 
-/// Per segment: n, group, the state pointers, the coefficient row and
-/// whether the 16-byte vector path applies.
-struct Segment {
-  Value n;
-  Value group; // i64
+/// One entry of the work list (abi.h zopt_gpu_chunk): elements
+/// [begin, end) of segment `seg`, its state pointers and coefficient row,
+/// and where the 16-byte vector part [vecBegin, vecEnd) lies: the scalar
+/// head [begin, vecBegin) brings every used pointer to a 16-byte boundary
+/// at the same element (when one exists; else the whole chunk is scalar),
+/// the vector part is a multiple of `lanes` long, the rest is a scalar tail.
+struct Chunk {
+  Value seg, begin, end, vecBegin, vecEnd; // i64
+  Value group;                             // i64
   SmallVector<Value> ptrs;
   SmallVector<Value> cs, cv;
-  Value nVec; // elements done by the vector loop
 };
 
-static Segment loadSegment(G &g, const Step &st, const KernelInfo &info,
-                           Value states, Value segs, Value coeffs, Value s) {
+static Chunk loadChunk(G &g, const Step &st, const KernelInfo &info,
+                       Value states, Value segs, Value chunks, Value coeffs,
+                       Value c) {
   OpBuilder &b = g.b;
-  Segment seg;
-  seg.n = g.load(b.getI64Type(), g.gep(b.getI64Type(), segs, g.mul(s, g.i64(2))));
-  Value group = g.load(
-      b.getI32Type(),
-      g.gep(b.getI32Type(), segs, g.add(g.mul(s, g.i64(4)), g.i64(2))));
-  group = arith::ExtUIOp::create(b, g.loc, b.getI64Type(), group);
-  seg.group = group;
-  seg.ptrs.assign(st.numStates, Value());
-  Value row = g.mul(s, g.i64(st.numStates));
-  Value misalign = g.i64(0);
-  for (int64_t slot : info.slots) {
+  Location loc = g.loc;
+  Type i64 = b.getI64Type(), i32 = b.getI32Type();
+  Chunk ch;
+  auto zext = [&](Value v) { return arith::ExtUIOp::create(b, loc, i64, v); };
+  ch.begin = g.load(i64, g.gep(i64, chunks, g.mul(c, g.i64(2))));
+  ch.seg = zext(g.load(i32, g.gep(i32, chunks, g.add(g.mul(c, g.i64(4)), g.i64(2)))));
+  Value n = zext(g.load(i32, g.gep(i32, chunks, g.add(g.mul(c, g.i64(4)), g.i64(3)))));
+  ch.end = g.add(ch.begin, n);
+  ch.group = zext(g.load(i32, g.gep(i32, segs, g.add(g.mul(ch.seg, g.i64(4)), g.i64(2)))));
+  ch.ptrs.assign(st.numStates, Value());
+  Value row = g.mul(ch.seg, g.i64(st.numStates));
+  SmallVector<Value> addrs; // byte address of element `begin`, per used slot
+  for (auto [slot, bytes] : llvm::zip(info.slots, info.bytes)) {
     Value generic =
         g.load(g.ptr(), g.gep(g.ptr(), states, g.add(row, g.i64(slot))));
-    seg.ptrs[slot] = g.toGlobal(generic);
-    Value bits = LLVM::PtrToIntOp::create(b, g.loc, b.getI64Type(), generic);
-    misalign = arith::OrIOp::create(b, g.loc, misalign, bits);
+    ch.ptrs[slot] = g.toGlobal(generic);
+    Value base = LLVM::PtrToIntOp::create(b, loc, i64, generic);
+    addrs.push_back(g.add(base, g.mul(ch.begin, g.i64(bytes))));
   }
-  Value crow = g.gep(b.getF32Type(), coeffs, g.mul(group, g.i64(st.numCoeffs)));
-  for (int64_t c = 0; c < info.numCoeffs; ++c) {
-    seg.cs.push_back(g.load(b.getF32Type(), g.gepc(b.getF32Type(), crow, c)));
-    seg.cv.push_back(g.splat(seg.cs.back(), info.lanes));
+  Value crow = g.gep(b.getF32Type(), coeffs, g.mul(ch.group, g.i64(st.numCoeffs)));
+  for (int64_t k = 0; k < info.numCoeffs; ++k) {
+    ch.cs.push_back(g.load(b.getF32Type(), g.gepc(b.getF32Type(), crow, k)));
+    ch.cv.push_back(g.splat(ch.cs.back(), info.lanes));
   }
-  Value aligned = arith::CmpIOp::create(
-      b, g.loc, arith::CmpIPredicate::eq,
-      arith::AndIOp::create(b, g.loc, misalign, g.i64(15)), g.i64(0));
-  Value full = arith::SubIOp::create(
-      b, g.loc, seg.n, arith::RemSIOp::create(b, g.loc, seg.n, g.i64(info.lanes)));
-  seg.nVec = arith::SelectOp::create(b, g.loc, aligned, full, g.i64(0));
-  return seg;
+  // The head h: the elements before the narrowest state's pointer reaches a
+  // 16-byte boundary; every other used pointer must reach one at the same
+  // element (their strides divide 16 bytes into fewer lanes, so h is the
+  // only candidate below `lanes`).
+  auto andi = [&](Value x, int64_t m) {
+    return arith::AndIOp::create(b, loc, x, g.i64(m)).getResult();
+  };
+  auto eq0 = [&](Value x) {
+    return arith::CmpIOp::create(b, loc, arith::CmpIPredicate::eq, x, g.i64(0))
+        .getResult();
+  };
+  const int ea = info.bytes[info.anchor];
+  Value mis = andi(addrs[info.anchor], 15);
+  Value ok = eq0(andi(mis, ea - 1)); // element-aligned pointer
+  Value h = arith::DivUIOp::create(b, loc, andi(arith::SubIOp::create(b, loc, g.i64(16), mis), 15),
+                                   g.i64(ea));
+  for (auto [addr, bytes] : llvm::zip(addrs, info.bytes))
+    ok = arith::AndIOp::create(
+        b, loc, ok, eq0(andi(g.add(addr, g.mul(h, g.i64(bytes))), 15)));
+  h = arith::SelectOp::create(b, loc, ok, arith::MinUIOp::create(b, loc, h, n), n);
+  ch.vecBegin = g.add(ch.begin, h);
+  Value rest = arith::SubIOp::create(b, loc, n, h);
+  Value nv = arith::SubIOp::create(b, loc, rest, andi(rest, info.lanes - 1));
+  ch.vecEnd = g.add(ch.vecBegin, nv);
+  return ch;
+}
+
+/// Emits `scalar(i)` for every scalar element of chunk `ch` (head and tail,
+/// numbered j = 0, 1, ...: element begin + j in the head, else
+/// vecEnd + j - h) taken by this thread (j = tid, tid + blockDim, ...), and
+/// `vector(i)` for every vector of it (i = vecBegin + lanes * (tid + k *
+/// blockDim)). `iter` is carried through both loops.
+static ValueRange forChunkElements(
+    G &g, const Chunk &ch, int lanes, ValueRange iter,
+    function_ref<SmallVector<Value>(OpBuilder &, Location, Value, ValueRange)> vector,
+    function_ref<SmallVector<Value>(OpBuilder &, Location, Value, ValueRange)> scalar) {
+  OpBuilder &b = g.b;
+  Location loc = g.loc;
+  Value tid = g.tid(), bd = g.bdim();
+  Value L = g.i64(lanes);
+  auto vl = scf::ForOp::create(
+      b, loc, g.add(ch.vecBegin, g.mul(tid, L)), ch.vecEnd, g.mul(bd, L), iter,
+      [&](OpBuilder &vb, Location l, Value i, ValueRange acc) {
+        scf::YieldOp::create(vb, l, vector(vb, l, i, acc));
+      });
+  Value h = arith::SubIOp::create(b, loc, ch.vecBegin, ch.begin);
+  Value nScalar = g.add(h, arith::SubIOp::create(b, loc, ch.end, ch.vecEnd));
+  auto sl = scf::ForOp::create(
+      b, loc, tid, nScalar, bd, vl.getResults(),
+      [&](OpBuilder &sb, Location l, Value j, ValueRange acc) {
+        G gs{sb, l};
+        Value inHead = arith::CmpIOp::create(sb, l, arith::CmpIPredicate::ult, j, h);
+        Value i = arith::SelectOp::create(
+            sb, l, inHead, gs.add(ch.begin, j),
+            gs.add(ch.vecEnd, arith::SubIOp::create(sb, l, j, h)));
+        scf::YieldOp::create(sb, l, scalar(sb, l, i, acc));
+      });
+  return sl.getResults();
 }
 
 static gpu::GPUFuncOp makeKernel(OpBuilder &gb, Location loc, StringRef name,
-                                 ArrayRef<Type> args,
+                                 ArrayRef<Type> args, int32_t blockSize,
                                  ArrayRef<Type> workgroup = {}) {
   auto fn = gpu::GPUFuncOp::create(
       gb, loc, name, FunctionType::get(gb.getContext(), args, {}), workgroup);
   fn->setAttr(gpu::GPUDialect::getKernelFuncAttrName(), gb.getUnitAttr());
+  // .reqntid: the runtime launches every kernel with exactly this block
+  // size (abi.h), and ptxas allocates registers for it. (known_block_size
+  // would lower to .maxntid, an upper bound only.)
+  fn->setAttr(NVVM::NVVMDialect::getReqntidAttrName(),
+              gb.getDenseI32ArrayAttr({blockSize, 1, 1}));
   return fn;
 }
 
@@ -230,7 +312,8 @@ static void buildPrepareKernel(OpBuilder &gb, Location loc, const Step &st) {
   OpBuilder::InsertionGuard guard(gb);
   MLIRContext *ctx = gb.getContext();
   Type ptr = LLVM::LLVMPointerType::get(ctx), i64 = gb.getI64Type();
-  auto fn = makeKernel(gb, loc, st.name + "_prepare_gpu", {ptr, ptr, i64, ptr});
+  auto fn = makeKernel(gb, loc, st.name + "_prepare_gpu", {ptr, ptr, i64, ptr},
+                       ZOPT_GPU_PREPARE_BLOCK);
   Block &entry = fn.getBody().front();
   OpBuilder b = OpBuilder::atBlockEnd(&entry);
   G g{b, loc};
@@ -267,6 +350,12 @@ static Value srKeyPartial(G &g, Value seed, Value t, Value tensor) {
   return fmix32(g, x(k, tensor));
 }
 
+/// The outer loop of the chunked kernels: chunk c = blockIdx.x,
+/// blockIdx.x + gridDim.x, ... (abi.h: block b takes these chunks).
+static scf::ForOp forChunks(G &g, Value numChunks, ValueRange iter = {}) {
+  return scf::ForOp::create(g.b, g.loc, g.bid(), numChunks, g.gdim(), iter);
+}
+
 static void buildUpdateKernel(OpBuilder &gb, zk::KernelOp k, const Step &st) {
   OpBuilder::InsertionGuard guard(gb);
   Location loc = k.getLoc();
@@ -274,25 +363,26 @@ static void buildUpdateKernel(OpBuilder &gb, zk::KernelOp k, const Step &st) {
   Type ptr = LLVM::LLVMPointerType::get(ctx), i64 = gb.getI64Type();
   KernelInfo info = analyze(k);
   // Stochastic rounding (abi.h): the device globals (the group's step t)
-  // and the seed follow the five ABI arguments.
+  // and the seed follow the six ABI arguments.
   bool sr = false;
   k.getBody().walk([&](zk::StoreOp s) {
     sr |= s.getRounding() == ZOPT_ROUND_STOCHASTIC;
   });
-  SmallVector<Type> args = {ptr, ptr, i64, ptr, ptr};
+  SmallVector<Type> args = {ptr, ptr, ptr, i64, ptr, ptr};
   if (sr)
     args.append({ptr, i64});
-  auto fn = makeKernel(gb, loc, k.getSymName(), args);
+  auto fn = makeKernel(gb, loc, k.getSymName(), args, ZOPT_GPU_BLOCK);
   Block &entry = fn.getBody().front();
   Value states = entry.getArgument(0), segs = entry.getArgument(1),
-        nseg = entry.getArgument(2), coeffs = entry.getArgument(3),
-        sg = entry.getArgument(4);
+        chunks = entry.getArgument(2), nchunks = entry.getArgument(3),
+        coeffs = entry.getArgument(4), sg = entry.getArgument(5);
   OpBuilder b = OpBuilder::atBlockEnd(&entry);
   G g{b, loc};
   Block &body = k.getBody().front();
   Value sgGeneric = sg;
   states = g.toGlobal(states);
   segs = g.toGlobal(segs);
+  chunks = g.toGlobal(chunks);
   coeffs = g.toGlobal(coeffs);
   sg = g.toGlobal(sg);
 
@@ -313,35 +403,34 @@ static void buildUpdateKernel(OpBuilder &gb, zk::KernelOp k, const Step &st) {
                                     skipIf.getResult(0), g.i32(0));
   auto runIf = scf::IfOp::create(b, loc, run, /*withElse=*/false);
   b.setInsertionPoint(runIf.thenBlock()->getTerminator());
-  auto [gtid, nthr] = g.grid();
-  Value L = g.i64(info.lanes);
-  auto segLoop = scf::ForOp::create(b, loc, g.i64(0), nseg, g.i64(1));
-  b.setInsertionPoint(segLoop.getBody()->getTerminator());
-  Segment seg = loadSegment(g, st, info, states, segs, coeffs,
-                            segLoop.getInductionVar());
+  auto chunkLoop = forChunks(g, nchunks);
+  b.setInsertionPoint(chunkLoop.getBody()->getTerminator());
+  Chunk ch = loadChunk(g, st, info, states, segs, chunks, coeffs,
+                       chunkLoop.getInductionVar());
   Type i32 = b.getI32Type();
   Value srPartial;
   if (sr) {
-    // Per segment: t of its group (device globals) and its tensor index.
-    Value globals = g.toGlobal(entry.getArgument(5));
+    // Per chunk: t of its segment's group (device globals) and its tensor.
+    Value globals = g.toGlobal(entry.getArgument(6));
     Value tD = g.load(b.getF64Type(),
                       g.gep(b.getF64Type(), globals,
-                            g.add(g.mul(seg.group, g.i64(ZOPT_NUM_GLOBALS)),
+                            g.add(g.mul(ch.group, g.i64(ZOPT_NUM_GLOBALS)),
                                   g.i64(ZOPT_GLOBAL_STEP))));
     Value t = arith::FPToUIOp::create(b, loc, b.getI64Type(), tD);
     Value tensor = g.load(
-        i32, g.gep(i32, segs, g.add(g.mul(segLoop.getInductionVar(), g.i64(4)),
-                                   g.i64(3))));
-    srPartial = srKeyPartial(g, entry.getArgument(6), t, tensor);
+        i32, g.gep(i32, segs, g.add(g.mul(ch.seg, g.i64(4)), g.i64(3))));
+    srPartial = srKeyPartial(g, entry.getArgument(7), t, tensor);
   }
-  // The key and i32 index of element i (vectors never straddle 2^32).
-  auto setSr = [&](BodyEmitter &e, Value i) {
+  // The key and i32 index of element i (a chunk, hence a vector, never
+  // straddles a multiple of 2^32 elements: abi.h).
+  auto setSr = [&](OpBuilder &ob, Location l, BodyEmitter &e, Value i) {
     if (!sr)
       return;
+    G go{ob, l};
     Value hi = arith::TruncIOp::create(
-        b, loc, i32, arith::ShRUIOp::create(b, loc, i, g.i64(32)));
-    e.srKey = fmix32(g, arith::XOrIOp::create(b, loc, srPartial, hi));
-    Value lo = arith::TruncIOp::create(b, loc, i32, i);
+        ob, l, i32, arith::ShRUIOp::create(ob, l, i, go.i64(32)));
+    e.srKey = emitFmix32(ob, l, arith::XOrIOp::create(ob, l, srPartial, hi));
+    Value lo = arith::TruncIOp::create(ob, l, i32, i);
     if (e.lanes == 1) {
       e.srIndex = lo;
       return;
@@ -351,25 +440,87 @@ static void buildUpdateKernel(OpBuilder &gb, zk::KernelOp k, const Step &st) {
       iota[j] = j;
     auto vt = VectorType::get({e.lanes}, i32);
     e.srIndex = arith::AddIOp::create(
-        b, loc, vector::BroadcastOp::create(b, loc, vt, lo),
-        arith::ConstantOp::create(b, loc, DenseIntElementsAttr::get(vt, iota)));
+        ob, l, vector::BroadcastOp::create(ob, l, vt, lo),
+        arith::ConstantOp::create(ob, l, DenseIntElementsAttr::get(vt, iota)));
   };
-  auto vl = scf::ForOp::create(b, loc, g.mul(gtid, L), seg.nVec, g.mul(nthr, L));
-  {
-    OpBuilder::InsertionGuard ig(b);
-    b.setInsertionPoint(vl.getBody()->getTerminator());
-    BodyEmitter e{b, loc, info.lanes, seg.ptrs, seg.cs, seg.cv};
-    e.vecAlign = 16;
-    setSr(e, vl.getInductionVar());
-    e.emit(body, vl.getInductionVar());
+  forChunkElements(
+      g, ch, info.lanes, {},
+      [&](OpBuilder &vb, Location l, Value i, ValueRange) {
+        BodyEmitter e{vb, l, info.lanes, ch.ptrs, ch.cs, ch.cv};
+        e.vecAlign = 16;
+        setSr(vb, l, e, i);
+        e.emit(body, i);
+        return SmallVector<Value>{};
+      },
+      [&](OpBuilder &sb, Location l, Value i, ValueRange) {
+        BodyEmitter e{sb, l, 1, ch.ptrs, ch.cs, {}};
+        setSr(sb, l, e, i);
+        e.emit(body, i);
+        return SmallVector<Value>{};
+      });
+  b.setInsertionPointToEnd(&entry);
+  gpu::ReturnOp::create(b, loc);
+}
+
+/// INIT (abi.h): every state initialized from the param (the master) gets
+/// the param's values, converted as the host's convert() does (widening
+/// exactly; narrowing to nearest even), over the work list at finalize.
+static void buildInitKernel(OpBuilder &gb, Location loc, const Step &st) {
+  OpBuilder::InsertionGuard guard(gb);
+  MLIRContext *ctx = gb.getContext();
+  Type ptr = LLVM::LLVMPointerType::get(ctx), i64 = gb.getI64Type(),
+       i32 = gb.getI32Type(), i16 = gb.getI16Type(), f32 = gb.getF32Type(),
+       f16 = gb.getF16Type();
+  auto fn = makeKernel(gb, loc, st.name + "_init_gpu", {ptr, ptr, ptr, i64},
+                       ZOPT_GPU_BLOCK);
+  Block &entry = fn.getBody().front();
+  OpBuilder b = OpBuilder::atBlockEnd(&entry);
+  G g{b, loc};
+  int64_t param = -1;
+  SmallVector<int64_t> targets;
+  for (int64_t k = 0; k < st.numStates; ++k) {
+    if (st.kinds[k] == ZOPT_STATE_PARAM)
+      param = k;
+    if (st.inits[k] == ZOPT_INIT_FROM_PARAM)
+      targets.push_back(k);
   }
-  auto sl = scf::ForOp::create(b, loc, g.add(seg.nVec, gtid), seg.n, nthr);
-  {
-    OpBuilder::InsertionGuard ig(b);
-    b.setInsertionPoint(sl.getBody()->getTerminator());
-    BodyEmitter e{b, loc, 1, seg.ptrs, seg.cs, {}};
-    setSr(e, sl.getInductionVar());
-    e.emit(body, sl.getInductionVar());
+  auto memType = [&](int32_t dt) { return dt == ZOPT_DTYPE_F32 ? f32 : dt == ZOPT_DTYPE_F16 ? f16 : i16; };
+  if (param >= 0 && !targets.empty()) {
+    Value states = g.toGlobal(entry.getArgument(0)),
+          chunks = g.toGlobal(entry.getArgument(2));
+    auto chunkLoop = forChunks(g, entry.getArgument(3));
+    b.setInsertionPoint(chunkLoop.getBody()->getTerminator());
+    Value c = chunkLoop.getInductionVar();
+    auto zext = [&](Value v) { return arith::ExtUIOp::create(b, loc, i64, v); };
+    Value begin = g.load(i64, g.gep(i64, chunks, g.mul(c, g.i64(2))));
+    Value seg = zext(g.load(i32, g.gep(i32, chunks, g.add(g.mul(c, g.i64(4)), g.i64(2)))));
+    Value n = zext(g.load(i32, g.gep(i32, chunks, g.add(g.mul(c, g.i64(4)), g.i64(3)))));
+    Value row = g.mul(seg, g.i64(st.numStates));
+    auto slotPtr = [&](int64_t k) {
+      return g.toGlobal(g.load(g.ptr(), g.gep(g.ptr(), states, g.add(row, g.i64(k)))));
+    };
+    Value src = slotPtr(param);
+    SmallVector<Value> dst;
+    for (int64_t k : targets)
+      dst.push_back(slotPtr(k));
+    auto loop = scf::ForOp::create(b, loc, g.add(begin, g.tid()), g.add(begin, n), g.bdim());
+    b.setInsertionPoint(loop.getBody()->getTerminator());
+    Value i = loop.getInductionVar();
+    int32_t pdt = st.dtypes[param];
+    Value x = g.load(memType(pdt), g.gep(memType(pdt), src, i));
+    SmallVector<Value> noCoeffs;
+    BodyEmitter e{b, loc, 1, {}, noCoeffs, {}};
+    Value f = pdt == ZOPT_DTYPE_F32   ? x
+              : pdt == ZOPT_DTYPE_F16 ? arith::ExtFOp::create(b, loc, f32, x).getResult()
+                                      : e.bf16BitsToF32(x);
+    for (auto [k, p] : llvm::zip(targets, dst)) {
+      int32_t dt = st.dtypes[k];
+      Value v = dt == pdt                ? x
+                : dt == ZOPT_DTYPE_F32   ? f
+                : dt == ZOPT_DTYPE_F16   ? arith::TruncFOp::create(b, loc, f16, f).getResult()
+                                         : e.f32ToBf16BitsInt(f);
+      LLVM::StoreOp::create(b, loc, v, g.gep(memType(dt), p, i));
+    }
   }
   b.setInsertionPointToEnd(&entry);
   gpu::ReturnOp::create(b, loc);
@@ -386,59 +537,54 @@ static void buildSumsqKernel(OpBuilder &gb, zk::KernelOp k, const Step &st) {
   auto redTy = MemRefType::get({ZOPT_GPU_BLOCK}, f64, AffineMap(), wg);
   auto flagTy = MemRefType::get({1}, i32, AffineMap(), wg);
   auto fn = makeKernel(gb, loc, k.getSymName(),
-                       {ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64},
-                       {redTy, flagTy});
+                       {ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64},
+                       ZOPT_GPU_BLOCK, {redTy, flagTy});
   Block &entry = fn.getBody().front();
   Value states = entry.getArgument(0), segs = entry.getArgument(1),
-        nseg = entry.getArgument(2), coeffs = entry.getArgument(3),
-        partials = entry.getArgument(4), sg = entry.getArgument(5),
-        hypers = entry.getArgument(6), globals = entry.getArgument(7),
-        ngroups = entry.getArgument(8);
+        chunks = entry.getArgument(2), nchunks = entry.getArgument(3),
+        coeffs = entry.getArgument(4), partials = entry.getArgument(5),
+        sg = entry.getArgument(6), hypers = entry.getArgument(7),
+        globals = entry.getArgument(8), ngroups = entry.getArgument(9);
   Value red = fn.getWorkgroupAttributions()[0],
         flag = fn.getWorkgroupAttributions()[1];
   OpBuilder b = OpBuilder::atBlockEnd(&entry);
   G g{b, loc};
   Block &body = k.getBody().front();
-  for (Value *v : {&states, &segs, &coeffs, &partials, &sg, &hypers, &globals})
+  for (Value *v : {&states, &segs, &chunks, &coeffs, &partials, &sg, &hypers, &globals})
     *v = g.toGlobal(*v);
-  auto [gtidB, nthrB] = g.grid();
-  Value gtid = gtidB, nthr = nthrB;
-  Value L = g.i64(info.lanes);
 
-  // Stage 1: this thread's sum of squares, in f64.
-  auto segLoop = scf::ForOp::create(
-      b, loc, g.i64(0), nseg, g.i64(1), ValueRange{g.f64(0.0)},
-      [&](OpBuilder &lb, Location l, Value s, ValueRange iter) {
-        G gl{lb, l};
-        Segment seg = loadSegment(gl, st, info, states, segs, coeffs, s);
-        auto vl = scf::ForOp::create(
-            lb, l, gl.mul(gtid, L), seg.nVec, gl.mul(nthr, L), iter,
-            [&](OpBuilder &vb, Location vl2, Value iv, ValueRange acc) {
-              BodyEmitter e{vb, vl2, info.lanes, seg.ptrs, seg.cs, seg.cv};
+  // Stage 1: this thread's sum of squares over its elements of the block's
+  // chunks, in f64 (a fixed order for a fixed grid and work list).
+  auto chunkLoop = scf::ForOp::create(
+      b, loc, g.bid(), nchunks, g.gdim(), ValueRange{g.f64(0.0)},
+      [&](OpBuilder &cb, Location cl, Value c, ValueRange iter) {
+        G gc{cb, cl};
+        Chunk ch = loadChunk(gc, st, info, states, segs, chunks, coeffs, c);
+        ValueRange r = forChunkElements(
+            gc, ch, info.lanes, iter,
+            [&](OpBuilder &vb, Location l, Value i, ValueRange acc) {
+              BodyEmitter e{vb, l, info.lanes, ch.ptrs, ch.cs, ch.cv};
               e.vecAlign = 16;
-              Value sq = e.emit(body, iv);
+              Value sq = e.emit(body, i);
               Value a = acc[0];
-              G gv{vb, vl2};
-              for (int i = 0; i < info.lanes; ++i)
+              G gv{vb, l};
+              for (int j = 0; j < info.lanes; ++j)
                 a = arith::AddFOp::create(
-                    vb, vl2, a,
-                    LLVM::ExtractElementOp::create(vb, vl2, sq, gv.i32(i)));
-              scf::YieldOp::create(vb, vl2, ValueRange{a});
+                    vb, l, a, LLVM::ExtractElementOp::create(vb, l, sq, gv.i32(j)));
+              return SmallVector<Value>{a};
+            },
+            [&](OpBuilder &sb, Location l, Value i, ValueRange acc) {
+              BodyEmitter e{sb, l, 1, ch.ptrs, ch.cs, {}};
+              Value sq = e.emit(body, i);
+              return SmallVector<Value>{arith::AddFOp::create(sb, l, acc[0], sq)};
             });
-        auto sl = scf::ForOp::create(
-            lb, l, gl.add(seg.nVec, gtid), seg.n, nthr, vl.getResults(),
-            [&](OpBuilder &sb, Location sl2, Value iv, ValueRange acc) {
-              BodyEmitter e{sb, sl2, 1, seg.ptrs, seg.cs, {}};
-              Value sq = e.emit(body, iv);
-              scf::YieldOp::create(
-                  sb, sl2, ValueRange{arith::AddFOp::create(sb, sl2, acc[0], sq)});
-            });
-        scf::YieldOp::create(lb, l, sl.getResults());
+        scf::YieldOp::create(cb, cl, r);
       });
+  Value total = chunkLoop.getResult(0);
 
   // Block tree reduction in shared memory (blockDim.x == ZOPT_GPU_BLOCK).
   Value tx = gpu::ThreadIdOp::create(b, loc, gpu::Dimension::x);
-  memref::StoreOp::create(b, loc, segLoop.getResult(0), red, ValueRange{tx});
+  memref::StoreOp::create(b, loc, total, red, ValueRange{tx});
   gpu::BarrierOp::create(b, loc);
   for (int64_t stride = ZOPT_GPU_BLOCK / 2; stride > 0; stride /= 2) {
     Value c = arith::ConstantIndexOp::create(b, loc, stride);
@@ -465,6 +611,12 @@ static void buildSumsqKernel(OpBuilder &gb, zk::KernelOp k, const Step &st) {
     b.setInsertionPoint(t0.thenBlock()->getTerminator());
     Value total = memref::LoadOp::create(b, loc, red, ValueRange{zeroIdx});
     LLVM::StoreOp::create(b, loc, total, g.gep(f64, partials, g.bid()));
+    // Release: the partial must be visible device-wide before the counter
+    // says this block is done. The atomic below is written acq_rel, but
+    // NVPTX lowers it to a relaxed `atom.global.add.u32` (no .acq_rel
+    // qualifier, no fence): this membar.gl is what orders the store before
+    // it, as __threadfence() does in CUDA's threadFenceReduction sample.
+    // Do not remove it (nor the one after the atomic in the last block).
     NVVM::MembarOp::create(b, loc, NVVM::MemScopeKind::GPU);
     Value old = LLVM::AtomicRMWOp::create(
         b, loc, LLVM::AtomicBinOp::add, g.gepc(i32, sg, kSgDone), g.i32(1),
@@ -486,6 +638,9 @@ static void buildSumsqKernel(OpBuilder &gb, zk::KernelOp k, const Step &st) {
   {
     OpBuilder::InsertionGuard ig(b);
     b.setInsertionPoint(fin.thenBlock()->getTerminator());
+    // Acquire: the last block saw every other block's increment (relaxed,
+    // see above); this membar.gl orders its reads of the partials after it,
+    // and the reads are volatile (ld.volatile: not served from a stale L1).
     NVVM::MembarOp::create(b, loc, NVVM::MemScopeKind::GPU);
     auto sum = scf::ForOp::create(
         b, loc, g.i64(0), g.gdim(), g.i64(1), ValueRange{g.f64(0.0)},
@@ -542,7 +697,8 @@ static void buildFinishKernel(OpBuilder &gb, Location loc, const Step &st) {
   MLIRContext *ctx = gb.getContext();
   Type ptr = LLVM::LLVMPointerType::get(ctx), i64 = gb.getI64Type(),
        f64 = gb.getF64Type(), i32 = gb.getI32Type();
-  auto fn = makeKernel(gb, loc, st.name + "_finish", {ptr, i64, ptr, ptr});
+  auto fn = makeKernel(gb, loc, st.name + "_finish", {ptr, i64, ptr, ptr},
+                       ZOPT_GPU_FINISH_BLOCK);
   Block &entry = fn.getBody().front();
   Value globals = entry.getArgument(0), ngroups = entry.getArgument(1),
         sgGeneric = entry.getArgument(2), scGeneric = entry.getArgument(3);
@@ -692,7 +848,7 @@ struct ConvertZKToGPU
     Step st{d.getName().str(),    int64_t(kinds.size()),
             int64_t(d.getHyperKinds().size()), int64_t(d.getNumCoeffs()),
             uint32_t(d.getFlags()), d.getMaxNorm().convertToDouble(),
-            preps.front()};
+            preps.front(), kinds, d.getStateDtypes(), d.getStateInits()};
     SmallVector<Attribute> targets, images;
     for (const std::string &chip : chips) {
       int sm = 0;
@@ -743,19 +899,118 @@ struct ConvertZKToGPU
     }
     buildFinishKernel(gb, d.getLoc(), st);
     entry(ZOPT_KERNEL_FINISH, st.name + "_finish");
+    // INIT has no kernel-table role: the runtime finds it by its name.
+    buildInitKernel(gb, d.getLoc(), st);
     d->setAttr("zopt.gpu_kernels", ArrayAttr::get(ctx, entries));
     d->setAttr("zopt.gpu_images", ArrayAttr::get(ctx, images));
   }
 };
 
+/// The CUDA version of a toolkit (1000 * major + 10 * minor, as
+/// cuDriverGetVersion counts) from `ptxas --version` ("release 13.0"), or 0.
+static uint32_t toolkitVersion(StringRef ptxas) {
+  SmallString<128> out;
+  int fd = -1;
+  if (llvm::sys::fs::createTemporaryFile("zopt-ptxas-version", "txt", fd, out))
+    return 0;
+  llvm::sys::Process::SafelyCloseFileDescriptor(fd);
+  llvm::FileRemover rm(out);
+  std::optional<StringRef> redirects[] = {std::nullopt, StringRef(out), StringRef(out)};
+  StringRef args[] = {ptxas, "--version"};
+  if (llvm::sys::ExecuteAndWait(ptxas, args, std::nullopt, redirects))
+    return 0;
+  auto buf = llvm::MemoryBuffer::getFile(out);
+  if (!buf)
+    return 0;
+  StringRef text = (*buf)->getBuffer();
+  size_t at = text.find("release ");
+  if (at == StringRef::npos)
+    return 0;
+  StringRef v = text.drop_front(at + 8);
+  unsigned major = 0, minor = 0;
+  if (v.consumeInteger(10, major) || !v.consume_front(".") ||
+      v.consumeInteger(10, minor))
+    return 0;
+  return major * 1000 + minor * 10;
+}
+
+/// PTX -> cubin (ptxas) -> fatbinary with the cubin and the uncompressed PTX.
+static FailureOr<std::string> buildFatbin(Operation *op, StringRef toolkit,
+                                          StringRef ptx, StringRef chip,
+                                          int optLevel) {
+  SmallString<256> ptxas(toolkit), fatbinary(toolkit);
+  llvm::sys::path::append(ptxas, "bin", "ptxas");
+  llvm::sys::path::append(fatbinary, "bin", "fatbinary");
+  SmallString<128> ptxFile, cubinFile, fatFile, logFile;
+  for (auto [path, ext] :
+       {std::pair{&ptxFile, "ptx"}, {&cubinFile, "cubin"}, {&fatFile, "fatbin"},
+        {&logFile, "log"}}) {
+    int fd = -1;
+    if (std::error_code ec =
+            llvm::sys::fs::createTemporaryFile("zopt-gpu", ext, fd, *path)) {
+      op->emitError() << "cannot create a temporary file: " << ec.message();
+      return failure();
+    }
+    llvm::sys::Process::SafelyCloseFileDescriptor(fd);
+  }
+  llvm::FileRemover r1(ptxFile), r2(cubinFile), r3(fatFile), r4(logFile);
+  {
+    std::error_code ec;
+    llvm::raw_fd_ostream os(ptxFile, ec);
+    if (ec) {
+      op->emitError() << "cannot write " << ptxFile << ": " << ec.message();
+      return failure();
+    }
+    os << ptx;
+  }
+  std::optional<StringRef> redirects[] = {std::nullopt, StringRef(logFile),
+                                          StringRef(logFile)};
+  auto run = [&](StringRef tool, ArrayRef<StringRef> args) -> LogicalResult {
+    std::string msg;
+    if (!llvm::sys::ExecuteAndWait(tool, args, std::nullopt, redirects, 0, 0,
+                                   &msg))
+      return success();
+    auto log = llvm::MemoryBuffer::getFile(logFile);
+    op->emitError() << llvm::sys::path::filename(tool) << " failed"
+                    << (msg.empty() ? "" : ": ") << msg << "\n"
+                    << (log ? (*log)->getBuffer() : StringRef());
+    return failure();
+  };
+  std::string opt = std::to_string(optLevel);
+  if (failed(run(ptxas, {ptxas, "-arch", chip, "--opt-level", opt, ptxFile,
+                         "-o", cubinFile})))
+    return failure();
+  StringRef sm = chip;
+  sm.consume_front("sm_");
+  std::string elf = ("--image3=kind=elf,sm=" + sm + ",file=" + cubinFile).str();
+  std::string ptxImg = ("--image3=kind=ptx,sm=" + sm + ",file=" + ptxFile).str();
+  if (failed(run(fatbinary, {fatbinary, "-64", "--compress=false", elf, ptxImg,
+                             "--create", fatFile})))
+    return failure();
+  auto buf = llvm::MemoryBuffer::getFile(fatFile);
+  if (!buf) {
+    op->emitError() << "cannot read " << fatFile;
+    return failure();
+  }
+  return (*buf)->getBuffer().str();
+}
+
 /// Replaces each gpu.binary by exported byte arrays `<name>_<chip>` (one per
-/// object) and `const uint64_t <name>_<chip>_size`.
+/// object), `const uint64_t <name>_<chip>_size` and, for a fatbinary built
+/// here, `const uint32_t <name>_<chip>_cuda_version`.
 struct ZoptEmbedGPUBinaries
     : public mlir::zopt::impl::ZoptEmbedGPUBinariesBase<ZoptEmbedGPUBinaries> {
+  using Base::Base;
   void runOnOperation() override {
     ModuleOp m = getOperation();
     MLIRContext *ctx = &getContext();
     OpBuilder mb = OpBuilder::atBlockEnd(m.getBody());
+    uint32_t version = 0;
+    if (!toolkit.empty()) {
+      SmallString<256> ptxas(toolkit);
+      llvm::sys::path::append(ptxas, "bin", "ptxas");
+      version = toolkitVersion(ptxas);
+    }
     for (auto bin : llvm::make_early_inc_range(m.getOps<gpu::BinaryOp>())) {
       for (Attribute a : bin.getObjects()) {
         auto obj = cast<gpu::ObjectAttr>(a);
@@ -765,7 +1020,22 @@ struct ZoptEmbedGPUBinaries
           return signalPassFailure();
         }
         std::string sym = (bin.getSymName() + "_" + t.getChip()).str();
-        StringRef bytes = obj.getObject().getValue();
+        std::string bytes = obj.getObject().getValue().str();
+        if (!toolkit.empty()) {
+          if (obj.getFormat() != gpu::CompilationTarget::Assembly) {
+            bin.emitError("zopt-embed-gpu-binaries builds fatbinaries from "
+                          "PTX: run gpu-module-to-binary with format=isa");
+            return signalPassFailure();
+          }
+          FailureOr<std::string> fat =
+              buildFatbin(bin, toolkit, bytes, t.getChip(), t.getO());
+          if (failed(fat))
+            return signalPassFailure();
+          bytes = std::move(*fat);
+          LLVM::GlobalOp::create(mb, bin.getLoc(), mb.getI32Type(), true,
+                                 LLVM::Linkage::External, sym + "_cuda_version",
+                                 mb.getI32IntegerAttr(int32_t(version)), 4);
+        }
         auto arr = LLVM::LLVMArrayType::get(IntegerType::get(ctx, 8), bytes.size());
         LLVM::GlobalOp::create(mb, bin.getLoc(), arr, /*isConstant=*/true,
                                LLVM::Linkage::External, sym,

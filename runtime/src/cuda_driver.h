@@ -20,6 +20,7 @@ typedef struct CUctx_st *CUcontext;
 typedef struct CUmod_st *CUmodule;
 typedef struct CUfunc_st *CUfunction;
 typedef struct CUstream_st *CUstream;
+typedef struct CUevent_st *CUevent;
 
 constexpr CUresult CUDA_SUCCESS = 0;
 // CUdevice_attribute values used here.
@@ -28,11 +29,23 @@ constexpr int ATTR_CC_MAJOR = 75;
 constexpr int ATTR_CC_MINOR = 76;
 // CUpointer_attribute / CUmemorytype values used here.
 constexpr int POINTER_ATTRIBUTE_MEMORY_TYPE = 2;
+constexpr int POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9;
 constexpr unsigned MEMORYTYPE_HOST = 1, MEMORYTYPE_DEVICE = 2, MEMORYTYPE_UNIFIED = 4;
+// CUfunction_attribute: the largest block a launch of the function may use
+// (its .reqntid / .maxntid when it declares one).
+constexpr int FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK = 0;
+// CUevent flags (cuEventCreate), record and wait flags.
+constexpr unsigned EVENT_DISABLE_TIMING = 2;
+constexpr unsigned EVENT_RECORD_EXTERNAL = 1;  // in a capture: an event record node
+constexpr unsigned EVENT_WAIT_EXTERNAL = 1;    // in a capture: an event wait node
+// CUstreamCaptureStatus.
+constexpr int STREAM_CAPTURE_STATUS_NONE = 0, STREAM_CAPTURE_STATUS_ACTIVE = 1,
+              STREAM_CAPTURE_STATUS_INVALIDATED = 2;
 
 // One entry per driver function: member name, exported symbol, signature.
 #define ZOPT_CU_FUNCS(X)                                                                  \
   X(Init, "cuInit", CUresult (*)(unsigned))                                               \
+  X(DriverGetVersion, "cuDriverGetVersion", CUresult (*)(int *))                          \
   X(DeviceGetCount, "cuDeviceGetCount", CUresult (*)(int *))                              \
   X(DeviceGet, "cuDeviceGet", CUresult (*)(CUdevice *, int))                              \
   X(DeviceGetAttribute, "cuDeviceGetAttribute", CUresult (*)(int *, int, CUdevice))       \
@@ -41,6 +54,11 @@ constexpr unsigned MEMORYTYPE_HOST = 1, MEMORYTYPE_DEVICE = 2, MEMORYTYPE_UNIFIE
   X(CtxGetCurrent, "cuCtxGetCurrent", CUresult (*)(CUcontext *))                          \
   X(CtxSetCurrent, "cuCtxSetCurrent", CUresult (*)(CUcontext))                            \
   X(CtxGetDevice, "cuCtxGetDevice", CUresult (*)(CUdevice *))                             \
+  X(CtxPushCurrent, "cuCtxPushCurrent_v2", CUresult (*)(CUcontext))                       \
+  X(CtxPopCurrent, "cuCtxPopCurrent_v2", CUresult (*)(CUcontext *))                       \
+  X(FuncGetAttribute, "cuFuncGetAttribute", CUresult (*)(int *, int, CUfunction))         \
+  X(OccupancyMaxActiveBlocksPerMultiprocessor, "cuOccupancyMaxActiveBlocksPerMultiprocessor", \
+    CUresult (*)(int *, CUfunction, int, size_t))                                         \
   X(ModuleLoadData, "cuModuleLoadData", CUresult (*)(CUmodule *, const void *))           \
   X(ModuleUnload, "cuModuleUnload", CUresult (*)(CUmodule))                               \
   X(ModuleGetFunction, "cuModuleGetFunction", CUresult (*)(CUfunction *, CUmodule, const char *)) \
@@ -54,17 +72,26 @@ constexpr unsigned MEMORYTYPE_HOST = 1, MEMORYTYPE_DEVICE = 2, MEMORYTYPE_UNIFIE
   X(MemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2",                                              \
     CUresult (*)(void *, CUdeviceptr, size_t, CUstream))                                  \
   X(MemsetD8Async, "cuMemsetD8Async", CUresult (*)(CUdeviceptr, unsigned char, size_t, CUstream)) \
+  X(MemsetD32Async, "cuMemsetD32Async", CUresult (*)(CUdeviceptr, unsigned, size_t, CUstream)) \
   X(StreamSynchronize, "cuStreamSynchronize", CUresult (*)(CUstream))                     \
+  X(StreamWaitEvent, "cuStreamWaitEvent", CUresult (*)(CUstream, CUevent, unsigned))      \
+  X(StreamIsCapturing, "cuStreamIsCapturing", CUresult (*)(CUstream, int *))              \
+  X(EventCreate, "cuEventCreate", CUresult (*)(CUevent *, unsigned))                      \
+  X(EventDestroy, "cuEventDestroy_v2", CUresult (*)(CUevent))                             \
+  X(EventRecordWithFlags, "cuEventRecordWithFlags", CUresult (*)(CUevent, CUstream, unsigned)) \
+  X(EventSynchronize, "cuEventSynchronize", CUresult (*)(CUevent))                        \
   X(GetErrorString, "cuGetErrorString", CUresult (*)(CUresult, const char **))            \
   X(PointerGetAttribute, "cuPointerGetAttribute", CUresult (*)(void *, int, CUdeviceptr))   \
   X(MemHostAlloc, "cuMemHostAlloc", CUresult (*)(void **, size_t, unsigned))              \
   X(MemFreeHost, "cuMemFreeHost", CUresult (*)(void *))
 
 // Entry points resolved when present (null otherwise): a driver without
-// them still loads, and only the code that needs them (the NCCL
-// communicator, runtime/src/comm/nccl.cpp) refuses to run.
-#define ZOPT_CU_OPTIONAL_FUNCS(X) \
-  X(StreamQuery, "cuStreamQuery", CUresult (*)(CUstream))
+// them still loads, and only the code that needs them refuses to run (the
+// NCCL communicator, runtime/src/comm/nccl.cpp: cuStreamQuery) or skips a
+// check (cuFuncGetParamInfo, CUDA 12.4+: the kernels' parameter lists).
+#define ZOPT_CU_OPTIONAL_FUNCS(X)                           \
+  X(StreamQuery, "cuStreamQuery", CUresult (*)(CUstream)) \
+  X(FuncGetParamInfo, "cuFuncGetParamInfo", CUresult (*)(CUfunction, size_t, size_t *, size_t *))
 
 constexpr CUresult CUDA_ERROR_NOT_READY = 600;  // cuStreamQuery: work still pending
 

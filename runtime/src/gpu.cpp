@@ -7,17 +7,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <new>
 
 using namespace zopt;
 using namespace zopt::cu;
 
-
 namespace {
-
-constexpr unsigned kUpdateBlock = 256;
-constexpr unsigned kPrepareBlock = 64;
 
 #define CU_TRY(call, what)                                                                   \
   do {                                                                                       \
@@ -25,30 +22,176 @@ constexpr unsigned kPrepareBlock = 64;
     if (r_ != CUDA_SUCCESS) return fail(ZOPT_ERR_INTERNAL, "%s: %s", what, error_string(r_)); \
   } while (0)
 
+const char *attr_name(int a) {
+  return a == ATTR_CC_MAJOR ? "COMPUTE_CAPABILITY_MAJOR" : a == ATTR_CC_MINOR ? "COMPUTE_CAPABILITY_MINOR"
+                                                                               : "MULTIPROCESSOR_COUNT";
+}
+
+// "13.0" for 13000.
+std::string cuda_version_str(int v) { return std::to_string(v / 1000) + "." + std::to_string(v % 1000 / 10); }
 
 zopt_status dalloc(GpuState *g, size_t bytes, CUdeviceptr *out, const char *what) {
   bytes = std::max<size_t>(bytes, 16);
-  CUresult r = g->cu->MemAlloc(out, bytes);
-  if (r != CUDA_SUCCESS)
-    return fail(ZOPT_ERR_OUT_OF_MEMORY, "zopt_optimizer_finalize: cuMemAlloc(%zu bytes) for %s: %s", bytes, what,
-                error_string(r));
-  g->allocs.push_back(*out);
+  if (g->allocator.alloc) {
+    g->alloc_stream = g->stream;
+    void *p = g->allocator.alloc(g->allocator.user, bytes, g->alloc_stream);
+    if (!p)
+      return fail(ZOPT_ERR_OUT_OF_MEMORY,
+                  "zopt_optimizer_finalize: the caller's device allocator returned NULL for %zu bytes (%s)", bytes,
+                  what);
+    if ((uintptr_t)p % 256) {
+      g->allocator.free(g->allocator.user, p, bytes, g->alloc_stream);
+      return fail(ZOPT_ERR_INVALID_ARGUMENT,
+                  "zopt_optimizer_finalize: the caller's device allocator returned %p for %s, not 256-byte aligned",
+                  p, what);
+    }
+    *out = (CUdeviceptr)(uintptr_t)p;
+  } else {
+    CUresult r = g->cu->MemAlloc(out, bytes);
+    if (r != CUDA_SUCCESS)
+      return fail(ZOPT_ERR_OUT_OF_MEMORY,
+                  "zopt_optimizer_finalize: cuMemAlloc(%zu bytes) for %s: %s (device memory comes from cuMemAlloc, "
+                  "outside the caching allocator of PyTorch: torch.cuda.empty_cache() returns its cached blocks, or "
+                  "pass torch's allocator: zopt_optimizer_set_device_allocator)",
+                  bytes, what, error_string(r));
+  }
+  g->allocs.emplace_back(*out, bytes);
   return ZOPT_OK;
+}
+
+void dfree_all(GpuState *g) {
+  for (auto &a : g->allocs) {
+    if (g->allocator.free) g->allocator.free(g->allocator.user, (void *)(uintptr_t)a.first, a.second, g->alloc_stream);
+    else g->cu->MemFree(a.first);
+  }
+  g->allocs.clear();
 }
 
 // Element alignment of segments inside a group's flat device buffers: the
 // descriptor's `align`, and at least 16 bytes for every state dtype.
 int64_t gpu_align(const zopt_step_descriptor *d) { return std::max<int64_t>(d->align, 8); }
 
+// The GPU layout of every group's flat buffers (Tensor::offset,
+// Group::padded_total): each tensor's segment starts at a multiple of the
+// alignment plus a phase (< 16 bytes) that gives its owned states the
+// 16-byte alignment phase of its param, so that when the param is a view
+// at an odd element offset (a flat buffer of DeepSpeed or FSDP) the kernels
+// still find one element where every pointer is 16-byte aligned (abi.h:
+// scalar head, vector middle, scalar tail). Returns the largest numel.
+int64_t gpu_layout(zopt_optimizer *o) {
+  const zopt_step_descriptor *d = o->d;
+  const int64_t A = gpu_align(d);
+  const size_t ep = dtype_size(d->states[o->step->param_index].dtype);
+  size_t eo = 4;  // the narrowest owned state
+  for (uint32_t k = 0; k < d->num_states; ++k)
+    if (is_owned_kind(d->states[k].kind)) eo = std::min(eo, dtype_size(d->states[k].dtype));
+  const int64_t lanes = (int64_t)(16 / eo);
+  int64_t max_n = 0;
+  for (auto &gr : o->groups) {
+    int64_t off = 0;
+    for (int t : gr.tensors) {
+      Tensor &x = o->tensors[t];
+      const uintptr_t p = (uintptr_t)x.param;
+      const int64_t head = p % ep ? 0 : (int64_t)((16 - p % 16) % 16 / ep);  // param elements to 16 bytes
+      const int64_t phase = (lanes - head % lanes) % lanes;
+      x.offset = (off + A - 1) / A * A + phase;
+      off = x.offset + x.numel;
+      max_n = std::max(max_n, x.numel);
+    }
+    gr.padded_total = (off + A - 1) / A * A;
+  }
+  return max_n;
+}
+
+// Elements per chunk of the work list: a power of two (so that no chunk
+// straddles a multiple of 2^32 elements), 65536 for big models, smaller
+// until there are `target` chunks (at least 4096). ZOPT_GPU_CHUNK overrides
+// it (a power of two in [64, 2^30]: tests).
+zopt_status pick_chunk(const zopt_optimizer *o, int64_t target, int64_t *out) {
+  if (const char *e = getenv("ZOPT_GPU_CHUNK"); e && *e) {
+    char *end = nullptr;
+    long long v = strtoll(e, &end, 10);
+    if (*end || v < 64 || v > (1ll << 30) || (v & (v - 1)))
+      return fail(ZOPT_ERR_INVALID_ARGUMENT, "ZOPT_GPU_CHUNK=%s: expected a power of two in [64, 2^30]", e);
+    *out = v;
+    return ZOPT_OK;
+  }
+  auto count = [&](int64_t c) {
+    int64_t k = 0;
+    for (const Tensor &x : o->tensors) k += (x.numel + c - 1) / c;
+    return k;
+  };
+  int64_t c = 1 << 16;
+  while (c > 4096 && count(c) < target) c /= 2;
+  *out = c;
+  return ZOPT_OK;
+}
+
+// The parameter list of a kernel (count, every one 8 bytes) against the
+// image's, when the driver can tell (cuFuncGetParamInfo, CUDA 12.4+).
+zopt_status check_params(const GpuState *g, CUfunction f, const char *name, size_t want, const char *step) {
+  if (!g->cu->FuncGetParamInfo) return ZOPT_OK;
+  std::vector<size_t> sizes;
+  size_t off = 0, size = 0;
+  while (sizes.size() < 64 && g->cu->FuncGetParamInfo(f, sizes.size(), &off, &size) == CUDA_SUCCESS)
+    sizes.push_back(size);
+  bool ok = sizes.size() == want;
+  std::string list;
+  for (size_t z : sizes) {
+    ok &= z == 8;
+    list += (list.empty() ? "" : ", ") + std::to_string(z);
+  }
+  if (!ok)
+    return fail(ZOPT_ERR_ABI,
+                "step '%s': GPU kernel '%s' takes %zu parameters (%s bytes), this runtime passes %zu of 8 bytes "
+                "(abi.h \"GPU kernels\"; compiled by another zopt-compile? recompile the step)",
+                step, name, sizes.size(), list.empty() ? "none" : list.c_str(), want);
+  return ZOPT_OK;
+}
+
+// Blocks of `block` threads of f that fit on one SM (at least 1), after
+// checking that f may be launched with `block` threads (its .reqntid).
+zopt_status occupancy(const GpuState *g, CUfunction f, const char *name, int block, int *per_sm, const char *step) {
+  int max_threads = 0;
+  if (CUresult r = g->cu->FuncGetAttribute(&max_threads, FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, f))
+    return fail(ZOPT_ERR_INTERNAL, "cuFuncGetAttribute(%s): %s", name, error_string(r));
+  if (max_threads < block)
+    return fail(ZOPT_ERR_ABI,
+                "step '%s': GPU kernel '%s' allows %d threads per block, abi.h launches it with %d (compiled by "
+                "another zopt-compile? recompile the step)",
+                step, name, max_threads, block);
+  int n = 0;
+  if (per_sm) {
+    if (CUresult r = g->cu->OccupancyMaxActiveBlocksPerMultiprocessor(&n, f, block, 0))
+      return fail(ZOPT_ERR_INTERNAL, "cuOccupancyMaxActiveBlocksPerMultiprocessor(%s): %s", name, error_string(r));
+    if (n < 1)
+      return fail(ZOPT_ERR_UNSUPPORTED, "step '%s': GPU kernel '%s' cannot run %d threads per block on this sm_%d device",
+                  step, name, block, g->sm);
+    *per_sm = n;
+  }
+  return ZOPT_OK;
+}
+
 }  // namespace
 
 namespace zopt {
 
-// The driver, a context (the caller's current one, e.g. PyTorch's, else
-// device 0's primary context) and the device's properties.
-zopt_status make_current(const GpuState *g) {
-  CU_TRY(g->cu->CtxSetCurrent(g->ctx), "cuCtxSetCurrent");
-  return ZOPT_OK;
+// ---- contexts, events, streams ---------------------------------------------
+
+CtxScope::CtxScope(const GpuState *g) : g_(g) {
+  CUcontext cur = nullptr;
+  if (g->cu->CtxGetCurrent(&cur) == CUDA_SUCCESS && cur == g->ctx) return;
+  if (CUresult r = g->cu->CtxPushCurrent(g->ctx)) {
+    st_ = fail(ZOPT_ERR_INTERNAL, "cuCtxPushCurrent (the optimizer's context): %s", error_string(r));
+    return;
+  }
+  pushed_ = true;
+}
+
+CtxScope::~CtxScope() {
+  if (!pushed_) return;
+  CUcontext popped = nullptr;
+  g_->cu->CtxPopCurrent(&popped);
 }
 
 zopt_status cuda_attach(GpuState *g, const char *name, const char *what) {
@@ -56,6 +199,8 @@ zopt_status cuda_attach(GpuState *g, const char *name, const char *what) {
   const Driver *cu = driver(&why);
   if (!cu) return fail(ZOPT_ERR_UNSUPPORTED, "step '%s' %s: %s", name, what, why);
   g->cu = cu;
+  if (CUresult r = cu->DriverGetVersion(&g->driver_version))
+    return fail(ZOPT_ERR_INTERNAL, "cuDriverGetVersion: %s", error_string(r));
   CUcontext cur = nullptr;
   if (cu->CtxGetCurrent(&cur) == CUDA_SUCCESS && cur) {
     g->ctx = cur;
@@ -68,17 +213,21 @@ zopt_status cuda_attach(GpuState *g, const char *name, const char *what) {
     if (CUresult r = cu->DevicePrimaryCtxRetain(&g->ctx, g->dev))
       return fail(ZOPT_ERR_INTERNAL, "cuDevicePrimaryCtxRetain: %s", error_string(r));
     g->retained = true;
-    if (CUresult r = cu->CtxSetCurrent(g->ctx)) {
+  }
+  int v[3] = {0, 0, 0};
+  const int attrs[3] = {ATTR_CC_MAJOR, ATTR_CC_MINOR, ATTR_MULTIPROCESSOR_COUNT};
+  for (int i = 0; i < 3; ++i) {
+    CUresult r = cu->DeviceGetAttribute(&v[i], attrs[i], g->dev);
+    if (r != CUDA_SUCCESS || v[i] < (i == 1 ? 0 : 1)) {
+      zopt_status st = fail(ZOPT_ERR_INTERNAL, "step '%s': cuDeviceGetAttribute(%s) of cuda:%d: %s", name,
+                            attr_name(attrs[i]), (int)g->dev,
+                            r != CUDA_SUCCESS ? error_string(r) : ("value " + std::to_string(v[i])).c_str());
       cuda_detach(g);
-      return fail(ZOPT_ERR_INTERNAL, "cuCtxSetCurrent: %s", error_string(r));
+      return st;
     }
   }
-  int maj = 0, min = 0;
-  cu->DeviceGetAttribute(&maj, ATTR_CC_MAJOR, g->dev);
-  cu->DeviceGetAttribute(&min, ATTR_CC_MINOR, g->dev);
-  cu->DeviceGetAttribute(&g->num_sms, ATTR_MULTIPROCESSOR_COUNT, g->dev);
-  g->sm = maj * 10 + min;
-  g->num_sms = std::max(g->num_sms, 1);
+  g->sm = v[0] * 10 + v[1];
+  g->num_sms = v[2];
   return ZOPT_OK;
 }
 
@@ -87,22 +236,93 @@ void cuda_detach(GpuState *g) {
   g->retained = false;
 }
 
-zopt_status gpu_check_pointers(const GpuState *g, void *param, void *grad) {
-  if (zopt_status st = make_current(g)) return st;
+zopt_status gpu_events(GpuState *g) {
+  for (CUevent *e : {&g->done, &g->hypers_ready, &g->staging})
+    if (!*e)
+      if (CUresult r = g->cu->EventCreate(e, EVENT_DISABLE_TIMING))
+        return fail(ZOPT_ERR_INTERNAL, "cuEventCreate: %s", error_string(r));
+  return ZOPT_OK;
+}
+
+static void destroy_events(GpuState *g) {
+  for (CUevent *e : {&g->done, &g->hypers_ready, &g->staging})
+    if (*e) {
+      g->cu->EventDestroy(*e);
+      *e = nullptr;
+    }
+}
+
+zopt_status gpu_check_pointers(const GpuState *g, void *param, void *grad, int tensor) {
+  ZOPT_CTX_SCOPE(g);
   for (int i = 0; i < 2; ++i) {
     void *p = i ? grad : param;
+    const char *what = i ? "grad" : "param";
     unsigned type = 0;
     CUresult r = g->cu->PointerGetAttribute(&type, POINTER_ATTRIBUTE_MEMORY_TYPE, (CUdeviceptr)(uintptr_t)p);
     if (r != CUDA_SUCCESS || (type != MEMORYTYPE_DEVICE && type != MEMORYTYPE_UNIFIED))
       return fail(ZOPT_ERR_INVALID_ARGUMENT,
-                  "zopt_optimizer_add_tensor: %s pointer %p is not CUDA device memory (the step's %s are on the "
-                  "GPU)",
-                  i ? "grad" : "param", p, i ? "grads" : "params");
+                  "zopt_optimizer_add_tensor: the %s of tensor %d (%p) is not CUDA device memory (the step's %ss "
+                  "are on the GPU)",
+                  what, tensor, p, what);
+    if (type != MEMORYTYPE_DEVICE) continue;  // managed memory: any device
+    int dev = -1;
+    r = g->cu->PointerGetAttribute(&dev, POINTER_ATTRIBUTE_DEVICE_ORDINAL, (CUdeviceptr)(uintptr_t)p);
+    if (r != CUDA_SUCCESS)
+      return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_add_tensor: the device of the %s of tensor %d (%p): %s",
+                  what, tensor, p, error_string(r));
+    if (dev != (int)g->dev)
+      return fail(ZOPT_ERR_INVALID_ARGUMENT,
+                  "zopt_optimizer_add_tensor: the %s of tensor %d is on cuda:%d, but the optimizer runs on cuda:%d "
+                  "(the context current at zopt_optimizer_create, else device 0): create the optimizer while "
+                  "cuda:%d's context is current (PyTorch: inside `with torch.cuda.device(%d)`), with every tensor "
+                  "on that device",
+                  what, tensor, dev, (int)g->dev, dev, dev);
   }
   return ZOPT_OK;
 }
 
+zopt_status gpu_capturing(const GpuState *g, CUstream s, bool *capturing) {
+  int status = STREAM_CAPTURE_STATUS_NONE;
+  if (CUresult r = g->cu->StreamIsCapturing(s, &status))
+    return fail(ZOPT_ERR_BAD_STATE,
+                "cuStreamIsCapturing(%p): %s (the legacy default stream while another stream captures a CUDA "
+                "graph? pass the capturing stream: zopt_optimizer_set_stream)",
+                (void *)s, error_string(r));
+  *capturing = status != STREAM_CAPTURE_STATUS_NONE;
+  return ZOPT_OK;
+}
+
+zopt_status gpu_wait_own_work(GpuState *g, CUstream s) {
+  const std::pair<CUevent, bool> evs[] = {
+      {g->done, g->done_recorded}, {g->hypers_ready, g->hypers_recorded}, {g->staging, g->staging_recorded}};
+  for (auto &e : evs)
+    if (e.second) CU_TRY(g->cu->StreamWaitEvent(s, e.first, 0), "cuStreamWaitEvent (the optimizer's last work)");
+  return ZOPT_OK;
+}
+
+zopt_status gpu_begin_host_access(GpuState *g, const char *what) {
+  bool cap = false;
+  if (zopt_status st = gpu_capturing(g, g->stream, &cap)) return st;
+  if (cap)
+    return fail(ZOPT_ERR_BAD_STATE,
+                "%s: the optimizer's stream is capturing a CUDA graph, and this call copies device memory to or "
+                "from the host and waits for it: call it outside the capture (e.g. after a replay)",
+                what);
+  return gpu_wait_own_work(g, g->stream);
+}
+
+void gpu_sync_own_work(GpuState *g) {
+  const std::pair<CUevent, bool> evs[] = {
+      {g->done, g->done_recorded}, {g->hypers_ready, g->hypers_recorded}, {g->staging, g->staging_recorded}};
+  for (auto &e : evs)
+    if (e.second) g->cu->EventSynchronize(e.first);
+}
+
+// ---- the optimizer's GPU backend ---------------------------------------------
+
 bool gpu_enabled(const zopt_optimizer *o) { return o->gpu != nullptr; }
+
+static zopt_status load_module(GpuState *g, const zopt_step *s);
 
 zopt_status gpu_create(zopt_optimizer *o) {
   const zopt_step *s = o->step;
@@ -119,13 +339,30 @@ zopt_status gpu_create(zopt_optimizer *o) {
     delete g;
     return st;
   }
-  const Driver *cu = g->cu;
-  auto bail = [&](zopt_status st) {
-    if (g->mod) cu->ModuleUnload(g->mod);
+  zopt_status st;
+  {
+    CtxScope scope(g);
+    st = scope.status();
+    if (!st) st = load_module(g, s);
+    if (st) {
+      if (!scope.status() && g->mod) g->cu->ModuleUnload(g->mod);
+      if (!scope.status()) destroy_events(g);
+    }
+  }
+  if (st) {
     cuda_detach(g);
     delete g;
     return st;
-  };
+  }
+  o->gpu = g;
+  return ZOPT_OK;
+}
+
+// The image for this device, its kernels (parameters, block sizes,
+// occupancy) and the events; the optimizer's context is current.
+static zopt_status load_module(GpuState *g, const zopt_step *s) {
+  const zopt_step_descriptor *d = &s->desc;
+  const Driver *cu = g->cu;
   // The image with the highest SM <= the device's.
   const char *image = nullptr;
   std::string have;
@@ -139,13 +376,30 @@ zopt_status gpu_create(zopt_optimizer *o) {
     }
   }
   if (!image)
-    return bail(fail(ZOPT_ERR_UNSUPPORTED, "step '%s': no GPU image runs on this sm_%d device (step has %s)", d->name,
-                     g->sm, have.c_str()));
+    return fail(ZOPT_ERR_UNSUPPORTED, "step '%s': no GPU image runs on this sm_%d device (step has %s)", d->name,
+                g->sm, have.c_str());
   const void *bytes = dlsym(s->handle, image);
-  if (!bytes) return bail(fail(ZOPT_ERR_ABI, "step '%s': GPU image '%s' not exported", d->name, image));
+  if (!bytes) return fail(ZOPT_ERR_ABI, "step '%s': GPU image '%s' not exported", d->name, image);
+  // The driver must know the toolkit's CUDA version: a cubin of CUDA N needs
+  // a driver of CUDA N.0 or newer.
+  const std::string tk_sym = std::string(image) + "_cuda_version";
+  if (const uint32_t *v = (const uint32_t *)dlsym(s->handle, tk_sym.c_str())) g->image_cuda_version = *v;
+  const int need = (int)(g->image_cuda_version / 1000 * 1000);
+  if (need && g->driver_version < need)
+    return fail(ZOPT_ERR_UNSUPPORTED,
+                "step '%s' was built by CUDA toolkit %s (sm_%d cubin + PTX), but the CUDA driver supports CUDA %s "
+                "(cuDriverGetVersion = %d): CUDA %d binaries need a CUDA %d.0 driver or newer (R%d or newer). "
+                "Update the driver, or compile the step with an older toolkit (zopt-compile --cuda-path)",
+                d->name, cuda_version_str((int)g->image_cuda_version).c_str(), g->image_sm,
+                cuda_version_str(g->driver_version).c_str(), g->driver_version, need / 1000, need / 1000,
+                need >= 13000 ? 580 : 525);
   if (CUresult r = cu->ModuleLoadData(&g->mod, bytes))
-    return bail(fail(ZOPT_ERR_UNSUPPORTED, "step '%s': cuModuleLoadData(sm_%d image) on sm_%d: %s", d->name,
-                     g->image_sm, g->sm, error_string(r)));
+    return fail(ZOPT_ERR_UNSUPPORTED,
+                "step '%s': cuModuleLoadData(sm_%d image, built by CUDA %s) on sm_%d with a CUDA %s driver: %s",
+                d->name, g->image_sm,
+                g->image_cuda_version ? cuda_version_str((int)g->image_cuda_version).c_str() : "(unknown)",
+                g->sm, cuda_version_str(g->driver_version).c_str(), error_string(r));
+  g->sr = d->flags & ZOPT_FLAG_STOCHASTIC;
   for (uint32_t i = 0; i < d->num_kernels; ++i) {
     const zopt_kernel_desc &k = d->kernels[i];
     if (k.device != ZOPT_PLACE_GPU || k.role == ZOPT_KERNEL_GPU_IMAGE) continue;
@@ -154,25 +408,113 @@ zopt_status gpu_create(zopt_optimizer *o) {
                        : k.role == ZOPT_KERNEL_FINISH ? &g->finish
                                                       : &g->update;
     if (CUresult r = cu->ModuleGetFunction(slot, g->mod, k.symbol))
-      return bail(fail(ZOPT_ERR_ABI, "step '%s': kernel '%s' not in the GPU image: %s", d->name, k.symbol,
-                       error_string(r)));
+      return fail(ZOPT_ERR_ABI, "step '%s': kernel '%s' not in the GPU image: %s", d->name, k.symbol,
+                  error_string(r));
+    const size_t nparams = k.role == ZOPT_KERNEL_PREPARE  ? 4
+                           : k.role == ZOPT_KERNEL_SUMSQ  ? 10
+                           : k.role == ZOPT_KERNEL_FINISH ? 4
+                                                          : (g->sr ? 8 : 6);
+    if (zopt_status st = check_params(g, *slot, k.symbol, nparams, d->name)) return st;
   }
   if (!g->prepare || !g->update || (!g->sumsq && (d->flags & ZOPT_FLAG_SUMSQ)))
-    return bail(fail(ZOPT_ERR_ABI, "step '%s': GPU kernel table lacks PREPARE, UPDATE or SUMSQ", d->name));
+    return fail(ZOPT_ERR_ABI, "step '%s': GPU kernel table lacks PREPARE, UPDATE or SUMSQ", d->name);
   if (!g->finish)
-    return bail(fail(ZOPT_ERR_ABI,
-                     "step '%s': GPU kernel table lacks FINISH (compiled by an older zopt-compile: recompile the step)",
-                     d->name));
-  o->gpu = g;
-  return ZOPT_OK;
+    return fail(ZOPT_ERR_ABI,
+                "step '%s': GPU kernel table lacks FINISH (compiled by an older zopt-compile: recompile the step)",
+                d->name);
+  const std::string init = std::string(d->name) + "_init_gpu";
+  if (cu->ModuleGetFunction(&g->init, g->mod, init.c_str()) != CUDA_SUCCESS) g->init = nullptr;
+  if (g->init)
+    if (zopt_status st = check_params(g, g->init, init.c_str(), 4, d->name)) return st;
+  // Block sizes (.reqntid) and occupancy.
+  if (zopt_status st = occupancy(g, g->prepare, "PREPARE", ZOPT_GPU_PREPARE_BLOCK, nullptr, d->name)) return st;
+  if (zopt_status st = occupancy(g, g->finish, "FINISH", ZOPT_GPU_FINISH_BLOCK, nullptr, d->name)) return st;
+  if (zopt_status st = occupancy(g, g->update, "UPDATE", ZOPT_GPU_BLOCK, &g->update_blocks_per_sm, d->name))
+    return st;
+  if (g->sumsq)
+    if (zopt_status st = occupancy(g, g->sumsq, "SUMSQ", ZOPT_GPU_BLOCK, &g->sumsq_blocks_per_sm, d->name))
+      return st;
+  if (g->init)
+    if (zopt_status st = occupancy(g, g->init, "INIT", ZOPT_GPU_BLOCK, nullptr, d->name)) return st;
+  return gpu_events(g);
 }
 
 zopt_status gpu_check_tensor(const zopt_optimizer *o, void *param, void *grad) {
-  return gpu_check_pointers(o->gpu, param, grad);
+  return gpu_check_pointers(o->gpu, param, grad, (int)o->tensors.size());
 }
 
 zopt_status gpu_set_stream(zopt_optimizer *o, void *stream) {
-  o->gpu->stream = (CUstream)stream;
+  GpuState *g = o->gpu ? o->gpu : o->offload;
+  if ((CUstream)stream == g->stream) return ZOPT_OK;
+  ZOPT_CTX_SCOPE(g);
+  // The new stream starts after the optimizer's work on the old one (its
+  // events: the old stream itself may be gone). A capturing stream cannot
+  // wait for work outside its capture; the capture's caller orders it
+  // (PyTorch synchronizes before capturing).
+  bool cap = false;
+  if (gpu_capturing(g, (CUstream)stream, &cap) == ZOPT_OK && !cap)
+    if (zopt_status st = gpu_wait_own_work(g, (CUstream)stream)) return st;
+  clear_error();
+  g->stream = (CUstream)stream;
+  return ZOPT_OK;
+}
+
+zopt_status gpu_set_allocator(zopt_optimizer *o, const zopt_device_allocator *a) {
+  if (o->finalized)
+    return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_set_device_allocator: the optimizer is already finalized");
+  if (a && (!a->alloc || !a->free))
+    return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_set_device_allocator: alloc and free must both be set");
+  o->gpu->allocator = a ? *a : zopt_device_allocator{};
+  return ZOPT_OK;
+}
+
+// Master (and any state initialized from the param) of tensors
+// [first, first + count): INIT on their chunks, or through the host.
+static zopt_status init_from_param(zopt_optimizer *o, int first, int count) {
+  GpuState *g = o->gpu;
+  const zopt_step_descriptor *d = o->d;
+  bool any = false;
+  for (uint32_t k = 0; k < d->num_states; ++k) any |= d->states[k].init == ZOPT_INIT_FROM_PARAM;
+  if (!any || count <= 0) return ZOPT_OK;
+  CUstream s = g->stream;
+  if (g->init) {
+    const int64_t c0 = g->chunk_first[(size_t)first], c1 = g->chunk_first[(size_t)first + (size_t)count];
+    if (c1 == c0) return ZOPT_OK;
+    CUdeviceptr chunks = g->d_chunks + (CUdeviceptr)c0 * sizeof(zopt_gpu_chunk);
+    int64_t n = c1 - c0;
+    unsigned grid = (unsigned)std::clamp<int64_t>(n, 1, std::min<int64_t>((int64_t)g->update_blocks_per_sm * g->num_sms,
+                                                                         ZOPT_GPU_MAX_BLOCKS));
+    void *args[] = {&g->d_states, &g->d_segs, &chunks, &n};
+    CU_TRY(g->cu->LaunchKernel(g->init, grid, 1, 1, ZOPT_GPU_BLOCK, 1, 1, 0, s, args, nullptr), "launching INIT");
+    CU_TRY(g->cu->EventRecordWithFlags(g->done, s, 0), "cuEventRecord");
+    g->done_recorded = true;
+    return ZOPT_OK;
+  }
+  // A step.so without INIT: through host memory, one tensor at a time.
+  const int pi = o->step->param_index;
+  const uint32_t pdt = d->states[pi].dtype;
+  std::vector<unsigned char> src, dst;
+  for (uint32_t k = 0; k < d->num_states; ++k) {
+    if (d->states[k].init != ZOPT_INIT_FROM_PARAM) continue;
+    const uint32_t mdt = d->states[k].dtype;
+    for (int t = first; t < first + count; ++t) {
+      const Tensor &x = o->tensors[t];
+      if (!x.numel) continue;
+      try {
+        src.resize((size_t)x.numel * dtype_size(pdt));
+        dst.resize((size_t)x.numel * dtype_size(mdt));
+      } catch (...) {
+        return fail(ZOPT_ERR_OUT_OF_MEMORY, "initializing the master: out of host memory");
+      }
+      CUresult r = g->cu->MemcpyDtoHAsync(src.data(), (CUdeviceptr)(uintptr_t)x.param, src.size(), s);
+      if (!r) r = g->cu->StreamSynchronize(s);
+      if (r) return fail(ZOPT_ERR_INTERNAL, "reading param %d: %s", t, error_string(r));
+      convert(src.data(), pdt, dst.data(), mdt, x.numel);
+      r = g->cu->MemcpyHtoDAsync((CUdeviceptr)(uintptr_t)state_ptr(o, t, (int)k), dst.data(), dst.size(), s);
+      if (!r) r = g->cu->StreamSynchronize(s);
+      if (r) return fail(ZOPT_ERR_INTERNAL, "writing the master of tensor %d: %s", t, error_string(r));
+    }
+  }
   return ZOPT_OK;
 }
 
@@ -180,15 +522,18 @@ zopt_status gpu_finalize(zopt_optimizer *o) {
   GpuState *g = o->gpu;
   const Driver *cu = g->cu;
   const zopt_step_descriptor *d = o->d;
-  if (zopt_status st = make_current(g)) return st;
-  const int64_t A = gpu_align(d);
-  const int64_t max_n = layout_segments(o, A);
-  int64_t total = 0;
-  for (auto &gr : o->groups) total += gr.padded_total;
+  ZOPT_CTX_SCOPE(g);
+  bool cap = false;
+  if (zopt_status st = gpu_capturing(g, g->stream, &cap)) return st;
+  if (cap)
+    return fail(ZOPT_ERR_BAD_STATE,
+                "zopt_optimizer_finalize: the optimizer's stream is capturing a CUDA graph (finalize allocates and "
+                "synchronizes): finalize before capturing");
+  gpu_layout(o);
   CUstream s = g->stream;
   auto undo = [&](zopt_status st) {
-    for (CUdeviceptr p : g->allocs) cu->MemFree(p);
-    g->allocs.clear();
+    cu->StreamSynchronize(s);
+    dfree_all(g);
     for (auto &gr : o->groups)
       for (void *&b : gr.buffers) b = nullptr;
     return st;
@@ -206,31 +551,7 @@ zopt_status gpu_finalize(zopt_optimizer *o) {
         return undo(fail(ZOPT_ERR_INTERNAL, "cuMemsetD8Async: %s", error_string(r)));
     }
   }
-  // Master from the param: staged through the host once, widened there.
-  const int pi = o->step->param_index;
-  const uint32_t pdt = d->states[pi].dtype;
-  for (uint32_t k = 0; k < d->num_states; ++k) {
-    if (d->states[k].init != ZOPT_INIT_FROM_PARAM) continue;
-    const uint32_t mdt = d->states[k].dtype;
-    std::vector<unsigned char> src, dst;
-    for (size_t t = 0; t < o->tensors.size(); ++t) {
-      const Tensor &x = o->tensors[t];
-      try {
-        src.resize((size_t)x.numel * dtype_size(pdt));
-        dst.resize((size_t)x.numel * dtype_size(mdt));
-      } catch (...) {
-        return undo(fail(ZOPT_ERR_OUT_OF_MEMORY, "zopt_optimizer_finalize: out of host memory"));
-      }
-      CUresult r = cu->MemcpyDtoHAsync(src.data(), (CUdeviceptr)(uintptr_t)x.param, src.size(), s);
-      if (!r) r = cu->StreamSynchronize(s);
-      if (r) return undo(fail(ZOPT_ERR_INTERNAL, "finalize: reading param %zu: %s", t, error_string(r)));
-      convert(src.data(), pdt, dst.data(), mdt, x.numel);
-      r = cu->MemcpyHtoDAsync((CUdeviceptr)(uintptr_t)state_ptr(o, (int)t, (int)k), dst.data(), dst.size(), s);
-      if (!r) r = cu->StreamSynchronize(s);
-      if (r) return undo(fail(ZOPT_ERR_INTERNAL, "finalize: writing master %zu: %s", t, error_string(r)));
-    }
-  }
-  // Tables: one segment per tensor.
+  // Tables: one segment per tensor, the work list, grids.
   const size_t G = o->groups.size(), S = o->tensors.size(), NS = d->num_states;
   std::vector<uint64_t> ptrs(S * NS, 0);
   std::vector<zopt_gpu_segment> segs(S);
@@ -240,16 +561,33 @@ zopt_status gpu_finalize(zopt_optimizer *o) {
     segs[t].group = (uint32_t)o->tensors[t].group;
     segs[t].tensor = (uint32_t)t;
   }
+  const int64_t resident = std::min<int64_t>((int64_t)g->update_blocks_per_sm * g->num_sms, ZOPT_GPU_MAX_BLOCKS);
+  if (zopt_status st = pick_chunk(o, 4 * resident, &g->chunk_elems)) return undo(st);
+  std::vector<zopt_gpu_chunk> chunks;
+  try {
+    g->chunk_first.assign(S + 1, 0);
+    for (size_t t = 0; t < S; ++t) {
+      g->chunk_first[t] = (int64_t)chunks.size();
+      for (int64_t b = 0; b < segs[t].n; b += g->chunk_elems)
+        chunks.push_back({b, (uint32_t)t, (uint32_t)std::min<int64_t>(g->chunk_elems, segs[t].n - b)});
+    }
+    g->chunk_first[S] = (int64_t)chunks.size();
+  } catch (...) {
+    return undo(fail(ZOPT_ERR_OUT_OF_MEMORY, "zopt_optimizer_finalize: out of host memory for the work list"));
+  }
   g->num_segments = (int64_t)S;
+  g->num_chunks = (int64_t)chunks.size();
+  g->update_grid = (unsigned)std::clamp<int64_t>(g->num_chunks, 1, resident);
+  g->sumsq_grid = (unsigned)std::clamp<int64_t>(
+      g->num_chunks, 1, std::min<int64_t>((int64_t)std::max(g->sumsq_blocks_per_sm, 1) * g->num_sms, ZOPT_GPU_MAX_BLOCKS));
+  g->prepare_grid = (unsigned)((G + ZOPT_GPU_PREPARE_BLOCK - 1) / ZOPT_GPU_PREPARE_BLOCK);
   g->h_hypers.assign(std::max<size_t>(G * d->num_hypers, 1), 0.0);
-  const int64_t per_block = (int64_t)kUpdateBlock * 8;
-  g->update_grid = (unsigned)std::clamp<int64_t>((max_n + per_block - 1) / per_block, 1, (int64_t)g->num_sms * 8);
-  g->sumsq_grid = (unsigned)std::clamp<int64_t>((total + per_block - 1) / per_block, 1,
-                                                std::min<int64_t>((int64_t)g->num_sms * 4, ZOPT_GPU_MAX_BLOCKS));
-  g->prepare_grid = (unsigned)((G + kPrepareBlock - 1) / kPrepareBlock);
+  for (size_t gi = 0; gi < G; ++gi)
+    for (size_t h = 0; h < d->num_hypers; ++h) g->h_hypers[gi * d->num_hypers + h] = o->groups[gi].hypers[h];
   zopt_status st = ZOPT_OK;
   if ((st = dalloc(g, ptrs.size() * 8, &g->d_states, "state table")) ||
       (st = dalloc(g, segs.size() * sizeof(zopt_gpu_segment), &g->d_segs, "segment table")) ||
+      (st = dalloc(g, chunks.size() * sizeof(zopt_gpu_chunk), &g->d_chunks, "work list")) ||
       (st = dalloc(g, g->h_hypers.size() * 8, &g->d_hypers, "hyperparameter table")) ||
       (st = dalloc(g, G * ZOPT_NUM_GLOBALS * 8, &g->d_globals, "globals table")) ||
       (st = dalloc(g, G * std::max<uint32_t>(d->num_coeffs, 1) * 4, &g->d_coeffs, "coefficient table")) ||
@@ -259,20 +597,30 @@ zopt_status gpu_finalize(zopt_optimizer *o) {
     return undo(st);
   CUresult r = cu->MemcpyHtoDAsync(g->d_states, ptrs.data(), ptrs.size() * 8, s);
   if (!r) r = cu->MemcpyHtoDAsync(g->d_segs, segs.data(), segs.size() * sizeof(zopt_gpu_segment), s);
+  if (!r && !chunks.empty())
+    r = cu->MemcpyHtoDAsync(g->d_chunks, chunks.data(), chunks.size() * sizeof(zopt_gpu_chunk), s);
+  if (!r) r = cu->MemcpyHtoDAsync(g->d_hypers, g->h_hypers.data(), g->h_hypers.size() * 8, s);
   if (!r) r = cu->MemsetD8Async(g->d_sg, 0, sizeof(zopt_gpu_step_globals), s);
   if (!r) r = cu->MemsetD8Async(g->d_partials, 0, (size_t)g->sumsq_grid * 8, s);
-  if (!r) r = cu->StreamSynchronize(s);
+  if (!r) r = cu->StreamSynchronize(s);  // the pageable sources above
   if (r) return undo(fail(ZOPT_ERR_INTERNAL, "zopt_optimizer_finalize: building device tables: %s", error_string(r)));
-  g->hypers_dirty = true;
+  g->hypers_dirty = false;
+  // The master from the params, on the device (INIT).
+  if (zopt_status st2 = init_from_param(o, 0, (int)S)) return undo(st2);
+  if (CUresult r2 = cu->StreamSynchronize(s))
+    return undo(fail(ZOPT_ERR_INTERNAL, "zopt_optimizer_finalize: initializing the states: %s", error_string(r2)));
   g->device_ahead = false;
   if (zopt_status st2 = gpu_push(o)) return undo(st2);
   return ZOPT_OK;
 }
 
+// Copies of the globals, the scaler and (when stale) the hyperparameter
+// table to the device, then a stream synchronisation.
 zopt_status gpu_push(zopt_optimizer *o) {
   GpuState *g = o->gpu;
   if (!g->d_globals) return ZOPT_OK;  // not finalized: finalize pushes
-  if (zopt_status st = make_current(g)) return st;
+  ZOPT_CTX_SCOPE(g);
+  if (zopt_status st = gpu_begin_host_access(g, "writing the GPU step state")) return st;
   const zopt_step_descriptor *d = o->d;
   const bool ls = d->flags & ZOPT_FLAG_LOSS_SCALE;
   const double S = ls ? o->scaler.scale : 1.0;
@@ -294,20 +642,31 @@ zopt_status gpu_push(zopt_optimizer *o) {
   sc.good_steps = o->scaler.good_steps;
   sc.dynamic = ls && o->scaler.cfg.dynamic ? 1u : 0u;
   sc.grad_divisor = grad_divisor(o);
+  const bool hypers = g->hypers_dirty;
+  if (hypers) {
+    const size_t H = d->num_hypers;
+    for (size_t gi = 0; gi < o->groups.size(); ++gi)
+      for (size_t h = 0; h < H; ++h) g->h_hypers[gi * H + h] = o->groups[gi].hypers[h];
+  }
   CUresult r = g->cu->MemcpyHtoDAsync(g->d_globals, globals.data(), globals.size() * 8, g->stream);
   if (!r) r = g->cu->MemcpyHtoDAsync(g->d_scaler, &sc, sizeof sc, g->stream);
+  if (!r && hypers) r = g->cu->MemcpyHtoDAsync(g->d_hypers, g->h_hypers.data(), g->h_hypers.size() * 8, g->stream);
   if (!r) r = g->cu->StreamSynchronize(g->stream);
   if (r) return fail(ZOPT_ERR_INTERNAL, "writing the GPU step state: %s", error_string(r));
+  if (hypers) g->hypers_dirty = false;
   g->device_ahead = false;
   return ZOPT_OK;
 }
 
 // Reads the device's step state (globals, scaler, and the step globals when
-// `sg` is given) with one stream synchronisation and refreshes the host
-// copies in `o` (step counts, scaler).
-static zopt_status read_device_state(zopt_optimizer *o, zopt_gpu_step_globals *sg, zopt_gpu_scaler *sc) {
+// `sg` is given) with one stream synchronisation, after the last step
+// (wherever it ran), and refreshes the host copies in `o` (step counts,
+// scaler).
+static zopt_status read_device_state(zopt_optimizer *o, zopt_gpu_step_globals *sg, zopt_gpu_scaler *sc,
+                                     const char *what) {
   GpuState *g = o->gpu;
-  if (zopt_status st = make_current(g)) return st;
+  ZOPT_CTX_SCOPE(g);
+  if (zopt_status st = gpu_begin_host_access(g, what)) return st;
   std::vector<double> globals(o->groups.size() * ZOPT_NUM_GLOBALS);
   CUresult r = g->cu->MemcpyDtoHAsync(globals.data(), g->d_globals, globals.size() * 8, g->stream);
   if (!r) r = g->cu->MemcpyDtoHAsync(sc, g->d_scaler, sizeof *sc, g->stream);
@@ -325,56 +684,115 @@ static zopt_status read_device_state(zopt_optimizer *o, zopt_gpu_step_globals *s
 }
 
 zopt_status gpu_pull(zopt_optimizer *o) {
-  if (!o->gpu->device_ahead) return ZOPT_OK;
+  // After a capture, replays advance the device's state unseen: always read.
+  if (!o->gpu->device_ahead && !o->gpu->captured) return ZOPT_OK;
   zopt_gpu_scaler sc;
-  return read_device_state(o, nullptr, &sc);
+  return read_device_state(o, nullptr, &sc, "reading the GPU step state");
 }
 
 void gpu_hypers_changed(zopt_optimizer *o) { o->gpu->hypers_dirty = true; }
+
+zopt_status gpu_set_hyper(zopt_optimizer *o, int group, int hi, double value) {
+  GpuState *g = o->gpu;
+  if (!g->d_hypers) {  // before finalize: finalize uploads the table
+    o->groups[group].hypers[hi] = value;
+    return ZOPT_OK;
+  }
+  ZOPT_CTX_SCOPE(g);
+  CUstream s = g->stream;
+  bool cap = false;
+  if (zopt_status st = gpu_capturing(g, s, &cap)) return st;
+  if (cap)
+    return fail(ZOPT_ERR_BAD_STATE,
+                "zopt_optimizer_set_hyper(group %d, %s): the optimizer's stream is capturing a CUDA graph; a value "
+                "written now would be baked into the graph. Set hyperparameters between replays, outside the "
+                "capture: every replay reads the device's table, so it uses the value set before it",
+                group, hyper_name(o->d->hypers[hi].kind));
+  o->groups[group].hypers[hi] = value;
+  const size_t at = (size_t)group * o->d->num_hypers + (size_t)hi;
+  g->h_hypers[at] = value;
+  // Ordered after the steps already enqueued, on whatever stream (a replay
+  // records `done` too), and before the next ones (they wait for
+  // `hypers_ready`); the value travels in the memsets' arguments, so there
+  // is no host buffer to keep alive.
+  uint32_t w[2];
+  memcpy(w, &value, 8);
+  const CUdeviceptr p = g->d_hypers + (CUdeviceptr)at * 8;
+  CUresult r = g->done_recorded ? g->cu->StreamWaitEvent(s, g->done, 0) : CUDA_SUCCESS;
+  if (!r) r = g->cu->MemsetD32Async(p, w[0], 1, s);
+  if (!r) r = g->cu->MemsetD32Async(p + 4, w[1], 1, s);
+  if (!r) r = g->cu->EventRecordWithFlags(g->hypers_ready, s, 0);
+  if (r) {
+    g->hypers_dirty = true;  // the next step or push uploads the whole table
+    return fail(ZOPT_ERR_INTERNAL, "zopt_optimizer_set_hyper: writing the device's hyperparameter table: %s",
+                error_string(r));
+  }
+  g->hypers_recorded = true;
+  return ZOPT_OK;
+}
 
 zopt_status gpu_step(zopt_optimizer *o, zopt_step_result *result) {
   GpuState *g = o->gpu;
   const Driver *cu = g->cu;
   const zopt_step_descriptor *d = o->d;
-  if (zopt_status st = make_current(g)) return st;
+  ZOPT_CTX_SCOPE(g);
   const bool has_sumsq = d->flags & ZOPT_FLAG_SUMSQ;
   const bool ls = d->flags & ZOPT_FLAG_LOSS_SCALE;
-  const size_t G = o->groups.size(), H = d->num_hypers;
   CUstream s = g->stream;
+  bool cap = false;
+  if (zopt_status st = gpu_capturing(g, s, &cap)) return st;
   if (g->hypers_dirty) {
-    // Only when a hyperparameter changed. A pageable source: the driver
-    // stages it before returning, so h_hypers may be rewritten at once.
-    for (size_t gi = 0; gi < G; ++gi)
+    // Only after a failed hyperparameter write.
+    if (cap)
+      return fail(ZOPT_ERR_BAD_STATE,
+                  "zopt_optimizer_step: the device's hyperparameter table is stale (a failed write) and the stream "
+                  "is capturing a CUDA graph: step once outside the capture first");
+    const size_t H = d->num_hypers;
+    for (size_t gi = 0; gi < o->groups.size(); ++gi)
       for (size_t h = 0; h < H; ++h) g->h_hypers[gi * H + h] = o->groups[gi].hypers[h];
     CU_TRY(cu->MemcpyHtoDAsync(g->d_hypers, g->h_hypers.data(), g->h_hypers.size() * 8, s),
            "cuMemcpyHtoDAsync(hypers)");
+    CU_TRY(cu->EventRecordWithFlags(g->hypers_ready, s, 0), "cuEventRecord");
+    g->hypers_recorded = true;
     g->hypers_dirty = false;
   }
-  int64_t ng = (int64_t)G, nseg = g->num_segments;
+  // After the latest hyperparameter write, wherever it ran. In a capture,
+  // always (also before any write: writes may come between the replays):
+  // an external wait node, so each replay waits for the latest write made
+  // before its launch (an event never recorded is complete).
+  if (g->hypers_recorded || cap)
+    CU_TRY(cu->StreamWaitEvent(s, g->hypers_ready, cap ? EVENT_WAIT_EXTERNAL : 0), "cuStreamWaitEvent(hypers)");
+  int64_t ng = (int64_t)o->groups.size(), nchunks = g->num_chunks;
   CUdeviceptr no_ptr = 0;
   {
     void *args[] = {&g->d_hypers, &g->d_globals, &ng, &g->d_coeffs};
-    CU_TRY(cu->LaunchKernel(g->prepare, g->prepare_grid, 1, 1, kPrepareBlock, 1, 1, 0, s, args, nullptr),
+    CU_TRY(cu->LaunchKernel(g->prepare, g->prepare_grid, 1, 1, ZOPT_GPU_PREPARE_BLOCK, 1, 1, 0, s, args, nullptr),
            "launching PREPARE");
   }
   if (has_sumsq) {
-    void *args[] = {&g->d_states, &g->d_segs, &nseg, &g->d_coeffs, &g->d_partials,
-                    &g->d_sg,     &g->d_hypers, &g->d_globals, &ng};
+    void *args[] = {&g->d_states, &g->d_segs,   &g->d_chunks,  &nchunks, &g->d_coeffs,
+                    &g->d_partials, &g->d_sg, &g->d_hypers, &g->d_globals, &ng};
     CU_TRY(cu->LaunchKernel(g->sumsq, g->sumsq_grid, 1, 1, ZOPT_GPU_BLOCK, 1, 1, 0, s, args, nullptr),
            "launching SUMSQ");
   }
   {
     // Stochastic rounding: the device's globals (step t) and the seed too.
     uint64_t seed = o->seed;
-    void *args[] = {&g->d_states, &g->d_segs, &nseg, &g->d_coeffs, has_sumsq ? &g->d_sg : &no_ptr,
-                    &g->d_globals, &seed};
-    CU_TRY(cu->LaunchKernel(g->update, g->update_grid, 1, 1, kUpdateBlock, 1, 1, 0, s, args, nullptr),
+    void *args[] = {&g->d_states, &g->d_segs, &g->d_chunks, &nchunks, &g->d_coeffs,
+                    has_sumsq ? &g->d_sg : &no_ptr, &g->d_globals, &seed};
+    CU_TRY(cu->LaunchKernel(g->update, g->update_grid, 1, 1, ZOPT_GPU_BLOCK, 1, 1, 0, s, args, nullptr),
            "launching UPDATE");
   }
   {
     void *args[] = {&g->d_globals, &ng, has_sumsq ? &g->d_sg : &no_ptr, ls ? &g->d_scaler : &no_ptr};
-    CU_TRY(cu->LaunchKernel(g->finish, 1, 1, 1, 32, 1, 1, 0, s, args, nullptr), "launching FINISH");
+    CU_TRY(cu->LaunchKernel(g->finish, 1, 1, 1, ZOPT_GPU_FINISH_BLOCK, 1, 1, 0, s, args, nullptr),
+           "launching FINISH");
   }
+  // Reads wait for this; captured, it is a record node that every replay
+  // runs, so reads after a replay on any stream wait for that replay.
+  CU_TRY(cu->EventRecordWithFlags(g->done, s, cap ? EVENT_RECORD_EXTERNAL : 0), "cuEventRecord(step)");
+  g->done_recorded = true;
+  g->captured |= cap;
   g->stepped = true;
   g->device_ahead = true;
   if (result) {  // on the device: zopt_optimizer_gpu_result reads it
@@ -390,7 +808,7 @@ zopt_status gpu_result(zopt_optimizer *o, zopt_step_result *result) {
   if (!g->stepped) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_gpu_result: no step has run yet");
   zopt_gpu_step_globals sg;
   zopt_gpu_scaler sc;
-  if (zopt_status st = read_device_state(o, &sg, &sc)) return st;
+  if (zopt_status st = read_device_state(o, &sg, &sc, "zopt_optimizer_gpu_result")) return st;
   const bool has_sumsq = o->d->flags & ZOPT_FLAG_SUMSQ;
   result->grad_norm = has_sumsq ? sg.norm : NAN;
   result->skipped = has_sumsq && sg.skip != 0;
@@ -400,7 +818,8 @@ zopt_status gpu_result(zopt_optimizer *o, zopt_step_result *result) {
 
 zopt_status gpu_copy(const zopt_optimizer *o, int t, int si, void *host, size_t bytes, bool to_device) {
   GpuState *g = o->gpu;
-  if (zopt_status st = make_current(g)) return st;
+  ZOPT_CTX_SCOPE(g);
+  if (zopt_status st = gpu_begin_host_access(g, to_device ? "writing a GPU state" : "reading a GPU state")) return st;
   CUdeviceptr p = (CUdeviceptr)(uintptr_t)state_ptr(o, t, si);
   CUresult r = to_device ? g->cu->MemcpyHtoDAsync(p, host, bytes, g->stream)
                          : g->cu->MemcpyDtoHAsync(host, p, bytes, g->stream);
@@ -410,13 +829,25 @@ zopt_status gpu_copy(const zopt_optimizer *o, int t, int si, void *host, size_t 
   return ZOPT_OK;
 }
 
+zopt_status gpu_refresh_master(zopt_optimizer *o, int first, int count) {
+  GpuState *g = o->gpu;
+  ZOPT_CTX_SCOPE(g);
+  if (zopt_status st = gpu_begin_host_access(g, "zopt_optimizer_refresh_master")) return st;
+  return init_from_param(o, first, count);
+}
+
 void gpu_free(zopt_optimizer *o) {
   GpuState *g = o->gpu;
   if (!g) return;
-  if (g->cu->CtxSetCurrent(g->ctx) == CUDA_SUCCESS) {
-    g->cu->StreamSynchronize(g->stream);
-    for (CUdeviceptr p : g->allocs) g->cu->MemFree(p);
-    if (g->mod) g->cu->ModuleUnload(g->mod);
+  {
+    CtxScope scope(g);
+    if (!scope.status()) {
+      // The optimizer's own work only: the caller's stream may be destroyed.
+      gpu_sync_own_work(g);
+      dfree_all(g);
+      if (g->mod) g->cu->ModuleUnload(g->mod);
+      destroy_events(g);
+    }
   }
   for (auto &gr : o->groups)
     for (void *&b : gr.buffers) b = nullptr;
@@ -431,8 +862,7 @@ extern "C" {
 
 ZOPT_API zopt_status zopt_optimizer_set_stream(zopt_optimizer *o, void *cu_stream) {
   if (!o) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_set_stream: optimizer is NULL");
-  if (o->offload) return offload_set_stream(o, cu_stream);
-  if (!o->gpu)
+  if (!o->gpu && !o->offload)
     return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_set_stream: step '%s' has nothing on the GPU", o->d->name);
   return gpu_set_stream(o, cu_stream);
 }
@@ -442,6 +872,15 @@ ZOPT_API zopt_status zopt_optimizer_gpu_result(zopt_optimizer *o, zopt_step_resu
   if (!result) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_gpu_result: result is NULL");
   if (!o->gpu) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_gpu_result: step '%s' does not run on the GPU", o->d->name);
   return gpu_result(o, result);
+}
+
+ZOPT_API zopt_status zopt_optimizer_set_device_allocator(zopt_optimizer *o, const zopt_device_allocator *allocator) {
+  if (!o) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_set_device_allocator: optimizer is NULL");
+  if (!o->gpu)
+    return fail(ZOPT_ERR_BAD_STATE,
+                "zopt_optimizer_set_device_allocator: step '%s' allocates no device memory (not a GPU step)",
+                o->d->name);
+  return gpu_set_allocator(o, allocator);
 }
 
 }  // extern "C"

@@ -8,11 +8,14 @@
 #include "cuda_driver.h"
 #include "internal.h"
 
+#include <utility>
+
 namespace zopt {
 
 using cu::CUcontext;
 using cu::CUdevice;
 using cu::CUdeviceptr;
+using cu::CUevent;
 using cu::CUfunction;
 using cu::CUmodule;
 using cu::CUstream;
@@ -23,36 +26,93 @@ struct GpuState {
   CUcontext ctx = nullptr;
   CUdevice dev = 0;
   bool retained = false;  // we retained the device's primary context
+  int driver_version = 0;  // cuDriverGetVersion
   int sm = 0, num_sms = 1, image_sm = 0;
+  uint32_t image_cuda_version = 0;  // toolkit that built the loaded image (0: unknown)
   CUmodule mod = nullptr;
   CUfunction prepare = nullptr, sumsq = nullptr, update = nullptr, finish = nullptr;
+  CUfunction init = nullptr;  // INIT (abi.h), absent in older step.so files
+  bool sr = false;            // UPDATE takes (globals, seed)
   CUstream stream = nullptr;  // 0: the legacy default stream
-  std::vector<CUdeviceptr> allocs;
-  CUdeviceptr d_states = 0, d_segs = 0, d_hypers = 0, d_globals = 0, d_coeffs = 0, d_partials = 0, d_sg = 0,
-              d_scaler = 0;
-  std::vector<double> h_hypers;  // staging of the hyperparameter table
-  int64_t num_segments = 0;
-  unsigned prepare_grid = 1, sumsq_grid = 1, update_grid = 1;
+  // The optimizer's own asynchronous work is tracked by its events, never
+  // by the caller's stream (which may change, be replayed on by a CUDA
+  // graph, or be destroyed): `done` after every step's launches (an
+  // external record node when the step is captured, so that every replay
+  // records it), `hypers_ready` after every hyperparameter write,
+  // `staging` after an offloaded step's copies of the params back to the
+  // GPU. Every host access and every new stream waits for them.
+  CUevent done = nullptr, hypers_ready = nullptr, staging = nullptr;
+  bool done_recorded = false, hypers_recorded = false, staging_recorded = false;
+  // A step was captured into a CUDA graph: replays advance the device's
+  // step state without the runtime seeing them.
+  bool captured = false;
+  // Device memory: cuMemAlloc, or the caller's allocator.
+  zopt_device_allocator allocator{};
+  CUstream alloc_stream = nullptr;  // the stream given to allocator.alloc (finalize's)
+  std::vector<std::pair<CUdeviceptr, size_t>> allocs;
+  CUdeviceptr d_states = 0, d_segs = 0, d_chunks = 0, d_hypers = 0, d_globals = 0, d_coeffs = 0, d_partials = 0,
+              d_sg = 0, d_scaler = 0;
+  std::vector<double> h_hypers;  // host copy of the hyperparameter table
+  int64_t num_segments = 0, num_chunks = 0, chunk_elems = 0;
+  std::vector<int64_t> chunk_first;  // per segment its first chunk; [S] = num_chunks
+  unsigned prepare_grid = 1, sumsq_grid = 1, update_grid = 1, init_grid = 1;
+  int update_blocks_per_sm = 0, sumsq_blocks_per_sm = 0;
   bool stepped = false;
   // The running state (step counts, loss scaler) lives on the device once
   // finalized; `device_ahead` says the host copy in zopt_optimizer is stale
   // (steps ran since the last gpu_pull), `hypers_dirty` that the device's
-  // hyperparameter table is.
+  // hyperparameter table may be (a failed write: the next step or push
+  // uploads the whole table).
   bool device_ahead = false;
   bool hypers_dirty = true;
   // Offloaded steps: the pinned host staging buffers of params and grads.
   std::vector<void *> pinned;
 };
 
+// Makes the optimizer's context current for the life of the scope if it is
+// not, and restores the caller's afterwards (every entry point: the
+// caller's thread keeps the context it had, e.g. another device's).
+class CtxScope {
+ public:
+  explicit CtxScope(const GpuState *g);
+  ~CtxScope();
+  CtxScope(const CtxScope &) = delete;
+  CtxScope &operator=(const CtxScope &) = delete;
+  zopt_status status() const { return st_; }
+
+ private:
+  const GpuState *g_;
+  bool pushed_ = false;
+  zopt_status st_ = ZOPT_OK;
+};
+#define ZOPT_CTX_SCOPE(g)                                  \
+  ::zopt::CtxScope ctx_scope_(g);                          \
+  if (zopt_status ctx_st_ = ctx_scope_.status()) return ctx_st_
 
 // The driver, a context (the caller's current one, e.g. PyTorch's, else
-// device 0's primary context, retained) and the device's properties; `what`
-// completes "step '<name>' <what>: no CUDA driver ..." messages.
+// device 0's primary context, retained; never left current) and the
+// device's properties (checked); `what` completes "step '<name>' <what>: no
+// CUDA driver ..." messages.
 zopt_status cuda_attach(GpuState *g, const char *name, const char *what);
 void cuda_detach(GpuState *g);  // releases a retained primary context
-zopt_status make_current(const GpuState *g);
-// Both pointers are CUDA device (or managed) memory.
-zopt_status gpu_check_pointers(const GpuState *g, void *param, void *grad);
+// The optimizer's events (created on first use).
+zopt_status gpu_events(GpuState *g);
+// Both pointers are CUDA device (or managed) memory of the optimizer's
+// device; `tensor` is the id the tensor will get (for messages).
+zopt_status gpu_check_pointers(const GpuState *g, void *param, void *grad, int tensor);
+// Whether `s` is capturing a CUDA graph (an error when the driver cannot
+// tell, e.g. the legacy stream while another stream captures).
+zopt_status gpu_capturing(const GpuState *g, CUstream s, bool *capturing);
+// Before a host access of device memory on the optimizer's stream (a copy
+// followed by a stream synchronisation): refuses during a capture (`what`
+// names the call) and orders the stream after the optimizer's own
+// asynchronous work, wherever it ran (its events).
+zopt_status gpu_begin_host_access(GpuState *g, const char *what);
+// Orders stream `s` after the optimizer's own asynchronous work.
+zopt_status gpu_wait_own_work(GpuState *g, CUstream s);
+// Waits on the host for the optimizer's own asynchronous work (freeing: the
+// caller's stream may be gone).
+void gpu_sync_own_work(GpuState *g);
 
 }  // namespace zopt
 

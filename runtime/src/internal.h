@@ -202,8 +202,14 @@ zopt_status gpu_step(zopt_optimizer *o, zopt_step_result *result);
 zopt_status gpu_pull(zopt_optimizer *o);
 zopt_status gpu_push(zopt_optimizer *o);
 void gpu_hypers_changed(zopt_optimizer *o);
+// set_hyper of a changed value: stores it and writes it into the device's
+// table (after finalize), ordered between the steps on the stream.
+zopt_status gpu_set_hyper(zopt_optimizer *o, int group, int hi, double value);
 // Synchronous staging copy of state `si` of tensor `t` (bytes of storage).
 zopt_status gpu_copy(const zopt_optimizer *o, int t, int si, void *host, size_t bytes, bool to_device);
+// The master of tensors [first, first + count) from their params, on the
+// device (zopt_optimizer_refresh_master).
+zopt_status gpu_refresh_master(zopt_optimizer *o, int first, int count);
 void gpu_free(zopt_optimizer *o);
 
 // ---- offloaded steps (offload.cpp): params/grads on the GPU, optimizer
@@ -219,7 +225,6 @@ zopt_status offload_alloc_staging(zopt_optimizer *o, size_t bytes, void **out);
 zopt_status offload_copy_state(zopt_optimizer *o, int si, bool to_device, bool sync);
 // Synchronous copy of the user's device PARAM/GRAD of tensor t.
 zopt_status offload_copy(const zopt_optimizer *o, int t, int si, void *host, size_t bytes, bool to_device);
-zopt_status offload_set_stream(zopt_optimizer *o, void *stream);
 void offload_free(zopt_optimizer *o);
 }  // namespace zopt
 

@@ -12,9 +12,15 @@
 //   first: grads (and params, if the kernel reads them) device -> staging,
 //          then one stream synchronisation (the CPU needs the bytes);
 //   last:  unless the step was skipped, the written params staging ->
-//          device, asynchronously: the caller's later work on the stream
-//          is ordered after them, and the next step's synchronisation
-//          guarantees they finished before the staging is written again.
+//          device, asynchronously, then an event: the caller's later work
+//          on the stream (or on a new stream: zopt_optimizer_set_stream
+//          orders it after the event) sees the new params, and the next
+//          step's copies wait for the event before the staging is written
+//          again (whatever stream they run on).
+// An offloaded step needs the host between its copies, so it cannot be
+// captured in a CUDA graph: the first copy refuses a capturing stream with
+// a message that says so (rather than the driver's "operation not permitted
+// when stream is capturing" from the synchronisation).
 #include "gpu_internal.h"
 
 #include <new>
@@ -53,17 +59,28 @@ zopt_status offload_create(zopt_optimizer *o) {
     delete g;
     return st;
   }
+  zopt_status st;
+  {
+    CtxScope scope(g);
+    st = scope.status();
+    if (!st) st = gpu_events(g);
+  }
+  if (st) {
+    cuda_detach(g);
+    delete g;
+    return st;
+  }
   o->offload = g;
   return ZOPT_OK;
 }
 
 zopt_status offload_check_tensor(const zopt_optimizer *o, void *param, void *grad) {
-  return gpu_check_pointers(o->offload, param, grad);
+  return gpu_check_pointers(o->offload, param, grad, (int)o->tensors.size());
 }
 
 zopt_status offload_alloc_staging(zopt_optimizer *o, size_t bytes, void **out) {
   GpuState *g = o->offload;
-  if (zopt_status st = make_current(g)) return st;
+  ZOPT_CTX_SCOPE(g);
   void *p = nullptr;
   CUresult r = g->cu->MemHostAlloc(&p, std::max<size_t>(bytes, 64), 0);
   if (r != CUDA_SUCCESS || !p)
@@ -76,9 +93,22 @@ zopt_status offload_alloc_staging(zopt_optimizer *o, size_t bytes, void **out) {
 
 zopt_status offload_copy_state(zopt_optimizer *o, int si, bool to_device, bool sync) {
   GpuState *g = o->offload;
-  if (zopt_status st = make_current(g)) return st;
+  ZOPT_CTX_SCOPE(g);
+  bool cap = false;
+  if (zopt_status st = gpu_capturing(g, g->stream, &cap)) return st;
+  if (cap)
+    return fail(ZOPT_ERR_UNSUPPORTED,
+                "step '%s' is offloaded (ZeRO-Offload: its update runs on the CPU, between copies of the grads from "
+                "the GPU and of the params back), so it needs the host in the middle of the step and cannot be "
+                "captured in a CUDA graph, but the optimizer's stream is capturing: run the offloaded step outside "
+                "the capture (e.g. after torch.cuda.graph's replay of the forward and backward)",
+                o->d->name);
   const size_t es = dtype_size(o->d->states[si].dtype);
   const bool param = o->d->states[si].kind == ZOPT_STATE_PARAM;
+  // The staging is read by the previous step's copies to the GPU until the
+  // `staging` event; copies into it (and the CPU update after them) wait.
+  if (!to_device)
+    if (zopt_status st = gpu_wait_own_work(g, g->stream)) return st;
   for (size_t t = 0; t < o->tensors.size(); ++t) {
     const Tensor &x = o->tensors[t];
     if (!x.numel) continue;
@@ -91,6 +121,11 @@ zopt_status offload_copy_state(zopt_optimizer *o, int si, bool to_device, bool s
       return fail(ZOPT_ERR_INTERNAL, "offload: copying the %s of tensor %zu %s the GPU: %s", param ? "param" : "grad",
                   t, to_device ? "to" : "from", error_string(r));
   }
+  if (to_device) {
+    if (CUresult r = g->cu->EventRecordWithFlags(g->staging, g->stream, 0))
+      return fail(ZOPT_ERR_INTERNAL, "offload: cuEventRecord after the copies to the GPU: %s", error_string(r));
+    g->staging_recorded = true;
+  }
   if (sync)
     if (CUresult r = g->cu->StreamSynchronize(g->stream))
       return fail(ZOPT_ERR_INTERNAL, "offload: waiting for the copies %s the GPU: %s", to_device ? "to" : "from",
@@ -100,11 +135,12 @@ zopt_status offload_copy_state(zopt_optimizer *o, int si, bool to_device, bool s
 
 zopt_status offload_copy(const zopt_optimizer *o, int t, int si, void *host, size_t bytes, bool to_device) {
   GpuState *g = o->offload;
-  if (zopt_status st = make_current(g)) return st;
+  ZOPT_CTX_SCOPE(g);
   const Tensor &x = o->tensors[t];
   const bool param = o->d->states[si].kind == ZOPT_STATE_PARAM;
+  // After the step's pending param copies (the `staging` event, any stream).
+  if (zopt_status st = gpu_begin_host_access(g, param ? "copying a param" : "copying a grad")) return st;
   CUdeviceptr dev = (CUdeviceptr)(uintptr_t)(param ? x.param : x.grad);
-  // Ordered after the step's pending param copies (same stream).
   CUresult r = to_device ? g->cu->MemcpyHtoDAsync(dev, host, bytes, g->stream)
                          : g->cu->MemcpyDtoHAsync(host, dev, bytes, g->stream);
   if (!r) r = g->cu->StreamSynchronize(g->stream);
@@ -112,17 +148,19 @@ zopt_status offload_copy(const zopt_optimizer *o, int t, int si, void *host, siz
   return ZOPT_OK;
 }
 
-zopt_status offload_set_stream(zopt_optimizer *o, void *stream) {
-  o->offload->stream = (CUstream)stream;
-  return ZOPT_OK;
-}
-
 void offload_free(zopt_optimizer *o) {
   GpuState *g = o->offload;
   if (!g) return;
-  if (g->cu->CtxSetCurrent(g->ctx) == CUDA_SUCCESS) {
-    g->cu->StreamSynchronize(g->stream);  // pending param copies read the staging
-    for (void *p : g->pinned) g->cu->MemFreeHost(p);
+  {
+    CtxScope scope(g);
+    if (!scope.status()) {
+      // Pending param copies read the staging; wait for them by their event,
+      // not by the caller's stream (which may be destroyed by now).
+      gpu_sync_own_work(g);
+      for (void *p : g->pinned) g->cu->MemFreeHost(p);
+      for (CUevent e : {g->done, g->hypers_ready, g->staging})
+        if (e) g->cu->EventDestroy(e);
+    }
   }
   cuda_detach(g);
   delete g;

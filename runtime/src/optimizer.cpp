@@ -255,7 +255,8 @@ ZOPT_API zopt_status zopt_optimizer_set_hyper(zopt_optimizer *o, int group, cons
   int hi = 0;
   if (zopt_status st = find_hyper(o, group, name, "zopt_optimizer_set_hyper", &hi)) return st;
   if (zopt_status st = check_hyper_value(o->d->hypers[hi], value)) return st;
-  if (o->gpu && o->groups[group].hypers[hi] != value) gpu_hypers_changed(o);
+  if (o->gpu && o->groups[group].hypers[hi] != value)  // and into the device's table
+    return gpu_set_hyper(o, group, hi, value);
   o->groups[group].hypers[hi] = value;
   return ZOPT_OK;
 }
@@ -727,6 +728,7 @@ ZOPT_API zopt_status zopt_optimizer_refresh_master(zopt_optimizer *o, int first,
   if (first < 0 || count < 0 || (size_t)first + (size_t)count > o->tensors.size())
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: tensors [%d, %d + %d) out of range (have %zu)", fn, first, first,
                 count, o->tensors.size());
+  if (o->gpu) return gpu_refresh_master(o, first, count);  // on the device
   const zopt_step_descriptor *d = o->d;
   const int pi = o->step->param_index;
   const uint32_t pdt = d->states[pi].dtype;
@@ -740,15 +742,6 @@ ZOPT_API zopt_status zopt_optimizer_refresh_master(zopt_optimizer *o, int first,
     for (int t = first; t < first + count; ++t) {
       const Tensor &x = o->tensors[t];
       if (!x.numel) continue;
-      if (o->gpu) {  // through host memory
-        std::vector<unsigned char> p, m;
-        if (zopt_status st = with_staging(x.numel, pdt, &p)) return st;
-        if (zopt_status st = with_staging(x.numel, dt, &m)) return st;
-        if (zopt_status st = gpu_copy(o, t, pi, p.data(), p.size(), false)) return st;
-        convert(p.data(), pdt, m.data(), dt, x.numel);
-        if (zopt_status st = gpu_copy(o, t, (int)s, m.data(), m.size(), true)) return st;
-        continue;
-      }
       const char *src = o->offload ? (const char *)state_ptr(o, t, pi) : (const char *)x.param;
       std::vector<exec::Run> runs;
       exec::runs(o, t, (int)s, &runs);

@@ -35,7 +35,7 @@ struct PipelineOptions : public PassPipelineOptions<PipelineOptions> {
 struct GpuOptions {
   std::vector<std::string> chips; // e.g. sm_80, sm_90
   std::string toolkitPath;        // CUDA toolkit (ptxas, fatbinary, libdevice)
-  std::string format = "fatbin";  // gpu-module-to-binary format (isa: PTX)
+  std::string format = "fatbin";  // fatbin: cubin + PTX per chip; isa: PTX only
 };
 
 /// Adds the passes of every phase up to and including `last`.

@@ -147,11 +147,25 @@ def ConvertZKToGPU : Pass<"convert-zk-to-gpu", "ModuleOp"> {
 def ZoptEmbedGPUBinaries : Pass<"zopt-embed-gpu-binaries", "ModuleOp"> {
   let summary = "Turns gpu.binary objects into exported byte arrays of step.so";
   let description = [{
-    After `gpu-module-to-binary`: every object of `gpu.binary @<m>` for
+    After `gpu-module-to-binary` with `format=isa` (PTX): with `toolkit`
+    set, each object's PTX is compiled by the toolkit's `ptxas` (for the
+    object's chip, `--opt-level` of its target) and packed with the PTX by
+    `fatbinary --compress=false` (CUDA 13's fatbinary compresses the PTX
+    with zstd by default, which drivers older than CUDA 13 cannot read;
+    uncompressed, the PTX can be JIT-compiled by any driver that knows its
+    ISA version). Every object of `gpu.binary @<m>` for
     `#nvvm.target<chip = "sm_XX">` becomes the exported constant byte array
-    `<m>_sm_XX` plus `const uint64_t <m>_sm_XX_size`, the symbols the
-    descriptor's GPU_IMAGE entries name.
+    `<m>_sm_XX` plus `const uint64_t <m>_sm_XX_size` and, for fatbinaries,
+    `const uint32_t <m>_sm_XX_cuda_version` (the toolkit's CUDA version,
+    1000 * major + 10 * minor, e.g. 13000): the symbols the descriptor's
+    GPU_IMAGE entries name (abi.h "GPU kernels"). Without `toolkit` the
+    objects are embedded as they are (PTX text for `--emit=ptx`).
   }];
+  let options = [
+    Option<"toolkit", "toolkit", "std::string", "\"\"",
+           "CUDA toolkit whose ptxas and fatbinary build the fatbinaries "
+           "(empty: embed the objects unchanged)">
+  ];
   let dependentDialects = ["::mlir::LLVM::LLVMDialect"];
 }
 

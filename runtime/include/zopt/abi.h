@@ -342,7 +342,7 @@ static inline uint64_t zopt_desc_checksum(const zopt_step_descriptor *d) {
   return h;
 }
 
-/*===-- GPU kernels (additive to ABI version 1) ---------------------------===*
+/*===-- GPU kernels -------------------------------------------------------===*
  *
  * A step whose optimizer states live on the GPU (zopt.step with gpu_arch)
  * has its elementwise kernels compiled for the device. Its kernel table then
@@ -351,27 +351,59 @@ static inline uint64_t zopt_desc_checksum(const zopt_step_descriptor *d) {
  *   - one entry per compiled architecture with role = ZOPT_KERNEL_GPU_IMAGE,
  *     device = ZOPT_PLACE_GPU, isa = the SM number (80 for sm_80, 90 for
  *     sm_90), symbol = an exported, read-only byte array holding a CUDA
- *     fatbinary (magic 0xBA55ED50) with the cubin for that SM *and* the PTX
- *     (so a newer GPU can JIT it). Its size in bytes is the exported
- *     `const uint64_t <symbol>_size`. The runtime loads the image with the
- *     highest isa <= the device's compute capability (cuModuleLoadData).
+ *     fatbinary (magic 0xBA55ED50) with the cubin for that SM *and* the PTX,
+ *     uncompressed (so a newer GPU can JIT it, and a driver that cannot read
+ *     CUDA 13's zstd-compressed entries can load it). Its size in bytes is
+ *     the exported `const uint64_t <symbol>_size`, and the CUDA version of
+ *     the toolkit that built it (1000 * major + 10 * minor, as
+ *     cuDriverGetVersion counts; 0 if unknown) is `const uint32_t
+ *     <symbol>_cuda_version` (absent in step.so files compiled before it was
+ *     added). The runtime loads the image with the highest isa <= the
+ *     device's compute capability (cuModuleLoadData) and refuses a driver
+ *     older than the toolkit's major version (a CUDA 13 cubin needs a CUDA
+ *     13 driver, R580 or newer).
  *   - entries with role PREPARE, SUMSQ (when ZOPT_FLAG_SUMSQ), UPDATE and
  *     FINISH, device = ZOPT_PLACE_GPU, isa = ZOPT_ISA_NONE, whose symbol
  *     names the `.entry` of that kernel inside every image
  *     (cuModuleGetFunction); these are not symbols of the step.so.
+ *   - INIT, which has no kernel-table role: every image holds `.entry
+ *     <name>_init_gpu` (name = the descriptor's name). A runtime that does
+ *     not find it initializes the states from the params through the host.
+ *
+ * Every kernel declares its block size (PTX .reqntid): the runtime launches
+ * it with exactly that many threads, ZOPT_GPU_BLOCK for SUMSQ, UPDATE and
+ * INIT, ZOPT_GPU_PREPARE_BLOCK for PREPARE, ZOPT_GPU_FINISH_BLOCK for FINISH.
  *
  * The step's running state lives on the device, so that a step is a fixed
  * sequence of launches with no host synchronisation and nothing the host
  * must compute per step (it can be captured in a CUDA graph and replayed):
  * the globals table (per group: the 1-based step t of the *next* step, a
- * clip coefficient of 1, 1/S) and, with loss scaling, the dynamic loss
- * scaler (zopt_gpu_scaler). The runtime initializes both and reads them
- * back on demand; FINISH advances them.
+ * clip coefficient of 1, 1/(S*D)), the hyperparameter table (read by every
+ * launch, so a value the runtime writes between replays is the one the next
+ * replay uses) and, with loss scaling, the dynamic loss scaler
+ * (zopt_gpu_scaler). The runtime initializes them and reads them back on
+ * demand; FINISH advances them.
+ *
+ * The elementwise kernels run over a WORK LIST of chunks (zopt_gpu_chunk):
+ * each chunk is a range of elements of one segment (one tensor), and block b
+ * of the grid processes chunks b, b + gridDim.x, b + 2 * gridDim.x, ...
+ * with all its threads, so the work of a launch is proportional to the
+ * elements, never to (segments x threads), and the grid is sized to the
+ * device (occupancy), not to the largest tensor. Chunks never straddle a
+ * multiple of 2^32 elements of their segment (stochastic rounding's
+ * index_hi is constant inside a chunk). Within a chunk of n elements at
+ * element `begin`, a thread handles a scalar head of h < lanes elements,
+ * after which every used state pointer is 16-byte aligned (h exists when
+ * all pointers have the same alignment phase; otherwise the chunk is all
+ * scalar), 16-byte vector loads/stores (4 x f32, 8 x 16-bit lanes; f32
+ * states beside 16-bit ones as 2 x 16 bytes) over the middle, and a scalar
+ * tail. Each element gets the same arithmetic on every path, so its result
+ * does not depend on the chunking, the grid or the pointers' alignment.
  *
  * All pointers below are device pointers; every launch goes on one stream,
  * in the order PREPARE, SUMSQ, UPDATE, FINISH:
  *
- * PREPARE (grid-stride over groups, any grid):
+ * PREPARE (grid-stride over groups, any grid; ZOPT_GPU_PREPARE_BLOCK):
  *     void prepare(const double *hypers,   // [num_groups][num_hypers]
  *                  const double *globals,  // [num_groups][ZOPT_NUM_GLOBALS]
  *                  int64_t num_groups,
@@ -380,30 +412,32 @@ static inline uint64_t zopt_desc_checksum(const zopt_step_descriptor *d) {
  *   global is taken from `globals` here (pass 1); with clipping, SUMSQ
  *   recomputes the table with the device-computed coefficient.
  *
- * SUMSQ (persistent grid, blockDim.x = ZOPT_GPU_BLOCK, gridDim.x <=
- *   ZOPT_GPU_MAX_BLOCKS):
+ * SUMSQ (gridDim.x <= ZOPT_GPU_MAX_BLOCKS; ZOPT_GPU_BLOCK):
  *     void sumsq(void *const *states,          // [num_segments][num_states]
  *                const zopt_gpu_segment *segs, // [num_segments]
- *                int64_t num_segments,
+ *                const zopt_gpu_chunk *chunks, // [num_chunks]
+ *                int64_t num_chunks,
  *                float *coeffs,                // [num_groups][num_coeffs]
  *                double *partials,             // [gridDim.x] scratch
  *                zopt_gpu_step_globals *sg,
  *                const double *hypers, const double *globals,
  *                int64_t num_groups);
- *   Two-stage, deterministic: every block writes its f64 partial sum of
- *   squares to partials[blockIdx.x]; the last block to finish (atomic
- *   counter sg->blocks_done, reset to 0 by that block) adds the partials in
- *   block order and writes sg: sumsq, norm = sqrt(sumsq), clip_coef =
- *   min(1, max_norm / (norm + 1e-6)) with ZOPT_FLAG_CLIP (else 1),
- *   nonfinite, and skip = nonfinite (as the CPU runtime: a non-finite
- *   norm skips the whole step, with or without loss scaling). The same
- *   block then re-runs PREPARE for every group with that clip_coef. The
- *   runtime zero-fills *sg once when allocating it.
+ *   Two-stage, deterministic for a given grid and work list (both fixed at
+ *   finalize): every block writes its f64 partial sum of squares to
+ *   partials[blockIdx.x]; the last block to finish (atomic counter
+ *   sg->blocks_done, reset to 0 by that block) adds the partials in block
+ *   order and writes sg: sumsq, norm = sqrt(sumsq), clip_coef = min(1,
+ *   max_norm / (norm + 1e-6)) with ZOPT_FLAG_CLIP (else 1), nonfinite, and
+ *   skip = nonfinite (as the CPU runtime: a non-finite norm skips the whole
+ *   step, with or without loss scaling). The same block then re-runs
+ *   PREPARE for every group with that clip_coef. The runtime zero-fills *sg
+ *   once when allocating it.
  *
- * UPDATE (persistent grid-stride, any grid; blockDim.x a multiple of 32):
+ * UPDATE (any grid; ZOPT_GPU_BLOCK):
  *     void update(void *const *states,          // [num_segments][num_states]
  *                 const zopt_gpu_segment *segs,
- *                 int64_t num_segments,
+ *                 const zopt_gpu_chunk *chunks,
+ *                 int64_t num_chunks,
  *                 const float *coeffs,          // [num_groups][num_coeffs]
  *                 const zopt_gpu_step_globals *sg); // NULL: never skip
  *   With ZOPT_FLAG_STOCHASTIC two more arguments follow:
@@ -413,13 +447,11 @@ static inline uint64_t zopt_desc_checksum(const zopt_step_descriptor *d) {
  *   t of its group, segs[s].tensor, i >> 32), slot, (uint32_t)i), the same
  *   bits as on the CPU.
  *   ONE launch for all tensors of the step. Returns at once when sg->skip.
- *   Segment s covers segs[s].n elements at the pointers
- *   states[s * num_states + k] (k = descriptor state index; unused states
- *   may be NULL). When every used pointer of a segment is 16-byte aligned,
- *   it is processed with 16-byte vector loads/stores (4 x f32, 8 x 16-bit)
- *   plus a scalar tail; otherwise element by element.
+ *   Segment s has segs[s].n elements at the pointers states[s * num_states
+ *   + k] (k = descriptor state index; unused states may be NULL); pointers
+ *   need only be aligned to their element size.
  *
- * FINISH (one block of any size; thread 0 does the work):
+ * FINISH (one block; ZOPT_GPU_FINISH_BLOCK; thread 0 does the work):
  *     void finish(double *globals,              // [num_groups][ZOPT_NUM_GLOBALS]
  *                 int64_t num_groups,
  *                 zopt_gpu_step_globals *sg,    // NULL: no SUMSQ, never skipped
@@ -431,8 +463,17 @@ static inline uint64_t zopt_desc_checksum(const zopt_step_descriptor *d) {
  *   scale = max(scale * backoff, min_scale), good_steps = 0; else after
  *   growth_interval good steps scale *= growth if finite); then every
  *   group's GRAD_SCALE global becomes 1 / (sc->scale * sc->grad_divisor).
+ *
+ * INIT (any grid; ZOPT_GPU_BLOCK; once, at finalize and refresh_master):
+ *     void init(void *const *states, const zopt_gpu_segment *segs,
+ *               const zopt_gpu_chunk *chunks, int64_t num_chunks);
+ *   Every state with init ZOPT_INIT_FROM_PARAM gets the param's values,
+ *   converted as the runtime's host conversion (widening exactly; narrowing
+ *   to nearest even; the same dtype bit for bit).
  */
-#define ZOPT_GPU_BLOCK 256      /* SUMSQ block size (threads), power of two */
+#define ZOPT_GPU_BLOCK 256        /* SUMSQ, UPDATE, INIT block size, power of two */
+#define ZOPT_GPU_PREPARE_BLOCK 64 /* PREPARE block size */
+#define ZOPT_GPU_FINISH_BLOCK 32  /* FINISH block size */
 #define ZOPT_GPU_MAX_BLOCKS 65535
 
 typedef struct zopt_gpu_segment {
@@ -440,6 +481,12 @@ typedef struct zopt_gpu_segment {
   uint32_t group;  /* parameter group: row of the coefficient table */
   uint32_t tensor; /* the tensor's index in the optimizer (stochastic rounding) */
 } zopt_gpu_segment; /* 16 bytes */
+
+typedef struct zopt_gpu_chunk {
+  int64_t begin;    /* first element, an index into the segment */
+  uint32_t segment; /* index into the segment table */
+  uint32_t n;       /* elements, 1 .. 2^31; begin + n <= segs[segment].n */
+} zopt_gpu_chunk; /* 16 bytes */
 
 typedef struct zopt_gpu_step_globals {
   double sumsq;         /* sum over all segments of x*x */

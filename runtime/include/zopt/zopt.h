@@ -168,27 +168,44 @@ ZOPT_API zopt_status zopt_optimizer_step(zopt_optimizer *opt, zopt_step_result *
 
 /* A step compiled with GPU-placed states runs through the CUDA driver API,
  * loaded at run time (libcuda.so.1; without it zopt_optimizer_create fails
- * with ZOPT_ERR_UNSUPPORTED "no CUDA driver ..."). The optimizer uses the
- * context current on the calling thread at create (e.g. PyTorch's), else
- * device 0's primary context. Param and grad are device pointers (checked
- * at add_tensor); the optimizer owns its state buffers in device memory.
+ * with ZOPT_ERR_UNSUPPORTED "no CUDA driver ..."; a driver older than the
+ * toolkit that built the step, e.g. a CUDA 12 driver for a step built by
+ * CUDA 13, is refused at create with both versions in the message). The
+ * optimizer uses the context current on the calling thread at create (e.g.
+ * PyTorch's for the current device), else device 0's primary context; every
+ * call makes it current for its duration only and restores the caller's.
+ * Param and grad are device pointers of that context's device (checked at
+ * add_tensor: a tensor on another device is an error naming it); they need
+ * only be aligned to their element size (views into flat buffers take a
+ * scalar head and tail around 16-byte vector accesses). The optimizer owns
+ * its state buffers in device memory (cuMemAlloc, or the caller's
+ * allocator: zopt_optimizer_set_device_allocator).
  *
  * The step's running state lives on the device: the per-group step counts
  * and, with loss scaling, the dynamic loss scaler are advanced by the FINISH
  * kernel, and a step whose global norm is non-finite is skipped on the
  * device (with clipping or loss scaling, as on the CPU). So
  * zopt_optimizer_step only enqueues, on the optimizer's stream, PREPARE,
- * SUMSQ (clipping / loss scaling), UPDATE and FINISH, plus one
- * host-to-device copy of the hyperparameter table when a value changed
- * since the last step (set_hyper with a new value, or a checkpoint load):
- * no allocation, no host synchronisation, no device-to-host copy, so the
- * step can be captured in a CUDA graph (change hyperparameters outside
- * captures). Its result reports grad_norm = NaN, skipped = 0, loss_scale =
- * NaN: the outcome is on the device; zopt_optimizer_gpu_result waits for
- * the stream and reads it. get_step_count, get_loss_scale, save and
- * configure_loss_scaler read the device's state (waiting for the stream).
- * State reads/writes and checkpoints (save/load) are synchronous staging
- * copies on the stream. */
+ * SUMSQ (clipping / loss scaling), UPDATE and FINISH, and records an event:
+ * no allocation, no copy, no host synchronisation, so the step can be
+ * captured in a CUDA graph and the graph replayed on any stream. Its result
+ * reports grad_norm = NaN, skipped = 0, loss_scale = NaN: the outcome is on
+ * the device.
+ *
+ * Every call that reads or writes the device's state (gpu_result,
+ * get_step_count, get_loss_scale, get_tensor_step, configure_loss_scaler,
+ * set_grad_divisor, read/write_state_*, save, load) runs its copies on the
+ * optimizer's stream after the optimizer's last step, wherever that ran
+ * (also a graph replay on another stream: the step's event is recorded by
+ * every replay), then waits for them; during a capture they fail
+ * (ZOPT_ERR_BAD_STATE). set_hyper writes the changed value into the
+ * device's hyperparameter table at once, on the optimizer's stream, ordered
+ * after the steps already enqueued (any stream) and before the next ones
+ * (a captured step waits for the latest write when replayed): replays of a
+ * captured step use the value set before each replay. set_hyper fails
+ * (ZOPT_ERR_BAD_STATE) while the optimizer's stream is capturing: set
+ * hyperparameters outside captures. The seed of stochastic rounding is
+ * passed by value: a captured step keeps the seed it had at capture. */
 
 /* Offloaded steps (param and grad `on gpu`, every optimizer state on the
  * CPU: ZeRO-Offload) run their CPU kernels between copies on the stream:
@@ -196,16 +213,42 @@ ZOPT_API zopt_status zopt_optimizer_step(zopt_optimizer *opt, zopt_step_result *
  * synchronisation before, new params back to the GPU (asynchronous) after,
  * unless the step was skipped. The result is complete when step returns.
  * PARAM/GRAD state access addresses the device memory (synchronous copies).
+ * An offloaded step needs the host in the middle of the step, so it cannot
+ * be captured in a CUDA graph: step fails (ZOPT_ERR_UNSUPPORTED, saying
+ * so) when the stream is capturing.
  *
  * The CUstream (a CUstream or cudaStream_t handle) steps and state copies
- * are enqueued on; NULL (the default) is the legacy default stream. Only
- * for GPU and offloaded steps (ZOPT_ERR_BAD_STATE otherwise). */
+ * are enqueued on; NULL (the default) is the legacy default stream. A new
+ * stream is ordered after the optimizer's work on the previous one (its
+ * events: the previous stream may be destroyed afterwards). Pass the
+ * stream of the calling code before each step and each read (PyTorch:
+ * torch.cuda.current_stream()). Only for GPU and offloaded steps
+ * (ZOPT_ERR_BAD_STATE otherwise). */
 ZOPT_API zopt_status zopt_optimizer_set_stream(zopt_optimizer *opt, void *cu_stream);
-/* Waits for the stream and reads the last step's device-side result:
- * grad_norm (NaN without a norm reduction), skipped (non-finite norm), and
- * the loss scale that step used (1 without loss scaling).
- * ZOPT_ERR_BAD_STATE before the first step. */
+/* Waits for the last step (wherever it ran, see above) and reads its
+ * device-side result: grad_norm (NaN without a norm reduction), skipped
+ * (non-finite norm), and the loss scale that step used (1 without loss
+ * scaling). ZOPT_ERR_BAD_STATE before the first step. */
 ZOPT_API zopt_status zopt_optimizer_gpu_result(zopt_optimizer *opt, zopt_step_result *result);
+
+/* Device memory through the caller (GPU steps): every buffer the optimizer
+ * allocates at finalize (its states, tables and scratch) comes from
+ * alloc(user, bytes, cu_stream) instead of cuMemAlloc, and goes back
+ * through free(user, ptr, bytes, cu_stream) at zopt_optimizer_free, after
+ * the optimizer's work on it finished (cu_stream: the optimizer's stream
+ * at finalize). alloc returns device memory of the optimizer's device,
+ * aligned to at least 256 bytes, or NULL (finalize then fails with
+ * ZOPT_ERR_OUT_OF_MEMORY). The PyTorch binding passes torch's caching
+ * allocator (torch.cuda.caching_allocator_alloc / _delete), so that the
+ * optimizer's memory and PyTorch's cached blocks are one pool. Before
+ * finalize; NULL restores cuMemAlloc. */
+typedef struct zopt_device_allocator {
+  void *(*alloc)(void *user, size_t bytes, void *cu_stream);
+  void (*free)(void *user, void *ptr, size_t bytes, void *cu_stream);
+  void *user;
+} zopt_device_allocator;
+ZOPT_API zopt_status zopt_optimizer_set_device_allocator(zopt_optimizer *opt,
+                                                         const zopt_device_allocator *allocator);
 
 /* The seed of stochastic rounding (steps with a bf16 state declared
  * `rounding stochastic`; abi.h "Stochastic rounding"): the random bits of
@@ -213,7 +256,8 @@ ZOPT_API zopt_status zopt_optimizer_gpu_result(zopt_optimizer *opt, zopt_step_re
  * only, so a run is reproducible on any thread count, and CPU and GPU steps
  * draw the same bits. Default 0. Not part of checkpoints: to resume
  * bit-exactly, set the same seed again. A GPU step captured in a CUDA graph
- * keeps the seed it had at capture. */
+ * keeps the seed it had at capture (the step counts advance on the device,
+ * so the bits still change from replay to replay). */
 ZOPT_API zopt_status zopt_optimizer_set_seed(zopt_optimizer *opt, uint64_t seed);
 ZOPT_API zopt_status zopt_optimizer_get_seed(const zopt_optimizer *opt, uint64_t *seed);
 

@@ -1,10 +1,15 @@
 // RUN: zopt-opt %s --split-input-file --convert-zk-to-gpu="chips=sm_80,sm_90" --convert-zk-to-cpu="isas=avx2" | FileCheck %s
 
 // A step whose states are on the GPU: one gpu.module with one NVVM target
-// per chip and three kernels (prepare, update, sumsq) with the launch ABI of
-// abi.h; the update is one grid-stride loop over the segment table with
-// 16-byte vector accesses (8 x bf16) through global-space pointers and a
-// scalar tail; the host keeps only the f64 prepare and the descriptor.
+// per chip and five kernels (prepare, update, sumsq, finish, init) with the
+// launch ABI of abi.h, each declaring its block size (nvvm.reqntid); the
+// update walks the chunk work list (block b takes chunks b, b + gridDim.x,
+// ...): per chunk its begin/segment/n, the segment's group and state
+// pointers, the scalar head after which every used pointer is 16-byte
+// aligned (from the narrowest state's misalignment, checked against every
+// pointer), then 16-byte vector accesses (8 x bf16) through global-space
+// pointers over the middle and one scalar loop over head and tail; the host
+// keeps only the f64 prepare and the descriptor.
 
 zk.descriptor {name = "t", zero_stage = 0 : i64, align = 1 : i64, flags = 5 : i64,
   max_norm = 1.0 : f64, num_coeffs = 2 : i64,
@@ -16,7 +21,7 @@ zk.descriptor {name = "t", zero_stage = 0 : i64, align = 1 : i64, flags = 5 : i6
   hyper_max_exclusive = array<i32: 0>}
 
 // CHECK-LABEL: gpu.module @t_gpu [#nvvm.target<O = 3, chip = "sm_80", features = "+ptx80">, #nvvm.target<O = 3, chip = "sm_90", features = "+ptx80">]
-// CHECK: gpu.func @t_prepare_gpu(%{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr, %{{.+}}: i64, %{{.+}}: !llvm.ptr) kernel
+// CHECK: gpu.func @t_prepare_gpu(%{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr, %{{.+}}: i64, %{{.+}}: !llvm.ptr) kernel attributes {nvvm.reqntid = array<i32: 64, 1, 1>}
 // CHECK: scf.for
 // The clip coefficient (global 1) comes from the globals table here.
 // CHECK: llvm.getelementptr %{{.+}}[1] : (!llvm.ptr<1>) -> !llvm.ptr<1>, f64
@@ -31,19 +36,32 @@ zk.prepare @t_prepare {
   zk.set_coeff 1, %cc : f32
 }
 
-// CHECK-LABEL: gpu.func @t_update(%{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr, %{{.+}}: i64, %{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr) kernel
+// CHECK-LABEL: gpu.func @t_update(%{{[a-z0-9]+}}: !llvm.ptr, %{{[a-z0-9]+}}: !llvm.ptr, %{{[a-z0-9]+}}: !llvm.ptr, %{{[a-z0-9]+}}: i64, %{{[a-z0-9]+}}: !llvm.ptr, %{{[a-z0-9]+}}: !llvm.ptr) kernel attributes {nvvm.reqntid = array<i32: 256, 1, 1>}
 // CHECK: llvm.addrspacecast %{{.+}} : !llvm.ptr to !llvm.ptr<1>
 // The skip flag of the step globals (byte 28).
 // CHECK: llvm.getelementptr %{{.+}}[7] : (!llvm.ptr<1>) -> !llvm.ptr<1>, i32
 // CHECK: gpu.block_id  x
 // CHECK: gpu.grid_dim  x
-// CHECK: scf.for
-// CHECK: arith.andi %{{.+}}, %{{.+}} : i64
+// CHECK: scf.for %[[C:.+]] = %{{.+}} to %{{.+}} step %{{.+}}  : i64 {
+// The chunk: begin (i64 2c), segment (i32 4c + 2), n (i32 4c + 3).
+// CHECK: llvm.getelementptr %{{.+}} : (!llvm.ptr<1>, i64) -> !llvm.ptr<1>, i64
+// CHECK: llvm.load %{{.+}} : !llvm.ptr<1> -> i64
+// CHECK: llvm.getelementptr %{{.+}} : (!llvm.ptr<1>, i64) -> !llvm.ptr<1>, i32
+// CHECK: llvm.getelementptr %{{.+}} : (!llvm.ptr<1>, i64) -> !llvm.ptr<1>, i32
+// The head: the narrowest state's distance to 16 bytes, in elements.
+// CHECK: llvm.ptrtoint
+// CHECK: arith.andi %{{.+}}, %c15_i64{{.*}} : i64
+// CHECK: arith.divui
+// CHECK: arith.minui
+// CHECK: arith.select
 // CHECK: scf.for
 // CHECK: llvm.load %{{.+}} {alignment = 16 : i64} : !llvm.ptr<1> -> vector<8xi16>
 // CHECK: arith.constant dense<32767> : vector<8xi32>
 // CHECK: llvm.store %{{.+}}, %{{.+}} {alignment = 16 : i64} : vector<8xi16>, !llvm.ptr<1>
+// One scalar loop over the head and the tail.
 // CHECK: scf.for
+// CHECK: arith.cmpi ult
+// CHECK: arith.select
 // CHECK: llvm.load %{{.+}} {alignment = 2 : i64} : !llvm.ptr<1> -> i16
 // CHECK: llvm.store %{{.+}}, %{{.+}} {alignment = 2 : i64} : i16, !llvm.ptr<1>
 // CHECK: gpu.return
@@ -64,7 +82,7 @@ zk.kernel @t_update update {
 // partial, then the last block (atomic counter) sums the partials in order,
 // writes norm / clip / flags and recomputes the coefficient table.
 // CHECK-LABEL: gpu.func @t_sumsq(
-// CHECK-SAME: workgroup(%{{.+}} : memref<256xf64, #gpu.address_space<workgroup>>, %{{.+}} : memref<1xi32, #gpu.address_space<workgroup>>) kernel
+// CHECK-SAME: workgroup(%{{.+}} : memref<256xf64, #gpu.address_space<workgroup>>, %{{.+}} : memref<1xi32, #gpu.address_space<workgroup>>) kernel attributes {nvvm.reqntid = array<i32: 256, 1, 1>}
 // CHECK: arith.mulf %{{.+}}, %{{.+}} : vector<8xf64>
 // CHECK: gpu.barrier
 // CHECK: nvvm.memory.barrier <gpu>
@@ -82,6 +100,13 @@ zk.kernel @t_sumsq sumsq {
   zk.accumulate_sumsq %gf : f32
 }
 
+// FINISH (one block of 32) and INIT: no state is initialized from the
+// param in this step, so INIT does nothing.
+// CHECK-LABEL: gpu.func @t_finish(
+// CHECK-SAME: kernel attributes {nvvm.reqntid = array<i32: 32, 1, 1>}
+// CHECK-LABEL: gpu.func @t_init_gpu(
+// CHECK-SAME: kernel attributes {nvvm.reqntid = array<i32: 256, 1, 1>}
+// CHECK-NEXT: gpu.return
 // CHECK: func.func @t_prepare(%{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr) attributes {zopt.isa = "none"}
 // CHECK-NOT: func.func @t_update
 // CHECK: llvm.mlir.global external constant @zopt_step_descriptor
