@@ -707,6 +707,79 @@ ZOPT_API zopt_status zopt_optimizer_get_tensor_step(const zopt_optimizer *o, int
   return ZOPT_OK;
 }
 
+ZOPT_API zopt_status zopt_optimizer_set_tensor_memory(zopt_optimizer *o, int tensor, void *param, void *grad) {
+  const char *fn = "zopt_optimizer_set_tensor_memory";
+  CHECK_OPT(o, "zopt_optimizer_set_tensor_memory");
+  if (zopt_status st = check_tensor(o, tensor, fn)) return st;
+  if (o->gpu)
+    return fail(ZOPT_ERR_UNSUPPORTED, "%s: GPU steps keep their tensors' device pointers in device tables", fn);
+  Tensor &x = o->tensors[tensor];
+  if (x.numel > 0 && !param) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: param pointer is NULL", fn);
+  if (x.numel > 0 && param == grad)
+    return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: param and grad are the same memory", fn);
+  if (x.numel > 0 && param != x.param && o->params.count(param))
+    return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: param pointer %p is already registered", fn, param);
+  if (o->offload && x.numel > 0)
+    if (zopt_status st = offload_check_tensor(o, param, grad ? grad : param)) return st;
+  try {
+    if (x.numel > 0) {
+      o->params.erase(x.param);
+      o->params.insert(param);
+    }
+  } catch (...) {
+    return fail(ZOPT_ERR_OUT_OF_MEMORY, "out of memory");
+  }
+  x.param = param;
+  x.grad = grad;
+  if (o->finalized) exec::rebind(o);
+  return ZOPT_OK;
+}
+
+ZOPT_API zopt_status zopt_optimizer_set_tensor_step(zopt_optimizer *o, int tensor, int64_t count) {
+  CHECK_OPT(o, "zopt_optimizer_set_tensor_step");
+  if (zopt_status st = check_tensor(o, tensor, "zopt_optimizer_set_tensor_step")) return st;
+  if (count < 0) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_set_tensor_step: count %lld < 0", (long long)count);
+  if (o->gpu)
+    return fail(ZOPT_ERR_UNSUPPORTED, "zopt_optimizer_set_tensor_step: GPU steps count per group "
+                                      "(zopt_optimizer_set_step_count)");
+  o->tensors[tensor].steps = count;
+  return ZOPT_OK;
+}
+
+ZOPT_API zopt_status zopt_optimizer_set_step_count(zopt_optimizer *o, int group, int64_t count) {
+  CHECK_OPT(o, "zopt_optimizer_set_step_count");
+  if (zopt_status st = check_group(o, group, "zopt_optimizer_set_step_count")) return st;
+  if (count < 0) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_set_step_count: count %lld < 0", (long long)count);
+  if (o->gpu && o->finalized)  // the device holds the counts: refresh, change, push
+    if (zopt_status st = gpu_pull(o)) return st;
+  o->groups[group].step_count = count;
+  if (o->gpu && o->finalized) return gpu_push(o);
+  return ZOPT_OK;
+}
+
+ZOPT_API zopt_status zopt_optimizer_get_loss_scaler_state(const zopt_optimizer *o, double *scale, int64_t *good_steps) {
+  CHECK_OPT(o, "zopt_optimizer_get_loss_scaler_state");
+  if (!scale || !good_steps) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_get_loss_scaler_state: NULL argument");
+  if (o->gpu)
+    if (zopt_status st = gpu_pull(const_cast<zopt_optimizer *>(o))) return st;
+  *scale = o->scaler.scale;
+  *good_steps = o->scaler.good_steps;
+  return ZOPT_OK;
+}
+
+ZOPT_API zopt_status zopt_optimizer_set_loss_scaler_state(zopt_optimizer *o, double scale, int64_t good_steps) {
+  CHECK_OPT(o, "zopt_optimizer_set_loss_scaler_state");
+  if (!(std::isfinite(scale) && scale > 0) || good_steps < 0)
+    return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_set_loss_scaler_state: scale %g must be finite and > 0, "
+                "good_steps %lld >= 0", scale, (long long)good_steps);
+  if (o->gpu && o->finalized)
+    if (zopt_status st = gpu_pull(o)) return st;
+  o->scaler.scale = scale;
+  o->scaler.good_steps = good_steps;
+  if (o->gpu && o->finalized) return gpu_push(o);
+  return ZOPT_OK;
+}
+
 ZOPT_API zopt_status zopt_optimizer_get_op_times(const zopt_optimizer *o, double *seconds, int n) {
   const char *fn = "zopt_optimizer_get_op_times";
   CHECK_OPT(o, "zopt_optimizer_get_op_times");

@@ -359,6 +359,24 @@ ZOPT_API zopt_status zopt_optimizer_set_active(zopt_optimizer *opt, const uint8_
  * tensor left alone by set_active does not advance). The bias corrections
  * and stochastic rounding of a tensor use its own count. */
 ZOPT_API zopt_status zopt_optimizer_get_tensor_step(const zopt_optimizer *opt, int tensor, int64_t *count);
+/* Moves tensor `tensor` to new user memory after finalize (the same
+ * numel and dtype; e.g. PyTorch replaced `p.data` or allocated a new
+ * `.grad`): the optimizer's states stay. `grad` may be NULL for a tensor
+ * this rank marks inactive (zopt_optimizer_set_active) until it gets
+ * memory again; stepping an active tensor without gradient memory is an
+ * error. The param's values are not read (call
+ * zopt_optimizer_refresh_master to take new values into a master). CPU and
+ * offloaded steps (GPU steps: ZOPT_ERR_UNSUPPORTED). */
+ZOPT_API zopt_status zopt_optimizer_set_tensor_memory(zopt_optimizer *opt, int tensor, void *param, void *grad);
+/* Restoring counts and the loss scaler without a checkpoint file (e.g. a
+ * binding's state_dict): the steps a tensor took, a group's step count,
+ * and the dynamic loss scaler's current scale and good-step counter (its
+ * configuration: zopt_optimizer_configure_loss_scaler). */
+ZOPT_API zopt_status zopt_optimizer_set_tensor_step(zopt_optimizer *opt, int tensor, int64_t count);
+ZOPT_API zopt_status zopt_optimizer_set_step_count(zopt_optimizer *opt, int group, int64_t count);
+ZOPT_API zopt_status zopt_optimizer_get_loss_scaler_state(const zopt_optimizer *opt, double *scale,
+                                                          int64_t *good_steps);
+ZOPT_API zopt_status zopt_optimizer_set_loss_scaler_state(zopt_optimizer *opt, double scale, int64_t good_steps);
 /* Makes the master (and, under ZeRO-3, the runtime's param shard) of
  * tensors [first, first + count) again the user's params, widened, as at
  * finalize: call it after writing new values into params whose step keeps

@@ -402,6 +402,12 @@ zopt_status agree(zopt_optimizer *o) {
   Program &P = *o->prog;
   const size_t T = o->tensors.size();
   if (o->world == 1) {
+    for (size_t t = 0; t < T; ++t)
+      if (!o->tensors[t].grad && o->tensors[t].numel && (o->active.empty() || o->active[t]))
+        return fail(ZOPT_ERR_INVALID_ARGUMENT,
+                    "zopt_optimizer_step: tensor %zu has no gradient memory (zopt_optimizer_set_tensor_memory with "
+                    "grad NULL) but is active: mark it inactive with zopt_optimizer_set_active",
+                    t);
     P.global_active = o->active;
     return ZOPT_OK;
   }
@@ -409,7 +415,12 @@ zopt_status agree(zopt_optimizer *o) {
   std::vector<unsigned char> mine(msg), all(msg * o->world);
   uint64_t h = hash_step_settings(o);
   memcpy(mine.data(), &h, 8);
-  for (size_t t = 0; t < T; ++t) mine[8 + t] = o->active.empty() ? 1 : o->active[t];
+  // Per tensor: 1 a gradient, 0 none, 2 none and no gradient memory (the
+  // reduced gradient of a tensor another rank updates lands in it).
+  for (size_t t = 0; t < T; ++t) {
+    uint8_t a = o->active.empty() ? 1 : o->active[t];
+    mine[8 + t] = a ? 1 : (o->tensors[t].grad || !o->tensors[t].numel) ? 0 : 2;
+  }
   if (zopt_status st = comm_all_gather(o->comm, mine.data(), all.data(), msg, "STEP settings and gradient mask"))
     return st;
   // Rank 0's values are the reference: name every rank that differs.
@@ -429,9 +440,16 @@ zopt_status agree(zopt_optimizer *o) {
   P.global_active.assign(T, 0);
   bool all_on = true;
   for (size_t t = 0; t < T; ++t) {
-    for (int q = 0; q < o->world; ++q) P.global_active[t] |= all[q * msg + 8 + t];
+    for (int q = 0; q < o->world; ++q) P.global_active[t] |= all[q * msg + 8 + t] & 1;
     all_on = all_on && P.global_active[t];
   }
+  for (size_t t = 0; t < T; ++t)
+    for (int q = 0; q < o->world && P.global_active[t]; ++q)
+      if (all[q * msg + 8 + t] == 2)
+        return fail(ZOPT_ERR_INVALID_ARGUMENT,
+                    "zopt_optimizer_step: tensor %zu has a gradient on some rank but rank %d registered no gradient "
+                    "memory for it (zopt_optimizer_set_tensor_memory with grad NULL): the reduced gradient needs it",
+                    t, q);
   if (all_on) P.global_active.clear();
   return ZOPT_OK;
 }
@@ -614,6 +632,15 @@ void runs(const zopt_optimizer *o, int t, int si, std::vector<Run> *out) {
       out->push_back(Run{a - seg.flat, e - a,
                          (char *)P.buf[si] + (size_t)P.L.local_index(b, o->rank, a) * es_of(o, si)});
   }
+}
+
+void rebind(zopt_optimizer *o) {
+  Program *P = o->prog;
+  if (!P) return;
+  if (P->update_owned.built) build_update_work(o, P->update_owned, ZOPT_RANGE_OWNED);
+  if (P->update_all.built) build_update_work(o, P->update_all, ZOPT_RANGE_ALL);
+  if (P->norm_owned.sumsq.built) build_blocks(o, P->norm_owned, ZOPT_RANGE_OWNED);
+  if (P->norm_all.sumsq.built) build_blocks(o, P->norm_all, ZOPT_RANGE_ALL);
 }
 
 void repartition(zopt_optimizer *o) {

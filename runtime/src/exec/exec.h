@@ -78,6 +78,8 @@ zopt_status build(zopt_optimizer *o);
 zopt_status run(zopt_optimizer *o, zopt_step_result *result);
 // Re-splits the work across o->num_threads threads.
 void repartition(zopt_optimizer *o);
+// Rebuilds every work unit's pointers (after a tensor's user memory moved).
+void rebind(zopt_optimizer *o);
 void destroy(zopt_optimizer *o);
 
 // A run of tensor t's state si held by this rank: elements

@@ -286,6 +286,10 @@ int offload_check(Fake &f, zopt_step *step, const char *twin_path) {
     hfree += !strcmp(f.call(i), "cuMemFreeHost");
   }
   check(halloc == hfree, "offload: every pinned staging buffer freed");
+  for (size_t t = 0; t < T; ++t) {  // the test's own "device" tensors
+    f.mem_free(dp[t]);
+    f.mem_free(dg[t]);
+  }
   return 0;
 }
 

@@ -1,0 +1,112 @@
+"""C API calls a binding uses to keep the runtime in step with the framework:
+moving a tensor's memory after finalize, restoring counts and the loss
+scaler without a checkpoint file (zopt.h)."""
+import ctypes
+import threading
+
+import numpy as np
+import pytest
+
+import zopt
+from zopt import _lib
+from zopt.comm import Comm
+
+F32_STEP = dict(rule="adamw", layout="f32")
+
+
+def _opt(steps, arrays, **kw):
+    return zopt.Optimizer(steps(**F32_STEP), [(p, g) for p, g in arrays], lr=1e-2, weight_decay=0.1, **kw)
+
+
+def _arrays(seed, sizes=(1000, 17)):
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32))
+            for n in sizes]
+
+
+def test_set_tensor_memory_keeps_states(steps):
+    a, b = _arrays(1), _arrays(1)
+    oa, ob = _opt(steps, a), _opt(steps, b)
+    oa.step(), ob.step()
+    # Move tensor 0 of `b` to new memory holding the same values.
+    p2, g2 = b[0][0].copy(), b[0][1].copy()
+    L = _lib.lib()
+    _lib.check(L.zopt_optimizer_set_tensor_memory(ob._handle(), 0, ctypes.c_void_p(p2.ctypes.data),
+                                                  ctypes.c_void_p(g2.ctypes.data)), "set_tensor_memory")
+    b[0][0][:] = 7.0  # the old memory is no longer the optimizer's
+    for k in range(3):
+        rng = np.random.default_rng(10 + k)
+        g = rng.standard_normal(1000).astype(np.float32)
+        a[0][1][:] = g
+        g2[:] = g
+        oa.step(), ob.step()
+    np.testing.assert_array_equal(a[0][0], p2)  # bit-identical: the states stayed
+    assert np.all(b[0][0] == 7.0)
+    np.testing.assert_array_equal(oa.read_state(0, "exp_avg"), ob.read_state(0, "exp_avg"))
+
+
+def test_null_grad_needs_inactive(steps):
+    a = _arrays(2)
+    o = _opt(steps, a)
+    L, h = _lib.lib(), o._handle()
+    _lib.check(L.zopt_optimizer_set_tensor_memory(h, 1, ctypes.c_void_p(a[1][0].ctypes.data), None), "set")
+    res = _lib.StepResult()
+    st = L.zopt_optimizer_step(h, ctypes.byref(res))
+    assert st == _lib.Status.INVALID_ARGUMENT
+    assert b"no gradient memory" in L.zopt_last_error()
+    mask = (ctypes.c_uint8 * 2)(1, 0)
+    _lib.check(L.zopt_optimizer_set_active(h, mask, 2), "set_active")
+    before = a[1][0].copy()
+    _lib.check(L.zopt_optimizer_step(h, ctypes.byref(res)), "step")
+    np.testing.assert_array_equal(a[1][0], before)  # left alone
+
+
+def test_null_grad_where_another_rank_updates(steps):
+    """Two ranks (threads): rank 1 has no gradient memory for tensor 1 while
+    rank 0 has a gradient for it: both ranks fail, naming rank 1."""
+    comms = Comm.loopback(2, timeout=10)
+    step = steps(**F32_STEP)
+    errors = [None, None]
+
+    def rank(r):
+        arr = _arrays(3)
+        o = zopt.Optimizer(step, [(p, g) for p, g in arr], lr=1e-2, comm=comms[r])
+        L, h = _lib.lib(), o._handle()
+        if r == 1:
+            _lib.check(L.zopt_optimizer_set_tensor_memory(h, 1, ctypes.c_void_p(arr[1][0].ctypes.data), None), "s")
+            mask = (ctypes.c_uint8 * 2)(1, 0)
+            _lib.check(L.zopt_optimizer_set_active(h, mask, 2), "set_active")
+        res = _lib.StepResult()
+        st = L.zopt_optimizer_step(h, ctypes.byref(res))
+        errors[r] = (st, L.zopt_last_error().decode())
+
+    th = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in th:
+        t.start()
+    for t in th:
+        t.join(60)
+    for st, msg in errors:
+        assert st == _lib.Status.INVALID_ARGUMENT and "rank 1" in msg, msg
+
+
+def test_counts_and_scaler_setters(steps):
+    a = _arrays(4)
+    o = zopt.Optimizer(steps(**F32_STEP), [(p, g) for p, g in a], lr=1e-3)
+    L, h = _lib.lib(), o._handle()
+    _lib.check(L.zopt_optimizer_set_tensor_step(h, 1, 41), "set_tensor_step")
+    c = ctypes.c_int64()
+    _lib.check(L.zopt_optimizer_get_tensor_step(h, 1, ctypes.byref(c)), "get")
+    assert c.value == 41
+    _lib.check(L.zopt_optimizer_set_step_count(h, 0, 9), "set_step_count")
+    _lib.check(L.zopt_optimizer_get_step_count(h, 0, ctypes.byref(c)), "get")
+    assert c.value == 9
+    _lib.check(L.zopt_optimizer_set_loss_scaler_state(h, 512.0, 3), "set scaler")
+    s, g = ctypes.c_double(), ctypes.c_int64()
+    _lib.check(L.zopt_optimizer_get_loss_scaler_state(h, ctypes.byref(s), ctypes.byref(g)), "get scaler")
+    assert (s.value, g.value) == (512.0, 3)
+    assert L.zopt_optimizer_set_loss_scaler_state(h, float("nan"), 0) == _lib.Status.INVALID_ARGUMENT
+    assert L.zopt_optimizer_set_tensor_step(h, 5, 1) == _lib.Status.INVALID_ARGUMENT
+    # The tensor's own count drives its bias correction: step 42 next.
+    o.step()
+    _lib.check(L.zopt_optimizer_get_tensor_step(h, 1, ctypes.byref(c)), "get")
+    assert c.value == 42
