@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up, builds and runs every test: lit (dialects, passes, zopt-compile,
-# executable kernel checks), the runtime's ctest suite and the Python
-# parity tests. Exits non-zero if anything fails.
+# executable kernel checks, ZeRO across ranks), the runtime's ctest suite,
+# the Python suite, then the sanitizer stage (ASan+UBSan, TSan). Exits
+# non-zero if anything fails. docs/TESTING.md lists the stages.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${BUILD_DIR:-$root/build}"
@@ -13,4 +14,12 @@ echo "== ctest (lit + runtime)"
 echo "== pytest (python/tests)"
 ZOPT_BUILD_DIR="$build" PYTHONPATH="$root/python" \
   /usr/bin/python3 -m pytest -q -p no:cacheprovider "$root/python/tests"
+echo "== regular suite passed in $(( $(date +%s) - start )) s"
+# The sanitizer stage (docs/TESTING.md): ASan+UBSan of everything, TSan of
+# the runtime. ZOPT_QUICK=1 skips it (and the fuzzing) for a local run; CI
+# runs everything.
+if [ "${ZOPT_QUICK:-0}" != 1 ]; then
+  echo "== sanitizers (scripts/sanitize.sh)"
+  BUILD_DIR="$build" bash "$root/scripts/sanitize.sh"
+fi
 echo "== all tests passed in $(( $(date +%s) - start )) s"
