@@ -110,3 +110,59 @@ def test_counts_and_scaler_setters(steps):
     o.step()
     _lib.check(L.zopt_optimizer_get_tensor_step(h, 1, ctypes.byref(c)), "get")
     assert c.value == 42
+
+
+# ---- zopt_optimizer_step_linked -----------------------------------------
+
+
+def _linked(opts, result=None):
+    L = _lib.lib()
+    arr = (ctypes.c_void_p * len(opts))(*[o._handle() for o in opts])
+    return L.zopt_optimizer_step_linked(arr, len(opts), ctypes.byref(result) if result is not None else None)
+
+
+def test_linked_step_one_norm_over_parts(steps):
+    """Two parts stepped as one: the norm is float64's over both parts'
+    gradients and both parts clip with it. SGD with momentum is linear in
+    the gradient, so each part's params show the clip coefficient: with a
+    per-part norm they would be ~1.4x off the float64 reference, which
+    clips every tensor with the combined norm."""
+    from zopt.reference import Reference
+    step = steps(rule="sgd", layout="f32", clip=1.0)
+    a, b = _arrays(5, (1000, 17)), _arrays(6, (300, 4099))
+    ref = Reference("sgd", [dict(params=[p.copy() for p, _ in a + b], lr=1e-2, momentum=0.9)],
+                    layout="f32", clip=1.0)
+    kw = dict(lr=1e-2, momentum=0.9)
+    oa = zopt.Optimizer(step, [(p, g) for p, g in a], **kw)
+    ob = zopt.Optimizer(step, [(p, g) for p, g in b], **kw)
+    for k in range(3):
+        rng = np.random.default_rng(100 + k)
+        for _, g in a + b:
+            g[:] = (rng.standard_normal(g.size) * 0.5).astype(np.float32)  # norm ~25: clipped
+        res = _lib.StepResult()
+        _lib.check(_linked([oa, ob], res), "step_linked")
+        want_norm, skipped, coef = ref.step([g for _, g in a + b])
+        assert not skipped and coef < 0.1
+        assert abs(res.grad_norm - want_norm) <= 1e-9 * want_norm
+        for i, (p, _) in enumerate(a + b):
+            want = ref.param(i)
+            np.testing.assert_allclose(p, want, rtol=1e-5, atol=1e-7)
+
+
+def test_linked_step_errors(steps):
+    clip1 = steps(rule="adamw", layout="f32", clip=1.0)
+    clip2 = steps(rule="adamw", layout="f32", clip=2.0)
+    noclip = steps(rule="adamw", layout="f32")
+    a, b, c = _arrays(7), _arrays(8), _arrays(9)
+    oa = zopt.Optimizer(clip1, [(p, g) for p, g in a], lr=1e-2)
+    ob = zopt.Optimizer(clip2, [(p, g) for p, g in b], lr=1e-2)
+    oc = zopt.Optimizer(noclip, [(p, g) for p, g in c], lr=1e-2)
+    L = _lib.lib()
+    before = [p.copy() for p, _ in a + b]
+    for parts, needle in (([oa, ob], b"max_norm"), ([oa, oc], b"clipping"), ([oa, oa], b"same optimizer")):
+        assert _linked(parts) == _lib.Status.INVALID_ARGUMENT
+        assert needle in L.zopt_last_error(), L.zopt_last_error()
+    # Nothing ran: every param as it was.
+    for (p, _), x in zip(a + b, before):
+        np.testing.assert_array_equal(p, x)
+    assert L.zopt_optimizer_step_linked(None, 2, None) == _lib.Status.INVALID_ARGUMENT

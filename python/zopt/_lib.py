@@ -214,6 +214,8 @@ _SIGS = {
     "zopt_optimizer_configure_loss_scaler": (_S, [_P, ctypes.POINTER(LossScalerConfig)]),
     "zopt_optimizer_get_loss_scale": (_S, [_P, ctypes.POINTER(ctypes.c_double)]),
     "zopt_optimizer_step": (_S, [_P, ctypes.POINTER(StepResult)]),
+    "zopt_optimizer_step_linked": (_S, [ctypes.POINTER(_P), ctypes.c_int,
+                                        ctypes.POINTER(StepResult)]),
     "zopt_optimizer_get_step_count": (_S, [_P, ctypes.c_int,
                                            ctypes.POINTER(ctypes.c_int64)]),
     "zopt_optimizer_set_seed": (_S, [_P, ctypes.c_uint64]),

@@ -450,6 +450,55 @@ ZOPT_API zopt_status zopt_optimizer_step(zopt_optimizer *o, zopt_step_result *re
   return exec::run(o, result);
 }
 
+ZOPT_API zopt_status zopt_optimizer_step_linked(zopt_optimizer *const *parts, int n, zopt_step_result *result) {
+  const char *fn = "zopt_optimizer_step_linked";
+  if (!parts || n < 1 || n > 64)
+    return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: %s", fn, !parts ? "parts is NULL" : "n must be in [1, 64]");
+  for (int i = 0; i < n; ++i) {
+    const zopt_optimizer *o = parts[i];
+    if (!o) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: part %d is NULL", fn, i);
+    if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "%s: part %d ('%s') is not finalized", fn, i, o->d->name);
+    if (o->gpu)
+      return fail(ZOPT_ERR_UNSUPPORTED, "%s: part %d ('%s') is a GPU step: linked steps run CPU-updated steps", fn, i,
+                  o->d->name);
+    for (int j = 0; j < i; ++j)
+      if (parts[j] == o) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: parts %d and %d are the same optimizer", fn, j, i);
+    if (i == 0) continue;
+    const zopt_optimizer *a = parts[0];
+    const uint32_t kNormFlags = ZOPT_FLAG_CLIP | ZOPT_FLAG_LOSS_SCALE;
+    if (o->world != a->world || o->rank != a->rank)
+      return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: part %d is rank %d of %d, part 0 rank %d of %d", fn, i, o->rank,
+                  o->world, a->rank, a->world);
+    if ((o->d->flags & kNormFlags) != (a->d->flags & kNormFlags) ||
+        ((a->d->flags & ZOPT_FLAG_CLIP) && o->d->max_norm != a->d->max_norm))
+      return fail(ZOPT_ERR_INVALID_ARGUMENT,
+                  "%s: part %d ('%s') and part 0 ('%s') differ in clipping or loss scaling: linked parts share one "
+                  "norm and one skip decision, so their steps must clip to the same max_norm and scale alike",
+                  fn, i, o->d->name, a->d->name);
+    if (a->d->flags & ZOPT_FLAG_LOSS_SCALE) {
+      const LossScaler &x = o->scaler, &y = a->scaler;
+      const bool same_cfg = x.cfg.growth_factor == y.cfg.growth_factor && x.cfg.backoff_factor == y.cfg.backoff_factor &&
+                            x.cfg.growth_interval == y.cfg.growth_interval && x.cfg.min_scale == y.cfg.min_scale &&
+                            x.cfg.dynamic == y.cfg.dynamic;
+      if (!same_cfg || x.scale != y.scale || x.good_steps != y.good_steps)
+        return fail(ZOPT_ERR_INVALID_ARGUMENT,
+                    "%s: part %d's loss scaler (scale %g, %lld good steps) differs from part 0's (scale %g, %lld good "
+                    "steps) or is configured differently: configure every part alike",
+                    fn, i, x.scale, (long long)x.good_steps, y.scale, (long long)y.good_steps);
+    }
+  }
+  if (n == 1) return zopt_optimizer_step(parts[0], result);
+  std::vector<exec::StepState> st(n);
+  double sumsq = 0;
+  for (int i = 0; i < n; ++i) {
+    if (zopt_status s = exec::run_begin(parts[i], &st[i])) return s;
+    if (st[i].has_norm) sumsq += st[i].sumsq;
+  }
+  for (int i = 0; i < n; ++i)
+    if (zopt_status s = exec::run_end(parts[i], &st[i], sumsq, i == 0 ? result : nullptr)) return s;
+  return ZOPT_OK;
+}
+
 ZOPT_API zopt_status zopt_optimizer_set_seed(zopt_optimizer *o, uint64_t seed) {
   CHECK_OPT(o, "zopt_optimizer_set_seed");
   o->seed = seed;

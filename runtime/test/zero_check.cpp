@@ -32,6 +32,11 @@
 //     --mismatch=stage|tensors|hyper|seed  rank 1 (only) differs: every rank
 //                           must fail with an error naming rank 1
 //     --other=STEP2.so      rank 1's step for --mismatch=stage
+//     --linked=STEP2.so     a second optimizer (another parameter class: its
+//                           own tensors and gradients) stepped with the first
+//                           by zopt_optimizer_step_linked: one norm over
+//                           both; at one rank the norm is also checked
+//                           against a float64 sum over both parts' gradients
 #include "zopt/comm.h"
 #include "zopt/zopt.h"
 
@@ -49,7 +54,7 @@
 namespace {
 
 struct Options {
-  std::string step, other, comm = "loopback", save, load, mismatch;
+  std::string step, other, linked, comm = "loopback", save, load, mismatch;
   int world = 2, steps = 4, threads = 1, accum = 1, inf_at = -1, from_world = 1, loaded_steps = 0;
   int64_t bucket = 65536;
   double grad_scale = 0.05;
@@ -191,9 +196,12 @@ bool build(int rank, const zopt_step *step, Model &m, const Options &opt, zopt_c
 
 // Rank r's gradient of tensor t at step k, already multiplied by the loss
 // scale S (exact: S is a power of two).
-float grad_value(const Options &opt, int r, int k, size_t t, int64_t i, double S) {
-  if (opt.inf_at == k && r == opt.world - 1 && t == 6 && i == 17) return INFINITY;
-  return (float)(value(2, t, (uint64_t)k * 4096 + (uint64_t)r, (uint64_t)i, opt.grad_scale) * S);
+// Part `cls` of a linked step has gradients of its own (and the Inf, with
+// --inf-at, is in part 1's gradients then).
+float grad_value(const Options &opt, int r, int k, size_t t, int64_t i, double S, int cls = 0) {
+  if (opt.inf_at == k && r == opt.world - 1 && t == 6 && i == 17 && cls == (opt.linked.empty() ? 0 : 1))
+    return INFINITY;
+  return (float)(value(2 + 10 * (uint64_t)cls, t, (uint64_t)k * 4096 + (uint64_t)r, (uint64_t)i, opt.grad_scale) * S);
 }
 bool has_grad(const Options &opt, int r, size_t t) {
   if (!opt.mask) return true;
@@ -202,15 +210,15 @@ bool has_grad(const Options &opt, int r, size_t t) {
   return true;
 }
 
-void fill_grads(Model &m, const Options &opt, int r, int k, double S) {
+void fill_grads(Model &m, const Options &opt, int r, int k, double S, int cls = 0) {
   for (size_t t = 0; t < m.g.size(); ++t)
     for (int64_t i = 0; i < kSizes[t]; ++i)
-      from_f32(m.g[t].data(), m.gdt, (size_t)i, has_grad(opt, r, t) ? grad_value(opt, r, k, t, i, S) : 0.0f);
+      from_f32(m.g[t].data(), m.gdt, (size_t)i, has_grad(opt, r, t) ? grad_value(opt, r, k, t, i, S, cls) : 0.0f);
 }
 
 // The reference's gradient: the rank-order f32 sum of every rank's
 // gradient (absent ones contribute nothing), rounded to the grad dtype.
-void fill_ref_grads(Model &m, const Options &opt, int world, int k, double S) {
+void fill_ref_grads(Model &m, const Options &opt, int world, int k, double S, int cls = 0) {
   for (size_t t = 0; t < m.g.size(); ++t)
     for (int64_t i = 0; i < kSizes[t]; ++i) {
       float acc = 0;
@@ -218,7 +226,7 @@ void fill_ref_grads(Model &m, const Options &opt, int world, int k, double S) {
       for (int r = 0; r < world; ++r) {
         // Each rank's value as stored in its grad dtype.
         unsigned char tmp[4];
-        from_f32(tmp, m.gdt, 0, has_grad(opt, r, t) ? grad_value(opt, r, k, t, i, S) : 0.0f);
+        from_f32(tmp, m.gdt, 0, has_grad(opt, r, t) ? grad_value(opt, r, k, t, i, S, cls) : 0.0f);
         float x = to_f32(tmp, m.gdt, 0);
         acc = first ? x : acc + x;
         first = false;
@@ -333,21 +341,32 @@ bool run_rank(int rank, int world, zopt_comm *comm, const Options &opt) {
     return expect_error(rank, st, opt.mismatch == "hyper" ? "other hyperparameters" : "another seed", "rank(s) 1");
   }
 
-  Model m, ref;
+  zopt_step *step2 = nullptr;
+  if (!opt.linked.empty()) CK(zopt_step_load(opt.linked.c_str(), &step2));
+  std::unique_ptr<zopt_step, void (*)(zopt_step *)> own_step2(step2, zopt_step_free);
+  // parts[0] = (m, ref); with --linked also parts[1] = (m2, ref2).
+  Model m, ref, m2, ref2;
   if (!build(rank, step, m, o2, comm, false) || !build(rank, step, ref, o2, nullptr, false)) return false;
-  CK(zopt_optimizer_finalize(m.o));
-  CK(zopt_optimizer_finalize(ref.o));
-  CK(zopt_optimizer_set_grad_divisor(m.o, (double)world * opt.accum));
-  CK(zopt_optimizer_set_grad_divisor(ref.o, (double)world * opt.accum));
-  if (opt.mask) {
-    std::vector<uint8_t> a = mask_of(o2, rank);
-    CK(zopt_optimizer_set_active(m.o, a.data(), (int64_t)a.size()));
-    // The reference has a gradient wherever any rank has one.
-    std::vector<uint8_t> any(kSizes.size());
-    for (size_t t = 0; t < any.size(); ++t)
-      for (int r = 0; r < world; ++r) any[t] |= has_grad(o2, r, t);
-    CK(zopt_optimizer_set_active(ref.o, any.data(), (int64_t)any.size()));
+  if (step2 && (!build(rank, step2, m2, o2, comm, false) || !build(rank, step2, ref2, o2, nullptr, false)))
+    return false;
+  const int nparts = step2 ? 2 : 1;
+  Model *ms[2] = {&m, &m2}, *refs[2] = {&ref, &ref2};
+  for (int c = 0; c < nparts; ++c) {
+    CK(zopt_optimizer_finalize(ms[c]->o));
+    CK(zopt_optimizer_finalize(refs[c]->o));
+    CK(zopt_optimizer_set_grad_divisor(ms[c]->o, (double)world * opt.accum));
+    CK(zopt_optimizer_set_grad_divisor(refs[c]->o, (double)world * opt.accum));
+    if (opt.mask) {
+      std::vector<uint8_t> a = mask_of(o2, rank);
+      CK(zopt_optimizer_set_active(ms[c]->o, a.data(), (int64_t)a.size()));
+      // The reference has a gradient wherever any rank has one.
+      std::vector<uint8_t> any(kSizes.size());
+      for (size_t t = 0; t < any.size(); ++t)
+        for (int r = 0; r < world; ++r) any[t] |= has_grad(o2, r, t);
+      CK(zopt_optimizer_set_active(refs[c]->o, any.data(), (int64_t)any.size()));
+    }
   }
+  zopt_optimizer *parts[2] = {m.o, m2.o}, *ref_parts[2] = {ref.o, ref2.o};
   int first_step = 1;
   if (!opt.load.empty()) {
     // The reference replays the saving run's steps at its world size; the
@@ -378,12 +397,41 @@ bool run_rank(int rank, int world, zopt_comm *comm, const Options &opt) {
     double S = 1, Sr = 1;
     CK(zopt_optimizer_get_loss_scale(m.o, &S));
     CK(zopt_optimizer_get_loss_scale(ref.o, &Sr));
-    fill_grads(m, o2, rank, k, S);
-    fill_ref_grads(ref, o2, world, k, Sr);
+    for (int c = 0; c < nparts; ++c) {
+      fill_grads(*ms[c], o2, rank, k, S, c);
+      fill_ref_grads(*refs[c], o2, world, k, Sr, c);
+    }
     zopt_step_result a{}, b{};
-    CK(zopt_optimizer_step(m.o, &a));
-    CK(zopt_optimizer_step(ref.o, &b));
+    if (step2) {
+      CK(zopt_optimizer_step_linked(parts, 2, &a));
+      CK(zopt_optimizer_step_linked(ref_parts, 2, &b));
+    } else {
+      CK(zopt_optimizer_step(m.o, &a));
+      CK(zopt_optimizer_step(ref.o, &b));
+    }
     bool ok = compare(rank, m, ref, a, b, k, o2, "");
+    if (step2) {
+      ok = compare(rank, m2, ref2, a, b, k, o2, "linked part 1") && ok;
+      // One norm over both parts: float64 over the reference's gradients
+      // scaled as the kernels scale them (the f32 product with the f32
+      // coefficient 1 / (S D)), summed in long double: the kernels' f64
+      // sums of ~500k terms are within ~1e-12; a norm that missed a part,
+      // or one element (~2e-6), or scaled by another D is far outside 1e-10.
+      const float gs = (float)(1.0 / (Sr * world * opt.accum));
+      long double sum = 0;
+      for (int c = 0; c < nparts; ++c)
+        for (size_t t = 0; t < kSizes.size(); ++t)
+          for (int64_t i = 0; i < kSizes[t]; ++i) {
+            double x = (float)(to_f32(refs[c]->g[t].data(), refs[c]->gdt, (size_t)i) * gs);
+            sum += (long double)x * x;
+          }
+      double want = std::sqrt((double)sum);
+      bool norm_ok = std::isinf(want) ? std::isinf(b.grad_norm) || std::isnan(b.grad_norm)
+                                      : std::fabs(b.grad_norm - want) <= 1e-10 * want;
+      report(rank, norm_ok, "linked step %d: the norm %.17g is float64's over both parts (%.17g)", k, b.grad_norm,
+             want);
+      ok = ok && norm_ok;
+    }
     // The stages that keep the full mean gradient on every rank (0, 1).
     all_ok = all_ok && ok;
     report(rank, ok, "step %d at %d rank(s) (norm %.17g%s) bit-identical to one rank on the rank-order sum", k, world,
@@ -426,6 +474,7 @@ bool parse(int argc, char **argv, Options &o) {
     else if (const char *v = val("--loaded-steps=")) o.loaded_steps = atoi(v);
     else if (const char *v = val("--mismatch=")) o.mismatch = v;
     else if (const char *v = val("--other=")) o.other = v;
+    else if (const char *v = val("--linked=")) o.linked = v;
     else if (a == "--mask") o.mask = true;
     else if (a == "--delay") o.delay = true;
     else if (a[0] != '-' && o.step.empty()) o.step = a;

@@ -164,6 +164,21 @@ typedef struct zopt_step_result {
  * `result` may be NULL. */
 ZOPT_API zopt_status zopt_optimizer_step(zopt_optimizer *opt, zopt_step_result *result);
 
+/* Several optimizers stepped as one (one optimizer per parameter class, e.g.
+ * bf16 weights and f32 norms, each from its own step.so): one global norm
+ * over every part's gradients, one clip coefficient, one skip decision and
+ * one loss-scaler update. The parts run their steps' programs up to the
+ * norm in order (parts[0] first), the norm is sqrt of the parts' sums of
+ * squares added in part order (each the canonical, rank-count independent
+ * sum), and then the rest of each program in order. The parts must be
+ * distinct, finalized, CPU-updated (all-CPU or offloaded), on the same world
+ * (same rank and size), and agree on clipping (max_norm) and loss scaling
+ * (configuration, scale and good-step count); otherwise ZOPT_ERR_INVALID_-
+ * ARGUMENT naming the part, before anything runs. `result` (may be NULL)
+ * gets the combined norm. n = 1 is zopt_optimizer_step. A failure before the
+ * update leaves every part's state as it was. */
+ZOPT_API zopt_status zopt_optimizer_step_linked(zopt_optimizer *const *parts, int n, zopt_step_result *result);
+
 /* ---- GPU steps (docs/GPU.md) ------------------------------------------ */
 
 /* A step compiled with GPU-placed states runs through the CUDA driver API,

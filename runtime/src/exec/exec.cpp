@@ -454,6 +454,86 @@ zopt_status agree(zopt_optimizer *o) {
   return ZOPT_OK;
 }
 
+// One op of the program (NORM only sums: run_end decides).
+zopt_status run_op(zopt_optimizer *o, StepState *st, size_t i) {
+  Program &P = *o->prog;
+  const zopt_step_descriptor *d = o->d;
+  const zopt_program_op &op = P.ops[i];
+  if (st->skipped && (op.code == ZOPT_OP_UPDATE || (op.flags & ZOPT_OPF_UNLESS_SKIPPED))) return ZOPT_OK;
+  using clock = std::chrono::steady_clock;
+  struct Timer {
+    double *out;
+    clock::time_point t = clock::now();
+    ~Timer() { *out = std::chrono::duration<double>(clock::now() - t).count(); }
+  } timer{&P.op_seconds[i]};
+  switch (op.code) {
+    case ZOPT_OP_COPY: {
+      // To the host: wait after the last of a run of such copies (the CPU
+      // reads them next); to the device: asynchronous, ordered before the
+      // caller's next work on the stream.
+      const bool to_host = op.dst == ZOPT_PLACE_CPU;
+      const bool more = i + 1 < P.ops.size() && P.ops[i + 1].code == ZOPT_OP_COPY && P.ops[i + 1].dst == op.dst;
+      return offload_copy_state(o, (int)op.state, !to_host, to_host && !more);
+    }
+    case ZOPT_OP_REDUCE_SCATTER:
+      return o->world > 1 ? reduce_scatter(o, op) : ZOPT_OK;
+    case ZOPT_OP_ALL_GATHER:
+      return o->world > 1 ? all_gather(o, op) : ZOPT_OK;
+    case ZOPT_OP_PREPARE:
+      prepare_rows(o, true, 1.0, st->gscale);
+      return ZOPT_OK;
+    case ZOPT_OP_NORM_PARTIALS:
+      run_sumsq(o, op.range == ZOPT_RANGE_OWNED ? P.norm_owned : P.norm_all);
+      return ZOPT_OK;
+    case ZOPT_OP_NORM: {
+      // Every rank's partials, added in (bucket, block) order: the same
+      // bits on every rank, at any world size, thread count and ISA.
+      double sum = 0;
+      if (P.norm_range == ZOPT_RANGE_OWNED) {
+        const std::vector<double> *all = &P.norm_owned.partials;
+        if (o->world > 1) {
+          if (zopt_status s = comm_all_gather(o->comm, P.norm_owned.partials.data(), P.gathered.data(),
+                                              P.norm_owned.partials.size() * sizeof(double), "NORM partials"))
+            return s;
+          all = &P.gathered;
+        }
+        const int64_t bpr = P.L.blocks_per_rank;
+        for (const layout::Bucket &k : P.L.buckets) {
+          const int64_t nb = k.shard / kNormBlock;
+          for (int q = 0; q < o->world; ++q)
+            for (int64_t j = 0; j < nb; ++j) {
+              if ((q * nb + j) * kNormBlock >= k.len) break;
+              sum += (*all)[(size_t)(q * bpr + k.block_offset + j)];
+            }
+        }
+      } else {
+        for (const layout::Bucket &k : P.L1.buckets)
+          for (int64_t j = 0; j < k.shard / kNormBlock && j * kNormBlock < k.len; ++j)
+            sum += P.norm_all.partials[(size_t)(k.block_offset + j)];
+      }
+      st->sumsq = sum;
+      st->has_norm = true;
+      return ZOPT_OK;
+    }
+    case ZOPT_OP_UPDATE:
+      run_update(o, op.range == ZOPT_RANGE_OWNED ? P.update_owned : P.update_all);
+      return ZOPT_OK;
+    case ZOPT_OP_FINISH:
+      if (!st->skipped) {
+        std::vector<uint8_t> touched(o->groups.size(), 0);
+        for (size_t t = 0; t < o->tensors.size(); ++t)
+          if (active(P, (int)t)) {
+            o->tensors[t].steps++;
+            touched[o->tensors[t].group] = 1;
+          }
+        for (size_t g = 0; g < o->groups.size(); ++g) o->groups[g].step_count += touched[g];
+      }
+      if (d->flags & ZOPT_FLAG_LOSS_SCALE) update_loss_scaler(o, st->skipped);
+      return ZOPT_OK;
+  }
+  return ZOPT_OK;
+}
+
 }  // namespace
 
 // ---- build ------------------------------------------------------------------
@@ -462,7 +542,7 @@ static zopt_status validate(zopt_optimizer *o) {
   const zopt_step_descriptor *d = o->d;
   if (d->num_program == 0)
     return fail(ZOPT_ERR_ABI, "step '%s' has no step program", d->name);
-  int updates = 0;
+  int updates = 0, norms = 0;
   for (uint32_t i = 0; i < d->num_program; ++i) {
     const zopt_program_op &op = d->program[i];
     const char *name = op_name(op.code);
@@ -501,6 +581,12 @@ static zopt_status validate(zopt_optimizer *o) {
         ++updates;
         break;
       case ZOPT_OP_NORM:
+        // run_begin/run_end split the step at the NORM: the norm decides
+        // the update.
+        if (updates || norms) return bad("is not the one NORM before the UPDATE");
+        if (o->prog->norm_range == 0) return bad("has no NORM_PARTIALS before it");
+        ++norms;
+        break;
       case ZOPT_OP_PREPARE:
       case ZOPT_OP_FINISH:
         break;
@@ -659,109 +745,60 @@ void destroy(zopt_optimizer *o) {
 
 // ---- run --------------------------------------------------------------------
 
-zopt_status run(zopt_optimizer *o, zopt_step_result *result) {
+// The ops before the update: from agree() through the NORM op's sum of
+// every rank's partials (or, without a norm, up to the UPDATE). Leaves S
+// and the sum of squares in `st`. (Program::validate puts NORM before any
+// UPDATE.)
+zopt_status run_begin(zopt_optimizer *o, StepState *st) {
   Program &P = *o->prog;
   const zopt_step_descriptor *d = o->d;
   const bool ls = d->flags & ZOPT_FLAG_LOSS_SCALE;
-  const double S = ls ? o->scaler.scale : 1.0;
-  const double gscale = 1.0 / (S * grad_divisor(o));
+  *st = StepState();
+  st->S = ls ? o->scaler.scale : 1.0;
+  st->gscale = 1.0 / (st->S * grad_divisor(o));
   using clock = std::chrono::steady_clock;
   auto t0 = clock::now();
-  if (zopt_status st = agree(o)) return st;
+  if (zopt_status s = agree(o)) return s;
   P.agree_seconds = std::chrono::duration<double>(clock::now() - t0).count();
   P.op_seconds.assign(P.ops.size(), 0.0);
-  double norm = NAN, clip = 1.0;
-  bool skipped = false;
   for (size_t i = 0; i < P.ops.size(); ++i) {
     const zopt_program_op &op = P.ops[i];
-    if (skipped && (op.code == ZOPT_OP_UPDATE || (op.flags & ZOPT_OPF_UNLESS_SKIPPED))) continue;
-    struct Timer {
-      double *out;
-      clock::time_point t = clock::now();
-      ~Timer() { *out = std::chrono::duration<double>(clock::now() - t).count(); }
-    } timer{&P.op_seconds[i]};
-    switch (op.code) {
-      case ZOPT_OP_COPY: {
-        // To the host: wait after the last of a run of such copies (the CPU
-        // reads them next); to the device: asynchronous, ordered before the
-        // caller's next work on the stream.
-        const bool to_host = op.dst == ZOPT_PLACE_CPU;
-        const bool more = i + 1 < P.ops.size() && P.ops[i + 1].code == ZOPT_OP_COPY && P.ops[i + 1].dst == op.dst;
-        if (zopt_status st = offload_copy_state(o, (int)op.state, !to_host, to_host && !more)) return st;
-        break;
-      }
-      case ZOPT_OP_REDUCE_SCATTER:
-        if (o->world > 1)
-          if (zopt_status st = reduce_scatter(o, op)) return st;
-        break;
-      case ZOPT_OP_ALL_GATHER:
-        if (o->world > 1)
-          if (zopt_status st = all_gather(o, op)) return st;
-        break;
-      case ZOPT_OP_PREPARE:
-        prepare_rows(o, true, 1.0, gscale);
-        break;
-      case ZOPT_OP_NORM_PARTIALS:
-        run_sumsq(o, op.range == ZOPT_RANGE_OWNED ? P.norm_owned : P.norm_all);
-        break;
-      case ZOPT_OP_NORM: {
-        // Every rank's partials, added in (bucket, block) order: the same
-        // bits on every rank, at any world size, thread count and ISA.
-        double sum = 0;
-        if (P.norm_range == ZOPT_RANGE_OWNED) {
-          const std::vector<double> *all = &P.norm_owned.partials;
-          if (o->world > 1) {
-            if (zopt_status st = comm_all_gather(o->comm, P.norm_owned.partials.data(), P.gathered.data(),
-                                                 P.norm_owned.partials.size() * sizeof(double), "NORM partials"))
-              return st;
-            all = &P.gathered;
-          }
-          const int64_t bpr = P.L.blocks_per_rank;
-          for (const layout::Bucket &k : P.L.buckets) {
-            const int64_t nb = k.shard / kNormBlock;
-            for (int q = 0; q < o->world; ++q)
-              for (int64_t j = 0; j < nb; ++j) {
-                if ((q * nb + j) * kNormBlock >= k.len) break;
-                sum += (*all)[(size_t)(q * bpr + k.block_offset + j)];
-              }
-          }
-        } else {
-          for (const layout::Bucket &k : P.L1.buckets)
-            for (int64_t j = 0; j < k.shard / kNormBlock && j * kNormBlock < k.len; ++j)
-              sum += P.norm_all.partials[(size_t)(k.block_offset + j)];
-        }
-        norm = std::sqrt(sum);
-        if (!std::isfinite(sum)) {
-          skipped = true;
-        } else if (d->flags & ZOPT_FLAG_CLIP) {
-          clip = std::min(1.0, d->max_norm / (norm + 1e-6));
-          prepare_rows(o, false, clip, gscale);
-        }
-        break;
-      }
-      case ZOPT_OP_UPDATE:
-        run_update(o, op.range == ZOPT_RANGE_OWNED ? P.update_owned : P.update_all);
-        break;
-      case ZOPT_OP_FINISH:
-        if (!skipped) {
-          std::vector<uint8_t> touched(o->groups.size(), 0);
-          for (size_t t = 0; t < o->tensors.size(); ++t)
-            if (active(P, (int)t)) {
-              o->tensors[t].steps++;
-              touched[o->tensors[t].group] = 1;
-            }
-          for (size_t g = 0; g < o->groups.size(); ++g) o->groups[g].step_count += touched[g];
-        }
-        if (ls) update_loss_scaler(o, skipped);
-        break;
-    }
-  }
-  if (result) {
-    result->grad_norm = norm;
-    result->skipped = skipped ? 1 : 0;
-    result->loss_scale = S;
+    if (op.code == ZOPT_OP_UPDATE || op.code == ZOPT_OP_FINISH) break;  // no norm: up to the update
+    st->pc = i + 1;
+    if (zopt_status s = run_op(o, st, i)) return s;
+    if (op.code == ZOPT_OP_NORM) break;
   }
   return ZOPT_OK;
+}
+
+// The rest of the program, deciding with the sum of squares `sumsq` (the
+// step's own, or several optimizers' in zopt_optimizer_step_linked).
+zopt_status run_end(zopt_optimizer *o, StepState *st, double sumsq, zopt_step_result *result) {
+  Program &P = *o->prog;
+  const zopt_step_descriptor *d = o->d;
+  if (st->has_norm) {
+    st->norm = std::sqrt(sumsq);
+    if (!std::isfinite(sumsq)) {
+      st->skipped = true;
+    } else if (d->flags & ZOPT_FLAG_CLIP) {
+      st->clip = std::min(1.0, d->max_norm / (st->norm + 1e-6));
+      prepare_rows(o, false, st->clip, st->gscale);
+    }
+  }
+  for (size_t i = st->pc; i < P.ops.size(); ++i)
+    if (zopt_status s = run_op(o, st, i)) return s;
+  if (result) {
+    result->grad_norm = st->norm;
+    result->skipped = st->skipped ? 1 : 0;
+    result->loss_scale = st->S;
+  }
+  return ZOPT_OK;
+}
+
+zopt_status run(zopt_optimizer *o, zopt_step_result *result) {
+  StepState st;
+  if (zopt_status s = run_begin(o, &st)) return s;
+  return run_end(o, &st, st.sumsq, result);
 }
 
 // ---- gathers and accounting ---------------------------------------------

@@ -14,6 +14,8 @@
 #include "internal.h"
 #include "layout/layout.h"
 
+#include <cmath>
+
 namespace zopt {
 namespace exec {
 
@@ -76,6 +78,22 @@ struct Program {
 zopt_status build(zopt_optimizer *o);
 // One step: runs the program.
 zopt_status run(zopt_optimizer *o, zopt_step_result *result);
+
+// The step in two halves (zopt_optimizer_step_linked runs several
+// optimizers' first halves, adds their sums of squares in order and runs
+// their second halves with that sum): run_begin agrees and runs the ops
+// up to the NORM op's sum (no state but the gradients changes); run_end
+// decides the skip and the clip coefficient from `sumsq` and runs the rest.
+struct StepState {
+  size_t pc = 0;            // the first op run_end runs
+  double S = 1, gscale = 1;  // loss scale, gradient scale 1 / (S D)
+  bool has_norm = false;     // the program has a NORM op (sumsq is set)
+  double sumsq = 0;
+  double norm = NAN, clip = 1.0;
+  bool skipped = false;
+};
+zopt_status run_begin(zopt_optimizer *o, StepState *st);
+zopt_status run_end(zopt_optimizer *o, StepState *st, double sumsq, zopt_step_result *result);
 // Re-splits the work across o->num_threads threads.
 void repartition(zopt_optimizer *o);
 // Rebuilds every work unit's pointers (after a tensor's user memory moved).
