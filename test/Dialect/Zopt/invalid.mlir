@@ -123,6 +123,19 @@ zopt.step @s {
 
 // -----
 
+// A grad narrower than f32 of another type than the param's (f32 grads of a
+// bf16/f16 param are DeepSpeed's accumulation layout and are accepted).
+zopt.step @s {
+  %p = zopt.state param : bf16 on cpu
+  // expected-error@+1 {{grad is 'f16' but param is 'bf16'}}
+  %g = zopt.state grad : f16 on cpu
+  %lr = zopt.hyper lr
+  %p1 = zopt.apply %p, %g, %lr : bf16, f16
+  zopt.yield %p1 into %p : f32 into bf16
+}
+
+// -----
+
 // fp16 gradients without a loss scale.
 zopt.step @s {
   %p = zopt.state param : f16 on cpu

@@ -99,11 +99,17 @@ LogicalResult StepOp::verifyRegions() {
   if (!grad)
     return emitOpError("declares no 'grad' state: add "
                        "`%g = zopt.state grad : <type> on <placement>`");
-  if (grad.getType() != param.getType())
+  // Gradients have the param's type (torch's .grad) or are f32 for a
+  // 16-bit param: gradients accumulated in f32 (DeepSpeed's default bf16
+  // layout, Megatron's main_grad). A narrower gradient loses what
+  // accumulation adds.
+  if (grad.getType() != param.getType() &&
+      !(grad.getType().isF32() && storageBits(param.getType()) == 16))
     return grad.emitOpError("grad is ")
            << grad.getType() << " but param is " << param.getType()
            << "; gradients have the param's type (torch keeps .grad in the "
-              "param's dtype)";
+              "param's dtype) or are f32 for a bf16/f16 param (gradients "
+              "accumulated in f32)";
   if (grad.getType().isF16() && !unscale && !(*this)->hasAttr("zopt.loss_scale"))
     return grad.emitOpError(
         "f16 gradients need loss scaling: add `%gs = zopt.unscale %g : f16` "
