@@ -266,6 +266,83 @@ zopt.step @s {
 
 // -----
 
+// Stochastic rounding on a state that is never written: the gradient.
+zopt.step @s {
+  %p = zopt.state param : bf16 on cpu
+  // expected-error@+2 {{rounding applies to stores, and 'grad' is never stored: drop 'rounding'}}
+  // expected-note@+1 {{the gradient is read-only (it belongs to the user)}}
+  %g = zopt.state grad : bf16 on cpu rounding stochastic
+  %lr = zopt.hyper lr
+  %p1 = zopt.apply %p, %g, %lr : bf16, bf16
+  zopt.yield %p1 into %p : f32 into bf16
+}
+
+// -----
+
+// Any rounding on the gradient, nearest_even included (it is never stored).
+zopt.step @s {
+  %p = zopt.state param : f16 on cpu
+  // expected-error@+2 {{rounding applies to stores, and 'grad' is never stored}}
+  // expected-note@+1 {{the gradient is read-only}}
+  %g = zopt.state grad : f16 on cpu rounding nearest_even
+}
+
+// -----
+
+// Stochastic rounding on an f16 state (bf16 only), refused by the verifier
+// rather than late in the fuse phase.
+zopt.step @s {
+  %p = zopt.state param : bf16 on cpu
+  %g = zopt.state grad : bf16 on cpu
+  %w = zopt.state master : f32 on cpu
+  // expected-error@+2 {{stochastic rounding is implemented for bf16 states; this state is 'f16' (use nearest_even)}}
+  // expected-note@+1 {{store the state as bf16 to round it stochastically}}
+  %m = zopt.state exp_avg : f16 on cpu rounding stochastic
+}
+
+// -----
+
+// A clip whose result is never used: clipping would have no effect.
+zopt.step @s {
+  %p = zopt.state param : f32 on cpu
+  %g = zopt.state grad : f32 on cpu
+  %lr = zopt.hyper lr
+  // expected-error@+1 {{'zopt.clip_by_global_norm' op the clipped gradient is never used: clipping would have no effect}}
+  %gc = zopt.clip_by_global_norm %g max 1.0 : f32
+  %p1 = zopt.apply %p, %g, %lr : f32, f32
+  zopt.yield %p1 into %p : f32 into f32
+}
+
+// -----
+
+// A clip used only by a value that is never stored has no effect either.
+zopt.step @s {
+  %p = zopt.state param : f32 on cpu
+  %g = zopt.state grad : f32 on cpu
+  %lr = zopt.hyper lr
+  // expected-error@+1 {{the clipped gradient is never used by a stored value: clipping would have no effect}}
+  %gc = zopt.clip_by_global_norm %g max 1.0 : f32
+  %dead = zopt.apply %p, %gc, %lr : f32, f32
+  %p1 = zopt.apply %p, %g, %lr : f32, f32
+  zopt.yield %p1 into %p : f32 into f32
+}
+
+// -----
+
+// An unused unscale: the loss-scaled gradient would be applied as is.
+zopt.step @s {
+  %p = zopt.state param : f16 on cpu
+  %g = zopt.state grad : f16 on cpu
+  %w = zopt.state master : f32 on cpu
+  %lr = zopt.hyper lr
+  // expected-error@+1 {{'zopt.unscale' op the unscaled gradient is never used: loss scaling would have no effect}}
+  %gs = zopt.unscale %g : f16
+  %w1 = zopt.apply %w, %g, %lr : f32, f16
+  zopt.yield %w1, %w1 into %w, %p : f32, f32 into f32, f16
+}
+
+// -----
+
 // Unknown hyperparameter name.
 zopt.step @s {
   %p = zopt.state param : f32 on cpu

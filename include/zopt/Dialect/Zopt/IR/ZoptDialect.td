@@ -28,7 +28,15 @@ def Zopt_Dialect : Dialect {
                            "::mlir::math::MathDialect"];
 }
 
+// Every zopt op refuses attributes it does not declare: a misspelled
+// `{decoupled}` must not silently turn AdamW into Adam. Compiler-internal
+// `zopt.`-prefixed attributes (set by the passes) are accepted
+// (verifyKnownAttributes in ZoptVerify.cpp).
+def Zopt_KnownAttributesOnly : NativeOpTrait<"KnownAttributesOnly"> {
+  let cppNamespace = "::mlir::zopt";
+}
+
 class Zopt_Op<string mnemonic, list<Trait> traits = []>
-    : Op<Zopt_Dialect, mnemonic, traits>;
+    : Op<Zopt_Dialect, mnemonic, !listconcat([Zopt_KnownAttributesOnly], traits)>;
 
 #endif
