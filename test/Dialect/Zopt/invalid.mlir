@@ -517,7 +517,22 @@ zopt.step @s {
   %lr = zopt.hyper lr
   // expected-error@+1 {{state 'exp_avg' is never written}}
   %m = zopt.state exp_avg : f32 on cpu
-  %p1 = zopt.apply %p, %m, %lr : f32, f32
+  %p1 = zopt.apply %p, %g, %lr : f32, f32
+  zopt.yield %p1 into %p : f32 into f32
+}
+
+// -----
+
+// A gradient that no stored value depends on (found by the fuzzer: the
+// canonicalizer then deleted the unused grad and the step failed after the
+// decompose phase with "declares no 'grad' state").
+zopt.step @s {
+  %p = zopt.state param : f32 on cpu
+  // expected-error@+1 {{'zopt.state' op the gradient never reaches a stored value: the update does not depend on it}}
+  %g = zopt.state grad : f32 on cpu
+  %lr = zopt.hyper lr
+  %wd = zopt.hyper weight_decay
+  %p1 = zopt.decoupled_decay %p, %lr, %wd : f32
   zopt.yield %p1 into %p : f32 into f32
 }
 

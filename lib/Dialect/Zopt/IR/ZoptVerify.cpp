@@ -280,9 +280,9 @@ LogicalResult StepOp::verifyRegions() {
 
   // Step-level transformations must reach a stored value: a clip whose
   // result is never used would be dropped without a word.
+  llvm::SmallPtrSet<Operation *, 32> live;
+  collectLiveOps(body, live);
   {
-    llvm::SmallPtrSet<Operation *, 32> live;
-    collectLiveOps(body, live);
     if (clip && !live.contains(clip))
       return clip.emitOpError("the clipped gradient is never used")
              << (clip.getResult().use_empty() ? "" : " by a stored value")
@@ -307,6 +307,11 @@ LogicalResult StepOp::verifyRegions() {
   if (!grad)
     return emitOpError("declares no 'grad' state: add "
                        "`%g = zopt.state grad : <type> on <placement>`");
+  // A step that ignores its gradient is a mistake (and the canonicalizer
+  // would delete the unused grad state, failing the step after decompose).
+  if (!live.contains(grad))
+    return grad.emitOpError("the gradient never reaches a stored value: the "
+                            "update does not depend on it");
   if (grad.getType() != param.getType())
     return grad.emitOpError("grad is ")
            << grad.getType() << " but param is " << param.getType()
