@@ -21,7 +21,10 @@ def Zopt_Dialect : Dialect {
 
     The compiler lowers it in named phases (decompose, plan, fuse, codegen)
     into fused kernels; see docs/Dialects/Zopt.md for the rules the
-    verifier enforces.
+    verifier enforces. Every op refuses an attribute it does not declare
+    (trait `Zopt_KnownAttributesOnly`: a misspelled `{decoupled}` is an
+    error, not Adam with L2); attributes prefixed `zopt.` are the
+    compiler's own records, set by its passes.
   }];
   let useDefaultAttributePrinterParser = 1;
   let dependentDialects = ["::mlir::arith::ArithDialect",
