@@ -146,6 +146,11 @@ static int compile() {
                 "'; expected mlir, llvm, asm, obj, so or ptx");
   if (!last && emitKind == "so" && (outputFile.empty() || outputFile == "-"))
     return fail("--emit=so needs an output file: -o step.so");
+  for (const std::string &chip : gpuArchs)
+    if (!zopt::isKnownGpuArch(chip))
+      return fail("unknown --gpu='" + chip +
+                  "'; expected CUDA architectures among " +
+                  zopt::knownGpuArchs());
 
   DefaultTimingManager tm;
   tm.setEnabled(timing);

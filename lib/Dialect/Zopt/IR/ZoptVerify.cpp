@@ -204,6 +204,26 @@ void mlir::zopt::collectLiveOps(Block &body,
   }
 }
 
+/// The CUDA architectures sm_70 and newer that LLVM 22's NVPTX backend
+/// knows (llc -march=nvptx64 -mcpu=help), without the a/f suffixes.
+static constexpr unsigned kGpuArchs[] = {70, 72, 75, 80, 86, 87, 88, 89,
+                                         90, 100, 101, 103, 110, 120, 121};
+
+bool mlir::zopt::isKnownGpuArch(StringRef arch) {
+  unsigned sm = 0;
+  if (!arch.consume_front("sm_") || arch.empty() || arch.front() == '0' ||
+      arch.getAsInteger(10, sm))
+    return false;
+  return llvm::is_contained(kGpuArchs, sm);
+}
+
+std::string mlir::zopt::knownGpuArchs() {
+  std::string s;
+  for (unsigned sm : kGpuArchs)
+    s += (s.empty() ? "sm_" : ", sm_") + std::to_string(sm);
+  return s;
+}
+
 static bool isOptimizerState(StateKind k) {
   return k != StateKind::param && k != StateKind::grad;
 }
@@ -218,14 +238,11 @@ LogicalResult StepOp::verifyRegions() {
     return emitOpError("align must be a power of two between 1 and 1048576 "
                        "elements (got ")
            << align << ")";
-  if (auto arch = getGpuArch()) {
-    unsigned sm = 0;
-    if (!arch->starts_with("sm_") || arch->drop_front(3).getAsInteger(10, sm) ||
-        sm < 70)
+  if (auto arch = getGpuArch())
+    if (!isKnownGpuArch(*arch))
       return emitOpError("gpu_arch must name a CUDA architecture sm_70 or "
                          "newer, like \"sm_90\" (got \"")
-             << *arch << "\")";
-  }
+             << *arch << "\"; known: " << knownGpuArchs() << ")";
 
   Block &body = getBody().front();
   llvm::DenseMap<int, StateOp> states;

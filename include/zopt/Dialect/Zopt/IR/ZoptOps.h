@@ -53,6 +53,11 @@ struct HyperInfo {
 HyperInfo getHyperInfo(HyperKind kind);
 /// A double as diagnostics print it (%g: 1, 0.001, inf).
 std::string formatNumber(double v);
+/// Whether `arch` names a CUDA architecture zopt compiles for: sm_70 or
+/// newer, one LLVM's NVPTX backend knows (sm_80, sm_90, ...).
+bool isKnownGpuArch(llvm::StringRef arch);
+/// The list of them, for diagnostics ("sm_70, sm_72, ...").
+std::string knownGpuArchs();
 /// The ops of a step body that reach a stored value: the terminator, ops
 /// with effects and, transitively, the ops whose results they use.
 void collectLiveOps(Block &body, llvm::SmallPtrSetImpl<Operation *> &live);
