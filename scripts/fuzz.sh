@@ -1,16 +1,25 @@
 #!/usr/bin/env bash
-# A bounded, fixed-seed fuzz run of zopt-fuzz-description (parse + verify +
-# every phase up to LLVM IR, under AddressSanitizer and LeakSanitizer):
+# A bounded, fixed-seed fuzz run of the description fuzz targets (parse +
+# verify + every phase up to LLVM IR, under AddressSanitizer and
+# LeakSanitizer; tools/zopt-fuzz-description):
 #
-#   scripts/fuzz.sh [seconds]        (default 120)
+#   scripts/fuzz.sh [seconds]        (default 120, split between the targets)
 #
-# Builds the target in its own build directory (FUZZ_BUILD_DIR, default
+#   zopt-fuzz-description  mutates description text, seeded from examples/,
+#                          bench/ and the test inputs (split at `// -----`
+#                          and `//---`), with a zopt dictionary;
+#   zopt-fuzz-step         generates descriptions from the input bytes
+#                          (most of them verify: it reaches the passes).
+#
+# Builds the targets in their own build directory (FUZZ_BUILD_DIR, default
 # build-fuzz/: -DZOPT_ENABLE_FUZZER=ON instruments the compiler libraries),
-# seeds a fresh corpus from examples/, bench/ and the test inputs (split at
-# `// -----` and `//---`), runs with -seed=1 and exits non-zero on any crash,
+# runs each with -seed=1 on a fresh corpus and exits non-zero on any crash,
 # ASan report, leak or per-input timeout. A failing input is left in
 # $FUZZ_BUILD_DIR/fuzz-artifacts/; add it to test/zopt-compile/fuzz/ as a
-# regression test once fixed. Extra libFuzzer flags: FUZZ_FLAGS.
+# regression test once fixed (for zopt-fuzz-step, ZOPT_FUZZ_PRINT=1 prints
+# the description an input generates). FUZZ_TARGETS picks targets, FUZZ_FLAGS
+# adds libFuzzer flags, ZOPT_FUZZ_STRICT=1 also fails on a verified
+# description that a later phase refuses.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 secs="${1:-120}"
@@ -37,9 +46,10 @@ if [ ! -f "$build/build.ninja" ]; then
     -DCMAKE_C_COMPILER=clang-22 -DCMAKE_CXX_COMPILER=clang++-22 \
     -DLLVM_USE_LINKER=lld -DZOPT_ENABLE_FUZZER=ON "${launcher[@]}" >/dev/null
 fi
-ninja -C "$build" -j2 zopt-fuzz-description
+targets=(${FUZZ_TARGETS:-zopt-fuzz-description zopt-fuzz-step})
+ninja -C "$build" -j2 "${targets[@]}"
 built=$(date +%s)
-echo "== fuzz: target built in $(( built - start )) s"
+echo "== fuzz: ${targets[*]} built in $(( built - start )) s"
 
 work="$(mktemp -d "${TMPDIR:-/tmp}/zopt-fuzz.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
@@ -67,19 +77,33 @@ PY
 
 # Leaks are checked at the end of each input (LeakSanitizer).
 export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=0:symbolize=1}"
-set +e
-# shellcheck disable=SC2086
-"$build/bin/zopt-fuzz-description" -seed=1 -max_total_time="$secs" \
-  -timeout=30 -rss_limit_mb=4096 -max_len=4096 -print_final_stats=1 \
-  -dict="$root/tools/zopt-fuzz-description/zopt.dict" \
-  -artifact_prefix="$build/fuzz-artifacts/" ${FUZZ_FLAGS:-} \
-  "$work/corpus" "$work/seeds"
-rc=$?
-set -e
+each=$(( secs / ${#targets[@]} ))
+[ "$each" -ge 1 ] || each=1
+failed=()
+for t in "${targets[@]}"; do
+  args=(-max_len=4096)
+  corpus=("$work/corpus-$t")
+  mkdir -p "$work/corpus-$t"
+  if [ "$t" = zopt-fuzz-description ]; then
+    args+=(-dict="$root/tools/zopt-fuzz-description/zopt.dict")
+    corpus+=("$work/seeds")
+  else
+    args=(-max_len=512)
+  fi
+  echo "== fuzz: $t for $each s"
+  set +e
+  # shellcheck disable=SC2086
+  "$build/bin/$t" -seed=1 -max_total_time="$each" -timeout=30 \
+    -rss_limit_mb=4096 -print_final_stats=1 "${args[@]}" \
+    -artifact_prefix="$build/fuzz-artifacts/$t-" ${FUZZ_FLAGS:-} "${corpus[@]}"
+  rc=$?
+  set -e
+  [ $rc -eq 0 ] || failed+=("$t (exit $rc)")
+done
 end=$(date +%s)
 echo "== fuzz: ran ${secs} s of fuzzing; $(( end - start )) s in all, build included"
-if [ $rc -ne 0 ]; then
-  echo "fuzz: FAILED (exit $rc): the input is in $build/fuzz-artifacts/" >&2
+if [ ${#failed[@]} -ne 0 ]; then
+  echo "fuzz: FAILED: ${failed[*]}; the inputs are in $build/fuzz-artifacts/" >&2
   exit 1
 fi
 echo "fuzz: no crash, leak or timeout"
