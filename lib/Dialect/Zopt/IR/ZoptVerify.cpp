@@ -289,6 +289,15 @@ LogicalResult StepOp::verifyRegions() {
                    .attachNote(clip.getLoc())
                << "first clip here";
       clip = c;
+    } else if (auto mx = dyn_cast<MaxOp>(op)) {
+      // max(x, x) is x: the canonicalizer folds it away, and a running
+      // maximum stored from it would never change (found by the fuzzer: the
+      // step then failed after decompose with "stores ... back unchanged").
+      if (mx.getLhs() == mx.getRhs())
+        return mx.emitOpError("takes the maximum of a value with itself, "
+                              "which is that value: the running maximum "
+                              "would never change (compare it with the new "
+                              "second moment: zopt.max %vm, %v1)");
     } else if (auto a = dyn_cast<AdamOp>(op)) {
       auto m = a.getExpAvg().getDefiningOp<StateOp>();
       auto v = a.getExpAvgSq().getDefiningOp<StateOp>();
