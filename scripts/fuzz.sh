@@ -88,7 +88,7 @@ for t in "${targets[@]}"; do
     args+=(-dict="$root/tools/zopt-fuzz-description/zopt.dict")
     corpus+=("$work/seeds")
   else
-    args=(-max_len=512)
+    args=(-max_len=512 -len_control=0)
   fi
   echo "== fuzz: $t for $each s"
   set +e
