@@ -61,12 +61,13 @@ struct Gen {
   }
   std::string fresh() { return "%v" + std::to_string(next++); }
 
-  /// The latest value that is an update of `kind` (the state itself if none).
+  /// The latest value that is an update of `kind` (the state itself if
+  /// none; the param if the state is not declared).
   int latestOf(int kind) {
     for (int i = int(elems.size()) - 1; i >= 0; --i)
       if (elems[i].role == kind)
         return i;
-    return states[kind];
+    return states[kind] >= 0 ? states[kind] : states[Param];
   }
   /// A tied operand: an update of one of the written states, usually the
   /// right one for the op.
