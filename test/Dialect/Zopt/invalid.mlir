@@ -388,11 +388,15 @@ zopt.step @s {
 
 // -----
 
-// Conflicting defaults for one hyperparameter.
+// Conflicting defaults for one hyperparameter. (A declaration without a
+// default defers to another one in the IR, as the decompose phase's
+// `zopt.hyper bias_correction` does; a description must agree exactly:
+// test/zopt-compile/description.test.)
 zopt.step @s {
   %p = zopt.state param : f32 on cpu
   %g = zopt.state grad : f32 on cpu
-  %lr = zopt.hyper lr
+  %lr = zopt.hyper lr default 0.1
+  %lr0 = zopt.hyper lr
   // expected-error@+1 {{conflicting defaults for hyperparameter 'lr'}}
   %lr2 = zopt.hyper lr default 0.5
   %p1 = zopt.apply %p, %g, %lr2 : f32, f32

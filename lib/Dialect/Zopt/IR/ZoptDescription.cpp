@@ -8,6 +8,7 @@
 
 #include "mlir/IR/Verifier.h"
 #include "mlir/Parser/Parser.h"
+#include "llvm/ADT/DenseMap.h"
 #include "llvm/ADT/SmallPtrSet.h"
 
 using namespace mlir;
@@ -150,16 +151,61 @@ LogicalResult mlir::zopt::verifyDescription(ModuleOp module) {
   return failure(r.wasInterrupted());
 }
 
+/// Description-level rules that need a verified step.
+static LogicalResult verifyVerifiedDescription(StepOp step) {
+  // Every declaration of a hyperparameter says the same default, or none
+  // at all: `zopt.hyper lr` next to `zopt.hyper lr default 0.5` reads as
+  // two different defaults (the IR verifier lets a declaration without a
+  // default defer to another, which the decompose phase relies on).
+  Block &body = step.getBody().front();
+  llvm::DenseMap<int, HyperOp> first;
+  for (HyperOp h : body.getOps<HyperOp>()) {
+    auto [it, inserted] = first.try_emplace(int(h.getKind()), h);
+    if (!inserted && it->second.getDefaultValue() != h.getDefaultValue()) {
+      InFlightDiagnostic d = h.emitOpError("conflicting defaults for "
+                                           "hyperparameter '")
+                             << stringifyHyperKind(h.getKind())
+                             << "'; give the default once";
+      d.attachNote(it->second.getLoc()) << "first declared here";
+      return d;
+    }
+  }
+  // Adam's direction reads the bias_correction slot itself: the decompose
+  // phase declares it again, without a default, and an unused declaration
+  // of the description is deleted with its default (found by the fuzzer:
+  // `default 0.0` silently became 1). Refused until the decompose phase
+  // keeps the description's declaration.
+  llvm::SmallPtrSet<Operation *, 32> live;
+  collectLiveOps(body, live);
+  bool adamDirection = llvm::any_of(body, [&](Operation &op) {
+    return isa<AdamOp, AdamDirectionOp>(op) && live.contains(&op);
+  });
+  for (HyperOp h : body.getOps<HyperOp>())
+    if (adamDirection && h.getKind() == HyperKind::bias_correction &&
+        h.getDefaultValue() && !live.contains(h))
+      return h.emitOpError("the default of 'bias_correction' would be lost: "
+                           "Adam's direction reads the slot through its own "
+                           "declaration, without a default; set "
+                           "bias_correction per group at run time instead");
+  return success();
+}
+
 void mlir::zopt::lintDescription(StepOp step) {
   Block &body = step.getBody().front();
   llvm::SmallPtrSet<Operation *, 32> live;
   collectLiveOps(body, live);
+  // Adam's direction reads the bias_correction slot without an operand.
+  bool adamDirection = llvm::any_of(body, [&](Operation &op) {
+    return isa<AdamOp, AdamDirectionOp>(op) && live.contains(&op);
+  });
   for (Operation &op : body) {
     if (live.contains(&op))
       continue;
     if (isa<StateOp>(op)) {
       continue; // the verifier refuses an unused grad; others are stored
     } else if (auto h = dyn_cast<HyperOp>(op)) {
+      if (adamDirection && h.getKind() == HyperKind::bias_correction)
+        continue;
       h.emitWarning("hyperparameter '")
           << stringifyHyperKind(h.getKind())
           << "' never reaches a stored value: setting it has no effect";
@@ -191,6 +237,9 @@ OwningOpRef<ModuleOp> mlir::zopt::parseDescription(llvm::SourceMgr &sm,
   if (!module || failed(verifyDescription(*module)) ||
       failed(mlir::verify(*module)))
     return nullptr;
+  for (StepOp step : module->getOps<StepOp>())
+    if (failed(verifyVerifiedDescription(step)))
+      return nullptr;
   for (StepOp step : module->getOps<StepOp>())
     lintDescription(step);
   return module;

@@ -268,8 +268,15 @@ LogicalResult StepOp::verifyRegions() {
                << "' is placed on gpu but the step has no gpu_arch (a "
                   "CPU-only compile): place it on cpu or set gpu_arch";
     } else if (auto h = dyn_cast<HyperOp>(op)) {
+      // Two defaults that differ conflict. A declaration without a default
+      // takes the slot's default from the others (the decompose phase adds
+      // `zopt.hyper bias_correction` next to a user's declaration with a
+      // default; a description must agree exactly, verifyDescription).
       auto [it, inserted] = hypers.try_emplace(int(h.getKind()), h);
-      if (!inserted && it->second.getDefaultValue() != h.getDefaultValue())
+      if (!inserted && !it->second.getDefaultValue())
+        it->second = h;
+      else if (!inserted && h.getDefaultValue() &&
+               it->second.getDefaultValue() != h.getDefaultValue())
         return h.emitOpError("conflicting defaults for hyperparameter '")
                << stringifyHyperKind(h.getKind())
                << "'; give the default once";
