@@ -9,7 +9,9 @@
 #                          bench/ and the test inputs (split at `// -----`
 #                          and `//---`), with a zopt dictionary;
 #   zopt-fuzz-step         generates descriptions from the input bytes
-#                          (most of them verify: it reaches the passes).
+#                          (most of them verify: it reaches the passes);
+#   zopt-fuzz-checkpoint   mutates checkpoint files loaded into an optimizer
+#                          (a refused load must leave it bit-identical).
 #
 # Builds the targets in their own build directory (FUZZ_BUILD_DIR, default
 # build-fuzz/: -DZOPT_ENABLE_FUZZER=ON instruments the compiler libraries),
@@ -46,8 +48,10 @@ if [ ! -f "$build/build.ninja" ]; then
     -DCMAKE_C_COMPILER=clang-22 -DCMAKE_CXX_COMPILER=clang++-22 \
     -DLLVM_USE_LINKER=lld -DZOPT_ENABLE_FUZZER=ON "${launcher[@]}" >/dev/null
 fi
-targets=(${FUZZ_TARGETS:-zopt-fuzz-description zopt-fuzz-step})
-ninja -C "$build" -j2 "${targets[@]}"
+targets=(${FUZZ_TARGETS:-zopt-fuzz-description zopt-fuzz-step zopt-fuzz-checkpoint})
+extra=()
+case " ${targets[*]} " in *" zopt-fuzz-checkpoint "*) extra=(zopt-compile) ;; esac
+ninja -C "$build" -j2 "${targets[@]}" "${extra[@]}"
 built=$(date +%s)
 echo "== fuzz: ${targets[*]} built in $(( built - start )) s"
 
@@ -89,6 +93,15 @@ for t in "${targets[@]}"; do
   if [ "$t" = zopt-fuzz-description ]; then
     args+=(-dict="$root/tools/zopt-fuzz-description/zopt.dict")
     corpus+=("$work/seeds")
+  elif [ "$t" = zopt-fuzz-checkpoint ]; then
+    # Checkpoints of a bf16-master AdamW step (runtime/test/fuzz_checkpoint.cpp);
+    # the seeds are the optimizer's own saves.
+    "$build/bin/zopt-compile" "$root/examples/adamw_bf16_master.mlir" -o "$work/ck-step.so"
+    export ZOPT_FUZZ_STEP="$work/ck-step.so"
+    mkdir -p "$work/ck-seeds"
+    ZOPT_FUZZ_SEEDS="$work/ck-seeds" "$build/bin/$t"
+    args=(-max_len=65536)
+    corpus+=("$work/ck-seeds")
   else
     args=(-max_len=512 -len_control=0)
   fi

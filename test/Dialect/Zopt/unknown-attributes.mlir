@@ -91,7 +91,7 @@ zopt.step @planned attributes {zero_stage = 2 : i64, zopt.device = #zopt<placeme
   %g = zopt.state grad : f16 on cpu {zopt.slot = 1 : i64}
   %w = zopt.state master : f32 on cpu {zopt.slot = 2 : i64}
   %lr = zopt.hyper lr
-  %s = zopt.global inv_loss_scale
+  %s = zopt.global grad_scale
   %st = arith.truncf %s : f64 to f32
   %ge = arith.extf %g : f16 to f32
   %gs = arith.mulf %ge, %st : f32
