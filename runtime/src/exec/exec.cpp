@@ -218,6 +218,24 @@ const char *what(char *buf, size_t n, const char *op, const zopt_optimizer *o, i
   return buf;
 }
 
+// Packs flat range [a, e) of bucket b (e.g. one rank's shard) into dst:
+// each tensor piece's elements from src(piece) (nullptr: zeros), zeros
+// where no tensor is (align gaps, padding).
+template <class Src>
+void pack_range(const Program &P, int b, int64_t a, int64_t e, size_t es, char *dst, Src src) {
+  const layout::Bucket &k = P.L.buckets[b];
+  int64_t pos = a;
+  for (const Piece &p : P.L.pieces(k.group, a, std::min(e, k.begin + k.len))) {
+    if (p.flat > pos) memset(dst + (pos - a) * es, 0, (size_t)(p.flat - pos) * es);
+    if (const char *x = src(p))
+      memcpy(dst + (p.flat - a) * es, x, (size_t)p.len * es);
+    else
+      memset(dst + (p.flat - a) * es, 0, (size_t)p.len * es);
+    pos = p.flat + p.len;
+  }
+  if (e > pos) memset(dst + (pos - a) * es, 0, (size_t)(e - pos) * es);
+}
+
 // REDUCE_SCATTER: per bucket, every rank's values of shard q to rank q,
 // which adds them in rank order into its own shard of the state.
 zopt_status reduce_scatter(zopt_optimizer *o, const zopt_program_op &op) {
@@ -232,18 +250,10 @@ zopt_status reduce_scatter(zopt_optimizer *o, const zopt_program_op &op) {
     // Pack: shard q's elements, in flat order, zero where no tensor (or a
     // tensor without a gradient on this rank) is.
     for (int q = 0; q < W; ++q) {
-      int64_t a = k.begin + (int64_t)q * k.shard, e = a + k.shard;
-      char *dst = send + (size_t)q * k.shard * es;
-      int64_t pos = a;
-      for (const Piece &p : P.L.pieces(k.group, a, std::min(e, k.begin + k.len))) {
-        if (p.flat > pos) memset(dst + (pos - a) * es, 0, (size_t)(p.flat - pos) * es);
-        if (has_local_mask && !o->active[p.tensor])
-          memset(dst + (p.flat - a) * es, 0, (size_t)p.len * es);
-        else
-          memcpy(dst + (p.flat - a) * es, view(o, si, p.tensor, p.start), (size_t)p.len * es);
-        pos = p.flat + p.len;
-      }
-      if (e > pos) memset(dst + (pos - a) * es, 0, (size_t)(e - pos) * es);
+      int64_t a = k.begin + (int64_t)q * k.shard;
+      pack_range(P, b, a, a + k.shard, es, send + (size_t)q * k.shard * es, [&](const Piece &p) -> const char * {
+        return has_local_mask && !o->active[p.tensor] ? nullptr : view(o, si, p.tensor, p.start);
+      });
     }
     char w[96];
     if (zopt_status st = comm_all_to_all(o->comm, send, P.recv.data(), (size_t)k.shard * es,
@@ -279,14 +289,9 @@ zopt_status all_gather(zopt_optimizer *o, const zopt_program_op &op) {
   for (int b = 0; b < (int)P.L.buckets.size(); ++b) {
     const layout::Bucket &k = P.L.buckets[b];
     char *send = (char *)P.send.data();
-    int64_t a = k.begin + (int64_t)r * k.shard, e = a + k.shard;
-    int64_t pos = a;
-    for (const Piece &p : P.L.pieces(k.group, a, std::min(e, k.begin + k.len))) {
-      if (p.flat > pos) memset(send + (pos - a) * es, 0, (size_t)(p.flat - pos) * es);
-      memcpy(send + (p.flat - a) * es, view(o, si, p.tensor, p.start), (size_t)p.len * es);
-      pos = p.flat + p.len;
-    }
-    if (e > pos) memset(send + (pos - a) * es, 0, (size_t)(e - pos) * es);
+    const int64_t a = k.begin + (int64_t)r * k.shard;
+    pack_range(P, b, a, a + k.shard, es, send,
+               [&](const Piece &p) -> const char * { return view(o, si, p.tensor, p.start); });
     char w[96];
     if (zopt_status st = comm_all_gather(o->comm, send, P.recv.data(), (size_t)k.shard * es,
                                          what(w, sizeof w, "ALL_GATHER", o, si, b)))
@@ -912,18 +917,10 @@ zopt_status reduce_bucket(zopt_optimizer *o, int b, const void *const *grads, in
   // tensor without a gradient on this rank, is), as reduce_scatter does.
   char *send = (char *)P.send.data();
   for (int q = 0; q < W; ++q) {
-    int64_t a = k.begin + (int64_t)q * k.shard, e = a + k.shard;
-    char *dst = send + (size_t)q * k.shard * es;
-    int64_t pos = a;
-    for (const Piece &p : P.L.pieces(k.group, a, std::min(e, k.begin + k.len))) {
-      if (p.flat > pos) memset(dst + (pos - a) * es, 0, (size_t)(p.flat - pos) * es);
-      if (const void *g = src[p.tensor])
-        memcpy(dst + (p.flat - a) * es, (const char *)g + (size_t)p.start * es, (size_t)p.len * es);
-      else
-        memset(dst + (p.flat - a) * es, 0, (size_t)p.len * es);
-      pos = p.flat + p.len;
-    }
-    if (e > pos) memset(dst + (pos - a) * es, 0, (size_t)(e - pos) * es);
+    int64_t a = k.begin + (int64_t)q * k.shard;
+    pack_range(P, b, a, a + k.shard, es, send + (size_t)q * k.shard * es, [&](const Piece &p) -> const char * {
+      return src[p.tensor] ? (const char *)src[p.tensor] + (size_t)p.start * es : nullptr;
+    });
   }
   const char *recv = send;
   if (W > 1) {
