@@ -191,24 +191,13 @@ static int compile() {
   // is checked up front when a state is on the GPU.
   zopt::GpuOptions gpuOpts;
   gpuOpts.chips.assign(gpuArchs.begin(), gpuArchs.end());
-  bool onGpu = false;
   module->walk([&](zopt::StepOp step) {
     if (gpuOpts.chips.empty() && !gpuArchs.getNumOccurrences())
       if (auto arch = step.getGpuArch())
         gpuOpts.chips.push_back(arch->str());
   });
   // The kernels run where the optimizer states live (else the param).
-  module->walk([&](zopt::StepOp step) {
-    std::optional<zopt::Placement> dev, param;
-    step.walk([&](zopt::StateOp s) {
-      if (s.getKind() == zopt::StateKind::param)
-        param = s.getPlacement();
-      else if (s.getKind() != zopt::StateKind::grad)
-        dev = s.getPlacement();
-    });
-    onGpu |= dev.value_or(param.value_or(zopt::Placement::cpu)) ==
-             zopt::Placement::gpu;
-  });
+  const bool onGpu = zopt::kernelsOnGpu(*module);
   if (!onGpu)
     gpuOpts.chips.clear(); // a CPU-only compile, exactly as without GPU
   if (onGpu) {

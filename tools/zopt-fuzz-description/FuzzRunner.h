@@ -114,20 +114,11 @@ inline int runDescription(llvm::StringRef text) {
     return 0;
 
   // Where the kernels run, as zopt-compile decides it.
-  bool onGpu = false;
+  const bool onGpu = zopt::kernelsOnGpu(*module);
   std::string arch = "sm_90";
   module->walk([&](zopt::StepOp step) {
     if (auto a = step.getGpuArch())
       arch = a->str();
-    std::optional<zopt::Placement> dev, param;
-    step.walk([&](zopt::StateOp s) {
-      if (s.getKind() == zopt::StateKind::param)
-        param = s.getPlacement();
-      else if (s.getKind() != zopt::StateKind::grad)
-        dev = s.getPlacement();
-    });
-    onGpu |= dev.value_or(param.value_or(zopt::Placement::cpu)) ==
-             zopt::Placement::gpu;
   });
   zopt::Phase last = zopt::Phase::Codegen;
   zopt::GpuOptions gpu;

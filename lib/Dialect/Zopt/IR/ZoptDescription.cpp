@@ -264,3 +264,18 @@ DiagnosticEngine::HandlerID mlir::zopt::registerDescriptionHints(MLIRContext *ct
     return failure(); // the printing handler still prints it
   });
 }
+
+bool mlir::zopt::kernelsOnGpu(ModuleOp module) {
+  bool onGpu = false;
+  module->walk([&](StepOp step) {
+    std::optional<Placement> dev, param;
+    step.walk([&](StateOp s) {
+      if (s.getKind() == StateKind::param)
+        param = s.getPlacement();
+      else if (s.getKind() != StateKind::grad)
+        dev = s.getPlacement();
+    });
+    onGpu |= dev.value_or(param.value_or(Placement::cpu)) == Placement::gpu;
+  });
+  return onGpu;
+}

@@ -65,6 +65,11 @@ LogicalResult verifyDescription(ModuleOp module);
 /// hyperparameters, a gradient that is never read.
 void lintDescription(StepOp step);
 
+/// Whether the step's kernels run on the GPU: where its optimizer states
+/// live (else where the param lives). What zopt-compile's --gpu and the fuzz
+/// targets decide the code generators by.
+bool kernelsOnGpu(ModuleOp module);
+
 /// Registers a diagnostic handler that adds notes to errors about the
 /// description's type convention (the types after ':') and passes every
 /// diagnostic on. Register it after the handler that prints (handlers run
