@@ -844,9 +844,12 @@ class Optimizer(_Base):
         metadata is brought into the caches once."""
         ps = self._a_params
         if not self._one_pass:
+            rb = self.rebuilds
             if ps:
                 self._sync_grads()
             self._check_params()
+            if ps and self.rebuilds != rb:  # a rebuilt native optimizer: its mask is new
+                self._sync_grads()
             return
         G, P = [], []
         ga, pa = G.append, P.append
@@ -863,7 +866,10 @@ class Optimizer(_Base):
                 ga(p.grad)
                 pa(p.data_ptr())
         self._sync_grads(G)
+        rb = self.rebuilds
         self._check_params(P, V)
+        if self.rebuilds != rb:  # p.data = new: a new native optimizer, all active
+            self._sync_grads()
 
     def _sync_grads(self, grads=None):
         """Which params have a gradient, and gradients into the registered
