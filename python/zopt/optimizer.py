@@ -369,7 +369,19 @@ class Optimizer(_Base):
     micro-batch ever accumulates in bf16), ``"manual"`` when you call
     :meth:`accumulate_grads` (after each micro-batch's backward) and at
     ``step()`` for what is left.
+
+    ``step`` may also be a mapping ``{dtype: Step or path}`` (keys: torch
+    dtypes or "f32"/"bf16"/"f16"; ``zopt.steps.<rule>(..., classes=...)``
+    returns one): params of several dtypes, each routed to the step of its
+    dtype, stepped as one (:class:`zopt.mixed.MixedOptimizer`: one global
+    norm, one skip decision).
     """
+
+    def __new__(cls, step=None, params=None, **kw):
+        if cls is Optimizer and isinstance(step, collections.abc.Mapping):
+            from .mixed import MixedOptimizer
+            return super().__new__(MixedOptimizer)
+        return super().__new__(cls)
 
     def __init__(self, step, params, *, lr=None, betas=None, eps=None,
                  weight_decay=None, momentum=None, dampening=None,
@@ -507,8 +519,9 @@ class Optimizer(_Base):
         gid = len(self.param_groups)
         new = []
         seen = {id(e.param) for e in self._entries}
+        names = getattr(self, "_index_names", None)  # a class of a MixedOptimizer
         for i, p in enumerate(ps):
-            e = self._entry(gid, i, p)
+            e = self._entry(gid, names[gid][i] if names else i, p)
             if id(e.param) in seen:
                 raise ZoptError(Status.INVALID_ARGUMENT,
                                 f"{e.name} appears twice in the optimizer's params")
