@@ -141,3 +141,31 @@ def test_main_grad_errors_and_foreign_memory(steps):
     o = zopt.Optimizer(st, [(a, g)], lr=1.0)
     o.step()
     np.testing.assert_array_equal(B.to_f32(a), np.full(5, 0.5, np.float32))
+
+
+def test_f16_params_with_f32_grads_loss_scaled(steps):
+    """fp16 params with f32 gradients (DeepSpeed's fp16 with
+    grad_accum_dtype fp32): loss scaling is on by default (the backward
+    still computes f16 gradients); the step divides the f32 gradient by the
+    scale, and an Inf in it skips the step and halves the scale."""
+    st = steps.text(S.sgd.text(param="f16", grad="f32", master="f32", momentum=0,
+                               comments=False))
+    assert st.f32_grads and st.loss_scaled
+    rng = np.random.default_rng(5)
+    w0 = torch.from_numpy(rng.standard_normal(300).astype(np.float32)).half()
+    p = torch.nn.Parameter(w0.clone())
+    opt = zopt.Optimizer(st, [p], lr=0.25, loss_scaler=dict(init_scale=1024.0))
+    g = torch.from_numpy(rng.standard_normal(300).astype(np.float32))
+    for k in range(3):  # three micro-batches of f16 gradients, scaled by S
+        (p * (g * opt.loss_scale / 3).half()).sum().backward()
+    want = w0.double() - 0.25 * p.main_grad.double() / 1024.0
+    opt.step()
+    assert not opt.last_skipped
+    assert_close(torch.from_numpy(opt.read_state(p, "master")).double(), want, 1e-6, "master")
+    assert torch.equal(p.detach(), torch.from_numpy(opt.read_state(p, "master")).half())
+    before = p.detach().clone()
+    opt.zero_grad()
+    (p * torch.full((300,), float("inf"), dtype=torch.half)).sum().backward()
+    opt.step()
+    assert opt.last_skipped and opt.loss_scale == 512.0
+    assert torch.equal(p.detach(), before) and opt.tensor_step(p) == 1
