@@ -669,3 +669,35 @@ def test_f32_grads_in_a_mixed_model_match_torch(steps):
         ref.step(lambda m: f32_sum(m, s))
         assert opt.last_grad_norm == pytest.approx(ref.norm, rel=1e-4)
         check_against(opt, mz, ref, f"step {s}")
+
+
+# ---- settings reach every class; a class added later joins the loss scaler -----------
+
+def test_settings_reach_every_class_and_a_new_class_joins_the_scaler(steps):
+    cl = classes(steps, "adamw", classes={"f16": dict(master="f32"), "f32": {}})
+    h = [torch.nn.Parameter(torch.ones(50, dtype=torch.float16)) for _ in range(2)]
+    f = [torch.nn.Parameter(torch.ones(30)) for _ in range(2)]
+    opt = zopt.Optimizer(cl, [h[0]], lr=1e-2, num_threads=1, seed=7, grad_divisor=3,
+                         bucket_elems=65536, loss_scaler=dict(init_scale=2.0 ** 10,
+                                                              growth_interval=2))
+    assert list(opt.parts) == ["f16"]
+    for k in range(4):  # good, good (x2), overflow (/2), good
+        h[0].grad = torch.full((50,), float("inf") if k == 2 else 0.5,
+                               dtype=torch.float16)
+        opt.step()
+    assert opt.loss_scale == 2.0 ** 10 and opt.parts["f16"]._good_steps == 1
+    opt.add_param_group(dict(params=[h[1], f[0], f[1]], lr=5e-3))
+    assert list(opt.parts) == ["f16", "f32"]
+    for o in opt.parts.values():   # every setting in every class, the new one too
+        assert o.seed == 7 and o.grad_divisor == 3 and o.loss_scale == 2.0 ** 10
+        assert o._num_threads == 1 and o._bucket_elems == 65536
+        assert o.get_hyper(1, "lr") == 5e-3
+    opt.set_seed(9)
+    opt.grad_divisor = 1
+    assert [(o.seed, o.grad_divisor) for o in opt.parts.values()] == [(9, 1), (9, 1)]
+    for p in h + f:   # the linked step: the classes' scalers agree
+        p.grad = torch.full(p.shape, 0.5 * opt.loss_scale, dtype=p.dtype)
+    opt.step()
+    assert not opt.last_skipped and opt.loss_scale == 2.0 ** 11  # grown in both
+    assert [o.loss_scale for o in opt.parts.values()] == [2.0 ** 11] * 2
+    assert opt.tensor_step(f[0]) == 1 and opt.tensor_step(h[0]) == 4
