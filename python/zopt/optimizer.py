@@ -1084,7 +1084,7 @@ class Optimizer(_Base):
         self._take_grads()
 
     def _take_grads(self):
-        if not self._main:
+        if not self._main or not self._a_params:
             return
         regs = self._a_regs
         with torch.no_grad():
@@ -1120,8 +1120,8 @@ class Optimizer(_Base):
         ref = weakref.ref(self)
         for e in entries:
             p = e.param
-            if not e.auto or not p.requires_grad:
-                continue
+            if not e.auto or not p.requires_grad or not p.is_leaf:
+                continue  # (a non-leaf's p.grad is taken at step())
             with torch.enable_grad():
                 node = p.expand_as(p).grad_fn.next_functions[0][0]
 
