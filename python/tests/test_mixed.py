@@ -701,3 +701,22 @@ def test_settings_reach_every_class_and_a_new_class_joins_the_scaler(steps):
     assert not opt.last_skipped and opt.loss_scale == 2.0 ** 11  # grown in both
     assert [o.loss_scale for o in opt.parts.values()] == [2.0 ** 11] * 2
     assert opt.tensor_step(f[0]) == 1 and opt.tensor_step(h[0]) == 4
+
+
+def test_a_class_without_gradients_in_a_step(steps):
+    """Only the bf16 class has gradients: the f32 class is left alone (no
+    decay, no step count), the norm is the bf16 class's, and the classes'
+    scalers stay in step (the next linked step is accepted)."""
+    cl = classes(steps, "sgd", clip=1.0, classes={"bf16": dict(master="f32"), "f32": {}})
+    a = torch.nn.Parameter(torch.ones(10, dtype=BF))
+    b = torch.nn.Parameter(torch.ones(7))
+    opt = zopt.Optimizer(cl, [a, b], lr=0.1, momentum=0.9, weight_decay=0.5)
+    a.grad = torch.full((10,), 2.0, dtype=BF)
+    opt.step()
+    assert opt.last_grad_norm == pytest.approx(math.sqrt(40.0), rel=1e-12)
+    assert torch.equal(b.detach(), torch.ones(7)) and opt.tensor_step(b) == 0
+    assert opt.tensor_step(a) == 1 and opt.parts["f32"].step_count(0) == 0
+    b.grad = torch.full((7,), 3.0)
+    opt.step()
+    assert opt.last_grad_norm == pytest.approx(math.sqrt(40.0 + 63.0), rel=1e-12)
+    assert opt.tensor_step(b) == 1 and not torch.equal(b.detach(), torch.ones(7))
