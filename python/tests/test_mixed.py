@@ -599,8 +599,9 @@ def test_mapping_errors(steps):
         zopt.Optimizer(cl, [p, torch.nn.Parameter(torch.ones(2, dtype=torch.float16))])
     with pytest.raises(zopt.ZoptError, match="momentum"):
         zopt.Optimizer(cl, [p, q], momentum=0.9)
-    # one class given as a mapping still works (a MixedOptimizer of one part)
-    o = zopt.Optimizer({torch.float32: cl["f32"]}, [p])
+    # one class given as a mapping (here a step.so path) still works: a
+    # MixedOptimizer of one part
+    o = zopt.Optimizer({torch.float32: cl["f32"].path}, [p])
     p.grad = torch.ones(3)
     o.step()
     assert o.tensor_step(p) == 1
@@ -708,15 +709,60 @@ def test_a_class_without_gradients_in_a_step(steps):
     decay, no step count), the norm is the bf16 class's, and the classes'
     scalers stay in step (the next linked step is accepted)."""
     cl = classes(steps, "sgd", clip=1.0, classes={"bf16": dict(master="f32"), "f32": {}})
-    a = torch.nn.Parameter(torch.ones(10, dtype=BF))
-    b = torch.nn.Parameter(torch.ones(7))
+    rng = np.random.default_rng(21)
+    a, b = _random_params(rng, [("bf16", (10,)), ("f32", (7,))])
+    b0 = b.detach().clone()
     opt = zopt.Optimizer(cl, [a, b], lr=0.1, momentum=0.9, weight_decay=0.5)
-    a.grad = torch.full((10,), 2.0, dtype=BF)
+    ga = torch.from_numpy(rng.standard_normal(10).astype(np.float32)).to(BF)
+    a.grad = ga.clone()
     opt.step()
-    assert opt.last_grad_norm == pytest.approx(math.sqrt(40.0), rel=1e-12)
-    assert torch.equal(b.detach(), torch.ones(7)) and opt.tensor_step(b) == 0
+    assert opt.last_grad_norm == pytest.approx(float(ga.double().norm()), rel=1e-12)
+    assert torch.equal(b.detach(), b0) and opt.tensor_step(b) == 0
     assert opt.tensor_step(a) == 1 and opt.parts["f32"].step_count(0) == 0
-    b.grad = torch.full((7,), 3.0)
+    gb = torch.from_numpy(rng.standard_normal(7).astype(np.float32))
+    a.grad, b.grad = ga.clone(), gb.clone()
     opt.step()
-    assert opt.last_grad_norm == pytest.approx(math.sqrt(40.0 + 63.0), rel=1e-12)
-    assert opt.tensor_step(b) == 1 and not torch.equal(b.detach(), torch.ones(7))
+    want = math.sqrt(float(ga.double().square().sum() + gb.double().square().sum()))
+    assert opt.last_grad_norm == pytest.approx(want, rel=1e-12)
+    assert opt.tensor_step(b) == 1 and not torch.equal(b.detach(), b0)
+
+
+def test_add_param_group_failure_puts_the_classes_back(steps):
+    """The new group's f32 param overlaps an f32 param already in the
+    optimizer: the f32 class refuses it after the bf16 class took its part
+    of the group; the bf16 class is put back and training goes on as if
+    nothing had been tried."""
+    cl = classes(steps, "adamw", clip=0.5, classes={"bf16": dict(master="f32"), "f32": {}})
+    rng = np.random.default_rng(8)
+    base = torch.from_numpy(rng.standard_normal(40).astype(np.float32))
+
+    def build():
+        ps = _random_params(np.random.default_rng(9), [("bf16", (30,)), ("bf16", (6,))])
+        return ps + [torch.nn.Parameter(base[:20].clone())]
+    pa, pb = build(), build()
+    oa = zopt.Optimizer(cl, pa[:1] + pa[2:], **ADAMW)
+    ob = zopt.Optimizer(cl, pb[:1] + pb[2:], **ADAMW)
+    gs = [[torch.from_numpy(rng.standard_normal(tuple(p.shape)).astype(np.float32))
+           .to(p.dtype) for p in pa] for _ in range(4)]
+
+    def step(ps, o, k):
+        for p, g in zip(ps, gs[k]):
+            p.grad = g.clone()
+        o.step()
+    step(pa, oa, 0)
+    step(pb, ob, 0)
+    overlap = torch.nn.Parameter(pa[2].data[5:15])   # a view into an f32 param
+    with pytest.raises(zopt.ZoptError, match="overlap"):
+        oa.add_param_group(dict(params=[pa[1], overlap]))
+    assert len(oa.param_groups) == 1 and [len(o.param_groups) for o in oa.parts.values()] == [1, 1]
+    assert oa.rebuilds == 2   # the bf16 class: extended, then put back
+    for o in (oa, ob):
+        o.add_param_group(dict(params=[pa[1] if o is oa else pb[1]], lr=5e-3))
+    for k in (1, 2, 3):
+        step(pa, oa, k)
+        step(pb, ob, k)
+    assert same_bits(pa, pb)
+    sa, sb = oa.state_dict(), ob.state_dict()
+    for t in sb["state"]:
+        for key, v in sb["state"][t].items():
+            assert torch.equal(sa["state"][t][key], v), (t, key)

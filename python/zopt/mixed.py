@@ -571,6 +571,7 @@ class MixedOptimizer(Optimizer):
                 del o._grad_flats[n_fl:]
                 o._build_native()
                 o._restore(snap)
+                o.rebuilds += 1
             del self.param_groups[n_groups:]
             del self._items[n_items:]
             self._class_of = old_classes
