@@ -43,7 +43,7 @@ import time
 
 from . import _ckpt, _lib
 from ._lib import DType, Status, ZoptError, check, lib, DTYPE_NAMES, STATE_NAMES
-from .optimizer import (Optimizer, Step, TORCH_KEY, _StateView, _frozen, _is_torch,
+from .optimizer import (Optimizer, Step, _StateView, _frozen, _is_torch,
                         _slots, _torch_dtypes, torch)
 from .steps import dtype_name
 
