@@ -609,11 +609,14 @@ def test_mapping_errors(steps):
 
 # ---- ZeRO-3 at one rank -----------------------------------------------------------------
 
-def test_zero3_classes_gather_release_one_rank(steps):
+@pytest.mark.parametrize("f32grad", [False, True])
+def test_zero3_classes_gather_release_one_rank(steps, f32grad):
     """ZeRO-3 classes (the runtime holds the params) train bit-identically
     to the ZeRO-0 classes, gathered after every step or through
-    zopt.zero3_hooks (per module, both classes)."""
-    kw = dict(clip=0.05, classes={"bf16": dict(master="f32"), "f32": {}})
+    zopt.zero3_hooks (per module, both classes), also with f32 gradients
+    of the bf16 class (its hooks beside zero3_hooks')."""
+    bf = dict(master="f32", grad="f32") if f32grad else dict(master="f32")
+    kw = dict(clip=0.05, classes={"bf16": bf, "f32": {}})
     z0 = classes(steps, "adamw", **kw)
     z3 = classes(steps, "adamw", zero_stage=3, **kw)
 
