@@ -256,3 +256,30 @@ def test_grad_streaming_matches_and_refuses_misuse(steps):
     finally:
         L.zopt_optimizer_free(ha)
         L.zopt_optimizer_free(hb)
+
+
+def test_load_validate_only(steps, tmp_path):
+    """ZOPT_LOAD_VALIDATE_ONLY runs every check and applies nothing: a good
+    checkpoint passes with the state unchanged, a corrupt one fails."""
+    a = _arrays(21)
+    o = _opt(steps, a)
+    o.step()
+    path = str(tmp_path / "ck")
+    o.save(path)
+    m0 = o.read_state(0, "exp_avg").copy()
+    o.step()  # the state moves on from the checkpoint
+    m1, p1 = o.read_state(0, "exp_avg").copy(), a[0][0].copy()
+    assert not np.array_equal(m0, m1)
+    L, h = _lib.lib(), o._handle()
+    VALIDATE = 2
+    _lib.check(L.zopt_optimizer_load_ex(h, path.encode(), VALIDATE), "load_ex validate")
+    np.testing.assert_array_equal(o.read_state(0, "exp_avg"), m1)
+    np.testing.assert_array_equal(a[0][0], p1)
+    raw = bytearray(open(path, "rb").read())
+    raw[len(raw) - 5] ^= 0xFF  # a data byte: its piece checksum fails
+    bad = str(tmp_path / "bad")
+    open(bad, "wb").write(bytes(raw))
+    assert L.zopt_optimizer_load_ex(h, bad.encode(), VALIDATE) == _lib.Status.CHECKPOINT
+    assert L.zopt_optimizer_load_ex(h, path.encode(), 4) == _lib.Status.INVALID_ARGUMENT
+    _lib.check(L.zopt_optimizer_load_ex(h, path.encode(), 0), "load_ex")
+    np.testing.assert_array_equal(o.read_state(0, "exp_avg"), m0)

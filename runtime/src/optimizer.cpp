@@ -843,7 +843,7 @@ ZOPT_API zopt_status zopt_optimizer_set_tensor_memory(zopt_optimizer *o, int ten
   }
   x.param = param;
   x.grad = grad;
-  if (o->finalized) exec::rebind(o);
+  if (o->finalized && o->prog) o->prog->rebind_pending = true;  // once, at the next step
   return ZOPT_OK;
 }
 

@@ -362,6 +362,11 @@ ZOPT_API zopt_status zopt_optimizer_save(const zopt_optimizer *opt, const char *
  * ZOPT_LOAD_ALLOW_RULE_CHANGE: then missing states start at zero (a
  * missing master from the params) and extra ones are dropped. */
 #define ZOPT_LOAD_ALLOW_RULE_CHANGE 1u
+/* ZOPT_LOAD_VALIDATE_ONLY: every check of a load (on every rank), nothing
+ * applied: a later load of the same files applies them. Lets a caller that
+ * loads several optimizers (linked parameter classes) check all of them
+ * before changing any. */
+#define ZOPT_LOAD_VALIDATE_ONLY 2u
 ZOPT_API zopt_status zopt_optimizer_load_ex(zopt_optimizer *opt, const char *path, uint32_t flags);
 /* zopt_optimizer_load_ex(opt, path, 0). */
 ZOPT_API zopt_status zopt_optimizer_load(zopt_optimizer *opt, const char *path);

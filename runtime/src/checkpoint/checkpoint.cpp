@@ -862,11 +862,12 @@ ZOPT_API zopt_status zopt_optimizer_load_ex(zopt_optimizer *o, const char *path,
   if (!o) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_load: optimizer is NULL");
   if (!path || !*path) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_load: path is NULL or empty");
   if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_load: call zopt_optimizer_finalize first");
-  if (flags & ~(uint32_t)ZOPT_LOAD_ALLOW_RULE_CHANGE)
+  if (flags & ~(uint32_t)(ZOPT_LOAD_ALLOW_RULE_CHANGE | ZOPT_LOAD_VALIDATE_ONLY))
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_load_ex: unknown flags 0x%x", flags);
   Staged sg;
   zopt_status st = stage_load(o, path, flags, sg);
   if (zopt_status ag = agree_status(o, st, "LOAD status")) return ag;
+  if (flags & ZOPT_LOAD_VALIDATE_ONLY) return ZOPT_OK;  // every check passed; nothing applied
   // Apply: host copies cannot fail; a GPU step's copies fail only if the
   // device does (its context is then unusable anyway).
   const zopt_step_descriptor *d = o->d;

@@ -812,6 +812,14 @@ zopt_status run_begin(zopt_optimizer *o, StepState *st) {
   const zopt_step_descriptor *d = o->d;
   const bool ls = d->flags & ZOPT_FLAG_LOSS_SCALE;
   *st = StepState();
+  if (P.rebind_pending) {
+    try {
+      rebind(o);
+    } catch (...) {
+      return fail(ZOPT_ERR_OUT_OF_MEMORY, "zopt_optimizer_step: out of memory rebuilding the work lists");
+    }
+    P.rebind_pending = false;
+  }
   if (o->stream_grads) {
     // Every bucket reduced since the last step (zopt_optimizer_reduce_bucket),
     // checked before any collective of the step.

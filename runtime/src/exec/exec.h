@@ -73,6 +73,9 @@ struct Program {
   // Gradient streaming: per bucket, reduced since the last step; per
   // tensor, 0 not yet given this step, 1 given a gradient, 2 given none.
   std::vector<uint8_t> bucket_reduced, stream_given;
+  // A tensor's user memory moved (zopt_optimizer_set_tensor_memory): the
+  // work units' pointers are rebuilt once, at the next step.
+  bool rebind_pending = false;
 };
 
 // Builds the program at finalize (validates it against the step and the
@@ -105,7 +108,9 @@ zopt_status reduce_bucket(zopt_optimizer *o, int b, const void *const *grads, in
 void bucket_tensors(const zopt_optimizer *o, int b, std::vector<int> *out);
 // Re-splits the work across o->num_threads threads.
 void repartition(zopt_optimizer *o);
-// Rebuilds every work unit's pointers (after a tensor's user memory moved).
+// Rebuilds every work unit's pointers (after a tensor's user memory moved;
+// run_begin does it when Program::rebind_pending is set). May throw
+// std::bad_alloc.
 void rebind(zopt_optimizer *o);
 void destroy(zopt_optimizer *o);
 
