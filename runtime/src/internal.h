@@ -5,6 +5,7 @@
 #include "zopt/comm.h"
 #include "zopt/zopt.h"
 
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -93,7 +94,7 @@ struct zopt_step {
   bool has_cpu_kernels = false;
   bool has_gpu_code = false;  // GPU images present (need the CUDA backend)
   int param_index = -1, grad_index = -1;
-  int refcount = 1;  // step + each optimizer created from it
+  std::atomic<int> refcount{1};  // step + each optimizer created from it (optimizers of one step may be created and freed on several threads)
 };
 
 namespace zopt {

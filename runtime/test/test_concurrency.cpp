@@ -149,6 +149,31 @@ int main(int argc, char **argv) {
   }
   unlink(ckpt);
   unlink((std::string(ckpt) + ".tmp").c_str());
+  // One step shared by threads that create and free optimizers of it at
+  // once (loopback ranks do this): the step's reference count is atomic, and
+  // the step outlives the last optimizer.
+  {
+    zopt_step *shared = nullptr;
+    ZT_CHECK(zopt_step_load(cpu[0].c_str(), &shared) == ZOPT_OK);
+    std::vector<std::thread> th;
+    std::atomic<int> bad{0};
+    for (int i = 0; i < 4; ++i)
+      th.emplace_back([&] {
+        for (int k = 0; k < 200; ++k) {
+          zopt_optimizer *o = nullptr;
+          if (zopt_optimizer_create(shared, &o) != ZOPT_OK) bad++;
+          zopt_optimizer_free(o);
+        }
+      });
+    for (auto &t : th) t.join();
+    ZT_CHECK(bad.load() == 0);
+    // Still usable after 800 optimizers came and went.
+    ZT_CHECK(zopt_step_get_descriptor(shared) != nullptr);
+    zopt_optimizer *o = nullptr;
+    ZT_CHECK(zopt_optimizer_create(shared, &o) == ZOPT_OK);
+    zopt_step_free(shared);  // the optimizer keeps it alive
+    zopt_optimizer_free(o);
+  }
   if (zt_failures) {
     fprintf(stderr, "test_concurrency: %d failure(s)\n", zt_failures);
     return 1;

@@ -13,7 +13,8 @@
  *   loop: zopt_optimizer_set_hyper(...); zopt_optimizer_step(...)
  *
  * Threading: the error message is per thread. One optimizer must not be used
- * from two threads at the same time; distinct optimizers are independent.
+ * from two threads at the same time; distinct optimizers are independent,
+ * also when they share one zopt_step (created and freed on any threads).
  * step() itself runs on a persistent pool of zopt_optimizer_set_num_threads
  * threads (default: $ZOPT_NUM_THREADS, else the hardware concurrency).
  *
