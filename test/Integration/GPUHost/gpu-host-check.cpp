@@ -68,6 +68,9 @@ struct Fake {
   int (*num_delayed_done)();
   void (*drain_all)();
   int (*stream_enqueue)(void *, void (*)(void *), void *);
+  int (*num_bad_ranges)();
+  const char *(*bad_range)(int);
+  int (*in_alloc)(unsigned long long, size_t);
   // The driver API itself (the test plays the application).
   int (*mem_alloc)(unsigned long long *, size_t);
   int (*mem_free)(unsigned long long);
@@ -83,6 +86,41 @@ struct Fake {
   int (*graph_launch)(void *, void *);
 };
 
+size_t dsize(uint32_t dt) { return dt == ZOPT_DTYPE_F32 ? 4 : 2; }
+const char *state_kind_name_of(uint32_t k) {
+  return k == ZOPT_STATE_PARAM ? "param" : k == ZOPT_STATE_GRAD ? "grad" : k == ZOPT_STATE_MASTER ? "master"
+         : k == ZOPT_STATE_EXP_AVG ? "exp_avg" : k == ZOPT_STATE_EXP_AVG_SQ ? "exp_avg_sq" : "state";
+}
+const char *dname(uint32_t dt) {
+  return dt == ZOPT_DTYPE_F32 ? "f32" : dt == ZOPT_DTYPE_BF16 ? "bf16" : dt == ZOPT_DTYPE_F16 ? "f16" : "?";
+}
+
+// The storage bytes of x (exactly representable in dtype dt) in dt.
+std::vector<unsigned char> storage_of(const std::vector<float> &x, uint32_t dt) {
+  std::vector<unsigned char> out(x.size() * dsize(dt));
+  for (size_t i = 0; i < x.size(); ++i) {
+    uint32_t b;
+    memcpy(&b, &x[i], 4);
+    if (dt == ZOPT_DTYPE_F32) {
+      memcpy(&out[4 * i], &b, 4);
+    } else if (dt == ZOPT_DTYPE_BF16) {
+      uint16_t h = (uint16_t)(b >> 16);
+      memcpy(&out[2 * i], &h, 2);
+    } else {
+      _Float16 h = (_Float16)x[i];
+      memcpy(&out[2 * i], &h, 2);
+    }
+  }
+  return out;
+}
+
+// Values exactly representable in bf16 and f16 (and f32): k/8 for small k.
+std::vector<float> exact_values(int64_t n, int salt) {
+  std::vector<float> v((size_t)n);
+  for (int64_t i = 0; i < n; ++i) v[(size_t)i] = (float)((i * 7 + salt) % 61 - 30) * 0.125f;
+  return v;
+}
+
 bool ends_with(const std::string &s, const char *suf) {
   size_t n = strlen(suf);
   return s.size() >= n && s.compare(s.size() - n, n, suf) == 0;
@@ -93,12 +131,17 @@ int offload_check(Fake &f, zopt_step *step, const char *twin_path) {
   Z(zopt_step_load(twin_path, &twin));
   const zopt_step_descriptor *d = zopt_step_get_descriptor(step);
   const bool ls = d->flags & ZOPT_FLAG_LOSS_SCALE, has_sumsq = d->flags & ZOPT_FLAG_SUMSQ;
-  int pi = -1;
-  for (uint32_t i = 0; i < d->num_states; ++i)
+  int pi = -1, gi = -1;
+  for (uint32_t i = 0; i < d->num_states; ++i) {
     if (d->states[i].kind == ZOPT_STATE_PARAM) pi = (int)i;
-  const uint32_t pdt = d->states[pi].dtype;
+    if (d->states[i].kind == ZOPT_STATE_GRAD) gi = (int)i;
+  }
+  // The grad has its own dtype: the param's, or f32 for a 16-bit param
+  // (DeepSpeed's bf16 layout: gradients accumulated in f32).
+  const uint32_t pdt = d->states[pi].dtype, gdt = d->states[gi].dtype;
   const bool reads_param = d->states[pi].access & ZOPT_ACCESS_READ;
-  const size_t es = pdt == ZOPT_DTYPE_F32 ? 4 : 2;
+  const size_t ep = dsize(pdt), eg = dsize(gdt);
+  printf("INFO offloaded step '%s': param %s, grad %s\n", d->name, dname(pdt), dname(gdt));
   zopt_optimizer *o = nullptr, *c = nullptr;
   Z(zopt_optimizer_create(step, &o));
   Z(zopt_optimizer_create(twin, &c));
@@ -119,10 +162,10 @@ int offload_check(Fake &f, zopt_step *step, const char *twin_path) {
     return ((rng >> 8) & 0xFFFF) / 32768.0f - 1.0f;  // [-1, 1)
   };
   for (size_t t = 0; t < T; ++t) {
-    f.mem_alloc(&dp[t], sizes[t] * es);
-    f.mem_alloc(&dg[t], sizes[t] * es);
-    hp[t].resize(sizes[t] * es);
-    hg[t].resize(sizes[t] * es);
+    f.mem_alloc(&dp[t], sizes[t] * ep);
+    f.mem_alloc(&dg[t], sizes[t] * eg);
+    hp[t].resize(sizes[t] * ep);
+    hg[t].resize(sizes[t] * eg);
     int id = 0;
     Z(zopt_optimizer_add_tensor(o, go[t % 2], (void *)(uintptr_t)dp[t], (void *)(uintptr_t)dg[t], sizes[t],
                                 (zopt_dtype)pdt, &id));
@@ -204,6 +247,21 @@ int offload_check(Fake &f, zopt_step *step, const char *twin_path) {
   Z(zopt_optimizer_read_state_f32(o, 2, ZOPT_STATE_PARAM, a.data(), sizes[2]));
   Z(zopt_optimizer_read_state_f32(c, 2, ZOPT_STATE_PARAM, b.data(), sizes[2]));
   check(a == b, "offload: read_state_f32(PARAM) reads the device param");
+  // GRAD access too, in the grad's own dtype: written through the API into
+  // the user's device grad, read back, and compared with the bytes there.
+  {
+    bool ok = true;
+    for (size_t t = 0; t < T; ++t) {
+      std::vector<float> w = exact_values(sizes[t], (int)t), r(sizes[t]);
+      Z(zopt_optimizer_write_state_f32(o, (int)t, ZOPT_STATE_GRAD, w.data(), sizes[t]));
+      Z(zopt_optimizer_write_state_f32(c, (int)t, ZOPT_STATE_GRAD, w.data(), sizes[t]));  // the twin keeps up
+      Z(zopt_optimizer_read_state_f32(o, (int)t, ZOPT_STATE_GRAD, r.data(), sizes[t]));
+      std::vector<unsigned char> want = storage_of(w, gdt);
+      ok &= r == w && want == hg[t] && memcmp((void *)(uintptr_t)dg[t], want.data(), want.size()) == 0;
+    }
+    check(ok, std::string("offload: write/read_state_f32(GRAD) address the device grad in its dtype (") + dname(gdt) +
+                  ", param " + dname(pdt) + ")");
+  }
   // Checkpoint round trip (the optimizer states are on the CPU).
   std::string ck = std::string(twin_path) + ".offload.ckpt";
   Z(zopt_optimizer_save(o, ck.c_str()));
@@ -299,8 +357,8 @@ int offload_check(Fake &f, zopt_step *step, const char *twin_path) {
 struct StepInfo {
   const zopt_step_descriptor *d;
   bool ls, has_sumsq, sr, master;
-  uint32_t pdt;
-  size_t es;
+  uint32_t pdt, gdt;  // param and grad dtypes: the grad's may be f32 for a 16-bit param
+  size_t ep, eg;      // their element sizes
   int lr_i = -1;
 };
 
@@ -312,15 +370,15 @@ StepInfo info_of(zopt_step *step) {
   i.sr = i.d->flags & ZOPT_FLAG_STOCHASTIC;
   for (uint32_t k = 0; k < i.d->num_states; ++k) {
     if (i.d->states[k].kind == ZOPT_STATE_PARAM) i.pdt = i.d->states[k].dtype;
+    if (i.d->states[k].kind == ZOPT_STATE_GRAD) i.gdt = i.d->states[k].dtype;
     i.master |= i.d->states[k].init == ZOPT_INIT_FROM_PARAM;
   }
   for (uint32_t h = 0; h < i.d->num_hypers; ++h)
     if (i.d->hypers[h].kind == ZOPT_HYPER_LR) i.lr_i = (int)h;
-  i.es = i.pdt == ZOPT_DTYPE_F32 ? 4 : 2;
+  i.ep = dsize(i.pdt);
+  i.eg = dsize(i.gdt);
   return i;
 }
-
-size_t dsize(uint32_t dt) { return dt == ZOPT_DTYPE_F32 ? 4 : 2; }
 
 struct Rec {
   std::string name, role;
@@ -366,7 +424,8 @@ std::string seq_of(const std::vector<Rec> &ls) {
 }
 
 // A GPU optimizer over tensors of `sizes` in two groups (lr 1e-3 / 3e-3),
-// params zero, in stand-in device memory.
+// params zero, in stand-in device memory; each grad a buffer of the grad's
+// dtype.
 struct Setup {
   zopt_optimizer *o = nullptr;
   std::vector<unsigned long long> dp, dg;
@@ -383,9 +442,9 @@ Setup make_optimizer(Fake &f, zopt_step *step, const StepInfo &si, const std::ve
   su.dp.resize(sizes.size());
   su.dg.resize(sizes.size());
   for (size_t i = 0; i < sizes.size(); ++i) {
-    f.mem_alloc(&su.dp[i], sizes[i] * si.es);
-    f.mem_alloc(&su.dg[i], sizes[i] * si.es);
-    memset((void *)(uintptr_t)su.dp[i], 0, sizes[i] * si.es);  // 0.0 in every dtype
+    f.mem_alloc(&su.dp[i], sizes[i] * si.ep);
+    f.mem_alloc(&su.dg[i], sizes[i] * si.eg);
+    memset((void *)(uintptr_t)su.dp[i], 0, sizes[i] * si.ep);  // 0.0 in every dtype
     int id = 0;
     Z(zopt_optimizer_add_tensor(su.o, su.gid[i % 2], (void *)(uintptr_t)su.dp[i], (void *)(uintptr_t)su.dg[i],
                                 sizes[i], (zopt_dtype)si.pdt, &id));
@@ -418,6 +477,7 @@ bool chunks_cover(const zopt_gpu_chunk *ch, int64_t nch, const std::vector<int64
 int gpu_main_check(Fake &f, zopt_step *step, const char *path) {
   const StepInfo si = info_of(step);
   const zopt_step_descriptor *d = si.d;
+  printf("INFO GPU step '%s': param %s, grad %s\n", d->name, dname(si.pdt), dname(si.gdt));
   const uint64_t seed = 0x0123456789ABCDEFull;
   void *ctx0 = nullptr;
   f.ctx_current(&ctx0);
@@ -548,6 +608,20 @@ int gpu_main_check(Fake &f, zopt_step *step, const char *path) {
   }
   check(segs_ok, "segment table: n, group and tensor index of every tensor");
   check(ptrs_ok, "state table: the user's param/grad pointers, 16-byte aligned owned states");
+  // Every pointer of the table spans n elements of its state's dtype inside
+  // one device allocation (the user's param and grad buffers, the owned
+  // states' flat buffers): the kernels stay in bounds.
+  {
+    bool in = true;
+    std::string dts;
+    for (uint32_t k = 0; k < d->num_states; ++k)
+      dts += std::string(k ? ", " : "") + state_kind_name_of(d->states[k].kind) + " " + dname(d->states[k].dtype);
+    for (size_t t = 0; t < sizes.size(); ++t)
+      for (uint32_t k = 0; k < d->num_states; ++k)
+        in &= f.in_alloc(ptrs[t * d->num_states + k], (size_t)sizes[t] * dsize(d->states[k].dtype)) != 0;
+    check(in, "state table: every pointer spans its tensor's elements of its state's dtype inside one device "
+              "allocation (" + dts + ")");
+  }
   int64_t chunk = 0;
   check(chunks_cover((const zopt_gpu_chunk *)(uintptr_t)d_chunks, (int64_t)nchunks, sizes, &chunk),
         "work list: " + std::to_string(nchunks) + " chunks of at most " + std::to_string(chunk) +
@@ -570,6 +644,20 @@ int gpu_main_check(Fake &f, zopt_step *step, const char *path) {
     check(sc->scale == 1024 && sc->growth_factor == 2 && sc->backoff_factor == 0.5 && sc->growth_interval == 3 &&
               sc->min_scale == 1 && sc->dynamic == 1 && sc->good_steps == 0,
           "loss scaler on the device: the configured scaler");
+  }
+
+  // ---- the grad through the API, in its own dtype ------------------------------
+  {
+    bool ok = true;
+    for (size_t t = 0; t < sizes.size(); ++t) {
+      std::vector<float> w = exact_values(sizes[t], (int)t), r(sizes[t]);
+      Z(zopt_optimizer_write_state_f32(o, (int)t, ZOPT_STATE_GRAD, w.data(), sizes[t]));
+      Z(zopt_optimizer_read_state_f32(o, (int)t, ZOPT_STATE_GRAD, r.data(), sizes[t]));
+      std::vector<unsigned char> want = storage_of(w, si.gdt);
+      ok &= r == w && memcmp((void *)(uintptr_t)su.dg[t], want.data(), want.size()) == 0;
+    }
+    check(ok, std::string("write/read_state_f32(GRAD) address the device grad in its dtype (") + dname(si.gdt) +
+                  ", param " + dname(si.pdt) + ")");
   }
 
   // ---- a second step: only the launches; a changed lr is written at once ------
@@ -799,12 +887,12 @@ void device_checks(Fake &f, zopt_step *step) {
   f.ctx_retain(&c1, 1);
   unsigned long long p1 = 0, g1 = 0, p0 = 0, g0 = 0;
   f.ctx_push(c1);
-  f.mem_alloc(&p1, 64 * si.es);
-  f.mem_alloc(&g1, 64 * si.es);
+  f.mem_alloc(&p1, 64 * si.ep);
+  f.mem_alloc(&g1, 64 * si.eg);
   f.ctx_pop(nullptr);
   f.ctx_push(c0);  // as PyTorch: cuda:0 current
-  f.mem_alloc(&p0, 64 * si.es);
-  f.mem_alloc(&g0, 64 * si.es);
+  f.mem_alloc(&p0, 64 * si.ep);
+  f.mem_alloc(&g0, 64 * si.eg);
   zopt_optimizer *o = nullptr;
   Z(zopt_optimizer_create(step, &o));
   int gid = 0, id = 0;
@@ -936,7 +1024,10 @@ void graph_checks(Fake &f, zopt_step *step) {
 // owned states of each tensor get the 16-byte phase of its param, so that
 // the kernels' head (abi.h) reaches one element where every pointer is
 // 16-byte aligned and the rest of the chunk takes vectors; a grad whose
-// phase differs from its param's leaves that tensor scalar.
+// phase differs from its param's leaves that tensor scalar. The grads are
+// views at the same element offsets into a flat buffer of the grad's dtype
+// (an f32 buffer beside bf16 params: DeepSpeed's and FSDP's flat f32 grad
+// buffers), so their byte offsets are those of the params times eg / ep.
 void misaligned_checks(Fake &f, zopt_step *step) {
   const StepInfo si = info_of(step);
   const zopt_step_descriptor *d = si.d;
@@ -944,9 +1035,9 @@ void misaligned_checks(Fake &f, zopt_step *step) {
   int64_t total = 0;
   for (int64_t n : sizes) total += n + 1;
   unsigned long long fp = 0, fg = 0;
-  f.mem_alloc(&fp, (size_t)(total + 16) * si.es);
-  f.mem_alloc(&fg, (size_t)(total + 16) * si.es);
-  memset((void *)(uintptr_t)fp, 0, (size_t)(total + 16) * si.es);
+  f.mem_alloc(&fp, (size_t)(total + 16) * si.ep);
+  f.mem_alloc(&fg, (size_t)(total + 16) * si.eg);
+  memset((void *)(uintptr_t)fp, 0, (size_t)(total + 16) * si.ep);
   zopt_optimizer *o = nullptr;
   Z(zopt_optimizer_create(step, &o));
   int gid = 0, id = 0;
@@ -956,8 +1047,8 @@ void misaligned_checks(Fake &f, zopt_step *step) {
   for (size_t t = 0; t < sizes.size(); ++t) {
     // The last tensor's grad is one element further than its param's phase.
     int64_t goff = off + (t + 1 == sizes.size() ? 1 : 0);
-    pv.push_back((uintptr_t)fp + (uintptr_t)off * si.es);
-    gv.push_back((uintptr_t)fg + (uintptr_t)goff * si.es);
+    pv.push_back((uintptr_t)fp + (uintptr_t)off * si.ep);
+    gv.push_back((uintptr_t)fg + (uintptr_t)goff * si.eg);
     Z(zopt_optimizer_add_tensor(o, gid, (void *)pv.back(), (void *)gv.back(), sizes[t], (zopt_dtype)si.pdt, &id));
     off += sizes[t] + 1;
   }
@@ -1086,6 +1177,9 @@ int main(int argc, char **argv) {
   SYM(num_delayed_done, "fake_cuda_num_delayed_done");
   SYM(drain_all, "fake_cuda_drain_all");
   SYM(stream_enqueue, "fake_cuda_stream_enqueue");
+  SYM(num_bad_ranges, "fake_cuda_num_bad_ranges");
+  SYM(bad_range, "fake_cuda_bad_range");
+  SYM(in_alloc, "fake_cuda_in_alloc");
   SYM(mem_alloc, "cuMemAlloc_v2");
   SYM(mem_free, "cuMemFree_v2");
   SYM(ctx_retain, "cuDevicePrimaryCtxRetain");
@@ -1099,7 +1193,8 @@ int main(int argc, char **argv) {
   SYM(instantiate, "cuGraphInstantiateWithFlags");
   SYM(graph_launch, "cuGraphLaunch");
 #undef SYM
-  if (!f.num_calls || !f.launch || !f.mem_alloc || !f.set_emulation || !f.graph_launch) {
+  if (!f.num_calls || !f.launch || !f.mem_alloc || !f.set_emulation || !f.graph_launch || !f.num_bad_ranges ||
+      !f.in_alloc) {
     fprintf(stderr, "%s is not the fake driver\n", argv[1]);
     return 2;
   }
@@ -1116,6 +1211,11 @@ int main(int argc, char **argv) {
     graph_checks(f, step);
     misaligned_checks(f, step);
     if (big) big_checks(f, step);
+  }
+  {
+    const int nb = f.num_bad_ranges();
+    check(nb == 0, "no copy or memset outside a device allocation (the stand-in refuses them)" +
+                       (nb ? ": " + std::to_string(nb) + ", the first " + f.bad_range(0) : std::string()));
   }
   zopt_step_free(step);
   printf("%d passed, %d failed\n", passed, failed);
