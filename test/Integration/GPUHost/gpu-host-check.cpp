@@ -519,6 +519,27 @@ int gpu_main_check(Fake &f, zopt_step *step, const char *path) {
     check(st == ZOPT_ERR_INVALID_ARGUMENT && strstr(zopt_last_error(), "not CUDA device memory") &&
               strstr(zopt_last_error(), "tensor 6"),
           std::string("host pointers refused, naming the tensor: ") + zopt_last_error());
+    // Device pointers off their dtype's alignment (the kernels' scalar
+    // accesses would fault): a grad half an element into its buffer (for
+    // an f32 grad, where a view laid out at a 16-bit param's element size
+    // lands), then a param.
+    unsigned long long pb = 0, gb = 0;
+    f.mem_alloc(&pb, 64 * si.ep);
+    f.mem_alloc(&gb, 64 * si.eg);
+    st = zopt_optimizer_add_tensor(o, su.gid[0], (void *)(uintptr_t)pb, (void *)(uintptr_t)(gb + si.eg / 2), 16,
+                                   (zopt_dtype)si.pdt, &id);
+    std::string mg = zopt_last_error();
+    zopt_status st2 = zopt_optimizer_add_tensor(o, su.gid[0], (void *)(uintptr_t)(pb + si.ep / 2),
+                                                (void *)(uintptr_t)gb, 16, (zopt_dtype)si.pdt, &id);
+    std::string mp = zopt_last_error();
+    check(st == ZOPT_ERR_INVALID_ARGUMENT && st2 == ZOPT_ERR_INVALID_ARGUMENT &&
+              mg.find("the grad of tensor 6") != std::string::npos &&
+              mg.find(std::string("not aligned to its dtype ") + dname(si.gdt)) != std::string::npos &&
+              mp.find("the param of tensor 6") != std::string::npos &&
+              mp.find(std::string("not aligned to its dtype ") + dname(si.pdt)) != std::string::npos,
+          "a grad or param not aligned to its own dtype is refused, naming the tensor and the dtype: " + mg);
+    f.mem_free(pb);
+    f.mem_free(gb);
   }
   int c0 = f.num_calls(), l0 = f.num_launches();
   Z(zopt_optimizer_finalize(o));
