@@ -483,11 +483,13 @@ API CUresult cuDevicePrimaryCtxRetain(void **ctx, int dev) {
 API CUresult cuDevicePrimaryCtxRelease_v2(int) { log("cuDevicePrimaryCtxRelease"); return kOk; }
 API CUresult cuCtxGetCurrent(void **ctx) {
   log("cuCtxGetCurrent");
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
   *ctx = current_ctx();
   return kOk;
 }
 API CUresult cuCtxSetCurrent(void *ctx) {
   log("cuCtxSetCurrent");
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
   auto &s = st().ctx_stack;
   if (!ctx) {
     if (!s.empty()) s.pop_back();
@@ -501,11 +503,13 @@ API CUresult cuCtxSetCurrent(void *ctx) {
 API CUresult cuCtxPushCurrent_v2(void *ctx) {
   log("cuCtxPushCurrent");
   if (!ctx) return kInvalidContext;
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
   st().ctx_stack.push_back(ctx);
   return kOk;
 }
 API CUresult cuCtxPopCurrent_v2(void **ctx) {
   log("cuCtxPopCurrent");
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
   if (st().ctx_stack.empty()) return kInvalidContext;
   if (ctx) *ctx = st().ctx_stack.back();
   st().ctx_stack.pop_back();
@@ -513,6 +517,7 @@ API CUresult cuCtxPopCurrent_v2(void **ctx) {
 }
 API CUresult cuCtxGetDevice(int *d) {
   log("cuCtxGetDevice");
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
   if (!current_ctx()) return kInvalidContext;
   *d = ctx_device(current_ctx());
   return kOk;

@@ -25,6 +25,7 @@
 // description with everything on the CPU) over several steps with changing
 // grads, a skipped step and a checkpoint, and its copies are counted.
 //===----------------------------------------------------------------------===//
+#include "zopt/comm.h"
 #include "zopt/zopt.h"
 #include "../check_util.h"
 
@@ -36,6 +37,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -349,6 +351,152 @@ int offload_check(Fake &f, zopt_step *step, const char *twin_path) {
     f.mem_free(dg[t]);
   }
   return 0;
+}
+
+
+// ZeRO ranks of an offloaded step: W ranks (threads, loopback
+// communicators), each with its own device params/grads, against W ranks
+// of the CPU twin. Every rank has other grads (and one rank an inf at step
+// 3); the grads are reduced across ranks in the staging (the CPU program's
+// REDUCE_SCATTER, in the grad's dtype), the optimizer states are sharded
+// (ZeRO-1/2), the params gathered and copied back to the GPU: every rank's
+// device params must equal its twin's host params bit for bit after every
+// step, as must the step results. Small buckets, so that shards cut through
+// tensors.
+void offload_ranks_check(Fake &f, zopt_step *step, const char *twin_path, int W) {
+  zopt_step *twin = nullptr;
+  Z(zopt_step_load(twin_path, &twin));
+  const zopt_step_descriptor *d = zopt_step_get_descriptor(step);
+  const bool ls = d->flags & ZOPT_FLAG_LOSS_SCALE, has_sumsq = d->flags & ZOPT_FLAG_SUMSQ;
+  uint32_t pdt = 0, gdt = 0;
+  for (uint32_t i = 0; i < d->num_states; ++i) {
+    if (d->states[i].kind == ZOPT_STATE_PARAM) pdt = d->states[i].dtype;
+    if (d->states[i].kind == ZOPT_STATE_GRAD) gdt = d->states[i].dtype;
+  }
+  const size_t ep = dsize(pdt), eg = dsize(gdt);
+  const std::vector<int64_t> sizes = {1, 7, 17, 100, 1000, 4097, 70001};
+  const size_t T = sizes.size();
+  const int steps = 5, inf_at = has_sumsq ? 3 : 0;
+  std::vector<zopt_comm *> co(W), cc(W);
+  zopt_loopback_options lo{};
+  lo.timeout_s = 60;
+  Z(zopt_comm_create_loopback(W, &lo, co.data()));
+  Z(zopt_comm_create_loopback(W, &lo, cc.data()));
+  struct RankResult {
+    bool params_same = true, results_same = true, counts_same = true;
+    std::string first_diff;
+  };
+  std::vector<RankResult> res(W);
+  // The initial params: the same on every rank (finalize checks it).
+  std::vector<std::vector<float>> init(T);
+  unsigned rng0 = 777;
+  for (size_t t = 0; t < T; ++t) {
+    init[t].resize(sizes[t]);
+    for (auto &x : init[t]) {
+      rng0 = rng0 * 1664525u + 1013904223u;
+      x = ((rng0 >> 8) & 0xFFFF) / 32768.0f - 1.0f;
+    }
+  }
+  auto rank = [&](int r) {
+    RankResult &rr = res[r];
+    zopt_optimizer *o = nullptr, *c = nullptr;
+    Z(zopt_optimizer_create(step, &o));
+    Z(zopt_optimizer_create(twin, &c));
+    Z(zopt_optimizer_set_comm(o, co[r]));
+    Z(zopt_optimizer_set_comm(c, cc[r]));
+    Z(zopt_optimizer_set_bucket_elems(o, 32768));
+    Z(zopt_optimizer_set_bucket_elems(c, 32768));
+    Z(zopt_optimizer_set_num_threads(o, 2));
+    Z(zopt_optimizer_set_num_threads(c, 2));
+    int go[2], gc[2];
+    for (int k = 0; k < 2; ++k) {
+      Z(zopt_optimizer_add_group(o, &go[k]));
+      Z(zopt_optimizer_add_group(c, &gc[k]));
+      Z(zopt_optimizer_set_hyper(o, go[k], "lr", k ? 3e-3 : 1e-3));
+      Z(zopt_optimizer_set_hyper(c, gc[k], "lr", k ? 3e-3 : 1e-3));
+    }
+    std::vector<unsigned long long> dp(T), dg(T);
+    std::vector<std::vector<unsigned char>> hp(T), hg(T);
+    for (size_t t = 0; t < T; ++t) {
+      f.mem_alloc(&dp[t], sizes[t] * ep);
+      f.mem_alloc(&dg[t], sizes[t] * eg);
+      hp[t].resize(sizes[t] * ep);
+      hg[t].resize(sizes[t] * eg);
+      int id = 0;
+      Z(zopt_optimizer_add_tensor(o, go[t % 2], (void *)(uintptr_t)dp[t], (void *)(uintptr_t)dg[t], sizes[t],
+                                  (zopt_dtype)pdt, &id));
+      Z(zopt_optimizer_add_tensor(c, gc[t % 2], hp[t].data(), hg[t].data(), sizes[t], (zopt_dtype)pdt, &id));
+      Z(zopt_optimizer_write_state_f32(c, (int)t, ZOPT_STATE_PARAM, init[t].data(), sizes[t]));
+      memcpy((void *)(uintptr_t)dp[t], hp[t].data(), hp[t].size());
+    }
+    if (ls) {
+      zopt_loss_scaler_config cfg = {1024.0, 2.0, 0.5, 2, 1.0, 1};
+      Z(zopt_optimizer_configure_loss_scaler(o, &cfg));
+      Z(zopt_optimizer_configure_loss_scaler(c, &cfg));
+    }
+    void *stream = nullptr;
+    f.stream_create(&stream, 0);
+    // finalize is collective: the offloaded ranks together, then the twins.
+    Z(zopt_optimizer_finalize(o));
+    Z(zopt_optimizer_finalize(c));
+    Z(zopt_optimizer_set_stream(o, stream));
+    unsigned rng = 1000u + 7919u * (unsigned)r;  // another grad on every rank
+    for (int k = 1; k <= steps; ++k) {
+      for (size_t t = 0; t < T; ++t) {
+        std::vector<float> v(sizes[t]);
+        for (auto &x : v) {
+          rng = rng * 1664525u + 1013904223u;
+          x = (((rng >> 8) & 0xFFFF) / 32768.0f - 1.0f) * (ls ? 64.f : 0.05f);
+        }
+        if (k == inf_at && r == W - 1 && t == T / 2) v[sizes[t] / 2] = INFINITY;
+        Z(zopt_optimizer_write_state_f32(c, (int)t, ZOPT_STATE_GRAD, v.data(), sizes[t]));
+        memcpy((void *)(uintptr_t)dg[t], hg[t].data(), hg[t].size());
+      }
+      zopt_step_result ro{}, rc{};
+      Z(zopt_optimizer_step(o, &ro));
+      Z(zopt_optimizer_step(c, &rc));
+      rr.results_same &= ro.skipped == rc.skipped && ro.loss_scale == rc.loss_scale &&
+                         ((std::isnan(ro.grad_norm) && std::isnan(rc.grad_norm)) || ro.grad_norm == rc.grad_norm);
+      for (size_t t = 0; t < T; ++t)
+        if (memcmp((void *)(uintptr_t)dp[t], hp[t].data(), hp[t].size())) {
+          if (rr.params_same)
+            rr.first_diff = "rank " + std::to_string(r) + " step " + std::to_string(k) + " tensor " + std::to_string(t);
+          rr.params_same = false;
+        }
+    }
+    int64_t n1 = -1, n2 = -2;
+    Z(zopt_optimizer_get_step_count(o, 1, &n1));
+    Z(zopt_optimizer_get_step_count(c, 1, &n2));
+    rr.counts_same = n1 == n2 && n1 == steps - (inf_at ? 1 : 0);
+    zopt_optimizer_free(o);
+    zopt_optimizer_free(c);
+    for (size_t t = 0; t < T; ++t) {
+      f.mem_free(dp[t]);
+      f.mem_free(dg[t]);
+    }
+  };
+  std::vector<std::thread> th;
+  for (int r = 0; r < W; ++r) th.emplace_back(rank, r);
+  for (auto &t : th) t.join();
+  bool params = true, results = true, counts = true;
+  std::string diff;
+  for (const RankResult &rr : res) {
+    params &= rr.params_same;
+    results &= rr.results_same;
+    counts &= rr.counts_same;
+    if (diff.empty()) diff = rr.first_diff;
+  }
+  const std::string at = std::to_string(W) + " ranks (ZeRO-" + std::to_string(d->zero_stage) + ", grads " +
+                         dname(gdt) + ", params " + dname(pdt) + ")";
+  check(params, "offload at " + at + ": every rank's params on the GPU bit-identical to its CPU twin's after every "
+                "step" + (diff.empty() ? std::string() : ", first difference: " + diff));
+  check(results, "offload at " + at + ": every rank's step results = its CPU twin's (norm, skip, scale)");
+  check(counts, "offload at " + at + ": step counts");
+  for (int r = 0; r < W; ++r) {
+    zopt_comm_free(co[r]);
+    zopt_comm_free(cc[r]);
+  }
+  zopt_step_free(twin);
 }
 
 
@@ -1158,9 +1306,9 @@ void big_checks(Fake &f, zopt_step *step) {
 }  // namespace
 
 int main(int argc, char **argv) {
-  if (argc < 3 || argc > 4) {
+  if (argc < 3 || argc > 5) {
     fprintf(stderr, "usage: zopt-gpu-host-check FAKE_DRIVER.so GPU_STEP.so [--big] | OFFLOAD_STEP.so CPU_TWIN.so "
-                    "(with ZOPT_CUDA_DRIVER=FAKE_DRIVER.so)\n");
+                    "[--world=W] (with ZOPT_CUDA_DRIVER=FAKE_DRIVER.so)\n");
     return 2;
   }
   const char *env = getenv("ZOPT_CUDA_DRIVER");
@@ -1223,7 +1371,13 @@ int main(int argc, char **argv) {
   zopt_step *step = nullptr;
   Z(zopt_step_load(argv[2], &step));
   const bool big = argc == 4 && !strcmp(argv[3], "--big");
-  if (argc == 4 && !big) {
+  if (argc == 5) {
+    if (strncmp(argv[4], "--world=", 8) || atoi(argv[4] + 8) < 2) {
+      fprintf(stderr, "expected --world=W (W >= 2), got %s\n", argv[4]);
+      return 2;
+    }
+    offload_ranks_check(f, step, argv[3], atoi(argv[4] + 8));
+  } else if (argc == 4 && !big) {
     offload_check(f, step, argv[3]);
   } else {
     gpu_main_check(f, step, argv[2]);
