@@ -19,6 +19,10 @@ import torch
 import zopt
 
 # name -> (param dtype, bytes/param/step, clip, torch layout note)
+# (The f32-gradient layouts that prepare_carry.sh also builds, bf16_f32grad*,
+# are checked by zopt-gpu-check only: torch keeps .grad in the param's dtype,
+# and the Python binding takes a grad of the param's dtype, so this script
+# has no way to hand them f32 gradients yet.)
 LAYOUTS = {
     "f32": (torch.float32, 28, False),
     "f32_clip": (torch.float32, 28 + 4, True),
