@@ -21,5 +21,9 @@ echo "== regular suite passed in $(( $(date +%s) - start )) s"
 if [ "${ZOPT_QUICK:-0}" != 1 ]; then
   echo "== sanitizers (scripts/sanitize.sh)"
   BUILD_DIR="$build" bash "$root/scripts/sanitize.sh"
+  # A bounded fixed-seed fuzzing run of the three libFuzzer targets
+  # (descriptions, generated steps, checkpoint loading) under ASan.
+  echo "== fuzzing (scripts/fuzz.sh ${ZOPT_FUZZ_SECONDS:-150})"
+  bash "$root/scripts/fuzz.sh" "${ZOPT_FUZZ_SECONDS:-150}"
 fi
 echo "== all tests passed in $(( $(date +%s) - start )) s"

@@ -166,3 +166,93 @@ def test_linked_step_errors(steps):
     for (p, _), x in zip(a + b, before):
         np.testing.assert_array_equal(p, x)
     assert L.zopt_optimizer_step_linked(None, 2, None) == _lib.Status.INVALID_ARGUMENT
+
+
+# ---- gradient streaming (zopt_optimizer_reduce_bucket) -------------------
+
+
+def _buckets(L, h):
+    nb = ctypes.c_int()
+    _lib.check(L.zopt_optimizer_num_buckets(h, ctypes.byref(nb)), "num_buckets")
+    out = []
+    for b in range(nb.value):
+        n = ctypes.c_int()
+        _lib.check(L.zopt_optimizer_bucket_tensors(h, b, None, 0, ctypes.byref(n)), "bucket_tensors")
+        ids = (ctypes.c_int * max(n.value, 1))()
+        _lib.check(L.zopt_optimizer_bucket_tensors(h, b, ids, n.value, ctypes.byref(n)), "bucket_tensors")
+        out.append(list(ids[:n.value]))
+    return out
+
+
+def test_grad_streaming_matches_and_refuses_misuse(steps):
+    """Streamed gradients give the same bits as registered gradient memory;
+    a step with a bucket not reduced, a bucket reduced twice, a tensor given
+    a gradient in one of its buckets only and set_active are refused with
+    nothing changed."""
+    step = steps(rule="adamw", layout="f32", clip=1.0, attributes={"zero_stage": 2})
+    L = _lib.lib()
+    sizes = (70000, 17, 40000, 5)
+    a, b = _arrays(11, sizes), _arrays(11, sizes)
+
+    def make(arrs, stream):
+        h = ctypes.c_void_p()
+        _lib.check(L.zopt_optimizer_create(step._h, ctypes.byref(h)), "create")
+        if stream:
+            _lib.check(L.zopt_optimizer_set_grad_streaming(h, 1), "set_grad_streaming")
+        gid = ctypes.c_int()
+        _lib.check(L.zopt_optimizer_add_group(h, ctypes.byref(gid)), "add_group")
+        tid = ctypes.c_int()
+        for p, g in arrs:
+            _lib.check(L.zopt_optimizer_add_tensor(h, 0, ctypes.c_void_p(p.ctypes.data),
+                                                   None if stream else ctypes.c_void_p(g.ctypes.data),
+                                                   p.size, int(_lib.DType.F32), ctypes.byref(tid)), "add_tensor")
+        _lib.check(L.zopt_optimizer_set_bucket_elems(h, 32768), "set_bucket_elems")
+        _lib.check(L.zopt_optimizer_set_hyper(h, 0, b"lr", 1e-2), "set_hyper")
+        _lib.check(L.zopt_optimizer_finalize(h), "finalize")
+        return h
+
+    ha, hb = make(a, False), make(b, True)
+    try:
+        buckets = _buckets(L, hb)
+        assert len(buckets) >= 3 and any(len(ids) > 1 for ids in buckets)
+        res = _lib.StepResult()
+
+        def reduce(bk, ids, give=None):
+            ptrs = (ctypes.c_void_p * max(len(ids), 1))(
+                *[b[t][1].ctypes.data if (give is None or give(t)) else None for t in ids])
+            return L.zopt_optimizer_reduce_bucket(hb, bk, ptrs, len(ids))
+
+        for k in range(2):
+            _lib.check(L.zopt_optimizer_step(ha, ctypes.byref(res)), "step")
+            for bk in reversed(range(len(buckets))):
+                _lib.check(reduce(bk, buckets[bk]), "reduce_bucket")
+            _lib.check(L.zopt_optimizer_step(hb, ctypes.byref(res)), "step")
+            for (pa, _), (pb, _) in zip(a, b):
+                np.testing.assert_array_equal(pa, pb)
+        before = [p.copy() for p, _ in b]
+        # A bucket not reduced: refused, nothing changes.
+        for bk in range(1, len(buckets)):
+            _lib.check(reduce(bk, buckets[bk]), "reduce_bucket")
+        assert L.zopt_optimizer_step(hb, ctypes.byref(res)) == _lib.Status.BAD_STATE
+        assert b"bucket 0" in L.zopt_last_error() and b"not reduced" in L.zopt_last_error()
+        # Reduced twice: refused.
+        assert reduce(1, buckets[1]) == _lib.Status.BAD_STATE
+        assert b"already reduced" in L.zopt_last_error()
+        # Wrong count; set_active.
+        assert L.zopt_optimizer_reduce_bucket(hb, 0, None, 0) == _lib.Status.INVALID_ARGUMENT
+        mask = (ctypes.c_uint8 * len(sizes))(*([1] * len(sizes)))
+        assert L.zopt_optimizer_set_active(hb, mask, len(sizes)) == _lib.Status.BAD_STATE
+        for (p, _), x in zip(b, before):
+            np.testing.assert_array_equal(p, x)
+        # A tensor spanning buckets given a gradient in one only.
+        span = next(t for t in range(len(sizes)) if sum(t in ids for ids in buckets) > 1)
+        first = next(i for i, ids in enumerate(buckets) if span in ids)
+        _lib.check(reduce(0, buckets[0]), "reduce_bucket")  # completes the step's buckets
+        _lib.check(L.zopt_optimizer_step(hb, ctypes.byref(res)), "step")
+        _lib.check(reduce(first, buckets[first]), "reduce_bucket")
+        nxt = next(i for i, ids in enumerate(buckets) if span in ids and i != first)
+        assert reduce(nxt, buckets[nxt], give=lambda t: t != span) == _lib.Status.INVALID_ARGUMENT
+        assert b"earlier bucket" in L.zopt_last_error()
+    finally:
+        L.zopt_optimizer_free(ha)
+        L.zopt_optimizer_free(hb)

@@ -170,7 +170,8 @@ def test_dtype_aliases():
 # ---------------------------------------------------------------------------
 
 REFUSED = [
-    ("adamw", dict(param="bf16", grad="f32"), "grad:", "rule 7"),
+    ("adamw", dict(param="bf16", grad="f16"), "grad:", "rule 7"),
+    ("adamw", dict(param="f32", grad="bf16"), "grad:", "rule 7"),
     ("adamw", dict(param="f16", loss_scale=False), "loss_scale:", "rule 8"),
     ("adamw", dict(param="bf16", master="f16"), "master:", "allowed"),
     ("adamw", dict(param="f16", master="bf16"), "master:", "less precise"),

@@ -20,9 +20,9 @@ Arguments every builder takes (keyword only):
     dtype of the model's params: ``"f32"``, ``"bf16"`` or ``"f16"`` (also
     ``"float32"``, ``"bfloat16"``, ``"fp16"``, ``torch.bfloat16``, ...).
 ``grad``
-    dtype of the gradients; ``None`` (default) is the param's dtype, the
-    only one the dialect accepts today (rule 7: torch keeps ``.grad`` in the
-    param's dtype).
+    dtype of the gradients; ``None`` (default) is the param's dtype (torch
+    keeps ``.grad`` in the param's dtype); ``"f32"`` with bf16/f16 params is
+    DeepSpeed's default bf16 layout (gradients accumulated in f32; rule 7).
 ``master``
     ``None`` (default: the param is the weight the update changes), ``"f32"``
     (an fp32 master copy; the param is the rounded master) or ``"bf16"``
@@ -265,12 +265,12 @@ def _validate(spec):
     """The verifier's rules (docs/Dialects/Zopt.md), as errors naming the
     builder argument."""
     p, g, w = spec.param, spec.grad, spec.master
-    if g != p:
+    if g != p and not (g == "f32" and p in ("bf16", "f16")):
         raise _bad("grad", f"{g} gradients with {p} params are not supported: the "
                    f"grad has the param's dtype (rule 7; torch keeps .grad in the "
-                   f"param's dtype); allowed: grad={p!r} or None. (DeepSpeed's "
-                   "default bf16 layout, bf16 params with fp32 gradients, needs "
-                   "this rule relaxed.)")
+                   f"param's dtype) or is f32 for a 16-bit param (gradients "
+                   f"accumulated in f32, DeepSpeed's default bf16 layout); "
+                   f"allowed: grad={p!r}" + (", 'f32'" if p != "f32" else "") + " or None")
     if g == "f16" and not spec.loss_scale:
         raise _bad("loss_scale", "f16 gradients need loss scaling (rule 8: fp16 "
                    "training without a scaler underflows); allowed: True or None")

@@ -150,6 +150,10 @@ struct zopt_optimizer {
   // Tensors that have a gradient this step (empty: all); see
   // zopt_optimizer_set_active.
   std::vector<uint8_t> active;
+  // Gradient streaming (zopt_optimizer_set_grad_streaming): the reduced
+  // gradient shards are runtime-held and filled bucket by bucket by
+  // zopt_optimizer_reduce_bucket; the tensors' grad memory is not read.
+  bool stream_grads = false;
   zopt::exec::Program *prog = nullptr;  // finalize product (CPU-updated steps)
 };
 

@@ -279,8 +279,9 @@ ZOPT_API zopt_status zopt_optimizer_add_tensor(zopt_optimizer *o, int group, voi
   if (zopt_status st = check_group(o, group, fn)) return st;
   if (numel < 0) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: numel = %lld must be >= 0", fn, (long long)numel);
   // An empty tensor (numel 0, as torch allows) has no memory to check.
-  if (numel > 0 && (!param || !grad))
-    return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: %s pointer is NULL", fn, !param ? "param" : "grad");
+  if (numel > 0 && (!param || (!grad && !o->stream_grads)))
+    return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: %s pointer is NULL%s", fn, !param ? "param" : "grad",
+                !param ? "" : " (streamed gradients, zopt_optimizer_set_grad_streaming, need no grad memory)");
   if (numel > 0 && param == grad) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: param and grad are the same memory", fn);
   if (numel > ((int64_t)1 << 48)) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: numel = %lld too large", fn, (long long)numel);
   uint32_t pdt = o->d->states[o->step->param_index].dtype;
@@ -718,8 +719,70 @@ ZOPT_API zopt_status zopt_optimizer_get_grad_divisor(const zopt_optimizer *o, do
   return ZOPT_OK;
 }
 
+ZOPT_API zopt_status zopt_optimizer_set_grad_streaming(zopt_optimizer *o, int on) {
+  const char *fn = "zopt_optimizer_set_grad_streaming";
+  CHECK_OPT(o, "zopt_optimizer_set_grad_streaming");
+  if (o->finalized) return fail(ZOPT_ERR_BAD_STATE, "%s: the optimizer is already finalized", fn);
+  if (on != 0 && on != 1) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: on = %d (0 or 1)", fn, on);
+  if (on && (o->gpu || o->offload))
+    return fail(ZOPT_ERR_UNSUPPORTED, "%s: step '%s' %s; gradient streaming is implemented for steps updated on the CPU from host gradients",
+                fn, o->d->name, o->gpu ? "updates on the GPU" : "is offloaded");
+  if (!on)
+    for (const Tensor &x : o->tensors)
+      if (x.numel && !x.grad)
+        return fail(ZOPT_ERR_BAD_STATE, "%s: tensors were added without gradient memory for streaming", fn);
+  o->stream_grads = on != 0;
+  return ZOPT_OK;
+}
+
+static zopt_status check_streaming(const zopt_optimizer *o, const char *fn) {
+  if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "%s: call zopt_optimizer_finalize first", fn);
+  if (!o->stream_grads || !o->prog)
+    return fail(ZOPT_ERR_BAD_STATE, "%s: gradient streaming is off (zopt_optimizer_set_grad_streaming before finalize)",
+                fn);
+  return ZOPT_OK;
+}
+
+ZOPT_API zopt_status zopt_optimizer_num_buckets(const zopt_optimizer *o, int *n) {
+  CHECK_OPT(o, "zopt_optimizer_num_buckets");
+  if (!n) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_num_buckets: n is NULL");
+  if (zopt_status st = check_streaming(o, "zopt_optimizer_num_buckets")) return st;
+  *n = (int)o->prog->L.buckets.size();
+  return ZOPT_OK;
+}
+
+ZOPT_API zopt_status zopt_optimizer_bucket_tensors(const zopt_optimizer *o, int bucket, int *tensors, int capacity,
+                                                   int *count) {
+  const char *fn = "zopt_optimizer_bucket_tensors";
+  CHECK_OPT(o, "zopt_optimizer_bucket_tensors");
+  if (!count) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: count is NULL", fn);
+  if (zopt_status st = check_streaming(o, fn)) return st;
+  if (bucket < 0 || bucket >= (int)o->prog->L.buckets.size())
+    return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: bucket %d out of range (have %zu)", fn, bucket,
+                o->prog->L.buckets.size());
+  std::vector<int> ts;
+  exec::bucket_tensors(o, bucket, &ts);
+  *count = (int)ts.size();
+  if (tensors) {
+    if (capacity < (int)ts.size())
+      return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: capacity %d < %zu tensors", fn, capacity, ts.size());
+    std::copy(ts.begin(), ts.end(), tensors);
+  }
+  return ZOPT_OK;
+}
+
+ZOPT_API zopt_status zopt_optimizer_reduce_bucket(zopt_optimizer *o, int bucket, const void *const *grads, int count) {
+  CHECK_OPT(o, "zopt_optimizer_reduce_bucket");
+  if (zopt_status st = check_streaming(o, "zopt_optimizer_reduce_bucket")) return st;
+  return exec::reduce_bucket(o, bucket, grads, count);
+}
+
 ZOPT_API zopt_status zopt_optimizer_set_active(zopt_optimizer *o, const uint8_t *active, int64_t n) {
   CHECK_OPT(o, "zopt_optimizer_set_active");
+  if (o->stream_grads)
+    return fail(ZOPT_ERR_BAD_STATE,
+                "zopt_optimizer_set_active: with streamed gradients the gradients handed to "
+                "zopt_optimizer_reduce_bucket (NULL: none) say which tensors have one");
   if (!active) {
     o->active.clear();
     return ZOPT_OK;

@@ -32,6 +32,11 @@
 //     --mismatch=stage|tensors|hyper|seed  rank 1 (only) differs: every rank
 //                           must fail with an error naming rank 1
 //     --other=STEP2.so      rank 1's step for --mismatch=stage
+//     --stream              gradient streaming (zopt_optimizer_reduce_bucket):
+//                           no grad memory registered, the buckets reduced
+//                           in reverse order before each step, each
+//                           gradient poisoned (NaN) once its buckets are
+//                           reduced
 //     --linked=STEP2.so     a second optimizer (another parameter class: its
 //                           own tensors and gradients) stepped with the first
 //                           by zopt_optimizer_step_linked: one norm over
@@ -58,7 +63,7 @@ struct Options {
   int world = 2, steps = 4, threads = 1, accum = 1, inf_at = -1, from_world = 1, loaded_steps = 0;
   int64_t bucket = 65536;
   double grad_scale = 0.05;
-  bool mask = false, delay = false;
+  bool mask = false, delay = false, stream = false;
 };
 
 std::mutex g_print_mu;
@@ -172,11 +177,15 @@ bool build(int rank, const zopt_step *step, Model &m, const Options &opt, zopt_c
   }
   CK(zopt_optimizer_create(step, &m.o));
   CK(zopt_optimizer_set_num_threads(m.o, opt.threads));
+  // Streaming (the ranks' model, not the one-rank reference): no grad memory.
+  const bool stream = opt.stream && comm;
+  if (stream) CK(zopt_optimizer_set_grad_streaming(m.o, 1));
   int id;
   CK(zopt_optimizer_add_group(m.o, &id));
   CK(zopt_optimizer_add_group(m.o, &id));
   for (size_t t = 0; t < T; ++t)
-    CK(zopt_optimizer_add_tensor(m.o, kGroups[t], m.p[t].data(), m.g[t].data(), kSizes[t], (zopt_dtype)m.pdt, &id));
+    CK(zopt_optimizer_add_tensor(m.o, kGroups[t], m.p[t].data(), stream ? nullptr : m.g[t].data(), kSizes[t],
+                                 (zopt_dtype)m.pdt, &id));
   if (comm) CK(zopt_optimizer_set_comm(m.o, comm));
   CK(zopt_optimizer_set_bucket_elems(m.o, opt.bucket));
   double v;
@@ -301,6 +310,33 @@ bool compare(int rank, Model &m, Model &ref, const zopt_step_result &a, const zo
   return ok;
 }
 
+// Hands the model's gradients to the optimizer bucket by bucket, last
+// bucket first (any order the ranks share), NULL where this rank has no
+// gradient; then poisons each gradient (quiet NaN) once every bucket it
+// spans is reduced: the step must not read it.
+bool stream_grads(int rank, Model &m, const Options &opt) {
+  int nb = 0;
+  CK(zopt_optimizer_num_buckets(m.o, &nb));
+  std::vector<int> left(m.g.size(), 0);
+  std::vector<std::vector<int>> ids(nb);
+  for (int b = 0; b < nb; ++b) {
+    int n = 0;
+    CK(zopt_optimizer_bucket_tensors(m.o, b, nullptr, 0, &n));
+    ids[b].resize(n);
+    CK(zopt_optimizer_bucket_tensors(m.o, b, ids[b].data(), n, &n));
+    for (int t : ids[b]) left[t]++;
+  }
+  for (int b = nb - 1; b >= 0; --b) {
+    std::vector<const void *> g;
+    for (int t : ids[b]) g.push_back(has_grad(opt, rank, (size_t)t) ? m.g[t].data() : nullptr);
+    CK(zopt_optimizer_reduce_bucket(m.o, b, g.data(), (int)g.size()));
+    for (int t : ids[b])
+      if (--left[t] == 0)
+        for (int64_t i = 0; i < kSizes[t]; ++i) from_f32(m.g[t].data(), m.gdt, (size_t)i, NAN);
+  }
+  return true;
+}
+
 bool expect_error(int rank, zopt_status st, const char *what, const char *needle) {
   const char *msg = zopt_last_error();
   bool ok = st != ZOPT_OK && strstr(msg, needle);
@@ -358,7 +394,7 @@ bool run_rank(int rank, int world, zopt_comm *comm, const Options &opt) {
     CK(zopt_optimizer_set_grad_divisor(refs[c]->o, (double)world * opt.accum));
     if (opt.mask) {
       std::vector<uint8_t> a = mask_of(o2, rank);
-      CK(zopt_optimizer_set_active(ms[c]->o, a.data(), (int64_t)a.size()));
+      if (!opt.stream) CK(zopt_optimizer_set_active(ms[c]->o, a.data(), (int64_t)a.size()));
       // The reference has a gradient wherever any rank has one.
       std::vector<uint8_t> any(kSizes.size());
       for (size_t t = 0; t < any.size(); ++t)
@@ -401,6 +437,9 @@ bool run_rank(int rank, int world, zopt_comm *comm, const Options &opt) {
       fill_grads(*ms[c], o2, rank, k, S, c);
       fill_ref_grads(*refs[c], o2, world, k, Sr, c);
     }
+    if (opt.stream)
+      for (int c = 0; c < nparts; ++c)
+        if (!stream_grads(rank, *ms[c], o2)) return false;
     zopt_step_result a{}, b{};
     if (step2) {
       CK(zopt_optimizer_step_linked(parts, 2, &a));
@@ -445,8 +484,11 @@ bool run_rank(int rank, int world, zopt_comm *comm, const Options &opt) {
   // Each rank holds its shards of the partitioned states: ~1/W of one
   // rank's bytes plus padding (at most one norm block per bucket and rank).
   const uint64_t pad = 4 * 8 * 32768ull * 8;
-  bool mem_ok = mi.state_bytes_one_rank == mr.state_bytes_one_rank &&
-                (!sharded || world == 1 || mi.state_bytes * (uint64_t)world <= mr.state_bytes + (uint64_t)world * pad);
+  // Streamed gradients are runtime-held shards too (one rank: the full grads).
+  bool mem_ok = (opt.stream ? mi.state_bytes_one_rank > mr.state_bytes_one_rank
+                            : mi.state_bytes_one_rank == mr.state_bytes_one_rank) &&
+                (!sharded || world == 1 ||
+                 mi.state_bytes * (uint64_t)world <= mi.state_bytes_one_rank + (uint64_t)world * pad);
   report(rank, mem_ok, "memory: %llu state bytes on this rank, %llu on one rank (world %d)",
          (unsigned long long)mi.state_bytes, (unsigned long long)mr.state_bytes, world);
   if (!opt.save.empty()) CK(zopt_optimizer_save(m.o, opt.save.c_str()));
@@ -477,6 +519,7 @@ bool parse(int argc, char **argv, Options &o) {
     else if (const char *v = val("--linked=")) o.linked = v;
     else if (a == "--mask") o.mask = true;
     else if (a == "--delay") o.delay = true;
+    else if (a == "--stream") o.stream = true;
     else if (a[0] != '-' && o.step.empty()) o.step = a;
     else {
       fprintf(stderr, "zopt-zero-check: unknown argument '%s'\n", argv[i]);

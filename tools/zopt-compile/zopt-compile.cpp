@@ -29,7 +29,9 @@
 #include "llvm/Support/Path.h"
 #include "llvm/Support/SourceMgr.h"
 #include "llvm/Support/ToolOutputFile.h"
+#include "llvm/Support/thread.h"
 #include "zopt/Dialect/Kernel/IR/KernelDialect.h"
+#include "zopt/Dialect/Zopt/IR/ZoptDescription.h"
 #include "zopt/Dialect/Zopt/IR/ZoptOps.h"
 #include "zopt/Pipelines/Pipelines.h"
 #include "zopt/Target/Emit.h"
@@ -71,6 +73,11 @@ static cl::opt<std::string>
              cl::init(""), cl::cat(cat));
 static cl::opt<bool> timing("timing", cl::desc("Report the time of each phase"),
                             cl::init(false), cl::cat(cat));
+static cl::opt<std::string> sourceName(
+    "source-name",
+    cl::desc("Name of the input in diagnostics (default: the file name, "
+             "'<stdin>' for '-')"),
+    cl::value_desc("name"), cl::init(""), cl::cat(cat));
 
 static int fail(const llvm::Twine &msg) {
   llvm::errs() << "zopt-compile: error: " << msg << "\n";
@@ -90,6 +97,8 @@ static LogicalResult writeOutput(StringRef path, StringRef data, bool binary) {
   return success();
 }
 
+static int compile();
+
 int main(int argc, char **argv) {
   llvm::InitLLVM init(argc, argv);
   cl::HideUnrelatedOptions(cat);
@@ -97,7 +106,17 @@ int main(int argc, char **argv) {
       argc, argv,
       "zopt-compile: compiles a zopt.step description into step.so\n\n"
       "  zopt-compile step.mlir -o step.so\n");
+  // Parse and compile on a thread with a known, large stack: the input's
+  // bracket nesting is bounded before parsing (docs/Dialects/Zopt.md,
+  // "Limits"), and recursion the bound does not count stays far from the
+  // end of this stack.
+  int rc = 1;
+  llvm::thread worker(std::optional<unsigned>(zopt::kDriverStackBytes), [&rc] { rc = compile(); });
+  worker.join();
+  return rc;
+}
 
+static int compile() {
   std::vector<std::string> isas;
   if (cpu == "auto")
     isas = {"avx512bf16", "avx512", "avx2"};
@@ -127,6 +146,11 @@ int main(int argc, char **argv) {
                 "'; expected mlir, llvm, asm, obj, so or ptx");
   if (!last && emitKind == "so" && (outputFile.empty() || outputFile == "-"))
     return fail("--emit=so needs an output file: -o step.so");
+  for (const std::string &chip : gpuArchs)
+    if (!zopt::isKnownGpuArch(chip))
+      return fail("unknown --gpu='" + chip +
+                  "'; expected CUDA architectures among " +
+                  zopt::knownGpuArchs());
 
   DefaultTimingManager tm;
   tm.setEnabled(timing);
@@ -140,18 +164,25 @@ int main(int argc, char **argv) {
   ctx.loadDialect<gpu::GPUDialect, NVVM::NVVMDialect, zopt::ZoptDialect, zk::ZKDialect, arith::ArithDialect,
                   math::MathDialect, func::FuncDialect, scf::SCFDialect,
                   vector::VectorDialect, LLVM::LLVMDialect>();
+  // Diagnostics name the description's line and column and show its line;
+  // the failing op's generic form is not appended (it is not what the user
+  // wrote).
+  ctx.printOpOnDiagnostic(false);
   llvm::SourceMgr sm;
   SourceMgrDiagnosticHandler diag(sm, &ctx);
+  zopt::registerDescriptionHints(&ctx);
   std::string err;
   auto file = openInputFile(inputFile, &err);
   if (!file)
     return fail(err);
+  if (!sourceName.empty())
+    file = llvm::MemoryBuffer::getMemBufferCopy(file->getBuffer(), sourceName);
   sm.AddNewSourceBuffer(std::move(file), llvm::SMLoc());
 
   OwningOpRef<ModuleOp> module;
   {
     TimingScope t = root.nest("parse + verify (input)");
-    module = parseSourceFile<ModuleOp>(sm, &ctx);
+    module = zopt::parseDescription(sm, &ctx);
   }
   if (!module)
     return 1; // diagnostics already printed with their locations
@@ -160,24 +191,13 @@ int main(int argc, char **argv) {
   // is checked up front when a state is on the GPU.
   zopt::GpuOptions gpuOpts;
   gpuOpts.chips.assign(gpuArchs.begin(), gpuArchs.end());
-  bool onGpu = false;
   module->walk([&](zopt::StepOp step) {
     if (gpuOpts.chips.empty() && !gpuArchs.getNumOccurrences())
       if (auto arch = step.getGpuArch())
         gpuOpts.chips.push_back(arch->str());
   });
   // The kernels run where the optimizer states live (else the param).
-  module->walk([&](zopt::StepOp step) {
-    std::optional<zopt::Placement> dev, param;
-    step.walk([&](zopt::StateOp s) {
-      if (s.getKind() == zopt::StateKind::param)
-        param = s.getPlacement();
-      else if (s.getKind() != zopt::StateKind::grad)
-        dev = s.getPlacement();
-    });
-    onGpu |= dev.value_or(param.value_or(zopt::Placement::cpu)) ==
-             zopt::Placement::gpu;
-  });
+  const bool onGpu = zopt::kernelsOnGpu(*module);
   if (!onGpu)
     gpuOpts.chips.clear(); // a CPU-only compile, exactly as without GPU
   if (onGpu) {

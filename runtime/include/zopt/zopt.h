@@ -179,6 +179,46 @@ ZOPT_API zopt_status zopt_optimizer_step(zopt_optimizer *opt, zopt_step_result *
  * update leaves every part's state as it was. */
 ZOPT_API zopt_status zopt_optimizer_step_linked(zopt_optimizer *const *parts, int n, zopt_step_result *result);
 
+/* ---- gradient streaming (ZeRO-2/3 gradient memory) ---------------------
+ *
+ * By default a step reads every tensor's whole gradient from its registered
+ * memory, so every rank holds the full gradients until the step. With
+ * streaming on (before finalize; CPU-updated, non-offloaded ZeRO-2 or
+ * ZeRO-3 steps: finalize refuses other programs), each rank holds only its
+ * reduced gradient shards, runtime-owned, and the caller hands the
+ * gradients over bucket by bucket as backward produces them:
+ *
+ *   zopt_optimizer_num_buckets(o, &nb);            // after finalize
+ *   zopt_optimizer_bucket_tensors(o, b, ids, cap, &n);  // the tensors of
+ *                                        // bucket b (a tensor may span
+ *                                        // several buckets)
+ *   zopt_optimizer_reduce_bucket(o, b, grads, n);  // a collective: every
+ *                                        // rank, the same bucket, in the
+ *                                        // same order
+ *   ... then zopt_optimizer_step(o, &r);
+ *
+ * grads[i] is element 0 of the whole gradient of tensor ids[i] (the param's
+ * the step's grad dtype), or NULL where this rank has no gradient
+ * for it; after reduce_bucket returns, that memory is no longer read (free
+ * or reuse it), so at most a bucket of gradients beyond the shards needs to
+ * be alive. Every bucket must be reduced once between two steps, in any
+ * order the ranks agree on (the checked collective signature names the
+ * bucket; step fails with ZOPT_ERR_BAD_STATE, changing nothing, naming a
+ * bucket that was not reduced; a second reduce of one bucket is an error).
+ * The tensors given a gradient (non-NULL) on any rank are the ones the step
+ * updates (zopt_optimizer_set_active is refused: the gradients say it); a
+ * tensor spanning buckets is given in all of them or in none. The result
+ * is bit-identical to the non-streamed step (the same rank-order f32 fold).
+ * Gradient accumulation stays the caller's (accumulate micro-batches into
+ * the gradients, stream the last one, like DDP's no_sync). With streaming,
+ * add_tensor accepts grad = NULL. */
+ZOPT_API zopt_status zopt_optimizer_set_grad_streaming(zopt_optimizer *opt, int on);
+ZOPT_API zopt_status zopt_optimizer_num_buckets(const zopt_optimizer *opt, int *num_buckets);
+ZOPT_API zopt_status zopt_optimizer_bucket_tensors(const zopt_optimizer *opt, int bucket, int *tensors,
+                                                   int capacity, int *count);
+ZOPT_API zopt_status zopt_optimizer_reduce_bucket(zopt_optimizer *opt, int bucket, const void *const *grads,
+                                                  int count);
+
 /* ---- GPU steps (docs/GPU.md) ------------------------------------------ */
 
 /* A step compiled with GPU-placed states runs through the CUDA driver API,

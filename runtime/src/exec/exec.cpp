@@ -218,6 +218,24 @@ const char *what(char *buf, size_t n, const char *op, const zopt_optimizer *o, i
   return buf;
 }
 
+// Packs flat range [a, e) of bucket b (e.g. one rank's shard) into dst:
+// each tensor piece's elements from src(piece) (nullptr: zeros), zeros
+// where no tensor is (align gaps, padding).
+template <class Src>
+void pack_range(const Program &P, int b, int64_t a, int64_t e, size_t es, char *dst, Src src) {
+  const layout::Bucket &k = P.L.buckets[b];
+  int64_t pos = a;
+  for (const Piece &p : P.L.pieces(k.group, a, std::min(e, k.begin + k.len))) {
+    if (p.flat > pos) memset(dst + (pos - a) * es, 0, (size_t)(p.flat - pos) * es);
+    if (const char *x = src(p))
+      memcpy(dst + (p.flat - a) * es, x, (size_t)p.len * es);
+    else
+      memset(dst + (p.flat - a) * es, 0, (size_t)p.len * es);
+    pos = p.flat + p.len;
+  }
+  if (e > pos) memset(dst + (pos - a) * es, 0, (size_t)(e - pos) * es);
+}
+
 // REDUCE_SCATTER: per bucket, every rank's values of shard q to rank q,
 // which adds them in rank order into its own shard of the state.
 zopt_status reduce_scatter(zopt_optimizer *o, const zopt_program_op &op) {
@@ -232,18 +250,10 @@ zopt_status reduce_scatter(zopt_optimizer *o, const zopt_program_op &op) {
     // Pack: shard q's elements, in flat order, zero where no tensor (or a
     // tensor without a gradient on this rank) is.
     for (int q = 0; q < W; ++q) {
-      int64_t a = k.begin + (int64_t)q * k.shard, e = a + k.shard;
-      char *dst = send + (size_t)q * k.shard * es;
-      int64_t pos = a;
-      for (const Piece &p : P.L.pieces(k.group, a, std::min(e, k.begin + k.len))) {
-        if (p.flat > pos) memset(dst + (pos - a) * es, 0, (size_t)(p.flat - pos) * es);
-        if (has_local_mask && !o->active[p.tensor])
-          memset(dst + (p.flat - a) * es, 0, (size_t)p.len * es);
-        else
-          memcpy(dst + (p.flat - a) * es, view(o, si, p.tensor, p.start), (size_t)p.len * es);
-        pos = p.flat + p.len;
-      }
-      if (e > pos) memset(dst + (pos - a) * es, 0, (size_t)(e - pos) * es);
+      int64_t a = k.begin + (int64_t)q * k.shard;
+      pack_range(P, b, a, a + k.shard, es, send + (size_t)q * k.shard * es, [&](const Piece &p) -> const char * {
+        return has_local_mask && !o->active[p.tensor] ? nullptr : view(o, si, p.tensor, p.start);
+      });
     }
     char w[96];
     if (zopt_status st = comm_all_to_all(o->comm, send, P.recv.data(), (size_t)k.shard * es,
@@ -279,14 +289,9 @@ zopt_status all_gather(zopt_optimizer *o, const zopt_program_op &op) {
   for (int b = 0; b < (int)P.L.buckets.size(); ++b) {
     const layout::Bucket &k = P.L.buckets[b];
     char *send = (char *)P.send.data();
-    int64_t a = k.begin + (int64_t)r * k.shard, e = a + k.shard;
-    int64_t pos = a;
-    for (const Piece &p : P.L.pieces(k.group, a, std::min(e, k.begin + k.len))) {
-      if (p.flat > pos) memset(send + (pos - a) * es, 0, (size_t)(p.flat - pos) * es);
-      memcpy(send + (p.flat - a) * es, view(o, si, p.tensor, p.start), (size_t)p.len * es);
-      pos = p.flat + p.len;
-    }
-    if (e > pos) memset(send + (pos - a) * es, 0, (size_t)(e - pos) * es);
+    const int64_t a = k.begin + (int64_t)r * k.shard;
+    pack_range(P, b, a, a + k.shard, es, send,
+               [&](const Piece &p) -> const char * { return view(o, si, p.tensor, p.start); });
     char w[96];
     if (zopt_status st = comm_all_gather(o->comm, send, P.recv.data(), (size_t)k.shard * es,
                                          what(w, sizeof w, "ALL_GATHER", o, si, b)))
@@ -300,6 +305,14 @@ zopt_status all_gather(zopt_optimizer *o, const zopt_program_op &op) {
     }
   }
   return ZOPT_OK;
+}
+
+// "3, 4, 7" (at most 8, then "... (N in all)").
+std::string tensor_list(const std::vector<int> &ts) {
+  std::string s;
+  for (size_t i = 0; i < ts.size() && i < 8; ++i) s += (i ? ", " : "") + std::to_string(ts[i]);
+  if (ts.size() > 8) s += ", ... (" + std::to_string(ts.size()) + " in all)";
+  return s.empty() ? "none" : s;
 }
 
 // ---- the coefficient table ----------------------------------------------
@@ -401,13 +414,28 @@ uint64_t hash_step_settings(const zopt_optimizer *o) {
 zopt_status agree(zopt_optimizer *o) {
   Program &P = *o->prog;
   const size_t T = o->tensors.size();
-  if (o->world == 1) {
+  if (o->stream_grads) {
+    // The local mask is what the caller handed to reduce_bucket (empty
+    // tensors, in no bucket, have a gradient); there is no grad memory.
+    std::vector<uint8_t> local(T);
+    bool all = true;
+    for (size_t t = 0; t < T; ++t) {
+      local[t] = o->tensors[t].numel == 0 || P.stream_given[t] == 1;
+      all = all && local[t];
+    }
+    if (all) local.clear();
+    o->active.swap(local);
+  } else if (o->world == 1) {
     for (size_t t = 0; t < T; ++t)
       if (!o->tensors[t].grad && o->tensors[t].numel && (o->active.empty() || o->active[t]))
         return fail(ZOPT_ERR_INVALID_ARGUMENT,
                     "zopt_optimizer_step: tensor %zu has no gradient memory (zopt_optimizer_set_tensor_memory with "
                     "grad NULL) but is active: mark it inactive with zopt_optimizer_set_active",
                     t);
+    P.global_active = o->active;
+    return ZOPT_OK;
+  }
+  if (o->world == 1) {
     P.global_active = o->active;
     return ZOPT_OK;
   }
@@ -419,7 +447,7 @@ zopt_status agree(zopt_optimizer *o) {
   // reduced gradient of a tensor another rank updates lands in it).
   for (size_t t = 0; t < T; ++t) {
     uint8_t a = o->active.empty() ? 1 : o->active[t];
-    mine[8 + t] = a ? 1 : (o->tensors[t].grad || !o->tensors[t].numel) ? 0 : 2;
+    mine[8 + t] = a ? 1 : (o->tensors[t].grad || !o->tensors[t].numel || o->stream_grads) ? 0 : 2;
   }
   if (zopt_status st = comm_all_gather(o->comm, mine.data(), all.data(), msg, "STEP settings and gradient mask"))
     return st;
@@ -476,6 +504,8 @@ zopt_status run_op(zopt_optimizer *o, StepState *st, size_t i) {
       return offload_copy_state(o, (int)op.state, !to_host, to_host && !more);
     }
     case ZOPT_OP_REDUCE_SCATTER:
+      // Streaming: the caller reduced the buckets (run_begin checked).
+      if (o->stream_grads) return ZOPT_OK;
       return o->world > 1 ? reduce_scatter(o, op) : ZOPT_OK;
     case ZOPT_OP_ALL_GATHER:
       return o->world > 1 ? all_gather(o, op) : ZOPT_OK;
@@ -597,6 +627,24 @@ static zopt_status validate(zopt_optimizer *o) {
       return bad("runs on the GPU, but this step's update runs on the CPU");
   }
   if (updates != 1) return fail(ZOPT_ERR_ABI, "step '%s': the program has %d UPDATE ops (need 1)", d->name, updates);
+  if (o->stream_grads) {
+    // Streaming replaces the program's reduction of the whole gradient by
+    // the caller's per-bucket reductions into runtime-held shards: the
+    // program must reduce the gradient, update only owned elements and
+    // never need the full gradient (ZeRO-2 and 3).
+    bool reduces = false, gathers_grad = false;
+    for (uint32_t i = 0; i < d->num_program; ++i) {
+      const zopt_program_op &op = d->program[i];
+      if (op.code == ZOPT_OP_REDUCE_SCATTER) reduces = true;
+      if (op.code == ZOPT_OP_ALL_GATHER && d->states[op.state].kind == ZOPT_STATE_GRAD) gathers_grad = true;
+    }
+    if (!reduces || gathers_grad || o->prog->update_range != ZOPT_RANGE_OWNED ||
+        (o->prog->norm_range && o->prog->norm_range != ZOPT_RANGE_OWNED))
+      return fail(ZOPT_ERR_UNSUPPORTED,
+                  "zopt_optimizer_finalize: step '%s' (ZeRO stage %u) needs every rank's full gradient; gradient "
+                  "streaming (zopt_optimizer_set_grad_streaming) is for ZeRO-2 and ZeRO-3 steps",
+                  d->name, d->zero_stage);
+  }
   bool any_sharded = false;
   for (uint32_t s = 0; s < d->num_states; ++s) any_sharded |= (d->states[s].flags & ZOPT_STATE_PARTITIONED) != 0;
   if (any_sharded && (o->prog->update_range == ZOPT_RANGE_ALL || o->prog->norm_range == ZOPT_RANGE_ALL))
@@ -640,6 +688,14 @@ zopt_status build(zopt_optimizer *o) {
       max_es = std::max(max_es, es);
       const bool user = !is_owned_kind(sd.kind);
       const bool zero3_param = sd.kind == ZOPT_STATE_PARAM && (sd.flags & ZOPT_STATE_PARTITIONED);
+      const bool streamed_grad = o->stream_grads && sd.kind == ZOPT_STATE_GRAD;
+      if (streamed_grad) {
+        // This rank's reduced gradient shards (zopt_optimizer_reduce_bucket).
+        P->sharded[s] = 1;
+        P->buf_bytes[s] = ((size_t)P->L.local_elems * es + 63) & ~(size_t)63;
+        if (zopt_status st = alloc_host(P->buf_bytes[s], "streamed gradient shards", &P->buf[s])) return bail(st);
+        continue;
+      }
       if (user && !zero3_param && !o->offload) continue;  // the user's memory
       if (user && o->offload && !zero3_param) {
         // Offload staging: full, pinned (offload.cpp frees it).
@@ -653,11 +709,13 @@ zopt_status build(zopt_optimizer *o) {
       P->buf_bytes[s] = ((size_t)elems * es + 63) & ~(size_t)63;
       if (zopt_status st = alloc_host(P->buf_bytes[s], state_kind_name(sd.kind), &P->buf[s])) return bail(st);
     }
-    if (o->world > 1) {
+    if (o->world > 1 || o->stream_grads) {
       P->send.resize((size_t)P->L.max_padded * max_es);
       P->recv.resize((size_t)P->L.max_padded * max_es);
       P->gathered.resize((size_t)P->L.blocks_per_rank * o->world);
     }
+    P->bucket_reduced.assign(P->L.buckets.size(), 0);
+    P->stream_given.assign(o->tensors.size(), 0);
     build_update_work(o, P->update_range == ZOPT_RANGE_OWNED ? P->update_owned : P->update_all, P->update_range);
     if (P->norm_range)
       build_blocks(o, P->norm_range == ZOPT_RANGE_OWNED ? P->norm_owned : P->norm_all, P->norm_range);
@@ -754,6 +812,19 @@ zopt_status run_begin(zopt_optimizer *o, StepState *st) {
   const zopt_step_descriptor *d = o->d;
   const bool ls = d->flags & ZOPT_FLAG_LOSS_SCALE;
   *st = StepState();
+  if (o->stream_grads) {
+    // Every bucket reduced since the last step (zopt_optimizer_reduce_bucket),
+    // checked before any collective of the step.
+    for (size_t b = 0; b < P.bucket_reduced.size(); ++b)
+      if (!P.bucket_reduced[b]) {
+        std::vector<int> ts;
+        bucket_tensors(o, (int)b, &ts);
+        return fail(ZOPT_ERR_BAD_STATE,
+                    "zopt_optimizer_step: gradient bucket %zu of %zu (tensors %s) was not reduced "
+                    "(zopt_optimizer_reduce_bucket) since the last step",
+                    b, P.bucket_reduced.size(), tensor_list(ts).c_str());
+      }
+  }
   st->S = ls ? o->scaler.scale : 1.0;
   st->gscale = 1.0 / (st->S * grad_divisor(o));
   using clock = std::chrono::steady_clock;
@@ -787,6 +858,10 @@ zopt_status run_end(zopt_optimizer *o, StepState *st, double sumsq, zopt_step_re
   }
   for (size_t i = st->pc; i < P.ops.size(); ++i)
     if (zopt_status s = run_op(o, st, i)) return s;
+  if (o->stream_grads) {  // the next step needs every bucket again
+    std::fill(P.bucket_reduced.begin(), P.bucket_reduced.end(), 0);
+    std::fill(P.stream_given.begin(), P.stream_given.end(), 0);
+  }
   if (result) {
     result->grad_norm = st->norm;
     result->skipped = st->skipped ? 1 : 0;
@@ -799,6 +874,77 @@ zopt_status run(zopt_optimizer *o, zopt_step_result *result) {
   StepState st;
   if (zopt_status s = run_begin(o, &st)) return s;
   return run_end(o, &st, st.sumsq, result);
+}
+
+// ---- gradient streaming ------------------------------------------------
+
+void bucket_tensors(const zopt_optimizer *o, int b, std::vector<int> *out) {
+  const Program &P = *o->prog;
+  const layout::Bucket &k = P.L.buckets[b];
+  out->clear();
+  for (const Piece &p : P.L.pieces(k.group, k.begin, k.begin + k.len))
+    if (out->empty() || out->back() != p.tensor) out->push_back(p.tensor);
+}
+
+zopt_status reduce_bucket(zopt_optimizer *o, int b, const void *const *grads, int count) {
+  const char *fn = "zopt_optimizer_reduce_bucket";
+  Program &P = *o->prog;
+  const int W = o->world, r = o->rank;
+  const int gi = state_index(o->d, ZOPT_STATE_GRAD);
+  const uint32_t dt = o->d->states[gi].dtype;
+  const size_t es = dtype_size(dt);
+  if (b < 0 || b >= (int)P.L.buckets.size())
+    return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: bucket %d out of range (have %zu)", fn, b, P.L.buckets.size());
+  std::vector<int> ts;
+  bucket_tensors(o, b, &ts);
+  if (count != (int)ts.size() || (count && !grads))
+    return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: bucket %d holds %zu tensors (%s); got %d gradient pointers", fn, b,
+                ts.size(), tensor_list(ts).c_str(), grads ? count : 0);
+  if (P.bucket_reduced[b])
+    return fail(ZOPT_ERR_BAD_STATE, "%s: bucket %d was already reduced since the last step", fn, b);
+  // A tensor spanning buckets has a gradient in all of them or in none.
+  for (int i = 0; i < count; ++i) {
+    uint8_t g = grads[i] ? 1 : 2, was = P.stream_given[ts[i]];
+    if (was && was != g)
+      return fail(ZOPT_ERR_INVALID_ARGUMENT,
+                  "%s: tensor %d %s a gradient for bucket %d but %s for an earlier bucket it spans", fn, ts[i],
+                  g == 1 ? "has" : "has no", b, was == 1 ? "had one" : "had none");
+  }
+  const layout::Bucket &k = P.L.buckets[b];
+  std::vector<const void *> src(o->tensors.size(), nullptr);
+  for (int i = 0; i < count; ++i) src[ts[i]] = grads[i];
+  // Pack every rank's shard of the bucket (zero where no tensor, or a
+  // tensor without a gradient on this rank, is), as reduce_scatter does.
+  char *send = (char *)P.send.data();
+  for (int q = 0; q < W; ++q) {
+    int64_t a = k.begin + (int64_t)q * k.shard;
+    pack_range(P, b, a, a + k.shard, es, send + (size_t)q * k.shard * es, [&](const Piece &p) -> const char * {
+      return src[p.tensor] ? (const char *)src[p.tensor] + (size_t)p.start * es : nullptr;
+    });
+  }
+  const char *recv = send;
+  if (W > 1) {
+    char w[96];
+    if (zopt_status st = comm_all_to_all(o->comm, send, P.recv.data(), (size_t)k.shard * es,
+                                         what(w, sizeof w, "REDUCE_BUCKET", o, gi, b)))
+      return st;
+    recv = (const char *)P.recv.data();
+  }
+  // The rank-order f32 sum of the W pieces of this rank's shard, into the
+  // held shard (contiguous: the padding folds zeros into zeros).
+  char *dst = (char *)P.buf[gi] + (size_t)(k.local_offset) * es;
+  parallel(o->pool, [&](int tid) {
+    const int T = o->pool->size();
+    const int64_t lo = k.shard * tid / T, hi = k.shard * (tid + 1) / T;
+    if (lo >= hi) return;
+    const char *srcs[4096];
+    for (int q = 0; q < W; ++q) srcs[q] = recv + ((size_t)q * k.shard + lo) * es;
+    fold(dt, W, srcs, dst + (size_t)lo * es, hi - lo);
+  });
+  (void)r;
+  P.bucket_reduced[b] = 1;
+  for (int i = 0; i < count; ++i) P.stream_given[ts[i]] = grads[i] ? 1 : 2;
+  return ZOPT_OK;
 }
 
 // ---- gathers and accounting ---------------------------------------------

@@ -70,6 +70,9 @@ struct Program {
   std::vector<std::pair<int, int64_t>> rows;  // (group, t) of each row
   std::vector<uint8_t> global_active;  // per tensor, agreed by every rank
   bool any_active = true;
+  // Gradient streaming: per bucket, reduced since the last step; per
+  // tensor, 0 not yet given this step, 1 given a gradient, 2 given none.
+  std::vector<uint8_t> bucket_reduced, stream_given;
 };
 
 // Builds the program at finalize (validates it against the step and the
@@ -94,6 +97,12 @@ struct StepState {
 };
 zopt_status run_begin(zopt_optimizer *o, StepState *st);
 zopt_status run_end(zopt_optimizer *o, StepState *st, double sumsq, zopt_step_result *result);
+// Gradient streaming: reduces bucket b's gradients (grads[i]: element 0 of
+// the i-th tensor of bucket_tensors(b), NULL for none on this rank) into
+// this rank's runtime-held gradient shard. A collective.
+zopt_status reduce_bucket(zopt_optimizer *o, int b, const void *const *grads, int count);
+// The tensors with elements in bucket b, in flat order.
+void bucket_tensors(const zopt_optimizer *o, int b, std::vector<int> *out);
 // Re-splits the work across o->num_threads threads.
 void repartition(zopt_optimizer *o);
 // Rebuilds every work unit's pointers (after a tensor's user memory moved).

@@ -62,6 +62,18 @@ zopt.step @s attributes {gpu_arch = "gfx90a"} {
 
 // -----
 
+// A gpu_arch past every architecture LLVM knows (ptxas failed late on it).
+// expected-error@+1 {{gpu_arch must name a CUDA architecture sm_70 or newer, like "sm_90" (got "sm_1000"; known: sm_70, sm_72, sm_75, sm_80, sm_86, sm_87, sm_89, sm_90)}}
+zopt.step @s attributes {gpu_arch = "sm_1000"} {
+  %p = zopt.state param : f32 on cpu
+  %g = zopt.state grad : f32 on cpu
+  %lr = zopt.hyper lr
+  %p1 = zopt.apply %p, %g, %lr : f32, f32
+  zopt.yield %p1 into %p : f32 into f32
+}
+
+// -----
+
 // A GPU-placed state in a CPU-only compile (no gpu_arch).
 zopt.step @s {
   // expected-error@+1 {{state 'param' is placed on gpu but the step has no gpu_arch (a CPU-only compile)}}
@@ -279,6 +291,83 @@ zopt.step @s {
 
 // -----
 
+// Stochastic rounding on a state that is never written: the gradient.
+zopt.step @s {
+  %p = zopt.state param : bf16 on cpu
+  // expected-error@+2 {{rounding applies to stores, and 'grad' is never stored: drop 'rounding'}}
+  // expected-note@+1 {{the gradient is read-only (it belongs to the user)}}
+  %g = zopt.state grad : bf16 on cpu rounding stochastic
+  %lr = zopt.hyper lr
+  %p1 = zopt.apply %p, %g, %lr : bf16, bf16
+  zopt.yield %p1 into %p : f32 into bf16
+}
+
+// -----
+
+// Any rounding on the gradient, nearest_even included (it is never stored).
+zopt.step @s {
+  %p = zopt.state param : f16 on cpu
+  // expected-error@+2 {{rounding applies to stores, and 'grad' is never stored}}
+  // expected-note@+1 {{the gradient is read-only}}
+  %g = zopt.state grad : f16 on cpu rounding nearest_even
+}
+
+// -----
+
+// Stochastic rounding on an f16 state (bf16 only), refused by the verifier
+// rather than late in the fuse phase.
+zopt.step @s {
+  %p = zopt.state param : bf16 on cpu
+  %g = zopt.state grad : bf16 on cpu
+  %w = zopt.state master : f32 on cpu
+  // expected-error@+2 {{stochastic rounding is implemented for bf16 states; this state is 'f16' (use nearest_even)}}
+  // expected-note@+1 {{store the state as bf16 to round it stochastically}}
+  %m = zopt.state exp_avg : f16 on cpu rounding stochastic
+}
+
+// -----
+
+// A clip whose result is never used: clipping would have no effect.
+zopt.step @s {
+  %p = zopt.state param : f32 on cpu
+  %g = zopt.state grad : f32 on cpu
+  %lr = zopt.hyper lr
+  // expected-error@+1 {{'zopt.clip_by_global_norm' op the clipped gradient is never used: clipping would have no effect}}
+  %gc = zopt.clip_by_global_norm %g max 1.0 : f32
+  %p1 = zopt.apply %p, %g, %lr : f32, f32
+  zopt.yield %p1 into %p : f32 into f32
+}
+
+// -----
+
+// A clip used only by a value that is never stored has no effect either.
+zopt.step @s {
+  %p = zopt.state param : f32 on cpu
+  %g = zopt.state grad : f32 on cpu
+  %lr = zopt.hyper lr
+  // expected-error@+1 {{the clipped gradient is never used by a stored value: clipping would have no effect}}
+  %gc = zopt.clip_by_global_norm %g max 1.0 : f32
+  %dead = zopt.apply %p, %gc, %lr : f32, f32
+  %p1 = zopt.apply %p, %g, %lr : f32, f32
+  zopt.yield %p1 into %p : f32 into f32
+}
+
+// -----
+
+// An unused unscale: the loss-scaled gradient would be applied as is.
+zopt.step @s {
+  %p = zopt.state param : f16 on cpu
+  %g = zopt.state grad : f16 on cpu
+  %w = zopt.state master : f32 on cpu
+  %lr = zopt.hyper lr
+  // expected-error@+1 {{'zopt.unscale' op the unscaled gradient is never used: loss scaling would have no effect}}
+  %gs = zopt.unscale %g : f16
+  %w1 = zopt.apply %w, %g, %lr : f32, f16
+  zopt.yield %w1, %w1 into %w, %p : f32, f32 into f32, f16
+}
+
+// -----
+
 // Unknown hyperparameter name.
 zopt.step @s {
   %p = zopt.state param : f32 on cpu
@@ -312,11 +401,15 @@ zopt.step @s {
 
 // -----
 
-// Conflicting defaults for one hyperparameter.
+// Conflicting defaults for one hyperparameter. (A declaration without a
+// default defers to another one in the IR, as the decompose phase's
+// `zopt.hyper bias_correction` does; a description must agree exactly:
+// test/zopt-compile/description.test.)
 zopt.step @s {
   %p = zopt.state param : f32 on cpu
   %g = zopt.state grad : f32 on cpu
-  %lr = zopt.hyper lr
+  %lr = zopt.hyper lr default 0.1
+  %lr0 = zopt.hyper lr
   // expected-error@+1 {{conflicting defaults for hyperparameter 'lr'}}
   %lr2 = zopt.hyper lr default 0.5
   %p1 = zopt.apply %p, %g, %lr2 : f32, f32
@@ -453,7 +546,22 @@ zopt.step @s {
   %lr = zopt.hyper lr
   // expected-error@+1 {{state 'exp_avg' is never written}}
   %m = zopt.state exp_avg : f32 on cpu
-  %p1 = zopt.apply %p, %m, %lr : f32, f32
+  %p1 = zopt.apply %p, %g, %lr : f32, f32
+  zopt.yield %p1 into %p : f32 into f32
+}
+
+// -----
+
+// A gradient that no stored value depends on (found by the fuzzer: the
+// canonicalizer then deleted the unused grad and the step failed after the
+// decompose phase with "declares no 'grad' state").
+zopt.step @s {
+  %p = zopt.state param : f32 on cpu
+  // expected-error@+1 {{'zopt.state' op the gradient never reaches a stored value: the update does not depend on it}}
+  %g = zopt.state grad : f32 on cpu
+  %lr = zopt.hyper lr
+  %wd = zopt.hyper weight_decay
+  %p1 = zopt.decoupled_decay %p, %lr, %wd : f32
   zopt.yield %p1 into %p : f32 into f32
 }
 

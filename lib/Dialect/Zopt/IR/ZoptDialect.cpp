@@ -83,11 +83,31 @@ LogicalResult StateOp::verify() {
     return emitOpError("state '")
            << stringifyStateKind(getKind()) << "' has type " << getType()
            << "; states are stored as f32, bf16 or f16";
-  if (getRounding() && *getRounding() != Rounding::nearest_even &&
-      getType().isF32())
+  if (!getRounding())
+    return success();
+  if (*getRounding() != Rounding::nearest_even && getType().isF32())
     return emitOpError("rounding applies to narrowing stores; state '")
            << stringifyStateKind(getKind())
            << "' is f32 and never rounds: drop 'rounding'";
+  // The gradient is never written (it belongs to the user), so a rounding
+  // mode on it would silently do nothing.
+  if (getKind() == StateKind::grad) {
+    InFlightDiagnostic d =
+        emitOpError("rounding applies to stores, and 'grad' is never stored: "
+                    "drop 'rounding'");
+    d.attachNote() << "the gradient is read-only (it belongs to the user); "
+                      "rounding is a property of the states the step writes";
+    return d;
+  }
+  if (*getRounding() == Rounding::stochastic && !getType().isBF16()) {
+    InFlightDiagnostic d = emitOpError("stochastic rounding is implemented for "
+                                       "bf16 states; this state is ")
+                           << getType() << " (use nearest_even)";
+    d.attachNote() << "stochastic rounding adds 16 random bits below a bf16 "
+                      "significand (abi.h \"Stochastic rounding\"); store the "
+                      "state as bf16 to round it stochastically";
+    return d;
+  }
   return success();
 }
 

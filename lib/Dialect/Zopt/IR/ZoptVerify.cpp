@@ -5,13 +5,228 @@
 //===----------------------------------------------------------------------===//
 #include "zopt/Dialect/Zopt/IR/ZoptOps.h"
 
+#include "mlir/Interfaces/SideEffectInterfaces.h"
 #include "llvm/ADT/DenseMap.h"
+#include "llvm/ADT/STLExtras.h"
 #include "llvm/ADT/SmallPtrSet.h"
+#include "llvm/ADT/StringExtras.h"
+#include "llvm/ADT/TypeSwitch.h"
 
 using namespace mlir;
 using namespace mlir::zopt;
 
 static StringRef kindName(StateKind k) { return stringifyStateKind(k); }
+
+//===----------------------------------------------------------------------===//
+// Unknown attributes (every zopt op, through the KnownAttributesOnly trait)
+//===----------------------------------------------------------------------===//
+
+/// The attribute names a user may write on `op`: its inherent attributes,
+/// without the ones its syntax spells differently (the symbol name, operand
+/// segment sizes).
+static SmallVector<StringRef> userAttributeNames(Operation *op) {
+  SmallVector<StringRef> names;
+  if (std::optional<RegisteredOperationName> info = op->getRegisteredInfo())
+    for (StringAttr a : info->getAttributeNames())
+      if (a.getValue() != "sym_name" && a.getValue() != "operandSegmentSizes" &&
+          a.getValue() != "resultSegmentSizes")
+        names.push_back(a.getValue());
+  return names;
+}
+
+LogicalResult mlir::zopt::verifyKnownAttributes(Operation *op) {
+  for (NamedAttribute attr : op->getDiscardableAttrs()) {
+    StringRef name = attr.getName().strref();
+    // Compiler-internal attributes set by the passes (zopt.slot,
+    // zopt.device, zopt.max_norm, ...). A description cannot set them: the
+    // driver refuses them in its input (verifyDescription).
+    if (name.starts_with("zopt."))
+      continue;
+    SmallVector<StringRef> known = userAttributeNames(op);
+    InFlightDiagnostic d = op->emitOpError("unknown attribute '") << name << "'";
+    // The closest known name, if it is close: a typo or a prefix.
+    StringRef best;
+    unsigned bestDist = ~0u;
+    for (StringRef k : known) {
+      unsigned dist = name.edit_distance(k, /*AllowReplacements=*/true);
+      if (k.starts_with(name) || name.starts_with(k))
+        dist = std::min<unsigned>(dist, 1);
+      if (dist < bestDist)
+        bestDist = dist, best = k;
+    }
+    if (!best.empty() &&
+        bestDist <= std::max<size_t>(2, std::max(name.size(), best.size()) / 3))
+      d << "; did you mean '" << best << "'?";
+    if (known.empty())
+      d << " ('" << op->getName() << "' takes no attributes)";
+    else
+      d << " (attributes of '" << op->getName()
+        << "': " << llvm::join(known, ", ") << ")";
+    return d;
+  }
+  return success();
+}
+
+//===----------------------------------------------------------------------===//
+// Roles: which state a value is a new value of
+//===----------------------------------------------------------------------===//
+
+/// A set of state kinds, one bit per StateKind.
+using RoleMask = uint32_t;
+static RoleMask bit(StateKind k) { return RoleMask(1) << unsigned(k); }
+
+/// The states whose update each value of `body` is, following the "tied"
+/// operand of each op (docs/Dialects/Zopt.md, "Roles"):
+///   zopt.state S                        -> {S}
+///   ema, ema_sq, max                    -> their first (running) operand
+///   apply, decoupled_decay              -> their param operand
+///   momentum                            -> its buffer operand
+///   adam                                -> param, exp_avg, exp_avg_sq (per result)
+///   l2_decay, nesterov, unscale, clip   -> their gradient operand
+///   sign, adam_direction, hyper, global -> nothing (directions, scalars)
+///   any other op (arith/math after decompose, casts, ops without a rule)
+///                                       -> every operand's states
+/// Linear in the number of ops.
+static void computeRoles(Block &body, llvm::DenseMap<Value, RoleMask> &roles) {
+  auto of = [&](Value v) { return roles.lookup(v); };
+  for (Operation &op : body) {
+    if (op.getNumResults() == 0)
+      continue;
+    llvm::TypeSwitch<Operation *>(&op)
+        .Case([&](StateOp s) { roles[s.getResult()] = bit(s.getKind()); })
+        .Case<EmaOp, EmaSqOp, MaxOp, ApplyOp, L2DecayOp, NesterovOp>(
+            [&](auto o) { roles[o.getResult()] = of(o.getLhs()); })
+        .Case([&](DecoupledDecayOp o) { roles[o.getResult()] = of(o.getParam()); })
+        .Case([&](MomentumOp o) { roles[o.getResult()] = of(o.getBuf()); })
+        .Case([&](UnscaleOp o) { roles[o.getResult()] = of(o.getGrad()); })
+        .Case([&](ClipByGlobalNormOp o) { roles[o.getResult()] = of(o.getOperand()); })
+        .Case([&](AdamOp o) {
+          roles[o.getNewParam()] = of(o.getParam());
+          roles[o.getNewExpAvg()] = of(o.getExpAvg());
+          roles[o.getNewExpAvgSq()] = of(o.getExpAvgSq());
+        })
+        .Case<SignOp, AdamDirectionOp, HyperOp, GlobalOp>([](auto) {})
+        .Default([&](Operation *o) {
+          RoleMask m = 0;
+          for (Value v : o->getOperands())
+            m |= of(v);
+          for (Value r : o->getResults())
+            roles[r] = m;
+        });
+  }
+}
+
+/// Words for a role set: "an update of 'exp_avg' and 'exp_avg_sq'".
+static std::string describeRoles(RoleMask m) {
+  SmallVector<std::string> names;
+  for (int k = 1; k <= int(StateKind::momentum_buffer); ++k)
+    if (k != int(StateKind::grad) && (m & (RoleMask(1) << k)))
+      names.push_back(("'" + kindName(StateKind(k)) + "'").str());
+  if (!names.empty()) {
+    std::string r = "an update of " + names.front();
+    for (size_t i = 1; i < names.size(); ++i)
+      r += (i + 1 == names.size() ? " and " : ", ") + names[i];
+    return r;
+  }
+  if (m & bit(StateKind::grad))
+    return "derived from the gradient only (a gradient is never stored)";
+  return "not an update of any state (a direction, a hyperparameter or a "
+         "constant)";
+}
+
+/// Why `op`'s result has the roles it has, for a note.
+static std::string explainTie(Operation *op) {
+  return llvm::TypeSwitch<Operation *, std::string>(op)
+      .Case([](StateOp s) {
+        return ("it is the '" + kindName(s.getKind()) + "' state itself").str();
+      })
+      .Case<EmaOp, EmaSqOp>([](auto o) {
+        return ("'" + o->getName().getStringRef() +
+                "' updates its first operand, the running average")
+            .str();
+      })
+      .Case([](MaxOp o) {
+        return std::string("'zopt.max' updates its first operand, the running "
+                           "maximum");
+      })
+      .Case<ApplyOp, DecoupledDecayOp>([](auto o) {
+        return ("'" + o->getName().getStringRef() +
+                "' updates its first operand, the param (or master)")
+            .str();
+      })
+      .Case([](MomentumOp) {
+        return std::string(
+            "'zopt.momentum' updates its first operand, the momentum buffer");
+      })
+      .Case([](AdamOp) {
+        return std::string("'zopt.adam' returns the new param, exp_avg and "
+                           "exp_avg_sq, in that order");
+      })
+      .Case<L2DecayOp, NesterovOp, UnscaleOp, ClipByGlobalNormOp>([](auto o) {
+        return ("'" + o->getName().getStringRef() +
+                "' computes a gradient from its first operand")
+            .str();
+      })
+      .Case<SignOp, AdamDirectionOp>([](auto o) {
+        return ("'" + o->getName().getStringRef() +
+                "' computes an update direction: apply it to a state with "
+                "zopt.apply")
+            .str();
+      })
+      .Default([](Operation *o) {
+        return ("'" + o->getName().getStringRef() +
+                "' is an update of every state its operands are")
+            .str();
+      });
+}
+
+/// The states a value stored into `target` may be an update of.
+static RoleMask allowedRoles(StateKind target, bool hasMaster) {
+  RoleMask m = bit(target);
+  if (target == StateKind::param && hasMaster)
+    m |= bit(StateKind::master); // the low-precision copy of the master
+  if (target == StateKind::master)
+    m |= bit(StateKind::param);
+  return m;
+}
+
+void mlir::zopt::collectLiveOps(Block &body,
+                                llvm::SmallPtrSetImpl<Operation *> &live) {
+  for (Operation &op : llvm::reverse(body)) {
+    bool isLive = op.hasTrait<OpTrait::IsTerminator>() ||
+                  !isMemoryEffectFree(&op) ||
+                  llvm::any_of(op.getUsers(), [&](Operation *u) {
+                    Operation *a = body.findAncestorOpInBlock(*u);
+                    return a && live.contains(a);
+                  });
+    if (isLive)
+      live.insert(&op);
+  }
+}
+
+/// The CUDA architectures zopt compiles for: sm_70 and newer among those
+/// LLVM 22's NVPTX backend knows (llc -march=nvptx64 -mcpu=help) that the
+/// PTX ISA 8.0 convert-zk-to-gpu asks for (+ptx80) supports. sm_88 and
+/// sm_100..sm_121 need PTX 8.6-9.0: LLVM stops with a fatal error ("PTX
+/// version 8.0 does not support target 'sm_120'", found by the fuzzer), so
+/// they are refused here until the GPU code generator picks the PTX version
+/// per architecture.
+static constexpr unsigned kGpuArchs[] = {70, 72, 75, 80, 86, 87, 89, 90};
+
+bool mlir::zopt::isKnownGpuArch(StringRef arch) {
+  unsigned sm = 0;
+  if (!arch.consume_front("sm_") || arch.empty() || arch.front() == '0' ||
+      arch.getAsInteger(10, sm))
+    return false;
+  return llvm::is_contained(kGpuArchs, sm);
+}
+
+std::string mlir::zopt::knownGpuArchs() {
+  std::string s;
+  for (unsigned sm : kGpuArchs)
+    s += (s.empty() ? "sm_" : ", sm_") + std::to_string(sm);
+  return s;
+}
 
 static bool isOptimizerState(StateKind k) {
   return k != StateKind::param && k != StateKind::grad;
@@ -27,14 +242,11 @@ LogicalResult StepOp::verifyRegions() {
     return emitOpError("align must be a power of two between 1 and 1048576 "
                        "elements (got ")
            << align << ")";
-  if (auto arch = getGpuArch()) {
-    unsigned sm = 0;
-    if (!arch->starts_with("sm_") || arch->drop_front(3).getAsInteger(10, sm) ||
-        sm < 70)
+  if (auto arch = getGpuArch())
+    if (!isKnownGpuArch(*arch))
       return emitOpError("gpu_arch must name a CUDA architecture sm_70 or "
                          "newer, like \"sm_90\" (got \"")
-             << *arch << "\")";
-  }
+             << *arch << "\"; known: " << knownGpuArchs() << ")";
 
   Block &body = getBody().front();
   llvm::DenseMap<int, StateOp> states;
@@ -56,8 +268,15 @@ LogicalResult StepOp::verifyRegions() {
                << "' is placed on gpu but the step has no gpu_arch (a "
                   "CPU-only compile): place it on cpu or set gpu_arch";
     } else if (auto h = dyn_cast<HyperOp>(op)) {
+      // Two defaults that differ conflict. A declaration without a default
+      // takes the slot's default from the others (the decompose phase adds
+      // `zopt.hyper bias_correction` next to a user's declaration with a
+      // default; a description must agree exactly, verifyDescription).
       auto [it, inserted] = hypers.try_emplace(int(h.getKind()), h);
-      if (!inserted && it->second.getDefaultValue() != h.getDefaultValue())
+      if (!inserted && !it->second.getDefaultValue())
+        it->second = h;
+      else if (!inserted && h.getDefaultValue() &&
+               it->second.getDefaultValue() != h.getDefaultValue())
         return h.emitOpError("conflicting defaults for hyperparameter '")
                << stringifyHyperKind(h.getKind())
                << "'; give the default once";
@@ -77,6 +296,15 @@ LogicalResult StepOp::verifyRegions() {
                    .attachNote(clip.getLoc())
                << "first clip here";
       clip = c;
+    } else if (auto mx = dyn_cast<MaxOp>(op)) {
+      // max(x, x) is x: the canonicalizer folds it away, and a running
+      // maximum stored from it would never change (found by the fuzzer: the
+      // step then failed after decompose with "stores ... back unchanged").
+      if (mx.getLhs() == mx.getRhs())
+        return mx.emitOpError("takes the maximum of a value with itself, "
+                              "which is that value: the running maximum "
+                              "would never change (compare it with the new "
+                              "second moment: zopt.max %vm, %v1)");
     } else if (auto a = dyn_cast<AdamOp>(op)) {
       auto m = a.getExpAvg().getDefiningOp<StateOp>();
       auto v = a.getExpAvgSq().getDefiningOp<StateOp>();
@@ -85,6 +313,23 @@ LogicalResult StepOp::verifyRegions() {
       if (!v || v.getKind() != StateKind::exp_avg_sq)
         return a.emitOpError("fourth operand must be the 'exp_avg_sq' state");
     }
+  }
+
+  // Step-level transformations must reach a stored value: a clip whose
+  // result is never used would be dropped without a word.
+  llvm::SmallPtrSet<Operation *, 32> live;
+  collectLiveOps(body, live);
+  {
+    if (clip && !live.contains(clip))
+      return clip.emitOpError("the clipped gradient is never used")
+             << (clip.getResult().use_empty() ? "" : " by a stored value")
+             << ": clipping would have no effect (use its result in place of "
+                "the gradient)";
+    if (unscale && !live.contains(unscale))
+      return unscale.emitOpError("the unscaled gradient is never used")
+             << (unscale.getResult().use_empty() ? "" : " by a stored value")
+             << ": loss scaling would have no effect (use its result in "
+                "place of the gradient)";
   }
 
   auto get = [&](StateKind k) -> StateOp {
@@ -99,6 +344,11 @@ LogicalResult StepOp::verifyRegions() {
   if (!grad)
     return emitOpError("declares no 'grad' state: add "
                        "`%g = zopt.state grad : <type> on <placement>`");
+  // A step that ignores its gradient is a mistake (and the canonicalizer
+  // would delete the unused grad state, failing the step after decompose).
+  if (!live.contains(grad))
+    return grad.emitOpError("the gradient never reaches a stored value: the "
+                            "update does not depend on it");
   // Gradients have the param's type (torch's .grad) or are f32 for a
   // 16-bit param: gradients accumulated in f32 (DeepSpeed's default bf16
   // layout, Megatron's main_grad). A narrower gradient loses what
@@ -195,5 +445,44 @@ LogicalResult StepOp::verifyRegions() {
     return yield.emitOpError(
         "with a master, the param is the rounded master: yield the master's "
         "new value into 'param' too");
+
+  // Roles: a value stored into a state is an update of that state
+  // (docs/Dialects/Zopt.md, "Roles").
+  llvm::DenseMap<Value, RoleMask> roles;
+  computeRoles(body, roles);
+  auto targetKind = [](Value t) { return t.getDefiningOp<StateOp>().getKind(); };
+  for (auto [i, pair] :
+       llvm::enumerate(llvm::zip(yield.getValues(), yield.getTargets()))) {
+    auto [value, target] = pair;
+    StateKind k = targetKind(target);
+    if (value == target)
+      return yield.emitOpError("stores '")
+             << kindName(k)
+             << "' back unchanged (value #" << i
+             << "): yield its new value (a state that never changes is a "
+                "mistake)";
+    RoleMask r = roles.lookup(value);
+    if (r & allowedRoles(k, bool(master)))
+      continue;
+    InFlightDiagnostic d = yield.emitOpError("value #")
+                           << i << " stored into '" << kindName(k)
+                           << "' is not an update of '" << kindName(k)
+                           << "': it is " << describeRoles(r);
+    // Two values swapped: each is the other target's update.
+    for (auto [j, other] :
+         llvm::enumerate(llvm::zip(yield.getValues(), yield.getTargets()))) {
+      StateKind kj = targetKind(std::get<1>(other));
+      if (j != i && (r & allowedRoles(kj, bool(master))) &&
+          (roles.lookup(std::get<0>(other)) & allowedRoles(k, bool(master)))) {
+        d << "; did you swap the values stored into '" << kindName(k)
+          << "' and '" << kindName(kj) << "'?";
+        break;
+      }
+    }
+    if (Operation *def = value.getDefiningOp())
+      d.attachNote(def->getLoc())
+          << "value #" << i << " is computed here: " << explainTie(def);
+    return d;
+  }
   return success();
 }

@@ -21,14 +21,25 @@ def Zopt_Dialect : Dialect {
 
     The compiler lowers it in named phases (decompose, plan, fuse, codegen)
     into fused kernels; see docs/Dialects/Zopt.md for the rules the
-    verifier enforces.
+    verifier enforces. Every op refuses an attribute it does not declare
+    (trait `Zopt_KnownAttributesOnly`: a misspelled `{decoupled}` is an
+    error, not Adam with L2); attributes prefixed `zopt.` are the
+    compiler's own records, set by its passes.
   }];
   let useDefaultAttributePrinterParser = 1;
   let dependentDialects = ["::mlir::arith::ArithDialect",
                            "::mlir::math::MathDialect"];
 }
 
+// Every zopt op refuses attributes it does not declare: a misspelled
+// `{decoupled}` must not silently turn AdamW into Adam. Compiler-internal
+// `zopt.`-prefixed attributes (set by the passes) are accepted
+// (verifyKnownAttributes in ZoptVerify.cpp).
+def Zopt_KnownAttributesOnly : NativeOpTrait<"KnownAttributesOnly"> {
+  let cppNamespace = "::mlir::zopt";
+}
+
 class Zopt_Op<string mnemonic, list<Trait> traits = []>
-    : Op<Zopt_Dialect, mnemonic, traits>;
+    : Op<Zopt_Dialect, mnemonic, !listconcat([Zopt_KnownAttributesOnly], traits)>;
 
 #endif

@@ -8,6 +8,7 @@
 #include "mlir/IR/OpDefinition.h"
 #include "mlir/IR/SymbolTable.h"
 #include "mlir/Interfaces/SideEffectInterfaces.h"
+#include "llvm/ADT/SmallPtrSet.h"
 #include "zopt/Dialect/Zopt/IR/ZoptDialect.h"
 
 #include "zopt/Dialect/Zopt/IR/ZoptEnums.h.inc"
@@ -18,6 +19,21 @@ namespace mlir::zopt {
 class StepOp;
 class StateOp;
 class YieldOp;
+
+/// Refuses attributes of a zopt op that are neither declared by the op
+/// (inherent) nor compiler-internal (`zopt.` prefix, set by a pass); the
+/// error names the attribute, the closest known one and the known ones.
+LogicalResult verifyKnownAttributes(Operation *op);
+
+/// The trait every zopt op carries (Zopt_Op in ZoptDialect.td).
+template <typename ConcreteType>
+class KnownAttributesOnly
+    : public OpTrait::TraitBase<ConcreteType, KnownAttributesOnly> {
+public:
+  static LogicalResult verifyTrait(Operation *op) {
+    return verifyKnownAttributes(op);
+  }
+};
 } // namespace mlir::zopt
 
 #define GET_OP_CLASSES
@@ -37,6 +53,14 @@ struct HyperInfo {
 HyperInfo getHyperInfo(HyperKind kind);
 /// A double as diagnostics print it (%g: 1, 0.001, inf).
 std::string formatNumber(double v);
+/// Whether `arch` names a CUDA architecture zopt compiles for: sm_70 or
+/// newer, one LLVM's NVPTX backend knows (sm_80, sm_90, ...).
+bool isKnownGpuArch(llvm::StringRef arch);
+/// The list of them, for diagnostics ("sm_70, sm_72, ...").
+std::string knownGpuArchs();
+/// The ops of a step body that reach a stored value: the terminator, ops
+/// with effects and, transitively, the ops whose results they use.
+void collectLiveOps(Block &body, llvm::SmallPtrSetImpl<Operation *> &live);
 } // namespace mlir::zopt
 
 #endif
