@@ -453,6 +453,7 @@ bool bad_range(const char *api, CUdeviceptr p, size_t n) {
 // Memset of zero on a lazily committed huge allocation: nothing to do.
 bool lazy_zero(CUdeviceptr dst, unsigned v) {
   if (v) return false;
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
   auto it = find_alloc((uintptr_t)dst);
   return it != st().allocs.end() && st().lazy.count(it->first) && st().lazy[it->first];
 }

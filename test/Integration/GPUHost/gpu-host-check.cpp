@@ -362,10 +362,10 @@ int offload_check(Fake &f, zopt_step *step, const char *twin_path) {
 // (ZeRO-1/2), the params gathered and copied back to the GPU: every rank's
 // device params must equal its twin's host params bit for bit after every
 // step, as must the step results. Small buckets, so that shards cut through
-// tensors.
-void offload_ranks_check(Fake &f, zopt_step *step, const char *twin_path, int W) {
-  zopt_step *twin = nullptr;
-  Z(zopt_step_load(twin_path, &twin));
+// tensors. Each rank loads the steps itself (as a process would; a step's
+// reference count is not atomic, so optimizers of one zopt_step are not
+// created from several threads at once).
+void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const char *twin_path, int W) {
   const zopt_step_descriptor *d = zopt_step_get_descriptor(step);
   const bool ls = d->flags & ZOPT_FLAG_LOSS_SCALE, has_sumsq = d->flags & ZOPT_FLAG_SUMSQ;
   uint32_t pdt = 0, gdt = 0;
@@ -399,8 +399,11 @@ void offload_ranks_check(Fake &f, zopt_step *step, const char *twin_path, int W)
   }
   auto rank = [&](int r) {
     RankResult &rr = res[r];
+    zopt_step *mine = nullptr, *twin = nullptr;
+    Z(zopt_step_load(step_path, &mine));
+    Z(zopt_step_load(twin_path, &twin));
     zopt_optimizer *o = nullptr, *c = nullptr;
-    Z(zopt_optimizer_create(step, &o));
+    Z(zopt_optimizer_create(mine, &o));
     Z(zopt_optimizer_create(twin, &c));
     Z(zopt_optimizer_set_comm(o, co[r]));
     Z(zopt_optimizer_set_comm(c, cc[r]));
@@ -470,6 +473,8 @@ void offload_ranks_check(Fake &f, zopt_step *step, const char *twin_path, int W)
     rr.counts_same = n1 == n2 && n1 == steps - (inf_at ? 1 : 0);
     zopt_optimizer_free(o);
     zopt_optimizer_free(c);
+    zopt_step_free(mine);
+    zopt_step_free(twin);
     for (size_t t = 0; t < T; ++t) {
       f.mem_free(dp[t]);
       f.mem_free(dg[t]);
@@ -496,7 +501,6 @@ void offload_ranks_check(Fake &f, zopt_step *step, const char *twin_path, int W)
     zopt_comm_free(co[r]);
     zopt_comm_free(cc[r]);
   }
-  zopt_step_free(twin);
 }
 
 
@@ -1376,7 +1380,7 @@ int main(int argc, char **argv) {
       fprintf(stderr, "expected --world=W (W >= 2), got %s\n", argv[4]);
       return 2;
     }
-    offload_ranks_check(f, step, argv[3], atoi(argv[4] + 8));
+    offload_ranks_check(f, step, argv[2], argv[3], atoi(argv[4] + 8));
   } else if (argc == 4 && !big) {
     offload_check(f, step, argv[3]);
   } else {
