@@ -6,9 +6,11 @@ per-tensor Python work shows).
 
     PYTHONPATH=python /usr/bin/python3 python/bench_step_overhead.py [--tensors N] [--numel N]
 
-Rows: an f32 AdamW step and a bf16-param step with an f32 master (which
+Rows: an f32 AdamW step, a bf16-param step with an f32 master (which
 also checks every param for user writes: version counters and sampled
-elements). Columns: the runtime's step alone (zopt_optimizer_step through
+elements), and a mixed optimizer over both (half the tensors bf16 with an
+f32 master, half f32, both clipped at 1.0: two classes stepped by
+zopt_optimizer_step_linked; its "C step" is the linked step). Columns: the runtime's step alone (zopt_optimizer_step through
 ctypes); then what step() adds to the runtime's step inside it (measured
 per call as step() minus its C step, so that the C step's own variance on a
 busy machine does not count): right after a real backward through every
@@ -61,15 +63,27 @@ def step_overhead(opt, iters, setup=None):
 
 def run(step, dtype, n_tensors, numel, iters, threads):
     torch.manual_seed(0)
-    ps = [torch.nn.Parameter(torch.randn(numel).to(dtype)) for _ in range(n_tensors)]
-    grads = [torch.randn(numel).to(dtype) * 1e-3 for _ in range(n_tensors)]
+    dts = dtype if isinstance(dtype, list) else [dtype]
+    ps = [torch.nn.Parameter(torch.randn(numel).to(dts[i % len(dts)]))
+          for i in range(n_tensors)]
+    grads = [torch.randn(numel).to(p.dtype) * 1e-3 for p in ps]
     for p, g in zip(ps, grads):
         p.grad = g.clone()
     opt = zopt.Optimizer(step, ps, lr=1e-4, weight_decay=0.01, num_threads=threads)
     opt.step()  # grads copied in and attached once
-    h, fn, res = opt._h, opt._step_fn, opt._res_ref
+    if isinstance(step, dict):  # the linked step over the classes
+        h, n, res = opt._harr, len(opt._plist), opt._res_ref
+        fn = opt._lib.zopt_optimizer_step_linked
+
+        def c_step():
+            fn(h, n, res)
+    else:
+        h, fn1, res = opt._h, opt._step_fn, opt._res_ref
+
+        def c_step():
+            fn1(h, res)
     r = {}
-    r["c"] = median_time(lambda: fn(h, res), iters)
+    r["c"] = median_time(c_step, iters)
     opt.refresh_master()  # the direct calls above wrote params behind its back
     r["b2b"] = step_overhead(opt, iters)
 
@@ -93,6 +107,7 @@ def main():
     ap.add_argument("--numel", type=int, default=1000)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--no-mixed", action="store_true", help="leave out the mixed row")
     a = ap.parse_args()
     cases = [("adamw_f32", torch.float32), ("adamw_bf16_master", torch.bfloat16)]
     print(f"{a.tensors} tensors x {a.numel} elements, torch {torch.__version__}, "
@@ -102,6 +117,14 @@ def main():
     for name, dtype in cases:
         step = zopt.Step(zopt.compile(os.path.join(REPO, "examples", name + ".mlir")))
         r = run(step, dtype, a.tensors, a.numel, a.iters, a.threads)
+        print(f"{name:<18} {r['c'] * 1e3:>8.2f} {r['bwd'] * 1e3:>17.2f} {r['b2b'] * 1e3:>15.2f} "
+              f"{r['fresh'] * 1e3:>14.2f} {r['zero'] * 1e3:>12.2f}")
+    if not a.no_mixed:
+        name = "mixed bf16+f32"
+        # both classes clipped at 1.0, as adamw_bf16_master is (one global norm)
+        step = dict(zopt.steps.adamw(clip=1.0, classes={"bf16": dict(master="f32"),
+                                                        "f32": {}}))
+        r = run(step, [torch.bfloat16, torch.float32], a.tensors, a.numel, a.iters, a.threads)
         print(f"{name:<18} {r['c'] * 1e3:>8.2f} {r['bwd'] * 1e3:>17.2f} {r['b2b'] * 1e3:>15.2f} "
               f"{r['fresh'] * 1e3:>14.2f} {r['zero'] * 1e3:>12.2f}")
 

@@ -106,6 +106,21 @@ GOOD = {
                  weight_decay=0.1),
         {"param": ("bf16", GPU), "master": ("f32", GPU), "exp_avg": ("f32", GPU)},
         dict(loss_scaler=None)),
+    # bf16 without ZeRO: DeepSpeed (v0.17.6 and later) accumulates in bf16.
+    "bf16_no_zero.json": (
+        {}, dict(rule="adamw", param="bf16", master="f32", moments="f32", placement="gpu",
+                 zero_stage=0, lr=1e-4, weight_decay=0.01),
+        {"param": ("bf16", GPU), "grad": ("bf16", GPU), "master": ("f32", GPU)},
+        dict(loss_scaler=None)),
+    # data_types.grad_accum_dtype fp32: f32 gradients of the bf16 params.
+    "zero1_bf16_fp32_grad_accum.json": (
+        dict(world_size=2), dict(rule="adamw", param="bf16", grad="f32", master="f32",
+                                 moments="f32", clip=1.0, placement="offload",
+                                 zero_stage=1, lr=2e-4, betas=(0.9, 0.95),
+                                 weight_decay=0.1),
+        {"param": ("bf16", GPU), "grad": ("f32", GPU), "master": ("f32", CPU),
+         "exp_avg": ("f32", CPU)},
+        dict(loss_scaler=None, gradient_accumulation_steps=4, grad_divisor=8)),
     "sgd_nesterov_fp32.json": (
         dict(world_size=2), dict(rule="sgd", param="f32", momentum=0.9, nesterov=True,
                                  placement="offload", zero_stage=1, lr=0.1,
@@ -117,7 +132,6 @@ GOOD = {
 BAD = {
     "bad_nvme_offload.json": "zero_optimization.offload_optimizer.device",
     "bad_zero3_offload_param.json": "zero_optimization.offload_param.device",
-    "bad_bf16_no_zero.json": "bf16.enabled",
     "bad_onebit_adam.json": "optimizer.type",
     "bad_fp16_hysteresis.json": "fp16.hysteresis",
     "bad_hf_auto.json": "optimizer.params.lr",
@@ -127,7 +141,7 @@ BAD = {
 def test_the_table_covers_every_file():
     files = {f for f in os.listdir(DATA) if f.endswith(".json")}
     assert files == set(GOOD) | set(BAD)
-    assert 10 <= len(files) <= 15
+    assert 10 <= len(files) <= 20
 
 
 @pytest.mark.parametrize("fname", sorted(GOOD))
@@ -184,11 +198,26 @@ def test_bad_config_is_refused_naming_the_field(fname):
     assert str(ei.value).startswith(f"[INVALID_ARGUMENT] {BAD[fname]}: ")
 
 
-def test_bf16_fp32_gradients_refusal_says_why():
-    with pytest.raises(ds.DeepSpeedConfigError) as ei:
-        ds.from_config(os.path.join(DATA, "bad_bf16_no_zero.json"))
-    msg = str(ei.value)
-    assert "fp32 gradients" in msg and "rule 7" in msg and "stage >= 1" in msg
+def test_grad_accum_dtype_maps_to_the_gradient_dtype():
+    """DeepSpeed's default (engine.get_data_types, v0.17.6 and later): the
+    model's dtype, also for bf16 without ZeRO (a note names the older
+    fp32 default); grad_accum_dtype fp32 gives f32 gradients at every
+    stage, for bf16 and fp16 params."""
+    _, d = ds.from_config(os.path.join(DATA, "bf16_no_zero.json"))
+    assert d["step"].get("grad") is None
+    assert any("v0.7.7 to v0.17.5" in n and "grad_accum_dtype" in n for n in d["notes"])
+    for stage in (0, 1, 2, 3):
+        _, d = ds.from_config(with_(zero_optimization__stage=stage,
+                                    data_types={"grad_accum_dtype": "fp32"}))
+        assert d["step"]["grad"] == "f32" and d["step"]["master"] == "f32", stage
+        assert d["fields"]["data_types.grad_accum_dtype"] == \
+            "honoured: f32 gradients (accumulated in f32 into p.main_grad)"
+        assert any("p.main_grad" in n for n in d["notes"])
+        assert any("NotImplementedError" in n for n in d["notes"]) == (stage == 0)
+    text, d = ds.from_config(with_(bf16=None, fp16={"enabled": True, "hysteresis": 1},
+                                   data_types={"grad_accum_dtype": "fp32"}))
+    assert d["step"]["grad"] == "f32" and d["step"]["loss_scale"] is True
+    assert "zopt.state grad : f32 on gpu" in text and "zopt.unscale %g : f32" in text
 
 
 BASE = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
@@ -233,9 +262,12 @@ REFUSED = [
      "bf16_master_weights_and_grads"),
     (dict(zero_optimization__stage=0, bf16__bf16_master_weights_and_grads=True),
      "bf16.bf16_master_weights_and_grads", "stage 1, 2 or 3"),
-    (dict(data_types={"grad_accum_dtype": "fp32"}), "data_types.grad_accum_dtype", "rule 7"),
-    (dict(bf16=None, fp16={"enabled": True, "hysteresis": 1},
-          data_types={"grad_accum_dtype": "fp32"}), "data_types.grad_accum_dtype", "rule 7"),
+    (dict(data_types={"grad_accum_dtype": "fp16"}), "data_types.grad_accum_dtype",
+     "allowed here: 'bf16', 'fp32'"),
+    (dict(bf16=None, data_types={"grad_accum_dtype": "bf16"}), "data_types.grad_accum_dtype",
+     "rule 7"),
+    (dict(bf16__bf16_master_weights_and_grads=True, data_types={"grad_accum_dtype": "fp32"}),
+     "bf16.bf16_master_weights_and_grads", "give one of them"),
     (dict(bf16=None, fp16={"enabled": True, "fp16_master_weights_and_grads": True}),
      "fp16.fp16_master_weights_and_grads", "rule 9"),
     (dict(bf16=None, fp16={"enabled": True, "hysteresis": 1,
@@ -401,6 +433,57 @@ def test_bf16_states_config_runs_like_the_reference(zopt_bins):
     assert d["step"]["master"] is None and d["step"]["moments"] == "bf16"
     _run(text, d, "adamw", "bf16", None, 1.0, [1.0, 0.03, 0.5, 0.02, 1.0, 0.05],
          ["exp_avg", "exp_avg_sq"], 12)
+
+
+def test_bf16_fp32_grad_accum_config_trains_like_torch(zopt_bins):
+    """zero1_bf16_fp32_grad_accum on the CPU: a bf16 model, 4 micro-batches
+    per step (each loss divided by 4, as DeepSpeed does) accumulated in f32
+    by the optimizer's hooks, clipping at 1.0, the config's AdamW; beside
+    torch's recipe (f32 masters, the micro-batches' bf16 gradients summed
+    in f32, clip_grad_norm_, torch.optim.AdamW)."""
+    torch = pytest.importorskip("torch")
+    text, d = ds.from_config(os.path.join(DATA, "zero1_bf16_fp32_grad_accum.json"),
+                             device="cpu")
+    step = zopt.steps.load_text(text)
+    assert step.f32_grads and step.max_norm == 1.0
+    A = d["gradient_accumulation_steps"]
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                   torch.nn.Linear(16, 2)).to(torch.bfloat16)
+
+    def loss(m, s, k):
+        g = torch.Generator().manual_seed(100 * s + k)
+        x, y = torch.randn(4, 8, generator=g), torch.randn(4, 2, generator=g)
+        return torch.nn.functional.mse_loss(m(x.to(torch.bfloat16)).float(), y) / A
+    mz, mt = model(), model()
+    opt = zopt.Optimizer(step, mz.parameters(), **ds.optimizer_kwargs(d))
+    masters = [torch.nn.Parameter(p.detach().float()) for p in mt.parameters()]
+    hy = d["hypers"]
+    ref = torch.optim.AdamW(masters, lr=hy["lr"], betas=hy["betas"],
+                            weight_decay=hy["weight_decay"], foreach=False)
+    for s in range(4):
+        opt.zero_grad()
+        acc = [torch.zeros(p.shape) for p in mt.parameters()]
+        for k in range(A):
+            loss(mz, s, k).backward()
+            mt.zero_grad(set_to_none=True)
+            loss(mt, s, k).backward()
+            for a, p in zip(acc, mt.parameters()):
+                a += p.grad.float()
+        for m, a in zip(masters, acc):
+            m.grad = a
+        norm = float(torch.nn.utils.clip_grad_norm_(masters, 1.0))
+        ref.step()
+        with torch.no_grad():
+            for m, p in zip(masters, mt.parameters()):
+                p.copy_(m)
+        opt.step()
+        assert opt.last_grad_norm == pytest.approx(norm, rel=1e-5)
+        for t, m in enumerate(masters):
+            np.testing.assert_allclose(opt.read_state(t, "master"),
+                                       m.detach().reshape(-1).numpy(), rtol=1e-5, atol=1e-7)
 
 
 # ---------------------------------------------------------------------------

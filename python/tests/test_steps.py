@@ -98,6 +98,11 @@ OPTIONS = [
     ("lion", dict(param="bf16", rounding="stochastic", placement="offload", zero_stage=1),
      {"param": ("bf16", GPU), "exp_avg": ("bf16", CPU)}),
     ("lion", dict(param="f16", moments="f16", betas=None), {"exp_avg": ("f16", CPU)}),
+    # Gradients accumulated in f32 (DeepSpeed's bf16 layout, Megatron's main_grad).
+    ("adamw", dict(param="bf16", grad="f32", master="f32", clip=1.0, zero_stage=2),
+     {"param": ("bf16", CPU), "grad": ("f32", CPU), "master": ("f32", CPU)}),
+    ("sgd", dict(param="f16", grad="f32", master="f32"),  # loss scaling on: f16 params
+     {"param": ("f16", CPU), "grad": ("f32", CPU), "momentum_buffer": ("f32", CPU)}),
 ]
 
 _NO_STATE = object()
@@ -123,7 +128,9 @@ def test_every_option_compiles_and_loads(cache, rule, kw, want):
     assert step.clipped == ("clip" in kw)
     if "clip" in kw:
         assert step.max_norm == kw["clip"]
-    assert step.loss_scaled == (kw.get("loss_scale") or spec.grad == "f16")
+    assert step.loss_scaled == (kw.get("loss_scale")
+                                or spec.grad == "f16" or spec.param == "f16")
+    assert spec.loss_scale == step.loss_scaled
     # Hyperparameter defaults land in the descriptor.
     for name, v in spec.hypers:
         assert step.hypers[name][0] == v, (name, step.hypers[name], v)
@@ -170,8 +177,8 @@ def test_dtype_aliases():
 # ---------------------------------------------------------------------------
 
 REFUSED = [
-    ("adamw", dict(param="bf16", grad="f16"), "grad:", "rule 7"),
     ("adamw", dict(param="f32", grad="bf16"), "grad:", "rule 7"),
+    ("adamw", dict(param="bf16", grad="f16"), "grad:", "'f32'"),
     ("adamw", dict(param="f16", loss_scale=False), "loss_scale:", "rule 8"),
     ("adamw", dict(param="bf16", master="f16"), "master:", "allowed"),
     ("adamw", dict(param="f16", master="bf16"), "master:", "less precise"),
@@ -230,6 +237,62 @@ def test_refusals_name_the_argument(rule, kw, arg, allowed):
     msg = str(ei.value)
     assert ei.value.code == zopt.Status.INVALID_ARGUMENT
     assert arg in msg and allowed in msg, msg
+
+
+# ---------------------------------------------------------------------------
+# Parameter classes: one rule, one step per param dtype
+# ---------------------------------------------------------------------------
+
+def test_classes_one_rule_several_steps(cache):
+    kw = dict(clip=1.0, zero_stage=2, lr=3e-4, betas=(0.9, 0.95),
+              classes={"bf16": dict(master="f32", grad="f32"), torch_dtype("float32"): {}})
+    cl = S.adamw(**kw)
+    assert isinstance(cl, S.StepClasses) and list(cl) == ["bf16", "f32"]
+    b, f = cl["bf16"], cl["f32"]
+    assert b.param_dtype == D.BF16 and b.state_dtype("grad") == D.F32 and b.has_master
+    assert f.param_dtype == D.F32 and not f.has_master
+    for st in (b, f):   # shared: clip, stage, hyperparameter defaults, no loss scale
+        assert st.max_norm == 1.0 and st.zero_stage == 2 and not st.loss_scaled
+        assert st.hypers["lr"][0] == 3e-4 and st.hypers["beta2"][0] == 0.95
+    assert b.name != f.name and "gf32" in b.name
+    assert S.adamw(**kw)["bf16"] is b                     # cached like one step
+    texts, paths = S.adamw.text(**kw), S.adamw.path(**kw)
+    assert set(texts) == set(paths) == {"bf16", "f32"}
+    assert "zopt.state grad : f32 on cpu" in texts["bf16"]
+    assert texts["f32"] == S.adamw.text(param="f32", clip=1.0, zero_stage=2, lr=3e-4,
+                                        betas=(0.9, 0.95))
+    # An f16 class turns loss scaling on for every class (one skip decision).
+    sp = S.sgd.spec(momentum=0.9, classes={"f16": dict(master="f32"), "f32": {}})
+    assert sp["f16"].loss_scale and sp["f32"].loss_scale
+    with pytest.raises(zopt.ZoptError, match=r"classes\['f16'\]: loss_scale"):
+        S.sgd.spec(momentum=0.9, loss_scale=False, classes={"f16": dict(master="f32"), "f32": {}})
+
+
+def torch_dtype(name):
+    torch = pytest.importorskip("torch")
+    return getattr(torch, name)
+
+
+@pytest.mark.parametrize("kw,arg,needle", [
+    (dict(classes={"bf16": dict(clip=2.0)}), "classes['bf16']['clip']:", "shared"),
+    (dict(classes={"bf16": dict(zero_stage=1), "f32": {}}), "['zero_stage']:", "outside classes="),
+    (dict(master="f32", classes={"bf16": {}}), "master:", "per class"),
+    (dict(param="bf16", classes={"bf16": {}}), "param:", "key is its param dtype"),
+    (dict(classes={"bf16": dict(param="f32")}), "classes['bf16']['param']:", "key"),
+    (dict(classes={"bf16": dict(master="f16")}), "classes['bf16']: master:", "rule 9"),
+    (dict(classes={"bf16": {}, "bfloat16": {}}), "classes:", "two keys"),
+    (dict(classes={}), "classes:", "non-empty dict"),
+    (dict(classes={"int8": {}}), "classes:", "f32, bf16, f16"),
+    (dict(classes={"f32": dict(foo=1)}), "classes['f32']['foo']:", "no argument"),
+    (dict(classes={"f32": "f32"}), "classes['f32']:", "dict of per-class"),
+    (dict(classes={"f32": dict(name="same"), "bf16": dict(name="same")}),
+     "classes['bf16']['name']:", "its own name"),
+])
+def test_classes_refusals(kw, arg, needle):
+    with pytest.raises(zopt.ZoptError) as ei:
+        S.adamw.spec(**kw)
+    msg = str(ei.value)
+    assert arg in msg and needle in msg, msg
 
 
 # ---------------------------------------------------------------------------

@@ -132,6 +132,25 @@ def test_grad_none_zero_and_foreign_tensors(adamw_f32):
     assert torch.equal(ps[2].grad, torch.arange(5.0) * 3)  # same values kept
 
 
+def test_none_grad_left_alone_after_a_rebuild(adamw_bf16):
+    """p.data = new storage rebuilds the native optimizer inside step(); a
+    param whose grad is None in that step is still left alone (the new
+    native optimizer's mask is set again: it starts with every tensor
+    active)."""
+    a = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    b = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    o = zopt.Optimizer(adamw_bf16, [a, b], lr=0.1, weight_decay=0.5)
+    a.grad = torch.ones(4, dtype=torch.bfloat16)
+    b.grad = torch.ones(4, dtype=torch.bfloat16)
+    o.step()
+    b.grad = None
+    before = b.detach().clone()
+    a.data = a.data.clone()  # a new storage: rebuilt in the next step()
+    o.step()
+    assert o.rebuilds == 1 and o.tensor_step(a) == 2
+    assert o.tensor_step(b) == 1 and torch.equal(b.detach(), before)
+
+
 # ---- user writes into bf16 params (master layouts) ---------------------------
 
 def _bf16_pair(step, seed=0):

@@ -3,9 +3,11 @@
 model for a few steps; the params, masters and moments of both ranks must
 equal, bit for bit, a one-process run of the same step on the rank-order
 sum of the two ranks' gradients (divided by 2 as the runtime's default
-divisor, the world size, does). The processes have a hard timeout and are
-killed on failure. Also: the example examples/train_ddp_zero.py (mp.spawn,
-2 ranks) as a smoke test."""
+divisor, the world size, does). The same for a model of two parameter
+classes (bf16 Linears, an f32 LayerNorm) under one optimizer, ZeRO-2 and
+ZeRO-3 with f32 gradients of the bf16 class. The processes have a hard
+timeout and are killed on failure. Also: the example
+examples/train_ddp_zero.py (mp.spawn, 2 ranks) as a smoke test."""
 import os
 import subprocess
 import sys
@@ -15,13 +17,22 @@ import torch
 
 import zopt
 from test_comm import _free_port, _run_all, _runtime_env
-from zero_worker import LR, STEPS, WD, drop_grad, loss_of, zero_model
+from zero_worker import (LR, STEPS, WD, drop_grad, loss_of, mixed_drop, mixed_loss_of,
+                         mixed_model, zero_model)
 from zopt.describe import describe
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
 
 CASES = {"z2": 2, "z3step": 3, "z3hooks": 3}
+# Mixed models: (ZeRO stage, f32 gradients of the bf16 class)
+MIXED = {"mixed_z2": (2, False), "mixed_f32grad_z3": (3, True)}
+
+
+def _mixed_texts(stage, f32grad):
+    bf = dict(master="f32", grad="f32") if f32grad else dict(master="f32")
+    return zopt.steps.adamw.text(clip=1.0, zero_stage=stage, comments=False,
+                                 classes={"bf16": bf, "f32": {}})
 
 
 def _step_text(stage):
@@ -58,6 +69,40 @@ def reference(step, world):
             "exp_avg": [sd["state"][t]["exp_avg"] for t in range(4)]}
 
 
+def mixed_reference(mapping, world, f32grad):
+    """One process, world size 1, the mixed model: each step every rank's
+    gradients (bf16 ones for the bf16 class, or their f32 values when the
+    class has f32 gradients; f32 for the LayerNorm) summed in f32 in rank
+    order, rounded to the class's gradient dtype."""
+    torch.set_num_threads(1)
+    model = mixed_model()
+    opt = zopt.Optimizer(mapping, model.parameters(), lr=LR, weight_decay=WD,
+                         grad_divisor=world)
+    ps = list(model.parameters())
+    main = [f32grad and p.dtype == torch.bfloat16 for p in ps]
+    norms = []
+    for s in range(STEPS):
+        total = [None] * len(ps)
+        for r in range(world):
+            opt.zero_grad(set_to_none=True)
+            mixed_loss_of(model, s, r).backward()
+            mixed_drop(model, s, r)
+            for i, p in enumerate(ps):
+                g = getattr(p, "main_grad", None) if main[i] else p.grad
+                if g is not None:
+                    g = g.float().clone()
+                    total[i] = g if total[i] is None else total[i] + g
+        for p, m, g in zip(ps, main, total):
+            p.grad = None if (m or g is None) else g.to(p.dtype)
+            if m:
+                p.main_grad = g   # read in place (None: no gradient)
+        opt.step()
+        norms.append(opt.last_grad_norm)
+    return {"params": [p.detach().clone() for p in ps], "norms": norms,
+            "steps": [opt.tensor_step(t) for t in range(len(ps))],
+            "state": opt.state_dict()["state"]}
+
+
 def _equal(a, b):
     if a.dtype == torch.bfloat16:
         a, b = a.view(torch.int16), b.view(torch.int16)
@@ -66,6 +111,10 @@ def _equal(a, b):
 
 def test_zero2_zero3_two_gloo_ranks_bit_identical(steps, tmp_path):
     sos = {case: steps.text(_step_text(stage)).path for case, stage in CASES.items()}
+    mixed = {case: {c: steps.text(t) for c, t in _mixed_texts(*v).items()}
+             for case, v in MIXED.items()}
+    for case, m in mixed.items():
+        sos[case] = ",".join(f"{c}:{st.path}" for c, st in m.items())
     env = _runtime_env()
     port = _free_port()
     args = [f"{c}={so}" for c, so in sos.items()]
@@ -86,6 +135,21 @@ def test_zero2_zero3_two_gloo_ranks_bit_identical(steps, tmp_path):
             # each rank holds its shard of the states (this model is one
             # norm block of 32768 elements: the shards are that padding)
             assert got["state_bytes"] <= got["one_rank"], case
+    for case, (stage, f32grad) in MIXED.items():
+        ref = mixed_reference(mixed[case], 2, f32grad)
+        # the LayerNorm's bias had no gradient at step 2 on any rank
+        assert ref["steps"] == [4, 4, 4, 3, 4, 4], case
+        for r in range(2):
+            got = torch.load(os.path.join(tmp_path, f"{case}_rank{r}.pt"))
+            assert got["steps"] == ref["steps"], case
+            assert got["norms"] == ref["norms"], f"{case} rank {r}: the global norms differ"
+            for i, (a, b) in enumerate(zip(got["params"], ref["params"])):
+                assert _equal(a, b), f"{case} rank {r}: param {i} differs from one rank"
+            assert got["state"].keys() == ref["state"].keys()
+            for t, st in ref["state"].items():
+                assert st.keys() == got["state"][t].keys()
+                for k, v in st.items():
+                    assert _equal(got["state"][t][k], v), f"{case} rank {r}: {k} of {t}"
 
 
 def test_example_train_ddp_zero(zopt_bins):

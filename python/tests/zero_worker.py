@@ -7,7 +7,9 @@ and saves the final params, masters and step counts.
 CASE: "z2" (ZeRO-2), "z3step" (ZeRO-3, params gathered after each step),
 "z3hooks" (ZeRO-3 with zopt.zero3_hooks: gathered per module in forward and
 backward, released after). Rank r trains on batches (s, r); some params
-have no gradient on some ranks (drop_grad). Prints "DONE rank R" last.
+have no gradient on some ranks (drop_grad). A case whose value is
+"bf16:A.so,f32:B.so" trains mixed_model() (bf16 Linears, an f32 LayerNorm)
+with one optimizer over both classes. Prints "DONE rank R" last.
 """
 import datetime
 import os
@@ -53,7 +55,68 @@ def drop_grad(model, s, r):
         model[0].bias.grad = None
 
 
+def mixed_model():
+    """bf16 Linear -> f32 LayerNorm -> bf16 Linear: two parameter classes."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.LayerNorm(16),
+                            torch.nn.Linear(16, 3))
+    m[0].to(torch.bfloat16)
+    m[2].to(torch.bfloat16)
+    with torch.no_grad():
+        m[1].weight.add_(torch.randn(16) * 0.1)
+        m[1].bias.add_(torch.randn(16) * 0.1)
+    return m
+
+
+def mixed_loss_of(model, s, r):
+    x, y = zero_batch(s, r)
+    h = model[1](torch.tanh(model[0](x)).float())
+    return torch.nn.functional.mse_loss(model[2](h.to(torch.bfloat16)).float(), y.float())
+
+
+def mixed_drop(model, s, r):
+    """At step 1 rank 1 lacks the last (bf16) bias's gradient, at step 2
+    no rank has the LayerNorm's (f32) bias's."""
+    drop = []
+    if s == 1 and r == 1:
+        drop.append(model[2].bias)
+    if s == 2:
+        drop.append(model[1].bias)
+    for p in drop:
+        p.grad = None
+        if getattr(p, "main_grad", None) is not None:  # f32 gradients of a bf16 param
+            p.main_grad = None
+
+
+def mixed_steps(spec):
+    return {c: zopt.Step(so) for c, so in (kv.split(":", 1) for kv in spec.split(","))}
+
+
+def run_mixed(case, spec, rank, world, outdir):
+    model = mixed_model()
+    opt = zopt.Optimizer(mixed_steps(spec), model.parameters(), lr=LR, weight_decay=WD,
+                         process_group=dist.group.WORLD)
+    assert opt.world_size == world and list(opt.parts) == ["bf16", "f32"]
+    norms = []
+    for s in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        mixed_loss_of(model, s, rank).backward()
+        mixed_drop(model, s, rank)
+        opt.step()
+        norms.append(opt.last_grad_norm)
+    opt.gather_params()
+    n = opt.num_tensors
+    out = {"params": [p.detach().clone() for p in model.parameters()],
+           "steps": [opt.tensor_step(t) for t in range(n)], "norms": norms,
+           "state": opt.state_dict()["state"]}  # collective: the states gathered whole
+    torch.save(out, os.path.join(outdir, f"{case}_rank{rank}.pt"))
+    print(f"ok {case} rank {rank}", flush=True)
+    opt.close()
+
+
 def run_case(case, so, rank, world, outdir):
+    if "," in so:
+        return run_mixed(case, so, rank, world, outdir)
     model = zero_model()
     mode = {"z2": "step", "z3step": "step", "z3hooks": "step"}[case]
     opt = zopt.Optimizer(zopt.Step(so), model.parameters(), lr=LR, weight_decay=WD,

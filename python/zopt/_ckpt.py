@@ -170,3 +170,28 @@ def read_scaler(path):
     cfg = dict(init_scale=init, growth_factor=growth, backoff_factor=backoff,
                growth_interval=interval, min_scale=min_scale, dynamic=bool(dynamic))
     return scale, good, cfg, seed
+
+
+def read_tensors(path):
+    """(step name, world size, [numel per tensor]) from a format-2
+    checkpoint's header, without checking it (the runtime checks the file
+    when it loads it); None for another format."""
+    with open(os.fspath(path), "rb") as fh:
+        head = fh.read(24)
+        if head[:8] != MAGIC2:
+            return None
+        hsize = struct.unpack_from("<Q", head, 16)[0]
+        if hsize > (1 << 34):
+            raise ValueError(f"{path}: implausible header size {hsize}")
+        head += fh.read(hsize - 24)
+    name = head[32:32 + NAME_LEN].split(b"\0", 1)[0].decode(errors="replace")
+    pos = 32 + NAME_LEN
+    world, _rank, ngroups, ntensors = struct.unpack_from("<IIII", head, pos)
+    pos += 16 + 64 + 8
+    nkinds = struct.unpack_from("<I", head, pos)[0]
+    pos += 8 + 8 * nkinds
+    for _ in range(ngroups):
+        nh = struct.unpack_from("<qI", head, pos)[1]
+        pos += 16 + 16 * nh
+    numels = [struct.unpack_from("<IIqq", head, pos + 24 * i)[2] for i in range(ntensors)]
+    return name, world, numels

@@ -33,9 +33,12 @@ What maps to what (the table in python/README.md has the details):
     non-zero ``loss_scale`` is static); bf16 -> bf16 params and grads, an
     f32 master and f32 states, or with ``bf16_master_weights_and_grads`` the
     bf16 param as the master, and with ``bf16_optimizer_states`` bf16
-    moments. Gradients accumulated in fp32 (DeepSpeed's default for bf16
-    without ZeRO) are refused: zopt's dialect gives the grad the param's
-    dtype (docs/Dialects/Zopt.md rule 7).
+    moments. ``data_types.grad_accum_dtype`` "fp32" with bf16 (or fp16)
+    gives f32 gradients (``grad="f32"``: zopt.Optimizer accumulates each
+    micro-batch's gradient into ``p.main_grad`` in f32). Without
+    ``grad_accum_dtype`` the gradients have the model's dtype: DeepSpeed's
+    default since v0.17.6 (engine.get_data_types; v0.7.7 to v0.17.5
+    accumulated bf16 gradients in fp32 without ZeRO, a note says so).
 ``gradient_clipping``
     ``zopt.clip_by_global_norm`` (0: off).
 ``zero_optimization``
@@ -450,30 +453,51 @@ def _dtypes(cfg, W, stage, st):
             _str(dt["grad_accum_dtype"], "data_types.grad_accum_dtype",
                  ("fp32", "fp16", "bf16"))]
     model = "f16" if fp16_on else ("bf16" if bf16_on else "f32")
-    # DeepSpeed's engine (get_data_types): gradients accumulate in fp32 for
-    # bf16 without ZeRO, else in the model's dtype, unless data_types says.
-    # bf16_master_weights_and_grads keeps the gradients in bf16.
-    grad = acc if acc is not None else (
-        "f32" if model == "bf16" and stage == 0 and not mwg else model)
+    # DeepSpeed's engine (get_data_types, v0.17.6 and later): gradients
+    # accumulate in data_types.grad_accum_dtype, by default the model's
+    # dtype. (v0.7.7 to v0.17.5 defaulted to fp32 for bf16 without ZeRO.)
+    grad = model if acc is None else acc
+    if acc is None and model == "bf16" and stage == 0:
+        st["notes"].append(
+            "data_types.grad_accum_dtype: not given, so bf16 gradients accumulate in "
+            "bf16 (DeepSpeed's default since v0.17.6: the model's dtype). DeepSpeed "
+            "v0.7.7 to v0.17.5 accumulated them in fp32 without ZeRO (BF16_Optimizer): "
+            "give \"data_types\": {\"grad_accum_dtype\": \"fp32\"} for that "
+            "(zopt's f32-gradient layout)")
+    f32_grads = False
     if grad != model:
-        if model == "bf16" and grad == "f32":
-            where = ("data_types.grad_accum_dtype" if acc is not None else
-                     f"{bf16_key}.enabled")
-            why = ("" if acc is not None else " (DeepSpeed's default for bf16 without "
-                   "ZeRO: its BF16_Optimizer accumulates gradients in fp32)")
+        if grad == "f32" and model in ("bf16", "f16"):
+            if mwg:
+                raise DeepSpeedConfigError(
+                    f"{bf16_key}.bf16_master_weights_and_grads", "keeps the gradients in "
+                    "bf16, and data_types.grad_accum_dtype 'fp32' asks for fp32 "
+                    "gradients: give one of them")
+            f32_grads = True
+            st["notes"].append(
+                "data_types.grad_accum_dtype fp32: the step reads f32 gradients of the "
+                f"{model} params; zopt.Optimizer takes each one from p.main_grad, "
+                "accumulating p.grad into it in f32 after every backward (its hooks, "
+                "as DeepSpeed's) unless a framework provides p.main_grad (docs/USAGE.md)")
+            if stage == 0:
+                st["notes"].append(
+                    "data_types.grad_accum_dtype fp32 without ZeRO: DeepSpeed v0.7.7 to "
+                    "v0.18.4 ran it with BF16_Optimizer; v0.18.5 and later refuse it "
+                    "(NotImplementedError); zopt runs it")
+        else:
+            allowed = ", ".join(repr(x) for x in (
+                [{"f32": "fp32", "bf16": "bf16", "f16": "fp16"}[model]]
+                + (["fp32"] if model != "f32" else [])))
             raise DeepSpeedConfigError(
-                where, f"bf16 params with fp32 gradients{why} are not supported: the "
-                "zopt dialect gives the grad the param's dtype (docs/Dialects/Zopt.md "
-                "rule 7, torch keeps .grad in the param's dtype). Under ZeRO stage 1-3 "
-                "DeepSpeed accumulates bf16 gradients in bf16, which zopt supports: use "
-                "zero_optimization.stage >= 1 (and no data_types.grad_accum_dtype "
-                "'fp32')")
-        raise DeepSpeedConfigError("data_types.grad_accum_dtype",
-                                   f"{grad} gradient accumulation with {model} params is "
-                                   "not supported: the grad has the param's dtype (rule 7)")
+                "data_types.grad_accum_dtype",
+                f"{grad} gradient accumulation with {model} params is not supported: "
+                "gradients have the param's dtype, or are f32 for bf16/fp16 params "
+                f"(docs/Dialects/Zopt.md rule 7); allowed here: {allowed}")
     if "grad_accum_dtype" in dt:
-        W.use("data_types.grad_accum_dtype", f"honoured: {grad} gradients")
+        W.use("data_types.grad_accum_dtype", f"honoured: {grad} gradients" + (
+            " (accumulated in f32 into p.main_grad)" if f32_grads else ""))
     kw = dict(param=model)
+    if f32_grads:
+        kw["grad"] = "f32"
     # ---- fp16
     for k in ("enabled",):
         if k in fp16:
@@ -845,6 +869,8 @@ def from_config(ds_config, *, world_size=None, gpu_arch=None, device="cuda",
         master = "bf16"  # DeepSpeed keeps the bf16 master partition on the CPU
     kw = dict(param=dkw["param"], master=master, moments=dkw.get("moments"),
               clip=clip, placement=placement, zero_stage=stage)
+    if dkw.get("grad"):
+        kw["grad"] = dkw["grad"]
     if dkw.get("loss_scale"):
         kw["loss_scale"] = True
     if placement != "cpu":

@@ -190,6 +190,21 @@ class Step:
         return self.state_dtype(StateKind.PARAM)
 
     @property
+    def grad_dtype(self):
+        return self.state_dtype(StateKind.GRAD)
+
+    @property
+    def f32_grads(self):
+        """True if the gradients are f32 for bf16/f16 params (accumulated
+        in f32: DeepSpeed's bf16 layout, Megatron's main_grad)."""
+        return self.grad_dtype != self.param_dtype
+
+    @property
+    def gpu(self):
+        """True if the update runs on the GPU (no CPU kernel)."""
+        return self.isa is None
+
+    @property
     def owned_states(self):
         """State kinds the runtime owns (everything but PARAM and GRAD)."""
         return [k for k, _, _ in self.states
@@ -278,7 +293,7 @@ class _RemovableHandle:
 class _Entry:
     """One registered tensor."""
     __slots__ = ("param", "grad", "auto", "torch", "cuda", "numel", "group",
-                 "pptr", "gptr", "nbytes", "shape", "stride", "name")
+                 "pptr", "gptr", "nbytes", "gbytes", "shape", "stride", "name")
 
     def __repr__(self):
         return f"<{self.name}>"
@@ -341,13 +356,38 @@ class Optimizer(_Base):
     "manual" leaves that to :meth:`gather_params`; :func:`zopt.zero3_hooks`
     sets "hooks" (gathered per module, released after use and after the
     step).
+
+    Gradients accumulated in f32 (a step built with ``grad="f32"`` for
+    bf16/f16 params: DeepSpeed's bf16 layout, Megatron's ``main_grad``):
+    torch keeps ``p.grad`` in the param's dtype, so a param's f32 gradient
+    is ``p.main_grad`` (Megatron-Core's convention: an f32 tensor of the
+    param's shape). A ``main_grad`` the user or a framework attached is read
+    in place; without one the optimizer accumulates ``p.grad`` into an f32
+    buffer of its own, exposed as ``p.main_grad``, and sets ``p.grad`` to
+    None: ``grad_accumulation="hooks"`` (default) does it in a hook after
+    each backward's gradient of the param is computed (DeepSpeed's way: no
+    micro-batch ever accumulates in bf16), ``"manual"`` when you call
+    :meth:`accumulate_grads` (after each micro-batch's backward) and at
+    ``step()`` for what is left.
+
+    ``step`` may also be a mapping ``{dtype: Step or path}`` (keys: torch
+    dtypes or "f32"/"bf16"/"f16"; ``zopt.steps.<rule>(..., classes=...)``
+    returns one): params of several dtypes, each routed to the step of its
+    dtype, stepped as one (:class:`zopt.mixed.MixedOptimizer`: one global
+    norm, one skip decision).
     """
+
+    def __new__(cls, step=None, params=None, **kw):
+        if cls is Optimizer and isinstance(step, collections.abc.Mapping):
+            from .mixed import MixedOptimizer
+            return super().__new__(MixedOptimizer)
+        return super().__new__(cls)
 
     def __init__(self, step, params, *, lr=None, betas=None, eps=None,
                  weight_decay=None, momentum=None, dampening=None,
                  bias_correction=None, num_threads=None, loss_scaler=None,
                  seed=None, process_group=None, comm=None, grad_divisor=None,
-                 bucket_elems=None, zero3_gather="step"):
+                 bucket_elems=None, zero3_gather="step", grad_accumulation="hooks"):
         self._h = None
         if not isinstance(step, Step):
             step = Step(step)
@@ -374,6 +414,13 @@ class Optimizer(_Base):
                             f"zero3_gather={zero3_gather!r}: 'step', 'manual' or 'hooks'")
         self._zero3_mode = zero3_gather
         self._released = set()  # ZeRO-3: tensor ids whose storage is freed
+        if grad_accumulation not in ("hooks", "manual"):
+            raise ZoptError(Status.INVALID_ARGUMENT,
+                            f"grad_accumulation={grad_accumulation!r}: 'hooks' or 'manual'")
+        self._grad_accumulation = grad_accumulation
+        self._main = step.f32_grads  # gradients from p.main_grad (f32)
+        self._acc_hooks = []    # (AccumulateGrad node, hook handle) per param
+        self._foreign = {}      # tensor id -> a user's main_grad registered in place
         # Communicator (ranks).
         if process_group is not None and comm is not None:
             raise ZoptError(Status.INVALID_ARGUMENT,
@@ -418,6 +465,7 @@ class Optimizer(_Base):
             if loss_scaler is not None:
                 self._scaler_cfg = self._scaler_config(**loss_scaler)
             self._build_native()
+            self._add_acc_hooks(new)
         except BaseException:
             self._free()
             raise
@@ -471,8 +519,9 @@ class Optimizer(_Base):
         gid = len(self.param_groups)
         new = []
         seen = {id(e.param) for e in self._entries}
+        names = getattr(self, "_index_names", None)  # a class of a MixedOptimizer
         for i, p in enumerate(ps):
-            e = self._entry(gid, i, p)
+            e = self._entry(gid, names[gid][i] if names else i, p)
             if id(e.param) in seen:
                 raise ZoptError(Status.INVALID_ARGUMENT,
                                 f"{e.name} appears twice in the optimizer's params")
@@ -524,15 +573,18 @@ class Optimizer(_Base):
         e.cuda = e.torch and param.device.type == "cuda"
         e.shape = tuple(param.shape)
         e.stride = tuple(param.stride()) if e.torch else None
+        gwant = self.step_obj.grad_dtype
+        e.gbytes = numel * DTYPE_ITEMSIZE[gwant]
         if not e.auto:
             gptr, gn, gdt = self._buffer(grad, e.name + "'s grad")
             if gn != numel:
                 raise ZoptError(Status.INVALID_ARGUMENT, f"{e.name}: param has {numel} "
                                 f"elements but its grad has {gn}")
-            if gdt != dt:
+            if gdt != gwant:
                 raise ZoptError(Status.INVALID_ARGUMENT,
-                                f"{e.name}: param dtype {DTYPE_NAMES.get(dt)} but grad "
-                                f"dtype {DTYPE_NAMES.get(gdt)}")
+                                f"{e.name}: grad dtype {DTYPE_NAMES.get(gdt)}, but the "
+                                f"step's gradients are {DTYPE_NAMES.get(gwant)} (step "
+                                f"'{self.step_obj.name}')")
             if e.torch and _is_torch(grad) and grad.stride() != param.stride() \
                     and numel > 1 and not (param.is_contiguous() and grad.is_contiguous()):
                 raise ZoptError(Status.INVALID_ARGUMENT,
@@ -588,7 +640,7 @@ class Optimizer(_Base):
                 ptr = e.param.data_ptr() if e.torch else e.param.ctypes.data
                 spans.append((dev, ptr, ptr + e.nbytes, e.name))
                 if not e.auto:
-                    spans.append((dev, e.gptr, e.gptr + e.nbytes, e.name + "'s grad"))
+                    spans.append((dev, e.gptr, e.gptr + e.gbytes, e.name + "'s grad"))
         spans.sort()
         for a, b in zip(spans, spans[1:]):
             if a[0] == b[0] and b[1] < a[2]:
@@ -599,11 +651,14 @@ class Optimizer(_Base):
     def _alloc_grads(self, entries):
         """The gradient memory of torch params given alone: one flat buffer
         per (dtype, device), one view per param strided like it (64-byte
-        aligned). Never attached to a param before it has a gradient."""
+        aligned), in the step's gradient dtype. Never attached to a param
+        before it has a gradient (as ``p.grad``, or for f32 gradients of
+        bf16/f16 params as ``p.main_grad``)."""
         by = {}
+        gdt = _torch_of(self.step_obj.grad_dtype) if torch is not None else None
         for e in entries:
             if e.auto:
-                by.setdefault((e.param.dtype, str(e.param.device)), []).append(e)
+                by.setdefault((gdt, str(e.param.device)), []).append(e)
         for (dtype, dev), es in by.items():
             esz = torch.empty((), dtype=dtype).element_size()
             q = max(1, 64 // esz)
@@ -696,12 +751,15 @@ class Optimizer(_Base):
         self._a_params = [ents[t].param for t in self._a_tids]
         self._a_regs = [ents[t].grad for t in self._a_tids]
         self._a_last = [_UNSET] * len(self._a_tids)
+        self._a_index = {t: j for j, t in enumerate(self._a_tids)}
         self._tp_tids = [t for t, e in enumerate(ents) if e.torch]
         self._tp_params = [ents[t].param for t in self._tp_tids]
         self._tp_index = {t: j for j, t in enumerate(self._tp_tids)}
         self._tp_ptrs = self._current_ptrs()
         self._watch = self.step_obj.has_master or self.step_obj.zero3
-        self._one_pass = bool(self._a_tids) and self._a_tids == self._tp_tids
+        self._one_pass = bool(self._a_tids) and self._a_tids == self._tp_tids \
+            and not self._main
+        self._foreign = {}  # the new native optimizer has our own grad memory
         self._reset_watch()
 
     def _current_ptrs(self):
@@ -727,6 +785,7 @@ class Optimizer(_Base):
             self._sampler = s
 
     def _free(self):
+        self._remove_acc_hooks()
         h = getattr(self, "_h", None)
         if h is not None and h.value:
             self._lib.zopt_optimizer_free(h)
@@ -777,6 +836,7 @@ class Optimizer(_Base):
         snap = self._snapshot()
         self._pre_rebuild()
         n_groups, n_entries = len(self.param_groups), len(self._entries)
+        n_flats = len(self._grad_flats)
         try:
             new = self._add_group_py(dict(param_group))
             self._check_overlaps()
@@ -785,8 +845,10 @@ class Optimizer(_Base):
         except BaseException:
             del self.param_groups[n_groups:]
             del self._entries[n_entries:]
+            del self._grad_flats[n_flats:]
             raise
         self._restore(snap)
+        self._add_acc_hooks(new)
         self.rebuilds += 1
 
     def zero_grad(self, set_to_none=False):
@@ -795,7 +857,24 @@ class Optimizer(_Base):
         params is zeroed with one fill per buffer; explicit (param, grad)
         pairs are always zeroed."""
         ps = self._a_params
-        if ps:
+        if ps and self._main:
+            # f32 gradients: p.grad is only ever pending accumulation;
+            # our main_grad views are dropped or zeroed, a user's main_grad
+            # is zeroed (it is the user's: never detached).
+            if not set_to_none:
+                for f in self._grad_flats:
+                    f.zero_()
+            for p, r in zip(ps, self._a_regs):
+                p.grad = None
+                mg = getattr(p, "main_grad", None)
+                if mg is None:
+                    continue
+                if mg is r:
+                    if set_to_none:
+                        p.main_grad = None
+                else:
+                    mg.zero_()
+        elif ps:
             grads = [p.grad for p in ps]
             regs = self._a_regs
             if set_to_none:
@@ -844,9 +923,13 @@ class Optimizer(_Base):
         metadata is brought into the caches once."""
         ps = self._a_params
         if not self._one_pass:
+            rb = self.rebuilds
+            sync = self._sync_main if self._main else self._sync_grads
             if ps:
-                self._sync_grads()
+                sync()
             self._check_params()
+            if ps and self.rebuilds != rb:  # a rebuilt native optimizer: its mask is new
+                sync()
             return
         G, P = [], []
         ga, pa = G.append, P.append
@@ -863,7 +946,10 @@ class Optimizer(_Base):
                 ga(p.grad)
                 pa(p.data_ptr())
         self._sync_grads(G)
+        rb = self.rebuilds
         self._check_params(P, V)
+        if self.rebuilds != rb:  # p.data = new: a new native optimizer, all active
+            self._sync_grads()
 
     def _sync_grads(self, grads=None):
         """Which params have a gradient, and gradients into the registered
@@ -903,6 +989,156 @@ class Optimizer(_Base):
                 last[j] = reg
         if changed:
             self._push_mask()
+
+    # ---- f32 gradients of bf16/f16 params (p.main_grad) ----------------------
+    def _sync_main(self):
+        """_sync_grads for steps with f32 gradients of 16-bit params: what is
+        left in p.grad accumulated into p.main_grad, then which params have
+        a main_grad and where it lives. Our own buffer views are registered
+        at build; a main_grad the user attached is registered in place
+        (zopt_optimizer_set_tensor_memory), or copied each step for GPU
+        steps (which keep device pointer tables)."""
+        self._take_grads()
+        ps = self._a_params
+        mgs = [getattr(p, "main_grad", None) for p in ps]
+        last = self._a_last
+        gpu = self.step_obj.gpu
+        for t, (g, ptr) in list(self._foreign.items()):
+            if g.data_ptr() != ptr:  # the same tensor given other memory
+                last[self._a_index[t]] = _UNSET
+        if not gpu and all(map(_is, mgs, last)):
+            return
+        act, tids, regs = self._active, self._a_tids, self._a_regs
+        changed = False
+        with torch.no_grad():
+            for j, g in enumerate(mgs):
+                if g is last[j] and not (gpu and g is not None and g is not regs[j]):
+                    continue
+                t = tids[j]
+                if g is None:
+                    if act[t]:
+                        act[t] = 0
+                        changed = True
+                    last[j] = None
+                    continue
+                reg = regs[j]
+                if g is not reg:
+                    self._check_main_grad(t, g)
+                    if gpu:
+                        reg.copy_(g)
+                    else:
+                        self._register_grad(t, g)
+                elif t in self._foreign:
+                    self._register_grad(t, None)
+                if not act[t]:
+                    act[t] = 1
+                    changed = True
+                last[j] = g
+        if changed:
+            self._push_mask()
+
+    def _check_main_grad(self, t, g):
+        e = self._entries[t]
+        p = e.param
+        what = None
+        if not _is_torch(g):
+            what = f"is a {type(g).__name__}, not a torch tensor"
+        elif g.dtype != torch.float32:
+            what = f"has dtype {g.dtype}; it must be torch.float32"
+        elif tuple(g.shape) != e.shape:
+            what = f"has shape {tuple(g.shape)}, the param {e.shape}"
+        elif g.device != p.device:
+            what = f"is on {g.device}, the param on {p.device}"
+        elif g.is_sparse:
+            what = "is sparse"
+        elif e.numel > 1 and tuple(g.stride()) != e.stride and not (
+                g.is_contiguous() and p.is_contiguous()):
+            what = (f"has strides {tuple(g.stride())}, the param {e.stride}: it must have "
+                    "the param's memory layout")
+        if what is not None:
+            raise ZoptError(Status.INVALID_ARGUMENT,
+                            f"{e.name}: its main_grad (the f32 gradient of step "
+                            f"'{self.step_obj.name}') {what}")
+
+    def _register_grad(self, t, g):
+        """The runtime reads tensor t's gradient from g (a user's main_grad)
+        or, with g None, from our own buffer view again."""
+        e = self._entries[t]
+        ptr = (g.data_ptr() if g is not None else e.gptr) if e.numel else None
+        pptr = e.pptr if e.numel else None
+        check(self._lib.zopt_optimizer_set_tensor_memory(
+            self._h, t, ctypes.c_void_p(pptr), ctypes.c_void_p(ptr)),
+            f"zopt_optimizer_set_tensor_memory({e.name}'s main_grad)")
+        if g is None:
+            self._foreign.pop(t, None)
+        else:
+            self._foreign[t] = (g, g.data_ptr())  # kept alive while the runtime reads it
+
+    def accumulate_grads(self):
+        """Steps with f32 gradients of bf16/f16 params: adds every ``p.grad``
+        (the last backward's, in the param's dtype) into ``p.main_grad`` in
+        f32 and sets ``p.grad`` to None. With ``grad_accumulation="manual"``
+        call it after each micro-batch's backward (``step()`` also takes what
+        is left); the default hooks do it during backward. For other steps it
+        does nothing."""
+        self._take_grads()
+
+    def _take_grads(self):
+        if not self._main or not self._a_params:
+            return
+        regs = self._a_regs
+        with torch.no_grad():
+            for j, p in enumerate(self._a_params):
+                g = p.grad
+                if g is not None:
+                    self._accumulate(p, g, regs[j], self._entries[self._a_tids[j]])
+
+    @staticmethod
+    def _accumulate(p, g, reg, e):
+        """p.main_grad += p.grad (f32); p.grad = None."""
+        if g.is_sparse:
+            raise ZoptError(Status.UNSUPPORTED, f"{e.name} has a sparse gradient")
+        mg = getattr(p, "main_grad", None)
+        if mg is None:
+            reg.copy_(g)
+            p.main_grad = reg
+        else:
+            if tuple(mg.shape) != e.shape:
+                raise ZoptError(Status.INVALID_ARGUMENT,
+                                f"{e.name}: its main_grad has shape {tuple(mg.shape)}, "
+                                f"the param {e.shape}")
+            mg.add_(g)
+        p.grad = None
+
+    def _add_acc_hooks(self, entries):
+        """grad_accumulation="hooks": after backward accumulates a param's
+        gradient (torch's AccumulateGrad node; torch 1.13 has no
+        register_post_accumulate_grad_hook), add it into the f32 main_grad
+        and free p.grad, as DeepSpeed's bf16 optimizer does."""
+        if not self._main or self._grad_accumulation != "hooks" or torch is None:
+            return
+        ref = weakref.ref(self)
+        for e in entries:
+            p = e.param
+            if not e.auto or not p.requires_grad or not p.is_leaf:
+                continue  # (a non-leaf's p.grad is taken at step())
+            with torch.enable_grad():
+                node = p.expand_as(p).grad_fn.next_functions[0][0]
+
+            def hook(*_, e=e, p=p):
+                o = ref()
+                if o is None or o._h is None:
+                    return
+                g = p.grad
+                if g is not None:
+                    with torch.no_grad():
+                        o._accumulate(p, g, e.grad, e)
+            self._acc_hooks.append((node, node.register_hook(hook)))
+
+    def _remove_acc_hooks(self):
+        for _, h in getattr(self, "_acc_hooks", ()):
+            h.remove()
+        self._acc_hooks = []
 
     def _push_mask(self):
         act = self._active
@@ -1167,7 +1403,13 @@ class Optimizer(_Base):
         t2 = time.perf_counter()
         if st:
             check(st, "zopt_optimizer_step")
-        r = self._res
+        self._after_step(self._res)
+        self._metrics(t0, t1, t2)
+        return loss
+
+    def _after_step(self, r):
+        """After the runtime's step (r: its result): the outcome, the loss
+        scaler's good steps, ZeRO-3's gather and the write-check baselines."""
         self.last_result = r
         self.last_grad_norm = r.grad_norm
         self.last_skipped = bool(r.skipped)
@@ -1187,8 +1429,6 @@ class Optimizer(_Base):
             self._after_zero3_step()
         elif self._sampler is not None:
             self._sampler.snapshot()
-        self._metrics(t0, t1, t2)
-        return loss
 
     def step_result(self):
         """(grad_norm, skipped) of the last step."""

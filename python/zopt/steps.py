@@ -21,8 +21,11 @@ Arguments every builder takes (keyword only):
     ``"float32"``, ``"bfloat16"``, ``"fp16"``, ``torch.bfloat16``, ...).
 ``grad``
     dtype of the gradients; ``None`` (default) is the param's dtype (torch
-    keeps ``.grad`` in the param's dtype); ``"f32"`` with bf16/f16 params is
-    DeepSpeed's default bf16 layout (gradients accumulated in f32; rule 7).
+    keeps ``.grad`` in the param's dtype); ``"f32"`` for bf16/f16 params:
+    gradients accumulated in f32 (DeepSpeed's bf16 layout with
+    ``grad_accum_dtype`` fp32, Megatron's ``main_grad``; rule 7).
+    ``zopt.Optimizer`` then takes each param's gradient from ``p.main_grad``
+    or accumulates ``p.grad`` into an f32 buffer of its own (docs/USAGE.md).
 ``master``
     ``None`` (default: the param is the weight the update changes), ``"f32"``
     (an fp32 master copy; the param is the rounded master) or ``"bf16"``
@@ -41,8 +44,9 @@ Arguments every builder takes (keyword only):
     ``True``: the gradients arrive multiplied by a loss scale and the step
     divides by it and skips itself on any non-finite gradient
     (``zopt.unscale``; configure the scaler on the optimizer). ``None``
-    (default) turns it on for f16 gradients (which require it) and off
-    otherwise.
+    (default) turns it on for f16 gradients (which require it) and f16
+    params (whose backward computes f16 gradients even when they are
+    accumulated in f32), off otherwise.
 ``rounding``
     how narrowing stores round: ``None``/``"nearest_even"`` (default),
     ``"stochastic"`` (every bf16 state the step writes: the param, a bf16
@@ -265,12 +269,13 @@ def _validate(spec):
     """The verifier's rules (docs/Dialects/Zopt.md), as errors naming the
     builder argument."""
     p, g, w = spec.param, spec.grad, spec.master
-    if g != p and not (g == "f32" and p in ("bf16", "f16")):
+    if g != p and not (g == "f32" and _BITS[p] == 16):
         raise _bad("grad", f"{g} gradients with {p} params are not supported: the "
                    f"grad has the param's dtype (rule 7; torch keeps .grad in the "
-                   f"param's dtype) or is f32 for a 16-bit param (gradients "
-                   f"accumulated in f32, DeepSpeed's default bf16 layout); "
-                   f"allowed: grad={p!r}" + (", 'f32'" if p != "f32" else "") + " or None")
+                   f"param's dtype) or is f32 for a bf16/f16 param (gradients "
+                   f"accumulated in f32: DeepSpeed's bf16 layout with "
+                   f"grad_accum_dtype fp32, Megatron's main_grad); allowed: "
+                   f"grad={p!r}, " + ("'f32' " if _BITS[p] == 16 else "") + "or None")
     if g == "f16" and not spec.loss_scale:
         raise _bad("loss_scale", "f16 gradients need loss scaling (rule 8: fp16 "
                    "training without a scaler underflows); allowed: True or None")
@@ -449,7 +454,10 @@ def resolve(rule, *, param="f32", grad=None, master=None, moments=None,
         raise _bad("nesterov", f"nesterov is an SGD option; {rule} has none")
     if rule == "sgd" and not momentum_buffer and moments is not None and check:
         raise _bad("moments", "plain SGD (momentum=0) has no state to set a dtype for")
-    ls = (g == "f16") if loss_scale is None else bool(loss_scale)
+    # f16 gradients need loss scaling (rule 8); f16 params with f32
+    # gradients too: each backward still computes f16 gradients before
+    # they are accumulated in f32.
+    ls = (g == "f16" or p == "f16") if loss_scale is None else bool(loss_scale)
     written = _written_states(p, w, states)
     rnd = _resolve_rounding(rounding, written, check)
     if style not in ("primitives", "named"):
@@ -486,6 +494,8 @@ def _auto_name(s):
     if s.rule == "sgd":
         parts.append("nesterov" if s.nesterov else ("mom" if s.momentum_buffer else "plain"))
     parts.append(s.param)
+    if s.grad != s.param:
+        parts.append("g" + s.grad)
     if s.master:
         parts.append("w" + s.master)
     sts = [d for k, d in s.states if k != "master"]
@@ -861,40 +871,151 @@ def load_text(text):
 # The builders
 # ---------------------------------------------------------------------------
 
+# Arguments that describe one parameter class's layout (given per class
+# with ``classes=``); every other argument is shared by all classes.
+_CLASS_ARGS = ("grad", "master", "moments", "exp_avg", "exp_avg_sq",
+               "max_exp_avg_sq", "rounding", "name")
+
+
+class StepClasses(dict):
+    """``{param dtype: zopt.Step}``, one compiled step per parameter class
+    (``"bf16"``, ``"f16"``, ``"f32"``), built from one rule by
+    ``zopt.steps.<rule>(..., classes={...})``. Give it to
+    :class:`zopt.Optimizer` as ``step``: each param goes to the class of its
+    dtype, and the classes step as one (one global norm, one skip
+    decision)."""
+
+    def __repr__(self):
+        return "zopt.steps.StepClasses({" + ", ".join(
+            f"{k!r}: {v!r}" for k, v in self.items()) + "})"
+
+
 class Builder:
     """``zopt.steps.<rule>``: call it for a compiled, loaded ``zopt.Step``;
     ``.text(...)``/``.describe(...)`` for the description, ``.path(...)``
     for the step.so, ``.spec(...)`` for the resolved :class:`Spec`. All take
-    the same keyword arguments."""
+    the same keyword arguments.
+
+    ``classes={param dtype: {per-class arguments}}`` builds one step per
+    parameter class from the one rule (a model with bf16 weights and f32
+    LayerNorms): the call returns a :class:`StepClasses` (``.text``,
+    ``.path`` and ``.spec`` return dicts by class). Per class go the
+    layout arguments ``grad``, ``master``, ``moments``, ``exp_avg``,
+    ``exp_avg_sq``, ``max_exp_avg_sq``, ``rounding`` and ``name``; every
+    other argument (clip, loss_scale, zero_stage, placement, gpu_arch,
+    align, amsgrad, momentum, nesterov, the hyperparameter defaults) is
+    given once and shared, since the classes step as one: one global norm,
+    one skip decision, one loss scaler. ``loss_scale=None`` turns loss
+    scaling on for every class when one class needs it (f16)."""
 
     def __init__(self, fname, fn):
         self.fname = fname
         self._fn = fn
-        self.__signature__ = inspect.signature(fn)
+        sig = inspect.signature(fn)
+        self.__signature__ = sig.replace(parameters=list(sig.parameters.values()) + [
+            inspect.Parameter("classes", inspect.Parameter.KEYWORD_ONLY, default=None)])
         self.__doc__ = fn.__doc__
         self.__name__ = fname
-        self._params = [p for p in self.__signature__.parameters]
+        self._params = [p for p in sig.parameters]
 
-    def spec(self, **kw):
+    def _check_known(self, kw):
         unknown = [k for k in kw if k not in self._params]
         if unknown:
             raise _bad(unknown[0], f"zopt.steps.{self.fname}() takes no argument "
-                       f"{unknown[0]!r}; its arguments: {', '.join(self._params)}")
+                       f"{unknown[0]!r}; its arguments: {', '.join(self._params)}, classes")
+
+    def spec(self, **kw):
+        """The resolved :class:`Spec` (with ``classes=``: a dict class ->
+        Spec)."""
+        classes = kw.pop("classes", None)
+        self._check_known(kw)
+        if classes is not None:
+            return self._class_specs(classes, kw)
         return self._fn(**kw)
 
+    def _class_specs(self, classes, kw):
+        import collections.abc
+        if not isinstance(classes, collections.abc.Mapping) or not classes:
+            raise _bad("classes", "must be a non-empty dict {param dtype: {per-class "
+                       "arguments}}, e.g. {'bf16': dict(master='f32'), 'f32': {}}; "
+                       f"got {classes!r}")
+        for a in ("param",) + _CLASS_ARGS:
+            if a in kw:
+                if a == "param":
+                    raise _bad("param", "with classes=, each class's key is its param "
+                               "dtype: classes={'bf16': {...}, 'f32': {...}}")
+                raise _bad(a, f"with classes=, give {a} per class, e.g. "
+                           f"classes={{'bf16': dict({a}=...), 'f32': {{}}}}")
+        per = {}
+        for key, ckw in classes.items():
+            c = dtype_name(key, "classes")
+            if c in per:
+                raise _bad("classes", f"two keys name the class {c!r}")
+            arg = f"classes[{c!r}]"
+            if ckw is None:
+                ckw = {}
+            if not isinstance(ckw, collections.abc.Mapping):
+                raise _bad(arg, f"must be a dict of per-class arguments ("
+                           f"{', '.join(_CLASS_ARGS)}), got {ckw!r}")
+            for k in ckw:
+                if k == "param":
+                    raise _bad(f"{arg}['param']", "the class's key is its param dtype")
+                if k not in _CLASS_ARGS:
+                    if k in self._params:
+                        raise _bad(f"{arg}[{k!r}]", "is shared by every class (the "
+                                   "classes step as one: one global norm, one skip "
+                                   "decision, one loss scaler, one ZeRO layout): give "
+                                   f"{k}= once, outside classes=; per class: "
+                                   + ", ".join(_CLASS_ARGS))
+                    raise _bad(f"{arg}[{k!r}]", f"zopt.steps.{self.fname}() takes no "
+                               f"argument {k!r}; per class: " + ", ".join(_CLASS_ARGS))
+            per[c] = dict(ckw)
+        shared = dict(kw)
+        if shared.get("loss_scale") is None:
+            need = [c for c, ckw in per.items()
+                    if c == "f16" or (ckw.get("grad") is not None
+                                      and dtype_name(ckw["grad"], "grad") == "f16")]
+            if need:
+                shared["loss_scale"] = True
+        out = {}
+        for c, ckw in per.items():
+            try:
+                out[c] = self._fn(param=c, **shared, **ckw)
+            except ZoptError as e:
+                raise ZoptError(e.code, f"classes[{c!r}]: {e.message}") from None
+        names = {}
+        for c, sp in out.items():
+            if sp.name in names:
+                raise _bad(f"classes[{c!r}]['name']", f"{sp.name!r} is also the name of "
+                           f"class {names[sp.name]!r}: each class's step needs its own name")
+            names[sp.name] = c
+        return out
+
     def text(self, **kw):
-        """The description (MLIR text) these arguments build."""
-        return self.spec(**kw).text()
+        """The description (MLIR text) these arguments build (with
+        ``classes=``: a dict class -> text)."""
+        sp = self.spec(**kw)
+        if isinstance(sp, dict):
+            return {c: s.text() for c, s in sp.items()}
+        return sp.text()
 
     describe = text
 
     def path(self, **kw):
-        """The compiled step.so (through the cache)."""
-        return compile_text(self.text(**kw))
+        """The compiled step.so (through the cache; with ``classes=``: a
+        dict class -> path)."""
+        t = self.text(**kw)
+        if isinstance(t, dict):
+            return {c: compile_text(x) for c, x in t.items()}
+        return compile_text(t)
 
     def __call__(self, **kw):
-        """The compiled, loaded zopt.Step."""
-        return load_text(self.text(**kw))
+        """The compiled, loaded zopt.Step (with ``classes=``: a
+        :class:`StepClasses`)."""
+        t = self.text(**kw)
+        if isinstance(t, dict):
+            return StepClasses((c, load_text(x)) for c, x in t.items())
+        return load_text(t)
 
     def __repr__(self):
         return f"<zopt.steps.{self.fname}{self.__signature__}>"
@@ -1034,5 +1155,5 @@ def text(rule, **kw):
 
 
 __all__ = ["adam", "adamw", "sgd", "lion", "build", "text", "resolve", "Spec",
-           "Builder", "cache_dir", "compile_text", "load_text", "dtype_name",
+           "Builder", "StepClasses", "cache_dir", "compile_text", "load_text", "dtype_name",
            "RULES", "DTYPES", "PLACEMENTS", "ROUNDINGS"]
