@@ -28,6 +28,12 @@ compile bf16 "$in/adamw_bf16_gpu.mlir"
 compile f16_loss_scale "$in/adam_f16_loss_scale_gpu.mlir"
 compile bf16_offload "$root/test/Integration/GPUHost/Inputs/adamw_bf16_offload.mlir"
 compile bf16_sr "$root/test/zopt-compile/Inputs/stochastic-gpu.mlir"
+# DeepSpeed's default bf16 layout: f32 gradients of the 16-bit params.
+host="$root/test/Integration/GPUHost/Inputs"
+compile bf16_f32grad "$host/adamw_bf16_f32grad_gpu.mlir"
+compile bf16_f32grad_sr "$host/adamw_bf16_f32grad_sr_gpu.mlir"
+compile f16_f32grad_loss_scale "$host/adam_f16_f32grad_ls_gpu.mlir"
+compile bf16_f32grad_offload "$host/adamw_bf16_f32grad_offload.mlir"
 # The Python GPU/offload parity matrix (python/tests/test_cuda.py), for a
 # machine without zopt-compile: its steps, keyed as ZOPT_TEST_STEP_CACHE.
 ZOPT_COMPILE="$build/bin/zopt-compile" ZOPT_RUNTIME_LIB="$build/lib/libzopt_runtime.so" \

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command on a GPU machine (CUDA driver, PyTorch; no LLVM/MLIR needed):
 # uses the steps and runtime that bench/gpu/prepare_carry.sh put in .carry/.
-# 1. zopt-gpu-check on every layout (GPU vs CPU step), including the
+# 1. zopt-gpu-check on every layout (GPU vs CPU step; also f32 gradients
+#    of bf16/f16 params, DeepSpeed's default bf16 layout), including the
 #    checks of issue 11 that need a device: a CUDA graph replayed on another
 #    stream than the capture's with an lr schedule set between replays
 #    (items 1, 2), the chunked work list bit-identical across chunkings and
@@ -26,7 +27,13 @@ for run in "f32:" "f32_clip:" "f32_clip:--steps=4 --inf-at=2" "bf16_master_clip:
            "f32_clip:--steps=5 --inf-at=3 --graph --lr-schedule" \
            "bf16_master_clip:--steps=3 --misaligned" "bf16_sr:--steps=3 --chunk=256" "bf16_sr:--steps=2 --misaligned" \
            "f32_clip:--steps=2 --tensors=3000 --numel=100" "f32_clip:--steps=2 --tensors=20 --numel=200003 --chunk=64" \
-           "bf16_offload:--steps=4 --inf-at=2" "bf16_sr:--steps=3"; do
+           "bf16_offload:--steps=4 --inf-at=2" "bf16_sr:--steps=3" \
+           "bf16_f32grad:--steps=4 --inf-at=2" "bf16_f32grad:--steps=3 --misaligned" \
+           "bf16_f32grad:--steps=5 --inf-at=3 --graph --lr-schedule" "bf16_f32grad_sr:--steps=3" \
+           "bf16_f32grad_sr:--steps=3 --chunk=256" "bf16_f32grad_sr:--steps=2 --misaligned" \
+           "f16_f32grad_loss_scale:--steps=4 --inf-at=2" \
+           "f16_f32grad_loss_scale:--steps=6 --inf-at=4 --graph --lr-schedule" \
+           "bf16_f32grad_offload:--steps=4 --inf-at=2"; do
   l="${run%%:*}"; extra="${run#*:}"
   echo "== zopt-gpu-check $l $extra"
   timeout 900 "$carry/bin/zopt-gpu-check" "$carry/steps/$l.gpu.so" "$carry/steps/$l.cpu.so" $extra > /tmp/gpu-check.out 2>&1

@@ -440,6 +440,25 @@ static zopt_status load_module(GpuState *g, const zopt_step *s) {
 }
 
 zopt_status gpu_check_tensor(const zopt_optimizer *o, void *param, void *grad) {
+  // The kernels access param and grad element by element where the chunk
+  // has no common 16-byte aligned element (abi.h), so each pointer must be
+  // aligned to its own dtype: a device access off its natural alignment
+  // traps (CUDA_ERROR_MISALIGNED_ADDRESS), and that error poisons the
+  // context. The grad's dtype may be wider than the param's (f32 grads of
+  // bf16/f16 params): a grad view laid out at the param's element size in
+  // an f32 flat buffer lands at a 2-byte offset.
+  const zopt_step_descriptor *d = o->d;
+  for (int i = 0; i < 2; ++i) {
+    const uint32_t dt = d->states[i ? o->step->grad_index : o->step->param_index].dtype;
+    const size_t es = dtype_size(dt);
+    const uintptr_t p = (uintptr_t)(i ? grad : param);
+    if (es && p % es)
+      return fail(ZOPT_ERR_INVALID_ARGUMENT,
+                  "zopt_optimizer_add_tensor: the %s of tensor %d (%p) is not aligned to its dtype %s (%zu bytes): "
+                  "the GPU kernels would fault on a misaligned address (a view into a flat %s buffer must start at "
+                  "a whole element of that buffer's dtype)",
+                  i ? "grad" : "param", (int)o->tensors.size(), (void *)p, dtype_name(dt), es, dtype_name(dt));
+  }
   return gpu_check_pointers(o->gpu, param, grad, (int)o->tensors.size());
 }
 

@@ -53,6 +53,19 @@ zopt_status offload_create(zopt_optimizer *o) {
                 "step '%s': offload needs both param and grad on the GPU (param on %s, grad on %s)", d->name,
                 d->states[pi].placement == ZOPT_PLACE_GPU ? "gpu" : "cpu",
                 d->states[gi].placement == ZOPT_PLACE_GPU ? "gpu" : "cpu");
+  // ZeRO-3 partitions the params: the runtime would hold each rank's shard
+  // on the host (no staging of the whole tensors), while the copies to and
+  // from the GPU address whole tensors (state_ptr is NULL for a sharded
+  // state at 2 or more ranks: finalize copied the params into address 0),
+  // and zopt_optimizer_gather_params, the only writer of a ZeRO-3 user
+  // param, does not serve GPU params. Not implemented: refused here.
+  if (d->states[pi].flags & ZOPT_STATE_PARTITIONED)
+    return fail(ZOPT_ERR_UNSUPPORTED,
+                "step '%s': ZeRO-3 (zero_stage 3: partitioned params) with the params on the GPU and the optimizer "
+                "states on the CPU (offload) is not implemented: the offloaded step copies whole params between the "
+                "GPU and the host, ZeRO-3 keeps only each rank's shard. Compile the offloaded step with "
+                "zero_stage 2 (the same sharded optimizer states on the CPU; params whole on every GPU)",
+                d->name);
   GpuState *g = new (std::nothrow) GpuState;
   if (!g) return fail(ZOPT_ERR_OUT_OF_MEMORY, "out of memory");
   if (zopt_status st = cuda_attach(g, d->name, "offloads its params from the GPU")) {

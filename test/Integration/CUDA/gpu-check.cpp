@@ -23,13 +23,18 @@
 //   (lr * 0.8^(k-1)), on both optimizers; with --graph between replays: the
 //   replays must use it (item 2).
 // --misaligned: the GPU tensors are views at odd element offsets into one
-//   flat param and one flat grad buffer (DeepSpeed/FSDP); a second GPU
-//   optimizer over aligned copies of the same data must give the same bits
-//   in every state and param (item 6).
+//   flat param and one flat grad buffer (DeepSpeed/FSDP), each in its own
+//   dtype (an f32 grad buffer beside bf16 params: the views of tensor t
+//   start at the same element offset of both); a second GPU optimizer over
+//   aligned copies of the same data must give the same bits in every state
+//   and param (item 6).
 // --chunk=N: the GPU optimizer's work list uses chunks of N elements
 //   (ZOPT_GPU_CHUNK); a second GPU optimizer with the default chunking
 //   must give the same bits in every state and param (item 5).
 // --tensors=T --numel=N: T tensors of N elements instead of the odd sizes.
+// The grad has its own dtype: the param's, or f32 for a bf16/f16 param
+// (DeepSpeed's default bf16 layout, gradients accumulated in f32); every
+// grad buffer, view and copy uses it.
 // Prints the CUDA driver's version and the toolkit version the step was
 // built with. Exit 0 and a final "N passed, 0 failed" line when everything
 // matches; 77 (lit/ctest "skip") when no CUDA device is present; a watchdog
@@ -61,6 +66,7 @@ struct Cu {
   int (*DevicePrimaryCtxRetain)(void **, int);
   int (*CtxSetCurrent)(void *);
   int (*MemAlloc)(CUdeviceptr *, size_t);
+  int (*MemFree)(CUdeviceptr);
   int (*MemcpyHtoD)(CUdeviceptr, const void *, size_t);
   int (*MemcpyDtoH)(void *, CUdeviceptr, size_t);
   int (*CtxSynchronize)();
@@ -147,7 +153,7 @@ int main(int argc, char **argv) {
     R(Init, "cuInit"); R(DriverGetVersion, "cuDriverGetVersion"); R(DeviceGetCount, "cuDeviceGetCount");
     R(DeviceGet, "cuDeviceGet"); R(DeviceGetName, "cuDeviceGetName");
     R(DevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain"); R(CtxSetCurrent, "cuCtxSetCurrent");
-    R(MemAlloc, "cuMemAlloc_v2"); R(MemcpyHtoD, "cuMemcpyHtoD_v2"); R(MemcpyDtoH, "cuMemcpyDtoH_v2");
+    R(MemAlloc, "cuMemAlloc_v2"); R(MemFree, "cuMemFree_v2"); R(MemcpyHtoD, "cuMemcpyHtoD_v2"); R(MemcpyDtoH, "cuMemcpyDtoH_v2");
     R(CtxSynchronize, "cuCtxSynchronize");
     R(StreamCreate, "cuStreamCreate"); R(StreamBeginCapture, "cuStreamBeginCapture_v2");
     R(StreamEndCapture, "cuStreamEndCapture"); R(GraphInstantiate, "cuGraphInstantiateWithFlags");
@@ -189,9 +195,13 @@ int main(int argc, char **argv) {
   const bool ls = d->flags & ZOPT_FLAG_LOSS_SCALE;
   bool offload = true;  // no GPU kernels: params/grads on the GPU, update on the CPU
   for (uint32_t i = 0; i < d->num_kernels; ++i) offload &= d->kernels[i].device != ZOPT_PLACE_GPU;
-  uint32_t pdt = 0;
-  for (uint32_t i = 0; i < d->num_states; ++i)
+  uint32_t pdt = 0, gdt = 0;
+  for (uint32_t i = 0; i < d->num_states; ++i) {
     if (d->states[i].kind == ZOPT_STATE_PARAM) pdt = d->states[i].dtype;
+    if (d->states[i].kind == ZOPT_STATE_GRAD) gdt = d->states[i].dtype;
+  }
+  auto dname = [](uint32_t dt) { return dt == ZOPT_DTYPE_F32 ? "f32" : dt == ZOPT_DTYPE_BF16 ? "bf16" : "f16"; };
+  printf("INFO param %s, grad %s%s\n", dname(pdt), dname(gdt), gdt != pdt ? " (gradients accumulated in f32)" : "");
   // og: the GPU step under test; oc: its CPU twin; o2: a second GPU
   // optimizer (aligned tensors / default chunking) that og must match bit
   // for bit (--misaligned, --chunk).
@@ -233,17 +243,17 @@ int main(int argc, char **argv) {
     int64_t total = 1;
     for (int64_t n : sizes) total += n + 1;
     C(cu.MemAlloc(&flat_p, (size_t)total * esize(pdt)));
-    C(cu.MemAlloc(&flat_g, (size_t)total * esize(pdt)));
+    C(cu.MemAlloc(&flat_g, (size_t)total * esize(gdt)));
   }
   for (size_t i = 0; i < sizes.size(); ++i) {
     T t;
     t.n = sizes[i];
     t.p.resize(t.n * esize(pdt));
-    t.g.resize(t.n * esize(pdt));
+    t.g.resize(t.n * esize(gdt));
     t.dp2 = t.dg2 = 0;
     if (misaligned) {
       t.dp = flat_p + (CUdeviceptr)off * esize(pdt);
-      t.dg = flat_g + (CUdeviceptr)off * esize(pdt);
+      t.dg = flat_g + (CUdeviceptr)off * esize(gdt);
       off += t.n + 1;
     } else {
       C(cu.MemAlloc(&t.dp, t.p.size()));
@@ -428,6 +438,18 @@ int main(int argc, char **argv) {
   if (o2) zopt_optimizer_free(o2);
   zopt_step_free(sg);
   zopt_step_free(sc);
+  // The device memory of the test (freed at exit anyway on a device; the
+  // stand-in's is heap memory, which LeakSanitizer checks).
+  for (const T &t : ts) {
+    if (!misaligned) {
+      C(cu.MemFree(t.dp));
+      C(cu.MemFree(t.dg));
+    }
+    if (t.dp2) C(cu.MemFree(t.dp2));
+    if (t.dg2) C(cu.MemFree(t.dg2));
+  }
+  if (flat_p) C(cu.MemFree(flat_p));
+  if (flat_g) C(cu.MemFree(flat_g));
   printf("%d passed, %d failed\n", passed, failed);
   return failed ? 1 : 0;
 }

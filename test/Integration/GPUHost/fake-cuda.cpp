@@ -13,6 +13,11 @@
 // Selected with ZOPT_CUDA_DRIVER=<path to this library>.
 //
 // What a real driver checks and this one checks too:
+//   - memory ranges: the device side of every copy and memset must lie
+//     inside one allocation; one that does not is refused (INVALID_VALUE)
+//     and counted (fake_cuda_num_bad_ranges), instead of a memcpy past a
+//     malloc'ed block. fake_cuda_in_alloc lets the test check the extents
+//     of the pointers the runtime hands to kernels.
 //   - images: cuModuleLoadData takes a fatbinary whose PTX is stored
 //     uncompressed (zopt-compile writes it so; the stand-in reads the PTX to
 //     learn every kernel's .param list and .reqntid). cuFuncGetParamInfo
@@ -158,6 +163,7 @@ struct State {
   std::string patch_suffix;  // fake_cuda_patch_params
   int patch_delta = 0;
   unsigned htod_delay_us = 0;  // fake_cuda_set_htod_delay
+  std::vector<std::string> bad_ranges;  // copies/memsets refused: device range outside every allocation
 };
 
 std::recursive_mutex g_mu;  // guards st() against the stream workers
@@ -428,9 +434,26 @@ void run_launch(const Launch &l) {
   if (!reads) emulate(l);
 }
 
+// The device side of a copy or memset must lie inside one allocation, as
+// on a real device (where a range past the end faults or is refused):
+// [p, p + n) outside every allocation is refused with CUDA_ERROR_INVALID_VALUE
+// and remembered (fake_cuda_num_bad_ranges), so that a buffer sized or
+// offset for another dtype (a grad of 4-byte elements copied at the param's
+// 2) fails here instead of reading or writing past a malloc'ed block.
+bool bad_range(const char *api, CUdeviceptr p, size_t n) {
+  if (!n) return false;
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (find_alloc((uintptr_t)p, n) != st().allocs.end()) return false;
+  char buf[160];
+  snprintf(buf, sizeof buf, "%s(%#llx, %zu bytes)", api, (unsigned long long)p, n);
+  st().bad_ranges.push_back(buf);
+  return true;
+}
+
 // Memset of zero on a lazily committed huge allocation: nothing to do.
 bool lazy_zero(CUdeviceptr dst, unsigned v) {
   if (v) return false;
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
   auto it = find_alloc((uintptr_t)dst);
   return it != st().allocs.end() && st().lazy.count(it->first) && st().lazy[it->first];
 }
@@ -461,11 +484,13 @@ API CUresult cuDevicePrimaryCtxRetain(void **ctx, int dev) {
 API CUresult cuDevicePrimaryCtxRelease_v2(int) { log("cuDevicePrimaryCtxRelease"); return kOk; }
 API CUresult cuCtxGetCurrent(void **ctx) {
   log("cuCtxGetCurrent");
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
   *ctx = current_ctx();
   return kOk;
 }
 API CUresult cuCtxSetCurrent(void *ctx) {
   log("cuCtxSetCurrent");
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
   auto &s = st().ctx_stack;
   if (!ctx) {
     if (!s.empty()) s.pop_back();
@@ -479,11 +504,13 @@ API CUresult cuCtxSetCurrent(void *ctx) {
 API CUresult cuCtxPushCurrent_v2(void *ctx) {
   log("cuCtxPushCurrent");
   if (!ctx) return kInvalidContext;
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
   st().ctx_stack.push_back(ctx);
   return kOk;
 }
 API CUresult cuCtxPopCurrent_v2(void **ctx) {
   log("cuCtxPopCurrent");
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
   if (st().ctx_stack.empty()) return kInvalidContext;
   if (ctx) *ctx = st().ctx_stack.back();
   st().ctx_stack.pop_back();
@@ -491,6 +518,7 @@ API CUresult cuCtxPopCurrent_v2(void **ctx) {
 }
 API CUresult cuCtxGetDevice(int *d) {
   log("cuCtxGetDevice");
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
   if (!current_ctx()) return kInvalidContext;
   *d = ctx_device(current_ctx());
   return kOk;
@@ -647,6 +675,7 @@ static void touch(CUdeviceptr dst) {
 }
 API CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, void *stream) {
   log("cuMemcpyHtoDAsync");
+  if (bad_range("cuMemcpyHtoDAsync", dst, n)) return kInvalidValue;
   if (legacy_conflict(stream)) return kCaptureImplicit;
   if (Graph *g = capture_of(stream)) {
     if (!pinned(src, n)) return refuse_in_capture(g);
@@ -680,6 +709,7 @@ API CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, vo
 }
 API CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, void *stream) {
   log("cuMemcpyDtoHAsync");
+  if (bad_range("cuMemcpyDtoHAsync", src, n)) return kInvalidValue;
   if (legacy_conflict(stream)) return kCaptureImplicit;
   if (Graph *g = capture_of(stream)) {
     if (!pinned(dst, n)) return refuse_in_capture(g);
@@ -701,6 +731,7 @@ API CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, void *st
 }
 API CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, void *stream) {
   log("cuMemsetD8Async");
+  if (bad_range("cuMemsetD8Async", dst, n)) return kInvalidValue;
   if (legacy_conflict(stream)) return kCaptureImplicit;
   if (Graph *g = capture_of(stream)) {
     Node node{};
@@ -724,6 +755,7 @@ static void memset32(CUdeviceptr dst, unsigned v, size_t n) {
 API CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned v, size_t n, void *stream) {
   log("cuMemsetD32Async");
   if (dst % 4) return kInvalidValue;
+  if (bad_range("cuMemsetD32Async", dst, n * 4)) return kInvalidValue;
   if (legacy_conflict(stream)) return kCaptureImplicit;
   if (Graph *g = capture_of(stream)) {
     Node node{};
@@ -744,12 +776,14 @@ API CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned v, size_t n, void *strea
 // zopt-gpu-check run against the stand-in).
 API CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) {
   log("cuMemcpyHtoD");
+  if (bad_range("cuMemcpyHtoD", dst, n)) return kInvalidValue;
   touch(dst);
   memcpy((void *)(uintptr_t)dst, src, n);
   return kOk;
 }
 API CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
   log("cuMemcpyDtoH");
+  if (bad_range("cuMemcpyDtoH", src, n)) return kInvalidValue;
   memcpy(dst, (const void *)(uintptr_t)src, n);
   return kOk;
 }
@@ -1081,6 +1115,21 @@ API int fake_cuda_num_delayed_done(void) { return g_delayed_done.load(); }
 API int fake_cuda_stream_enqueue(void *stream, void (*fn)(void *), void *arg) {
   enqueue(stream, [fn, arg] { fn(arg); });
   return 0;
+}
+// Copies and memsets refused because their device range was not inside one
+// allocation: count, and the i-th as "api(address, bytes)".
+API int fake_cuda_num_bad_ranges(void) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  return (int)st().bad_ranges.size();
+}
+API const char *fake_cuda_bad_range(int i) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  return st().bad_ranges[(size_t)i].c_str();
+}
+// Whether [p, p + n) lies inside one live allocation of cuMemAlloc.
+API int fake_cuda_in_alloc(unsigned long long p, size_t n) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  return find_alloc((uintptr_t)p, n ? n : 1) != st().allocs.end();
 }
 // Waits until every stream's queued work ran.
 API void fake_cuda_drain_all(void) {

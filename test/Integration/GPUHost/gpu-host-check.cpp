@@ -25,6 +25,7 @@
 // description with everything on the CPU) over several steps with changing
 // grads, a skipped step and a checkpoint, and its copies are counted.
 //===----------------------------------------------------------------------===//
+#include "zopt/comm.h"
 #include "zopt/zopt.h"
 #include "../check_util.h"
 
@@ -36,6 +37,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -68,6 +70,9 @@ struct Fake {
   int (*num_delayed_done)();
   void (*drain_all)();
   int (*stream_enqueue)(void *, void (*)(void *), void *);
+  int (*num_bad_ranges)();
+  const char *(*bad_range)(int);
+  int (*in_alloc)(unsigned long long, size_t);
   // The driver API itself (the test plays the application).
   int (*mem_alloc)(unsigned long long *, size_t);
   int (*mem_free)(unsigned long long);
@@ -83,6 +88,41 @@ struct Fake {
   int (*graph_launch)(void *, void *);
 };
 
+size_t dsize(uint32_t dt) { return dt == ZOPT_DTYPE_F32 ? 4 : 2; }
+const char *state_kind_name_of(uint32_t k) {
+  return k == ZOPT_STATE_PARAM ? "param" : k == ZOPT_STATE_GRAD ? "grad" : k == ZOPT_STATE_MASTER ? "master"
+         : k == ZOPT_STATE_EXP_AVG ? "exp_avg" : k == ZOPT_STATE_EXP_AVG_SQ ? "exp_avg_sq" : "state";
+}
+const char *dname(uint32_t dt) {
+  return dt == ZOPT_DTYPE_F32 ? "f32" : dt == ZOPT_DTYPE_BF16 ? "bf16" : dt == ZOPT_DTYPE_F16 ? "f16" : "?";
+}
+
+// The storage bytes of x (exactly representable in dtype dt) in dt.
+std::vector<unsigned char> storage_of(const std::vector<float> &x, uint32_t dt) {
+  std::vector<unsigned char> out(x.size() * dsize(dt));
+  for (size_t i = 0; i < x.size(); ++i) {
+    uint32_t b;
+    memcpy(&b, &x[i], 4);
+    if (dt == ZOPT_DTYPE_F32) {
+      memcpy(&out[4 * i], &b, 4);
+    } else if (dt == ZOPT_DTYPE_BF16) {
+      uint16_t h = (uint16_t)(b >> 16);
+      memcpy(&out[2 * i], &h, 2);
+    } else {
+      _Float16 h = (_Float16)x[i];
+      memcpy(&out[2 * i], &h, 2);
+    }
+  }
+  return out;
+}
+
+// Values exactly representable in bf16 and f16 (and f32): k/8 for small k.
+std::vector<float> exact_values(int64_t n, int salt) {
+  std::vector<float> v((size_t)n);
+  for (int64_t i = 0; i < n; ++i) v[(size_t)i] = (float)((i * 7 + salt) % 61 - 30) * 0.125f;
+  return v;
+}
+
 bool ends_with(const std::string &s, const char *suf) {
   size_t n = strlen(suf);
   return s.size() >= n && s.compare(s.size() - n, n, suf) == 0;
@@ -93,12 +133,17 @@ int offload_check(Fake &f, zopt_step *step, const char *twin_path) {
   Z(zopt_step_load(twin_path, &twin));
   const zopt_step_descriptor *d = zopt_step_get_descriptor(step);
   const bool ls = d->flags & ZOPT_FLAG_LOSS_SCALE, has_sumsq = d->flags & ZOPT_FLAG_SUMSQ;
-  int pi = -1;
-  for (uint32_t i = 0; i < d->num_states; ++i)
+  int pi = -1, gi = -1;
+  for (uint32_t i = 0; i < d->num_states; ++i) {
     if (d->states[i].kind == ZOPT_STATE_PARAM) pi = (int)i;
-  const uint32_t pdt = d->states[pi].dtype;
+    if (d->states[i].kind == ZOPT_STATE_GRAD) gi = (int)i;
+  }
+  // The grad has its own dtype: the param's, or f32 for a 16-bit param
+  // (DeepSpeed's bf16 layout: gradients accumulated in f32).
+  const uint32_t pdt = d->states[pi].dtype, gdt = d->states[gi].dtype;
   const bool reads_param = d->states[pi].access & ZOPT_ACCESS_READ;
-  const size_t es = pdt == ZOPT_DTYPE_F32 ? 4 : 2;
+  const size_t ep = dsize(pdt), eg = dsize(gdt);
+  printf("INFO offloaded step '%s': param %s, grad %s\n", d->name, dname(pdt), dname(gdt));
   zopt_optimizer *o = nullptr, *c = nullptr;
   Z(zopt_optimizer_create(step, &o));
   Z(zopt_optimizer_create(twin, &c));
@@ -119,10 +164,10 @@ int offload_check(Fake &f, zopt_step *step, const char *twin_path) {
     return ((rng >> 8) & 0xFFFF) / 32768.0f - 1.0f;  // [-1, 1)
   };
   for (size_t t = 0; t < T; ++t) {
-    f.mem_alloc(&dp[t], sizes[t] * es);
-    f.mem_alloc(&dg[t], sizes[t] * es);
-    hp[t].resize(sizes[t] * es);
-    hg[t].resize(sizes[t] * es);
+    f.mem_alloc(&dp[t], sizes[t] * ep);
+    f.mem_alloc(&dg[t], sizes[t] * eg);
+    hp[t].resize(sizes[t] * ep);
+    hg[t].resize(sizes[t] * eg);
     int id = 0;
     Z(zopt_optimizer_add_tensor(o, go[t % 2], (void *)(uintptr_t)dp[t], (void *)(uintptr_t)dg[t], sizes[t],
                                 (zopt_dtype)pdt, &id));
@@ -204,6 +249,21 @@ int offload_check(Fake &f, zopt_step *step, const char *twin_path) {
   Z(zopt_optimizer_read_state_f32(o, 2, ZOPT_STATE_PARAM, a.data(), sizes[2]));
   Z(zopt_optimizer_read_state_f32(c, 2, ZOPT_STATE_PARAM, b.data(), sizes[2]));
   check(a == b, "offload: read_state_f32(PARAM) reads the device param");
+  // GRAD access too, in the grad's own dtype: written through the API into
+  // the user's device grad, read back, and compared with the bytes there.
+  {
+    bool ok = true;
+    for (size_t t = 0; t < T; ++t) {
+      std::vector<float> w = exact_values(sizes[t], (int)t), r(sizes[t]);
+      Z(zopt_optimizer_write_state_f32(o, (int)t, ZOPT_STATE_GRAD, w.data(), sizes[t]));
+      Z(zopt_optimizer_write_state_f32(c, (int)t, ZOPT_STATE_GRAD, w.data(), sizes[t]));  // the twin keeps up
+      Z(zopt_optimizer_read_state_f32(o, (int)t, ZOPT_STATE_GRAD, r.data(), sizes[t]));
+      std::vector<unsigned char> want = storage_of(w, gdt);
+      ok &= r == w && want == hg[t] && memcmp((void *)(uintptr_t)dg[t], want.data(), want.size()) == 0;
+    }
+    check(ok, std::string("offload: write/read_state_f32(GRAD) address the device grad in its dtype (") + dname(gdt) +
+                  ", param " + dname(pdt) + ")");
+  }
   // Checkpoint round trip (the optimizer states are on the CPU).
   std::string ck = std::string(twin_path) + ".offload.ckpt";
   Z(zopt_optimizer_save(o, ck.c_str()));
@@ -294,13 +354,163 @@ int offload_check(Fake &f, zopt_step *step, const char *twin_path) {
 }
 
 
+// ZeRO ranks of an offloaded step: W ranks (threads, loopback
+// communicators), each with its own device params/grads, against W ranks
+// of the CPU twin. Every rank has other grads (and one rank an inf at step
+// 3); the grads are reduced across ranks in the staging (the CPU program's
+// REDUCE_SCATTER, in the grad's dtype), the optimizer states are sharded
+// (ZeRO-1/2), the params gathered and copied back to the GPU: every rank's
+// device params must equal its twin's host params bit for bit after every
+// step, as must the step results. Small buckets, so that shards cut through
+// tensors. Each rank loads the steps itself (as a process would; a step's
+// reference count is not atomic, so optimizers of one zopt_step are not
+// created from several threads at once).
+void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const char *twin_path, int W) {
+  const zopt_step_descriptor *d = zopt_step_get_descriptor(step);
+  const bool ls = d->flags & ZOPT_FLAG_LOSS_SCALE, has_sumsq = d->flags & ZOPT_FLAG_SUMSQ;
+  uint32_t pdt = 0, gdt = 0;
+  for (uint32_t i = 0; i < d->num_states; ++i) {
+    if (d->states[i].kind == ZOPT_STATE_PARAM) pdt = d->states[i].dtype;
+    if (d->states[i].kind == ZOPT_STATE_GRAD) gdt = d->states[i].dtype;
+  }
+  const size_t ep = dsize(pdt), eg = dsize(gdt);
+  const std::vector<int64_t> sizes = {1, 7, 17, 100, 1000, 4097, 70001};
+  const size_t T = sizes.size();
+  const int steps = 5, inf_at = has_sumsq ? 3 : 0;
+  std::vector<zopt_comm *> co(W), cc(W);
+  zopt_loopback_options lo{};
+  lo.timeout_s = 60;
+  Z(zopt_comm_create_loopback(W, &lo, co.data()));
+  Z(zopt_comm_create_loopback(W, &lo, cc.data()));
+  struct RankResult {
+    bool params_same = true, results_same = true, counts_same = true;
+    std::string first_diff;
+  };
+  std::vector<RankResult> res(W);
+  // The initial params: the same on every rank (finalize checks it).
+  std::vector<std::vector<float>> init(T);
+  unsigned rng0 = 777;
+  for (size_t t = 0; t < T; ++t) {
+    init[t].resize(sizes[t]);
+    for (auto &x : init[t]) {
+      rng0 = rng0 * 1664525u + 1013904223u;
+      x = ((rng0 >> 8) & 0xFFFF) / 32768.0f - 1.0f;
+    }
+  }
+  auto rank = [&](int r) {
+    RankResult &rr = res[r];
+    zopt_step *mine = nullptr, *twin = nullptr;
+    Z(zopt_step_load(step_path, &mine));
+    Z(zopt_step_load(twin_path, &twin));
+    zopt_optimizer *o = nullptr, *c = nullptr;
+    Z(zopt_optimizer_create(mine, &o));
+    Z(zopt_optimizer_create(twin, &c));
+    Z(zopt_optimizer_set_comm(o, co[r]));
+    Z(zopt_optimizer_set_comm(c, cc[r]));
+    Z(zopt_optimizer_set_bucket_elems(o, 32768));
+    Z(zopt_optimizer_set_bucket_elems(c, 32768));
+    Z(zopt_optimizer_set_num_threads(o, 2));
+    Z(zopt_optimizer_set_num_threads(c, 2));
+    int go[2], gc[2];
+    for (int k = 0; k < 2; ++k) {
+      Z(zopt_optimizer_add_group(o, &go[k]));
+      Z(zopt_optimizer_add_group(c, &gc[k]));
+      Z(zopt_optimizer_set_hyper(o, go[k], "lr", k ? 3e-3 : 1e-3));
+      Z(zopt_optimizer_set_hyper(c, gc[k], "lr", k ? 3e-3 : 1e-3));
+    }
+    std::vector<unsigned long long> dp(T), dg(T);
+    std::vector<std::vector<unsigned char>> hp(T), hg(T);
+    for (size_t t = 0; t < T; ++t) {
+      f.mem_alloc(&dp[t], sizes[t] * ep);
+      f.mem_alloc(&dg[t], sizes[t] * eg);
+      hp[t].resize(sizes[t] * ep);
+      hg[t].resize(sizes[t] * eg);
+      int id = 0;
+      Z(zopt_optimizer_add_tensor(o, go[t % 2], (void *)(uintptr_t)dp[t], (void *)(uintptr_t)dg[t], sizes[t],
+                                  (zopt_dtype)pdt, &id));
+      Z(zopt_optimizer_add_tensor(c, gc[t % 2], hp[t].data(), hg[t].data(), sizes[t], (zopt_dtype)pdt, &id));
+      Z(zopt_optimizer_write_state_f32(c, (int)t, ZOPT_STATE_PARAM, init[t].data(), sizes[t]));
+      memcpy((void *)(uintptr_t)dp[t], hp[t].data(), hp[t].size());
+    }
+    if (ls) {
+      zopt_loss_scaler_config cfg = {1024.0, 2.0, 0.5, 2, 1.0, 1};
+      Z(zopt_optimizer_configure_loss_scaler(o, &cfg));
+      Z(zopt_optimizer_configure_loss_scaler(c, &cfg));
+    }
+    void *stream = nullptr;
+    f.stream_create(&stream, 0);
+    // finalize is collective: the offloaded ranks together, then the twins.
+    Z(zopt_optimizer_finalize(o));
+    Z(zopt_optimizer_finalize(c));
+    Z(zopt_optimizer_set_stream(o, stream));
+    unsigned rng = 1000u + 7919u * (unsigned)r;  // another grad on every rank
+    for (int k = 1; k <= steps; ++k) {
+      for (size_t t = 0; t < T; ++t) {
+        std::vector<float> v(sizes[t]);
+        for (auto &x : v) {
+          rng = rng * 1664525u + 1013904223u;
+          x = (((rng >> 8) & 0xFFFF) / 32768.0f - 1.0f) * (ls ? 64.f : 0.05f);
+        }
+        if (k == inf_at && r == W - 1 && t == T / 2) v[sizes[t] / 2] = INFINITY;
+        Z(zopt_optimizer_write_state_f32(c, (int)t, ZOPT_STATE_GRAD, v.data(), sizes[t]));
+        memcpy((void *)(uintptr_t)dg[t], hg[t].data(), hg[t].size());
+      }
+      zopt_step_result ro{}, rc{};
+      Z(zopt_optimizer_step(o, &ro));
+      Z(zopt_optimizer_step(c, &rc));
+      rr.results_same &= ro.skipped == rc.skipped && ro.loss_scale == rc.loss_scale &&
+                         ((std::isnan(ro.grad_norm) && std::isnan(rc.grad_norm)) || ro.grad_norm == rc.grad_norm);
+      for (size_t t = 0; t < T; ++t)
+        if (memcmp((void *)(uintptr_t)dp[t], hp[t].data(), hp[t].size())) {
+          if (rr.params_same)
+            rr.first_diff = "rank " + std::to_string(r) + " step " + std::to_string(k) + " tensor " + std::to_string(t);
+          rr.params_same = false;
+        }
+    }
+    int64_t n1 = -1, n2 = -2;
+    Z(zopt_optimizer_get_step_count(o, 1, &n1));
+    Z(zopt_optimizer_get_step_count(c, 1, &n2));
+    rr.counts_same = n1 == n2 && n1 == steps - (inf_at ? 1 : 0);
+    zopt_optimizer_free(o);
+    zopt_optimizer_free(c);
+    zopt_step_free(mine);
+    zopt_step_free(twin);
+    for (size_t t = 0; t < T; ++t) {
+      f.mem_free(dp[t]);
+      f.mem_free(dg[t]);
+    }
+  };
+  std::vector<std::thread> th;
+  for (int r = 0; r < W; ++r) th.emplace_back(rank, r);
+  for (auto &t : th) t.join();
+  bool params = true, results = true, counts = true;
+  std::string diff;
+  for (const RankResult &rr : res) {
+    params &= rr.params_same;
+    results &= rr.results_same;
+    counts &= rr.counts_same;
+    if (diff.empty()) diff = rr.first_diff;
+  }
+  const std::string at = std::to_string(W) + " ranks (ZeRO-" + std::to_string(d->zero_stage) + ", grads " +
+                         dname(gdt) + ", params " + dname(pdt) + ")";
+  check(params, "offload at " + at + ": every rank's params on the GPU bit-identical to its CPU twin's after every "
+                "step" + (diff.empty() ? std::string() : ", first difference: " + diff));
+  check(results, "offload at " + at + ": every rank's step results = its CPU twin's (norm, skip, scale)");
+  check(counts, "offload at " + at + ": step counts");
+  for (int r = 0; r < W; ++r) {
+    zopt_comm_free(co[r]);
+    zopt_comm_free(cc[r]);
+  }
+}
+
+
 // ---- GPU steps -------------------------------------------------------------
 
 struct StepInfo {
   const zopt_step_descriptor *d;
   bool ls, has_sumsq, sr, master;
-  uint32_t pdt;
-  size_t es;
+  uint32_t pdt, gdt;  // param and grad dtypes: the grad's may be f32 for a 16-bit param
+  size_t ep, eg;      // their element sizes
   int lr_i = -1;
 };
 
@@ -312,15 +522,15 @@ StepInfo info_of(zopt_step *step) {
   i.sr = i.d->flags & ZOPT_FLAG_STOCHASTIC;
   for (uint32_t k = 0; k < i.d->num_states; ++k) {
     if (i.d->states[k].kind == ZOPT_STATE_PARAM) i.pdt = i.d->states[k].dtype;
+    if (i.d->states[k].kind == ZOPT_STATE_GRAD) i.gdt = i.d->states[k].dtype;
     i.master |= i.d->states[k].init == ZOPT_INIT_FROM_PARAM;
   }
   for (uint32_t h = 0; h < i.d->num_hypers; ++h)
     if (i.d->hypers[h].kind == ZOPT_HYPER_LR) i.lr_i = (int)h;
-  i.es = i.pdt == ZOPT_DTYPE_F32 ? 4 : 2;
+  i.ep = dsize(i.pdt);
+  i.eg = dsize(i.gdt);
   return i;
 }
-
-size_t dsize(uint32_t dt) { return dt == ZOPT_DTYPE_F32 ? 4 : 2; }
 
 struct Rec {
   std::string name, role;
@@ -366,7 +576,8 @@ std::string seq_of(const std::vector<Rec> &ls) {
 }
 
 // A GPU optimizer over tensors of `sizes` in two groups (lr 1e-3 / 3e-3),
-// params zero, in stand-in device memory.
+// params zero, in stand-in device memory; each grad a buffer of the grad's
+// dtype.
 struct Setup {
   zopt_optimizer *o = nullptr;
   std::vector<unsigned long long> dp, dg;
@@ -383,9 +594,9 @@ Setup make_optimizer(Fake &f, zopt_step *step, const StepInfo &si, const std::ve
   su.dp.resize(sizes.size());
   su.dg.resize(sizes.size());
   for (size_t i = 0; i < sizes.size(); ++i) {
-    f.mem_alloc(&su.dp[i], sizes[i] * si.es);
-    f.mem_alloc(&su.dg[i], sizes[i] * si.es);
-    memset((void *)(uintptr_t)su.dp[i], 0, sizes[i] * si.es);  // 0.0 in every dtype
+    f.mem_alloc(&su.dp[i], sizes[i] * si.ep);
+    f.mem_alloc(&su.dg[i], sizes[i] * si.eg);
+    memset((void *)(uintptr_t)su.dp[i], 0, sizes[i] * si.ep);  // 0.0 in every dtype
     int id = 0;
     Z(zopt_optimizer_add_tensor(su.o, su.gid[i % 2], (void *)(uintptr_t)su.dp[i], (void *)(uintptr_t)su.dg[i],
                                 sizes[i], (zopt_dtype)si.pdt, &id));
@@ -418,6 +629,7 @@ bool chunks_cover(const zopt_gpu_chunk *ch, int64_t nch, const std::vector<int64
 int gpu_main_check(Fake &f, zopt_step *step, const char *path) {
   const StepInfo si = info_of(step);
   const zopt_step_descriptor *d = si.d;
+  printf("INFO GPU step '%s': param %s, grad %s\n", d->name, dname(si.pdt), dname(si.gdt));
   const uint64_t seed = 0x0123456789ABCDEFull;
   void *ctx0 = nullptr;
   f.ctx_current(&ctx0);
@@ -459,6 +671,27 @@ int gpu_main_check(Fake &f, zopt_step *step, const char *path) {
     check(st == ZOPT_ERR_INVALID_ARGUMENT && strstr(zopt_last_error(), "not CUDA device memory") &&
               strstr(zopt_last_error(), "tensor 6"),
           std::string("host pointers refused, naming the tensor: ") + zopt_last_error());
+    // Device pointers off their dtype's alignment (the kernels' scalar
+    // accesses would fault): a grad half an element into its buffer (for
+    // an f32 grad, where a view laid out at a 16-bit param's element size
+    // lands), then a param.
+    unsigned long long pb = 0, gb = 0;
+    f.mem_alloc(&pb, 64 * si.ep);
+    f.mem_alloc(&gb, 64 * si.eg);
+    st = zopt_optimizer_add_tensor(o, su.gid[0], (void *)(uintptr_t)pb, (void *)(uintptr_t)(gb + si.eg / 2), 16,
+                                   (zopt_dtype)si.pdt, &id);
+    std::string mg = zopt_last_error();
+    zopt_status st2 = zopt_optimizer_add_tensor(o, su.gid[0], (void *)(uintptr_t)(pb + si.ep / 2),
+                                                (void *)(uintptr_t)gb, 16, (zopt_dtype)si.pdt, &id);
+    std::string mp = zopt_last_error();
+    check(st == ZOPT_ERR_INVALID_ARGUMENT && st2 == ZOPT_ERR_INVALID_ARGUMENT &&
+              mg.find("the grad of tensor 6") != std::string::npos &&
+              mg.find(std::string("not aligned to its dtype ") + dname(si.gdt)) != std::string::npos &&
+              mp.find("the param of tensor 6") != std::string::npos &&
+              mp.find(std::string("not aligned to its dtype ") + dname(si.pdt)) != std::string::npos,
+          "a grad or param not aligned to its own dtype is refused, naming the tensor and the dtype: " + mg);
+    f.mem_free(pb);
+    f.mem_free(gb);
   }
   int c0 = f.num_calls(), l0 = f.num_launches();
   Z(zopt_optimizer_finalize(o));
@@ -548,6 +781,20 @@ int gpu_main_check(Fake &f, zopt_step *step, const char *path) {
   }
   check(segs_ok, "segment table: n, group and tensor index of every tensor");
   check(ptrs_ok, "state table: the user's param/grad pointers, 16-byte aligned owned states");
+  // Every pointer of the table spans n elements of its state's dtype inside
+  // one device allocation (the user's param and grad buffers, the owned
+  // states' flat buffers): the kernels stay in bounds.
+  {
+    bool in = true;
+    std::string dts;
+    for (uint32_t k = 0; k < d->num_states; ++k)
+      dts += std::string(k ? ", " : "") + state_kind_name_of(d->states[k].kind) + " " + dname(d->states[k].dtype);
+    for (size_t t = 0; t < sizes.size(); ++t)
+      for (uint32_t k = 0; k < d->num_states; ++k)
+        in &= f.in_alloc(ptrs[t * d->num_states + k], (size_t)sizes[t] * dsize(d->states[k].dtype)) != 0;
+    check(in, "state table: every pointer spans its tensor's elements of its state's dtype inside one device "
+              "allocation (" + dts + ")");
+  }
   int64_t chunk = 0;
   check(chunks_cover((const zopt_gpu_chunk *)(uintptr_t)d_chunks, (int64_t)nchunks, sizes, &chunk),
         "work list: " + std::to_string(nchunks) + " chunks of at most " + std::to_string(chunk) +
@@ -570,6 +817,20 @@ int gpu_main_check(Fake &f, zopt_step *step, const char *path) {
     check(sc->scale == 1024 && sc->growth_factor == 2 && sc->backoff_factor == 0.5 && sc->growth_interval == 3 &&
               sc->min_scale == 1 && sc->dynamic == 1 && sc->good_steps == 0,
           "loss scaler on the device: the configured scaler");
+  }
+
+  // ---- the grad through the API, in its own dtype ------------------------------
+  {
+    bool ok = true;
+    for (size_t t = 0; t < sizes.size(); ++t) {
+      std::vector<float> w = exact_values(sizes[t], (int)t), r(sizes[t]);
+      Z(zopt_optimizer_write_state_f32(o, (int)t, ZOPT_STATE_GRAD, w.data(), sizes[t]));
+      Z(zopt_optimizer_read_state_f32(o, (int)t, ZOPT_STATE_GRAD, r.data(), sizes[t]));
+      std::vector<unsigned char> want = storage_of(w, si.gdt);
+      ok &= r == w && memcmp((void *)(uintptr_t)su.dg[t], want.data(), want.size()) == 0;
+    }
+    check(ok, std::string("write/read_state_f32(GRAD) address the device grad in its dtype (") + dname(si.gdt) +
+                  ", param " + dname(si.pdt) + ")");
   }
 
   // ---- a second step: only the launches; a changed lr is written at once ------
@@ -799,12 +1060,12 @@ void device_checks(Fake &f, zopt_step *step) {
   f.ctx_retain(&c1, 1);
   unsigned long long p1 = 0, g1 = 0, p0 = 0, g0 = 0;
   f.ctx_push(c1);
-  f.mem_alloc(&p1, 64 * si.es);
-  f.mem_alloc(&g1, 64 * si.es);
+  f.mem_alloc(&p1, 64 * si.ep);
+  f.mem_alloc(&g1, 64 * si.eg);
   f.ctx_pop(nullptr);
   f.ctx_push(c0);  // as PyTorch: cuda:0 current
-  f.mem_alloc(&p0, 64 * si.es);
-  f.mem_alloc(&g0, 64 * si.es);
+  f.mem_alloc(&p0, 64 * si.ep);
+  f.mem_alloc(&g0, 64 * si.eg);
   zopt_optimizer *o = nullptr;
   Z(zopt_optimizer_create(step, &o));
   int gid = 0, id = 0;
@@ -936,7 +1197,10 @@ void graph_checks(Fake &f, zopt_step *step) {
 // owned states of each tensor get the 16-byte phase of its param, so that
 // the kernels' head (abi.h) reaches one element where every pointer is
 // 16-byte aligned and the rest of the chunk takes vectors; a grad whose
-// phase differs from its param's leaves that tensor scalar.
+// phase differs from its param's leaves that tensor scalar. The grads are
+// views at the same element offsets into a flat buffer of the grad's dtype
+// (an f32 buffer beside bf16 params: DeepSpeed's and FSDP's flat f32 grad
+// buffers), so their byte offsets are those of the params times eg / ep.
 void misaligned_checks(Fake &f, zopt_step *step) {
   const StepInfo si = info_of(step);
   const zopt_step_descriptor *d = si.d;
@@ -944,9 +1208,9 @@ void misaligned_checks(Fake &f, zopt_step *step) {
   int64_t total = 0;
   for (int64_t n : sizes) total += n + 1;
   unsigned long long fp = 0, fg = 0;
-  f.mem_alloc(&fp, (size_t)(total + 16) * si.es);
-  f.mem_alloc(&fg, (size_t)(total + 16) * si.es);
-  memset((void *)(uintptr_t)fp, 0, (size_t)(total + 16) * si.es);
+  f.mem_alloc(&fp, (size_t)(total + 16) * si.ep);
+  f.mem_alloc(&fg, (size_t)(total + 16) * si.eg);
+  memset((void *)(uintptr_t)fp, 0, (size_t)(total + 16) * si.ep);
   zopt_optimizer *o = nullptr;
   Z(zopt_optimizer_create(step, &o));
   int gid = 0, id = 0;
@@ -956,8 +1220,8 @@ void misaligned_checks(Fake &f, zopt_step *step) {
   for (size_t t = 0; t < sizes.size(); ++t) {
     // The last tensor's grad is one element further than its param's phase.
     int64_t goff = off + (t + 1 == sizes.size() ? 1 : 0);
-    pv.push_back((uintptr_t)fp + (uintptr_t)off * si.es);
-    gv.push_back((uintptr_t)fg + (uintptr_t)goff * si.es);
+    pv.push_back((uintptr_t)fp + (uintptr_t)off * si.ep);
+    gv.push_back((uintptr_t)fg + (uintptr_t)goff * si.eg);
     Z(zopt_optimizer_add_tensor(o, gid, (void *)pv.back(), (void *)gv.back(), sizes[t], (zopt_dtype)si.pdt, &id));
     off += sizes[t] + 1;
   }
@@ -1046,9 +1310,9 @@ void big_checks(Fake &f, zopt_step *step) {
 }  // namespace
 
 int main(int argc, char **argv) {
-  if (argc < 3 || argc > 4) {
+  if (argc < 3 || argc > 5) {
     fprintf(stderr, "usage: zopt-gpu-host-check FAKE_DRIVER.so GPU_STEP.so [--big] | OFFLOAD_STEP.so CPU_TWIN.so "
-                    "(with ZOPT_CUDA_DRIVER=FAKE_DRIVER.so)\n");
+                    "[--world=W] (with ZOPT_CUDA_DRIVER=FAKE_DRIVER.so)\n");
     return 2;
   }
   const char *env = getenv("ZOPT_CUDA_DRIVER");
@@ -1086,6 +1350,9 @@ int main(int argc, char **argv) {
   SYM(num_delayed_done, "fake_cuda_num_delayed_done");
   SYM(drain_all, "fake_cuda_drain_all");
   SYM(stream_enqueue, "fake_cuda_stream_enqueue");
+  SYM(num_bad_ranges, "fake_cuda_num_bad_ranges");
+  SYM(bad_range, "fake_cuda_bad_range");
+  SYM(in_alloc, "fake_cuda_in_alloc");
   SYM(mem_alloc, "cuMemAlloc_v2");
   SYM(mem_free, "cuMemFree_v2");
   SYM(ctx_retain, "cuDevicePrimaryCtxRetain");
@@ -1099,7 +1366,8 @@ int main(int argc, char **argv) {
   SYM(instantiate, "cuGraphInstantiateWithFlags");
   SYM(graph_launch, "cuGraphLaunch");
 #undef SYM
-  if (!f.num_calls || !f.launch || !f.mem_alloc || !f.set_emulation || !f.graph_launch) {
+  if (!f.num_calls || !f.launch || !f.mem_alloc || !f.set_emulation || !f.graph_launch || !f.num_bad_ranges ||
+      !f.in_alloc) {
     fprintf(stderr, "%s is not the fake driver\n", argv[1]);
     return 2;
   }
@@ -1107,7 +1375,13 @@ int main(int argc, char **argv) {
   zopt_step *step = nullptr;
   Z(zopt_step_load(argv[2], &step));
   const bool big = argc == 4 && !strcmp(argv[3], "--big");
-  if (argc == 4 && !big) {
+  if (argc == 5) {
+    if (strncmp(argv[4], "--world=", 8) || atoi(argv[4] + 8) < 2) {
+      fprintf(stderr, "expected --world=W (W >= 2), got %s\n", argv[4]);
+      return 2;
+    }
+    offload_ranks_check(f, step, argv[2], argv[3], atoi(argv[4] + 8));
+  } else if (argc == 4 && !big) {
     offload_check(f, step, argv[3]);
   } else {
     gpu_main_check(f, step, argv[2]);
@@ -1116,6 +1390,11 @@ int main(int argc, char **argv) {
     graph_checks(f, step);
     misaligned_checks(f, step);
     if (big) big_checks(f, step);
+  }
+  {
+    const int nb = f.num_bad_ranges();
+    check(nb == 0, "no copy or memset outside a device allocation (the stand-in refuses them)" +
+                       (nb ? ": " + std::to_string(nb) + ", the first " + f.bad_range(0) : std::string()));
   }
   zopt_step_free(step);
   printf("%d passed, %d failed\n", passed, failed);

@@ -1,0 +1,17 @@
+// Pure-bf16 ZeRO-Offload with stochastic rounding and f32 gradients: bf16
+// params and f32 gradients on the GPU, bf16 moments on the CPU, every bf16
+// store rounded stochastically (adamw_bf16_sr_offload.mlir with f32 grads).
+zopt.step @adamw_bf16_f32grad_sr_offload attributes {gpu_arch = "sm_90"} {
+  %p = zopt.state param : bf16 on gpu rounding stochastic
+  %g = zopt.state grad : f32 on gpu
+  %m = zopt.state exp_avg : bf16 on cpu rounding stochastic
+  %v = zopt.state exp_avg_sq : bf16 on cpu rounding stochastic
+  %lr = zopt.hyper lr
+  %b1 = zopt.hyper beta1
+  %b2 = zopt.hyper beta2
+  %eps = zopt.hyper eps
+  %wd = zopt.hyper weight_decay
+  %gc = zopt.clip_by_global_norm %g max 1.0 : f32
+  %p1, %m1, %v1 = zopt.adam %p, %gc, %m, %v, %lr, %b1, %b2, %eps, %wd {decoupled} : bf16, f32, bf16, bf16
+  zopt.yield %p1, %m1, %v1 into %p, %m, %v : f32, f32, f32 into bf16, bf16, bf16
+}
