@@ -132,6 +132,7 @@ GOOD = {
 BAD = {
     "bad_nvme_offload.json": "zero_optimization.offload_optimizer.device",
     "bad_zero3_offload_param.json": "zero_optimization.offload_param.device",
+    "bad_zero3_offload_optimizer.json": "zero_optimization.offload_optimizer.device",
     "bad_onebit_adam.json": "optimizer.type",
     "bad_fp16_hysteresis.json": "fp16.hysteresis",
     "bad_hf_auto.json": "optimizer.params.lr",

@@ -864,6 +864,12 @@ def from_config(ds_config, *, world_size=None, gpu_arch=None, device="cuda",
                                "everything on the CPU already")
     else:
         placement = "offload" if offload else "gpu"
+    if placement == "offload" and stage == 3:
+        raise DeepSpeedConfigError(
+            "zero_optimization.offload_optimizer.device",
+            "CPU offload of the optimizer with stage 3 (ZeRO-Infinity: params sharded "
+            "on the GPUs, states on the CPU) is not supported; allowed: stage 2 with "
+            "offload (ZeRO-Offload), or stage 3 without offload")
     master = dkw.get("master")
     if st.get("bf16_master") and placement == "offload":
         master = "bf16"  # DeepSpeed keeps the bf16 master partition on the CPU

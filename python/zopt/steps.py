@@ -315,6 +315,10 @@ def _validate(spec):
                        "sm_70 or newer (e.g. 'sm_80', 'sm_90')")
     if spec.zero_stage is not None and spec.zero_stage not in (0, 1, 2, 3):
         raise _bad("zero_stage", f"{spec.zero_stage!r}; allowed: 0, 1, 2, 3")
+    if spec.zero_stage == 3 and spec.placement == "offload":
+        raise _bad("zero_stage", "3 with placement='offload' (params on the GPU, "
+                   "optimizer states on the CPU) is not supported; allowed: 0, 1, 2 "
+                   "(2 is ZeRO-Offload)")
     if spec.align is not None and not (
             isinstance(spec.align, int) and 1 <= spec.align <= (1 << 20)
             and spec.align & (spec.align - 1) == 0):

@@ -633,3 +633,16 @@ zopt.step @s {
   // expected-error@+1 {{expected ::mlir::zopt::Placement to be one of: cpu, gpu}}
   %p = zopt.state param : f32 on nvme
 }
+
+// -----
+
+// ZeRO-3 with GPU params and CPU optimizer states (offload) is refused.
+// expected-error@+1 {{zero_stage 3 with the params on the GPU and the optimizer states on the CPU}}
+zopt.step @s attributes {zero_stage = 3 : i64, gpu_arch = "sm_90"} {
+  %p = zopt.state param : bf16 on gpu
+  %g = zopt.state grad : bf16 on gpu
+  %w = zopt.state master : f32 on cpu
+  %lr = zopt.hyper lr
+  %w1 = zopt.apply %w, %g, %lr : f32, bf16
+  zopt.yield %w1, %w1 into %w, %p : f32, f32 into f32, bf16
+}

@@ -365,6 +365,19 @@ LogicalResult StepOp::verifyRegions() {
         "f16 gradients need loss scaling: add `%gs = zopt.unscale %g : f16` "
         "and use it in place of the gradient");
 
+  // ZeRO-3 keeps params sharded in runtime memory on the placement of the
+  // update; with the params on the GPU and the optimizer states on the CPU
+  // (offload) the runtime would have to shard device params across host
+  // updates, which it does not do (ZeRO-Infinity): refused, not crashed.
+  if (stage == 3 && param.getPlacement() == Placement::gpu)
+    for (auto &kv : states)
+      if (isOptimizerState(kv.second.getKind()) &&
+          kv.second.getPlacement() == Placement::cpu)
+        return emitOpError("zero_stage 3 with the params on the GPU and the "
+                           "optimizer states on the CPU (offload) is not "
+                           "supported: use zero_stage = 2 (ZeRO-Offload), or "
+                           "keep every state on one placement");
+
   // Master rules (DeepSpeed: fp32 master for fp16/bf16 params; bf16 master
   // only for the offloaded bf16 layout).
   if (master) {
