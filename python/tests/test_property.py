@@ -646,12 +646,46 @@ def m_insert_op(t, r):
     return f"insert `{line}` before line {i + 1}"
 
 
+def m_restate(t, r):
+    """Restates an attribute the syntax gives in the op's attribute
+    dictionary (finding F2: the dictionary's value wins)."""
+    choice = r.randrange(4)
+    if choice == 0 and t.op_lines("clip_by_global_norm"):
+        i = t.op_lines("clip_by_global_norm")[0]
+        v = r.choice(["1.0", "100.0", "0.5"])
+        t.lines[i] = t.lines[i].replace(" :", f" {{max_norm = {v}}} :", 1)
+        return f"clip restates max_norm = {v}"
+    if choice == 1 and t.hypers():
+        i, kind = t.hypers()[r.choice(sorted(t.hypers()))]
+        new = r.choice([f"{{default_value = {r.choice(['0.5', '0.05', '0.0'])}}}",
+                        f"{{kind = #zopt<hyper {r.choice(HYPERS)}>}}"])
+        code = t.code(t.lines[i]).rstrip()
+        t.lines[i] = code + " " + new
+        return f"hyper {kind} restates {new}"
+    if choice == 2:
+        st = t.states()
+        i, kind = st[r.choice(sorted(st))]
+        new = r.choice([f"{{kind = #zopt<state_kind {r.choice(STATE_KINDS)}>}}",
+                        "{rounding = #zopt<rounding stochastic>}",
+                        "{placement = #zopt<placement cpu>}"])
+        code = t.code(t.lines[i]).rstrip()
+        t.lines[i] = code + " " + new
+        return f"state {kind} restates {new}"
+    a, _ = t.body_range()
+    ln = t.lines[a]
+    if "attributes {" in ln:
+        t.lines[a] = ln.replace("attributes {", 'attributes {sym_name = "renamed", ', 1)
+    else:
+        t.lines[a] = re.sub(r"(zopt\.step\s+@[\w$.\-]+)", r'\1 attributes {sym_name = "renamed"}', ln, 1)
+    return "step restates sym_name"
+
+
 MUTATORS = [
     (m_swap_operands, 3), (m_change_type, 2), (m_state_dtype, 4), (m_state_kind, 1),
     (m_drop_line, 2), (m_dup_line, 1), (m_number, 3), (m_attribute, 2),
     (m_rename_use, 3), (m_rename_def, 1), (m_hyper_default, 3), (m_hyper_kind, 2),
     (m_swap_yield, 2), (m_clip, 3), (m_placement, 1), (m_zero, 2), (m_rounding, 2),
-    (m_op_swap, 4), (m_insert_op, 4),
+    (m_op_swap, 4), (m_insert_op, 4), (m_restate, 1),
 ]
 
 
@@ -834,7 +868,7 @@ def raw_grad_reads(prog):
     return any(g in o.operands for o in prog.ops if o.name != "unscale")
 
 
-def run_and_compare(text, prog, so, seed, stats):
+def run_and_compare(text, prog, so, seed, stats, allow_known=True):
     """Runs 3 steps of the compiled step and of the interpreter; raises
     Mismatch with a precise report on the first difference."""
     r = random.Random(seed)
@@ -880,16 +914,16 @@ def run_and_compare(text, prog, so, seed, stats):
     scaler = dict(init_scale=1024.0) if prog.loss_scaled else None
     opt = CRunner(step, cgroups, gdt, loss_scaler=scaler)
     try:
-        return _run(opt, prog, igroups, gh, gdt, scaler, r, rng, stats)
+        return _run(opt, prog, igroups, gh, gdt, scaler, r, rng, stats, allow_known)
     finally:
         opt.close()
 
 
-def _run(opt, prog, igroups, gh, gdt, scaler, r, rng, stats):
+def _run(opt, prog, igroups, gh, gdt, scaler, r, rng, stats, allow_known):
     grads = opt.grads
     it = interp.Interpreter(prog, igroups, loss_scaler=scaler)
     alt = None
-    if raw_grad_reads(prog):
+    if allow_known and raw_grad_reads(prog):
         alt = interp.Interpreter(prog, igroups, loss_scaler=scaler, grad_reads_unscaled=True)
     inject = prog.loss_scaled and r.random() < 0.5
     kinds = [k for k in prog.states if k != "grad"]
@@ -1082,6 +1116,70 @@ def test_interpreter_bounds_reject_wrong_formulas():
 
 
 # ---------------------------------------------------------------------------
+# Findings of the property test (docs/TESTING.md), as minimal reproducers
+# ---------------------------------------------------------------------------
+
+F1_TEXT = """zopt.step @raw_grad_read {
+  %p = zopt.state param : f16 on cpu
+  %g = zopt.state grad : f16 on cpu
+  %w = zopt.state master : f32 on cpu
+  %m = zopt.state exp_avg : f32 on cpu
+  %v = zopt.state exp_avg_sq : f32 on cpu
+  %lr = zopt.hyper lr
+  %b1 = zopt.hyper beta1
+  %b2 = zopt.hyper beta2
+  %eps = zopt.hyper eps
+  %gs = zopt.unscale %g : f16
+  %m1 = zopt.ema %m, %g, %b1 : f32, f16
+  %v1 = zopt.ema_sq %v, %gs, %b2 : f32, f32
+  %u = zopt.adam_direction %m1, %v1, %b1, %b2, %eps : f32, f32
+  %w1 = zopt.apply %w, %u, %lr : f32, f32
+  zopt.yield %w1, %m1, %v1, %w1 into %w, %m, %v, %p : f32, f32, f32, f32 into f32, f32, f32, f16
+}
+"""
+
+
+def _refused_or_matches(text, tmp_path):
+    try:
+        so = zopt.compile(text, out_path=str(tmp_path / "step.so"))
+    except zopt.ZoptError as e:
+        assert check_diagnostic(text, str(e)) is None, str(e)
+        return
+    prog = interp.parse(text)
+    run_and_compare(text, prog, so, 1, Counter(), allow_known=False)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "F1: in a loss-scaled step a read of the grad other than through "
+    "zopt.unscale gets the unscaled gradient (the plan phase multiplies every "
+    "read of the grad by 1/(S*D), docs/ABI.md), while the dialect documents "
+    "%g as the stored (loss-scaled) gradient and zopt.unscale as the division; "
+    "the verifier accepts such a read"), raises=Mismatch)
+def test_finding_f1_raw_grad_read_in_loss_scaled_step(zopt_bins, tmp_path):
+    _refused_or_matches(F1_TEXT, tmp_path)
+
+
+F2_TEXT = open(os.path.join(ROOT, "examples", "adamw_bf16_master.mlir")).read().replace(
+    "max 1.0 : bf16", "max 1.0 {max_norm = 100.0} : bf16")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "F2: an op's attribute dictionary may restate an attribute its syntax "
+    "gives, and the dictionary's value wins: `clip_by_global_norm %g max 1.0 "
+    "{max_norm = 100.0}` clips at 100 (likewise `zopt.hyper beta2 default "
+    "0.99 {default_value = 0.5}`, `zopt.state exp_avg ... {kind = "
+    "#zopt<state_kind momentum_buffer>}`, `zopt.step @a attributes {sym_name "
+    "= \"b\"}`)"), raises=AssertionError)
+def test_finding_f2_restated_attribute(zopt_bins, tmp_path):
+    try:
+        so = zopt.compile(F2_TEXT, out_path=str(tmp_path / "step.so"))
+    except zopt.ZoptError as e:
+        assert check_diagnostic(F2_TEXT, str(e)) is None, str(e)
+        return
+    assert zopt.Step(so).max_norm == 1.0, "accepted: clips at the dictionary's max_norm"
+
+
+# ---------------------------------------------------------------------------
 # The property
 # ---------------------------------------------------------------------------
 
@@ -1170,6 +1268,8 @@ def one_mutant(text, seed, out, stats):
         prog = interp.parse(text)
     except interp.Unmodelled as e:
         return "unmodelled", str(e)
+    except interp.RestatedAttribute:
+        return "known", "F2"
     except interp.DescriptionError as e:
         return "failed", f"accepted, but the interpreter reads it as invalid: {e}"
     if not prog.cpu_only:

@@ -62,7 +62,7 @@ import numpy as np
 from . import bf16 as _bf16
 from .reference import LossScaler, round_to
 
-__all__ = ["Unmodelled", "DescriptionError", "parse", "Program", "Interpreter",
+__all__ = ["Unmodelled", "DescriptionError", "RestatedAttribute", "parse", "Program", "Interpreter",
            "RUNTIME_DEFAULTS", "STATE_KINDS", "HYPER_KINDS", "DTYPES", "U32",
            "round_interval"]
 
@@ -109,6 +109,17 @@ class Unmodelled(NotImplementedError):
     """The description uses something the interpreter does not model."""
 
 
+#: Attributes an op's custom syntax gives (ODS properties): restated in its
+#: attribute dictionary, the dictionary's value wins in the compiler's parser.
+_INHERENT = {
+    "step": {"sym_name": "@name"},
+    "state": {"kind": "the kind keyword", "placement": "'on'",
+              "rounding": "'rounding'"},
+    "hyper": {"kind": "the slot keyword", "default_value": "'default'"},
+    "clip_by_global_norm": {"max_norm": "'max'"},
+}
+
+
 class DescriptionError(ValueError):
     """The text is not a description (the compiler must refuse it too):
     ``line``/``col`` are 1-based positions in the text."""
@@ -116,6 +127,12 @@ class DescriptionError(ValueError):
     def __init__(self, msg, line=None, col=None):
         super().__init__(f"{line}:{col}: {msg}" if line else msg)
         self.line, self.col = line, col
+
+
+class RestatedAttribute(DescriptionError):
+    """An attribute dictionary restates an attribute the op's syntax gives
+    (``zopt.clip_by_global_norm %g max 1.0 {max_norm = 100.0}``): ambiguous
+    (the compiler takes the dictionary's value: finding F2)."""
 
 
 # ---------------------------------------------------------------------------
@@ -342,6 +359,20 @@ class _Parser:
             return ("str", t.text[1:-1], None, t)
         if t.kind == "id" and t.text in ("unit", "true", "false"):
             return ("id", t.text, None, t)
+        if t.text == "#":   # a dialect attribute: #zopt<rounding stochastic>
+            parts, depth = ["#"], 0
+            while True:
+                u = self.next()
+                parts.append(u.text)
+                if u.text == "<":
+                    depth += 1
+                elif u.text == ">":
+                    depth -= 1
+                    if depth == 0:
+                        break
+                elif depth == 0 and u.kind != "id" and u.text != ".":
+                    raise Unmodelled(f"{u.line}:{u.col}: attribute value {''.join(parts)}")
+            return ("attr", " ".join(parts), None, t)
         raise Unmodelled(f"{t.line}:{t.col}: attribute value {t.text!r}")
 
     # -- the step --------------------------------------------------------------
@@ -389,6 +420,10 @@ class _Parser:
                 out[k] = int(v[1], 0)
             elif k == "gpu_arch":
                 out[k] = v[1] if v is not True else v
+            elif k in _INHERENT["step"]:
+                raise RestatedAttribute(
+                    f"zopt.step's attributes restate '{k}', which its syntax gives "
+                    f"({_INHERENT['step'][k]}) (finding F2 of docs/TESTING.md)")
             else:
                 raise Unmodelled(f"step attribute {k!r}")
         return out
@@ -503,6 +538,14 @@ class _Parser:
             raise Unmodelled(f"{t.line}:{t.col}: unknown op zopt.{name}")
 
     def _check_attrs(self, attrs, known, t):
+        name = t.text[5:]
+        for k in attrs:
+            if k in _INHERENT.get(name, ()):
+                raise RestatedAttribute(
+                    f"zopt.{name}'s attribute dictionary restates '{k}', which its "
+                    f"syntax gives ({_INHERENT[name][k]}); the compiler lets the "
+                    "dictionary's value override the syntax's (finding F2 of "
+                    "docs/TESTING.md)", t.line, t.col)
         for k, v in attrs.items():
             if k not in known:
                 raise Unmodelled(f"{t.line}:{t.col}: attribute {k!r} of zopt.{t.text[5:]}")
