@@ -59,7 +59,6 @@ import re
 
 import numpy as np
 
-from . import bf16 as _bf16
 from .reference import LossScaler, round_to
 
 __all__ = ["Unmodelled", "DescriptionError", "RestatedAttribute", "parse", "Program", "Interpreter",
@@ -888,7 +887,7 @@ class Interpreter:
             reduced = clip.operands[0]
         elif prog.loss_scaled:
             reduced = prog.op_named("unscale")[0].results[0]
-        norm, norm_err, coef, skipped = float("nan"), 0.0, 1.0, False
+        norm, norm_err, coef = float("nan"), 0.0, 1.0
         with np.errstate(all="ignore"):
             if reduced is not None:
                 parts = [self._eval(i, gs[i], S, None, stop=reduced)[reduced]
