@@ -1098,6 +1098,34 @@ def test_interpreter_refuses_what_it_cannot_model():
         interp.parse(src.replace("%m1, %v1 into", "%m1, %undefined into"))
 
 
+CLIP_MOMENTUM = """zopt.step @clip_momentum {
+  %p = zopt.state param : f32 on cpu
+  %g = zopt.state grad : f32 on cpu
+  %buf = zopt.state momentum_buffer : f32 on cpu
+  %lr = zopt.hyper lr
+  %mu = zopt.hyper momentum
+  %damp = zopt.hyper dampening
+  %b1 = zopt.momentum %buf, %g, %mu, %damp : f32, f32
+  %c = zopt.clip_by_global_norm %b1 max 100.0 : f32
+  %p1 = zopt.apply %p, %c, %lr : f32, f32
+  zopt.yield %p1, %b1 into %p, %buf : f32, f32 into f32, f32
+}
+"""
+
+
+def test_interpreter_norm_pass_sees_the_step():
+    """The global norm is taken with the step being taken: a clipped
+    momentum buffer is the gradient at t = 1 (found by the property test:
+    the interpreter's norm pass ran with the previous step count)."""
+    it = interp.Interpreter(interp.parse(CLIP_MOMENTUM),
+                            [dict(params=[np.zeros(4)], momentum=0.9, dampening=0.5)])
+    g1, g2 = np.ones(4), np.full(4, 2.0)
+    assert it.step([g1])["norm"] == pytest.approx(2.0, rel=1e-15)
+    assert it.step([g2])["norm"] == pytest.approx(np.linalg.norm(0.9 * g1 + 0.5 * g2),
+                                                  rel=1e-15)
+    assert it.step_count(0) == 2
+
+
 def test_interpreter_bounds_reject_wrong_formulas():
     """The comparison is tight enough to see a slightly wrong rule: the
     results of an interpreter with beta1 0.9 -> 0.9001, beta2 0.99 ->

@@ -888,6 +888,11 @@ class Interpreter:
         elif prog.loss_scaled:
             reduced = prog.op_named("unscale")[0].results[0]
         norm, norm_err, coef = float("nan"), 0.0, 1.0
+        # the step being taken is the groups' step t for the norm pass too
+        # (momentum's first step, adam_direction's bias correction); a
+        # skipped step takes it back
+        for h in self.groups:
+            h["step"] += 1
         with np.errstate(all="ignore"):
             if reduced is not None:
                 parts = [self._eval(i, gs[i], S, None, stop=reduced)[reduced]
@@ -899,6 +904,8 @@ class Interpreter:
                 norm_err = math.sqrt(math.fsum(float(np.dot(p.err, p.err)) for p in parts)) \
                     if finite else float("inf")
                 if prog.loss_scaled and not math.isfinite(norm):
+                    for h in self.groups:
+                        h["step"] -= 1
                     self.scaler.update(True)
                     self.last = [None] * len(self.tensors)
                     rec = dict(norm=float("nan"), norm_err=0.0, skipped=True,
@@ -908,8 +915,6 @@ class Interpreter:
                 if clip is not None:
                     c = clip.attrs["max_norm"] / (norm + 1e-6)
                     coef = c
-            for h in self.groups:
-                h["step"] += 1
             self.last = []
             new_states = []
             for i, t in enumerate(self.tensors):
