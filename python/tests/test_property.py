@@ -40,9 +40,9 @@ The steps run through the C API (CRunner: zopt.Optimizer refuses f32
 gradients of 16-bit params and steps with one of beta1/beta2 only, which
 the compiler accepts). A mismatch names the mutant, the step, tensor,
 state and element, both values, the allowed interval and the element's
-inputs. Known compiler findings (docs/TESTING.md: F1, F2) are strict xfails
-with minimal reproducers; accepted mutants that show them are counted as
-"known", not failed.
+inputs. The compiler findings (docs/TESTING.md: F1, F2) are fixed; their
+minimal reproducers are regression tests (refused with a located
+diagnostic), and an accepted mutant that shows either one fails.
 
 ZOPT_PROPERTY_CASES=N runs N mutants (default 200: CI), e.g. 2000 for a
 long run; ZOPT_PROPERTY_SEED=k shifts the seed list (default 0). A summary
@@ -876,7 +876,7 @@ def raw_grad_reads(prog):
     return any(g in o.operands for o in prog.ops if o.name != "unscale")
 
 
-def run_and_compare(text, prog, so, seed, stats, allow_known=True):
+def run_and_compare(text, prog, so, seed, stats, allow_known=False):
     """Runs 3 steps of the compiled step and of the interpreter; raises
     Mismatch with a precise report on the first difference."""
     r = random.Random(seed)
@@ -1185,34 +1185,42 @@ def _refused_or_matches(text, tmp_path):
     run_and_compare(text, prog, so, 1, Counter(), allow_known=False)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "F1: in a loss-scaled step a read of the grad other than through "
-    "zopt.unscale gets the unscaled gradient (the plan phase multiplies every "
-    "read of the grad by 1/(S*D), docs/ABI.md), while the dialect documents "
-    "%g as the stored (loss-scaled) gradient and zopt.unscale as the division; "
-    "the verifier accepts such a read"), raises=Mismatch)
 def test_finding_f1_raw_grad_read_in_loss_scaled_step(zopt_bins, tmp_path):
-    _refused_or_matches(F1_TEXT, tmp_path)
+    """F1 (fixed): in a loss-scaled step a read of the grad other than
+    through zopt.unscale got the unscaled gradient (the plan multiplies every
+    read by 1/(S*D)) while the dialect says %g is the loss-scaled value; the
+    verifier now refuses such a read, pointing at it."""
+    with pytest.raises(zopt.ZoptError) as ei:
+        zopt.compile(F1_TEXT, out_path=str(tmp_path / "step.so"))
+    assert check_diagnostic(F1_TEXT, str(ei.value)) is None, str(ei.value)
+    assert "reads the loss-scaled gradient directly" in str(ei.value)
 
 
 F2_TEXT = open(os.path.join(ROOT, "examples", "adamw_bf16_master.mlir")).read().replace(
     "max 1.0 : bf16", "max 1.0 {max_norm = 100.0} : bf16")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "F2: an op's attribute dictionary may restate an attribute its syntax "
-    "gives, and the dictionary's value wins: `clip_by_global_norm %g max 1.0 "
-    "{max_norm = 100.0}` clips at 100 (likewise `zopt.hyper beta2 default "
-    "0.99 {default_value = 0.5}`, `zopt.state exp_avg ... {kind = "
-    "#zopt<state_kind momentum_buffer>}`, `zopt.step @a attributes {sym_name "
-    "= \"b\"}`)"), raises=AssertionError)
+F2_MORE = [
+    ("%b2 = zopt.hyper beta2", "%b2 = zopt.hyper beta2 default 0.99 {default_value = 0.5}"),
+    ("%m = zopt.state exp_avg : f32 on cpu",
+     "%m = zopt.state exp_avg : f32 on cpu {kind = #zopt<state_kind momentum_buffer>}"),
+    ("attributes {zero_stage = 0 : i64}", "attributes {zero_stage = 0 : i64, sym_name = \"b\"}"),
+]
+
+
 def test_finding_f2_restated_attribute(zopt_bins, tmp_path):
-    try:
-        so = zopt.compile(F2_TEXT, out_path=str(tmp_path / "step.so"))
-    except zopt.ZoptError as e:
-        assert check_diagnostic(F2_TEXT, str(e)) is None, str(e)
-        return
-    assert zopt.Step(so).max_norm == 1.0, "accepted: clips at the dictionary's max_norm"
+    """F2 (fixed): an op's attribute dictionary restating an attribute its
+    syntax gives won over the syntax (clipped at 100 instead of 1.0); it is
+    refused now, pointing at the restated key."""
+    base = open(os.path.join(ROOT, "examples", "adamw_bf16_master.mlir")).read()
+    texts = [F2_TEXT] + [base.replace(a, b) for a, b in F2_MORE if a in base]
+    assert len(texts) >= 3
+    for text in texts:
+        assert text != base
+        with pytest.raises(zopt.ZoptError) as ei:
+            zopt.compile(text, out_path=str(tmp_path / "step.so"))
+        assert check_diagnostic(text, str(ei.value)) is None, str(ei.value)
+        assert "from its syntax" in str(ei.value), str(ei.value)
 
 
 # ---------------------------------------------------------------------------
@@ -1305,7 +1313,8 @@ def one_mutant(text, seed, out, stats):
     except interp.Unmodelled as e:
         return "unmodelled", str(e)
     except interp.RestatedAttribute:
-        return "known", "F2"
+        return "failed", ("accepted an attribute dictionary that restates what the syntax "
+                          "gives (finding F2, fixed: the compiler refuses it)")
     except interp.DescriptionError as e:
         return "failed", f"accepted, but the interpreter reads it as invalid: {e}"
     if not prog.cpu_only:

@@ -646,3 +646,22 @@ zopt.step @s attributes {zero_stage = 3 : i64, gpu_arch = "sm_90"} {
   %w1 = zopt.apply %w, %g, %lr : f32, bf16
   zopt.yield %w1, %w1 into %w, %p : f32, f32 into f32, bf16
 }
+
+// -----
+
+// A loss-scaled gradient is read through zopt.unscale only.
+zopt.step @s {
+  %p = zopt.state param : f16 on cpu
+  %g = zopt.state grad : f16 on cpu
+  %w = zopt.state master : f32 on cpu
+  %m = zopt.state exp_avg : f32 on cpu
+  %lr = zopt.hyper lr
+  %b1 = zopt.hyper beta1
+  // expected-note@+1 {{zopt.unscale here) instead}}
+  %gs = zopt.unscale %g : f16
+  // expected-error@+1 {{reads the loss-scaled gradient directly; read the unscaled value}}
+  %m1 = zopt.ema %m, %g, %b1 : f32, f16
+  %w1 = zopt.apply %w, %gs, %lr : f32, f32
+  %w2 = zopt.apply %w1, %m1, %lr : f32, f32
+  zopt.yield %w2, %m1, %w2 into %w, %m, %p : f32, f32, f32 into f32, f32, f16
+}

@@ -217,6 +217,152 @@ void mlir::zopt::lintDescription(StepOp step) {
   }
 }
 
+/// The attributes an op's syntax gives (its assembly format binds them):
+/// restating one in the op's attribute dictionary would silently win over
+/// the syntax (`zopt.clip_by_global_norm %g max 1.0 {max_norm = 100.0}`
+/// clipped at 100: the property test's finding F2).
+static ArrayRef<StringRef> syntaxAttributes(StringRef opName) {
+  static const StringRef step[] = {"sym_name"};
+  static const StringRef state[] = {"kind", "placement", "rounding"};
+  static const StringRef hyper[] = {"kind", "default_value"};
+  static const StringRef global[] = {"kind"};
+  static const StringRef clip[] = {"max_norm"};
+  if (opName == "zopt.step") return step;
+  if (opName == "zopt.state") return state;
+  if (opName == "zopt.hyper") return hyper;
+  if (opName == "zopt.global") return global;
+  if (opName == "zopt.clip_by_global_norm") return clip;
+  return {};
+}
+
+/// Offset of the `}` closing the `{` at `open`, skipping strings and nested
+/// brackets; npos if none.
+static size_t closingBrace(StringRef t, size_t open) {
+  int depth = 0;
+  for (size_t i = open; i < t.size(); ++i) {
+    char c = t[i];
+    if (c == '"') {
+      for (++i; i < t.size() && t[i] != '"' && t[i] != '\n'; ++i)
+        if (t[i] == '\\')
+          ++i;
+    } else if (c == '{' || c == '[' || c == '(' || c == '<') {
+      ++depth;
+    } else if (c == '}' || c == ']' || c == ')' || (c == '>' && depth > 1)) {
+      if (--depth == 0)
+        return c == '}' ? i : StringRef::npos;
+    }
+  }
+  return StringRef::npos;
+}
+
+/// Refuses an attribute dictionary that restates an attribute the op's
+/// syntax gives. The text of each op runs from its location to the next
+/// op's; its dictionary is the first top-level `{` in it (for zopt.step:
+/// the one after the `attributes` keyword, before the body).
+static LogicalResult checkRestatedAttributes(ModuleOp module,
+                                             llvm::SourceMgr &sm, unsigned id,
+                                             MLIRContext *ctx) {
+  StringRef text = sm.getMemoryBuffer(id)->getBuffer();
+  std::vector<std::pair<Operation *, size_t>> ops; // (op, offset), in order
+  module->walk<WalkOrder::PreOrder>([&](Operation *op) {
+    if (op == module.getOperation())
+      return;
+    auto loc = dyn_cast<FileLineColLoc>(op->getLoc());
+    if (!loc)
+      return;
+    llvm::SMLoc at = sm.FindLocForLineAndColumn(id, loc.getLine(), loc.getColumn());
+    if (at.isValid())
+      ops.push_back({op, size_t(at.getPointer() - text.data())});
+  });
+  for (size_t k = 0; k < ops.size(); ++k) {
+    Operation *op = ops[k].first;
+    ArrayRef<StringRef> bound = syntaxAttributes(op->getName().getStringRef());
+    if (bound.empty())
+      continue;
+    size_t begin = ops[k].second;
+    size_t end = k + 1 < ops.size() && ops[k + 1].second > begin ? ops[k + 1].second
+                                                                  : text.size();
+    StringRef seg = text.slice(begin, end);
+    size_t open = StringRef::npos;
+    if (isa<StepOp>(op)) {
+      // `zopt.step @name attributes {...} {body`: a dictionary only after
+      // the keyword, which comes before the body's brace.
+      size_t body = seg.find('{'), kw = seg.find(" attributes");
+      if (kw != StringRef::npos && kw < body)
+        open = seg.find('{', kw);
+    } else {
+      // The first `{` outside strings and <...> (types and enum
+      // attributes carry no braces).
+      int angle = 0;
+      for (size_t i = 0; i < seg.size() && open == StringRef::npos; ++i) {
+        char c = seg[i];
+        if (c == '"') {
+          for (++i; i < seg.size() && seg[i] != '"' && seg[i] != '\n'; ++i)
+            if (seg[i] == '\\')
+              ++i;
+        } else if (c == '/' && i + 1 < seg.size() && seg[i + 1] == '/') {
+          while (i < seg.size() && seg[i] != '\n')
+            ++i;
+        } else if (c == '<') {
+          ++angle;
+        } else if (c == '>' && angle) {
+          --angle;
+        } else if (c == '{' && !angle) {
+          open = i;
+        }
+      }
+    }
+    if (open == StringRef::npos)
+      continue;
+    size_t close = closingBrace(seg, open);
+    if (close == StringRef::npos)
+      continue; // the parser accepted it: not a dictionary we understand
+    // The keys at the dictionary's top level: `key = value` or `key`.
+    StringRef dict = seg.slice(open + 1, close);
+    size_t i = 0;
+    while (i < dict.size()) {
+      while (i < dict.size() && (isspace((unsigned char)dict[i]) || dict[i] == ','))
+        ++i;
+      size_t kb = i;
+      if (i < dict.size() && dict[i] == '"') {
+        for (++i; i < dict.size() && dict[i] != '"'; ++i)
+          if (dict[i] == '\\')
+            ++i;
+        ++i;
+      } else {
+        while (i < dict.size() && (isalnum((unsigned char)dict[i]) || dict[i] == '_' ||
+                                   dict[i] == '.' || dict[i] == '$' || dict[i] == '-'))
+          ++i;
+      }
+      StringRef key = dict.slice(kb, i).trim('"');
+      if (llvm::is_contained(bound, key)) {
+        emitError(locationOf(sm, id, begin + open + 1 + kb, ctx))
+            << "'" << op->getName() << "' gets '" << key
+            << "' from its syntax; restating it in the attribute dictionary "
+               "would override what the syntax says: remove it";
+        return failure();
+      }
+      // Skip the value, up to the next top-level comma.
+      int depth = 0;
+      for (; i < dict.size(); ++i) {
+        char c = dict[i];
+        if (c == '"') {
+          for (++i; i < dict.size() && dict[i] != '"'; ++i)
+            if (dict[i] == '\\')
+              ++i;
+        } else if (c == '{' || c == '[' || c == '(' || c == '<') {
+          ++depth;
+        } else if (c == '}' || c == ']' || c == ')' || c == '>') {
+          --depth;
+        } else if (c == ',' && depth == 0) {
+          break;
+        }
+      }
+    }
+  }
+  return success();
+}
+
 OwningOpRef<ModuleOp> mlir::zopt::parseDescription(llvm::SourceMgr &sm,
                                                    MLIRContext *ctx) {
   unsigned id = sm.getMainFileID();
@@ -235,6 +381,7 @@ OwningOpRef<ModuleOp> mlir::zopt::parseDescription(llvm::SourceMgr &sm,
   OwningOpRef<ModuleOp> module =
       parseSourceFile<ModuleOp>(sm, ParserConfig(ctx, /*verifyAfterParse=*/false));
   if (!module || failed(verifyDescription(*module)) ||
+      failed(checkRestatedAttributes(*module, sm, id, ctx)) ||
       failed(mlir::verify(*module)))
     return nullptr;
   for (StepOp step : module->getOps<StepOp>())

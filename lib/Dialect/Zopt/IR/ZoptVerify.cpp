@@ -364,6 +364,18 @@ LogicalResult StepOp::verifyRegions() {
     return grad.emitOpError(
         "f16 gradients need loss scaling: add `%gs = zopt.unscale %g : f16` "
         "and use it in place of the gradient");
+  // A loss-scaled gradient is read through zopt.unscale only: a raw read
+  // would be S times too large (and the plan divides every read of the
+  // grad by the scale, so it would silently not be: the property test's
+  // finding F1).
+  if (unscale)
+    for (OpOperand &use : grad.getResult().getUses())
+      if (use.getOwner() != unscale.getOperation())
+        return use.getOwner()
+                   ->emitOpError("reads the loss-scaled gradient directly; "
+                                 "read the unscaled value (the result of ")
+                   .attachNote(unscale.getLoc())
+               << "zopt.unscale here) instead";
 
   // ZeRO-3 keeps params sharded in runtime memory on the placement of the
   // update; with the params on the GPU and the optimizer states on the CPU
