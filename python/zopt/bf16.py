@@ -38,8 +38,9 @@ def round_f64(x):
     """float64 -> float64 value of the nearest bf16 (ties to even).
 
     Rounds the float64 directly (one rounding, no float32 detour) by bit
-    manipulation of the float64 mantissa (52 -> 7 bits). Exact for the normal
-    bf16 range; NaN stays NaN; overflow gives inf.
+    manipulation of the float64 mantissa (52 -> 7 bits) in the normal bf16
+    range, and to a multiple of 2^-133 (the subnormal quantum) below 2^-126;
+    NaN stays NaN; overflow gives inf.
     """
     a = np.ascontiguousarray(np.asarray(x, dtype=np.float64))
     bits = a.view(np.uint64)
@@ -55,6 +56,10 @@ def round_f64(x):
     out[nan] = np.nan
     inf = np.isinf(a)
     out[inf] = a[inf]
+    # bf16 subnormals (below 2^-126): multiples of 2^-133, ties to even
+    # (the scaling by a power of two is exact in float64).
+    tiny = np.abs(a) < 2.0 ** -126
+    out[tiny] = np.round(a[tiny] * 2.0 ** 133) * 2.0 ** -133
     return out.reshape(a.shape)
 
 
