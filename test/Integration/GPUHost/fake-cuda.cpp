@@ -154,7 +154,6 @@ struct State {
   int driver_version = 13000;
   int fail_attribute = -1;
   int blocks_per_sm = 2;
-  std::vector<void *> ctx_stack;  // the calling threads' context stack (one for all threads)
   std::map<void *, Graph *> capturing;  // stream -> graph under capture
   int replays = 0;
   unsigned delay_us = 0;
@@ -248,7 +247,15 @@ void log(const char *api) {
   st().calls.push_back(api);
 }
 
-void *current_ctx() { return st().ctx_stack.empty() ? nullptr : st().ctx_stack.back(); }
+// Each thread has its own context stack, as in the real driver: a rank
+// thread of --world that pushed its optimizer's context must not see (or
+// pop) another thread's. One stack for all threads made those ranks fail
+// with CUDA_ERROR_INVALID_CONTEXT when another rank popped in between.
+std::vector<void *> &ctx_stack() {
+  thread_local std::vector<void *> s;
+  return s;
+}
+void *current_ctx() { return ctx_stack().empty() ? nullptr : ctx_stack().back(); }
 int ctx_device(void *ctx) { return ctx ? (int)((uintptr_t)ctx - 0x1000) : 0; }
 
 // The allocation holding [p, p + n), or allocs.end().
@@ -491,7 +498,7 @@ API CUresult cuCtxGetCurrent(void **ctx) {
 API CUresult cuCtxSetCurrent(void *ctx) {
   log("cuCtxSetCurrent");
   std::lock_guard<std::recursive_mutex> lk(g_mu);
-  auto &s = st().ctx_stack;
+  auto &s = ctx_stack();
   if (!ctx) {
     if (!s.empty()) s.pop_back();
   } else if (s.empty()) {
@@ -505,15 +512,15 @@ API CUresult cuCtxPushCurrent_v2(void *ctx) {
   log("cuCtxPushCurrent");
   if (!ctx) return kInvalidContext;
   std::lock_guard<std::recursive_mutex> lk(g_mu);
-  st().ctx_stack.push_back(ctx);
+  ctx_stack().push_back(ctx);
   return kOk;
 }
 API CUresult cuCtxPopCurrent_v2(void **ctx) {
   log("cuCtxPopCurrent");
   std::lock_guard<std::recursive_mutex> lk(g_mu);
-  if (st().ctx_stack.empty()) return kInvalidContext;
-  if (ctx) *ctx = st().ctx_stack.back();
-  st().ctx_stack.pop_back();
+  if (ctx_stack().empty()) return kInvalidContext;
+  if (ctx) *ctx = ctx_stack().back();
+  ctx_stack().pop_back();
   return kOk;
 }
 API CUresult cuCtxGetDevice(int *d) {
