@@ -29,15 +29,7 @@ build="${FUZZ_BUILD_DIR:-$root/build-fuzz}"
 start=$(date +%s)
 
 bash "$root/scripts/setup-deps.sh"
-# libFuzzer and the sanitizer runtimes of clang-22.
-if ! dpkg-query -W -f='${Status}' libclang-rt-22-dev 2>/dev/null | grep -q "install ok installed"; then
-  SUDO=""
-  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-  echo "fuzz: installing libclang-rt-22-dev"
-  export DEBIAN_FRONTEND=noninteractive
-  $SUDO apt-get update -qq
-  $SUDO apt-get install -y -qq --no-install-recommends libclang-rt-22-dev
-fi
+# (setup-deps.sh installs libclang-rt-22-dev: libFuzzer and the sanitizer runtimes.)
 
 if [ ! -f "$build/build.ninja" ]; then
   launcher=()

@@ -548,6 +548,14 @@ def test_csv_logger_and_example(adamw_f32, tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
     assert len(read_csv(str(tmp_path / "run" / "metrics.csv"))["step"]) == 60
+    # The plot (scripts/setup-deps.sh installs matplotlib): a PNG, non-trivial.
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        pytest.skip("matplotlib is not installed: the CSV was checked, not the plot")
+    png = tmp_path / "run" / "metrics.png"
+    assert "plot: " + str(png) in r.stdout, r.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10000
 
 
 def test_train_side_by_side_with_torch(adamw_f32):
