@@ -9,9 +9,13 @@
 // dtype, with the gradient divisor set to W (the mean). After every step
 // the W-rank result must equal the reference exactly: the norm, the skip
 // decision, the loss scale, the params in user memory (gathered under
-// ZeRO-3), the full grads where the stage keeps them, every optimizer state
-// (read through the C API, a collective gather for sharded states), and
-// the step counts.
+// ZeRO-3), the grad memory (the reduced gradient, the reference's
+// rank-order sum, wherever the step program leaves it: whole under ZeRO-0/1,
+// in the rank's own shards under ZeRO-2/3, the rank's own gradient
+// elsewhere), every optimizer state (read through the C API, a collective
+// gather for sharded states), and the step counts. After the steps, the
+// runtime-held bytes (zopt_memory_info) must be exactly what the documented
+// layout, computed here, assigns to the rank.
 //
 //   zopt-zero-check STEP.so [options]
 //     --comm=loopback|mpi   ranks as threads (with --world=W) or MPI processes
@@ -45,6 +49,7 @@
 #include "zopt/comm.h"
 #include "zopt/zopt.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdarg>
 #include <cstdio>
@@ -252,9 +257,79 @@ std::vector<uint8_t> mask_of(const Options &opt, int r) {
 
 bool same_bits(double a, double b) { return memcmp(&a, &b, 8) == 0; }
 
-// Compares everything a step produces.
+// The documented layout (docs/DISTRIBUTED.md "The layout"), computed here
+// from the description, not by runtime/src/layout: per group the tensors in
+// reverse add order, each non-empty segment at a multiple of `align`; the
+// flat space cut into buckets of `bucket` elements rounded up to a norm
+// block; each bucket padded to a multiple of W norm blocks and cut into W
+// equal shards; rank r owns shard r of every bucket.
+constexpr int64_t kBlock = 32768;
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+struct LayoutModel {
+  struct Bucket {
+    int group;
+    int64_t begin, len, shard;
+  };
+  std::vector<int64_t> flat;  // per tensor: its element 0 in its group's flat space
+  std::vector<Bucket> buckets;
+  int64_t local = 0;          // elements of a rank's buffer of a sharded state
+  int64_t max_padded = 0, blocks_per_rank = 0;
+  // The rank owning element i of tensor t.
+  int owner(size_t t, int64_t i) const {
+    const int64_t f = flat[t] + i;
+    for (const Bucket &b : buckets)
+      if (b.group == kGroups[t] && f >= b.begin && f < b.begin + b.len) return (int)((f - b.begin) / b.shard);
+    return -1;
+  }
+};
+LayoutModel model_layout(int world, int64_t align, int64_t bucket, size_t T) {
+  LayoutModel L;
+  L.flat.assign(T, 0);
+  const int64_t B = round_up(bucket < 1 ? 1 : bucket, kBlock);
+  int groups = 0;
+  for (size_t t = 0; t < T; ++t) groups = std::max(groups, kGroups[t] + 1);
+  for (int g = 0; g < groups; ++g) {
+    int64_t off = 0;
+    for (size_t t = T; t-- > 0;) {
+      if (kGroups[t] != g) continue;
+      if (kSizes[t] > 0) off = round_up(off, align < 1 ? 1 : align);
+      L.flat[t] = off;
+      off += kSizes[t];
+    }
+    for (int64_t b = 0; b < off; b += B) {
+      const int64_t len = std::min(B, off - b), padded = round_up(len, (int64_t)world * kBlock);
+      L.buckets.push_back({g, b, len, padded / world});
+      L.local += padded / world;
+      L.blocks_per_rank += padded / world / kBlock;
+      L.max_padded = std::max(L.max_padded, padded);
+    }
+  }
+  return L;
+}
+
+// What a rank's grad memory holds after a step, read from the step program:
+// a step that all-gathers the grad leaves every rank the whole reduced
+// (rank-order summed) gradient (ZeRO-0 and 1); one that only
+// reduce-scatters it leaves the reduced gradient in the rank's own shards
+// and the rank's own gradient elsewhere (ZeRO-2 and 3).
+enum class GradKeep { kOwn, kShards, kWhole };
+GradKeep grad_keep(const zopt_step_descriptor *d) {
+  bool reduced = false, gathered = false;
+  for (uint32_t i = 0; i < d->num_program; ++i) {
+    const zopt_program_op &op = d->program[i];
+    const bool grad = d->states[op.state].kind == ZOPT_STATE_GRAD;
+    reduced |= op.code == ZOPT_OP_REDUCE_SCATTER && grad;
+    gathered |= op.code == ZOPT_OP_ALL_GATHER && grad;
+  }
+  return gathered ? GradKeep::kWhole : reduced ? GradKeep::kShards : GradKeep::kOwn;
+}
+
+// Compares everything a step produces. `own` (NULL after a load: no step
+// ran) is this rank's gradients as handed to the step: the grad memory is
+// compared with the reference's (the rank-order sum, which a one-rank step
+// leaves as it is) where the program leaves the reduced gradient.
 bool compare(int rank, Model &m, Model &ref, const zopt_step_result &a, const zopt_step_result &b, int k,
-             const Options &opt, const char *tag) {
+             const Options &opt, const char *tag, const std::vector<std::vector<unsigned char>> *own = nullptr) {
   bool ok = true;
   char what[160];
   snprintf(what, sizeof what, "%s step %d", tag, k);
@@ -306,7 +381,27 @@ bool compare(int rank, Model &m, Model &ref, const zopt_step_result &a, const zo
       ok = false;
     }
   }
-  (void)opt;
+  // The grad memory (none registered when streaming).
+  if (own && !opt.stream) {
+    const GradKeep keep = grad_keep(d);
+    const LayoutModel L = model_layout(opt.world, d->align, opt.bucket, m.g.size());
+    const size_t es = esize(m.gdt);
+    for (size_t t = 0; t < m.g.size(); ++t)
+      for (int64_t i = 0; i < kSizes[t]; ++i) {
+        const bool reduced =
+            keep == GradKeep::kWhole || (keep == GradKeep::kShards && L.owner(t, i) == rank);
+        const unsigned char *want = (reduced ? ref.g[t].data() : (*own)[t].data()) + (size_t)i * es;
+        if (memcmp(m.g[t].data() + (size_t)i * es, want, es) != 0) {
+          report(rank, false,
+                 "%s: grad of tensor %zu element %lld is %.9g, want %.9g (%s; element owned by rank %d)", what, t,
+                 (long long)i, to_f32(m.g[t].data(), m.gdt, (size_t)i), to_f32(want, m.gdt, 0),
+                 reduced ? "the reduced gradient: one rank's rank-order sum" : "this rank's own gradient",
+                 L.owner(t, i));
+          ok = false;
+          break;
+        }
+      }
+  }
   return ok;
 }
 
@@ -341,6 +436,62 @@ bool expect_error(int rank, zopt_status st, const char *what, const char *needle
   const char *msg = zopt_last_error();
   bool ok = st != ZOPT_OK && strstr(msg, needle);
   report(rank, ok, "%s fails on every rank naming %s (rank %d: \"%s\")", what, needle, rank, st ? msg : "no error");
+  return ok;
+}
+
+// The runtime-owned bytes this rank holds are what the layout assigns it:
+// per state the runtime holds (the optimizer states; ZeRO-3 params;
+// streamed gradients), its shards of every bucket (a partitioned state) or
+// the whole padded flat space (one that is not), in the state's dtype, each
+// buffer rounded up to 64 bytes (its allocation). So a sharded state takes
+// 1/W of one rank's bytes plus the documented padding: less than one norm
+// block per bucket (docs/DISTRIBUTED.md "Memory"). The collective scratch
+// is two buffers of the largest padded bucket (in the widest dtype) and
+// every rank's norm partials.
+bool check_memory(int rank, Model &m, Model &ref, const Options &opt, const char *tag) {
+  zopt_memory_info mi, mr;
+  CK(zopt_optimizer_memory_info(m.o, &mi));
+  CK(zopt_optimizer_memory_info(ref.o, &mr));
+  const int W = opt.world;
+  const size_t T = m.g.size();
+  const LayoutModel L = model_layout(W, m.d->align, opt.bucket, T), L1 = model_layout(1, m.d->align, opt.bucket, T);
+  uint64_t lo = 0, lo1 = 0, bufs = 0, pad = 0, widest = 0, ref_lo1 = 0;
+  bool all_sharded = true;
+  for (uint32_t s = 0; s < m.d->num_states; ++s) {
+    const zopt_state_desc &sd = m.d->states[s];
+    const uint64_t es = esize(sd.dtype);
+    widest = std::max(widest, es);
+    const bool part = (sd.flags & ZOPT_STATE_PARTITIONED) != 0;
+    const bool streamed = opt.stream && sd.kind == ZOPT_STATE_GRAD;  // the reference registers grad memory
+    const bool held = (sd.kind != ZOPT_STATE_PARAM && sd.kind != ZOPT_STATE_GRAD) ||
+                      (sd.kind == ZOPT_STATE_PARAM && part) || streamed;
+    if (!held) continue;
+    lo += (uint64_t)((part || streamed) ? L.local : L1.local) * es;
+    lo1 += (uint64_t)L1.local * es;
+    if (!streamed) ref_lo1 += (uint64_t)L1.local * es;
+    pad += (uint64_t)L.buckets.size() * kBlock * es;
+    all_sharded = all_sharded && (part || streamed);
+    ++bufs;
+  }
+  const uint64_t align_slack = 63 * bufs;
+  bool ok = mi.state_bytes >= lo && mi.state_bytes <= lo + align_slack;
+  ok = ok && mi.state_bytes_one_rank >= lo1 && mi.state_bytes_one_rank <= lo1 + align_slack;
+  ok = ok && mr.state_bytes == mr.state_bytes_one_rank && mr.state_bytes >= ref_lo1 &&
+       mr.state_bytes <= ref_lo1 + align_slack;
+  // 1/W of one rank's plus the documented padding (less than a norm block
+  // per bucket and state) and the allocations' rounding.
+  if (all_sharded && bufs)
+    ok = ok && mi.state_bytes * (uint64_t)W < mi.state_bytes_one_rank + (uint64_t)W * (pad + align_slack);
+  // Scratch: none at one rank without streaming.
+  const uint64_t scratch = (W > 1 || opt.stream)
+                               ? 2 * (uint64_t)L.max_padded * widest + (uint64_t)L.blocks_per_rank * W * 8
+                               : 0;
+  ok = ok && mi.scratch_bytes <= scratch;
+  report(rank, ok,
+         "%smemory: %llu state bytes on this rank (the layout's shards: %llu), %llu on one rank (%llu), scratch "
+         "%llu (at most %llu), world %d",
+         tag, (unsigned long long)mi.state_bytes, (unsigned long long)lo, (unsigned long long)mi.state_bytes_one_rank,
+         (unsigned long long)lo1, (unsigned long long)mi.scratch_bytes, (unsigned long long)scratch, W);
   return ok;
 }
 
@@ -437,6 +588,8 @@ bool run_rank(int rank, int world, zopt_comm *comm, const Options &opt) {
       fill_grads(*ms[c], o2, rank, k, S, c);
       fill_ref_grads(*refs[c], o2, world, k, Sr, c);
     }
+    // This rank's gradients as handed over (the step overwrites the reduced ones).
+    std::vector<std::vector<unsigned char>> own[2] = {m.g, m2.g};
     if (opt.stream)
       for (int c = 0; c < nparts; ++c)
         if (!stream_grads(rank, *ms[c], o2)) return false;
@@ -448,9 +601,9 @@ bool run_rank(int rank, int world, zopt_comm *comm, const Options &opt) {
       CK(zopt_optimizer_step(m.o, &a));
       CK(zopt_optimizer_step(ref.o, &b));
     }
-    bool ok = compare(rank, m, ref, a, b, k, o2, "");
+    bool ok = compare(rank, m, ref, a, b, k, o2, "", &own[0]);
     if (step2) {
-      ok = compare(rank, m2, ref2, a, b, k, o2, "linked part 1") && ok;
+      ok = compare(rank, m2, ref2, a, b, k, o2, "linked part 1", &own[1]) && ok;
       // One norm over both parts: float64 over the reference's gradients
       // scaled as the kernels scale them (the f32 product with the f32
       // coefficient 1 / (S D)), summed in long double: the kernels' f64
@@ -471,26 +624,12 @@ bool run_rank(int rank, int world, zopt_comm *comm, const Options &opt) {
              want);
       ok = ok && norm_ok;
     }
-    // The stages that keep the full mean gradient on every rank (0, 1).
     all_ok = all_ok && ok;
     report(rank, ok, "step %d at %d rank(s) (norm %.17g%s) bit-identical to one rank on the rank-order sum", k, world,
            a.grad_norm, a.skipped ? ", skipped" : "");
   }
-  zopt_memory_info mi, mr;
-  CK(zopt_optimizer_memory_info(m.o, &mi));
-  CK(zopt_optimizer_memory_info(ref.o, &mr));
-  bool sharded = false;
-  for (uint32_t s = 0; s < m.d->num_states; ++s) sharded |= (m.d->states[s].flags & ZOPT_STATE_PARTITIONED) != 0;
-  // Each rank holds its shards of the partitioned states: ~1/W of one
-  // rank's bytes plus padding (at most one norm block per bucket and rank).
-  const uint64_t pad = 4 * 8 * 32768ull * 8;
-  // Streamed gradients are runtime-held shards too (one rank: the full grads).
-  bool mem_ok = (opt.stream ? mi.state_bytes_one_rank > mr.state_bytes_one_rank
-                            : mi.state_bytes_one_rank == mr.state_bytes_one_rank) &&
-                (!sharded || world == 1 ||
-                 mi.state_bytes * (uint64_t)world <= mi.state_bytes_one_rank + (uint64_t)world * pad);
-  report(rank, mem_ok, "memory: %llu state bytes on this rank, %llu on one rank (world %d)",
-         (unsigned long long)mi.state_bytes, (unsigned long long)mr.state_bytes, world);
+  for (int c = 0; c < nparts; ++c)
+    if (!check_memory(rank, *ms[c], *refs[c], o2, c ? "linked part 1: " : "")) all_ok = false;
   if (!opt.save.empty()) CK(zopt_optimizer_save(m.o, opt.save.c_str()));
   return all_ok;
 }
