@@ -9,7 +9,13 @@
 // per rank, the runtime-owned state it holds per parameter against one
 // rank's, the median step time and where it went (the collectives, the
 // norm, the update), and whether every param and every state is
-// bit-identical to the one-rank run after the last step.
+// bit-identical to the one-rank run after the last step ("yes" or "NO");
+// the exit status is 1 when any rank is not (or failed).
+//
+// For the tests of that verdict (test/Integration/ZeRO/zopt-run*.test):
+// with ZOPT_RUN_FAULT=grad in the environment, the last rank changes one
+// element of its gradient after the reference summed the ranks'
+// gradients, so every rank must report NO and the run exit 1.
 //
 //===----------------------------------------------------------------------===//
 #include "zopt/comm.h"
@@ -76,6 +82,7 @@ struct Setup {
   uint32_t pdt, gdt;
   std::vector<int64_t> sizes;
   int steps, threads;
+  bool fault = false;  // ZOPT_RUN_FAULT=grad: the last rank's gradient differs from the reference's
 };
 
 struct RankResult {
@@ -128,6 +135,8 @@ bool build(const Setup &s, Model &m, zopt_comm *comm, int rank, int world, std::
             "add_tensor"))
       return false;
   }
+  if (s.fault && rank == world - 1 && !s.sizes.empty() && s.sizes[0] > 0)
+    store(m.g[0].data(), s.gdt, 0, load(m.g[0].data(), s.gdt, 0) * 2.0f + 1e-3f);
   m.g0 = m.g;
   if (comm && !ck(zopt_optimizer_set_comm(m.o, comm), "set_comm")) return false;
   if (!ck(zopt_optimizer_finalize(m.o), "finalize")) return false;
@@ -228,6 +237,10 @@ void print_row(int r, const RankResult &x) {
 
 // Entry from zopt_run.cpp's main. Returns the process exit code.
 int zopt_run_ranks(const char *path, int world, bool mpi, long long nParams, int nTensors, int steps, int threads) {
+  if (nTensors < 1 || nParams < nTensors || steps < 1 || threads < 1) {
+    std::fprintf(stderr, "zopt-run: need params >= tensors >= 1, steps >= 1\n");
+    return 2;
+  }
   zopt_step *step = nullptr;
   if (zopt_step_load(path, &step) != ZOPT_OK) {
     std::fprintf(stderr, "zopt-run: %s\n", zopt_last_error());
@@ -243,6 +256,8 @@ int zopt_run_ranks(const char *path, int world, bool mpi, long long nParams, int
   for (int t = 0; t < nTensors; ++t) s.sizes.push_back(nParams / nTensors + (t < nParams % nTensors ? 1 : 0));
   s.steps = steps;
   s.threads = threads;
+  const char *fault = std::getenv("ZOPT_RUN_FAULT");
+  s.fault = fault && !std::strcmp(fault, "grad");
   int rc = 0;
   if (mpi) {
     zopt_comm *c = nullptr;
@@ -258,7 +273,11 @@ int zopt_run_ranks(const char *path, int world, bool mpi, long long nParams, int
       std::fprintf(stderr, "zopt-run: reference: %s\n", err.c_str());
       return 1;
     }
-    for (int k = 0; k < steps; ++k) zopt_optimizer_step(ref.o, nullptr);
+    for (int k = 0; k < steps; ++k)
+      if (zopt_optimizer_step(ref.o, nullptr) != ZOPT_OK) {
+        std::fprintf(stderr, "zopt-run: reference step: %s\n", zopt_last_error());
+        return 1;
+      }
     if (rank == 0)
       std::printf("step %s, ZeRO stage %u, %lld parameters in %d tensors, %d MPI ranks x %d threads, %d steps\n",
                   s.d->name, s.d->zero_stage, nParams, nTensors, world, threads, steps);
@@ -305,7 +324,11 @@ int zopt_run_ranks(const char *path, int world, bool mpi, long long nParams, int
       std::fprintf(stderr, "zopt-run: reference: %s\n", err.c_str());
       return 1;
     }
-    for (int k = 0; k < steps; ++k) zopt_optimizer_step(ref.o, nullptr);
+    for (int k = 0; k < steps; ++k)
+      if (zopt_optimizer_step(ref.o, nullptr) != ZOPT_OK) {
+        std::fprintf(stderr, "zopt-run: reference step: %s\n", zopt_last_error());
+        return 1;
+      }
     std::vector<zopt_comm *> comms(world);
     zopt_loopback_options lo{};
     lo.timeout_s = 120;
