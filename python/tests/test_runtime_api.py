@@ -283,3 +283,40 @@ def test_load_validate_only(steps, tmp_path):
     assert L.zopt_optimizer_load_ex(h, path.encode(), 4) == _lib.Status.INVALID_ARGUMENT
     _lib.check(L.zopt_optimizer_load_ex(h, path.encode(), 0), "load_ex")
     np.testing.assert_array_equal(o.read_state(0, "exp_avg"), m0)
+
+
+def test_set_grad_memory_batch(steps):
+    """zopt_optimizer_set_grad_memory: n tensors' gradients from new memory
+    in one call (as set_tensor_memory for each); an entry out of range or a
+    grad that is its param's memory refuses the whole call, changing
+    nothing."""
+    a, b = _arrays(5), _arrays(5)
+    oa, ob = _opt(steps, a), _opt(steps, b)
+    L, h = _lib.lib(), ob._handle()
+    g0, g1 = b[0][1].copy(), b[1][1].copy()
+    T = (ctypes.c_int32 * 2)
+    V = (ctypes.c_void_p * 2)
+    # refused: tensor 2 does not exist; tensor 1's grad would be its param
+    assert L.zopt_optimizer_set_grad_memory(h, 2, T(0, 2), V(g0.ctypes.data, g1.ctypes.data)) \
+        == _lib.Status.INVALID_ARGUMENT
+    assert b"tensor id 2 out of range" in L.zopt_last_error()
+    assert L.zopt_optimizer_set_grad_memory(h, 2, T(0, 1), V(g0.ctypes.data, b[1][0].ctypes.data)) \
+        == _lib.Status.INVALID_ARGUMENT
+    assert L.zopt_optimizer_set_grad_memory(h, -1, None, None) == _lib.Status.INVALID_ARGUMENT
+    assert L.zopt_optimizer_set_grad_memory(h, 2, None, None) == _lib.Status.INVALID_ARGUMENT
+    b[0][1][:] = np.nan  # still read: the refused calls changed nothing
+    oa.step(), ob.step()
+    assert np.isnan(b[0][0]).all() and np.isfinite(b[1][0]).all()
+    # A fresh pair of optimizers: the new memory is read, the old is not.
+    a, b = _arrays(6), _arrays(6)
+    oa, ob = _opt(steps, a), _opt(steps, b)
+    L, h = _lib.lib(), ob._handle()
+    g0, g1 = b[0][1].copy(), b[1][1].copy()
+    _lib.check(L.zopt_optimizer_set_grad_memory(h, 2, T(0, 1), V(g0.ctypes.data, g1.ctypes.data)),
+               "set_grad_memory")
+    b[0][1][:] = np.nan
+    b[1][1][:] = np.nan
+    for _ in range(3):
+        oa.step(), ob.step()
+    for (pa, _), (pb, _) in zip(a, b):
+        np.testing.assert_array_equal(pa, pb)

@@ -251,6 +251,7 @@ _SIGS = {
     "zopt_optimizer_gather_params": (_S, [_P, ctypes.c_int, ctypes.c_int, _P]),
     "zopt_optimizer_refresh_master": (_S, [_P, ctypes.c_int, ctypes.c_int]),
     "zopt_optimizer_set_tensor_memory": (_S, [_P, ctypes.c_int, _P, _P]),
+    "zopt_optimizer_set_grad_memory": (_S, [_P, ctypes.c_int64, _P, _P]),
     "zopt_optimizer_set_tensor_step": (_S, [_P, ctypes.c_int, ctypes.c_int64]),
     "zopt_optimizer_set_step_count": (_S, [_P, ctypes.c_int, ctypes.c_int64]),
     "zopt_optimizer_get_loss_scaler_state": (_S, [_P, ctypes.POINTER(ctypes.c_double),

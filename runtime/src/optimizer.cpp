@@ -847,6 +847,29 @@ ZOPT_API zopt_status zopt_optimizer_set_tensor_memory(zopt_optimizer *o, int ten
   return ZOPT_OK;
 }
 
+ZOPT_API zopt_status zopt_optimizer_set_grad_memory(zopt_optimizer *o, int64_t n, const int32_t *tensors,
+                                                    void *const *grads) {
+  const char *fn = "zopt_optimizer_set_grad_memory";
+  CHECK_OPT(o, "zopt_optimizer_set_grad_memory");
+  if (n < 0 || (n > 0 && (!tensors || !grads)))
+    return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: n = %lld with %s", fn, (long long)n,
+                n < 0 ? "n < 0" : "a NULL array");
+  if (o->gpu)
+    return fail(ZOPT_ERR_UNSUPPORTED, "%s: GPU steps keep their tensors' device pointers in device tables", fn);
+  for (int64_t i = 0; i < n; ++i) {  // every entry checked before any is applied
+    if (zopt_status st = check_tensor(o, tensors[i], fn)) return st;
+    const Tensor &x = o->tensors[tensors[i]];
+    if (x.numel > 0 && grads[i] == x.param)
+      return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: entry %lld: tensor %d's grad is its param's memory", fn,
+                  (long long)i, (int)tensors[i]);
+    if (o->offload && x.numel > 0 && grads[i])
+      if (zopt_status st = offload_check_tensor(o, x.param, grads[i])) return st;
+  }
+  for (int64_t i = 0; i < n; ++i) o->tensors[tensors[i]].grad = grads[i];
+  if (n && o->finalized && o->prog) o->prog->rebind_pending = true;  // once, at the next step
+  return ZOPT_OK;
+}
+
 ZOPT_API zopt_status zopt_optimizer_set_tensor_step(zopt_optimizer *o, int tensor, int64_t count) {
   CHECK_OPT(o, "zopt_optimizer_set_tensor_step");
   if (zopt_status st = check_tensor(o, tensor, "zopt_optimizer_set_tensor_step")) return st;

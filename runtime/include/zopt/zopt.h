@@ -429,6 +429,14 @@ ZOPT_API zopt_status zopt_optimizer_get_tensor_step(const zopt_optimizer *opt, i
  * zopt_optimizer_refresh_master to take new values into a master). CPU and
  * offloaded steps (GPU steps: ZOPT_ERR_UNSUPPORTED). */
 ZOPT_API zopt_status zopt_optimizer_set_tensor_memory(zopt_optimizer *opt, int tensor, void *param, void *grad);
+/* Gradient memory of n tensors at once (a binding handing over the fresh
+ * gradient tensors of a backward without copying them): tensors[i]'s
+ * gradient is read from grads[i] from the next step on, its param memory
+ * unchanged; as n calls of zopt_optimizer_set_tensor_memory, except that
+ * every entry is checked before any is applied (a refused call changes
+ * nothing). CPU and offloaded steps. */
+ZOPT_API zopt_status zopt_optimizer_set_grad_memory(zopt_optimizer *opt, int64_t n, const int32_t *tensors,
+                                                    void *const *grads);
 /* Restoring counts and the loss scaler without a checkpoint file (e.g. a
  * binding's state_dict): the steps a tensor took, a group's step count,
  * and the dynamic loss scaler's current scale and good-step counter (its
