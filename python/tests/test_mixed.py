@@ -12,6 +12,7 @@ bf16 class accumulated by the hooks (test_main_grad.py has the rest)."""
 import copy
 import math
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -769,3 +770,100 @@ def test_add_param_group_failure_puts_the_classes_back(steps):
     for t in sb["state"]:
         for key, v in sb["state"][t].items():
             assert torch.equal(sa["state"][t][key], v), (t, key)
+
+
+# ---- model and master agree after loads; writes through state[p] ----------------------
+
+def test_loaded_master_replaces_other_weights_in_every_class(steps, tmp_path):
+    """The single-class policy over the classes: an optimizer state loaded
+    into a model with other weights sets the params with a master (the
+    bf16 class) to round(master) at once, one warning for all classes;
+    a matching model is left alone without one; a model loaded afterwards
+    wins; a refused load changes no param."""
+    W = zopt.optimizer.MasterWeightsWarning
+    cl = classes(steps, "adamw", classes={"bf16": dict(master="f32"), "f32": {}})
+    m = Net()
+    opt = zopt.Optimizer(cl, m.parameters(), **ADAMW)
+    for s in range(2):
+        opt.zero_grad()
+        loss_of(m, s).backward()
+        opt.step()
+    msd, osd = copy.deepcopy(m.state_dict()), copy.deepcopy(opt.state_dict())
+    opt.save(tmp_path / "ck")
+    # a matching model (a resume): nothing changes, nothing warned
+    m2 = Net(seed=7)
+    m2.load_state_dict(msd)
+    opt2 = zopt.Optimizer(cl, m2.parameters(), **ADAMW)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt2.load_state_dict(osd)
+        opt2.load(tmp_path / "ck")
+    assert same_bits(m2.parameters(), msd.values())
+    # other weights: a refused load changes no param ...
+    m3 = Net(seed=7)
+    before = [p.detach().clone() for p in m3.parameters()]
+    opt3 = zopt.Optimizer(cl, m3.parameters(), **ADAMW)
+    bad = copy.deepcopy(osd)
+    bad["state"][2]["exp_avg_sq"] = torch.zeros(7)  # the f32 class's LayerNorm weight
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(zopt.ZoptError, match="exp_avg_sq"):
+            opt3.load_state_dict(bad)
+    assert same_bits(m3.parameters(), before)
+    # ... a load sets the bf16 params to their masters (the f32 class's
+    # params are its weights: the model's own, kept)
+    with pytest.warns(W, match=r"load_state_dict: .* in 4 of 4 params") as rec:
+        opt3.load_state_dict(osd)
+    assert len(rec) == 1
+    for (k, v), p, b in zip(msd.items(), m3.parameters(), before):
+        assert torch.equal(bits(p), bits(v if p.dtype == BF else b)), k
+        if p.dtype == BF:
+            assert torch.equal(p.detach().float(), opt3.state[p]["master"].to(BF).float())
+    # the model loaded after the optimizer state wins
+    pre = Net(seed=5).state_dict()
+    m3.load_state_dict(pre)
+    opt3.set_hyper(0, "lr", 0.0)
+    opt3.set_hyper(0, "weight_decay", 0.0)
+    opt3.zero_grad()
+    loss_of(m3, 3).backward()
+    opt3.step()
+    assert same_bits(m3.parameters(), pre.values())
+    assert torch.equal(opt3.state[m3.fc1.weight]["master"], m3.fc1.weight.detach().float())
+    # load() of the checkpoint files: the same
+    m4 = Net(seed=7)
+    opt4 = zopt.Optimizer(cl, m4.parameters(), **ADAMW)
+    with pytest.warns(W, match=r"load: .* in 4 of 4 params"):
+        opt4.load(tmp_path / "ck")
+    for (k, v), p in zip(msd.items(), m4.parameters()):
+        if p.dtype == BF:
+            assert torch.equal(bits(p), bits(v)), k
+
+
+def test_state_writes_reach_every_class(steps):
+    """state[p] of either class: in-place changes and item assignment
+    reach the class's runtime, a reset starts the param afresh, a master
+    written also writes the (bf16) param."""
+    cl = classes(steps, "adamw", classes={"bf16": dict(master="f32"), "f32": {}})
+    m = Net()
+    opt = zopt.Optimizer(cl, m.parameters(), **ADAMW)
+    for s in range(2):
+        opt.zero_grad()
+        loss_of(m, s).backward()
+        opt.step()
+    for p in (m.fc1.weight, m.norm.weight):
+        opt.state[p]["exp_avg"].zero_()
+        assert not opt.read_state(p, "exp_avg").any(), p.dtype
+        opt.state[p]["exp_avg_sq"] = torch.ones(p.shape)
+        assert np.all(opt.read_state(p, "exp_avg_sq") == 1), p.dtype
+        opt.state[p]["step"] = 5
+        assert opt.tensor_step(p) == 5
+    with pytest.raises(zopt.ZoptError, match="no state 'master'"):
+        opt.state[m.norm.weight]["master"] = torch.zeros(32)
+    w = torch.randn(m.fc2.weight.shape)
+    opt.state[m.fc2.weight]["master"] = w
+    assert torch.equal(m.fc2.weight.detach(), w.to(BF))
+    del opt.state[m.norm.bias]
+    opt.state[m.fc1.bias] = {}
+    assert m.norm.bias not in opt.state and m.fc1.bias not in opt.state and len(opt.state) == 4
+    opt.state = {}
+    assert len(opt.state) == 0

@@ -2,9 +2,13 @@
 params without gradients left alone, user writes into bf16 params never
 lost, bad hyperparameters and params refused, add_param_group, state[p],
 zero_grad, closures, every lr_scheduler, state_dict both ways, metrics."""
+import collections.abc
+import contextlib
 import copy
 import math
 import os
+import pickle
+import warnings
 
 import numpy as np
 import pytest
@@ -228,9 +232,17 @@ def test_bf16_numpy_write_and_explicit_refresh(adamw_bf16):
     assert np.all(bf16.to_f32(p[100:110]) == 3.0)
 
 
+@contextlib.contextmanager
+def no_warnings():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        yield
+
+
 def test_optimizer_state_dict_resume_bf16(adamw_bf16):
     """model then optimizer state_dict: a bit-exact resume (the loaded
-    master is kept); optimizer then model: the model's weights win."""
+    master is kept, nothing warned); optimizer then model: the model's
+    weights win (the load is detected, the master remade from them)."""
     m, o = _bf16_pair(adamw_bf16)
     for i in range(3):
         train_step(m, o, i, torch.bfloat16)
@@ -240,18 +252,116 @@ def test_optimizer_state_dict_resume_bf16(adamw_bf16):
     first = [p.detach().clone() for p in m.parameters()]
     m2, o2 = _bf16_pair(adamw_bf16, seed=9)
     m2.load_state_dict(msd)
-    o2.load_state_dict(osd)
+    with no_warnings():
+        o2.load_state_dict(osd)
+    assert same_bits(m2.parameters(), list(msd.values()))
     for i in range(3, 6):
         train_step(m2, o2, i, torch.bfloat16)
     assert same_bits(m2.parameters(), first)
-    # the other order: the master is remade from the loaded model
+    # the other order: the optimizer state first (its master written into
+    # the params, warned), then other weights into the model: they win
     m3, o3 = _bf16_pair(adamw_bf16, seed=9)
-    o3.load_state_dict(osd)
-    m3.load_state_dict(msd)
+    with pytest.warns(zopt.optimizer.MasterWeightsWarning):
+        o3.load_state_dict(osd)
+    pre = mlp(5, torch.bfloat16).state_dict()
+    m3.load_state_dict(pre)
     for g in o3.param_groups:
         g["lr"], g["weight_decay"] = 0.0, 0.0
     train_step(m3, o3, 0, torch.bfloat16)
-    assert same_bits(m3.parameters(), [v for v in msd.values()])
+    assert same_bits(m3.parameters(), list(pre.values()))
+    _master_is_params(o3, m3)
+
+
+def test_optimizer_state_dict_of_another_run_bf16(adamw_bf16, tmp_path):
+    """An optimizer state (with its master) loaded into an optimizer whose
+    model holds other weights: the params are set to round(master) at once
+    (model and master agree before any step), with a warning counting them;
+    params that already agree are left alone. The same for opt.load()."""
+    m, o = _bf16_pair(adamw_bf16)
+    for i in range(3):
+        train_step(m, o, i, torch.bfloat16)
+    msd, osd = copy.deepcopy(m.state_dict()), copy.deepcopy(o.state_dict())
+    masters = [osd["state"][t]["master"] for t in range(4)]
+    o.save(tmp_path / "ck")
+    m2, o2 = _bf16_pair(adamw_bf16, seed=9)
+    with torch.no_grad():  # one param already holds the run's weights
+        m2[0].bias.copy_(m[0].bias)
+    o2.step()  # (the write above is taken into the master)
+    with pytest.warns(zopt.optimizer.MasterWeightsWarning,
+                      match=r"in 3 of 4 params.*load them after the optimizer state"):
+        o2.load_state_dict(osd)
+    # at once: each param is its loaded master, rounded (the run's weights)
+    assert same_bits(m2.parameters(), list(msd.values()))
+    for t, p in enumerate(m2.parameters()):
+        assert torch.equal(p.detach(), masters[t].to(torch.bfloat16))
+        np.testing.assert_array_equal(o2.read_state(t, "master"),
+                                      masters[t].reshape(-1).numpy())
+    # and the next steps go on from there exactly as the run does
+    m.load_state_dict(msd)
+    o.load_state_dict(osd)
+    for i in range(3, 5):
+        train_step(m, o, i, torch.bfloat16)
+        train_step(m2, o2, i, torch.bfloat16)
+    assert same_bits(m2.parameters(), m.parameters())
+    # opt.load() of the runtime's checkpoint: the same policy
+    m3, o3 = _bf16_pair(adamw_bf16, seed=9)
+    with pytest.warns(zopt.optimizer.MasterWeightsWarning, match="load: .* 4 of 4"):
+        o3.load(tmp_path / "ck")
+    assert same_bits(m3.parameters(), list(msd.values()))
+    m4, o4 = _bf16_pair(adamw_bf16, seed=9)
+    m4.load_state_dict(msd)
+    with no_warnings():
+        o4.load(tmp_path / "ck")
+    assert same_bits(m4.parameters(), list(msd.values()))
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "load"])
+def test_zero3_master_of_another_run(steps, tmp_path, how):
+    """ZeRO-3 (the runtime holds the params) at one rank: the same policy;
+    with zero3_gather="step" the model holds round(master) at once."""
+    z3 = steps(rule="adamw", layout="bf16_master", attributes={"zero_stage": 3})
+    m, o = _bf16_pair(z3)
+    for i in range(3):
+        train_step(m, o, i, torch.bfloat16)
+    msd, osd = copy.deepcopy(m.state_dict()), copy.deepcopy(o.state_dict())
+    o.save(tmp_path / "ck")
+
+    def load(opt):
+        if how == "load":
+            opt.load(tmp_path / "ck")
+        else:
+            opt.load_state_dict(osd)
+    m2, o2 = _bf16_pair(z3, seed=9)
+    m2.load_state_dict(msd)
+    with no_warnings():
+        load(o2)
+    m3, o3 = _bf16_pair(z3, seed=9)
+    with pytest.warns(zopt.optimizer.MasterWeightsWarning, match=f"{how}: .* 4 of 4"):
+        load(o3)
+    assert same_bits(m3.parameters(), list(msd.values()))
+    for i in range(3, 5):
+        train_step(m2, o2, i, torch.bfloat16)
+        train_step(m3, o3, i, torch.bfloat16)
+    assert same_bits(m3.parameters(), m2.parameters())
+
+
+def test_a_param_that_is_a_rounding_of_its_master_is_kept():
+    """Stochastic rounding may write either neighbour of the master into a
+    bf16 param: both count as agreeing (nothing rewritten, no warning);
+    anything else does not."""
+    from zopt.optimizer import _is_rounding_of
+    from zopt._lib import DType
+    m = np.array([1.0 + 0.75 * 2 ** -7, 1.0 + 0.25 * 2 ** -7, 1.0, -3.0, 1.0 + 0.75 * 2 ** -7,
+                  float("nan"), 0.0], np.float32)
+    p = bf16.from_f32(np.array([1.0, 1.0, 1.0, -3.0, 1.0 - 2 ** -8, float("nan"), -0.0],
+                               np.float32))
+    np.testing.assert_array_equal(_is_rounding_of(p, DType.BF16, m),
+                                  [True, True, True, True, False, True, True])
+    p[2] = bf16.from_f32(np.float32(1.0 + 2 ** -7))  # 1.0 is exact: only 1.0 agrees
+    assert not _is_rounding_of(p, DType.BF16, m)[2]
+    h = np.array([1.0, 1.0 + 2 ** -10, 2.0], np.float16)
+    mh = np.array([1.0 + 0.5 * 2 ** -10, 1.0 + 0.5 * 2 ** -10, 2.5], np.float32)
+    np.testing.assert_array_equal(_is_rounding_of(h, DType.F16, mh), [True, True, False])
 
 
 # ---- bad input -------------------------------------------------------------------
@@ -333,6 +443,160 @@ def test_non_contiguous_params(adamw_f32):
     with pytest.raises(zopt.ZoptError) as e:
         zopt.Optimizer(adamw_f32, [pz[0], bad])
     assert "['params'][1]" in str(e.value) and "contiguous()" in str(e.value)
+
+
+# ---- writes through opt.state[p] ---------------------------------------------------
+
+def _side_by_side(step, steps=2):
+    mz, mt = mlp(), mlp()
+    oz = zopt.Optimizer(step, mz.parameters(), lr=LR, weight_decay=WD)
+    ot = torch.optim.AdamW(mt.parameters(), lr=LR, weight_decay=WD, foreach=False)
+    for i in range(steps):
+        train_step(mz, oz, i)
+        train_step(mt, ot, i)
+    return mz, oz, mt, ot
+
+
+def test_state_writes_reach_the_runtime_as_in_torch(adamw_f32):
+    """What torch users do to optimizer.state, done to zopt and to
+    torch.optim.AdamW side by side: both go on alike."""
+    mz, oz, mt, ot = _side_by_side(adamw_f32)
+    pz, pt = list(mz.parameters()), list(mt.parameters())
+    # in place on what state[p] returned (written back at the next call)
+    oz.state[pz[0]]["exp_avg"].zero_()
+    ot.state[pt[0]]["exp_avg"].zero_()
+    assert not oz.state[pz[0]]["exp_avg"].any()       # a read sees it
+    assert not oz.read_state(pz[0], "exp_avg").any()
+    sz, st = oz.state[pz[1]], ot.state[pt[1]]
+    sz["exp_avg_sq"].mul_(4.0)
+    st["exp_avg_sq"].mul_(4.0)
+    # item assignment, also of a tensor changed in place afterwards
+    buf = torch.full_like(pz[2], 0.01)
+    oz.state[pz[2]]["exp_avg"] = buf
+    ot.state[pt[2]]["exp_avg"] = buf.clone()
+    buf.mul_(2.0)
+    ot.state[pt[2]]["exp_avg"].mul_(2.0)
+    oz.state[pz[3]]["step"] = 7
+    ot.state[pt[3]]["step"] = torch.tensor(7.0)
+    oz.state[pz[3]]["step"] += 1                     # a tensor, then assigned
+    ot.state[pt[3]]["step"] += 1
+    assert oz.tensor_step(pz[3]) == 8
+    for i in range(2, 4):
+        train_step(mz, oz, i)
+        train_step(mt, ot, i)
+    close(pz, pt)
+    for p, q in zip(pz, pt):
+        close([oz.state[p]["exp_avg"], oz.state[p]["exp_avg_sq"]],
+              [ot.state[q]["exp_avg"], ot.state[q]["exp_avg_sq"]])
+        assert float(oz.state[p]["step"]) == float(ot.state[q]["step"])
+    # the state_dict sees the writes too
+    oz.state[pz[1]]["exp_avg"].fill_(3.0)
+    assert torch.all(oz.state_dict()["state"][1]["exp_avg"] == 3.0)
+
+
+def test_state_replaced_or_reset_as_in_torch(adamw_f32):
+    """opt.state[p] = {} (and del, clear, opt.state = {}) resets the param:
+    its next step starts afresh, as torch's; a full mapping replaces it."""
+    mz, oz, mt, ot = _side_by_side(adamw_f32)
+    pz, pt = list(mz.parameters()), list(mt.parameters())
+    saved = {k: v.clone() for k, v in oz.state[pz[1]].items()}
+    oz.state[pz[0]] = {}
+    ot.state[pt[0]] = {}
+    assert pz[0] not in oz.state and oz.state[pz[0]] == {} and oz.tensor_step(pz[0]) == 0
+    assert not oz.read_state(pz[0], "exp_avg").any()
+    del oz.state[pz[1]]
+    del ot.state[pt[1]]
+    assert len(oz.state) == 2
+    for i in range(2, 4):
+        train_step(mz, oz, i)
+        train_step(mt, ot, i)
+    close(pz, pt)
+    oz.state[pz[1]] = saved                          # torch's ZeroRedundancyOptimizer does this
+    for k, v in saved.items():
+        assert torch.equal(oz.state[pz[1]][k], v)
+    oz.state[pz[2]].update(exp_avg=torch.ones_like(pz[2]), step=torch.tensor(9.0))
+    assert oz.tensor_step(pz[2]) == 9 and torch.all(oz.state[pz[2]]["exp_avg"] == 1)
+    oz.state = {}                                    # every param reset
+    assert len(oz.state) == 0 and all(oz.tensor_step(p) == 0 for p in pz)
+    train_step(mz, oz, 5)
+    oz.state.clear()
+    assert len(oz.state) == 0
+    oz.state = oz.state                              # a no-op
+
+
+def test_state_copies_and_refusals(adamw_f32):
+    m, o, _, _ = _side_by_side(adamw_f32, steps=1)
+    p = m[0].weight
+    st = o.state[p]
+    assert isinstance(st, collections.abc.MutableMapping) and list(st) == list(dict(st))
+    assert type(copy.deepcopy(st)) is dict and type(st.copy()) is dict
+    assert type(pickle.loads(pickle.dumps(st))) is dict
+    with pytest.raises(zopt.ZoptError, match=r"no state 'exp_avgg'; its states: 'step', "
+                                             r"'exp_avg', 'exp_avg_sq'"):
+        st["exp_avgg"] = torch.zeros_like(p)
+    with pytest.raises(KeyError):
+        st["momentum_buffer"]
+    with pytest.raises(zopt.ZoptError, match=r"shape \(3, 8\), the param's is \(8, 6\)"):
+        st["exp_avg"] = torch.zeros(3, 8)
+    with pytest.raises(zopt.ZoptError, match="torch.int64 tensor"):
+        st["exp_avg"] = torch.zeros(8, 6, dtype=torch.long)
+    with pytest.raises(zopt.ZoptError, match="a float"):
+        st["exp_avg"] = 0.0
+    with pytest.raises(zopt.ZoptError, match="whole number"):
+        st["step"] = 1.5
+    with pytest.raises(zopt.ZoptError, match="assign a mapping"):
+        o.state[p] = 5
+    with pytest.raises(zopt.ZoptError, match="not a param of this optimizer"):
+        o.state[torch.nn.Parameter(torch.zeros(2))] = {}
+    with pytest.raises(zopt.ZoptError, match="del opt.state"):
+        del st["exp_avg"]
+    # a refused mapping writes nothing
+    before = o.read_state(p, "exp_avg").copy()
+    with pytest.raises(zopt.ZoptError, match="shape"):
+        o.state[p] = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros(2)}
+    np.testing.assert_array_equal(o.read_state(p, "exp_avg"), before)
+    # other float dtypes are converted to the state's (f32 here); numpy too
+    st["exp_avg"] = torch.full((8, 6), 0.5, dtype=torch.bfloat16)
+    assert st["exp_avg"].dtype == torch.float32 and torch.all(st["exp_avg"] == 0.5)
+    st["exp_avg"] = np.full((8, 6), 0.25)
+    assert torch.all(st["exp_avg"] == 0.25)
+    # a copy changed in place after a step is outdated: not written back, warned
+    old = o.state[p]["exp_avg"]
+    train_step(m, o, 3)
+    now = o.read_state(p, "exp_avg").copy()
+    old.zero_()
+    with pytest.warns(RuntimeWarning, match=r"not written back: param_groups\[0\]\['params'\]"
+                                            r"\[0\].*\['exp_avg'\]"):
+        train_step(m, o, 4)
+    assert o.read_state(p, "exp_avg").any()
+    assert not np.array_equal(o.read_state(p, "exp_avg"), now)  # stepped from `now`, not 0
+
+
+def test_state_master_writes_the_param(adamw_bf16):
+    """bf16 params with an f32 master: writing the master through state[p]
+    also writes round(master) into the param (model and master agree);
+    resetting the param's state makes the master from the param."""
+    m, o = _bf16_pair(adamw_bf16)
+    for i in range(2):
+        train_step(m, o, i, torch.bfloat16)
+    p = m[0].weight
+    w = torch.randn(p.shape) * 0.1
+    o.state[p]["master"] = w
+    assert torch.equal(o.state[p]["master"], w)
+    assert torch.equal(p.detach(), w.to(torch.bfloat16))
+    o.state[p]["master"].mul_(2.0)           # in place: written back, param too
+    assert torch.equal(o.state[p]["master"], w * 2)
+    assert torch.equal(p.detach(), (w * 2).to(torch.bfloat16))
+    with torch.no_grad():
+        p.mul_(0.5)                          # a user write, then a reset
+    o.state[p] = {}
+    np.testing.assert_array_equal(o.read_state(p, "master"), p.detach().float().reshape(-1))
+    assert o.state[p] == {} and o.tensor_step(p) == 0
+    for g in o.param_groups:
+        g["lr"], g["weight_decay"] = 0.0, 0.0
+    want = [q.detach().clone() for q in m.parameters()]
+    train_step(m, o, 5, torch.bfloat16)
+    assert same_bits(m.parameters(), want)
 
 
 # ---- the torch.optim.Optimizer surface -------------------------------------------

@@ -55,9 +55,17 @@ class Sampler:
     def read(self):
         return None if self.empty else self._view[self._idx]
 
-    def snapshot(self):
-        """Records the current samples (after the optimizer wrote params)."""
-        self.baseline = self.read()
+    def snapshot(self, tids=None):
+        """Records the current samples (after the optimizer wrote params):
+        of every param, or only of the tensor ids ``tids`` (the others keep
+        their baselines, so writes into them are still found)."""
+        if tids is None or self.baseline is None:
+            self.baseline = self.read()
+            return
+        if self.empty:
+            return
+        sel = np.isin(self._owners, np.asarray(list(tids), dtype=np.int64))
+        self.baseline[sel] = self._view[self._idx[sel]]
 
     def changed(self, skip=()):
         """Tensor ids whose samples differ from the last snapshot; the

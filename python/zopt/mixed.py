@@ -31,8 +31,11 @@ puts the parts loaded before it back as they were.
 Everything else is the single-class optimizer's behaviour, per part: params
 without gradients left alone (per part ``set_active``), master refreshes on
 writes into params, f32 gradients of bf16 params (``p.main_grad``), ZeRO-3
-gather and release, ``state[p]``; ``state_dict()`` is torch's layout over
-all params (global indices in param_groups order) both ways.
+gather and release, ``state[p]`` (read and written through by the class's
+part); ``state_dict()`` is torch's layout over all params (global indices in
+param_groups order) both ways. ``load_state_dict()`` / ``load()`` of a state
+with a master set params that disagree with their master to round(master),
+as for one class, once every part has loaded, with one warning.
 """
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ import time
 from . import _ckpt, _lib
 from ._lib import DType, Status, ZoptError, check, lib, DTYPE_NAMES, STATE_NAMES
 from .optimizer import (Optimizer, Step, _StateView, _frozen, _is_torch,
-                        _slots, _torch_dtypes, torch)
+                        _slots, _torch_dtypes, _warn_master_replaced, torch)
 from .steps import dtype_name
 
 import numpy as np
@@ -597,6 +600,28 @@ class MixedOptimizer(Optimizer):
         o, lt = self._where[t]
         return o._param_state(lt)
 
+    # state[p] reads and writes, by the class's part (which keeps the
+    # tensors it lent, written back at its next call)
+    def _state_keys(self, t):
+        o, lt = self._where[t]
+        return o._state_keys(lt)
+
+    def _state_get(self, t, key):
+        o, lt = self._where[t]
+        return o._state_get(lt, key)
+
+    def _state_set(self, t, values):
+        o, lt = self._where[t]
+        return o._state_set(lt, values)
+
+    def _state_assign(self, t, values):
+        o, lt = self._where[t]
+        return o._state_assign(lt, values)
+
+    def _state_values(self, t, values):
+        o, lt = self._where[t]
+        return o._state_values(lt, values)
+
     def step_count(self, gid=0):
         """Steps in which any tensor of group ``gid`` was updated, the most
         over the classes (each class counts its own tensors' steps)."""
@@ -757,8 +782,21 @@ class MixedOptimizer(Optimizer):
             elif not info and "group_steps" in z:
                 subz["group_steps"] = z["group_steps"]
             subs.append(dict(state=state, param_groups=groups, zopt=subz))
-        self._apply_to_parts(lambda o, sub: o.load_state_dict(
-            sub, allow_rule_change=allow_rule_change), subs)
+        pending = []
+        self._apply_to_parts(lambda o, sub: pending.append((o, o._load_state_dict(
+            sub, allow_rule_change=allow_rule_change))), subs)
+        self._finish_master_loads(pending, "load_state_dict")
+
+    def _finish_master_loads(self, pending, what):
+        """After every part loaded: the params that disagree with their
+        loaded master set to round(master) (the single-class policy), one
+        warning for all classes."""
+        changed = total = 0
+        for o, p in pending:
+            c, n = o._finish_master_load(p, what, warn=False)
+            changed, total = changed + c, total + n
+        if changed:
+            _warn_master_replaced(what, changed, total, 4)
 
     def _apply_to_parts(self, fn, args):
         """fn(part, arg) for every part in order; if one fails, the parts
@@ -826,8 +864,10 @@ class MixedOptimizer(Optimizer):
                     f"{sum(numels)} elements (step '{name}'), but class {c!r} has "
                     f"{len(mine)} tensors of {sum(mine)} elements: it is not this "
                     "class's checkpoint (another model, or another split into classes)")
-        self._apply_to_parts(lambda o, f: o.load(f, allow_rule_change=allow_rule_change),
-                             list(files.values()))
+        pending = []
+        self._apply_to_parts(lambda o, f: pending.append((o, o._load_file(
+            f, allow_rule_change=allow_rule_change))), list(files.values()))
+        self._finish_master_loads(pending, "load")
 
     # ---- ZeRO-3 ------------------------------------------------------------------------------
     def _zero3_only(self, what):

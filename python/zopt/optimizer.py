@@ -5,7 +5,8 @@ importable (and ``object`` otherwise, for numpy-only use). The runtime
 (``zopt_optimizer``, "the native optimizer") holds the states; this class
 keeps torch's view of them: ``param_groups`` with the tensors and
 hyperparameters (edited by hand or by any ``torch.optim.lr_scheduler``),
-``state[p]`` (copies of the per-param states under torch's keys),
+``state[p]`` (the per-param states under torch's keys: copies, written
+through to the runtime),
 ``state_dict()`` / ``load_state_dict()`` in torch's layout, ``zero_grad``,
 ``step(closure)``. See docs/USAGE.md for the semantics in full; the
 non-obvious parts:
@@ -32,7 +33,10 @@ optimizer is rebuilt around the new storage, states kept) and a few
 sampled elements against what the last step wrote (``p.data.copy_()``,
 numpy writes); a change makes the master again the params
 (``zopt_optimizer_refresh_master``). Writes that miss every sampled element
-(a slice through ``p.data``) need ``opt.refresh_master()``.
+(a slice through ``p.data``) need ``opt.refresh_master()``. The other way
+round, ``load_state_dict()`` / ``load()`` of a state with a master write
+round(master) into params that disagree with it (a MasterWeightsWarning):
+model and master agree after every load.
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ import operator
 import os
 import tempfile
 import time
+import warnings
 import weakref
 
 import numpy as np
@@ -134,6 +139,69 @@ def _from_bits(a, dt):
     if dt == DType.BF16:
         return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(np.ascontiguousarray(a))
+
+
+class MasterWeightsWarning(UserWarning):
+    """``load_state_dict()`` / ``load()`` of an optimizer state with a
+    master replaced params whose values disagreed with it (the optimizer
+    checkpoint's master weights won over the model's current ones)."""
+
+
+def _warn_master_replaced(what, changed, total, stacklevel):
+    warnings.warn(
+        f"zopt: {what}: the optimizer state's master weights disagree with the model's "
+        f"current weights in {changed} of {total} params; those params now hold the "
+        "optimizer checkpoint's master weights (rounded), replacing the model's values. "
+        "To keep the model's weights instead, load them after the optimizer state "
+        "(model.load_state_dict after opt.load_state_dict): the master is then made "
+        "again from them.", MasterWeightsWarning, stacklevel=stacklevel)
+
+
+def _f32_of_bits(flat, dt):
+    """numpy storage bits of dtype dt -> float32 values."""
+    if dt == DType.BF16:
+        from . import bf16
+        return bf16.to_f32(flat)
+    return np.asarray(flat, dtype=np.float32)
+
+
+def _round_bits(f32, dt):
+    """float32 values -> storage bits of dtype dt, nearest even (as the
+    runtime writes a param from its master)."""
+    if dt == DType.BF16:
+        from . import bf16
+        return bf16.from_f32(f32)
+    with np.errstate(over="ignore"):
+        return np.ascontiguousarray(f32, dtype=_NP_OF[dt])
+
+
+def _is_rounding_of(pbits, dt, m):
+    """Per element: the param (storage bits of dtype dt) is a rounding of
+    the master m (float32): the nearest, or the other neighbour of m (what
+    stochastic rounding may write); NaN for NaN."""
+    pbits = np.ascontiguousarray(pbits)
+    r = _round_bits(m, dt)
+    pv, rv = _f32_of_bits(pbits, dt), _f32_of_bits(r, dt)
+    signed = {2: np.int16, 4: np.int32}[pbits.dtype.itemsize]
+    pi = pbits.view(signed).astype(np.int64)
+    ri = r.view(signed).astype(np.int64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        same = (pi == ri) | (pv == m) | (np.isnan(pv) & np.isnan(m))
+        other = (np.abs(pi - ri) == 1) & ((pi < 0) == (ri < 0)) & ((pv - m) * (rv - m) < 0)
+    return same | other
+
+
+class _Lent:
+    """A state tensor handed out by ``opt.state[p]`` (or assigned to it):
+    in-place changes to it are written back while it is current. Held
+    strongly until the optimizer's next call (``opt.state[p]['exp_avg']
+    .zero_()`` drops the tensor at once), weakly after."""
+    __slots__ = ("ref", "strong", "ver", "t", "key", "steps", "epoch", "stale")
+
+    def __init__(self, x, t, key, steps, epoch):
+        self.ref, self.strong, self.ver = weakref.ref(x), x, x._version
+        self.t, self.key = t, key
+        self.steps, self.epoch, self.stale = steps, epoch, False
 
 
 class Step:
@@ -299,8 +367,96 @@ class _Entry:
         return f"<{self.name}>"
 
 
-class _StateView(collections.abc.Mapping):
-    """``opt.state``: param -> dict of its states (copies, torch's keys)."""
+class _ParamState(collections.abc.MutableMapping):
+    """``opt.state[p]``: the states of one param under torch's keys, read
+    from the runtime at each access (CPU copies, in each state's storage
+    dtype, strided like the param) and written through to it:
+
+    * ``state[p][key] = value`` writes the runtime's state at once (a
+      tensor or array of the param's shape, any float dtype: converted to
+      the state's storage dtype; ``'step'``: a count). A torch tensor
+      assigned stays tied to the state like one read from it (below).
+    * In-place changes (``state[p]['exp_avg'].zero_()``) to a tensor read
+      from (or assigned to) a state are written back at the optimizer's
+      next call (``step()``, a state read, ``state_dict()``, ``save()``,
+      ...), as long as the runtime has not changed that state since
+      (a step, a load, another write of it); a change made to such an
+      outdated copy is not written back, and a warning says so when it is
+      seen (within a step).
+    * Writing ``'master'`` also writes round(master) into the param, so
+      model and master agree.
+
+    ``{}`` (no keys) before the param's first step, as in torch; an
+    assignment works then too. ``dict(state[p])``, ``copy.deepcopy`` and
+    pickling give a plain dict of copies."""
+
+    __slots__ = ("_ref", "_t")
+
+    def __init__(self, opt, t):
+        self._ref = weakref.ref(opt)
+        self._t = t
+
+    @property
+    def _opt(self):
+        o = self._ref()
+        if o is None:
+            raise ZoptError(Status.BAD_STATE, "the optimizer of this state was freed")
+        return o
+
+    def __getitem__(self, key):
+        return self._opt._state_get(self._t, key)
+
+    def __setitem__(self, key, value):
+        self._opt._state_set(self._t, {key: value})
+
+    def __delitem__(self, key):
+        raise ZoptError(Status.INVALID_ARGUMENT,
+                        f"del opt.state[p][{key!r}]: the runtime keeps every state of the "
+                        "step; assign new values (opt.state[p][key] = t), or reset the "
+                        "param with opt.state[p] = {} (or del opt.state[p])")
+
+    def __contains__(self, key):
+        return key in self._opt._state_keys(self._t)
+
+    def __iter__(self):
+        return iter(self._opt._state_keys(self._t))
+
+    def __len__(self):
+        return len(self._opt._state_keys(self._t))
+
+    def update(self, *args, **kw):
+        """Writes every entry, all checked before any is written."""
+        self._opt._state_set(self._t, dict(*args, **kw))
+
+    def clear(self):
+        """Resets the param's states (as ``opt.state[p] = {}``)."""
+        self._opt._state_assign(self._t, {})
+
+    def copy(self):
+        return dict(self.items())
+
+    def __copy__(self):
+        return dict(self.items())
+
+    def __deepcopy__(self, memo):
+        import copy
+        return {k: copy.deepcopy(v, memo) for k, v in self.items()}
+
+    def __reduce__(self):
+        return (dict, (dict(self.items()),))
+
+    def __repr__(self):
+        return repr(dict(self.items()))
+
+
+class _StateView(collections.abc.MutableMapping):
+    """``opt.state``: param -> :class:`_ParamState` (its states under torch's
+    keys, written through to the runtime). ``opt.state[p] = mapping``
+    replaces the param's states: the mapping's entries are written, every
+    other state is reset (moments zero, step 0, the master made from the
+    param), all checked before anything is written; ``opt.state[p] = {}``
+    and ``del opt.state[p]`` reset the param, as in torch (its next step
+    starts afresh)."""
 
     def __init__(self, opt):
         self._ref = weakref.ref(opt)  # no cycle: the optimizer is freed by refcount
@@ -309,11 +465,28 @@ class _StateView(collections.abc.Mapping):
     def _opt(self):
         return self._ref()
 
+    def _tid_of(self, p):
+        t = self._opt._tid_map.get(id(p))
+        if t is None:
+            raise ZoptError(Status.INVALID_ARGUMENT,
+                            "opt.state[p]: p is not a param of this optimizer")
+        return t
+
     def __getitem__(self, p):
         t = self._opt._tid_map.get(id(p))
         if t is None:
             return {}
-        return self._opt._param_state(t)
+        return _ParamState(self._opt, t)
+
+    def __setitem__(self, p, value):
+        if not isinstance(value, collections.abc.Mapping):
+            raise ZoptError(Status.INVALID_ARGUMENT,
+                            f"opt.state[p] = {type(value).__name__}: assign a mapping of "
+                            "states ({'step': ..., 'exp_avg': ...}; {} resets the param)")
+        self._opt._state_assign(self._tid_of(p), dict(value))
+
+    def __delitem__(self, p):
+        self._opt._state_assign(self._tid_of(p), {})
 
     def __contains__(self, p):
         t = self._opt._tid_map.get(id(p))
@@ -329,8 +502,34 @@ class _StateView(collections.abc.Mapping):
     def __len__(self):
         return len(self._with_state())
 
+    def clear(self):
+        """Resets every param's states (``opt.state = {}`` does the same)."""
+        for p in self._with_state():
+            del self[p]
+
+    def _replace(self, value):
+        """``opt.state = mapping``: every param's states replaced, as by
+        ``opt.state[p] = mapping.get(p, {})`` (all checked first)."""
+        opt = self._opt
+        if not isinstance(value, collections.abc.Mapping):
+            raise ZoptError(Status.INVALID_ARGUMENT,
+                            f"opt.state = {type(value).__name__}: assign a mapping "
+                            "{param: {state: value}} ({} resets every param)")
+        given = {}
+        for p, v in value.items():
+            if not isinstance(v, collections.abc.Mapping):
+                raise ZoptError(Status.INVALID_ARGUMENT,
+                                f"opt.state = ...: a param's states are a "
+                                f"{type(v).__name__}, not a mapping")
+            given[self._tid_of(p)] = dict(v)
+        for t in given:  # refused before anything is written
+            opt._state_values(t, given[t])
+        for t in range(len(opt._entries)):
+            if t in given or opt._tensor_step(t) > 0:
+                opt._state_assign(t, given.get(t, {}))
+
     def __repr__(self):
-        return f"<zopt state of {len(self)} params (copies)>"
+        return f"<zopt state of {len(self)} params (read from and written to the runtime)>"
 
 
 class Optimizer(_Base):
@@ -816,14 +1015,23 @@ class Optimizer(_Base):
     # ---- torch.optim.Optimizer surface --------------------------------------
     @property
     def state(self):
-        """param -> {'step', 'exp_avg', ...}: copies of the runtime's states
-        under torch's keys (plus 'master' for steps with a master). Reading
-        it at world size > 1 gathers sharded states (collective)."""
+        """param -> {'step', 'exp_avg', ...}: the runtime's states under
+        torch's keys (plus 'master' for steps with a master), read as CPU
+        copies and written through (``state[p][key] = t``, in-place changes
+        of what was read, ``state[p] = {...}``; :class:`_ParamState`).
+        Reading it at world size > 1 gathers sharded states (collective);
+        writes are local: every rank writes the same values."""
         return self._state_view
 
     @state.setter
-    def state(self, value):  # torch's __setstate__ assigns it; states live in C
-        pass
+    def state(self, value):
+        # torch's own code assigns it only in Optimizer.__init__ and
+        # __setstate__, neither of which runs here (the states live in C):
+        # an assignment replaces the states (opt.state = {} resets them all).
+        view = getattr(self, "_state_view", None)
+        if view is None or value is view:
+            return
+        view._replace(value)
 
     def add_param_group(self, param_group):
         """Adds a group like torch. The native optimizer (whose groups are
@@ -1155,7 +1363,11 @@ class Optimizer(_Base):
     def _check_params(self, ptrs=None, vers=None):
         """Moved storages (p.data = ...) and writes into params the runtime
         would not see (version counters, sampled elements): the moved
-        storages re-registered, the master made again from what changed."""
+        storages re-registered, the master made again from what changed.
+        First, in-place changes to state tensors lent by ``opt.state[p]``
+        are written back."""
+        if self._lent:
+            self._flush_lent()
         moved = []
         if self._tp_params:
             if ptrs is None:
@@ -1261,6 +1473,7 @@ class Optimizer(_Base):
             run = [t] if t is not None else []
         self.refreshes += len(set(tids))
         self._reset_watch()
+        self._outdate(tids, ("master",))
 
     def _moved_from_registered(self, t):
         e = self._entries[t]
@@ -1607,6 +1820,7 @@ class Optimizer(_Base):
             f"write_state({t}, {STATE_NAMES[k]})")
         if k == StateKind.PARAM:
             self._reset_watch()
+        self._outdate([t], (TORCH_KEY.get(k),))
 
     def read_state_raw(self, tensor_idx, kind):
         """Storage-exact copy of a state (uint16 for bf16, float16, float32)."""
@@ -1719,6 +1933,307 @@ class Optimizer(_Base):
                                                 self.step_obj.state_dtype(k))
         return d
 
+    # ---- opt.state[p]: read from and written through to the runtime ------------------------
+    _lent = ()          # [_Lent]: tensors handed out by state[p] (a list once one is)
+    _state_epoch = 0    # bumped when a load replaces every state
+
+    def _state_keys(self, t):
+        """The keys of state[p] of tensor t: none before its first step."""
+        if self._tensor_step(t) == 0:
+            return []
+        return ["step"] + [TORCH_KEY[k] for k in self.step_obj.owned_states]
+
+    def _state_get(self, t, key):
+        """state[p][key] of tensor t: a CPU copy, lent (in-place changes
+        written back while it is current)."""
+        self._prepare()  # (writes back what was changed in place so far)
+        s = self.step_obj
+        k = KIND_OF_KEY.get(key) if isinstance(key, str) and key != "step" else None
+        if self._tensor_step(t) == 0 or (key != "step" and k not in s.owned_states):
+            raise KeyError(key)
+        if key == "step":
+            steps = self._tensor_step(t)
+            v = torch.tensor(float(steps)) if torch is not None else steps
+        else:
+            v = self._user_tensor(self._entries[t], self._read_raw(t, k), s.state_dtype(k))
+        self._lend(t, key, v)
+        return v
+
+    def _state_set(self, t, values):
+        """state[p][key] = value (for each entry; all checked first)."""
+        self._prepare()
+        vals = self._state_values(t, values)
+        self._write_values(t, vals)
+        self._outdate([t], set(vals))
+        for key, v in values.items():
+            self._lend(t, key, v, assigned=True)
+
+    def _state_assign(self, t, values):
+        """state[p] = values: the entries written, every other state reset
+        (moments zero, step 0, the master made from the param)."""
+        self._prepare()
+        vals = self._state_values(t, values)
+        s = self.step_obj
+        e = self._entries[t]
+        fresh = {} if "step" in vals else {"step": 0}
+        for k in s.owned_states:
+            if TORCH_KEY[k] not in vals and k != StateKind.MASTER:
+                fresh[TORCH_KEY[k]] = np.zeros(e.numel, dtype=_NP_OF[s.state_dtype(k)])
+        self._write_values(t, fresh)
+        if s.has_master and "master" not in vals and e.numel:
+            if s.zero3:  # from the held param (the model's may be released)
+                held = self._read_raw(t, StateKind.PARAM)
+                self._write_raw(t, StateKind.MASTER, self._convert_bits(
+                    held, s.param_dtype, s.state_dtype(StateKind.MASTER)))
+            else:
+                self._refresh([t])
+        self._write_values(t, vals)
+        self._outdate([t])
+        for key, v in values.items():
+            self._lend(t, key, v, assigned=True)
+
+    def _state_values(self, t, values):
+        """Checks {key: value} for tensor t's states -> {key: storage bits in
+        the param's memory order (numpy), or the step count for 'step'}."""
+        e = self._entries[t]
+        s = self.step_obj
+        out = {}
+        for key, v in values.items():
+            what = f"opt.state[p][{key!r}] of {e.name}"
+            if key == "step":
+                out[key] = self._step_value(v, what)
+                continue
+            k = KIND_OF_KEY.get(key) if isinstance(key, str) else None
+            if k is None or k not in s.owned_states:
+                known = ["step"] + [TORCH_KEY[q] for q in s.owned_states]
+                raise ZoptError(Status.INVALID_ARGUMENT,
+                                f"{what}: step '{s.name}' has no state {key!r}; its states: "
+                                + ", ".join(map(repr, known)))
+            out[key] = self._state_bits(e, v, s.state_dtype(k), what)
+        return out
+
+    @staticmethod
+    def _step_value(v, what):
+        if _is_torch(v) or isinstance(v, np.ndarray):
+            n = v.numel() if _is_torch(v) else v.size
+            if n != 1:
+                raise ZoptError(Status.INVALID_ARGUMENT,
+                                f"{what}: a step count is one number, got {n} values")
+            v = v.item()
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+            raise ZoptError(Status.INVALID_ARGUMENT,
+                            f"{what}: a step count (a number or a one-element tensor), "
+                            f"got {type(v).__name__}")
+        f = float(v)
+        if not math.isfinite(f) or f < 0 or f != int(f):
+            raise ZoptError(Status.INVALID_ARGUMENT,
+                            f"{what} = {v!r}: a step count is a whole number >= 0")
+        return int(f)
+
+    def _state_bits(self, e, v, dt, what):
+        """A state value (torch tensor or numpy array of the param's shape,
+        any float dtype) -> storage bits of dtype dt, param memory order."""
+        if _is_torch(v):
+            if v.is_sparse or v.is_complex() or not v.is_floating_point():
+                raise ZoptError(Status.INVALID_ARGUMENT,
+                                f"{what}: a {v.dtype} tensor; states take floating-point "
+                                f"values (stored as {DTYPE_NAMES[dt]})")
+            if tuple(v.shape) != e.shape:
+                raise ZoptError(Status.INVALID_ARGUMENT,
+                                f"{what}: shape {tuple(v.shape)}, the param's is {e.shape}")
+            x = v.detach().to("cpu", _torch_of(dt))
+            return self._memory_order(e, x) if e.torch else _np_bits(x.contiguous())
+        if isinstance(v, np.ndarray):
+            if v.dtype.kind != "f":
+                raise ZoptError(Status.INVALID_ARGUMENT,
+                                f"{what}: a numpy {v.dtype} array; states take floating-point "
+                                f"values (stored as {DTYPE_NAMES[dt]}; for bf16 bit patterns "
+                                "pass zopt.bf16.to_f32(bits))")
+            if tuple(v.shape) != e.shape:
+                raise ZoptError(Status.INVALID_ARGUMENT,
+                                f"{what}: shape {tuple(v.shape)}, the param's is {e.shape}")
+            a = np.ascontiguousarray(v, dtype=np.float32)
+            if e.torch and torch is not None:
+                return self._memory_order(e, torch.from_numpy(a).to(_torch_of(dt)))
+            return _round_bits(a.reshape(-1), dt)
+        raise ZoptError(Status.INVALID_ARGUMENT,
+                        f"{what}: a {type(v).__name__}; states take a tensor (or numpy "
+                        f"array) of the param's shape {e.shape}")
+
+    def _write_values(self, t, vals):
+        """Checked values (_state_values) into the runtime; a master also
+        into the param, rounded (ZeRO-3: the held param), so they agree."""
+        s = self.step_obj
+        for key, v in vals.items():
+            if key == "step":
+                check(self._lib.zopt_optimizer_set_tensor_step(self._handle(), int(t), int(v)),
+                      f"zopt_optimizer_set_tensor_step({self._entries[t].name})")
+                continue
+            k = KIND_OF_KEY[key]
+            if self._entries[t].numel:
+                self._write_raw(t, k, v)
+            if k == StateKind.MASTER:
+                self._apply_master_sync(
+                    self._master_sync({t: (v, s.state_dtype(k))}), gather=[t])
+
+    def _lend(self, t, key, v, assigned=False):
+        if not _is_torch(v):
+            return
+        if not isinstance(self._lent, list):
+            self._lent = []
+        if assigned:  # v may be a tensor lent before (state[p]['step'] += 1)
+            self._lent = [r for r in self._lent
+                          if not (r.t == t and r.key == key and r.ref() is v)]
+        self._lent.append(_Lent(v, t, key, self.steps_taken, self._state_epoch))
+
+    def _outdate(self, tids, keys=None):
+        """Lent tensors of (tids, keys) no longer hold the runtime's state."""
+        tids = set(tids)
+        for r in self._lent:
+            if r.t in tids and (keys is None or r.key in keys):
+                r.stale = True
+
+    def _flush_lent(self):
+        """In-place changes to lent state tensors: written back where the
+        tensor is still current (the runtime has not changed that state
+        since), warned about where it is outdated. Dead tensors dropped, and
+        outdated ones a step after they became so."""
+        lent, self._lent = self._lent, []
+        keep, lost = [], []
+        try:
+            for i, r in enumerate(lent):
+                x = r.ref()
+                r.strong = None
+                if x is None:
+                    continue
+                current = (not r.stale and r.steps == self.steps_taken
+                           and r.epoch == self._state_epoch)
+                if x._version == r.ver:
+                    if current or self.steps_taken - r.steps <= 1:
+                        keep.append(r)
+                    continue
+                if not current:
+                    lost.append(f"{self._entries[r.t].name}[{r.key!r}]")
+                    continue
+                try:
+                    self._write_values(r.t, self._state_values(r.t, {r.key: x}))
+                except ZoptError as err:
+                    lost.append(f"{self._entries[r.t].name}[{r.key!r}] ({err.message})")
+                    continue
+                r.ver = x._version
+                keep.append(r)
+        except BaseException:
+            keep += lent[i + 1:]
+            raise
+        finally:
+            self._lent = keep + self._lent
+        if lost:
+            warnings.warn(
+                f"zopt: in-place changes to {len(lost)} state tensor(s) read from "
+                f"opt.state[p] were not written back: {', '.join(lost[:4])}"
+                + (", ..." if len(lost) > 4 else "")
+                + ". They are copies, and the optimizer had changed those states since "
+                "they were read (a step, a load or another write). Read the state again "
+                "after each step, or assign it: opt.state[p][key] = tensor",
+                RuntimeWarning, stacklevel=4)
+
+    # ---- model and master agree after a load ----------------------------------------------
+    def _param_bits(self, e):
+        """A param's storage bits in memory order (a copy)."""
+        if e.torch:
+            return self._memory_order(e, e.param)
+        return np.ascontiguousarray(e.param).reshape(-1).copy()
+
+    def _master_sync(self, masters, params=None):
+        """masters {t: (flat master bits in memory order, dtype)} -> {t:
+        round(master) in the param dtype} for the tensors whose param is not
+        a rounding of its master (``params`` {t: bits} or, by default, the
+        model's params; ZeRO-3: the runtime's held params)."""
+        s = self.step_obj
+        pdt = s.param_dtype
+        fixes = {}
+        for t, (m, mdt) in masters.items():
+            e = self._entries[t]
+            if not e.numel:
+                continue
+            if params is not None:
+                cur = params[t]
+            elif s.zero3:
+                cur = self._read_raw(t, StateKind.PARAM)
+            else:
+                cur = self._param_bits(e)
+            mf = _f32_of_bits(np.ascontiguousarray(m).reshape(-1), mdt)
+            if not _is_rounding_of(cur, pdt, mf).all():
+                fixes[t] = _round_bits(mf, pdt)
+        return fixes
+
+    def _apply_master_sync(self, fixes, gather=None):
+        """Writes fixes {t: param bits} into the params (ZeRO-3: the held
+        params, then, with zero3_gather="step", gathers ``gather`` into the
+        model: a collective, the same tensors on every rank) and resets the
+        write checks' baselines to them."""
+        s = self.step_obj
+        if s.zero3:
+            for t, b in fixes.items():
+                self._write_raw(t, StateKind.PARAM, b)
+            if self._zero3_mode == "step":
+                tids = sorted(fixes) if gather is None else sorted(set(gather))
+                if tids:
+                    self._gather(tids)
+            return
+        if not fixes:
+            return
+        for t, b in fixes.items():
+            e = self._entries[t]
+            if e.torch:
+                src = _from_bits(b, s.param_dtype).to(e.param.device)
+                with torch.no_grad():
+                    e.param.data.as_strided((e.numel,), (1,)).copy_(src)
+            else:
+                e.param.reshape(-1)[...] = np.ascontiguousarray(b).view(e.param.dtype)
+        # new baselines for the written params only: a write into another
+        # param not yet seen by the checks is still found
+        if self._sampler is not None:
+            self._sampler.snapshot(list(fixes))
+        for t in fixes:
+            j = self._tp_index.get(t)
+            if j is not None:
+                self._tp_vers[j] = self._tp_params[j]._version
+
+    def _finish_master_load(self, pending, what, stacklevel=2, warn=True):
+        """After a load: round(master) into the params that disagreed with
+        it, and (``warn``) a warning if there were any; ``stacklevel``: the
+        user's frame, counted from the caller. Returns (changed, with a
+        master)."""
+        fixes, tids, changed = pending
+        if not tids:
+            return 0, 0
+        self._apply_master_sync(fixes, gather=tids)
+        if changed and warn:
+            _warn_master_replaced(what, len(changed), len(tids), stacklevel + 2)
+        return len(changed), len(tids)
+
+    def _loaded_master_pending(self):
+        """After the runtime loaded a checkpoint: (fixes, tensors with a
+        master, tensors whose model params change) for
+        :meth:`_finish_master_load`. ZeRO-3: the held params are fixed
+        where they disagree with the master; the model's params (those not
+        released), which the next gather replaces, are compared too."""
+        s = self.step_obj
+        if not s.has_master:
+            return {}, [], set()
+        tids = [t for t, e in enumerate(self._entries) if e.numel]
+        mdt = s.state_dtype(StateKind.MASTER)
+        masters = {t: (self._read_raw(t, StateKind.MASTER), mdt) for t in tids}
+        fixes = self._master_sync(masters)
+        changed = set(fixes)
+        if s.zero3:
+            shown = [t for t in tids if t not in self._released]
+            changed |= set(self._master_sync(
+                {t: masters[t] for t in shown},
+                params={t: self._param_bits(self._entries[t]) for t in shown}))
+        return fixes, tids, changed
+
     # ---- snapshots and restores ------------------------------------------------------------
     def _ckpt_kinds(self):
         kinds = list(self.step_obj.owned_states)
@@ -1803,9 +2318,15 @@ class Optimizer(_Base):
     def load(self, path, allow_rule_change=False):
         """Loads a runtime checkpoint (zopt_optimizer_load_ex); a checkpoint
         of another update rule is refused unless ``allow_rule_change``.
-        param_groups are refreshed from the runtime afterwards. Load the
-        model's params first: the params at this call are taken as the ones
-        that go with the checkpoint's master."""
+        param_groups are refreshed from the runtime afterwards. Steps with a
+        master: as :meth:`load_state_dict`, params that are not a rounding
+        of the loaded master are set to round(master) at once, with a
+        :class:`MasterWeightsWarning` (load the model first for a resume;
+        a model loaded after this call wins)."""
+        self._finish_master_load(self._load_file(path, allow_rule_change), "load")
+
+    def _load_file(self, path, allow_rule_change=False):
+        """load() without the params' update: returns what it would be."""
         self._prepare()
         flags = _lib.LOAD_ALLOW_RULE_CHANGE if allow_rule_change else 0
         check(self._lib.zopt_optimizer_load_ex(self._h, os.fspath(path).encode(), flags),
@@ -1820,6 +2341,8 @@ class Optimizer(_Base):
         except (OSError, ValueError):
             pass
         self._reset_watch()
+        self._state_epoch += 1
+        return self._loaded_master_pending()
 
     def state_dict(self):
         """torch's layout: ``{'state': {index: {'step': tensor, 'exp_avg':
@@ -1877,9 +2400,24 @@ class Optimizer(_Base):
         or hyperparameters, e.g. SGD's momentum_buffer into AdamW, amsgrad
         on/off) is refused unless ``allow_rule_change`` (then missing states
         start at zero and extra ones are dropped), like the runtime's
-        ZOPT_LOAD_ALLOW_RULE_CHANGE. Without a 'master' (torch's), the
-        master is made from the params as they are now: load the model
-        first. Nothing changes if anything is refused."""
+        ZOPT_LOAD_ALLOW_RULE_CHANGE. Nothing changes if anything is refused.
+
+        Steps with a master (bf16/f16 params with an f32 master; docs/USAGE.md
+        section 4): model and master agree right after the call. Without a
+        'master' (torch's state_dict) the master is made from the params as
+        they are now. With one, each param that is not a rounding of its
+        loaded master (the model holds other weights than the run that
+        wrote the state_dict) is set to round(master) at once, and a
+        :class:`MasterWeightsWarning` says how many were; a matching model
+        (loaded first: a resume) is left as it is, without a warning. To
+        keep the model's weights, load them after this call: the master is
+        then made again from them (section 4)."""
+        self._finish_master_load(self._load_state_dict(state_dict, allow_rule_change),
+                                 "load_state_dict")
+
+    def _load_state_dict(self, state_dict, allow_rule_change=False):
+        """load_state_dict() without the params' update: returns what it
+        would be, for :meth:`_finish_master_load`."""
         sd = state_dict
         if sd.get("format") == "zopt-state-dict-1":  # the first binding's
             return self._load_legacy(sd)
@@ -1983,6 +2521,16 @@ class Optimizer(_Base):
                 if e.numel:
                     data[(StateKind.PARAM, t)] = self._memory_order(e, e.param) \
                         if e.torch else np.ascontiguousarray(e.param).reshape(-1)
+        # The params that are not a rounding of their loaded master: set to
+        # round(master) after the load (ZeRO-3: the held params, loaded so).
+        mtids = sorted(t for (k, t) in data if k == StateKind.MASTER)
+        fixes = self._master_sync(
+            {t: (data[(StateKind.MASTER, t)], _NP_DTYPES[data[(StateKind.MASTER, t)].dtype])
+             for t in mtids},
+            params={t: data[(StateKind.PARAM, t)] for t in mtids} if s.zero3 else None)
+        if s.zero3:
+            for t, b in fixes.items():
+                data[(StateKind.PARAM, t)] = b
         z = sd.get("zopt", {})
         gsteps = z.get("group_steps")
         if not gsteps or len(gsteps) != len(self.param_groups):
@@ -2009,6 +2557,8 @@ class Optimizer(_Base):
         self.param_groups = old_groups
         self._pushed = [_slots(g, s.hypers) for g in self.param_groups]
         self._pushed_raw = [self._raw_hypers(g) for g in self.param_groups]
+        self._state_epoch += 1
+        return fixes, mtids, set(fixes)
 
     def _load_legacy(self, sd):
         blob = sd.get("checkpoint")
@@ -2018,7 +2568,7 @@ class Optimizer(_Base):
             p = os.path.join(d, "ckpt")
             with open(p, "wb") as f:
                 f.write(blob)
-            self.load(p)
+            return self._load_file(p)
 
     # ---- ZeRO-3 --------------------------------------------------------------------------
     def _zero3_only(self, what):
