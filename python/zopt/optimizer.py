@@ -619,7 +619,10 @@ class Optimizer(_Base):
         self._grad_accumulation = grad_accumulation
         self._main = step.f32_grads  # gradients from p.main_grad (f32)
         self._acc_hooks = []    # (AccumulateGrad node, hook handle) per param
-        self._foreign = {}      # tensor id -> a user's main_grad registered in place
+        # tensor id -> (the user's tensor or None, its pointer): the runtime
+        # reads this tensor's gradient from user memory (a main_grad, or a
+        # fresh p.grad registered without a copy), not from our own buffer
+        self._foreign = {}
         # Communicator (ranks).
         if process_group is not None and comm is not None:
             raise ZoptError(Status.INVALID_ARGUMENT,
@@ -959,6 +962,10 @@ class Optimizer(_Base):
         self._one_pass = bool(self._a_tids) and self._a_tids == self._tp_tids \
             and not self._main
         self._foreign = {}  # the new native optimizer has our own grad memory
+        # Fresh gradient tensors are registered in place (no copy) on CPU
+        # steps; GPU and offloaded steps keep device tables or stage copies.
+        self._grad_zero_copy = not self.step_obj.gpu and not any(e.cuda for e in ents) \
+            and not self._main
         self._reset_watch()
 
     def _current_ptrs(self):
@@ -1085,6 +1092,23 @@ class Optimizer(_Base):
         elif ps:
             grads = [p.grad for p in ps]
             regs = self._a_regs
+            # Gradient tensors the runtime reads in place (_sync_grads): with
+            # set_to_none, no longer kept alive (freed as torch frees them;
+            # the next step() registers what backward makes before the
+            # runtime reads any); otherwise p.grad becomes our zeroed memory
+            # again, so that the next backward accumulates where the runtime
+            # already reads.
+            foreign = self._foreign
+            if foreign:
+                last, index = self._a_last, self._a_index
+                for t, (g, _) in list(foreign.items()):
+                    j = index[t]
+                    if set_to_none:
+                        last[j] = _UNSET
+                        foreign[t] = (None, foreign[t][1])
+                    elif g is not None and grads[j] is g:
+                        grads[j] = regs[j]
+                        ps[j].grad = regs[j]
             if set_to_none:
                 for p, g in zip(ps, grads):
                     if g is not None:
@@ -1160,17 +1184,31 @@ class Optimizer(_Base):
             self._sync_grads()
 
     def _sync_grads(self, grads=None):
-        """Which params have a gradient, and gradients into the registered
-        memory. Fast path: every p.grad is the object it was last step."""
+        """Which params have a gradient, and where the runtime reads it.
+        Fast path: every p.grad is the object it was last step. A new
+        gradient tensor (zero_grad(set_to_none=True) and a backward) of a
+        CPU step is handed to the runtime in place, without a copy
+        (zopt_optimizer_set_grad_memory, one call for all that changed)
+        when it has the param's memory layout and is not a view; otherwise
+        (GPU and offloaded steps, views, other strides) it is copied into
+        the optimizer's own gradient memory, which becomes p.grad."""
         ps = self._a_params
         if grads is None:
             grads = list(map(_grad_of, ps))
         last = self._a_last
+        foreign = self._foreign
         if all(map(_is, grads, last)):
-            return
+            if not foreign or all(g is None or g.data_ptr() == ptr
+                                  for g, ptr in foreign.values()):
+                return
+            for t in foreign:  # the same tensor given other memory (g.data = ...)
+                last[self._a_index[t]] = _UNSET
         act = self._active
         tids = self._a_tids
         regs = self._a_regs
+        ents = self._entries
+        zero_copy = self._grad_zero_copy
+        moved_t, moved_p = [], []
         changed = False
         with torch.no_grad():
             for j, g in enumerate(grads):
@@ -1182,19 +1220,40 @@ class Optimizer(_Base):
                         act[t] = 0
                         changed = True
                     last[j] = None
+                    if t in foreign:  # not read while inactive; not kept alive
+                        foreign[t] = (None, foreign[t][1])
                     continue
                 reg = regs[j]
                 if g is not reg:
                     # torch guarantees p.grad's shape, dtype and device
                     if g.is_sparse:
                         raise ZoptError(Status.UNSUPPORTED,
-                                        f"{self._entries[t].name} has a sparse gradient")
-                    reg.copy_(g)
-                    ps[j].grad = reg
+                                        f"{ents[t].name} has a sparse gradient")
+                    e = ents[t]
+                    ptr = g.data_ptr()
+                    if zero_copy and g._base is None and ptr != e.pptr and (
+                            e.numel <= 1 or g.stride() == e.stride):
+                        moved_t.append(t)
+                        moved_p.append(ptr)
+                        foreign[t] = (g, ptr)
+                        last[j] = g
+                    else:
+                        reg.copy_(g)
+                        ps[j].grad = reg
+                        g = reg
+                if g is reg and t in foreign:  # back to our own memory
+                    del foreign[t]
+                    moved_t.append(t)
+                    moved_p.append(ents[t].gptr)
                 if not act[t]:
                     act[t] = 1
                     changed = True
-                last[j] = reg
+                last[j] = g
+        if moved_t:
+            n = len(moved_t)
+            check(self._lib.zopt_optimizer_set_grad_memory(
+                self._h, n, (ctypes.c_int32 * n)(*moved_t),
+                (ctypes.c_void_p * n)(*moved_p)), "zopt_optimizer_set_grad_memory")
         if changed:
             self._push_mask()
 

@@ -1,0 +1,95 @@
+"""Where the runtime reads a torch param's gradient: a fresh gradient
+tensor (zero_grad(set_to_none=True) then backward, or p.grad assigned) is
+read in place, without a copy (zopt_optimizer_set_grad_memory); views and
+gradients of other strides are copied; every way a training loop hands
+gradients over gives torch.optim.AdamW's result step by step."""
+import pytest
+import torch
+
+import zopt
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def _pair(adamw_step):
+    m1, m2 = _model(), _model()
+    o1 = zopt.Optimizer(adamw_step, m1.parameters(), lr=1e-2, weight_decay=0.1)
+    o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2, weight_decay=0.1)
+    return (m1, o1), (m2, o2)
+
+
+@pytest.fixture(scope="module")
+def adamw_step(steps):
+    return steps(rule="adamw", layout="f32")
+
+
+def _close(m1, m2):
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-7)
+
+
+def test_fresh_grads_read_in_place(adamw_step):
+    (m1, o1), (m2, o2) = _pair(adamw_step)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(32, 8, generator=g), torch.randn(32, 3, generator=g)
+    for i in range(4):
+        for m, o in ((m1, o1), (m2, o2)):
+            o.zero_grad(set_to_none=True)
+            ((m(x) - y) ** 2).mean().backward()
+        before = [p.grad for p in m1.parameters()]
+        o1.step(), o2.step()
+        # no copy: p.grad is still backward's tensor, and the runtime read it
+        assert all(p.grad is b for p, b in zip(m1.parameters(), before))
+        assert len(o1._foreign) == 4
+        _close(m1, m2)
+
+
+def test_every_way_of_handing_gradients_over(adamw_step):
+    (m1, o1), (m2, o2) = _pair(adamw_step)
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(32, 8, generator=g), torch.randn(32, 3, generator=g)
+    for i in range(14):
+        for m, o in ((m1, o1), (m2, o2)):
+            o.zero_grad(set_to_none=(i % 3 != 0))  # in place every third step
+            ((m(x) - y) ** 2).mean().backward()
+            ps = list(m.parameters())
+            if i in (2, 4):  # views into one flat buffer (as DeepSpeed makes): copied
+                flat = torch.zeros(sum(p.numel() for p in ps) + 5)
+                off = 5
+                for p in ps:
+                    v = flat[off:off + p.numel()].view_as(p)
+                    v.copy_(p.grad)
+                    p.grad = v
+                    off += p.numel()
+            if i == 6:  # a gradient of other strides than its param: copied
+                w = ps[0]
+                w.grad = w.grad.t().contiguous().t()
+                assert w.grad.stride() != w.stride()
+            if i in (7, 8):  # a param without a gradient: left alone
+                ps[2].grad = None
+            if i == 10:  # the same gradient tensor given other memory
+                ps[1].grad.data = ps[1].grad.data.clone() * 0.5
+            if i == 11:  # accumulation over two backwards into fresh grads
+                ((m(x) - y) ** 2).mean().backward()
+        o1.step(), o2.step()
+        _close(m1, m2)
+        assert o1.tensor_step(list(m1.parameters())[2]) == o2.state[list(m2.parameters())[2]]["step"]
+
+
+def test_grad_kept_alive_only_while_read(adamw_step):
+    """zero_grad(set_to_none=True) drops the optimizer's references to the
+    gradients it read in place (torch frees them before the next forward)."""
+    import weakref
+    (m1, o1), _ = _pair(adamw_step)
+    x = torch.randn(4, 8)
+    m1(x).sum().backward()
+    o1.step()
+    refs = [weakref.ref(p.grad) for p in m1.parameters()]
+    o1.zero_grad(set_to_none=True)
+    assert all(r() is None for r in refs)
+    m1(x).sum().backward()
+    o1.step()  # the runtime reads the new gradients, not the freed ones
+    assert all(torch.isfinite(p).all() for p in m1.parameters())
