@@ -44,6 +44,30 @@ size_t esize(uint32_t dt) { return dt == ZOPT_DTYPE_F32 ? 4 : 2; }
     }                                                                                \
   } while (0)
 
+// The transport inside the program's collective ops: a communicator that
+// forwards to the MPI one and times each call, so that the report can hold
+// the transport alone (against raw MPI of the same bytes) apart from the
+// packing of shards and the fold in rank order around it.
+struct Timed {
+  zopt_comm *inner;
+  double a2a = 0, ag = 0;
+};
+int timed_a2a(void *ctx, const void *send, void *recv, size_t bytes) {
+  Timed *t = (Timed *)ctx;
+  double t0 = now();
+  int rc = zopt_comm_all_to_all(t->inner, send, recv, bytes) == ZOPT_OK ? 0 : 1;
+  t->a2a += now() - t0;
+  return rc;
+}
+int timed_ag(void *ctx, const void *send, void *recv, size_t bytes) {
+  Timed *t = (Timed *)ctx;
+  double t0 = now();
+  int rc = zopt_comm_all_gather(t->inner, send, recv, bytes) == ZOPT_OK ? 0 : 1;
+  t->ag += now() - t0;
+  return rc;
+}
+const char *timed_error(void *) { return zopt_last_error(); }
+
 }  // namespace
 
 int main(int argc, char **argv) {
@@ -75,9 +99,19 @@ int main(int argc, char **argv) {
     if (d->states[i].kind == ZOPT_STATE_PARAM) pdt = d->states[i].dtype;
     if (d->states[i].kind == ZOPT_STATE_GRAD) gdt = d->states[i].dtype;
   }
-  zopt_comm *comm = nullptr;
+  zopt_comm *mpi = nullptr, *comm = nullptr;
   MPI_Comm world_comm = MPI_COMM_WORLD;
-  CK(zopt_comm_create_mpi(&world_comm, &comm));
+  CK(zopt_comm_create_mpi(&world_comm, &mpi));
+  CK(zopt_comm_set_checks(mpi, 0));
+  Timed timed{mpi};
+  zopt_comm_ops ops{};
+  ops.version = ZOPT_COMM_OPS_VERSION;
+  ops.memory = ZOPT_COMM_MEM_HOST;
+  ops.name = "mpi (timed)";
+  ops.all_to_all = timed_a2a;
+  ops.all_gather = timed_ag;
+  ops.last_error = timed_error;
+  CK(zopt_comm_create(&ops, &timed, rank, world, &comm));
   CK(zopt_comm_set_checks(comm, 0));
   zopt_optimizer *o = nullptr;
   CK(zopt_optimizer_create(step, &o));
@@ -110,6 +144,7 @@ int main(int argc, char **argv) {
   std::vector<double> times, op(d->num_program + 1), sum_op(d->num_program + 1, 0.0);
   zopt_step_result r;
   CK(zopt_optimizer_step(o, &r));  // warm-up
+  timed.a2a = timed.ag = 0;
   for (int k = 0; k < steps; ++k) {
     MPI_Barrier(MPI_COMM_WORLD);
     double t0 = now();
@@ -174,24 +209,30 @@ int main(int argc, char **argv) {
   }
   double ra = median(raw_a2a), rg = median(raw_ag);
   struct Row {
-    double v[12];
+    double v[14];
   } mine{{mi.state_bytes / (double)mi.num_params, mi.state_bytes_one_rank / (double)mi.num_params,
           median(times) * 1e3, reduce_s * 1e3, norm_s * 1e3, update_s * 1e3, gather_s * 1e3,
-          sent_reduce / (double)nParams, sent_gather / (double)nParams, ra * 1e3, rg * 1e3, r.grad_norm}};
+          sent_reduce / (double)nParams, sent_gather / (double)nParams, ra * 1e3, rg * 1e3, r.grad_norm,
+          timed.a2a / steps * 1e3, timed.ag / steps * 1e3}};
   std::vector<Row> rows(world);
   MPI_Gather(&mine, sizeof(Row), MPI_BYTE, rows.data(), sizeof(Row), MPI_BYTE, 0, MPI_COMM_WORLD);
   if (rank == 0) {
     std::printf("step %s (ZeRO stage %u), %lld params in %d tensors, W = %d MPI ranks x %d thread(s), median of %d "
                 "steps\n",
                 d->name, d->zero_stage, (long long)nParams, nTensors, world, threads, steps);
-    std::printf("%4s %9s %9s %8s %9s %8s %9s %9s | %12s %12s %9s %9s %7s %7s\n", "rank", "state B/p", "1-rank B/p",
-                "step ms", "reduce ms", "norm ms", "update ms", "gather ms", "sent B/p red", "sent B/p gat",
-                "raw a2a", "raw ag", "a2a r", "ag r");
+    // Per op: its time, and (in parentheses) the transport inside it; the
+    // ratios: raw MPI / transport (the engine against MPI itself), and raw
+    // MPI / the whole op (packing of shards and the fold included).
+    std::printf("%4s %9s %9s %8s %16s %8s %9s %16s | %12s %12s %8s %8s %13s %13s\n", "rank", "state B/p",
+                "1-rank B/p", "step ms", "reduce (a2a) ms", "norm ms", "update ms", "gather (ag) ms",
+                "sent B/p red", "sent B/p gat", "raw a2a", "raw ag", "a2a r tr/op", "ag r tr/op");
     for (int q = 0; q < world; ++q) {
       const double *v = rows[q].v;
-      std::printf("%4d %9.2f %9.2f %8.1f %9.1f %8.1f %9.1f %9.1f | %12.3f %12.3f %9.1f %9.1f %7.2f %7.2f\n", q, v[0],
-                  v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], v[10], v[3] > 0 ? v[9] / v[3] : 0,
-                  v[6] > 0 ? v[10] / v[6] : 0);
+      auto ratio = [](double a, double b) { return b > 0 ? a / b : 0.0; };
+      std::printf("%4d %9.2f %9.2f %8.1f %8.1f (%5.1f) %8.1f %9.1f %8.1f (%5.1f) | %12.3f %12.3f %8.1f %8.1f %6.2f %6.2f "
+                  "%6.2f %6.2f\n",
+                  q, v[0], v[1], v[2], v[3], v[12], v[4], v[5], v[6], v[13], v[7], v[8], v[9], v[10],
+                  ratio(v[9], v[12]), ratio(v[9], v[3]), ratio(v[10], v[13]), ratio(v[10], v[6]));
     }
     std::printf("theoretical bytes/param sent per rank: reduce-scatter (W-1)/W x %zu = %.3f, all-gather (W-1)/W x %zu "
                 "= %.3f (plus padding to W x 32768 per bucket)\n",

@@ -248,8 +248,12 @@ zopt_status reduce_scatter(zopt_optimizer *o, const zopt_program_op &op) {
     const layout::Bucket &k = P.L.buckets[b];
     char *send = (char *)P.send.data();
     // Pack: shard q's elements, in flat order, zero where no tensor (or a
-    // tensor without a gradient on this rank) is.
+    // tensor without a gradient on this rank) is. This rank's own shard is
+    // not packed when every local tensor has a gradient: the fold reads it
+    // where it is (the piece it overwrites, block by block after reading).
+    const bool own_in_place = !has_local_mask;
     for (int q = 0; q < W; ++q) {
+      if (q == r && own_in_place && W > 1) continue;
       int64_t a = k.begin + (int64_t)q * k.shard;
       pack_range(P, b, a, a + k.shard, es, send + (size_t)q * k.shard * es, [&](const Piece &p) -> const char * {
         return has_local_mask && !o->active[p.tensor] ? nullptr : view(o, si, p.tensor, p.start);
@@ -274,7 +278,9 @@ zopt_status reduce_scatter(zopt_optimizer *o, const zopt_program_op &op) {
         int64_t pa = std::max(lo, p.flat), pe = std::min(hi, p.flat + p.len);
         if (pa >= pe || !active(P, p.tensor)) continue;
         for (int q = 0; q < W; ++q) srcs[q] = recv + ((size_t)q * k.shard + (pa - base)) * es;
-        fold(dt, W, srcs, view(o, si, p.tensor, p.start + (pa - p.flat)), pe - pa);
+        char *dst = view(o, si, p.tensor, p.start + (pa - p.flat));
+        if (own_in_place && W > 1) srcs[r] = dst;
+        fold(dt, W, srcs, dst, pe - pa);
       }
     });
   }
@@ -288,7 +294,9 @@ zopt_status all_gather(zopt_optimizer *o, const zopt_program_op &op) {
   const size_t es = es_of(o, si);
   for (int b = 0; b < (int)P.L.buckets.size(); ++b) {
     const layout::Bucket &k = P.L.buckets[b];
-    char *send = (char *)P.send.data();
+    // This rank's shard packed into its own slot of the receive buffer:
+    // the all-gather runs in place (no copy of it by the transport).
+    char *send = (char *)P.recv.data() + (size_t)r * k.shard * es;
     const int64_t a = k.begin + (int64_t)r * k.shard;
     pack_range(P, b, a, a + k.shard, es, send,
                [&](const Piece &p) -> const char * { return view(o, si, p.tensor, p.start); });
