@@ -369,6 +369,14 @@ ZOPT_API zopt_status zopt_optimizer_finalize(zopt_optimizer *o) {
   CHECK_OPT(o, "zopt_optimizer_finalize");
   if (o->finalized) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_finalize: already finalized");
   if (o->tensors.empty()) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_finalize: no tensors were added");
+  // A refused finalize leaves the optimizer as it was: world size 1 (the
+  // gradient divisor's default, memory_info) until a finalize succeeds.
+  struct Undo {
+    zopt_optimizer *o;
+    ~Undo() {
+      if (!o->finalized) o->world = 1, o->rank = 0;
+    }
+  } undo{o};
   o->world = o->comm ? zopt_comm_size(o->comm) : 1;
   o->rank = o->comm ? zopt_comm_rank(o->comm) : 0;
   if (o->gpu) {

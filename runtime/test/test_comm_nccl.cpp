@@ -16,16 +16,29 @@
 //    ncclInvalidUsage surfaces at zopt_comm_synchronize;
 //  - the stand-in's own rules (send outside a group, unbalanced group,
 //    overlapping all-gather, host pointers, unmatched send/recv);
-//  - no current CUDA context, no NCCL library, a rank that never joins.
+//  - no current CUDA context, no NCCL library, a rank that never joins;
+//  - with compiled steps on the command line (test/Integration/ZeRO/
+//    nccl-refusals*.test compiles them), what an optimizer refuses at W = 2
+//    ranks of NCCL: the communicator attached to a step that updates on
+//    the CPU (zopt_optimizer_set_comm: it moves device memory), a step that
+//    updates on the GPU at world size 2 (zopt_optimizer_finalize: GPU steps
+//    run at world size 1 for now). Each refusal has its error code and a
+//    message naming the problem, and leaves the optimizer as it was: it
+//    finalizes without the communicator and steps bit-identically to an
+//    optimizer that was never offered one (params, grads, every state, the
+//    step results and counts).
 //
 // Usage: zopt_test_comm_nccl <libzopt-fake-cuda.so> <stand-in libnccl.so.2>
+//                            [CPU_STEP.so|- [GPU_STEP.so]]
 #include "comm_test_util.h"
+#include "zopt/zopt.h"
 
 #include <dlfcn.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <fstream>
 #include <functional>
@@ -327,13 +340,206 @@ void stand_in_rules() {
        "collective in a group, unmatched send/recv");
 }
 
+// ---- refusals: a device communicator for a CPU step, a GPU step at W > 1 ----------------
+
+// A model of three tensors in two groups; params and grads in host memory
+// (a CPU step) or in the stand-in's device memory (host memory too, so the
+// test writes them directly).
+const std::vector<int64_t> kOptSizes = {5, 1000, 40001};
+
+size_t dsize(uint32_t dt) { return dt == ZOPT_DTYPE_F32 ? 4 : 2; }
+void store(uint8_t *p, uint32_t dt, int64_t i, float v) {
+  if (dt == ZOPT_DTYPE_F32) {
+    memcpy(p + 4 * i, &v, 4);
+  } else if (dt == ZOPT_DTYPE_BF16) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    uint16_t h = (uint16_t)(u >> 16);
+    memcpy(p + 2 * i, &h, 2);
+  } else {
+    _Float16 h = (_Float16)v;
+    memcpy(p + 2 * i, &h, 2);
+  }
+}
+float opt_value(uint64_t a, uint64_t t, int64_t i) {
+  uint64_t h = (a + 1) * 0x9E3779B97F4A7C15ull ^ (t << 40) ^ (uint64_t)i;
+  h ^= h >> 31;
+  h *= 0xBF58476D1CE4E5B9ull;
+  h ^= h >> 29;
+  return (float)(((double)(h >> 11) / 9007199254740992.0 - 0.5) * 0.2);
+}
+
+struct Opt {
+  const zopt_step_descriptor *d = nullptr;
+  uint32_t pdt = 0, gdt = 0;
+  zopt_optimizer *o = nullptr;
+  std::vector<uint8_t *> p, g;
+  std::vector<std::vector<uint8_t>> host;  // the memory of a CPU step
+  ~Opt() { zopt_optimizer_free(o); }
+};
+
+// An optimizer of the model with the initial params (not finalized).
+bool make_opt(const zopt_step *step, bool device, const Cuda *cu, Opt &m) {
+  m.d = zopt_step_get_descriptor(step);
+  for (uint32_t i = 0; i < m.d->num_states; ++i) {
+    if (m.d->states[i].kind == ZOPT_STATE_PARAM) m.pdt = m.d->states[i].dtype;
+    if (m.d->states[i].kind == ZOPT_STATE_GRAD) m.gdt = m.d->states[i].dtype;
+  }
+  CT_OK(zopt_optimizer_create(step, &m.o));
+  if (!m.o) return false;
+  int g0 = 0, g1 = 0, id = 0;
+  CT_OK(zopt_optimizer_add_group(m.o, &g0));
+  CT_OK(zopt_optimizer_add_group(m.o, &g1));
+  CT_OK(zopt_optimizer_set_hyper(m.o, g1, "lr", 3e-3));
+  for (size_t t = 0; t < kOptSizes.size(); ++t) {
+    const size_t np = (size_t)kOptSizes[t] * dsize(m.pdt), ng = (size_t)kOptSizes[t] * dsize(m.gdt);
+    if (device) {
+      m.p.push_back(dalloc(*cu, np));
+      m.g.push_back(dalloc(*cu, ng));
+    } else {
+      m.host.emplace_back(np);
+      m.p.push_back(m.host.back().data());
+      m.host.emplace_back(ng);
+      m.g.push_back(m.host.back().data());
+    }
+    for (int64_t i = 0; i < kOptSizes[t]; ++i) store(m.p[t], m.pdt, i, opt_value(0, t, i));
+    CT_OK(zopt_optimizer_add_tensor(m.o, t == 1 ? g1 : g0, m.p[t], m.g[t], kOptSizes[t], (zopt_dtype)m.pdt, &id));
+  }
+  return true;
+}
+
+// Steps `a` (the optimizer that refused) and `b` (never offered the
+// communicator) three times on the same gradients; everything must match.
+// `kernels_run`: false on the stand-in driver, which runs no GPU kernel (the
+// step counts the device keeps are not counted then).
+void step_both(Opt &a, Opt &b, const char *what, bool kernels_run) {
+  bool same = true;
+  std::string first;
+  auto differ = [&](const std::string &m) {
+    if (same) first = m;
+    same = false;
+  };
+  for (int k = 1; k <= 3; ++k) {
+    for (Opt *m : {&a, &b})
+      for (size_t t = 0; t < kOptSizes.size(); ++t)
+        for (int64_t i = 0; i < kOptSizes[t]; ++i) store(m->g[t], m->gdt, i, opt_value(k, t, i));
+    zopt_step_result ra{}, rb{};
+    CT_OK(zopt_optimizer_step(a.o, &ra));
+    CT_OK(zopt_optimizer_step(b.o, &rb));
+    // (The stand-in runs no kernel: a GPU step's results are NaN, in no
+    // particular bits.)
+    auto same_value = [](double x, double y) { return !memcmp(&x, &y, 8) || (std::isnan(x) && std::isnan(y)); };
+    if (!same_value(ra.grad_norm, rb.grad_norm) || ra.skipped != rb.skipped || !same_value(ra.loss_scale, rb.loss_scale))
+      differ("step " + std::to_string(k) + ": the step results differ (norm " + std::to_string(ra.grad_norm) + " vs " + std::to_string(rb.grad_norm) + ", skipped " + std::to_string(ra.skipped) + " vs " + std::to_string(rb.skipped) + ", scale " + std::to_string(ra.loss_scale) + " vs " + std::to_string(rb.loss_scale) + ")");
+    for (uint32_t s = 0; s < a.d->num_states; ++s)
+      for (size_t t = 0; t < kOptSizes.size(); ++t) {
+        const size_t n = (size_t)kOptSizes[t] * dsize(a.d->states[s].dtype);
+        std::vector<uint8_t> x(n, 1), y(n, 2);
+        CT_OK(zopt_optimizer_read_state_raw(a.o, (int)t, (zopt_state_kind)a.d->states[s].kind, x.data(), n));
+        CT_OK(zopt_optimizer_read_state_raw(b.o, (int)t, (zopt_state_kind)b.d->states[s].kind, y.data(), n));
+        if (x != y)
+          differ("step " + std::to_string(k) + ": state " + std::to_string(a.d->states[s].kind) + " of tensor " +
+                 std::to_string(t) + " differs");
+      }
+    for (size_t t = 0; t < kOptSizes.size(); ++t) {
+      int64_t ca = -1, cb = -2;
+      CT_OK(zopt_optimizer_get_tensor_step(a.o, (int)t, &ca));
+      CT_OK(zopt_optimizer_get_tensor_step(b.o, (int)t, &cb));
+      if (ca != cb || (kernels_run && ca != k))
+        differ("step " + std::to_string(k) + ": tensor " + std::to_string(t) + " took " + std::to_string(ca) +
+               " steps, the other optimizer " + std::to_string(cb));
+    }
+  }
+  CT_CHECK(same, "%s: after the refusal, not bit-identical to an optimizer never offered the communicator: %s",
+           what, first.c_str());
+}
+
+bool same_memory_info(const zopt_optimizer *a, const zopt_optimizer *b) {
+  zopt_memory_info x, y;
+  memset(&x, 1, sizeof x);
+  memset(&y, 2, sizeof y);
+  if (zopt_optimizer_memory_info(a, &x) != ZOPT_OK || zopt_optimizer_memory_info(b, &y) != ZOPT_OK) return false;
+  return !memcmp(&x, &y, sizeof x);
+}
+
+// A CPU step refuses the NCCL communicator (it moves device memory).
+void ranks_cpu_refusal(int W, int r, const uint8_t *id, const std::string &path) {
+  Cuda cu = cuda();
+  make_context_current(cu);
+  zopt_step *step = nullptr;
+  CT_OK(zopt_step_load(path.c_str(), &step));
+  zopt_comm *c = nullptr;
+  CT_OK(zopt_comm_create_nccl(id, r, W, nullptr, &c));
+  if (!step || !c) return;
+  {
+    Opt a, b;
+    if (!make_opt(step, false, nullptr, a) || !make_opt(step, false, nullptr, b)) return;
+    std::string m = CT_ERR(zopt_optimizer_set_comm(a.o, c), ZOPT_ERR_INVALID_ARGUMENT,
+                           "communicator 'nccl' moves device memory", "updates on the CPU",
+                           std::string("step '") + a.d->name + "'", "use a host communicator");
+    if (r == 0) printf("    CPU step, NCCL communicator: %s\n", m.c_str());
+    int rank = -1, world = -1;
+    CT_OK(zopt_optimizer_get_world(a.o, &rank, &world));
+    CT_CHECK(rank == 0 && world == 1, "after the refusal: rank %d of %d, want 0 of 1 (no communicator)", rank, world);
+    CT_CHECK(same_memory_info(a.o, b.o), "after the refusal: memory_info differs from a fresh optimizer's");
+    CT_OK(zopt_optimizer_finalize(a.o));
+    CT_OK(zopt_optimizer_finalize(b.o));
+    CT_CHECK(same_memory_info(a.o, b.o), "finalized: memory_info differs from a fresh optimizer's");
+    step_both(a, b, "CPU step", true);
+  }
+  zopt_comm_free(c);
+  zopt_step_free(step);
+}
+
+// A GPU step takes the NCCL communicator but refuses world size W > 1 at
+// finalize; without the communicator it finalizes at world size 1.
+void ranks_gpu_refusal(int W, int r, const uint8_t *id, const std::string &path) {
+  Cuda cu = cuda();
+  make_context_current(cu);
+  zopt_step *step = nullptr;
+  CT_OK(zopt_step_load(path.c_str(), &step));
+  zopt_comm *c = nullptr;
+  CT_OK(zopt_comm_create_nccl(id, r, W, nullptr, &c));
+  if (!step || !c) return;
+  {
+    Opt a, b;
+    if (!make_opt(step, true, &cu, a) || !make_opt(step, true, &cu, b)) return;
+    CT_OK(zopt_optimizer_set_comm(a.o, c));  // a device communicator for a GPU step
+    std::string m = CT_ERR(zopt_optimizer_finalize(a.o), ZOPT_ERR_UNSUPPORTED,
+                           std::string("step '") + a.d->name + "' updates on the GPU", "world size 1",
+                           "the communicator has " + std::to_string(W) + " ranks");
+    if (r == 0) printf("    GPU step at %d ranks: %s\n", W, m.c_str());
+    // Still not finalized: a step is refused as before finalize.
+    zopt_step_result res{};
+    CT_ERR(zopt_optimizer_step(a.o, &res), ZOPT_ERR_BAD_STATE, "finalize first");
+    CT_OK(zopt_optimizer_set_comm(a.o, nullptr));
+    double D = 0;
+    CT_OK(zopt_optimizer_get_grad_divisor(a.o, &D));
+    CT_CHECK(D == 1, "after the refusal, without the communicator: gradient divisor %g, want 1", D);
+    CT_CHECK(same_memory_info(a.o, b.o), "after the refusal: memory_info differs from a fresh optimizer's");
+    CT_OK(zopt_optimizer_finalize(a.o));
+    CT_OK(zopt_optimizer_finalize(b.o));
+    zopt_memory_info mi{};
+    CT_OK(zopt_optimizer_memory_info(a.o, &mi));
+    CT_CHECK(mi.world_size == 1 && mi.rank == 0, "finalized without the communicator: rank %d of %d", mi.rank,
+             mi.world_size);
+    CT_CHECK(same_memory_info(a.o, b.o), "finalized: memory_info differs from a fresh optimizer's");
+    step_both(a, b, "GPU step", false);
+  }
+  zopt_comm_free(c);
+  zopt_step_free(step);
+}
+
 }  // namespace
 
 int main(int argc, char **argv) {
-  if (argc != 3) {
-    fprintf(stderr, "usage: %s <libzopt-fake-cuda.so> <stand-in libnccl.so.2>\n", argv[0]);
+  if (argc < 3 || argc > 5) {
+    fprintf(stderr, "usage: %s <libzopt-fake-cuda.so> <stand-in libnccl.so.2> [CPU_STEP.so|- [GPU_STEP.so]]\n",
+            argv[0]);
     return 2;
   }
+  const std::string cpu_step = argc > 3 && strcmp(argv[3], "-") ? argv[3] : "";
+  const std::string gpu_step = argc > 4 ? argv[4] : "";
   double t0 = now_s();
   g_cuda = argv[1];
   g_nccl = argv[2];
@@ -354,10 +560,11 @@ int main(int argc, char **argv) {
   if (ok) pass("no NCCL library: ZOPT_ERR_UNSUPPORTED naming it");
   setenv("ZOPT_NCCL_LIB", g_nccl.c_str(), 1);
 
-  uint8_t ids[3][3][ZOPT_NCCL_UNIQUE_ID_BYTES];
+  uint8_t ids[3][3][ZOPT_NCCL_UNIQUE_ID_BYTES], ref_ids[2][ZOPT_NCCL_UNIQUE_ID_BYTES];
   CT_ERR(zopt_comm_nccl_unique_id(nullptr), ZOPT_ERR_INVALID_ARGUMENT, "id is NULL");
   for (auto &w : ids)
     for (auto &id : w) CT_OK(zopt_comm_nccl_unique_id(id));
+  for (auto &id : ref_ids) CT_OK(zopt_comm_nccl_unique_id(id));
   zopt_comm *c = nullptr;
   CT_ERR(zopt_comm_create_nccl(nullptr, 0, 1, nullptr, &c), ZOPT_ERR_INVALID_ARGUMENT, "id is NULL");
   CT_ERR(zopt_comm_create_nccl(ids[0][0], 2, 2, nullptr, &c), ZOPT_ERR_INVALID_ARGUMENT, "rank 2 out of range");
@@ -390,6 +597,26 @@ int main(int argc, char **argv) {
     pass("nccl: a rank that never joins: zopt_comm_create_nccl fails naming it");
   else
     failures()++;
+
+  // Refusals (with compiled steps only: the lit tests give them).
+  if (!cpu_step.empty()) {
+    if (run_ranks(2, 60, [&](int r) { ranks_cpu_refusal(2, r, ref_ids[0], cpu_step); }))
+      pass("a CPU step refuses the NCCL communicator (ZOPT_ERR_INVALID_ARGUMENT naming it) and then steps "
+           "bit-identically to one never offered it");
+    else
+      failures()++;
+  } else {
+    printf("SKIP a CPU step with the NCCL communicator: no CPU step given\n");
+  }
+  if (!gpu_step.empty()) {
+    if (run_ranks(2, 60, [&](int r) { ranks_gpu_refusal(2, r, ref_ids[1], gpu_step); }))
+      pass("a GPU step refuses to finalize at 2 ranks (ZOPT_ERR_UNSUPPORTED naming the world size) and then, "
+           "without the communicator, steps bit-identically to one never offered it");
+    else
+      failures()++;
+  } else {
+    printf("SKIP a GPU step at 2 ranks: no GPU step given\n");
+  }
 
   std::string rm = "rm -rf '" + g_logdir + "'";
   if (!failures() && system(rm.c_str()) != 0) fprintf(stderr, "cannot remove %s\n", g_logdir.c_str());
