@@ -1,6 +1,7 @@
 """One rank of the multi-process communicator tests (test_comm.py runs it).
 
     comm_worker.py torch RANK WORLD PORT   TorchComm over gloo on 127.0.0.1:PORT
+    comm_worker.py torch-subgroup RANK WORLD PORT   the same on ranks 1..W-1
     comm_worker.py mpi                     Comm.mpi() (launched by mpirun)
 
 Checks the collectives on random bytes, then a deliberate mismatch (rank 1
@@ -119,6 +120,24 @@ def run_torch(rank, world, port):
     os._exit(0)  # the gloo group has a dead peer: skip its teardown
 
 
+def run_torch_subgroup(rank, world, port):
+    """A process group of ranks 1..W-1 (group rank q is global rank q+1):
+    the collectives address peers by their group rank."""
+    import torch.distributed as dist
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=20))
+    sub = dist.new_group(ranks=list(range(1, world)), backend="gloo")
+    if rank > 0:
+        c = TorchComm(sub)
+        check((c.rank, c.size) == (rank - 1, world - 1), "TorchComm on a subgroup: rank, size")
+        c.set_timeout(20)
+        collectives(c, 400)
+    dist.barrier()
+    print(f"DONE rank {rank}", flush=True)
+
+
 def run_mpi():
     c = Comm.mpi()
     check(c.name == "mpi", "Comm.mpi()")
@@ -133,6 +152,8 @@ def run_mpi():
 if __name__ == "__main__":
     if sys.argv[1] == "torch":
         run_torch(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    elif sys.argv[1] == "torch-subgroup":
+        run_torch_subgroup(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
     elif sys.argv[1] == "mpi":
         run_mpi()
     else:

@@ -149,6 +149,18 @@ def test_torch_gloo_two_processes():
     assert "ok a silent peer gives a ZoptError after the 1 s timeout" in outs[0], outs[0]
 
 
+def test_torch_gloo_subgroup():
+    """TorchComm over a process group of global ranks 1 and 2 of three:
+    every collective's pieces land at their group ranks."""
+    env = _runtime_env()
+    port = _free_port()
+    cmds = [[sys.executable, WORKER, "torch-subgroup", str(r), "3", str(port)] for r in range(3)]
+    procs, outs = _run_all(cmds, timeout=120, env=env)
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and f"DONE rank {r}" in out, f"rank {r}:\n{out}"
+    assert "ok all_gather 4097 bytes" in outs[2] and "ok in-place all_gather 4097 bytes" in outs[1]
+
+
 def _mpi_plugin():
     lib = zopt.find_runtime_library()
     path = os.environ.get("ZOPT_COMM_MPI_LIB") or (

@@ -203,6 +203,14 @@ class _TorchEngine:
         self.dist = dist
         self.pg = pg
         self.size = dist.get_world_size(pg)
+        self.rank = dist.get_rank(pg)
+        # broadcast() takes the source's global rank
+        c10d = dist.distributed_c10d
+        to_global = getattr(c10d, "get_global_rank", None) or getattr(c10d, "_get_global_rank", None)
+        if pg is None or pg is c10d.GroupMember.WORLD or to_global is None:
+            self._global = list(range(self.size))
+        else:
+            self._global = [to_global(pg, q) for q in range(self.size)]
         self.timeout = None  # seconds; None: the process group's own timeout
         self.err = ctypes.create_string_buffer(1024)
         self.ops = _lib.CommOps(
@@ -247,13 +255,21 @@ class _TorchEngine:
             return self._fail(e)
 
     def _all_gather(self, ctx, send, recv, nbytes):
+        # W broadcasts, piece q from rank q straight into its place in recv:
+        # torch 1.13's gloo all_gather (a list of outputs) stages through a
+        # flat buffer and measured 4-6x slower than the broadcasts moving the
+        # same bytes (64 MiB of f32 at W = 2: 207 vs 32 ms; W = 4: 341 vs
+        # 93 ms, loopback TCP on this 2-core machine).
         try:
             r = self._bytes(recv, nbytes * self.size)
-            s = self._bytes(send, nbytes)
-            if recv <= send < recv + nbytes * self.size:
-                s = s.clone()  # in place: send is this rank's piece of recv
-            outs = [r[q * nbytes:(q + 1) * nbytes] for q in range(self.size)]
-            self._wait(self.dist.all_gather(outs, s, group=self.pg, async_op=True))
+            mine = recv + self.rank * nbytes
+            if send != mine:
+                ctypes.memmove(mine, send, nbytes)
+            works = [self.dist.broadcast(r[q * nbytes:(q + 1) * nbytes], src=self._global[q],
+                                         group=self.pg, async_op=True)
+                     for q in range(self.size)]
+            for w in works:
+                self._wait(w)
             return _lib.COMM_OK
         except BaseException as e:
             return self._fail(e)
