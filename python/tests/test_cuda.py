@@ -13,6 +13,7 @@ machine without zopt-compile they run from ZOPT_TEST_STEP_CACHE, filled here
 by bench/gpu/prepare_carry.sh (precompile_parity_steps below)."""
 import ctypes
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -108,6 +109,98 @@ def test_adam_parity_offload(steps, case):
     adam_parity_case(steps, **case, placement="offload")
 
 
+def _graph_case(steps):
+    """An f32 AdamW step with clipping on the GPU and its CPU twin, over the
+    same params, each with the same lr scheduler."""
+    gpu_step = steps(rule="adamw", layout="f32", clip=1.0, placement="gpu")
+    cpu_step = steps(rule="adamw", layout="f32", clip=1.0)
+    torch.manual_seed(0)
+    sizes = [7, 1000, 65537]
+    host = [torch.randn(n) for n in sizes]
+    grads = [[torch.randn(n) * 0.1 for n in sizes] for _ in range(5)]
+    pc = [torch.nn.Parameter(h.clone()) for h in host]
+    pg = [torch.nn.Parameter(h.cuda()) for h in host]
+    oc = zopt.Optimizer(cpu_step, pc, lr=1e-2, weight_decay=0.01)
+    og = zopt.Optimizer(gpu_step, pg, lr=1e-2, weight_decay=0.01)
+    sc = torch.optim.lr_scheduler.LambdaLR(oc, lambda i: 0.5 ** i)
+    sg = torch.optim.lr_scheduler.LambdaLR(og, lambda i: 0.5 ** i)
+    return pc, pg, oc, og, sc, sg, grads
+
+
+@needs_gpu
+def test_graph_replays_on_another_stream_follow_the_lr_schedule(steps):
+    """Captured under torch.cuda.graph, replayed on a third stream, with the
+    scheduler stepping between replays on the default stream (no step()
+    between replays): each replay uses the lr set before it, and
+    gpu_result() right after a replay (no stream sync) is that replay's
+    norm. Compared with the same schedule on the CPU twin."""
+    pc, pg, oc, og, sc, sg, grads = _graph_case(steps)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up, as torch's docs ask
+        for p, g in zip(pg, grads[0]):
+            p.grad = g.cuda()
+        og.step()
+    torch.cuda.current_stream().wait_stream(side)
+    for p, g in zip(pc, grads[0]):
+        p.grad = g.clone()
+    oc.step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        og.step()
+        with pytest.raises(ZoptError, match="CUDA graph capture"):
+            og.param_groups[0]["lr"] = 1.0
+    assert og.param_groups[0]["lr"] == 1e-2
+    replay = torch.cuda.Stream()
+    for k in range(1, 5):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            sg.step()  # pushed now, on the default stream
+            sc.step()
+        # no wait_stream: the replay waits for the lr write by itself (the
+        # captured step's event wait node)
+        with torch.cuda.stream(replay):
+            for p, g in zip(pg, grads[k]):
+                p.grad.copy_(g.cuda())  # the captured step reads these buffers
+            graph.replay()
+        for p, g in zip(pc, grads[k]):
+            p.grad = g.clone()
+        oc.step()
+        # on the default stream, nothing synchronized with `replay`
+        norm_g, skipped_g, _ = og.gpu_result()
+        norm_c, skipped_c = oc.step_result()
+        assert not skipped_g and not skipped_c
+        assert abs(norm_g - norm_c) <= 1e-9 * norm_c, (k, norm_g, norm_c)
+    assert og.step_count() == oc.step_count() == 5
+    torch.cuda.current_stream().wait_stream(replay)
+    for a, b in zip(pc, pg):
+        torch.testing.assert_close(b.detach().cpu(), a.detach(), rtol=1e-5, atol=1e-6)
+    del graph  # before the optimizer (its buffers and events)
+    og.close()
+
+
+@needs_gpu
+def test_gpu_step_memory_from_torch_allocator(steps):
+    """device_allocator: torch's caching allocator by default (the states
+    count in torch.cuda.memory_allocated()), cuMemAlloc with "driver"."""
+    st = steps(rule="adamw", layout="f32", placement="gpu")
+    n = 1 << 20
+    states = 2 * 4 * n  # exp_avg, exp_avg_sq
+    torch.cuda.synchronize()
+    p = torch.nn.Parameter(torch.randn(n, device="cuda"))
+    m0 = torch.cuda.memory_allocated()
+    o = zopt.Optimizer(st, [p], lr=1e-3)
+    assert torch.cuda.memory_allocated() - m0 >= states
+    o.close()
+    m1 = torch.cuda.memory_allocated()
+    o = zopt.Optimizer(st, [p], lr=1e-3, device_allocator="driver")
+    assert torch.cuda.memory_allocated() - m1 < states
+    p.grad = torch.randn(n, device="cuda")
+    o.step()
+    assert o.step_count() == 1
+    o.close()
+
+
 def precompile_parity_steps(cache_dir):
     """Compiles every step the two tests above use into cache_dir (the
     ZOPT_TEST_STEP_CACHE layout); returns how many. Needs zopt-compile and
@@ -121,6 +214,9 @@ def precompile_parity_steps(cache_dir):
             cache(**{k: c[k] for k in keys}, placement=placement)
     for text in _example_texts():
         cache.text(text)
+    for placement in ("gpu", "cpu"):  # _graph_case, the allocator test
+        cache(rule="adamw", layout="f32", clip=1.0, placement=placement)
+    cache(rule="adamw", layout="f32", placement="gpu")
     return len(cache.steps)
 
 

@@ -86,7 +86,8 @@ class MixedOptimizer(Optimizer):
                  weight_decay=None, momentum=None, dampening=None,
                  bias_correction=None, num_threads=None, loss_scaler=None,
                  seed=None, process_group=None, comm=None, grad_divisor=None,
-                 bucket_elems=None, zero3_gather="step", grad_accumulation="hooks"):
+                 bucket_elems=None, zero3_gather="step", grad_accumulation="hooks",
+                 device_allocator=None):
         self._parts = []   # [(class, Optimizer)] in CLASS_ORDER
         self._h = None     # no native optimizer of its own
         self._closed = False
@@ -136,6 +137,7 @@ class MixedOptimizer(Optimizer):
         self._scaler_cfg = None
         self._zero3_gather = zero3_gather
         self._grad_accumulation = grad_accumulation
+        self._device_allocator = device_allocator  # GPU steps only: unused by linked parts
         self._metrics_hooks = []
         self.last_metrics = None
         self.last_result = None
@@ -289,7 +291,8 @@ class MixedOptimizer(Optimizer):
         kw.update(num_threads=self._num_threads, loss_scaler=self._scaler_cfg,
                   seed=self._seed, comm=self._comm, grad_divisor=self._grad_divisor,
                   bucket_elems=self._bucket_elems, zero3_gather=self._zero3_gather,
-                  grad_accumulation=self._grad_accumulation)
+                  grad_accumulation=self._grad_accumulation,
+                  device_allocator=self._device_allocator)
         return kw
 
     def _new_part(self, c):
@@ -454,6 +457,12 @@ class MixedOptimizer(Optimizer):
         self._check_open()
         parts = self._plist
         for o in parts:
+            if o._offload:  # offloaded parts: never inside a CUDA graph capture
+                o._refuse_offload_capture()
+        for o in parts:
+            # offloaded parts: everything from here on (the parts' checks,
+            # the pushes, the step) on torch's current stream
+            o._handle()
             o._pre_step()  # may rebuild a part's native optimizer
         self._push_group_hypers()
         self.last_loss = loss
@@ -461,11 +470,6 @@ class MixedOptimizer(Optimizer):
             self.last_grad_norm, self.last_skipped = float("nan"), False
             self._metrics(t0, None, None, no_grads=True)
             return loss
-        for o in parts:
-            if o._on_cuda:
-                check(self._lib.zopt_optimizer_set_stream(
-                    o._h, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)),
-                    "zopt_optimizer_set_stream")
         hs = tuple(o._h.value for o in parts)
         if hs != self._harr_key:
             self._harr = (ctypes.c_void_p * len(hs))(*hs)

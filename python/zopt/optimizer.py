@@ -41,6 +41,7 @@ model and master agree after every load.
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import ctypes
 import math
 import operator
@@ -269,8 +270,20 @@ class Step:
 
     @property
     def gpu(self):
-        """True if the update runs on the GPU (no CPU kernel)."""
-        return self.isa is None
+        """True if the update runs on the GPU (no CPU kernel:
+        zopt_step_isa is ZOPT_ISA_NONE)."""
+        return self.isa is None or self.isa == _lib.Isa.NONE
+
+    @property
+    def on_device(self):
+        """True if the params live on the GPU: a GPU step, or an offloaded
+        one (param/grad on the GPU, the states and the update on the CPU)."""
+        return any(k == StateKind.PARAM and pl == _PLACE_GPU for k, _, pl in self.states)
+
+    @property
+    def offloaded(self):
+        """True for ZeRO-Offload steps: params on the GPU, update on the CPU."""
+        return self.on_device and not self.gpu
 
     @property
     def owned_states(self):
@@ -347,6 +360,112 @@ def _frozen(v):
     """A group value as compared between steps (a list edited in place,
     e.g. betas, must count as changed)."""
     return tuple(v) if isinstance(v, list) else v
+
+
+# ---- GPU steps: streams, hyperparameter pushes, torch's allocator ---------
+
+_PLACE_GPU = 2  # ZOPT_PLACE_GPU (abi.h)
+
+# zopt_device_allocator (zopt.h): alloc(user, bytes, cu_stream),
+# free(user, ptr, bytes, cu_stream), user.
+_ALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+_FREE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                            ctypes.c_void_p)
+
+
+class _DeviceAllocatorC(ctypes.Structure):
+    _fields_ = [("alloc", _ALLOC_FN), ("free", _FREE_FN), ("user", ctypes.c_void_p)]
+
+
+def _set_device_allocator(L, h, alloc):
+    """zopt_optimizer_set_device_allocator(h, &alloc.c) (declared here: the
+    binding's only caller)."""
+    fn = L.zopt_optimizer_set_device_allocator
+    if isinstance(fn, ctypes._CFuncPtr) and fn.argtypes is None:
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DeviceAllocatorC)]
+    return fn(h, ctypes.byref(alloc.c))
+
+
+class _TorchAllocator:
+    """The device memory of a GPU step from torch's caching allocator
+    (torch.cuda.caching_allocator_alloc / _delete): the optimizer's buffers
+    and torch's cached blocks are one pool, so finalize can use memory
+    torch has cached, and torch.cuda.memory_allocated() counts the
+    optimizer's states. One per zopt.Optimizer, kept (with its ctypes
+    callbacks) as long as the optimizer: every native optimizer it built
+    gives its buffers back through it at zopt_optimizer_free."""
+
+    def __init__(self, device):
+        self.device = device      # a device index, or None: the current device
+        self.live = {}            # pointer -> bytes, allocated and not yet freed
+        self.error = None         # what torch raised in the last failed alloc
+        self._alloc_cb = _ALLOC_FN(self._alloc)
+        self._free_cb = _FREE_FN(self._free)
+        self.c = _DeviceAllocatorC(self._alloc_cb, self._free_cb, None)
+
+    def _alloc(self, user, nbytes, stream):
+        try:
+            p = int(torch.cuda.caching_allocator_alloc(int(nbytes), self.device, int(stream or 0)))
+        except BaseException as e:  # out of memory: finalize fails, naming it
+            self.error = e
+            return None
+        self.live[p] = int(nbytes)
+        return p
+
+    def _free(self, user, ptr, nbytes, stream):
+        try:
+            if ptr and self.live.pop(int(ptr), None) is not None:
+                torch.cuda.caching_allocator_delete(int(ptr))
+        except BaseException:  # pragma: no cover - torch torn down at exit
+            pass
+
+
+class _GpuGroup(dict):
+    """A param group of a GPU step. Assigning a hyperparameter
+    (``group["lr"] = x``: an lr scheduler, by hand) writes the changed value
+    into the device's hyperparameter table at once (Optimizer._push_group),
+    because under ``torch.cuda.graph`` nobody calls step() between replays
+    and each replay reads the table. Inside a capture a changed value is
+    refused (ZoptError, the dict keeps its old value). Copies and pickles
+    are plain dicts."""
+    __slots__ = ("_opt",)
+
+    def __init__(self, opt, *args, **kw):
+        dict.__init__(self, *args, **kw)
+        self._opt = weakref.ref(opt)
+
+    def __setitem__(self, key, value):
+        opt = self._opt()
+        if opt is None or key not in opt._hyper_keys():
+            dict.__setitem__(self, key, value)
+            return
+        had = key in self
+        old = dict.get(self, key)
+        dict.__setitem__(self, key, value)
+        try:
+            opt._group_assigned(self)
+        except BaseException:
+            if had:
+                dict.__setitem__(self, key, old)
+            else:
+                dict.pop(self, key, None)
+            raise
+
+    def update(self, *args, **kw):
+        for k, v in dict(*args, **kw).items():
+            self[k] = v
+
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def copy(self):
+        return dict(self)
+
+    def __reduce__(self):
+        return (dict, (dict(self),))
 
 
 class _RemovableHandle:
@@ -574,6 +693,21 @@ class Optimizer(_Base):
     returns one): params of several dtypes, each routed to the step of its
     dtype, stepped as one (:class:`zopt.mixed.MixedOptimizer`: one global
     norm, one skip decision).
+
+    GPU and offloaded steps (docs/GPU.md, "What the Python binding does"):
+    the native optimizer is created with the params' device current; every
+    call that enqueues or reads runs on torch's current stream of that
+    device (``zopt_optimizer_set_stream`` before it), so reads after a CUDA
+    graph replay are ordered after it. For GPU steps a hyperparameter
+    assigned in ``param_groups`` (an lr scheduler) is written to the device
+    at once, outside captures (each graph replay uses the value set before
+    it); assigning a changed value inside a capture raises. An offloaded
+    step cannot be captured: ``step()`` inside ``torch.cuda.graph`` raises.
+    ``device_allocator``: where a GPU step's buffers come from: ``"torch"``
+    (the default when torch has CUDA: torch's caching allocator, one pool
+    with torch's tensors) or ``"driver"`` (``cuMemAlloc``, outside torch's
+    cache: finalize can fail with out of memory while torch holds cached
+    blocks; ``torch.cuda.empty_cache()`` returns them).
     """
 
     def __new__(cls, step=None, params=None, **kw):
@@ -586,12 +720,22 @@ class Optimizer(_Base):
                  weight_decay=None, momentum=None, dampening=None,
                  bias_correction=None, num_threads=None, loss_scaler=None,
                  seed=None, process_group=None, comm=None, grad_divisor=None,
-                 bucket_elems=None, zero3_gather="step", grad_accumulation="hooks"):
+                 bucket_elems=None, zero3_gather="step", grad_accumulation="hooks",
+                 device_allocator=None):
         self._h = None
+        self._streams = False   # GPU/offloaded: torch's current stream before each call
+        self._offload = False   # offloaded step (refused inside a graph capture)
+        self._mute_groups = False
         if not isinstance(step, Step):
             step = Step(step)
         self.step_obj = step
         self._lib = lib()
+        if device_allocator not in (None, "torch", "driver"):
+            raise ZoptError(Status.INVALID_ARGUMENT,
+                            f"device_allocator={device_allocator!r}: 'torch' (torch's caching "
+                            "allocator) or 'driver' (cuMemAlloc)")
+        self._device_allocator = device_allocator
+        self._dev_alloc = None
         self._num_threads = num_threads
         self._bucket_elems = bucket_elems
         self._grad_divisor = grad_divisor
@@ -730,6 +874,8 @@ class Optimizer(_Base):
             seen.add(id(e.param))
             new.append(e)
         group["params"] = [e.param for e in new]
+        if self.step_obj.gpu:
+            group = _GpuGroup(self, group)
         self.param_groups.append(group)
         self._entries.extend(new)
         return new
@@ -879,11 +1025,33 @@ class Optimizer(_Base):
     def _build_native(self):
         """Creates and finalizes a native optimizer over the current groups
         and tensors (collective at world size > 1); frees the old one."""
+        devs = [e.param.device for e in self._entries if e.cuda]
+        self._device = devs[0] if devs else None  # the params' device (torch)
+        self._on_cuda = bool(devs) or self.step_obj.on_device
+        self._streams = self._on_cuda and torch is not None and torch.cuda.is_available()
+        self._offload = self._streams and not self.step_obj.gpu
+        with self._device_current():
+            self._create_native()
+
+    def _device_current(self):
+        """``torch.cuda.device(params' device)``: the runtime takes the
+        context current at create (PyTorch's, of that device)."""
+        if self._device is not None:  # the device of the first CUDA param
+            return torch.cuda.device(self._device)
+        return contextlib.nullcontext()
+
+    def _create_native(self):
         L = self._lib
         h = ctypes.c_void_p()
         check(L.zopt_optimizer_create(self.step_obj._h, ctypes.byref(h)),
               "zopt_optimizer_create")
         try:
+            if self._streams:
+                # finalize's copies and INIT (which reads the params) and
+                # torch's allocator: on the current stream
+                self._use_stream(h)
+            if self.step_obj.gpu:
+                self._attach_allocator(h)
             if self._num_threads is not None:
                 check(L.zopt_optimizer_set_num_threads(h, int(self._num_threads)),
                       "set_num_threads")
@@ -912,7 +1080,16 @@ class Optimizer(_Base):
                 self._configure_scaler(h, self._scaler_cfg)
             if self._seed is not None:
                 check(L.zopt_optimizer_set_seed(h, int(self._seed) & (2**64 - 1)), "set_seed")
-            check(L.zopt_optimizer_finalize(h), "zopt_optimizer_finalize")
+            st = L.zopt_optimizer_finalize(h)
+            if st and self._dev_alloc is not None and self._dev_alloc.error is not None:
+                err = self._dev_alloc.error
+                self._dev_alloc.error = None
+                try:
+                    check(st, "zopt_optimizer_finalize")
+                except ZoptError as e:
+                    raise ZoptError(e.code, f"{e.message}; torch's caching allocator: "
+                                    f"{type(err).__name__}: {err}") from None
+            check(st, "zopt_optimizer_finalize")
         except BaseException:
             L.zopt_optimizer_free(h)
             raise
@@ -933,7 +1110,6 @@ class Optimizer(_Base):
         self._step_fn = L.zopt_optimizer_step
         self._res = _lib.StepResult()
         self._res_ref = ctypes.byref(self._res)
-        self._on_cuda = any(e.cuda for e in self._entries)
         # Bytes the update moves per updated element (for the metrics):
         # each state read and/or written once, as the descriptor says.
         bpe = 0
@@ -990,6 +1166,42 @@ class Optimizer(_Base):
             s.snapshot()
             self._sampler = s
 
+    def _attach_allocator(self, h):
+        """GPU steps: torch's caching allocator for finalize's buffers
+        (device_allocator="torch", the default when torch has CUDA)."""
+        want = self._device_allocator
+        if want == "driver":
+            return
+        have = torch is not None and torch.cuda.is_available()
+        if not have:
+            if want == "torch":
+                raise ZoptError(Status.UNSUPPORTED, "device_allocator='torch': this torch "
+                                "has no CUDA (torch.cuda.is_available() is False)")
+            return
+        if self._dev_alloc is None:
+            dev = self._device
+            self._dev_alloc = _TorchAllocator(dev.index if dev is not None else None)
+        check(_set_device_allocator(self._lib, h, self._dev_alloc),
+              "zopt_optimizer_set_device_allocator")
+
+    def _use_stream(self, h=None):
+        """GPU and offloaded steps: torch's current stream (of the params'
+        device) becomes the optimizer's stream, before every call that
+        enqueues or reads (zopt_optimizer_set_stream; the runtime orders
+        the new stream after its own last work, a graph replay included)."""
+        s = torch.cuda.current_stream(self._device).cuda_stream
+        check(self._lib.zopt_optimizer_set_stream(self._h if h is None else h,
+                                                  ctypes.c_void_p(s or None)),
+              "zopt_optimizer_set_stream")
+
+    def _capturing(self):
+        """Is torch's current stream of the params' device capturing a CUDA
+        graph (torch.cuda.graph)?"""
+        if not self._streams:
+            return False
+        with self._device_current():
+            return bool(torch.cuda.is_current_stream_capturing())
+
     def _free(self):
         self._remove_acc_hooks()
         h = getattr(self, "_h", None)
@@ -1001,8 +1213,12 @@ class Optimizer(_Base):
             self._comm = None
 
     def _handle(self):
+        """The native optimizer, for a call that uses it now (GPU and
+        offloaded steps: on torch's current stream)."""
         if self._h is None:
             raise ZoptError(Status.BAD_STATE, "the optimizer is closed")
+        if self._streams:
+            self._use_stream()
         return self._h
 
     def close(self):
@@ -1135,7 +1351,7 @@ class Optimizer(_Base):
         n = int(self._numels.sum()) if hasattr(self, "_numels") else 0
         head = (f"zopt.Optimizer(step={s.name}, "
                 + ", ".join(f"{STATE_NAMES[k]}:{DTYPE_NAMES[dt]}" for k, dt, _ in s.states)
-                + f"; isa={s.isa.name if s.isa is not None else 'gpu'}, "
+                + f"; isa={'gpu' if s.gpu else s.isa.name}, "
                 f"{len(self._entries)} tensors, {n} elements, "
                 f"rank {getattr(self, 'rank', 0)} of {getattr(self, 'world_size', 1)}, "
                 f"zero_stage={s.zero_stage}, steps taken {self.steps_taken}"
@@ -1574,24 +1790,49 @@ class Optimizer(_Base):
         if len(groups) != len(self._pushed):
             raise ZoptError(Status.BAD_STATE,
                             "param_groups changed length: add groups with add_param_group()")
-        keys = self._hyper_keys()
         for gid, group in enumerate(groups):
             if len(group["params"]) != self._group_lens[gid]:
                 raise ZoptError(Status.BAD_STATE,
                                 f"param_groups[{gid}]['params'] was edited: the optimizer's "
                                 "tensors are fixed; add params with add_param_group()")
-            raw = tuple(_frozen(group.get(k)) for k in keys)
-            if raw == self._pushed_raw[gid]:
-                continue
-            slots = _slots(group, self.step_obj.hypers)
-            pushed = self._pushed[gid]
-            for name, val in slots.items():
-                if pushed.get(name) != val:
-                    self._set_hyper(gid, name, val)
-                    pushed[name] = val
-            self._pushed_raw[gid] = raw
+            self._push_group(gid, group)
+
+    def _push_group(self, gid, group):
+        """The hyperparameters of param_groups[gid] that changed since they
+        were last pushed -> the runtime (zopt_optimizer_set_hyper)."""
+        raw = tuple(_frozen(group.get(k)) for k in self._hyper_keys())
+        if raw == self._pushed_raw[gid]:
+            return
+        slots = _slots(group, self.step_obj.hypers)
+        pushed = self._pushed[gid]
+        for name, val in slots.items():
+            if pushed.get(name) != val:
+                self._set_hyper(gid, name, val)
+                pushed[name] = val
+        self._pushed_raw[gid] = raw
+
+    def _group_assigned(self, group):
+        """A hyperparameter assigned in a param group of a GPU step
+        (_GpuGroup): pushed now, on torch's current stream, since graph
+        replays read the device's table and no step() comes between them."""
+        if self._mute_groups or self._h is None or getattr(self, "_pushed", None) is None:
+            return
+        for gid, g in enumerate(self.param_groups):
+            if g is group:
+                if gid < len(self._pushed):
+                    self._push_group(gid, group)
+                return
 
     def _set_hyper(self, gid, name, value):
+        if self.step_obj.gpu and self._capturing():
+            raise ZoptError(
+                Status.BAD_STATE,
+                f"param_groups[{gid}]: {name} = {value!r} inside a CUDA graph capture "
+                "(torch.cuda.graph): a GPU step reads its hyperparameters from a device "
+                "table at run time, and a value written during the capture would be baked "
+                "into the graph. Set it before capturing, or between replays (e.g. the lr "
+                "scheduler's step() after graph.replay()): each replay uses the value set "
+                "before it")
         check(self._lib.zopt_optimizer_set_hyper(self._handle(), gid, name.encode(),
                                                  float(value)),
               f"set_hyper(group {gid}, {name}={value!r})")
@@ -1614,12 +1855,16 @@ class Optimizer(_Base):
         """param_groups[gid] and the pushed cache <- the runtime's values."""
         group = self.param_groups[gid]
         vals = {name: self.get_hyper(gid, name) for name in self.step_obj.hypers}
-        for name, v in vals.items():
-            if name in ("beta1", "beta2"):
-                continue
-            group[name] = bool(v) if name == "bias_correction" else v
-        if "beta1" in vals or "beta2" in vals:
-            group["betas"] = (vals.get("beta1"), vals.get("beta2"))
+        self._mute_groups = True  # the runtime's own values: nothing to push
+        try:
+            for name, v in vals.items():
+                if name in ("beta1", "beta2"):
+                    continue
+                group[name] = bool(v) if name == "bias_correction" else v
+            if "beta1" in vals or "beta2" in vals:
+                group["betas"] = (vals.get("beta1"), vals.get("beta2"))
+        finally:
+            self._mute_groups = False
         self._pushed[gid] = _slots(group, self.step_obj.hypers)
         self._pushed_raw[gid] = self._raw_hypers(group)
 
@@ -1655,6 +1900,11 @@ class Optimizer(_Base):
             else:
                 loss = closure()
         t0 = time.perf_counter()
+        if self._offload:
+            self._refuse_offload_capture()
+        # GPU and offloaded steps: from here on every call (the pushes of
+        # changed hyperparameters, the step) runs on torch's current stream;
+        # a GPU step only enqueues there (read its outcome with gpu_result()).
         self._handle()
         self._pre_step()  # may rebuild the native optimizer
         self._push_hypers()
@@ -1664,12 +1914,6 @@ class Optimizer(_Base):
             self.last_grad_norm, self.last_skipped = float("nan"), False
             self._metrics(t0, None, None, no_grads=True)
             return loss
-        if self._on_cuda:
-            # GPU steps only enqueue on PyTorch's current stream (no host
-            # sync; read the outcome with gpu_result()).
-            check(self._lib.zopt_optimizer_set_stream(
-                h, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)),
-                "zopt_optimizer_set_stream")
         t1 = time.perf_counter()
         st = self._step_fn(h, self._res_ref)
         t2 = time.perf_counter()
@@ -1678,6 +1922,16 @@ class Optimizer(_Base):
         self._after_step(self._res)
         self._metrics(t0, t1, t2)
         return loss
+
+    def _refuse_offload_capture(self):
+        if self._capturing():
+            raise ZoptError(
+                Status.UNSUPPORTED,
+                f"step() of an offloaded optimizer (step '{self.step_obj.name}': params and "
+                "grads on the GPU, the update on the CPU) inside a CUDA graph capture "
+                "(torch.cuda.graph): the step copies the grads to the host, waits for them "
+                "and updates on the CPU, which a graph cannot hold. Call step() outside the "
+                "captured region (or use a step whose states are on the GPU)")
 
     def _after_step(self, r):
         """After the runtime's step (r: its result): the outcome, the loss
@@ -1708,7 +1962,8 @@ class Optimizer(_Base):
 
     def gpu_result(self):
         """(grad_norm, skipped, loss_scale) of the last GPU step: waits for
-        the stream and reads the device-side result."""
+        that step (wherever it ran: a graph replay too) on torch's current
+        stream and reads the device-side result."""
         r = _lib.StepResult()
         check(self._lib.zopt_optimizer_gpu_result(self._handle(), ctypes.byref(r)),
               "zopt_optimizer_gpu_result")
