@@ -228,7 +228,7 @@ int main(int argc, char **argv) {
                 "sent B/p red", "sent B/p gat", "raw a2a", "raw ag", "a2a r tr/op", "ag r tr/op");
     for (int q = 0; q < world; ++q) {
       const double *v = rows[q].v;
-      auto ratio = [](double a, double b) { return b > 0 ? a / b : 0.0; };
+      auto ratio = [](double a, double b) { return b > 1e-3 ? a / b : 0.0; };  // ms; W = 1 has no collectives
       std::printf("%4d %9.2f %9.2f %8.1f %8.1f (%5.1f) %8.1f %9.1f %8.1f (%5.1f) | %12.3f %12.3f %8.1f %8.1f %6.2f %6.2f "
                   "%6.2f %6.2f\n",
                   q, v[0], v[1], v[2], v[3], v[12], v[4], v[5], v[6], v[13], v[7], v[8], v[9], v[10],
