@@ -180,6 +180,16 @@ void test_files(const std::string &dir) {
   ZT_ERR(zopt_optimizer_load(a.o, (path + ".bad").c_str()), ZOPT_ERR_CHECKPOINT);
   ZT_CHECK(strstr(zopt_last_error(), "flags") != nullptr);
   printf("  flags = 1 -> %s\n", zopt_last_error());
+  // A reserved field (the u32 after the loss scaler's `dynamic`, at byte
+  // 24 + 8 + 64 + 4 * 4 + 2 * 8 + 5 * 8 + 4 = 172) not 0: refused.
+  bad = good;
+  bad[172] = 1;
+  h = fnv1a64(bad.data(), (size_t)hsize);
+  memcpy(bad.data() + hsize, &h, 8);
+  spit(path + ".bad", bad);
+  ZT_ERR(zopt_optimizer_load(a.o, (path + ".bad").c_str()), ZOPT_ERR_CHECKPOINT);
+  ZT_CHECK(strstr(zopt_last_error(), "loss scaler's reserved field is not 0") != nullptr);
+  printf("  a reserved field = 1 -> %s\n", zopt_last_error());
 
   // Another update rule: refused, nothing changes; allowed with the flag.
   std::vector<float> before(sgd.p[0].size()), after(before.size());

@@ -227,6 +227,12 @@ zopt_status read_header(File &f, const std::string &path) {
   Reader r{h.data(), (size_t)hsize};
   r.pos = 24;
   f.version = 2;
+  // Reserved fields (docs/CHECKPOINT.md: "pad u32, 0") must be 0, like
+  // flags: a file with something there was not written by this format.
+  const char *bad_pad = nullptr;
+  auto pad = [&](const char *where) {
+    if (r.get<uint32_t>() != 0 && r.ok && !bad_pad) bad_pad = where;
+  };
   f.desc_sum = r.get<uint64_t>();
   r.bytes(f.name, ZOPT_NAME_LEN);
   f.world = r.get<uint32_t>();
@@ -241,11 +247,11 @@ zopt_status read_header(File &f, const std::string &path) {
   ls.cfg.growth_interval = r.get<int64_t>();
   ls.cfg.min_scale = r.get<double>();
   ls.cfg.dynamic = (int)r.get<uint32_t>();
-  r.get<uint32_t>();
+  pad("the loss scaler's");
   f.seed = r.get<uint64_t>();
   f.has_seed = true;
   uint32_t nkinds = r.get<uint32_t>();
-  r.get<uint32_t>();
+  pad("the state kinds'");
   if (!r.ok) return ck_fail(path, "truncated header");
   if (f.world < 1 || f.world > kMaxRanks || f.rank >= f.world)
     return ck_fail(path, "rank %u of world size %u out of range", f.rank, f.world);
@@ -268,12 +274,12 @@ zopt_status read_header(File &f, const std::string &path) {
     for (uint32_t g = 0; g < ngroups; ++g) {
       f.groups[g].step_count = r.get<int64_t>();
       uint32_t nh = r.get<uint32_t>();
-      r.get<uint32_t>();
+      pad("a group's");
       if (!r.ok || nh > ZOPT_MAX_HYPERS) return ck_fail(path, "group %u: bad hyperparameter table", g);
       if (f.groups[g].step_count < 0) return ck_fail(path, "group %u: negative step count", g);
       for (uint32_t k = 0; k < nh; ++k) {
         uint32_t kind = r.get<uint32_t>();
-        r.get<uint32_t>();
+        pad("a hyperparameter's");
         double v = r.get<double>();
         if (kind < ZOPT_HYPER_LR || kind > ZOPT_HYPER_BIAS_CORRECTION)
           return ck_fail(path, "group %u: unknown hyperparameter kind %u", g, kind);
@@ -286,7 +292,7 @@ zopt_status read_header(File &f, const std::string &path) {
     for (uint32_t t = 0; t < ntensors; ++t) {
       TensorRec &tr = f.tensors[t];
       tr.group = r.get<uint32_t>();
-      r.get<uint32_t>();
+      pad("a tensor's");
       tr.numel = r.get<int64_t>();
       tr.steps = r.get<int64_t>();
       if (tr.group >= ngroups || tr.numel < 0 || tr.steps < 0)
@@ -314,6 +320,7 @@ zopt_status read_header(File &f, const std::string &path) {
         return ck_fail(path, "tensor %u state %s: data outside the file", p.tensor,
                        state_kind_name(f.kinds[p.kind_index].kind));
     }
+    if (bad_pad) return ck_fail(path, "%s reserved field is not 0 (not written by this format)", bad_pad);
     uint64_t data_end = r.get<uint64_t>();
     if (!r.ok || r.pos != hsize) return ck_fail(path, "header size mismatch");
     if (data_end != f.size) return ck_fail(path, "file is %llu bytes, its header says %llu (truncated or extended)",
@@ -404,7 +411,7 @@ zopt_status read_v1(File &f) {
                          (unsigned long long)bytes, (long long)tr.numel);
         if (off % kDataAlign || off > n - 8 || bytes > n - 8 - off)
           return ck_fail(path, "tensor %u state %s: data outside the file", t, state_kind_name(kind));
-        if (fnv1a64(buf + off, bytes) != fnv && fnv1a64(buf + off, bytes, kFnvBasisV1) != fnv)
+        if (fnv1a64(buf + off, bytes, kFnvBasisV1) != fnv)  // format 1: the old basis throughout
           return ck_fail(path, "tensor %u state %s: data checksum mismatch", t, state_kind_name(kind));
         uint32_t ki = 0;
         while (ki < f.kinds.size() && f.kinds[ki].kind != kind) ++ki;
