@@ -673,7 +673,11 @@ class Optimizer(_Base):
     "step" (default) gathers the params into the model after every step;
     "manual" leaves that to :meth:`gather_params`; :func:`zopt.zero3_hooks`
     sets "hooks" (gathered per module, released after use and after the
-    step).
+    step). ``grad_streaming=True`` (ZeRO-2/3 CPU steps, torch CPU params):
+    backward hooks hand the gradients to the runtime bucket by bucket and
+    free each ``p.grad`` once reduced (:mod:`zopt.streaming`); ``p.grad``
+    is None after ``step()``; accumulate micro-batches inside
+    :meth:`no_sync`.
 
     Gradients accumulated in f32 (a step built with ``grad="f32"`` for
     bf16/f16 params: DeepSpeed's bf16 layout, Megatron's ``main_grad``):
@@ -710,8 +714,13 @@ class Optimizer(_Base):
     blocks; ``torch.cuda.empty_cache()`` returns them).
     """
 
+    _streamer = None  # grad_streaming=True: a zopt.streaming.GradStreamer
+
     def __new__(cls, step=None, params=None, **kw):
         if cls is Optimizer and isinstance(step, collections.abc.Mapping):
+            if kw.get("grad_streaming"):
+                raise ZoptError(Status.UNSUPPORTED, "grad_streaming=True: not for a step per "
+                                "dtype (a mapping); streaming is implemented for one step")
             from .mixed import MixedOptimizer
             return super().__new__(MixedOptimizer)
         return super().__new__(cls)
@@ -721,7 +730,7 @@ class Optimizer(_Base):
                  bias_correction=None, num_threads=None, loss_scaler=None,
                  seed=None, process_group=None, comm=None, grad_divisor=None,
                  bucket_elems=None, zero3_gather="step", grad_accumulation="hooks",
-                 device_allocator=None):
+                 device_allocator=None, grad_streaming=False):
         self._h = None
         self._streams = False   # GPU/offloaded: torch's current stream before each call
         self._offload = False   # offloaded step (refused inside a graph capture)
@@ -807,7 +816,11 @@ class Optimizer(_Base):
             for g in groups:
                 new += self._add_group_py(g)
             self._check_overlaps()
-            self._alloc_grads(new)
+            if grad_streaming:  # no grad memory of ours: the runtime holds the shards
+                from .streaming import GradStreamer
+                self._streamer = GradStreamer(self)
+            else:
+                self._alloc_grads(new)
             if loss_scaler is not None:
                 self._scaler_cfg = self._scaler_config(**loss_scaler)
             self._build_native()
@@ -1061,6 +1074,8 @@ class Optimizer(_Base):
             if self._bucket_elems is not None:
                 check(L.zopt_optimizer_set_bucket_elems(h, int(self._bucket_elems)),
                       "set_bucket_elems")
+            if self._streamer is not None:
+                self._streamer.configure(h)
             if self._grad_divisor is not None:
                 check(L.zopt_optimizer_set_grad_divisor(h, float(self._grad_divisor)),
                       "set_grad_divisor")
@@ -1120,6 +1135,8 @@ class Optimizer(_Base):
         self._numels = np.array([e.numel for e in self._entries], dtype=np.int64)
         self._active_elems = int(self._numels.sum())
         self._rebuild_lists()
+        if self._streamer is not None:
+            self._streamer.attach(h)
 
     def _rebuild_lists(self):
         """The per-step fast-path tables."""
@@ -1271,7 +1288,10 @@ class Optimizer(_Base):
         try:
             new = self._add_group_py(dict(param_group))
             self._check_overlaps()
-            self._alloc_grads(new)
+            if self._streamer is None:
+                self._alloc_grads(new)
+            else:
+                self._streamer.check_entries(new)
             self._build_native()
         except BaseException:
             del self.param_groups[n_groups:]
@@ -1286,7 +1306,10 @@ class Optimizer(_Base):
         """Like torch: zeros the gradients (set_to_none=False, torch 1.13's
         default) or sets them to None. The zopt-owned gradient memory of the
         params is zeroed with one fill per buffer; explicit (param, grad)
-        pairs are always zeroed."""
+        pairs are always zeroed. With grad_streaming a reduced (freed)
+        gradient is already None: nothing to zero."""
+        if self._streamer is not None:
+            self._streamer.check_zero_grad()
         ps = self._a_params
         if ps and self._main:
             # f32 gradients: p.grad is only ever pending accumulation;
@@ -1906,11 +1929,15 @@ class Optimizer(_Base):
         # changed hyperparameters, the step) runs on torch's current stream;
         # a GPU step only enqueues there (read its outcome with gpu_result()).
         self._handle()
-        self._pre_step()  # may rebuild the native optimizer
+        if self._streamer is None:
+            self._pre_step()  # may rebuild the native optimizer
+        else:
+            self._streamer.before_step()  # the buckets no backward reduced
         self._push_hypers()
         h = self._h
         self.last_loss = loss
-        if self.world_size == 1 and 1 not in self._active:
+        if self.world_size == 1 and 1 not in self._active and not (
+                self._streamer is not None and self._streamer.reduced):
             self.last_grad_norm, self.last_skipped = float("nan"), False
             self._metrics(t0, None, None, no_grads=True)
             return loss
@@ -1919,9 +1946,21 @@ class Optimizer(_Base):
         t2 = time.perf_counter()
         if st:
             check(st, "zopt_optimizer_step")
+        if self._streamer is not None:
+            self._streamer.after_step()
         self._after_step(self._res)
         self._metrics(t0, t1, t2)
         return loss
+
+    def no_sync(self):
+        """A context manager, like DDP's: with ``grad_streaming=True`` the
+        backward passes inside it only accumulate into ``p.grad`` (nothing
+        is reduced); the first backward outside it streams the gradients
+        (accumulated micro-batches included) to the runtime. Without
+        streaming gradients always just accumulate: it does nothing."""
+        if self._streamer is None:
+            return contextlib.nullcontext()
+        return self._streamer.no_sync()
 
     def _refuse_offload_capture(self):
         if self._capturing():

@@ -1,0 +1,331 @@
+"""Gradient streaming of zopt.Optimizer (``grad_streaming=True``): ZeRO-2/3
+gradient memory from the Python binding.
+
+Without it torch keeps every ``p.grad`` until ``step()`` and the step reads
+them whole, so each rank holds the full gradients although only its shards
+are ever updated. With it the binding hands the gradients to the runtime
+bucket by bucket *during backward* (``zopt_optimizer_reduce_bucket``: the
+runtime packs the bucket, exchanges it and folds this rank's shard in rank
+order into a shard buffer of its own, bit-identical to the non-streamed
+step) and drops each ``p.grad`` as soon as every bucket it lies in has been
+reduced. What a rank holds beyond its reduced shards is the gradients of
+the buckets not yet reduced: about one bucket while backward produces the
+gradients in bucket order.
+
+How:
+
+* a hook on each param's AccumulateGrad node (torch 1.13 has no
+  ``register_post_accumulate_grad_hook``) marks the param's gradient ready
+  for this backward;
+* the buckets are reduced in ONE fixed order on every rank (ascending
+  bucket index: the layout puts each group's tensors in reverse add order,
+  the order backward produces them), each as soon as it and every bucket
+  before it in the order are ready, so the collectives match across ranks
+  however each rank's backward runs;
+* at the end of every backward (an autograd engine callback) the buckets
+  left are reduced, with what ``p.grad`` holds then (None: no gradient on
+  this rank), so a param unused on one rank delays nothing past its
+  backward; ``step()`` reduces whatever no backward did (no backward at
+  all, or gradients set by hand) and steps;
+* a tensor spanning buckets is given in all of them or in none (decided
+  at its first bucket, its gradient kept until its last one);
+* ``opt.no_sync()``: micro-batches accumulate in ``p.grad`` (the hooks do
+  nothing); the first backward outside it streams, as with DDP.
+
+One backward per step outside ``no_sync()``: a gradient arriving for a
+bucket already reduced raises (it would be lost). Reading ``p.grad``
+between backward and ``step()`` (``clip_grad_norm_``, a gradient logger)
+sees None for what was reduced: clip with the step's own ``clip=``.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import weakref
+
+import numpy as np
+
+from ._lib import Status, ZoptError, check
+
+try:
+    import torch
+except ImportError:  # pragma: no cover - the binding works without torch
+    torch = None
+
+__all__ = ["GradStreamer"]
+
+
+def _refuse(code, msg):
+    raise ZoptError(code, f"grad_streaming=True: {msg}")
+
+
+class GradStreamer:
+    """The streaming state of one zopt.Optimizer (``opt._streamer``)."""
+
+    def __init__(self, opt):
+        s = opt.step_obj
+        if torch is None:
+            _refuse(Status.UNSUPPORTED, "needs torch (backward hooks)")
+        if s.gpu or s.on_device:
+            _refuse(Status.UNSUPPORTED,
+                    f"step '{s.name}' is {'a GPU step' if s.gpu else 'offloaded'}; "
+                    "gradient streaming is implemented for CPU-updated steps from host "
+                    "gradients")
+        if s.zero_stage not in (2, 3):
+            _refuse(Status.UNSUPPORTED,
+                    f"step '{s.name}' has zero_stage = {s.zero_stage}: only ZeRO-2 and ZeRO-3 "
+                    "steps reduce the gradients into shards (stages 0 and 1 need every "
+                    "rank's full gradient); compile the step with zero_stage=2 or 3")
+        if s.f32_grads:
+            _refuse(Status.UNSUPPORTED,
+                    f"step '{s.name}' has f32 gradients of {s.param_dtype.name} params "
+                    "(p.main_grad); streaming is implemented for gradients in the param's "
+                    "dtype (p.grad)")
+        self.check_entries(opt._entries)
+        self._opt = weakref.ref(opt)
+        self._gdtype = None  # the step's grad dtype (torch), set in attach
+        self._hooked = {}   # id(param) -> tensor id at registration (for the hooks)
+        self._depth = 0     # no_sync() nesting
+        self.nb = 0
+        self.lost = False
+        # counters (tests, docs): buckets reduced from the hooks during
+        # backward, at the end of a backward, and at step()
+        self.stats = dict(in_backward=0, at_backward_end=0, at_step=0)
+        self._idle()
+
+    @staticmethod
+    def check_entries(entries):
+        """Streamed gradients are torch CPU params' .grad."""
+        for e in entries:
+            if not e.auto or not e.torch:
+                _refuse(Status.INVALID_ARGUMENT,
+                        f"{e.name} is a (param, grad) pair or a numpy array: streamed "
+                        "gradients come from torch params' .grad (pass the params alone)")
+            if e.cuda:
+                _refuse(Status.UNSUPPORTED, f"{e.name} is on {e.param.device}: streaming "
+                        "is implemented for CPU params")
+
+    # ---- setup (after every finalize) -----------------------------------------
+    def configure(self, h):
+        """Before finalize: the runtime holds the reduced shards itself."""
+        o = self._opt()
+        check(o._lib.zopt_optimizer_set_grad_streaming(h, 1), "set_grad_streaming")
+
+    def attach(self, h):
+        """After finalize (build and every rebuild): the buckets' tensors,
+        the fixed reduction order and the hooks of params not hooked yet."""
+        o = self._opt()
+        L = o._lib
+        if self.started and self.pos > 0:
+            self.lost = True  # reduced shards of this step died with the old optimizer
+        n = ctypes.c_int()
+        check(L.zopt_optimizer_num_buckets(h, ctypes.byref(n)), "zopt_optimizer_num_buckets")
+        nb = n.value
+        T = len(o._entries)
+        b_tensors = []
+        cap = max(T, 1)
+        ids = (ctypes.c_int * cap)()
+        for b in range(nb):
+            check(L.zopt_optimizer_bucket_tensors(h, b, ids, cap, ctypes.byref(n)),
+                  "zopt_optimizer_bucket_tensors")
+            b_tensors.append(list(ids[:n.value]))
+        self.order = list(range(nb))  # the same on every rank
+        pos_of = {b: i for i, b in enumerate(self.order)}
+        first = [nb] * T
+        last = [-1] * T
+        for b, ts in enumerate(b_tensors):
+            for t in ts:
+                first[t] = min(first[t], pos_of[b])
+                last[t] = max(last[t], pos_of[b])
+        self.nb, self.b_tensors, self.first_pos, self.last_pos = nb, b_tensors, first, last
+        self.t_buckets = [[] for _ in range(T)]
+        for b, ts in enumerate(b_tensors):
+            for t in ts:
+                self.t_buckets[t].append(b)
+        self.numels = np.array([e.numel for e in o._entries], dtype=np.int64)
+        from .optimizer import _torch_of
+        self._gdtype = _torch_of(o.step_obj.grad_dtype)
+        self._contig = [e.param.is_contiguous() for e in o._entries]
+        self._hook_new()
+        self._idle(keep_lost=True)
+
+    def _hook_new(self):
+        """Hooks on the AccumulateGrad nodes of params that require grad and
+        have none yet (kept in opt._acc_hooks: removed with the optimizer)."""
+        o = self._opt()
+        ref = weakref.ref(self)
+        for t, e in enumerate(o._entries):
+            p = e.param
+            if id(p) in self._hooked or not p.requires_grad or not p.is_leaf:
+                continue
+            with torch.enable_grad():
+                node = p.expand_as(p).grad_fn.next_functions[0][0]
+
+            def hook(*_, key=id(p)):
+                s = ref()
+                if s is not None:
+                    s._on_grad(key)
+            o._acc_hooks.append((node, node.register_hook(hook)))
+            self._hooked[id(p)] = t
+
+    # ---- the cycle between two steps -------------------------------------------
+    def _idle(self, keep_lost=False):
+        self.started = False
+        self.pos = 0            # next position in self.order to reduce
+        self.reduced = False    # any bucket reduced since the last step
+        self.given = None       # per tensor: None undecided, True / False
+        self.held = None        # per tensor: the gradient handed over (alive until its last bucket)
+        self.ready = None
+        self.missing = None
+        if not keep_lost:
+            self.lost = False
+
+    def _start(self, from_hook):
+        """The first streamed backward hook (or step()) since the last step:
+        the param checks (a collective rebuild for params given new memory:
+        every rank does it before its first reduction), then the readiness
+        of every tensor. Params that do not require grad (frozen) have
+        nothing to wait for."""
+        o = self._opt()
+        o._check_params()
+        T = len(o._entries)
+        self.given = [None] * T
+        self.held = [None] * T
+        ents = o._entries
+        hooked = self._hooked
+        self.ready = [not (e.param.requires_grad and id(e.param) in hooked) for e in ents]
+        self.missing = [sum(1 for t in ts if not self.ready[t]) for ts in self.b_tensors]
+        self.started = True
+        if from_hook:
+            ref = weakref.ref(self)
+
+            def at_end():
+                s = ref()
+                if s is not None and s.started and s.pos < s.nb:
+                    s._advance(final=True, where="at_backward_end")
+            torch.autograd.Variable._execution_engine.queue_callback(at_end)
+
+    def _on_grad(self, key):
+        if self._depth:
+            return  # no_sync(): accumulate only
+        o = self._opt()
+        if o is None or o._h is None:
+            return
+        t = self._hooked.get(key)
+        if t is None or t >= len(o._entries) or id(o._entries[t].param) != key:
+            return
+        if not self.started:
+            self._start(from_hook=True)
+        if self.first_pos[t] < self.pos:
+            e = o._entries[t]
+            raise ZoptError(Status.BAD_STATE,
+                            f"grad_streaming: {e.name} got a gradient after its bucket was "
+                            "reduced (a second backward since the last step()): accumulate "
+                            "micro-batches inside opt.no_sync() and run the last backward "
+                            "outside it, then step()")
+        if self.ready[t]:
+            return
+        self.ready[t] = True
+        for b in self.t_buckets[t]:
+            self.missing[b] -= 1
+        self._advance(final=False, where="in_backward")
+
+    def _advance(self, final, where):
+        """Reduces the buckets in order while the next one is ready (all of
+        them with final=True)."""
+        order, missing = self.order, self.missing
+        while self.pos < self.nb:
+            b = order[self.pos]
+            if not final and missing[b] > 0:
+                return
+            self._reduce(b)
+            self.stats[where] += 1
+
+    def _grad_ptr(self, t, e):
+        """Tensor t's gradient for the runtime (decided at its first
+        bucket): its element 0 in the param's memory order and the step's
+        grad dtype (else a copy of that form), or None."""
+        if self.given[t] is None:
+            g = e.param.grad
+            if g is not None:
+                if g.is_sparse:
+                    raise ZoptError(Status.UNSUPPORTED, f"{e.name} has a sparse gradient")
+                if g.dtype != self._gdtype or g.device.type != "cpu" or not (
+                        e.numel <= 1 or tuple(g.stride()) == e.stride
+                        or (g.is_contiguous() and self._contig[t])):
+                    c = torch.empty_strided(e.shape, e.stride, dtype=self._gdtype)
+                    with torch.no_grad():
+                        c.copy_(g)
+                    g = c
+            self.given[t] = g is not None
+            self.held[t] = g
+        g = self.held[t]
+        return g.data_ptr() if g is not None else None
+
+    def _reduce(self, b):
+        o = self._opt()
+        ents = o._entries
+        ts = self.b_tensors[b]
+        n = len(ts)
+        ptrs = (ctypes.c_void_p * max(n, 1))(*[self._grad_ptr(t, ents[t]) for t in ts])
+        check(o._lib.zopt_optimizer_reduce_bucket(o._h, b, ptrs, n),
+              "zopt_optimizer_reduce_bucket")
+        self.reduced = True
+        at = self.pos
+        self.pos += 1
+        for t in ts:  # every bucket of t reduced: its gradient is no longer read
+            if self.last_pos[t] == at:
+                if self.given[t]:
+                    ents[t].param.grad = None
+                self.held[t] = None
+
+    # ---- step() -------------------------------------------------------------------
+    def before_step(self):
+        """In step(), instead of the gradient sync: the param checks, the
+        buckets no backward reduced (in order, from p.grad), and the mask
+        the binding reports (opt._active)."""
+        o = self._opt()
+        if self.started:
+            rb = o.rebuilds
+            o._check_params()  # in-place writes since: the master refreshed
+            if o.rebuilds != rb:
+                self.lost = True
+        if self.lost:
+            self._idle()
+            raise ZoptError(Status.BAD_STATE,
+                            "grad_streaming: the native optimizer was rebuilt (params given new "
+                            "memory, p.data = ..., or a param group added) after this step's "
+                            "gradients were reduced; they are lost: run the backward again")
+        ents = o._entries
+        if not self.started:
+            if o.world_size == 1 and all(e.param.grad is None for e in ents):
+                o._active[:] = bytes(len(ents))  # nothing to do (step() returns early)
+                return
+            self._start(from_hook=False)
+        self._advance(final=True, where="at_step")
+        act = bytes(1 if (g or not ents[t].numel) else 0 for t, g in enumerate(self.given))
+        o._active[:] = act
+        o._mask_all = 0 not in o._active
+        o._active_elems = int(np.dot(np.frombuffer(act, dtype=np.uint8).astype(np.int64),
+                                     self.numels)) if act else 0
+
+    def after_step(self):
+        """After the runtime's step: the next step's cycle (new params that
+        require grad now get their hooks)."""
+        self._idle()
+        self._hook_new()
+
+    def check_zero_grad(self):
+        if self.reduced:
+            raise ZoptError(Status.BAD_STATE,
+                            "grad_streaming: zero_grad() after this step's gradients were "
+                            "(partly) reduced by backward; they cannot be taken back: call "
+                            "step() first (or accumulate inside opt.no_sync())")
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
