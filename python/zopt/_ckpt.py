@@ -172,10 +172,10 @@ def read_scaler(path):
     return scale, good, cfg, seed
 
 
-def read_tensors(path):
-    """(step name, world size, [numel per tensor]) from a format-2
-    checkpoint's header, without checking it (the runtime checks the file
-    when it loads it); None for another format."""
+def read_tensor_table(path):
+    """(step name, world size, number of groups, [(group, numel) per
+    tensor]) from a format-2 checkpoint's header, without checking it (the
+    runtime checks the file when it loads it); None for another format."""
     with open(os.fspath(path), "rb") as fh:
         head = fh.read(24)
         if head[:8] != MAGIC2:
@@ -193,5 +193,18 @@ def read_tensors(path):
     for _ in range(ngroups):
         nh = struct.unpack_from("<qI", head, pos)[1]
         pos += 16 + 16 * nh
-    numels = [struct.unpack_from("<IIqq", head, pos + 24 * i)[2] for i in range(ntensors)]
-    return name, world, numels
+    table = []
+    for i in range(ntensors):
+        group, _pad, numel, _steps = struct.unpack_from("<IIqq", head, pos + 24 * i)
+        table.append((group, numel))
+    return name, world, ngroups, table
+
+
+def read_tensors(path):
+    """(step name, world size, [numel per tensor]) from a format-2
+    checkpoint's header (read_tensor_table); None for another format."""
+    t = read_tensor_table(path)
+    if t is None:
+        return None
+    name, world, _ngroups, table = t
+    return name, world, [numel for _, numel in table]
