@@ -201,6 +201,69 @@ def test_gpu_step_memory_from_torch_allocator(steps):
     o.close()
 
 
+@needs_gpu
+def test_frozen_params_left_out_and_unfrozen_like_torch(steps):
+    """A model with a frozen weight in model.parameters() (LoRA's base
+    weights, frozen embeddings) on a GPU step, beside torch.optim.AdamW on
+    the same GPU: the frozen weight is left out (unchanged, no state), the
+    others match torch; unfrozen after 4 steps it is stepped from zero
+    states and step 0 (its own native group: the kernels' bias correction
+    uses step 1, 2, ... for it while its param group is at 5, 6, ...), as
+    torch's lazily created state; a param that requires grad but has no
+    gradient at a step is refused, naming it."""
+    st = steps(rule="adamw", layout="f32", placement="gpu")
+
+    def build():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(),
+                                torch.nn.Linear(128, 10)).cuda()
+        m[0].weight.requires_grad_(False)
+        return m
+
+    def train(m, o, i):
+        g = torch.Generator().manual_seed(100 + i)
+        x, y = torch.randn(32, 64, generator=g).cuda(), torch.randn(32, 10, generator=g).cuda()
+        o.zero_grad()
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        o.step()
+
+    def close(a, b):
+        for p, q in zip(a, b):
+            torch.testing.assert_close(p.detach().cpu(), q.detach().cpu(), rtol=1e-4, atol=1e-6)
+
+    mz, mt = build(), build()
+    oz = zopt.Optimizer(st, mz.parameters(), lr=1e-2, weight_decay=0.1)
+    ot = torch.optim.AdamW(mt.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    w, wt = mz[0].weight, mt[0].weight
+    w0 = w.detach().clone()
+    for i in range(4):
+        train(mz, oz, i)
+        train(mt, ot, i)
+    torch.cuda.synchronize()
+    assert torch.equal(w, w0) and oz.state[w] == {} and w.grad is None
+    close(mz.parameters(), mt.parameters())
+    w.requires_grad_(True)
+    wt.requires_grad_(True)
+    for i in range(4, 8):
+        train(mz, oz, i)
+        train(mt, ot, i)
+        close(mz.parameters(), mt.parameters())
+    assert oz.rebuilds == 1 and oz.step_count() == 8
+    assert float(oz.state[w]["step"]) == float(ot.state[wt]["step"]) == 4
+    close([oz.state[w]["exp_avg"], oz.state[w]["exp_avg_sq"]],
+          [ot.state[wt]["exp_avg"], ot.state[wt]["exp_avg_sq"]])
+    # a requires_grad param without a gradient: refused, nothing updated
+    for p in mz.parameters():
+        p.grad = torch.ones_like(p)
+    mz[2].bias.grad = None
+    before = [p.detach().clone() for p in mz.parameters()]
+    with pytest.raises(ZoptError, match=r"\['params'\]\[3\].*no gradient"):
+        oz.step()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(before, mz.parameters()))
+    oz.close()
+
+
 def precompile_parity_steps(cache_dir):
     """Compiles every step the two tests above use into cache_dir (the
     ZOPT_TEST_STEP_CACHE layout); returns how many. Needs zopt-compile and

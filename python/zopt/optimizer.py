@@ -18,7 +18,14 @@ device, one view per param, strided like the param) and never attaches it
 to a param that has no gradient: a param whose ``.grad`` is None at
 ``step()`` (frozen, unused, or after ``zero_grad(set_to_none=True)``) is
 left alone exactly like torch (no decay, no moment update, its step count
-does not advance), through ``zopt_optimizer_set_active``. A ``.grad`` that
+does not advance), through ``zopt_optimizer_set_active``. GPU steps have
+no such skip (their kernels update every tensor they hold, counting steps
+per group): a torch param that does not require grad when the optimizer is
+built is left out of the native optimizer (no memory; ``state[p]`` stays
+empty; never written), and joins it once it has a gradient at a step
+(unfrozen), with zero states and step 0 like torch's lazily made state (in
+a native group of its own, so its step count is its own); a held param
+without a gradient at a step is an error naming it. A ``.grad`` that
 is another tensor (e.g. fresh from backward) is copied into the param's
 view, and the view becomes ``p.grad`` (same values), so later backwards
 accumulate into it in place and ``zero_grad()`` is one fill per buffer.
@@ -122,6 +129,32 @@ def _dense(t):
             return False
         expect *= sz
     return True
+
+
+def _untrained(p):
+    """A torch param that is not trained now: requires_grad=False and no
+    gradient (``.grad``, or an f32 ``.main_grad``)."""
+    return (not p.requires_grad and p.grad is None
+            and getattr(p, "main_grad", None) is None)
+
+
+def _has_grad(p):
+    return p.grad is not None or getattr(p, "main_grad", None) is not None
+
+
+def _file_tensor_groups(path):
+    """(native groups, [native group of each tensor]) from the header of a
+    world-size-1 checkpoint file (format 2, _ckpt.read_tensor_table); None
+    for another format or a file that cannot be read."""
+    import struct
+    try:
+        t = _ckpt.read_tensor_table(path)
+    except (OSError, ValueError, struct.error):
+        return None
+    if t is None:
+        return None
+    _name, _world, ngroups, table = t
+    return ngroups, [g for g, _ in table]
 
 
 def _np_bits(x):
@@ -480,7 +513,8 @@ class _RemovableHandle:
 class _Entry:
     """One registered tensor."""
     __slots__ = ("param", "grad", "auto", "torch", "cuda", "numel", "group",
-                 "pptr", "gptr", "nbytes", "gbytes", "shape", "stride", "name")
+                 "pptr", "gptr", "nbytes", "gbytes", "shape", "stride", "name",
+                 "frozen")
 
     def __repr__(self):
         return f"<{self.name}>"
@@ -712,7 +746,25 @@ class Optimizer(_Base):
     with torch's tensors) or ``"driver"`` (``cuMemAlloc``, outside torch's
     cache: finalize can fail with out of memory while torch holds cached
     blocks; ``torch.cuda.empty_cache()`` returns them).
+
+    Frozen params of GPU steps (no per-tensor skip on the GPU yet): params
+    given alone with ``requires_grad=False`` (and no gradient) when the
+    native optimizer is built are left out of it (kept in ``param_groups``;
+    ``state[p]`` empty; never written; any dtype). One that later has a
+    gradient at ``step()`` (``requires_grad_(True)`` and a backward) joins
+    it: the native optimizer is rebuilt keeping every state, and the param
+    starts with zero states and step 0, as torch's lazily created state.
+    A param that requires grad but has no gradient at a step raises a
+    ZoptError naming it (nothing is updated); CPU and offloaded steps skip
+    such params as torch does.
     """
+
+    # GPU steps' frozen params (see __init__); empty for other steps
+    _excluded = frozenset()
+    _cohort_gid = ()
+    _cohort_of = {}
+    _gpu_missing = ()
+    _native_G = 0
 
     _streamer = None  # grad_streaming=True: a zopt.streaming.GradStreamer
 
@@ -766,6 +818,14 @@ class Optimizer(_Base):
                             f"zero3_gather={zero3_gather!r}: 'step', 'manual' or 'hooks'")
         self._zero3_mode = zero3_gather
         self._released = set()  # ZeRO-3: tensor ids whose storage is freed
+        # GPU steps (no per-tensor skip on the device): tensor ids left out
+        # of the native optimizer (frozen when registered: an empty slot
+        # there, no memory, never read or written), and the extra native
+        # groups of params that joined later (their own step count).
+        self._excluded = set()
+        self._cohort_gid = []   # per extra native group: its param group
+        self._cohort_of = {}    # tensor id -> its extra native group
+        self._gpu_missing = []  # tensor ids held without a gradient now
         if grad_accumulation not in ("hooks", "manual"):
             raise ZoptError(Status.INVALID_ARGUMENT,
                             f"grad_accumulation={grad_accumulation!r}: 'hooks' or 'manual'")
@@ -815,6 +875,7 @@ class Optimizer(_Base):
             new = []
             for g in groups:
                 new += self._add_group_py(g)
+            new = self._exclude_frozen(new)
             self._check_overlaps()
             if grad_streaming:  # no grad memory of ours: the runtime holds the shards
                 from .streaming import GradStreamer
@@ -894,7 +955,6 @@ class Optimizer(_Base):
         return new
 
     def _entry(self, gid, i, p):
-        want = self.step_obj.param_dtype
         e = _Entry()
         e.group = gid
         if isinstance(p, (tuple, list)):
@@ -923,20 +983,21 @@ class Optimizer(_Base):
             if e.auto and not (param.is_leaf or param.retains_grad):
                 raise ZoptError(Status.INVALID_ARGUMENT,
                                 f"{e.name}: can't optimize a non-leaf tensor")
-        pptr, numel, dt = self._buffer(param, e.name)
-        if dt != want:
-            raise ZoptError(Status.INVALID_ARGUMENT,
-                            f"{e.name}: dtype {DTYPE_NAMES.get(dt)} does not match the "
-                            f"step's param dtype {DTYPE_NAMES.get(want)} (step "
-                            f"'{self.step_obj.name}')")
-        e.pptr, e.numel = pptr, numel
-        e.nbytes = numel * DTYPE_ITEMSIZE[dt]
-        e.cuda = e.torch and param.device.type == "cuda"
-        e.shape = tuple(param.shape)
-        e.stride = tuple(param.stride()) if e.torch else None
-        gwant = self.step_obj.grad_dtype
-        e.gbytes = numel * DTYPE_ITEMSIZE[gwant]
+        # GPU steps: a torch param that does not require grad (and has no
+        # gradient) is left out of the native optimizer (_exclude_frozen);
+        # it is checked like any param when it joins (_include_unfrozen).
+        e.frozen = self.step_obj.gpu and e.auto and e.torch and _untrained(param)
+        if e.frozen:
+            try:
+                self._layout(e)
+            except ZoptError:  # another dtype, not dense, ...: never read while left out
+                e.pptr, e.numel, e.nbytes, e.gbytes = 0, param.numel(), 0, 0
+                e.cuda = param.device.type == "cuda"
+                e.shape, e.stride = tuple(param.shape), tuple(param.stride())
+        else:
+            self._layout(e)
         if not e.auto:
+            numel, gwant = e.numel, self.step_obj.grad_dtype
             gptr, gn, gdt = self._buffer(grad, e.name + "'s grad")
             if gn != numel:
                 raise ZoptError(Status.INVALID_ARGUMENT, f"{e.name}: param has {numel} "
@@ -955,6 +1016,23 @@ class Optimizer(_Base):
         else:
             e.gptr = None
         return e
+
+    def _layout(self, e):
+        """e's param memory, size and layout, checked against the step."""
+        want = self.step_obj.param_dtype
+        param = e.param
+        pptr, numel, dt = self._buffer(param, e.name)
+        if dt != want:
+            raise ZoptError(Status.INVALID_ARGUMENT,
+                            f"{e.name}: dtype {DTYPE_NAMES.get(dt)} does not match the "
+                            f"step's param dtype {DTYPE_NAMES.get(want)} (step "
+                            f"'{self.step_obj.name}')")
+        e.pptr, e.numel = pptr, numel
+        e.nbytes = numel * DTYPE_ITEMSIZE[dt]
+        e.cuda = e.torch and param.device.type == "cuda"
+        e.shape = tuple(param.shape)
+        e.stride = tuple(param.stride()) if e.torch else None
+        e.gbytes = numel * DTYPE_ITEMSIZE[self.step_obj.grad_dtype]
 
     @staticmethod
     def _buffer(x, what):
@@ -996,7 +1074,7 @@ class Optimizer(_Base):
         one storage would be updated twice per step."""
         spans = []
         for t, e in enumerate(self._entries):
-            if e.numel and t not in self._released:
+            if e.numel and t not in self._released and t not in self._excluded:
                 dev = "cuda" if e.cuda else "cpu"
                 ptr = e.param.data_ptr() if e.torch else e.param.ctypes.data
                 spans.append((dev, ptr, ptr + e.nbytes, e.name))
@@ -1033,6 +1111,137 @@ class Optimizer(_Base):
                 v = flat[o:o + e.numel]
                 e.grad = v.as_strided(e.shape, e.stride) if e.numel else v.view(e.shape)
                 e.gptr = e.grad.data_ptr() if e.numel else 0
+
+    # ---- GPU steps: frozen params left out, joining when trained -------------
+    def _exclude_frozen(self, new):
+        """GPU steps: the new entries (the last ``len(new)`` ones) that are
+        frozen (a torch param given alone with requires_grad=False and no
+        gradient) are left out of the native optimizer: GPU kernels have
+        no per-tensor skip, so a param the runtime holds must have a
+        gradient at every step. Returns the entries that are held."""
+        base = len(self._entries) - len(new)
+        held = []
+        for i, e in enumerate(new):
+            if e.frozen:
+                self._excluded.add(base + i)
+            else:
+                held.append(e)
+        return held
+
+    def _include_unfrozen(self):
+        """GPU steps: params left out that now have a gradient (unfrozen:
+        ``requires_grad_(True)`` and a backward) join the native optimizer,
+        rebuilt keeping every state. They start like torch's lazily created
+        state: zero states, step 0 (in a native group of their own when
+        their param group has stepped already: GPU steps count steps per
+        group)."""
+        ents = self._entries
+        new = [t for t in sorted(self._excluded) if _has_grad(ents[t].param)]
+        if not new:
+            return False
+        for t in new:  # checked as any param is (dtype, layout, memory)
+            e = ents[t]
+            e.name = e.name.split(" (shape ")[0] + (
+                f" (shape {tuple(e.param.shape)}, {str(e.param.dtype).replace('torch.', '')})")
+            self._layout(e)
+        self._prepare()
+        snap = self._snapshot()
+        self._pre_rebuild()
+        old = (set(self._excluded), list(self._cohort_gid), dict(self._cohort_of))
+        n_flats = len(self._grad_flats)
+        try:
+            self._excluded.difference_update(new)
+            for e in (ents[t] for t in new):
+                e.frozen = False
+            self._check_overlaps()
+            by_group = {}
+            for t in new:
+                by_group.setdefault(ents[t].group, []).append(t)
+            for gid, ts in by_group.items():
+                if snap["native_steps"][gid]:  # the group has stepped: a group of their own
+                    c = len(self._cohort_gid)
+                    self._cohort_gid.append(gid)
+                    for t in ts:
+                        self._cohort_of[t] = c
+            self._alloc_grads([ents[t] for t in new])
+            self._build_native()
+        except BaseException:
+            self._excluded, self._cohort_gid, self._cohort_of = old
+            del self._grad_flats[n_flats:]
+            for t in new:
+                ents[t].frozen, ents[t].grad, ents[t].gptr = True, None, None
+            raise
+        self._restore(snap)
+        self._add_acc_hooks([ents[t] for t in new])
+        self.rebuilds += 1
+        return True
+
+    def _ngroup(self, t):
+        """The native group of tensor t: its param group's, or the extra one
+        it joined in (GPU steps, _include_unfrozen)."""
+        c = self._cohort_of.get(t)
+        return self._entries[t].group if c is None else self._native_G + c
+
+    def _native_gids(self, gid):
+        """The native groups of param group gid."""
+        if not self._cohort_gid:
+            return (gid,)
+        return (gid,) + tuple(self._native_G + c for c, g in enumerate(self._cohort_gid)
+                              if g == gid)
+
+    def _cohorts_by_steps(self, steps, gsteps):
+        """GPU steps (one step count per native group): the extra native
+        groups that give every held tensor its own count ``steps[t]``: a
+        tensor whose count is not its param group's ``gsteps[g]`` goes to
+        the extra group of (g, count). Returns (cohort_gid, cohort_of)."""
+        gid_of, cohort_of, key_of = [], {}, {}
+        for t, e in enumerate(self._entries):
+            if t in self._excluded or steps[t] == gsteps[e.group]:
+                continue
+            c = key_of.setdefault((e.group, steps[t]), len(gid_of))
+            if c == len(gid_of):
+                gid_of.append(e.group)
+            cohort_of[t] = c
+        return gid_of, cohort_of
+
+    @staticmethod
+    def _partition(cohort_of):
+        by = {}
+        for t, c in cohort_of.items():
+            by.setdefault(c, set()).add(t)
+        return {frozenset(ts) for ts in by.values()}
+
+    def _regroup(self, cohorts):
+        """Rebuilds the native optimizer with other extra native groups
+        (cohort_gid, cohort_of); returns what :meth:`_undo_regroup` needs
+        to put the old one back (a snapshot of every state)."""
+        snap = self._snapshot()
+        self._pre_rebuild()
+        old = (self._cohort_gid, self._cohort_of)
+        self._cohort_gid, self._cohort_of = list(cohorts[0]), dict(cohorts[1])
+        try:
+            self._build_native()
+        except BaseException:
+            self._cohort_gid, self._cohort_of = old
+            raise
+        self.rebuilds += 1
+        return snap, old
+
+    def _undo_regroup(self, snap, old):
+        self._cohort_gid, self._cohort_of = old
+        self._build_native()
+        self._restore(snap)
+        self.rebuilds += 1
+
+    def _check_held(self, t, what):
+        if t in self._excluded:
+            raise ZoptError(
+                Status.INVALID_ARGUMENT,
+                f"{what}: {self._entries[t].name} is left out of the optimizer's native "
+                f"state: step '{self.step_obj.name}' updates on the GPU and the param did not "
+                "require grad when the optimizer was built, so it has no states (as torch's "
+                "opt.state[p] is empty for a param never stepped). It gets fresh states when "
+                "it is trained: requires_grad_(True) and a gradient at a step")
 
     # ---- the native optimizer ----------------------------------------------
     def _build_native(self):
@@ -1079,17 +1288,27 @@ class Optimizer(_Base):
             if self._grad_divisor is not None:
                 check(L.zopt_optimizer_set_grad_divisor(h, float(self._grad_divisor)),
                       "set_grad_divisor")
-            for gid, group in enumerate(self.param_groups):
+            # native groups: one per param group, then the extra groups of
+            # params that joined a GPU step later (_include_unfrozen)
+            G = len(self.param_groups)
+            for ng, gid in enumerate(list(range(G)) + list(self._cohort_gid)):
                 g = ctypes.c_int()
                 check(L.zopt_optimizer_add_group(h, ctypes.byref(g)), "zopt_optimizer_add_group")
-                for name, val in _slots(group, self.step_obj.hypers).items():
-                    check(L.zopt_optimizer_set_hyper(h, gid, name.encode(), float(val)),
+                for name, val in _slots(self.param_groups[gid], self.step_obj.hypers).items():
+                    check(L.zopt_optimizer_set_hyper(h, ng, name.encode(), float(val)),
                           f"param group {gid}: {name}={val!r}")
-            for e in self._entries:
+            excluded = self._excluded
+            for t, e in enumerate(self._entries):
                 tid = ctypes.c_int()
+                if t in excluded:  # an empty slot: tensor ids stay param indices
+                    pptr = gptr = numel = 0
+                else:
+                    pptr, gptr, numel = e.pptr, e.gptr, e.numel
+                c = self._cohort_of.get(t)
                 check(L.zopt_optimizer_add_tensor(
-                    h, e.group, ctypes.c_void_p(e.pptr or None), ctypes.c_void_p(e.gptr or None),
-                    e.numel, int(self.step_obj.param_dtype), ctypes.byref(tid)),
+                    h, e.group if c is None else G + c, ctypes.c_void_p(pptr or None),
+                    ctypes.c_void_p(gptr or None), numel, int(self.step_obj.param_dtype),
+                    ctypes.byref(tid)),
                     f"zopt_optimizer_add_tensor({e.name})")
             if self._scaler_cfg is not None:
                 self._configure_scaler(h, self._scaler_cfg)
@@ -1109,6 +1328,7 @@ class Optimizer(_Base):
             L.zopt_optimizer_free(h)
             raise
         old, self._h = self._h, h
+        self._native_G = G
         if old is not None and old.value:
             L.zopt_optimizer_free(old)
         r, w = ctypes.c_int(), ctypes.c_int()
@@ -1122,6 +1342,7 @@ class Optimizer(_Base):
         self._active_c = (ctypes.c_uint8 * max(T, 1)).from_buffer(
             self._active if T else bytearray(1))
         self._mask_all = True
+        self._gpu_missing = []
         self._step_fn = L.zopt_optimizer_step
         self._res = _lib.StepResult()
         self._res_ref = ctypes.byref(self._res)
@@ -1174,7 +1395,7 @@ class Optimizer(_Base):
         es = DTYPE_ITEMSIZE[self.step_obj.param_dtype]
         ent = []
         for t, e in enumerate(self._entries):
-            if e.cuda or t in self._released or not e.numel:
+            if e.cuda or t in self._released or not e.numel or t in self._excluded:
                 continue
             ptr = e.param.data_ptr() if e.torch else e.param.ctypes.data
             ent.append((t, ptr, e.numel))
@@ -1287,16 +1508,18 @@ class Optimizer(_Base):
         n_flats = len(self._grad_flats)
         try:
             new = self._add_group_py(dict(param_group))
+            held = self._exclude_frozen(new)
             self._check_overlaps()
             if self._streamer is None:
-                self._alloc_grads(new)
+                self._alloc_grads(held)
             else:
-                self._streamer.check_entries(new)
+                self._streamer.check_entries(held)
             self._build_native()
         except BaseException:
             del self.param_groups[n_groups:]
             del self._entries[n_entries:]
             del self._grad_flats[n_flats:]
+            self._excluded.difference_update([t for t in self._excluded if t >= n_entries])
             raise
         self._restore(snap)
         self._add_acc_hooks(new)
@@ -1392,6 +1615,8 @@ class Optimizer(_Base):
         """Every per-param check of a step in one pass over the params when
         every torch param is given alone (the usual case): each param's
         metadata is brought into the caches once."""
+        if self._excluded:  # GPU steps: frozen params that got a gradient join
+            self._include_unfrozen()
         ps = self._a_params
         if not self._one_pass:
             rb = self.rebuilds
@@ -1592,6 +1817,8 @@ class Optimizer(_Base):
     def _take_grads(self):
         if not self._main or not self._a_params:
             return
+        if self._excluded:  # GPU steps: a frozen param's p.grad: it joins first
+            self._include_unfrozen()
         regs = self._a_regs
         with torch.no_grad():
             for j, p in enumerate(self._a_params):
@@ -1649,6 +1876,17 @@ class Optimizer(_Base):
     def _push_mask(self):
         act = self._active
         all_on = 0 not in act
+        if self.step_obj.gpu:
+            # No mask on the GPU (no per-tensor skip): the params left out
+            # are empty slots there; a held param without a gradient
+            # refuses the step (step(): _refuse_missing_grads).
+            ex = self._excluded
+            self._gpu_missing = [] if all_on else \
+                [t for t, a in enumerate(act) if not a and t not in ex]
+            self._mask_all = all_on
+            self._active_elems = int(np.dot(np.frombuffer(act, dtype=np.uint8).astype(np.int64),
+                                            self._numels)) if len(act) else 0
+            return
         if all_on:
             check(self._lib.zopt_optimizer_set_active(self._h, None, 0), "set_active")
         else:
@@ -1698,8 +1936,8 @@ class Optimizer(_Base):
         moved = []
         for t, a, b in zip(self._tp_tids, ptrs, self._tp_ptrs):
             e = self._entries[t]
-            if a == b or not e.numel:
-                continue
+            if a == b or not e.numel or t in self._excluded:
+                continue  # (a param left out is checked when it joins)
             p = e.param
             if t in self._released:
                 raise ZoptError(Status.BAD_STATE,
@@ -1753,6 +1991,8 @@ class Optimizer(_Base):
 
     def _refresh(self, tids):
         """Master (and ZeRO-3's held params) := the user's params, for tids."""
+        if self._excluded:  # left out (GPU steps): no master
+            tids = [t for t in tids if t not in self._excluded]
         if not self._watch or not tids:
             return
         L = self._lib
@@ -1856,9 +2096,10 @@ class Optimizer(_Base):
                 "into the graph. Set it before capturing, or between replays (e.g. the lr "
                 "scheduler's step() after graph.replay()): each replay uses the value set "
                 "before it")
-        check(self._lib.zopt_optimizer_set_hyper(self._handle(), gid, name.encode(),
-                                                 float(value)),
-              f"set_hyper(group {gid}, {name}={value!r})")
+        h = self._handle()
+        for ng in self._native_gids(gid):
+            check(self._lib.zopt_optimizer_set_hyper(h, ng, name.encode(), float(value)),
+                  f"set_hyper(group {gid}, {name}={value!r})")
 
     def get_hyper(self, gid, name):
         v = ctypes.c_double()
@@ -1941,6 +2182,8 @@ class Optimizer(_Base):
             self.last_grad_norm, self.last_skipped = float("nan"), False
             self._metrics(t0, None, None, no_grads=True)
             return loss
+        if self._gpu_missing:
+            self._refuse_missing_grads()
         t1 = time.perf_counter()
         st = self._step_fn(h, self._res_ref)
         t2 = time.perf_counter()
@@ -1951,6 +2194,21 @@ class Optimizer(_Base):
         self._after_step(self._res)
         self._metrics(t0, t1, t2)
         return loss
+
+    def _refuse_missing_grads(self):
+        miss = self._gpu_missing
+        names = [self._entries[t].name for t in miss[:4]]
+        raise ZoptError(
+            Status.UNSUPPORTED,
+            f"step(): {', '.join(names)}{', ...' if len(miss) > 4 else ''} "
+            f"({len(miss)} of {len(self._entries)} params) require grad but have no gradient "
+            f"at this step. Step '{self.step_obj.name}' updates on the GPU, whose kernels have "
+            "no per-tensor skip yet: every param the optimizer holds needs a gradient at "
+            "every step (torch.optim would leave these alone). For params that are never "
+            "trained, set requires_grad=False before building the optimizer: they are then "
+            "left out (and join with fresh states once unfrozen and given a gradient). "
+            "Otherwise let backward reach them, or use a CPU or offloaded step. Nothing was "
+            "updated")
 
     def no_sync(self):
         """A context manager, like DDP's: with ``grad_streaming=True`` the
@@ -2067,12 +2325,25 @@ class Optimizer(_Base):
 
     def step_count(self, gid=0):
         """Steps in which any tensor of group ``gid`` was updated."""
+        if self._cohort_gid and 0 <= gid < self._native_G:
+            return max(self._native_step_count(ng) for ng in self._native_gids(gid))
+        return self._native_step_count(gid)
+
+    def _native_step_count(self, ng):
         c = ctypes.c_int64()
-        check(self._lib.zopt_optimizer_get_step_count(self._handle(), gid, ctypes.byref(c)),
+        check(self._lib.zopt_optimizer_get_step_count(self._handle(), ng, ctypes.byref(c)),
               "get_step_count")
         return c.value
 
+    def _native_steps(self):
+        """The step count of every native group (param groups, then the
+        extra groups of GPU steps)."""
+        return [self._native_step_count(ng)
+                for ng in range(self._native_G + len(self._cohort_gid))]
+
     def _tensor_step(self, t):
+        if t in self._excluded:  # left out (GPU step): never stepped
+            return 0
         c = ctypes.c_int64()
         check(self._lib.zopt_optimizer_get_tensor_step(self._handle(), int(t), ctypes.byref(c)),
               "get_tensor_step")
@@ -2151,6 +2422,7 @@ class Optimizer(_Base):
         index or a param) as a float32 numpy array (flat, memory order)."""
         k = _kind(kind)
         t = self._tid(tensor_idx)
+        self._check_held(t, "read_state")
         self._prepare()
         n = self._entries[t].numel
         out = np.empty(n, dtype=np.float32)
@@ -2163,6 +2435,7 @@ class Optimizer(_Base):
         """Writes a state from float32 values (rounded to its storage dtype)."""
         k = _kind(kind)
         t = self._tid(tensor_idx)
+        self._check_held(t, "write_state")
         n = self._entries[t].numel
         a = np.ascontiguousarray(np.asarray(values, dtype=np.float32).reshape(-1))
         if a.size != n:
@@ -2179,6 +2452,7 @@ class Optimizer(_Base):
         """Storage-exact copy of a state (uint16 for bf16, float16, float32)."""
         k = _kind(kind)
         t = self._tid(tensor_idx)
+        self._check_held(t, "read_state_raw")
         self._prepare()
         if self.step_obj.state_dtype(k) is None:
             raise ZoptError(Status.INVALID_ARGUMENT,
@@ -2324,6 +2598,8 @@ class Optimizer(_Base):
     def _state_assign(self, t, values):
         """state[p] = values: the entries written, every other state reset
         (moments zero, step 0, the master made from the param)."""
+        if t in self._excluded and not values:  # left out: nothing to reset
+            return
         self._prepare()
         vals = self._state_values(t, values)
         s = self.step_obj
@@ -2351,6 +2627,8 @@ class Optimizer(_Base):
         e = self._entries[t]
         s = self.step_obj
         out = {}
+        if values:
+            self._check_held(t, "opt.state[p] = ...")
         for key, v in values.items():
             what = f"opt.state[p][{key!r}] of {e.name}"
             if key == "step":
@@ -2575,7 +2853,7 @@ class Optimizer(_Base):
         s = self.step_obj
         if not s.has_master:
             return {}, [], set()
-        tids = [t for t, e in enumerate(self._entries) if e.numel]
+        tids = [t for t, e in enumerate(self._entries) if e.numel and t not in self._excluded]
         mdt = s.state_dtype(StateKind.MASTER)
         masters = {t: (self._read_raw(t, StateKind.MASTER), mdt) for t in tids}
         fixes = self._master_sync(masters)
@@ -2601,12 +2879,19 @@ class Optimizer(_Base):
         kinds = self._ckpt_kinds()
         data = {}
         for t, e in enumerate(self._entries):
+            if t in self._excluded:  # no states (GPU steps' frozen params)
+                continue
             for k in kinds:
                 data[(k, t)] = self._read_raw(t, k) if e.numel else \
                     np.empty(0, dtype=_NP_OF[self.step_obj.state_dtype(k)])
+        native = self._native_steps()
+        G = self._native_G
         return dict(kinds=kinds, data=data,
                     steps=[self._tensor_step(t) for t in range(len(self._entries))],
-                    group_steps=[self.step_count(g) for g in range(len(self._pushed))],
+                    group_steps=[max([native[g]] + [native[G + c] for c, x in
+                                                    enumerate(self._cohort_gid) if x == g])
+                                 for g in range(G)],
+                    native_steps=native, native_G=G,
                     scaler=self._scaler_state(), seed=self.seed)
 
     def _restore(self, snap, flags=0, file_kinds=None):
@@ -2629,13 +2914,32 @@ class Optimizer(_Base):
                 a = self._convert_bits(a, _NP_DTYPES[a.dtype], kind_dt[kidx[k]][1])
             data[(kidx[k], t)] = a
         steps = list(snap["steps"]) + [0] * (len(self._entries) - len(snap["steps"]))
+        ex = self._excluded
+        for t in ex:  # left out (GPU steps): no states, never stepped
+            steps[t] = 0
+        data = {key: a for key, a in data.items() if key[1] not in ex}
         gsteps = list(snap["group_steps"])
         gsteps += [0] * (len(self.param_groups) - len(gsteps))
+        # Native groups: the param groups' (a snapshot's own counts where it
+        # has them), then the extra groups of GPU steps (those the snapshot
+        # had keep their counts; a new one starts at its tensors' steps).
+        native, nG = snap.get("native_steps"), snap.get("native_G", 0)
+        G = len(self.param_groups)
+        counts = [native[g] if native is not None and g < nG else gsteps[g] for g in range(G)]
+        for c in range(len(self._cohort_gid)):
+            if native is not None and nG + c < len(native):
+                counts.append(native[nG + c])
+            else:
+                counts.append(max([steps[t] for t, x in self._cohort_of.items() if x == c]
+                                  or [0]))
         groups = []
-        for gid, g in enumerate(self.param_groups):
-            groups.append((gsteps[gid], [(int(HYPER_BY_NAME[n]), v)
-                                         for n, v in _slots(g, s.hypers).items()]))
-        tensors = [(e.group, e.numel, steps[t]) for t, e in enumerate(self._entries)]
+        for ng, gid in enumerate(list(range(G)) + list(self._cohort_gid)):
+            groups.append((counts[ng], [(int(HYPER_BY_NAME[n]), v)
+                                        for n, v in _slots(self.param_groups[gid],
+                                                           s.hypers).items()]))
+        cohort = self._cohort_of
+        tensors = [(e.group if t not in cohort else G + cohort[t],
+                    0 if t in ex else e.numel, steps[t]) for t, e in enumerate(self._entries)]
         scale, good, cfg = snap["scaler"]
         scaler = (scale, good, cfg["init_scale"], cfg["growth_factor"], cfg["backoff_factor"],
                   cfg["growth_interval"], cfg["min_scale"], cfg["dynamic"])
@@ -2682,8 +2986,18 @@ class Optimizer(_Base):
         """load() without the params' update: returns what it would be."""
         self._prepare()
         flags = _lib.LOAD_ALLOW_RULE_CHANGE if allow_rule_change else 0
-        check(self._lib.zopt_optimizer_load_ex(self._h, os.fspath(path).encode(), flags),
-              f"load({path})")
+        regrouped = None
+        if self.step_obj.gpu:  # the file's extra native groups (params that joined later)
+            cohorts = self._file_cohorts(path)
+            if cohorts is not None and cohorts != (self._cohort_gid, self._cohort_of):
+                regrouped = self._regroup(cohorts)
+        try:
+            check(self._lib.zopt_optimizer_load_ex(self._handle(), os.fspath(path).encode(),
+                                                   flags), f"load({path})")
+        except BaseException:
+            if regrouped is not None:
+                self._undo_regroup(*regrouped)
+            raise
         for gid in range(len(self.param_groups)):
             self._sync_group_from_c(gid)
         try:
@@ -2855,9 +3169,14 @@ class Optimizer(_Base):
             kinds.append(StateKind.PARAM)
         data = {}
         steps = [0] * len(self._entries)
+        dropped = []  # GPU steps: states of params left out (frozen)
         for pid, st in sd["state"].items():
             t = id_map[pid]
             e = self._entries[t]
+            if t in self._excluded:
+                if any(v is not None for v in st.values()):
+                    dropped.append(e.name)
+                continue
             stv = st.get("step", 0)
             steps[t] = int(float(stv.item() if _is_torch(stv) else np.asarray(stv).item())) \
                 if stv is not None else 0
@@ -2897,12 +3216,19 @@ class Optimizer(_Base):
         seed = int(z["seed"]) if "seed" in z else self.seed
         snap = dict(kinds=kinds, data=data, steps=steps, group_steps=gsteps,
                     scaler=(scale, good, cfg), seed=seed)
+        regrouped = None
+        if s.gpu:  # one count per native group: params of other counts in groups of their own
+            cohorts = self._cohorts_by_steps(steps, gsteps)
+            if self._partition(cohorts[1]) != self._partition(self._cohort_of):
+                regrouped = self._regroup(cohorts)
         old_groups = self.param_groups
         self.param_groups = new_groups
         try:
             self._restore(snap, flags=_lib.LOAD_ALLOW_RULE_CHANGE if allow_rule_change else 0)
         except BaseException:
             self.param_groups = old_groups
+            if regrouped is not None:
+                self._undo_regroup(*regrouped)
             raise
         for g, new in zip(old_groups, new_groups):  # keep the dict objects
             g.clear()
@@ -2911,7 +3237,46 @@ class Optimizer(_Base):
         self._pushed = [_slots(g, s.hypers) for g in self.param_groups]
         self._pushed_raw = [self._raw_hypers(g) for g in self.param_groups]
         self._state_epoch += 1
+        if dropped:
+            warnings.warn(
+                f"zopt: load_state_dict: the state_dict has states for {len(dropped)} "
+                f"param(s) that step '{s.name}' (updated on the GPU) left out of the "
+                "optimizer because they did not require grad when it was built: "
+                f"{', '.join(dropped[:4])}{', ...' if len(dropped) > 4 else ''}. They were "
+                "not loaded: a param left out has no states, and starts afresh (zero "
+                "states, step 0) if it is unfrozen and gets a gradient. To keep them, "
+                "set requires_grad=True on those params before building the optimizer",
+                UserWarning, stacklevel=3)
         return fixes, mtids, set(fixes)
+
+    def _file_cohorts(self, path):
+        """GPU steps: the extra native groups of a checkpoint file written by
+        save() (params that joined after the optimizer was built, each such
+        group a native group after the param groups'), as (cohort_gid,
+        cohort_of) for this optimizer's tensors; None if the file does not
+        say or does not fit (the runtime's load then names the mismatch)."""
+        groups = _file_tensor_groups(path)
+        if groups is None:
+            return None
+        ngroups, tgroup = groups
+        G = len(self.param_groups)
+        if len(tgroup) != len(self._entries) or ngroups < G:
+            return None
+        gid_of = [None] * (ngroups - G)
+        cohort_of = {}
+        for t, (e, fg) in enumerate(zip(self._entries, tgroup)):
+            if fg < G:
+                if fg != e.group:
+                    return None
+                continue
+            c = fg - G
+            if c >= len(gid_of) or gid_of[c] not in (None, e.group):
+                return None
+            gid_of[c] = e.group
+            cohort_of[t] = c
+        if None in gid_of:
+            return None
+        return gid_of, cohort_of
 
     def _load_legacy(self, sd):
         blob = sd.get("checkpoint")
