@@ -1714,10 +1714,7 @@ class Optimizer(_Base):
                     changed = True
                 last[j] = g
         if moved_t:
-            n = len(moved_t)
-            check(self._lib.zopt_optimizer_set_grad_memory(
-                self._h, n, (ctypes.c_int32 * n)(*moved_t),
-                (ctypes.c_void_p * n)(*moved_p)), "zopt_optimizer_set_grad_memory")
+            self._set_grad_memory(moved_t, moved_p)
         if changed:
             self._push_mask()
 
@@ -1791,15 +1788,19 @@ class Optimizer(_Base):
                             f"{e.name}: its main_grad (the f32 gradient of step "
                             f"'{self.step_obj.name}') {what}")
 
+    def _set_grad_memory(self, tids, ptrs, what="zopt_optimizer_set_grad_memory"):
+        """The runtime reads tensor tids[i]'s gradient at ptrs[i] (None:
+        no memory) from the next step on; one call for all of them."""
+        n = len(tids)
+        check(self._lib.zopt_optimizer_set_grad_memory(
+            self._h, n, (ctypes.c_int32 * n)(*tids), (ctypes.c_void_p * n)(*ptrs)), what)
+
     def _register_grad(self, t, g):
         """The runtime reads tensor t's gradient from g (a user's main_grad)
         or, with g None, from our own buffer view again."""
         e = self._entries[t]
         ptr = (g.data_ptr() if g is not None else e.gptr) if e.numel else None
-        pptr = e.pptr if e.numel else None
-        check(self._lib.zopt_optimizer_set_tensor_memory(
-            self._h, t, ctypes.c_void_p(pptr), ctypes.c_void_p(ptr)),
-            f"zopt_optimizer_set_tensor_memory({e.name}'s main_grad)")
+        self._set_grad_memory([t], [ptr], f"zopt_optimizer_set_grad_memory({e.name}'s main_grad)")
         if g is None:
             self._foreign.pop(t, None)
         else:
