@@ -66,6 +66,11 @@ struct BodyEmitter {
   bool packHalves = false;
   /// bf16 stores through the hardware conversion (needs +avx512bf16).
   bool nativeBf16 = false;
+  /// SUMSQ kernels whose loads are all bf16: a bf16 vector is widened by a
+  /// shift and a mask of its 32-bit words instead of shuffles, so lane j
+  /// holds element splitElement(j) (the even elements, then the odd ones).
+  /// Only lane-wise work may follow; the caller undoes the order.
+  bool splitBf16 = false;
   /// Stochastic rounding (abi.h): the call's key (i32) and the element
   /// index (i32, at `lanes` lanes) of the element(s) being emitted.
   Value srKey, srIndex;
@@ -120,6 +125,31 @@ struct BodyEmitter {
   arith::FastMathFlagsAttr accumulateFastmath() {
     return arith::FastMathFlagsAttr::get(b.getContext(),
                                          arith::FastMathFlags::contract);
+  }
+  /// The element that lane j of a split bf16 vector holds (splitBf16).
+  static int64_t splitElement(int64_t j, int64_t lanes) {
+    return j < lanes / 2 ? 2 * j : 2 * (j - lanes / 2) + 1;
+  }
+  /// bf16 bits (element order) -> f32 in split order (splitBf16): each
+  /// 32-bit word holds elements 2k (low half) and 2k+1 (high half); the
+  /// even one is the word shifted left by 16, the odd one the word with its
+  /// low half cleared. No shuffle of 16-bit lanes (VPERMT2W) is needed.
+  Value bf16SplitToF32(Value bits16) {
+    int64_t h = lanes / 2;
+    Type i32 = b.getI32Type();
+    auto wt = VectorType::get({h}, i32);
+    auto cst = [&](int64_t v) -> Value {
+      return arith::ConstantOp::create(
+          b, loc, DenseElementsAttr::get(wt, b.getIntegerAttr(i32, v)));
+    };
+    Value w = vector::BitCastOp::create(b, loc, wt, bits16);
+    Value ev = arith::ShLIOp::create(b, loc, w, cst(16));
+    Value od = arith::AndIOp::create(b, loc, w, cst(int64_t(int32_t(0xFFFF0000u))));
+    SmallVector<int64_t> cat;
+    for (int64_t j = 0; j < lanes; ++j)
+      cat.push_back(j);
+    Value both = vector::ShuffleOp::create(b, loc, ev, od, cat);
+    return vector::BitCastOp::create(b, loc, vec(b.getF32Type()), both);
   }
   /// bf16 bits -> f32 (exact).
   Value bf16BitsToF32(Value bits16) {
@@ -247,7 +277,9 @@ struct BodyEmitter {
         Value r;
         if (t.isBF16()) {
           Value p = elemPtr(l.getSlot(), b.getI16Type(), i);
-          r = bf16BitsToF32(loadAt(vec(b.getI16Type()), p, alignFor(2)));
+          Value bits = loadAt(vec(b.getI16Type()), p, alignFor(2));
+          r = splitBf16 && lanes > 1 ? bf16SplitToF32(bits)
+                                     : bf16BitsToF32(bits);
         } else {
           Value p = elemPtr(l.getSlot(), t, i);
           r = loadAt(vec(t), p, alignFor(t.isF32() ? 4 : 2));

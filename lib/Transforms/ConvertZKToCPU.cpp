@@ -70,6 +70,9 @@ static bool storesBf16(zk::KernelOp k) {
   return any;
 }
 
+/// How far ahead of its loads a SUMSQ kernel prefetches each array.
+static constexpr int64_t kSumsqPrefetchBytes = 2048;
+
 static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
                                 const IsaInfo &isa, int64_t numStates) {
   MLIRContext *ctx = k.getContext();
@@ -154,11 +157,43 @@ static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
   };
   Value nVec = arith::SubIOp::create(b, loc, n,
                                      arith::RemSIOp::create(b, loc, n, W));
+  // The norm pass only reads, and on the hosts measured one thread's
+  // hardware prefetch leaves it at about 60 % of a plain read of DRAM;
+  // a software prefetch ZOPT_SUMSQ_PREFETCH_BYTES ahead of every array
+  // brings it to a plain read's rate (docs/benchmarks/cpu.md). Prefetches
+  // past the end are harmless (they never fault).
+  SmallVector<std::pair<Value, int64_t>> streams; // (base, element bytes)
+  body.walk([&](zk::LoadOp l) {
+    Type t = l.getType();
+    int64_t bytes = t.isF64() ? 8 : t.isF32() ? 4 : 2;
+    Value p = ptrs[l.getSlot()];
+    if (llvm::none_of(streams, [&](auto &s) { return s.first == p; }))
+      streams.push_back({p, bytes});
+  });
+  auto prefetchAhead = [&](OpBuilder &pb, Location l, Value iv) {
+    Type i8 = pb.getI8Type();
+    for (auto [base, bytes] : streams) {
+      Value off = arith::MulIOp::create(
+          pb, l, iv,
+          arith::ConstantOp::create(pb, l, pb.getI64IntegerAttr(bytes)));
+      for (int64_t k = 0; k < lanes * bytes; k += 64) {
+        Value at = arith::AddIOp::create(
+            pb, l, off,
+            arith::ConstantOp::create(
+                pb, l, pb.getI64IntegerAttr(kSumsqPrefetchBytes + k)));
+        Value addr = LLVM::GEPOp::create(pb, l, base.getType(), i8, base,
+                                         ValueRange{at});
+        LLVM::Prefetch::create(pb, l, addr, /*rw=*/0, /*hint=*/3,
+                               /*cache=*/1);
+      }
+    }
+  };
   if (!isSum) {
     auto l1 = scf::ForOp::create(b, loc, zero, nVec, W);
     {
       OpBuilder::InsertionGuard g(b);
       b.setInsertionPoint(l1.getBody()->getTerminator());
+      prefetchAhead(b, loc, l1.getInductionVar());
       if (sr)
         vecE.srIndex = arith::AddIOp::create(
             b, loc,
@@ -182,12 +217,27 @@ static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
   // masked iteration (absent lanes add +0.0, which changes no sum); then the
   // lanes are added in order (vector.reduction without reassociation is
   // LLVM's ordered reduction: ((0 + a0) + a1) + ...).
+  //
+  // When every load is bf16 the vectors are widened in split order
+  // (BodyEmitter::splitBf16: lane j holds element splitElement(j), no 16-bit
+  // shuffles), so accumulator lane j is abi.h's a[splitElement(j)]; the tail
+  // mask is permuted the same way and one shuffle after the loop restores
+  // abi.h's lane order before the ordered sum. The bits are the same; the
+  // loop does about a third less shuffle-port work (docs/benchmarks/cpu.md).
+  bool split = lanes % 2 == 0;
+  body.walk([&](zk::LoadOp l) { split &= l.getType().isBF16(); });
   auto accTy = VectorType::get({lanes}, f64);
   Value accInit = arith::ConstantOp::create(
       b, loc, DenseElementsAttr::get(accTy, b.getF64FloatAttr(0.0)));
   auto accumulate = [&](BodyEmitter &e, Value iv, Value acc,
                         Value mask) -> Value {
     Value sq = e.emit(body, iv);
+    if (mask && split) {
+      SmallVector<int64_t> perm;
+      for (int j = 0; j < lanes; ++j)
+        perm.push_back(BodyEmitter::splitElement(j, lanes));
+      mask = vector::ShuffleOp::create(e.b, loc, mask, mask, perm);
+    }
     if (mask)
       sq = arith::SelectOp::create(
           e.b, loc, mask, sq,
@@ -199,8 +249,10 @@ static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
   auto l1 = scf::ForOp::create(
       b, loc, zero, nVec, W, ValueRange{accInit},
       [&](OpBuilder &lb, Location l, Value iv, ValueRange iter) {
+        prefetchAhead(lb, l, iv);
         BodyEmitter e{lb, l, lanes, ptrs, cs, cv};
         e.packHalves = true;
+        e.splitBf16 = split;
         scf::YieldOp::create(lb, l,
                              ValueRange{accumulate(e, iv, iter[0], Value())});
       });
@@ -216,13 +268,22 @@ static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
         ValueRange{arith::IndexCastOp::create(b, loc, b.getIndexType(), rem)});
     BodyEmitter e{b, loc, lanes, ptrs, cs, cv};
     e.packHalves = true;
+    e.splitBf16 = split;
     e.loadMask = mask;
     scf::YieldOp::create(b, loc, ValueRange{accumulate(e, nVec, acc, mask)});
     b.setInsertionPointToStart(&tail.getElseRegion().front());
     scf::YieldOp::create(b, loc, ValueRange{acc});
   }
+  Value lanesSum = tail.getResult(0);
+  if (split) {
+    // a[l] sits in the lane j with splitElement(j) == l.
+    SmallVector<int64_t> inv(lanes);
+    for (int j = 0; j < lanes; ++j)
+      inv[BodyEmitter::splitElement(j, lanes)] = j;
+    lanesSum = vector::ShuffleOp::create(b, loc, lanesSum, lanesSum, inv);
+  }
   Value total = vector::ReductionOp::create(
-      b, loc, vector::CombiningKind::ADD, tail.getResult(0));
+      b, loc, vector::CombiningKind::ADD, lanesSum);
   func::ReturnOp::create(b, loc, total);
   (void)one;
   return fn;

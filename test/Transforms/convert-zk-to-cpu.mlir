@@ -89,16 +89,29 @@ zk.kernel @t_update update {
 // elements l, l + 32, ...), the tail is one masked iteration, then the lanes
 // are added in order (no reassociation: LLVM's ordered reduction). The
 // square of a widened f32 is exact, so mul and add may fuse (contract).
+// All loads bf16: each 32-bit word is split into its even element (shift)
+// and odd one (mask), so lane j holds element 2j (j < 16) or 2(j-16)+1; the
+// tail mask gets that order and one shuffle restores abi.h's lane order
+// before the ordered sum. Every array is prefetched 2 KiB ahead.
 // CHECK-LABEL: func.func @t_sumsq_avx512(%{{.+}}: !llvm.ptr, %{{.+}}: i64, %{{.+}}: !llvm.ptr) -> f64
 // CHECK: scf.for {{.+}} iter_args(%{{.+}} = %{{.+}}) -> (vector<32xf64>)
+// CHECK: arith.constant 2048 : i64
+// CHECK: "llvm.intr.prefetch"(%{{.+}}) <{cache = 1 : i32, hint = 3 : i32, rw = 0 : i32}>
+// CHECK: %[[W:.+]] = vector.bitcast %{{.+}} : vector<32xi16> to vector<16xi32>
+// CHECK: %[[EV:.+]] = arith.shli %[[W]], %{{.+}} : vector<16xi32>
+// CHECK: arith.constant dense<-65536> : vector<16xi32>
+// CHECK: %[[OD:.+]] = arith.andi %[[W]], %{{.+}} : vector<16xi32>
+// CHECK: vector.shuffle %[[EV]], %[[OD]] [0, 1, 2, {{.+}}, 30, 31] : vector<16xi32>, vector<16xi32>
 // CHECK: arith.extf %{{.+}} : vector<32xf32> to vector<32xf64>
 // CHECK: arith.mulf %{{.+}}, %{{.+}} fastmath<contract> : vector<32xf64>
 // CHECK: arith.addf %{{.+}}, %{{.+}} fastmath<contract> : vector<32xf64>
 // CHECK: scf.if %{{.+}} -> (vector<32xf64>)
-// CHECK: vector.create_mask %{{.+}} : vector<32xi1>
-// CHECK: llvm.intr.masked.load %{{.+}}, %{{.+}}, %{{.+}} {alignment = 2 : i32} : (!llvm.ptr, vector<32xi1>, vector<32xi16>) -> vector<32xi16>
-// CHECK: arith.select %{{.+}}, %{{.+}}, %{{.+}} : vector<32xi1>, vector<32xf64>
-// CHECK: vector.reduction <add>, %{{.+}} : vector<32xf64> into f64
+// CHECK: %[[M:.+]] = vector.create_mask %{{.+}} : vector<32xi1>
+// CHECK: llvm.intr.masked.load %{{.+}}, %[[M]], %{{.+}} {alignment = 2 : i32} : (!llvm.ptr, vector<32xi1>, vector<32xi16>) -> vector<32xi16>
+// CHECK: %[[PM:.+]] = vector.shuffle %[[M]], %[[M]] [0, 2, 4, {{.+}}, 28, 30, 1, 3, {{.+}}, 29, 31] : vector<32xi1>, vector<32xi1>
+// CHECK: arith.select %[[PM]], %{{.+}}, %{{.+}} : vector<32xi1>, vector<32xf64>
+// CHECK: %[[LANES:.+]] = vector.shuffle %[[ACC:.+]], %[[ACC]] [0, 16, 1, 17, 2, 18, {{.+}}, 14, 30, 15, 31] : vector<32xf64>, vector<32xf64>
+// CHECK: vector.reduction <add>, %[[LANES]] : vector<32xf64> into f64
 // CHECK-NOT: fastmath<reassoc
 // CHECK-LABEL: func.func @t_sumsq_avx2(
 // CHECK: -> (vector<32xf64>)
