@@ -29,8 +29,8 @@ namespace zopt_stream {
 //   read-write  x ^= opaque zero, stored back in place;
 //   write-only  the opaque zero stored;
 // so buffers keep their values and exactly the bytes the UPDATE kernel moves
-// are moved; each array is also prefetched kPrefetchBytes ahead once per
-// iteration (the kernels' distance). (The first version folded reads in as
+// are moved; each array is also prefetched kPrefetchBytes ahead, every
+// 64-byte line once (as the kernels do). (The first version folded reads in as
 // `acc |= x & z` from acc = z, which the compiler reduced to acc = z by absorption, dropping
 // every read-only load: that roofline moved fewer bytes than it counted and
 // so read too high.) The arrays are sorted into per-class pointer lists
@@ -71,12 +71,16 @@ struct Classes {
   z16 += uint16_t(mask);                                                                \
   size_t i = begin;                                                                     \
   for (; i + (L) <= end; i += (L)) {                                                    \
-    for (int a = 0; a < na; ++a) /* as the kernels do (ConvertZKToCPU.cpp) */           \
-      __builtin_prefetch(arr[a].p + i * arr[a].es + kPrefetchBytes);                    \
+    for (int a = 0; a < na; ++a) /* every line, as the kernels do */                    \
+      for (size_t o = 0; o < size_t(L) * arr[a].es; o += 64)                            \
+        __builtin_prefetch(arr[a].p + i * arr[a].es + o + kPrefetchBytes);              \
     for (int a = 0; a < k.n[0][0]; ++a) { V32 x; std::memcpy(&x, k.p[0][0][a] + i * 4, sizeof x); acc32 ^= x; } \
     for (int a = 0; a < k.n[0][1]; ++a) { V16 x; std::memcpy(&x, k.p[0][1][a] + i * 2, sizeof x); acc16 ^= x; } \
-    for (int a = 0; a < k.n[1][0]; ++a) { V32 x; std::memcpy(&x, k.p[1][0][a] + i * 4, sizeof x); x ^= z32; std::memcpy(k.p[1][0][a] + i * 4, &x, sizeof x); } \
-    for (int a = 0; a < k.n[1][1]; ++a) { V16 x; std::memcpy(&x, k.p[1][1][a] + i * 2, sizeof x); x ^= z16; std::memcpy(k.p[1][1][a] + i * 2, &x, sizeof x); } \
+    V32 x32[kMaxArr]; V16 x16[kMaxArr]; /* all loads, then all stores, as the kernel */ \
+    for (int a = 0; a < k.n[1][0]; ++a) std::memcpy(&x32[a], k.p[1][0][a] + i * 4, sizeof(V32)); \
+    for (int a = 0; a < k.n[1][1]; ++a) std::memcpy(&x16[a], k.p[1][1][a] + i * 2, sizeof(V16)); \
+    for (int a = 0; a < k.n[1][0]; ++a) { x32[a] ^= z32; std::memcpy(k.p[1][0][a] + i * 4, &x32[a], sizeof(V32)); } \
+    for (int a = 0; a < k.n[1][1]; ++a) { x16[a] ^= z16; std::memcpy(k.p[1][1][a] + i * 2, &x16[a], sizeof(V16)); } \
     for (int a = 0; a < k.n[2][0]; ++a) std::memcpy(k.p[2][0][a] + i * 4, &z32, sizeof z32); \
     for (int a = 0; a < k.n[2][1]; ++a) std::memcpy(k.p[2][1][a] + i * 2, &z16, sizeof z16); \
   }                                                                                     \
