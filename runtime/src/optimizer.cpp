@@ -645,8 +645,10 @@ ZOPT_API zopt_status zopt_optimizer_memory_info(const zopt_optimizer *o, zopt_me
   uint64_t n = 0;
   for (const Tensor &t : o->tensors) n += (uint64_t)t.numel;
   info->num_params = n;
-  info->world_size = o->world;
-  info->rank = o->rank;
+  // Before finalize: the communicator's ranks, as zopt_optimizer_get_world
+  // (the optimizer's own world is set at finalize).
+  info->world_size = o->finalized ? o->world : o->comm ? zopt_comm_size(o->comm) : 1;
+  info->rank = o->finalized ? o->rank : o->comm ? zopt_comm_rank(o->comm) : 0;
   // The user's params and grads where they live.
   for (uint32_t s = 0; s < d->num_states; ++s) {
     const zopt_state_desc &sd = d->states[s];

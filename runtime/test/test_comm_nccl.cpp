@@ -505,6 +505,10 @@ void ranks_gpu_refusal(int W, int r, const uint8_t *id, const std::string &path)
     Opt a, b;
     if (!make_opt(step, true, &cu, a) || !make_opt(step, true, &cu, b)) return;
     CT_OK(zopt_optimizer_set_comm(a.o, c));  // a device communicator for a GPU step
+    zopt_memory_info pre{};
+    CT_OK(zopt_optimizer_memory_info(a.o, &pre));
+    CT_CHECK(pre.world_size == W && pre.rank == r, "before finalize: memory_info says rank %d of %d, want %d of %d",
+             pre.rank, pre.world_size, r, W);
     std::string m = CT_ERR(zopt_optimizer_finalize(a.o), ZOPT_ERR_UNSUPPORTED,
                            std::string("step '") + a.d->name + "' updates on the GPU", "world size 1",
                            "the communicator has " + std::to_string(W) + " ranks");

@@ -384,7 +384,8 @@ typedef struct zopt_memory_info {
                                     (master, moments; ZeRO-3 params) */
   uint64_t state_bytes_one_rank; /* the same for one rank holding all */
   uint64_t scratch_bytes;        /* collective buffers (one bucket) */
-  int32_t world_size, rank;
+  int32_t world_size, rank;      /* before finalize: the communicator's (the
+                                    state figures are 0 until finalize) */
 } zopt_memory_info;
 ZOPT_API zopt_status zopt_optimizer_memory_info(const zopt_optimizer *opt,
                                        zopt_memory_info *info);
