@@ -599,6 +599,23 @@ def test_state_master_writes_the_param(adamw_bf16):
     assert same_bits(m.parameters(), want)
 
 
+def test_write_state_master_writes_the_param(adamw_bf16):
+    """The low-level write_state(p, 'master', ...) keeps model and master in
+    agreement as state[p]['master'] = ... does: the param becomes
+    round(master), and the next step runs from the written master."""
+    m, o = _bf16_pair(adamw_bf16)
+    train_step(m, o, 0, torch.bfloat16)
+    p = m[0].weight
+    w = torch.randn(p.shape) * 0.1
+    o.write_state(p, "master", w.numpy().reshape(-1))
+    np.testing.assert_array_equal(o.read_state(p, "master"), w.numpy().reshape(-1))
+    assert torch.equal(p.detach(), w.to(torch.bfloat16))
+    for g in o.param_groups:
+        g["lr"], g["weight_decay"] = 0.0, 0.0
+    train_step(m, o, 1, torch.bfloat16)     # lr 0: the param stays round(master)
+    assert torch.equal(p.detach(), w.to(torch.bfloat16))
+
+
 # ---- the torch.optim.Optimizer surface -------------------------------------------
 
 def test_optimizer_surface(adamw_f32):

@@ -2433,7 +2433,10 @@ class Optimizer(_Base):
         return out
 
     def write_state(self, tensor_idx, kind, values):
-        """Writes a state from float32 values (rounded to its storage dtype)."""
+        """Writes a state from float32 values (rounded to its storage dtype).
+        Writing the master also writes round(master) into the param where it
+        is not already a rounding of it (as ``opt.state[p]['master'] = ...``
+        does), so model and master agree."""
         k = _kind(kind)
         t = self._tid(tensor_idx)
         self._check_held(t, "write_state")
@@ -2447,6 +2450,10 @@ class Optimizer(_Base):
             f"write_state({t}, {STATE_NAMES[k]})")
         if k == StateKind.PARAM:
             self._reset_watch()
+        if k == StateKind.MASTER and n:
+            m = self._read_raw(t, StateKind.MASTER)
+            self._apply_master_sync(
+                self._master_sync({t: (m, self.step_obj.state_dtype(k))}), gather=[t])
         self._outdate([t], (TORCH_KEY.get(k),))
 
     def read_state_raw(self, tensor_idx, kind):
