@@ -120,6 +120,9 @@ struct GpuState;  // gpu.cpp: the CUDA backend of a GPU step
 namespace exec {
 struct Program;   // exec/exec.h: the step program of a CPU-updated step
 }
+namespace pipeline {
+class Pipeline;   // pipeline/pipeline.h: the background thread
+}
 
 struct LossScaler {
   zopt_loss_scaler_config cfg;
@@ -156,7 +159,17 @@ struct zopt_optimizer {
   // zopt_optimizer_reduce_bucket; the tensors' grad memory is not read.
   bool stream_grads = false;
   zopt::exec::Program *prog = nullptr;  // finalize product (CPU-updated steps)
+  // The background thread (zopt_optimizer_reduce_bucket_async), made at
+  // its first job.
+  zopt::pipeline::Pipeline *pipe = nullptr;
 };
+
+namespace zopt {
+// ZOPT_ERR_BAD_STATE naming `fn` while jobs of the optimizer's pipeline are
+// queued or running (every API call but the streaming ones and the step,
+// which waits for them).
+zopt_status check_idle(const zopt_optimizer *o, const char *fn);
+}  // namespace zopt
 
 namespace zopt {
 // Index of the descriptor state of `kind`, or -1.

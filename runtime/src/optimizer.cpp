@@ -5,6 +5,7 @@
 
 #include "comm/comm_internal.h"
 #include "exec/exec.h"
+#include "pipeline/pipeline.h"
 
 #include <cmath>
 #include <sys/mman.h>
@@ -35,9 +36,17 @@ zopt_status device_copy(const zopt_optimizer *o, int t, int si, void *host, size
   return o->gpu ? gpu_copy(o, t, si, host, bytes, to_device) : offload_copy(o, t, si, host, bytes, to_device);
 }
 
-#define CHECK_OPT(o, fn)                                                     \
+// Every API call on an optimizer: not NULL, and (but for the streaming
+// calls and the steps, which use CHECK_OPT_ANY) no job of its pipeline in
+// flight: the jobs use its scratch, pool and gradient shards.
+#define CHECK_OPT_ANY(o, fn)                                                 \
   do {                                                                       \
     if (!(o)) return fail(ZOPT_ERR_INVALID_ARGUMENT, fn ": optimizer is NULL"); \
+  } while (0)
+#define CHECK_OPT(o, fn)                                                     \
+  do {                                                                       \
+    CHECK_OPT_ANY(o, fn);                                                    \
+    if (zopt_status st_ = check_idle(o, fn)) return st_;                     \
   } while (0)
 
 zopt_status check_group(const zopt_optimizer *o, int g, const char *fn) {
@@ -188,6 +197,7 @@ ZOPT_API zopt_status zopt_optimizer_create(const zopt_step *step, zopt_optimizer
 
 ZOPT_API void zopt_optimizer_free(zopt_optimizer *o) {
   if (!o) return;
+  delete o->pipe;  // skips queued jobs, waits for a running one, joins
   delete o->pool;
   exec::destroy(o);  // host buffers (not the pinned staging)
   gpu_free(o);       // device buffers (nulls them)
@@ -445,8 +455,9 @@ ZOPT_API zopt_status zopt_optimizer_get_loss_scale(const zopt_optimizer *o, doub
 }
 
 ZOPT_API zopt_status zopt_optimizer_step(zopt_optimizer *o, zopt_step_result *result) {
-  CHECK_OPT(o, "zopt_optimizer_step");
+  CHECK_OPT_ANY(o, "zopt_optimizer_step");
   if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_step: call zopt_optimizer_finalize first");
+  if (zopt_status st = exec::wait_buckets(o)) return st;  // the background reductions first
   if (o->gpu) {
     if (!o->active.empty())
       for (uint8_t a : o->active)
@@ -467,6 +478,7 @@ ZOPT_API zopt_status zopt_optimizer_step_linked(zopt_optimizer *const *parts, in
     const zopt_optimizer *o = parts[i];
     if (!o) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: part %d is NULL", fn, i);
     if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "%s: part %d ('%s') is not finalized", fn, i, o->d->name);
+    if (zopt_status st = exec::wait_buckets(parts[i])) return st;  // its background reductions
     if (o->gpu)
       return fail(ZOPT_ERR_UNSUPPORTED, "%s: part %d ('%s') is a GPU step: linked steps run CPU-updated steps", fn, i,
                   o->d->name);
@@ -754,7 +766,7 @@ static zopt_status check_streaming(const zopt_optimizer *o, const char *fn) {
 }
 
 ZOPT_API zopt_status zopt_optimizer_num_buckets(const zopt_optimizer *o, int *n) {
-  CHECK_OPT(o, "zopt_optimizer_num_buckets");
+  CHECK_OPT_ANY(o, "zopt_optimizer_num_buckets");
   if (!n) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_num_buckets: n is NULL");
   if (zopt_status st = check_streaming(o, "zopt_optimizer_num_buckets")) return st;
   *n = (int)o->prog->L.buckets.size();
@@ -764,7 +776,7 @@ ZOPT_API zopt_status zopt_optimizer_num_buckets(const zopt_optimizer *o, int *n)
 ZOPT_API zopt_status zopt_optimizer_bucket_tensors(const zopt_optimizer *o, int bucket, int *tensors, int capacity,
                                                    int *count) {
   const char *fn = "zopt_optimizer_bucket_tensors";
-  CHECK_OPT(o, "zopt_optimizer_bucket_tensors");
+  CHECK_OPT_ANY(o, "zopt_optimizer_bucket_tensors");
   if (!count) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: count is NULL", fn);
   if (zopt_status st = check_streaming(o, fn)) return st;
   if (bucket < 0 || bucket >= (int)o->prog->L.buckets.size())
@@ -785,6 +797,31 @@ ZOPT_API zopt_status zopt_optimizer_reduce_bucket(zopt_optimizer *o, int bucket,
   CHECK_OPT(o, "zopt_optimizer_reduce_bucket");
   if (zopt_status st = check_streaming(o, "zopt_optimizer_reduce_bucket")) return st;
   return exec::reduce_bucket(o, bucket, grads, count);
+}
+
+ZOPT_API zopt_status zopt_optimizer_reduce_bucket_async(zopt_optimizer *o, int bucket, const void *const *grads,
+                                                        int count) {
+  CHECK_OPT_ANY(o, "zopt_optimizer_reduce_bucket_async");
+  if (zopt_status st = check_streaming(o, "zopt_optimizer_reduce_bucket_async")) return st;
+  return exec::reduce_bucket_async(o, bucket, grads, count);
+}
+
+ZOPT_API zopt_status zopt_optimizer_bucket_done(const zopt_optimizer *o, int bucket, int *done) {
+  const char *fn = "zopt_optimizer_bucket_done";
+  CHECK_OPT_ANY(o, "zopt_optimizer_bucket_done");
+  if (!done) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: done is NULL", fn);
+  if (zopt_status st = check_streaming(o, fn)) return st;
+  if (bucket < 0 || bucket >= (int)o->prog->L.buckets.size())
+    return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: bucket %d out of range (have %zu)", fn, bucket,
+                o->prog->L.buckets.size());
+  *done = exec::bucket_finished(o, bucket) ? 1 : 0;
+  return ZOPT_OK;
+}
+
+ZOPT_API zopt_status zopt_optimizer_wait_buckets(zopt_optimizer *o) {
+  CHECK_OPT_ANY(o, "zopt_optimizer_wait_buckets");
+  if (zopt_status st = check_streaming(o, "zopt_optimizer_wait_buckets")) return st;
+  return exec::wait_buckets(o);
 }
 
 ZOPT_API zopt_status zopt_optimizer_set_active(zopt_optimizer *o, const uint8_t *active, int64_t n) {

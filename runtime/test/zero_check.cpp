@@ -41,6 +41,15 @@
 //                           in reverse order before each step, each
 //                           gradient poisoned (NaN) once its buckets are
 //                           reduced
+//     --async               with --stream: zopt_optimizer_reduce_bucket_async;
+//                           each gradient poisoned once bucket_done says
+//                           every bucket it spans is finished; a call made
+//                           while buckets may be in flight either fails
+//                           naming wait_buckets or finds them all finished
+//     --async-misorder      with --async: rank 1 hands the buckets over in
+//                           ascending order, the others descending: the
+//                           background exchange fails and every rank's step
+//                           reports it, naming the bucket
 //     --linked=STEP2.so     a second optimizer (another parameter class: its
 //                           own tensors and gradients) stepped with the first
 //                           by zopt_optimizer_step_linked: one norm over
@@ -68,7 +77,7 @@ struct Options {
   int world = 2, steps = 4, threads = 1, accum = 1, inf_at = -1, from_world = 1, loaded_steps = 0;
   int64_t bucket = 65536;
   double grad_scale = 0.05;
-  bool mask = false, delay = false, stream = false;
+  bool mask = false, delay = false, stream = false, async = false, misorder = false;
 };
 
 std::mutex g_print_mu;
@@ -421,15 +430,67 @@ bool stream_grads(int rank, Model &m, const Options &opt) {
     CK(zopt_optimizer_bucket_tensors(m.o, b, ids[b].data(), n, &n));
     for (int t : ids[b]) left[t]++;
   }
-  for (int b = nb - 1; b >= 0; --b) {
-    std::vector<const void *> g;
-    for (int t : ids[b]) g.push_back(has_grad(opt, rank, (size_t)t) ? m.g[t].data() : nullptr);
-    CK(zopt_optimizer_reduce_bucket(m.o, b, g.data(), (int)g.size()));
+  auto poison = [&](int b) {
     for (int t : ids[b])
       if (--left[t] == 0)
         for (int64_t i = 0; i < kSizes[t]; ++i) from_f32(m.g[t].data(), m.gdt, (size_t)i, NAN);
+  };
+  if (!opt.async) {
+    for (int b = nb - 1; b >= 0; --b) {
+      std::vector<const void *> g;
+      for (int t : ids[b]) g.push_back(has_grad(opt, rank, (size_t)t) ? m.g[t].data() : nullptr);
+      CK(zopt_optimizer_reduce_bucket(m.o, b, g.data(), (int)g.size()));
+      poison(b);
+    }
+    return true;
   }
-  return true;
+  // In the background: poison a bucket's gradients only once bucket_done
+  // says it is finished (the runtime must not read them after that).
+  const bool ascending = opt.misorder && rank == 1;
+  std::vector<uint8_t> poisoned(nb, 0);
+  auto poll = [&]() -> bool {
+    for (int b = 0; b < nb; ++b) {
+      int done = 0;
+      CK(zopt_optimizer_bucket_done(m.o, b, &done));
+      if (done && !poisoned[b]) poisoned[b] = 1, poison(b);
+    }
+    return true;
+  };
+  for (int i = 0; i < nb; ++i) {
+    const int b = ascending ? i : nb - 1 - i;
+    std::vector<const void *> g;
+    for (int t : ids[b]) g.push_back(has_grad(opt, rank, (size_t)t) ? m.g[t].data() : nullptr);
+    CK(zopt_optimizer_reduce_bucket_async(m.o, b, g.data(), (int)g.size()));
+    if (!poll()) return false;
+  }
+  if (opt.misorder) return true;  // the step reports the failure
+  // A second hand-over of a bucket is refused at once.
+  {
+    std::vector<const void *> g(ids[0].size(), nullptr);
+    zopt_status st = zopt_optimizer_reduce_bucket_async(m.o, 0, g.data(), (int)g.size());
+    report(rank, st == ZOPT_ERR_BAD_STATE && strstr(zopt_last_error(), "already"),
+           "a second hand-over of bucket 0 is refused at once (\"%s\")", st ? zopt_last_error() : "no error");
+    if (st != ZOPT_ERR_BAD_STATE) return false;
+  }
+  // Another call while buckets may be in flight: refused naming
+  // wait_buckets, or (if it ran) every bucket had finished.
+  zopt_memory_info mi{};
+  zopt_status st = zopt_optimizer_memory_info(m.o, &mi);
+  bool all_done = true;
+  for (int b = 0; b < nb; ++b) {
+    int done = 0;
+    CK(zopt_optimizer_bucket_done(m.o, b, &done));
+    all_done = all_done && done;
+  }
+  bool ok = st == ZOPT_OK ? all_done
+                          : st == ZOPT_ERR_BAD_STATE && strstr(zopt_last_error(), "zopt_optimizer_wait_buckets");
+  if (!ok) {
+    report(rank, false, "memory_info while buckets are in flight: %s (all done: %d)",
+           st ? zopt_last_error() : "ran", (int)all_done);
+    return false;
+  }
+  CK(zopt_optimizer_wait_buckets(m.o));
+  return poll();
 }
 
 bool expect_error(int rank, zopt_status st, const char *what, const char *needle) {
@@ -597,6 +658,14 @@ bool run_rank(int rank, int world, zopt_comm *comm, const Options &opt) {
     if (step2) {
       CK(zopt_optimizer_step_linked(parts, 2, &a));
       CK(zopt_optimizer_step_linked(ref_parts, 2, &b));
+    } else if (opt.misorder) {
+      zopt_status st = zopt_optimizer_step(m.o, &a);
+      bool ok = expect_error(rank, st, "a step after rank 1 handed its buckets over in another order",
+                             "(in the background)");
+      // The optimizer is usable again: the failure was reported once.
+      zopt_memory_info mi{};
+      CK(zopt_optimizer_memory_info(m.o, &mi));
+      return ok;
     } else {
       CK(zopt_optimizer_step(m.o, &a));
       CK(zopt_optimizer_step(ref.o, &b));
@@ -659,6 +728,8 @@ bool parse(int argc, char **argv, Options &o) {
     else if (a == "--mask") o.mask = true;
     else if (a == "--delay") o.delay = true;
     else if (a == "--stream") o.stream = true;
+    else if (a == "--async") o.stream = o.async = true;
+    else if (a == "--async-misorder") o.stream = o.async = o.misorder = true;
     else if (a[0] != '-' && o.step.empty()) o.step = a;
     else {
       fprintf(stderr, "zopt-zero-check: unknown argument '%s'\n", argv[i]);

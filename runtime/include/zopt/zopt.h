@@ -220,6 +220,26 @@ ZOPT_API zopt_status zopt_optimizer_bucket_tensors(const zopt_optimizer *opt, in
 ZOPT_API zopt_status zopt_optimizer_reduce_bucket(zopt_optimizer *opt, int bucket, const void *const *grads,
                                                   int count);
 
+/* The same, in the background, so that the exchange overlaps the rest of
+ * backward: the checks above run at the call (their errors are returned at
+ * once), the reduction runs on the optimizer's own thread, one bucket at a
+ * time in the order of the calls (the order every rank must use). The
+ * gradients are read until zopt_optimizer_bucket_done says 1 for the bucket
+ * (then free or reuse them). zopt_optimizer_wait_buckets waits for every
+ * handed-over bucket and returns the first failure of one (the buckets
+ * after a failed one are not reduced; hand them over again after fixing
+ * the cause); zopt_optimizer_step waits first as well. While buckets are in
+ * flight every other call on the optimizer but num_buckets,
+ * bucket_tensors, reduce_bucket_async, bucket_done, wait_buckets and
+ * step(_linked) fails with ZOPT_ERR_BAD_STATE. With MPI, the communicator
+ * is used from that thread: MPI_THREAD_SERIALIZED or more (the MPI
+ * communicator asks for it when it initializes MPI; MPI_THREAD_MULTIPLE if
+ * the program calls MPI itself during backward). */
+ZOPT_API zopt_status zopt_optimizer_reduce_bucket_async(zopt_optimizer *opt, int bucket,
+                                                        const void *const *grads, int count);
+ZOPT_API zopt_status zopt_optimizer_bucket_done(const zopt_optimizer *opt, int bucket, int *done);
+ZOPT_API zopt_status zopt_optimizer_wait_buckets(zopt_optimizer *opt);
+
 /* ---- GPU steps (docs/GPU.md) ------------------------------------------ */
 
 /* A step compiled with GPU-placed states runs through the CUDA driver API,

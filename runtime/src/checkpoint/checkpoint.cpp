@@ -640,6 +640,7 @@ static void fsync_dir(const std::string &path) {
 ZOPT_API zopt_status zopt_optimizer_save(const zopt_optimizer *co, const char *path) {
   zopt_optimizer *o = const_cast<zopt_optimizer *>(co);
   if (!o) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_save: optimizer is NULL");
+  if (zopt_status st = check_idle(o, "zopt_optimizer_save")) return st;
   if (!path || !*path) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_save: path is NULL or empty");
   if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_save: call zopt_optimizer_finalize first");
   if (o->gpu)  // step counts and scaler from the device (waits for the stream)
@@ -867,6 +868,7 @@ static zopt_status stage_load(zopt_optimizer *o, const char *path, uint32_t flag
 
 ZOPT_API zopt_status zopt_optimizer_load_ex(zopt_optimizer *o, const char *path, uint32_t flags) {
   if (!o) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_load: optimizer is NULL");
+  if (zopt_status st = check_idle(o, "zopt_optimizer_load")) return st;
   if (!path || !*path) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_load: path is NULL or empty");
   if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_load: call zopt_optimizer_finalize first");
   if (flags & ~(uint32_t)(ZOPT_LOAD_ALLOW_RULE_CHANGE | ZOPT_LOAD_VALIDATE_ONLY))

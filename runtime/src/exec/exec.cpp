@@ -3,6 +3,7 @@
 #include "exec/exec.h"
 
 #include "comm/comm_internal.h"
+#include "pipeline/pipeline.h"
 
 #include <sys/mman.h>
 
@@ -723,6 +724,8 @@ zopt_status build(zopt_optimizer *o) {
       P->gathered.resize((size_t)P->L.blocks_per_rank * o->world);
     }
     P->bucket_reduced.assign(P->L.buckets.size(), 0);
+    P->bucket_queued.assign(P->L.buckets.size(), 0);
+    P->bucket_ticket.assign(P->L.buckets.size(), 0);
     P->stream_given.assign(o->tensors.size(), 0);
     build_update_work(o, P->update_range == ZOPT_RANGE_OWNED ? P->update_owned : P->update_all, P->update_range);
     if (P->norm_range)
@@ -876,6 +879,7 @@ zopt_status run_end(zopt_optimizer *o, StepState *st, double sumsq, zopt_step_re
     if (zopt_status s = run_op(o, st, i)) return s;
   if (o->stream_grads) {  // the next step needs every bucket again
     std::fill(P.bucket_reduced.begin(), P.bucket_reduced.end(), 0);
+    std::fill(P.bucket_queued.begin(), P.bucket_queued.end(), 0);
     std::fill(P.stream_given.begin(), P.stream_given.end(), 0);
   }
   if (result) {
@@ -902,13 +906,11 @@ void bucket_tensors(const zopt_optimizer *o, int b, std::vector<int> *out) {
     if (out->empty() || out->back() != p.tensor) out->push_back(p.tensor);
 }
 
-zopt_status reduce_bucket(zopt_optimizer *o, int b, const void *const *grads, int count) {
-  const char *fn = "zopt_optimizer_reduce_bucket";
+// The checks of a reduce_bucket call; on success `src` holds each tensor's
+// gradient (NULL: none on this rank) and the tensors are marked given.
+static zopt_status reduce_accept(zopt_optimizer *o, int b, const void *const *grads, int count, const char *fn,
+                                 std::vector<const void *> *src) {
   Program &P = *o->prog;
-  const int W = o->world, r = o->rank;
-  const int gi = state_index(o->d, ZOPT_STATE_GRAD);
-  const uint32_t dt = o->d->states[gi].dtype;
-  const size_t es = dtype_size(dt);
   if (b < 0 || b >= (int)P.L.buckets.size())
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: bucket %d out of range (have %zu)", fn, b, P.L.buckets.size());
   std::vector<int> ts;
@@ -916,8 +918,11 @@ zopt_status reduce_bucket(zopt_optimizer *o, int b, const void *const *grads, in
   if (count != (int)ts.size() || (count && !grads))
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: bucket %d holds %zu tensors (%s); got %d gradient pointers", fn, b,
                 ts.size(), tensor_list(ts).c_str(), grads ? count : 0);
-  if (P.bucket_reduced[b])
-    return fail(ZOPT_ERR_BAD_STATE, "%s: bucket %d was already reduced since the last step", fn, b);
+  // bucket_queued first: a queued bucket's bucket_reduced belongs to the
+  // background thread until the pipeline drains.
+  if (P.bucket_queued[b] || P.bucket_reduced[b])
+    return fail(ZOPT_ERR_BAD_STATE, "%s: bucket %d was already %s since the last step", fn, b,
+                P.bucket_queued[b] ? "handed over (zopt_optimizer_reduce_bucket_async)" : "reduced");
   // A tensor spanning buckets has a gradient in all of them or in none.
   for (int i = 0; i < count; ++i) {
     uint8_t g = grads[i] ? 1 : 2, was = P.stream_given[ts[i]];
@@ -926,9 +931,22 @@ zopt_status reduce_bucket(zopt_optimizer *o, int b, const void *const *grads, in
                   "%s: tensor %d %s a gradient for bucket %d but %s for an earlier bucket it spans", fn, ts[i],
                   g == 1 ? "has" : "has no", b, was == 1 ? "had one" : "had none");
   }
+  src->assign(o->tensors.size(), nullptr);
+  for (int i = 0; i < count; ++i) (*src)[ts[i]] = grads[i];
+  for (int i = 0; i < count; ++i) P.stream_given[ts[i]] = grads[i] ? 1 : 2;
+  return ZOPT_OK;
+}
+
+// The reduction of bucket b from `src` (per tensor, NULL: none): pack,
+// exchange, fold into the held shard. Uses the program's scratch and the
+// thread pool; a collective.
+static zopt_status reduce_run(zopt_optimizer *o, int b, const std::vector<const void *> &src) {
+  Program &P = *o->prog;
+  const int W = o->world;
+  const int gi = state_index(o->d, ZOPT_STATE_GRAD);
+  const uint32_t dt = o->d->states[gi].dtype;
+  const size_t es = dtype_size(dt);
   const layout::Bucket &k = P.L.buckets[b];
-  std::vector<const void *> src(o->tensors.size(), nullptr);
-  for (int i = 0; i < count; ++i) src[ts[i]] = grads[i];
   // Pack every rank's shard of the bucket (zero where no tensor, or a
   // tensor without a gradient on this rank, is), as reduce_scatter does.
   char *send = (char *)P.send.data();
@@ -957,10 +975,47 @@ zopt_status reduce_bucket(zopt_optimizer *o, int b, const void *const *grads, in
     for (int q = 0; q < W; ++q) srcs[q] = recv + ((size_t)q * k.shard + lo) * es;
     fold(dt, W, srcs, dst + (size_t)lo * es, hi - lo);
   });
-  (void)r;
-  P.bucket_reduced[b] = 1;
-  for (int i = 0; i < count; ++i) P.stream_given[ts[i]] = grads[i] ? 1 : 2;
   return ZOPT_OK;
+}
+
+zopt_status reduce_bucket(zopt_optimizer *o, int b, const void *const *grads, int count) {
+  std::vector<const void *> src;
+  if (zopt_status st = reduce_accept(o, b, grads, count, "zopt_optimizer_reduce_bucket", &src)) return st;
+  if (zopt_status st = reduce_run(o, b, src)) return st;
+  o->prog->bucket_reduced[b] = 1;
+  return ZOPT_OK;
+}
+
+zopt_status reduce_bucket_async(zopt_optimizer *o, int b, const void *const *grads, int count) {
+  Program &P = *o->prog;
+  std::vector<const void *> src;
+  if (zopt_status st = reduce_accept(o, b, grads, count, "zopt_optimizer_reduce_bucket_async", &src)) return st;
+  if (!o->pipe) o->pipe = new pipeline::Pipeline();
+  P.bucket_queued[b] = 1;
+  char w[64];
+  snprintf(w, sizeof w, "gradient bucket %d", b);
+  P.bucket_ticket[b] = o->pipe->submit(
+      w, [o, b, src = std::move(src)] { return reduce_run(o, b, src); },
+      [o, b](bool ok) {
+        if (ok) o->prog->bucket_reduced[b] = 1;
+      });
+  return ZOPT_OK;
+}
+
+bool bucket_finished(const zopt_optimizer *o, int b) {
+  const Program &P = *o->prog;
+  if (!P.bucket_queued[b]) return P.bucket_reduced[b] != 0;
+  return o->pipe && P.bucket_ticket[b] <= o->pipe->completed();
+}
+
+zopt_status wait_buckets(zopt_optimizer *o) {
+  if (!o->pipe) return ZOPT_OK;
+  zopt_status st = o->pipe->drain();
+  if (o->prog) {  // a failed or skipped bucket can be handed over again
+    Program &P = *o->prog;
+    for (size_t b = 0; b < P.bucket_queued.size(); ++b) P.bucket_queued[b] = 0;
+  }
+  return st;
 }
 
 // ---- gathers and accounting ---------------------------------------------

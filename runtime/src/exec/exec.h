@@ -73,6 +73,10 @@ struct Program {
   // Gradient streaming: per bucket, reduced since the last step; per
   // tensor, 0 not yet given this step, 1 given a gradient, 2 given none.
   std::vector<uint8_t> bucket_reduced, stream_given;
+  // zopt_optimizer_reduce_bucket_async: handed over since the last step
+  // (the caller's thread only), and the pipeline ticket of each.
+  std::vector<uint8_t> bucket_queued;
+  std::vector<uint64_t> bucket_ticket;
   // A tensor's user memory moved (zopt_optimizer_set_tensor_memory): the
   // work units' pointers are rebuilt once, at the next step.
   bool rebind_pending = false;
@@ -104,6 +108,15 @@ zopt_status run_end(zopt_optimizer *o, StepState *st, double sumsq, zopt_step_re
 // the i-th tensor of bucket_tensors(b), NULL for none on this rank) into
 // this rank's runtime-held gradient shard. A collective.
 zopt_status reduce_bucket(zopt_optimizer *o, int b, const void *const *grads, int count);
+// The same, queued on the optimizer's pipeline (pipeline/pipeline.h): the
+// checks run now, the reduction on the background thread; the gradients
+// are read until bucket_finished(b).
+zopt_status reduce_bucket_async(zopt_optimizer *o, int b, const void *const *grads, int count);
+// Bucket b's reduction ran (or failed, or was skipped after a failure):
+// its gradients are no longer read.
+bool bucket_finished(const zopt_optimizer *o, int b);
+// Waits for every queued reduction; reports the first failure.
+zopt_status wait_buckets(zopt_optimizer *o);
 // The tensors with elements in bucket b, in flat order.
 void bucket_tensors(const zopt_optimizer *o, int b, std::vector<int> *out);
 // Re-splits the work across o->num_threads threads.

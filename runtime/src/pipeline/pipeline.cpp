@@ -1,0 +1,94 @@
+//===- pipeline.cpp - an optimizer's background thread -------------------===//
+// See pipeline.h.
+//===----------------------------------------------------------------------===//
+#include "pipeline/pipeline.h"
+
+#include "internal.h"
+
+namespace zopt {
+
+zopt_status check_idle(const zopt_optimizer *o, const char *fn) {
+  if (o->pipe && !o->pipe->idle())
+    return fail(ZOPT_ERR_BAD_STATE,
+                "%s: gradient buckets are still being reduced in the background "
+                "(zopt_optimizer_reduce_bucket_async): zopt_optimizer_wait_buckets (or the step) first",
+                fn);
+  return ZOPT_OK;
+}
+
+}  // namespace zopt
+
+namespace zopt::pipeline {
+
+Pipeline::~Pipeline() {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  // Anything still queued was skipped by the loop (stop_): tell its owner.
+  for (Job &j : queue_)
+    if (j.finish) j.finish(false);
+}
+
+uint64_t Pipeline::submit(std::string what, std::function<zopt_status()> run, std::function<void(bool)> finish) {
+  std::lock_guard<std::mutex> l(mu_);
+  uint64_t t = ++submitted_;
+  queue_.push_back(Job{t, std::move(what), std::move(run), std::move(finish)});
+  if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
+  cv_.notify_one();
+  return t;
+}
+
+bool Pipeline::idle() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return queue_.empty() && !running_;
+}
+
+uint64_t Pipeline::completed() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return completed_;
+}
+
+zopt_status Pipeline::drain() {
+  std::unique_lock<std::mutex> l(mu_);
+  done_cv_.wait(l, [&] { return queue_.empty() && !running_; });
+  if (error_ == ZOPT_OK) return ZOPT_OK;
+  zopt_status st = error_;
+  std::string m = std::move(error_msg_);
+  error_ = ZOPT_OK;
+  error_msg_.clear();
+  l.unlock();
+  return fail(st, "%s", m.c_str());
+}
+
+void Pipeline::loop() {
+  std::unique_lock<std::mutex> l(mu_);
+  for (;;) {
+    cv_.wait(l, [&] { return stop_ || !queue_.empty(); });
+    if (stop_) return;  // the destructor tells the queued jobs
+    Job j = std::move(queue_.front());
+    queue_.pop_front();
+    const bool skip = error_ != ZOPT_OK;
+    running_ = true;
+    l.unlock();
+    zopt_status st = ZOPT_OK;
+    std::string msg;
+    if (!skip) {
+      st = j.run();
+      if (st) msg = j.what + " (in the background): " + zopt_last_error();
+    }
+    if (j.finish) j.finish(!skip && st == ZOPT_OK);
+    l.lock();
+    if (st && error_ == ZOPT_OK) {
+      error_ = st;
+      error_msg_ = std::move(msg);
+    }
+    running_ = false;
+    ++completed_;
+    done_cv_.notify_all();
+  }
+}
+
+}  // namespace zopt::pipeline

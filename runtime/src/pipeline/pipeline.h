@@ -1,0 +1,84 @@
+//===- pipeline.h - an optimizer's background thread ---------------------===//
+//
+// This subsystem owns an optimizer's background thread and its job queue.
+// Jobs (today the gradient-bucket reductions of
+// zopt_optimizer_reduce_bucket_async; an offload pipeline's per-bucket
+// gradient copies are meant to be queued here too) run one at a time, in
+// submission order, off the caller's thread. Every rank submits its jobs in
+// the same order, so the collectives inside them match across ranks.
+//
+// It owns the first failure: once a job fails, the jobs queued after it are
+// skipped (not run, their `finish` told so), and the failure's status and
+// message are reported once, by drain(), on the caller's thread.
+//
+// Each job gets a ticket (1, 2, ...); completed() is the number of jobs run
+// or skipped so far, so a job is finished when its ticket <= completed().
+// The thread starts at the first submit; the destructor skips what is still
+// queued, waits for the running job (a collective ends by the
+// communicator's timeout at the latest) and joins.
+//
+// Thread safety: submit, idle, completed and drain are called by one caller
+// thread at a time (the optimizer's API is not reentrant); the jobs run on
+// the pipeline's thread. A job's `run` may use the optimizer's thread pool
+// and scratch: the API refuses every other call on the optimizer while a
+// job is queued or running (CHECK_OPT in optimizer.cpp), and a step drains
+// first.
+//===----------------------------------------------------------------------===//
+#ifndef ZOPT_RUNTIME_PIPELINE_H
+#define ZOPT_RUNTIME_PIPELINE_H
+
+#include "zopt/zopt.h"
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+
+namespace zopt::pipeline {
+
+class Pipeline {
+ public:
+  Pipeline() = default;
+  Pipeline(const Pipeline &) = delete;
+  Pipeline &operator=(const Pipeline &) = delete;
+  ~Pipeline();
+
+  // Queues `run` (its status; on failure it has called fail(), whose
+  // message is kept) and returns its ticket. `finish(ran_ok)` runs on the
+  // pipeline's thread after `run` succeeded (true) or failed or was
+  // skipped (false). `what` names the job in a failure's message.
+  uint64_t submit(std::string what, std::function<zopt_status()> run, std::function<void(bool)> finish);
+  // No job queued or running.
+  bool idle() const;
+  // Jobs run or skipped so far.
+  uint64_t completed() const;
+  // Waits until idle; then reports the first failure since the last drain
+  // (fail() with its status and message, naming the job) and forgets it.
+  zopt_status drain();
+
+ private:
+  struct Job {
+    uint64_t ticket;
+    std::string what;
+    std::function<zopt_status()> run;
+    std::function<void(bool)> finish;
+  };
+  void loop();
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;       // work queued, or stop
+  std::condition_variable done_cv_;  // a job completed
+  std::deque<Job> queue_;
+  bool running_ = false, stop_ = false;
+  uint64_t submitted_ = 0, completed_ = 0;
+  zopt_status error_ = ZOPT_OK;
+  std::string error_msg_;
+  std::thread thread_;
+};
+
+}  // namespace zopt::pipeline
+
+#endif
