@@ -93,3 +93,88 @@ def test_grad_kept_alive_only_while_read(adamw_step):
     m1(x).sum().backward()
     o1.step()  # the runtime reads the new gradients, not the freed ones
     assert all(torch.isfinite(p).all() for p in m1.parameters())
+
+
+def _batch(i):
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randn(16, 8, generator=g), torch.randn(16, 3, generator=g)
+
+
+def _share(m):
+    m.share_memory()
+
+
+def _to_double_and_back(m):
+    m.double()
+    m.float()
+
+
+def _grad_data(m):
+    for p in m.parameters():
+        p.grad.data = p.grad.data.clone()
+
+
+@pytest.mark.parametrize("mutate", [_grad_data, _share, _to_double_and_back])
+def test_grad_given_other_memory_under_the_same_object(adamw_step, mutate):
+    """p.grad keeps its Python object but gets other memory (p.grad.data =
+    ..., Module._apply behind share_memory() and dtype round trips) while it
+    is the optimizer's own gradient view (zero_grad(set_to_none=False)): the
+    step must read the new memory (it used to read the old, freed, buffer),
+    and zero_grad must clear what backward accumulates into."""
+    (m1, o1), (m2, o2) = _pair(adamw_step)
+    for i in range(5):
+        for m, o in ((m1, o1), (m2, o2)):
+            o.zero_grad(set_to_none=False)
+            x, y = _batch(i)
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            if i == 1:
+                mutate(m)
+            o.step()
+        _close(m1, m2)
+
+
+def _flat_views(ps):
+    flat = torch.zeros(sum(p.numel() for p in ps))
+    out, o = [], 0
+    for p in ps:
+        out.append(flat[o:o + p.numel()].view_as(p))
+        o += p.numel()
+    return out
+
+
+def _transposed(ps):
+    return [torch.zeros(p.shape[::-1]).t() if p.dim() == 2 else torch.zeros(p.shape) for p in ps]
+
+
+def _contiguous(ps):
+    return [torch.zeros(p.shape) for p in ps]
+
+
+@pytest.mark.parametrize("zero", [False, True])
+@pytest.mark.parametrize("make", [_flat_views, _transposed, _contiguous])
+def test_user_grad_tensors_stay_p_grad(adamw_step, make, zero):
+    """The user sets p.grad = g once and writes each step's gradient into g
+    (flat-buffer and manual all-reduce patterns): g stays p.grad (views and
+    other strides are copied each step, contiguous ones read in place;
+    zero_grad(set_to_none=False) zeroes g in place, as torch does), and the
+    result is torch's. Both used to swap the optimizer's buffer into p.grad,
+    so later writes into g were lost."""
+    (m1, o1), (m2, o2) = _pair(adamw_step)
+    runs = []
+    for m, o in ((m1, o1), (m2, o2)):
+        ps = list(m.parameters())
+        gs = make(ps)
+        for p, g in zip(ps, gs):
+            p.grad = g
+        runs.append((m, o, ps, gs))
+    for i in range(4):
+        for m, o, ps, gs in runs:
+            if zero:
+                o.zero_grad(set_to_none=False)
+            x, y = _batch(i)
+            new = torch.autograd.grad(torch.nn.functional.mse_loss(m(x), y), ps)
+            for g, n in zip(gs, new):
+                g.copy_(n)
+            o.step()
+            assert all(p.grad is g for p, g in zip(ps, gs))
+        _close(m1, m2)

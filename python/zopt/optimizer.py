@@ -89,6 +89,17 @@ _UNSET = object()
 _is = operator.is_
 _version_of = operator.attrgetter("_version")
 _grad_of = operator.attrgetter("grad")
+
+
+_data_ptr = torch.Tensor.data_ptr if torch is not None else None
+
+
+def _ptrs_of(grads):
+    """data_ptr() of each gradient, 0 for None."""
+    try:
+        return list(map(_data_ptr, grads))  # the usual case: every param has one
+    except TypeError:
+        return [0 if g is None else g.data_ptr() for g in grads]
 _data_ptr = torch.Tensor.data_ptr if torch is not None else None
 
 
@@ -1376,6 +1387,13 @@ class Optimizer(_Base):
         self._one_pass = bool(self._a_tids) and self._a_tids == self._tp_tids \
             and not self._main
         self._foreign = {}  # the new native optimizer has our own grad memory
+        # Per param: the data_ptr() its p.grad had when last seen (0: none),
+        # so that a p.grad that kept its object but got other memory
+        # (p.grad.data = ..., Module._apply, share_memory()) is seen; and
+        # the p.grad tensors copied into our memory each step (views, other
+        # strides, GPU steps): they stay the user's p.grad.
+        self._a_gp = [0] * len(self._a_tids)
+        self._copied = {}
         # Fresh gradient tensors are registered in place (no copy) on CPU
         # steps; GPU and offloaded steps keep device tables or stage copies.
         self._grad_zero_copy = not self.step_obj.gpu and not any(e.cuda for e in ents) \
@@ -1557,20 +1575,16 @@ class Optimizer(_Base):
             # Gradient tensors the runtime reads in place (_sync_grads): with
             # set_to_none, no longer kept alive (freed as torch frees them;
             # the next step() registers what backward makes before the
-            # runtime reads any); otherwise p.grad becomes our zeroed memory
-            # again, so that the next backward accumulates where the runtime
-            # already reads.
+            # runtime reads any). Without, every p.grad is zeroed in place
+            # and stays p.grad, as torch does (the user may hold it): the
+            # next backward accumulates where the runtime already reads (or
+            # copies from).
             foreign = self._foreign
-            if foreign:
+            if foreign and set_to_none:
                 last, index = self._a_last, self._a_index
                 for t, (g, _) in list(foreign.items()):
-                    j = index[t]
-                    if set_to_none:
-                        last[j] = _UNSET
-                        foreign[t] = (None, foreign[t][1])
-                    elif g is not None and grads[j] is g:
-                        grads[j] = regs[j]
-                        ps[j].grad = regs[j]
+                    last[index[t]] = _UNSET
+                    foreign[t] = (None, foreign[t][1])
             if set_to_none:
                 for p, g in zip(ps, grads):
                     if g is not None:
@@ -1578,13 +1592,21 @@ class Optimizer(_Base):
             else:
                 for f in self._grad_flats:
                     f.zero_()
-                for p, g, r in zip(ps, grads, regs):
+                zs = []
+                for g, r in zip(grads, regs):
                     if g is not None and g is not r:
                         if g.grad_fn is not None:
                             g.detach_()
-                        else:
+                        elif g.requires_grad:
                             g.requires_grad_(False)
-                        g.zero_()
+                        zs.append(g)
+                if zs:  # as torch.optim's zero_grad: in place, one call
+                    with torch.no_grad():
+                        if hasattr(torch, "_foreach_zero_"):
+                            torch._foreach_zero_(zs)
+                        else:
+                            for g in zs:
+                                g.zero_()
         for e in self._entries:
             if not e.auto:
                 if _is_torch(e.grad):
@@ -1655,21 +1677,34 @@ class Optimizer(_Base):
         (zopt_optimizer_set_grad_memory, one call for all that changed)
         when it has the param's memory layout and is not a view; otherwise
         (GPU and offloaded steps, views, other strides) it is copied into
-        the optimizer's own gradient memory, which becomes p.grad."""
+        the optimizer's own gradient memory at every step; p.grad stays the
+        user's tensor either way (the user may hold it and write into it),
+        and a p.grad given other memory under the same object (p.grad.data
+        = ..., Module._apply) is seen by its data_ptr()."""
         ps = self._a_params
         if grads is None:
             grads = list(map(_grad_of, ps))
         last = self._a_last
         foreign = self._foreign
+        copied = self._copied
+        regs = self._a_regs
+        gp = self._a_gp
         if all(map(_is, grads, last)):
-            if not foreign or all(g is None or g.data_ptr() == ptr
-                                  for g, ptr in foreign.values()):
+            ptrs = _ptrs_of(grads)
+            if ptrs == gp:
+                if copied:  # the user's tensors may have changed since
+                    with torch.no_grad():
+                        for j, g in copied.items():
+                            regs[j].copy_(g)
                 return
-            for t in foreign:  # the same tensor given other memory (g.data = ...)
-                last[self._a_index[t]] = _UNSET
+            # A p.grad that kept its object but got other memory.
+            for j, (g, q) in enumerate(zip(grads, ptrs)):
+                if q != gp[j]:
+                    last[j] = _UNSET
+                    if g is regs[j]:  # our own view, re-pointed: a new view of our memory
+                        self._renew_grad_view(j)
         act = self._active
         tids = self._a_tids
-        regs = self._a_regs
         ents = self._entries
         zero_copy = self._grad_zero_copy
         moved_t, moved_p = [], []
@@ -1677,6 +1712,8 @@ class Optimizer(_Base):
         with torch.no_grad():
             for j, g in enumerate(grads):
                 if g is last[j]:
+                    if j in copied:
+                        regs[j].copy_(g)
                     continue
                 t = tids[j]
                 if g is None:
@@ -1684,10 +1721,13 @@ class Optimizer(_Base):
                         act[t] = 0
                         changed = True
                     last[j] = None
+                    gp[j] = 0
+                    copied.pop(j, None)
                     if t in foreign:  # not read while inactive; not kept alive
                         foreign[t] = (None, foreign[t][1])
                     continue
                 reg = regs[j]
+                copy = False
                 if g is not reg:
                     # torch guarantees p.grad's shape, dtype and device
                     if g.is_sparse:
@@ -1700,12 +1740,16 @@ class Optimizer(_Base):
                         moved_t.append(t)
                         moved_p.append(ptr)
                         foreign[t] = (g, ptr)
-                        last[j] = g
+                        copied.pop(j, None)
                     else:
+                        # copied into our memory now and at every step; it
+                        # stays p.grad (the user may hold it and write it)
                         reg.copy_(g)
-                        ps[j].grad = reg
-                        g = reg
-                if g is reg and t in foreign:  # back to our own memory
+                        copied[j] = g
+                        copy = True
+                else:
+                    copied.pop(j, None)
+                if (g is reg or copy) and t in foreign:  # back to our own memory
                     del foreign[t]
                     moved_t.append(t)
                     moved_p.append(ents[t].gptr)
@@ -1713,10 +1757,28 @@ class Optimizer(_Base):
                     act[t] = 1
                     changed = True
                 last[j] = g
+                gp[j] = g.data_ptr()
         if moved_t:
             self._set_grad_memory(moved_t, moved_p)
         if changed:
             self._push_mask()
+
+    def _renew_grad_view(self, j):
+        """Our gradient view of auto param j was given other memory by the
+        user (p.grad.data = ...): a new view of our flat memory replaces it
+        (the old object is the user's p.grad now, handled like any other)."""
+        t = self._a_tids[j]
+        e = self._entries[t]
+        old = self._a_regs[j]
+        for flat in self._grad_flats:
+            base = flat.data_ptr()
+            if flat.dtype == old.dtype and base <= (e.gptr or 0) < base + flat.numel() * flat.element_size():
+                o = (e.gptr - base) // flat.element_size()
+                v = flat[o:o + e.numel]
+                e.grad = v.as_strided(e.shape, e.stride) if e.numel else v.view(e.shape)
+                self._a_regs[j] = e.grad
+                return
+        raise ZoptError(Status.INTERNAL, f"{e.name}: its gradient memory was not found")
 
     # ---- f32 gradients of bf16/f16 params (p.main_grad) ----------------------
     def _sync_main(self):
