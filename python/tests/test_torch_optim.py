@@ -901,3 +901,49 @@ def test_train_side_by_side_with_torch(adamw_f32):
         sz.step()
         st.step()
     assert oz.tensor_step(mz[3].weight) == 0
+
+
+# ---- torch.optim's rule flags and the group's params ----------------------
+
+def test_rule_flags_in_groups_refused(adamw_f32, steps):
+    """maximize and amsgrad change torch's update rule; a zopt step's rule is
+    compiled, so a group asking for another one is refused (at build, at
+    add_param_group, and when set in param_groups later), never stepped
+    with the compiled rule as it used to be."""
+    m = mlp()
+    ps = list(m.parameters())
+    with pytest.raises(zopt.ZoptError, match="maximize=True"):
+        zopt.Optimizer(adamw_f32, [{"params": ps, "maximize": True}], lr=LR)
+    with pytest.raises(zopt.ZoptError, match="amsgrad=True.*compiled without AMSGrad"):
+        zopt.Optimizer(adamw_f32, [{"params": ps, "amsgrad": True}], lr=LR)
+    o = zopt.Optimizer(adamw_f32, [{"params": ps[:2], "amsgrad": False, "maximize": False}], lr=LR)
+    with pytest.raises(zopt.ZoptError, match="param group 1 has maximize=True"):
+        o.add_param_group({"params": ps[2:], "maximize": True})
+    o.add_param_group({"params": ps[2:]})
+    train_step(m, o, 0)
+    o.param_groups[1]["amsgrad"] = True
+    with pytest.raises(zopt.ZoptError, match=r"param_groups\[1\] has amsgrad=True"):
+        train_step(m, o, 1)
+    o.param_groups[1]["amsgrad"] = False
+    o.param_groups[0]["maximize"] = True
+    with pytest.raises(zopt.ZoptError, match=r"param_groups\[0\] has maximize=True"):
+        train_step(m, o, 1)
+    o.param_groups[0]["maximize"] = False
+    train_step(m, o, 1)
+    ams = steps(rule="adam", amsgrad=True, layout="f32")
+    with pytest.raises(zopt.ZoptError, match="amsgrad=False.*compiled with AMSGrad"):
+        zopt.Optimizer(ams, [{"params": ps, "amsgrad": False}], lr=LR)
+    zopt.Optimizer(ams, [{"params": ps, "amsgrad": True}], lr=LR)
+
+
+def test_group_params_replaced_refused(adamw_f32):
+    """A param in param_groups[g]['params'] replaced by another tensor (same
+    count): torch would update the new one; refused rather than silently
+    updating the old one."""
+    m = mlp()
+    o = zopt.Optimizer(adamw_f32, m.parameters(), lr=LR)
+    train_step(m, o, 0)
+    other = torch.nn.Parameter(torch.zeros_like(o.param_groups[0]["params"][0]))
+    o.param_groups[0]["params"][0] = other
+    with pytest.raises(zopt.ZoptError, match=r"param_groups\[0\]\['params'\] was edited"):
+        train_step(m, o, 1)

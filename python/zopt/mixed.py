@@ -39,6 +39,7 @@ as for one class, once every part has loaded, with one warning.
 """
 from __future__ import annotations
 
+import operator
 import ctypes
 import os
 import struct
@@ -331,6 +332,7 @@ class MixedOptimizer(Optimizer):
         self.rank, self.world_size = o0.rank, o0.world_size
         self._on_cuda = any(o._on_cuda for o in self._plist)
         self._group_lens = [len(g["params"]) for g in self.param_groups]
+        self._group_params = [tuple(g["params"]) for g in self.param_groups]
         self._pushed_raw = [self._raw_hypers(g) for g in self.param_groups]
         self._harr_key = None
 
@@ -390,10 +392,14 @@ class MixedOptimizer(Optimizer):
                             "param_groups changed length: add groups with add_param_group()")
         keys = self._hyper_keys()
         for gid, g in enumerate(groups):
-            if len(g["params"]) != self._group_lens[gid]:
+            ps = g["params"]
+            if len(ps) != self._group_lens[gid] or not all(map(operator.is_, ps, self._group_params[gid])):
                 raise ZoptError(Status.BAD_STATE,
                                 f"param_groups[{gid}]['params'] was edited: the optimizer's "
                                 "tensors are fixed; add params with add_param_group()")
+            if "maximize" in g or "amsgrad" in g:
+                for o in self._plist:
+                    o._check_rule_flags(g, f"param_groups[{gid}]")
             raw = tuple(_frozen(g.get(k)) for k in keys)
             if raw == self._pushed_raw[gid]:
                 continue

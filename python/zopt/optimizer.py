@@ -937,6 +937,7 @@ class Optimizer(_Base):
                             "params must be an ordered collection (a list), not a set")
         ps = list(ps)
         extra = {k: v for k, v in g.items() if k != "params"}
+        self._check_rule_flags(extra, f"param group {len(self.param_groups)}")
         bad = [k for k in _slots(extra, self.step_obj.hypers) if k not in self.step_obj.hypers]
         if bad:
             raise ZoptError(Status.INVALID_ARGUMENT,
@@ -1348,6 +1349,7 @@ class Optimizer(_Base):
         self._pushed = [_slots(g, self.step_obj.hypers) for g in self.param_groups]
         self._pushed_raw = [self._raw_hypers(g) for g in self.param_groups]
         self._group_lens = [len(g["params"]) for g in self.param_groups]
+        self._group_params = [tuple(g["params"]) for g in self.param_groups]
         T = len(self._entries)
         self._active = bytearray(b"\x01" * T)
         self._active_c = (ctypes.c_uint8 * max(T, 1)).from_buffer(
@@ -2111,16 +2113,39 @@ class Optimizer(_Base):
             self._hkeys = ks
         return ks
 
+    def _check_rule_flags(self, group, where):
+        """torch.optim's per-group flags that change the update rule
+        (maximize, amsgrad) are compiled into a zopt step: a group that asks
+        for another rule is refused, never silently stepped with the
+        compiled one."""
+        if group.get("maximize"):
+            raise ZoptError(Status.INVALID_ARGUMENT,
+                            f"{where} has maximize=True: zopt steps minimize (negate the "
+                            "loss, or the gradients, instead)")
+        a = group.get("amsgrad")
+        if a is not None:
+            s = self.step_obj
+            mine = s.adam_like and StateKind.MAX_EXP_AVG_SQ in s.state_flags
+            if bool(a) != mine:
+                raise ZoptError(Status.INVALID_ARGUMENT,
+                                f"{where} has amsgrad={a!r}, but step '{s.name}' is compiled "
+                                f"{'with' if mine else 'without'} AMSGrad (a state max_exp_avg_sq"
+                                f"{'' if mine else ', zopt.steps.adam(amsgrad=True)'}): the rule "
+                                "is fixed when the step is compiled")
+
     def _push_hypers(self):
         groups = self.param_groups
         if len(groups) != len(self._pushed):
             raise ZoptError(Status.BAD_STATE,
                             "param_groups changed length: add groups with add_param_group()")
         for gid, group in enumerate(groups):
-            if len(group["params"]) != self._group_lens[gid]:
+            ps = group["params"]
+            if len(ps) != self._group_lens[gid] or not all(map(_is, ps, self._group_params[gid])):
                 raise ZoptError(Status.BAD_STATE,
                                 f"param_groups[{gid}]['params'] was edited: the optimizer's "
                                 "tensors are fixed; add params with add_param_group()")
+            if "maximize" in group or "amsgrad" in group:
+                self._check_rule_flags(group, f"param_groups[{gid}]")
             self._push_group(gid, group)
 
     def _push_group(self, gid, group):
