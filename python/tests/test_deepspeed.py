@@ -335,6 +335,11 @@ def test_accepted_variants():
     # unless adam_w_mode is false.
     _, d = ds.from_config(with_(optimizer={"type": "Adam", "params": {"torch_adam": True}}))
     assert d["step"]["rule"] == "adamw" and d["hypers"]["weight_decay"] == 0.01
+    # DeepSpeed's fused AdamW without weight_decay: its default, 0 (not
+    # zopt.steps.adamw()'s torch default), in the hypers and the step text.
+    text, d = ds.from_config(with_(optimizer={"type": "AdamW", "params": {"lr": 1e-3}}))
+    assert d["step"]["rule"] == "adamw" and d["hypers"]["weight_decay"] == 0.0
+    assert "zopt.hyper weight_decay default 0.0" in text
     _, d = ds.from_config(with_(optimizer={"type": "adam", "params": {"adam_w_mode": False}}))
     assert d["step"]["rule"] == "adam"
     # FusedAdam's bias_correction: a runtime value.

@@ -947,3 +947,21 @@ def test_group_params_replaced_refused(adamw_f32):
     o.param_groups[0]["params"][0] = other
     with pytest.raises(zopt.ZoptError, match=r"param_groups\[0\]\['params'\] was edited"):
         train_step(m, o, 1)
+
+
+def test_adamw_default_weight_decay_is_torchs():
+    """zopt.steps.adamw() as a drop-in for torch.optim.AdamW: without a
+    weight_decay anywhere the step decays by torch's default, 0.01 (it used
+    to be 0: no decay, silently)."""
+    step = zopt.steps.adamw()
+    assert step.hypers["weight_decay"][0] == pytest.approx(0.01)
+    m1, m2 = mlp(), mlp()
+    o1 = zopt.Optimizer(step, m1.parameters(), lr=LR)
+    o2 = torch.optim.AdamW(m2.parameters(), lr=LR)
+    assert o1.defaults["weight_decay"] == pytest.approx(o2.defaults["weight_decay"])
+    for i in range(3):
+        train_step(m1, o1, i)
+        train_step(m2, o2, i)
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert zopt.steps.adam().hypers["weight_decay"][0] == 0.0   # torch.optim.Adam's

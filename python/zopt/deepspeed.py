@@ -355,8 +355,11 @@ def _optimizer(opt, W, st):
             W.use(f"{pp}.torch_adam", "honoured: the same rule as DeepSpeed's fused "
                   "Adam" + ("; torch.optim.AdamW's default weight_decay 0.01 applies"
                             if torch_adam and decoupled else ""))
-        if torch_adam and decoupled and "weight_decay" not in hy:
-            hy["weight_decay"] = 0.01   # torch.optim.AdamW's default
+        if decoupled and "weight_decay" not in hy:
+            # torch.optim.AdamW's default with torch_adam; DeepSpeed's fused
+            # Adam's (0) otherwise: explicit, since zopt.steps.adamw()
+            # defaults to torch's
+            hy["weight_decay"] = 0.01 if torch_adam else 0.0
         if "bias_correction" in params:
             bc = _bool(params["bias_correction"], f"{pp}.bias_correction")
             if torch_adam:

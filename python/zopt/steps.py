@@ -1047,6 +1047,10 @@ def _adam_like(fname, decoupled):
            weight_decay=None, bias_correction=True, style="primitives",
            name=None, comments=True):
         local = dict(locals())
+        if decoupled and weight_decay is None:
+            # torch.optim.AdamW's default (torch.optim.Adam's is 0, the
+            # compiler's for any rule): a drop-in for torch's AdamW decays
+            weight_decay = 0.01
         if bias_correction is not True and bias_correction != 1:
             raise _bad("bias_correction", "the description cannot give the "
                        "bias_correction slot a default today (the compiler's "
@@ -1063,7 +1067,8 @@ def _adam_like(fname, decoupled):
                        eps=eps, weight_decay=weight_decay, style=style, name=name,
                        comments=comments, call=_call_string(fname, fn, local))
     fn.__doc__ = (
-        ("AdamW (torch.optim.AdamW: decoupled weight decay w *= 1 - lr*wd)"
+        ("AdamW (torch.optim.AdamW: decoupled weight decay w *= 1 - lr*wd; "
+         "the step's default weight_decay is torch's, 0.01)"
          if decoupled else "Adam with L2 weight decay (torch.optim.Adam: g += wd*w)")
         + ".\n\n``amsgrad=True`` adds the max_exp_avg_sq state. Bias correction "
         "is a per-group runtime slot\n(on by default; ``bias_correction=False`` "
