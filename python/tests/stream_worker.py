@@ -39,7 +39,7 @@ class StreamNet(torch.nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.layers = torch.nn.ModuleList(
-            [torch.nn.Linear(32, 128)] + [torch.nn.Linear(128, 128) for _ in range(7)]
+            [torch.nn.Linear(32, 128)] + [torch.nn.Linear(128, 128) for _ in range(15)]
             + [torch.nn.Linear(128, 8)])
 
     def forward(self, x, skip_extra=False):
@@ -113,7 +113,9 @@ def train(step, rank, world, pg=None, log=print):
     live = LiveGrads(st_m)
     ps = list(st_m.parameters())
     total = sum(p.numel() for p in ps)
-    bound = BUCKET + max(p.numel() for p in ps)
+    # one bucket in flight (reduced in the background), the next one being
+    # filled, and a tensor spanning them
+    bound = 2 * BUCKET + max(p.numel() for p in ps)
     peaks, stats = [], []
     for s in range(STEPS):
         ref.zero_grad(set_to_none=True)

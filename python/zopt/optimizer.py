@@ -1477,6 +1477,8 @@ class Optimizer(_Base):
             raise ZoptError(Status.BAD_STATE, "the optimizer is closed")
         if self._streams:
             self._use_stream()
+        if self._streamer is not None:
+            self._streamer.wait()  # gradient buckets in flight
         return self._h
 
     def close(self):

@@ -4,13 +4,17 @@ gradient memory from the Python binding.
 Without it torch keeps every ``p.grad`` until ``step()`` and the step reads
 them whole, so each rank holds the full gradients although only its shards
 are ever updated. With it the binding hands the gradients to the runtime
-bucket by bucket *during backward* (``zopt_optimizer_reduce_bucket``: the
-runtime packs the bucket, exchanges it and folds this rank's shard in rank
-order into a shard buffer of its own, bit-identical to the non-streamed
-step) and drops each ``p.grad`` as soon as every bucket it lies in has been
-reduced. What a rank holds beyond its reduced shards is the gradients of
-the buckets not yet reduced: about one bucket while backward produces the
-gradients in bucket order.
+bucket by bucket *during backward* (``zopt_optimizer_reduce_bucket_async``:
+the runtime's own thread packs the bucket, exchanges it and folds this
+rank's shard in rank order into a shard buffer of its own, bit-identical to
+the non-streamed step, while backward goes on) and drops each ``p.grad`` as
+soon as every bucket it lies in has been reduced (``bucket_done``, polled at
+each hook). One bucket is in flight at a time (double buffering: handing
+the next one over waits for it), so what a rank holds beyond its reduced
+shards is the gradients of two buckets and of a tensor spanning them. The
+end of backward waits for the last bucket (as DDP's), so backward returns
+with its gradients reduced and freed; any call into the optimizer waits
+for buckets in flight, and a failed exchange is raised there.
 
 How:
 
@@ -39,6 +43,7 @@ sees None for what was reduced: clip with the step's own ``clip=``.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import weakref
@@ -174,7 +179,10 @@ class GradStreamer:
         self.pos = 0            # next position in self.order to reduce
         self.reduced = False    # any bucket reduced since the last step
         self.given = None       # per tensor: None undecided, True / False
-        self.held = None        # per tensor: the gradient handed over (alive until its last bucket)
+        self.held = None        # per tensor: the gradient handed over (alive until its last bucket is done)
+        # buckets handed over to the background thread, in order: (bucket,
+        # the tensors whose last bucket it is)
+        self.pending = collections.deque()
         self.ready = None
         self.missing = None
         if not keep_lost:
@@ -203,6 +211,8 @@ class GradStreamer:
                 s = ref()
                 if s is not None and s.started and s.pos < s.nb:
                     s._advance(final=True, where="at_backward_end")
+                if s is not None:  # as DDP: backward returns with its gradients reduced
+                    s.wait()
             torch.autograd.Variable._execution_engine.queue_callback(at_end)
 
     def _on_grad(self, key):
@@ -262,22 +272,60 @@ class GradStreamer:
         g = self.held[t]
         return g.data_ptr() if g is not None else None
 
+    # Buckets in flight at most (double buffering): handing one over waits
+    # for the older ones beyond this, so a rank's live gradients stay within
+    # these buckets, the one backward is filling and a tensor spanning them.
+    MAX_IN_FLIGHT = 1
+
     def _reduce(self, b):
         o = self._opt()
+        if len(self.pending) >= self.MAX_IN_FLIGHT:
+            self._release(wait=True)
         ents = o._entries
         ts = self.b_tensors[b]
         n = len(ts)
         ptrs = (ctypes.c_void_p * max(n, 1))(*[self._grad_ptr(t, ents[t]) for t in ts])
-        check(o._lib.zopt_optimizer_reduce_bucket(o._h, b, ptrs, n),
-              "zopt_optimizer_reduce_bucket")
+        check(o._lib.zopt_optimizer_reduce_bucket_async(o._h, b, ptrs, n),
+              "zopt_optimizer_reduce_bucket_async")
         self.reduced = True
         at = self.pos
         self.pos += 1
-        for t in ts:  # every bucket of t reduced: its gradient is no longer read
-            if self.last_pos[t] == at:
+        # the tensors whose gradient is no longer read once b is done
+        self.pending.append((b, [t for t in ts if self.last_pos[t] == at]))
+        self._release(wait=False)
+
+    def _release(self, wait):
+        """Drops the gradients of the handed-over buckets that are done (all
+        of them with wait=True, after waiting: raises a failed exchange)."""
+        if not self.pending:
+            return
+        o = self._opt()
+        if wait:
+            st = o._lib.zopt_optimizer_wait_buckets(o._h)
+            if st:
+                self.pending.clear()  # the step fails; the gradients stay p.grad
+                self.lost = True
+                check(st, "zopt_optimizer_wait_buckets")
+        ents = o._entries
+        done = ctypes.c_int()
+        while self.pending:
+            b, ts = self.pending[0]
+            if not wait:
+                check(o._lib.zopt_optimizer_bucket_done(o._h, b, ctypes.byref(done)),
+                      "zopt_optimizer_bucket_done")
+                if not done.value:
+                    return
+            self.pending.popleft()
+            for t in ts:  # every bucket of t reduced: its gradient is no longer read
                 if self.given[t]:
                     ents[t].param.grad = None
                 self.held[t] = None
+
+    def wait(self):
+        """Before any other call into the native optimizer: the buckets in
+        flight finished (their gradients dropped)."""
+        if self.pending:
+            self._release(wait=True)
 
     # ---- step() -------------------------------------------------------------------
     def before_step(self):
@@ -285,6 +333,7 @@ class GradStreamer:
         buckets no backward reduced (in order, from p.grad), and the mask
         the binding reports (opt._active)."""
         o = self._opt()
+        self.wait()  # the exchanges in flight (a failure is raised here)
         if self.started:
             rb = o.rebuilds
             o._check_params()  # in-place writes since: the master refreshed
@@ -303,6 +352,7 @@ class GradStreamer:
                 return
             self._start(from_hook=False)
         self._advance(final=True, where="at_step")
+        self.wait()
         act = bytes(1 if (g or not ents[t].numel) else 0 for t, g in enumerate(self.given))
         o._active[:] = act
         o._mask_all = 0 not in o._active
