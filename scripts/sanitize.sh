@@ -82,4 +82,5 @@ trap 'rm -rf "$tmp"' EXIT
 # the background reductions (runtime/src/pipeline): a thread per optimizer
 "$tsan/bin/zopt-zero-check" "$tmp/z2.so" --world=3 --threads=2 --steps=2 --async --delay | tail -1
 "$tsan/bin/zopt-zero-check" "$tmp/z3.so" --world=3 --async-misorder --bucket=40000 | tail -1
+"$tsan/bin/zopt-zero-check" "$tmp/z3.so" --world=1 --async-free --bucket=40000 | tail -1
 echo "== sanitize: TSan passed; sanitizer stage done in $(( $(date +%s) - start )) s"

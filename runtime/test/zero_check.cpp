@@ -50,6 +50,8 @@
 //                           ascending order, the others descending: the
 //                           background exchange fails and every rank's step
 //                           reports it, naming the bucket
+//     --async-free          hand every bucket over in the background and free
+//                           the optimizer at once (run at --world=1)
 //     --linked=STEP2.so     a second optimizer (another parameter class: its
 //                           own tensors and gradients) stepped with the first
 //                           by zopt_optimizer_step_linked: one norm over
@@ -77,7 +79,7 @@ struct Options {
   int world = 2, steps = 4, threads = 1, accum = 1, inf_at = -1, from_world = 1, loaded_steps = 0;
   int64_t bucket = 65536;
   double grad_scale = 0.05;
-  bool mask = false, delay = false, stream = false, async = false, misorder = false;
+  bool mask = false, delay = false, stream = false, async = false, misorder = false, async_free = false;
 };
 
 std::mutex g_print_mu;
@@ -589,6 +591,31 @@ bool run_rank(int rank, int world, zopt_comm *comm, const Options &opt) {
     return expect_error(rank, st, opt.mismatch == "hyper" ? "other hyperparameters" : "another seed", "rank(s) 1");
   }
 
+  // ---- the optimizer freed with buckets in flight: the queued ones are
+  // skipped, a running one finishes, the thread is joined (no crash, leak
+  // or hang; the sanitizer builds run this)
+  if (opt.async_free) {
+    Model m;
+    if (!build(rank, step, m, o2, comm, false)) return false;
+    CK(zopt_optimizer_finalize(m.o));
+    fill_grads(m, o2, rank, 1, 1.0);
+    int nb = 0;
+    CK(zopt_optimizer_num_buckets(m.o, &nb));
+    for (int b = nb - 1; b >= 0; --b) {
+      int n = 0;
+      CK(zopt_optimizer_bucket_tensors(m.o, b, nullptr, 0, &n));
+      std::vector<int> ids(n);
+      CK(zopt_optimizer_bucket_tensors(m.o, b, ids.data(), n, &n));
+      std::vector<const void *> g;
+      for (int t : ids) g.push_back(m.g[t].data());
+      CK(zopt_optimizer_reduce_bucket_async(m.o, b, g.data(), n));
+    }
+    zopt_optimizer_free(m.o);
+    m.o = nullptr;
+    report(rank, nb > 1, "freed with %d buckets handed over in the background", nb);
+    return nb > 1;
+  }
+
   zopt_step *step2 = nullptr;
   if (!opt.linked.empty()) CK(zopt_step_load(opt.linked.c_str(), &step2));
   std::unique_ptr<zopt_step, void (*)(zopt_step *)> own_step2(step2, zopt_step_free);
@@ -730,6 +757,7 @@ bool parse(int argc, char **argv, Options &o) {
     else if (a == "--stream") o.stream = true;
     else if (a == "--async") o.stream = o.async = true;
     else if (a == "--async-misorder") o.stream = o.async = o.misorder = true;
+    else if (a == "--async-free") o.stream = o.async = o.async_free = true;
     else if (a[0] != '-' && o.step.empty()) o.step = a;
     else {
       fprintf(stderr, "zopt-zero-check: unknown argument '%s'\n", argv[i]);
