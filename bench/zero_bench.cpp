@@ -13,6 +13,15 @@
 // MPI_Alltoall / MPI_Allgather of exactly those bytes per bucket (the
 // transport alone: no packing, no fold) in the same run, with the ratio
 // raw / zopt (1.0: zopt's collective ops cost what the transport costs).
+//
+// --overlap MS (ZeRO-2/3 steps): gradient streaming with a simulated
+// backward that leaves the CPU free (a GPU's, or one waiting on data): per
+// bucket, last first, MS ms of backward, then the bucket handed over:
+// zopt_optimizer_reduce_bucket (on this thread) against
+// zopt_optimizer_reduce_bucket_async (on the optimizer's thread, while the
+// next MS ms run), then the step. Reports the time from the start of
+// backward to the end of the step for both, in the same run, against
+// backward alone plus the step's own update.
 #include <mpi.h>
 
 #include "zopt/comm.h"
@@ -24,6 +33,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -83,6 +93,7 @@ int main(int argc, char **argv) {
   }
   int64_t nParams = int64_t(64) << 20;
   int nTensors = 64, steps = 5, threads = 1;
+  double overlapMs = -1;
   for (int i = 2; i + 1 < argc; i += 2) {
     std::string a = argv[i];
     long long v = std::atoll(argv[i + 1]);
@@ -90,6 +101,7 @@ int main(int argc, char **argv) {
     else if (a == "--tensors") nTensors = (int)v;
     else if (a == "--steps") steps = (int)v;
     else if (a == "--threads") threads = (int)v;
+    else if (a == "--overlap") overlapMs = std::atof(argv[i + 1]);
   }
   zopt_step *step = nullptr;
   CK(zopt_step_load(argv[1], &step));
@@ -237,6 +249,76 @@ int main(int argc, char **argv) {
     std::printf("theoretical bytes/param sent per rank: reduce-scatter (W-1)/W x %zu = %.3f, all-gather (W-1)/W x %zu "
                 "= %.3f (plus padding to W x 32768 per bucket)\n",
                 esize(gdt), (world - 1.0) / world * esize(gdt), esize(pdt), (world - 1.0) / world * esize(pdt));
+  }
+  if (overlapMs >= 0 && d->zero_stage >= 2) {
+    // The streamed twin: its own params, the same gradients handed over.
+    zopt_optimizer *so = nullptr;
+    CK(zopt_optimizer_create(step, &so));
+    CK(zopt_optimizer_set_num_threads(so, threads));
+    CK(zopt_optimizer_set_grad_streaming(so, 1));
+    CK(zopt_optimizer_add_group(so, &g));
+    std::vector<std::vector<uint16_t>> p2 = p;
+    std::vector<std::vector<float>> pf2 = pf;
+    std::vector<const void *> gptr(nTensors);
+    for (int t = 0; t < nTensors; ++t) {
+      void *pp = pdt == ZOPT_DTYPE_F32 ? (void *)pf2[t].data() : (void *)p2[t].data();
+      int64_t n = pdt == ZOPT_DTYPE_F32 ? (int64_t)pf2[t].size() : (int64_t)p2[t].size();
+      gptr[t] = gdt == ZOPT_DTYPE_F32 ? (const void *)gf[t].data() : (const void *)gr[t].data();
+      CK(zopt_optimizer_add_tensor(so, g, pp, nullptr, n, (zopt_dtype)pdt, &id));
+    }
+    CK(zopt_optimizer_set_comm(so, comm));
+    CK(zopt_optimizer_finalize(so));
+    int nb = 0;
+    CK(zopt_optimizer_num_buckets(so, &nb));
+    std::vector<std::vector<const void *>> bg(nb);
+    for (int b = 0; b < nb; ++b) {
+      int n = 0;
+      CK(zopt_optimizer_bucket_tensors(so, b, nullptr, 0, &n));
+      std::vector<int> ids(n);
+      CK(zopt_optimizer_bucket_tensors(so, b, ids.data(), n, &n));
+      for (int t : ids) bg[b].push_back(gptr[t]);
+    }
+    double upd = 0;  // the step's own update (no exchange): from the op times
+    std::vector<double> t_sync, t_async;
+    for (int k = 0; k < steps + 1; ++k)
+      for (int async = 0; async < 2; ++async) {
+        MPI_Barrier(MPI_COMM_WORLD);
+        double t0 = now();
+        for (int b = nb - 1; b >= 0; --b) {
+          std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(overlapMs));
+          if (async)
+            CK(zopt_optimizer_reduce_bucket_async(so, b, bg[b].data(), (int)bg[b].size()));
+          else
+            CK(zopt_optimizer_reduce_bucket(so, b, bg[b].data(), (int)bg[b].size()));
+        }
+        CK(zopt_optimizer_step(so, &r));
+        double dt = now() - t0;
+        if (k == 0) continue;  // warm-up
+        (async ? t_async : t_sync).push_back(dt);
+        CK(zopt_optimizer_get_op_times(so, op.data(), (int)op.size()));
+        double u = 0;
+        for (uint32_t i = 0; i < d->num_program; ++i)
+          if (d->program[i].code != ZOPT_OP_REDUCE_SCATTER) u += op[i];
+        upd += u / (2.0 * steps);
+      }
+    double row[3] = {median(t_sync) * 1e3, median(t_async) * 1e3, upd * 1e3}, all[3 * 4096];
+    MPI_Gather(row, 3, MPI_DOUBLE, all, 3, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+    if (rank == 0) {
+      const double bw = nb * overlapMs;
+      std::printf("streamed gradients, %d buckets, a simulated backward of %.1f ms per bucket (%.1f ms; the CPU "
+                  "free), then the step; backward start to step end, median of %d:\n",
+                  nb, overlapMs, bw, steps);
+      std::printf("%4s %12s %12s %14s %16s %14s\n", "rank", "sync ms", "async ms", "async/sync",
+                  "floor ms (bw+st)", "async/floor");
+      for (int q = 0; q < world; ++q) {
+        const double *v = all + 3 * q;
+        std::printf("%4d %12.1f %12.1f %14.2f %16.1f %14.2f\n", q, v[0], v[1], v[1] / v[0], bw + v[2],
+                    v[1] / (bw + v[2]));
+      }
+      std::printf("(floor: the backward alone plus the step's ops other than the exchange; sync: each bucket "
+                  "exchanged on the backward thread)\n");
+    }
+    zopt_optimizer_free(so);
   }
   zopt_optimizer_free(o);
   zopt_comm_free(comm);
