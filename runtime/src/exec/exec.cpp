@@ -990,15 +990,19 @@ zopt_status reduce_bucket_async(zopt_optimizer *o, int b, const void *const *gra
   Program &P = *o->prog;
   std::vector<const void *> src;
   if (zopt_status st = reduce_accept(o, b, grads, count, "zopt_optimizer_reduce_bucket_async", &src)) return st;
-  if (!o->pipe) o->pipe = new pipeline::Pipeline();
+  try {
+    if (!o->pipe) o->pipe = new pipeline::Pipeline();
+    char w[64];
+    snprintf(w, sizeof w, "gradient bucket %d", b);
+    P.bucket_ticket[b] = o->pipe->submit(
+        w, [o, b, src = std::move(src)] { return reduce_run(o, b, src); },
+        [o, b](bool ok) {
+          if (ok) o->prog->bucket_reduced[b] = 1;
+        });
+  } catch (...) {  // nothing queued: b may be handed over again
+    return fail(ZOPT_ERR_OUT_OF_MEMORY, "zopt_optimizer_reduce_bucket_async: out of memory queueing bucket %d", b);
+  }
   P.bucket_queued[b] = 1;
-  char w[64];
-  snprintf(w, sizeof w, "gradient bucket %d", b);
-  P.bucket_ticket[b] = o->pipe->submit(
-      w, [o, b, src = std::move(src)] { return reduce_run(o, b, src); },
-      [o, b](bool ok) {
-        if (ok) o->prog->bucket_reduced[b] = 1;
-      });
   return ZOPT_OK;
 }
 
