@@ -70,8 +70,9 @@ static bool storesBf16(zk::KernelOp k) {
   return any;
 }
 
-/// How far ahead of its loads a SUMSQ kernel prefetches each array.
-static constexpr int64_t kSumsqPrefetchBytes = 2048;
+/// How far ahead of its loads every CPU kernel prefetches each array
+/// (runtime/tools/stream_roofline.h's kPrefetchBytes is the same distance).
+static constexpr int64_t kPrefetchBytes = 2048;
 
 static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
                                 const IsaInfo &isa, int64_t numStates) {
@@ -157,11 +158,11 @@ static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
   };
   Value nVec = arith::SubIOp::create(b, loc, n,
                                      arith::RemSIOp::create(b, loc, n, W));
-  // The norm pass only reads, and on the hosts measured one thread's
-  // hardware prefetch leaves it at about 60 % of a plain read of DRAM;
-  // a software prefetch ZOPT_SUMSQ_PREFETCH_BYTES ahead of every array
-  // brings it to a plain read's rate (docs/benchmarks/cpu.md). Prefetches
-  // past the end are harmless (they never fault).
+  // On the hosts measured one thread's hardware prefetch leaves a stream
+  // at about 60 % of a plain read of DRAM; a software prefetch
+  // kPrefetchBytes ahead of every array the kernel loads, one per 64-byte
+  // line, brings the norm pass to a plain read's rate and speeds the
+  // update (docs/benchmarks/cpu.md). Prefetches past the end never fault.
   SmallVector<std::pair<Value, int64_t>> streams; // (base, element bytes)
   body.walk([&](zk::LoadOp l) {
     Type t = l.getType();
@@ -180,7 +181,7 @@ static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
         Value at = arith::AddIOp::create(
             pb, l, off,
             arith::ConstantOp::create(
-                pb, l, pb.getI64IntegerAttr(kSumsqPrefetchBytes + k)));
+                pb, l, pb.getI64IntegerAttr(kPrefetchBytes + k)));
         Value addr = LLVM::GEPOp::create(pb, l, base.getType(), i8, base,
                                          ValueRange{at});
         LLVM::Prefetch::create(pb, l, addr, /*rw=*/0, /*hint=*/3,

@@ -39,7 +39,6 @@ as for one class, once every part has loaded, with one warning.
 """
 from __future__ import annotations
 
-import operator
 import ctypes
 import os
 import struct
@@ -331,7 +330,6 @@ class MixedOptimizer(Optimizer):
         o0 = self._plist[0]
         self.rank, self.world_size = o0.rank, o0.world_size
         self._on_cuda = any(o._on_cuda for o in self._plist)
-        self._group_lens = [len(g["params"]) for g in self.param_groups]
         self._group_params = [tuple(g["params"]) for g in self.param_groups]
         self._pushed_raw = [self._raw_hypers(g) for g in self.param_groups]
         self._harr_key = None
@@ -392,11 +390,7 @@ class MixedOptimizer(Optimizer):
                             "param_groups changed length: add groups with add_param_group()")
         keys = self._hyper_keys()
         for gid, g in enumerate(groups):
-            ps = g["params"]
-            if len(ps) != self._group_lens[gid] or not all(map(operator.is_, ps, self._group_params[gid])):
-                raise ZoptError(Status.BAD_STATE,
-                                f"param_groups[{gid}]['params'] was edited: the optimizer's "
-                                "tensors are fixed; add params with add_param_group()")
+            self._check_group_params(gid, g)
             if "maximize" in g or "amsgrad" in g:
                 for o in self._plist:
                     o._check_rule_flags(g, f"param_groups[{gid}]")

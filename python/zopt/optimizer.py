@@ -89,8 +89,6 @@ _UNSET = object()
 _is = operator.is_
 _version_of = operator.attrgetter("_version")
 _grad_of = operator.attrgetter("grad")
-
-
 _data_ptr = torch.Tensor.data_ptr if torch is not None else None
 
 
@@ -100,7 +98,6 @@ def _ptrs_of(grads):
         return list(map(_data_ptr, grads))  # the usual case: every param has one
     except TypeError:
         return [0 if g is None else g.data_ptr() for g in grads]
-_data_ptr = torch.Tensor.data_ptr if torch is not None else None
 
 
 def _torch_dtypes():
@@ -1348,7 +1345,6 @@ class Optimizer(_Base):
         self.rank, self.world_size = r.value, w.value
         self._pushed = [_slots(g, self.step_obj.hypers) for g in self.param_groups]
         self._pushed_raw = [self._raw_hypers(g) for g in self.param_groups]
-        self._group_lens = [len(g["params"]) for g in self.param_groups]
         self._group_params = [tuple(g["params"]) for g in self.param_groups]
         T = len(self._entries)
         self._active = bytearray(b"\x01" * T)
@@ -1701,12 +1697,11 @@ class Optimizer(_Base):
                         for j, g in copied.items():
                             regs[j].copy_(g)
                 return
-            # A p.grad that kept its object but got other memory.
-            for j, (g, q) in enumerate(zip(grads, ptrs)):
-                if q != gp[j]:
+            # A p.grad that kept its object but got other memory. (Never one
+            # of our own views: those are not handed out as p.grad.)
+            for j, (q, want) in enumerate(zip(ptrs, gp)):
+                if q != want:
                     last[j] = _UNSET
-                    if g is regs[j]:  # our own view, re-pointed: a new view of our memory
-                        self._renew_grad_view(j)
         act = self._active
         tids = self._a_tids
         ents = self._entries
@@ -1766,23 +1761,6 @@ class Optimizer(_Base):
             self._set_grad_memory(moved_t, moved_p)
         if changed:
             self._push_mask()
-
-    def _renew_grad_view(self, j):
-        """Our gradient view of auto param j was given other memory by the
-        user (p.grad.data = ...): a new view of our flat memory replaces it
-        (the old object is the user's p.grad now, handled like any other)."""
-        t = self._a_tids[j]
-        e = self._entries[t]
-        old = self._a_regs[j]
-        for flat in self._grad_flats:
-            base = flat.data_ptr()
-            if flat.dtype == old.dtype and base <= (e.gptr or 0) < base + flat.numel() * flat.element_size():
-                o = (e.gptr - base) // flat.element_size()
-                v = flat[o:o + e.numel]
-                e.grad = v.as_strided(e.shape, e.stride) if e.numel else v.view(e.shape)
-                self._a_regs[j] = e.grad
-                return
-        raise ZoptError(Status.INTERNAL, f"{e.name}: its gradient memory was not found")
 
     # ---- f32 gradients of bf16/f16 params (p.main_grad) ----------------------
     def _sync_main(self):
@@ -2141,14 +2119,18 @@ class Optimizer(_Base):
             raise ZoptError(Status.BAD_STATE,
                             "param_groups changed length: add groups with add_param_group()")
         for gid, group in enumerate(groups):
-            ps = group["params"]
-            if len(ps) != self._group_lens[gid] or not all(map(_is, ps, self._group_params[gid])):
-                raise ZoptError(Status.BAD_STATE,
-                                f"param_groups[{gid}]['params'] was edited: the optimizer's "
-                                "tensors are fixed; add params with add_param_group()")
+            self._check_group_params(gid, group)
             if "maximize" in group or "amsgrad" in group:
                 self._check_rule_flags(group, f"param_groups[{gid}]")
             self._push_group(gid, group)
+
+    def _check_group_params(self, gid, group):
+        """param_groups[gid]['params'] holds the tensors it was built with."""
+        ps, built = group["params"], self._group_params[gid]
+        if len(ps) != len(built) or not all(map(_is, ps, built)):
+            raise ZoptError(Status.BAD_STATE,
+                            f"param_groups[{gid}]['params'] was edited: the optimizer's "
+                            "tensors are fixed; add params with add_param_group()")
 
     def _push_group(self, gid, group):
         """The hyperparameters of param_groups[gid] that changed since they

@@ -765,6 +765,13 @@ static zopt_status check_streaming(const zopt_optimizer *o, const char *fn) {
   return ZOPT_OK;
 }
 
+static zopt_status check_bucket(const zopt_optimizer *o, int bucket, const char *fn) {
+  if (bucket < 0 || bucket >= (int)o->prog->L.buckets.size())
+    return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: bucket %d out of range (have %zu)", fn, bucket,
+                o->prog->L.buckets.size());
+  return ZOPT_OK;
+}
+
 ZOPT_API zopt_status zopt_optimizer_num_buckets(const zopt_optimizer *o, int *n) {
   CHECK_OPT_ANY(o, "zopt_optimizer_num_buckets");
   if (!n) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_num_buckets: n is NULL");
@@ -779,9 +786,7 @@ ZOPT_API zopt_status zopt_optimizer_bucket_tensors(const zopt_optimizer *o, int 
   CHECK_OPT_ANY(o, "zopt_optimizer_bucket_tensors");
   if (!count) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: count is NULL", fn);
   if (zopt_status st = check_streaming(o, fn)) return st;
-  if (bucket < 0 || bucket >= (int)o->prog->L.buckets.size())
-    return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: bucket %d out of range (have %zu)", fn, bucket,
-                o->prog->L.buckets.size());
+  if (zopt_status st = check_bucket(o, bucket, fn)) return st;
   std::vector<int> ts;
   exec::bucket_tensors(o, bucket, &ts);
   *count = (int)ts.size();
@@ -811,9 +816,7 @@ ZOPT_API zopt_status zopt_optimizer_bucket_done(const zopt_optimizer *o, int buc
   CHECK_OPT_ANY(o, "zopt_optimizer_bucket_done");
   if (!done) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: done is NULL", fn);
   if (zopt_status st = check_streaming(o, fn)) return st;
-  if (bucket < 0 || bucket >= (int)o->prog->L.buckets.size())
-    return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: bucket %d out of range (have %zu)", fn, bucket,
-                o->prog->L.buckets.size());
+  if (zopt_status st = check_bucket(o, bucket, fn)) return st;
   *done = exec::bucket_finished(o, bucket) ? 1 : 0;
   return ZOPT_OK;
 }

@@ -43,7 +43,7 @@ uint64_t Pipeline::submit(std::string what, std::function<zopt_status()> run, st
 
 bool Pipeline::idle() const {
   std::lock_guard<std::mutex> l(mu_);
-  return queue_.empty() && !running_;
+  return completed_ == submitted_;
 }
 
 uint64_t Pipeline::completed() const {
@@ -53,7 +53,7 @@ uint64_t Pipeline::completed() const {
 
 zopt_status Pipeline::drain() {
   std::unique_lock<std::mutex> l(mu_);
-  done_cv_.wait(l, [&] { return queue_.empty() && !running_; });
+  done_cv_.wait(l, [&] { return completed_ == submitted_; });
   if (error_ == ZOPT_OK) return ZOPT_OK;
   zopt_status st = error_;
   std::string m = std::move(error_msg_);
@@ -71,7 +71,6 @@ void Pipeline::loop() {
     Job j = std::move(queue_.front());
     queue_.pop_front();
     const bool skip = error_ != ZOPT_OK;
-    running_ = true;
     l.unlock();
     zopt_status st = ZOPT_OK;
     std::string msg;
@@ -85,7 +84,6 @@ void Pipeline::loop() {
       error_ = st;
       error_msg_ = std::move(msg);
     }
-    running_ = false;
     ++completed_;
     done_cv_.notify_all();
   }

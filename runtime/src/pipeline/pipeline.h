@@ -72,8 +72,8 @@ class Pipeline {
   std::condition_variable cv_;       // work queued, or stop
   std::condition_variable done_cv_;  // a job completed
   std::deque<Job> queue_;
-  bool running_ = false, stop_ = false;
-  uint64_t submitted_ = 0, completed_ = 0;
+  bool stop_ = false;
+  uint64_t submitted_ = 0, completed_ = 0;  // idle: completed_ == submitted_
   zopt_status error_ = ZOPT_OK;
   std::string error_msg_;
   std::thread thread_;
