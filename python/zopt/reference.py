@@ -1,5 +1,4 @@
-"""float64 reference of the zopt numerics contract (docs: /work/shared/BRIEF.md,
-"Numerics contract").
+"""float64 reference of the zopt numerics contract (docs/NUMERICS.md).
 
 The math is done in float64. What the reference models of the hardware is
 only *storage*: after every step each stored state is rounded to its

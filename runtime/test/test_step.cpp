@@ -1,5 +1,5 @@
 // Runs compiled steps through the runtime and checks properties every step
-// must have, plus the numerics contract (docs: shared BRIEF) for the rules it
+// must have, plus the numerics contract (docs/NUMERICS.md) for the rules it
 // can identify from the step name (adamw / adam / sgd[_nesterov] / lion).
 //   - bit-identical results for 1, 2 and 3 threads
 //   - checkpoint save -> load -> continue is bit-exact

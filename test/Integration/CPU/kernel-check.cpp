@@ -6,7 +6,7 @@
 // dlopens a compiled step, validates its descriptor (magic, ABI version,
 // size, checksum, bounds, state kinds, kernel table, symbols) and checks every
 // UPDATE and SUMSQ variant of the kernel table that this CPU can run against a
-// float64 reference of the numerics contract (/work/shared/BRIEF.md), written
+// float64 reference of the numerics contract (docs/NUMERICS.md), written
 // here independently of the compiler. Coefficients come from the step's own
 // PREPARE kernel.
 //
