@@ -3013,9 +3013,10 @@ class Optimizer(_Base):
                                   or [0]))
         groups = []
         for ng, gid in enumerate(list(range(G)) + list(self._cohort_gid)):
+            g = self.param_groups[gid]
             groups.append((counts[ng], [(int(HYPER_BY_NAME[n]), v)
-                                        for n, v in _slots(self.param_groups[gid],
-                                                           s.hypers).items()]))
+                                        for n, v in _slots(g, s.hypers).items()],
+                           _ckpt.GROUP_MAXIMIZE if g.get("maximize") else 0))
         cohort = self._cohort_of
         tensors = [(e.group if t not in cohort else G + cohort[t],
                     0 if t in ex else e.numel, steps[t]) for t, e in enumerate(self._entries)]
