@@ -639,8 +639,15 @@ ZOPT_API zopt_status zopt_optimizer_save(const zopt_optimizer *co, const char *p
   const ckpt::Fault fault = ckpt::save_fault(o->rank);
   const std::string mine = ckpt::set_file(path, (uint32_t)o->rank, (uint32_t)o->world, id);
   zopt_status st = save_file(o, mine, id, fault);
-  if (zopt_status ag = ckpt::agree_status(o, st, "SAVE status")) {
+  if (fault == ckpt::Fault::kDieEarly && !st) return ckpt::die(o, "before the ranks agreed");
+  bool lost = false;
+  if (zopt_status ag = ckpt::agree_status(o, st, "SAVE status", 0, &lost)) {
     if (!st) ::unlink(mine.c_str());
+    if (lost)  // a rank failed or stopped answering: nothing was committed
+      return fail(ag,
+                  "zopt_optimizer_save('%s'): a rank failed or stopped answering before the commit; the previous "
+                  "checkpoint there (if any) is unchanged. The communicator: %s",
+                  path, std::string(zopt_last_error()).c_str());
     return ag;
   }
   return ckpt::commit(o, path, mine, fault);

@@ -71,6 +71,7 @@ Fault save_fault(int rank) {
   if (stage == "fsync") return Fault::kFsync;
   if (stage == "rename") return Fault::kRename;
   if (stage == "die") return Fault::kDie;
+  if (stage == "die-early") return Fault::kDieEarly;
   return Fault::kNone;
 }
 
@@ -146,18 +147,20 @@ zopt_status agree_save_id(zopt_optimizer *o, const char *path, SaveId *id) {
   return ZOPT_OK;
 }
 
-zopt_status commit(zopt_optimizer *o, const char *path, const std::string &mine, Fault fault) {
-  if (fault == Fault::kDie) {
-    // Test fault: this rank stops answering (as a dead process would) with
-    // its file written and fsync'd.
-    zopt_comm *c = o->comm;
-    if (c && !c->poisoned) {
-      c->poisoned = true;
-      c->first_error = "ZOPT_TEST_SAVE_FAULT: this rank died during a save";
-      if (c->ops->abort) c->ops->abort(c->ctx);
-    }
-    return fail(ZOPT_ERR_COMM, "zopt_optimizer_save: ZOPT_TEST_SAVE_FAULT: rank %d died during the commit", o->rank);
+zopt_status die(zopt_optimizer *o, const char *when) {
+  // This rank stops answering (as a dead process would): its communicator
+  // is poisoned and aborted, so that its peers fail promptly (loopback).
+  zopt_comm *c = o->comm;
+  if (c && !c->poisoned) {
+    c->poisoned = true;
+    c->first_error = "ZOPT_TEST_SAVE_FAULT: this rank died during a save";
+    if (c->ops->abort) c->ops->abort(c->ctx);
   }
+  return fail(ZOPT_ERR_COMM, "zopt_optimizer_save: ZOPT_TEST_SAVE_FAULT: rank %d died %s", o->rank, when);
+}
+
+zopt_status commit(zopt_optimizer *o, const char *path, const std::string &mine, Fault fault) {
+  if (fault == Fault::kDie) return die(o, "during the commit");
   // The commit point: one rename, on rank 0.
   zopt_status st = ZOPT_OK;
   if (o->rank == 0) {

@@ -47,10 +47,14 @@ void fsync_dir(const std::string &path);
 // Test-only fault injection: ZOPT_TEST_SAVE_FAULT=<rank>:<stage> makes that
 // rank's save fail at one stage of the commit: `write` (writing its file),
 // `fsync` (syncing it), `rename` (rank 0's commit rename; other ranks have
-// none) or `die` (after every rank's file is durable, the rank stops
-// answering: its communicator is aborted, as a dead process's would be).
-enum class Fault { kNone, kWrite, kFsync, kRename, kDie };
+// none), `die-early` (with its file written, before the ranks agree that
+// all are: the rank stops answering, its communicator aborted as a dead
+// process's would be) or `die` (the same once every rank's file is durable
+// and the ranks agreed so).
+enum class Fault { kNone, kWrite, kFsync, kRename, kDieEarly, kDie };
 Fault save_fault(int rank);
+// The test fault `die`/`die-early`: this rank stops answering.
+zopt_status die(zopt_optimizer *o, const char *when);
 
 // The save's identity: drawn on rank 0 and agreed by every rank, with a
 // check that every rank passed the same path (a collective at W > 1; its
