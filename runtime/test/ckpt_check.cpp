@@ -33,6 +33,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdarg>
 #include <cstdlib>
 #include <functional>
@@ -336,7 +337,7 @@ void test_mixed_sets(const std::string &dir) {
     const std::vector<unsigned char> keep = ckt::slurp(victim);
     ckt::spit(victim, ckt::slurp(dir + "/" + fb[i]));
     std::vector<Outcome> out((size_t)g_world);
-    bool unchanged = true;
+    std::atomic<bool> unchanged{true};
     on_ranks([&](int r, zopt_comm *c) {
       Rank R;
       std::vector<unsigned char> s0, s1;
