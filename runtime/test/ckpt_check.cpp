@@ -24,6 +24,7 @@
 //     naming the file and both identities, nothing changed.
 //  3. The set rewritten in format 2 (the files an older runtime wrote)
 //     loads bit-identically.
+//  4. Ranks that pass different paths are refused alike, nothing written.
 #include "ckpt_test_util.h"
 
 #include "zopt/comm.h"
@@ -366,6 +367,20 @@ void test_mixed_sets(const std::string &dir) {
     ckt::spit(v2 + tail.substr(0, tail.rfind('.')), ckt::to_format2(ckt::slurp(dir + "/" + fa[i])));
   }
   check_loads(dir, v2, snap_a, "the set rewritten in format 2", false);
+  // Ranks passing different paths: refused on every rank, nothing written.
+  std::vector<Outcome> out((size_t)g_world);
+  on_ranks([&](int r, zopt_comm *c) {
+    Rank R;
+    RANK_CK(R.build(c));
+    out[(size_t)r].st = zopt_optimizer_save(R.o, (dir + (r == g_world - 1 ? "/other.ck" : "/same.ck")).c_str());
+    out[(size_t)r].msg = zopt_last_error();
+    RANK_CK(zopt_optimizer_save(R.o, (dir + "/same.ck").c_str()) == ZOPT_OK);  // the ranks are still in step
+  });
+  bool ok = files_of(dir, "other.ck").empty() && files_of(dir, "same.ck").size() == (size_t)g_world;
+  for (const Outcome &o : out)
+    ok = ok && o.st == ZOPT_ERR_INVALID_ARGUMENT && o.msg == out[0].msg && o.msg.find("same path") != std::string::npos;
+  report(ok, "W=%d: ranks passing different paths are refused on every rank before anything is written (%s)", g_world,
+         out[0].msg.c_str());
 }
 
 }  // namespace
