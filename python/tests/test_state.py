@@ -289,3 +289,61 @@ def test_checkpoint_writer_checksums_and_pieces(steps):
     for k, v in before.items():
         assert opt.read_state_raw(0, k).tobytes() == v.tobytes(), k
     assert opt.tensor_step(0) == 2 and opt.tensor_step(1) == 2
+
+
+def test_checkpoint_readers_formats_2_and_3(steps, tmp_path):
+    """zopt._ckpt reads the header of a runtime checkpoint (format 3: a
+    save identity after world/rank) and of the same save in format 2 (as
+    runtimes before format 3 wrote it) alike: tensor table, loss scaler,
+    seed; the runtime loads both into the same states; the files the
+    binding writes itself are format 3, each with its own identity."""
+    import struct
+    from zopt import _ckpt
+    rng = np.random.default_rng(5)
+    step = steps(rule="adamw", layout="f32")
+    ps = [rng.standard_normal(n).astype(np.float32) for n in (5, 300)]
+    gs = [np.zeros_like(p) for p in ps]
+    opt = zopt.Optimizer(step, [{"params": [(ps[0], gs[0])]},
+                                {"params": [(ps[1], gs[1])], "lr": 0.003}], lr=0.01, seed=77)
+    for _ in range(2):
+        for g in gs:
+            g[...] = rng.standard_normal(g.size)
+        opt.step()
+    v3 = tmp_path / "ck"
+    opt.save(v3)
+    b = v3.read_bytes()
+    assert b[:8] == b"ZOPTCKP2" and struct.unpack_from("<I", b, 8)[0] == 3
+    H = struct.unpack_from("<Q", b, 16)[0]
+    v2b = bytearray(b[:104] + b[120:H])  # without the 16-byte identity
+    struct.pack_into("<I", v2b, 8, 2)
+    struct.pack_into("<Q", v2b, 16, H - 16)
+    v2b += struct.pack("<Q", _ckpt.fnv1a64(v2b))
+    v2b += bytes(H + 8 - len(v2b)) + b[H + 8:]  # the data where they were
+    v2 = tmp_path / "ck2"
+    v2.write_bytes(bytes(v2b))
+    want_table = (step.name, 1, 2, [(0, 5), (1, 300)])
+    assert _ckpt.read_tensor_table(v3) == _ckpt.read_tensor_table(v2) == want_table
+    scale, good, cfg, seed = _ckpt.read_scaler(v3)
+    assert _ckpt.read_scaler(v2) == (scale, good, cfg, seed) and seed == 77
+    fresh = zopt.Optimizer(step, [{"params": [(ps[0].copy(), gs[0].copy())]},
+                                  {"params": [(ps[1].copy(), gs[1].copy())]}], lr=0.01)
+    for f in (v3, v2):
+        fresh.load(f)
+        for t in range(2):
+            for k in ("exp_avg", "exp_avg_sq"):
+                a, c = opt.read_state_raw(t, k), fresh.read_state_raw(t, k)
+                assert a.tobytes() == c.tobytes() and np.any(a != 0), (f, t, k)
+        assert fresh.param_groups[1]["lr"] == 0.003 and fresh.seed == 77
+    # The binding's own file (a load_state_dict goes through one): format 3.
+    ids = []
+    for i in range(2):
+        f = tmp_path / f"w{i}"
+        _ckpt.write(f, name=step.name, desc_checksum=step.checksum,
+                    scaler=(1.0, 0, 1.0, 2.0, 0.5, 100, 1.0, 0), seed=5,
+                    kinds=[], groups=[(0, [], _ckpt.GROUP_MAXIMIZE)], tensors=[], data={})
+        w = f.read_bytes()
+        assert struct.unpack_from("<I", w, 8)[0] == 3
+        ids.append(w[104:120])
+        nk = struct.unpack_from("<I", w, 200)[0]
+        assert nk == 0 and struct.unpack_from("<qII", w, 208) == (0, 0, _ckpt.GROUP_MAXIMIZE)
+    assert ids[0] != ids[1]

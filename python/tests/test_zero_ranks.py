@@ -157,6 +157,41 @@ def test_zero2_zero3_two_gloo_ranks_bit_identical(steps, tmp_path):
                     assert _equal(got["state"][t][k], v), f"{case} rank {r}: {k} of {t}"
 
 
+def test_state_dict_on_one_rank_gloo(steps, tmp_path):
+    """Issue 16 item 12: on 2 gloo ranks, only rank 0 calls state_dict()
+    (rank 1 goes on to step()). Both calls fail at once with ZoptError
+    (COMM): rank 0's says that every rank must call state_dict(), rank 1's
+    names rank 0's call; nothing changed, so the process group and the
+    optimizer stay usable: an all_reduce works, state_dict() on both ranks
+    returns the same states, and training goes on to the one-process result
+    bit for bit. The processes have a hard timeout."""
+    so = steps.text(_step_text(2)).path
+    port = _free_port()
+    cmds = [[sys.executable, os.path.join(HERE, "zero_worker.py"), str(r), "2", str(port),
+             str(tmp_path), f"one_rank_state_dict={so}"] for r in range(2)]
+    procs, outs = _run_all(cmds, timeout=120, env=_runtime_env())
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and f"DONE rank {r}" in out, f"rank {r}:\n{out}"
+    got = [torch.load(os.path.join(tmp_path, f"one_rank_state_dict_rank{r}.pt")) for r in range(2)]
+    (c0, m0), (c1, m1) = got[0]["first"], got[1]["first"]
+    assert c0 == c1 == int(zopt.Status.COMM), (m0, m1)
+    assert "state_dict() is collective at world size 2: every rank must call it" in m0, m0
+    assert "rank 1 called" in m0 and "STEP" in m0, m0
+    assert "rank 0 called" in m1 and "GATHER" in m1, m1
+    for m in (m0, m1):
+        assert "this call changed nothing and the communicator remains usable" in m, m
+    assert got[0]["all_reduce"] == got[1]["all_reduce"] == 2.0
+    sd0, sd1 = got[0]["state_dict"], got[1]["state_dict"]
+    assert sd0.keys() == sd1.keys() and len(sd0) == 4
+    for t in sd0:
+        for k in ("exp_avg", "exp_avg_sq", "master"):
+            assert _equal(sd0[t][k], sd1[t][k]), (t, k)
+    ref = reference(steps.text(_step_text(2)), 2)
+    for r in range(2):
+        for i, (a, b) in enumerate(zip(got[r]["params"], ref["params"])):
+            assert _equal(a, b), f"rank {r}: param {i} differs from one process"
+
+
 def test_example_train_ddp_zero(zopt_bins):
     env = _runtime_env()
     r = subprocess.run([sys.executable, os.path.join(REPO, "examples", "train_ddp_zero.py")],

@@ -6,7 +6,8 @@ and saves the final params, masters and step counts.
 
 CASE: "z2" (ZeRO-2), "z3step" (ZeRO-3, params gathered after each step),
 "z3hooks" (ZeRO-3 with zopt.zero3_hooks: gathered per module in forward and
-backward, released after). Rank r trains on batches (s, r); some params
+backward, released after), "one_rank_state_dict" (ZeRO-2; before step 2
+only rank 0 calls state_dict() while rank 1 steps: both fail, and go on). Rank r trains on batches (s, r); some params
 have no gradient on some ranks (drop_grad). A case whose value is
 "bf16:A.so,f32:B.so" trains mixed_model() (bf16 Linears, an f32 LayerNorm)
 with one optimizer over both classes. Prints "DONE rank R" last.
@@ -114,7 +115,43 @@ def run_mixed(case, spec, rank, world, outdir):
     opt.close()
 
 
+def run_one_rank_state_dict(case, so, rank, world, outdir):
+    """ZeRO-2 training where, before step 2, only rank 0 calls state_dict()
+    while rank 1 goes on to step(): both calls fail (every rank must call
+    state_dict()), the process group and the optimizer stay usable, and
+    training goes on to the one-process result."""
+    model = zero_model()
+    opt = zopt.Optimizer(zopt.Step(so), model.parameters(), lr=LR, weight_decay=WD,
+                         process_group=dist.group.WORLD)
+    errors = {}
+    for s in range(STEPS):
+        if s == 2:
+            try:
+                if rank == 0:
+                    opt.state_dict()
+                else:
+                    opt.zero_grad(set_to_none=True)
+                    loss_of(model, s, rank).backward()
+                    opt.step()
+            except zopt.ZoptError as e:
+                errors["first"] = (int(e.code), e.message)
+            x = torch.ones(1)
+            dist.all_reduce(x)  # the process group still works
+            errors["all_reduce"] = float(x)
+            errors["state_dict"] = opt.state_dict()["state"]  # now on both ranks
+        opt.zero_grad(set_to_none=True)
+        loss_of(model, s, rank).backward()
+        drop_grad(model, s, rank)
+        opt.step()
+    out = {"params": [p.detach().clone() for p in model.parameters()], **errors}
+    torch.save(out, os.path.join(outdir, f"{case}_rank{rank}.pt"))
+    print(f"ok {case} rank {rank}", flush=True)
+    opt.close()
+
+
 def run_case(case, so, rank, world, outdir):
+    if case == "one_rank_state_dict":
+        return run_one_rank_state_dict(case, so, rank, world, outdir)
     if "," in so:
         return run_mixed(case, so, rank, world, outdir)
     model = zero_model()

@@ -1,16 +1,17 @@
-"""Runtime checkpoint files (format 2, runtime/src/checkpoint/checkpoint.cpp)
-written and read from Python.
+"""Runtime checkpoint files (format 3, runtime/src/checkpoint/checkpoint.cpp;
+docs/CHECKPOINT.md) written and read from Python.
 
 The C API has no setter for the per-tensor and per-group step counts, the
 loss scaler's good-step counter or (before finalize) a tensor's states; a
 checkpoint file carries all of them, and ``zopt_optimizer_load_ex``
 validates a file completely before it changes anything. So the binding
-writes a one-rank (world size 1) format-2 file of what it wants the
+writes a one-rank (world size 1) format-3 file of what it wants the
 optimizer to hold and loads it: ``Optimizer.load_state_dict`` (torch's
 layout, or a torch optimizer's state_dict) and the rebuilds of the native
 optimizer (``add_param_group``, a param whose storage moved) go this way.
 A world-size-1 file loads at any world size: every rank reads the pieces it
-holds.
+holds. Its save identity is random (a one-file set has no other file to
+match). The readers below read formats 2 and 3 (and the scaler of 1).
 
 Checksums are FNV-1a-64. The header's is computed byte by byte (it is
 small: 24 bytes per tensor, 40 per piece); the data's is computed for many
@@ -25,8 +26,10 @@ import struct
 
 import numpy as np
 
-MAGIC2 = b"ZOPTCKP2"
-VERSION = 2
+MAGIC2 = b"ZOPTCKP2"  # formats 2 and 3
+VERSION = 3
+SAVE_ID_BYTES = 16  # format 3: after world and rank
+GROUP_MAXIMIZE = 1  # format 3: bit 0 of a group's flags
 FNV_BASIS = 14695981039346656037
 FNV_PRIME = 1099511628211
 _MASK = (1 << 64) - 1
@@ -82,12 +85,13 @@ def _align(x, a=DATA_ALIGN):
 
 def write(path, *, name, desc_checksum, scaler, seed, kinds, groups, tensors,
           data):
-    """Writes a world-size-1 format-2 checkpoint.
+    """Writes a world-size-1 format-3 checkpoint.
 
     scaler: (scale, good_steps, init_scale, growth_factor, backoff_factor,
     growth_interval, min_scale, dynamic); kinds: [(state kind, dtype)] (a
     kind may have no data: the loader then starts it at zero, a master from
-    the params); groups: [(step_count, [(hyper kind, value)])]; tensors:
+    the params); groups: [(step_count, [(hyper kind, value)], flags)] (flags:
+    GROUP_MAXIMIZE or 0; may be left out: 0); tensors:
     [(group, numel, steps)]; data: {(kind index, tensor): flat numpy array
     of the kind's dtype (its bytes are stored)}.
     """
@@ -111,7 +115,9 @@ def write(path, *, name, desc_checksum, scaler, seed, kinds, groups, tensors,
     H += struct.pack("<IIQ", VERSION, 0, 0)  # header size patched below
     H += struct.pack("<Q", desc_checksum & _MASK)
     H += nm + b"\0" * (NAME_LEN - len(nm))
-    H += struct.pack("<IIII", 1, 0, len(groups), len(tensors))
+    H += struct.pack("<II", 1, 0)
+    H += os.urandom(SAVE_ID_BYTES)
+    H += struct.pack("<II", len(groups), len(tensors))
     (scale, good, init, growth, backoff, interval, min_scale, dynamic) = scaler
     H += struct.pack("<dqdddqdII", scale, good, init, growth, backoff, interval,
                      min_scale, 1 if dynamic else 0, 0)
@@ -119,8 +125,10 @@ def write(path, *, name, desc_checksum, scaler, seed, kinds, groups, tensors,
     H += struct.pack("<II", len(kinds), 0)
     for k, dt in kinds:
         H += struct.pack("<II", int(k), int(dt))
-    for count, hypers in groups:
-        H += struct.pack("<qII", int(count), len(hypers), 0)
+    for grp in groups:
+        count, hypers = grp[0], grp[1]
+        flags = int(grp[2]) if len(grp) > 2 else 0
+        H += struct.pack("<qII", int(count), len(hypers), flags)
         for hk, v in hypers:
             H += struct.pack("<IId", int(hk), 0, float(v))
     for g, numel, steps in tensors:
@@ -152,12 +160,12 @@ def write(path, *, name, desc_checksum, scaler, seed, kinds, groups, tensors,
 
 def read_scaler(path):
     """(scale, good_steps, config dict, seed or None) from the fixed header
-    of a checkpoint file (format 1 or 2), without checking it (the runtime
-    checked it when it loaded the file)."""
+    of a checkpoint file (format 1, 2 or 3), without checking it (the
+    runtime checked it when it loaded the file)."""
     with open(os.fspath(path), "rb") as fh:
         head = fh.read(256)
     if head[:8] == MAGIC2:
-        pos = 24 + 8 + NAME_LEN + 16
+        pos = 24 + 8 + NAME_LEN + 16 + _id_bytes(head, path)
         seed_at = pos + 64
     elif head[:8] == b"ZOPTCKP1":
         pos = 16 + 8 + NAME_LEN + 8
@@ -172,10 +180,20 @@ def read_scaler(path):
     return scale, good, cfg, seed
 
 
+def _id_bytes(head, path):
+    """Bytes of the save identity in a ZOPTCKP2 header: 16 in format 3, 0
+    in format 2."""
+    version = struct.unpack_from("<I", head, 8)[0]
+    if version not in (2, 3):
+        raise ValueError(f"{path}: checkpoint format version {version}, this binding reads 1 to 3")
+    return SAVE_ID_BYTES if version == 3 else 0
+
+
 def read_tensor_table(path):
     """(step name, world size, number of groups, [(group, numel) per
-    tensor]) from a format-2 checkpoint's header, without checking it (the
-    runtime checks the file when it loads it); None for another format."""
+    tensor]) from a format-2 or 3 checkpoint's header, without checking it
+    (the runtime checks the file when it loads it); None for another
+    format."""
     with open(os.fspath(path), "rb") as fh:
         head = fh.read(24)
         if head[:8] != MAGIC2:
@@ -186,8 +204,10 @@ def read_tensor_table(path):
         head += fh.read(hsize - 24)
     name = head[32:32 + NAME_LEN].split(b"\0", 1)[0].decode(errors="replace")
     pos = 32 + NAME_LEN
-    world, _rank, ngroups, ntensors = struct.unpack_from("<IIII", head, pos)
-    pos += 16 + 64 + 8
+    world, _rank = struct.unpack_from("<II", head, pos)
+    pos += 8 + _id_bytes(head, path)
+    ngroups, ntensors = struct.unpack_from("<II", head, pos)
+    pos += 8 + 64 + 8
     nkinds = struct.unpack_from("<I", head, pos)[0]
     pos += 8 + 8 * nkinds
     for _ in range(ngroups):
@@ -201,7 +221,7 @@ def read_tensor_table(path):
 
 
 def read_tensors(path):
-    """(step name, world size, [numel per tensor]) from a format-2
+    """(step name, world size, [numel per tensor]) from a format-2 or 3
     checkpoint's header (read_tensor_table); None for another format."""
     t = read_tensor_table(path)
     if t is None:

@@ -45,6 +45,7 @@ import struct
 import time
 
 from . import _ckpt, _lib
+from ._collective import collective_errors
 from ._lib import DType, Status, ZoptError, check, lib, DTYPE_NAMES, STATE_NAMES
 from .optimizer import (Optimizer, Step, _StateView, _frozen, _is_torch,
                         _slots, _torch_dtypes, _warn_master_replaced, torch)
@@ -787,9 +788,10 @@ class MixedOptimizer(Optimizer):
                 subz["group_steps"] = z["group_steps"]
             subs.append(dict(state=state, param_groups=groups, zopt=subz))
         pending = []
-        self._apply_to_parts(lambda o, sub: pending.append((o, o._load_state_dict(
-            sub, allow_rule_change=allow_rule_change))), subs)
-        self._finish_master_loads(pending, "load_state_dict")
+        with collective_errors(self, "load_state_dict"):
+            self._apply_to_parts(lambda o, sub: pending.append((o, o._load_state_dict(
+                sub, allow_rule_change=allow_rule_change))), subs)
+            self._finish_master_loads(pending, "load_state_dict")
 
     def _finish_master_loads(self, pending, what):
         """After every part loaded: the params that disagree with their
@@ -869,9 +871,10 @@ class MixedOptimizer(Optimizer):
                     f"{len(mine)} tensors of {sum(mine)} elements: it is not this "
                     "class's checkpoint (another model, or another split into classes)")
         pending = []
-        self._apply_to_parts(lambda o, f: pending.append((o, o._load_file(
-            f, allow_rule_change=allow_rule_change))), list(files.values()))
-        self._finish_master_loads(pending, "load")
+        with collective_errors(self, "load"):
+            self._apply_to_parts(lambda o, f: pending.append((o, o._load_file(
+                f, allow_rule_change=allow_rule_change))), list(files.values()))
+            self._finish_master_loads(pending, "load")
 
     # ---- ZeRO-3 ------------------------------------------------------------------------------
     def _zero3_only(self, what):

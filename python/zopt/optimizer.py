@@ -61,6 +61,7 @@ import weakref
 import numpy as np
 
 from . import _ckpt, _lib
+from ._collective import collective_errors
 from ._lib import (DType, HyperKind, StateKind, Status, ZoptError, check, lib,
                    DTYPE_ITEMSIZE, DTYPE_NAMES, HYPER_BY_NAME, HYPER_NAMES,
                    STATE_BY_NAME, STATE_NAMES)
@@ -3013,9 +3014,10 @@ class Optimizer(_Base):
                                   or [0]))
         groups = []
         for ng, gid in enumerate(list(range(G)) + list(self._cohort_gid)):
+            g = self.param_groups[gid]
             groups.append((counts[ng], [(int(HYPER_BY_NAME[n]), v)
-                                        for n, v in _slots(self.param_groups[gid],
-                                                           s.hypers).items()]))
+                                        for n, v in _slots(g, s.hypers).items()],
+                           _ckpt.GROUP_MAXIMIZE if g.get("maximize") else 0))
         cohort = self._cohort_of
         tensors = [(e.group if t not in cohort else G + cohort[t],
                     0 if t in ex else e.numel, steps[t]) for t, e in enumerate(self._entries)]
@@ -3048,8 +3050,9 @@ class Optimizer(_Base):
         world size > 1, each rank writing its file)."""
         self._prepare()
         self._push_hypers()
-        check(self._lib.zopt_optimizer_save(self._h, os.fspath(path).encode()),
-              f"save({path})")
+        with collective_errors(self, "save"):
+            check(self._lib.zopt_optimizer_save(self._h, os.fspath(path).encode()),
+                  f"save({path})")
 
     def load(self, path, allow_rule_change=False):
         """Loads a runtime checkpoint (zopt_optimizer_load_ex); a checkpoint
@@ -3059,7 +3062,8 @@ class Optimizer(_Base):
         of the loaded master are set to round(master) at once, with a
         :class:`MasterWeightsWarning` (load the model first for a resume;
         a model loaded after this call wins)."""
-        self._finish_master_load(self._load_file(path, allow_rule_change), "load")
+        with collective_errors(self, "load"):
+            self._finish_master_load(self._load_file(path, allow_rule_change), "load")
 
     def _load_file(self, path, allow_rule_change=False):
         """load() without the params' update: returns what it would be."""
@@ -3101,7 +3105,8 @@ class Optimizer(_Base):
         back. Collective at world size > 1."""
         self._prepare()
         self._push_hypers()
-        snap = self._snapshot()
+        with collective_errors(self, "state_dict"):
+            snap = self._snapshot()
         s = self.step_obj
         state = {}
         for t, e in enumerate(self._entries):
@@ -3158,8 +3163,9 @@ class Optimizer(_Base):
         (loaded first: a resume) is left as it is, without a warning. To
         keep the model's weights, load them after this call: the master is
         then made again from them (section 4)."""
-        self._finish_master_load(self._load_state_dict(state_dict, allow_rule_change),
-                                 "load_state_dict")
+        with collective_errors(self, "load_state_dict"):
+            self._finish_master_load(self._load_state_dict(state_dict, allow_rule_change),
+                                     "load_state_dict")
 
     def _load_state_dict(self, state_dict, allow_rule_change=False):
         """load_state_dict() without the params' update: returns what it
@@ -3389,7 +3395,8 @@ class Optimizer(_Base):
             return
         tids = self._tids_of(params)
         self._check_some(tids)  # user writes into held params are not lost
-        self._gather(tids)
+        with collective_errors(self, "gather_params"):
+            self._gather(tids)
 
     def _gather(self, tids):
         h = self._h

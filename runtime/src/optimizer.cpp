@@ -355,7 +355,8 @@ static zopt_status check_ranks_agree(zopt_optimizer *o) {
   }
   sig[1] = ph;
   std::vector<uint64_t> all((size_t)o->world * 2);
-  if (zopt_status st = comm_all_gather(o->comm, sig, all.data(), sizeof sig, "FINALIZE layout and param check"))
+  if (zopt_status st =
+          comm_all_gather(o->comm, sig, all.data(), sizeof sig, "FINALIZE layout and param check", kSigUnchanged))
     return st;
   std::string bad_layout, bad_params;
   for (int q = 0; q < o->world; ++q) {
@@ -512,7 +513,7 @@ ZOPT_API zopt_status zopt_optimizer_step_linked(zopt_optimizer *const *parts, in
   std::vector<exec::StepState> st(n);
   double sumsq = 0;
   for (int i = 0; i < n; ++i) {
-    if (zopt_status s = exec::run_begin(parts[i], &st[i])) return s;
+    if (zopt_status s = exec::run_begin(parts[i], &st[i], i == 0)) return s;
     if (st[i].has_norm) sumsq += st[i].sumsq;
   }
   for (int i = 0; i < n; ++i)

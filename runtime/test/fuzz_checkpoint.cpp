@@ -10,9 +10,12 @@
 //   - after a load that succeeds, a step runs, and loading the original
 //     checkpoint back restores the snapshot exactly.
 // $ZOPT_FUZZ_SEEDS=DIR writes seed checkpoints (the optimizer's own saves
-// after 2 and 3 steps) into DIR and exits. scripts/fuzz.sh builds and runs
+// after 2 and 3 steps: format 3, and the first rewritten in format 2, which
+// loads too) into DIR and exits. scripts/fuzz.sh builds and runs
 // it (-DZOPT_ENABLE_FUZZER=ON).
 #include "zopt/zopt.h"
+
+#include "ckpt_test_util.h"
 
 #include <unistd.h>
 
@@ -150,6 +153,7 @@ void setup() {
   if (const char *seeds = getenv("ZOPT_FUZZ_SEEDS")) {
     std::string a = std::string(seeds) + "/seed-2-steps", b = std::string(seeds) + "/seed-3-steps";
     if (zopt_optimizer_save(F.o, a.c_str()) != ZOPT_OK) die("save seed");
+    if (!ckt::spit(a + "-format2", ckt::to_format2(ckt::slurp(a)))) die("write the format-2 seed");
     take_steps(1);
     if (zopt_optimizer_save(F.o, b.c_str()) != ZOPT_OK) die("save seed");
     exit(0);

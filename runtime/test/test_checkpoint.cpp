@@ -4,12 +4,19 @@
 //     of abi.h is that hash (the format-1 / ABI-1 offset basis was wrong);
 //   - a file with a non-zero `flags` field is refused;
 //   - a stale <path>.tmp (a save killed midway) neither breaks the next
-//     save nor is read by a load, and does not survive the next save;
+//     save nor is read by a load, and does not survive the next save; nor
+//     do the files of older sets (format 2's path.<r>-of-<W>, format 3's
+//     path.<r>-of-<W>.<identity>), while files that only look alike stay;
+//   - format 3's group flags: bit 0 (maximize) is restored by a load and
+//     saved again; an unknown bit is refused; a format-2 file (the same
+//     save rewritten) loads with the same states;
 //   - a checkpoint of another update rule (AdamW into SGD) is refused unless
 //     ZOPT_LOAD_ALLOW_RULE_CHANGE, and a refused load changes nothing.
 // Steps: argv[1] = a directory with the compiled examples (adamw_f32.so and
 // sgd_nesterov_f32.so); without it only the hash checks run.
 #include "test_util.h"
+
+#include "ckpt_test_util.h"
 
 #include "zopt/abi.h"
 
@@ -70,22 +77,8 @@ struct Opt {
   }
 };
 
-std::vector<unsigned char> slurp(const std::string &f) {
-  std::vector<unsigned char> b;
-  FILE *fp = fopen(f.c_str(), "rb");
-  if (!fp) return b;
-  fseek(fp, 0, SEEK_END);
-  b.resize((size_t)ftell(fp));
-  fseek(fp, 0, SEEK_SET);
-  if (fread(b.data(), 1, b.size(), fp) != b.size()) b.clear();
-  fclose(fp);
-  return b;
-}
-void spit(const std::string &f, const std::vector<unsigned char> &b) {
-  FILE *fp = fopen(f.c_str(), "wb");
-  fwrite(b.data(), 1, b.size(), fp);
-  fclose(fp);
-}
+using ckt::slurp;
+using ckt::spit;
 
 // FNV-1a with format 1's offset basis.
 uint64_t fnv_v1(const void *data, size_t n) {
@@ -166,7 +159,7 @@ void test_files(const std::string &dir) {
 
   // flags = 1 (and a header checksum that matches it): refused.
   std::vector<unsigned char> good = slurp(path);
-  ZT_CHECK(good.size() > 64 && memcmp(good.data(), "ZOPTCKP2", 8) == 0);
+  ZT_CHECK(good.size() > 64 && memcmp(good.data(), "ZOPTCKP2", 8) == 0 && good[8] == 3);
   uint64_t hsize, stored;
   memcpy(&hsize, good.data() + 16, 8);
   memcpy(&stored, good.data() + hsize, 8);
@@ -181,15 +174,83 @@ void test_files(const std::string &dir) {
   ZT_CHECK(strstr(zopt_last_error(), "flags") != nullptr);
   printf("  flags = 1 -> %s\n", zopt_last_error());
   // A reserved field (the u32 after the loss scaler's `dynamic`, at byte
-  // 24 + 8 + 64 + 4 * 4 + 2 * 8 + 5 * 8 + 4 = 172) not 0: refused.
+  // 24 + 8 + 64 + 2 * 4 + 16 + 2 * 4 + 2 * 8 + 5 * 8 + 4 = 188) not 0: refused.
   bad = good;
-  bad[172] = 1;
+  bad[ckt::kReservedAt] = 1;
   h = fnv1a64(bad.data(), (size_t)hsize);
   memcpy(bad.data() + hsize, &h, 8);
   spit(path + ".bad", bad);
   ZT_ERR(zopt_optimizer_load(a.o, (path + ".bad").c_str()), ZOPT_ERR_CHECKPOINT);
   ZT_CHECK(strstr(zopt_last_error(), "loss scaler's reserved field is not 0") != nullptr);
   printf("  a reserved field = 1 -> %s\n", zopt_last_error());
+
+  // A newer format version: refused by name.
+  bad = good;
+  bad[8] = 4;
+  h = fnv1a64(bad.data(), (size_t)hsize);
+  memcpy(bad.data() + hsize, &h, 8);
+  spit(path + ".bad", bad);
+  ZT_ERR(zopt_optimizer_load(a.o, (path + ".bad").c_str()), ZOPT_ERR_CHECKPOINT);
+  ZT_CHECK(strstr(zopt_last_error(), "format version 4") != nullptr);
+
+  // Group flags (format 3): bit 0 (maximize) loads and is saved again; an
+  // unknown bit is refused and changes nothing.
+  bad = good;
+  const size_t gf = ckt::group_flags_at(bad, 0);
+  ZT_CHECK(bad[gf] == 0);
+  bad[gf] = 1;
+  ckt::reseal(bad);
+  spit(path + ".max", bad);
+  ZT_OK(zopt_optimizer_load(a.o, (path + ".max").c_str()));
+  ZT_OK(zopt_optimizer_save(a.o, (path + ".max2").c_str()));
+  std::vector<unsigned char> again = slurp(path + ".max2");
+  ZT_CHECK(again.size() > gf && again[ckt::group_flags_at(again, 0)] == 1 && again[ckt::group_flags_at(again, 1)] == 0);
+  ZT_OK(zopt_optimizer_load(a.o, path.c_str()));  // back to flags 0
+  ZT_OK(zopt_optimizer_save(a.o, (path + ".max2").c_str()));
+  again = slurp(path + ".max2");
+  ZT_CHECK(again.size() > gf && again[ckt::group_flags_at(again, 0)] == 0);
+  std::vector<float> m0(a.p[0].size()), m1(m0.size());
+  ZT_OK(zopt_optimizer_read_state_f32(a.o, 0, ZOPT_STATE_EXP_AVG, m0.data(), (int64_t)m0.size()));
+  bad[gf] = 2;
+  ckt::reseal(bad);
+  spit(path + ".bad", bad);
+  ZT_ERR(zopt_optimizer_load(a.o, (path + ".bad").c_str()), ZOPT_ERR_CHECKPOINT);
+  ZT_CHECK(strstr(zopt_last_error(), "group 0: flags 0x2") != nullptr);
+  printf("  group flags 0x2 -> %s\n", zopt_last_error());
+  ZT_OK(zopt_optimizer_read_state_f32(a.o, 0, ZOPT_STATE_EXP_AVG, m1.data(), (int64_t)m1.size()));
+  ZT_CHECK(m0 == m1);
+  // The same save in format 2 (no identity, the flags a reserved field):
+  // loads with the same states.
+  Opt a2;
+  a2.make(dir + "/adamw_f32.so");
+  spit(path + ".v2", ckt::to_format2(good));
+  ZT_OK(zopt_optimizer_load(a2.o, (path + ".v2").c_str()));
+  for (int t = 0; t < 2; ++t)
+    for (uint32_t kind : {(uint32_t)ZOPT_STATE_EXP_AVG, (uint32_t)ZOPT_STATE_EXP_AVG_SQ}) {
+      std::vector<float> x(a.p[t].size()), y(x.size());
+      ZT_OK(zopt_optimizer_read_state_f32(a.o, t, (zopt_state_kind)kind, x.data(), (int64_t)x.size()));
+      ZT_OK(zopt_optimizer_read_state_f32(a2.o, t, (zopt_state_kind)kind, y.data(), (int64_t)y.size()));
+      ZT_CHECK(x == y && x[0] != 0.0f);
+    }
+  unlink((path + ".max").c_str());
+  unlink((path + ".max2").c_str());
+  unlink((path + ".v2").c_str());
+  printf("  format version 4, group flags, a format-2 file: checked\n");
+
+  // Files of older sets go with the next save; look-alikes stay.
+  const char *strays[] = {".1-of-2", ".1-of-2.tmp", ".0-of-1.0123456789abcdef0123456789abcdef",
+                          ".2-of-3.fedcba9876543210fedcba9876543210", ".tmp"};
+  const char *others[] = {".f32", ".01-of-2", ".1-of-1", ".1-of-2.0123", ".1-of-2.0123456789ABCDEF0123456789ABCDEF",
+                          ".bad"};
+  for (const char *x : strays) spit(path + x, {1, 2, 3});
+  for (const char *x : others) spit(path + x, {1, 2, 3});
+  ZT_OK(zopt_optimizer_save(a.o, path.c_str()));
+  for (const char *x : strays) ZT_CHECK(access((path + x).c_str(), F_OK) != 0);
+  for (const char *x : others) {
+    ZT_CHECK(access((path + x).c_str(), F_OK) == 0);
+    unlink((path + x).c_str());
+  }
+  printf("  a save removes the files of older sets, not look-alikes: checked\n");
 
   // Another update rule: refused, nothing changes; allowed with the flag.
   std::vector<float> before(sgd.p[0].size()), after(before.size());

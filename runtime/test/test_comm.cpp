@@ -479,6 +479,66 @@ void test_user_table() {
        "names the mismatched rank; engine failures are prefixed, poison and abort");
 }
 
+// A mismatch where every rank's signature carries kSigUnchanged (each rank
+// at the start of a call that has changed nothing): every rank fails the
+// call, no data moves, nothing is poisoned; the next collective works. With
+// one unmarked rank it poisons as before. Loopback (its own rendezvous) and
+// a user table (the wrapper's exchange over all_gather).
+void test_clean_mismatch() {
+  using zopt::kSigUnchanged;
+  const int W = 3;
+  auto comms = loopback(W, 10, ZOPT_LOOPBACK_DELAY | ZOPT_LOOPBACK_POISON);
+  on_threads(W, [&](int r) {
+    zopt_comm *c = comms[(size_t)r];
+    std::vector<uint8_t> send(W * 64), recv(W * 64);
+    if (r == 1)
+      CT_ERR(zopt::comm_all_gather(c, send.data(), recv.data(), 64, "GATHER exp_avg bucket 0",
+                                                          kSigUnchanged),
+             kCommErr, "remains usable", "rank 1 (this rank) differs");
+    else
+      CT_ERR(zopt::comm_all_gather(c, send.data(), recv.data(), 10, "STEP settings and gradient mask", kSigUnchanged),
+             kCommErr, "remains usable", "rank 1 called #1 all_gather of 64 bytes");
+    fill_all_to_all(send.data(), 2, r, W, 64);
+    CT_OK(zopt_comm_all_to_all(c, send.data(), recv.data(), 64));  // #2: still in step, right data
+    CT_CHECK(check_all_to_all(recv.data(), 2, r, W, 64).empty(), "rank %d: data after a clean mismatch", r);
+    // #3: rank 2 is not at the start of a call: poisoned.
+    CT_ERR(zopt::comm_all_gather(c, send.data(), recv.data(), r == 1 ? 8 : 4, "X", r == 2 ? 0 : kSigUnchanged),
+           kCommErr, "#3");
+    CT_ERR(zopt_comm_barrier(c), kCommErr, "failed earlier");
+  });
+  free_all(comms);
+  // The wrapper's own exchange (a user table without `exchange`).
+  UserHub hub;
+  hub.W = 2;
+  hub.sends.resize(2);
+  zopt_comm_ops ops{};
+  ops.version = ZOPT_COMM_OPS_VERSION;
+  ops.memory = ZOPT_COMM_MEM_HOST;
+  ops.name = "user";
+  ops.all_to_all = user_all_to_all;
+  ops.all_gather = user_all_gather;
+  ops.abort = [](void *ctx) { static_cast<UserRank *>(ctx)->hub->aborts++; };
+  ops.last_error = [](void *ctx) { return static_cast<UserRank *>(ctx)->err.c_str(); };
+  std::vector<UserRank> ranks(2);
+  std::vector<zopt_comm *> uc(2);
+  for (int r = 0; r < 2; ++r) {
+    ranks[(size_t)r] = {&hub, r, ""};
+    CT_OK(zopt_comm_create(&ops, &ranks[(size_t)r], r, 2, &uc[(size_t)r]));
+  }
+  on_threads(2, [&](int r) {
+    std::vector<uint8_t> send(2 * 16), recv(2 * 16);
+    CT_ERR(zopt::comm_barrier(uc[(size_t)r], r ? "state_dict()" : "SAVE identity", kSigUnchanged), kCommErr,
+           "remains usable");
+    fill_all_to_all(send.data(), 3, r, 2, 16);
+    CT_OK(zopt_comm_all_to_all(uc[(size_t)r], send.data(), recv.data(), 16));
+    CT_CHECK(check_all_to_all(recv.data(), 3, r, 2, 16).empty(), "user rank %d: data after a clean mismatch", r);
+  });
+  CT_CHECK(hub.aborts == 0, "a clean mismatch aborted the engine %d times", hub.aborts.load());
+  for (zopt_comm *c : uc) zopt_comm_free(c);
+  pass("a mismatch where every rank changed nothing yet fails every rank without poisoning (loopback, user "
+       "table); with one rank mid-call it poisons");
+}
+
 void test_rank_list() {
   CT_CHECK(zopt::comm_rank_list({3}) == "rank 3", "%s", zopt::comm_rank_list({3}).c_str());
   CT_CHECK(zopt::comm_rank_list({0, 2, 3}) == "ranks 0, 2, 3", "%s", zopt::comm_rank_list({0, 2, 3}).c_str());
@@ -499,6 +559,7 @@ int main() {
   test_loopback_poison_visible();
   test_mismatch_op();
   test_mismatch_size();
+  test_clean_mismatch();
   test_missing_rank();
   test_rank_leaves();
   test_misuse();

@@ -365,14 +365,18 @@ ZOPT_API zopt_status zopt_optimizer_write_state_raw(zopt_optimizer *opt, int ten
 
 /* ---- checkpoints (docs/CHECKPOINT.md) ---------------------------------- */
 
-/* Both need a finalized optimizer; with several ranks both are collective.
- * A checkpoint holds the runtime-owned states (not PARAM/GRAD, which belong
- * to the model's checkpoint), the step counts (per group and per tensor),
- * the hyperparameters, the loss-scaler state and the stochastic-rounding
- * seed; load restores all of them. Rank r of W writes the elements it
- * holds to `path` (rank 0) or `path.<r>-of-<W>`, each through
- * `<file>.tmp`, fsync and a rename done only when every rank wrote its
- * file (docs/CHECKPOINT.md). */
+/* Both need a finalized optimizer; with several ranks both are collective
+ * (every rank passes the same path). A checkpoint holds the runtime-owned
+ * states (not PARAM/GRAD, which belong to the model's checkpoint), the step
+ * counts (per group and per tensor), the hyperparameters and group flags,
+ * the loss-scaler state and the stochastic-rounding seed; load restores all
+ * of them. A save has an identity (random, agreed by the ranks) written
+ * into every file: rank r of W writes the elements it holds to
+ * `path.<r>-of-<W>.<identity>`, fsync'd; when every rank succeeded, rank
+ * 0's rename of its file to `path` commits the set, and the files of older
+ * sets are removed. A failure at any point leaves a whole set at `path`
+ * and the same error on every rank (docs/CHECKPOINT.md "Saving"). Load
+ * reads the files rank 0's file names and refuses files of another save. */
 ZOPT_API zopt_status zopt_optimizer_save(const zopt_optimizer *opt, const char *path);
 /* Validates everything before changing anything: on any error the current
  * state is untouched (on every rank: the ranks agree before applying).

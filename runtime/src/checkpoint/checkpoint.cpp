@@ -1,14 +1,18 @@
 // checkpoint/checkpoint.cpp - zopt_optimizer_save / zopt_optimizer_load.
 //
-// This subsystem owns the checkpoint files (docs/CHECKPOINT.md, format 2):
+// This subsystem owns the checkpoint files (docs/CHECKPOINT.md, format 3):
 // every rank writes the elements it holds, as pieces of tensors (tensor,
 // first element, count), so a checkpoint does not depend on the layout that
 // wrote it: saved at W ranks it loads at any other W, into another dtype or
 // placement, by reading the pieces that overlap what the loading rank holds.
 // Loading validates everything on every rank before anything changes, and
-// the ranks agree: a load that fails on one rank fails on all. Format 1
-// files (one rank, written before ABI 2) are still read.
+// the ranks agree: a load that fails on one rank fails on all. Format 2
+// files (no save identity, no group flags) and format 1 files (one rank,
+// written before ABI 2) are still read. The set's file names and the
+// commit of a multi-rank save are set.h's.
 #include "internal.h"
+
+#include "checkpoint/set.h"
 
 #include "comm/comm_internal.h"
 #include "exec/exec.h"
@@ -33,7 +37,8 @@ namespace {
 
 constexpr char kMagic2[8] = {'Z', 'O', 'P', 'T', 'C', 'K', 'P', '2'};
 constexpr char kMagic1[8] = {'Z', 'O', 'P', 'T', 'C', 'K', 'P', '1'};
-constexpr uint32_t kVersion = 2;
+constexpr uint32_t kVersion = 3;                // written; 2 is still read
+constexpr uint32_t kGroupFlagsKnown = 1u;       // bit 0: maximize (Group::flags)
 constexpr uint64_t kFnvBasisV1 = 1469598103934665603ull;  // format 1's (wrong) basis
 constexpr size_t kDataAlign = 64;
 constexpr uint32_t kMaxRanks = 1u << 20;
@@ -42,6 +47,7 @@ constexpr uint32_t kMaxRanks = 1u << 20;
 
 struct GroupRec {
   int64_t step_count = 0;
+  uint32_t flags = 0;  // format 3 (Group::flags)
   std::vector<std::pair<uint32_t, double>> hypers;
 };
 struct TensorRec {
@@ -59,6 +65,7 @@ struct PieceRec {
 struct File {
   std::string path;
   uint32_t version = 0, world = 1, rank = 0;
+  ckpt::SaveId id;  // format 3
   uint64_t desc_sum = 0;
   char name[ZOPT_NAME_LEN + 1] = {0};
   LossScaler scaler;
@@ -148,12 +155,6 @@ bool read_at(int fd, void *p, size_t n, uint64_t off) {
   return true;
 }
 
-// The file of rank r of a checkpoint written by W ranks.
-std::string rank_path(const char *path, uint32_t r, uint32_t W) {
-  if (r == 0) return path;
-  return std::string(path) + "." + std::to_string(r) + "-of-" + std::to_string(W);
-}
-
 bool valid_scaler(const LossScaler &ls) {
   const zopt_loss_scaler_config &c = ls.cfg;
   return std::isfinite(ls.scale) && ls.scale > 0 && ls.good_steps >= 0 && std::isfinite(c.init_scale) &&
@@ -161,28 +162,6 @@ bool valid_scaler(const LossScaler &ls) {
          (!c.dynamic || (c.growth_factor >= 1 && std::isfinite(c.growth_factor) && c.backoff_factor > 0 &&
                          c.backoff_factor < 1 && c.growth_interval >= 1 && c.min_scale > 0 &&
                          std::isfinite(c.min_scale)));
-}
-
-// Every rank's status: a failure anywhere fails everywhere, with the first
-// failing rank's message (so that no rank changes state alone).
-zopt_status agree_status(zopt_optimizer *o, zopt_status st, const char *what) {
-  if (o->world == 1) return st;
-  struct Msg {
-    int32_t status;
-    char text[252];
-  } mine{}, *all = nullptr;
-  mine.status = (int32_t)st;
-  if (st) snprintf(mine.text, sizeof mine.text, "%s", zopt_last_error());
-  std::vector<Msg> v((size_t)o->world);
-  all = v.data();
-  if (zopt_status cst = comm_all_gather(o->comm, &mine, all, sizeof mine, what)) return cst;
-  for (int q = 0; q < o->world; ++q)
-    if (all[q].status) {
-      if (q == o->rank) return st;
-      all[q].text[sizeof all[q].text - 1] = 0;
-      return fail((zopt_status)all[q].status, "rank %d: %s", q, all[q].text);
-    }
-  return ZOPT_OK;
 }
 
 // ---- reading ---------------------------------------------------------------
@@ -208,8 +187,8 @@ zopt_status read_header(File &f, const std::string &path) {
   memcpy(&version, fixed + 8, 4);
   memcpy(&flags, fixed + 12, 4);
   memcpy(&hsize, fixed + 16, 8);
-  if (version != kVersion)
-    return ck_fail(path, "format version %u, this runtime reads versions 1 and %u", version, kVersion);
+  if (version != 2 && version != kVersion)
+    return ck_fail(path, "format version %u, this runtime reads versions 1 to %u", version, kVersion);
   if (flags != 0) return ck_fail(path, "flags 0x%x: no flags are defined (a newer writer?)", flags);
   if (hsize < 24 || hsize > f.size - 8 || hsize > (uint64_t)1 << 34)
     return ck_fail(path, "header size %llu outside the file", (unsigned long long)hsize);
@@ -226,7 +205,7 @@ zopt_status read_header(File &f, const std::string &path) {
     return ck_fail(path, "header checksum mismatch (corrupt or truncated)");
   Reader r{h.data(), (size_t)hsize};
   r.pos = 24;
-  f.version = 2;
+  f.version = version;
   // Reserved fields (docs/CHECKPOINT.md: "pad u32, 0") must be 0, like
   // flags: a file with something there was not written by this format.
   const char *bad_pad = nullptr;
@@ -237,6 +216,7 @@ zopt_status read_header(File &f, const std::string &path) {
   r.bytes(f.name, ZOPT_NAME_LEN);
   f.world = r.get<uint32_t>();
   f.rank = r.get<uint32_t>();
+  if (version >= 3) r.bytes(f.id.b, ckpt::kSaveIdBytes);
   uint32_t ngroups = r.get<uint32_t>(), ntensors = r.get<uint32_t>();
   LossScaler &ls = f.scaler;
   ls.scale = r.get<double>();
@@ -274,9 +254,15 @@ zopt_status read_header(File &f, const std::string &path) {
     for (uint32_t g = 0; g < ngroups; ++g) {
       f.groups[g].step_count = r.get<int64_t>();
       uint32_t nh = r.get<uint32_t>();
-      pad("a group's");
+      if (version >= 3)
+        f.groups[g].flags = r.get<uint32_t>();
+      else
+        pad("a group's");
       if (!r.ok || nh > ZOPT_MAX_HYPERS) return ck_fail(path, "group %u: bad hyperparameter table", g);
       if (f.groups[g].step_count < 0) return ck_fail(path, "group %u: negative step count", g);
+      if (f.groups[g].flags & ~kGroupFlagsKnown)
+        return ck_fail(path, "group %u: flags 0x%x has bits this runtime does not know (a newer writer?)", g,
+                       f.groups[g].flags);
       for (uint32_t k = 0; k < nh; ++k) {
         uint32_t kind = r.get<uint32_t>();
         pad("a hyperparameter's");
@@ -498,7 +484,10 @@ extern "C" {
 
 // ---- save ------------------------------------------------------------------
 
-static zopt_status save_file(const zopt_optimizer *o, const std::string &file) {
+// Writes this rank's file of the set `id` to `file` (a name no other save
+// uses), fsync'd; on failure the file is removed.
+static zopt_status save_file(const zopt_optimizer *o, const std::string &file, const ckpt::SaveId &id,
+                             ckpt::Fault fault) {
   const zopt_step_descriptor *d = o->d;
   std::vector<uint32_t> kinds;  // descriptor indices of the saved states
   for (uint32_t s = 0; s < d->num_states; ++s)
@@ -525,6 +514,7 @@ static zopt_status save_file(const zopt_optimizer *o, const std::string &file) {
     w.bytes(d->name, ZOPT_NAME_LEN);
     w.put<uint32_t>((uint32_t)o->world);
     w.put<uint32_t>((uint32_t)o->rank);
+    w.bytes(id.b, ckpt::kSaveIdBytes);
     w.put<uint32_t>((uint32_t)o->groups.size());
     w.put<uint32_t>((uint32_t)o->tensors.size());
     const LossScaler &ls = o->scaler;
@@ -547,7 +537,7 @@ static zopt_status save_file(const zopt_optimizer *o, const std::string &file) {
     for (const Group &g : o->groups) {
       w.put<int64_t>(g.step_count);
       w.put<uint32_t>(d->num_hypers);
-      w.put<uint32_t>(0);
+      w.put<uint32_t>(g.flags);
       for (uint32_t h = 0; h < d->num_hypers; ++h) {
         w.put<uint32_t>(d->hypers[h].kind);
         w.put<uint32_t>(0);
@@ -592,18 +582,22 @@ static zopt_status save_file(const zopt_optimizer *o, const std::string &file) {
   } catch (...) {
     return fail(ZOPT_ERR_OUT_OF_MEMORY, "zopt_optimizer_save: out of memory");
   }
-  std::string tmp = file + ".tmp";
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return fail(ZOPT_ERR_IO, "cannot create '%s': %s", tmp.c_str(), strerror(errno));
+  int fd = ::open(file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return fail(ZOPT_ERR_IO, "cannot create '%s': %s", file.c_str(), strerror(errno));
   auto io_fail = [&](const char *what) {
     int e = errno;
     ::close(fd);
-    ::unlink(tmp.c_str());
-    return fail(ZOPT_ERR_IO, "%s '%s': %s", what, tmp.c_str(), strerror(e));
+    ::unlink(file.c_str());
+    return fail(ZOPT_ERR_IO, "%s '%s': %s%s", what, file.c_str(), strerror(e),
+                fault == ckpt::Fault::kWrite || fault == ckpt::Fault::kFsync ? " (ZOPT_TEST_SAVE_FAULT)" : "");
   };
   static const char zeros[kDataAlign] = {0};
   uint64_t pos = w.buf.size();
   if (!write_all(fd, w.buf.data(), w.buf.size())) return io_fail("cannot write");
+  if (fault == ckpt::Fault::kWrite) {  // test fault: the header made it, the data did not
+    errno = EIO;
+    return io_fail("cannot write");
+  }
   for (const P &p : pieces) {
     uint64_t at = (pos + kDataAlign - 1) / kDataAlign * kDataAlign;
     if (at > pos && !write_all(fd, zeros, (size_t)(at - pos))) return io_fail("cannot write");
@@ -611,30 +605,21 @@ static zopt_status save_file(const zopt_optimizer *o, const std::string &file) {
     const void *src = nullptr;
     if (zopt_status st = run_bytes(o, (int)p.t, (int)kinds[p.ki], p.run, stage, &src)) {
       ::close(fd);
-      ::unlink(tmp.c_str());
+      ::unlink(file.c_str());
       return st;
     }
     if (!write_all(fd, src, bytes)) return io_fail("cannot write");
     pos = at + bytes;
   }
-  if (::fsync(fd) != 0) return io_fail("cannot fsync");
+  if (fault == ckpt::Fault::kFsync) errno = EIO;
+  if (fault == ckpt::Fault::kFsync || ::fsync(fd) != 0) return io_fail("cannot fsync");
   if (::close(fd) != 0) {
     int e = errno;
-    ::unlink(tmp.c_str());
-    return fail(ZOPT_ERR_IO, "cannot close '%s': %s", tmp.c_str(), strerror(e));
+    ::unlink(file.c_str());
+    return fail(ZOPT_ERR_IO, "cannot close '%s': %s", file.c_str(), strerror(e));
   }
+  ckpt::fsync_dir(file);  // its name is durable before the commit
   return ZOPT_OK;
-}
-
-static void fsync_dir(const std::string &path) {
-  std::string dir = path;
-  size_t slash = dir.rfind('/');
-  dir = slash == std::string::npos ? "." : (slash == 0 ? "/" : dir.substr(0, slash));
-  int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    ::fsync(dfd);
-    ::close(dfd);
-  }
 }
 
 ZOPT_API zopt_status zopt_optimizer_save(const zopt_optimizer *co, const char *path) {
@@ -645,22 +630,27 @@ ZOPT_API zopt_status zopt_optimizer_save(const zopt_optimizer *co, const char *p
   if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_save: call zopt_optimizer_finalize first");
   if (o->gpu)  // step counts and scaler from the device (waits for the stream)
     if (zopt_status st = gpu_pull(o)) return st;
-  // Every rank writes its file to <file>.tmp; only when all succeeded does
-  // each rename it into place (so a failed save on one rank leaves the
-  // previous checkpoint set whole on every rank).
-  const std::string file = rank_path(path, (uint32_t)o->rank, (uint32_t)o->world);
-  zopt_status st = save_file(o, file);
-  if (zopt_status ag = agree_status(o, st, "SAVE status")) {
-    if (!st) ::unlink((file + ".tmp").c_str());
+  // docs/CHECKPOINT.md "Saving": an identity every rank agrees on; every
+  // rank writes its file under a name of that identity (the previous set
+  // stays untouched) and fsyncs it; the ranks agree that all did; then one
+  // rename on rank 0 commits the set (set.cpp, ckpt::commit).
+  ckpt::SaveId id;
+  if (zopt_status st = ckpt::agree_save_id(o, path, &id)) return st;
+  const ckpt::Fault fault = ckpt::save_fault(o->rank);
+  const std::string mine = ckpt::set_file(path, (uint32_t)o->rank, (uint32_t)o->world, id);
+  zopt_status st = save_file(o, mine, id, fault);
+  if (fault == ckpt::Fault::kDieEarly && !st) return ckpt::die(o, "before the ranks agreed");
+  bool lost = false;
+  if (zopt_status ag = ckpt::agree_status(o, st, "SAVE status", 0, &lost)) {
+    if (!st) ::unlink(mine.c_str());
+    if (lost)  // a rank failed or stopped answering: nothing was committed
+      return fail(ag,
+                  "zopt_optimizer_save('%s'): a rank failed or stopped answering before the commit; the previous "
+                  "checkpoint there (if any) is unchanged. The communicator: %s",
+                  path, std::string(zopt_last_error()).c_str());
     return ag;
   }
-  if (::rename((file + ".tmp").c_str(), file.c_str()) != 0) {
-    int e = errno;
-    ::unlink((file + ".tmp").c_str());
-    return fail(ZOPT_ERR_IO, "cannot rename '%s.tmp' to '%s': %s", file.c_str(), file.c_str(), strerror(e));
-  }
-  fsync_dir(file);
-  return ZOPT_OK;
+  return ckpt::commit(o, path, mine, fault);
 }
 
 // ---- load ------------------------------------------------------------------
@@ -696,8 +686,20 @@ static zopt_status stage_load(zopt_optimizer *o, const char *path, uint32_t flag
   for (uint32_t q = 1; q < f0.world; ++q) {
     files.emplace_back(new File);
     File &f = *files.back();
-    if (zopt_status st = read_header(f, rank_path(path, q, f0.world))) return st;
-    if (f.version != 2 || f.world != f0.world || f.rank != q || f.desc_sum != f0.desc_sum ||
+    const std::string fq =
+        f0.version >= 3 ? ckpt::set_file(path, q, f0.world, f0.id) : ckpt::v2_file(path, q, f0.world);
+    if (zopt_status st = read_header(f, fq))
+      return st == ZOPT_ERR_IO ? fail(st, "%s (rank %u's file of the %u-rank checkpoint set that '%s' names)",
+                                      std::string(zopt_last_error()).c_str(), q, f0.world, path)
+                               : st;
+    if (f.version != f0.version)
+      return ck_fail(f.path, "is a format %u file, rank 0's file '%s' format %u", f.version, path, f0.version);
+    if (f.id != f0.id)
+      return ck_fail(f.path,
+                     "belongs to another save: its save identity is %s, rank 0's file '%s' names %s (files of "
+                     "two saves do not make a checkpoint)",
+                     ckpt::hex(f.id).c_str(), path, ckpt::hex(f0.id).c_str());
+    if (f.world != f0.world || f.rank != q || f.desc_sum != f0.desc_sum ||
         memcmp(f.name, f0.name, ZOPT_NAME_LEN) != 0 || f.kinds.size() != f0.kinds.size() ||
         f.tensors.size() != f0.tensors.size() || f.groups.size() != f0.groups.size())
       return ck_fail(f.path, "does not belong to the checkpoint set of '%s' (another save, rank or world size)", path);
@@ -875,7 +877,9 @@ ZOPT_API zopt_status zopt_optimizer_load_ex(zopt_optimizer *o, const char *path,
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_load_ex: unknown flags 0x%x", flags);
   Staged sg;
   zopt_status st = stage_load(o, path, flags, sg);
-  if (zopt_status ag = agree_status(o, st, "LOAD status")) return ag;
+  // Nothing applied yet (kSigUnchanged): a rank at another call fails this
+  // load cleanly.
+  if (zopt_status ag = ckpt::agree_status(o, st, "LOAD status", kSigUnchanged)) return ag;
   if (flags & ZOPT_LOAD_VALIDATE_ONLY) return ZOPT_OK;  // every check passed; nothing applied
   // Apply: host copies cannot fail; a GPU step's copies fail only if the
   // device does (its context is then unusable anyway).
@@ -893,6 +897,7 @@ ZOPT_API zopt_status zopt_optimizer_load_ex(zopt_optimizer *o, const char *path,
   }
   for (size_t g = 0; g < o->groups.size(); ++g) {
     o->groups[g].step_count = sg.groups[g].step_count;
+    o->groups[g].flags = sg.groups[g].flags;  // format 2 and 1: 0
     for (auto &kv : sg.groups[g].hypers) {
       int hi = hyper_index(d, kv.first);
       if (hi >= 0) o->groups[g].hypers[hi] = kv.second;

@@ -143,7 +143,18 @@ zopt_status poisoned(const zopt_comm *c, const char *fn) {
               c->first_error.c_str());
 }
 
-// The signature exchange; returns ZOPT_OK or the poisoning failure.
+// A mismatch where every rank had changed nothing yet (kSigUnchanged on
+// every signature): every rank fails this collective alike and no data
+// moved, so the communicator stays usable.
+zopt_status clean_mismatch(const std::string &msg) {
+  return fail(kCommError,
+              "%s. Every rank must make the same collective calls in the same order; this call changed nothing "
+              "and the communicator remains usable",
+              msg.c_str());
+}
+
+// The signature exchange; returns ZOPT_OK or the failure (poisoning unless
+// it is a clean mismatch).
 zopt_status check_signatures(zopt_comm *c, const CommSignature &mine, const std::string &prefix) {
   c->sigs.resize((size_t)c->size);
   int rc;
@@ -159,8 +170,12 @@ zopt_status check_signatures(zopt_comm *c, const CommSignature &mine, const std:
                            std::to_string(c->sigs[(size_t)q].rank) + "'s signature in slot " +
                            std::to_string(q) + " (engine bug: pieces must be in rank order)");
   std::string diff = comm_mismatch(c->sigs.data(), c->size, c->rank);
-  if (!diff.empty()) return poison(c, prefix + ": " + diff);
-  return ZOPT_OK;
+  if (diff.empty()) return ZOPT_OK;
+  bool clean = true;
+  for (const CommSignature &s : c->sigs)
+    clean = clean && s.magic == kCommSignatureMagic && (s.flags & kSigUnchanged);
+  if (clean) return clean_mismatch(prefix + ": " + diff);
+  return poison(c, prefix + ": " + diff);
 }
 
 bool overlaps(const void *a, size_t na, const void *b, size_t nb) {
@@ -169,7 +184,7 @@ bool overlaps(const void *a, size_t na, const void *b, size_t nb) {
 }
 
 zopt_status collective(zopt_comm *c, uint32_t op, const void *send, void *recv, size_t bytes, const char *what,
-                       const char *fn) {
+                       const char *fn, uint32_t sig_flags = 0) {
   if (!c) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: communicator is NULL", fn);
   if (c->poisoned) return poisoned(c, fn);
   if (!what || !*what) what = fn;
@@ -197,10 +212,13 @@ zopt_status collective(zopt_comm *c, uint32_t op, const void *send, void *recv, 
   CommSignature mine;
   uint64_t seq = ++c->seq;
   comm_make_signature(&mine, op, seq, bytes, c->rank, what);
+  mine.flags = sig_flags;
   std::string prefix = who(c) + ": collective " + comm_describe(mine);
 
   if (c->native) {
-    int rc = c->native->collective(c->ctx, &mine, send, recv);
+    bool clean = false;
+    int rc = c->native->collective(c->ctx, &mine, send, recv, &clean);
+    if (rc == ZOPT_COMM_ERR_MISMATCH && clean) return clean_mismatch(prefix + ": " + engine_error(c));
     if (rc != ZOPT_COMM_OK) return poison(c, prefix + ": " + engine_error(c));
     return ZOPT_OK;
   }
@@ -248,16 +266,18 @@ zopt_status comm_create_internal(const zopt_comm_ops *ops, void *ctx, int rank, 
   return ZOPT_OK;
 }
 
-zopt_status comm_all_to_all(zopt_comm *c, const void *send, void *recv, size_t bytes_per_rank, const char *what) {
-  return collective(c, COMM_OP_ALL_TO_ALL, send, recv, bytes_per_rank, what, "zopt_comm_all_to_all");
+zopt_status comm_all_to_all(zopt_comm *c, const void *send, void *recv, size_t bytes_per_rank, const char *what,
+                            uint32_t sig_flags) {
+  return collective(c, COMM_OP_ALL_TO_ALL, send, recv, bytes_per_rank, what, "zopt_comm_all_to_all", sig_flags);
 }
 
-zopt_status comm_all_gather(zopt_comm *c, const void *send, void *recv, size_t bytes, const char *what) {
-  return collective(c, COMM_OP_ALL_GATHER, send, recv, bytes, what, "zopt_comm_all_gather");
+zopt_status comm_all_gather(zopt_comm *c, const void *send, void *recv, size_t bytes, const char *what,
+                            uint32_t sig_flags) {
+  return collective(c, COMM_OP_ALL_GATHER, send, recv, bytes, what, "zopt_comm_all_gather", sig_flags);
 }
 
-zopt_status comm_barrier(zopt_comm *c, const char *what) {
-  return collective(c, COMM_OP_BARRIER, nullptr, nullptr, 0, what, "zopt_comm_barrier");
+zopt_status comm_barrier(zopt_comm *c, const char *what, uint32_t sig_flags) {
+  return collective(c, COMM_OP_BARRIER, nullptr, nullptr, 0, what, "zopt_comm_barrier", sig_flags);
 }
 
 zopt_status comm_synchronize(zopt_comm *c, const char *what) {

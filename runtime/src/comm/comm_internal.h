@@ -45,10 +45,16 @@ struct CommSignature {
   uint64_t seq;    // 1, 2, ... per communicator
   uint64_t bytes;  // per rank (all_to_all) / per piece (all_gather); 0 for barrier
   uint32_t rank;   // the sender (not compared: checks the engine's rank order)
-  uint32_t reserved;
+  uint32_t flags;  // kSig* (not compared)
   char what[kCommWhatChars];  // the first 63 chars of `what`, NUL padded
 };
 static_assert(sizeof(CommSignature) == 96, "CommSignature is exchanged as 96 bytes");
+// CommSignature.flags: the caller has changed nothing yet (the first
+// collective of an API call, or one of a call that only reads): if the
+// signatures disagree and every rank's carries this flag, every rank fails
+// this collective, no data moves, and the communicator is NOT poisoned (the
+// ranks stay in step: each made one exchange); otherwise it is poisoned.
+constexpr uint32_t kSigUnchanged = 1u;
 
 void comm_make_signature(CommSignature *sig, uint32_t op, uint64_t seq, size_t bytes, int rank,
                          const char *what);
@@ -68,8 +74,10 @@ std::string comm_rank_list(const std::vector<int> &ranks);
 // Engines that check the signatures themselves in their own rendezvous
 // (loopback): the wrapper hands them the signature with the buffers instead
 // of exchanging it separately. Returns a ZOPT_COMM_* code.
+// On a mismatch it sets *clean when every rank's signature carries
+// kSigUnchanged (the wrapper then does not poison).
 struct CommNative {
-  int (*collective)(void *ctx, const CommSignature *sig, const void *send, void *recv);
+  int (*collective)(void *ctx, const CommSignature *sig, const void *send, void *recv, bool *clean);
 };
 
 // zopt_comm_create with a native hook (may be null).
@@ -79,12 +87,14 @@ zopt_status comm_create_internal(const zopt_comm_ops *ops, void *ctx, int rank, 
 // ---- what the optimizer calls ---------------------------------------------
 // Same contracts as zopt_comm_all_to_all / _all_gather / _barrier /
 // _synchronize; `what` (may be null) describes the runtime's action and
-// appears in error messages and in the checked signature.
+// appears in error messages and in the checked signature. `sig_flags`:
+// kSigUnchanged where the caller has changed nothing yet (a mismatch there
+// fails the call without poisoning the communicator).
 zopt_status comm_all_to_all(zopt_comm *c, const void *send, void *recv, size_t bytes_per_rank,
-                            const char *what);
+                            const char *what, uint32_t sig_flags = 0);
 zopt_status comm_all_gather(zopt_comm *c, const void *send, void *recv, size_t bytes,
-                            const char *what);
-zopt_status comm_barrier(zopt_comm *c, const char *what);
+                            const char *what, uint32_t sig_flags = 0);
+zopt_status comm_barrier(zopt_comm *c, const char *what, uint32_t sig_flags = 0);
 zopt_status comm_synchronize(zopt_comm *c, const char *what);
 
 // ---- engines (one file each) -----------------------------------------------

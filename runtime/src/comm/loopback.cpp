@@ -71,7 +71,7 @@ int failed(Rank *R, int code, std::string msg) {
   return code;
 }
 
-int lb_collective(void *ctx, const CommSignature *sig, const void *send, void *recv) {
+int lb_collective(void *ctx, const CommSignature *sig, const void *send, void *recv, bool *clean) {
   Rank *R = static_cast<Rank *>(ctx);
   Hub &h = *R->hub;
   const int r = R->rank, W = (int)h.slots.size();
@@ -155,6 +155,18 @@ int lb_collective(void *ctx, const CommSignature *sig, const void *send, void *r
   std::string diff = comm_mismatch(sigs.data(), W, r);
   if (!diff.empty()) {  // every rank sees the same posts and fails the same way
     me.reason = "the ranks called different collectives";
+    bool all_unchanged = true;
+    for (const CommSignature &s : sigs) all_unchanged = all_unchanged && (s.flags & kSigUnchanged);
+    if (clean) *clean = all_unchanged;
+    // Rendezvous 2 as for data: no rank posts its next collective (over
+    // its slot) before every rank has read this one's signatures.
+    me.done = seq;
+    h.cv.notify_all();
+    h.cv.wait(lk, [&] {
+      for (const Slot &s : h.slots)
+        if (s.done != seq) return false;
+      return true;
+    });
     return failed(R, ZOPT_COMM_ERR_MISMATCH, diff);
   }
   lk.unlock();
@@ -191,7 +203,7 @@ int lb_direct(void *ctx, uint32_t op, const void *send, void *recv, size_t bytes
   Rank *R = static_cast<Rank *>(ctx);
   CommSignature sig;
   comm_make_signature(&sig, op, ++R->direct_seq, bytes, R->rank, "loopback table call");
-  return lb_collective(ctx, &sig, send, recv);
+  return lb_collective(ctx, &sig, send, recv, nullptr);
 }
 int lb_all_to_all(void *ctx, const void *send, void *recv, size_t bytes) {
   return lb_direct(ctx, COMM_OP_ALL_TO_ALL, send, recv, bytes);

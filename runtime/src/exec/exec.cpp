@@ -420,7 +420,7 @@ uint64_t hash_step_settings(const zopt_optimizer *o) {
 
 // Every rank's gradient mask (OR) and a check that every rank steps with the
 // same hyperparameters, seed, divisor and loss scale.
-zopt_status agree(zopt_optimizer *o) {
+zopt_status agree(zopt_optimizer *o, bool first) {
   Program &P = *o->prog;
   const size_t T = o->tensors.size();
   if (o->stream_grads) {
@@ -458,7 +458,9 @@ zopt_status agree(zopt_optimizer *o) {
     uint8_t a = o->active.empty() ? 1 : o->active[t];
     mine[8 + t] = a ? 1 : (o->tensors[t].grad || !o->tensors[t].numel || o->stream_grads) ? 0 : 2;
   }
-  if (zopt_status st = comm_all_gather(o->comm, mine.data(), all.data(), msg, "STEP settings and gradient mask"))
+  // The step's first collective: nothing changed yet (kSigUnchanged).
+  if (zopt_status st = comm_all_gather(o->comm, mine.data(), all.data(), msg, "STEP settings and gradient mask",
+                                       first ? kSigUnchanged : 0))
     return st;
   // Rank 0's values are the reference: name every rank that differs.
   uint64_t h0;
@@ -818,7 +820,7 @@ void destroy(zopt_optimizer *o) {
 // every rank's partials (or, without a norm, up to the UPDATE). Leaves S
 // and the sum of squares in `st`. (Program::validate puts NORM before any
 // UPDATE.)
-zopt_status run_begin(zopt_optimizer *o, StepState *st) {
+zopt_status run_begin(zopt_optimizer *o, StepState *st, bool first) {
   Program &P = *o->prog;
   const zopt_step_descriptor *d = o->d;
   const bool ls = d->flags & ZOPT_FLAG_LOSS_SCALE;
@@ -848,7 +850,7 @@ zopt_status run_begin(zopt_optimizer *o, StepState *st) {
   st->gscale = 1.0 / (st->S * grad_divisor(o));
   using clock = std::chrono::steady_clock;
   auto t0 = clock::now();
-  if (zopt_status s = agree(o)) return s;
+  if (zopt_status s = agree(o, first)) return s;
   P.agree_seconds = std::chrono::duration<double>(clock::now() - t0).count();
   P.op_seconds.assign(P.ops.size(), 0.0);
   for (size_t i = 0; i < P.ops.size(); ++i) {
@@ -959,8 +961,9 @@ static zopt_status reduce_run(zopt_optimizer *o, int b, const std::vector<const 
   const char *recv = send;
   if (W > 1) {
     char w[96];
+    // Nothing folded yet: a mismatch here leaves the bucket to hand over again.
     if (zopt_status st = comm_all_to_all(o->comm, send, P.recv.data(), (size_t)k.shard * es,
-                                         what(w, sizeof w, "REDUCE_BUCKET", o, gi, b)))
+                                         what(w, sizeof w, "REDUCE_BUCKET", o, gi, b), kSigUnchanged))
       return st;
     recv = (const char *)P.recv.data();
   }
@@ -1056,8 +1059,9 @@ zopt_status gather_state(zopt_optimizer *o, int si, int first, int count, void *
     const layout::Bucket &k = P.L.buckets[b];
     const char *send = (const char *)P.buf[si] + (size_t)k.local_offset * es;
     char w[96];
+    // A gather only reads the optimizer (kSigUnchanged).
     if (zopt_status st = comm_all_gather(o->comm, send, P.recv.data(), (size_t)k.shard * es,
-                                         what(w, sizeof w, "GATHER", o, si, b)))
+                                         what(w, sizeof w, "GATHER", o, si, b), kSigUnchanged))
       return st;
     const unsigned char *recv = P.recv.data();
     for (const Piece &p : P.L.pieces(k.group, k.begin, k.begin + k.len)) {

@@ -102,7 +102,9 @@ struct StepState {
   double norm = NAN, clip = 1.0;
   bool skipped = false;
 };
-zopt_status run_begin(zopt_optimizer *o, StepState *st);
+// `first`: this is the call's first collective work (not a later part of
+// a linked step): a mismatch at its agreement leaves the communicator usable.
+zopt_status run_begin(zopt_optimizer *o, StepState *st, bool first = true);
 zopt_status run_end(zopt_optimizer *o, StepState *st, double sumsq, zopt_step_result *result);
 // Gradient streaming: reduces bucket b's gradients (grads[i]: element 0 of
 // the i-th tensor of bucket_tensors(b), NULL for none on this rank) into
