@@ -111,6 +111,7 @@ struct Tensor {
 struct Group {
   std::vector<double> hypers;  // descriptor order
   int64_t step_count = 0;      // steps in which any of its tensors was updated
+  uint32_t flags = 0;          // ZOPT_GROUP_* bits (bit 0: maximize, a torch per-group flag)
   std::vector<int> tensors;    // tensor ids in add order
   int64_t padded_total = 0;    // GPU steps: elements, multiple of align
   std::vector<void *> buffers; // GPU steps: per descriptor state; null for PARAM/GRAD
