@@ -2213,7 +2213,15 @@ class Optimizer(_Base):
 
     def _set_maximize(self, gid, on):
         """torch's ``maximize`` of param group gid -> the runtime's group
-        flag (every native group of it; the gradient's sign)."""
+        flag (every native group of it; the gradient's sign). GPU steps:
+        written into the device's table at once, never inside a capture."""
+        if self.step_obj.gpu and self._capturing():
+            raise ZoptError(
+                Status.BAD_STATE,
+                f"param_groups[{gid}]: maximize = {on!r} inside a CUDA graph capture "
+                "(torch.cuda.graph): the flag is the sign of the group's gradient scale in "
+                "the device's table, which a capture cannot change. Set it before capturing "
+                "or between replays")
         h = self._handle()
         for ng in self._native_gids(gid):
             check(self._lib.zopt_optimizer_set_group_flags(
