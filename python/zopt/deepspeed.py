@@ -44,7 +44,8 @@ What maps to what (the table in python/README.md has the details):
 ``zero_optimization``
     ``stage`` -> ``zero_stage``; ``offload_optimizer.device`` cpu ->
     placement "offload" (params and grads on the GPU, states and update on
-    the CPU), none -> "gpu", nvme refused; ``reduce_bucket_size`` ->
+    the CPU), none -> "gpu", nvme refused (on a CUDA device; on the CPU,
+    placement "cpu": see :func:`from_config`, ``device``); ``reduce_bucket_size`` ->
     ``defaults["bucket_elems"]``; the engine's other knobs have no effect
     on the step and are listed as such.
 ``gradient_accumulation_steps`` / ``train_batch_size`` / ``train_micro_batch_size_per_gpu``
