@@ -797,17 +797,22 @@ static void buildFinishKernel(OpBuilder &gb, Location loc, const Step &st) {
     newGood = arith::SelectOp::create(b, loc, dynamic, newGood, good);
     LLVM::StoreOp::create(b, loc, newScale, fld(f64, kScScale));
     LLVM::StoreOp::create(b, loc, newGood, fld(i64, kScGood));
-    // GRAD_SCALE = 1 / (S * D) (abi.h).
+    // GRAD_SCALE = 1 / (S * D) (abi.h), with each group's sign kept: a
+    // maximizing group's (ZOPT_GROUP_MAXIMIZE) is negative, as the host
+    // wrote it.
     Value inv = arith::DivFOp::create(
         b, loc, g.f64(1.0),
         arith::MulFOp::create(b, loc, newScale, g.load(f64, fld(f64, kScDivisor))));
     auto loop = scf::ForOp::create(b, loc, g.i64(0), ngroups, g.i64(1));
     b.setInsertionPoint(loop.getBody()->getTerminator());
-    LLVM::StoreOp::create(
-        b, loc, inv,
-        g.gep(f64, globals,
-              g.add(g.mul(loop.getInductionVar(), g.i64(ZOPT_NUM_GLOBALS)),
-                    g.i64(ZOPT_GLOBAL_GRAD_SCALE))));
+    Value at = g.gep(f64, globals,
+                     g.add(g.mul(loop.getInductionVar(), g.i64(ZOPT_NUM_GLOBALS)),
+                           g.i64(ZOPT_GLOBAL_GRAD_SCALE)));
+    Value negative = arith::CmpFOp::create(b, loc, arith::CmpFPredicate::OLT,
+                                           g.load(f64, at), g.f64(0.0));
+    Value signedInv = arith::SelectOp::create(
+        b, loc, negative, arith::NegFOp::create(b, loc, inv), inv);
+    LLVM::StoreOp::create(b, loc, signedInv, at);
   }
   b.setInsertionPointToEnd(&entry);
   gpu::ReturnOp::create(b, loc);

@@ -41,6 +41,17 @@ def cache(tmp_path_factory):
         os.environ["ZOPT_CACHE_DIR"] = old
 
 
+_REAL_CUDA_PRESENT = ds._cuda_present
+
+
+@pytest.fixture(autouse=True)
+def gpu_machine(monkeypatch):
+    """The import as on a machine with CUDA (DeepSpeed's usual one): without
+    device= or params, from_config follows the machine (tested with the real
+    detection in test_placement_*)."""
+    monkeypatch.setattr(ds, "_cuda_present", lambda: (True, "assumed by the test"))
+
+
 def leaf_paths(d, path=""):
     for k, v in d.items():
         p = f"{path}.{k}" if path else k
@@ -245,7 +256,6 @@ REFUSED = [
     (dict(optimizer__params__foo=1), "optimizer.params.foo", "fields zopt supports"),
     (dict(optimizer__params__max_grad_norm=1.0), "optimizer.params.max_grad_norm",
      "gradient_clipping"),
-    (dict(optimizer__params__maximize=True), "optimizer.params.maximize", "minimize"),
     (dict(optimizer__params__amsgrad=True), "optimizer.params.amsgrad", "torch_adam"),
     (dict(optimizer__params__torch_adam=True, optimizer__params__bias_correction=False),
      "optimizer.params.bias_correction", "torch.optim"),
@@ -362,6 +372,11 @@ def test_accepted_variants():
     # JSON text and a cpu device.
     text, d = ds.from_config(json.dumps(BASE), device="cpu")
     assert d["step"]["placement"] == "cpu" and "gpu_arch" not in text
+    assert d["device"] == "cpu" and "device: 'cpu' (device='cpu' given)" in d["notes"]
+    # torch's maximize: a runtime group flag (zopt.Optimizer(maximize=True)).
+    _, d = ds.from_config(with_(optimizer__params__maximize=True))
+    assert d["hypers"]["maximize"] is True
+    assert ds.optimizer_kwargs(d)["maximize"] is True
 
 
 def test_dtype_layout_follows_deepspeed_engine():
@@ -559,7 +574,8 @@ def test_tool_writes_description_defaults_and_step(zopt_bins, tmp_path):
     env = dict(os.environ, ZOPT_PYTHON=sys.executable)
     out, dj, so = tmp_path / "step.mlir", tmp_path / "d.json", tmp_path / "step.so"
     r = subprocess.run([_tool(), os.path.join(DATA, "zero2_bf16_states_offload.json"),
-                        "-o", str(out), "--defaults", str(dj), "--compile", str(so)],
+                        "-o", str(out), "--defaults", str(dj), "--compile", str(so),
+                        "--device", "cuda"],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "zopt.steps.adamw(param='bf16', master='bf16', moments='bf16'" in r.stderr
@@ -591,3 +607,93 @@ def test_tool_refusal_names_the_field(zopt_bins, tmp_path):
     assert r.returncode == 1 and not out.exists()
     assert r.stderr.startswith("zopt-import-deepspeed: zero_optimization.offload_optimizer"
                                ".device: NVMe offload is not supported")
+
+
+# ---- where the imported step runs (issue 16 item 11) -----------------------------
+
+def _readme_snippet():
+    """The first python block of python/README.md's DeepSpeed section."""
+    text = open(os.path.join(os.path.dirname(DATA), "..", "..", "README.md")).read()
+    sec = text[text.index("## DeepSpeed configs: `zopt.deepspeed`"):]
+    return sec[sec.index("```python\n") + 10:sec.index("\n```", sec.index("```python\n"))]
+
+
+def test_readme_snippet_runs_on_a_cpu_machine(zopt_bins, tmp_path, monkeypatch):
+    """python/README.md's DeepSpeed snippet, as written, on a machine without
+    CUDA (this one, or emulated on a GPU machine): a CPU step that trains
+    (it used to build the GPU step and end in "no CUDA driver
+    (libcuda.so.1)"), DeepSpeed's scheduler on the zopt optimizer."""
+    import shutil
+    import torch
+    if torch.cuda.is_available():
+        monkeypatch.setattr(ds, "_cuda_present", lambda: (False, "emulated: no CUDA"))
+    else:
+        monkeypatch.setattr(ds, "_cuda_present", _REAL_CUDA_PRESENT)
+    shutil.copy(os.path.join(DATA, "zero2_bf16_offload.json"), tmp_path / "ds_config.json")
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 4).to(torch.bfloat16)
+    ns = {"zopt": zopt, "torch": torch, "model": model}
+    exec(compile(_readme_snippet(), "python/README.md", "exec"), ns)
+    defaults, opt, sched = ns["defaults"], ns["opt"], ns["sched"]
+    assert defaults["device"] == "cpu" and defaults["step"]["placement"] == "cpu"
+    assert any(n.startswith("device: 'cpu' (no params given and this machine has no CUDA")
+               for n in defaults["notes"]), defaults["notes"]
+    assert not opt.step_obj.gpu and not opt.step_obj.on_device
+    before = [opt.state[p]["master"] if opt.state[p] else p.detach().float()
+              for p in model.parameters()]
+    for i in range(3):
+        opt.zero_grad()
+        model(torch.randn(8, 16).to(torch.bfloat16)).float().square().mean().backward()
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(
+        ds.lr_at(defaults["scheduler"], 3, 1e-4))
+    for p, m0 in zip(model.parameters(), before):  # the warm-up's lr moves the f32 master
+        assert opt.tensor_step(p) == 3 and not torch.equal(opt.state[p]["master"], m0)
+
+
+def test_placement_follows_device_then_params_then_machine(monkeypatch):
+    """device= as given; else the params' device (CPU params: a CPU step even
+    on a CUDA machine; CUDA params: the GPU step, or offloaded with
+    offload_optimizer.device cpu); else the machine's; the reason is in the
+    notes. Params on both devices are refused."""
+    import types
+    import torch
+    cfg = os.path.join(DATA, "zero2_bf16_offload.json")
+    cpu = [torch.zeros(3, dtype=torch.bfloat16)]
+    cuda = [types.SimpleNamespace(device=torch.device("cuda", 0))]
+
+    def imp(**kw):
+        _, d = ds.from_config(cfg, **kw)
+        return d["device"], d["step"]["placement"], d["notes"][0]
+    # the fixture's machine has CUDA
+    assert imp() == ("cuda", "offload", "device: 'cuda' (no params given; this machine has "
+                     "CUDA (assumed by the test))")
+    assert imp(params=cpu) == ("cpu", "cpu", "device: 'cpu' (the params are on the CPU)")
+    assert imp(params=[{"params": cpu}])[:2] == ("cpu", "cpu")
+    assert imp(params=iter(cuda))[:2] == ("cuda", "offload")
+    assert imp(params=cpu, device="cuda")[:2] == ("cuda", "offload")
+    monkeypatch.setattr(ds, "_cuda_present", lambda: (False, "none here"))
+    assert imp()[:2] == ("cpu", "cpu")
+    assert imp(params=cuda)[:2] == ("cuda", "offload")
+    with pytest.raises(zopt.ZoptError, match="some are CUDA tensors"):
+        ds.from_config(cfg, params=cpu + cuda)
+    with pytest.raises(zopt.ZoptError, match="'tpu'"):
+        ds.from_config(cfg, device="tpu")
+    # the real detection agrees with torch
+    assert _REAL_CUDA_PRESENT()[0] == torch.cuda.is_available()
+
+
+def test_cli_device_auto(capsys, monkeypatch, tmp_path):
+    """zopt-import-deepspeed's --device auto (the default) is the machine's
+    rule; its note says which and why."""
+    monkeypatch.setattr(ds, "_cuda_present", lambda: (False, "none here"))
+    out = tmp_path / "s.mlir"
+    rc = ds.main([os.path.join(DATA, "zero2_bf16_offload.json"), "-o", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 0 and "note: device: 'cpu' (no params given" in err, err
+    assert "on gpu" not in out.read_text() and "on cpu" in out.read_text()
+    rc = ds.main([os.path.join(DATA, "zero2_bf16_offload.json"), "-o", str(out),
+                  "--device", "cuda"])
+    assert rc == 0 and "on gpu" in out.read_text()

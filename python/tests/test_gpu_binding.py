@@ -59,6 +59,7 @@ DEVICE_CALLS = {
     "zopt_optimizer_write_state_raw", "zopt_optimizer_save", "zopt_optimizer_load_ex",
     "zopt_optimizer_configure_loss_scaler", "zopt_optimizer_set_grad_divisor",
     "zopt_optimizer_refresh_master", "zopt_optimizer_set_tensor_step",
+    "zopt_optimizer_set_group_flags",
 }
 
 
@@ -317,6 +318,35 @@ def test_hyperparameter_change_inside_capture_refused(steps, gpu_env):
     opt.param_groups[0]["lr"] = 5e-3  # between replays: written
     assert opt.get_hyper(0, "lr") == 5e-3
     assert len(rec.calls("zopt_optimizer_set_hyper")) == n + 1
+
+
+def test_maximize_reaches_the_runtime_at_once(steps, gpu_env):
+    """torch's maximize on a GPU step: set at build (before finalize, so the
+    device's table starts with the sign), an assignment in param_groups
+    written at once on torch's current stream (graph replays read the
+    table), refused inside a capture (the group keeps its value)."""
+    fc, rec, mode = gpu_env
+    mode("gpu")
+    ps = _params()
+    opt = zopt.Optimizer(steps(rule="adamw", layout="f32"),
+                         [{"params": ps[:1], "maximize": True}, {"params": ps[1:]}], lr=1e-2)
+    names = [c[0] for c in rec.calls()]
+    assert names.index("zopt_optimizer_set_group_flags") < names.index("zopt_optimizer_finalize")
+    assert [opt.get_group_flags(g) for g in range(2)] == [1, 0]
+    opt.step()
+    fc.stream = 0x6100
+    n = len(rec.calls("zopt_optimizer_set_group_flags"))
+    opt.param_groups[1]["maximize"] = True
+    last = rec.calls("zopt_optimizer_set_group_flags")[-1]
+    assert len(rec.calls("zopt_optimizer_set_group_flags")) == n + 1
+    assert last[1] == fc.stream and last[4][1:] == (1, 1)
+    assert opt.get_group_flags(1) == 1
+    fc.capturing = True
+    with pytest.raises(ZoptError, match="maximize = False inside a CUDA graph capture"):
+        opt.param_groups[0]["maximize"] = False
+    assert opt.param_groups[0]["maximize"] is True and opt.get_group_flags(0) == 1
+    fc.capturing = False
+    _assert_on_current_stream(rec)
 
 
 def test_torch_allocator_registered_before_finalize_and_kept(steps, gpu_env):

@@ -10,7 +10,7 @@
 """
 from . import bf16
 from ._lib import (DType, HyperKind, Isa, Placement, StateKind, Status,
-                   ZoptError, find_runtime_library)
+                   ZoptError, ZoptTypeError, ZoptValueError, find_runtime_library)
 from .compiler import compile, find_compiler
 from ._install import installation  # also: finds an installed runtime (see _install)
 from .optimizer import Optimizer, Step
@@ -26,5 +26,5 @@ def __getattr__(name):  # zopt.deepspeed loads on first use (python3 -m zopt.dee
 
 __all__ = ["bf16", "compile", "find_compiler", "find_runtime_library",
            "DType", "HyperKind", "Isa", "Placement", "StateKind", "Status",
-           "Step", "Optimizer", "ZoptError", "steps", "deepspeed", "installation",
-           "zero3_hooks"]
+           "Step", "Optimizer", "ZoptError", "ZoptTypeError", "ZoptValueError", "steps",
+           "deepspeed", "installation", "zero3_hooks"]

@@ -175,6 +175,24 @@ class ZoptError(RuntimeError):
         super().__init__(f"[{name}] {message}")
 
 
+class ZoptValueError(ZoptError, ValueError):
+    """A value torch.optim refuses with ``ValueError`` (an invalid
+    hyperparameter: lr < 0, betas outside [0, 1), ...): both a ZoptError
+    (``code`` INVALID_ARGUMENT) and a ValueError, so code written for
+    either catches it."""
+
+    def __init__(self, message, code=Status.INVALID_ARGUMENT):
+        super().__init__(code, message)
+
+
+class ZoptTypeError(ZoptError, TypeError):
+    """What torch.optim refuses with ``TypeError`` (``params`` a bare
+    tensor): both a ZoptError and a TypeError."""
+
+    def __init__(self, message, code=Status.INVALID_ARGUMENT):
+        super().__init__(code, message)
+
+
 def find_runtime_library():
     env = os.environ.get("ZOPT_RUNTIME_LIB")
     if env:
@@ -208,6 +226,9 @@ _SIGS = {
                                       ctypes.c_double]),
     "zopt_optimizer_get_hyper": (_S, [_P, ctypes.c_int, ctypes.c_char_p,
                                       ctypes.POINTER(ctypes.c_double)]),
+    "zopt_optimizer_set_group_flags": (_S, [_P, ctypes.c_int, ctypes.c_uint32]),
+    "zopt_optimizer_get_group_flags": (_S, [_P, ctypes.c_int,
+                                            ctypes.POINTER(ctypes.c_uint32)]),
     "zopt_optimizer_add_tensor": (_S, [_P, ctypes.c_int, _P, _P, ctypes.c_int64,
                                        ctypes.c_int, ctypes.POINTER(ctypes.c_int)]),
     "zopt_optimizer_finalize": (_S, [_P]),
@@ -299,6 +320,25 @@ def lib():
         return L
 
 
+_NP_OF_CTYPE = {ctypes.c_void_p: "uintp", ctypes.c_int: "intc", ctypes.c_int32: "int32",
+                ctypes.c_uint8: "uint8"}
+
+
+def c_array(ctype, values):
+    """``values`` as a C array of ``ctype``: (a numpy array holding them, to
+    keep alive across the call; a ctypes pointer to its first element, for
+    a ``POINTER(ctype)`` argument; ``.ctypes.data`` for a ``void *`` one).
+    Never ``ctype * n``: ctypes caches the array type of each length only
+    weakly, so every such array left its type (a class: a reference cycle)
+    behind as cyclic garbage once it died; nor numpy's ``data_as``, whose
+    ``ctypes.cast`` of a ctypes object makes a cycle too (a cast of the
+    integer address does not). At least one element."""
+    import numpy as np
+    a = np.array([0 if v is None else v for v in values] or [0],
+                 dtype=getattr(np, _NP_OF_CTYPE[ctype]))
+    return a, ctypes.cast(a.ctypes.data, ctypes.POINTER(ctype))
+
+
 def check(status, what=""):
     """Raises ZoptError for a non-OK status with zopt_last_error()."""
     if status != 0:
@@ -307,6 +347,19 @@ def check(status, what=""):
         if what:
             msg = f"{what}: {msg}" if msg else what
         raise ZoptError(status, msg)
+
+
+def check_value(status, what):
+    """check() of a call that sets a hyperparameter: a value the runtime
+    refuses (INVALID_ARGUMENT: out of range) raises ZoptValueError, the
+    ValueError torch.optim raises for it."""
+    if status:
+        try:
+            check(status, what)
+        except ZoptError as e:
+            if e.code == Status.INVALID_ARGUMENT:
+                raise ZoptValueError(e.message) from None
+            raise
 
 
 # ---- comm.h (runtime/include/zopt/comm.h): communicators ---------------------
@@ -373,4 +426,5 @@ _SIGS.update({
 # ---- abi.h state flags, zopt.h load flags (appended) -------------------------
 STATE_PARTITIONED = 1          # ZOPT_STATE_PARTITIONED: sharded across ranks under ZeRO
 LOAD_ALLOW_RULE_CHANGE = 1     # ZOPT_LOAD_ALLOW_RULE_CHANGE (zopt_optimizer_load_ex)
+GROUP_MAXIMIZE = 1             # ZOPT_GROUP_MAXIMIZE (zopt_optimizer_set_group_flags)
 DTYPE_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}

@@ -16,11 +16,17 @@ read).
 """
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 
 _VIEW_DTYPE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+class _Memory:
+    """``n`` elements of ``dtype`` at a raw address, for np.asarray."""
+
+    def __init__(self, addr, n, dtype):
+        self.__array_interface__ = {"data": (addr, False), "shape": (n,),
+                                    "typestr": np.dtype(dtype).str, "version": 3}
 
 
 class Sampler:
@@ -44,10 +50,10 @@ class Sampler:
         hi = int(a.max()) + es
         span = (hi - lo + es - 1) // es * es
         # A view of [lo, hi) without reading it; the gather below reads only
-        # the sampled addresses, which lie inside live params.
-        buf = (ctypes.c_char * span).from_address(lo)
-        self._buf = buf
-        self._view = np.frombuffer(buf, dtype=_VIEW_DTYPE[es])
+        # the sampled addresses, which lie inside live params. (Through the
+        # array interface: a ctypes array type per span would be left
+        # behind as cyclic garbage.)
+        self._view = np.asarray(_Memory(lo, span // es, _VIEW_DTYPE[es]))
         self._idx = (a - lo) // es
         self._owners = np.array(owners, dtype=np.int64)
         self.baseline = None

@@ -44,7 +44,8 @@ What maps to what (the table in python/README.md has the details):
 ``zero_optimization``
     ``stage`` -> ``zero_stage``; ``offload_optimizer.device`` cpu ->
     placement "offload" (params and grads on the GPU, states and update on
-    the CPU), none -> "gpu", nvme refused; ``reduce_bucket_size`` ->
+    the CPU), none -> "gpu", nvme refused (on a CUDA device; on the CPU,
+    placement "cpu": see :func:`from_config`, ``device``); ``reduce_bucket_size`` ->
     ``defaults["bucket_elems"]``; the engine's other knobs have no effect
     on the step and are listed as such.
 ``gradient_accumulation_steps`` / ``train_batch_size`` / ``train_micro_batch_size_per_gpu``
@@ -316,10 +317,12 @@ def _optimizer(opt, W, st):
         raise DeepSpeedConfigError(f"{pp}.max_grad_norm", "DeepSpeed refuses it as an "
                                    "optimizer parameter: use the top-level "
                                    "gradient_clipping")
-    if "maximize" in params and _bool(params["maximize"], f"{pp}.maximize"):
-        raise DeepSpeedConfigError(f"{pp}.maximize", "zopt's rules minimize; allowed: false")
-    for k in ("foreach", "fused", "capturable", "differentiable", "set_grad_none",
-              "maximize"):
+    if "maximize" in params:
+        # torch.optim's maximize: a runtime group flag (the gradient's sign)
+        hy["maximize"] = _bool(params["maximize"], f"{pp}.maximize")
+        W.use(f"{pp}.maximize", f"honoured: defaults['hypers']['maximize'] = "
+              f"{hy['maximize']} (zopt.Optimizer(maximize=...), a runtime group flag)")
+    for k in ("foreach", "fused", "capturable", "differentiable", "set_grad_none"):
         if k in params:
             _bool(params[k], f"{pp}.{k}")
             W.use(f"{pp}.{k}", "no effect on the step (an implementation choice of "
@@ -774,16 +777,81 @@ def _scheduler(sch, W, st):
     st["scheduler"] = out
 
 
-def from_config(ds_config, *, world_size=None, gpu_arch=None, device="cuda",
+def _cuda_present():
+    """(CUDA device here?, how that was found)."""
+    try:
+        import torch
+    except Exception:
+        torch = None
+    if torch is not None:
+        ok = bool(torch.cuda.is_available())
+        return ok, f"torch.cuda.is_available() is {ok}"
+    import ctypes
+    try:
+        cu = ctypes.CDLL(os.environ.get("ZOPT_CUDA_DRIVER") or "libcuda.so.1")
+        n = ctypes.c_int(0)
+        ok = cu.cuInit(0) == 0 and cu.cuDeviceGetCount(ctypes.byref(n)) == 0 and n.value > 0
+    except (OSError, AttributeError):
+        return False, "no CUDA driver (libcuda.so.1)"
+    return ok, f"the CUDA driver reports {n.value} device(s)"
+
+
+def _params_device(params):
+    """'cuda' or 'cpu': where the given params (tensors, or param group
+    dicts) live; refused if they are on both."""
+    kinds = set()
+    for p in params:
+        ps = p.get("params", []) if isinstance(p, dict) else [p]
+        if hasattr(ps, "device"):
+            ps = [ps]
+        for t in ps:
+            dev = getattr(t, "device", None)
+            if dev is None:  # numpy arrays, (param, grad) pairs: host memory
+                t = t[0] if isinstance(t, (tuple, list)) and t else t
+                dev = getattr(t, "device", None)
+            kinds.add("cuda" if dev is not None and dev.type == "cuda" else "cpu")
+    if len(kinds) > 1:
+        raise ZoptError(Status.INVALID_ARGUMENT, "params: some are CUDA tensors and some are "
+                        "not; one optimizer's params share one placement (give device=)")
+    return kinds.pop() if kinds else None
+
+
+def resolve_device(device=None, params=None):
+    """(device, why): where the step of an imported config runs. ``device``
+    "cuda" or "cpu" as given; else the device of ``params`` when given;
+    else this machine's: "cuda" when it has a CUDA device, "cpu" otherwise
+    (DeepSpeed itself picks its CPU accelerator on a machine without CUDA)."""
+    if device is not None:
+        if device not in ("cuda", "cpu"):
+            raise ZoptError(Status.INVALID_ARGUMENT,
+                            f"device: {device!r}; allowed: 'cuda', 'cpu', None (automatic)")
+        return device, f"device={device!r} given"
+    if params is not None:
+        dev = _params_device(params)
+        if dev is not None:
+            return dev, ("the params are CUDA tensors" if dev == "cuda"
+                         else "the params are on the CPU")
+    ok, how = _cuda_present()
+    if ok:
+        return "cuda", f"no params given; this machine has CUDA ({how})"
+    return "cpu", (f"no params given and this machine has no CUDA device ({how}), as "
+                   "DeepSpeed falls back to its CPU accelerator")
+
+
+def from_config(ds_config, *, world_size=None, gpu_arch=None, device=None, params=None,
                 name=None, optimizer=None, comments=True):
     """A DeepSpeed config (dict, JSON file path or JSON text) -> ``(text,
     defaults)``: the zopt step description, and what to apply at runtime.
 
     ``world_size``: the data-parallel world size, for the gradient divisor
     and to derive gradient_accumulation_steps from the batch sizes.
-    ``device``: "cuda" (DeepSpeed's: params on the GPU, the update on the GPU
-    or, with offload_optimizer, on the CPU) or "cpu" (everything on the CPU,
-    e.g. DeepSpeed's CPU accelerator, or to test a config on a CPU machine).
+    Where the step runs (``defaults["device"]``, and why in
+    ``defaults["notes"]``): ``device`` "cuda" (DeepSpeed's on a GPU: params
+    on the GPU, the update on the GPU or, with offload_optimizer, on the
+    CPU) or "cpu" (everything on the CPU: DeepSpeed's CPU accelerator, or a
+    config tried on a CPU machine); by default the device of ``params``
+    (the model's params or param groups, e.g. ``model.parameters()``) when
+    given, else this machine's (CUDA if it has a CUDA device, else CPU).
     ``gpu_arch``: the CUDA architecture (default sm_90). ``optimizer``: an
     ``optimizer`` section to use when the config has none (DeepSpeed then
     uses the client's torch optimizer, which a config cannot name).
@@ -793,10 +861,10 @@ def from_config(ds_config, *, world_size=None, gpu_arch=None, device="cuda",
     ``loss_scaler`` (zopt.Optimizer(loss_scaler=...) or None),
     ``gradient_accumulation_steps``, ``grad_divisor`` (world_size x
     accumulation, None without world_size), ``bucket_elems`` (or None),
-    ``scheduler`` (or None), ``step`` (the equivalent zopt.steps call:
-    ``{"rule": ..., **kwargs}``), ``fields`` ({dotted path: how it was
-    used}) and ``notes``. Raises DeepSpeedConfigError naming the field it
-    refuses.
+    ``scheduler`` (or None), ``device`` ("cuda" or "cpu", as above),
+    ``step`` (the equivalent zopt.steps call: ``{"rule": ..., **kwargs}``),
+    ``fields`` ({dotted path: how it was used}) and ``notes``. Raises
+    DeepSpeedConfigError naming the field it refuses.
     """
     cfg = load_config(ds_config)
     W = _Walker()
@@ -808,9 +876,8 @@ def from_config(ds_config, *, world_size=None, gpu_arch=None, device="cuda",
     W.section(cfg, "", dict.fromkeys(known))
     if "bf16" in cfg and "bfloat16" in cfg:
         raise DeepSpeedConfigError("bfloat16", "give bf16 once ('bfloat16' is its old name)")
-    if device not in ("cuda", "cpu"):
-        raise ZoptError(Status.INVALID_ARGUMENT, f"device: {device!r}; allowed: 'cuda', 'cpu'")
-    st = {"notes": []}
+    device, device_why = resolve_device(device, params)
+    st = {"notes": [f"device: {device!r} ({device_why})"]}
     for k, why in _TOP_NO_EFFECT.items():
         if k in cfg:
             W.use(k, f"no effect on the step ({why})")
@@ -927,6 +994,7 @@ def from_config(ds_config, *, world_size=None, gpu_arch=None, device="cuda",
         "grad_divisor": st["grad_divisor"],
         "bucket_elems": st.get("bucket_elems"),
         "scheduler": st["scheduler"],
+        "device": device,
         "step": {"rule": rule, **{k: v for k, v in kw.items()}, **hkw},
         "call": spec.call,
         "fields": W.fields,
@@ -1029,7 +1097,9 @@ def main(argv=None):
                     "(zopt-compile)")
     ap.add_argument("--world-size", type=int, default=None)
     ap.add_argument("--gpu-arch", default=None, help="CUDA architecture (default sm_90)")
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                    help="where the step runs; auto (default): cuda if this machine has a "
+                    "CUDA device, else cpu")
     ap.add_argument("--name", default=None, help="the step's symbol name")
     ap.add_argument("-q", "--quiet", action="store_true", help="no summary on stderr")
     a = ap.parse_args(argv)
@@ -1042,7 +1112,8 @@ def main(argv=None):
         else:
             src = a.config
         text, defaults = from_config(src, world_size=a.world_size, gpu_arch=a.gpu_arch,
-                                     device=a.device, name=a.name)
+                                     device=None if a.device == "auto" else a.device,
+                                     name=a.name)
         if a.output == "-":
             sys.stdout.write(text)
         else:

@@ -47,8 +47,9 @@ import time
 from . import _ckpt, _lib
 from ._collective import collective_errors
 from ._lib import DType, Status, ZoptError, check, lib, DTYPE_NAMES, STATE_NAMES
-from .optimizer import (Optimizer, Step, _StateView, _frozen, _is_torch,
-                        _slots, _torch_dtypes, _warn_master_replaced, torch)
+from ._strided import check_spans
+from .optimizer import (Optimizer, Step, _StateView, _frozen, _groups_arg, _is_torch,
+                        _maximize, _slots, _torch_dtypes, _warn_master_replaced, torch)
 from .steps import dtype_name
 
 import numpy as np
@@ -85,7 +86,7 @@ class MixedOptimizer(Optimizer):
 
     def __init__(self, step, params, *, lr=None, betas=None, eps=None,
                  weight_decay=None, momentum=None, dampening=None,
-                 bias_correction=None, num_threads=None, loss_scaler=None,
+                 bias_correction=None, maximize=None, num_threads=None, loss_scaler=None,
                  seed=None, process_group=None, comm=None, grad_divisor=None,
                  bucket_elems=None, zero3_gather="step", grad_accumulation="hooks",
                  device_allocator=None):
@@ -158,7 +159,8 @@ class MixedOptimizer(Optimizer):
         if loss_scaler is not None:
             self._scaler_cfg = self._scaler_config(**loss_scaler)
         kw = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                  momentum=momentum, dampening=dampening, bias_correction=bias_correction)
+                  momentum=momentum, dampening=dampening, bias_correction=bias_correction,
+                  maximize=maximize)
         self._given = {k: v for k, v in kw.items() if v is not None}
         bad = [k for k in _slots(self._given, first.hypers) if k not in first.hypers]
         if bad:
@@ -176,8 +178,7 @@ class MixedOptimizer(Optimizer):
         self._res = _lib.StepResult()
         self._res_ref = ctypes.byref(self._res)
         self._harr_key = None
-        groups = list(params) if not (_is_torch(params) or isinstance(params, np.ndarray)) \
-            else [params]
+        groups = _groups_arg(params)
         if not groups:
             raise ZoptError(Status.INVALID_ARGUMENT, "optimizer got an empty parameter list")
         if not isinstance(groups[0], dict):
@@ -337,19 +338,8 @@ class MixedOptimizer(Optimizer):
 
     def _check_overlaps(self):
         """Params of different classes must not share memory either."""
-        spans = []
-        for o in self._plist:
-            for t, e in enumerate(o._entries):
-                if e.numel and t not in o._released:
-                    dev = "cuda" if e.cuda else "cpu"
-                    ptr = e.param.data_ptr() if e.torch else e.param.ctypes.data
-                    spans.append((dev, ptr, ptr + e.nbytes, e.name))
-        spans.sort()
-        for a, b in zip(spans, spans[1:]):
-            if a[0] == b[0] and b[1] < a[2]:
-                raise ZoptError(Status.INVALID_ARGUMENT,
-                                f"{a[3]} and {b[3]} overlap in memory (views of one "
-                                "storage): each param must have memory of its own")
+        check_spans([e for o in self._plist for t, e in enumerate(o._entries)
+                      if e.numel and t not in o._released])
 
     def _route(self, p):
         """(part, local tensor index) of a param or a global tensor index."""
@@ -392,13 +382,14 @@ class MixedOptimizer(Optimizer):
         keys = self._hyper_keys()
         for gid, g in enumerate(groups):
             self._check_group_params(gid, g)
-            if "maximize" in g or "amsgrad" in g:
+            if "amsgrad" in g:
                 for o in self._plist:
                     o._check_rule_flags(g, f"param_groups[{gid}]")
             raw = tuple(_frozen(g.get(k)) for k in keys)
             if raw == self._pushed_raw[gid]:
                 continue
             _slots(g, self.step_obj.hypers)  # refused before any part changes
+            _maximize(g)
             vals = {k: v for k, v in g.items() if k != "params"}
             for o in self._plist:
                 o.param_groups[gid].update(vals)
@@ -473,7 +464,7 @@ class MixedOptimizer(Optimizer):
             return loss
         hs = tuple(o._h.value for o in parts)
         if hs != self._harr_key:
-            self._harr = (ctypes.c_void_p * len(hs))(*hs)
+            self._harr_keep, self._harr = _lib.c_array(ctypes.c_void_p, hs)
             self._harr_key = hs
         t1 = time.perf_counter()
         st = self._lib.zopt_optimizer_step_linked(self._harr, len(hs), self._res_ref)

@@ -60,11 +60,11 @@ import weakref
 
 import numpy as np
 
-from . import _ckpt, _lib
+from . import _ckpt, _lib, _strided
 from ._collective import collective_errors
-from ._lib import (DType, HyperKind, StateKind, Status, ZoptError, check, lib,
-                   DTYPE_ITEMSIZE, DTYPE_NAMES, HYPER_BY_NAME, HYPER_NAMES,
-                   STATE_BY_NAME, STATE_NAMES)
+from ._lib import (DType, HyperKind, StateKind, Status, ZoptError, ZoptTypeError,
+                   ZoptValueError, check, lib, DTYPE_ITEMSIZE, DTYPE_NAMES, HYPER_BY_NAME,
+                   HYPER_NAMES, STATE_BY_NAME, STATE_NAMES)
 from ._watch import Sampler
 
 try:  # torch is optional
@@ -126,18 +126,7 @@ def _kind(kind):
     return StateKind(int(kind))
 
 
-def _dense(t):
-    """True if a torch tensor's elements fill one block of memory without
-    overlap (contiguous, channels_last, transposed, ...)."""
-    if t.is_contiguous():
-        return True
-    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.size()) if sz != 1)
-    expect = 1
-    for st, sz in dims:
-        if st != expect:
-            return False
-        expect *= sz
-    return True
+_dense = _strided.dense
 
 
 def _untrained(p):
@@ -346,6 +335,13 @@ class Step:
     def adam_like(self):
         return "eps" in self.hypers and StateKind.EXP_AVG_SQ in self.state_flags
 
+    @property
+    def plain_sgd(self):
+        """SGD without momentum (torch.optim.SGD with momentum 0): an lr, no
+        moment slots, no states but a master."""
+        return "lr" in self.hypers and not {"beta1", "eps", "momentum"} & set(self.hypers) \
+            and not set(self.owned_states) - {StateKind.MASTER}
+
     def __repr__(self):
         st = ", ".join(f"{STATE_NAMES[k]}:{DTYPE_NAMES[dt]}" for k, dt, _ in self.states)
         return f"<zopt.Step {self.name} [{st}] hypers={list(self.hypers)}>"
@@ -360,8 +356,8 @@ class Step:
 # ---- hyperparameters of a group ------------------------------------------
 
 def _bool_hyper(name, v):
-    """bias_correction: True/False (or exactly 0/1), like the C API's
-    range but without its values in between."""
+    """bias_correction, maximize: True/False (or exactly 0/1), like the C
+    API's range but without its values in between."""
     if isinstance(v, (bool, np.bool_)):
         return 1.0 if v else 0.0
     try:
@@ -370,8 +366,13 @@ def _bool_hyper(name, v):
         f = None
     if f in (0.0, 1.0):
         return f
-    raise ZoptError(Status.INVALID_ARGUMENT,
-                    f"{name} = {v!r} must be True or False (or 0/1)")
+    raise ZoptValueError(f"{name} = {v!r} must be True or False (or 0/1)")
+
+
+def _maximize(group):
+    """A group's torch.optim ``maximize`` flag (absent: False)."""
+    v = group.get("maximize", False)
+    return False if v is None else bool(_bool_hyper("maximize", v))
 
 
 def _slots(group, hypers):
@@ -388,14 +389,31 @@ def _slots(group, hypers):
             except TypeError:
                 b = ()
             if len(b) != 2:
-                raise ZoptError(Status.INVALID_ARGUMENT,
-                                f"betas must be a pair, got {val!r}")
-            out["beta1"], out["beta2"] = float(b[0]), float(b[1])
+                raise ZoptValueError(f"betas must be a pair, got {val!r}")
+            try:
+                out["beta1"], out["beta2"] = float(b[0]), float(b[1])
+            except (TypeError, ValueError):
+                raise ZoptValueError(f"betas must be a pair of numbers, got {val!r}") from None
         elif key == "bias_correction":
             out[key] = _bool_hyper(key, val)
         elif key in HYPER_BY_NAME:
-            out[key] = float(val)
+            try:
+                out[key] = float(val)
+            except (TypeError, ValueError):
+                raise ZoptValueError(f"{key} = {val!r} is not a number") from None
     return out
+
+
+def _groups_arg(params):
+    """The ``params`` argument as a list (of tensors, pairs or group dicts).
+    A bare tensor is refused as torch refuses it (TypeError, torch's text):
+    iterating it would give its rows."""
+    if _is_torch(params):
+        raise ZoptTypeError("params argument given to the optimizer should be an iterable "
+                            "of Tensors or dicts, but got " + torch.typename(params))
+    if isinstance(params, np.ndarray):  # numpy: refused with its reason by _entry
+        return [params]
+    return list(params)
 
 
 def _frozen(v):
@@ -523,7 +541,7 @@ class _Entry:
     """One registered tensor."""
     __slots__ = ("param", "grad", "auto", "torch", "cuda", "numel", "group",
                  "pptr", "gptr", "nbytes", "gbytes", "shape", "stride", "name",
-                 "frozen")
+                 "frozen", "dense")
 
     def __repr__(self):
         return f"<{self.name}>"
@@ -788,7 +806,7 @@ class Optimizer(_Base):
 
     def __init__(self, step, params, *, lr=None, betas=None, eps=None,
                  weight_decay=None, momentum=None, dampening=None,
-                 bias_correction=None, num_threads=None, loss_scaler=None,
+                 bias_correction=None, maximize=None, num_threads=None, loss_scaler=None,
                  seed=None, process_group=None, comm=None, grad_divisor=None,
                  bucket_elems=None, zero3_gather="step", grad_accumulation="hooks",
                  device_allocator=None, grad_streaming=False):
@@ -858,7 +876,7 @@ class Optimizer(_Base):
         # Defaults: every slot of the step, from the keywords or the step.
         kw = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                   momentum=momentum, dampening=dampening,
-                  bias_correction=bias_correction)
+                  bias_correction=bias_correction, maximize=maximize)
         given = {k: v for k, v in kw.items() if v is not None}
         bad = [k for k in _slots(given, step.hypers) if k not in step.hypers]
         if bad:
@@ -874,8 +892,7 @@ class Optimizer(_Base):
         self._entries = []
         self._grad_flats = []
         self._state_view = _StateView(self)
-        groups = list(params) if not (_is_torch(params) or isinstance(params, np.ndarray)) \
-            else [params]
+        groups = _groups_arg(params)
         if not groups:
             raise ZoptError(Status.INVALID_ARGUMENT, "optimizer got an empty parameter list")
         if not isinstance(groups[0], dict):
@@ -918,6 +935,7 @@ class Optimizer(_Base):
             out[name] = bool(dflt) if name == "bias_correction" else float(dflt)
         if "bias_correction" in out:
             out["bias_correction"] = bool(_bool_hyper("bias_correction", out["bias_correction"]))
+        out["maximize"] = _maximize(out)  # torch's per-group flag (a runtime group flag)
         return out
 
     def _add_group_py(self, g):
@@ -967,6 +985,7 @@ class Optimizer(_Base):
     def _entry(self, gid, i, p):
         e = _Entry()
         e.group = gid
+        e.dense = None  # a strided param's registered dense copy (_layout)
         if isinstance(p, (tuple, list)):
             if len(p) != 2:
                 raise ZoptError(Status.INVALID_ARGUMENT,
@@ -1028,10 +1047,19 @@ class Optimizer(_Base):
         return e
 
     def _layout(self, e):
-        """e's param memory, size and layout, checked against the step."""
+        """e's param memory, size and layout, checked against the step. A
+        strided (non-dense) torch param gets a dense copy, registered in its
+        place (zopt/_strided.py); its gradient and states are contiguous."""
         want = self.step_obj.param_dtype
         param = e.param
-        pptr, numel, dt = self._buffer(param, e.name)
+        e.dense = None
+        why = None
+        if e.torch and param.numel() and not _dense(param):
+            why = _strided.unsupported(self, e)
+            if why is None:
+                e.dense = _strided.make_copy(param)
+        pptr, numel, dt = self._buffer(param if e.dense is None else e.dense, e.name,
+                                       strided_why=why)
         if dt != want:
             raise ZoptError(Status.INVALID_ARGUMENT,
                             f"{e.name}: dtype {DTYPE_NAMES.get(dt)} does not match the "
@@ -1041,12 +1069,13 @@ class Optimizer(_Base):
         e.nbytes = numel * DTYPE_ITEMSIZE[dt]
         e.cuda = e.torch and param.device.type == "cuda"
         e.shape = tuple(param.shape)
-        e.stride = tuple(param.stride()) if e.torch else None
+        e.stride = tuple((param if e.dense is None else e.dense).stride()) if e.torch else None
         e.gbytes = numel * DTYPE_ITEMSIZE[self.step_obj.grad_dtype]
 
     @staticmethod
-    def _buffer(x, what):
-        """(data pointer, numel, zopt dtype) of a numpy array / torch tensor."""
+    def _buffer(x, what, strided_why=None):
+        """(data pointer, numel, zopt dtype) of a numpy array / torch tensor
+        (``strided_why``: why a strided param cannot be stepped here)."""
         if _is_torch(x):
             if x.device.type not in ("cpu", "cuda"):
                 raise ZoptError(Status.UNSUPPORTED, f"{what} is on {x.device}; "
@@ -1058,9 +1087,11 @@ class Optimizer(_Base):
                 raise ZoptError(Status.INVALID_ARGUMENT,
                                 f"{what}: dtype {x.dtype} is not f32/bf16/f16")
             if x.numel() and not _dense(x):
+                why = f" ({strided_why})" if strided_why else ""
                 raise ZoptError(Status.INVALID_ARGUMENT,
                                 f"{what} is not dense in memory (strides {tuple(x.stride())} "
-                                f"for shape {tuple(x.shape)}: a strided or expanded view); "
+                                f"for shape {tuple(x.shape)}: a strided or expanded view), "
+                                f"which this optimizer cannot step{why}; "
                                 "pass a tensor that owns its memory, e.g. "
                                 "`p.data = p.data.contiguous()` before building the optimizer")
             return (x.data_ptr() if x.numel() else 0), x.numel(), dt
@@ -1082,20 +1113,8 @@ class Optimizer(_Base):
     def _check_overlaps(self):
         """Params (and explicit grads) must not share memory: two views of
         one storage would be updated twice per step."""
-        spans = []
-        for t, e in enumerate(self._entries):
-            if e.numel and t not in self._released and t not in self._excluded:
-                dev = "cuda" if e.cuda else "cpu"
-                ptr = e.param.data_ptr() if e.torch else e.param.ctypes.data
-                spans.append((dev, ptr, ptr + e.nbytes, e.name))
-                if not e.auto:
-                    spans.append((dev, e.gptr, e.gptr + e.gbytes, e.name + "'s grad"))
-        spans.sort()
-        for a, b in zip(spans, spans[1:]):
-            if a[0] == b[0] and b[1] < a[2]:
-                raise ZoptError(Status.INVALID_ARGUMENT,
-                                f"{a[3]} and {b[3]} overlap in memory (views of one "
-                                "storage): each param must have memory of its own")
+        _strided.check_spans([e for t, e in enumerate(self._entries)
+                      if e.numel and t not in self._released and t not in self._excluded])
 
     def _alloc_grads(self, entries):
         """The gradient memory of torch params given alone: one flat buffer
@@ -1305,8 +1324,12 @@ class Optimizer(_Base):
                 g = ctypes.c_int()
                 check(L.zopt_optimizer_add_group(h, ctypes.byref(g)), "zopt_optimizer_add_group")
                 for name, val in _slots(self.param_groups[gid], self.step_obj.hypers).items():
-                    check(L.zopt_optimizer_set_hyper(h, ng, name.encode(), float(val)),
-                          f"param group {gid}: {name}={val!r}")
+                    _lib.check_value(
+                        L.zopt_optimizer_set_hyper(h, ng, name.encode(), float(val)),
+                        f"param group {gid}: {name}={val!r}")
+                if _maximize(self.param_groups[gid]):
+                    check(L.zopt_optimizer_set_group_flags(h, ng, _lib.GROUP_MAXIMIZE),
+                          f"param group {gid}: maximize=True")
             excluded = self._excluded
             for t, e in enumerate(self._entries):
                 tid = ctypes.c_int()
@@ -1345,12 +1368,15 @@ class Optimizer(_Base):
         check(L.zopt_optimizer_get_world(h, ctypes.byref(r), ctypes.byref(w)), "get_world")
         self.rank, self.world_size = r.value, w.value
         self._pushed = [_slots(g, self.step_obj.hypers) for g in self.param_groups]
+        self._pushed_max = [_maximize(g) for g in self.param_groups]
         self._pushed_raw = [self._raw_hypers(g) for g in self.param_groups]
         self._group_params = [tuple(g["params"]) for g in self.param_groups]
         T = len(self._entries)
         self._active = bytearray(b"\x01" * T)
-        self._active_c = (ctypes.c_uint8 * max(T, 1)).from_buffer(
-            self._active if T else bytearray(1))
+        # the mask's address for set_active (a c_char over the bytearray:
+        # no ctypes array type, which would be left behind as garbage)
+        self._active_c = ctypes.c_char.from_buffer(self._active if T else bytearray(1))
+        self._active_addr = ctypes.addressof(self._active_c)
         self._mask_all = True
         self._gpu_missing = []
         self._step_fn = L.zopt_optimizer_step
@@ -1382,6 +1408,7 @@ class Optimizer(_Base):
         self._tp_params = [ents[t].param for t in self._tp_tids]
         self._tp_index = {t: j for j, t in enumerate(self._tp_tids)}
         self._tp_ptrs = self._current_ptrs()
+        self._strided = [t for t, e in enumerate(ents) if e.dense is not None]
         self._watch = self.step_obj.has_master or self.step_obj.zero3
         self._one_pass = bool(self._a_tids) and self._a_tids == self._tp_tids \
             and not self._main
@@ -1414,7 +1441,8 @@ class Optimizer(_Base):
         for t, e in enumerate(self._entries):
             if e.cuda or t in self._released or not e.numel or t in self._excluded:
                 continue
-            ptr = e.param.data_ptr() if e.torch else e.param.ctypes.data
+            ptr = e.dense.data_ptr() if e.dense is not None else \
+                e.param.data_ptr() if e.torch else e.param.ctypes.data
             ent.append((t, ptr, e.numel))
         s = Sampler(es, ent)
         if not s.empty:
@@ -1837,8 +1865,10 @@ class Optimizer(_Base):
         """The runtime reads tensor tids[i]'s gradient at ptrs[i] (None:
         no memory) from the next step on; one call for all of them."""
         n = len(tids)
-        check(self._lib.zopt_optimizer_set_grad_memory(
-            self._h, n, (ctypes.c_int32 * n)(*tids), (ctypes.c_void_p * n)(*ptrs)), what)
+        ta, tp = _lib.c_array(ctypes.c_int32, tids)  # (ta, pa: alive across the call)
+        pa, pp = _lib.c_array(ctypes.c_void_p, ptrs)
+        check(self._lib.zopt_optimizer_set_grad_memory(self._h, n, ta.ctypes.data,
+                                                       pa.ctypes.data), what)
 
     def _register_grad(self, t, g):
         """The runtime reads tensor t's gradient from g (a user's main_grad)
@@ -1936,7 +1966,7 @@ class Optimizer(_Base):
         if all_on:
             check(self._lib.zopt_optimizer_set_active(self._h, None, 0), "set_active")
         else:
-            check(self._lib.zopt_optimizer_set_active(self._h, self._active_c, len(act)),
+            check(self._lib.zopt_optimizer_set_active(self._h, self._active_addr, len(act)),
                   "set_active")
         self._mask_all = all_on
         self._active_elems = int(np.dot(np.frombuffer(act, dtype=np.uint8).astype(np.int64),
@@ -1956,6 +1986,8 @@ class Optimizer(_Base):
                 ptrs = self._current_ptrs()
             if ptrs != self._tp_ptrs:
                 moved = self._moved(ptrs)
+        if self._strided:  # the registered dense copies <- the strided params
+            _strided.copy_in(self._entries, self._strided)
         if not self._watch and not moved:
             return
         changed = set()
@@ -1997,6 +2029,9 @@ class Optimizer(_Base):
                 what = f"dtype {p.dtype}"
             elif (p.device.type == "cuda") != e.cuda:
                 what = f"device {p.device}"
+            elif e.dense is not None:  # stepped through its dense copy: any layout
+                if _strided.overlapping(p):
+                    what = f"strides {tuple(p.stride())} (overlapping elements)"
             elif tuple(p.stride()) != e.stride:
                 what = f"strides {tuple(p.stride())} (was {e.stride})"
             if what is not None:
@@ -2018,6 +2053,9 @@ class Optimizer(_Base):
         new storage, every state kept."""
         if self.step_obj.zero3:
             return
+        tids = [t for t in tids if self._entries[t].dense is None]
+        if not tids:  # strided params: their registered copies did not move
+            return
         snap = self._snapshot()
         for t in tids:
             self._entries[t].pptr = self._entries[t].param.data_ptr()
@@ -2032,7 +2070,7 @@ class Optimizer(_Base):
         if self.step_obj.zero3 and self._released:
             self.gather_params([self._entries[t].param for t in sorted(self._released)])
         for e in self._entries:
-            if e.torch and e.numel:
+            if e.torch and e.numel and e.dense is None:
                 e.pptr = e.param.data_ptr()
 
     def _refresh(self, tids):
@@ -2090,19 +2128,15 @@ class Optimizer(_Base):
             hyp = self.step_obj.hypers
             ks = [k for k in ("lr", "betas", "beta1", "beta2", "eps", "weight_decay",
                               "momentum", "dampening", "bias_correction")
-                  if k in hyp or (k == "betas" and "beta1" in hyp)]
+                  if k in hyp or (k == "betas" and "beta1" in hyp)] + ["maximize"]
             self._hkeys = ks
         return ks
 
     def _check_rule_flags(self, group, where):
-        """torch.optim's per-group flags that change the update rule
-        (maximize, amsgrad) are compiled into a zopt step: a group that asks
-        for another rule is refused, never silently stepped with the
-        compiled one."""
-        if group.get("maximize"):
-            raise ZoptError(Status.INVALID_ARGUMENT,
-                            f"{where} has maximize=True: zopt steps minimize (negate the "
-                            "loss, or the gradients, instead)")
+        """torch.optim's per-group amsgrad flag changes the update rule,
+        which is compiled into a zopt step: a group that asks for another
+        rule is refused, never silently stepped with the compiled one.
+        (maximize is a runtime group flag: pushed like a hyperparameter.)"""
         a = group.get("amsgrad")
         if a is not None:
             s = self.step_obj
@@ -2121,7 +2155,7 @@ class Optimizer(_Base):
                             "param_groups changed length: add groups with add_param_group()")
         for gid, group in enumerate(groups):
             self._check_group_params(gid, group)
-            if "maximize" in group or "amsgrad" in group:
+            if "amsgrad" in group:
                 self._check_rule_flags(group, f"param_groups[{gid}]")
             self._push_group(gid, group)
 
@@ -2140,11 +2174,14 @@ class Optimizer(_Base):
         if raw == self._pushed_raw[gid]:
             return
         slots = _slots(group, self.step_obj.hypers)
+        maximize = _maximize(group)
         pushed = self._pushed[gid]
         for name, val in slots.items():
             if pushed.get(name) != val:
                 self._set_hyper(gid, name, val)
                 pushed[name] = val
+        if maximize != self._pushed_max[gid]:
+            self._set_maximize(gid, maximize)
         self._pushed_raw[gid] = raw
 
     def _group_assigned(self, group):
@@ -2171,8 +2208,35 @@ class Optimizer(_Base):
                 "before it")
         h = self._handle()
         for ng in self._native_gids(gid):
-            check(self._lib.zopt_optimizer_set_hyper(h, ng, name.encode(), float(value)),
-                  f"set_hyper(group {gid}, {name}={value!r})")
+            _lib.check_value(
+                self._lib.zopt_optimizer_set_hyper(h, ng, name.encode(), float(value)),
+                f"set_hyper(group {gid}, {name}={value!r})")
+
+    def _set_maximize(self, gid, on):
+        """torch's ``maximize`` of param group gid -> the runtime's group
+        flag (every native group of it; the gradient's sign). GPU steps:
+        written into the device's table at once, never inside a capture."""
+        if self.step_obj.gpu and self._capturing():
+            raise ZoptError(
+                Status.BAD_STATE,
+                f"param_groups[{gid}]: maximize = {on!r} inside a CUDA graph capture "
+                "(torch.cuda.graph): the flag is the sign of the group's gradient scale in "
+                "the device's table, which a capture cannot change. Set it before capturing "
+                "or between replays")
+        h = self._handle()
+        for ng in self._native_gids(gid):
+            check(self._lib.zopt_optimizer_set_group_flags(
+                h, ng, _lib.GROUP_MAXIMIZE if on else 0),
+                f"param_groups[{gid}]: maximize={on}")
+        self._pushed_max[gid] = on
+
+    def _push_flags(self):
+        """Every group's maximize flag, after a load or rebuild (the
+        runtime's checkpoint files may not carry it; param_groups are the
+        truth)."""
+        self._pushed_max = [None] * len(self.param_groups)
+        for gid, g in enumerate(self.param_groups):
+            self._set_maximize(gid, _maximize(g))
 
     def get_hyper(self, gid, name):
         v = ctypes.c_double()
@@ -2180,6 +2244,14 @@ class Optimizer(_Base):
                                                  ctypes.byref(v)),
               f"get_hyper(group {gid}, {name})")
         return v.value
+
+    def get_group_flags(self, gid):
+        """The runtime's ZOPT_GROUP_* flags of param group gid (bit 0:
+        maximize, pushed from param_groups at each step)."""
+        fl = ctypes.c_uint32()
+        check(self._lib.zopt_optimizer_get_group_flags(self._handle(), gid, ctypes.byref(fl)),
+              f"get_group_flags(group {gid})")
+        return fl.value
 
     def set_hyper(self, gid, name, value):
         """Sets one slot now (and mirrors it into param_groups)."""
@@ -2192,6 +2264,7 @@ class Optimizer(_Base):
         """param_groups[gid] and the pushed cache <- the runtime's values."""
         group = self.param_groups[gid]
         vals = {name: self.get_hyper(gid, name) for name in self.step_obj.hypers}
+        flags = self.get_group_flags(gid)
         self._mute_groups = True  # the runtime's own values: nothing to push
         try:
             for name, v in vals.items():
@@ -2200,9 +2273,11 @@ class Optimizer(_Base):
                 group[name] = bool(v) if name == "bias_correction" else v
             if "beta1" in vals or "beta2" in vals:
                 group["betas"] = (vals.get("beta1"), vals.get("beta2"))
+            group["maximize"] = bool(flags & _lib.GROUP_MAXIMIZE)
         finally:
             self._mute_groups = False
         self._pushed[gid] = _slots(group, self.step_obj.hypers)
+        self._pushed_max[gid] = group["maximize"]
         self._pushed_raw[gid] = self._raw_hypers(group)
 
     @property
@@ -2311,6 +2386,8 @@ class Optimizer(_Base):
         self.last_skipped = bool(r.skipped)
         self.last_loss_scale = r.loss_scale
         self.steps_taken += 1
+        if self._strided and not r.skipped:  # the updated copies -> the strided params
+            _strided.copy_out(self._entries, self._strided)
         cfg = self._scaler_cfg
         if self.step_obj.loss_scaled and not self._on_cuda:
             if cfg is None or cfg["dynamic"]:
@@ -2521,6 +2598,8 @@ class Optimizer(_Base):
             self._handle(), t, int(k), ctypes.c_void_p(a.ctypes.data if n else None), n),
             f"write_state({t}, {STATE_NAMES[k]})")
         if k == StateKind.PARAM:
+            if self._entries[t].dense is not None:
+                _strided.copy_out(self._entries, [t])
             self._reset_watch()
         if k == StateKind.MASTER and n:
             m = self._read_raw(t, StateKind.MASTER)
@@ -2553,6 +2632,8 @@ class Optimizer(_Base):
         check(self._lib.zopt_optimizer_write_state_raw(
             self._h, t, int(k), ctypes.c_void_p(a.ctypes.data if a.size else None),
             a.nbytes), f"write_state_raw({t}, {STATE_NAMES[k]})")
+        if k == StateKind.PARAM and self._entries[t].dense is not None:
+            _strided.copy_out(self._entries, [t])
 
     def memory_info(self):
         m = _lib.MemoryInfo()
@@ -2568,6 +2649,8 @@ class Optimizer(_Base):
         self._handle()
         tids = range(len(self._entries)) if params is None else [self._tid(p) for p in params]
         tids = [t for t in tids if t not in self._released]
+        if self._strided:  # the registered copies read the params' current values
+            _strided.copy_in(self._entries, self._strided)
         self._refresh(list(tids))
 
     # ---- memory layout helpers -----------------------------------------------------------
@@ -2899,7 +2982,11 @@ class Optimizer(_Base):
             if e.torch:
                 src = _from_bits(b, s.param_dtype).to(e.param.device)
                 with torch.no_grad():
-                    e.param.data.as_strided((e.numel,), (1,)).copy_(src)
+                    if e.dense is not None:  # a strided param and its registered copy
+                        e.dense.view(-1).copy_(src)
+                        e.param.data.copy_(e.dense)
+                    else:
+                        e.param.data.as_strided((e.numel,), (1,)).copy_(src)
             else:
                 e.param.reshape(-1)[...] = np.ascontiguousarray(b).view(e.param.dtype)
         # new baselines for the written params only: a write into another
@@ -3034,6 +3121,7 @@ class Optimizer(_Base):
         self._scaler_cfg = dict(cfg)
         self._good_steps = good
         self._seed = snap["seed"]
+        self._push_flags()
         self._reset_watch()
 
     @staticmethod
@@ -3125,6 +3213,9 @@ class Optimizer(_Base):
                       for k, v in g.items() if k != "params"}
             if s.adam_like:
                 packed.setdefault("amsgrad", StateKind.MAX_EXP_AVG_SQ in s.state_flags)
+            if s.plain_sgd:  # torch.optim.SGD's keys of its momentum-0 rule
+                for k, v in (("momentum", 0.0), ("dampening", 0.0), ("nesterov", False)):
+                    packed.setdefault(k, v)
             packed["params"] = list(range(start, start + len(g["params"])))
             start += len(g["params"])
             groups.append(packed)
@@ -3198,17 +3289,17 @@ class Optimizer(_Base):
         problems = []
         new_groups = []
         for gid, g in enumerate(saved):
-            if g.get("maximize"):
-                raise ZoptError(Status.CHECKPOINT,
-                                f"state_dict's param group {gid} has maximize=True, which "
-                                "zopt steps do not do")
             ng = {k: v for k, v in g.items() if k != "params"}
             for key in list(ng):
                 slot_names = ["beta1", "beta2"] if key == "betas" else [key]
                 if key in HYPER_BY_NAME or key == "betas":
                     missing = [n for n in slot_names if n not in s.hypers]
                     if missing:
-                        problems.append(f"group {gid} has the hyperparameter '{key}'")
+                        # torch's SGD with momentum 0 into plain SGD: the
+                        # same rule (dampening is unused without momentum)
+                        if not (s.plain_sgd and key in ("momentum", "dampening")
+                                and not ng.get("momentum")):
+                            problems.append(f"group {gid} has the hyperparameter '{key}'")
                         del ng[key]
             if s.adam_like and "amsgrad" in ng:
                 mine = StateKind.MAX_EXP_AVG_SQ in s.state_flags
@@ -3219,22 +3310,29 @@ class Optimizer(_Base):
             merged = dict(self.param_groups[gid])
             merged.update(ng)
             new_groups.append(self._complete_group(merged))
-        present = set()
+        # States by torch's keys. A key whose value is None (torch's SGD:
+        # momentum_buffer None for momentum 0, or a param never stepped with
+        # momentum) is a state not made yet: neither extra nor lacking; the
+        # param starts it afresh, as torch would.
+        present, named = set(), set()
         for pid, st in sd["state"].items():
             if pid not in id_map:
                 raise ZoptError(Status.CHECKPOINT,
                                 f"state_dict has state for param {pid!r}, which no group lists")
             for key, v in st.items():
-                if key == "step" or v is None:
+                if key == "step":
                     continue
                 k = KIND_OF_KEY.get(key)
                 if k is None:
-                    problems.append(f"it has the state '{key}'")
+                    if v is not None:
+                        problems.append(f"it has the state '{key}'")
                 elif k != StateKind.PARAM:
-                    present.add(k)
+                    named.add(k)
+                    if v is not None:
+                        present.add(k)
         mine = set(s.owned_states)
         extra = present - mine
-        lacking = (mine - present - {StateKind.MASTER}) if sd["state"] else set()
+        lacking = (mine - named - {StateKind.MASTER}) if sd["state"] else set()
         for k in sorted(extra):
             problems.append(f"it has the state '{TORCH_KEY[k]}'")
         for k in sorted(lacking):
@@ -3262,9 +3360,7 @@ class Optimizer(_Base):
                 if any(v is not None for v in st.values()):
                     dropped.append(e.name)
                 continue
-            stv = st.get("step", 0)
-            steps[t] = int(float(stv.item() if _is_torch(stv) else np.asarray(stv).item())) \
-                if stv is not None else 0
+            steps[t] = self._loaded_step(e, st, kinds)
             for key, v in st.items():
                 k = KIND_OF_KEY.get(key)
                 if k is None or v is None or k not in kinds or not e.numel:
@@ -3333,6 +3429,30 @@ class Optimizer(_Base):
                 "set requires_grad=True on those params before building the optimizer",
                 UserWarning, stacklevel=3)
         return fixes, mtids, set(fixes)
+
+    def _loaded_step(self, e, st, kinds):
+        """The step count of a param from its state_dict entry: 'step' (an
+        int, a float or a one-element tensor, as torch 1.13 and 2.x store
+        it). torch's SGD stores none: a param with a momentum buffer has
+        stepped (count 1, so that the next step, t = 2, continues the buffer
+        instead of starting it over with buf = g as at t = 1); one without
+        (momentum_buffer None) starts afresh (0). Adam's bias correction
+        needs the true count: its moments without a 'step' are refused."""
+        stv = st.get("step")
+        if stv is not None:
+            try:
+                return self._step_value(stv, f"state_dict: {e.name}: 'step'")
+            except ZoptError as err:
+                raise ZoptError(Status.CHECKPOINT, err.message) from None
+        held = [key for key, v in st.items()
+                if v is not None and KIND_OF_KEY.get(key) in kinds]
+        if not held:
+            return 0
+        if self.step_obj.adam_like:
+            raise ZoptError(Status.CHECKPOINT,
+                            f"state_dict: {e.name} has {', '.join(held)} but no 'step': "
+                            "Adam's bias correction needs the param's step count")
+        return 1
 
     def _file_cohorts(self, path):
         """GPU steps: the extra native groups of a checkpoint file written by
@@ -3411,10 +3531,11 @@ class Optimizer(_Base):
                 run.append(t)
                 continue
             if run:
-                dst = (ctypes.c_void_p * len(run))(
-                    *[self._entries[u].param.data_ptr() if self._entries[u].numel else None
-                      for u in run])
-                check(self._lib.zopt_optimizer_gather_params(h, run[0], len(run), dst),
+                dst, _ = _lib.c_array(ctypes.c_void_p, [
+                    self._entries[u].param.data_ptr() if self._entries[u].numel else None
+                    for u in run])
+                check(self._lib.zopt_optimizer_gather_params(h, run[0], len(run),
+                                                             dst.ctypes.data),
                       "zopt_optimizer_gather_params")
             run = [t] if t is not None else []
         self._seen(tids)

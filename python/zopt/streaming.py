@@ -50,6 +50,7 @@ import weakref
 
 import numpy as np
 
+from . import _lib
 from ._lib import Status, ZoptError, check
 
 try:
@@ -129,11 +130,11 @@ class GradStreamer:
         T = len(o._entries)
         b_tensors = []
         cap = max(T, 1)
-        ids = (ctypes.c_int * cap)()
+        ids_keep, ids = _lib.c_array(ctypes.c_int, [0] * cap)
         for b in range(nb):
             check(L.zopt_optimizer_bucket_tensors(h, b, ids, cap, ctypes.byref(n)),
                   "zopt_optimizer_bucket_tensors")
-            b_tensors.append(list(ids[:n.value]))
+            b_tensors.append(ids_keep[:n.value].tolist())
         self.order = list(range(nb))  # the same on every rank
         pos_of = {b: i for i, b in enumerate(self.order)}
         first = [nb] * T
@@ -284,7 +285,7 @@ class GradStreamer:
         ents = o._entries
         ts = self.b_tensors[b]
         n = len(ts)
-        ptrs = (ctypes.c_void_p * max(n, 1))(*[self._grad_ptr(t, ents[t]) for t in ts])
+        keep, ptrs = _lib.c_array(ctypes.c_void_p, [self._grad_ptr(t, ents[t]) for t in ts])
         check(o._lib.zopt_optimizer_reduce_bucket_async(o._h, b, ptrs, n),
               "zopt_optimizer_reduce_bucket_async")
         self.reduced = True

@@ -648,7 +648,10 @@ zopt_status gpu_push(zopt_optimizer *o) {
     double *gl = &globals[gi * ZOPT_NUM_GLOBALS];
     gl[ZOPT_GLOBAL_STEP] = (double)(o->groups[gi].step_count + 1);
     gl[ZOPT_GLOBAL_CLIP_COEF] = 1.0;
-    gl[ZOPT_GLOBAL_GRAD_SCALE] = 1.0 / (S * grad_divisor(o));
+    // Negative for a maximizing group (ZOPT_GROUP_MAXIMIZE); FINISH keeps
+    // each group's sign when it rewrites the scale.
+    const double sign = (o->groups[gi].flags & ZOPT_GROUP_MAXIMIZE) ? -1.0 : 1.0;
+    gl[ZOPT_GLOBAL_GRAD_SCALE] = sign / (S * grad_divisor(o));
   }
   zopt_gpu_scaler sc;
   memset(&sc, 0, sizeof sc);

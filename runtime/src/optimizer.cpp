@@ -280,6 +280,37 @@ ZOPT_API zopt_status zopt_optimizer_get_hyper(const zopt_optimizer *o, int group
   return ZOPT_OK;
 }
 
+ZOPT_API zopt_status zopt_optimizer_set_group_flags(zopt_optimizer *o, int group, uint32_t flags) {
+  const char *fn = "zopt_optimizer_set_group_flags";
+  CHECK_OPT(o, "zopt_optimizer_set_group_flags");
+  if (zopt_status st = check_group(o, group, fn)) return st;
+  if (flags & ~ZOPT_GROUP_MAXIMIZE)
+    return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: flags 0x%x has unknown bits (known: ZOPT_GROUP_MAXIMIZE = 0x%x)", fn,
+                flags, ZOPT_GROUP_MAXIMIZE);
+  if (o->groups[group].flags == flags) return ZOPT_OK;
+  // GPU steps keep the gradient scale per group in the device's globals
+  // table (gpu_push writes sign / (S * D)); the step counts live there too:
+  // refresh them before pushing.
+  if (o->gpu && o->finalized)
+    if (zopt_status st = gpu_pull(o)) return st;
+  const uint32_t old = o->groups[group].flags;
+  o->groups[group].flags = flags;
+  if (o->gpu && o->finalized)
+    if (zopt_status st = gpu_push(o)) {
+      o->groups[group].flags = old;
+      return st;
+    }
+  return ZOPT_OK;
+}
+
+ZOPT_API zopt_status zopt_optimizer_get_group_flags(const zopt_optimizer *o, int group, uint32_t *flags) {
+  CHECK_OPT(o, "zopt_optimizer_get_group_flags");
+  if (!flags) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_get_group_flags: flags is NULL");
+  if (zopt_status st = check_group(o, group, "zopt_optimizer_get_group_flags")) return st;
+  *flags = o->groups[group].flags;
+  return ZOPT_OK;
+}
+
 ZOPT_API zopt_status zopt_optimizer_add_tensor(zopt_optimizer *o, int group, void *param, void *grad, int64_t numel,
                                                zopt_dtype dtype, int *tensor_id) {
   const char *fn = "zopt_optimizer_add_tensor";

@@ -212,6 +212,28 @@ static void run_step(const char *path) {
       }
   }
 
+  /* group flags (maximize) */
+  {
+    uint32_t f = 7;
+    ZT_OK(zopt_optimizer_get_group_flags(o, g0, &f));
+    ZT_CHECK(f == 0);
+    ZT_ERR(zopt_optimizer_set_group_flags(o, g0, 2u), ZOPT_ERR_INVALID_ARGUMENT);
+    ZT_CHECK(strstr(zopt_last_error(), "unknown bits") != NULL);
+    ZT_ERR(zopt_optimizer_set_group_flags(o, 9, ZOPT_GROUP_MAXIMIZE), ZOPT_ERR_INVALID_ARGUMENT);
+    ZT_ERR(zopt_optimizer_set_group_flags(o, -1, ZOPT_GROUP_MAXIMIZE), ZOPT_ERR_INVALID_ARGUMENT);
+    ZT_ERR(zopt_optimizer_set_group_flags(NULL, g0, ZOPT_GROUP_MAXIMIZE), ZOPT_ERR_INVALID_ARGUMENT);
+    ZT_ERR(zopt_optimizer_get_group_flags(o, g0, NULL), ZOPT_ERR_INVALID_ARGUMENT);
+    ZT_ERR(zopt_optimizer_get_group_flags(o, 9, &f), ZOPT_ERR_INVALID_ARGUMENT);
+    ZT_OK(zopt_optimizer_get_group_flags(o, g0, &f));
+    ZT_CHECK(f == 0); /* a refused call changes nothing */
+    ZT_OK(zopt_optimizer_set_group_flags(o, g1, ZOPT_GROUP_MAXIMIZE));
+    ZT_OK(zopt_optimizer_get_group_flags(o, g1, &f));
+    ZT_CHECK(f == ZOPT_GROUP_MAXIMIZE);
+    ZT_OK(zopt_optimizer_get_group_flags(o, g0, &f));
+    ZT_CHECK(f == 0);
+    ZT_OK(zopt_optimizer_set_group_flags(o, g1, 0));
+  }
+
   /* state access */
   float *buf = (float *)malloc(sizeof(float) * (size_t)numel[2]);
   ZT_OK(zopt_optimizer_read_state_f32(o, 0, ZOPT_STATE_PARAM, buf, numel[0])); /* user memory: fine */

@@ -115,6 +115,20 @@ ZOPT_API zopt_status zopt_optimizer_set_hyper(zopt_optimizer *opt, int group,
 ZOPT_API zopt_status zopt_optimizer_get_hyper(const zopt_optimizer *opt, int group,
                                      const char *name, double *value);
 
+/* Per-group flags (ZOPT_GROUP_* bits; 0 for a new group). Any time, like a
+ * hyperparameter: the next step uses them (GPU steps: written to the
+ * device's table, ordered after the steps already enqueued; refused while
+ * the stream captures a graph). Unknown bits are INVALID_ARGUMENT.
+ * ZOPT_GROUP_MAXIMIZE: torch.optim's `maximize=True`: the group's gradient
+ * is negated where it is read (the gradient scale of its coefficient rows
+ * is -1/(S*D)), so weight decay and every rule see -g as torch does; the
+ * global norm and the non-finite check do not change. */
+#define ZOPT_GROUP_MAXIMIZE 1u
+ZOPT_API zopt_status zopt_optimizer_set_group_flags(zopt_optimizer *opt, int group,
+                                           uint32_t flags);
+ZOPT_API zopt_status zopt_optimizer_get_group_flags(const zopt_optimizer *opt, int group,
+                                           uint32_t *flags);
+
 /* Tensor ids count 0, 1, ... over all groups in the order of the calls.
  * Registers a tensor: the user's param and grad memory (host pointers for
  * CPU-placed param/grad, device pointers for GPU-placed ones), its element

@@ -357,7 +357,10 @@ void prepare_rows(zopt_optimizer *o, bool rebuild, double clip, double gscale) {
     double globals[ZOPT_NUM_GLOBALS];
     globals[ZOPT_GLOBAL_STEP] = (double)P.rows[i].second;
     globals[ZOPT_GLOBAL_CLIP_COEF] = clip;
-    globals[ZOPT_GLOBAL_GRAD_SCALE] = gscale;
+    // A maximizing group (torch's maximize=True) reads -g: one sign in the
+    // gradient scale, before weight decay and every rule, as torch negates
+    // the gradient first. The norm's square and the skip are unchanged.
+    globals[ZOPT_GLOBAL_GRAD_SCALE] = (g.flags & ZOPT_GROUP_MAXIMIZE) ? -gscale : gscale;
     for (uint32_t h = 0; h < d->num_hypers; ++h) hyp[h] = g.hypers[h];
     o->step->prepare(hyp, globals, P.coeffs.data() + i * ZOPT_MAX_COEFFS);
   }
@@ -411,7 +414,10 @@ void run_update(zopt_optimizer *o, Work &w) {
 
 uint64_t hash_step_settings(const zopt_optimizer *o) {
   uint64_t h = fnv1a64(&o->seed, sizeof o->seed);
-  for (const Group &g : o->groups) h = fnv1a64(g.hypers.data(), g.hypers.size() * sizeof(double), h);
+  for (const Group &g : o->groups) {
+    h = fnv1a64(g.hypers.data(), g.hypers.size() * sizeof(double), h);
+    h = fnv1a64(&g.flags, sizeof g.flags, h);
+  }
   double D = grad_divisor(o);
   h = fnv1a64(&D, sizeof D, h);
   h = fnv1a64(&o->scaler.scale, sizeof o->scaler.scale, h);

@@ -152,3 +152,67 @@ zopt.program for "c" {
   zopt.update all on cpu
   zopt.finish on cpu
 }
+
+// -----
+
+// With loss scaling FINISH rewrites every group's gradient scale 1 / (S * D)
+// after the scaler's update, keeping each group's sign: a group stepped
+// with maximize (ZOPT_GROUP_MAXIMIZE) holds a negative scale, written by
+// the host, and keeps it.
+zk.descriptor {name = "s", zero_stage = 0 : i64, align = 1 : i64, flags = 6 : i64,
+  max_norm = 0.0 : f64, num_coeffs = 2 : i64,
+  state_kinds = array<i32: 1, 2>, state_dtypes = array<i32: 1, 3>,
+  state_placements = array<i32: 2, 2>, state_roundings = array<i32: 1, 1>,
+  state_inits = array<i32: 1, 1>, state_access = array<i32: 3, 1>, state_flags = array<i32: 0, 0>,
+  hyper_kinds = array<i32: 1>, hyper_defaults = array<f64: 0.001>,
+  hyper_mins = array<f64: 0.0>, hyper_maxs = array<f64: 1.0>,
+  hyper_max_exclusive = array<i32: 0>}
+zk.prepare @s_prepare {
+  %lr = zk.hyper 0
+  %c = arith.truncf %lr : f64 to f32
+  zk.set_coeff 0, %c : f32
+  %gs = zk.global 2
+  %gc = arith.truncf %gs : f64 to f32
+  zk.set_coeff 1, %gc : f32
+}
+zk.kernel @s_update update {
+  %p = zk.load 0 : f32
+  %g = zk.load 1 : f16
+  %gf = arith.extf %g : f16 to f32
+  %lr = zk.coeff 0
+  %s = zk.coeff 1
+  %gs = arith.mulf %gf, %s : f32
+  %d = arith.mulf %lr, %gs : f32
+  %p1 = arith.subf %p, %d : f32
+  zk.store 0, %p1 : f32 into f32
+}
+zk.kernel @s_sumsq sumsq {
+  %g = zk.load 1 : f16
+  %gf = arith.extf %g : f16 to f32
+  %s = zk.coeff 1
+  %gs = arith.mulf %gf, %s : f32
+  zk.accumulate_sumsq %gs : f32
+}
+// CHECK-LABEL: gpu.func @s_finish(
+// The scale 1 / (S * D), S the scaler's new scale, D its divisor (word 8).
+// CHECK: llvm.getelementptr %{{.+}}[8] : (!llvm.ptr<1>) -> !llvm.ptr<1>, f64
+// CHECK: %[[SD:.+]] = arith.mulf
+// CHECK: %[[INV:.+]] = arith.divf %{{.+}}, %[[SD]] : f64
+// Per group g: globals[3 g + 2] = old < 0 ? -inv : inv.
+// CHECK: scf.for
+// CHECK: arith.muli %{{.+}}, %c3_i64
+// CHECK: arith.addi %{{.+}}, %c2_i64
+// CHECK: %[[AT:.+]] = llvm.getelementptr
+// CHECK: %[[OLD:.+]] = llvm.load %[[AT]] : !llvm.ptr<1> -> f64
+// CHECK: %[[NEG:.+]] = arith.cmpf olt, %[[OLD]], %{{.+}} : f64
+// CHECK: %[[MINUS:.+]] = arith.negf %[[INV]] : f64
+// CHECK: %[[NEW:.+]] = arith.select %[[NEG]], %[[MINUS]], %[[INV]] : f64
+// CHECK: llvm.store %[[NEW]], %[[AT]] : f64, !llvm.ptr<1>
+// CHECK: gpu.return
+zopt.program for "s" {
+  zopt.prepare on gpu
+  zopt.norm_partials all on gpu
+  zopt.norm
+  zopt.update all on gpu
+  zopt.finish on gpu
+}

@@ -818,6 +818,24 @@ int gpu_main_check(Fake &f, zopt_step *step, const char *path) {
               sc->min_scale == 1 && sc->dynamic == 1 && sc->good_steps == 0,
           "loss scaler on the device: the configured scaler");
   }
+  // maximize (ZOPT_GROUP_MAXIMIZE) on group 1: its gradient scale in the
+  // device's globals table is negative, group 0's and the step counts stay
+  // (FINISH keeps each group's sign when it rewrites the scale, checked on
+  // its IR in test/Conversion/ZKToGPU); cleared, positive again.
+  {
+    const double inv = si.ls ? 1.0 / 1024 : 1.0;
+    const double t0 = gl[ZOPT_GLOBAL_STEP], t1 = gl[ZOPT_NUM_GLOBALS + ZOPT_GLOBAL_STEP];
+    uint32_t fl = 0;
+    Z(zopt_optimizer_set_group_flags(o, 1, ZOPT_GROUP_MAXIMIZE));
+    Z(zopt_optimizer_get_group_flags(o, 1, &fl));
+    bool on = fl == ZOPT_GROUP_MAXIMIZE && gl[ZOPT_GLOBAL_GRAD_SCALE] == inv &&
+              gl[ZOPT_NUM_GLOBALS + ZOPT_GLOBAL_GRAD_SCALE] == -inv && gl[ZOPT_GLOBAL_STEP] == t0 &&
+              gl[ZOPT_NUM_GLOBALS + ZOPT_GLOBAL_STEP] == t1;
+    Z(zopt_optimizer_set_group_flags(o, 1, 0));
+    bool off = gl[ZOPT_GLOBAL_GRAD_SCALE] == inv && gl[ZOPT_NUM_GLOBALS + ZOPT_GLOBAL_GRAD_SCALE] == inv;
+    check(on && off, "set_group_flags(MAXIMIZE): that group's gradient scale on the device is -1/S, the other "
+                     "group's and the step counts unchanged; cleared: 1/S again");
+  }
 
   // ---- the grad through the API, in its own dtype ------------------------------
   {
