@@ -54,6 +54,9 @@
 //                           reports it, naming the bucket
 //     --async-free          hand every bucket over in the background and free
 //                           the optimizer at once (run at --world=1)
+//     --stall               the last rank sleeps 2.5 s before its second step
+//                           (timeout 1 s): the others fail within the
+//                           timeout naming it, its own step then at once
 //     --begin               each step in two halves (zopt_optimizer_step_begin
 //                           or _step_linked_begin, then the step), with
 //                           max_norm set to 0.5 k at step k (steps with
@@ -77,6 +80,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <chrono>
 #include <thread>
 #include <vector>
 
@@ -84,7 +88,7 @@ namespace {
 
 struct Options {
   std::string step, other, linked, comm = "loopback", save, load, mismatch;
-  bool begin = false;
+  bool begin = false, stall = false;
   int world = 2, steps = 4, threads = 1, accum = 1, inf_at = -1, from_world = 1, loaded_steps = 0;
   int64_t bucket = 65536;
   double grad_scale = 0.05;
@@ -640,6 +644,32 @@ bool run_rank(int rank, int world, zopt_comm *comm, const Options &opt) {
     return expect_error(rank, st, what, want);
   }
 
+  // ---- a stalled rank: the last one sleeps before its second step. Every
+  // other rank's step fails within the communicator's timeout (1 s here),
+  // naming it; the stalled rank's own step then fails at once, naming the
+  // ranks that gave up.
+  if (opt.stall) {
+    Model m;
+    if (!build(rank, step, m, o2, comm, 0)) return false;
+    CK(zopt_optimizer_finalize(m.o));
+    CK(zopt_comm_set_timeout(comm, 1.0));
+    zopt_step_result r{};
+    fill_grads(m, o2, rank, 1, 1.0);
+    CK(zopt_optimizer_step(m.o, &r));
+    fill_grads(m, o2, rank, 2, 1.0);
+    const bool stalled = rank == world - 1;
+    if (stalled) std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+    auto t0 = std::chrono::steady_clock::now();
+    zopt_status st = zopt_optimizer_step(m.o, &r);
+    double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    char want[96];
+    snprintf(want, sizeof want, stalled ? "gave up on collective" : "rank %d did not call collective", world - 1);
+    bool ok = expect_error(rank, st, stalled ? "the stalled rank's late step" : "a step while a rank stalls", want);
+    bool fast = took < (stalled ? 0.5 : 2.0);
+    report(rank, fast, "the error came after %.2f s (timeout 1 s)", took);
+    return ok && fast;
+  }
+
   // ---- the optimizer freed with buckets in flight: the queued ones are
   // skipped, a running one finishes, the thread is joined (no crash, leak
   // or hang; the sanitizer builds run this)
@@ -826,6 +856,7 @@ bool parse(int argc, char **argv, Options &o) {
     else if (const char *v = val("--loaded-steps=")) o.loaded_steps = atoi(v);
     else if (const char *v = val("--mismatch=")) o.mismatch = v;
     else if (a == "--begin") o.begin = true;
+    else if (a == "--stall") o.stall = true;
     else if (const char *v = val("--other=")) o.other = v;
     else if (const char *v = val("--linked=")) o.linked = v;
     else if (a == "--mask") o.mask = true;
