@@ -151,6 +151,8 @@ def test_clip_grad_norm_one_rank_against_torch(steps):
             o1.state_dict()  # nothing between the clip and the step
         with pytest.raises(zopt.ZoptError, match="called already"):
             o1.clip_grad_norm_(mn)
+        with pytest.raises(zopt.ZoptError, match="zero_grad"):
+            o1.zero_grad()  # the begun step reads the gradients
         o1.step()
         o2.step()
         for a, b in zip(m1.parameters(), m2.parameters()):

@@ -15,8 +15,10 @@ and returns that norm as torch does (a 0-d float32 tensor); ``step()``
 finishes the step, clipping every rank's update by
 ``min(1, max_norm / (norm + 1e-6))`` (torch's formula). The threshold holds
 for that step only (the compiled one afterwards). Between the two calls
-the optimizer accepts no other call (``ZoptError`` BAD_STATE): the
-gradients were taken at ``clip_grad_norm_``.
+the optimizer accepts no other call (``ZoptError`` BAD_STATE; ``zero_grad()``
+too): the gradients were taken at ``clip_grad_norm_``, and at several ranks
+the reduced ones are in the gradient memory the step reads, so ``p.grad``
+must not be written until ``step()``.
 
 The step must have been compiled with clipping (any ``max_norm``:
 ``zopt.steps.adamw(clip=1.0)``); without a clip in its program the step
@@ -120,11 +122,11 @@ def finish(opt, closure):
                         "step() without a closure")
     parts, _ = _parts(opt)
     t0 = time.perf_counter()
+    for o in [opt] + parts:  # what follows the step (a ZeRO-3 gather, hooks) may call in
+        o._begun = False
     try:
         opt._run_native_step(t0)
     finally:
-        for o in [opt] + parts:
-            o._begun = False
         _restore(opt, parts)
     opt.last_loss = None
     return None

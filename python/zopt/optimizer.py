@@ -1557,6 +1557,9 @@ class Optimizer(_Base):
         params is zeroed with one fill per buffer; explicit (param, grad)
         pairs are always zeroed. With grad_streaming a reduced (freed)
         gradient is already None: nothing to zero."""
+        if self._begun:  # the begun step reads the gradient memory still
+            raise ZoptError(Status.BAD_STATE, "zero_grad() after clip_grad_norm_: the step it "
+                            "began reads these gradients: call step() first")
         if self._streamer is not None:
             self._streamer.check_zero_grad()
         ps = self._a_params
