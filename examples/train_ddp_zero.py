@@ -2,8 +2,19 @@
 """Data-parallel training on 2 CPU ranks (torch.multiprocessing.spawn,
 gloo) with zopt doing ZeRO: each rank holds only its shard of the optimizer
 states; gradients are averaged across the ranks by the runtime (no DDP
-wrapper, no all_reduce in the script); clipping uses the global norm over
-both ranks.
+wrapper, no all_reduce in the script: zopt reduces them itself, on a gloo
+group of its own); clipping uses the global norm over both ranks.
+
+Porting a DDP script: drop the DistributedDataParallel wrapper (a forward
+through one over the optimizer's params warns), and replace
+
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+
+by opt.clip_grad_norm_(1.0) between backward and step(): torch's clips each
+rank by its own, unreduced gradient (zopt reduces inside step()), zopt's
+returns the norm over all ranks (what torch's returns after DDP) and clips
+inside the step. timeout= bounds every collective: a dead or stalled peer
+fails every rank within it, naming the rank.
 
     cd <repo> && PYTHONPATH=python /usr/bin/python3 examples/train_ddp_zero.py [--ranks 2] [--steps 30]
 
@@ -55,7 +66,7 @@ def batch(step, rank, world):
 def train(rank, world, so, zero3, steps):
     model = make_model()
     opt = zopt.Optimizer(zopt.Step(so), model.parameters(), lr=3e-3, weight_decay=0.01,
-                         process_group=dist.group.WORLD)
+                         process_group=dist.group.WORLD, timeout=60)
     hooks = zopt.zero3_hooks(model, opt) if zero3 else None
     info = opt.memory_info()
     name = "ZeRO-3" if zero3 else "ZeRO-2"
@@ -67,10 +78,12 @@ def train(rank, world, so, zero3, steps):
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
         loss.backward()
+        # the norm over both ranks' averaged gradients; clips this step at 1.0
+        norm = opt.clip_grad_norm_(1.0)
         opt.step()
         if rank == 0 and (s % 10 == 0 or s == steps - 1):
             print(f"[{name}] step {s:3d} loss {loss.item():.4f} (rank 0's batch) "
-                  f"grad norm {opt.last_grad_norm:.4f}", flush=True)
+                  f"grad norm {norm.item():.4f}", flush=True)
     dt = time.perf_counter() - t0
     opt.gather_params()  # ZeRO-3: the full params back in the model
     h = hashlib.sha256(b"".join(p.detach().view(torch.int16).numpy().tobytes()

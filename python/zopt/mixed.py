@@ -89,7 +89,7 @@ class MixedOptimizer(Optimizer):
                  bias_correction=None, maximize=None, num_threads=None, loss_scaler=None,
                  seed=None, process_group=None, comm=None, grad_divisor=None,
                  bucket_elems=None, zero3_gather="step", grad_accumulation="hooks",
-                 device_allocator=None):
+                 device_allocator=None, timeout=None):
         self._parts = []   # [(class, Optimizer)] in CLASS_ORDER
         self._h = None     # no native optimizer of its own
         self._closed = False
@@ -154,6 +154,8 @@ class MixedOptimizer(Optimizer):
         if grad_accumulation not in ("hooks", "manual"):
             raise ZoptError(Status.INVALID_ARGUMENT,
                             f"grad_accumulation={grad_accumulation!r}: 'hooks' or 'manual'")
+        from .comm import seconds
+        timeout = seconds(timeout)
         if process_group is not None and comm is not None:
             raise ZoptError(Status.INVALID_ARGUMENT, "give process_group= or comm=, not both")
         if loss_scaler is not None:
@@ -186,11 +188,8 @@ class MixedOptimizer(Optimizer):
         try:
             for g in groups:
                 self._add_group_py(g)
-            if process_group is not None:
-                from .comm import TorchComm
-                comm = TorchComm(process_group)
-                self._own_comm = True
-            self._comm = comm
+            from ._ranks import make_comm
+            self._comm, self._own_comm = make_comm(process_group, comm, timeout)
             for c in self.steps:
                 if any(self._class_of[id(p)] == c for g in self.param_groups
                        for p in g["params"]):
@@ -348,6 +347,9 @@ class MixedOptimizer(Optimizer):
     def _check_open(self):
         if self._closed:
             raise ZoptError(Status.BAD_STATE, "the optimizer is closed")
+        if self._begun:
+            raise ZoptError(Status.BAD_STATE, "clip_grad_norm_ began this step (the gradients "
+                            "are reduced and the norm computed): call step() first")
 
     _handle = _check_open
 
@@ -437,7 +439,11 @@ class MixedOptimizer(Optimizer):
         """One step of every class as one (zopt_optimizer_step_linked): one
         global norm over all params' gradients, one clip coefficient, one
         skip decision; returns the closure's loss. ``last_grad_norm`` /
-        ``last_skipped`` / ``last_loss_scale`` are the combined outcome."""
+        ``last_skipped`` / ``last_loss_scale`` are the combined outcome.
+        After clip_grad_norm_ it finishes the step that call began."""
+        if self._begun:
+            from ._clip import finish
+            return finish(self, closure)
         loss = None
         if closure is not None:
             if torch is not None:
@@ -446,6 +452,18 @@ class MixedOptimizer(Optimizer):
             else:
                 loss = closure()
         t0 = time.perf_counter()
+        run = self._step_prologue()
+        self.last_loss = loss
+        if not run:
+            self.last_grad_norm, self.last_skipped = float("nan"), False
+            self._metrics(t0, None, None, no_grads=True)
+            return loss
+        self._run_native_step(t0)
+        return loss
+
+    def _step_prologue(self):
+        """step() up to the linked step: every part's checks and gradients,
+        the changed hyperparameters. False when there is nothing to run."""
         self._check_open()
         parts = self._plist
         for o in parts:
@@ -455,13 +473,15 @@ class MixedOptimizer(Optimizer):
             # offloaded parts: everything from here on (the parts' checks,
             # the pushes, the step) on torch's current stream
             o._handle()
+            if o._rank_checks is not None:  # DDP, gradients rescaled in place
+                o._rank_checks.before_step(o)
             o._pre_step()  # may rebuild a part's native optimizer
         self._push_group_hypers()
-        self.last_loss = loss
-        if self.world_size == 1 and not any(1 in o._active for o in parts):
-            self.last_grad_norm, self.last_skipped = float("nan"), False
-            self._metrics(t0, None, None, no_grads=True)
-            return loss
+        return not (self.world_size == 1 and not any(1 in o._active for o in parts))
+
+    def _run_native_step(self, t0):
+        """The linked step (or the end of one clip_grad_norm_ began)."""
+        parts = self._plist
         hs = tuple(o._h.value for o in parts)
         if hs != self._harr_key:
             self._harr_keep, self._harr = _lib.c_array(ctypes.c_void_p, hs)
@@ -480,7 +500,6 @@ class MixedOptimizer(Optimizer):
         self.last_loss_scale = r.loss_scale
         self.steps_taken += 1
         self._metrics(t0, t1, t2)
-        return loss
 
     def gpu_result(self):
         raise ZoptError(Status.UNSUPPORTED, "linked steps run CPU-updated steps: the "

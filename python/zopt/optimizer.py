@@ -794,6 +794,8 @@ class Optimizer(_Base):
     _native_G = 0
 
     _streamer = None  # grad_streaming=True: a zopt.streaming.GradStreamer
+    _rank_checks = None  # world size > 1: a zopt._ranks.RankChecks
+    _begun = False  # clip_grad_norm_ began the step (zopt._clip)
 
     def __new__(cls, step=None, params=None, **kw):
         if cls is Optimizer and isinstance(step, collections.abc.Mapping):
@@ -809,7 +811,7 @@ class Optimizer(_Base):
                  bias_correction=None, maximize=None, num_threads=None, loss_scaler=None,
                  seed=None, process_group=None, comm=None, grad_divisor=None,
                  bucket_elems=None, zero3_gather="step", grad_accumulation="hooks",
-                 device_allocator=None, grad_streaming=False):
+                 device_allocator=None, grad_streaming=False, timeout=None):
         self._h = None
         self._streams = False   # GPU/offloaded: torch's current stream before each call
         self._offload = False   # offloaded step (refused inside a graph capture)
@@ -863,16 +865,11 @@ class Optimizer(_Base):
         # reads this tensor's gradient from user memory (a main_grad, or a
         # fresh p.grad registered without a copy), not from our own buffer
         self._foreign = {}
-        # Communicator (ranks).
-        if process_group is not None and comm is not None:
-            raise ZoptError(Status.INVALID_ARGUMENT,
-                            "give process_group= or comm=, not both")
+        # Communicator (ranks): process_group= gets a gloo group of its own
         self._own_comm = False
-        if process_group is not None:
-            from .comm import TorchComm
-            comm = TorchComm(process_group)
-            self._own_comm = True
-        self._comm = comm
+        self._comm = None
+        from ._ranks import make_comm
+        self._comm, self._own_comm = make_comm(process_group, comm, timeout)
         # Defaults: every slot of the step, from the keywords or the step.
         kw = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                   momentum=momentum, dampening=dampening,
@@ -911,6 +908,9 @@ class Optimizer(_Base):
             if loss_scaler is not None:
                 self._scaler_cfg = self._scaler_config(**loss_scaler)
             self._build_native()
+            if self.world_size > 1 and torch is not None:  # DDP, per-rank clippers
+                from ._ranks import RankChecks
+                self._rank_checks = RankChecks(self)
             self._add_acc_hooks(new)
         except BaseException:
             self._free()
@@ -1487,7 +1487,12 @@ class Optimizer(_Base):
 
     def _free(self):
         self._remove_acc_hooks()
+        if self._rank_checks is not None:
+            self._rank_checks.remove()
         h = getattr(self, "_h", None)
+        comm = getattr(self, "_comm", None)
+        if comm is not None and h is not None and h.value:
+            comm._drain()  # operations of a failed collective still writing our scratch
         if h is not None and h.value:
             self._lib.zopt_optimizer_free(h)
         self._h = None
@@ -1500,6 +1505,9 @@ class Optimizer(_Base):
         offloaded steps: on torch's current stream)."""
         if self._h is None:
             raise ZoptError(Status.BAD_STATE, "the optimizer is closed")
+        if self._begun:
+            raise ZoptError(Status.BAD_STATE, "clip_grad_norm_ began this step (the gradients "
+                            "are reduced and the norm computed): call step() first")
         if self._streams:
             self._use_stream()
         if self._streamer is not None:
@@ -1578,6 +1586,9 @@ class Optimizer(_Base):
         params is zeroed with one fill per buffer; explicit (param, grad)
         pairs are always zeroed. With grad_streaming a reduced (freed)
         gradient is already None: nothing to zero."""
+        if self._begun:  # the begun step reads the gradient memory still
+            raise ZoptError(Status.BAD_STATE, "zero_grad() after clip_grad_norm_: the step it "
+                            "began reads these gradients: call step() first")
         if self._streamer is not None:
             self._streamer.check_zero_grad()
         ps = self._a_params
@@ -1923,7 +1934,10 @@ class Optimizer(_Base):
         """grad_accumulation="hooks": after backward accumulates a param's
         gradient (torch's AccumulateGrad node; torch 1.13 has no
         register_post_accumulate_grad_hook), add it into the f32 main_grad
-        and free p.grad, as DeepSpeed's bf16 optimizer does."""
+        and free p.grad, as DeepSpeed's bf16 optimizer does. (At several
+        ranks the checks of zopt._ranks hook them too.)"""
+        if self._rank_checks is not None:
+            self._rank_checks.add_hooks(self, entries)
         if not self._main or self._grad_accumulation != "hooks" or torch is None:
             return
         ref = weakref.ref(self)
@@ -2303,7 +2317,11 @@ class Optimizer(_Base):
         outcome is in ``last_grad_norm`` (NaN without a norm reduction),
         ``last_skipped`` (non-finite gradients skipped the step),
         ``last_loss_scale`` and ``last_metrics``. With no gradient at all
-        (world size 1) nothing changes and the runtime is not called."""
+        (world size 1) nothing changes and the runtime is not called. After
+        :meth:`clip_grad_norm_` it finishes the step that call began."""
+        if self._begun:
+            from ._clip import finish
+            return finish(self, closure)
         loss = None
         if closure is not None:
             if torch is not None:
@@ -2312,28 +2330,44 @@ class Optimizer(_Base):
             else:
                 loss = closure()
         t0 = time.perf_counter()
+        run = self._step_prologue()
+        self.last_loss = loss
+        if not run:
+            self.last_grad_norm, self.last_skipped = float("nan"), False
+            self._metrics(t0, None, None, no_grads=True)
+            return loss
+        self._run_native_step(t0)
+        return loss
+
+    def _step_prologue(self):
+        """step() up to the runtime's step: the checks, the gradients, the
+        changed hyperparameters. False when there is nothing to run (world
+        size 1 and no gradient)."""
         if self._offload:
             self._refuse_offload_capture()
         # GPU and offloaded steps: from here on every call (the pushes of
         # changed hyperparameters, the step) runs on torch's current stream;
         # a GPU step only enqueues there (read its outcome with gpu_result()).
         self._handle()
+        if self._rank_checks is not None:
+            self._rank_checks.before_step(self)  # DDP, gradients rescaled in place
         if self._streamer is None:
             self._pre_step()  # may rebuild the native optimizer
         else:
             self._streamer.before_step()  # the buckets no backward reduced
         self._push_hypers()
-        h = self._h
-        self.last_loss = loss
         if self.world_size == 1 and 1 not in self._active and not (
                 self._streamer is not None and self._streamer.reduced):
-            self.last_grad_norm, self.last_skipped = float("nan"), False
-            self._metrics(t0, None, None, no_grads=True)
-            return loss
+            return False
         if self._gpu_missing:
             self._refuse_missing_grads()
+        return True
+
+    def _run_native_step(self, t0):
+        """The runtime's step (or the end of one clip_grad_norm_ began) and
+        what follows it."""
         t1 = time.perf_counter()
-        st = self._step_fn(h, self._res_ref)
+        st = self._step_fn(self._h, self._res_ref)
         t2 = time.perf_counter()
         if st:
             check(st, "zopt_optimizer_step")
@@ -2341,7 +2375,15 @@ class Optimizer(_Base):
             self._streamer.after_step()
         self._after_step(self._res)
         self._metrics(t0, t1, t2)
-        return loss
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
+        """torch.nn.utils.clip_grad_norm_ the zopt way, between backward and
+        ``step()``: returns the global norm of the gradients over all ranks
+        after their reduction (the norm the step clips by; a 0-d tensor) and
+        clips this step at ``max_norm``. For steps compiled with clipping
+        (any max_norm); :mod:`zopt._clip`. Collective at several ranks."""
+        from ._clip import clip_grad_norm_
+        return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
 
     def _refuse_missing_grads(self):
         miss = self._gpu_missing

@@ -362,7 +362,14 @@ class GradStreamer:
 
     def after_step(self):
         """After the runtime's step: the next step's cycle (new params that
-        require grad now get their hooks)."""
+        require grad now get their hooks). A p.grad written again after its
+        buckets were reduced (DDP's reducer copies its averaged gradients
+        back at the end of backward) is dropped: the step consumed it."""
+        o = self._opt()
+        if self.given is not None:
+            for t, g in enumerate(self.given):
+                if g and o._entries[t].param.grad is not None:
+                    o._entries[t].param.grad = None
         self._idle()
         self._hook_new()
 

@@ -120,6 +120,7 @@ struct Group {
 struct GpuState;  // gpu.cpp: the CUDA backend of a GPU step
 namespace exec {
 struct Program;   // exec/exec.h: the step program of a CPU-updated step
+struct StepState; // exec/exec.h: a step between run_begin and run_end
 }
 namespace pipeline {
 class Pipeline;   // pipeline/pipeline.h: the background thread
@@ -163,12 +164,22 @@ struct zopt_optimizer {
   // The background thread (zopt_optimizer_reduce_bucket_async), made at
   // its first job.
   zopt::pipeline::Pipeline *pipe = nullptr;
+  // The max_norm of global-norm clipping (steps with ZOPT_FLAG_CLIP): the
+  // descriptor's until zopt_optimizer_set_max_norm; agreed at every step.
+  double max_norm = 0;
+  // A step begun by zopt_optimizer_step_begin (or _step_linked_begin, then
+  // `linked` is the part count and `linked_sumsq` the parts' sum): its
+  // agreement, reductions and norm ran; zopt_optimizer_step(_linked)
+  // finishes it. Every other call is refused meanwhile (check_idle).
+  zopt::exec::StepState *begun = nullptr;
+  int linked = 0;
+  double linked_sumsq = 0;
 };
 
 namespace zopt {
 // ZOPT_ERR_BAD_STATE naming `fn` while jobs of the optimizer's pipeline are
 // queued or running (every API call but the streaming ones and the step,
-// which waits for them).
+// which waits for them), or while a begun step waits for its end.
 zopt_status check_idle(const zopt_optimizer *o, const char *fn);
 }  // namespace zopt
 

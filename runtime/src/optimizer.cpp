@@ -3,6 +3,7 @@
 // steps), loss scaling, state access and introspection.
 #include "internal.h"
 
+#include "agree.h"
 #include "comm/comm_internal.h"
 #include "exec/exec.h"
 #include "pipeline/pipeline.h"
@@ -10,6 +11,7 @@
 #include <cmath>
 #include <sys/mman.h>
 #include <cstdlib>
+#include <memory>
 #include <new>
 
 using namespace zopt;
@@ -180,6 +182,7 @@ ZOPT_API zopt_status zopt_optimizer_create(const zopt_step *step, zopt_optimizer
   if (!o) return fail(ZOPT_ERR_OUT_OF_MEMORY, "out of memory");
   o->step = step;
   o->d = d;
+  o->max_norm = (d->flags & ZOPT_FLAG_CLIP) ? d->max_norm : 0;
   const_cast<zopt_step *>(step)->refcount++;
   o->num_threads = default_threads();
   o->scaler.cfg = {65536.0, 2.0, 0.5, 2000, 1.0, 1};
@@ -199,6 +202,7 @@ ZOPT_API void zopt_optimizer_free(zopt_optimizer *o) {
   if (!o) return;
   delete o->pipe;  // skips queued jobs, waits for a running one, joins
   delete o->pool;
+  delete o->begun;
   exec::destroy(o);  // host buffers (not the pinned staging)
   gpu_free(o);       // device buffers (nulls them)
   offload_free(o);   // pinned staging
@@ -348,65 +352,6 @@ ZOPT_API zopt_status zopt_optimizer_add_tensor(zopt_optimizer *o, int group, voi
   return ZOPT_OK;
 }
 
-// At world size > 1 every rank must have registered the same step, groups
-// and tensors (a rank that disagrees would run other collectives), and the
-// same param values (ranks that start from different weights drift apart
-// silently): exchanged and compared, naming the ranks that differ.
-static zopt_status check_ranks_agree(zopt_optimizer *o) {
-  uint64_t sig[2];
-  uint64_t h = fnv1a64(&o->d->checksum, sizeof o->d->checksum);
-  int64_t b = o->bucket_elems;
-  h = fnv1a64(&b, sizeof b, h);
-  for (const Tensor &x : o->tensors) {
-    int64_t v[2] = {x.group, x.numel};
-    h = fnv1a64(v, sizeof v, h);
-  }
-  sig[0] = h;
-  // The params as this rank sees them (user memory, or the offload staging).
-  const int pi = o->step->param_index;
-  const size_t es = dtype_size(o->d->states[pi].dtype);
-  // Eight bytes at a time (a pass at memory speed over every param).
-  auto mix = [](const void *p, size_t n, uint64_t h) {
-    const unsigned char *c = (const unsigned char *)p;
-    size_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-      uint64_t w;
-      memcpy(&w, c + i, 8);
-      h = (h ^ w) * 0x100000001B3ull;
-      h ^= h >> 29;
-    }
-    return fnv1a64(c + i, n - i, h);
-  };
-  uint64_t ph = kFnvBasis;
-  for (size_t t = 0; t < o->tensors.size(); ++t) {
-    const Tensor &x = o->tensors[t];
-    if (!x.numel) continue;
-    const void *p = o->offload ? state_ptr(o, (int)t, pi) : x.param;
-    ph = mix(p, (size_t)x.numel * es, ph);
-  }
-  sig[1] = ph;
-  std::vector<uint64_t> all((size_t)o->world * 2);
-  if (zopt_status st =
-          comm_all_gather(o->comm, sig, all.data(), sizeof sig, "FINALIZE layout and param check", kSigUnchanged))
-    return st;
-  std::string bad_layout, bad_params;
-  for (int q = 0; q < o->world; ++q) {
-    if (all[2 * q] != all[0]) bad_layout += (bad_layout.empty() ? "" : ", ") + std::to_string(q);
-    else if (all[2 * q + 1] != all[1]) bad_params += (bad_params.empty() ? "" : ", ") + std::to_string(q);
-  }
-  if (!bad_layout.empty())
-    return fail(ZOPT_ERR_INVALID_ARGUMENT,
-                "zopt_optimizer_finalize: rank(s) %s registered another step, bucket size, or other groups or "
-                "tensors than rank 0: every rank must register the same tensors in the same order",
-                bad_layout.c_str());
-  if (!bad_params.empty())
-    return fail(ZOPT_ERR_INVALID_ARGUMENT,
-                "zopt_optimizer_finalize: the params of rank(s) %s differ from rank 0's: every rank must start from "
-                "the same weights (seed the model identically or load the same checkpoint on every rank)",
-                bad_params.c_str());
-  return ZOPT_OK;
-}
-
 ZOPT_API zopt_status zopt_optimizer_finalize(zopt_optimizer *o) {
   CHECK_OPT(o, "zopt_optimizer_finalize");
   if (o->finalized) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_finalize: already finalized");
@@ -446,7 +391,7 @@ ZOPT_API zopt_status zopt_optimizer_finalize(zopt_optimizer *o) {
   };
   if (zopt_status st = exec::build(o)) return bail(st);
   if (o->world > 1)
-    if (zopt_status st = check_ranks_agree(o)) return bail(st);
+    if (zopt_status st = agree_at_finalize(o)) return bail(st);
   o->finalized = true;
   return ZOPT_OK;
 }
@@ -486,9 +431,33 @@ ZOPT_API zopt_status zopt_optimizer_get_loss_scale(const zopt_optimizer *o, doub
   return ZOPT_OK;
 }
 
+// The end of a step begun by zopt_optimizer_step_begin: the rest of its
+// program with the norm it computed (or the linked parts' sum).
+static zopt_status finish_begun(zopt_optimizer *o, zopt_step_result *result) {
+  std::unique_ptr<exec::StepState> st(o->begun);
+  o->begun = nullptr;
+  const double sumsq = o->linked ? o->linked_sumsq : st->sumsq;
+  o->linked = 0;
+  return exec::run_end(o, st.get(), sumsq, result);
+}
+
+static void begun_result(const exec::StepState &st, double sumsq, zopt_step_result *result) {
+  if (!result) return;
+  result->grad_norm = st.has_norm ? std::sqrt(sumsq) : NAN;
+  result->skipped = st.has_norm && !std::isfinite(sumsq);
+  result->loss_scale = st.S;
+}
+
 ZOPT_API zopt_status zopt_optimizer_step(zopt_optimizer *o, zopt_step_result *result) {
   CHECK_OPT_ANY(o, "zopt_optimizer_step");
   if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_step: call zopt_optimizer_finalize first");
+  if (o->begun) {
+    if (o->linked)
+      return fail(ZOPT_ERR_BAD_STATE,
+                  "zopt_optimizer_step: this optimizer's step was begun as a part of a linked step "
+                  "(zopt_optimizer_step_linked_begin): finish it with zopt_optimizer_step_linked");
+    return finish_begun(o, result);
+  }
   if (zopt_status st = exec::wait_buckets(o)) return st;  // the background reductions first
   if (o->gpu) {
     if (!o->active.empty())
@@ -502,15 +471,72 @@ ZOPT_API zopt_status zopt_optimizer_step(zopt_optimizer *o, zopt_step_result *re
   return exec::run(o, result);
 }
 
-ZOPT_API zopt_status zopt_optimizer_step_linked(zopt_optimizer *const *parts, int n, zopt_step_result *result) {
-  const char *fn = "zopt_optimizer_step_linked";
+ZOPT_API zopt_status zopt_optimizer_step_begin(zopt_optimizer *o, zopt_step_result *result) {
+  const char *fn = "zopt_optimizer_step_begin";
+  CHECK_OPT_ANY(o, "zopt_optimizer_step_begin");
+  if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "%s: call zopt_optimizer_finalize first", fn);
+  if (o->begun) return fail(ZOPT_ERR_BAD_STATE, "%s: a step was begun already: finish it with zopt_optimizer_step", fn);
+  if (o->gpu)
+    return fail(ZOPT_ERR_UNSUPPORTED, "%s: step '%s' updates on the GPU, whose step runs as one stream of kernels",
+                fn, o->d->name);
+  if (zopt_status st = exec::wait_buckets(o)) return st;
+  std::unique_ptr<exec::StepState> st(new (std::nothrow) exec::StepState);
+  if (!st) return fail(ZOPT_ERR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  if (zopt_status s = exec::run_begin(o, st.get())) return s;
+  begun_result(*st, st->sumsq, result);
+  o->begun = st.release();
+  o->linked = 0;
+  return ZOPT_OK;
+}
+
+ZOPT_API zopt_status zopt_optimizer_set_max_norm(zopt_optimizer *o, double max_norm) {
+  CHECK_OPT(o, "zopt_optimizer_set_max_norm");
+  if (!(o->d->flags & ZOPT_FLAG_CLIP))
+    return fail(ZOPT_ERR_UNSUPPORTED,
+                "zopt_optimizer_set_max_norm: step '%s' was compiled without global-norm clipping (no "
+                "zopt.clip_by_global_norm): compile it with clipping (zopt.steps.<rule>(clip=...)) to set max_norm "
+                "at run time",
+                o->d->name);
+  if (o->gpu)
+    return fail(ZOPT_ERR_UNSUPPORTED,
+                "zopt_optimizer_set_max_norm: step '%s' updates on the GPU, whose kernels hold the compiled max_norm "
+                "%g",
+                o->d->name, o->d->max_norm);
+  if (!(std::isfinite(max_norm) && max_norm > 0))
+    return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_set_max_norm: max_norm %g must be finite and > 0",
+                max_norm);
+  o->max_norm = max_norm;
+  return ZOPT_OK;
+}
+
+ZOPT_API zopt_status zopt_optimizer_get_max_norm(const zopt_optimizer *o, double *max_norm) {
+  CHECK_OPT_ANY(o, "zopt_optimizer_get_max_norm");
+  if (!max_norm) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_get_max_norm: max_norm is NULL");
+  *max_norm = o->max_norm;
+  return ZOPT_OK;
+}
+
+// The checks of a linked step (and its begin) before anything runs.
+static zopt_status check_linked(zopt_optimizer *const *parts, int n, const char *fn, bool begin) {
   if (!parts || n < 1 || n > 64)
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: %s", fn, !parts ? "parts is NULL" : "n must be in [1, 64]");
   for (int i = 0; i < n; ++i) {
     const zopt_optimizer *o = parts[i];
     if (!o) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: part %d is NULL", fn, i);
     if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "%s: part %d ('%s') is not finalized", fn, i, o->d->name);
-    if (zopt_status st = exec::wait_buckets(parts[i])) return st;  // its background reductions
+    if (begin && o->begun)
+      return fail(ZOPT_ERR_BAD_STATE, "%s: part %d ('%s') has a begun step: finish it first", fn, i, o->d->name);
+    if (!begin && (o->begun != nullptr) != (parts[0]->begun != nullptr))
+      return fail(ZOPT_ERR_BAD_STATE,
+                  "%s: part %d's step was %sbegun but part 0's was %s: a linked step begun by "
+                  "zopt_optimizer_step_linked_begin is finished with the same parts",
+                  fn, i, o->begun ? "" : "not ", parts[0]->begun ? "" : "not");
+    if (!begin && o->begun && n > 1 && o->linked != n)
+      return fail(ZOPT_ERR_BAD_STATE,
+                  "%s: part %d's step was begun %s: finish it the way it was begun", fn, i,
+                  o->linked ? "as a part of another linked step" : "alone (zopt_optimizer_step_begin)");
+    if (!o->begun)
+      if (zopt_status st = exec::wait_buckets(parts[i])) return st;  // its background reductions
     if (o->gpu)
       return fail(ZOPT_ERR_UNSUPPORTED, "%s: part %d ('%s') is a GPU step: linked steps run CPU-updated steps", fn, i,
                   o->d->name);
@@ -523,7 +549,7 @@ ZOPT_API zopt_status zopt_optimizer_step_linked(zopt_optimizer *const *parts, in
       return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: part %d is rank %d of %d, part 0 rank %d of %d", fn, i, o->rank,
                   o->world, a->rank, a->world);
     if ((o->d->flags & kNormFlags) != (a->d->flags & kNormFlags) ||
-        ((a->d->flags & ZOPT_FLAG_CLIP) && o->d->max_norm != a->d->max_norm))
+        ((a->d->flags & ZOPT_FLAG_CLIP) && o->max_norm != a->max_norm))
       return fail(ZOPT_ERR_INVALID_ARGUMENT,
                   "%s: part %d ('%s') and part 0 ('%s') differ in clipping or loss scaling: linked parts share one "
                   "norm and one skip decision, so their steps must clip to the same max_norm and scale alike",
@@ -540,7 +566,24 @@ ZOPT_API zopt_status zopt_optimizer_step_linked(zopt_optimizer *const *parts, in
                     fn, i, x.scale, (long long)x.good_steps, y.scale, (long long)y.good_steps);
     }
   }
+  return ZOPT_OK;
+}
+
+ZOPT_API zopt_status zopt_optimizer_step_linked(zopt_optimizer *const *parts, int n, zopt_step_result *result) {
+  if (zopt_status st = check_linked(parts, n, "zopt_optimizer_step_linked", false)) return st;
   if (n == 1) return zopt_optimizer_step(parts[0], result);
+  if (parts[0]->begun) {  // begun by zopt_optimizer_step_linked_begin
+    for (int i = 0; i < n; ++i)
+      if (zopt_status s = finish_begun(parts[i], i == 0 ? result : nullptr)) {
+        for (int j = i + 1; j < n; ++j) {  // the rest cannot finish: drop them
+          delete parts[j]->begun;
+          parts[j]->begun = nullptr;
+          parts[j]->linked = 0;
+        }
+        return s;
+      }
+    return ZOPT_OK;
+  }
   std::vector<exec::StepState> st(n);
   double sumsq = 0;
   for (int i = 0; i < n; ++i) {
@@ -549,6 +592,26 @@ ZOPT_API zopt_status zopt_optimizer_step_linked(zopt_optimizer *const *parts, in
   }
   for (int i = 0; i < n; ++i)
     if (zopt_status s = exec::run_end(parts[i], &st[i], sumsq, i == 0 ? result : nullptr)) return s;
+  return ZOPT_OK;
+}
+
+ZOPT_API zopt_status zopt_optimizer_step_linked_begin(zopt_optimizer *const *parts, int n, zopt_step_result *result) {
+  if (zopt_status st = check_linked(parts, n, "zopt_optimizer_step_linked_begin", true)) return st;
+  if (n == 1) return zopt_optimizer_step_begin(parts[0], result);
+  std::vector<std::unique_ptr<exec::StepState>> st(n);
+  double sumsq = 0;
+  for (int i = 0; i < n; ++i) {
+    st[i].reset(new (std::nothrow) exec::StepState);
+    if (!st[i]) return fail(ZOPT_ERR_OUT_OF_MEMORY, "zopt_optimizer_step_linked_begin: out of memory");
+    if (zopt_status s = exec::run_begin(parts[i], st[i].get(), i == 0)) return s;
+    if (st[i]->has_norm) sumsq += st[i]->sumsq;
+  }
+  begun_result(*st[0], sumsq, result);
+  for (int i = 0; i < n; ++i) {
+    parts[i]->begun = st[i].release();
+    parts[i]->linked = n;
+    parts[i]->linked_sumsq = sumsq;
+  }
   return ZOPT_OK;
 }
 

@@ -33,8 +33,10 @@
 //     --load=PATH --from-world=Ws --loaded-steps=S
 //                           start from a checkpoint that a run at Ws ranks
 //                           saved after S steps; continue --steps steps
-//     --mismatch=stage|tensors|hyper|seed  rank 1 (only) differs: every rank
-//                           must fail with an error naming rank 1
+//     --mismatch=stage|tensors|size|bucket|hyper|seed|steps|clip|divisor|call
+//                           rank 1 (only) differs: every rank must fail with
+//                           an error naming the setting and both values
+//                           (call: rank 1 calls another collective)
 //     --other=STEP2.so      rank 1's step for --mismatch=stage
 //     --stream              gradient streaming (zopt_optimizer_reduce_bucket):
 //                           no grad memory registered, the buckets reduced
@@ -52,6 +54,15 @@
 //                           reports it, naming the bucket
 //     --async-free          hand every bucket over in the background and free
 //                           the optimizer at once (run at --world=1)
+//     --stall               the last rank sleeps 2.5 s before its second step
+//                           (timeout 1 s): the others fail within the
+//                           timeout naming it, its own step then at once
+//     --begin               each step in two halves (zopt_optimizer_step_begin
+//                           or _step_linked_begin, then the step), with
+//                           max_norm set to 0.5 k at step k (steps with
+//                           clipping) on the ranks and the reference: the
+//                           begin's norm is the step's, calls in between are
+//                           refused, the result bit-identical as always
 //     --linked=STEP2.so     a second optimizer (another parameter class: its
 //                           own tensors and gradients) stepped with the first
 //                           by zopt_optimizer_step_linked: one norm over
@@ -69,6 +80,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <chrono>
 #include <thread>
 #include <vector>
 
@@ -76,6 +88,7 @@ namespace {
 
 struct Options {
   std::string step, other, linked, comm = "loopback", save, load, mismatch;
+  bool begin = false, stall = false;
   int world = 2, steps = 4, threads = 1, accum = 1, inf_at = -1, from_world = 1, loaded_steps = 0;
   int64_t bucket = 65536;
   double grad_scale = 0.05;
@@ -178,12 +191,13 @@ uint32_t dtype_of(const zopt_step_descriptor *d, uint32_t kind) {
 
 // Builds a model with the initial params; `drop_last` registers one tensor
 // fewer (the tensors mismatch).
-bool build(int rank, const zopt_step *step, Model &m, const Options &opt, zopt_comm *comm, bool drop_last) {
+bool build(int rank, const zopt_step *step, Model &m, const Options &opt, zopt_comm *comm, int drop_last) {
   m.step = step;
   m.d = zopt_step_get_descriptor(step);
   m.pdt = dtype_of(m.d, ZOPT_STATE_PARAM);
   m.gdt = dtype_of(m.d, ZOPT_STATE_GRAD);
-  size_t T = kSizes.size() - (drop_last ? 1 : 0);
+  size_t T = kSizes.size() - (drop_last == 1 ? 1 : 0);
+  const size_t shrunk = drop_last == 2 ? T - 1 : T;  // one element short
   m.p.resize(T);
   m.g.resize(T);
   for (size_t t = 0; t < T; ++t) {
@@ -200,8 +214,8 @@ bool build(int rank, const zopt_step *step, Model &m, const Options &opt, zopt_c
   CK(zopt_optimizer_add_group(m.o, &id));
   CK(zopt_optimizer_add_group(m.o, &id));
   for (size_t t = 0; t < T; ++t)
-    CK(zopt_optimizer_add_tensor(m.o, kGroups[t], m.p[t].data(), stream ? nullptr : m.g[t].data(), kSizes[t],
-                                 (zopt_dtype)m.pdt, &id));
+    CK(zopt_optimizer_add_tensor(m.o, kGroups[t], m.p[t].data(), stream ? nullptr : m.g[t].data(),
+                                 kSizes[t] - (t == shrunk ? 1 : 0), (zopt_dtype)m.pdt, &id));
   if (comm) CK(zopt_optimizer_set_comm(m.o, comm));
   CK(zopt_optimizer_set_bucket_elems(m.o, opt.bucket));
   double v;
@@ -573,13 +587,52 @@ bool run_rank(int rank, int world, zopt_comm *comm, const Options &opt) {
     Model m;
     const bool odd = rank == 1;
     const zopt_step *s = (odd && opt.mismatch == "stage") ? other : step;
-    if (!build(rank, s, m, o2, comm, odd && opt.mismatch == "tensors")) return false;
+    const int odd_tensors = !odd ? 0 : opt.mismatch == "tensors" ? 1 : opt.mismatch == "size" ? 2 : 0;
+    if (!build(rank, s, m, o2, comm, odd_tensors)) return false;
+    if (opt.mismatch == "bucket" && odd) CK(zopt_optimizer_set_bucket_elems(m.o, opt.bucket * 2));
     zopt_status st = zopt_optimizer_finalize(m.o);
-    if (opt.mismatch == "tensors") return expect_error(rank, st, "another tensor list at finalize", "rank(s) 1");
-    if (opt.mismatch == "stage") return expect_error(rank, st, "another step (ZeRO stage) at finalize", "rank(s) 1");
+    // Every rank's message names the setting and both values.
+    char want[160];
+    if (opt.mismatch == "tensors") {
+      snprintf(want, sizeof want, "tensor count: rank 0 has %zu, rank 1 has %zu", kSizes.size(), kSizes.size() - 1);
+      return expect_error(rank, st, "another tensor list at finalize", want);
+    }
+    if (opt.mismatch == "size") {
+      snprintf(want, sizeof want, "tensor %zu elements: rank 0 has %lld, rank 1 has %lld", kSizes.size() - 1,
+               (long long)kSizes.back(), (long long)kSizes.back() - 1);
+      return expect_error(rank, st, "another tensor size at finalize", want);
+    }
+    if (opt.mismatch == "stage") {
+      snprintf(want, sizeof want, "ZeRO stage: rank 0 has %u, rank 1 has %u", zopt_step_get_descriptor(step)->zero_stage,
+               zopt_step_get_descriptor(other)->zero_stage);
+      return expect_error(rank, st, "another step (ZeRO stage) at finalize", want);
+    }
+    if (opt.mismatch == "bucket") {
+      snprintf(want, sizeof want, "bucket size (elements; 0: the default): rank 0 has %lld, rank 1 has %lld",
+               (long long)opt.bucket, (long long)opt.bucket * 2);
+      return expect_error(rank, st, "another bucket size at finalize", want);
+    }
     CK(st);
-    if (opt.mismatch == "hyper" && odd) CK(zopt_optimizer_set_hyper(m.o, 0, "lr", 0.5));
-    if (opt.mismatch == "seed" && odd) CK(zopt_optimizer_set_seed(m.o, 7));
+    const char *what = "?";
+    if (opt.mismatch == "hyper") {
+      if (odd) CK(zopt_optimizer_set_hyper(m.o, 0, "lr", 0.5));
+      what = "other hyperparameters", snprintf(want, sizeof want, "group 0 lr: rank 0 has 0.01, rank 1 has 0.5");
+    } else if (opt.mismatch == "seed") {
+      if (odd) CK(zopt_optimizer_set_seed(m.o, 7));
+      what = "another seed";
+      snprintf(want, sizeof want, "seed: rank 0 has 0x000000000000002a, rank 1 has 0x0000000000000007");
+    } else if (opt.mismatch == "steps") {
+      if (odd) CK(zopt_optimizer_set_step_count(m.o, 1, 5));
+      what = "another step count", snprintf(want, sizeof want, "group 1 step count: rank 0 has 0, rank 1 has 5");
+    } else if (opt.mismatch == "clip") {
+      if (odd) CK(zopt_optimizer_set_max_norm(m.o, 0.5));
+      what = "another max_norm";
+      snprintf(want, sizeof want, "clip max_norm: rank 0 has %.17g, rank 1 has 0.5", m.d->max_norm);
+    } else if (opt.mismatch == "divisor") {
+      if (odd) CK(zopt_optimizer_set_grad_divisor(m.o, 7));
+      what = "another gradient divisor";
+      snprintf(want, sizeof want, "gradient divisor: rank 0 has %d, rank 1 has 7", world);
+    }
     fill_grads(m, o2, rank, 1, 1.0);
     zopt_step_result r{};
     if (opt.mismatch == "call") {
@@ -588,7 +641,33 @@ bool run_rank(int rank, int world, zopt_comm *comm, const Options &opt) {
       return expect_error(rank, st, "a rank calling another collective", "rank");
     }
     st = zopt_optimizer_step(m.o, &r);
-    return expect_error(rank, st, opt.mismatch == "hyper" ? "other hyperparameters" : "another seed", "rank(s) 1");
+    return expect_error(rank, st, what, want);
+  }
+
+  // ---- a stalled rank: the last one sleeps before its second step. Every
+  // other rank's step fails within the communicator's timeout (1 s here),
+  // naming it; the stalled rank's own step then fails at once, naming the
+  // ranks that gave up.
+  if (opt.stall) {
+    Model m;
+    if (!build(rank, step, m, o2, comm, 0)) return false;
+    CK(zopt_optimizer_finalize(m.o));
+    CK(zopt_comm_set_timeout(comm, 1.0));
+    zopt_step_result r{};
+    fill_grads(m, o2, rank, 1, 1.0);
+    CK(zopt_optimizer_step(m.o, &r));
+    fill_grads(m, o2, rank, 2, 1.0);
+    const bool stalled = rank == world - 1;
+    if (stalled) std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+    auto t0 = std::chrono::steady_clock::now();
+    zopt_status st = zopt_optimizer_step(m.o, &r);
+    double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    char want[96];
+    snprintf(want, sizeof want, stalled ? "gave up on collective" : "rank %d did not call collective", world - 1);
+    bool ok = expect_error(rank, st, stalled ? "the stalled rank's late step" : "a step while a rank stalls", want);
+    bool fast = took < (stalled ? 0.5 : 2.0);
+    report(rank, fast, "the error came after %.2f s (timeout 1 s)", took);
+    return ok && fast;
   }
 
   // ---- the optimizer freed with buckets in flight: the queued ones are
@@ -681,7 +760,26 @@ bool run_rank(int rank, int world, zopt_comm *comm, const Options &opt) {
     if (opt.stream)
       for (int c = 0; c < nparts; ++c)
         if (!stream_grads(rank, *ms[c], o2)) return false;
-    zopt_step_result a{}, b{};
+    zopt_step_result a{}, b{}, pre{};
+    if (opt.begin) {
+      // max_norm set at run time (steps with clipping), then the step in
+      // two halves: the begin's norm is the step's; calls in between fail.
+      if (m.d->flags & ZOPT_FLAG_CLIP)
+        for (int c = 0; c < nparts; ++c) {
+          CK(zopt_optimizer_set_max_norm(ms[c]->o, 0.5 * k));
+          CK(zopt_optimizer_set_max_norm(refs[c]->o, 0.5 * k));
+        }
+      if (step2)
+        CK(zopt_optimizer_step_linked_begin(parts, 2, &pre));
+      else
+        CK(zopt_optimizer_step_begin(m.o, &pre));
+      zopt_status st = zopt_optimizer_set_seed(m.o, 1);
+      bool refused = st == ZOPT_ERR_BAD_STATE && strstr(zopt_last_error(), "finish it with zopt_optimizer_step") &&
+                     (!step2 || zopt_optimizer_step(m.o, &a) == ZOPT_ERR_BAD_STATE);
+      report(rank, refused, "step %d: calls between zopt_optimizer_step_begin and the step are refused (\"%s\")", k,
+             zopt_last_error());
+      all_ok = all_ok && refused;
+    }
     if (step2) {
       CK(zopt_optimizer_step_linked(parts, 2, &a));
       CK(zopt_optimizer_step_linked(ref_parts, 2, &b));
@@ -698,6 +796,13 @@ bool run_rank(int rank, int world, zopt_comm *comm, const Options &opt) {
       CK(zopt_optimizer_step(ref.o, &b));
     }
     bool ok = compare(rank, m, ref, a, b, k, o2, "", &own[0]);
+    if (opt.begin) {
+      bool same = (std::isnan(pre.grad_norm) ? std::isnan(a.grad_norm) : pre.grad_norm == a.grad_norm) &&
+                  pre.skipped == a.skipped && pre.loss_scale == a.loss_scale;
+      report(rank, same, "step %d: zopt_optimizer_step_begin's norm %.17g is the step's %.17g", k, pre.grad_norm,
+             a.grad_norm);
+      ok = ok && same;
+    }
     if (step2) {
       ok = compare(rank, m2, ref2, a, b, k, o2, "linked part 1", &own[1]) && ok;
       // One norm over both parts: float64 over the reference's gradients
@@ -750,6 +855,8 @@ bool parse(int argc, char **argv, Options &o) {
     else if (const char *v = val("--from-world=")) o.from_world = atoi(v);
     else if (const char *v = val("--loaded-steps=")) o.loaded_steps = atoi(v);
     else if (const char *v = val("--mismatch=")) o.mismatch = v;
+    else if (a == "--begin") o.begin = true;
+    else if (a == "--stall") o.stall = true;
     else if (const char *v = val("--other=")) o.other = v;
     else if (const char *v = val("--linked=")) o.linked = v;
     else if (a == "--mask") o.mask = true;

@@ -118,12 +118,13 @@ double median(std::vector<double> v) {
 } // namespace
 
 // zopt_run_ranks.cpp: the main job at W ranks.
-int zopt_run_ranks(const char *path, int world, bool mpi, long long nParams, int nTensors, int steps, int threads);
+int zopt_run_ranks(const char *path, int world, bool mpi, long long nParams, int nTensors, int steps, int threads,
+                   double timeout);
 
 int main(int argc, char **argv) {
   if (argc < 2 || !std::strcmp(argv[1], "--help")) {
     std::printf("usage: zopt-run step.so [--params N] [--tensors T] "
-                "[--steps K] [--threads P] [--ranks W | --mpi]\n");
+                "[--steps K] [--threads P] [--ranks W | --mpi] [--timeout S]\n");
     return argc < 2 ? 2 : 0;
   }
   std::setvbuf(stdout, nullptr, _IOLBF, 0); // progress lines as they come
@@ -133,6 +134,7 @@ int main(int argc, char **argv) {
   int threads = int(std::thread::hardware_concurrency());
   int ranks = 0;
   bool mpi = false, threads_set = false;
+  double timeout = 0;  // seconds a collective waits for its peers; 0: the communicator's default
   for (int i = 2; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--mpi") {
@@ -142,6 +144,15 @@ int main(int argc, char **argv) {
     if (i + 1 >= argc) {
       std::fprintf(stderr, "zopt-run: %s needs a value\n", a.c_str());
       return 2;
+    }
+    if (a == "--timeout") {
+      char *end = nullptr;
+      timeout = std::strtod(argv[++i], &end);
+      if (!end || *end || !(timeout > 0) || !std::isfinite(timeout)) {
+        std::fprintf(stderr, "zopt-run: --timeout %s: seconds, finite and > 0\n", argv[i]);
+        return 2;
+      }
+      continue;
     }
     long long v = std::atoll(argv[++i]);
     if (a == "--params") nParams = v;
@@ -161,7 +172,7 @@ int main(int argc, char **argv) {
     }
     // The ranks share this machine's cores.
     if (!threads_set) threads = std::max(1, threads / std::max(1, mpi ? 1 : ranks));
-    return zopt_run_ranks(path, ranks, mpi, nParams, nTensors, steps, threads);
+    return zopt_run_ranks(path, ranks, mpi, nParams, nTensors, steps, threads, timeout);
   }
   if (nParams < nTensors || nTensors < 1 || steps < 1 || threads < 1) {
     std::fprintf(stderr, "zopt-run: need params >= tensors >= 1, steps >= 1\n");

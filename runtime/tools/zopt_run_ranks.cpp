@@ -15,7 +15,12 @@
 // For the tests of that verdict (test/Integration/ZeRO/zopt-run*.test):
 // with ZOPT_RUN_FAULT=grad in the environment, the last rank changes one
 // element of its gradient after the reference summed the ranks'
-// gradients, so every rank must report NO and the run exit 1.
+// gradients, so every rank must report NO and the run exit 1. With
+// ZOPT_RUN_FAULT=stall the last rank sleeps 60 s before its last step (a
+// stalled peer: the others fail within --timeout, naming it);
+// ZOPT_RUN_FAULT=stall-unchecked does the same with the signature checks
+// off (the stall is found inside a data collective, by the engine's
+// liveness exchange).
 //
 //===----------------------------------------------------------------------===//
 #include "zopt/comm.h"
@@ -83,6 +88,7 @@ struct Setup {
   std::vector<int64_t> sizes;
   int steps, threads;
   bool fault = false;  // ZOPT_RUN_FAULT=grad: the last rank's gradient differs from the reference's
+  bool stall = false;  // ZOPT_RUN_FAULT=stall(-unchecked): the last rank sleeps before its last step
 };
 
 struct RankResult {
@@ -165,6 +171,7 @@ RankResult run_rank(const Setup &s, zopt_comm *comm, int rank, int world, Model 
     // the mean into each rank's shard of them).
     for (size_t t = 0; t < m.g.size(); ++t) std::memcpy(m.g[t].data(), m.g0[t].data(), m.g[t].size());
     zopt_step_result r;
+    if (s.stall && rank == world - 1 && k == s.steps - 1) std::this_thread::sleep_for(std::chrono::seconds(60));
     auto t0 = std::chrono::steady_clock::now();
     if (zopt_optimizer_step(m.o, &r) != ZOPT_OK) {
       res.error = std::string("step: ") + zopt_last_error();
@@ -236,7 +243,8 @@ void print_row(int r, const RankResult &x) {
 }  // namespace
 
 // Entry from zopt_run.cpp's main. Returns the process exit code.
-int zopt_run_ranks(const char *path, int world, bool mpi, long long nParams, int nTensors, int steps, int threads) {
+int zopt_run_ranks(const char *path, int world, bool mpi, long long nParams, int nTensors, int steps, int threads,
+                   double timeout) {
   if (nTensors < 1 || nParams < nTensors || steps < 1 || threads < 1) {
     std::fprintf(stderr, "zopt-run: need params >= tensors >= 1, steps >= 1\n");
     return 2;
@@ -258,6 +266,8 @@ int zopt_run_ranks(const char *path, int world, bool mpi, long long nParams, int
   s.threads = threads;
   const char *fault = std::getenv("ZOPT_RUN_FAULT");
   s.fault = fault && !std::strcmp(fault, "grad");
+  s.stall = fault && (!std::strcmp(fault, "stall") || !std::strcmp(fault, "stall-unchecked"));
+  const bool unchecked = fault && !std::strcmp(fault, "stall-unchecked");
   int rc = 0;
   if (mpi) {
     zopt_comm *c = nullptr;
@@ -267,6 +277,11 @@ int zopt_run_ranks(const char *path, int world, bool mpi, long long nParams, int
     }
     int rank = zopt_comm_rank(c);
     world = zopt_comm_size(c);
+    if ((timeout > 0 && zopt_comm_set_timeout(c, timeout) != ZOPT_OK) ||
+        (unchecked && zopt_comm_set_checks(c, 0) != ZOPT_OK)) {
+      std::fprintf(stderr, "zopt-run: %s\n", zopt_last_error());
+      return 1;
+    }
     Model ref;
     std::string err;
     if (!build(s, ref, nullptr, -1, world, &err)) {
@@ -282,6 +297,7 @@ int zopt_run_ranks(const char *path, int world, bool mpi, long long nParams, int
       std::printf("step %s, ZeRO stage %u, %lld parameters in %d tensors, %d MPI ranks x %d threads, %d steps\n",
                   s.d->name, s.d->zero_stage, nParams, nTensors, world, threads, steps);
     RankResult res = run_rank(s, c, rank, world, ref);
+    if (!res.ok) std::fprintf(stderr, "zopt-run: rank %d: %s\n", rank, res.error.c_str());
     // Rank 0 prints every rank's row (a fixed-size record each).
     struct Row {
       int32_t ok, identical;
@@ -331,7 +347,7 @@ int zopt_run_ranks(const char *path, int world, bool mpi, long long nParams, int
       }
     std::vector<zopt_comm *> comms(world);
     zopt_loopback_options lo{};
-    lo.timeout_s = 120;
+    lo.timeout_s = timeout > 0 ? timeout : 120;
     if (zopt_comm_create_loopback(world, &lo, comms.data()) != ZOPT_OK) {
       std::fprintf(stderr, "zopt-run: %s\n", zopt_last_error());
       return 1;

@@ -194,6 +194,29 @@ ZOPT_API zopt_status zopt_optimizer_step(zopt_optimizer *opt, zopt_step_result *
  * update leaves every part's state as it was. */
 ZOPT_API zopt_status zopt_optimizer_step_linked(zopt_optimizer *const *parts, int n, zopt_step_result *result);
 
+/* A step in two halves (API 2, additions): zopt_optimizer_step_begin runs
+ * the first half of the next step now - the ranks' agreement, the gradient
+ * reduction and the global norm (collective, as the step) - and returns
+ * that norm (result->grad_norm: the norm the step clips by, over all ranks;
+ * NaN for a step without a norm; result->skipped: it is not finite). The
+ * next zopt_optimizer_step finishes the step with it (clipping with the
+ * max_norm set before the begin). In between every other call on the
+ * optimizer but zopt_optimizer_get_max_norm and zopt_optimizer_free fails
+ * with ZOPT_ERR_BAD_STATE. CPU-updated steps (GPU steps: UNSUPPORTED). The
+ * _linked_ form begins a linked step over the same parts (the combined
+ * norm), finished by zopt_optimizer_step_linked with the same parts. A
+ * failed begin is a failed step. */
+ZOPT_API zopt_status zopt_optimizer_step_begin(zopt_optimizer *opt, zopt_step_result *result);
+ZOPT_API zopt_status zopt_optimizer_step_linked_begin(zopt_optimizer *const *parts, int n,
+                                                      zopt_step_result *result);
+
+/* The max_norm of global-norm clipping for the following steps (steps
+ * compiled with clipping; the compiled value until set; CPU-updated steps,
+ * GPU steps keep the compiled one: UNSUPPORTED). Finite and > 0. Every rank
+ * must use the same value (checked at each step). */
+ZOPT_API zopt_status zopt_optimizer_set_max_norm(zopt_optimizer *opt, double max_norm);
+ZOPT_API zopt_status zopt_optimizer_get_max_norm(const zopt_optimizer *opt, double *max_norm);
+
 /* ---- gradient streaming (ZeRO-2/3 gradient memory) ---------------------
  *
  * By default a step reads every tensor's whole gradient from its registered

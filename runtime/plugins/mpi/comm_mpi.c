@@ -9,7 +9,11 @@
  * nonblocking forms (MPI_Ialltoall, MPI_Iallgather) polled with MPI_Test
  * until the deadline; the signature exchange uses MPI_Isend/MPI_Irecv with
  * every peer, so that a timeout names exactly the ranks whose signatures did
- * not arrive. Byte counts above the chunk size (1 GiB; ZOPT_COMM_MPI_CHUNK_BYTES
+ * not arrive. After a data collective times out (a rank stalled inside it,
+ * or checks off), a short liveness exchange on a second duplicate of the
+ * communicator names the ranks that do not answer: every rank waiting in a
+ * call of this communicator answers pings while it waits. Byte counts above
+ * the chunk size (1 GiB; ZOPT_COMM_MPI_CHUNK_BYTES
  * overrides it, for tests) are moved as several collectives over a derived
  * datatype of `chunk` bytes whose extent is the whole piece.
  */
@@ -29,14 +33,19 @@
 
 typedef struct {
   MPI_Comm comm; /* our duplicate of the user's communicator */
+  MPI_Comm live; /* another one, for the liveness exchange (pings) */
   int rank, size;
   double timeout;
   size_t chunk;
   int counted;  /* counts toward the MPI_Finalize we owe (MPI initialized here) */
   int stuck;    /* a collective request is still pending after a timeout */
   uint64_t xseq;
+  uint64_t calls;     /* engine calls so far (the one running included) */
+  uint64_t pong;      /* the payload of the last answer sent (stays valid while the send is pending) */
   char err[1024];
 } Ctx;
+
+enum { TAG_PING = 1, TAG_PONG = 2 };
 
 static int g_we_initialized = 0; /* MPI_Init_thread was called by this plugin */
 static int g_counted = 0;        /* live communicators created with mpi_comm == NULL since */
@@ -70,15 +79,104 @@ static const char *mpi_error(int rc) {
  * on its step, or one that never arrives) sleeps between polls, 100 us.
  * (A 100 us sleep after every 1,024 polls held 32 KiB fragments to ~0.3
  * GB/s: zopt's all-to-all measured 0.4-0.5 of raw MPI_Alltoall.) */
-static void backoff(unsigned *spins, double waited, double idle) {
+/* Answers the pings of ranks that gave up on a collective (their liveness
+ * exchange): this rank is alive and inside a call. */
+static void serve(Ctx *c) {
+  for (;;) {
+    int flag = 0;
+    MPI_Status st;
+    if (MPI_Iprobe(MPI_ANY_SOURCE, TAG_PING, c->live, &flag, &st) != MPI_SUCCESS || !flag) return;
+    uint64_t seq = 0;
+    if (MPI_Recv(&seq, 8, MPI_BYTE, st.MPI_SOURCE, TAG_PING, c->live, MPI_STATUS_IGNORE) != MPI_SUCCESS) return;
+    MPI_Request r;
+    c->pong = c->calls;
+    if (MPI_Isend(&c->pong, 8, MPI_BYTE, st.MPI_SOURCE, TAG_PONG, c->live, &r) == MPI_SUCCESS) MPI_Request_free(&r);
+  }
+}
+
+static void backoff(Ctx *c, unsigned *spins, double waited, double idle) {
   ++*spins;
   if (*spins < 64) return;
+  /* Pings come only after some rank waited a whole timeout: answer them
+   * once this wait is not short (no probing in the fast path). */
+  if (waited > 0.02 && (*spins & 15) == 0) serve(c);
   if (waited < idle) {
     sched_yield();
     return;
   }
   struct timespec ts = {0, 100000};
   nanosleep(&ts, NULL);
+}
+
+/* After a data collective timed out: pings every peer on `live` and waits
+ * a short window for the answers (serving the pings of others meanwhile).
+ * Appends to the error which ranks did not answer. A rank that answers is
+ * inside some call of this communicator (it waits too, or it gave up); one
+ * that does not is stalled elsewhere, dead, or wedged. */
+static void liveness(Ctx *c) {
+  const int W = c->size;
+  double window = c->timeout / 4;
+  if (window < 0.2) window = 0.2;
+  if (window > 2.0) window = 2.0;
+  uint64_t *pongs = (uint64_t *)calloc((size_t)W, sizeof *pongs);
+  MPI_Request *reqs = (MPI_Request *)malloc(sizeof *reqs * 2u * (size_t)W);
+  uint64_t ping = c->calls;
+  if (!pongs || !reqs) {
+    free(pongs);
+    free(reqs);
+    return;
+  }
+  for (int q = 0; q < W; ++q) {
+    reqs[q] = reqs[W + q] = MPI_REQUEST_NULL;
+    if (q == c->rank) continue;
+    if (MPI_Irecv(&pongs[q], 8, MPI_BYTE, q, TAG_PONG, c->live, &reqs[q]) != MPI_SUCCESS) reqs[q] = MPI_REQUEST_NULL;
+    if (MPI_Isend(&ping, 8, MPI_BYTE, q, TAG_PING, c->live, &reqs[W + q]) != MPI_SUCCESS) reqs[W + q] = MPI_REQUEST_NULL;
+  }
+  double start = MPI_Wtime();
+  for (;;) {
+    serve(c);
+    int all = 1;
+    for (int q = 0; q < W; ++q)
+      if (reqs[q] != MPI_REQUEST_NULL) {
+        int flag = 0;
+        MPI_Test(&reqs[q], &flag, MPI_STATUS_IGNORE);
+        if (!flag) all = 0;
+      }
+    if (all || MPI_Wtime() - start > window) break;
+    struct timespec ts = {0, 200000};
+    nanosleep(&ts, NULL);
+  }
+  char list[600] = "";
+  size_t len = 0;
+  int missing = 0;
+  for (int q = 0; q < W; ++q) {
+    if (reqs[q] != MPI_REQUEST_NULL) {  /* no answer: name it, cancel the receive */
+      ++missing;
+      if (len < sizeof list - 16) len += (size_t)snprintf(list + len, sizeof list - len, "%s%d", len ? ", " : "", q);
+      MPI_Cancel(&reqs[q]);
+      MPI_Wait(&reqs[q], MPI_STATUS_IGNORE);
+    }
+    if (reqs[W + q] != MPI_REQUEST_NULL) {
+      /* `ping` is on this stack: wait for the (small, eager) send briefly */
+      int flag = 0;
+      double t0 = MPI_Wtime();
+      while (!flag && MPI_Test(&reqs[W + q], &flag, MPI_STATUS_IGNORE) == MPI_SUCCESS && MPI_Wtime() - t0 < 0.5)
+        ;
+      if (!flag) {
+        MPI_Cancel(&reqs[W + q]);
+        MPI_Wait(&reqs[W + q], MPI_STATUS_IGNORE);
+      }
+    }
+  }
+  size_t n = strlen(c->err);
+  if (missing)
+    snprintf(c->err + n, sizeof c->err - n, "; rank%s %s did not answer within %g s (liveness check; the other ranks "
+             "did: they are inside a collective too)", missing == 1 ? "" : "s", list, window);
+  else
+    snprintf(c->err + n, sizeof c->err - n, "; every rank answered the liveness check within %g s (they are inside "
+             "collectives of this communicator, perhaps other ones)", window);
+  free(pongs);
+  free(reqs);
 }
 
 /* Polls `reqs` until all complete or the deadline; on a timeout the requests
@@ -94,12 +192,11 @@ static int wait_all(Ctx *c, int n, MPI_Request *reqs, const char *what, size_t b
     if (MPI_Wtime() > deadline) {
       c->stuck = 1;
       g_stuck = 1;
-      return set_err(c, ZOPT_COMM_ERR_TIMEOUT,
-                     "%s of %zu bytes did not complete within %g s (some rank did not enter it; MPI cannot "
-                     "tell which; the signature checks, when on, name ranks that never arrive)",
-                     what, bytes, c->timeout);
+      set_err(c, ZOPT_COMM_ERR_TIMEOUT, "%s of %zu bytes did not complete within %g s", what, bytes, c->timeout);
+      liveness(c);
+      return ZOPT_COMM_ERR_TIMEOUT;
     }
-    backoff(&spins, MPI_Wtime() - start, 0.5);
+    backoff(c, &spins, MPI_Wtime() - start, 0.5);
   }
 }
 
@@ -116,6 +213,7 @@ static int chunk_type(size_t n, size_t extent, MPI_Datatype *t) {
 }
 
 static int collective(Ctx *c, int gather, const void *send, void *recv, size_t bytes) {
+  ++c->calls;
   const char *what = gather ? "MPI_Iallgather" : "MPI_Ialltoall";
   int in_place = gather && (const char *)send == (const char *)recv + (size_t)c->rank * bytes;
   if (bytes <= c->chunk && bytes <= (size_t)INT_MAX) {
@@ -168,6 +266,7 @@ static int mpi_all_gather(void *ctx, const void *send, void *recv, size_t bytes)
 /* Signature exchange: Isend to / Irecv from every peer. */
 static int mpi_exchange(void *ctx, const void *send, void *recv, size_t bytes) {
   Ctx *c = (Ctx *)ctx;
+  ++c->calls;
   int W = c->size, tag = (int)(++c->xseq % 32000u) + 1;
   MPI_Request *reqs = (MPI_Request *)malloc(sizeof *reqs * 2u * (size_t)W);
   if (!reqs) return set_err(c, ZOPT_COMM_ERR_FAILED, "signature exchange: out of memory");
@@ -210,7 +309,7 @@ static int mpi_exchange(void *ctx, const void *send, void *recv, size_t bytes) {
                       missing == 1 ? "" : "s", missing ? list : "(none: the sends did not complete)");
         break;
       }
-      backoff(&spins, MPI_Wtime() - start, 0.5);
+      backoff(c, &spins, MPI_Wtime() - start, 0.5);
     }
   }
   /* Pending point-to-point requests can be cleaned up: cancel the receives,
@@ -238,7 +337,10 @@ static void mpi_destroy(void *ctx) {
   int finalized = 0;
   MPI_Finalized(&finalized);
   /* A communicator with a pending collective request cannot be freed. */
-  if (!finalized && !c->stuck) MPI_Comm_free(&c->comm);
+  if (!finalized && !c->stuck) {
+    MPI_Comm_free(&c->comm);
+    MPI_Comm_free(&c->live);
+  }
   if (c->counted && --g_counted == 0 && g_we_initialized && !finalized && !g_stuck) {
     MPI_Finalize();
     g_we_initialized = 0;
@@ -298,7 +400,14 @@ EXPORT int zopt_comm_mpi_open(uint32_t version, const void *mpi_comm, const zopt
     free(c);
     return open_err(err, err_len, INTERNAL, "MPI_Comm_dup: %s", mpi_error(rc));
   }
+  rc = MPI_Comm_dup(base, &c->live);
+  if (rc != MPI_SUCCESS) {
+    MPI_Comm_free(&c->comm);
+    free(c);
+    return open_err(err, err_len, INTERNAL, "MPI_Comm_dup: %s", mpi_error(rc));
+  }
   MPI_Comm_set_errhandler(c->comm, MPI_ERRORS_RETURN);
+  MPI_Comm_set_errhandler(c->live, MPI_ERRORS_RETURN);
   MPI_Comm_rank(c->comm, &c->rank);
   MPI_Comm_size(c->comm, &c->size);
   if (!mpi_comm && g_we_initialized) {

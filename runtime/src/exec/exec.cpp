@@ -2,6 +2,7 @@
 // (exec.h). docs/DISTRIBUTED.md describes the layout and the collectives.
 #include "exec/exec.h"
 
+#include "agree.h"
 #include "comm/comm_internal.h"
 #include "pipeline/pipeline.h"
 
@@ -412,20 +413,27 @@ void run_update(zopt_optimizer *o, Work &w) {
 
 // ---- agreement between ranks -----------------------------------------------
 
+// The hash of step_settings() (agree.h): the same fields, without building
+// their names every step.
 uint64_t hash_step_settings(const zopt_optimizer *o) {
   uint64_t h = fnv1a64(&o->seed, sizeof o->seed);
   for (const Group &g : o->groups) {
+    h = fnv1a64(&g.step_count, sizeof g.step_count, h);
     h = fnv1a64(g.hypers.data(), g.hypers.size() * sizeof(double), h);
     h = fnv1a64(&g.flags, sizeof g.flags, h);
   }
   double D = grad_divisor(o);
   h = fnv1a64(&D, sizeof D, h);
-  h = fnv1a64(&o->scaler.scale, sizeof o->scaler.scale, h);
+  double S = (o->d->flags & ZOPT_FLAG_LOSS_SCALE) ? o->scaler.scale : 1.0;
+  h = fnv1a64(&S, sizeof S, h);
+  double m = (o->d->flags & ZOPT_FLAG_CLIP) ? o->max_norm : 0;
+  h = fnv1a64(&m, sizeof m, h);
   return h;
 }
 
 // Every rank's gradient mask (OR) and a check that every rank steps with the
-// same hyperparameters, seed, divisor and loss scale.
+// same hyperparameters, group flags, step counts, seed, divisor, loss scale
+// and max_norm.
 zopt_status agree(zopt_optimizer *o, bool first) {
   Program &P = *o->prog;
   const size_t T = o->tensors.size();
@@ -477,11 +485,7 @@ zopt_status agree(zopt_optimizer *o, bool first) {
     memcpy(&hq, all.data() + q * msg, 8);
     if (hq != h0) bad += (bad.empty() ? "" : ", ") + std::to_string(q);
   }
-  if (!bad.empty())
-    return fail(ZOPT_ERR_INVALID_ARGUMENT,
-                "zopt_optimizer_step: the hyperparameters, seed, gradient divisor or loss scale of rank(s) %s differ "
-                "from rank 0's: every rank must step with the same values",
-                bad.c_str());
+  if (!bad.empty()) return explain_step_disagreement(o);  // every rank saw it: names the settings
   P.global_active.assign(T, 0);
   bool all_on = true;
   for (size_t t = 0; t < T; ++t) {
@@ -879,7 +883,7 @@ zopt_status run_end(zopt_optimizer *o, StepState *st, double sumsq, zopt_step_re
     if (!std::isfinite(sumsq)) {
       st->skipped = true;
     } else if (d->flags & ZOPT_FLAG_CLIP) {
-      st->clip = std::min(1.0, d->max_norm / (st->norm + 1e-6));
+      st->clip = std::min(1.0, o->max_norm / (st->norm + 1e-6));
       prepare_rows(o, false, st->clip, st->gscale);
     }
   }

@@ -8,6 +8,11 @@
 namespace zopt {
 
 zopt_status check_idle(const zopt_optimizer *o, const char *fn) {
+  if (o->begun)
+    return fail(ZOPT_ERR_BAD_STATE,
+                "%s: a step was begun (zopt_optimizer_step_begin: its gradients are reduced and its norm computed); "
+                "finish it with zopt_optimizer_step%s first",
+                fn, o->linked ? "_linked (the same parts)" : "");
   if (o->pipe && !o->pipe->idle())
     return fail(ZOPT_ERR_BAD_STATE,
                 "%s: gradient buckets are still being reduced in the background "
