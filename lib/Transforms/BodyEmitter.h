@@ -25,7 +25,7 @@
 #include "mlir/Dialect/Vector/IR/VectorOps.h"
 #include "mlir/IR/Builders.h"
 #include "mlir/IR/IRMapping.h"
-#include "zopt/Dialect/Kernel/IR/KernelDialect.h"
+#include "zopt/Dialect/ZK/IR/ZKOps.h"
 #include "zopt/abi.h"
 
 #include <functional>

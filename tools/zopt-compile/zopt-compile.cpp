@@ -30,7 +30,7 @@
 #include "llvm/Support/SourceMgr.h"
 #include "llvm/Support/ToolOutputFile.h"
 #include "llvm/Support/thread.h"
-#include "zopt/Dialect/Kernel/IR/KernelDialect.h"
+#include "zopt/Dialect/ZK/IR/ZKOps.h"
 #include "zopt/Dialect/Zopt/IR/ZoptDescription.h"
 #include "zopt/Dialect/Zopt/IR/ZoptOps.h"
 #include "zopt/Pipelines/Pipelines.h"

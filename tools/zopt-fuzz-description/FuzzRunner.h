@@ -29,7 +29,7 @@
 #include "mlir/Target/LLVMIR/Dialect/All.h"
 #include "llvm/Support/FileSystem.h"
 #include "llvm/Support/SourceMgr.h"
-#include "zopt/Dialect/Kernel/IR/KernelDialect.h"
+#include "zopt/Dialect/ZK/IR/ZKOps.h"
 #include "zopt/Dialect/Zopt/IR/ZoptDescription.h"
 #include "zopt/Dialect/Zopt/IR/ZoptOps.h"
 #include "zopt/Pipelines/Pipelines.h"

@@ -1,28 +1,10 @@
-//===- KernelDialect.cpp - zk dialect -------------------------------------===//
-#include "zopt/Dialect/Kernel/IR/KernelDialect.h"
+//===- ZKOps.cpp - zk operations ------------------------------------------===//
+#include "zopt/Dialect/ZK/IR/ZKOps.h"
 
-#include "mlir/IR/DialectImplementation.h"
-#include "llvm/ADT/TypeSwitch.h"
 #include "zopt/abi.h"
 
 using namespace mlir;
 using namespace mlir::zk;
-
-#include "zopt/Dialect/Kernel/IR/KernelDialect.cpp.inc"
-#include "zopt/Dialect/Kernel/IR/KernelEnums.cpp.inc"
-#define GET_ATTRDEF_CLASSES
-#include "zopt/Dialect/Kernel/IR/KernelAttrs.cpp.inc"
-
-void ZKDialect::initialize() {
-  addOperations<
-#define GET_OP_LIST
-#include "zopt/Dialect/Kernel/IR/Kernel.cpp.inc"
-      >();
-  addAttributes<
-#define GET_ATTRDEF_LIST
-#include "zopt/Dialect/Kernel/IR/KernelAttrs.cpp.inc"
-      >();
-}
 
 LogicalResult DescriptorOp::verify() {
   size_t n = getStateKinds().size();
@@ -60,4 +42,4 @@ LogicalResult KernelOp::verifyRegions() {
 }
 
 #define GET_OP_CLASSES
-#include "zopt/Dialect/Kernel/IR/Kernel.cpp.inc"
+#include "zopt/Dialect/ZK/IR/ZK.cpp.inc"

@@ -1,39 +1,11 @@
-//===- Kernel.td - zopt kernel dialect (zk) ----------------*- tablegen -*-===//
-#ifndef ZOPT_DIALECT_KERNEL_TD
-#define ZOPT_DIALECT_KERNEL_TD
+//===- ZKOps.td - zk operations ----------------------------*- tablegen -*-===//
+#ifndef ZOPT_DIALECT_ZK_ZKOPS_TD
+#define ZOPT_DIALECT_ZK_ZKOPS_TD
 
-include "mlir/IR/OpBase.td"
-include "mlir/IR/EnumAttr.td"
+include "zopt/Dialect/ZK/IR/ZKDialect.td"
+include "zopt/Dialect/ZK/IR/ZKEnums.td"
 include "mlir/IR/SymbolInterfaces.td"
 include "mlir/Interfaces/SideEffectInterfaces.td"
-
-def ZK_Dialect : Dialect {
-  let name = "zk";
-  let cppNamespace = "::mlir::zk";
-  let summary = "Fused optimizer kernels, independent of the device";
-  let description = [{
-    The output of the fuse phase. A module holds one `zk.descriptor` (what
-    the runtime must know: states, hyperparameter slots, flags), one
-    `zk.prepare` (the per-group coefficient computation in f64, run on the
-    host once per group and step), and `zk.kernel`s: elementwise bodies over
-    one element (`update`: one pass over memory doing the whole update;
-    `sumsq`: the global-norm / non-finite reduction). Device codegen turns
-    each kernel body into a loop at the target's vector width.
-  }];
-  let useDefaultAttributePrinterParser = 1;
-  let dependentDialects = ["::mlir::arith::ArithDialect",
-                           "::mlir::math::MathDialect"];
-}
-
-class ZK_Op<string mnemonic, list<Trait> traits = []>
-    : Op<ZK_Dialect, mnemonic, traits>;
-
-def ZK_KernelRole : I32EnumAttr<"KernelRole", "role of an elementwise kernel", [
-    I32EnumAttrCase<"update", 2>, I32EnumAttrCase<"sumsq", 3>]> {
-  let cppNamespace = "::mlir::zk";
-  let genSpecializedAttr = 0;
-}
-def ZK_KernelRoleAttr : EnumAttr<ZK_Dialect, ZK_KernelRole, "role">;
 
 def ZK_DescriptorOp : ZK_Op<"descriptor", []> {
   let summary = "what the runtime must know about the compiled step";
