@@ -25,6 +25,31 @@ LogicalResult DescriptorOp::verify() {
            << ZOPT_MAX_COEFFS << "]";
   if (getName().size() >= ZOPT_NAME_LEN)
     return emitOpError("step name longer than ") << ZOPT_NAME_LEN - 1;
+  // The kernel table the conversions record: arrays of i32 codes and a
+  // symbol name ([role, isa, "symbol"] on the CPU, [role, "symbol"] and
+  // [sm, "symbol"] on the GPU).
+  auto checkTable = [&](ArrayAttr table, StringRef name,
+                        unsigned codes) -> LogicalResult {
+    if (!table)
+      return success();
+    for (Attribute a : table) {
+      auto entry = dyn_cast<ArrayAttr>(a);
+      bool ok = entry && entry.size() == codes + 1 &&
+                isa<StringAttr>(entry[codes]);
+      for (unsigned i = 0; ok && i < codes; ++i) {
+        auto c = dyn_cast<IntegerAttr>(entry[i]);
+        ok = c && c.getType().isInteger(32);
+      }
+      if (!ok)
+        return emitOpError(name) << " entries are [" << (codes == 2 ? "i32, " : "")
+                                 << "i32, \"symbol\"] arrays; got " << a;
+    }
+    return success();
+  };
+  if (failed(checkTable(getCpuKernelsAttr(), "cpu_kernels", 2)) ||
+      failed(checkTable(getGpuKernelsAttr(), "gpu_kernels", 1)) ||
+      failed(checkTable(getGpuImagesAttr(), "gpu_images", 1)))
+    return failure();
   return success();
 }
 

@@ -14,6 +14,12 @@ def ZK_DescriptorOp : ZK_Op<"descriptor", []> {
     placement, rounding, init, access bits and flags (partitioned under
     ZeRO); per hyper slot kind, default,
     min, max and exclusivity of max.
+
+    The conversions record the kernel table on it for `zopt-emit-descriptor`
+    (which writes abi.h's `zopt_step_descriptor` and erases this op):
+    `cpu_kernels` (convert-zk-to-cpu) lists `[role, isa, "symbol"]`,
+    `gpu_kernels` (convert-zk-to-gpu) `[role, "symbol"]` and `gpu_images`
+    `[sm, "symbol"]`, with the abi.h codes as i32.
     ```mlir
     zk.descriptor {name = "adamw", zero_stage = 0 : i64, align = 16 : i64,
                    flags = 0 : i64, max_norm = 0.0 : f64, num_coeffs = 6 : i64,
@@ -29,7 +35,10 @@ def ZK_DescriptorOp : ZK_Op<"descriptor", []> {
                    DenseI32ArrayAttr:$state_flags,
                    DenseI32ArrayAttr:$hyper_kinds, DenseF64ArrayAttr:$hyper_defaults,
                    DenseF64ArrayAttr:$hyper_mins, DenseF64ArrayAttr:$hyper_maxs,
-                   DenseI32ArrayAttr:$hyper_max_exclusive);
+                   DenseI32ArrayAttr:$hyper_max_exclusive,
+                   OptionalAttr<ArrayAttr>:$cpu_kernels,
+                   OptionalAttr<ArrayAttr>:$gpu_kernels,
+                   OptionalAttr<ArrayAttr>:$gpu_images);
   let assemblyFormat = "attr-dict";
   let hasVerifier = 1;
 }

@@ -8,13 +8,13 @@
 //
 //===----------------------------------------------------------------------===//
 #include "Builders.h"
-#include "zopt/Transforms/Passes.h"
+#include "zopt/Dialect/Zopt/Transforms/Passes.h"
 
 #include "llvm/ADT/TypeSwitch.h"
 
 namespace mlir::zopt {
 #define GEN_PASS_DEF_ZOPTDECOMPOSE
-#include "zopt/Transforms/Passes.h.inc"
+#include "zopt/Dialect/Zopt/Transforms/Passes.h.inc"
 } // namespace mlir::zopt
 
 using namespace mlir;

@@ -1,53 +1,31 @@
-//===- ConvertZKToGPU.cpp - zk kernels into one CUDA module ---------------===//
+//===- GPUKernels.cpp - the CUDA kernels of a GPU step --------------------===//
 //
-// When the step's optimizer states live on the GPU, every zk.kernel and the
-// zk.prepare body go into one `gpu.module @<step>_gpu` (targets: one
-// #nvvm.target per requested SM) with the kernels of abi.h's "GPU kernels"
-// section:
-//
-//   <step>_prepare_gpu(hypers, globals, num_groups, coeffs)
-//   <step>_sumsq(states, segs, num_segments, coeffs, partials, sg,
-//                hypers, globals, num_groups)          (if a sumsq kernel)
-//   <step>_update(states, segs, num_segments, coeffs, sg)
-//   <step>_finish(globals, num_groups, sg, scaler)
-//
-// The update is ONE persistent grid-stride launch over a segment table; the
-// kernel body is the shared BodyEmitter at 16 bytes per access of the
-// narrowest state (4 x f32 or 8 x 16-bit lanes) plus a scalar tail. The
-// kernel table entries are recorded on the zk.descriptor (zopt.gpu_*
-// attributes) for convert-zk-to-cpu, which writes the descriptor; the
-// fatbinaries are embedded by zopt-embed-gpu-binaries after
-// gpu-module-to-binary.
+// The kernel builders of convert-zk-to-gpu (GPUKernels.h says which kernels
+// and their launch ABI). The update is ONE persistent grid-stride launch
+// over a chunk work list; the kernel body is the shared BodyEmitter
+// (lib/Conversion/ZKCommon) at 16 bytes per access of the narrowest state
+// (4 x f32 or 8 x 16-bit lanes) plus a scalar head and tail. SUMSQ is a
+// two-stage f64 reduction that decides the norm, clip coefficient and skip
+// on the device; FINISH keeps the step counts and the loss scaler there.
 //
 //===----------------------------------------------------------------------===//
-#include "BodyEmitter.h"
-#include "zopt/Transforms/Passes.h"
+#include "GPUKernels.h"
+
+#include "../ZKCommon/BodyEmitter.h"
 #include "zopt/abi.h"
 
-#include "mlir/AsmParser/AsmParser.h"
 #include "mlir/Dialect/GPU/IR/GPUDialect.h"
 #include "mlir/Dialect/LLVMIR/NVVMDialect.h"
 #include "mlir/Dialect/Math/IR/Math.h"
 #include "mlir/Dialect/MemRef/IR/MemRef.h"
-
-#include "llvm/Support/FileSystem.h"
-#include "llvm/Support/MemoryBuffer.h"
-#include "llvm/Support/Path.h"
-#include "llvm/Support/Process.h"
-#include "llvm/Support/Program.h"
-#include "llvm/Support/FileUtilities.h"
+#include "mlir/Dialect/SCF/IR/SCF.h"
 
 #include <cstddef>
-
-namespace mlir::zopt {
-#define GEN_PASS_DEF_CONVERTZKTOGPU
-#define GEN_PASS_DEF_ZOPTEMBEDGPUBINARIES
-#define GEN_PASS_DEF_ZOPTGPUPRECISESQRT
-#include "zopt/Transforms/Passes.h.inc"
-} // namespace mlir::zopt
+#include <limits>
 
 using namespace mlir;
 using namespace mlir::zopt;
+using namespace mlir::zopt::gpu_kernels;
 
 namespace {
 
@@ -161,15 +139,6 @@ static KernelInfo analyze(zk::KernelOp k) {
   return info;
 }
 
-struct Step {
-  std::string name;
-  int64_t numStates, numHypers, numCoeffs;
-  uint32_t flags;
-  double maxNorm;
-  zk::PrepareOp prepare;
-  ArrayRef<int32_t> kinds, dtypes, inits;
-};
-
 /// One entry of the work list (abi.h zopt_gpu_chunk): elements
 /// [begin, end) of segment `seg`, its state pointers and coefficient row,
 /// and where the 16-byte vector part [vecBegin, vecEnd) lies: the scalar
@@ -182,6 +151,9 @@ struct Chunk {
   SmallVector<Value> ptrs;
   SmallVector<Value> cs, cv;
 };
+
+} // namespace
+
 
 static Chunk loadChunk(G &g, const Step &st, const KernelInfo &info,
                        Value states, Value segs, Value chunks, Value coeffs,
@@ -308,7 +280,8 @@ static void emitPrepareForGroup(G &g, const Step &st, Value hypers,
       });
 }
 
-static void buildPrepareKernel(OpBuilder &gb, Location loc, const Step &st) {
+void gpu_kernels::buildPrepareKernel(OpBuilder &gb, Location loc,
+                                     const Step &st) {
   OpBuilder::InsertionGuard guard(gb);
   MLIRContext *ctx = gb.getContext();
   Type ptr = LLVM::LLVMPointerType::get(ctx), i64 = gb.getI64Type();
@@ -356,7 +329,8 @@ static scf::ForOp forChunks(G &g, Value numChunks, ValueRange iter = {}) {
   return scf::ForOp::create(g.b, g.loc, g.bid(), numChunks, g.gdim(), iter);
 }
 
-static void buildUpdateKernel(OpBuilder &gb, zk::KernelOp k, const Step &st) {
+void gpu_kernels::buildUpdateKernel(OpBuilder &gb, zk::KernelOp k,
+                                    const Step &st) {
   OpBuilder::InsertionGuard guard(gb);
   Location loc = k.getLoc();
   MLIRContext *ctx = gb.getContext();
@@ -465,7 +439,8 @@ static void buildUpdateKernel(OpBuilder &gb, zk::KernelOp k, const Step &st) {
 /// INIT (abi.h): every state initialized from the param (the master) gets
 /// the param's values, converted as the host's convert() does (widening
 /// exactly; narrowing to nearest even), over the work list at finalize.
-static void buildInitKernel(OpBuilder &gb, Location loc, const Step &st) {
+void gpu_kernels::buildInitKernel(OpBuilder &gb, Location loc,
+                                  const Step &st) {
   OpBuilder::InsertionGuard guard(gb);
   MLIRContext *ctx = gb.getContext();
   Type ptr = LLVM::LLVMPointerType::get(ctx), i64 = gb.getI64Type(),
@@ -526,7 +501,8 @@ static void buildInitKernel(OpBuilder &gb, Location loc, const Step &st) {
   gpu::ReturnOp::create(b, loc);
 }
 
-static void buildSumsqKernel(OpBuilder &gb, zk::KernelOp k, const Step &st) {
+void gpu_kernels::buildSumsqKernel(OpBuilder &gb, zk::KernelOp k,
+                                   const Step &st) {
   OpBuilder::InsertionGuard guard(gb);
   Location loc = k.getLoc();
   MLIRContext *ctx = gb.getContext();
@@ -692,7 +668,8 @@ static void buildSumsqKernel(OpBuilder &gb, zk::KernelOp k, const Step &st) {
 
 /// FINISH: the step's bookkeeping on the device (abi.h): step counts, the
 /// dynamic loss scaler and 1/S in the globals table. Thread 0 of block 0.
-static void buildFinishKernel(OpBuilder &gb, Location loc, const Step &st) {
+void gpu_kernels::buildFinishKernel(OpBuilder &gb, Location loc,
+                                    const Step &st) {
   OpBuilder::InsertionGuard guard(gb);
   MLIRContext *ctx = gb.getContext();
   Type ptr = LLVM::LLVMPointerType::get(ctx), i64 = gb.getI64Type(),
@@ -812,270 +789,3 @@ static void buildFinishKernel(OpBuilder &gb, Location loc, const Step &st) {
   b.setInsertionPointToEnd(&entry);
   gpu::ReturnOp::create(b, loc);
 }
-
-struct ConvertZKToGPU
-    : public mlir::zopt::impl::ConvertZKToGPUBase<ConvertZKToGPU> {
-  using Base::Base;
-  void runOnOperation() override {
-    ModuleOp m = getOperation();
-    MLIRContext *ctx = &getContext();
-    auto descs = llvm::to_vector(m.getOps<zk::DescriptorOp>());
-    auto preps = llvm::to_vector(m.getOps<zk::PrepareOp>());
-    if (descs.size() != 1 || preps.size() != 1) {
-      m.emitError("expected exactly one zk.descriptor and one zk.prepare");
-      return signalPassFailure();
-    }
-    zk::DescriptorOp d = descs.front();
-    // The update runs where the optimizer states live (the plan made them
-    // agree); with only param/grad, where the param is.
-    ArrayRef<int32_t> kinds = d.getStateKinds(), places = d.getStatePlacements();
-    int32_t device = 0;
-    for (auto [k, p] : llvm::zip(kinds, places))
-      if (k != ZOPT_STATE_PARAM && k != ZOPT_STATE_GRAD)
-        device = p;
-    if (!device)
-      for (auto [k, p] : llvm::zip(kinds, places))
-        if (k == ZOPT_STATE_PARAM)
-          device = p;
-    if (device != ZOPT_PLACE_GPU)
-      return; // a CPU step: convert-zk-to-cpu does everything
-    if (chips.empty()) {
-      d.emitError("the optimizer states are on the GPU but no GPU "
-                  "architecture was given (gpu_arch / --gpu)");
-      return signalPassFailure();
-    }
-
-    Step st{d.getName().str(),    int64_t(kinds.size()),
-            int64_t(d.getHyperKinds().size()), int64_t(d.getNumCoeffs()),
-            uint32_t(d.getFlags()), d.getMaxNorm().convertToDouble(),
-            preps.front(), kinds, d.getStateDtypes(), d.getStateInits()};
-    SmallVector<Attribute> targets, images;
-    for (const std::string &chip : chips) {
-      int sm = 0;
-      if (!StringRef(chip).starts_with("sm_") ||
-          StringRef(chip).drop_front(3).take_while(llvm::isDigit).getAsInteger(10, sm) ||
-          sm < 70) {
-        d.emitError("unknown GPU architecture '") << chip
-            << "'; expected sm_70 or newer, e.g. sm_80, sm_90";
-        return signalPassFailure();
-      }
-      Attribute t = parseAttribute(
-          ("#nvvm.target<O = 3, chip = \"" + chip + "\", features = \"" +
-           features + "\">"),
-          ctx);
-      if (!t) {
-        d.emitError("cannot make an NVVM target for '") << chip << "'";
-        return signalPassFailure();
-      }
-      targets.push_back(t);
-      images.push_back(ArrayAttr::get(
-          ctx, {IntegerAttr::get(IntegerType::get(ctx, 32), sm),
-                StringAttr::get(ctx, st.name + "_gpu_" + chip)}));
-    }
-
-    m->setAttr(gpu::GPUDialect::getContainerModuleAttrName(),
-               UnitAttr::get(ctx));
-    OpBuilder mb = OpBuilder::atBlockEnd(m.getBody());
-    auto gm = gpu::GPUModuleOp::create(mb, d.getLoc(), st.name + "_gpu",
-                                       ArrayAttr::get(ctx, targets));
-    OpBuilder gb = OpBuilder::atBlockEnd(gm.getBody());
-    SmallVector<Attribute> entries;
-    auto entry = [&](zopt_kernel_role role, StringRef sym) {
-      entries.push_back(ArrayAttr::get(
-          ctx, {IntegerAttr::get(IntegerType::get(ctx, 32), role),
-                StringAttr::get(ctx, sym)}));
-    };
-    buildPrepareKernel(gb, d.getLoc(), st);
-    entry(ZOPT_KERNEL_PREPARE, st.name + "_prepare_gpu");
-    for (auto k : llvm::make_early_inc_range(m.getOps<zk::KernelOp>())) {
-      if (k.getRole() == zk::KernelRole::sumsq) {
-        buildSumsqKernel(gb, k, st);
-        entry(ZOPT_KERNEL_SUMSQ, k.getSymName());
-      } else {
-        buildUpdateKernel(gb, k, st);
-        entry(ZOPT_KERNEL_UPDATE, k.getSymName());
-      }
-      k.erase();
-    }
-    buildFinishKernel(gb, d.getLoc(), st);
-    entry(ZOPT_KERNEL_FINISH, st.name + "_finish");
-    // INIT has no kernel-table role: the runtime finds it by its name.
-    buildInitKernel(gb, d.getLoc(), st);
-    d->setAttr("zopt.gpu_kernels", ArrayAttr::get(ctx, entries));
-    d->setAttr("zopt.gpu_images", ArrayAttr::get(ctx, images));
-  }
-};
-
-/// The CUDA version of a toolkit (1000 * major + 10 * minor, as
-/// cuDriverGetVersion counts) from `ptxas --version` ("release 13.0"), or 0.
-static uint32_t toolkitVersion(StringRef ptxas) {
-  SmallString<128> out;
-  int fd = -1;
-  if (llvm::sys::fs::createTemporaryFile("zopt-ptxas-version", "txt", fd, out))
-    return 0;
-  llvm::sys::Process::SafelyCloseFileDescriptor(fd);
-  llvm::FileRemover rm(out);
-  std::optional<StringRef> redirects[] = {std::nullopt, StringRef(out), StringRef(out)};
-  StringRef args[] = {ptxas, "--version"};
-  if (llvm::sys::ExecuteAndWait(ptxas, args, std::nullopt, redirects))
-    return 0;
-  auto buf = llvm::MemoryBuffer::getFile(out);
-  if (!buf)
-    return 0;
-  StringRef text = (*buf)->getBuffer();
-  size_t at = text.find("release ");
-  if (at == StringRef::npos)
-    return 0;
-  StringRef v = text.drop_front(at + 8);
-  unsigned major = 0, minor = 0;
-  if (v.consumeInteger(10, major) || !v.consume_front(".") ||
-      v.consumeInteger(10, minor))
-    return 0;
-  return major * 1000 + minor * 10;
-}
-
-/// PTX -> cubin (ptxas) -> fatbinary with the cubin and the uncompressed PTX.
-static FailureOr<std::string> buildFatbin(Operation *op, StringRef toolkit,
-                                          StringRef ptx, StringRef chip,
-                                          int optLevel) {
-  SmallString<256> ptxas(toolkit), fatbinary(toolkit);
-  llvm::sys::path::append(ptxas, "bin", "ptxas");
-  llvm::sys::path::append(fatbinary, "bin", "fatbinary");
-  SmallString<128> ptxFile, cubinFile, fatFile, logFile;
-  for (auto [path, ext] :
-       {std::pair{&ptxFile, "ptx"}, {&cubinFile, "cubin"}, {&fatFile, "fatbin"},
-        {&logFile, "log"}}) {
-    int fd = -1;
-    if (std::error_code ec =
-            llvm::sys::fs::createTemporaryFile("zopt-gpu", ext, fd, *path)) {
-      op->emitError() << "cannot create a temporary file: " << ec.message();
-      return failure();
-    }
-    llvm::sys::Process::SafelyCloseFileDescriptor(fd);
-  }
-  llvm::FileRemover r1(ptxFile), r2(cubinFile), r3(fatFile), r4(logFile);
-  {
-    std::error_code ec;
-    llvm::raw_fd_ostream os(ptxFile, ec);
-    if (ec) {
-      op->emitError() << "cannot write " << ptxFile << ": " << ec.message();
-      return failure();
-    }
-    os << ptx;
-  }
-  std::optional<StringRef> redirects[] = {std::nullopt, StringRef(logFile),
-                                          StringRef(logFile)};
-  auto run = [&](StringRef tool, ArrayRef<StringRef> args) -> LogicalResult {
-    std::string msg;
-    if (!llvm::sys::ExecuteAndWait(tool, args, std::nullopt, redirects, 0, 0,
-                                   &msg))
-      return success();
-    auto log = llvm::MemoryBuffer::getFile(logFile);
-    op->emitError() << llvm::sys::path::filename(tool) << " failed"
-                    << (msg.empty() ? "" : ": ") << msg << "\n"
-                    << (log ? (*log)->getBuffer() : StringRef());
-    return failure();
-  };
-  std::string opt = std::to_string(optLevel);
-  if (failed(run(ptxas, {ptxas, "-arch", chip, "--opt-level", opt, ptxFile,
-                         "-o", cubinFile})))
-    return failure();
-  StringRef sm = chip;
-  sm.consume_front("sm_");
-  std::string elf = ("--image3=kind=elf,sm=" + sm + ",file=" + cubinFile).str();
-  std::string ptxImg = ("--image3=kind=ptx,sm=" + sm + ",file=" + ptxFile).str();
-  if (failed(run(fatbinary, {fatbinary, "-64", "--compress=false", elf, ptxImg,
-                             "--create", fatFile})))
-    return failure();
-  auto buf = llvm::MemoryBuffer::getFile(fatFile);
-  if (!buf) {
-    op->emitError() << "cannot read " << fatFile;
-    return failure();
-  }
-  return (*buf)->getBuffer().str();
-}
-
-/// Replaces each gpu.binary by exported byte arrays `<name>_<chip>` (one per
-/// object), `const uint64_t <name>_<chip>_size` and, for a fatbinary built
-/// here, `const uint32_t <name>_<chip>_cuda_version`.
-struct ZoptEmbedGPUBinaries
-    : public mlir::zopt::impl::ZoptEmbedGPUBinariesBase<ZoptEmbedGPUBinaries> {
-  using Base::Base;
-  void runOnOperation() override {
-    ModuleOp m = getOperation();
-    MLIRContext *ctx = &getContext();
-    OpBuilder mb = OpBuilder::atBlockEnd(m.getBody());
-    uint32_t version = 0;
-    if (!toolkit.empty()) {
-      SmallString<256> ptxas(toolkit);
-      llvm::sys::path::append(ptxas, "bin", "ptxas");
-      version = toolkitVersion(ptxas);
-    }
-    for (auto bin : llvm::make_early_inc_range(m.getOps<gpu::BinaryOp>())) {
-      for (Attribute a : bin.getObjects()) {
-        auto obj = cast<gpu::ObjectAttr>(a);
-        auto t = dyn_cast<NVVM::NVVMTargetAttr>(obj.getTarget());
-        if (!t) {
-          bin.emitError("only NVVM targets can be embedded");
-          return signalPassFailure();
-        }
-        std::string sym = (bin.getSymName() + "_" + t.getChip()).str();
-        std::string bytes = obj.getObject().getValue().str();
-        if (!toolkit.empty()) {
-          if (obj.getFormat() != gpu::CompilationTarget::Assembly) {
-            bin.emitError("zopt-embed-gpu-binaries builds fatbinaries from "
-                          "PTX: run gpu-module-to-binary with format=isa");
-            return signalPassFailure();
-          }
-          FailureOr<std::string> fat =
-              buildFatbin(bin, toolkit, bytes, t.getChip(), t.getO());
-          if (failed(fat))
-            return signalPassFailure();
-          bytes = std::move(*fat);
-          LLVM::GlobalOp::create(mb, bin.getLoc(), mb.getI32Type(), true,
-                                 LLVM::Linkage::External, sym + "_cuda_version",
-                                 mb.getI32IntegerAttr(int32_t(version)), 4);
-        }
-        auto arr = LLVM::LLVMArrayType::get(IntegerType::get(ctx, 8), bytes.size());
-        LLVM::GlobalOp::create(mb, bin.getLoc(), arr, /*isConstant=*/true,
-                               LLVM::Linkage::External, sym,
-                               mb.getStringAttr(bytes), /*alignment=*/16);
-        LLVM::GlobalOp::create(mb, bin.getLoc(), mb.getI64Type(), true,
-                               LLVM::Linkage::External, sym + "_size",
-                               mb.getI64IntegerAttr(bytes.size()), 8);
-      }
-      bin.erase();
-    }
-    m->removeAttr(gpu::GPUDialect::getContainerModuleAttrName());
-  }
-};
-
-/// libdevice's __nv_sqrtf is sqrt.approx unless __CUDA_PREC_SQRT is
-/// reflected on; the CPU kernels use the IEEE square root. Calls to
-/// __nv_sqrtf/__nv_sqrt become llvm.intr.sqrt (sqrt.rn.f32/f64).
-struct ZoptGPUPreciseSqrt
-    : public mlir::zopt::impl::ZoptGPUPreciseSqrtBase<ZoptGPUPreciseSqrt> {
-  void runOnOperation() override {
-    Operation *m = getOperation();
-    SmallVector<LLVM::CallOp> calls;
-    m->walk([&](LLVM::CallOp c) {
-      if (auto callee = c.getCallee();
-          callee && (*callee == "__nv_sqrtf" || *callee == "__nv_sqrt"))
-        calls.push_back(c);
-    });
-    for (LLVM::CallOp c : calls) {
-      OpBuilder b(c);
-      c.getResult().replaceAllUsesWith(
-          LLVM::SqrtOp::create(b, c.getLoc(), c.getArgOperands()[0]).getResult());
-      c.erase();
-    }
-    m->walk([](LLVM::LLVMFuncOp f) {
-      if (f.isExternal() &&
-          (f.getName() == "__nv_sqrtf" || f.getName() == "__nv_sqrt") &&
-          f.symbolKnownUseEmpty(f->getParentOp()))
-        f.erase();
-    });
-  }
-};
-
-} // namespace

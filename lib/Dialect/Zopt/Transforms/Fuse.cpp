@@ -7,7 +7,7 @@
 // globals and stores them as f32; the kernels read them with zk.coeff.
 //
 //===----------------------------------------------------------------------===//
-#include "zopt/Transforms/Passes.h"
+#include "zopt/Dialect/Zopt/Transforms/Passes.h"
 #include "zopt/abi.h"
 
 #include "mlir/IR/IRMapping.h"
@@ -18,7 +18,7 @@
 
 namespace mlir::zopt {
 #define GEN_PASS_DEF_ZOPTFUSE
-#include "zopt/Transforms/Passes.h.inc"
+#include "zopt/Dialect/Zopt/Transforms/Passes.h.inc"
 } // namespace mlir::zopt
 
 using namespace mlir;
@@ -169,7 +169,8 @@ struct StepFuser {
         b.getDenseI32ArrayAttr(sflags),
         b.getDenseI32ArrayAttr(hyperKinds), b.getDenseF64ArrayAttr(defs),
         b.getDenseF64ArrayAttr(mins), b.getDenseF64ArrayAttr(maxs),
-        b.getDenseI32ArrayAttr(excl));
+        b.getDenseI32ArrayAttr(excl), /*cpu_kernels=*/nullptr,
+        /*gpu_kernels=*/nullptr, /*gpu_images=*/nullptr);
   }
 
   /// The uniform ops needed to compute the coefficients, in body order.

@@ -21,17 +21,17 @@
 // the avx512 one, unless it is the only variant asked for.
 //
 //===----------------------------------------------------------------------===//
-#include "BodyEmitter.h"
-#include "zopt/Transforms/Passes.h"
+#include "zopt/Conversion/ZKToCPU/ZKToCPU.h"
+
+#include "../ZKCommon/BodyEmitter.h"
+#include "zopt/Dialect/ZK/IR/ZKOps.h"
 #include "zopt/abi.h"
 
 #include "mlir/IR/IRMapping.h"
 
-#include <cstring>
-
 namespace mlir::zopt {
 #define GEN_PASS_DEF_CONVERTZKTOCPU
-#include "zopt/Transforms/Passes.h.inc"
+#include "zopt/Conversion/Passes.h.inc"
 } // namespace mlir::zopt
 
 using namespace mlir;
@@ -313,93 +313,6 @@ static func::FuncOp lowerPrepare(OpBuilder &mb, zk::PrepareOp p) {
   return fn;
 }
 
-static void copyName(char *dst, StringRef s) {
-  std::memset(dst, 0, ZOPT_NAME_LEN);
-  std::memcpy(dst, s.data(), std::min<size_t>(s.size(), ZOPT_NAME_LEN - 1));
-}
-
-/// The zopt.program of the module (made by zopt-plan) into the descriptor's
-/// program table (abi.h "The step program"); erases it.
-static LogicalResult lowerProgram(ModuleOp m, zk::DescriptorOp d,
-                                  zopt_step_descriptor &desc) {
-  auto progs = llvm::to_vector(m.getOps<ProgramOp>());
-  if (progs.size() != 1)
-    return m.emitError("expected exactly one zopt.program (made by zopt-plan), "
-                       "found ")
-           << progs.size();
-  ProgramOp prog = progs.front();
-  // Collectives run where the update does (offloaded steps: on the host
-  // staging the grads were copied to).
-  Placement device = Placement::cpu;
-  prog.getBody().walk([&](UpdateOp u) { device = u.getOn(); });
-  auto slotOf = [&](Operation *op, StateKind k) -> FailureOr<uint32_t> {
-    for (auto [i, kind] : llvm::enumerate(d.getStateKinds()))
-      if (kind == int32_t(k))
-        return uint32_t(i);
-    return op->emitOpError("names a state the step does not have");
-  };
-  for (Operation &op : prog.getBody().front()) {
-    if (desc.num_program >= ZOPT_MAX_PROGRAM)
-      return op.emitOpError("the program has more than ")
-             << ZOPT_MAX_PROGRAM << " ops";
-    zopt_program_op &p = desc.program[desc.num_program++];
-    std::memset(&p, 0, sizeof p);
-    auto at = [&](Placement pl) {
-      p.src = p.dst = uint32_t(pl);
-    };
-    if (auto c = dyn_cast<CopyOp>(op)) {
-      auto slot = slotOf(&op, c.getState());
-      if (failed(slot))
-        return failure();
-      p.code = ZOPT_OP_COPY;
-      p.state = *slot;
-      p.dtype = dtypeCode(c.getType());
-      p.src = uint32_t(c.getSrc());
-      p.dst = uint32_t(c.getDst());
-      p.flags = c.getUnlessSkipped() ? ZOPT_OPF_UNLESS_SKIPPED : 0;
-    } else if (auto r = dyn_cast<ReduceScatterOp>(op)) {
-      auto slot = slotOf(&op, r.getState());
-      if (failed(slot))
-        return failure();
-      p.code = ZOPT_OP_REDUCE_SCATTER;
-      p.state = *slot;
-      p.dtype = dtypeCode(r.getType());
-      p.accum = dtypeCode(r.getAccumulate());
-      at(device);
-    } else if (auto g = dyn_cast<AllGatherOp>(op)) {
-      auto slot = slotOf(&op, g.getState());
-      if (failed(slot))
-        return failure();
-      p.code = ZOPT_OP_ALL_GATHER;
-      p.state = *slot;
-      p.dtype = dtypeCode(g.getType());
-      p.flags = g.getUnlessSkipped() ? ZOPT_OPF_UNLESS_SKIPPED : 0;
-      at(device);
-    } else if (auto np = dyn_cast<NormPartialsOp>(op)) {
-      p.code = ZOPT_OP_NORM_PARTIALS;
-      p.range = uint32_t(np.getRange());
-      at(np.getOn());
-    } else if (isa<NormOp>(op)) {
-      p.code = ZOPT_OP_NORM;
-      at(device);
-    } else if (auto pr = dyn_cast<zopt::PrepareOp>(op)) {
-      p.code = ZOPT_OP_PREPARE;
-      at(pr.getOn());
-    } else if (auto u = dyn_cast<UpdateOp>(op)) {
-      p.code = ZOPT_OP_UPDATE;
-      p.range = uint32_t(u.getRange());
-      at(u.getOn());
-    } else if (auto f = dyn_cast<FinishOp>(op)) {
-      p.code = ZOPT_OP_FINISH;
-      at(f.getOn());
-    } else {
-      return op.emitOpError("is not a step-program op");
-    }
-  }
-  prog.erase();
-  return success();
-}
-
 struct ConvertZKToCPU
     : public mlir::zopt::impl::ConvertZKToCPUBase<ConvertZKToCPU> {
   using Base::Base;
@@ -425,42 +338,16 @@ struct ConvertZKToCPU
     }
     zk::DescriptorOp d = descs.front();
 
-    zopt_step_descriptor desc;
-    std::memset(&desc, 0, sizeof(desc));
-    std::memcpy(desc.magic, ZOPT_DESC_MAGIC, 8);
-    desc.abi_version = ZOPT_ABI_VERSION;
-    desc.size = sizeof(desc);
-    copyName(desc.name, d.getName());
-    desc.zero_stage = d.getZeroStage();
-    desc.align = d.getAlign();
-    desc.flags = d.getFlags();
-    desc.max_norm = d.getMaxNorm().convertToDouble();
-    desc.num_states = d.getStateKinds().size();
-    desc.num_hypers = d.getHyperKinds().size();
-    desc.num_coeffs = d.getNumCoeffs();
-    for (unsigned i = 0; i < desc.num_states; ++i)
-      desc.states[i] = {uint32_t(d.getStateKinds()[i]),
-                        uint32_t(d.getStateDtypes()[i]),
-                        uint32_t(d.getStatePlacements()[i]),
-                        uint32_t(d.getStateRoundings()[i]),
-                        uint32_t(d.getStateInits()[i]),
-                        uint32_t(d.getStateAccess()[i]),
-                        uint32_t(d.getStateFlags()[i]),
-                        0u};
-    for (unsigned i = 0; i < desc.num_hypers; ++i) {
-      zopt_hyper_desc &h = desc.hypers[i];
-      h.kind = d.getHyperKinds()[i];
-      h.default_value = d.getHyperDefaults()[i];
-      h.min_value = d.getHyperMins()[i];
-      h.max_value = d.getHyperMaxs()[i];
-      h.max_exclusive = d.getHyperMaxExclusive()[i];
-    }
+    MLIRContext *ctx = &getContext();
+    const int64_t numStates = d.getStateKinds().size();
+    // The kernel-table entries (role, isa, symbol) of the CPU functions, in
+    // the order the descriptor lists them (zopt-emit-descriptor).
+    SmallVector<Attribute> entries;
     auto addKernel = [&](zopt_kernel_role role, zopt_isa isa, StringRef sym) {
-      zopt_kernel_desc &kd = desc.kernels[desc.num_kernels++];
-      kd.role = role;
-      kd.isa = isa;
-      kd.device = ZOPT_PLACE_CPU;
-      copyName(kd.symbol, sym);
+      Type i32 = IntegerType::get(ctx, 32);
+      entries.push_back(ArrayAttr::get(
+          ctx, {IntegerAttr::get(i32, role), IntegerAttr::get(i32, isa),
+                StringAttr::get(ctx, sym)}));
     };
 
     OpBuilder mb = OpBuilder::atBlockEnd(m.getBody());
@@ -477,52 +364,14 @@ struct ConvertZKToCPU
       for (const IsaInfo &isa : variants) {
         if (isa.nativeBf16 && !bf16Update && !onlyNativeBf16)
           continue; // would be identical to the avx512 variant
-        if (desc.num_kernels >= ZOPT_MAX_KERNELS) {
-          k.emitError("too many kernels for the descriptor");
-          return signalPassFailure();
-        }
-        func::FuncOp f = lowerKernel(mb, k, isa, desc.num_states);
+        func::FuncOp f = lowerKernel(mb, k, isa, numStates);
         addKernel(k.getRole() == zk::KernelRole::update ? ZOPT_KERNEL_UPDATE
                                                         : ZOPT_KERNEL_SUMSQ,
                   isa.code, f.getSymName());
       }
       k.erase();
     }
-    // GPU kernels recorded by convert-zk-to-gpu: the entries of the CUDA
-    // module and one fatbinary image per architecture (abi.h, GPU kernels).
-    if (auto ks = d->getAttrOfType<ArrayAttr>("zopt.gpu_kernels")) {
-      auto images = d->getAttrOfType<ArrayAttr>("zopt.gpu_images");
-      for (auto [list, role] :
-           {std::pair{ks, -1}, std::pair{images, int(ZOPT_KERNEL_GPU_IMAGE)}}) {
-        for (Attribute a : list ? list : ArrayAttr::get(&getContext(), {})) {
-          auto pair = cast<ArrayAttr>(a);
-          int64_t num = cast<IntegerAttr>(pair[0]).getInt();
-          if (desc.num_kernels >= ZOPT_MAX_KERNELS) {
-            d.emitError("too many kernels for the descriptor");
-            return signalPassFailure();
-          }
-          zopt_kernel_desc &kd = desc.kernels[desc.num_kernels++];
-          kd.role = role < 0 ? uint32_t(num) : uint32_t(role);
-          kd.isa = role < 0 ? ZOPT_ISA_NONE : uint32_t(num);
-          kd.device = ZOPT_PLACE_GPU;
-          copyName(kd.symbol, cast<StringAttr>(pair[1]).getValue());
-        }
-      }
-    }
-    if (failed(lowerProgram(m, d, desc)))
-      return signalPassFailure();
-    desc.checksum = zopt_desc_checksum(&desc);
-
-    auto arrTy = LLVM::LLVMArrayType::get(IntegerType::get(&getContext(), 8),
-                                          sizeof(desc));
-    auto g = LLVM::GlobalOp::create(
-        mb, d.getLoc(), arrTy, /*isConstant=*/true, LLVM::Linkage::External,
-        ZOPT_DESC_SYMBOL,
-        mb.getStringAttr(StringRef(reinterpret_cast<const char *>(&desc),
-                                   sizeof(desc))),
-        /*alignment=*/8);
-    (void)g;
-    d.erase();
+    d.setCpuKernelsAttr(ArrayAttr::get(ctx, entries));
   }
 };
 

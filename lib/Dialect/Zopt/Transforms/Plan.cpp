@@ -1,10 +1,10 @@
 //===- Plan.cpp - placement, partition and global reductions --------------===//
 #include "Builders.h"
-#include "zopt/Transforms/Passes.h"
+#include "zopt/Dialect/Zopt/Transforms/Passes.h"
 
 namespace mlir::zopt {
 #define GEN_PASS_DEF_ZOPTPLAN
-#include "zopt/Transforms/Passes.h.inc"
+#include "zopt/Dialect/Zopt/Transforms/Passes.h.inc"
 } // namespace mlir::zopt
 
 using namespace mlir;

@@ -1,9 +1,9 @@
 //===- SetTargetAttrs.cpp - per-function ISA into llvm.func attributes ----===//
-#include "zopt/Transforms/Passes.h"
+#include "zopt/Target/Passes.h"
 
 namespace mlir::zopt {
 #define GEN_PASS_DEF_ZOPTSETTARGETATTRS
-#include "zopt/Transforms/Passes.h.inc"
+#include "zopt/Target/Passes.h.inc"
 } // namespace mlir::zopt
 
 using namespace mlir;

@@ -1,5 +1,5 @@
-// RUN: zopt-opt %s --convert-zk-to-cpu="isas=avx512,avx2" | FileCheck %s
-// RUN: zopt-opt %s --convert-zk-to-cpu | FileCheck %s --check-prefix=BF16
+// RUN: zopt-opt %s --split-input-file --convert-zk-to-cpu="isas=avx512,avx2" | FileCheck %s
+// RUN: zopt-opt %s --split-input-file --convert-zk-to-cpu | FileCheck %s --check-prefix=BF16
 
 // One function per kernel and ISA, with the C ABI of abi.h; updates load
 // through the `in` pointer table and store through `out`, a vector loop of
@@ -7,8 +7,10 @@
 // 32 f64 lanes on every ISA (abi.h's order) with a masked tail; bf16 loads
 // widen by interleaving with zero, bf16 stores
 // round to nearest even in integer arithmetic (add 0x7FFF + lsb, NaN -> set
-// the quiet bit) and keep the high halves with one shuffle; the descriptor
-// becomes the exported zopt_step_descriptor constant.
+// the quiet bit) and keep the high halves with one shuffle. The functions'
+// kernel-table entries ([role, isa, symbol], abi.h codes) are recorded on
+// the zk.descriptor for zopt-emit-descriptor, in the order the descriptor
+// lists them: PREPARE (no ISA), then per kernel its variants, best first.
 
 zk.descriptor {name = "t", zero_stage = 0 : i64, align = 1 : i64, flags = 4 : i64,
   max_norm = 0.0 : f64, num_coeffs = 1 : i64,
@@ -19,6 +21,8 @@ zk.descriptor {name = "t", zero_stage = 0 : i64, align = 1 : i64, flags = 4 : i6
   hyper_mins = array<f64: 0.0>, hyper_maxs = array<f64: 1.0>,
   hyper_max_exclusive = array<i32: 0>}
 
+// CHECK: zk.descriptor {{{.*}}cpu_kernels = {{\[}}[1 : i32, 0 : i32, "t_prepare"], [2 : i32, 2 : i32, "t_update_avx512"], [2 : i32, 1 : i32, "t_update_avx2"], [3 : i32, 2 : i32, "t_sumsq_avx512"], [3 : i32, 1 : i32, "t_sumsq_avx2"]],
+// BF16: zk.descriptor {{{.*}}cpu_kernels = {{\[}}[1 : i32, 0 : i32, "t_prepare"], [2 : i32, 3 : i32, "t_update_avx512bf16"], [2 : i32, 2 : i32, "t_update_avx512"], [2 : i32, 1 : i32, "t_update_avx2"], [3 : i32, 2 : i32, "t_sumsq_avx512"], [3 : i32, 1 : i32, "t_sumsq_avx2"]],
 // CHECK-LABEL: func.func @t_prepare(%{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr)
 // CHECK: llvm.load %{{.+}} : !llvm.ptr -> f64
 // CHECK: arith.truncf %{{.+}} : f64 to f32
@@ -121,13 +125,54 @@ zk.kernel @t_sumsq sumsq {
   zk.accumulate_sumsq %gf : f32
 }
 
-// CHECK: llvm.mlir.global external constant @zopt_step_descriptor("ZOPTDSC1
-// CHECK-NOT: zopt.program
 
-// The step program (made by zopt-plan) becomes the descriptor's table.
-zopt.program for "t" {
-  zopt.prepare on cpu
-  zopt.update owned on cpu
-  zopt.finish on cpu
+// -----
+
+// A store with rounding = 2 (stochastic): the update takes (key, first)
+// after the ABI's four arguments, the element index vector is first + i +
+// iota, and the 16 random bits are fmix32((index * 0x9E3779B1) ^ (key +
+// slot * 0x27D4EB2F)) >> 16 (abi.h), added to the f32 bits before the high
+// halves are kept; NaN keeps the nearest-even quiet form.
+
+zk.descriptor {name = "t", zero_stage = 0 : i64, align = 1 : i64, flags = 8 : i64,
+  max_norm = 0.0 : f64, num_coeffs = 1 : i64,
+  state_kinds = array<i32: 1, 2>, state_dtypes = array<i32: 2, 2>,
+  state_placements = array<i32: 1, 1>, state_roundings = array<i32: 2, 1>,
+  state_inits = array<i32: 1, 1>, state_access = array<i32: 3, 1>, state_flags = array<i32: 0, 0>,
+  hyper_kinds = array<i32: 1>, hyper_defaults = array<f64: 0.001>,
+  hyper_mins = array<f64: 0.0>, hyper_maxs = array<f64: 1.0>,
+  hyper_max_exclusive = array<i32: 0>}
+
+zk.prepare @t_prepare {
+  %lr = zk.hyper 0
+  %c = arith.truncf %lr : f64 to f32
+  zk.set_coeff 0, %c : f32
 }
 
+// CHECK-LABEL: func.func @t_update_avx512(
+// CHECK-SAME: %{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr, %{{.+}}: i64, %{{.+}}: !llvm.ptr, %[[KEY:[a-z0-9]+]]: i32, %[[FIRST:[a-z0-9]+]]: i32)
+// CHECK: arith.constant dense<[0, 1, 2, {{.+}}, 31]> : vector<32xi32>
+// CHECK: scf.for
+// CHECK: arith.trunci %{{.+}} : i64 to i32
+// CHECK: arith.addi %[[FIRST]], %{{.+}} : i32
+// CHECK: arith.addi %[[KEY]], %{{.+}} : i32
+// CHECK: arith.constant dense<-1640531535> : vector<32xi32>
+// CHECK: arith.muli
+// CHECK: arith.constant dense<-2048144789> : vector<32xi32>
+// CHECK: arith.constant dense<-1028477387> : vector<32xi32>
+// CHECK: arith.cmpf uno
+// CHECK: llvm.store %{{.+}}, %{{.+}} {alignment = 2 : i64} : vector<32xi16>, !llvm.ptr
+// The scalar tail rounds the same way.
+// CHECK: scf.for
+// CHECK: arith.addi %[[FIRST]], %{{.+}} : i32
+// CHECK: llvm.store %{{.+}}, %{{.+}} {alignment = 2 : i64} : i16, !llvm.ptr
+zk.kernel @t_update update {
+  %p = zk.load 0 : bf16
+  %g = zk.load 1 : bf16
+  %pf = arith.extf %p : bf16 to f32
+  %gf = arith.extf %g : bf16 to f32
+  %lr = zk.coeff 0
+  %d = arith.mulf %lr, %gf : f32
+  %p1 = arith.subf %pf, %d : f32
+  zk.store 0, %p1 {rounding = 2 : i32} : f32 into bf16
+}
