@@ -29,6 +29,7 @@
 #include "llvm/Support/SourceMgr.h"
 #include "llvm/Support/ToolOutputFile.h"
 #include "llvm/Support/thread.h"
+#include "zopt/Dialect/Program/IR/ProgramOps.h"
 #include "zopt/Dialect/ZK/IR/ZKOps.h"
 #include "zopt/Dialect/Zopt/IR/ZoptDescription.h"
 #include "zopt/Dialect/Zopt/IR/ZoptOps.h"
@@ -161,7 +162,8 @@ static int compile() {
   registerAllToLLVMIRTranslations(registry);
   NVVM::registerNVVMTargetInterfaceExternalModels(registry);
   MLIRContext ctx(registry);
-  ctx.loadDialect<gpu::GPUDialect, NVVM::NVVMDialect, zopt::ZoptDialect, zk::ZKDialect, arith::ArithDialect,
+  ctx.loadDialect<gpu::GPUDialect, NVVM::NVVMDialect, zopt::ZoptDialect,
+                  zprog::ZProgDialect, zk::ZKDialect, arith::ArithDialect,
                   math::MathDialect, func::FuncDialect, scf::SCFDialect,
                   vector::VectorDialect, LLVM::LLVMDialect>();
   // Diagnostics name the description's line and column and show its line;

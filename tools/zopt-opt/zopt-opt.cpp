@@ -19,6 +19,7 @@
 #include "llvm/Support/ToolOutputFile.h"
 #include "llvm/Support/thread.h"
 #include "zopt/Conversion/Passes.h"
+#include "zopt/Dialect/Program/IR/ProgramOps.h"
 #include "zopt/Dialect/ZK/IR/ZKOps.h"
 #include "zopt/Dialect/Zopt/IR/ZoptDescription.h"
 #include "zopt/Dialect/Zopt/Transforms/Passes.h"
@@ -69,7 +70,7 @@ int main(int argc, char **argv) {
   registerAllDialects(registry);
   registerAllExtensions(registry);
   registerAllToLLVMIRTranslations(registry);
-  registry.insert<zopt::ZoptDialect, zk::ZKDialect>();
+  registry.insert<zopt::ZoptDialect, zprog::ZProgDialect, zk::ZKDialect>();
   registerAllPasses();
   zopt::registerZoptPasses();
   zopt::registerZoptConversionPasses();

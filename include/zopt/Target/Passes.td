@@ -20,14 +20,15 @@ def ZoptEmitDescriptor : Pass<"zopt-emit-descriptor", "ModuleOp"> {
     `zk.descriptor` (states, hyperparameter slots, flags; made by
     `zopt-fuse`), the kernel table the conversions recorded on it
     (`cpu_kernels` by `convert-zk-to-cpu`, then `gpu_kernels` and
-    `gpu_images` by `convert-zk-to-gpu`) and the step program (made by
-    `zopt-plan`) become one exported constant byte array with its checksum.
-    Both ops are erased. Runs after the conversions, for CPU and GPU steps
-    alike.
+    `gpu_images` by `convert-zk-to-gpu`) and the step program (the
+    `zprog.program` made by `zopt-plan`, checked against the step: moved
+    types, sharded states, the norm a clipped or loss-scaled step needs)
+    become one exported constant byte array with its checksum. Both ops are
+    erased. Runs after the conversions, for CPU and GPU steps alike.
 
     ```mlir
     zk.descriptor {name = "t", ..., cpu_kernels = [[1 : i32, 0 : i32, "t_prepare"], ...]}
-    zopt.program for "t" { ... }
+    zprog.program for "t" { ... }
     // becomes
     llvm.mlir.global external constant @zopt_step_descriptor("ZOPTDSC1...")
     ```

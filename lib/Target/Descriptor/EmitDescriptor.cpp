@@ -9,6 +9,7 @@
 //===----------------------------------------------------------------------===//
 #include "zopt/Target/Passes.h"
 
+#include "zopt/Dialect/Program/IR/ProgramOps.h"
 #include "zopt/Dialect/ZK/IR/ZKOps.h"
 #include "zopt/Dialect/Zopt/IR/ZoptOps.h"
 #include "zopt/abi.h"
@@ -30,25 +31,116 @@ static void copyName(char *dst, StringRef s) {
   std::memcpy(dst, s.data(), std::min<size_t>(s.size(), ZOPT_NAME_LEN - 1));
 }
 
-/// The zopt.program of the module (made by zopt-plan) into the descriptor's
-/// program table (abi.h "The step program"); erases it.
+/// The rules that relate the step program to the step it runs (the ones the
+/// zprog verifier cannot check alone; docs/Dialects/Program.md, "Against
+/// the step"): the runtime would refuse the program at finalize, or run it
+/// and leave wrong values.
+static LogicalResult checkProgram(zprog::ProgramOp prog, zk::DescriptorOp d) {
+  ArrayRef<int32_t> kinds = d.getStateKinds(), dtypes = d.getStateDtypes(),
+                    places = d.getStatePlacements(), sflags = d.getStateFlags();
+  auto index = [&](StateKind k) -> int {
+    for (auto [i, kind] : llvm::enumerate(kinds))
+      if (kind == int32_t(k))
+        return int(i);
+    return -1;
+  };
+  auto partitioned = [&](StateKind k) {
+    int i = index(k);
+    return i >= 0 && (sflags[i] & ZOPT_STATE_PARTITIONED);
+  };
+  bool anyPartitioned = llvm::any_of(
+      sflags, [](int32_t f) { return (f & ZOPT_STATE_PARTITIONED) != 0; });
+  zprog::UpdateOp update = prog.getUpdate();
+  const Placement device = update.getOn();
+  auto dtypeName = [](int32_t code) {
+    return code == ZOPT_DTYPE_F32    ? "f32"
+           : code == ZOPT_DTYPE_BF16 ? "bf16"
+           : code == ZOPT_DTYPE_F16  ? "f16"
+                                     : "?";
+  };
+  // A state the op moves: the step has it, stored as the op's type.
+  auto moved = [&](Operation *op, StateKind k, Type t) -> FailureOr<int> {
+    int i = index(k);
+    if (i < 0)
+      return op->emitOpError("names a state the step does not have");
+    if (int32_t(dtypeCode(t)) != dtypes[i])
+      return op->emitOpError("moves the ")
+             << stringifyStateKind(k) << " as " << t
+             << ", but the step stores it as " << dtypeName(dtypes[i]);
+    return i;
+  };
+  bool norm = false, gathersParam = false;
+  for (Operation &op : prog.getBody().front()) {
+    if (auto c = dyn_cast<zprog::CopyOp>(op)) {
+      FailureOr<int> i = moved(c, c.getState(), c.getType());
+      if (failed(i))
+        return failure();
+      Placement home = c.getDst() == device ? c.getSrc() : c.getDst();
+      if (int32_t(home) != places[*i])
+        return c.emitOpError("copies the ")
+               << stringifyStateKind(c.getState()) << " "
+               << (c.getDst() == device ? "from " : "to ")
+               << stringifyPlacement(home) << ", but the step keeps it on "
+               << stringifyPlacement(Placement(places[*i]));
+    } else if (auto r = dyn_cast<zprog::ReduceScatterOp>(op)) {
+      if (failed(moved(r, r.getState(), r.getType())))
+        return failure();
+    } else if (auto g = dyn_cast<zprog::AllGatherOp>(op)) {
+      if (failed(moved(g, g.getState(), g.getType())))
+        return failure();
+      if (partitioned(g.getState()))
+        return g.emitOpError("gathers the ")
+               << stringifyStateKind(g.getState())
+               << ", which the step keeps sharded across ranks (ZeRO-3 "
+                  "params are gathered on request)";
+      gathersParam |= g.getState() == StateKind::param;
+    } else if (auto np = dyn_cast<zprog::NormPartialsOp>(op)) {
+      if (!(d.getFlags() & ZOPT_FLAG_SUMSQ))
+        return np.emitOpError("needs the step's sum-of-squares kernel, and "
+                              "the step has none");
+      if (np.getRange() == zprog::Range::all && anyPartitioned)
+        return np.emitOpError("covers every element, but the step shards "
+                              "states across ranks: use 'owned'");
+    } else if (isa<zprog::NormOp>(op)) {
+      norm = true;
+    } else if (auto u = dyn_cast<zprog::UpdateOp>(op)) {
+      if (u.getRange() == zprog::Range::all && anyPartitioned)
+        return u.emitOpError("covers every element, but the step shards "
+                             "states across ranks: use 'owned'");
+    }
+  }
+  if ((d.getFlags() & (ZOPT_FLAG_CLIP | ZOPT_FLAG_LOSS_SCALE)) && !norm)
+    return prog.emitOpError(
+        "takes no norm, but the step clips or scales the loss: the clip "
+        "coefficient and the non-finite skip need zprog.norm_partials and "
+        "zprog.norm");
+  if (update.getRange() == zprog::Range::owned &&
+      !partitioned(StateKind::param) && !gathersParam)
+    return update.emitOpError(
+        "updates only this rank's shards of the param, which every rank "
+        "holds whole, and no zprog.all_gather of the param follows: the "
+        "other ranks' copies would go stale");
+  return success();
+}
+
+/// The zprog.program of the module (made by zopt-plan) into the
+/// descriptor's program table (abi.h "The step program"); erases it.
 static LogicalResult lowerProgram(ModuleOp m, zk::DescriptorOp d,
                                   zopt_step_descriptor &desc) {
-  auto progs = llvm::to_vector(m.getOps<ProgramOp>());
+  auto progs = llvm::to_vector(m.getOps<zprog::ProgramOp>());
   if (progs.size() != 1)
-    return m.emitError("expected exactly one zopt.program (made by zopt-plan), "
-                       "found ")
+    return m.emitError("expected exactly one zprog.program (made by "
+                       "zopt-plan), found ")
            << progs.size();
-  ProgramOp prog = progs.front();
+  zprog::ProgramOp prog = progs.front();
+  if (failed(checkProgram(prog, d)))
+    return failure();
   // Collectives run where the update does (offloaded steps: on the host
   // staging the grads were copied to).
-  Placement device = Placement::cpu;
-  prog.getBody().walk([&](UpdateOp u) { device = u.getOn(); });
-  auto slotOf = [&](Operation *op, StateKind k) -> FailureOr<uint32_t> {
-    for (auto [i, kind] : llvm::enumerate(d.getStateKinds()))
-      if (kind == int32_t(k))
-        return uint32_t(i);
-    return op->emitOpError("names a state the step does not have");
+  const Placement device = prog.getUpdate().getOn();
+  auto slotOf = [&](StateKind k) {
+    return uint32_t(llvm::find(d.getStateKinds(), int32_t(k)) -
+                    d.getStateKinds().begin());
   };
   for (Operation &op : prog.getBody().front()) {
     if (desc.num_program >= ZOPT_MAX_PROGRAM)
@@ -56,52 +148,41 @@ static LogicalResult lowerProgram(ModuleOp m, zk::DescriptorOp d,
              << ZOPT_MAX_PROGRAM << " ops";
     zopt_program_op &p = desc.program[desc.num_program++];
     std::memset(&p, 0, sizeof p);
-    auto at = [&](Placement pl) {
-      p.src = p.dst = uint32_t(pl);
-    };
-    if (auto c = dyn_cast<CopyOp>(op)) {
-      auto slot = slotOf(&op, c.getState());
-      if (failed(slot))
-        return failure();
+    auto at = [&](Placement pl) { p.src = p.dst = uint32_t(pl); };
+    if (auto c = dyn_cast<zprog::CopyOp>(op)) {
       p.code = ZOPT_OP_COPY;
-      p.state = *slot;
+      p.state = slotOf(c.getState());
       p.dtype = dtypeCode(c.getType());
       p.src = uint32_t(c.getSrc());
       p.dst = uint32_t(c.getDst());
       p.flags = c.getUnlessSkipped() ? ZOPT_OPF_UNLESS_SKIPPED : 0;
-    } else if (auto r = dyn_cast<ReduceScatterOp>(op)) {
-      auto slot = slotOf(&op, r.getState());
-      if (failed(slot))
-        return failure();
+    } else if (auto r = dyn_cast<zprog::ReduceScatterOp>(op)) {
       p.code = ZOPT_OP_REDUCE_SCATTER;
-      p.state = *slot;
+      p.state = slotOf(r.getState());
       p.dtype = dtypeCode(r.getType());
       p.accum = dtypeCode(r.getAccumulate());
       at(device);
-    } else if (auto g = dyn_cast<AllGatherOp>(op)) {
-      auto slot = slotOf(&op, g.getState());
-      if (failed(slot))
-        return failure();
+    } else if (auto g = dyn_cast<zprog::AllGatherOp>(op)) {
       p.code = ZOPT_OP_ALL_GATHER;
-      p.state = *slot;
+      p.state = slotOf(g.getState());
       p.dtype = dtypeCode(g.getType());
       p.flags = g.getUnlessSkipped() ? ZOPT_OPF_UNLESS_SKIPPED : 0;
       at(device);
-    } else if (auto np = dyn_cast<NormPartialsOp>(op)) {
+    } else if (auto np = dyn_cast<zprog::NormPartialsOp>(op)) {
       p.code = ZOPT_OP_NORM_PARTIALS;
       p.range = uint32_t(np.getRange());
       at(np.getOn());
-    } else if (isa<NormOp>(op)) {
+    } else if (isa<zprog::NormOp>(op)) {
       p.code = ZOPT_OP_NORM;
       at(device);
-    } else if (auto pr = dyn_cast<zopt::PrepareOp>(op)) {
+    } else if (auto pr = dyn_cast<zprog::PrepareOp>(op)) {
       p.code = ZOPT_OP_PREPARE;
       at(pr.getOn());
-    } else if (auto u = dyn_cast<UpdateOp>(op)) {
+    } else if (auto u = dyn_cast<zprog::UpdateOp>(op)) {
       p.code = ZOPT_OP_UPDATE;
       p.range = uint32_t(u.getRange());
       at(u.getOn());
-    } else if (auto f = dyn_cast<FinishOp>(op)) {
+    } else if (auto f = dyn_cast<zprog::FinishOp>(op)) {
       p.code = ZOPT_OP_FINISH;
       at(f.getOn());
     } else {

@@ -49,7 +49,7 @@
 // CHECK-NOT: zk.store
 
 // The program stays for codegen, which writes it into the descriptor.
-// CHECK: zopt.program for "adamw_bf16"
+// CHECK: zprog.program for "adamw_bf16"
 zopt.step @adamw_bf16 {
   %p = zopt.state param : bf16 on cpu
   %g = zopt.state grad : bf16 on cpu

@@ -25,14 +25,14 @@
 // The ZeRO-2 program: grads reduced into their owners' shards, the norm of
 // the owned blocks, the update of the owned shards, the params gathered
 // unless the step was skipped.
-// CHECK: zopt.program for "clip" {
-// CHECK-NEXT: zopt.reduce_scatter grad : bf16 accumulate f32
-// CHECK-NEXT: zopt.prepare on cpu
-// CHECK-NEXT: zopt.norm_partials owned on cpu
-// CHECK-NEXT: zopt.norm
-// CHECK-NEXT: zopt.update owned on cpu
-// CHECK-NEXT: zopt.all_gather param : bf16 unless_skipped
-// CHECK-NEXT: zopt.finish on cpu
+// CHECK: zprog.program for "clip" {
+// CHECK-NEXT: zprog.reduce_scatter grad : bf16 accumulate f32
+// CHECK-NEXT: zprog.prepare on cpu
+// CHECK-NEXT: zprog.norm_partials owned on cpu
+// CHECK-NEXT: zprog.norm
+// CHECK-NEXT: zprog.update owned on cpu
+// CHECK-NEXT: zprog.all_gather param : bf16 unless_skipped
+// CHECK-NEXT: zprog.finish on cpu
 // CHECK-NEXT: }
 zopt.step @clip attributes {zero_stage = 2 : i64} {
   %p = zopt.state param : bf16 on cpu
@@ -59,14 +59,14 @@ zopt.step @clip attributes {zero_stage = 2 : i64} {
 // CHECK: %[[U:.+]] = arith.mulf %{{.+}}, %[[SF]] : f32
 // CHECK: zopt.reduce_sumsq %[[U]] : f32
 // CHECK-NOT: zopt.unscale
-// CHECK: zopt.program for "scaled" {
-// CHECK-NEXT: zopt.reduce_scatter grad : f16 accumulate f32
-// CHECK-NEXT: zopt.all_gather grad : f16
-// CHECK-NEXT: zopt.prepare on cpu
-// CHECK-NEXT: zopt.norm_partials all on cpu
-// CHECK-NEXT: zopt.norm
-// CHECK-NEXT: zopt.update all on cpu
-// CHECK-NEXT: zopt.finish on cpu
+// CHECK: zprog.program for "scaled" {
+// CHECK-NEXT: zprog.reduce_scatter grad : f16 accumulate f32
+// CHECK-NEXT: zprog.all_gather grad : f16
+// CHECK-NEXT: zprog.prepare on cpu
+// CHECK-NEXT: zprog.norm_partials all on cpu
+// CHECK-NEXT: zprog.norm
+// CHECK-NEXT: zprog.update all on cpu
+// CHECK-NEXT: zprog.finish on cpu
 zopt.step @scaled {
   %p = zopt.state param : f16 on cpu
   %g = zopt.state grad : f16 on cpu
@@ -107,9 +107,9 @@ zopt.step @both {
 // CHECK: %[[SF:.+]] = arith.truncf %[[S]] : f64 to f32
 // CHECK: %[[GS:.+]] = arith.mulf %[[G]], %[[SF]] : f32
 // CHECK: zopt.apply %{{.+}}, %[[GS]], %{{.+}} : f32, f32
-// CHECK: zopt.program for "plain" {
+// CHECK: zprog.program for "plain" {
 // CHECK-NOT: norm
-// CHECK: zopt.update all on cpu
+// CHECK: zprog.update all on cpu
 zopt.step @plain {
   %p = zopt.state param : f32 on cpu
   %g = zopt.state grad : f32 on cpu
@@ -128,15 +128,15 @@ zopt.step @plain {
 // stage 1); each rank updates its shards; the params are gathered.
 // CHECK-LABEL: zopt.step @zero1
 // CHECK-SAME: zopt.partitioned = ["master", "exp_avg", "exp_avg_sq"]
-// CHECK: zopt.program for "zero1" {
-// CHECK-NEXT: zopt.reduce_scatter grad : bf16 accumulate f32
-// CHECK-NEXT: zopt.all_gather grad : bf16
-// CHECK-NEXT: zopt.prepare on cpu
-// CHECK-NEXT: zopt.norm_partials owned on cpu
-// CHECK-NEXT: zopt.norm
-// CHECK-NEXT: zopt.update owned on cpu
-// CHECK-NEXT: zopt.all_gather param : bf16 unless_skipped
-// CHECK-NEXT: zopt.finish on cpu
+// CHECK: zprog.program for "zero1" {
+// CHECK-NEXT: zprog.reduce_scatter grad : bf16 accumulate f32
+// CHECK-NEXT: zprog.all_gather grad : bf16
+// CHECK-NEXT: zprog.prepare on cpu
+// CHECK-NEXT: zprog.norm_partials owned on cpu
+// CHECK-NEXT: zprog.norm
+// CHECK-NEXT: zprog.update owned on cpu
+// CHECK-NEXT: zprog.all_gather param : bf16 unless_skipped
+// CHECK-NEXT: zprog.finish on cpu
 // CHECK-NEXT: }
 zopt.step @zero1 attributes {zero_stage = 1 : i64} {
   %p = zopt.state param : bf16 on cpu
@@ -159,14 +159,14 @@ zopt.step @zero1 attributes {zero_stage = 1 : i64} {
 // ZeRO-2: the grads are only reduced into their owners' shards.
 // CHECK-LABEL: zopt.step @zero2
 // CHECK-SAME: zopt.partitioned = ["master", "exp_avg", "exp_avg_sq", "grad"]
-// CHECK: zopt.program for "zero2" {
-// CHECK-NEXT: zopt.reduce_scatter grad : bf16 accumulate f32
-// CHECK-NEXT: zopt.prepare on cpu
-// CHECK-NEXT: zopt.norm_partials owned on cpu
-// CHECK-NEXT: zopt.norm
-// CHECK-NEXT: zopt.update owned on cpu
-// CHECK-NEXT: zopt.all_gather param : bf16 unless_skipped
-// CHECK-NEXT: zopt.finish on cpu
+// CHECK: zprog.program for "zero2" {
+// CHECK-NEXT: zprog.reduce_scatter grad : bf16 accumulate f32
+// CHECK-NEXT: zprog.prepare on cpu
+// CHECK-NEXT: zprog.norm_partials owned on cpu
+// CHECK-NEXT: zprog.norm
+// CHECK-NEXT: zprog.update owned on cpu
+// CHECK-NEXT: zprog.all_gather param : bf16 unless_skipped
+// CHECK-NEXT: zprog.finish on cpu
 zopt.step @zero2 attributes {zero_stage = 2 : i64} {
   %p = zopt.state param : bf16 on cpu
   %g = zopt.state grad : bf16 on cpu
@@ -189,11 +189,11 @@ zopt.step @zero2 attributes {zero_stage = 2 : i64} {
 // (no gather in the program: the forward gathers them on demand).
 // CHECK-LABEL: zopt.step @zero3
 // CHECK-SAME: zopt.partitioned = ["exp_avg", "exp_avg_sq", "grad", "param"]
-// CHECK: zopt.program for "zero3" {
-// CHECK-NEXT: zopt.reduce_scatter grad : f32 accumulate f32
-// CHECK-NEXT: zopt.prepare on cpu
-// CHECK-NEXT: zopt.update owned on cpu
-// CHECK-NEXT: zopt.finish on cpu
+// CHECK: zprog.program for "zero3" {
+// CHECK-NEXT: zprog.reduce_scatter grad : f32 accumulate f32
+// CHECK-NEXT: zprog.prepare on cpu
+// CHECK-NEXT: zprog.update owned on cpu
+// CHECK-NEXT: zprog.finish on cpu
 // CHECK-NEXT: }
 zopt.step @zero3 attributes {zero_stage = 3 : i64} {
   %p = zopt.state param : f32 on cpu
@@ -216,16 +216,16 @@ zopt.step @zero3 attributes {zero_stage = 3 : i64} {
 // last unless the step was skipped; the update does not read the bf16
 // param (it has a master), so it is not copied in.
 // CHECK-LABEL: zopt.step @offload
-// CHECK: zopt.program for "offload" {
-// CHECK-NEXT: zopt.copy grad : bf16 from gpu to cpu
-// CHECK-NEXT: zopt.reduce_scatter grad : bf16 accumulate f32
-// CHECK-NEXT: zopt.prepare on cpu
-// CHECK-NEXT: zopt.norm_partials owned on cpu
-// CHECK-NEXT: zopt.norm
-// CHECK-NEXT: zopt.update owned on cpu
-// CHECK-NEXT: zopt.all_gather param : bf16 unless_skipped
-// CHECK-NEXT: zopt.copy param : bf16 from cpu to gpu unless_skipped
-// CHECK-NEXT: zopt.finish on cpu
+// CHECK: zprog.program for "offload" {
+// CHECK-NEXT: zprog.copy grad : bf16 from gpu to cpu
+// CHECK-NEXT: zprog.reduce_scatter grad : bf16 accumulate f32
+// CHECK-NEXT: zprog.prepare on cpu
+// CHECK-NEXT: zprog.norm_partials owned on cpu
+// CHECK-NEXT: zprog.norm
+// CHECK-NEXT: zprog.update owned on cpu
+// CHECK-NEXT: zprog.all_gather param : bf16 unless_skipped
+// CHECK-NEXT: zprog.copy param : bf16 from cpu to gpu unless_skipped
+// CHECK-NEXT: zprog.finish on cpu
 zopt.step @offload attributes {zero_stage = 2 : i64, gpu_arch = "sm_90"} {
   %p = zopt.state param : bf16 on gpu
   %g = zopt.state grad : bf16 on gpu
@@ -247,10 +247,10 @@ zopt.step @offload attributes {zero_stage = 2 : i64, gpu_arch = "sm_90"} {
 // Offload without a master: the update reads the param, so it comes to the
 // host with the grad.
 // CHECK-LABEL: zopt.step @offload_nomaster
-// CHECK: zopt.program for "offload_nomaster" {
-// CHECK-NEXT: zopt.copy grad : bf16 from gpu to cpu
-// CHECK-NEXT: zopt.copy param : bf16 from gpu to cpu
-// CHECK-NEXT: zopt.reduce_scatter grad : bf16 accumulate f32
+// CHECK: zprog.program for "offload_nomaster" {
+// CHECK-NEXT: zprog.copy grad : bf16 from gpu to cpu
+// CHECK-NEXT: zprog.copy param : bf16 from gpu to cpu
+// CHECK-NEXT: zprog.reduce_scatter grad : bf16 accumulate f32
 zopt.step @offload_nomaster attributes {zero_stage = 2 : i64, gpu_arch = "sm_90"} {
   %p = zopt.state param : bf16 on gpu
   %g = zopt.state grad : bf16 on gpu
@@ -271,14 +271,14 @@ zopt.step @offload_nomaster attributes {zero_stage = 2 : i64, gpu_arch = "sm_90"
 // now: the runtime refuses more ranks for GPU-updated steps).
 // CHECK-LABEL: zopt.step @gpu
 // CHECK-SAME: zopt.device = #zopt<placement gpu>
-// CHECK: zopt.program for "gpu" {
-// CHECK-NEXT: zopt.reduce_scatter grad : f32 accumulate f32
-// CHECK-NEXT: zopt.all_gather grad : f32
-// CHECK-NEXT: zopt.prepare on gpu
-// CHECK-NEXT: zopt.norm_partials all on gpu
-// CHECK-NEXT: zopt.norm
-// CHECK-NEXT: zopt.update all on gpu
-// CHECK-NEXT: zopt.finish on gpu
+// CHECK: zprog.program for "gpu" {
+// CHECK-NEXT: zprog.reduce_scatter grad : f32 accumulate f32
+// CHECK-NEXT: zprog.all_gather grad : f32
+// CHECK-NEXT: zprog.prepare on gpu
+// CHECK-NEXT: zprog.norm_partials all on gpu
+// CHECK-NEXT: zprog.norm
+// CHECK-NEXT: zprog.update all on gpu
+// CHECK-NEXT: zprog.finish on gpu
 zopt.step @gpu attributes {gpu_arch = "sm_90"} {
   %p = zopt.state param : f32 on gpu
   %g = zopt.state grad : f32 on gpu

@@ -29,8 +29,8 @@ static bool updateReads(StepOp step, StateOp s) {
   });
 }
 
-/// The step program (abi.h "The step program"): what one step does on every
-/// rank, in order, decided by the ZeRO stage, the placements, clipping and
+/// The step program (abi.h "The step program", the zprog dialect): what one
+/// step does on every rank, in order, decided by the ZeRO stage, the placements, clipping and
 /// loss scaling.
 ///   stage 0: every rank holds every state and updates every element; the
 ///            grads are reduced and gathered (DDP's all-reduce).
@@ -51,11 +51,12 @@ static void buildProgram(StepOp step, Placement device, int64_t stage) {
   auto where = PlacementAttr::get(ctx, device);
   bool norm = step->hasAttr("zopt.max_norm") || step->hasAttr("zopt.loss_scale");
   bool offload = device == Placement::cpu && param.getPlacement() == Placement::gpu;
-  auto range = RangeAttr::get(ctx, stage == 0 ? zopt::Range::all : zopt::Range::owned);
+  auto range = zprog::RangeAttr::get(
+      ctx, stage == 0 ? zprog::Range::all : zprog::Range::owned);
 
   OpBuilder b(ctx);
   b.setInsertionPointAfter(step);
-  auto prog = ProgramOp::create(b, step.getLoc(), step.getSymName());
+  auto prog = zprog::ProgramOp::create(b, step.getLoc(), step.getSymName());
   prog.getBody().push_back(new Block());
   b.setInsertionPointToStart(&prog.getBody().front());
   Location loc = step.getLoc();
@@ -63,30 +64,31 @@ static void buildProgram(StepOp step, Placement device, int64_t stage) {
   auto gpu = PlacementAttr::get(ctx, Placement::gpu);
   auto cpu = PlacementAttr::get(ctx, Placement::cpu);
   if (offload) {
-    CopyOp::create(b, loc, kindAttr(StateKind::grad), TypeAttr::get(gt), gpu,
-                   cpu, nullptr);
+    zprog::CopyOp::create(b, loc, kindAttr(StateKind::grad), TypeAttr::get(gt),
+                          gpu, cpu, nullptr);
     if (updateReads(step, param))
-      CopyOp::create(b, loc, kindAttr(StateKind::param), TypeAttr::get(pt), gpu,
-                     cpu, nullptr);
+      zprog::CopyOp::create(b, loc, kindAttr(StateKind::param),
+                            TypeAttr::get(pt), gpu, cpu, nullptr);
   }
-  ReduceScatterOp::create(b, loc, kindAttr(StateKind::grad), TypeAttr::get(gt),
-                          TypeAttr::get(b.getF32Type()));
+  zprog::ReduceScatterOp::create(b, loc, kindAttr(StateKind::grad),
+                                 TypeAttr::get(gt),
+                                 TypeAttr::get(b.getF32Type()));
   if (stage <= 1)
-    AllGatherOp::create(b, loc, kindAttr(StateKind::grad), TypeAttr::get(gt),
-                        nullptr);
-  zopt::PrepareOp::create(b, loc, where);
+    zprog::AllGatherOp::create(b, loc, kindAttr(StateKind::grad),
+                               TypeAttr::get(gt), nullptr);
+  zprog::PrepareOp::create(b, loc, where);
   if (norm) {
-    NormPartialsOp::create(b, loc, range, where);
-    NormOp::create(b, loc);
+    zprog::NormPartialsOp::create(b, loc, range, where);
+    zprog::NormOp::create(b, loc);
   }
-  UpdateOp::create(b, loc, range, where);
+  zprog::UpdateOp::create(b, loc, range, where);
   if (stage == 1 || stage == 2)
-    AllGatherOp::create(b, loc, kindAttr(StateKind::param), TypeAttr::get(pt),
-                        b.getUnitAttr());
+    zprog::AllGatherOp::create(b, loc, kindAttr(StateKind::param),
+                               TypeAttr::get(pt), b.getUnitAttr());
   if (offload)
-    CopyOp::create(b, loc, kindAttr(StateKind::param), TypeAttr::get(pt), cpu,
-                   gpu, b.getUnitAttr());
-  FinishOp::create(b, loc, where);
+    zprog::CopyOp::create(b, loc, kindAttr(StateKind::param),
+                          TypeAttr::get(pt), cpu, gpu, b.getUnitAttr());
+  zprog::FinishOp::create(b, loc, where);
 }
 
 static LogicalResult planStep(StepOp step) {

@@ -50,12 +50,4 @@ def Zopt_GlobalKind : I32EnumAttr<"GlobalKind", "step-level runtime scalar", [
 }
 def Zopt_GlobalKindAttr : EnumAttr<Zopt_Dialect, Zopt_GlobalKind, "global">;
 
-// The numeric values equal the zopt_range values of abi.h.
-def Zopt_Range : I32EnumAttr<"Range", "which elements a program op covers", [
-    I32EnumAttrCase<"owned", 1>, I32EnumAttrCase<"all", 2>]> {
-  let cppNamespace = "::mlir::zopt";
-  let genSpecializedAttr = 0;
-}
-def Zopt_RangeAttr : EnumAttr<Zopt_Dialect, Zopt_Range, "range">;
-
 #endif

@@ -10,6 +10,7 @@
 #define ZOPT_DIALECT_ZOPT_TRANSFORMS_PASSES_H
 
 #include "mlir/Pass/Pass.h"
+#include "zopt/Dialect/Program/IR/ProgramOps.h"
 #include "zopt/Dialect/ZK/IR/ZKOps.h"
 #include "zopt/Dialect/Zopt/IR/ZoptOps.h"
 

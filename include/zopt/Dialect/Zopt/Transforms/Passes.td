@@ -40,14 +40,16 @@ def ZoptDecompose : Pass<"zopt-decompose", "ModuleOp"> {
 }
 
 def ZoptPlan : Pass<"zopt-plan", "ModuleOp"> {
-  let summary = "Decides placement, partitioning and the global reductions";
+  let summary = "Decides placement, partitioning, the global reductions and the step program";
   let description = [{
     Decides where the fused update runs (where the optimizer states live),
     records the ZeRO partition of the flat per-group buffers
-    (`zopt.partition`), numbers the state and hyperparameter slots of the
-    descriptor, and turns `zopt.clip_by_global_norm` and `zopt.unscale` into
-    multiplications by runtime globals plus one `zopt.reduce_sumsq` over the
-    value the global norm / non-finite check is taken of.
+    (`zopt.partitioned`), numbers the state slots of the descriptor, and
+    turns `zopt.clip_by_global_norm` and `zopt.unscale` into multiplications
+    by runtime globals plus one `zopt.reduce_sumsq` over the value the global
+    norm / non-finite check is taken of. Writes the step program beside the
+    step: a `zprog.program` of the collectives, copies, norm and update one
+    step runs on every rank (the zprog dialect).
 
     ```mlir
     %gc = zopt.clip_by_global_norm %g max 1.0 : f32
@@ -56,9 +58,20 @@ def ZoptPlan : Pass<"zopt-plan", "ModuleOp"> {
     %c = zopt.global clip_coef
     %cf = arith.truncf %c : f64 to f32
     %gc = arith.mulf %g, %cf : f32
+    ...
+    zprog.program for "s" {
+      zprog.reduce_scatter grad : f32 accumulate f32
+      zprog.all_gather grad : f32
+      zprog.prepare on cpu
+      zprog.norm_partials all on cpu
+      zprog.norm
+      zprog.update all on cpu
+      zprog.finish on cpu
+    }
     ```
   }];
-  let dependentDialects = ["::mlir::arith::ArithDialect"];
+  let dependentDialects = ["::mlir::arith::ArithDialect",
+                           "::mlir::zprog::ZProgDialect"];
 }
 
 def ZoptFuse : Pass<"zopt-fuse", "ModuleOp"> {
