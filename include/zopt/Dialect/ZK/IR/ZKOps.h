@@ -9,6 +9,7 @@
 #include "mlir/IR/SymbolTable.h"
 #include "mlir/Interfaces/SideEffectInterfaces.h"
 #include "zopt/Dialect/ZK/IR/ZKDialect.h"
+#include "zopt/abi.h" // the codes of zk.descriptor and zk.store
 
 #include "zopt/Dialect/ZK/IR/ZKEnums.h.inc"
 #define GET_ATTRDEF_CLASSES

@@ -120,7 +120,7 @@ def ZK_StoreOp : ZK_Op<"store", [HasParent<"KernelOp">,
   let summary = "stores into state slot `slot`, narrowing with `rounding`";
   let description = "```mlir\nzk.store 0, %p1 : f32 into bf16\n```";
   let arguments = (ins I64Attr:$slot, AnyFloat:$value, TypeAttr:$storage,
-                   DefaultValuedAttr<I32Attr, "1">:$rounding);
+                   DefaultValuedAttr<I32Attr, "ZOPT_ROUND_NEAREST_EVEN">:$rounding);
   let assemblyFormat = "$slot `,` $value attr-dict `:` type($value) `into` $storage";
 }
 
