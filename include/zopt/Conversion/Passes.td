@@ -27,8 +27,9 @@ def ConvertZKToCPU : Pass<"convert-zk-to-cpu", "ModuleOp"> {
     with one shuffle; f16 uses the hardware conversions. The `avx512bf16`
     variant (only for update kernels that store bf16) rounds with the
     hardware conversion instead, falling back to the integer form for a
-    vector holding a subnormal. `zk.prepare` becomes an f64 host function,
-    and `zk.descriptor` the exported `zopt_step_descriptor` constant.
+    vector holding a subnormal. `zk.prepare` becomes an f64 host function.
+    The functions' kernel-table entries are recorded on the `zk.descriptor`
+    (`cpu_kernels`) for `zopt-emit-descriptor`.
 
     ```mlir
     zk.kernel @k update { ... }
@@ -61,9 +62,10 @@ def ConvertZKToGPU : Pass<"convert-zk-to-gpu", "ModuleOp"> {
     segment table with 16-byte vector accesses and a scalar tail; SUMSQ is a
     two-stage f64 reduction (block partials, last-block-done) that writes the
     norm, clip coefficient and skip flag to a device buffer and recomputes
-    the coefficient table; `zk.prepare` is also compiled as a kernel. The
-    kernel-table entries are recorded on the `zk.descriptor` for
-    `convert-zk-to-cpu`, which must run after this pass.
+    the coefficient table; `zk.prepare` is also compiled as a kernel (the
+    host keeps it for `convert-zk-to-cpu`, which runs after this pass). The
+    kernel-table entries are recorded on the `zk.descriptor`
+    (`gpu_kernels`, `gpu_images`) for `zopt-emit-descriptor`.
 
     ```mlir
     zk.kernel @s_update update { ... }
@@ -92,6 +94,12 @@ def ZoptGPUPreciseSqrt : Pass<"zopt-gpu-precise-sqrt", "::mlir::gpu::GPUModuleOp
     libdevice's `__nv_sqrtf` is `sqrt.approx.f32` by default; the CPU kernels
     use the correctly rounded square root. Calls to `__nv_sqrtf` and
     `__nv_sqrt` become `llvm.intr.sqrt`, which NVPTX emits as `sqrt.rn`.
+
+    ```mlir
+    %r = llvm.call @__nv_sqrtf(%x) : (f32) -> f32
+    // becomes
+    %r = llvm.intr.sqrt(%x) : (f32) -> f32
+    ```
   }];
   let dependentDialects = ["::mlir::LLVM::LLVMDialect"];
 }

@@ -67,7 +67,16 @@ def ZoptEmbedGPUBinaries : Pass<"zopt-embed-gpu-binaries", "ModuleOp"> {
     `const uint32_t <m>_sm_XX_cuda_version` (the toolkit's CUDA version,
     1000 * major + 10 * minor, e.g. 13000): the symbols the descriptor's
     GPU_IMAGE entries name (abi.h "GPU kernels"). Without `toolkit` the
-    objects are embedded as they are (PTX text for `--emit=ptx`).
+    objects are embedded as they are (PTX text for `--emit=ptx`). The
+    toolkit is driven by include/zopt/Target/CUDA/Toolkit.h.
+
+    ```mlir
+    gpu.binary @s_gpu [#gpu.object<#nvvm.target<chip = "sm_90">, assembly = "...">]
+    // becomes
+    llvm.mlir.global external constant @s_gpu_sm_90_cuda_version(13000 : i32)
+    llvm.mlir.global external constant @s_gpu_sm_90("P\EDU\BA...")
+    llvm.mlir.global external constant @s_gpu_sm_90_size(3672 : i64)
+    ```
   }];
   let options = [
     Option<"toolkit", "toolkit", "std::string", "\"\"",

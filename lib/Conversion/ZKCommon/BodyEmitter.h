@@ -1,5 +1,8 @@
 //===- BodyEmitter.h - zk kernel bodies at a vector width -------*- C++ -*-===//
 //
+// lib/Conversion/ZKCommon/ owns the kernel-body emission both lowerings of
+// zk share (ZKToCPU, ZKToGPU; as MLIR's lib/Conversion/GPUCommon/).
+//
 // Shared by the CPU and GPU code generators: clones the per-element body of a
 // zk.kernel at `lanes` lanes (1: scalar). bf16 is carried as the f32 it
 // exactly widens to; narrowing to bf16 rounds to nearest even in integer

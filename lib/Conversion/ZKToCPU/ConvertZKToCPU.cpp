@@ -15,10 +15,12 @@
 // loading through `in` and storing through `out`. SUMSQ kernels run
 // ZOPT_SUMSQ_LANES f64 accumulators on every ISA, a masked tail and an
 // ordered lane sum: the order abi.h defines, so the result is the same bits
-// on every variant. bf16 values are carried as the f32 they exactly widen to. The
-// avx512bf16 variant narrows to bf16 with VCVTNEPS2BF16 (BodyEmitter.h); it
+// on every variant. bf16 values are carried as the f32 they exactly widen to.
+// The avx512bf16 variant narrows to bf16 with VCVTNEPS2BF16 (BodyEmitter.h); it
 // is emitted only for UPDATE kernels that store bf16, where it differs from
-// the avx512 one, unless it is the only variant asked for.
+// the avx512 one, unless it is the only variant asked for. The zk.descriptor
+// stays: the functions' kernel-table entries are recorded on it
+// (cpu_kernels) for zopt-emit-descriptor.
 //
 //===----------------------------------------------------------------------===//
 #include "zopt/Conversion/ZKToCPU/ZKToCPU.h"

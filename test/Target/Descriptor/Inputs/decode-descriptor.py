@@ -17,7 +17,6 @@ lib = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(lib)
 
 
-
 def unescape(s):
     """MLIR prints a string's bytes as themselves or as \\XX (hex)."""
     raw, i = bytearray(), 0
