@@ -1,4 +1,4 @@
-//===- Plan.cpp - placement, partition and global reductions --------------===//
+//===- Plan.cpp - placement, partition, global reductions, step program ---===//
 #include "Builders.h"
 #include "zopt/Dialect/Zopt/Transforms/Passes.h"
 
@@ -30,8 +30,8 @@ static bool updateReads(StepOp step, StateOp s) {
 }
 
 /// The step program (abi.h "The step program", the zprog dialect): what one
-/// step does on every rank, in order, decided by the ZeRO stage, the placements, clipping and
-/// loss scaling.
+/// step does on every rank, in order, decided by the ZeRO stage, the
+/// placements, clipping and loss scaling.
 ///   stage 0: every rank holds every state and updates every element; the
 ///            grads are reduced and gathered (DDP's all-reduce).
 ///   stage 1: the optimizer states are sharded; grads reduced and gathered
