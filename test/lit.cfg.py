@@ -13,6 +13,7 @@ config.excludes = ["CMakeLists.txt", "lit.cfg.py", "lit.site.cfg.py", "Inputs", 
 
 config.substitutions.append(("%examples", os.path.join(config.zopt_src_root, "examples")))
 config.substitutions.append(("%zopt_bin", config.zopt_tools_dir))
+config.substitutions.append(("%zopt_src", config.zopt_src_root))
 
 llvm_config.use_default_substitutions()
 llvm_config.with_environment("PATH", config.llvm_tools_dir, append_path=True)

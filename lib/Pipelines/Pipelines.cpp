@@ -12,9 +12,11 @@
 #include "mlir/Conversion/VectorToLLVM/ConvertVectorToLLVMPass.h"
 #include "mlir/Pass/PassRegistry.h"
 #include "mlir/Transforms/Passes.h"
-#include "zopt/Transforms/Passes.h"
+#include "zopt/Conversion/Passes.h"
+#include "zopt/Dialect/Zopt/Transforms/Passes.h"
+#include "zopt/Target/CUDA/Toolkit.h"
+#include "zopt/Target/Passes.h"
 
-#include <cstdlib>
 
 using namespace mlir;
 using namespace mlir::zopt;
@@ -59,6 +61,7 @@ void mlir::zopt::buildPipeline(OpPassManager &pm, Phase last,
   ConvertZKToCPUOptions cpu;
   cpu.isas = llvm::to_vector(isas);
   pm.addPass(createConvertZKToCPU(cpu));
+  pm.addPass(createZoptEmitDescriptor());
   pm.addPass(createCanonicalizerPass());
   pm.addPass(createSCFToControlFlowPass());
   if (!gpu.chips.empty()) {
@@ -75,10 +78,7 @@ void mlir::zopt::buildPipeline(OpPassManager &pm, Phase last,
     // Never empty: without a path, libdevice would be skipped silently.
     bin.toolkitPath = gpu.toolkitPath;
     if (bin.toolkitPath.empty())
-      if (const char *env = std::getenv("CUDA_HOME"); env && *env)
-        bin.toolkitPath = env;
-    if (bin.toolkitPath.empty())
-      bin.toolkitPath = "/usr/local/cuda";
+      bin.toolkitPath = cuda::defaultToolkitPath();
     bin.compilationTarget = "isa";
     pm.addPass(createGpuModuleToBinaryPass(bin));
     ZoptEmbedGPUBinariesOptions embed;

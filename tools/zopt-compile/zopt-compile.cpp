@@ -23,17 +23,18 @@
 #include "mlir/Support/FileUtilities.h"
 #include "mlir/Support/Timing.h"
 #include "llvm/Support/CommandLine.h"
-#include <cstdlib>
 #include "llvm/Support/FileSystem.h"
 #include "llvm/Support/InitLLVM.h"
 #include "llvm/Support/Path.h"
 #include "llvm/Support/SourceMgr.h"
 #include "llvm/Support/ToolOutputFile.h"
 #include "llvm/Support/thread.h"
-#include "zopt/Dialect/Kernel/IR/KernelDialect.h"
+#include "zopt/Dialect/Program/IR/ProgramOps.h"
+#include "zopt/Dialect/ZK/IR/ZKOps.h"
 #include "zopt/Dialect/Zopt/IR/ZoptDescription.h"
 #include "zopt/Dialect/Zopt/IR/ZoptOps.h"
 #include "zopt/Pipelines/Pipelines.h"
+#include "zopt/Target/CUDA/Toolkit.h"
 #include "zopt/Target/Emit.h"
 
 using namespace mlir;
@@ -161,7 +162,8 @@ static int compile() {
   registerAllToLLVMIRTranslations(registry);
   NVVM::registerNVVMTargetInterfaceExternalModels(registry);
   MLIRContext ctx(registry);
-  ctx.loadDialect<gpu::GPUDialect, NVVM::NVVMDialect, zopt::ZoptDialect, zk::ZKDialect, arith::ArithDialect,
+  ctx.loadDialect<gpu::GPUDialect, NVVM::NVVMDialect, zopt::ZoptDialect,
+                  zprog::ZProgDialect, zk::ZKDialect, arith::ArithDialect,
                   math::MathDialect, func::FuncDialect, scf::SCFDialect,
                   vector::VectorDialect, LLVM::LLVMDialect>();
   // Diagnostics name the description's line and column and show its line;
@@ -203,19 +205,11 @@ static int compile() {
   if (onGpu) {
     std::string tk = cudaPath;
     if (tk.empty())
-      if (const char *env = std::getenv("CUDA_HOME"); env && *env)
-        tk = env;
-    if (tk.empty())
-      tk = "/usr/local/cuda";
-    for (const char *need : {"bin/ptxas", "bin/fatbinary",
-                             "nvvm/libdevice/libdevice.10.bc"}) {
-      llvm::SmallString<256> p(tk);
-      llvm::sys::path::append(p, need);
-      if (!llvm::sys::fs::exists(p))
-        return fail("the step has states on the GPU, but the CUDA toolkit at '" +
-                    tk + "' has no " + need +
-                    " (set --cuda-path or CUDA_HOME to a CUDA 12+ toolkit)");
-    }
+      tk = zopt::cuda::defaultToolkitPath();
+    if (const char *need = zopt::cuda::missingToolkitFile(tk))
+      return fail("the step has states on the GPU, but the CUDA toolkit at '" +
+                  tk + "' has no " + need +
+                  " (set --cuda-path or CUDA_HOME to a CUDA 12+ toolkit)");
     gpuOpts.toolkitPath = tk;
     if (gpuOpts.chips.empty())
       return fail("the step has states on the GPU but no architecture: set "

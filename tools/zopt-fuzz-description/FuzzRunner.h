@@ -29,7 +29,8 @@
 #include "mlir/Target/LLVMIR/Dialect/All.h"
 #include "llvm/Support/FileSystem.h"
 #include "llvm/Support/SourceMgr.h"
-#include "zopt/Dialect/Kernel/IR/KernelDialect.h"
+#include "zopt/Dialect/Program/IR/ProgramOps.h"
+#include "zopt/Dialect/ZK/IR/ZKOps.h"
 #include "zopt/Dialect/Zopt/IR/ZoptDescription.h"
 #include "zopt/Dialect/Zopt/IR/ZoptOps.h"
 #include "zopt/Pipelines/Pipelines.h"
@@ -89,9 +90,9 @@ inline bool strict() {
 inline int runDescription(llvm::StringRef text) {
   MLIRContext ctx(registry(), MLIRContext::Threading::DISABLED);
   ctx.loadDialect<gpu::GPUDialect, NVVM::NVVMDialect, zopt::ZoptDialect,
-                  zk::ZKDialect, arith::ArithDialect, math::MathDialect,
-                  func::FuncDialect, scf::SCFDialect, vector::VectorDialect,
-                  LLVM::LLVMDialect>();
+                  zprog::ZProgDialect, zk::ZKDialect, arith::ArithDialect,
+                  math::MathDialect, func::FuncDialect, scf::SCFDialect,
+                  vector::VectorDialect, LLVM::LLVMDialect>();
   ctx.printOpOnDiagnostic(false);
   // Diagnostics are expected output for bad inputs: count them, print
   // nothing (ZOPT_FUZZ_VERBOSE=1 prints them).

@@ -18,9 +18,13 @@
 #include "llvm/Support/SourceMgr.h"
 #include "llvm/Support/ToolOutputFile.h"
 #include "llvm/Support/thread.h"
+#include "zopt/Conversion/Passes.h"
+#include "zopt/Dialect/Program/IR/ProgramOps.h"
+#include "zopt/Dialect/ZK/IR/ZKOps.h"
 #include "zopt/Dialect/Zopt/IR/ZoptDescription.h"
+#include "zopt/Dialect/Zopt/Transforms/Passes.h"
 #include "zopt/Pipelines/Pipelines.h"
-#include "zopt/Transforms/Passes.h"
+#include "zopt/Target/Passes.h"
 
 using namespace mlir;
 
@@ -66,9 +70,11 @@ int main(int argc, char **argv) {
   registerAllDialects(registry);
   registerAllExtensions(registry);
   registerAllToLLVMIRTranslations(registry);
-  registry.insert<zopt::ZoptDialect, zk::ZKDialect>();
+  registry.insert<zopt::ZoptDialect, zprog::ZProgDialect, zk::ZKDialect>();
   registerAllPasses();
   zopt::registerZoptPasses();
+  zopt::registerZoptConversionPasses();
+  zopt::registerZoptTargetPasses();
   zopt::registerPipelines();
   auto [inputFilename, outputFilename] =
       registerAndParseCLIOptions(argc, argv, "zopt optimizer driver\n", registry);

@@ -1,4 +1,11 @@
 //===- Pipelines.h - zopt's named compilation phases ------------*- C++ -*-===//
+//
+// include/zopt/Pipelines/ owns the order of the passes: the named phases
+// (input, decompose, plan, fuse, codegen) that zopt-compile --compile-to,
+// zopt-opt --zopt-pipeline and the fuzz targets all build with
+// buildPipeline.
+//
+//===----------------------------------------------------------------------===//
 #ifndef ZOPT_PIPELINES_PIPELINES_H
 #define ZOPT_PIPELINES_PIPELINES_H
 

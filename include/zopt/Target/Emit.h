@@ -1,4 +1,10 @@
 //===- Emit.h - LLVM IR, assembly, objects and step.so ----------*- C++ -*-===//
+//
+// The last stage of include/zopt/Target/ (Passes.h says what the folder
+// owns): the LLVM-dialect module into LLVM IR at O3, assembly or an object
+// file, and the object linked into step.so.
+//
+//===----------------------------------------------------------------------===//
 #ifndef ZOPT_TARGET_EMIT_H
 #define ZOPT_TARGET_EMIT_H
 

@@ -9,7 +9,9 @@
 // aligned (from the narrowest state's misalignment, checked against every
 // pointer), then 16-byte vector accesses (8 x bf16) through global-space
 // pointers over the middle and one scalar loop over head and tail; the host
-// keeps only the f64 prepare and the descriptor.
+// keeps only the f64 prepare and the descriptor, on which the kernel table
+// is recorded for zopt-emit-descriptor: the host PREPARE, the GPU kernels
+// ([role, entry], abi.h codes) and one image per chip ([sm, symbol]).
 
 zk.descriptor {name = "t", zero_stage = 0 : i64, align = 1 : i64, flags = 5 : i64,
   max_norm = 1.0 : f64, num_coeffs = 2 : i64,
@@ -20,6 +22,7 @@ zk.descriptor {name = "t", zero_stage = 0 : i64, align = 1 : i64, flags = 5 : i6
   hyper_mins = array<f64: 0.0>, hyper_maxs = array<f64: 1.0>,
   hyper_max_exclusive = array<i32: 0>}
 
+// CHECK: zk.descriptor {{{.*}}cpu_kernels = {{\[}}[1 : i32, 0 : i32, "t_prepare"]], flags = 5 : i64, gpu_images = {{\[}}[80 : i32, "t_gpu_sm_80"], [90 : i32, "t_gpu_sm_90"]], gpu_kernels = {{\[}}[1 : i32, "t_prepare_gpu"], [2 : i32, "t_update"], [3 : i32, "t_sumsq"], [5 : i32, "t_finish"]],
 // CHECK-LABEL: gpu.module @t_gpu [#nvvm.target<O = 3, chip = "sm_80", features = "+ptx80">, #nvvm.target<O = 3, chip = "sm_90", features = "+ptx80">]
 // CHECK: gpu.func @t_prepare_gpu(%{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr, %{{.+}}: i64, %{{.+}}: !llvm.ptr) kernel attributes {nvvm.reqntid = array<i32: 64, 1, 1>}
 // CHECK: scf.for
@@ -109,19 +112,11 @@ zk.kernel @t_sumsq sumsq {
 // CHECK-NEXT: gpu.return
 // CHECK: func.func @t_prepare(%{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr) attributes {zopt.isa = "none"}
 // CHECK-NOT: func.func @t_update
-// CHECK: llvm.mlir.global external constant @zopt_step_descriptor
-
-zopt.program for "t" {
-  zopt.prepare on gpu
-  zopt.norm_partials all on gpu
-  zopt.norm
-  zopt.update all on gpu
-  zopt.finish on gpu
-}
 
 // -----
 
-// A CPU step is left to convert-zk-to-cpu: no gpu.module.
+// A CPU step is left to convert-zk-to-cpu: no gpu.module, no GPU entries.
+// CHECK-NOT: gpu_kernels
 zk.descriptor {name = "c", zero_stage = 0 : i64, align = 1 : i64, flags = 0 : i64,
   max_norm = 0.0 : f64, num_coeffs = 1 : i64,
   state_kinds = array<i32: 1, 2>, state_dtypes = array<i32: 1, 1>,
@@ -147,11 +142,6 @@ zk.kernel @c_update update {
   zk.store 0, %p1 : f32 into f32
 }
 
-zopt.program for "c" {
-  zopt.prepare on cpu
-  zopt.update all on cpu
-  zopt.finish on cpu
-}
 
 // -----
 
@@ -209,10 +199,3 @@ zk.kernel @s_sumsq sumsq {
 // CHECK: %[[NEW:.+]] = arith.select %[[NEG]], %[[MINUS]], %[[INV]] : f64
 // CHECK: llvm.store %[[NEW]], %[[AT]] : f64, !llvm.ptr<1>
 // CHECK: gpu.return
-zopt.program for "s" {
-  zopt.prepare on gpu
-  zopt.norm_partials all on gpu
-  zopt.norm
-  zopt.update all on gpu
-  zopt.finish on gpu
-}

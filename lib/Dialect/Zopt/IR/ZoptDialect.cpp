@@ -3,6 +3,7 @@
 
 #include "mlir/IR/DialectImplementation.h"
 #include "llvm/ADT/TypeSwitch.h"
+#include "zopt/abi.h"
 
 #include <cmath>
 #include <cstdio>
@@ -37,11 +38,11 @@ unsigned mlir::zopt::storageBits(Type t) {
 
 unsigned mlir::zopt::dtypeCode(Type t) {
   if (t.isF32())
-    return 1;
+    return ZOPT_DTYPE_F32;
   if (t.isBF16())
-    return 2;
+    return ZOPT_DTYPE_BF16;
   if (t.isF16())
-    return 3;
+    return ZOPT_DTYPE_F16;
   return 0;
 }
 

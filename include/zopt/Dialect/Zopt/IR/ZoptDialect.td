@@ -20,7 +20,8 @@ def Zopt_Dialect : Dialect {
     `zopt.yield` says which new value is stored into which state.
 
     The compiler lowers it in named phases (decompose, plan, fuse, codegen)
-    into fused kernels; see docs/Dialects/Zopt.md for the rules the
+    into fused kernels; the plan phase writes the step's program in the
+    zprog dialect beside it. See docs/Dialects/Zopt.md for the rules the
     verifier enforces. Every op refuses an attribute it does not declare
     (trait `Zopt_KnownAttributesOnly`: a misspelled `{decoupled}` is an
     error, not Adam with L2); attributes prefixed `zopt.` are the

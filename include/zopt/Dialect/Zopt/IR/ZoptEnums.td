@@ -5,7 +5,11 @@
 include "mlir/IR/EnumAttr.td"
 include "zopt/Dialect/Zopt/IR/ZoptDialect.td"
 
-// The numeric values equal the zopt_state_kind values of runtime/include/zopt/abi.h.
+// The numeric values of these enums are the ones runtime/include/zopt/abi.h
+// gives the descriptor (zopt_state_kind, zopt_placement, zopt_rounding,
+// zopt_hyper_kind, zopt_global): a case that disagrees with abi.h, or an
+// abi.h value without a case, fails the build
+// (lib/Target/Descriptor/AbiCheck.cpp).
 def Zopt_StateKind : I32EnumAttr<"StateKind", "kind of per-parameter state", [
     I32EnumAttrCase<"param", 1>, I32EnumAttrCase<"grad", 2>,
     I32EnumAttrCase<"master", 3>, I32EnumAttrCase<"exp_avg", 4>,
@@ -30,7 +34,6 @@ def Zopt_Rounding : I32EnumAttr<"Rounding", "rounding of narrowing stores", [
 }
 def Zopt_RoundingAttr : EnumAttr<Zopt_Dialect, Zopt_Rounding, "rounding">;
 
-// The numeric values equal the zopt_hyper_kind values of abi.h.
 def Zopt_HyperKind : I32EnumAttr<"HyperKind", "per-group hyperparameter slot", [
     I32EnumAttrCase<"lr", 1>, I32EnumAttrCase<"beta1", 2>,
     I32EnumAttrCase<"beta2", 3>, I32EnumAttrCase<"eps", 4>,
@@ -41,7 +44,6 @@ def Zopt_HyperKind : I32EnumAttr<"HyperKind", "per-group hyperparameter slot", [
 }
 def Zopt_HyperKindAttr : EnumAttr<Zopt_Dialect, Zopt_HyperKind, "hyper">;
 
-// The numeric values equal the zopt_global indices of abi.h.
 def Zopt_GlobalKind : I32EnumAttr<"GlobalKind", "step-level runtime scalar", [
     I32EnumAttrCase<"step", 0>, I32EnumAttrCase<"clip_coef", 1>,
     I32EnumAttrCase<"grad_scale", 2>]> {
@@ -49,13 +51,5 @@ def Zopt_GlobalKind : I32EnumAttr<"GlobalKind", "step-level runtime scalar", [
   let genSpecializedAttr = 0;
 }
 def Zopt_GlobalKindAttr : EnumAttr<Zopt_Dialect, Zopt_GlobalKind, "global">;
-
-// The numeric values equal the zopt_range values of abi.h.
-def Zopt_Range : I32EnumAttr<"Range", "which elements a program op covers", [
-    I32EnumAttrCase<"owned", 1>, I32EnumAttrCase<"all", 2>]> {
-  let cppNamespace = "::mlir::zopt";
-  let genSpecializedAttr = 0;
-}
-def Zopt_RangeAttr : EnumAttr<Zopt_Dialect, Zopt_Range, "range">;
 
 #endif

@@ -1,0 +1,142 @@
+//===- ZKOps.td - zk operations ----------------------------*- tablegen -*-===//
+#ifndef ZOPT_DIALECT_ZK_ZKOPS_TD
+#define ZOPT_DIALECT_ZK_ZKOPS_TD
+
+include "zopt/Dialect/ZK/IR/ZKDialect.td"
+include "zopt/Dialect/ZK/IR/ZKEnums.td"
+include "mlir/IR/SymbolInterfaces.td"
+include "mlir/Interfaces/SideEffectInterfaces.td"
+
+def ZK_DescriptorOp : ZK_Op<"descriptor", []> {
+  let summary = "what the runtime must know about the compiled step";
+  let description = [{
+    Codes follow runtime/include/zopt/abi.h: per state kind, dtype,
+    placement, rounding, init, access bits and flags (partitioned under
+    ZeRO); per hyper slot kind, default,
+    min, max and exclusivity of max.
+
+    The conversions record the kernel table on it for `zopt-emit-descriptor`
+    (which writes abi.h's `zopt_step_descriptor` and erases this op):
+    `cpu_kernels` (convert-zk-to-cpu) lists `[role, isa, "symbol"]`,
+    `gpu_kernels` (convert-zk-to-gpu) `[role, "symbol"]` and `gpu_images`
+    `[sm, "symbol"]`, with the abi.h codes as i32.
+    ```mlir
+    zk.descriptor {name = "adamw", zero_stage = 0 : i64, align = 16 : i64,
+                   flags = 0 : i64, max_norm = 0.0 : f64, num_coeffs = 6 : i64,
+                   state_kinds = array<i32: 1, 2>, ...}
+    ```
+  }];
+  let arguments = (ins StrAttr:$name, I64Attr:$zero_stage, I64Attr:$align,
+                   I64Attr:$flags, F64Attr:$max_norm, I64Attr:$num_coeffs,
+                   DenseI32ArrayAttr:$state_kinds, DenseI32ArrayAttr:$state_dtypes,
+                   DenseI32ArrayAttr:$state_placements,
+                   DenseI32ArrayAttr:$state_roundings,
+                   DenseI32ArrayAttr:$state_inits, DenseI32ArrayAttr:$state_access,
+                   DenseI32ArrayAttr:$state_flags,
+                   DenseI32ArrayAttr:$hyper_kinds, DenseF64ArrayAttr:$hyper_defaults,
+                   DenseF64ArrayAttr:$hyper_mins, DenseF64ArrayAttr:$hyper_maxs,
+                   DenseI32ArrayAttr:$hyper_max_exclusive,
+                   OptionalAttr<ArrayAttr>:$cpu_kernels,
+                   OptionalAttr<ArrayAttr>:$gpu_kernels,
+                   OptionalAttr<ArrayAttr>:$gpu_images);
+  let assemblyFormat = "attr-dict";
+  let hasVerifier = 1;
+}
+
+def ZK_PrepareOp : ZK_Op<"prepare", [Symbol, IsolatedFromAbove, SingleBlock,
+                                      NoTerminator]> {
+  let summary = "per-group coefficients, computed in f64 on the host";
+  let description = [{
+    ```mlir
+    zk.prepare @adamw_prepare {
+      %lr = zk.hyper 0
+      %c = arith.truncf %lr : f64 to f32
+      zk.set_coeff 0, %c : f32
+    }
+    ```
+  }];
+  let arguments = (ins SymbolNameAttr:$sym_name);
+  let regions = (region SizedRegion<1>:$body);
+  let assemblyFormat = "$sym_name attr-dict-with-keyword $body";
+}
+
+def ZK_HyperOp : ZK_Op<"hyper", [Pure, HasParent<"PrepareOp">]> {
+  let summary = "the group's hyperparameter at descriptor slot `index`";
+  let description = "```mlir\n%lr = zk.hyper 0\n```";
+  let arguments = (ins I64Attr:$index);
+  let results = (outs F64:$result);
+  let assemblyFormat = "$index attr-dict";
+}
+
+def ZK_GlobalOp : ZK_Op<"global", [Pure, HasParent<"PrepareOp">]> {
+  let summary = "the step-level scalar at zopt_global index `index`";
+  let description = "```mlir\n%t = zk.global 0\n```";
+  let arguments = (ins I64Attr:$index);
+  let results = (outs F64:$result);
+  let assemblyFormat = "$index attr-dict";
+}
+
+def ZK_SetCoeffOp : ZK_Op<"set_coeff", [HasParent<"PrepareOp">]> {
+  let summary = "writes coefficient `index` (stored as f32)";
+  let description = "```mlir\nzk.set_coeff 0, %c : f32\n```";
+  let arguments = (ins I64Attr:$index, AnyFloat:$value);
+  let assemblyFormat = "$index `,` $value attr-dict `:` type($value)";
+}
+
+def ZK_KernelOp : ZK_Op<"kernel", [Symbol, IsolatedFromAbove, SingleBlock,
+                                    NoTerminator]> {
+  let summary = "an elementwise kernel body over one element";
+  let description = [{
+    Device codegen wraps the body in a loop over `n` elements of every
+    state slot it loads or stores.
+    ```mlir
+    zk.kernel @sgd_update update {
+      %p = zk.load 0 : f32
+      %g = zk.load 1 : f32
+      %lr = zk.coeff 0
+      %d = arith.mulf %lr, %g : f32
+      %p1 = arith.subf %p, %d : f32
+      zk.store 0, %p1 : f32 into f32
+    }
+    ```
+  }];
+  let arguments = (ins SymbolNameAttr:$sym_name, ZK_KernelRoleAttr:$role);
+  let regions = (region SizedRegion<1>:$body);
+  let assemblyFormat = "$sym_name `` $role attr-dict-with-keyword $body";
+  let hasRegionVerifier = 1;
+}
+
+def ZK_LoadOp : ZK_Op<"load", [HasParent<"KernelOp">,
+                                MemoryEffects<[MemRead]>]> {
+  let summary = "this element of state slot `slot`, in its storage type";
+  let description = "```mlir\n%g = zk.load 1 : bf16\n```";
+  let arguments = (ins I64Attr:$slot);
+  let results = (outs AnyFloat:$result);
+  let assemblyFormat = "$slot attr-dict `:` type($result)";
+}
+
+def ZK_StoreOp : ZK_Op<"store", [HasParent<"KernelOp">,
+                                  MemoryEffects<[MemWrite]>]> {
+  let summary = "stores into state slot `slot`, narrowing with `rounding`";
+  let description = "```mlir\nzk.store 0, %p1 : f32 into bf16\n```";
+  let arguments = (ins I64Attr:$slot, AnyFloat:$value, TypeAttr:$storage,
+                   DefaultValuedAttr<I32Attr, "ZOPT_ROUND_NEAREST_EVEN">:$rounding);
+  let assemblyFormat = "$slot `,` $value attr-dict `:` type($value) `into` $storage";
+}
+
+def ZK_CoeffOp : ZK_Op<"coeff", [Pure, HasParent<"KernelOp">]> {
+  let summary = "per-group coefficient `index` written by zk.prepare";
+  let description = "```mlir\n%c = zk.coeff 3\n```";
+  let arguments = (ins I64Attr:$index);
+  let results = (outs F32:$result);
+  let assemblyFormat = "$index attr-dict";
+}
+
+def ZK_AccumulateOp : ZK_Op<"accumulate_sumsq", [HasParent<"KernelOp">]> {
+  let summary = "adds x*x (in f64) to the kernel's sum";
+  let description = "```mlir\nzk.accumulate_sumsq %g : f32\n```";
+  let arguments = (ins AnyFloat:$value);
+  let assemblyFormat = "$value attr-dict `:` type($value)";
+}
+
+#endif

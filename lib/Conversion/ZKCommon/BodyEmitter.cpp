@@ -1,0 +1,314 @@
+//===- BodyEmitter.cpp - zk kernel bodies at a vector width ---------------===//
+//
+// lib/Conversion/ZKCommon/ owns the kernel-body emission both conversions
+// share (ZKToCPU and ZKToGPU, as MLIR's GPUCommon): BodyEmitter.h says what
+// it emits and why.
+//
+//===----------------------------------------------------------------------===//
+#include "BodyEmitter.h"
+
+#include "mlir/IR/IRMapping.h"
+
+using namespace mlir;
+using namespace mlir::zopt;
+
+Value mlir::zopt::emitFmix32(OpBuilder &b, Location loc, Value h) {
+  Type t = h.getType();
+  auto cst = [&](uint32_t v) -> Value {
+    Attribute a = b.getI32IntegerAttr(int32_t(v));
+    if (auto vt = dyn_cast<VectorType>(t))
+      return arith::ConstantOp::create(b, loc, DenseElementsAttr::get(vt, a));
+    return arith::ConstantOp::create(b, loc, t, cast<TypedAttr>(a));
+  };
+  auto xorShr = [&](Value v, uint32_t k) {
+    return arith::XOrIOp::create(b, loc, v,
+                                 arith::ShRUIOp::create(b, loc, v, cst(k)));
+  };
+  h = arith::MulIOp::create(b, loc, xorShr(h, 16), cst(0x85EBCA6Bu));
+  h = arith::MulIOp::create(b, loc, xorShr(h, 13), cst(0xC2B2AE35u));
+  return xorShr(h, 16);
+}
+
+Value BodyEmitter::splatConst(arith::ConstantOp c) {
+  if (lanes == 1)
+    return b.clone(*c)->getResult(0);
+  auto attr = cast<TypedAttr>(c.getValue());
+  return arith::ConstantOp::create(
+      b, loc, DenseElementsAttr::get(cast<ShapedType>(vec(attr.getType())),
+                                     attr));
+}
+
+Value BodyEmitter::intCst(Type elem, int64_t v) {
+  Type t = vec(elem);
+  if (lanes == 1)
+    return arith::ConstantOp::create(b, loc, t, b.getIntegerAttr(elem, v));
+  return arith::ConstantOp::create(
+      b, loc, DenseElementsAttr::get(cast<ShapedType>(t),
+                                     b.getIntegerAttr(elem, v)));
+}
+
+Value BodyEmitter::elemPtr(int64_t slot, Type memElem, Value i, bool store) {
+  Value base = store && !storePtrs.empty() ? storePtrs[slot] : statePtrs[slot];
+  Type ptrTy = base.getType(); // keeps the address space
+  return LLVM::GEPOp::create(b, loc, ptrTy, memElem, base, ValueRange{i});
+}
+
+Value BodyEmitter::loadAt(Type t, Value p, int64_t align) {
+  if (!loadMask || lanes == 1)
+    return LLVM::LoadOp::create(b, loc, t, p, align);
+  auto vt = cast<VectorType>(t);
+  Value zero = arith::ConstantOp::create(
+      b, loc, DenseElementsAttr::get(vt, b.getZeroAttr(vt.getElementType())));
+  return LLVM::MaskedLoadOp::create(b, loc, t, p, loadMask, zero,
+                                    uint32_t(align));
+}
+
+Value BodyEmitter::bf16SplitToF32(Value bits16) {
+  int64_t h = lanes / 2;
+  Type i32 = b.getI32Type();
+  auto wt = VectorType::get({h}, i32);
+  auto cst = [&](int64_t v) -> Value {
+    return arith::ConstantOp::create(
+        b, loc, DenseElementsAttr::get(wt, b.getIntegerAttr(i32, v)));
+  };
+  Value w = vector::BitCastOp::create(b, loc, wt, bits16);
+  Value ev = arith::ShLIOp::create(b, loc, w, cst(16));
+  Value od = arith::AndIOp::create(b, loc, w, cst(int64_t(int32_t(0xFFFF0000u))));
+  SmallVector<int64_t> cat;
+  for (int64_t j = 0; j < lanes; ++j)
+    cat.push_back(j);
+  Value both = vector::ShuffleOp::create(b, loc, ev, od, cat);
+  return vector::BitCastOp::create(b, loc, vec(b.getF32Type()), both);
+}
+
+Value BodyEmitter::bf16BitsToF32(Value bits16) {
+  if (packHalves && lanes > 1) {
+    // Interleave with zero: each value lands in the high half of a lane.
+    Value zero = intCst(b.getI16Type(), 0);
+    SmallVector<int64_t> mask;
+    for (int j = 0; j < lanes; ++j)
+      mask.append({lanes, j});
+    Value w = vector::ShuffleOp::create(b, loc, bits16, zero, mask);
+    return vector::BitCastOp::create(b, loc, vec(b.getF32Type()), w);
+  }
+  Value w = arith::ExtUIOp::create(b, loc, vec(b.getI32Type()), bits16);
+  w = arith::ShLIOp::create(b, loc, w, intCst(b.getI32Type(), 16));
+  return arith::BitcastOp::create(b, loc, vec(b.getF32Type()), w);
+}
+
+Value BodyEmitter::high16(Value v32) {
+  if (packHalves && lanes > 1) {
+    Value h = vector::BitCastOp::create(
+        b, loc, VectorType::get({2 * lanes}, b.getI16Type()), v32);
+    SmallVector<int64_t> mask;
+    for (int j = 0; j < lanes; ++j)
+      mask.push_back(2 * j + 1);
+    return vector::ShuffleOp::create(b, loc, h, h, mask);
+  }
+  Value hi = arith::ShRUIOp::create(b, loc, v32, intCst(b.getI32Type(), 16));
+  return arith::TruncIOp::create(b, loc, vec(b.getI16Type()), hi);
+}
+
+Value BodyEmitter::f32ToBf16BitsInt(Value x) {
+  Type i32 = b.getI32Type();
+  Value bits = arith::BitcastOp::create(b, loc, vec(i32), x);
+  Value lsb = arith::AndIOp::create(
+      b, loc, arith::ShRUIOp::create(b, loc, bits, intCst(i32, 16)),
+      intCst(i32, 1));
+  Value rounded = arith::AddIOp::create(
+      b, loc, bits, arith::AddIOp::create(b, loc, lsb, intCst(i32, 0x7FFF)));
+  Value nanBits = arith::OrIOp::create(b, loc, bits, intCst(i32, 0x400000));
+  Value isNan =
+      arith::CmpFOp::create(b, loc, arith::CmpFPredicate::UNO, x, x);
+  return high16(arith::SelectOp::create(b, loc, isNan, nanBits, rounded));
+}
+
+Value BodyEmitter::f32ToBf16Bits(Value x) {
+  if (!nativeBf16 || lanes != 32)
+    return f32ToBf16BitsInt(x);
+  // Two 16-lane halves: VFPCLASSPS finds subnormals (which VCVTNE2PS2BF16
+  // would flush to zero; such a vector takes the integer form), then one
+  // VCVTNE2PS2BF16 rounds both halves into one register.
+  MLIRContext *ctx = b.getContext();
+  Type i1x16 = VectorType::get({16}, b.getI1Type());
+  Value half[2];
+  for (int h = 0; h < 2; ++h)
+    half[h] = vector::ExtractStridedSliceOp::create(
+        b, loc, x, ArrayRef<int64_t>{16 * h}, ArrayRef<int64_t>{16},
+        ArrayRef<int64_t>{1});
+  Value subnormal = LLVM::ConstantOp::create(b, loc, b.getI32Type(),
+                                             b.getI32IntegerAttr(0x20));
+  Value k[2];
+  for (int h = 0; h < 2; ++h)
+    k[h] = LLVM::CallIntrinsicOp::create(
+               b, loc, i1x16,
+               StringAttr::get(ctx, "llvm.x86.avx512.fpclass.ps.512"),
+               ValueRange{half[h], subnormal})
+               .getResult(0);
+  Value any = vector::ReductionOp::create(
+      b, loc, vector::CombiningKind::OR,
+      arith::OrIOp::create(b, loc, k[0], k[1]));
+  Type i16v = vec(b.getI16Type());
+  auto ifOp = scf::IfOp::create(b, loc, TypeRange{i16v}, any,
+                                /*withElseRegion=*/true);
+  {
+    OpBuilder::InsertionGuard g(b);
+    b.setInsertionPointToStart(&ifOp.getThenRegion().front());
+    scf::YieldOp::create(b, loc, f32ToBf16BitsInt(x));
+    b.setInsertionPointToStart(&ifOp.getElseRegion().front());
+    // The intrinsic's second operand fills the low half.
+    Value c = LLVM::CallIntrinsicOp::create(
+                  b, loc, vec(b.getBF16Type()),
+                  StringAttr::get(ctx, "llvm.x86.avx512bf16.cvtne2ps2bf16.512"),
+                  ValueRange{half[1], half[0]})
+                  .getResult(0);
+    scf::YieldOp::create(b, loc,
+                         Value(arith::BitcastOp::create(b, loc, i16v, c)));
+  }
+  return ifOp.getResult(0);
+}
+
+Value BodyEmitter::f32ToBf16BitsStochastic(Value x, int64_t slot) {
+  Type i32 = b.getI32Type();
+  Value kslot = arith::AddIOp::create(
+      b, loc, srKey,
+      arith::ConstantOp::create(
+          b, loc, b.getI32IntegerAttr(int32_t(uint32_t(slot) * 0x27D4EB2Fu))));
+  if (lanes > 1)
+    kslot = vector::BroadcastOp::create(b, loc, vec(i32), kslot);
+  Value h = arith::XOrIOp::create(
+      b, loc,
+      arith::MulIOp::create(b, loc, srIndex,
+                            intCst(i32, int32_t(0x9E3779B1u))),
+      kslot);
+  h = emitFmix32(b, loc, h);
+  Value r = arith::ShRUIOp::create(b, loc, h, intCst(i32, 16));
+  Value bits = arith::BitcastOp::create(b, loc, vec(i32), x);
+  Value sum = arith::AddIOp::create(b, loc, bits, r);
+  Value nanBits = arith::OrIOp::create(b, loc, bits, intCst(i32, 0x400000));
+  Value isNan =
+      arith::CmpFOp::create(b, loc, arith::CmpFPredicate::UNO, x, x);
+  return high16(arith::SelectOp::create(b, loc, isNan, nanBits, sum));
+}
+
+Value BodyEmitter::emit(Block &body, Value i) {
+  IRMapping map;
+  Value acc;
+  auto get = [&](Value v) { return map.lookup(v); };
+  for (Operation &op : body) {
+    if (auto l = dyn_cast<zk::LoadOp>(op)) {
+      Type t = l.getType();
+      Value r;
+      if (t.isBF16()) {
+        Value p = elemPtr(l.getSlot(), b.getI16Type(), i);
+        Value bits = loadAt(vec(b.getI16Type()), p, alignFor(2));
+        r = splitBf16 && lanes > 1 ? bf16SplitToF32(bits)
+                                   : bf16BitsToF32(bits);
+      } else {
+        Value p = elemPtr(l.getSlot(), t, i);
+        r = loadAt(vec(t), p, alignFor(t.isF32() ? 4 : 2));
+      }
+      map.map(l.getResult(), r);
+    } else if (auto c = dyn_cast<zk::CoeffOp>(op)) {
+      map.map(c.getResult(), lanes == 1 ? coeffScalars[c.getIndex()]
+                                        : coeffVecs[c.getIndex()]);
+    } else if (auto c = dyn_cast<arith::ConstantOp>(op)) {
+      map.map(c.getResult(), splatConst(c));
+    } else if (auto e = dyn_cast<arith::ExtFOp>(op);
+               e && e.getIn().getType().isBF16()) {
+      map.map(e.getResult(), get(e.getIn())); // already f32
+    } else if (auto t = dyn_cast<arith::TruncFOp>(op);
+               t && t.getType().isBF16()) {
+      map.map(t.getResult(), bf16BitsToF32(f32ToBf16Bits(get(t.getIn()))));
+    } else if (auto s = dyn_cast<zk::StoreOp>(op)) {
+      Type st = s.getStorage();
+      Value v = get(s.getValue());
+      Type vt = s.getValue().getType();
+      if (vt.isBF16())
+        vt = b.getF32Type(); // carried as f32
+      if (vt.isF16() && !st.isF16())
+        v = arith::ExtFOp::create(b, loc, vec(b.getF32Type()), v);
+      Value toStore;
+      int align = 4;
+      Type memElem = st;
+      if (st.isF32()) {
+        toStore = v;
+      } else if (st.isBF16()) {
+        toStore = s.getRounding() == ZOPT_ROUND_STOCHASTIC
+                      ? f32ToBf16BitsStochastic(v, s.getSlot())
+                      : f32ToBf16Bits(v);
+        memElem = b.getI16Type();
+        align = 2;
+      } else { // f16
+        toStore = vt.isF16() ? v
+                             : arith::TruncFOp::create(
+                                   b, loc, vec(b.getF16Type()), v)
+                                   .getResult();
+        align = 2;
+      }
+      LLVM::StoreOp::create(b, loc, toStore,
+                            elemPtr(s.getSlot(), memElem, i, /*store=*/true),
+                            alignFor(align));
+    } else if (auto a = dyn_cast<zk::AccumulateOp>(op)) {
+      Value x = get(a.getValue());
+      Type f64 = vec(b.getF64Type());
+      if (!a.getValue().getType().isF64()) {
+        // The square of a widened f32 is exact in f64 (48 significant
+        // bits), so fusing it into the accumulation (FMA) changes no bit:
+        // the caller's add carries the same flag (accumulateFastmath).
+        x = arith::ExtFOp::create(b, loc, f64, x);
+        acc = arith::MulFOp::create(b, loc, x, x, accumulateFastmath());
+      } else {
+        acc = arith::MulFOp::create(b, loc, x, x);
+      }
+    } else {
+      // Elementwise arith/math: same op at vector type.
+      OperationState st(loc, op.getName());
+      for (Value v : op.getOperands())
+        st.addOperands(get(v));
+      for (Type t : op.getResultTypes())
+        st.addTypes(vec(t.isBF16() ? b.getF32Type() : t));
+      st.addAttributes(op.getAttrs());
+      // Let LLVM fuse a*b+c into FMA: fp32 math with one rounding fewer,
+      // never less accurate than the unfused form.
+      if (isa<arith::MulFOp, arith::AddFOp, arith::SubFOp>(op))
+        st.attributes.set("fastmath",
+                          arith::FastMathFlagsAttr::get(
+                              b.getContext(), arith::FastMathFlags::contract));
+      Operation *n = b.create(st);
+      for (auto [o, r] : llvm::zip(op.getResults(), n->getResults()))
+        map.map(o, r);
+    }
+  }
+  return acc;
+}
+
+void mlir::zopt::emitPrepareBody(
+    OpBuilder &b, Location loc, zk::PrepareOp p,
+    llvm::function_ref<Value(int64_t)> hyper,
+    llvm::function_ref<Value(int64_t)> global,
+    llvm::function_ref<void(int64_t, Value)> setCoeff) {
+  IRMapping map;
+  for (Operation &op : p.getBody().front()) {
+    if (auto h = dyn_cast<zk::HyperOp>(op)) {
+      map.map(h.getResult(), hyper(h.getIndex()));
+    } else if (auto g = dyn_cast<zk::GlobalOp>(op)) {
+      map.map(g.getResult(), global(g.getIndex()));
+    } else if (auto s = dyn_cast<zk::SetCoeffOp>(op)) {
+      Value v = map.lookup(s.getValue());
+      if (!v.getType().isF32())
+        v = arith::TruncFOp::create(b, loc, b.getF32Type(), v);
+      setCoeff(s.getIndex(), v);
+    } else {
+      b.clone(op, map);
+    }
+  }
+}
+
+Value mlir::zopt::loadPtrAt(OpBuilder &b, Location loc, Value base,
+                            int64_t idx, Type elem, Type result) {
+  auto ptrTy = LLVM::LLVMPointerType::get(b.getContext());
+  Value p = LLVM::GEPOp::create(b, loc, ptrTy, elem, base,
+                                ArrayRef<LLVM::GEPArg>{int32_t(idx)});
+  return LLVM::LoadOp::create(b, loc, result, p);
+}

@@ -1,0 +1,129 @@
+//===- BodyEmitter.h - zk kernel bodies at a vector width -------*- C++ -*-===//
+//
+// lib/Conversion/ZKCommon/ owns the kernel-body emission both lowerings of
+// zk share (ZKToCPU, ZKToGPU; as MLIR's lib/Conversion/GPUCommon/).
+//
+// Shared by the CPU and GPU code generators: clones the per-element body of a
+// zk.kernel at `lanes` lanes (1: scalar). bf16 is carried as the f32 it
+// exactly widens to; narrowing to bf16 rounds to nearest even in integer
+// arithmetic (bit-exact, NaN-preserving), so both devices round identically.
+// Two CPU refinements, both bit-identical to that:
+//  - packHalves: 16-bit vectors are widened and narrowed by shuffles (one
+//    interleave with zero in, one pick of the high halves out: VPERMI2W on
+//    AVX-512) instead of zero-extend + shift and shift + truncate;
+//  - nativeBf16: bf16 stores use the hardware conversion (VCVTNEPS2BF16,
+//    round to nearest even, NaN -> quiet NaN exactly as the integer form),
+//    except that it flushes subnormal inputs to zero: a vector holding any
+//    subnormal takes the integer form instead.
+// Also the f64 zk.prepare body, with the sources of hyperparameters and
+// globals and the sink of coefficients left to the caller.
+//
+//===----------------------------------------------------------------------===//
+#ifndef ZOPT_LIB_CONVERSION_ZKCOMMON_BODYEMITTER_H
+#define ZOPT_LIB_CONVERSION_ZKCOMMON_BODYEMITTER_H
+
+#include "mlir/Dialect/Arith/IR/Arith.h"
+#include "mlir/Dialect/LLVMIR/LLVMDialect.h"
+#include "mlir/Dialect/SCF/IR/SCF.h"
+#include "mlir/Dialect/Vector/IR/VectorOps.h"
+#include "mlir/IR/Builders.h"
+#include "zopt/Dialect/ZK/IR/ZKOps.h"
+#include "zopt/abi.h"
+
+namespace mlir::zopt {
+
+/// zopt_fmix32 (abi.h) on an i32 scalar or vector: the one emitter of the
+/// stochastic-rounding hash for the CPU and GPU code generators.
+Value emitFmix32(OpBuilder &b, Location loc, Value h);
+
+/// Builds code for one kernel body at one width.
+struct BodyEmitter {
+  OpBuilder &b;
+  Location loc;
+  int lanes; // 1: scalar
+  ArrayRef<Value> statePtrs;  // indexed by slot (null when unused)
+  ArrayRef<Value> coeffScalars;
+  SmallVector<Value> coeffVecs;
+  /// Alignment in bytes of vector loads/stores (0: the element's own, as
+  /// for unaligned CPU pointers). Scalar accesses always use the element's.
+  int vecAlign = 0;
+  /// 16-bit <-> 32-bit lanes by shuffles (CPU vectors; see the header).
+  bool packHalves = false;
+  /// bf16 stores through the hardware conversion (needs +avx512bf16).
+  bool nativeBf16 = false;
+  /// SUMSQ kernels whose loads are all bf16: a bf16 vector is widened by a
+  /// shift and a mask of its 32-bit words instead of shuffles, so lane j
+  /// holds element splitElement(j) (the even elements, then the odd ones).
+  /// Only lane-wise work may follow; the caller undoes the order.
+  bool splitBf16 = false;
+  /// Stochastic rounding (abi.h): the call's key (i32) and the element
+  /// index (i32, at `lanes` lanes) of the element(s) being emitted.
+  Value srKey, srIndex;
+  /// Where stores go, by slot (CPU UPDATE kernels: the `out` pointer table;
+  /// empty: statePtrs, i.e. in place).
+  ArrayRef<Value> storePtrs;
+  /// A vector<lanes x i1>: loads read only the set lanes (the others are
+  /// zero), for a tail shorter than a vector.
+  Value loadMask;
+
+  int64_t alignFor(int elemAlign) {
+    return (lanes > 1 && vecAlign) ? vecAlign : elemAlign;
+  }
+
+  Type vec(Type t) {
+    if (lanes == 1)
+      return t;
+    return VectorType::get({lanes}, t);
+  }
+  Value splatConst(arith::ConstantOp c);
+  Value intCst(Type elem, int64_t v);
+  Value elemPtr(int64_t slot, Type memElem, Value i, bool store = false);
+  /// A load of `t` values at `p`: masked (zero-filled) under loadMask.
+  Value loadAt(Type t, Value p, int64_t align);
+  /// For the sum of squares of values narrower than f64: contract (FMA).
+  arith::FastMathFlagsAttr accumulateFastmath() {
+    return arith::FastMathFlagsAttr::get(b.getContext(),
+                                         arith::FastMathFlags::contract);
+  }
+  /// The element that lane j of a split bf16 vector holds (splitBf16).
+  static int64_t splitElement(int64_t j, int64_t lanes) {
+    return j < lanes / 2 ? 2 * j : 2 * (j - lanes / 2) + 1;
+  }
+  /// bf16 bits (element order) -> f32 in split order (splitBf16): each
+  /// 32-bit word holds elements 2k (low half) and 2k+1 (high half); the
+  /// even one is the word shifted left by 16, the odd one the word with its
+  /// low half cleared. No shuffle of 16-bit lanes (VPERMT2W) is needed.
+  Value bf16SplitToF32(Value bits16);
+  /// bf16 bits -> f32 (exact).
+  Value bf16BitsToF32(Value bits16);
+  /// The high 16 bits of each i32 lane.
+  Value high16(Value v32);
+  /// f32 -> bf16 bits in integer arithmetic: round to nearest even; a NaN
+  /// keeps its sign and payload and becomes quiet.
+  Value f32ToBf16BitsInt(Value x);
+  /// f32 -> bf16 bits, round to nearest even; NaN stays a (quiet) NaN.
+  Value f32ToBf16Bits(Value x);
+  /// f32 -> bf16 bits, stochastically (abi.h "Stochastic rounding"):
+  /// (bits + zopt_sr_bits(key, slot, index)) >> 16; NaN as nearest-even.
+  Value f32ToBf16BitsStochastic(Value x, int64_t slot);
+
+  /// Emits the body for the element(s) at index `i`; returns the value to
+  /// accumulate (sumsq kernels) or null.
+  Value emit(Block &body, Value i);
+};
+
+/// Emits the f64 body of `p` at `b`: `hyper(i)` / `global(i)` give the f64
+/// values of zk.hyper / zk.global, `setCoeff(i, v)` receives each f32
+/// coefficient.
+void emitPrepareBody(OpBuilder &b, Location loc, zk::PrepareOp p,
+                     llvm::function_ref<Value(int64_t)> hyper,
+                     llvm::function_ref<Value(int64_t)> global,
+                     llvm::function_ref<void(int64_t, Value)> setCoeff);
+
+/// Loads element `idx` of type `result` from `base` viewed as `elem`s.
+Value loadPtrAt(OpBuilder &b, Location loc, Value base, int64_t idx,
+                Type elem, Type result);
+
+} // namespace mlir::zopt
+
+#endif

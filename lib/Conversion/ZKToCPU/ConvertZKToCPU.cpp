@@ -1,0 +1,380 @@
+//===- ConvertZKToCPU.cpp - zk kernels into vectorized CPU functions ------===//
+//
+// Every zk.kernel becomes one function per ISA variant:
+//
+//   void name_<isa>(void *const *in, void *const *out, int64_t n,
+//                   const float *coeffs)                 (update kernels)
+//   double name_<isa>(void *const *states, int64_t n,
+//                     const float *coeffs)               (sumsq kernels)
+//
+// with a loop over full vectors and the tail; the body is the kernel body
+// cloned at vector type. W = 16 lanes for AVX-512, 8 for AVX2: UPDATE
+// kernels run 2W lanes per iteration (LLVM splits them into two registers:
+// independent work for the divide/sqrt unit while loads are in flight, and
+// two 16-bit vectors pack into one register-wide store) and a scalar tail,
+// loading through `in` and storing through `out`. SUMSQ kernels run
+// ZOPT_SUMSQ_LANES f64 accumulators on every ISA, a masked tail and an
+// ordered lane sum: the order abi.h defines, so the result is the same bits
+// on every variant. bf16 values are carried as the f32 they exactly widen to.
+// The avx512bf16 variant narrows to bf16 with VCVTNEPS2BF16 (BodyEmitter.h); it
+// is emitted only for UPDATE kernels that store bf16, where it differs from
+// the avx512 one, unless it is the only variant asked for. The zk.descriptor
+// stays: the functions' kernel-table entries are recorded on it
+// (cpu_kernels) for zopt-emit-descriptor.
+//
+//===----------------------------------------------------------------------===//
+#include "zopt/Conversion/ZKToCPU/ZKToCPU.h"
+
+#include "../ZKCommon/BodyEmitter.h"
+#include "zopt/Dialect/ZK/IR/ZKOps.h"
+#include "zopt/abi.h"
+
+#include "mlir/IR/IRMapping.h"
+
+namespace mlir::zopt {
+#define GEN_PASS_DEF_CONVERTZKTOCPU
+#include "zopt/Conversion/Passes.h.inc"
+} // namespace mlir::zopt
+
+using namespace mlir;
+using namespace mlir::zopt;
+
+namespace {
+
+struct IsaInfo {
+  const char *name;
+  int lanes;
+  zopt_isa code;
+  bool nativeBf16;
+};
+
+static std::optional<IsaInfo> lookupIsa(StringRef name) {
+  if (name == "avx512bf16")
+    return IsaInfo{"avx512bf16", 16, ZOPT_ISA_AVX512BF16, true};
+  if (name == "avx512")
+    return IsaInfo{"avx512", 16, ZOPT_ISA_AVX512, false};
+  if (name == "avx2")
+    return IsaInfo{"avx2", 8, ZOPT_ISA_AVX2, false};
+  return std::nullopt;
+}
+
+static bool storesStochastic(zk::KernelOp k) {
+  bool any = false;
+  k.getBody().walk([&](zk::StoreOp s) {
+    any |= s.getRounding() == ZOPT_ROUND_STOCHASTIC;
+  });
+  return any;
+}
+
+static bool storesBf16(zk::KernelOp k) {
+  bool any = false;
+  k.getBody().walk([&](zk::StoreOp s) { any |= s.getStorage().isBF16(); });
+  return any;
+}
+
+/// How far ahead of its loads every CPU kernel prefetches each array
+/// (runtime/tools/stream_roofline.h's kPrefetchBytes is the same distance).
+static constexpr int64_t kPrefetchBytes = 2048;
+
+static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
+                                const IsaInfo &isa, int64_t numStates) {
+  MLIRContext *ctx = k.getContext();
+  Location loc = k.getLoc();
+  auto ptrTy = LLVM::LLVMPointerType::get(ctx);
+  Type i64 = IntegerType::get(ctx, 64), f64 = Float64Type::get(ctx),
+       f32 = Float32Type::get(ctx);
+  bool isSum = k.getRole() == zk::KernelRole::sumsq;
+  // Stochastic rounding: (key, first) after the ABI arguments.
+  bool sr = !isSum && storesStochastic(k);
+  Type i32 = IntegerType::get(ctx, 32);
+  // UPDATE: (in, out, n, coeffs[, key, first]); SUMSQ: (states, n, coeffs).
+  SmallVector<Type> args =
+      isSum ? SmallVector<Type>{ptrTy, i64, ptrTy}
+            : SmallVector<Type>{ptrTy, ptrTy, i64, ptrTy};
+  if (sr)
+    args.append({i32, i32});
+  auto fnTy = FunctionType::get(ctx, args, isSum ? TypeRange{f64} : TypeRange{});
+  auto fn = func::FuncOp::create(mb, loc,
+                                 (k.getSymName() + "_" + isa.name).str(), fnTy);
+  fn->setAttr("zopt.isa", StringAttr::get(ctx, isa.name));
+  fn->setAttr("llvm.linkage",
+              LLVM::LinkageAttr::get(ctx, LLVM::Linkage::External));
+  Block *entry = fn.addEntryBlock();
+  OpBuilder b = OpBuilder::atBlockEnd(entry);
+  Value inTable = entry->getArgument(0);
+  Value outTable = isSum ? Value() : entry->getArgument(1);
+  Value n = entry->getArgument(isSum ? 1 : 2),
+        coeffs = entry->getArgument(isSum ? 2 : 3);
+  Block &body = k.getBody().front();
+
+  SmallVector<Value> ptrs(numStates), outPtrs(numStates);
+  int64_t maxCoeff = -1;
+  for (Operation &op : body) {
+    if (auto l = dyn_cast<zk::LoadOp>(op); l && !ptrs[l.getSlot()])
+      ptrs[l.getSlot()] = loadPtrAt(b, loc, inTable, l.getSlot(), ptrTy, ptrTy);
+    if (auto s = dyn_cast<zk::StoreOp>(op); s && !outPtrs[s.getSlot()])
+      outPtrs[s.getSlot()] =
+          loadPtrAt(b, loc, outTable, s.getSlot(), ptrTy, ptrTy);
+    if (auto c = dyn_cast<zk::CoeffOp>(op))
+      maxCoeff = std::max<int64_t>(maxCoeff, c.getIndex());
+  }
+  // UPDATE: two registers' worth per iteration. SUMSQ: ZOPT_SUMSQ_LANES f64
+  // accumulators on every ISA (abi.h: the sum's order is part of the
+  // contract, so the bits do not depend on the variant).
+  const int lanes = isSum ? ZOPT_SUMSQ_LANES : 2 * isa.lanes;
+  bool sumsqOfNarrow = false;
+  body.walk([&](zk::AccumulateOp a) {
+    sumsqOfNarrow = !a.getValue().getType().isF64();
+  });
+  SmallVector<Value> cs, cv;
+  for (int64_t c = 0; c <= maxCoeff; ++c) {
+    cs.push_back(loadPtrAt(b, loc, coeffs, c, f32, f32));
+    cv.push_back(vector::BroadcastOp::create(
+        b, loc, VectorType::get({lanes}, f32), cs.back()));
+  }
+
+  Value W = arith::ConstantOp::create(b, loc, b.getI64IntegerAttr(lanes));
+  Value zero = arith::ConstantOp::create(b, loc, b.getI64IntegerAttr(0));
+  Value one = arith::ConstantOp::create(b, loc, b.getI64IntegerAttr(1));
+
+  BodyEmitter vecE{b, loc, lanes, ptrs, cs, cv};
+  vecE.packHalves = true;
+  vecE.nativeBf16 = isa.nativeBf16;
+  vecE.storePtrs = outPtrs;
+  BodyEmitter sclE{b, loc, 1, ptrs, cs, {}};
+  sclE.storePtrs = outPtrs;
+  Value srFirst, srIota;
+  if (sr) {
+    vecE.srKey = sclE.srKey = entry->getArgument(4);
+    srFirst = entry->getArgument(5);
+    SmallVector<int32_t> iota(lanes);
+    for (int j = 0; j < lanes; ++j)
+      iota[j] = j;
+    srIota = arith::ConstantOp::create(
+        b, loc, DenseIntElementsAttr::get(VectorType::get({lanes}, i32), iota));
+  }
+  // The i32 element index (mod 2^32) of element i of this call.
+  auto srIndexAt = [&](Value i) {
+    return arith::AddIOp::create(b, loc, srFirst,
+                                 arith::TruncIOp::create(b, loc, i32, i));
+  };
+  Value nVec = arith::SubIOp::create(b, loc, n,
+                                     arith::RemSIOp::create(b, loc, n, W));
+  // On the hosts measured one thread's hardware prefetch leaves a stream
+  // at about 60 % of a plain read of DRAM; a software prefetch
+  // kPrefetchBytes ahead of every array the kernel loads, one per 64-byte
+  // line, brings the norm pass to a plain read's rate and speeds the
+  // update (docs/benchmarks/cpu.md). Prefetches past the end never fault.
+  SmallVector<std::pair<Value, int64_t>> streams; // (base, element bytes)
+  body.walk([&](zk::LoadOp l) {
+    Type t = l.getType();
+    int64_t bytes = t.isF64() ? 8 : t.isF32() ? 4 : 2;
+    Value p = ptrs[l.getSlot()];
+    if (llvm::none_of(streams, [&](auto &s) { return s.first == p; }))
+      streams.push_back({p, bytes});
+  });
+  auto prefetchAhead = [&](OpBuilder &pb, Location l, Value iv) {
+    Type i8 = pb.getI8Type();
+    for (auto [base, bytes] : streams) {
+      Value off = arith::MulIOp::create(
+          pb, l, iv,
+          arith::ConstantOp::create(pb, l, pb.getI64IntegerAttr(bytes)));
+      for (int64_t k = 0; k < lanes * bytes; k += 64) {
+        Value at = arith::AddIOp::create(
+            pb, l, off,
+            arith::ConstantOp::create(
+                pb, l, pb.getI64IntegerAttr(kPrefetchBytes + k)));
+        Value addr = LLVM::GEPOp::create(pb, l, base.getType(), i8, base,
+                                         ValueRange{at});
+        LLVM::Prefetch::create(pb, l, addr, /*rw=*/0, /*hint=*/3,
+                               /*cache=*/1);
+      }
+    }
+  };
+  if (!isSum) {
+    auto l1 = scf::ForOp::create(b, loc, zero, nVec, W);
+    {
+      OpBuilder::InsertionGuard g(b);
+      b.setInsertionPoint(l1.getBody()->getTerminator());
+      prefetchAhead(b, loc, l1.getInductionVar());
+      if (sr)
+        vecE.srIndex = arith::AddIOp::create(
+            b, loc,
+            vector::BroadcastOp::create(b, loc, VectorType::get({lanes}, i32),
+                                        srIndexAt(l1.getInductionVar())),
+            srIota);
+      vecE.emit(body, l1.getInductionVar());
+    }
+    auto l2 = scf::ForOp::create(b, loc, nVec, n, one);
+    {
+      OpBuilder::InsertionGuard g(b);
+      b.setInsertionPoint(l2.getBody()->getTerminator());
+      if (sr)
+        sclE.srIndex = srIndexAt(l2.getInductionVar());
+      sclE.emit(body, l2.getInductionVar());
+    }
+    func::ReturnOp::create(b, loc);
+    return fn;
+  }
+  // SUMSQ: lane l accumulates elements l, l + LANES, ...; the tail is one
+  // masked iteration (absent lanes add +0.0, which changes no sum); then the
+  // lanes are added in order (vector.reduction without reassociation is
+  // LLVM's ordered reduction: ((0 + a0) + a1) + ...).
+  //
+  // When every load is bf16 the vectors are widened in split order
+  // (BodyEmitter::splitBf16: lane j holds element splitElement(j), no 16-bit
+  // shuffles), so accumulator lane j is abi.h's a[splitElement(j)]; the tail
+  // mask is permuted the same way and one shuffle after the loop restores
+  // abi.h's lane order before the ordered sum. The bits are the same; the
+  // loop does about a third less shuffle-port work (docs/benchmarks/cpu.md).
+  bool split = lanes % 2 == 0;
+  body.walk([&](zk::LoadOp l) { split &= l.getType().isBF16(); });
+  auto accTy = VectorType::get({lanes}, f64);
+  Value accInit = arith::ConstantOp::create(
+      b, loc, DenseElementsAttr::get(accTy, b.getF64FloatAttr(0.0)));
+  auto accumulate = [&](BodyEmitter &e, Value iv, Value acc,
+                        Value mask) -> Value {
+    Value sq = e.emit(body, iv);
+    if (mask && split) {
+      SmallVector<int64_t> perm;
+      for (int j = 0; j < lanes; ++j)
+        perm.push_back(BodyEmitter::splitElement(j, lanes));
+      mask = vector::ShuffleOp::create(e.b, loc, mask, mask, perm);
+    }
+    if (mask)
+      sq = arith::SelectOp::create(
+          e.b, loc, mask, sq,
+          arith::ConstantOp::create(
+              e.b, loc, DenseElementsAttr::get(accTy, e.b.getF64FloatAttr(0.0))));
+    auto fm = sumsqOfNarrow ? e.accumulateFastmath() : arith::FastMathFlagsAttr();
+    return arith::AddFOp::create(e.b, loc, acc, sq, fm);
+  };
+  auto l1 = scf::ForOp::create(
+      b, loc, zero, nVec, W, ValueRange{accInit},
+      [&](OpBuilder &lb, Location l, Value iv, ValueRange iter) {
+        prefetchAhead(lb, l, iv);
+        BodyEmitter e{lb, l, lanes, ptrs, cs, cv};
+        e.packHalves = true;
+        e.splitBf16 = split;
+        scf::YieldOp::create(lb, l,
+                             ValueRange{accumulate(e, iv, iter[0], Value())});
+      });
+  Value acc = l1.getResult(0);
+  Value hasTail = arith::CmpIOp::create(b, loc, arith::CmpIPredicate::slt, nVec, n);
+  auto tail = scf::IfOp::create(b, loc, TypeRange{accTy}, hasTail, true);
+  {
+    OpBuilder::InsertionGuard g(b);
+    b.setInsertionPointToStart(&tail.getThenRegion().front());
+    Value rem = arith::SubIOp::create(b, loc, n, nVec);
+    Value mask = vector::CreateMaskOp::create(
+        b, loc, VectorType::get({lanes}, b.getI1Type()),
+        ValueRange{arith::IndexCastOp::create(b, loc, b.getIndexType(), rem)});
+    BodyEmitter e{b, loc, lanes, ptrs, cs, cv};
+    e.packHalves = true;
+    e.splitBf16 = split;
+    e.loadMask = mask;
+    scf::YieldOp::create(b, loc, ValueRange{accumulate(e, nVec, acc, mask)});
+    b.setInsertionPointToStart(&tail.getElseRegion().front());
+    scf::YieldOp::create(b, loc, ValueRange{acc});
+  }
+  Value lanesSum = tail.getResult(0);
+  if (split) {
+    // a[l] sits in the lane j with splitElement(j) == l.
+    SmallVector<int64_t> inv(lanes);
+    for (int j = 0; j < lanes; ++j)
+      inv[BodyEmitter::splitElement(j, lanes)] = j;
+    lanesSum = vector::ShuffleOp::create(b, loc, lanesSum, lanesSum, inv);
+  }
+  Value total = vector::ReductionOp::create(
+      b, loc, vector::CombiningKind::ADD, lanesSum);
+  func::ReturnOp::create(b, loc, total);
+  (void)one;
+  return fn;
+}
+
+static func::FuncOp lowerPrepare(OpBuilder &mb, zk::PrepareOp p) {
+  MLIRContext *ctx = p.getContext();
+  Location loc = p.getLoc();
+  auto ptrTy = LLVM::LLVMPointerType::get(ctx);
+  auto fn = func::FuncOp::create(mb, loc, p.getSymName(),
+                                 FunctionType::get(ctx, {ptrTy, ptrTy, ptrTy}, {}));
+  fn->setAttr("zopt.isa", StringAttr::get(ctx, "none"));
+  Block *entry = fn.addEntryBlock();
+  OpBuilder b = OpBuilder::atBlockEnd(entry);
+  Type f64 = b.getF64Type(), f32 = b.getF32Type();
+  emitPrepareBody(
+      b, loc, p,
+      [&](int64_t i) { return loadPtrAt(b, loc, entry->getArgument(0), i, f64, f64); },
+      [&](int64_t i) { return loadPtrAt(b, loc, entry->getArgument(1), i, f64, f64); },
+      [&](int64_t i, Value v) {
+        Value ptr = LLVM::GEPOp::create(b, loc, ptrTy, f32, entry->getArgument(2),
+                                        ArrayRef<LLVM::GEPArg>{int32_t(i)});
+        LLVM::StoreOp::create(b, loc, v, ptr);
+      });
+  func::ReturnOp::create(b, loc);
+  return fn;
+}
+
+struct ConvertZKToCPU
+    : public mlir::zopt::impl::ConvertZKToCPUBase<ConvertZKToCPU> {
+  using Base::Base;
+  void runOnOperation() override {
+    ModuleOp m = getOperation();
+    SmallVector<IsaInfo> variants;
+    SmallVector<std::string> names(isas.begin(), isas.end());
+    if (names.empty())
+      names = {"avx512bf16", "avx512", "avx2"};
+    for (const std::string &n : names) {
+      auto info = lookupIsa(n);
+      if (!info) {
+        m.emitError("unknown ISA variant '")
+            << n << "'; expected avx512bf16, avx512 or avx2";
+        return signalPassFailure();
+      }
+      variants.push_back(*info);
+    }
+    auto descs = llvm::to_vector(m.getOps<zk::DescriptorOp>());
+    if (descs.size() != 1) {
+      m.emitError("expected exactly one zk.descriptor");
+      return signalPassFailure();
+    }
+    zk::DescriptorOp d = descs.front();
+
+    MLIRContext *ctx = &getContext();
+    const int64_t numStates = d.getStateKinds().size();
+    // The kernel-table entries (role, isa, symbol) of the CPU functions, in
+    // the order the descriptor lists them (zopt-emit-descriptor).
+    SmallVector<Attribute> entries;
+    auto addKernel = [&](zopt_kernel_role role, zopt_isa isa, StringRef sym) {
+      Type i32 = IntegerType::get(ctx, 32);
+      entries.push_back(ArrayAttr::get(
+          ctx, {IntegerAttr::get(i32, role), IntegerAttr::get(i32, isa),
+                StringAttr::get(ctx, sym)}));
+    };
+
+    OpBuilder mb = OpBuilder::atBlockEnd(m.getBody());
+    for (auto p : llvm::make_early_inc_range(m.getOps<zk::PrepareOp>())) {
+      func::FuncOp f = lowerPrepare(mb, p);
+      addKernel(ZOPT_KERNEL_PREPARE, ZOPT_ISA_NONE, f.getSymName());
+      p.erase();
+    }
+    bool onlyNativeBf16 = llvm::all_of(
+        variants, [](const IsaInfo &v) { return v.nativeBf16; });
+    for (auto k : llvm::make_early_inc_range(m.getOps<zk::KernelOp>())) {
+      bool bf16Update =
+          k.getRole() == zk::KernelRole::update && storesBf16(k);
+      for (const IsaInfo &isa : variants) {
+        if (isa.nativeBf16 && !bf16Update && !onlyNativeBf16)
+          continue; // would be identical to the avx512 variant
+        func::FuncOp f = lowerKernel(mb, k, isa, numStates);
+        addKernel(k.getRole() == zk::KernelRole::update ? ZOPT_KERNEL_UPDATE
+                                                        : ZOPT_KERNEL_SUMSQ,
+                  isa.code, f.getSymName());
+      }
+      k.erase();
+    }
+    d.setCpuKernelsAttr(ArrayAttr::get(ctx, entries));
+  }
+};
+
+} // namespace

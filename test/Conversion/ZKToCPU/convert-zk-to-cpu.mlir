@@ -1,0 +1,178 @@
+// RUN: zopt-opt %s --split-input-file --convert-zk-to-cpu="isas=avx512,avx2" | FileCheck %s
+// RUN: zopt-opt %s --split-input-file --convert-zk-to-cpu | FileCheck %s --check-prefix=BF16
+
+// One function per kernel and ISA, with the C ABI of abi.h; updates load
+// through the `in` pointer table and store through `out`, a vector loop of
+// two registers per iteration and a scalar tail loop; sums of squares run
+// 32 f64 lanes on every ISA (abi.h's order) with a masked tail; bf16 loads
+// widen by interleaving with zero, bf16 stores
+// round to nearest even in integer arithmetic (add 0x7FFF + lsb, NaN -> set
+// the quiet bit) and keep the high halves with one shuffle. The functions'
+// kernel-table entries ([role, isa, symbol], abi.h codes) are recorded on
+// the zk.descriptor for zopt-emit-descriptor, in the order the descriptor
+// lists them: PREPARE (no ISA), then per kernel its variants, best first.
+
+zk.descriptor {name = "t", zero_stage = 0 : i64, align = 1 : i64, flags = 4 : i64,
+  max_norm = 0.0 : f64, num_coeffs = 1 : i64,
+  state_kinds = array<i32: 1, 2>, state_dtypes = array<i32: 2, 2>,
+  state_placements = array<i32: 1, 1>, state_roundings = array<i32: 1, 1>,
+  state_inits = array<i32: 1, 1>, state_access = array<i32: 3, 1>, state_flags = array<i32: 0, 0>,
+  hyper_kinds = array<i32: 1>, hyper_defaults = array<f64: 0.001>,
+  hyper_mins = array<f64: 0.0>, hyper_maxs = array<f64: 1.0>,
+  hyper_max_exclusive = array<i32: 0>}
+
+// CHECK: zk.descriptor {{{.*}}cpu_kernels = {{\[}}[1 : i32, 0 : i32, "t_prepare"], [2 : i32, 2 : i32, "t_update_avx512"], [2 : i32, 1 : i32, "t_update_avx2"], [3 : i32, 2 : i32, "t_sumsq_avx512"], [3 : i32, 1 : i32, "t_sumsq_avx2"]],
+// BF16: zk.descriptor {{{.*}}cpu_kernels = {{\[}}[1 : i32, 0 : i32, "t_prepare"], [2 : i32, 3 : i32, "t_update_avx512bf16"], [2 : i32, 2 : i32, "t_update_avx512"], [2 : i32, 1 : i32, "t_update_avx2"], [3 : i32, 2 : i32, "t_sumsq_avx512"], [3 : i32, 1 : i32, "t_sumsq_avx2"]],
+// CHECK-LABEL: func.func @t_prepare(%{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr)
+// CHECK: llvm.load %{{.+}} : !llvm.ptr -> f64
+// CHECK: arith.truncf %{{.+}} : f64 to f32
+// CHECK: llvm.store %{{.+}}, %{{.+}} : f32, !llvm.ptr
+zk.prepare @t_prepare {
+  %lr = zk.hyper 0
+  %c = arith.truncf %lr : f64 to f32
+  zk.set_coeff 0, %c : f32
+}
+
+// CHECK-LABEL: func.func @t_update_avx512(
+// CHECK-SAME: %[[IN:[a-z0-9]+]]: !llvm.ptr, %[[OUT:[a-z0-9]+]]: !llvm.ptr, %{{.+}}: i64, %{{.+}}: !llvm.ptr)
+// CHECK-SAME: zopt.isa = "avx512"
+// CHECK: llvm.getelementptr %[[IN]][0]
+// CHECK: llvm.getelementptr %[[IN]][1]
+// CHECK: llvm.getelementptr %[[OUT]][0]
+// CHECK: scf.for %{{.+}} step %c32_i64
+// CHECK: llvm.load %{{.+}} {alignment = 2 : i64} : !llvm.ptr -> vector<32xi16>
+// CHECK: vector.shuffle %{{.+}}, %{{.+}} [32, 0, 32, 1, {{.+}}, 32, 31] : vector<32xi16>, vector<32xi16>
+// CHECK: vector.bitcast %{{.+}} : vector<64xi16> to vector<32xf32>
+// CHECK: arith.subf %{{.+}}, %{{.+}} : vector<32xf32>
+// CHECK-NOT: call_intrinsic
+// CHECK: arith.constant dense<32767> : vector<32xi32>
+// CHECK: arith.constant dense<4194304> : vector<32xi32>
+// CHECK: arith.cmpf uno
+// CHECK: vector.bitcast %{{.+}} : vector<32xi32> to vector<64xi16>
+// CHECK: vector.shuffle %{{.+}}, %{{.+}} [1, 3, 5, {{.+}}, 61, 63] : vector<64xi16>, vector<64xi16>
+// CHECK: llvm.store %{{.+}}, %{{.+}} {alignment = 2 : i64} : vector<32xi16>, !llvm.ptr
+// CHECK: scf.for
+// CHECK: llvm.load %{{.+}} {alignment = 2 : i64} : !llvm.ptr -> i16
+// CHECK: llvm.store %{{.+}}, %{{.+}} {alignment = 2 : i64} : i16, !llvm.ptr
+// CHECK-LABEL: func.func @t_update_avx2
+// CHECK: vector<16xi16>
+
+// By default a third variant of the bf16-storing update: subnormal lanes
+// found with VFPCLASSPS send the vector down the integer path, else one
+// VCVTNE2PS2BF16 rounds both halves. The sumsq kernel stores nothing, so its
+// best variant stays avx512.
+// BF16-LABEL: func.func @t_update_avx512bf16(
+// BF16-SAME: zopt.isa = "avx512bf16"
+// BF16: scf.for
+// BF16: llvm.call_intrinsic "llvm.x86.avx512.fpclass.ps.512"(%{{.+}}, %{{.+}}) : (vector<16xf32>, i32) -> vector<16xi1>
+// BF16: llvm.call_intrinsic "llvm.x86.avx512.fpclass.ps.512"
+// BF16: vector.reduction <or>, %{{.+}} : vector<16xi1> into i1
+// BF16: scf.if %{{.+}} -> (vector<32xi16>) {
+// BF16: arith.cmpf uno
+// BF16: } else {
+// BF16: llvm.call_intrinsic "llvm.x86.avx512bf16.cvtne2ps2bf16.512"(%{{.+}}, %{{.+}}) : (vector<16xf32>, vector<16xf32>) -> vector<32xbf16>
+// BF16: arith.bitcast %{{.+}} : vector<32xbf16> to vector<32xi16>
+// BF16: llvm.store %{{.+}}, %{{.+}} {alignment = 2 : i64} : vector<32xi16>, !llvm.ptr
+// BF16-LABEL: func.func @t_update_avx512(
+// BF16-LABEL: func.func @t_update_avx2(
+// BF16-NOT: func.func @t_sumsq_avx512bf16
+// BF16-LABEL: func.func @t_sumsq_avx512(
+// BF16-NOT: func.func @t_sumsq_avx512bf16
+zk.kernel @t_update update {
+  %p = zk.load 0 : bf16
+  %g = zk.load 1 : bf16
+  %pf = arith.extf %p : bf16 to f32
+  %gf = arith.extf %g : bf16 to f32
+  %lr = zk.coeff 0
+  %d = arith.mulf %lr, %gf : f32
+  %p1 = arith.subf %pf, %d : f32
+  zk.store 0, %p1 : f32 into bf16
+}
+
+// The reduction accumulates x*x in 32 f64 lanes on every ISA (lane l takes
+// elements l, l + 32, ...), the tail is one masked iteration, then the lanes
+// are added in order (no reassociation: LLVM's ordered reduction). The
+// square of a widened f32 is exact, so mul and add may fuse (contract).
+// All loads bf16: each 32-bit word is split into its even element (shift)
+// and odd one (mask), so lane j holds element 2j (j < 16) or 2(j-16)+1; the
+// tail mask gets that order and one shuffle restores abi.h's lane order
+// before the ordered sum. Every array is prefetched 2 KiB ahead.
+// CHECK-LABEL: func.func @t_sumsq_avx512(%{{.+}}: !llvm.ptr, %{{.+}}: i64, %{{.+}}: !llvm.ptr) -> f64
+// CHECK: scf.for {{.+}} iter_args(%{{.+}} = %{{.+}}) -> (vector<32xf64>)
+// CHECK: arith.constant 2048 : i64
+// CHECK: "llvm.intr.prefetch"(%{{.+}}) <{cache = 1 : i32, hint = 3 : i32, rw = 0 : i32}>
+// CHECK: %[[W:.+]] = vector.bitcast %{{.+}} : vector<32xi16> to vector<16xi32>
+// CHECK: %[[EV:.+]] = arith.shli %[[W]], %{{.+}} : vector<16xi32>
+// CHECK: arith.constant dense<-65536> : vector<16xi32>
+// CHECK: %[[OD:.+]] = arith.andi %[[W]], %{{.+}} : vector<16xi32>
+// CHECK: vector.shuffle %[[EV]], %[[OD]] [0, 1, 2, {{.+}}, 30, 31] : vector<16xi32>, vector<16xi32>
+// CHECK: arith.extf %{{.+}} : vector<32xf32> to vector<32xf64>
+// CHECK: arith.mulf %{{.+}}, %{{.+}} fastmath<contract> : vector<32xf64>
+// CHECK: arith.addf %{{.+}}, %{{.+}} fastmath<contract> : vector<32xf64>
+// CHECK: scf.if %{{.+}} -> (vector<32xf64>)
+// CHECK: %[[M:.+]] = vector.create_mask %{{.+}} : vector<32xi1>
+// CHECK: llvm.intr.masked.load %{{.+}}, %[[M]], %{{.+}} {alignment = 2 : i32} : (!llvm.ptr, vector<32xi1>, vector<32xi16>) -> vector<32xi16>
+// CHECK: %[[PM:.+]] = vector.shuffle %[[M]], %[[M]] [0, 2, 4, {{.+}}, 28, 30, 1, 3, {{.+}}, 29, 31] : vector<32xi1>, vector<32xi1>
+// CHECK: arith.select %[[PM]], %{{.+}}, %{{.+}} : vector<32xi1>, vector<32xf64>
+// CHECK: %[[LANES:.+]] = vector.shuffle %[[ACC:.+]], %[[ACC]] [0, 16, 1, 17, 2, 18, {{.+}}, 14, 30, 15, 31] : vector<32xf64>, vector<32xf64>
+// CHECK: vector.reduction <add>, %[[LANES]] : vector<32xf64> into f64
+// CHECK-NOT: fastmath<reassoc
+// CHECK-LABEL: func.func @t_sumsq_avx2(
+// CHECK: -> (vector<32xf64>)
+zk.kernel @t_sumsq sumsq {
+  %g = zk.load 1 : bf16
+  %gf = arith.extf %g : bf16 to f32
+  zk.accumulate_sumsq %gf : f32
+}
+
+
+// -----
+
+// A store with rounding = 2 (stochastic): the update takes (key, first)
+// after the ABI's four arguments, the element index vector is first + i +
+// iota, and the 16 random bits are fmix32((index * 0x9E3779B1) ^ (key +
+// slot * 0x27D4EB2F)) >> 16 (abi.h), added to the f32 bits before the high
+// halves are kept; NaN keeps the nearest-even quiet form.
+
+zk.descriptor {name = "t", zero_stage = 0 : i64, align = 1 : i64, flags = 8 : i64,
+  max_norm = 0.0 : f64, num_coeffs = 1 : i64,
+  state_kinds = array<i32: 1, 2>, state_dtypes = array<i32: 2, 2>,
+  state_placements = array<i32: 1, 1>, state_roundings = array<i32: 2, 1>,
+  state_inits = array<i32: 1, 1>, state_access = array<i32: 3, 1>, state_flags = array<i32: 0, 0>,
+  hyper_kinds = array<i32: 1>, hyper_defaults = array<f64: 0.001>,
+  hyper_mins = array<f64: 0.0>, hyper_maxs = array<f64: 1.0>,
+  hyper_max_exclusive = array<i32: 0>}
+
+zk.prepare @t_prepare {
+  %lr = zk.hyper 0
+  %c = arith.truncf %lr : f64 to f32
+  zk.set_coeff 0, %c : f32
+}
+
+// CHECK-LABEL: func.func @t_update_avx512(
+// CHECK-SAME: %{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr, %{{.+}}: i64, %{{.+}}: !llvm.ptr, %[[KEY:[a-z0-9]+]]: i32, %[[FIRST:[a-z0-9]+]]: i32)
+// CHECK: arith.constant dense<[0, 1, 2, {{.+}}, 31]> : vector<32xi32>
+// CHECK: scf.for
+// CHECK: arith.trunci %{{.+}} : i64 to i32
+// CHECK: arith.addi %[[FIRST]], %{{.+}} : i32
+// CHECK: arith.addi %[[KEY]], %{{.+}} : i32
+// CHECK: arith.constant dense<-1640531535> : vector<32xi32>
+// CHECK: arith.muli
+// CHECK: arith.constant dense<-2048144789> : vector<32xi32>
+// CHECK: arith.constant dense<-1028477387> : vector<32xi32>
+// CHECK: arith.cmpf uno
+// CHECK: llvm.store %{{.+}}, %{{.+}} {alignment = 2 : i64} : vector<32xi16>, !llvm.ptr
+// The scalar tail rounds the same way.
+// CHECK: scf.for
+// CHECK: arith.addi %[[FIRST]], %{{.+}} : i32
+// CHECK: llvm.store %{{.+}}, %{{.+}} {alignment = 2 : i64} : i16, !llvm.ptr
+zk.kernel @t_update update {
+  %p = zk.load 0 : bf16
+  %g = zk.load 1 : bf16
+  %pf = arith.extf %p : bf16 to f32
+  %gf = arith.extf %g : bf16 to f32
+  %lr = zk.coeff 0
+  %d = arith.mulf %lr, %gf : f32
+  %p1 = arith.subf %pf, %d : f32
+  zk.store 0, %p1 {rounding = 2 : i32} : f32 into bf16
+}

@@ -1,0 +1,65 @@
+// RUN: zopt-opt %s --split-input-file --verify-diagnostics
+// The zk verifiers: kernel roles and descriptor shape.
+
+// An update kernel must store.
+// expected-error@+1 {{an update kernel stores and does not accumulate}}
+zk.kernel @k update {
+  %g = zk.load 1 : f32
+  zk.accumulate_sumsq %g : f32
+}
+
+// -----
+
+// A sumsq kernel must not store.
+// expected-error@+1 {{a sumsq kernel accumulates and does not store}}
+zk.kernel @k sumsq {
+  %g = zk.load 1 : f32
+  zk.store 0, %g : f32 into f32
+}
+
+// -----
+
+// State arrays must agree in length.
+// expected-error@+1 {{state arrays must all have the same length}}
+zk.descriptor {name = "t", zero_stage = 0 : i64, align = 1 : i64, flags = 0 : i64,
+  max_norm = 0.0 : f64, num_coeffs = 0 : i64,
+  state_kinds = array<i32: 1, 2>, state_dtypes = array<i32: 1>,
+  state_placements = array<i32: 1, 1>, state_roundings = array<i32: 1, 1>,
+  state_inits = array<i32: 1, 1>, state_access = array<i32: 3, 1>, state_flags = array<i32: 0, 0>,
+  hyper_kinds = array<i32>, hyper_defaults = array<f64>,
+  hyper_mins = array<f64>, hyper_maxs = array<f64>, hyper_max_exclusive = array<i32>}
+
+// -----
+
+// zk.load belongs to a kernel.
+func.func @f() {
+  // expected-error@+1 {{expects parent op 'zk.kernel'}}
+  %x = zk.load 0 : f32
+  return
+}
+
+// -----
+
+// The kernel tables the conversions record are [role, isa, "symbol"]
+// (cpu_kernels) and [code, "symbol"] (gpu_kernels, gpu_images) of i32 codes.
+// expected-error@+1 {{cpu_kernels entries are [i32, i32, "symbol"] arrays; got [1 : i32, "t_prepare"]}}
+zk.descriptor {name = "t", zero_stage = 0 : i64, align = 1 : i64, flags = 0 : i64,
+  max_norm = 0.0 : f64, num_coeffs = 0 : i64,
+  state_kinds = array<i32: 1, 2>, state_dtypes = array<i32: 1, 1>,
+  state_placements = array<i32: 1, 1>, state_roundings = array<i32: 1, 1>,
+  state_inits = array<i32: 1, 1>, state_access = array<i32: 3, 1>, state_flags = array<i32: 0, 0>,
+  hyper_kinds = array<i32>, hyper_defaults = array<f64>,
+  hyper_mins = array<f64>, hyper_maxs = array<f64>, hyper_max_exclusive = array<i32>,
+  cpu_kernels = [[1 : i32, "t_prepare"]]}
+
+// -----
+
+// expected-error@+1 {{gpu_images entries are [i32, "symbol"] arrays; got [90, "t_gpu_sm_90"]}}
+zk.descriptor {name = "t", zero_stage = 0 : i64, align = 1 : i64, flags = 0 : i64,
+  max_norm = 0.0 : f64, num_coeffs = 0 : i64,
+  state_kinds = array<i32: 1, 2>, state_dtypes = array<i32: 1, 1>,
+  state_placements = array<i32: 2, 2>, state_roundings = array<i32: 1, 1>,
+  state_inits = array<i32: 1, 1>, state_access = array<i32: 3, 1>, state_flags = array<i32: 0, 0>,
+  hyper_kinds = array<i32>, hyper_defaults = array<f64>,
+  hyper_mins = array<f64>, hyper_maxs = array<f64>, hyper_max_exclusive = array<i32>,
+  gpu_images = [[90, "t_gpu_sm_90"]]}
