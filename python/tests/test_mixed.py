@@ -814,7 +814,7 @@ def test_loaded_master_replaces_other_weights_in_every_class(steps, tmp_path):
     # params are its weights: the model's own, kept)
     with pytest.warns(W, match=r"load_state_dict: .* in 4 of 4 params") as rec:
         opt3.load_state_dict(osd)
-    assert len(rec) == 1
+    assert len(rec) == 1 and rec[0].filename == __file__  # the user's line
     for (k, v), p, b in zip(msd.items(), m3.parameters(), before):
         assert torch.equal(bits(p), bits(v if p.dtype == BF else b)), k
         if p.dtype == BF:

@@ -288,8 +288,10 @@ def test_optimizer_state_dict_of_another_run_bf16(adamw_bf16, tmp_path):
         m2[0].bias.copy_(m[0].bias)
     o2.step()  # (the write above is taken into the master)
     with pytest.warns(zopt.optimizer.MasterWeightsWarning,
-                      match=r"in 3 of 4 params.*load them after the optimizer state"):
+                      match=r"in 3 of 4 params.*load them after the optimizer state") as rec:
         o2.load_state_dict(osd)
+    # the warning names the user's line, never one of zopt's own frames
+    assert [w.filename for w in rec] == [__file__]
     # at once: each param is its loaded master, rounded (the run's weights)
     assert same_bits(m2.parameters(), list(msd.values()))
     for t, p in enumerate(m2.parameters()):
@@ -305,8 +307,9 @@ def test_optimizer_state_dict_of_another_run_bf16(adamw_bf16, tmp_path):
     assert same_bits(m2.parameters(), m.parameters())
     # opt.load() of the runtime's checkpoint: the same policy
     m3, o3 = _bf16_pair(adamw_bf16, seed=9)
-    with pytest.warns(zopt.optimizer.MasterWeightsWarning, match="load: .* 4 of 4"):
+    with pytest.warns(zopt.optimizer.MasterWeightsWarning, match="load: .* 4 of 4") as rec:
         o3.load(tmp_path / "ck")
+    assert [w.filename for w in rec] == [__file__]
     assert same_bits(m3.parameters(), list(msd.values()))
     m4, o4 = _bf16_pair(adamw_bf16, seed=9)
     m4.load_state_dict(msd)

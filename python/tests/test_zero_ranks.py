@@ -132,14 +132,14 @@ def test_zero2_zero3_two_gloo_ranks_bit_identical(steps, tmp_path):
             for what in ("params", "master", "exp_avg"):
                 for i, (a, b) in enumerate(zip(got[what], ref[what])):
                     assert _equal(a, b), f"{case} rank {r}: {what} {i} differs from one rank"
-            # each rank holds what the layout assigns it: this model (163
-            # elements, one bucket) is padded to 2 x 32768 at W=2, a shard
-            # of 32768 elements per held state (f32 master and moments;
-            # ZeRO-3 also the bf16 params), as much as one rank's one norm
-            # block. (Too small to tell shards from whole states: the
-            # sharding itself is checked by zopt-zero-check.)
+            # each rank holds half of what one rank holds (f32 master and
+            # moments; ZeRO-3 also the bf16 params), within one norm block
+            # (this model of 163 elements gets the smallest, 64 elements);
+            # the layout itself is checked by zopt-zero-check
             held = 3 * 4 + (2 if stage == 3 else 0)
-            assert got["state_bytes"] == got["one_rank"] == 32768 * held, (case, got["state_bytes"])
+            one = got["one_rank"]
+            assert got["state_bytes"] < one and abs(2 * got["state_bytes"] - one) <= 2 * 64 * held, \
+                (case, got["state_bytes"], one)
     for case, (stage, f32grad) in MIXED.items():
         ref = mixed_reference(mixed[case], 2, f32grad)
         # the LayerNorm's bias had no gradient at step 2 on any rank

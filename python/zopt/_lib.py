@@ -18,7 +18,7 @@ REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 # ---- abi.h ---------------------------------------------------------------
 ABI_VERSION = 2
-API_VERSION = 2
+API_VERSION = 3
 MAX_STATES = 12
 MAX_HYPERS = 16
 MAX_COEFFS = 64
@@ -154,7 +154,7 @@ class MemoryInfo(ctypes.Structure):
                 ("num_params", ctypes.c_uint64), ("state_bytes", ctypes.c_uint64),
                 ("state_bytes_one_rank", ctypes.c_uint64),
                 ("scratch_bytes", ctypes.c_uint64), ("world_size", ctypes.c_int32),
-                ("rank", ctypes.c_int32)]
+                ("rank", ctypes.c_int32), ("grad_bytes", ctypes.c_uint64)]
 
 
 class ZoptError(RuntimeError):

@@ -13,10 +13,10 @@ ways a DDP training script goes wrong when ported to zopt:
 """
 from __future__ import annotations
 
-import warnings
 import weakref
 
 from ._lib import Status, ZoptError
+from ._warnings import warn_user
 
 try:
     import torch
@@ -115,8 +115,8 @@ class RankChecks:
         extra = (" and DDP writes its averaged gradients back into p.grad after "
                  "grad_streaming=True freed them (zopt drops them at step())"
                  if self.streaming else "")
-        warnings.warn(_DDP_TEXT.format(W=self.world, cls=self.ddp[0], n=self.ddp[1],
-                                       extra=extra), UserWarning, stacklevel=4)
+        warn_user(_DDP_TEXT.format(W=self.world, cls=self.ddp[0], n=self.ddp[1],
+                                       extra=extra), UserWarning)
 
     # ---- gradients rescaled in place ----------------------------------------------
     def add_hooks(self, opt, entries):
@@ -168,7 +168,7 @@ class RankChecks:
         if not changed or self.rescale_warned or self.ddp is not None:
             return
         self.rescale_warned = True
-        warnings.warn(
+        warn_user(
             f"zopt.Optimizer at {self.world} ranks: the gradients of {len(changed)} param(s) "
             f"({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}) were changed in "
             "place between backward and step() (e.g. torch.nn.utils.clip_grad_norm_, which "
@@ -176,4 +176,4 @@ class RankChecks:
             "by a different coefficient). zopt reduces the gradients across the ranks in "
             "step(): clip with opt.clip_grad_norm_(max_norm) instead (it returns the global "
             "norm over all ranks and clips inside the step), or compile the step with "
-            "clip=max_norm", UserWarning, stacklevel=3)
+            "clip=max_norm", UserWarning)

@@ -5,9 +5,9 @@ import os
 import shutil
 import subprocess
 import tempfile
-import warnings
 
 from ._lib import REPO_ROOT, Status, ZoptError
+from ._warnings import warn_user
 
 #: How diagnostics name a description given as text (line:col are those of
 #: the text itself; zopt-compile reads it from stdin, no file is written).
@@ -81,8 +81,7 @@ def compile(src, out_path=None, extra_args=(), timeout=600):
                             f"zopt-compile failed (exit {r.returncode}) on "
                             f"{what}:\n{diag}")
         if "warning:" in diag:
-            warnings.warn(f"zopt-compile on {what}:\n{diag}", CompileWarning,
-                          stacklevel=2)
+            warn_user(f"zopt-compile on {what}:\n{diag}", CompileWarning)
         ok = True
         return out_path
     finally:

@@ -624,7 +624,7 @@ def _zero(cfg, W, st):
         st["bucket_elems"] = _num(z["reduce_bucket_size"],
                                   "zero_optimization.reduce_bucket_size", lo=1, integer=True)
         W.use("zero_optimization.reduce_bucket_size", "honoured: defaults['bucket_elems'] "
-              "(zopt_optimizer_set_bucket_elems; rounded up to 32768 elements)")
+              "(zopt_optimizer_set_bucket_elems; rounded up to W norm blocks)")
     offload = False
     oo = z.get("offload_optimizer")
     if oo is not None:

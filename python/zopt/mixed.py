@@ -46,6 +46,7 @@ import time
 
 from . import _ckpt, _lib
 from ._collective import collective_errors
+from ._calls import exclusive as _exclusive, lock_of as _lock_of
 from ._lib import DType, Status, ZoptError, check, lib, DTYPE_NAMES, STATE_NAMES
 from ._strided import check_spans
 from .optimizer import (Optimizer, Step, _StateView, _frozen, _groups_arg, _is_torch,
@@ -362,8 +363,10 @@ class MixedOptimizer(Optimizer):
             self._comm = None
 
     def close(self):
-        """Frees every part's native optimizer (and a communicator it made)."""
-        self._free()
+        """Frees every part's native optimizer (and a communicator it made);
+        waits for a call running on another thread first."""
+        with _lock_of(self).wait():
+            self._free()
 
     @property
     def refreshes(self):
@@ -399,10 +402,12 @@ class MixedOptimizer(Optimizer):
         for o in self._plist:
             o._push_hypers()
 
+    @_exclusive("get_hyper")
     def get_hyper(self, gid, name):
         self._check_open()
         return self._plist[0].get_hyper(gid, name)
 
+    @_exclusive("set_hyper")
     def set_hyper(self, gid, name, value):
         """Sets one slot now in every part (and mirrors it into param_groups)."""
         self._check_open()
@@ -423,11 +428,13 @@ class MixedOptimizer(Optimizer):
                 o.param_groups[gid].update({k: v for k, v in g.items() if k != "params"})
 
     @property
+    @_exclusive("grad_divisor")
     def grad_divisor(self):
         self._check_open()
         return self._plist[0].grad_divisor
 
     @grad_divisor.setter
+    @_exclusive("grad_divisor")
     def grad_divisor(self, d):
         self._check_open()
         for o in self._plist:
@@ -435,6 +442,7 @@ class MixedOptimizer(Optimizer):
         self._grad_divisor = float(d)
 
     # ---- stepping --------------------------------------------------------------------
+    @_exclusive("step")
     def step(self, closure=None):
         """One step of every class as one (zopt_optimizer_step_linked): one
         global norm over all params' gradients, one clip coefficient, one
@@ -501,6 +509,7 @@ class MixedOptimizer(Optimizer):
         self.steps_taken += 1
         self._metrics(t0, t1, t2)
 
+    @_exclusive("gpu_result")
     def gpu_result(self):
         raise ZoptError(Status.UNSUPPORTED, "linked steps run CPU-updated steps: the "
                         "outcome is in last_grad_norm / last_skipped")
@@ -531,11 +540,13 @@ class MixedOptimizer(Optimizer):
         for fn in list(self._metrics_hooks):
             fn(self, m)
 
+    @_exclusive("zero_grad")
     def zero_grad(self, set_to_none=False):
         """torch's zero_grad, in every part."""
         for o in self._plist:
             o.zero_grad(set_to_none=set_to_none)
 
+    @_exclusive("accumulate_grads")
     def accumulate_grads(self):
         """``accumulate_grads()`` of every part (f32 gradients of bf16/f16
         params: ``p.grad`` into ``p.main_grad``)."""
@@ -543,6 +554,7 @@ class MixedOptimizer(Optimizer):
             o.accumulate_grads()
 
     # ---- add_param_group ----------------------------------------------------------------
+    @_exclusive("add_param_group")
     def add_param_group(self, param_group):
         """Adds a group to every part (an empty one where it has no param of
         the class; a class seen for the first time gets its part, with the
@@ -637,24 +649,29 @@ class MixedOptimizer(Optimizer):
         o, lt = self._where[t]
         return o._state_values(lt, values)
 
+    @_exclusive("step_count")
     def step_count(self, gid=0):
         """Steps in which any tensor of group ``gid`` was updated, the most
         over the classes (each class counts its own tensors' steps)."""
         self._check_open()
         return max(o.step_count(gid) for o in self._plist)
 
+    @_exclusive("read_state")
     def read_state(self, tensor_idx, kind):
         o, lt = self._route(tensor_idx)
         return o.read_state(lt, kind)
 
+    @_exclusive("write_state")
     def write_state(self, tensor_idx, kind, values):
         o, lt = self._route(tensor_idx)
         return o.write_state(lt, kind, values)
 
+    @_exclusive("read_state_raw")
     def read_state_raw(self, tensor_idx, kind):
         o, lt = self._route(tensor_idx)
         return o.read_state_raw(lt, kind)
 
+    @_exclusive("refresh_master")
     def refresh_master(self, params=None):
         self._check_open()
         if params is None:
@@ -668,6 +685,7 @@ class MixedOptimizer(Optimizer):
         for o, lts in by.values():
             o.refresh_master(lts)
 
+    @_exclusive("memory_info")
     def memory_info(self):
         """The parts' memory_info summed (``world_size``, ``rank`` as
         they are), and ``classes``: each part's own."""
@@ -680,6 +698,7 @@ class MixedOptimizer(Optimizer):
         return out
 
     # ---- loss scaling, seed ------------------------------------------------------------
+    @_exclusive("configure_loss_scaler")
     def configure_loss_scaler(self, **kw):
         c = self._scaler_config(**kw)
         for o in self._plist:
@@ -687,6 +706,7 @@ class MixedOptimizer(Optimizer):
         self._scaler_cfg = c
 
     @property
+    @_exclusive("loss_scale")
     def loss_scale(self):
         self._check_open()
         return self._plist[0].loss_scale
@@ -694,17 +714,20 @@ class MixedOptimizer(Optimizer):
     def _scaler_state(self):
         return self._plist[0]._scaler_state()
 
+    @_exclusive("set_seed")
     def set_seed(self, seed):
         for o in self._plist:
             o.set_seed(seed)
         self._seed = int(seed) & (2**64 - 1)
 
     @property
+    @_exclusive("seed")
     def seed(self):
         self._check_open()
         return self._plist[0].seed
 
     # ---- torch's state_dict over all classes ----------------------------------------------
+    @_exclusive("state_dict")
     def state_dict(self):
         """torch's layout over all params (indices in param_groups order,
         as torch numbers them), so it loads into ``torch.optim.AdamW`` & co.;
@@ -748,6 +771,7 @@ class MixedOptimizer(Optimizer):
             },
         }
 
+    @_exclusive("load_state_dict")
     def load_state_dict(self, state_dict, allow_rule_change=False):
         """Loads torch's layout (zopt's own, of one or several classes, or a
         torch optimizer's) into every class; the rules are checked per class
@@ -812,7 +836,7 @@ class MixedOptimizer(Optimizer):
             c, n = o._finish_master_load(p, what, warn=False)
             changed, total = changed + c, total + n
         if changed:
-            _warn_master_replaced(what, changed, total, 4)
+            _warn_master_replaced(what, changed, total)
 
     def _apply_to_parts(self, fn, args):
         """fn(part, arg) for every part in order; if one fails, the parts
@@ -844,6 +868,7 @@ class MixedOptimizer(Optimizer):
         (each the rank-0 file of its set at several ranks)."""
         return {c: part_path(path, c, i == 0) for i, (c, _) in enumerate(self._parts)}
 
+    @_exclusive("save")
     def save(self, path):
         """Writes every part's runtime checkpoint (collective at several
         ranks): ``path`` for the first class, ``path.<class>`` for the
@@ -853,6 +878,7 @@ class MixedOptimizer(Optimizer):
         for (c, o), f in zip(self._parts, self.checkpoint_files(path).values()):
             o.save(f)
 
+    @_exclusive("load")
     def load(self, path, allow_rule_change=False):
         """Loads every part's checkpoint file (:meth:`checkpoint_files`).
         Each file must hold its class's tensors (checked before anything
@@ -903,12 +929,14 @@ class MixedOptimizer(Optimizer):
             by[id(o)].append(p)
         return [(o, by[id(o)]) for o in self._plist if by[id(o)]]
 
+    @_exclusive("gather_params")
     def gather_params(self, params=None):
         """ZeRO-3: the full params into the model, per class (collective)."""
         self._check_open()
         for o, ps in self._by_part(params):
             o.gather_params(ps)
 
+    @_exclusive("release_params")
     def release_params(self, params=None):
         self._zero3_only("release_params")
         for o, ps in self._by_part(params):

@@ -55,17 +55,18 @@ import operator
 import os
 import tempfile
 import time
-import warnings
 import weakref
 
 import numpy as np
 
 from . import _ckpt, _lib, _strided
+from ._calls import exclusive as _exclusive, lock_of as _lock_of
 from ._collective import collective_errors
 from ._lib import (DType, HyperKind, StateKind, Status, ZoptError, ZoptTypeError,
                    ZoptValueError, check, lib, DTYPE_ITEMSIZE, DTYPE_NAMES, HYPER_BY_NAME,
                    HYPER_NAMES, STATE_BY_NAME, STATE_NAMES)
 from ._watch import Sampler
+from ._warnings import warn_user
 
 try:  # torch is optional
     import torch
@@ -179,14 +180,14 @@ class MasterWeightsWarning(UserWarning):
     checkpoint's master weights won over the model's current ones)."""
 
 
-def _warn_master_replaced(what, changed, total, stacklevel):
-    warnings.warn(
+def _warn_master_replaced(what, changed, total):
+    warn_user(
         f"zopt: {what}: the optimizer state's master weights disagree with the model's "
         f"current weights in {changed} of {total} params; those params now hold the "
         "optimizer checkpoint's master weights (rounded), replacing the model's values. "
         "To keep the model's weights instead, load them after the optimizer state "
         "(model.load_state_dict after opt.load_state_dict): the master is then made "
-        "again from them.", MasterWeightsWarning, stacklevel=stacklevel)
+        "again from them.", MasterWeightsWarning)
 
 
 def _f32_of_bits(flat, dt):
@@ -1515,8 +1516,10 @@ class Optimizer(_Base):
         return self._h
 
     def close(self):
-        """Frees the native optimizer (and a communicator it made)."""
-        self._free()
+        """Frees the native optimizer (and a communicator it made); waits
+        for a call running on another thread first."""
+        with _lock_of(self).wait():
+            self._free()
 
     def __del__(self):
         try:
@@ -1549,6 +1552,7 @@ class Optimizer(_Base):
             return
         view._replace(value)
 
+    @_exclusive("add_param_group")
     def add_param_group(self, param_group):
         """Adds a group like torch. The native optimizer (whose groups are
         fixed at finalize) is rebuilt with the new group, keeping every
@@ -1580,6 +1584,7 @@ class Optimizer(_Base):
         self._add_acc_hooks(new)
         self.rebuilds += 1
 
+    @_exclusive("zero_grad")
     def zero_grad(self, set_to_none=False):
         """Like torch: zeros the gradients (set_to_none=False, torch 1.13's
         default) or sets them to None. The zopt-owned gradient memory of the
@@ -1762,8 +1767,13 @@ class Optimizer(_Base):
                     last[j] = None
                     gp[j] = 0
                     copied.pop(j, None)
-                    if t in foreign:  # not read while inactive; not kept alive
-                        foreign[t] = (None, foreign[t][1])
+                    if t in foreign:
+                        # our own memory again, not the dropped p.grad: at
+                        # W > 1 the reduced gradient of a param another
+                        # rank updates lands in this rank's registered memory
+                        del foreign[t]
+                        moved_t.append(t)
+                        moved_p.append(ents[t].gptr)
                     continue
                 reg = regs[j]
                 copy = False
@@ -1892,6 +1902,7 @@ class Optimizer(_Base):
         else:
             self._foreign[t] = (g, g.data_ptr())  # kept alive while the runtime reads it
 
+    @_exclusive("accumulate_grads")
     def accumulate_grads(self):
         """Steps with f32 gradients of bf16/f16 params: adds every ``p.grad``
         (the last backward's, in the param's dtype) into ``p.main_grad`` in
@@ -2252,6 +2263,7 @@ class Optimizer(_Base):
         for gid, g in enumerate(self.param_groups):
             self._set_maximize(gid, _maximize(g))
 
+    @_exclusive("get_hyper")
     def get_hyper(self, gid, name):
         v = ctypes.c_double()
         check(self._lib.zopt_optimizer_get_hyper(self._handle(), gid, name.encode(),
@@ -2259,6 +2271,7 @@ class Optimizer(_Base):
               f"get_hyper(group {gid}, {name})")
         return v.value
 
+    @_exclusive("get_group_flags")
     def get_group_flags(self, gid):
         """The runtime's ZOPT_GROUP_* flags of param group gid (bit 0:
         maximize, pushed from param_groups at each step)."""
@@ -2267,6 +2280,7 @@ class Optimizer(_Base):
               f"get_group_flags(group {gid})")
         return fl.value
 
+    @_exclusive("set_hyper")
     def set_hyper(self, gid, name, value):
         """Sets one slot now (and mirrors it into param_groups)."""
         if name == "bias_correction":
@@ -2295,6 +2309,7 @@ class Optimizer(_Base):
         self._pushed_raw[gid] = self._raw_hypers(group)
 
     @property
+    @_exclusive("grad_divisor")
     def grad_divisor(self):
         """The divisor D of the gradients (grad / (loss scale * D)): the
         world size by default (the mean over ranks, as DDP); set W * A to
@@ -2305,12 +2320,14 @@ class Optimizer(_Base):
         return v.value
 
     @grad_divisor.setter
+    @_exclusive("grad_divisor")
     def grad_divisor(self, d):
         check(self._lib.zopt_optimizer_set_grad_divisor(self._handle(), float(d)),
               "set_grad_divisor")
         self._grad_divisor = float(d)
 
     # ---- stepping --------------------------------------------------------------
+    @_exclusive("step")
     def step(self, closure=None):
         """One optimizer step over the params that have a gradient; returns
         the closure's loss (None without a closure), like torch. The
@@ -2376,6 +2393,7 @@ class Optimizer(_Base):
         self._after_step(self._res)
         self._metrics(t0, t1, t2)
 
+    @_exclusive("clip_grad_norm_")
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
         """torch.nn.utils.clip_grad_norm_ the zopt way, between backward and
         ``step()``: returns the global norm of the gradients over all ranks
@@ -2449,6 +2467,7 @@ class Optimizer(_Base):
         """(grad_norm, skipped) of the last step."""
         return self.last_grad_norm, self.last_skipped
 
+    @_exclusive("gpu_result")
     def gpu_result(self):
         """(grad_norm, skipped, loss_scale) of the last GPU step: waits for
         that step (wherever it ran: a graph replay too) on torch's current
@@ -2502,6 +2521,7 @@ class Optimizer(_Base):
             fn(self, m)
 
     # ---- seed, step counts -----------------------------------------------------------
+    @_exclusive("set_seed")
     def set_seed(self, seed):
         """Seed of stochastic rounding (steps with a bf16 state declared
         `rounding stochastic`): same seed, same bits on any thread count."""
@@ -2510,11 +2530,13 @@ class Optimizer(_Base):
         self._seed = int(seed) & (2**64 - 1)
 
     @property
+    @_exclusive("seed")
     def seed(self):
         s = ctypes.c_uint64()
         check(self._lib.zopt_optimizer_get_seed(self._handle(), ctypes.byref(s)), "get_seed")
         return s.value
 
+    @_exclusive("step_count")
     def step_count(self, gid=0):
         """Steps in which any tensor of group ``gid`` was updated."""
         if self._cohort_gid and 0 <= gid < self._native_G:
@@ -2541,6 +2563,7 @@ class Optimizer(_Base):
               "get_tensor_step")
         return c.value
 
+    @_exclusive("tensor_step")
     def tensor_step(self, p):
         """The steps param ``p`` (a param or a tensor index) took (torch's
         state[p]['step'])."""
@@ -2570,6 +2593,7 @@ class Optimizer(_Base):
         check(self._lib.zopt_optimizer_configure_loss_scaler(h, ctypes.byref(cfg)),
               "configure_loss_scaler")
 
+    @_exclusive("configure_loss_scaler")
     def configure_loss_scaler(self, **kw):
         """(Re)starts the loss scaler (init_scale, growth_factor,
         backoff_factor, growth_interval, min_scale, dynamic)."""
@@ -2579,6 +2603,7 @@ class Optimizer(_Base):
         self._good_steps = 0
 
     @property
+    @_exclusive("loss_scale")
     def loss_scale(self):
         """The scale S the next step's gradients must be multiplied by."""
         s = ctypes.c_double()
@@ -2609,6 +2634,7 @@ class Optimizer(_Base):
                             f"(the optimizer has {len(self._entries)})")
         return self._entries[int(tensor_idx)]
 
+    @_exclusive("read_state")
     def read_state(self, tensor_idx, kind):
         """State ``kind`` ('exp_avg', StateKind.MASTER, ...) of a tensor (an
         index or a param) as a float32 numpy array (flat, memory order)."""
@@ -2623,6 +2649,7 @@ class Optimizer(_Base):
             f"read_state({t}, {STATE_NAMES[k]})")
         return out
 
+    @_exclusive("write_state")
     def write_state(self, tensor_idx, kind, values):
         """Writes a state from float32 values (rounded to its storage dtype).
         Writing the master also writes round(master) into the param where it
@@ -2649,6 +2676,7 @@ class Optimizer(_Base):
                 self._master_sync({t: (m, self.step_obj.state_dtype(k))}), gather=[t])
         self._outdate([t], (TORCH_KEY.get(k),))
 
+    @_exclusive("read_state_raw")
     def read_state_raw(self, tensor_idx, kind):
         """Storage-exact copy of a state (uint16 for bf16, float16, float32)."""
         k = _kind(kind)
@@ -2677,12 +2705,14 @@ class Optimizer(_Base):
         if k == StateKind.PARAM and self._entries[t].dense is not None:
             _strided.copy_out(self._entries, [t])
 
+    @_exclusive("memory_info")
     def memory_info(self):
         m = _lib.MemoryInfo()
         check(self._lib.zopt_optimizer_memory_info(self._handle(), ctypes.byref(m)),
               "memory_info")
         return {f: getattr(m, f) for f, _ in _lib.MemoryInfo._fields_}
 
+    @_exclusive("refresh_master")
     def refresh_master(self, params=None):
         """Makes the master (and ZeRO-3's held params) again the params'
         current values, for ``params`` (params or tensor indices; default
@@ -2964,14 +2994,14 @@ class Optimizer(_Base):
         finally:
             self._lent = keep + self._lent
         if lost:
-            warnings.warn(
+            warn_user(
                 f"zopt: in-place changes to {len(lost)} state tensor(s) read from "
                 f"opt.state[p] were not written back: {', '.join(lost[:4])}"
                 + (", ..." if len(lost) > 4 else "")
                 + ". They are copies, and the optimizer had changed those states since "
                 "they were read (a step, a load or another write). Read the state again "
                 "after each step, or assign it: opt.state[p][key] = tensor",
-                RuntimeWarning, stacklevel=4)
+                RuntimeWarning)
 
     # ---- model and master agree after a load ----------------------------------------------
     def _param_bits(self, e):
@@ -3040,17 +3070,16 @@ class Optimizer(_Base):
             if j is not None:
                 self._tp_vers[j] = self._tp_params[j]._version
 
-    def _finish_master_load(self, pending, what, stacklevel=2, warn=True):
+    def _finish_master_load(self, pending, what, warn=True):
         """After a load: round(master) into the params that disagreed with
-        it, and (``warn``) a warning if there were any; ``stacklevel``: the
-        user's frame, counted from the caller. Returns (changed, with a
-        master)."""
+        it, and (``warn``) a warning if there were any (at the user's line,
+        _warnings.warn_user). Returns (changed, with a master)."""
         fixes, tids, changed = pending
         if not tids:
             return 0, 0
         self._apply_master_sync(fixes, gather=tids)
         if changed and warn:
-            _warn_master_replaced(what, len(changed), len(tids), stacklevel + 2)
+            _warn_master_replaced(what, len(changed), len(tids))
         return len(changed), len(tids)
 
     def _loaded_master_pending(self):
@@ -3175,6 +3204,7 @@ class Optimizer(_Base):
         return bf16.from_f32(f) if dst == DType.BF16 else f.astype(_NP_OF[dst])
 
     # ---- checkpoints ------------------------------------------------------------------------
+    @_exclusive("save")
     def save(self, path):
         """Writes a runtime checkpoint (zopt_optimizer_save; collective at
         world size > 1, each rank writing its file)."""
@@ -3184,6 +3214,7 @@ class Optimizer(_Base):
             check(self._lib.zopt_optimizer_save(self._h, os.fspath(path).encode()),
                   f"save({path})")
 
+    @_exclusive("load")
     def load(self, path, allow_rule_change=False):
         """Loads a runtime checkpoint (zopt_optimizer_load_ex); a checkpoint
         of another update rule is refused unless ``allow_rule_change``.
@@ -3224,6 +3255,7 @@ class Optimizer(_Base):
         self._state_epoch += 1
         return self._loaded_master_pending()
 
+    @_exclusive("state_dict")
     def state_dict(self):
         """torch's layout: ``{'state': {index: {'step': tensor, 'exp_avg':
         tensor, ...}}, 'param_groups': [{..., 'params': [indices]}]}`` plus
@@ -3276,6 +3308,7 @@ class Optimizer(_Base):
             },
         }
 
+    @_exclusive("load_state_dict")
     def load_state_dict(self, state_dict, allow_rule_change=False):
         """Loads a state_dict in torch's layout: zopt's own, or a torch
         optimizer's (``torch.optim.AdamW(...).state_dict()``): per-param
@@ -3461,7 +3494,7 @@ class Optimizer(_Base):
         self._pushed_raw = [self._raw_hypers(g) for g in self.param_groups]
         self._state_epoch += 1
         if dropped:
-            warnings.warn(
+            warn_user(
                 f"zopt: load_state_dict: the state_dict has states for {len(dropped)} "
                 f"param(s) that step '{s.name}' (updated on the GPU) left out of the "
                 "optimizer because they did not require grad when it was built: "
@@ -3469,7 +3502,7 @@ class Optimizer(_Base):
                 "not loaded: a param left out has no states, and starts afresh (zero "
                 "states, step 0) if it is unfrozen and gets a gradient. To keep them, "
                 "set requires_grad=True on those params before building the optimizer",
-                UserWarning, stacklevel=3)
+                UserWarning)
         return fixes, mtids, set(fixes)
 
     def _loaded_step(self, e, st, kinds):
@@ -3547,6 +3580,7 @@ class Optimizer(_Base):
             return list(range(len(self._entries)))
         return sorted({self._tid(p) for p in params})
 
+    @_exclusive("gather_params")
     def gather_params(self, params=None):
         """ZeRO-3: writes the current full params (``params``, default all)
         into the model's parameter storage, re-allocating released storage.
@@ -3607,6 +3641,7 @@ class Optimizer(_Base):
         if self._zero3_mode != "hooks":
             self._reset_watch()
 
+    @_exclusive("release_params")
     def release_params(self, params=None):
         """ZeRO-3: frees the storage of ``params`` (default all) while
         keeping their shape (``storage().resize_(0)``); the runtime holds

@@ -207,6 +207,9 @@ void ThreadPool::run(void (*fn)(void *, int), void *ctx) {
     fn(ctx, 0);
     return;
   }
+  // One job at a time: a second caller waits here instead of overwriting
+  // the job (and the pending count) of the one running.
+  std::lock_guard<std::mutex> one(run_mu_);
   {
     std::lock_guard<std::mutex> lk(mu_);
     fn_ = fn;
@@ -218,6 +221,60 @@ void ThreadPool::run(void (*fn)(void *, int), void *ctx) {
   fn(ctx, 0);
   std::unique_lock<std::mutex> lk(mu_);
   cv_done_.wait(lk, [&] { return pending_ == 0; });
+}
+
+// ---- one call at a time per optimizer ----------------------------------------
+
+bool CallGate::enter(const char *fn, const char **running) {
+  std::lock_guard<std::mutex> lk(mu_);
+  const std::thread::id me = std::this_thread::get_id();
+  if (closing_) {
+    *running = "zopt_optimizer_free";
+    return false;
+  }
+  if (depth_ > 0 && owner_ != me) {
+    *running = fn_;
+    return false;
+  }
+  if (depth_++ == 0) {
+    owner_ = me;
+    fn_ = fn;
+  }
+  return true;
+}
+
+void CallGate::leave() {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (--depth_ == 0) {
+    owner_ = std::thread::id();
+    fn_ = nullptr;
+    idle_.notify_all();
+  }
+}
+
+void CallGate::close() {
+  std::unique_lock<std::mutex> lk(mu_);
+  closing_ = true;
+  // A free from inside a call on this very thread cannot wait for it.
+  if (depth_ > 0 && owner_ == std::this_thread::get_id()) return;
+  idle_.wait(lk, [&] { return depth_ == 0; });
+}
+
+CallHold::CallHold(const zopt_optimizer *o, const char *fn) : fn_(fn) {
+  if (o->gate.enter(fn, &running_)) gate_ = &o->gate;
+}
+
+CallHold::~CallHold() {
+  if (gate_) gate_->leave();
+}
+
+zopt_status CallHold::refuse() const {
+  if (running_ && strcmp(running_, "zopt_optimizer_free") == 0)
+    return fail(ZOPT_ERR_BAD_STATE, "%s: the optimizer is being freed (zopt_optimizer_free) on another thread", fn_);
+  return fail(ZOPT_ERR_BAD_STATE,
+              "%s: another call (%s) is running on this optimizer on another thread: one optimizer takes one call "
+              "at a time (zopt.h \"Threading\")",
+              fn_, running_ ? running_ : "?");
 }
 
 }  // namespace zopt

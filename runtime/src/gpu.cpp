@@ -883,21 +883,21 @@ void gpu_free(zopt_optimizer *o) {
 extern "C" {
 
 ZOPT_API zopt_status zopt_optimizer_set_stream(zopt_optimizer *o, void *cu_stream) {
-  if (!o) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_set_stream: optimizer is NULL");
+  ZOPT_ENTER_CALL(o, "zopt_optimizer_set_stream");
   if (!o->gpu && !o->offload)
     return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_set_stream: step '%s' has nothing on the GPU", o->d->name);
   return gpu_set_stream(o, cu_stream);
 }
 
 ZOPT_API zopt_status zopt_optimizer_gpu_result(zopt_optimizer *o, zopt_step_result *result) {
-  if (!o) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_gpu_result: optimizer is NULL");
+  ZOPT_ENTER_CALL(o, "zopt_optimizer_gpu_result");
   if (!result) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_gpu_result: result is NULL");
   if (!o->gpu) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_gpu_result: step '%s' does not run on the GPU", o->d->name);
   return gpu_result(o, result);
 }
 
 ZOPT_API zopt_status zopt_optimizer_set_device_allocator(zopt_optimizer *o, const zopt_device_allocator *allocator) {
-  if (!o) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_set_device_allocator: optimizer is NULL");
+  ZOPT_ENTER_CALL(o, "zopt_optimizer_set_device_allocator");
   if (!o->gpu)
     return fail(ZOPT_ERR_BAD_STATE,
                 "zopt_optimizer_set_device_allocator: step '%s' allocates no device memory (not a GPU step)",

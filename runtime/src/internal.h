@@ -64,6 +64,7 @@ class ThreadPool {
  private:
   void worker(int tid);
   int n_;
+  std::mutex run_mu_;  // one run at a time: concurrent run() calls wait
   std::vector<std::thread> threads_;
   std::mutex mu_;
   std::condition_variable cv_start_, cv_done_;
@@ -73,6 +74,53 @@ class ThreadPool {
   void (*fn_)(void *, int) = nullptr;
   void *ctx_ = nullptr;
 };
+
+// ---- one call at a time per optimizer --------------------------------------
+// zopt.h "Threading": while a C API call runs on an optimizer, a call on it
+// from another thread is refused (ZOPT_ERR_BAD_STATE naming the running
+// call); calls nested on the thread that holds it (step_linked -> step)
+// pass; zopt_optimizer_free waits until the running call returns (and
+// refuses every call meanwhile).
+class CallGate {
+ public:
+  // Enters `fn` on the calling thread. On refusal returns false and sets
+  // `running` to the name of the call that holds the gate.
+  bool enter(const char *fn, const char **running);
+  void leave();
+  // zopt_optimizer_free: no new call enters; waits until none runs.
+  void close();
+
+ private:
+  std::mutex mu_;
+  std::condition_variable idle_;
+  std::thread::id owner_;
+  int depth_ = 0;
+  const char *fn_ = nullptr;
+  bool closing_ = false;
+};
+
+// Holds an optimizer's gate for the scope of an API call (CHECK_OPT_ANY).
+class CallHold {
+ public:
+  CallHold(const zopt_optimizer *o, const char *fn);
+  ~CallHold();
+  CallHold(const CallHold &) = delete;
+  CallHold &operator=(const CallHold &) = delete;
+  bool held() const { return gate_ != nullptr; }
+  // ZOPT_ERR_BAD_STATE naming this call and the running one.
+  zopt_status refuse() const;
+
+ private:
+  CallGate *gate_ = nullptr;
+  const char *fn_, *running_ = nullptr;
+};
+
+// The first statements of a C API call on optimizer `o`: refuses NULL and a
+// call while another thread's runs; holds the gate to the end of the scope.
+#define ZOPT_ENTER_CALL(o, fn)                                                         \
+  if (!(o)) return ::zopt::fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: optimizer is NULL", fn); \
+  ::zopt::CallHold zopt_call_hold_(o, fn);                                             \
+  if (!zopt_call_hold_.held()) return zopt_call_hold_.refuse()
 
 // Runs f(tid) for tid in [0, pool->size()) on the pool.
 template <class F>
@@ -174,6 +222,8 @@ struct zopt_optimizer {
   zopt::exec::StepState *begun = nullptr;
   int linked = 0;
   double linked_sumsq = 0;
+  // The C API call running on the optimizer (zopt.h "Threading").
+  mutable zopt::CallGate gate;
 };
 
 namespace zopt {

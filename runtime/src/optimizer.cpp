@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <memory>
 #include <new>
+#include <optional>
 
 using namespace zopt;
 
@@ -38,18 +39,16 @@ zopt_status device_copy(const zopt_optimizer *o, int t, int si, void *host, size
   return o->gpu ? gpu_copy(o, t, si, host, bytes, to_device) : offload_copy(o, t, si, host, bytes, to_device);
 }
 
-// Every API call on an optimizer: not NULL, and (but for the streaming
-// calls and the steps, which use CHECK_OPT_ANY) no job of its pipeline in
-// flight: the jobs use its scratch, pool and gradient shards.
-#define CHECK_OPT_ANY(o, fn)                                                 \
-  do {                                                                       \
-    if (!(o)) return fail(ZOPT_ERR_INVALID_ARGUMENT, fn ": optimizer is NULL"); \
-  } while (0)
+// Every API call on an optimizer: not NULL, no other call running on it on
+// another thread (internal.h CallGate: held until the call returns), and
+// (but for the streaming calls and the steps, which use CHECK_OPT_ANY) no
+// job of its pipeline in flight: the jobs use its scratch, pool and
+// gradient shards. Statements at the top of the function (the hold lives
+// to its end).
+#define CHECK_OPT_ANY(o, fn) ZOPT_ENTER_CALL(o, fn)
 #define CHECK_OPT(o, fn)                                                     \
-  do {                                                                       \
-    CHECK_OPT_ANY(o, fn);                                                    \
-    if (zopt_status st_ = check_idle(o, fn)) return st_;                     \
-  } while (0)
+  CHECK_OPT_ANY(o, fn);                                                      \
+  if (zopt_status st_ = check_idle(o, fn)) return st_
 
 zopt_status check_group(const zopt_optimizer *o, int g, const char *fn) {
   if (g < 0 || (size_t)g >= o->groups.size())
@@ -200,6 +199,7 @@ ZOPT_API zopt_status zopt_optimizer_create(const zopt_step *step, zopt_optimizer
 
 ZOPT_API void zopt_optimizer_free(zopt_optimizer *o) {
   if (!o) return;
+  o->gate.close();  // waits for a call running on another thread
   delete o->pipe;  // skips queued jobs, waits for a running one, joins
   delete o->pool;
   delete o->begun;
@@ -520,9 +520,11 @@ ZOPT_API zopt_status zopt_optimizer_get_max_norm(const zopt_optimizer *o, double
 static zopt_status check_linked(zopt_optimizer *const *parts, int n, const char *fn, bool begin) {
   if (!parts || n < 1 || n > 64)
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: %s", fn, !parts ? "parts is NULL" : "n must be in [1, 64]");
+  std::optional<CallHold> holds[64];  // every part, for the whole linked step
   for (int i = 0; i < n; ++i) {
     const zopt_optimizer *o = parts[i];
     if (!o) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: part %d is NULL", fn, i);
+    if (!holds[i].emplace(o, fn).held()) return holds[i]->refuse();
     if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "%s: part %d ('%s') is not finalized", fn, i, o->d->name);
     if (begin && o->begun)
       return fail(ZOPT_ERR_BAD_STATE, "%s: part %d ('%s') has a begun step: finish it first", fn, i, o->d->name);
@@ -756,10 +758,11 @@ ZOPT_API zopt_status zopt_optimizer_memory_info(const zopt_optimizer *o, zopt_me
   // (the optimizer's own world is set at finalize).
   info->world_size = o->finalized ? o->world : o->comm ? zopt_comm_size(o->comm) : 1;
   info->rank = o->finalized ? o->rank : o->comm ? zopt_comm_rank(o->comm) : 0;
-  // The user's params and grads where they live.
+  // The user's params and grads where they live (streamed gradients have
+  // no registered memory: the runtime holds this rank's shards, grad_bytes).
   for (uint32_t s = 0; s < d->num_states; ++s) {
     const zopt_state_desc &sd = d->states[s];
-    if (is_owned_kind(sd.kind)) continue;
+    if (is_owned_kind(sd.kind) || (sd.kind == ZOPT_STATE_GRAD && o->stream_grads)) continue;
     (sd.placement == ZOPT_PLACE_GPU ? info->bytes_gpu : info->bytes_cpu) += n * dtype_size(sd.dtype);
   }
   if (!o->finalized) return ZOPT_OK;
@@ -772,10 +775,8 @@ ZOPT_API zopt_status zopt_optimizer_memory_info(const zopt_optimizer *o, zopt_me
     info->bytes_gpu += info->state_bytes;
     return ZOPT_OK;
   }
-  uint64_t scratch = 0;
-  exec::state_bytes(o, &info->state_bytes, &info->state_bytes_one_rank, &scratch);
-  info->scratch_bytes = scratch;
-  info->bytes_cpu += info->state_bytes + scratch;
+  exec::state_bytes(o, &info->state_bytes, &info->state_bytes_one_rank, &info->scratch_bytes, &info->grad_bytes);
+  info->bytes_cpu += info->state_bytes + info->grad_bytes + info->scratch_bytes;
   for (uint32_t s = 0; s < d->num_states; ++s)  // an offloaded step's pinned staging
     if (o->prog->pinned[s]) info->bytes_cpu += o->prog->buf_bytes[s];
   return ZOPT_OK;

@@ -1,14 +1,19 @@
 // Property test of the layout function (runtime/src/layout): thousands of
 // random models (empty tensors, tensors smaller than W, sizes that divide
-// nothing, several groups and buckets, W > numel) and the properties the
-// step, the collectives and the checkpoints rely on:
+// nothing, several groups and buckets, bucket sizes from 1 element, W >
+// numel) and the properties the step, the collectives and the checkpoints
+// rely on:
 //   - every element of every tensor is owned by exactly one rank, once;
-//   - a bucket's shards are equal, a whole number of norm blocks, and its
-//     padding is at its end; pieces never cover padding or align gaps;
+//   - a bucket's shards are equal and a whole number of norm blocks; only a
+//     group's last bucket is padded, at its end; pieces never cover padding
+//     or align gaps;
+//   - every rank holds less than one block per group more than 1/W of the
+//     flat elements (any bucket size shards);
 //   - segments start at multiples of align; each rank's local buffer is its
 //     shards in bucket order, with every local index in range and distinct;
-//   - the flat space, the buckets and the norm blocks' contents do not
-//     depend on W (the global norm is the same bits at any W).
+//   - the flat space, the norm block and the norm blocks' contents, in
+//     order, do not depend on W or the bucket size (the global norm is the
+//     same bits at any W).
 #include "layout/layout.h"
 
 #include <algorithm>
@@ -52,28 +57,64 @@ int main() {
         case 0: n = 0; break;                         // empty
         case 1: n = 1 + (int64_t)(rng() % 7); break;  // smaller than W
         case 2: n = (int64_t)(rng() % 100000); break;
-        case 3: n = kNormBlock * (1 + (int64_t)(rng() % 3)); break;
-        case 4: n = kNormBlock * (1 + (int64_t)(rng() % 3)) + 1; break;
+        case 3: n = kMaxBlock * (1 + (int64_t)(rng() % 3)); break;
+        case 4: n = kMaxBlock * (1 + (int64_t)(rng() % 3)) + 1; break;
         default: n = (int64_t)(rng() % 300000); break;
       }
       in.numel.push_back(n);
     }
     in.align = int64_t(1) << (rng() % 8);
-    in.bucket = (rng() % 2) ? kNormBlock * (1 + (int64_t)(rng() % 4)) : 1 + (int64_t)(rng() % 200000);
+    switch (rng() % 3) {
+      case 0: in.bucket = kMaxBlock * (1 + (int64_t)(rng() % 4)); break;
+      case 1: in.bucket = 1 + (int64_t)(rng() % 200); break;  // below any block
+      default: in.bucket = 1 + (int64_t)(rng() % 200000); break;
+    }
     in.world = 1;
     const Layout L1 = make_layout(in);
+    int64_t total = 0;
+    for (int64_t n : in.numel) total += n;
+    const int64_t B = L1.block;
+    REQUIRE(B == block_for(total, in.align) && (B & (B - 1)) == 0 && B % in.align == 0 && B >= kMinBlock &&
+                B <= kMaxBlock && (B == std::max(kMinBlock, in.align) || B * kBlocksPerModel <= total),
+            "case %d: block %lld for %lld elements", c, (long long)B, (long long)total);
+    // The norm blocks in order (per group, flat order): their pieces.
+    auto blocks_of = [](const Layout &L) {
+      std::vector<std::vector<Piece>> out;
+      for (const Bucket &k : L.buckets)
+        for (int64_t j = 0; j * L.block < k.len; ++j) {
+          const int64_t fa = k.begin + j * L.block;
+          out.push_back(L.pieces(k.group, fa, std::min(fa + L.block, k.begin + k.len)));
+        }
+      return out;
+    };
+    const auto blocks1 = blocks_of(L1);
     for (int world : {1, 2, 3, 4, 7, 8, 64}) {
       in.world = world;
       const Layout L = make_layout(in);
-      REQUIRE(L.bucket % kNormBlock == 0, "bucket %lld", (long long)L.bucket);
-      // Independent of W: flat space and buckets.
+      const int64_t quantum = (int64_t)world * B;
+      REQUIRE(L.block == B, "case %d W %d: the block depends on W", c, world);
+      REQUIRE(L.bucket % quantum == 0 && L.bucket >= in.bucket && L.bucket - in.bucket < quantum, "bucket %lld",
+              (long long)L.bucket);
+      // Independent of W: the flat space and the norm blocks.
       REQUIRE(L.group_len == L1.group_len, "case %d W %d: group lengths depend on W", c, world);
-      REQUIRE(L.buckets.size() == L1.buckets.size(), "case %d W %d: bucket count depends on W", c, world);
       for (size_t t = 0; t < L.tensors.size(); ++t) {
         REQUIRE(L.tensors[t].flat == L1.tensors[t].flat, "case %d: tensor %zu moved with W", c, t);
         REQUIRE(L.tensors[t].numel == 0 || L.tensors[t].flat % in.align == 0, "case %d: unaligned segment", c);
       }
+      {
+        const auto bw = blocks_of(L);
+        bool same = bw.size() == blocks1.size();
+        for (size_t i = 0; same && i < bw.size(); ++i) {
+          same = bw[i].size() == blocks1[i].size();
+          for (size_t j = 0; same && j < bw[i].size(); ++j)
+            same = bw[i][j].tensor == blocks1[i][j].tensor && bw[i][j].start == blocks1[i][j].start &&
+                   bw[i][j].len == blocks1[i][j].len;
+        }
+        REQUIRE(same, "case %d W %d: the norm blocks differ from W = 1's", c, world);
+      }
       // Segments of a group do not overlap and stay inside it.
+      int groups_used = 0;
+      int64_t flat_total = 0;
       for (int g = 0; g < in.num_groups; ++g) {
         int64_t end = 0;
         for (int id : L.order[g]) {
@@ -82,21 +123,24 @@ int main() {
           end = s.flat + s.numel;
         }
         REQUIRE(end == L.group_len[g], "case %d: group length", c);
+        groups_used += end > 0;
+        flat_total += end;
       }
       int64_t local = 0, blocks = 0;
       std::vector<Run> runs;
       for (int b = 0; b < (int)L.buckets.size(); ++b) {
         const Bucket &k = L.buckets[b];
-        const Bucket &k1 = L1.buckets[b];
-        REQUIRE(k.begin == k1.begin && k.len == k1.len && k.group == k1.group, "case %d: bucket %d depends on W", c, b);
-        REQUIRE(k.len > 0 && k.len <= L.bucket && k.begin % L.bucket == 0, "case %d: bucket %d bounds", c, b);
-        REQUIRE(k.padded >= k.len && k.padded % ((int64_t)world * kNormBlock) == 0 &&
-                    k.padded - k.len < (int64_t)world * kNormBlock,
+        const bool last = b + 1 == (int)L.buckets.size() || L.buckets[b + 1].group != k.group;
+        REQUIRE(k.len > 0 && k.len <= L.bucket && k.begin % L.bucket == 0 &&
+                    (last ? k.begin + k.len == L.group_len[k.group] : k.len == L.bucket),
+                "case %d: bucket %d bounds", c, b);
+        REQUIRE(k.padded >= k.len && k.padded % quantum == 0 && k.padded - k.len < quantum &&
+                    (last || k.padded == k.len),
                 "case %d: bucket %d padding %lld of %lld", c, b, (long long)k.padded, (long long)k.len);
-        REQUIRE(k.shard * world == k.padded && k.shard % kNormBlock == 0, "case %d: shards unequal", c);
+        REQUIRE(k.shard * world == k.padded && k.shard % B == 0, "case %d: shards unequal", c);
         REQUIRE(k.local_offset == local && k.block_offset == blocks, "case %d: local buffer not in bucket order", c);
         local += k.shard;
-        blocks += k.shard / kNormBlock;
+        blocks += k.shard / B;
         for (int r = 0; r < world; ++r) {
           int64_t a, e;
           L.shard_range(b, r, &a, &e);
@@ -114,20 +158,13 @@ int main() {
             prev_local = li + p.len - 1;
             runs.push_back(Run{p.tensor, p.start, p.len, r});
           }
-          // Norm blocks: whole blocks per shard; their contents match W = 1's.
-          for (int64_t j = 0; j < k.shard / kNormBlock; ++j) {
-            int64_t fa = k.begin + (int64_t)r * k.shard + j * kNormBlock;
-            int64_t id = (fa - k.begin) / kNormBlock;
-            auto pw = L.pieces(k.group, fa, std::min(fa + kNormBlock, k.begin + k.len));
-            int64_t fa1 = k1.begin + id * kNormBlock;
-            auto p1 = L1.pieces(k1.group, fa1, std::min(fa1 + kNormBlock, k1.begin + k1.len));
-            bool same = pw.size() == p1.size();
-            for (size_t i = 0; same && i < pw.size(); ++i)
-              same = pw[i].tensor == p1[i].tensor && pw[i].start == p1[i].start && pw[i].len == p1[i].len;
-            REQUIRE(same, "case %d W %d: norm block %lld of bucket %d differs from W = 1's", c, world, (long long)id, b);
-          }
         }
       }
+      // Balance: a rank holds 1/W of the flat elements plus less than one
+      // block per (non-empty) group.
+      REQUIRE(local * world >= flat_total && local * world < flat_total + quantum * groups_used + (flat_total == 0),
+              "case %d W %d: a rank holds %lld of %lld elements (block %lld, %d groups)", c, world, (long long)local,
+              (long long)flat_total, (long long)B, groups_used);
       REQUIRE(local == L.local_elems && blocks == L.blocks_per_rank, "case %d: local size", c);
       // Every element of every tensor exactly once.
       std::sort(runs.begin(), runs.end(), [](const Run &x, const Run &y) {
@@ -152,7 +189,8 @@ int main() {
     return 1;
   }
   printf("test_layout: %d random models x 7 world sizes, %lld elements: every element owned once, shards equal "
-         "and whole blocks, padding at bucket ends, norm blocks independent of W\n",
+         "and whole blocks, within one block per group of 1/W at any bucket size, padding at the end of a group's "
+         "last bucket, norm blocks independent of W\n",
          kCases, (long long)elements);
   return 0;
 }

@@ -321,7 +321,7 @@ void test_lr_zero(const StepInfo &s) {
   for (uint32_t k = 0; k < s.d->num_states; ++k)
     if (s.d->states[k].kind > ZOPT_STATE_GRAD) {
       owned += n * esize(s.d->states[k].dtype);
-      // Each group's last bucket is padded to the 32768-element norm block.
+      // Each group's last bucket is padded to a norm block (at most 32768 elements).
       pad += 2 * 32768 * esize(s.d->states[k].dtype) + 64;
     }
   ZT_CHECK(mi.num_params == n);

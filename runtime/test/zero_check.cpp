@@ -21,7 +21,12 @@
 //     --comm=loopback|mpi   ranks as threads (with --world=W) or MPI processes
 //     --world=W             loopback world size
 //     --steps=N             steps (default 4)
-//     --bucket=E            bucket elements (default 65536: several buckets)
+//     --bucket=E            bucket elements (default 65536: several buckets;
+//                           0: the runtime's default, picked from the model)
+//     --params=N            the model scaled to about N elements (the small
+//                           tensors kept); with --bucket=0 the memory check
+//                           also requires every rank to hold no more bytes
+//                           than one rank of the same step at stage 0
 //     --threads=T           threads per rank (default 1)
 //     --grad-scale=X        gradient magnitude (clipping active or not)
 //     --accum=A             divisor W*A (A accumulated micro-batches)
@@ -90,7 +95,7 @@ struct Options {
   std::string step, other, linked, comm = "loopback", save, load, mismatch;
   bool begin = false, stall = false;
   int world = 2, steps = 4, threads = 1, accum = 1, inf_at = -1, from_world = 1, loaded_steps = 0;
-  int64_t bucket = 65536;
+  int64_t bucket = 65536, params = 0;
   double grad_scale = 0.05;
   bool mask = false, delay = false, stream = false, async = false, misorder = false, async_free = false;
 };
@@ -171,7 +176,7 @@ float value(uint64_t a, uint64_t b, uint64_t c, uint64_t i, double scale) {
   return (float)((h & 1 ? 1.0 : -1.0) * (0.1 + u) * scale);
 }
 
-const std::vector<int64_t> kSizes = {0, 1, 3, 5, 1000, 33333, 70001, 130000, 7};
+std::vector<int64_t> kSizes = {0, 1, 3, 5, 1000, 33333, 70001, 130000, 7};  // --params scales it
 const std::vector<int> kGroups = {0, 0, 1, 0, 1, 0, 1, 0, 1};
 
 struct Model {
@@ -217,7 +222,7 @@ bool build(int rank, const zopt_step *step, Model &m, const Options &opt, zopt_c
     CK(zopt_optimizer_add_tensor(m.o, kGroups[t], m.p[t].data(), stream ? nullptr : m.g[t].data(),
                                  kSizes[t] - (t == shrunk ? 1 : 0), (zopt_dtype)m.pdt, &id));
   if (comm) CK(zopt_optimizer_set_comm(m.o, comm));
-  CK(zopt_optimizer_set_bucket_elems(m.o, opt.bucket));
+  if (opt.bucket > 0) CK(zopt_optimizer_set_bucket_elems(m.o, opt.bucket));
   double v;
   if (zopt_optimizer_get_hyper(m.o, 0, "lr", &v) == ZOPT_OK) {
     CK(zopt_optimizer_set_hyper(m.o, 0, "lr", 1e-2));
@@ -282,20 +287,65 @@ std::vector<uint8_t> mask_of(const Options &opt, int r) {
 
 bool same_bits(double a, double b) { return memcmp(&a, &b, 8) == 0; }
 
-// The documented layout (docs/DISTRIBUTED.md "The layout"), computed here
-// from the description, not by runtime/src/layout: per group the tensors in
-// reverse add order, each non-empty segment at a multiple of `align`; the
-// flat space cut into buckets of `bucket` elements rounded up to a norm
-// block; each bucket padded to a multiple of W norm blocks and cut into W
+// The documented layout (docs/DISTRIBUTED.md "The layout" and "Memory"),
+// computed here from the description, not by runtime/src/layout: per group
+// the tensors in reverse add order, each non-empty segment at a multiple of
+// `align`; the norm block B, the largest power of two <= (elements / 128)
+// in [max(64, align), 32768]; the flat space cut into buckets of `bucket`
+// elements (0: the default picked from the model) rounded up to a multiple
+// of W blocks; each bucket padded to a multiple of W blocks and cut into W
 // equal shards; rank r owns shard r of every bucket.
-constexpr int64_t kBlock = 32768;
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+int64_t model_elems() {
+  int64_t n = 0;
+  for (int64_t x : kSizes) n += x;
+  return n;
+}
+int64_t model_block(int64_t align) {
+  const int64_t lo = std::max<int64_t>(64, align);
+  int64_t b = lo;
+  while (b < 32768 && b * 2 <= model_elems() / 128) b *= 2;
+  return b;
+}
+// The widest dtype a collective of the step moves: the states of its
+// REDUCE_SCATTER and ALL_GATHER ops, the streamed gradient.
+int64_t collective_esize(const zopt_step_descriptor *d, bool stream) {
+  int64_t es = 0;
+  for (uint32_t i = 0; i < d->num_program; ++i) {
+    const zopt_program_op &op = d->program[i];
+    if (op.code == ZOPT_OP_REDUCE_SCATTER || op.code == ZOPT_OP_ALL_GATHER)
+      es = std::max<int64_t>(es, esize(d->states[op.state].dtype));
+  }
+  for (uint32_t s = 0; s < d->num_states; ++s)
+    if (stream && d->states[s].kind == ZOPT_STATE_GRAD) es = std::max<int64_t>(es, esize(d->states[s].dtype));
+  return es;
+}
+// The default bucket at W: the scratch (two buckets of the collectives'
+// dtype) at most half of what sharding saves a rank, in [W blocks, 8Mi].
+int64_t model_default_bucket(const zopt_step_descriptor *d, int world, bool stream) {
+  const int64_t es_c = collective_esize(d, stream), B = model_block(d->align), W = world;
+  int64_t saved_w = 0;  // bytes per element, times W
+  for (uint32_t s = 0; s < d->num_states; ++s) {
+    const zopt_state_desc &sd = d->states[s];
+    const int64_t es = esize(sd.dtype);
+    const bool part = (sd.flags & ZOPT_STATE_PARTITIONED) != 0;
+    if (sd.kind == ZOPT_STATE_PARAM) saved_w -= part ? es : 0;
+    else if (sd.kind == ZOPT_STATE_GRAD) saved_w += stream ? es * (W - 1) : 0;
+    else if (part) saved_w += es * (W - 1);
+  }
+  const int64_t kMax = int64_t(1) << 23;
+  if (W == 1 || es_c == 0 || saved_w <= 0) return kMax;
+  const int64_t fit = (int64_t)((__int128)saved_w * model_elems() / (4 * es_c * W));
+  return std::max(std::min(fit, kMax) / (W * B) * (W * B), W * B);
+}
 struct LayoutModel {
   struct Bucket {
     int group;
     int64_t begin, len, shard;
   };
+  int64_t block = 0;
   std::vector<int64_t> flat;  // per tensor: its element 0 in its group's flat space
+  std::vector<int64_t> group_len;
   std::vector<Bucket> buckets;
   int64_t local = 0;          // elements of a rank's buffer of a sharded state
   int64_t max_padded = 0, blocks_per_rank = 0;
@@ -307,25 +357,32 @@ struct LayoutModel {
     return -1;
   }
 };
-LayoutModel model_layout(int world, int64_t align, int64_t bucket, size_t T) {
+// `world`'s layout; `bucket` as set (0: the default for `d` at `default_world`
+// ranks, which a one-rank layout of the W-rank model keeps).
+LayoutModel model_layout(int world, const zopt_step_descriptor *d, int64_t bucket, size_t T, bool stream,
+                         int default_world) {
   LayoutModel L;
+  const int64_t align = d->align < 1 ? 1 : d->align;
+  L.block = model_block(align);
   L.flat.assign(T, 0);
-  const int64_t B = round_up(bucket < 1 ? 1 : bucket, kBlock);
+  if (bucket <= 0) bucket = model_default_bucket(d, default_world, stream);
+  const int64_t quantum = (int64_t)world * L.block, B = round_up(bucket, quantum);
   int groups = 0;
   for (size_t t = 0; t < T; ++t) groups = std::max(groups, kGroups[t] + 1);
   for (int g = 0; g < groups; ++g) {
     int64_t off = 0;
     for (size_t t = T; t-- > 0;) {
       if (kGroups[t] != g) continue;
-      if (kSizes[t] > 0) off = round_up(off, align < 1 ? 1 : align);
+      if (kSizes[t] > 0) off = round_up(off, align);
       L.flat[t] = off;
       off += kSizes[t];
     }
+    L.group_len.push_back(off);
     for (int64_t b = 0; b < off; b += B) {
-      const int64_t len = std::min(B, off - b), padded = round_up(len, (int64_t)world * kBlock);
+      const int64_t len = std::min(B, off - b), padded = round_up(len, quantum);
       L.buckets.push_back({g, b, len, padded / world});
       L.local += padded / world;
-      L.blocks_per_rank += padded / world / kBlock;
+      L.blocks_per_rank += padded / world / L.block;
       L.max_padded = std::max(L.max_padded, padded);
     }
   }
@@ -409,7 +466,7 @@ bool compare(int rank, Model &m, Model &ref, const zopt_step_result &a, const zo
   // The grad memory (none registered when streaming).
   if (own && !opt.stream) {
     const GradKeep keep = grad_keep(d);
-    const LayoutModel L = model_layout(opt.world, d->align, opt.bucket, m.g.size());
+    const LayoutModel L = model_layout(opt.world, d, opt.bucket, m.g.size(), opt.stream, opt.world);
     const size_t es = esize(m.gdt);
     for (size_t t = 0; t < m.g.size(); ++t)
       for (int64_t i = 0; i < kSizes[t]; ++i) {
@@ -517,58 +574,74 @@ bool expect_error(int rank, zopt_status st, const char *what, const char *needle
 }
 
 // The runtime-owned bytes this rank holds are what the layout assigns it:
-// per state the runtime holds (the optimizer states; ZeRO-3 params;
-// streamed gradients), its shards of every bucket (a partitioned state) or
-// the whole padded flat space (one that is not), in the state's dtype, each
-// buffer rounded up to 64 bytes (its allocation). So a sharded state takes
-// 1/W of one rank's bytes plus the documented padding: less than one norm
-// block per bucket (docs/DISTRIBUTED.md "Memory"). The collective scratch
-// is two buffers of the largest padded bucket (in the widest dtype) and
-// every rank's norm partials.
+// per state the runtime holds (the optimizer states; ZeRO-3 params), its
+// shards of every bucket (a partitioned state) or the whole padded flat
+// space (one that is not), in the state's dtype, each buffer rounded up to
+// 64 bytes (its allocation); streamed gradients likewise in grad_bytes. So
+// a sharded state takes 1/W of the flat elements plus less than one norm
+// block per group (docs/DISTRIBUTED.md "Memory"). The collective scratch
+// (W > 1 only) is one bucket of the collectives' dtype to receive, one to
+// send where the program reduces, and every rank's norm partials;
+// bytes_cpu adds the user's params and registered grads. With the default
+// bucket, no rank holds more than one rank of the same step at stage 0
+// (the reference's bytes, less a ZeRO-3 param copy).
 bool check_memory(int rank, Model &m, Model &ref, const Options &opt, const char *tag) {
   zopt_memory_info mi, mr;
   CK(zopt_optimizer_memory_info(m.o, &mi));
   CK(zopt_optimizer_memory_info(ref.o, &mr));
   const int W = opt.world;
   const size_t T = m.g.size();
-  const LayoutModel L = model_layout(W, m.d->align, opt.bucket, T), L1 = model_layout(1, m.d->align, opt.bucket, T);
-  uint64_t lo = 0, lo1 = 0, bufs = 0, pad = 0, widest = 0, ref_lo1 = 0;
-  bool all_sharded = true;
+  const LayoutModel L = model_layout(W, m.d, opt.bucket, T, opt.stream, W),
+                    L1 = model_layout(1, m.d, opt.bucket, T, opt.stream, W);
+  auto alloc = [](uint64_t b) { return (b + 63) & ~(uint64_t)63; };
+  int64_t flat = 0, groups = 0;
+  for (int64_t n : L.group_len) flat += n, groups += n > 0;
+  uint64_t lo = 0, lo1 = 0, ref_lo1 = 0, grads = 0, ref_param = 0, pg = 0;
+  bool ok = true;
   for (uint32_t s = 0; s < m.d->num_states; ++s) {
     const zopt_state_desc &sd = m.d->states[s];
     const uint64_t es = esize(sd.dtype);
-    widest = std::max(widest, es);
     const bool part = (sd.flags & ZOPT_STATE_PARTITIONED) != 0;
-    const bool streamed = opt.stream && sd.kind == ZOPT_STATE_GRAD;  // the reference registers grad memory
-    const bool held = (sd.kind != ZOPT_STATE_PARAM && sd.kind != ZOPT_STATE_GRAD) ||
-                      (sd.kind == ZOPT_STATE_PARAM && part) || streamed;
-    if (!held) continue;
-    lo += (uint64_t)((part || streamed) ? L.local : L1.local) * es;
-    lo1 += (uint64_t)L1.local * es;
-    if (!streamed) ref_lo1 += (uint64_t)L1.local * es;
-    pad += (uint64_t)L.buckets.size() * kBlock * es;
-    all_sharded = all_sharded && (part || streamed);
-    ++bufs;
+    if (sd.kind == ZOPT_STATE_GRAD) {
+      pg += opt.stream ? 0 : (uint64_t)model_elems() * es;  // registered grad memory
+      if (opt.stream) grads = alloc((uint64_t)L.local * es);
+      continue;
+    }
+    if (sd.kind == ZOPT_STATE_PARAM) pg += (uint64_t)model_elems() * es;
+    if (sd.kind == ZOPT_STATE_PARAM && !part) continue;
+    lo += alloc((uint64_t)(part ? L.local : L1.local) * es);
+    lo1 += alloc((uint64_t)L1.local * es);
+    ref_lo1 += alloc((uint64_t)L1.local * es);
+    if (sd.kind == ZOPT_STATE_PARAM) ref_param = alloc((uint64_t)L1.local * es);
+    // 1/W of the flat elements plus less than one block per group.
+    if (part && W > 1) ok = ok && L.local * W >= flat && L.local * W < flat + (int64_t)W * L.block * groups;
   }
-  const uint64_t align_slack = 63 * bufs;
-  bool ok = mi.state_bytes >= lo && mi.state_bytes <= lo + align_slack;
-  ok = ok && mi.state_bytes_one_rank >= lo1 && mi.state_bytes_one_rank <= lo1 + align_slack;
-  ok = ok && mr.state_bytes == mr.state_bytes_one_rank && mr.state_bytes >= ref_lo1 &&
-       mr.state_bytes <= ref_lo1 + align_slack;
-  // 1/W of one rank's plus the documented padding (less than a norm block
-  // per bucket and state) and the allocations' rounding.
-  if (all_sharded && bufs)
-    ok = ok && mi.state_bytes * (uint64_t)W < mi.state_bytes_one_rank + (uint64_t)W * (pad + align_slack);
-  // Scratch: none at one rank without streaming.
-  const uint64_t scratch = (W > 1 || opt.stream)
-                               ? 2 * (uint64_t)L.max_padded * widest + (uint64_t)L.blocks_per_rank * W * 8
-                               : 0;
-  ok = ok && mi.scratch_bytes <= scratch;
+  ok = ok && mi.state_bytes == lo && mi.state_bytes_one_rank == lo1 && mr.state_bytes == ref_lo1 &&
+       mr.state_bytes_one_rank == ref_lo1 && mi.grad_bytes == grads && mr.grad_bytes == 0;
+  bool reduces = opt.stream;
+  for (uint32_t i = 0; i < m.d->num_program; ++i) reduces |= m.d->program[i].code == ZOPT_OP_REDUCE_SCATTER;
+  const uint64_t es_c = (uint64_t)collective_esize(m.d, opt.stream);
+  const uint64_t scratch =
+      W > 1 ? (reduces ? 2 : 1) * (uint64_t)L.max_padded * es_c + (uint64_t)L.blocks_per_rank * W * 8 : 0;
+  ok = ok && mi.scratch_bytes == scratch && mr.scratch_bytes == 0;
+  ok = ok && mi.bytes_cpu == pg + lo + grads + scratch;
   report(rank, ok,
-         "%smemory: %llu state bytes on this rank (the layout's shards: %llu), %llu on one rank (%llu), scratch "
-         "%llu (at most %llu), world %d",
-         tag, (unsigned long long)mi.state_bytes, (unsigned long long)lo, (unsigned long long)mi.state_bytes_one_rank,
-         (unsigned long long)lo1, (unsigned long long)mi.scratch_bytes, (unsigned long long)scratch, W);
+         "%smemory: %llu state bytes on this rank (the layout's shards: %llu; block %lld), %llu on one rank (%llu), "
+         "gradient shards %llu, scratch %llu (the layout's %llu), world %d",
+         tag, (unsigned long long)mi.state_bytes, (unsigned long long)lo, (long long)L.block,
+         (unsigned long long)mi.state_bytes_one_rank, (unsigned long long)lo1, (unsigned long long)mi.grad_bytes,
+         (unsigned long long)mi.scratch_bytes, (unsigned long long)scratch, W);
+  if (opt.bucket <= 0 && m.d->zero_stage >= 1 && W > 1) {
+    // The guarantee (ZeRO-1/2/3 at W > 1; ZeRO-0 there is DDP, whose
+    // reduction needs its scratch): one rank of the same step at stage 0
+    // holds the reference's bytes without its ZeRO-3 param copy.
+    const uint64_t stage0 = mr.bytes_cpu - ref_param;
+    const double n = (double)model_elems();
+    const bool fits = mi.bytes_cpu <= stage0;
+    report(rank, fits, "%smemory: %.2f B/param on this rank of %d, at most stage 0 at one rank (%.2f B/param)", tag,
+           (double)mi.bytes_cpu / n, W, (double)stage0 / n);
+    ok = ok && fits;
+  }
   return ok;
 }
 
@@ -846,6 +919,7 @@ bool parse(int argc, char **argv, Options &o) {
     else if (const char *v = val("--world=")) o.world = atoi(v);
     else if (const char *v = val("--steps=")) o.steps = atoi(v);
     else if (const char *v = val("--bucket=")) o.bucket = atoll(v);
+    else if (const char *v = val("--params=")) o.params = atoll(v);
     else if (const char *v = val("--threads=")) o.threads = atoi(v);
     else if (const char *v = val("--grad-scale=")) o.grad_scale = atof(v);
     else if (const char *v = val("--accum=")) o.accum = atoi(v);
@@ -881,6 +955,12 @@ int main(int argc, char **argv) {
   if (!parse(argc, argv, opt)) {
     fprintf(stderr, "usage: zopt-zero-check STEP.so [--comm=loopback|mpi] [--world=W] [options]\n");
     return 2;
+  }
+  if (opt.params > 0) {  // scale the model, keeping its small tensors
+    int64_t base = 0, small = 0;
+    for (int64_t n : kSizes) (n >= 1000 ? base : small) += n;
+    for (int64_t &n : kSizes)
+      if (n >= 1000) n = std::max<int64_t>(1, (int64_t)((double)n * (double)(opt.params - small) / (double)base));
   }
   if (opt.comm == "mpi") {
     zopt_comm *c = nullptr;

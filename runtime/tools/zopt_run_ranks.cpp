@@ -33,6 +33,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -214,8 +215,15 @@ RankResult run_rank(const Setup &s, zopt_comm *comm, int rank, int world, Model 
     for (size_t t = 0; t < s.sizes.size(); ++t) {
       size_t b = (size_t)s.sizes[t] * esize(d->states[i].dtype);
       std::vector<uint8_t> x(b), y(b);
-      if (zopt_optimizer_read_state_raw(m.o, (int)t, (zopt_state_kind)kind, x.data(), b) != ZOPT_OK ||
-          zopt_optimizer_read_state_raw(ref.o, (int)t, (zopt_state_kind)kind, y.data(), b) != ZOPT_OK) {
+      // The ranks share the reference: one reader at a time (an optimizer
+      // takes one call at a time, zopt.h "Threading").
+      static std::mutex ref_mu;
+      zopt_status st = zopt_optimizer_read_state_raw(m.o, (int)t, (zopt_state_kind)kind, x.data(), b);
+      if (st == ZOPT_OK) {
+        std::lock_guard<std::mutex> lk(ref_mu);
+        st = zopt_optimizer_read_state_raw(ref.o, (int)t, (zopt_state_kind)kind, y.data(), b);
+      }
+      if (st != ZOPT_OK) {
         res.error = std::string("read_state_raw: ") + zopt_last_error();
         return res;
       }

@@ -12,11 +12,18 @@
  *   zopt_optimizer_finalize(...)          (allocate + init master/moments)
  *   loop: zopt_optimizer_set_hyper(...); zopt_optimizer_step(...)
  *
- * Threading: the error message is per thread. One optimizer must not be used
- * from two threads at the same time; distinct optimizers are independent,
- * also when they share one zopt_step (created and freed on any threads).
- * step() itself runs on a persistent pool of zopt_optimizer_set_num_threads
- * threads (default: $ZOPT_NUM_THREADS, else the hardware concurrency).
+ * Threading: the error message is per thread. One optimizer takes one call
+ * at a time: while a call runs on it, a call on it from another thread is
+ * refused at once with ZOPT_ERR_BAD_STATE naming the running call
+ * ("zopt_optimizer_step: another call (zopt_optimizer_step) is running on
+ * this optimizer on another thread ...") and changes nothing; calls from
+ * several threads one after the other are fine. zopt_optimizer_free waits
+ * for a call running on another thread to return, then frees (calls made
+ * while it waits are refused; any call after it returns is a use after
+ * free). Distinct optimizers are independent, also when they share one
+ * zopt_step (created and freed on any threads). step() itself runs on a
+ * persistent pool of zopt_optimizer_set_num_threads threads (default:
+ * $ZOPT_NUM_THREADS, else the hardware concurrency).
  *
  * Ranks (ZeRO): an optimizer given a communicator (zopt/comm.h,
  * zopt_optimizer_set_comm) of W ranks runs the step's compiled program on
@@ -40,7 +47,7 @@
 extern "C" {
 #endif
 
-#define ZOPT_API_VERSION 2u
+#define ZOPT_API_VERSION 3u
 
 /* Symbol visibility: the library is built with hidden visibility; only the
  * functions declared here are exported. */
@@ -96,6 +103,8 @@ ZOPT_API zopt_isa zopt_step_isa(const zopt_step *step);
 /* ---- optimizer --------------------------------------------------------- */
 
 ZOPT_API zopt_status zopt_optimizer_create(const zopt_step *step, zopt_optimizer **out);
+/* Frees the optimizer; waits for a call running on it on another thread
+ * (and, with buckets in flight, for the one being reduced) first. */
 ZOPT_API void zopt_optimizer_free(zopt_optimizer *opt);
 
 /* Threads used by step() (default: $ZOPT_NUM_THREADS, else the hardware
@@ -436,17 +445,23 @@ ZOPT_API zopt_status zopt_optimizer_load(zopt_optimizer *opt, const char *path);
 /* ---- introspection ----------------------------------------------------- */
 
 typedef struct zopt_memory_info {
-  uint64_t bytes_cpu; /* runtime-held + user param/grad bytes on the CPU, with
-                         collective scratch and an offloaded step's pinned
-                         param/grad staging */
+  uint64_t bytes_cpu; /* on the CPU: the user's params and registered grads
+                         (none with gradient streaming), state_bytes,
+                         grad_bytes, scratch_bytes, and an offloaded step's
+                         pinned param/grad staging */
   uint64_t bytes_gpu;
   uint64_t num_params; /* total elements */
   uint64_t state_bytes;          /* runtime-owned states this rank holds
                                     (master, moments; ZeRO-3 params) */
   uint64_t state_bytes_one_rank; /* the same for one rank holding all */
-  uint64_t scratch_bytes;        /* collective buffers (one bucket) */
+  uint64_t scratch_bytes;        /* collective buffers: at W > 1 one bucket
+                                    of the collectives' dtype to receive,
+                                    one to send if the step reduces, the
+                                    norm partials */
   int32_t world_size, rank;      /* before finalize: the communicator's (the
                                     state figures are 0 until finalize) */
+  uint64_t grad_bytes;           /* runtime-held gradient shards (gradient
+                                    streaming; API version 3) */
 } zopt_memory_info;
 ZOPT_API zopt_status zopt_optimizer_memory_info(const zopt_optimizer *opt,
                                        zopt_memory_info *info);
@@ -461,9 +476,15 @@ ZOPT_API zopt_status zopt_optimizer_memory_info(const zopt_optimizer *opt,
  * host communicator for CPU-updated steps; GPU steps run at world size 1. */
 ZOPT_API zopt_status zopt_optimizer_set_comm(zopt_optimizer *opt, zopt_comm *comm);
 ZOPT_API zopt_status zopt_optimizer_get_world(const zopt_optimizer *opt, int *rank, int *world);
-/* Elements per bucket of the layout (rounded up to the 32768-element norm
- * block; default 8388608): the unit of every collective and the size of
- * the collective scratch. Before finalize. */
+/* Elements per bucket of the layout: the unit of every collective and the
+ * size of the collective scratch. Any size from 1 is accepted and rounded
+ * up to a multiple of W norm blocks (the block is a power of two from 64 to
+ * 32768 elements, picked from the model's size: docs/DISTRIBUTED.md "The
+ * layout"), so that every rank's shard of a bucket is whole blocks: a rank
+ * holds less than one block per group more than 1/W of every sharded
+ * state. The default (0) is picked from the model's size so that the
+ * scratch takes at most half of what sharding saves a rank (at most
+ * 8388608; 8388608 at world size 1). Before finalize. */
 ZOPT_API zopt_status zopt_optimizer_set_bucket_elems(zopt_optimizer *opt, int64_t elems);
 /* The gradient divisor D: the update sees grad / (S * D) (S the loss
  * scale). 0 (the default) means the world size, so that the reduced

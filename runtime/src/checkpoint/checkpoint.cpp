@@ -624,7 +624,7 @@ static zopt_status save_file(const zopt_optimizer *o, const std::string &file, c
 
 ZOPT_API zopt_status zopt_optimizer_save(const zopt_optimizer *co, const char *path) {
   zopt_optimizer *o = const_cast<zopt_optimizer *>(co);
-  if (!o) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_save: optimizer is NULL");
+  ZOPT_ENTER_CALL(o, "zopt_optimizer_save");
   if (zopt_status st = check_idle(o, "zopt_optimizer_save")) return st;
   if (!path || !*path) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_save: path is NULL or empty");
   if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_save: call zopt_optimizer_finalize first");
@@ -869,7 +869,7 @@ static zopt_status stage_load(zopt_optimizer *o, const char *path, uint32_t flag
 }
 
 ZOPT_API zopt_status zopt_optimizer_load_ex(zopt_optimizer *o, const char *path, uint32_t flags) {
-  if (!o) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_load: optimizer is NULL");
+  ZOPT_ENTER_CALL(o, "zopt_optimizer_load");
   if (zopt_status st = check_idle(o, "zopt_optimizer_load")) return st;
   if (!path || !*path) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_load: path is NULL or empty");
   if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_load: call zopt_optimizer_finalize first");

@@ -19,7 +19,6 @@
 namespace zopt {
 namespace exec {
 
-using layout::kNormBlock;
 using layout::Layout;
 using layout::Piece;
 
@@ -143,7 +142,7 @@ void build_update_work(zopt_optimizer *o, Work &w, int range) {
 }
 
 // The norm blocks of a range: OWNED, this rank's blocks of every bucket
-// (shard / kNormBlock each); ALL, every block of every bucket at W = 1.
+// (shard / block each); ALL, every block of every bucket at W = 1.
 // Blocks are listed in this rank's partials order (bucket, block).
 void build_blocks(zopt_optimizer *o, Blocks &B, int range) {
   const Program &P = *o->prog;
@@ -151,13 +150,14 @@ void build_blocks(zopt_optimizer *o, Blocks &B, int range) {
   const int r = range == ZOPT_RANGE_OWNED ? o->rank : 0;
   B.sumsq.chunks.clear();
   B.first.clear();
+  const int64_t NB = L.block;
   for (int b = 0; b < (int)L.buckets.size(); ++b) {
     const layout::Bucket &k = L.buckets[b];
-    int64_t nb = k.shard / kNormBlock;
+    int64_t nb = k.shard / NB;
     for (int64_t j = 0; j < nb; ++j) {
       B.first.push_back(B.sumsq.chunks.size());
-      int64_t a = k.begin + (int64_t)r * k.shard + j * kNormBlock;
-      int64_t e = std::min(a + kNormBlock, k.begin + k.len);
+      int64_t a = k.begin + (int64_t)r * k.shard + j * NB;
+      int64_t e = std::min(a + NB, k.begin + k.len);
       for (const Piece &p : L.pieces(k.group, a, e)) B.sumsq.chunks.push_back(make_chunk(o, b, p, 0, p.len));
     }
   }
@@ -548,18 +548,19 @@ zopt_status run_op(zopt_optimizer *o, StepState *st, size_t i) {
             return s;
           all = &P.gathered;
         }
-        const int64_t bpr = P.L.blocks_per_rank;
+        const int64_t bpr = P.L.blocks_per_rank, NB = P.L.block;
         for (const layout::Bucket &k : P.L.buckets) {
-          const int64_t nb = k.shard / kNormBlock;
+          const int64_t nb = k.shard / NB;
           for (int q = 0; q < o->world; ++q)
             for (int64_t j = 0; j < nb; ++j) {
-              if ((q * nb + j) * kNormBlock >= k.len) break;
+              if ((q * nb + j) * NB >= k.len) break;
               sum += (*all)[(size_t)(q * bpr + k.block_offset + j)];
             }
         }
       } else {
+        const int64_t NB = P.L1.block;
         for (const layout::Bucket &k : P.L1.buckets)
-          for (int64_t j = 0; j < k.shard / kNormBlock && j * kNormBlock < k.len; ++j)
+          for (int64_t j = 0; j < k.shard / NB && j * NB < k.len; ++j)
             sum += P.norm_all.partials[(size_t)(k.block_offset + j)];
       }
       st->sumsq = sum;
@@ -673,6 +674,54 @@ static zopt_status validate(zopt_optimizer *o) {
   return ZOPT_OK;
 }
 
+// Bytes per element of the widest state a collective of the step moves
+// (the grad it reduces, the param or grad it gathers; gather_state moves
+// wider sharded states through the same scratch in pieces); 0 for none.
+static size_t collective_es(const zopt_optimizer *o) {
+  const zopt_step_descriptor *d = o->d;
+  size_t es = 0;
+  for (uint32_t i = 0; i < d->num_program; ++i) {
+    const zopt_program_op &op = d->program[i];
+    if (op.code == ZOPT_OP_REDUCE_SCATTER || op.code == ZOPT_OP_ALL_GATHER)
+      es = std::max(es, dtype_size(d->states[op.state].dtype));
+  }
+  if (o->stream_grads) es = std::max(es, dtype_size(d->states[o->step->grad_index].dtype));
+  for (uint32_t s = 0; s < d->num_states && !es; ++s)  // sharded states only gathered on request
+    if (d->states[s].flags & ZOPT_STATE_PARTITIONED) es = dtype_size(d->states[s].dtype);
+  return es;
+}
+
+// The bucket size when the caller sets none (docs/DISTRIBUTED.md "Memory"):
+// ZeRO must not cost a rank more memory than one rank holds at stage 0, so
+// the collective scratch (two buffers of one bucket of `es_c`-byte
+// elements) gets at most half of what sharding saves a rank on the `elems`
+// elements, per element (times W): the sharded optimizer states' es (W - 1)
+// and the streamed gradient's (the rank holds its shard, not the
+// gradients), less the ZeRO-3 param shard's es (held besides the user's
+// params). Rounded down to a multiple of W blocks, at least W blocks, at
+// most kDefaultBucket; kDefaultBucket at W = 1 (no scratch) and where
+// sharding saves nothing (ZeRO-0: DDP's reduction needs its scratch).
+static int64_t default_bucket(const zopt_optimizer *o, int64_t elems, int64_t block, size_t es_c) {
+  const int W = o->world;
+  if (W <= 1 || es_c == 0) return layout::kDefaultBucket;
+  const zopt_step_descriptor *d = o->d;
+  int64_t saved_w = 0;  // bytes saved per element, times W
+  for (uint32_t s = 0; s < d->num_states; ++s) {
+    const zopt_state_desc &sd = d->states[s];
+    const int64_t es = (int64_t)dtype_size(sd.dtype);
+    const bool part = sd.flags & ZOPT_STATE_PARTITIONED;
+    if (sd.kind == ZOPT_STATE_PARAM) saved_w -= part ? es : 0;
+    else if (sd.kind == ZOPT_STATE_GRAD) saved_w += o->stream_grads ? es * (W - 1) : 0;
+    else if (part) saved_w += es * (W - 1);
+  }
+  if (saved_w <= 0) return layout::kDefaultBucket;
+  const int64_t quantum = (int64_t)W * block;
+  const __int128 fit = (__int128)saved_w * elems / ((__int128)4 * (int64_t)es_c * W);
+  int64_t b = fit >= layout::kDefaultBucket ? layout::kDefaultBucket : (int64_t)fit;
+  b = b / quantum * quantum;
+  return std::max(b, quantum);
+}
+
 zopt_status build(zopt_optimizer *o) {
   const zopt_step_descriptor *d = o->d;
   Program *P = new (std::nothrow) Program;
@@ -692,7 +741,11 @@ zopt_status build(zopt_optimizer *o) {
       in.numel.push_back(x.numel);
     }
     in.align = d->align;
-    in.bucket = o->bucket_elems > 0 ? o->bucket_elems : layout::kDefaultBucket;
+    int64_t elems = 0;
+    for (int64_t n : in.numel) elems += n;
+    in.block = layout::block_for(elems, in.align);  // the same at every W
+    const size_t es_c = collective_es(o);
+    in.bucket = o->bucket_elems > 0 ? o->bucket_elems : default_bucket(o, elems, in.block, es_c);
     in.world = o->world;
     P->L = layout::make_layout(in);
     in.world = 1;
@@ -702,11 +755,11 @@ zopt_status build(zopt_optimizer *o) {
     P->sharded.assign(S, 0);
     P->pinned.assign(S, 0);
     P->buf_bytes.assign(S, 0);
-    size_t max_es = 0;
+    bool reduces = o->stream_grads;
+    for (uint32_t i = 0; i < d->num_program; ++i) reduces |= d->program[i].code == ZOPT_OP_REDUCE_SCATTER;
     for (uint32_t s = 0; s < S; ++s) {
       const zopt_state_desc &sd = d->states[s];
       const size_t es = dtype_size(sd.dtype);
-      max_es = std::max(max_es, es);
       const bool user = !is_owned_kind(sd.kind);
       const bool zero3_param = sd.kind == ZOPT_STATE_PARAM && (sd.flags & ZOPT_STATE_PARTITIONED);
       const bool streamed_grad = o->stream_grads && sd.kind == ZOPT_STATE_GRAD;
@@ -730,9 +783,12 @@ zopt_status build(zopt_optimizer *o) {
       P->buf_bytes[s] = ((size_t)elems * es + 63) & ~(size_t)63;
       if (zopt_status st = alloc_host(P->buf_bytes[s], state_kind_name(sd.kind), &P->buf[s])) return bail(st);
     }
-    if (o->world > 1 || o->stream_grads) {
-      P->send.resize((size_t)P->L.max_padded * max_es);
-      P->recv.resize((size_t)P->L.max_padded * max_es);
+    // Collective scratch, at W > 1 only (one rank reduces a streamed bucket
+    // straight into its shard): one bucket of the collectives' dtype to
+    // receive, another to send where the program reduces.
+    if (o->world > 1) {
+      if (reduces) P->send.resize((size_t)P->L.max_padded * es_c);
+      P->recv.resize((size_t)P->L.max_padded * es_c);
       P->gathered.resize((size_t)P->L.blocks_per_rank * o->world);
     }
     P->bucket_reduced.assign(P->L.buckets.size(), 0);
@@ -959,24 +1015,26 @@ static zopt_status reduce_run(zopt_optimizer *o, int b, const std::vector<const 
   const uint32_t dt = o->d->states[gi].dtype;
   const size_t es = dtype_size(dt);
   const layout::Bucket &k = P.L.buckets[b];
+  auto grad_of = [&](const Piece &p) -> const char * {
+    return src[p.tensor] ? (const char *)src[p.tensor] + (size_t)p.start * es : nullptr;
+  };
+  if (W == 1) {  // the sum of one rank's gradient is itself: packed into the shard
+    pack_range(P, b, k.begin, k.begin + k.shard, es, (char *)P.buf[gi] + (size_t)k.local_offset * es, grad_of);
+    return ZOPT_OK;
+  }
   // Pack every rank's shard of the bucket (zero where no tensor, or a
   // tensor without a gradient on this rank, is), as reduce_scatter does.
   char *send = (char *)P.send.data();
   for (int q = 0; q < W; ++q) {
     int64_t a = k.begin + (int64_t)q * k.shard;
-    pack_range(P, b, a, a + k.shard, es, send + (size_t)q * k.shard * es, [&](const Piece &p) -> const char * {
-      return src[p.tensor] ? (const char *)src[p.tensor] + (size_t)p.start * es : nullptr;
-    });
+    pack_range(P, b, a, a + k.shard, es, send + (size_t)q * k.shard * es, grad_of);
   }
-  const char *recv = send;
-  if (W > 1) {
-    char w[96];
-    // Nothing folded yet: a mismatch here leaves the bucket to hand over again.
-    if (zopt_status st = comm_all_to_all(o->comm, send, P.recv.data(), (size_t)k.shard * es,
-                                         what(w, sizeof w, "REDUCE_BUCKET", o, gi, b), kSigUnchanged))
-      return st;
-    recv = (const char *)P.recv.data();
-  }
+  char w[96];
+  // Nothing folded yet: a mismatch here leaves the bucket to hand over again.
+  if (zopt_status st = comm_all_to_all(o->comm, send, P.recv.data(), (size_t)k.shard * es,
+                                       what(w, sizeof w, "REDUCE_BUCKET", o, gi, b), kSigUnchanged))
+    return st;
+  const char *recv = (const char *)P.recv.data();
   // The rank-order f32 sum of the W pieces of this rank's shard, into the
   // held shard (contiguous: the padding folds zeros into zeros).
   char *dst = (char *)P.buf[gi] + (size_t)(k.local_offset) * es;
@@ -1065,29 +1123,45 @@ zopt_status gather_state(zopt_optimizer *o, int si, int first, int count, void *
   }
   std::sort(buckets.begin(), buckets.end());
   buckets.erase(std::unique(buckets.begin(), buckets.end()), buckets.end());
+  // The scratch holds one bucket of the collectives' dtype: a wider state
+  // (an f32 master of bf16 params) goes in pieces of `cap` elements per rank.
+  const int W = o->world;
+  const size_t cap = P.recv.size() / (es * (size_t)W);
+  if (cap == 0) return fail(ZOPT_ERR_INTERNAL, "gather_state: no collective scratch");
   for (int b : buckets) {
     const layout::Bucket &k = P.L.buckets[b];
-    const char *send = (const char *)P.buf[si] + (size_t)k.local_offset * es;
-    char w[96];
-    // A gather only reads the optimizer (kSigUnchanged).
-    if (zopt_status st = comm_all_gather(o->comm, send, P.recv.data(), (size_t)k.shard * es,
-                                         what(w, sizeof w, "GATHER", o, si, b), kSigUnchanged))
-      return st;
-    const unsigned char *recv = P.recv.data();
-    for (const Piece &p : P.L.pieces(k.group, k.begin, k.begin + k.len)) {
-      if (p.tensor < first || p.tensor >= first + count) continue;
-      memcpy(dst_of(p.tensor) + (size_t)p.start * es, recv + (size_t)(p.flat - k.begin) * es, (size_t)p.len * es);
+    for (int64_t off = 0; off < k.shard;) {
+      const int64_t c = std::min<int64_t>((int64_t)cap, k.shard - off);
+      const char *send = (const char *)P.buf[si] + (size_t)(k.local_offset + off) * es;
+      char w[96];
+      // A gather only reads the optimizer (kSigUnchanged).
+      if (zopt_status st = comm_all_gather(o->comm, send, P.recv.data(), (size_t)c * es,
+                                           what(w, sizeof w, "GATHER", o, si, b), kSigUnchanged))
+        return st;
+      for (int q = 0; q < W; ++q) {
+        const int64_t fa = k.begin + (int64_t)q * k.shard + off;  // rank q's piece: flat [fa, fa + c)
+        const unsigned char *recv = P.recv.data() + (size_t)q * c * es;
+        for (const Piece &p : P.L.pieces(k.group, fa, std::min(fa + c, k.begin + k.len))) {
+          if (p.tensor < first || p.tensor >= first + count) continue;
+          memcpy(dst_of(p.tensor) + (size_t)p.start * es, recv + (size_t)(p.flat - fa) * es, (size_t)p.len * es);
+        }
+      }
+      off += c;
     }
   }
   return ZOPT_OK;
 }
 
-void state_bytes(const zopt_optimizer *o, uint64_t *mine, uint64_t *one_rank, uint64_t *scratch) {
-  *mine = *one_rank = *scratch = 0;
+void state_bytes(const zopt_optimizer *o, uint64_t *mine, uint64_t *one_rank, uint64_t *scratch, uint64_t *grads) {
+  *mine = *one_rank = *scratch = *grads = 0;
   const Program *P = o->prog;
   if (!P) return;
   for (uint32_t s = 0; s < o->d->num_states; ++s) {
     if (!P->buf[s] || P->pinned[s]) continue;
+    if (o->d->states[s].kind == ZOPT_STATE_GRAD) {  // streamed gradient shards
+      *grads += P->buf_bytes[s];
+      continue;
+    }
     *mine += P->buf_bytes[s];
     *one_rank += ((uint64_t)P->L1.local_elems * dtype_size(o->d->states[s].dtype) + 63) & ~(uint64_t)63;
   }

@@ -61,7 +61,8 @@ struct Program {
   Work update_owned, update_all;
   Blocks norm_owned, norm_all;
   int update_range = ZOPT_RANGE_OWNED, norm_range = 0;  // norm_range 0: no norm
-  // Collective scratch (one bucket).
+  // Collective scratch (W > 1): one bucket of the collectives' dtype each
+  // (send: only for a program that reduces).
   std::vector<unsigned char> send, recv;
   std::vector<double> gathered;  // all ranks' norm partials
   // The coefficient table: one row per (group, step count) in use.
@@ -150,8 +151,10 @@ zopt_status gather_state(zopt_optimizer *o, int si, int first, int count, void *
 // REDUCE_SCATTER's sum (fold.cpp): W pieces of n elements of dtype dt added
 // in f32 in rank order, rounded to dt, stored at dst.
 void fold(uint32_t dt, int W, const char *const *src, char *dst, int64_t n);
-// Bytes of runtime-held state this rank holds; what one rank would hold.
-void state_bytes(const zopt_optimizer *o, uint64_t *mine, uint64_t *one_rank, uint64_t *scratch);
+// Bytes of runtime-held state this rank holds (master, moments, ZeRO-3
+// params); what one rank would hold; the collective scratch; the streamed
+// gradient shards.
+void state_bytes(const zopt_optimizer *o, uint64_t *mine, uint64_t *one_rank, uint64_t *scratch, uint64_t *grads);
 
 }  // namespace exec
 }  // namespace zopt

@@ -10,18 +10,32 @@ namespace {
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 }  // namespace
 
+int64_t block_for(int64_t elems, int64_t align) {
+  const int64_t lo = std::max(kMinBlock, align), want = elems / kBlocksPerModel;
+  int64_t b = lo;
+  while (b < kMaxBlock && b * 2 <= want) b *= 2;
+  return b;
+}
+
 Layout make_layout(const Input &in) {
   Layout L;
   L.world = in.world < 1 ? 1 : in.world;
   L.align = in.align < 1 ? 1 : in.align;
-  L.bucket = round_up(std::max<int64_t>(in.bucket, 1), kNormBlock);
+  if (in.block > 0) {
+    L.block = in.block;
+  } else {
+    int64_t total = 0;
+    for (int64_t n : in.numel) total += n;
+    L.block = block_for(total, L.align);
+  }
+  const int64_t quantum = (int64_t)L.world * L.block;
+  L.bucket = round_up(std::max<int64_t>(in.bucket, 1), quantum);
   const size_t ntensors = in.numel.size();
   L.tensors.resize(ntensors);
   L.order.resize(in.num_groups);
   L.group_len.assign(in.num_groups, 0);
   std::vector<std::vector<int>> members(in.num_groups);
   for (size_t t = 0; t < ntensors; ++t) members[in.group[t]].push_back((int)t);
-  const int64_t quantum = (int64_t)L.world * kNormBlock;
   for (int g = 0; g < in.num_groups; ++g) {
     // Reverse add order: the last tensor added (the first whose gradient
     // backward produces) comes first.
@@ -47,7 +61,7 @@ Layout make_layout(const Input &in) {
       k.local_offset = L.local_elems;
       k.block_offset = L.blocks_per_rank;
       L.local_elems += k.shard;
-      L.blocks_per_rank += k.shard / kNormBlock;
+      L.blocks_per_rank += k.shard / L.block;
       L.max_padded = std::max(L.max_padded, k.padded);
       L.buckets.push_back(k);
     }

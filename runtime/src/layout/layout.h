@@ -2,30 +2,40 @@
 //
 // This subsystem owns one pure function, make_layout: from the tensor sizes
 // per parameter group, the world size W, the step's `align` and the bucket
-// size it decides the flat spaces, the buckets, every rank's shards, the
-// norm blocks and the padding. The step program, the checkpoints and the
+// size it decides the flat spaces, the norm block, the buckets, every
+// rank's shards and the padding. The step program, the checkpoints and the
 // tests all use it; nothing else decides where an element is.
 // docs/DISTRIBUTED.md explains the choices.
 //
 //   flat space  per group, the group's tensors in reverse add order (the
 //               order backward produces their gradients), each segment
 //               starting at a multiple of `align` elements;
-//   buckets     the flat space cut at multiples of the bucket size (itself
-//               a multiple of the norm block): bucket b covers the flat
+//   block       the norm block B (block_for: a power of two from the
+//               model's size, 64 .. 32768 elements, at least `align`): the
+//               unit of sharding and of the norm's partial sums. It depends
+//               on the tensor sizes and `align` only, never on W or the
+//               bucket size;
+//   buckets     the flat space cut at multiples of the bucket size, itself
+//               rounded up to a multiple of W * B: bucket b covers the flat
 //               range [begin, begin + len) of one group; buckets never mix
-//               groups. Bucket boundaries do not depend on W;
+//               groups. Every bucket but a group's last is a whole number
+//               of blocks per rank;
 //   shards      bucket b is padded at its end to `padded`, a multiple of
-//               W * kNormBlock, and cut into W equal shards of
-//               shard = padded / W elements: rank r owns bucket-relative
-//               [r * shard, (r + 1) * shard). Padding is never read by a
-//               kernel and is zero in every buffer;
+//               W * B, and cut into W equal shards of shard = padded / W
+//               elements: rank r owns bucket-relative [r * shard,
+//               (r + 1) * shard). Only a group's last bucket has padding
+//               (less than one block per rank), so a rank holds less than
+//               one block per group more than 1/W of the elements. Padding
+//               is never read by a kernel and is zero in every buffer;
 //   local       a rank's buffer of a sharded state is its shards of every
 //               bucket, concatenated in bucket order (`local_offset`); a
 //               full (unsharded) buffer is the same with W = 1;
-//   norm blocks kNormBlock elements of a bucket, bucket-relative; a shard
-//               is a whole number of blocks, so every block lives on one
-//               rank. The global norm is the sum of the blocks' partial
-//               sums in (bucket, block) order: the same bits at any W.
+//   norm blocks B elements of the flat space (bucket boundaries are
+//               multiples of B, so a block never straddles one); a shard is
+//               a whole number of blocks, so every block lives on one rank.
+//               The global norm is the sum of the blocks' partial sums in
+//               (group, flat) order: the same bits at any W and any bucket
+//               size.
 #ifndef ZOPT_RUNTIME_LAYOUT_H
 #define ZOPT_RUNTIME_LAYOUT_H
 
@@ -35,11 +45,21 @@
 namespace zopt {
 namespace layout {
 
-// Elements per norm block (a power of two, a multiple of every `align`
-// the compiler accepts up to 2^15, and of the kernels' vector widths).
-constexpr int64_t kNormBlock = 32768;
-// Default bucket size in elements (a multiple of kNormBlock).
+// The norm block's bounds (powers of two; the largest is a multiple of
+// every `align` the compiler accepts, up to 2^15, and of the kernels'
+// vector widths).
+constexpr int64_t kMaxBlock = 32768;
+constexpr int64_t kMinBlock = 64;
+// A model of `elems` elements gets at least this many blocks (up to
+// kMaxBlock per block): balanced shards at small sizes.
+constexpr int64_t kBlocksPerModel = 128;
+// The largest default bucket size in elements.
 constexpr int64_t kDefaultBucket = int64_t(1) << 23;
+
+// The norm block of a model of `elems` elements (the tensors' numel summed)
+// and a step aligned to `align`: the largest power of two <= elems /
+// kBlocksPerModel, clamped to [max(kMinBlock, align), kMaxBlock].
+int64_t block_for(int64_t elems, int64_t align);
 
 struct Input {
   // Per tensor (ids 0, 1, ... in add order): its group and element count.
@@ -48,7 +68,8 @@ struct Input {
   int num_groups = 0;
   int world = 1;
   int64_t align = 1;                // power of two
-  int64_t bucket = kDefaultBucket;  // elements; rounded up to a multiple of kNormBlock
+  int64_t bucket = kDefaultBucket;  // elements; rounded up to a multiple of world * block
+  int64_t block = 0;                // 0: block_for(the numels summed, align)
 };
 
 struct Segment {    // one tensor (ids count over all groups in add order)
@@ -62,7 +83,7 @@ struct Bucket {
   int group = 0;
   int64_t begin = 0;         // flat offset in the group
   int64_t len = 0;           // flat elements covered (content and align gaps)
-  int64_t padded = 0;        // len rounded up to a multiple of world * kNormBlock
+  int64_t padded = 0;        // len rounded up to a multiple of world * block
   int64_t shard = 0;         // padded / world: elements per rank
   int64_t local_offset = 0;  // of this bucket's shard in a rank's local buffer
   int64_t block_offset = 0;  // of this bucket's first block in a rank's partials
@@ -79,6 +100,7 @@ struct Piece {
 struct Layout {
   int world = 1;
   int64_t align = 1, bucket = 0;
+  int64_t block = kMaxBlock;            // the norm block
   std::vector<Segment> tensors;
   std::vector<int64_t> group_len;       // flat length of each group
   std::vector<std::vector<int>> order;  // per group: tensor ids in flat order

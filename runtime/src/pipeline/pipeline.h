@@ -18,7 +18,8 @@
 // communicator's timeout at the latest) and joins.
 //
 // Thread safety: submit, idle, completed and drain are called by one caller
-// thread at a time (the optimizer's API is not reentrant); the jobs run on
+// thread at a time (the optimizer's API takes one call at a time: its
+// CallGate, internal.h); the jobs run on
 // the pipeline's thread. A job's `run` may use the optimizer's thread pool
 // and scratch: the API refuses every other call on the optimizer while a
 // job is queued or running (CHECK_OPT in optimizer.cpp), and a step drains
