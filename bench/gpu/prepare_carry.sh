@@ -85,6 +85,10 @@ export ZOPT_TEST_STEP_CACHE="$out/stepcache"
 export ZOPT_COMPILE="$build/bin/zopt-compile"
 export ZOPT_RUNTIME_LIB="$out/lib/libzopt_runtime.so"
 export CUDA_HOME="$cuda"
+# zopt.steps' own disk cache, fresh: a step built there earlier would never
+# reach zopt.compile, so it would not be recorded.
+export ZOPT_CACHE_DIR="$(mktemp -d /tmp/zopt-carry-cache.XXXXXX)"
+trap 'rm -rf "$ZOPT_CACHE_DIR"' EXIT
 site="$out/repo/python:$out/repo/python/tests/stepcache_site"
 if [ "${ZOPT_CARRY_SUITE:-1}" != 0 ]; then
   log "recording the steps of python/tests (the suite, once; minutes)"
