@@ -208,7 +208,7 @@ correctness() {
     "f16_f32grad_loss_scale:--steps=4 --inf-at=2"
     "f16_f32grad_loss_scale:--steps=6 --inf-at=4 --graph --lr-schedule"
     "bf16_f32grad_offload:--steps=4 --inf-at=2")
-  local ok=0 bad=0 failed="" run l extra r last o="$scratch/gpu-check.out"
+  local ok=0 bad=0 nodev=0 failed="" run l extra r last o="$scratch/gpu-check.out"
   for run in "${runs[@]}"; do
     l="${run%%:*}"; extra="${run#*:}"
     echo "== zopt-gpu-check $l $extra"
@@ -227,6 +227,8 @@ correctness() {
       fi
     elif [ $r -eq 0 ]; then
       ok=$((ok + 1))
+    elif [ $r -eq 77 ]; then
+      nodev=$((nodev + 1))
     else
       bad=$((bad + 1)); failed="$failed [$l $extra]"
       [ $r -eq 124 ] && echo "TIMEOUT after 60 s"
@@ -237,9 +239,11 @@ correctness() {
   if [ "$rehearsal" = 1 ]; then
     [ $bad = 0 ] && echo "RESULT PASS rehearsal: $ok of ${#runs[@]} zopt-gpu-check runs completed on the stand-in (offload runs passed; GPU numbers unchecked)" ||
       echo "RESULT FAIL rehearsal: $bad of ${#runs[@]} runs did not complete:$failed"
+  elif [ $nodev = ${#runs[@]} ]; then
+    echo "RESULT FAIL no CUDA device: zopt-gpu-check found none (exit 77), nothing was checked"
   else
-    [ $bad = 0 ] && echo "RESULT PASS $ok of ${#runs[@]} zopt-gpu-check runs passed" ||
-      echo "RESULT FAIL $bad of ${#runs[@]} zopt-gpu-check runs failed:$failed"
+    [ $bad = 0 ] && [ $nodev = 0 ] && echo "RESULT PASS $ok of ${#runs[@]} zopt-gpu-check runs passed" ||
+      echo "RESULT FAIL $bad of ${#runs[@]} zopt-gpu-check runs failed${nodev:+, $nodev found no device}:$failed"
   fi
 }
 
@@ -324,8 +328,9 @@ comm.close()
 sys.exit(0 if ok else 1)
 EOF
   r2=$?
-  [ $r1 -eq 0 ] && [ $r2 -eq 0 ] && echo "RESULT PASS zopt-nccl-check and Comm.nccl at W = 1 with $lib" ||
-    echo "RESULT FAIL zopt-nccl-check exit $r1, Comm.nccl exit $r2 (with $lib)"
+  if [ $r1 -eq 0 ] && [ $r2 -eq 0 ]; then echo "RESULT PASS zopt-nccl-check and Comm.nccl at W = 1 with $lib"
+  elif [ $r1 -eq 77 ]; then echo "RESULT FAIL no CUDA device: zopt-nccl-check checked nothing (with $lib)"
+  else echo "RESULT FAIL zopt-nccl-check exit $r1, Comm.nccl exit $r2 (with $lib)"; fi
 }
 
 # ---- 5: the benchmark ------------------------------------------------------------------
