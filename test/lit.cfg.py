@@ -60,8 +60,8 @@ def cuda_gpu_present():
         return False
 if cuda_gpu_present():
     config.available_features.add("cuda-gpu")
-llvm_config.add_tool_substitutions(["zopt-gpu-check", "zopt-gpu-host-check", "zopt-zero-check",
-                                   "zopt-ckpt-check"], tool_dirs)
+llvm_config.add_tool_substitutions(["zopt-gpu-check", "zopt-gpu-host-check", "zopt-nccl-check",
+                                   "zopt-zero-check", "zopt-ckpt-check"], tool_dirs)
 # MPI (Open MPI's mpirun; as root it needs the allow-run-as-root flags, more
 # ranks than cores --oversubscribe): multi-process tests say REQUIRES: mpi.
 import shutil
@@ -76,3 +76,8 @@ config.substitutions.append(("%mpirun", mpi_env + "mpirun --allow-run-as-root --
                              "--mca btl_vader_single_copy_mechanism none --timeout 120"))
 # The stand-in CUDA driver of test/Integration/GPUHost.
 config.substitutions.append(("%fake_cuda", os.path.join(config.zopt_obj_root, "lib", "libzopt-fake-cuda.so")))
+# The stand-in NCCL (runtime/test/fake_nccl, soname libnccl.so.2).
+fake_nccl = os.path.join(config.zopt_obj_root, "lib", "zopt_test_nccl", "libnccl.so.2")
+config.substitutions.append(("%fake_nccl", fake_nccl))
+if os.path.exists(fake_nccl):
+    config.available_features.add("fake-nccl")

@@ -1,39 +1,54 @@
-"""GPU step benchmark (never run yet: written without a GPU).
+"""GPU step benchmark (bench/gpu/run_gpu_bench.sh, stage 5; not run on a GPU
+yet: written without one).
 
-For each layout: zopt's GPU step (CUDA events, median of --iters), GB/s
-from the roofline bytes/param, the ratio to a device-to-device copy measured
-in the same run, torch.optim.AdamW(fused=True) on the same layout, and for
-clipped layouts clip_grad_norm_ + fused AdamW. Then the work list (issue 11,
-item 5): the same number of parameters as 1, 1,000 and 10,000 tensors (the
-step should cost about the same). Prints the device, the CUDA driver, the
-toolkit the steps were built with and torch's CUDA, then a table, and
-writes it as markdown (--out) for docs/benchmarks/."""
+Issue 20's speed list, every ratio measured in the same run, on the same
+tensors:
+* per layout and size (64Mi and 1Gi params by default; --sizes): zopt's
+  whole step and its UPDATE kernel alone (torch.profiler's CUDA activity:
+  the ``<step>_update`` kernels), each as GB/s of the roofline bytes/param
+  and against a device-to-device copy of the same bytes (goal >= 0.90);
+  torch.optim.AdamW(fused=True) on the same params (goal: torch / zopt >=
+  1.0) and, for clipped layouts, clip_grad_norm_ + fused AdamW (goal >= 1.25);
+* the work list: the same parameter count as 1, 1,000 and 10,000 tensors
+  (goal: <= 1.1x one tensor).
+CUDA events, median of --iters after 3 warm-ups. The markdown (--out) is
+rewritten after every row, so a run stopped by its time box (--deadline, a
+Unix time) keeps the rows it finished. --check (no GPU needed) only loads
+every step and checks the arguments (the rehearsal)."""
 import argparse
 import ctypes
 import datetime
 import os
 import statistics
+import sys
+import time
 
 import torch
 
 import zopt
 
-# name -> (param dtype, bytes/param/step, clip, torch layout note)
+# name -> (param dtype, bytes/param of the step, of UPDATE alone, clip,
+#          resident bytes/param of zopt (params, grads, states))
 LAYOUTS = {
-    "f32": (torch.float32, 28, False),
-    "f32_clip": (torch.float32, 28 + 4, True),
-    "bf16_master_clip": (torch.bfloat16, 28 + 2, True),
-    "bf16": (torch.bfloat16, 14, False),
+    "f32": (torch.float32, 28, 28, False, 16),
+    "bf16_master_clip": (torch.bfloat16, 30, 28, True, 16),  # + 2: SUMSQ reads g
+    "bf16": (torch.bfloat16, 14, 14, False, 8),
+    "f32_clip": (torch.float32, 32, 28, True, 16),
     # DeepSpeed's default bf16 layout: f32 gradients (p.main_grad) of bf16
     # params, f32 master/moments, clip: read g (4, SUMSQ) + g, w, m, v (16),
     # write w, m, v, p (14). torch's fused AdamW has no such layout: its
-    # columns time the bf16 grads of bf16_master_clip's layout.
-    "bf16_f32grad": (torch.bfloat16, 30 + 4, True),
+    # columns time the bf16 grads of the bf16 param.
+    "bf16_f32grad": (torch.bfloat16, 34, 30, True, 20),
 }
 F32GRAD = {"bf16_f32grad"}
+# issue 20: the 28 B layouts (f32, bf16 + f32 master) and the 14 B one first
+ORDER = ["f32", "bf16_master_clip", "bf16", "f32_clip", "bf16_f32grad"]
 
 
-def timed(fn, iters):
+def timed(fn, iters, warmup=3):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
     ts = []
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -43,6 +58,31 @@ def timed(fn, iters):
         b.synchronize()
         ts.append(a.elapsed_time(b) / 1e3)
     return statistics.median(ts)
+
+
+def kernel_time(fn, iters, suffix):
+    """Mean device time per call of the kernels named *suffix launched by fn
+    (torch.profiler sees the kernels zopt launches through the driver API);
+    None when the profiler has nothing."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                fn()
+            torch.cuda.synchronize()
+        tot, calls = 0.0, 0
+        for e in prof.key_averages():
+            if e.key.endswith(suffix):
+                us = getattr(e, "device_time_total", None)
+                if us is None:
+                    us = getattr(e, "cuda_time_total", 0.0)
+                tot += us
+                calls += e.count
+        return tot / 1e6 / iters if calls else None
+    except Exception as e:  # noqa: BLE001  (a profiler that fails costs only this column)
+        print(f"profiler: {e}", file=sys.stderr)
+        return None
 
 
 def driver_version():
@@ -62,93 +102,158 @@ def make_params(n, dtype, parts=8):
     return ps
 
 
+def zopt_opt(so, ps, name):
+    opt = zopt.Optimizer(zopt.Step(so), ps, lr=1e-4, weight_decay=0.01)
+    if name in F32GRAD:
+        # The first step takes each bf16 p.grad into the optimizer's f32
+        # p.main_grad (p.grad becomes None); the timed steps read that.
+        opt.step()
+    return opt
+
+
+def fits(n, name):
+    dt, bpp, _, _, res = LAYOUTS[name]
+    pg = 2 * torch.finfo(dt).bits // 8
+    need = n * max(res, pg + bpp, pg + 2 * torch.finfo(dt).bits // 8) * 1.1
+    torch.cuda.empty_cache()
+    return need < torch.cuda.mem_get_info()[0]
+
+
+class Report:
+    def __init__(self, path, head):
+        self.path, self.head, self.rows, self.seg, self.notes = path, head, [], [], []
+
+    def write(self):
+        lines = [self.head, "",
+                 "| layout | params | step ms | step GB/s | copy: step / copy (>= 0.90) | "
+                 "UPDATE ms | UPDATE GB/s | UPDATE / copy (>= 0.90) | fused AdamW ms | "
+                 "fused / zopt (>= 1.0) | clip_grad_norm_ + fused ms | that / zopt (>= 1.25) |",
+                 "|" + "---|" * 12]
+        for r in self.rows:
+            lines.append("| " + " | ".join(r) + " |")
+        if self.seg:
+            lines += ["", "| layout | params | tensors | step ms | / one tensor (<= 1.1) |", "|---|---|---|---|---|"]
+            lines += ["| " + " | ".join(r) + " |" for r in self.seg]
+        lines += [""] + self.notes
+        text = "\n".join(lines) + "\n"
+        with open(self.path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(self.path + ".tmp", self.path)
+        return text
+
+
+def fmt(x, spec):
+    return "n/a" if x is None or x != x else format(x, spec)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", required=True, help="folder of <layout>.gpu.so")
     ap.add_argument("--out", default="gpu_bench.md")
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--params", type=float, default=0, help="parameter count (default: largest that fits, cap 2e9)")
+    ap.add_argument("--sizes", default="67108864,1073741824",
+                    help="parameter counts (each layout: the largest that fits when one does not)")
+    ap.add_argument("--layouts", default=",".join(ORDER))
     ap.add_argument("--toolkit", default="", help="file with the toolkit version the steps were built with")
-    ap.add_argument("--segment-params", type=float, default=1e8,
+    ap.add_argument("--segment-params", type=float, default=float(1 << 26),
                     help="parameters of the 1 / 1,000 / 10,000-tensor runs")
+    ap.add_argument("--deadline", type=float, default=0, help="Unix time: start nothing after it")
+    ap.add_argument("--check", action="store_true", help="load the steps and stop (no GPU needed)")
     a = ap.parse_args()
+    layouts = [x for x in a.layouts.split(",") if x]
+    missing = [x for x in layouts if x not in LAYOUTS or not os.path.exists(os.path.join(a.steps, x + ".gpu.so"))]
+    if missing:
+        sys.exit(f"gpu_bench.py: no step for layout(s) {missing} in {a.steps}")
+    sizes = [int(float(s)) for s in a.sizes.split(",") if s]
+    if a.check:
+        for x in layouts:
+            st = zopt.Step(os.path.join(a.steps, x + ".gpu.so"))
+            assert st.gpu, f"{x}: not a GPU step"
+        print(f"gpu_bench.py --check: {len(layouts)} GPU steps load; sizes {sizes}; torch {torch.__version__}")
+        return
+    left = (lambda: a.deadline - time.time()) if a.deadline else (lambda: float("inf"))
     dev = torch.cuda.get_device_name()
     toolkit = open(a.toolkit).read().strip().replace("\n", " ") if a.toolkit and os.path.exists(a.toolkit) else "?"
-    versions = (f"{datetime.date.today()}: GPU {dev}, CUDA driver {driver_version()}, steps built by {toolkit}, "
-                f"torch {torch.__version__} (CUDA {torch.version.cuda})")
-    print(versions)
-    rows = []
-    for name, (dt, bpp, clip) in LAYOUTS.items():
-        so = os.path.join(a.steps, name + ".gpu.so")
-        if not os.path.exists(so):
-            continue
-        torch.cuda.empty_cache()
-        free, _ = torch.cuda.mem_get_info()
-        # zopt: p, g + owned states; torch: its own p, g, m, v (+ master).
-        state_bytes = {"f32": 16, "f32_clip": 16, "bf16_master_clip": 16, "bf16": 8, "bf16_f32grad": 20}[name]
-        n = int(a.params) or int(min(2e9, 0.8 * free / (2 * state_bytes + 4)))
-        ps = make_params(n, dt)
-        opt = zopt.Optimizer(zopt.Step(so), ps, lr=1e-4, weight_decay=0.01)
-        if name in F32GRAD:
-            # The first step takes each bf16 p.grad into the optimizer's f32
-            # p.main_grad (p.grad becomes None); the timed steps read that.
-            opt.step()
-        t_zopt = timed(opt.step, a.iters)
-        opt.gpu_result()
-        del opt
-        if name in F32GRAD:
-            for p in ps:
-                p.main_grad = None
-                p.grad = torch.randn_like(p) * 1e-3
-        # Device-to-device copy of the same byte volume (read + write).
-        src = torch.empty(int(bpp * n / 2), dtype=torch.uint8, device="cuda")
-        dst = torch.empty_like(src)
-        t_copy = timed(lambda: dst.copy_(src), a.iters)
-        del src, dst
-        torch.cuda.empty_cache()
-        topt = torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, fused=True)
-        t_torch = timed(topt.step, a.iters)
-        t_clip = timed(lambda: (torch.nn.utils.clip_grad_norm_(ps, 1.0), topt.step()), a.iters) if clip else float("nan")
-        del topt, ps
-        gbs = bpp * n / t_zopt / 1e9
-        # Targets (issue: GPU path): copy/zopt >= 0.90; torch fused / zopt
-        # >= 1.0; (clip_grad_norm_ + fused) / zopt >= 1.25 on clipped layouts.
-        rows.append((name, n, t_zopt * 1e3, gbs, t_copy / t_zopt, t_torch * 1e3, t_torch / t_zopt,
-                     t_clip * 1e3, t_clip / t_zopt))
-    hdr = ("| layout | params | zopt ms | zopt GB/s | copy / zopt (>= 0.90) | torch fused AdamW ms | "
-           "torch / zopt (>= 1.0) | clip_grad_norm_ + fused ms | that / zopt (>= 1.25) |")
-    lines = [versions + ". torch's fused AdamW keeps its states in the "
-             "param dtype (no f32 master): for bf16_master_clip it moves fewer bytes than zopt.",
-             "", hdr, "|" + "---|" * 9]
-    for r in rows:
-        lines.append(f"| {r[0]} | {r[1]:.3g} | {r[2]:.3f} | {r[3]:.0f} | {r[4]:.2f} | {r[5]:.3f} | {r[6]:.2f} | "
-                     f"{r[7]:.3f} | {r[8]:.2f} |")
+    try:
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception:  # noqa: BLE001
+        nccl = "?"
+    head = (f"{datetime.date.today()}: GPU {dev}, CUDA driver {driver_version()}, steps built by {toolkit}, "
+            f"torch {torch.__version__} (CUDA {torch.version.cuda}, NCCL {nccl}). Median of {a.iters} steps "
+            "(CUDA events) after 3 warm-ups; UPDATE from torch.profiler. torch's fused AdamW keeps its states "
+            "in the param dtype (no f32 master): for bf16_master_clip it moves fewer bytes than zopt.")
+    print(head, flush=True)
+    rep = Report(a.out, head)
+    rep.write()
+    for n0 in sizes:
+        for name in layouts:
+            if left() < 15:
+                rep.notes.append(f"- not run (time box): {name} at {n0} params")
+                continue
+            dt, bpp, bpp_up, clip, _ = LAYOUTS[name]
+            so = os.path.join(a.steps, name + ".gpu.so")
+            n = n0
+            while n > (1 << 20) and not fits(n, name):
+                n //= 2
+            if n != n0:
+                rep.notes.append(f"- {name}: {n} params instead of {n0} (memory)")
+            ps = make_params(n, dt)
+            opt = zopt_opt(so, ps, name)
+            t_step = timed(opt.step, a.iters)
+            t_up = kernel_time(opt.step, 5, "_update")
+            opt.gpu_result()
+            opt.close()
+            del opt
+            if name in F32GRAD:
+                for p in ps:
+                    p.main_grad = None
+                    p.grad = torch.randn_like(p) * 1e-3
+            torch.cuda.empty_cache()
+            # Device-to-device copy of the step's byte volume (read + write).
+            src = torch.empty(int(bpp * n / 2), dtype=torch.uint8, device="cuda")
+            dst = torch.empty_like(src)
+            t_copy = timed(lambda: dst.copy_(src), a.iters)
+            del src, dst
+            torch.cuda.empty_cache()
+            copy_gbs = bpp * n / t_copy / 1e9
+            topt = torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, fused=True)
+            t_torch = timed(topt.step, a.iters)
+            t_clip = timed(lambda: (torch.nn.utils.clip_grad_norm_(ps, 1.0), topt.step()), a.iters) \
+                if clip else None
+            del topt, ps
+            torch.cuda.empty_cache()
+            gbs = bpp * n / t_step / 1e9
+            up_gbs = bpp_up * n / t_up / 1e9 if t_up else None
+            rep.rows.append([name, f"{n:.3g}", fmt(t_step * 1e3, ".3f"), fmt(gbs, ".0f"), fmt(gbs / copy_gbs, ".2f"),
+                             fmt(t_up * 1e3 if t_up else None, ".3f"), fmt(up_gbs, ".0f"),
+                             fmt(up_gbs / copy_gbs if up_gbs else None, ".2f"),
+                             fmt(t_torch * 1e3, ".3f"), fmt(t_torch / t_step, ".2f"),
+                             fmt(t_clip * 1e3 if t_clip else None, ".3f"),
+                             fmt(t_clip / t_step if t_clip else None, ".2f")])
+            rep.write()
+            print("| " + " | ".join(rep.rows[-1]) + " |", flush=True)
     # The work list: the same parameters as 1, 1,000 and 10,000 tensors.
-    seg = []
-    for name in ("f32", "bf16_master_clip"):
-        so = os.path.join(a.steps, name + ".gpu.so")
-        if not os.path.exists(so):
+    for name in ("f32", "bf16"):
+        if name not in layouts:
             continue
         dt = LAYOUTS[name][0]
         n = int(a.segment_params)
         base = None
         for parts in (1, 1000, 10000):
+            if left() < 10:
+                rep.notes.append(f"- not run (time box): {name} as {parts} tensors")
+                continue
             torch.cuda.empty_cache()
             ps = make_params(n, dt, parts)
-            opt = zopt.Optimizer(zopt.Step(so), ps, lr=1e-4, weight_decay=0.01)
+            opt = zopt_opt(os.path.join(a.steps, name + ".gpu.so"), ps, name)
             t = timed(opt.step, a.iters)
             opt.gpu_result()
+            opt.close()
             del opt, ps
             base = base or t
-            seg.append((name, n, parts, t * 1e3, t / base))
-    if seg:
-        lines += ["", "| layout | params | tensors | zopt ms | / one tensor |", "|---|---|---|---|---|"]
-        for r in seg:
-            lines.append(f"| {r[0]} | {r[1]:.3g} | {r[2]} | {r[3]:.3f} | {r[4]:.2f} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    with open(a.out, "w") as f:
-        f.write(text)
+            rep.seg.append([name, f"{n:.3g}", str(parts), fmt(t * 1e3, ".3f"), fmt(t / base, ".2f")])
+            rep.write()
+    print(rep.write())
 
 
 if __name__ == "__main__":

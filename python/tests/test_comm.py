@@ -24,7 +24,11 @@ WORKER = os.path.join(HERE, "comm_worker.py")
 
 def _runtime_env():
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.path.abspath(os.path.join(HERE, ".."))
+    # python/ first; what PYTHONPATH had stays after it (the step cache's
+    # sitecustomize on a machine without zopt-compile: bench/gpu/).
+    env["PYTHONPATH"] = os.pathsep.join(
+        [os.path.abspath(os.path.join(HERE, ".."))] +
+        [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
     env["ZOPT_RUNTIME_LIB"] = zopt.find_runtime_library() or ""
     return env
 

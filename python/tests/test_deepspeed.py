@@ -570,7 +570,7 @@ def _tool():
     return exe
 
 
-def test_tool_writes_description_defaults_and_step(zopt_bins, tmp_path):
+def test_tool_writes_description_defaults_and_step(compiler_binary, tmp_path):
     env = dict(os.environ, ZOPT_PYTHON=sys.executable)
     out, dj, so = tmp_path / "step.mlir", tmp_path / "d.json", tmp_path / "step.so"
     r = subprocess.run([_tool(), os.path.join(DATA, "zero2_bf16_states_offload.json"),
@@ -599,7 +599,7 @@ def test_cli_main_stdout_and_stdin(capsys, monkeypatch):
     assert "must be a JSON object" in capsys.readouterr().err
 
 
-def test_tool_refusal_names_the_field(zopt_bins, tmp_path):
+def test_tool_refusal_names_the_field(compiler_binary, tmp_path):
     env = dict(os.environ, ZOPT_PYTHON=sys.executable)
     out = tmp_path / "x.mlir"
     r = subprocess.run([_tool(), os.path.join(DATA, "bad_nvme_offload.json"), "-o", str(out)],

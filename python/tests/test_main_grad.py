@@ -99,7 +99,7 @@ def test_f32_gradient_accumulation(steps, how):
     assert max_rel(wrong, want) > 1e-3 > 100 * 1e-6, "bf16 accumulation must fail this test"
     assert torch.equal(bits(p), bits(got.float().to(BF)))
     # zero_grad: our buffer is dropped (None) or zeroed; a framework's is zeroed, kept
-    opt.zero_grad()
+    opt.zero_grad(set_to_none=False)  # (torch 2's default is True)
     assert torch.equal(p.main_grad, torch.zeros(shape))
     opt.zero_grad(set_to_none=True)
     if how == "main_grad":

@@ -358,8 +358,8 @@ def _unchecked_text(rule, kw):
     return S.resolve(rule, check=False, comments=False, **kw).text()
 
 
-def test_builder_refuses_what_the_compiler_refuses(zopt_bins, tmp_path):
-    exe = zopt.find_compiler()
+def test_builder_refuses_what_the_compiler_refuses(compiler_binary, tmp_path):
+    exe = compiler_binary
 
     def compile_verdict(i):
         rule, kw = VERDICT_CASES[i]
@@ -388,11 +388,11 @@ def test_builder_refuses_what_the_compiler_refuses(zopt_bins, tmp_path):
 # ---------------------------------------------------------------------------
 
 @pytest.fixture
-def counting_compiler(zopt_bins, tmp_path, monkeypatch):
+def counting_compiler(compiler_binary, tmp_path, monkeypatch):
     """ZOPT_COMPILE = a wrapper that logs each call, a fresh cache dir."""
     log = tmp_path / "calls.log"
     wrap = tmp_path / "zopt-compile"
-    wrap.write_text(f"#!/bin/sh\necho x >> {log}\nexec {zopt.find_compiler()} \"$@\"\n")
+    wrap.write_text(f"#!/bin/sh\necho x >> {log}\nexec {compiler_binary} \"$@\"\n")
     wrap.chmod(0o755)
     monkeypatch.setenv("ZOPT_COMPILE", str(wrap))
     monkeypatch.setenv("ZOPT_CACHE_DIR", str(tmp_path / "cache"))
@@ -422,6 +422,36 @@ def test_cache_compiles_once_and_reloads(counting_compiler):
     assert calls() == 3
     files = os.listdir(os.path.join(S.cache_dir(), "steps"))
     assert not [f for f in files if f.startswith(".tmp-")], files
+
+
+def test_no_compiler_but_a_source_of_steps(compiler_binary, tmp_path, monkeypatch):
+    """No zopt-compile, but a zopt.compile that still supplies step.so files
+    (the tests' step cache on a GPU machine): zopt.steps keeps what it
+    supplies in its cache like a compiled step (one call, the same path
+    from disk, the description beside it). Before: a TypeError in
+    compile_text (the compiler id of a missing compiler)."""
+    calls = []
+
+    def supply(src, out_path=None, extra_args=(), timeout=600):
+        calls.append(src)
+        subprocess.run([compiler_binary, "-", "-o", str(out_path)], input=src, text=True,
+                       capture_output=True, check=True, timeout=120)
+        return str(out_path)
+    monkeypatch.setenv("ZOPT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("ZOPT_COMPILE", str(tmp_path / "no-compiler"))
+    monkeypatch.setattr(zopt.compiler, "compile", supply)
+    assert zopt.find_compiler() is None
+    kw = dict(param="bf16", master="f32", clip=2.5, name="no_compiler")
+    a = S.adamw(**kw)
+    assert S.adamw(**kw) is a and len(calls) == 1
+    S._loaded.clear()
+    b = S.adamw(**kw)
+    assert b.path == a.path and a.path.endswith(".precompiled.so") and len(calls) == 1
+    assert open(a.path[:-len(".precompiled.so")] + ".mlir").read() == calls[0]
+    assert b.name == "no_compiler"
+    files = os.listdir(os.path.join(S.cache_dir(), "steps"))
+    assert not [f for f in files if f.startswith(".tmp-")], files
+    S._loaded.clear()
 
 
 def test_cache_concurrent_processes_compile_once(counting_compiler, tmp_path):

@@ -642,8 +642,8 @@ def test_optimizer_surface(adamw_f32):
     assert len(o.state) == 4 and m[0].weight in o.state
     r = repr(o)
     assert "adamw_f32" in r and "Parameter Group 0" in r and "lr: 0.01" in r
-    # zero_grad honours set_to_none
-    o.zero_grad()
+    # zero_grad honours set_to_none (its default: test_torch2.py)
+    o.zero_grad(set_to_none=False)
     assert all(p.grad is not None and not p.grad.any() for p in m.parameters())
     o.zero_grad(set_to_none=True)
     assert all(p.grad is None for p in m.parameters())

@@ -44,7 +44,7 @@ import os
 import struct
 import time
 
-from . import _ckpt, _lib
+from . import _ckpt, _lib, _torch_compat
 from ._collective import collective_errors
 from ._calls import exclusive as _exclusive, lock_of as _lock_of
 from ._lib import DType, Status, ZoptError, check, lib, DTYPE_NAMES, STATE_NAMES
@@ -171,9 +171,7 @@ class MixedOptimizer(Optimizer):
                             f"the steps have no hyperparameter {', '.join(sorted(set(bad)))} "
                             f"(their slots: {', '.join(first.hypers)})")
         self.defaults = self._complete_group(self._given)
-        if torch is not None:
-            torch._C._log_api_usage_once("python.optimizer")
-            self._hook_for_profile()
+        _torch_compat.init_base(self)
         self.param_groups = []
         self._items = []        # per group: the user's entries (tensors or pairs)
         self._class_of = {}     # id(param) -> class
@@ -247,9 +245,11 @@ class MixedOptimizer(Optimizer):
         elif isinstance(ps, set):
             raise ZoptError(Status.INVALID_ARGUMENT,
                             "params must be an ordered collection (a list), not a set")
-        ps = list(ps)
+        ps, names = _torch_compat.split_named(ps)  # model.named_parameters() (torch >= 2.5)
         gid = len(self.param_groups)
         extra = {k: v for k, v in g.items() if k != "params"}
+        if names is not None:
+            extra["param_names"] = names
         hyp = self.step_obj.hypers
         bad = [k for k in _slots(extra, hyp) if k not in hyp]
         if bad:
@@ -541,8 +541,11 @@ class MixedOptimizer(Optimizer):
             fn(self, m)
 
     @_exclusive("zero_grad")
-    def zero_grad(self, set_to_none=False):
-        """torch's zero_grad, in every part."""
+    def zero_grad(self, set_to_none=None):
+        """torch's zero_grad, in every part (the default: the installed
+        torch's, as Optimizer.zero_grad)."""
+        if set_to_none is None:
+            set_to_none = _torch_compat.zero_grad_default()
         for o in self._plist:
             o.zero_grad(set_to_none=set_to_none)
 
@@ -989,3 +992,5 @@ class MixedOptimizer(Optimizer):
                     lines.append(f"    {key}: {group[key]}")
         return "\n".join(lines)
 
+
+_torch_compat.patch_class(MixedOptimizer)

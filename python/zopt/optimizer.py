@@ -59,7 +59,7 @@ import weakref
 
 import numpy as np
 
-from . import _ckpt, _lib, _strided
+from . import _ckpt, _lib, _strided, _torch_compat
 from ._calls import exclusive as _exclusive, lock_of as _lock_of
 from ._collective import collective_errors
 from ._lib import (DType, HyperKind, StateKind, Status, ZoptError, ZoptTypeError,
@@ -883,9 +883,7 @@ class Optimizer(_Base):
                             f"{', '.join(sorted(set(bad)))} (its slots: "
                             f"{', '.join(step.hypers)})")
         self.defaults = self._complete_group(given)
-        if torch is not None:
-            torch._C._log_api_usage_once("python.optimizer")
-            self._hook_for_profile()
+        _torch_compat.init_base(self)  # hook dicts, the step wrapper (torch 1.13 and 2.x)
         self.param_groups = []
         self._entries = []
         self._grad_flats = []
@@ -952,8 +950,10 @@ class Optimizer(_Base):
         elif isinstance(ps, set):
             raise ZoptError(Status.INVALID_ARGUMENT,
                             "params must be an ordered collection (a list), not a set")
-        ps = list(ps)
+        ps, names = _torch_compat.split_named(ps)  # model.named_parameters() (torch >= 2.5)
         extra = {k: v for k, v in g.items() if k != "params"}
+        if names is not None:
+            extra["param_names"] = names
         self._check_rule_flags(extra, f"param group {len(self.param_groups)}")
         bad = [k for k in _slots(extra, self.step_obj.hypers) if k not in self.step_obj.hypers]
         if bad:
@@ -1585,15 +1585,18 @@ class Optimizer(_Base):
         self.rebuilds += 1
 
     @_exclusive("zero_grad")
-    def zero_grad(self, set_to_none=False):
-        """Like torch: zeros the gradients (set_to_none=False, torch 1.13's
-        default) or sets them to None. The zopt-owned gradient memory of the
+    def zero_grad(self, set_to_none=None):
+        """Like torch: zeros the gradients or sets them to None
+        (set_to_none=True); the default is the installed torch's (False on
+        torch 1.13, True from torch 2.0). The zopt-owned gradient memory of the
         params is zeroed with one fill per buffer; explicit (param, grad)
         pairs are always zeroed. With grad_streaming a reduced (freed)
         gradient is already None: nothing to zero."""
         if self._begun:  # the begun step reads the gradient memory still
             raise ZoptError(Status.BAD_STATE, "zero_grad() after clip_grad_norm_: the step it "
                             "began reads these gradients: call step() first")
+        if set_to_none is None:
+            set_to_none = _torch_compat.zero_grad_default()
         if self._streamer is not None:
             self._streamer.check_zero_grad()
         ps = self._a_params
@@ -2160,8 +2163,13 @@ class Optimizer(_Base):
     def _check_rule_flags(self, group, where):
         """torch.optim's per-group amsgrad flag changes the update rule,
         which is compiled into a zopt step: a group that asks for another
-        rule is refused, never silently stepped with the compiled one.
+        rule is refused, never silently stepped with the compiled one;
+        differentiable=True is refused (the step runs outside autograd).
         (maximize is a runtime group flag: pushed like a hyperparameter.)"""
+        if group.get("differentiable"):
+            raise ZoptError(Status.INVALID_ARGUMENT,
+                            f"{where} has differentiable=True: a zopt step runs in the "
+                            "runtime, outside autograd (no graph through the update)")
         a = group.get("amsgrad")
         if a is not None:
             s = self.step_obj
@@ -2180,7 +2188,7 @@ class Optimizer(_Base):
                             "param_groups changed length: add groups with add_param_group()")
         for gid, group in enumerate(groups):
             self._check_group_params(gid, group)
-            if "amsgrad" in group:
+            if "amsgrad" in group or "differentiable" in group:
                 self._check_rule_flags(group, f"param_groups[{gid}]")
             self._push_group(gid, group)
 
@@ -3599,7 +3607,7 @@ class Optimizer(_Base):
         for t in tids:
             if t in self._released:
                 e = self._entries[t]
-                e.param.data.storage().resize_(e.numel)
+                _torch_compat.storage_resize_(e.param.data, e.numel * e.param.element_size())
                 self._released.discard(t)
         run = []
         for t in tids + [None]:
@@ -3653,11 +3661,12 @@ class Optimizer(_Base):
             e = self._entries[t]
             if t in self._released or not e.numel or e.cuda or not e.torch:
                 continue
-            st = e.param.data.storage()
-            if st.size() != e.numel or e.param.storage_offset() != 0:
+            data = e.param.data
+            if _torch_compat.storage_nbytes(data) != e.numel * data.element_size() or \
+                    data.storage_offset() != 0:
                 continue
             try:
-                st.resize_(0)
+                _torch_compat.storage_resize_(data, 0)
             except RuntimeError:  # shared with numpy (.numpy()): kept
                 continue
             self._released.add(t)
@@ -3676,3 +3685,5 @@ class Optimizer(_Base):
             if stale:
                 self.release_params([self._entries[t].param for t in stale])
         # "manual": the model keeps the old values until gather_params()
+
+_torch_compat.patch_class(Optimizer)

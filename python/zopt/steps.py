@@ -836,8 +836,25 @@ def compile_text(text):
                       key=lambda f: -os.path.getmtime(os.path.join(d, f)))
         if hits:
             return os.path.join(d, hits[0])
-        from .compiler import compile as _c  # raises the not-found error
-        _c(text)
+        # zopt.compile raises the not-found error, unless it has another
+        # source of steps (a test's step cache): its step.so is then kept
+        # here like a compiled one (under the id "precompiled").
+        from .compiler import compile as _c
+        so = os.path.join(d, f"{h}.precompiled.so")
+        with _FileLock(os.path.join(d, f"{h}.lock")):
+            if not os.path.exists(so):
+                fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".so")
+                os.close(fd)
+                try:
+                    _c(text, out_path=tmp)
+                    mlir = os.path.join(d, f"{h}.mlir")
+                    if not os.path.exists(mlir):
+                        _atomic_write(mlir, text)
+                    os.replace(tmp, so)
+                finally:
+                    if os.path.exists(tmp):
+                        os.unlink(tmp)
+        return so
     so = os.path.join(d, f"{h}.{_compiler_id(exe)}.so")
     if os.path.exists(so):
         return so

@@ -34,6 +34,7 @@ from __future__ import annotations
 import weakref
 
 from ._lib import Status, ZoptError
+from ._torch_compat import storage_ptr
 
 __all__ = ["zero3_hooks"]
 
@@ -53,7 +54,7 @@ def _tensors(x):
 def _shares_storage(a, b):
     try:
         return a.numel() and b.numel() and \
-            a.storage().data_ptr() == b.storage().data_ptr()
+            storage_ptr(a) == storage_ptr(b)
     except RuntimeError:
         return False
 
