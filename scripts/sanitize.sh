@@ -7,7 +7,8 @@
 #      through the sanitized runtime (the ASan runtime preloaded into the
 #      uninstrumented interpreter);
 #   2. ThreadSanitizer build of the runtime alone in $TSAN_BUILD_DIR
-#      (default build-tsan/): the concurrency stress test, the communicator
+#      (default build-tsan/): the concurrency stress tests (optimizers on
+#      their own threads; one optimizer shared by threads), the communicator
 #      tests and ZeRO across loopback ranks (threads) on steps compiled by
 #      the regular build.
 # Any sanitizer report fails the stage. Incremental like build.sh.
@@ -70,6 +71,8 @@ fi
 ninja -C "$tsan"
 export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1"
 "$tsan/bin/zopt_test_concurrency" "$build/examples"
+"$tsan/bin/zopt_test_shared_optimizer" "$build/examples"
+"$tsan/bin/zopt_test_pool"
 "$tsan/bin/zopt_test_comm"
 steps="$root/test/Integration/ZeRO/Inputs"
 tmp="$(mktemp -d)"

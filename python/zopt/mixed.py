@@ -387,7 +387,7 @@ class MixedOptimizer(Optimizer):
         keys = self._hyper_keys()
         for gid, g in enumerate(groups):
             self._check_group_params(gid, g)
-            if "amsgrad" in g:
+            if "amsgrad" in g or "differentiable" in g:
                 for o in self._plist:
                     o._check_rule_flags(g, f"param_groups[{gid}]")
             raw = tuple(_frozen(g.get(k)) for k in keys)
