@@ -87,7 +87,7 @@ def clip_grad_norm_(opt, max_norm, norm_type=2.0, error_if_nonfinite=False):
         check(L.zopt_optimizer_set_max_norm(h, max_norm), "clip_grad_norm_")
     r = _lib.StepResult()
     if linked:
-        arr = (ctypes.c_void_p * len(hs))(*[h.value for h in hs])
+        keep, arr = _lib.c_array(ctypes.c_void_p, [h.value for h in hs])
         st = L.zopt_optimizer_step_linked_begin(arr, len(hs), ctypes.byref(r))
     else:
         st = L.zopt_optimizer_step_begin(hs[0], ctypes.byref(r))
