@@ -638,7 +638,10 @@ zopt_status write_image(const zopt_optimizer *o, const SaveId &id, bool whole, S
     data_end = off + (uint64_t)p.run.len * dtype_size(d->states[kinds[p.ki]].dtype);
     off = (data_end + kDataAlign - 1) / kDataAlign * kDataAlign;
   }
-  if (zopt_status st = sink.begin(data_end)) return st;
+  zopt_status begun = sink.begin(data_end);
+  if (whole && o->world > 1)  // every rank has its buffer before the gathers
+    begun = agree_status(const_cast<zopt_optimizer *>(o), begun, "EXPORT buffer", kSigUnchanged);
+  if (begun) return begun;
   if (whole && o->world > 1) {
     // The sharded states, gathered straight into their pieces' places (a
     // collective per state: every rank writes the same image).
