@@ -1,6 +1,6 @@
 // zopt-state-check: the runtime owns all state (issue 17 item 3).
 //
-//   zopt-state-check STEP.so|DIR... [--world=W] [--dir=DIR]
+//   zopt-state-check STEP.so|DIR... [--world=W] [--dir=DIR] [--device-memory=FAKE.so]
 //
 // W ranks as loopback threads (W = 1: one rank without a communicator),
 // each over its own copy of the model: tensors of awkward sizes (an empty
@@ -29,7 +29,12 @@
 //     partial one starts the rest fresh; bad calls leave it usable; abort
 //     and a commit after tensors were added change nothing; ranks
 //     importing other counts are refused on every rank.
-// With --dir, test 3 also saves there. Exit 77 when no step runs on this
+// A GPU step (world size 1; against the stand-in driver) runs test_gpu:
+// export, import and the staged import of states written through the API,
+// a corrupt image refused, add_tensors after finalize refused.
+// With --dir, test 3 also saves there; with --device-memory (and
+// ZOPT_CUDA_DRIVER naming the same stand-in driver of test/Integration/
+// GPUHost), the model lives in its "device" memory: offloaded steps run. Exit 77 when no step runs on this
 // machine (GPU steps without a driver).
 #include "ckpt_test_util.h"
 
@@ -37,6 +42,7 @@
 #include "zopt/zopt.h"
 
 #include <dirent.h>
+#include <dlfcn.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -122,6 +128,23 @@ float get(const void *p, uint32_t dt, size_t i) {
   return f;
 }
 bool is_owned(uint32_t kind) { return kind != ZOPT_STATE_PARAM && kind != ZOPT_STATE_GRAD; }
+
+// The model's memory: host memory, or (--device-memory=FAKE.so, for
+// offloaded steps) the stand-in CUDA driver's "device" memory, which is
+// host memory the test reads and writes directly.
+int (*g_dev_alloc)(unsigned long long *, size_t) = nullptr;
+int (*g_dev_free)(unsigned long long) = nullptr;
+unsigned char *mem_alloc(size_t bytes) {
+  if (!g_dev_alloc) return (unsigned char *)calloc(bytes, 1);
+  unsigned long long d = 0;
+  if (g_dev_alloc(&d, bytes)) abort();
+  memset((void *)(uintptr_t)d, 0, bytes);
+  return (unsigned char *)(uintptr_t)d;
+}
+void mem_free(unsigned char *m) {
+  if (!g_dev_alloc) free(m);
+  else g_dev_free((unsigned long long)(uintptr_t)m);
+}
 const char *kHyperNames[] = {"lr", "beta1", "beta2", "eps", "weight_decay", "momentum", "dampening", "bias_correction"};
 
 // Everything an optimizer holds, whole; compared bit for bit.
@@ -171,10 +194,29 @@ struct Rank {
   std::vector<int> grp;
   int ngroups = 0;
   size_t reg = 0;  // tensors registered (the first `reg` of the model)
-  std::vector<std::vector<unsigned char>> p, g;
+  std::vector<unsigned char *> p, g;  // the model's params and grads (mem_alloc)
   ~Rank() {
     zopt_optimizer_free(o);
     zopt_step_free(step);
+    for (unsigned char *m : p) mem_free(m);
+    for (unsigned char *m : g) mem_free(m);
+  }
+  // The model's params (copies), and written back (the caller restores the
+  // model before a load: docs/CHECKPOINT.md; through the optimizer, after
+  // its pending copies of an offloaded step).
+  std::vector<std::vector<unsigned char>> params() const {
+    std::vector<std::vector<unsigned char>> v;
+    for (size_t t = 0; t < reg; ++t) {
+      v.emplace_back((size_t)n[t] * esz(pdt) + 1, 0);
+      zopt_optimizer_read_state_raw(o, (int)t, ZOPT_STATE_PARAM, v.back().data(), v.back().size() - 1);
+    }
+    return v;
+  }
+  bool set_params(const std::vector<std::vector<unsigned char>> &v) {
+    for (size_t t = 0; t < reg; ++t)
+      if (zopt_optimizer_write_state_raw(o, (int)t, ZOPT_STATE_PARAM, v[t].data(), (size_t)n[t] * esz(pdt)))
+        return false;
+    return true;
   }
   bool create(zopt_comm *comm) {
     r = comm ? zopt_comm_rank(comm) : 0;
@@ -198,9 +240,9 @@ struct Rank {
       n.push_back(sizes[i]);
       grp.push_back(groups[i]);
       ngroups = std::max(ngroups, groups[i] + 1);
-      p.emplace_back((size_t)sizes[i] * esz(pdt) + 8, 0);
-      g.emplace_back((size_t)sizes[i] * esz(gdt) + 8, 0);
-      for (int64_t k = 0; k < sizes[i]; ++k) put(p[t].data(), pdt, (size_t)k, value(pseed, t, (uint64_t)k, 1.0));
+      p.push_back(mem_alloc((size_t)sizes[i] * esz(pdt) + 8));
+      g.push_back(mem_alloc((size_t)sizes[i] * esz(gdt) + 8));
+      for (int64_t k = 0; k < sizes[i]; ++k) put(p[t], pdt, (size_t)k, value(pseed, t, (uint64_t)k, 1.0));
     }
   }
   // Registers tensors [from, end) with add_tensors (new groups as needed).
@@ -213,8 +255,8 @@ struct Rank {
     std::vector<int64_t> ns;
     for (size_t t = from; t < n.size(); ++t) {
       gs.push_back(grp[t]);
-      ps.push_back(p[t].data());
-      gr.push_back(g[t].data());
+      ps.push_back(p[t]);
+      gr.push_back(g[t]);
       ns.push_back(n[t]);
     }
     int first_group = -1, ft = -1;
@@ -246,7 +288,7 @@ struct Rank {
     for (int s = k0; s < k0 + k; ++s) {
       for (size_t t = 0; t < reg; ++t)
         for (int64_t i = 0; i < n[t]; ++i)
-          put(g[t].data(), gdt, (size_t)i, value(2, (uint64_t)s * 64 + (uint64_t)r * 16 + t, (uint64_t)i, 0.05));
+          put(g[t], gdt, (size_t)i, value(2, (uint64_t)s * 64 + (uint64_t)r * 16 + t, (uint64_t)i, 0.05));
       if (zopt_optimizer_step(o, nullptr)) return false;
     }
     return true;
@@ -266,8 +308,6 @@ struct Rank {
         if (kind == ZOPT_STATE_PARAM && zero3) {
           void *dst[1] = {b.data()};
           if (zopt_optimizer_gather_params(o, (int)t, 1, dst)) return false;
-        } else if (kind == ZOPT_STATE_PARAM) {
-          memcpy(b.data(), p[t].data(), b.size() - 1);
         } else if (zopt_optimizer_read_state_raw(o, (int)t, (zopt_state_kind)kind, b.data(), b.size() - 1)) {
           return false;
         }
@@ -330,7 +370,7 @@ bool build_old(Rank &R, zopt_comm *c) {
   for (int gi = 0; gi < R.ngroups; ++gi)
     if (zopt_optimizer_add_group(R.o, &id)) return false;
   for (size_t t = 0; t < kOld.size(); ++t)
-    if (zopt_optimizer_add_tensor(R.o, R.grp[t], R.p[t].data(), R.g[t].data(), R.n[t], (zopt_dtype)R.pdt, &id))
+    if (zopt_optimizer_add_tensor(R.o, R.grp[t], R.p[t], R.g[t], R.n[t], (zopt_dtype)R.pdt, &id))
       return false;
   R.reg = kOld.size();
   return !zopt_optimizer_finalize(R.o) && R.hypers() && R.steps(0, 2);
@@ -375,6 +415,9 @@ void test_add() {
     for (int gi = 0; gi < 2; ++gi)
       if (s1.gcounts[(size_t)gi] != s0.gcounts[(size_t)gi]) kept = false;
     if (s1.gcounts[2] != 0) fresh = false;
+    int pk = -1;
+    for (uint32_t k = 0; k < A.d->num_states; ++k)
+      if (A.d->states[k].kind == ZOPT_STATE_PARAM) pk = (int)k;
     for (size_t t = T0; t < A.n.size(); ++t) {
       if (s1.steps[t] != 0) fresh = false;
       for (uint32_t k = 0; k < A.d->num_states; ++k) {
@@ -382,7 +425,7 @@ void test_add() {
         if (!is_owned(sd.kind)) continue;
         for (int64_t i = 0; i < A.n[t]; ++i) {
           float v = get(s1.st[t][k].data(), sd.dtype, (size_t)i);
-          float want = sd.init == ZOPT_INIT_FROM_PARAM ? get(A.p[t].data(), A.pdt, (size_t)i) : 0.0f;
+          float want = sd.init == ZOPT_INIT_FROM_PARAM ? get(s1.st[t][(size_t)pk].data(), A.pdt, (size_t)i) : 0.0f;
           if (memcmp(&v, &want, 4)) {
             fresh = false;
             break;
@@ -399,12 +442,7 @@ void test_add() {
     RANK_CK(B.create(c));
     B.grow(kOld, kOldG, 1);
     B.grow(kNew, kNewG, 5);
-    const int pk = [&] {
-      for (uint32_t k = 0; k < B.d->num_states; ++k)
-        if (B.d->states[k].kind == ZOPT_STATE_PARAM) return (int)k;
-      return -1;
-    }();
-    for (size_t t = 0; t < T0; ++t) memcpy(B.p[t].data(), s0.st[t][(size_t)pk].data(), (size_t)B.n[t] * esz(B.pdt));
+    for (size_t t = 0; t < T0; ++t) memcpy(B.p[t], s0.st[t][(size_t)pk].data(), (size_t)B.n[t] * esz(B.pdt));
     RANK_CK(B.add(0) == ZOPT_OK);
     RANK_CK(zopt_optimizer_finalize(B.o) == ZOPT_OK && B.hypers());
     for (size_t t = 0; t < T0; ++t) {
@@ -451,15 +489,15 @@ void test_add_refused() {
     const size_t T0 = A.n.size();
     A.grow(kNew, kNewG, 5);
     std::vector<int> gs = {1, 2, 2};
-    std::vector<void *> ps = {A.p[T0].data(), A.p[T0 + 1].data(), A.p[T0 + 2].data()};
-    std::vector<void *> gr = {A.g[T0].data(), A.g[T0 + 1].data(), A.g[T0 + 2].data()};
+    std::vector<void *> ps = {A.p[T0], A.p[T0 + 1], A.p[T0 + 2]};
+    std::vector<void *> gr = {A.g[T0], A.g[T0 + 1], A.g[T0 + 2]};
     std::vector<int64_t> ns = {kNew[0], kNew[1], kNew[2]};
     const zopt_dtype pdt = (zopt_dtype)A.pdt, other = (zopt_dtype)(A.pdt == ZOPT_DTYPE_F32 ? ZOPT_DTYPE_BF16 : ZOPT_DTYPE_F32);
     struct Bad {
       const char *what;
       std::function<zopt_status()> call;
     };
-    void *dup = A.p[1].data();  // an old tensor's param
+    void *dup = A.p[1];  // an old tensor's param
     const std::vector<Bad> bad = {
         {"another dtype", [&] { return zopt_optimizer_add_tensors(A.o, 1, 3, gs.data(), ps.data(), gr.data(), ns.data(), other, nullptr, nullptr); }},
         {"a group out of range", [&] { std::vector<int> g2 = {1, 3, 2}; return zopt_optimizer_add_tensors(A.o, 1, 3, g2.data(), ps.data(), gr.data(), ns.data(), pdt, nullptr, nullptr); }},
@@ -561,9 +599,9 @@ void test_export_import() {
     if (!path.empty()) RANK_CK(zopt_optimizer_save(A.o, path.c_str()) == ZOPT_OK);
     // The model's params as they were (the caller restores them before a
     // load: docs/CHECKPOINT.md), before each import.
-    const std::vector<std::vector<unsigned char>> params = A.p;
+    const std::vector<std::vector<unsigned char>> params = A.params();
     auto model_back = [&] {
-      for (size_t t = 0; t < A.reg; ++t) memcpy(A.p[t].data(), params[t].data(), params[t].size());
+      if (!A.zero3 && !A.set_params(params)) set_ok = false;
     };
     Snap s;
     auto restored = [&](std::atomic<bool> &ok) {
@@ -669,13 +707,13 @@ void test_export_import() {
       int pk = -1;
       for (uint32_t k = 0; k < A.d->num_states; ++k)
         if (A.d->states[k].kind == ZOPT_STATE_PARAM) pk = (int)k;
-      if (!A.zero3)
-        for (size_t t = 0; t < A.reg; ++t) memcpy(A.p[t].data(), want[0].st[t][(size_t)pk].data(), (size_t)A.n[t] * esz(A.pdt));
-      const std::vector<std::vector<unsigned char>> params = A.p;
+      std::vector<std::vector<unsigned char>> params;
+      for (size_t t = 0; t < A.reg; ++t) params.push_back(want[0].st[t][(size_t)pk]);
+      if (!A.zero3) RANK_CK(A.set_params(params));
       RANK_CK(zopt_optimizer_import_state_set(A.o, W, bufs.data(), sizes.data(), 0) == ZOPT_OK);
       if (!A.snapshot(&s) || diff(s, want[0]) != "") one = false;
       RANK_CK(A.steps(9, 1));
-      for (size_t t = 0; t < A.reg; ++t) memcpy(A.p[t].data(), params[t].data(), params[t].size());
+      if (!A.zero3) RANK_CK(A.set_params(params));
       RANK_CK(zopt_optimizer_import_state(A.o, wholes[0].data(), wholes[0].size(), 0) == ZOPT_OK);
       if (!A.snapshot(&s) || diff(s, want[0]) != "") one = false;
     });
@@ -774,9 +812,9 @@ void test_staged() {
     RANK_CK(build_old(A, c));
     Snap want, s;
     RANK_CK(A.snapshot(&want));
-    const std::vector<std::vector<unsigned char>> params = A.p;
+    const std::vector<std::vector<unsigned char>> params = A.params();
     RANK_CK(A.steps(2, 2));
-    for (size_t t = 0; t < A.reg; ++t) memcpy(A.p[t].data(), params[t].data(), params[t].size());  // the model back
+    if (!A.zero3) RANK_CK(A.set_params(params));  // the model back
     auto put_all = [&](zopt_state_import *imp, const Snap &from, size_t only) {
       for (size_t t = 0; t < A.n.size(); ++t) {
         if (only != (size_t)-1 && t != only) continue;
@@ -831,7 +869,7 @@ void test_staged() {
         if (!is_owned(sd.kind)) continue;
         for (int64_t i = 0; i < A.n[t] && partial; ++i) {
           // ZeRO-3: fresh held params from the user's params, the master from them.
-          float pv = get(A.zero3 ? A.p[t].data() : s.st[t][(size_t)pk].data(), A.pdt, (size_t)i);
+          float pv = get(A.zero3 ? A.p[t] : s.st[t][(size_t)pk].data(), A.pdt, (size_t)i);
           float v = get(s.st[t][k].data(), sd.dtype, (size_t)i), w = sd.init == ZOPT_INIT_FROM_PARAM ? pv : 0.0f;
           if (memcmp(&v, &w, 4)) partial = false;
         }
@@ -905,6 +943,98 @@ void test_staged() {
          after_add.msg[0].c_str());
 }
 
+// ---- GPU steps ------------------------------------------------------------------------
+
+bool gpu_step(const zopt_step_descriptor *d) {
+  for (uint32_t k = 0; k < d->num_states; ++k)
+    if (is_owned(d->states[k].kind) && d->states[k].placement == ZOPT_PLACE_GPU) return true;
+  return false;
+}
+
+// A GPU step (against the stand-in driver its kernels are recorded, not
+// run): states and counts written through the API, exported and imported
+// (each kind of import), bit-identical; a corrupt image refused; adding
+// tensors after finalize refused (UNSUPPORTED), nothing changed.
+void test_gpu() {
+  Rank A;
+  int r = 0, id;
+  RANK_CK(A.create(nullptr));
+  A.grow(kOld, kOldG, 1);
+  for (int gi = 0; gi < A.ngroups; ++gi) RANK_CK(zopt_optimizer_add_group(A.o, &id) == ZOPT_OK);
+  for (size_t t = 0; t < kOld.size(); ++t)
+    RANK_CK(zopt_optimizer_add_tensor(A.o, A.grp[t], A.p[t], A.g[t], A.n[t], (zopt_dtype)A.pdt, &id) == ZOPT_OK);
+  A.reg = kOld.size();
+  RANK_CK(zopt_optimizer_finalize(A.o) == ZOPT_OK && A.hypers());
+  auto fill = [&](uint64_t seed, int64_t c0, double scale) {
+    for (size_t t = 0; t < A.reg; ++t)
+      for (uint32_t k = 0; k < A.d->num_states; ++k) {
+        const zopt_state_desc &sd = A.d->states[k];
+        if (!is_owned(sd.kind)) continue;
+        std::vector<unsigned char> b((size_t)A.n[t] * esz(sd.dtype) + 1);
+        for (int64_t i = 0; i < A.n[t]; ++i) put(b.data(), sd.dtype, (size_t)i, value(seed, t * 16 + k, (uint64_t)i, 0.5));
+        if (zopt_optimizer_write_state_raw(A.o, (int)t, (zopt_state_kind)sd.kind, b.data(), b.size() - 1)) return false;
+      }
+    return !zopt_optimizer_set_step_count(A.o, 0, c0) && !zopt_optimizer_set_step_count(A.o, 1, c0 + 2) &&
+           !zopt_optimizer_set_loss_scaler_state(A.o, scale, c0 % 3) && !zopt_optimizer_set_seed(A.o, (uint64_t)c0);
+  };
+  RANK_CK(fill(9, 3, 512.0));
+  Snap want, s;
+  RANK_CK(A.snapshot(&want));
+  const size_t T0 = A.reg;
+  A.grow(kNew, kNewG, 5);
+  const zopt_status added = A.add(T0);
+  const std::string msg = zopt_last_error();
+  RANK_CK(A.snapshot(&s));
+  report(added == ZOPT_ERR_UNSUPPORTED && msg.find("GPU") != std::string::npos && s == want,
+         "GPU step: add_tensors after finalize refused (UNSUPPORTED), nothing changed (%s)", msg.c_str());
+  void *b = nullptr;
+  size_t n = 0;
+  RANK_CK(zopt_optimizer_export_state(A.o, &b, &n, 0) == ZOPT_OK);
+  const std::vector<unsigned char> image = to_vec(b, n);
+  RANK_CK(zopt_optimizer_export_state(A.o, &b, &n, ZOPT_EXPORT_WHOLE) == ZOPT_OK);
+  const std::vector<unsigned char> whole = to_vec(b, n);
+  std::vector<unsigned char> same = image;  // world size 1: the WHOLE image but the save identity
+  if (same.size() == whole.size() && same.size() > ckt::kIdAt + 16) {
+    memcpy(same.data() + ckt::kIdAt, whole.data() + ckt::kIdAt, 16);
+    ckt::reseal(same);
+  }
+  bool ok = same == whole;
+  RANK_CK(fill(11, 8, 4.0) && A.snapshot(&s) && s != want);
+  RANK_CK(zopt_optimizer_import_state(A.o, image.data(), image.size(), 0) == ZOPT_OK && A.snapshot(&s));
+  ok = ok && s == want;
+  RANK_CK(fill(12, 9, 8.0));
+  RANK_CK(zopt_optimizer_import_state(A.o, whole.data(), whole.size(), 0) == ZOPT_OK && A.snapshot(&s));
+  ok = ok && s == want;
+  report(ok, "GPU step: export -> import (its image, the WHOLE image): states, counts, scaler and seed "
+             "bit-identical");
+  RANK_CK(fill(13, 10, 16.0));
+  zopt_state_import *imp = nullptr;
+  RANK_CK(zopt_optimizer_import_begin(A.o, &imp) == ZOPT_OK);
+  for (size_t t = 0; t < A.reg; ++t) {
+    for (uint32_t k = 0; k < A.d->num_states; ++k) {
+      const zopt_state_desc &sd = A.d->states[k];
+      if (!is_owned(sd.kind)) continue;
+      RANK_CK(zopt_state_import_put(imp, (int)t, (zopt_state_kind)sd.kind, (zopt_dtype)sd.dtype, want.st[t][k].data(),
+                                    A.n[t]) == ZOPT_OK);
+    }
+    RANK_CK(zopt_state_import_set_tensor_step(imp, (int)t, want.steps[t]) == ZOPT_OK);
+  }
+  for (int gi = 0; gi < 2; ++gi)
+    RANK_CK(zopt_state_import_set_group(imp, gi, want.gcounts[(size_t)gi], want.gflags[(size_t)gi]) == ZOPT_OK);
+  RANK_CK(zopt_state_import_set_loss_scaler(imp, nullptr, want.scale, want.good) == ZOPT_OK);
+  RANK_CK(zopt_state_import_set_seed(imp, want.seed) == ZOPT_OK);
+  RANK_CK(zopt_state_import_commit(imp) == ZOPT_OK && A.snapshot(&s));
+  report(s == want, "GPU step: the staged import (in the storage dtypes): bit-identical%s%s", s == want ? "" : ": ",
+         diff(s, want).c_str());
+  Snap before;
+  RANK_CK(A.snapshot(&before));
+  std::vector<unsigned char> bad = whole;
+  bad[ckt::kNumGroupsAt + 9] ^= 4;
+  const zopt_status st = zopt_optimizer_import_state(A.o, bad.data(), bad.size(), 0);
+  RANK_CK(A.snapshot(&s));
+  report(st == ZOPT_ERR_CHECKPOINT && s == before, "GPU step: a corrupt image refused, nothing changed");
+}
+
 // ---- the steps to run ----------------------------------------------------------
 
 std::vector<std::string> collect(const std::vector<std::string> &args) {
@@ -932,6 +1062,21 @@ int main(int argc, char **argv) {
     std::string a = argv[i];
     if (a.rfind("--world=", 0) == 0) g_world = atoi(a.c_str() + 8);
     else if (a.rfind("--dir=", 0) == 0) g_dir = a.substr(6);
+    else if (a.rfind("--device-memory=", 0) == 0) {
+      // The stand-in driver (ZOPT_CUDA_DRIVER must name it too): the
+      // model's memory from its cuMemAlloc.
+      const std::string lib = a.substr(16);
+      const char *env = getenv("ZOPT_CUDA_DRIVER");
+      void *h = dlopen(lib.c_str(), RTLD_NOW | RTLD_LOCAL);
+      if (!env || lib != env || !h) {
+        fprintf(stderr, "zopt-state-check: --device-memory needs ZOPT_CUDA_DRIVER=%s (%s)\n", lib.c_str(),
+                h ? "unset or another" : dlerror());
+        return 2;
+      }
+      *(void **)&g_dev_alloc = dlsym(h, "cuMemAlloc_v2");
+      *(void **)&g_dev_free = dlsym(h, "cuMemFree_v2");
+      if (!g_dev_alloc || !g_dev_free) return 2;
+    }
     else if (a[0] != '-') args.push_back(a);
     else {
       fprintf(stderr, "zopt-state-check: unknown argument '%s'\n", a.c_str());
@@ -955,9 +1100,14 @@ int main(int argc, char **argv) {
       zopt_step_free(st);
       continue;
     }
+    const bool gpu = gpu_step(zopt_step_get_descriptor(st));
     zopt_optimizer_free(o);
     zopt_step_free(st);
     ++ran;
+    if (gpu) {  // world size 1
+      test_gpu();
+      continue;
+    }
     test_add();
     test_add_refused();
     test_export_import();
