@@ -521,7 +521,8 @@ ZOPT_API zopt_status zopt_optimizer_import_state_set(zopt_optimizer *opt, int n,
  * (with several ranks, collectively: every rank imports the same step
  * counts, hyperparameters, flags, scaler and seed, each putting the same
  * whole tensors and keeping the elements it holds), then applies
- * everything, or nothing. commit and abort free the import. The calls run
+ * everything, or nothing. commit (whatever it returns) and abort free the
+ * import; abort must not race another call on the same import. The calls run
  * under the optimizer's call rules (zopt.h "Threading"); tensors added to
  * the optimizer after begin make commit fail (ZOPT_ERR_BAD_STATE). */
 typedef struct zopt_state_import zopt_state_import;
