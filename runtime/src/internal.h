@@ -224,6 +224,9 @@ struct zopt_optimizer {
   double linked_sumsq = 0;
   // The C API call running on the optimizer (zopt.h "Threading").
   mutable zopt::CallGate gate;
+  // Counts the rebuilds of the layout (tensors added after finalize): a
+  // staged import begun before one is refused at its commit.
+  uint64_t generation = 0;
 };
 
 namespace zopt {
@@ -299,6 +302,10 @@ bool is_offload_step(const zopt_step *s);
 zopt_status offload_create(zopt_optimizer *o);
 zopt_status offload_check_tensor(const zopt_optimizer *o, void *param, void *grad);
 zopt_status offload_alloc_staging(zopt_optimizer *o, size_t bytes, void **out);
+// The staging buffers allocated so far (in allocation order), and freeing
+// those of indices [first, last) (a program rebuilt around more tensors).
+size_t offload_staging_count(const zopt_optimizer *o);
+void offload_free_staging(zopt_optimizer *o, size_t first, size_t last);
 // Asynchronous copies of state si (PARAM or GRAD) of every tensor between
 // the user's device memory and the host staging (state_ptr); with
 // `sync`, waits for the stream afterwards.

@@ -161,6 +161,19 @@ zopt_status offload_copy(const zopt_optimizer *o, int t, int si, void *host, siz
   return ZOPT_OK;
 }
 
+size_t offload_staging_count(const zopt_optimizer *o) { return o->offload ? o->offload->pinned.size() : 0; }
+
+void offload_free_staging(zopt_optimizer *o, size_t first, size_t last) {
+  GpuState *g = o->offload;
+  if (!g || first >= last || last > g->pinned.size()) return;
+  CtxScope scope(g);
+  if (!scope.status()) {
+    gpu_sync_own_work(g);  // pending copies read the staging
+    for (size_t i = first; i < last; ++i) g->cu->MemFreeHost(g->pinned[i]);
+  }
+  g->pinned.erase(g->pinned.begin() + (long)first, g->pinned.begin() + (long)last);
+}
+
 void offload_free(zopt_optimizer *o) {
   GpuState *g = o->offload;
   if (!g) return;
