@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import zopt
-from zopt.reference import Reference
+from oracles.reference import Reference
 from zopt_testutil import Problem, check_param, from_storage
 
 SIZES = [[1, 17, 1000], [33]]
