@@ -446,6 +446,30 @@ def test_mixed_offloaded_parts(steps, gpu_env):
     _assert_on_current_stream(rec)
 
 
+def test_gpu_scaler_state_read_without_a_checkpoint(steps, gpu_env):
+    """GPU steps keep the loss scaler on the device: state_dict() reads its
+    scale and good-step count with zopt_optimizer_get_loss_scaler_state
+    (which waits for the stream), not by saving a whole checkpoint to a
+    temporary directory to read two numbers (issue 17)."""
+    fc, rec, mode = gpu_env
+    mode("gpu")
+    g = torch.Generator().manual_seed(5)
+    ps = [torch.nn.Parameter(torch.randn(5 + 3 * i, generator=g).half()) for i in range(3)]
+    opt = zopt.Optimizer(steps(rule="adamw", layout="f16_loss_scale"), ps, lr=1e-3,
+                         loss_scaler=dict(init_scale=256.0, growth_interval=5))
+    for _ in range(2):
+        for p in ps:
+            p.grad = (torch.randn(p.shape, generator=g) * 0.01 * opt.loss_scale).half()
+        opt.step()
+    n0 = len(rec.calls())
+    ls = opt.state_dict()["zopt"]["loss_scaler"]
+    names = [c[0] for c in rec.calls()[n0:]]
+    assert "zopt_optimizer_save" not in names
+    assert "zopt_optimizer_get_loss_scaler_state" in names
+    assert (ls["scale"], ls["good_steps"], ls["growth_interval"]) == (256.0, 2, 5)
+    _assert_on_current_stream(rec, n0)
+
+
 def test_cpu_steps_untouched(steps, monkeypatch):
     """A CPU step never asks torch.cuda for anything (and its groups are
     plain dicts)."""

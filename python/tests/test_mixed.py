@@ -690,7 +690,7 @@ def test_settings_reach_every_class_and_a_new_class_joins_the_scaler(steps):
         h[0].grad = torch.full((50,), float("inf") if k == 2 else 0.5,
                                dtype=torch.float16)
         opt.step()
-    assert opt.loss_scale == 2.0 ** 10 and opt.parts["f16"]._good_steps == 1
+    assert opt.loss_scale == 2.0 ** 10 and opt.state_dict()["zopt"]["loss_scaler"]["good_steps"] == 1
     opt.add_param_group(dict(params=[h[1], f[0], f[1]], lr=5e-3))
     assert list(opt.parts) == ["f16", "f32"]
     for o in opt.parts.values():   # every setting in every class, the new one too

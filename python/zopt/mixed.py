@@ -619,7 +619,6 @@ class MixedOptimizer(Optimizer):
         o.configure_loss_scaler(**cfg)
         check(self._lib.zopt_optimizer_set_loss_scaler_state(o._h, float(scale), int(good)),
               "zopt_optimizer_set_loss_scaler_state")
-        o._good_steps = good
 
     # ---- state ---------------------------------------------------------------------------
     def _tensor_step(self, t):

@@ -832,7 +832,6 @@ class Optimizer(_Base):
         self._grad_divisor = grad_divisor
         self._seed = seed
         self._scaler_cfg = None
-        self._good_steps = 0
         self._metrics_hooks = []
         self.last_metrics = None
         self.last_result = None
@@ -2447,8 +2446,8 @@ class Optimizer(_Base):
                 "captured region (or use a step whose states are on the GPU)")
 
     def _after_step(self, r):
-        """After the runtime's step (r: its result): the outcome, the loss
-        scaler's good steps, ZeRO-3's gather and the write-check baselines."""
+        """After the runtime's step (r: its result): the outcome, ZeRO-3's
+        gather and the write-check baselines."""
         self.last_result = r
         self.last_grad_norm = r.grad_norm
         self.last_skipped = bool(r.skipped)
@@ -2456,16 +2455,6 @@ class Optimizer(_Base):
         self.steps_taken += 1
         if self._strided and not r.skipped:  # the updated copies -> the strided params
             _strided.copy_out(self._entries, self._strided)
-        cfg = self._scaler_cfg
-        if self.step_obj.loss_scaled and not self._on_cuda:
-            if cfg is None or cfg["dynamic"]:
-                interval = cfg["growth_interval"] if cfg else 2000
-                if r.skipped:
-                    self._good_steps = 0
-                else:
-                    self._good_steps += 1
-                    if self._good_steps >= interval:
-                        self._good_steps = 0
         if self.step_obj.zero3:
             self._after_zero3_step()
         elif self._sampler is not None:
@@ -2608,7 +2597,6 @@ class Optimizer(_Base):
         c = self._scaler_config(**kw)
         self._configure_scaler(self._handle(), c)
         self._scaler_cfg = c
-        self._good_steps = 0
 
     @property
     @_exclusive("loss_scale")
@@ -2620,16 +2608,17 @@ class Optimizer(_Base):
         return s.value
 
     def _scaler_state(self):
-        """(scale, good_steps, config) of the runtime's scaler."""
+        """(scale, good_steps, config) of the runtime's scaler: the scale
+        and good-step count read from the runtime, which owns them (GPU
+        steps: from the device); the configuration is the one this binding
+        gave it (the C API has no getter for it). A step without loss
+        scaling reports its configured initial scale."""
         cfg = self._scaler_cfg or self._scaler_config()
-        if self._on_cuda and self.step_obj.loss_scaled:
-            with tempfile.TemporaryDirectory(prefix="zopt-sc-") as d:
-                p = os.path.join(d, "ck")
-                self.save(p)
-                scale, good, cfg, _ = _ckpt.read_scaler(p)
-                return scale, good, cfg
-        scale = self.loss_scale if self.step_obj.loss_scaled else cfg["init_scale"]
-        return scale, self._good_steps, cfg
+        scale, good = ctypes.c_double(), ctypes.c_int64()
+        check(self._lib.zopt_optimizer_get_loss_scaler_state(
+            self._handle(), ctypes.byref(scale), ctypes.byref(good)),
+            "zopt_optimizer_get_loss_scaler_state")
+        return (scale.value if self.step_obj.loss_scaled else cfg["init_scale"]), good.value, cfg
 
     # ---- state access -------------------------------------------------------------------
     @property
@@ -3198,7 +3187,6 @@ class Optimizer(_Base):
             check(self._lib.zopt_optimizer_load_ex(self._handle(), path.encode(), flags),
                   "load_state_dict")
         self._scaler_cfg = dict(cfg)
-        self._good_steps = good
         self._seed = snap["seed"]
         self._push_flags()
         self._reset_watch()
@@ -3252,13 +3240,13 @@ class Optimizer(_Base):
             raise
         for gid in range(len(self.param_groups)):
             self._sync_group_from_c(gid)
-        try:
-            scale, good, cfg, seed = _ckpt.read_scaler(path)
-            self._good_steps, self._scaler_cfg = good, cfg
-            if seed is not None:
-                self._seed = seed
+        try:  # the scaler's configuration: the file's (no C getter for it)
+            self._scaler_cfg = _ckpt.read_scaler(path)[2]
         except (OSError, ValueError):
             pass
+        s = ctypes.c_uint64()
+        check(self._lib.zopt_optimizer_get_seed(self._h, ctypes.byref(s)), "get_seed")
+        self._seed = s.value
         self._reset_watch()
         self._state_epoch += 1
         return self._loaded_master_pending()
