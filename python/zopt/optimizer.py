@@ -59,14 +59,28 @@ import weakref
 
 import numpy as np
 
-from . import _ckpt, _lib, _strided, _torch_compat
+from . import _ckpt, _dtypes, _lib, _strided, _torch_compat
 from ._calls import exclusive as _exclusive, lock_of as _lock_of
 from ._collective import collective_errors
-from ._lib import (DType, HyperKind, StateKind, Status, ZoptError, ZoptTypeError,
-                   ZoptValueError, check, lib, DTYPE_ITEMSIZE, DTYPE_NAMES, HYPER_BY_NAME,
-                   HYPER_NAMES, STATE_BY_NAME, STATE_NAMES)
+from ._lib import (DType, StateKind, Status, ZoptError, check, lib, DTYPE_ITEMSIZE,
+                   DTYPE_NAMES, HYPER_BY_NAME, STATE_NAMES)
 from ._watch import Sampler
 from ._warnings import warn_user
+# Moved out (issue 17): dtypes and storage bits, the loaded step, group
+# hyperparameters, GPU streams and allocator; the names this module and
+# zopt.mixed use.
+from ._dtypes import (KIND_OF_KEY, NP_DTYPES as _NP_DTYPES, NP_OF as _NP_OF,  # noqa: F401
+                      PLACE_GPU as _PLACE_GPU, TORCH_KEY, f32_of_bits as _f32_of_bits,
+                      from_bits as _from_bits, is_rounding_of as _is_rounding_of,
+                      is_torch as _is_torch, kind as _kind, np_bits as _np_bits,
+                      round_bits as _round_bits, torch_dtypes as _torch_dtypes,
+                      torch_of as _torch_of)
+from ._gpu import (DeviceAllocatorC as _DeviceAllocatorC, GpuGroup as _GpuGroup,  # noqa: F401
+                   TorchAllocator as _TorchAllocator,
+                   set_device_allocator as _set_device_allocator)
+from ._hypers import (bool_hyper as _bool_hyper, frozen as _frozen,  # noqa: F401
+                      groups_arg as _groups_arg, maximize as _maximize, slots as _slots)
+from ._step import Step  # noqa: F401
 
 try:  # torch is optional
     import torch
@@ -74,18 +88,6 @@ try:  # torch is optional
 except Exception:  # pragma: no cover
     torch = None
     _Base = object
-
-_NP_DTYPES = {np.dtype(np.float32): DType.F32, np.dtype(np.float16): DType.F16,
-              np.dtype(np.uint16): DType.BF16}
-_NP_OF = {DType.F32: np.float32, DType.F16: np.float16, DType.BF16: np.uint16}
-
-# torch's per-param state keys <-> zopt state kinds ("master" and "param" are
-# zopt's own: the f32 master of low-precision params, ZeRO-3's held params).
-TORCH_KEY = {StateKind.EXP_AVG: "exp_avg", StateKind.EXP_AVG_SQ: "exp_avg_sq",
-             StateKind.MAX_EXP_AVG_SQ: "max_exp_avg_sq",
-             StateKind.MOMENTUM_BUFFER: "momentum_buffer",
-             StateKind.MASTER: "master", StateKind.PARAM: "param"}
-KIND_OF_KEY = {v: k for k, v in TORCH_KEY.items()}
 
 _UNSET = object()
 _is = operator.is_
@@ -100,31 +102,6 @@ def _ptrs_of(grads):
         return list(map(_data_ptr, grads))  # the usual case: every param has one
     except TypeError:
         return [0 if g is None else g.data_ptr() for g in grads]
-
-
-def _torch_dtypes():
-    return {torch.float32: DType.F32, torch.float16: DType.F16,
-            torch.bfloat16: DType.BF16}
-
-
-def _torch_of(dt):
-    return {DType.F32: torch.float32, DType.F16: torch.float16,
-            DType.BF16: torch.bfloat16}[dt]
-
-
-def _is_torch(x):
-    return torch is not None and isinstance(x, torch.Tensor)
-
-
-def _kind(kind):
-    if isinstance(kind, str):
-        try:
-            return STATE_BY_NAME[kind]
-        except KeyError:
-            raise ZoptError(Status.INVALID_ARGUMENT,
-                            f"unknown state kind {kind!r}; known: "
-                            f"{sorted(STATE_BY_NAME)}") from None
-    return StateKind(int(kind))
 
 
 _dense = _strided.dense
@@ -156,24 +133,6 @@ def _file_tensor_groups(path):
     return ngroups, [g for g, _ in table]
 
 
-def _np_bits(x):
-    """A torch CPU tensor (any layout) -> numpy array (a copy) of its
-    storage bits, in memory order. A copy: ``.numpy()`` on a tensor makes
-    its storage non-resizable for good (ZeRO-3 release would fail)."""
-    x = x.detach().clone()
-    if x.dtype == torch.bfloat16:
-        x = x.view(torch.int16)
-        return x.numpy().view(np.uint16).reshape(-1)
-    return x.numpy().reshape(-1)
-
-
-def _from_bits(a, dt):
-    """numpy storage array -> torch tensor (shares memory)."""
-    if dt == DType.BF16:
-        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(a))
-
-
 class MasterWeightsWarning(UserWarning):
     """``load_state_dict()`` / ``load()`` of an optimizer state with a
     master replaced params whose values disagreed with it (the optimizer
@@ -190,40 +149,6 @@ def _warn_master_replaced(what, changed, total):
         "again from them.", MasterWeightsWarning)
 
 
-def _f32_of_bits(flat, dt):
-    """numpy storage bits of dtype dt -> float32 values."""
-    if dt == DType.BF16:
-        from . import bf16
-        return bf16.to_f32(flat)
-    return np.asarray(flat, dtype=np.float32)
-
-
-def _round_bits(f32, dt):
-    """float32 values -> storage bits of dtype dt, nearest even (as the
-    runtime writes a param from its master)."""
-    if dt == DType.BF16:
-        from . import bf16
-        return bf16.from_f32(f32)
-    with np.errstate(over="ignore"):
-        return np.ascontiguousarray(f32, dtype=_NP_OF[dt])
-
-
-def _is_rounding_of(pbits, dt, m):
-    """Per element: the param (storage bits of dtype dt) is a rounding of
-    the master m (float32): the nearest, or the other neighbour of m (what
-    stochastic rounding may write); NaN for NaN."""
-    pbits = np.ascontiguousarray(pbits)
-    r = _round_bits(m, dt)
-    pv, rv = _f32_of_bits(pbits, dt), _f32_of_bits(r, dt)
-    signed = {2: np.int16, 4: np.int32}[pbits.dtype.itemsize]
-    pi = pbits.view(signed).astype(np.int64)
-    ri = r.view(signed).astype(np.int64)
-    with np.errstate(invalid="ignore", over="ignore"):
-        same = (pi == ri) | (pv == m) | (np.isnan(pv) & np.isnan(m))
-        other = (np.abs(pi - ri) == 1) & ((pi < 0) == (ri < 0)) & ((pv - m) * (rv - m) < 0)
-    return same | other
-
-
 class _Lent:
     """A state tensor handed out by ``opt.state[p]`` (or assigned to it):
     in-place changes to it are written back while it is current. Held
@@ -237,297 +162,9 @@ class _Lent:
         self.steps, self.epoch, self.stale = steps, epoch, False
 
 
-class Step:
-    """A compiled step loaded from a step.so (zopt_step_load)."""
-
-    def __init__(self, path):
-        self.path = os.fspath(path)
-        self._lib = lib()
-        h = ctypes.c_void_p()
-        check(self._lib.zopt_step_load(self.path.encode(), ctypes.byref(h)),
-              f"zopt_step_load({self.path})")
-        self._h = h
-        d = self._lib.zopt_step_get_descriptor(h).contents
-        self.name = d.name.decode()
-        self.flags = int(d.flags)
-        self.zero_stage = int(d.zero_stage)
-        self.align = int(d.align)
-        self.checksum = int(d.checksum)
-        self.max_norm = float(d.max_norm) if self.flags & _lib.FLAG_CLIP else None
-        self.states = []  # (kind, dtype, placement) in descriptor order
-        self.state_flags = {}
-        self.state_access = {}  # kind -> 1 read, 2 written, 3 both (abi.h)
-        for i in range(d.num_states):
-            s = d.states[i]
-            self.states.append((StateKind(s.kind), DType(s.dtype), int(s.placement)))
-            self.state_flags[StateKind(s.kind)] = int(s.flags)
-            self.state_access[StateKind(s.kind)] = int(s.access)
-        self.hypers = {}  # name -> (default, min, max, max_exclusive)
-        for i in range(d.num_hypers):
-            hd = d.hypers[i]
-            self.hypers[HYPER_NAMES[HyperKind(hd.kind)]] = (
-                hd.default_value, hd.min_value, hd.max_value, bool(hd.max_exclusive))
-        isa = self._lib.zopt_step_isa(h)
-        # A GPU step has no CPU update kernel (its ISA reads -1).
-        self.isa = _lib.Isa(isa) if isa >= 0 else None
-
-    @property
-    def loss_scaled(self):
-        return bool(self.flags & _lib.FLAG_LOSS_SCALE)
-
-    @property
-    def clipped(self):
-        return bool(self.flags & _lib.FLAG_CLIP)
-
-    def state_dtype(self, kind):
-        kind = _kind(kind)
-        for k, dt, _ in self.states:
-            if k == kind:
-                return dt
-        return None
-
-    @property
-    def param_dtype(self):
-        return self.state_dtype(StateKind.PARAM)
-
-    @property
-    def grad_dtype(self):
-        return self.state_dtype(StateKind.GRAD)
-
-    @property
-    def f32_grads(self):
-        """True if the gradients are f32 for bf16/f16 params (accumulated
-        in f32: DeepSpeed's bf16 layout, Megatron's main_grad)."""
-        return self.grad_dtype != self.param_dtype
-
-    @property
-    def gpu(self):
-        """True if the update runs on the GPU (no CPU kernel:
-        zopt_step_isa is ZOPT_ISA_NONE)."""
-        return self.isa is None or self.isa == _lib.Isa.NONE
-
-    @property
-    def on_device(self):
-        """True if the params live on the GPU: a GPU step, or an offloaded
-        one (param/grad on the GPU, the states and the update on the CPU)."""
-        return any(k == StateKind.PARAM and pl == _PLACE_GPU for k, _, pl in self.states)
-
-    @property
-    def offloaded(self):
-        """True for ZeRO-Offload steps: params on the GPU, update on the CPU."""
-        return self.on_device and not self.gpu
-
-    @property
-    def owned_states(self):
-        """State kinds the runtime owns (everything but PARAM and GRAD)."""
-        return [k for k, _, _ in self.states
-                if k not in (StateKind.PARAM, StateKind.GRAD)]
-
-    @property
-    def zero3(self):
-        """True if the runtime holds the params, sharded (ZeRO-3)."""
-        return bool(self.state_flags.get(StateKind.PARAM, 0) & _lib.STATE_PARTITIONED)
-
-    @property
-    def has_master(self):
-        return StateKind.MASTER in self.state_flags
-
-    @property
-    def adam_like(self):
-        return "eps" in self.hypers and StateKind.EXP_AVG_SQ in self.state_flags
-
-    @property
-    def plain_sgd(self):
-        """SGD without momentum (torch.optim.SGD with momentum 0): an lr, no
-        moment slots, no states but a master."""
-        return "lr" in self.hypers and not {"beta1", "eps", "momentum"} & set(self.hypers) \
-            and not set(self.owned_states) - {StateKind.MASTER}
-
-    def __repr__(self):
-        st = ", ".join(f"{STATE_NAMES[k]}:{DTYPE_NAMES[dt]}" for k, dt, _ in self.states)
-        return f"<zopt.Step {self.name} [{st}] hypers={list(self.hypers)}>"
-
-    def __del__(self):
-        h = getattr(self, "_h", None)
-        if h is not None and h.value:
-            self._lib.zopt_step_free(h)
-            self._h = None
-
-
 # ---- hyperparameters of a group ------------------------------------------
 
-def _bool_hyper(name, v):
-    """bias_correction, maximize: True/False (or exactly 0/1), like the C
-    API's range but without its values in between."""
-    if isinstance(v, (bool, np.bool_)):
-        return 1.0 if v else 0.0
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        f = None
-    if f in (0.0, 1.0):
-        return f
-    raise ZoptValueError(f"{name} = {v!r} must be True or False (or 0/1)")
-
-
-def _maximize(group):
-    """A group's torch.optim ``maximize`` flag (absent: False)."""
-    v = group.get("maximize", False)
-    return False if v is None else bool(_bool_hyper("maximize", v))
-
-
-def _slots(group, hypers):
-    """The hyperparameter keys of a group dict -> {slot name: float}. Keys
-    that are not hyperparameter names (schedulers' 'initial_lr', torch's
-    'amsgrad', 'foreach', ...) are carried along and ignored here."""
-    out = {}
-    for key, val in group.items():
-        if key == "params" or val is None:
-            continue
-        if key == "betas":
-            try:
-                b = tuple(val)
-            except TypeError:
-                b = ()
-            if len(b) != 2:
-                raise ZoptValueError(f"betas must be a pair, got {val!r}")
-            try:
-                out["beta1"], out["beta2"] = float(b[0]), float(b[1])
-            except (TypeError, ValueError):
-                raise ZoptValueError(f"betas must be a pair of numbers, got {val!r}") from None
-        elif key == "bias_correction":
-            out[key] = _bool_hyper(key, val)
-        elif key in HYPER_BY_NAME:
-            try:
-                out[key] = float(val)
-            except (TypeError, ValueError):
-                raise ZoptValueError(f"{key} = {val!r} is not a number") from None
-    return out
-
-
-def _groups_arg(params):
-    """The ``params`` argument as a list (of tensors, pairs or group dicts).
-    A bare tensor is refused as torch refuses it (TypeError, torch's text):
-    iterating it would give its rows."""
-    if _is_torch(params):
-        raise ZoptTypeError("params argument given to the optimizer should be an iterable "
-                            "of Tensors or dicts, but got " + torch.typename(params))
-    if isinstance(params, np.ndarray):  # numpy: refused with its reason by _entry
-        return [params]
-    return list(params)
-
-
-def _frozen(v):
-    """A group value as compared between steps (a list edited in place,
-    e.g. betas, must count as changed)."""
-    return tuple(v) if isinstance(v, list) else v
-
-
 # ---- GPU steps: streams, hyperparameter pushes, torch's allocator ---------
-
-_PLACE_GPU = 2  # ZOPT_PLACE_GPU (abi.h)
-
-# zopt_device_allocator (zopt.h): alloc(user, bytes, cu_stream),
-# free(user, ptr, bytes, cu_stream), user.
-_ALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
-_FREE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
-                            ctypes.c_void_p)
-
-
-class _DeviceAllocatorC(ctypes.Structure):
-    _fields_ = [("alloc", _ALLOC_FN), ("free", _FREE_FN), ("user", ctypes.c_void_p)]
-
-
-def _set_device_allocator(L, h, alloc):
-    """zopt_optimizer_set_device_allocator(h, &alloc.c) (declared here: the
-    binding's only caller)."""
-    fn = L.zopt_optimizer_set_device_allocator
-    if isinstance(fn, ctypes._CFuncPtr) and fn.argtypes is None:
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DeviceAllocatorC)]
-    return fn(h, ctypes.byref(alloc.c))
-
-
-class _TorchAllocator:
-    """The device memory of a GPU step from torch's caching allocator
-    (torch.cuda.caching_allocator_alloc / _delete): the optimizer's buffers
-    and torch's cached blocks are one pool, so finalize can use memory
-    torch has cached, and torch.cuda.memory_allocated() counts the
-    optimizer's states. One per zopt.Optimizer, kept (with its ctypes
-    callbacks) as long as the optimizer: every native optimizer it built
-    gives its buffers back through it at zopt_optimizer_free."""
-
-    def __init__(self, device):
-        self.device = device      # a device index, or None: the current device
-        self.live = {}            # pointer -> bytes, allocated and not yet freed
-        self.error = None         # what torch raised in the last failed alloc
-        self._alloc_cb = _ALLOC_FN(self._alloc)
-        self._free_cb = _FREE_FN(self._free)
-        self.c = _DeviceAllocatorC(self._alloc_cb, self._free_cb, None)
-
-    def _alloc(self, user, nbytes, stream):
-        try:
-            p = int(torch.cuda.caching_allocator_alloc(int(nbytes), self.device, int(stream or 0)))
-        except BaseException as e:  # out of memory: finalize fails, naming it
-            self.error = e
-            return None
-        self.live[p] = int(nbytes)
-        return p
-
-    def _free(self, user, ptr, nbytes, stream):
-        try:
-            if ptr and self.live.pop(int(ptr), None) is not None:
-                torch.cuda.caching_allocator_delete(int(ptr))
-        except BaseException:  # pragma: no cover - torch torn down at exit
-            pass
-
-
-class _GpuGroup(dict):
-    """A param group of a GPU step. Assigning a hyperparameter
-    (``group["lr"] = x``: an lr scheduler, by hand) writes the changed value
-    into the device's hyperparameter table at once (Optimizer._push_group),
-    because under ``torch.cuda.graph`` nobody calls step() between replays
-    and each replay reads the table. Inside a capture a changed value is
-    refused (ZoptError, the dict keeps its old value). Copies and pickles
-    are plain dicts."""
-    __slots__ = ("_opt",)
-
-    def __init__(self, opt, *args, **kw):
-        dict.__init__(self, *args, **kw)
-        self._opt = weakref.ref(opt)
-
-    def __setitem__(self, key, value):
-        opt = self._opt()
-        if opt is None or key not in opt._hyper_keys():
-            dict.__setitem__(self, key, value)
-            return
-        had = key in self
-        old = dict.get(self, key)
-        dict.__setitem__(self, key, value)
-        try:
-            opt._group_assigned(self)
-        except BaseException:
-            if had:
-                dict.__setitem__(self, key, old)
-            else:
-                dict.pop(self, key, None)
-            raise
-
-    def update(self, *args, **kw):
-        for k, v in dict(*args, **kw).items():
-            self[k] = v
-
-    def setdefault(self, key, default=None):
-        if key not in self:
-            self[key] = default
-        return self[key]
-
-    def copy(self):
-        return dict(self)
-
-    def __reduce__(self):
-        return (dict, (dict(self),))
-
 
 class _RemovableHandle:
     def __init__(self, hooks, fn):
@@ -1055,7 +692,7 @@ class Optimizer(_Base):
         e.dense = None
         why = None
         if e.torch and param.numel() and not _dense(param):
-            why = _strided.unsupported(self, e)
+            why = _strided.unsupported(self.step_obj, e)
             if why is None:
                 e.dense = _strided.make_copy(param)
         pptr, numel, dt = self._buffer(param if e.dense is None else e.dense, e.name,
@@ -2844,7 +2481,7 @@ class Optimizer(_Base):
         if s.has_master and "master" not in vals and e.numel:
             if s.zero3:  # from the held param (the model's may be released)
                 held = self._read_raw(t, StateKind.PARAM)
-                self._write_raw(t, StateKind.MASTER, self._convert_bits(
+                self._write_raw(t, StateKind.MASTER, _dtypes.convert_bits(
                     held, s.param_dtype, s.state_dtype(StateKind.MASTER)))
             else:
                 self._refresh([t])
@@ -3146,7 +2783,7 @@ class Optimizer(_Base):
                 continue
             want = _NP_OF[kind_dt[kidx[k]][1]]
             if a.dtype != want:
-                a = self._convert_bits(a, _NP_DTYPES[a.dtype], kind_dt[kidx[k]][1])
+                a = _dtypes.convert_bits(a, _NP_DTYPES[a.dtype], kind_dt[kidx[k]][1])
             data[(kidx[k], t)] = a
         steps = list(snap["steps"]) + [0] * (len(self._entries) - len(snap["steps"]))
         ex = self._excluded
@@ -3190,14 +2827,6 @@ class Optimizer(_Base):
         self._seed = snap["seed"]
         self._push_flags()
         self._reset_watch()
-
-    @staticmethod
-    def _convert_bits(a, src, dst):
-        if torch is not None:
-            return _np_bits(_from_bits(a, src).to(_torch_of(dst)))
-        from . import bf16
-        f = bf16.to_f32(a) if src == DType.BF16 else a.astype(np.float32)
-        return bf16.from_f32(f) if dst == DType.BF16 else f.astype(_NP_OF[dst])
 
     # ---- checkpoints ------------------------------------------------------------------------
     @_exclusive("save")

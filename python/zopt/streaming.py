@@ -51,6 +51,7 @@ import weakref
 import numpy as np
 
 from . import _lib
+from ._dtypes import torch_of
 from ._lib import Status, ZoptError, check
 
 try:
@@ -149,8 +150,7 @@ class GradStreamer:
             for t in ts:
                 self.t_buckets[t].append(b)
         self.numels = np.array([e.numel for e in o._entries], dtype=np.int64)
-        from .optimizer import _torch_of
-        self._gdtype = _torch_of(o.step_obj.grad_dtype)
+        self._gdtype = torch_of(o.step_obj.grad_dtype)
         self._contig = [e.param.is_contiguous() for e in o._entries]
         self._hook_new()
         self._idle(keep_lost=True)
