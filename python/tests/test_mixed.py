@@ -695,7 +695,7 @@ def test_settings_reach_every_class_and_a_new_class_joins_the_scaler(steps):
     assert list(opt.parts) == ["f16", "f32"]
     for o in opt.parts.values():   # every setting in every class, the new one too
         assert o.seed == 7 and o.grad_divisor == 3 and o.loss_scale == 2.0 ** 10
-        assert o._num_threads == 1 and o._bucket_elems == 65536
+        assert o.num_threads == 1 and o.bucket_elems == 65536
         assert o.get_hyper(1, "lr") == 5e-3
     opt.set_seed(9)
     opt.grad_divisor = 1

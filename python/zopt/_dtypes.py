@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import bf16
-from ._lib import DType, StateKind, Status, ZoptError, STATE_BY_NAME
+from ._lib import DType, Placement, StateKind, Status, ZoptError, STATE_BY_NAME
 
 try:  # torch is optional
     import torch
@@ -21,7 +21,7 @@ NP_DTYPES = {np.dtype(np.float32): DType.F32, np.dtype(np.float16): DType.F16,
              np.dtype(np.uint16): DType.BF16}
 NP_OF = {DType.F32: np.float32, DType.F16: np.float16, DType.BF16: np.uint16}
 
-PLACE_GPU = 2  # ZOPT_PLACE_GPU (abi.h)
+PLACE_GPU = int(Placement.GPU)  # ZOPT_PLACE_GPU (abi.h)
 
 # torch's per-param state keys <-> zopt state kinds ("master" and "param" are
 # zopt's own: the f32 master of low-precision params, ZeRO-3's held params).
