@@ -138,11 +138,12 @@ def add_group(opt, param_group):
     n_groups, old_parts = len(opt.param_groups), list(opt._parts)
     sizes = {id(c): (len(c.entries), len(c.grad_flats), len(c.acc_hooks),
                      set(c.excluded)) for c in old_parts}
-    snaps, built, created = {}, [], []
+    snaps, built = {}, []
     for c in old_parts:  # every state, before anything changes
         c.prepare()
         snaps[id(c)] = _rebuild.snapshot(c)
     append_group(opt, group, new)
+    created = [c for c in opt._parts if c not in old_parts]  # classes seen first now
     try:
         for c in old_parts:  # each keeps its states; an empty group where it has none
             _params.pre_rebuild(c)
@@ -152,14 +153,12 @@ def add_group(opt, param_group):
             _rebuild.restore(c, snaps[id(c)])
             _grads.add_acc_hooks(c, es)
             c.rebuilds += 1
-        for c in opt._parts:
-            if c not in old_parts:  # a new class: the others' seed and scaler state
-                created.append(c)
-                extend(c, c.entries)
-                if c.step.loss_scaled:
-                    scale, good, _ = old_parts[0].scaler_state()
-                    c.set_scaler_state(scale, good)
-                _grads.add_acc_hooks(c, c.entries)
+        for c in created:  # the others' seed (at its creation) and scaler state
+            extend(c, c.entries)
+            if c.step.loss_scaled:
+                scale, good, _ = old_parts[0].scaler_state()
+                c.set_scaler_state(scale, good)
+            _grads.add_acc_hooks(c, c.entries)
         route(opt)
     except BaseException:
         for c in created:

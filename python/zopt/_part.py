@@ -18,6 +18,7 @@ import weakref
 
 from . import _grads, _params, _rebuild, _state, _strided
 from ._collective import collective_errors
+from ._lib import Status, ZoptError
 from ._native import Native
 
 
@@ -52,6 +53,15 @@ class Part(Native):
     def groups(self):
         """The optimizer's param groups (each part holds every group)."""
         return self.owner().param_groups
+
+    def handle(self):
+        """The native optimizer for a call now (Native.handle), refused
+        while clip_grad_norm_ has begun the optimizer's step."""
+        o = self.owner()
+        if self.h is not None and o is not None and o._begun:
+            raise ZoptError(Status.BAD_STATE, "clip_grad_norm_ began this step (the gradients "
+                            "are reduced and the norm computed): call step() first")
+        return super().handle()
 
     # ---- build and checks -------------------------------------------------------------
     def build(self):
