@@ -1,12 +1,17 @@
 """Where the runtime reads a torch param's gradient: a fresh gradient
 tensor (zero_grad(set_to_none=True) then backward, or p.grad assigned) is
-read in place, without a copy (zopt_optimizer_set_grad_memory); views and
-gradients of other strides are copied; every way a training loop hands
-gradients over gives torch.optim.AdamW's result step by step."""
+read in place, without a copy (zopt_optimizer_set_grad_memory), views of
+a flat buffer too (test_scan.py: overlapping ones are copied); gradients
+of other strides are copied; every way a training loop hands
+gradients over gives torch.optim.AdamW's result step by step. Every test
+runs on both implementations of the per-step pass (zopt._scan, in Python
+and in the extension zopt._fast)."""
 import pytest
 import torch
 
 import zopt
+
+pytestmark = pytest.mark.usefixtures("scan_impl")
 
 
 def _model(seed=0):
@@ -43,7 +48,7 @@ def test_fresh_grads_read_in_place(adamw_step):
         o1.step(), o2.step()
         # no copy: p.grad is still backward's tensor, and the runtime read it
         assert all(p.grad is b for p, b in zip(m1.parameters(), before))
-        assert len(o1._parts[0].foreign) == 4
+        assert len(o1._parts[0].scan.in_place()) == 4
         _close(m1, m2)
 
 
@@ -56,7 +61,7 @@ def test_every_way_of_handing_gradients_over(adamw_step):
             o.zero_grad(set_to_none=(i % 3 != 0))  # in place every third step
             ((m(x) - y) ** 2).mean().backward()
             ps = list(m.parameters())
-            if i in (2, 4):  # views into one flat buffer (as DeepSpeed makes): copied
+            if i in (2, 4):  # views into one flat buffer (as DeepSpeed makes): in place
                 flat = torch.zeros(sum(p.numel() for p in ps) + 5)
                 off = 5
                 for p in ps:
@@ -154,8 +159,8 @@ def _contiguous(ps):
 @pytest.mark.parametrize("make", [_flat_views, _transposed, _contiguous])
 def test_user_grad_tensors_stay_p_grad(adamw_step, make, zero):
     """The user sets p.grad = g once and writes each step's gradient into g
-    (flat-buffer and manual all-reduce patterns): g stays p.grad (views and
-    other strides are copied each step, contiguous ones read in place;
+    (flat-buffer and manual all-reduce patterns): g stays p.grad (other
+    strides are copied each step, views and contiguous ones read in place;
     zero_grad(set_to_none=False) zeroes g in place, as torch does), and the
     result is torch's. Both used to swap the optimizer's buffer into p.grad,
     so later writes into g were lost."""
