@@ -45,7 +45,11 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 
 import zopt  # noqa: E402
-from zopt import _ext, _hypers, _scan  # noqa: E402
+
+try:
+    from zopt import _ext, _hypers, _scan  # noqa: E402
+except ImportError:  # a binding before zopt._scan (run this script on it to compare)
+    _ext = None
 
 REPO = os.path.dirname(HERE)
 
@@ -61,6 +65,8 @@ class Path:
         self.name = name
 
     def __enter__(self):
+        if _ext is None:
+            return self
         self.saved = _ext.scan_class, _hypers.same
         if self.name == "py":
             _ext.scan_class = lambda params: _scan.Scan
@@ -68,7 +74,8 @@ class Path:
         return self
 
     def __exit__(self, *exc):
-        _ext.scan_class, _hypers.same = self.saved
+        if _ext is not None:
+            _ext.scan_class, _hypers.same = self.saved
 
 
 class Case:
@@ -168,11 +175,11 @@ def main():
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--steps", default="adamw_f32,adamw_bf16_master")
     a = ap.parse_args()
-    paths = ["ext", "py"] if _ext.fast is not None else ["py"]
+    paths = ["old"] if _ext is None else ["ext", "py"] if _ext.fast is not None else ["py"]
     torch.set_num_threads(1)  # torch's own ops (the untimed gradient set-up) spin no threads
     print(f"{a.tensors} tensors x {a.numel} elements, and 1 tensor of {a.tensors * a.numel}; "
           f"torch {torch.__version__}, {os.cpu_count()} CPUs, median of {a.iters} (ms)")
-    if _ext.fast is None:
+    if _ext is not None and _ext.fast is None:
         print(f"(no extension: {_ext.why})")
     print(f"{'':<24}{'-- ' + format(a.tensors, ',') + ' tensors ':-<34}  {'-- views ':-<20}  "
           f"{'-- 1 tensor ':-<14}  {'-- /1 tensor ':-<14}")

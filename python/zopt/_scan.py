@@ -121,42 +121,45 @@ class Scan:
         return self._changes(G, dirty)
 
     def _changes(self, G, dirty):
-        last, gp, mode, regs = self.last, self.gp, self.mode, self.regs
+        last, gp, mode = self.last, self.gp, self.mode
+        strided = torch.strided
+        zero_copy = self.zero_copy
         # 1. what each gradient becomes (nothing changes before all are checked)
         news = []   # (j, g, ptr, new mode, is view)
+        add = news.append
         copies = []
         cand_views = False
-        for j, g in enumerate(G):
-            if g is last[j]:
+        for j, (g, old, reg, pptr, numel, stride) in enumerate(
+                zip(G, last, self.regs, self.pptrs, self.numels, self.strides)):
+            if g is old:
                 if g is None:
                     continue
-                q = g.data_ptr()
-                if q == gp[j]:
+                ptr = g.data_ptr()
+                if ptr == gp[j]:
                     if mode[j] == COPIED:
                         copies.append(j)
                     continue
-            if g is None:
-                news.append((j, None, 0, OWN, False))
+            elif g is None:
+                add((j, None, 0, OWN, False))
                 continue
-            if g.layout is not torch.strided:
+            elif g.layout is not strided:
                 return j  # refused: the caller names it
-            if g is regs[j]:
-                news.append((j, g, g.data_ptr(), OWN, False))
-                continue
-            ptr = g.data_ptr()
-            view = g._base is not None
-            if self.zero_copy and ptr != self.pptrs[j] and (
-                    self.numels[j] <= 1 or g.stride() == self.strides[j]):
-                news.append((j, g, ptr, IN_PLACE, view))
+            else:
+                ptr = g.data_ptr()
+            if g is reg:
+                add((j, g, ptr, OWN, False))
+            elif zero_copy and ptr != pptr and (numel <= 1 or g.stride() == stride):
+                view = g._base is not None
+                add((j, g, ptr, IN_PLACE, view))
                 cand_views = cand_views or view
             else:
-                news.append((j, g, ptr, COPIED, False))
+                add((j, g, ptr, COPIED, False))
         if not news:
             return (None, copies or None, False, dirty) if copies or dirty else None
         if cand_views or (self.n_views and any(n[3] == IN_PLACE for n in news)):
             news = self._no_overlaps(news)
         # 2. applied
-        act, tids, own = self.active, self.tids, self.own
+        act, tids, own, views = self.active, self.tids, self.own, self.views
         mt, mp = [], []
         mask = False
         for j, g, ptr, m, view in news:
@@ -171,9 +174,9 @@ class Scan:
                 mp.append(own[j])
             if m == COPIED:
                 copies.append(j)
-            if self.views[j] != view:
+            if views[j] != view:
                 self.n_views += 1 if view else -1
-                self.views[j] = view
+                views[j] = view
             mode[j] = m
             last[j] = g
             gp[j] = ptr
