@@ -41,9 +41,9 @@ from ._dtypes import torch
 
 OWN, IN_PLACE, COPIED = 0, 1, 2
 _UNSET = object()
+_VIEW = object()
 _is = operator.is_
 _data_ptr = torch.Tensor.data_ptr if torch is not None else None
-_version_of = operator.attrgetter("_version")
 _grad_of = operator.attrgetter("grad")
 
 
@@ -118,7 +118,79 @@ class Scan:
                 copies = [j for j, m in enumerate(mode) if m == COPIED] if COPIED in mode \
                     else None
                 return (None, copies, False, dirty) if copies or dirty else None
+        if not self.n_views:
+            r = self._direct(G, dirty)
+            if r is not _VIEW:
+                return r
         return self._changes(G, dirty)
+
+    def _direct(self, G, dirty):
+        """_changes in one loop that applies as it goes, for when no view is
+        read in place: the state is restored and _VIEW returned as soon as
+        a view could be (its overlaps need the two phases of _changes), or
+        the index of a refused gradient."""
+        last, gp, mode, act, tids, own = (self.last, self.gp, self.mode, self.active,
+                                          self.tids, self.own)
+        saved = last[:], gp[:], bytes(mode), bytes(act)
+        strided = torch.strided
+        zero_copy = self.zero_copy
+        copies, mt, mp = [], [], []
+        mask = False
+        for j, (g, old, reg, pptr, numel, stride) in enumerate(
+                zip(G, last, self.regs, self.pptrs, self.numels, self.strides)):
+            if g is old:
+                if g is None:
+                    continue
+                ptr = g.data_ptr()
+                if ptr == gp[j]:
+                    if mode[j] == COPIED:
+                        copies.append(j)
+                    continue
+            elif g is None:
+                ptr = 0
+            elif g.layout is not strided:
+                self._restore(saved)
+                return j  # refused: the caller names it
+            else:
+                ptr = g.data_ptr()
+            if g is None or g is reg:
+                m = OWN
+            elif zero_copy and ptr != pptr and (numel <= 1 or g.stride() == stride):
+                if g._base is not None:
+                    self._restore(saved)
+                    return _VIEW
+                m = IN_PLACE
+            else:
+                m = COPIED
+            t = tids[j]
+            was = mode[j]
+            if m == IN_PLACE:
+                if was != IN_PLACE or gp[j] != ptr:
+                    mt.append(t)
+                    mp.append(ptr)
+            elif was == IN_PLACE:  # our own memory again
+                mt.append(t)
+                mp.append(own[j])
+            if m == COPIED:
+                copies.append(j)
+            mode[j] = m
+            last[j] = g
+            gp[j] = ptr
+            on = g is not None
+            if act[t] != on:
+                act[t] = on
+                mask = True
+        moved = (array("i", mt).tobytes(), array("Q", mp).tobytes()) if mt else None
+        if moved is None and not copies and not mask and not dirty:
+            return None
+        return moved, (sorted(copies) or None), mask, dirty
+
+    def _restore(self, saved):
+        last, gp, mode, act = saved
+        self.last[:] = last
+        self.gp[:] = gp
+        self.mode[:] = mode
+        self.active[:] = act
 
     def _changes(self, G, dirty):
         last, gp, mode = self.last, self.gp, self.mode
