@@ -30,7 +30,8 @@ over step() of one tensor in the same iteration (at most 1.1 each):
 medians of per-call ratios, robust to a busy machine's drift. Times:
 medians in ms. Setting up the gradients is not timed; torch runs its own
 ops on one thread (its idle OpenMP threads would spin against the
-runtime's).
+runtime's). Copied next to an older binding's package (one without
+zopt._scan), it measures that binding as "old", for comparisons.
 """
 import argparse
 import gc
