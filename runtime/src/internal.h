@@ -138,6 +138,7 @@ struct zopt_step {
   zopt_prepare_fn prepare = nullptr;
   zopt_update_fn update = nullptr;
   zopt_sumsq_fn sumsq = nullptr;
+  zopt_control_fn control = nullptr;  // every step: the host CONTROL (abi.h)
   zopt_isa update_isa = ZOPT_ISA_NONE;
   bool has_cpu_kernels = false;
   bool has_gpu_code = false;  // GPU images present (need the CUDA backend)
@@ -250,10 +251,6 @@ void *state_ptr(const zopt_optimizer *o, int t, int si);
 int64_t layout_segments(zopt_optimizer *o, int64_t align);
 // The divisor D of the gradient scale 1/(S*D) (abi.h ZOPT_GLOBAL_GRAD_SCALE).
 double grad_divisor(const zopt_optimizer *o);
-// The dynamic loss scaler after a step (PyTorch GradScaler / DeepSpeed):
-// on overflow back off (not below min_scale) and restart the count, else
-// grow after growth_interval good steps. No-op for a static scale.
-void update_loss_scaler(zopt_optimizer *o, bool overflow);
 bool is_owned_kind(uint32_t kind);
 // The integer in an enum-typed API argument, read without an enum-typed load
 // (a C caller may pass any value; loading it as the C++ enum would be UB).

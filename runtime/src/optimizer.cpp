@@ -106,19 +106,6 @@ int64_t layout_segments(zopt_optimizer *o, int64_t align) {
   return max_n;
 }
 
-void update_loss_scaler(zopt_optimizer *o, bool overflow) {
-  auto &sc = o->scaler;
-  if (!sc.cfg.dynamic) return;
-  if (overflow) {
-    sc.scale = std::max(sc.scale * sc.cfg.backoff_factor, sc.cfg.min_scale);
-    sc.good_steps = 0;
-  } else if (++sc.good_steps >= sc.cfg.growth_interval) {
-    double ns = sc.scale * sc.cfg.growth_factor;
-    if (std::isfinite(ns)) sc.scale = ns;
-    sc.good_steps = 0;
-  }
-}
-
 int state_index(const zopt_step_descriptor *d, uint32_t kind) {
   for (uint32_t i = 0; i < d->num_states; ++i)
     if (d->states[i].kind == kind) return (int)i;
@@ -441,10 +428,14 @@ static zopt_status finish_begun(zopt_optimizer *o, zopt_step_result *result) {
   return exec::run_end(o, st.get(), sumsq, result);
 }
 
-static void begun_result(const exec::StepState &st, double sumsq, zopt_step_result *result) {
+// What a begun step will report: the norm and skip the step's CONTROL
+// decides for `sumsq`.
+static void begun_result(const zopt_optimizer *o, const exec::StepState &st, double sumsq,
+                         zopt_step_result *result) {
   if (!result) return;
-  result->grad_norm = st.has_norm ? std::sqrt(sumsq) : NAN;
-  result->skipped = st.has_norm && !std::isfinite(sumsq);
+  const zopt_control c = exec::decide(o, sumsq);
+  result->grad_norm = st.has_norm ? c.norm : NAN;
+  result->skipped = st.has_norm && c.skip;
   result->loss_scale = st.S;
 }
 
@@ -483,7 +474,7 @@ ZOPT_API zopt_status zopt_optimizer_step_begin(zopt_optimizer *o, zopt_step_resu
   std::unique_ptr<exec::StepState> st(new (std::nothrow) exec::StepState);
   if (!st) return fail(ZOPT_ERR_OUT_OF_MEMORY, "%s: out of memory", fn);
   if (zopt_status s = exec::run_begin(o, st.get())) return s;
-  begun_result(*st, st->sumsq, result);
+  begun_result(o, *st, st->sumsq, result);
   o->begun = st.release();
   o->linked = 0;
   return ZOPT_OK;
@@ -608,7 +599,7 @@ ZOPT_API zopt_status zopt_optimizer_step_linked_begin(zopt_optimizer *const *par
     if (zopt_status s = exec::run_begin(parts[i], st[i].get(), i == 0)) return s;
     if (st[i]->has_norm) sumsq += st[i]->sumsq;
   }
-  begun_result(*st[0], sumsq, result);
+  begun_result(parts[0], *st[0], sumsq, result);
   for (int i = 0; i < n; ++i) {
     parts[i]->begun = st[i].release();
     parts[i]->linked = n;

@@ -5,8 +5,9 @@
 // over a chunk work list; the kernel body is the shared BodyEmitter
 // (lib/Conversion/ZKCommon) at 16 bytes per access of the narrowest state
 // (4 x f32 or 8 x 16-bit lanes) plus a scalar head and tail. SUMSQ is a
-// two-stage f64 reduction that decides the norm, clip coefficient and skip
-// on the device; FINISH keeps the step counts and the loss scaler there.
+// two-stage f64 reduction whose last block evaluates the step's zk.control
+// (norm, clip coefficient, skip) on the device; FINISH evaluates it again
+// for the step counts and the loss scaler, which it keeps there.
 //
 //===----------------------------------------------------------------------===//
 #include "GPUKernels.h"
@@ -501,8 +502,8 @@ void gpu_kernels::buildInitKernel(OpBuilder &gb, Location loc,
   gpu::ReturnOp::create(b, loc);
 }
 
-void gpu_kernels::buildSumsqKernel(OpBuilder &gb, zk::KernelOp k,
-                                   const Step &st) {
+LogicalResult gpu_kernels::buildSumsqKernel(OpBuilder &gb, zk::KernelOp k,
+                                            const Step &st) {
   OpBuilder::InsertionGuard guard(gb);
   Location loc = k.getLoc();
   MLIRContext *ctx = gb.getContext();
@@ -628,21 +629,24 @@ void gpu_kernels::buildSumsqKernel(OpBuilder &gb, zk::KernelOp k,
                                ValueRange{arith::AddFOp::create(lb, l, acc[0], p)});
         });
     Value s = sum.getResult(0);
-    Value norm = math::SqrtOp::create(b, loc, s);
-    Value clip = g.f64(1.0);
-    if (st.flags & ZOPT_FLAG_CLIP) {
-      Value q = arith::DivFOp::create(
-          b, loc, g.f64(st.maxNorm), arith::AddFOp::create(b, loc, norm, g.f64(1e-6)));
-      Value lt1 = arith::CmpFOp::create(b, loc, arith::CmpFPredicate::OLT, q,
-                                        g.f64(1.0));
-      clip = arith::SelectOp::create(b, loc, lt1, q, g.f64(1.0));
-    }
-    Value nan = arith::CmpFOp::create(b, loc, arith::CmpFPredicate::UNO, s, s);
-    Value inf = arith::CmpFOp::create(b, loc, arith::CmpFPredicate::OEQ, s,
-                                      g.f64(std::numeric_limits<double>::infinity()));
-    Value nonfinite = arith::ExtUIOp::create(
-        b, loc, i32, arith::OrIOp::create(b, loc, nan, inf));
-    // A non-finite norm skips the whole step, as on the CPU.
+    // The step's control (zk.control: the same IR as the host CONTROL) on
+    // this sum, with the compiled max_norm: norm, clip coefficient, skip.
+    using F = zk::ControlField;
+    Value norm, clip, skip1;
+    if (failed(emitControlBody(
+            b, loc, st.control, {F::norm, F::clip_coef, F::skip},
+            [&](F f) -> Value {
+              if (f == F::sumsq)
+                return s;
+              if (f == F::max_norm)
+                return g.f64(st.maxNorm);
+              return Value(); // the scaler is FINISH's
+            },
+            [&](F f, Value v) {
+              (f == F::norm ? norm : f == F::clip_coef ? clip : skip1) = v;
+            })))
+      return failure();
+    Value nonfinite = arith::ExtUIOp::create(b, loc, i32, skip1);
     Value skip = nonfinite;
     LLVM::StoreOp::create(b, loc, s, g.gepc(f64, sg, kSgSumsq));
     LLVM::StoreOp::create(b, loc, norm, g.gepc(f64, sg, kSgNorm));
@@ -664,12 +668,13 @@ void gpu_kernels::buildSumsqKernel(OpBuilder &gb, zk::KernelOp k,
   }
   b.setInsertionPointToEnd(&entry);
   gpu::ReturnOp::create(b, loc);
+  return success();
 }
 
 /// FINISH: the step's bookkeeping on the device (abi.h): step counts, the
 /// dynamic loss scaler and 1/S in the globals table. Thread 0 of block 0.
-void gpu_kernels::buildFinishKernel(OpBuilder &gb, Location loc,
-                                    const Step &st) {
+LogicalResult gpu_kernels::buildFinishKernel(OpBuilder &gb, Location loc,
+                                             const Step &st) {
   OpBuilder::InsertionGuard guard(gb);
   MLIRContext *ctx = gb.getContext();
   Type ptr = LLVM::LLVMPointerType::get(ctx), i64 = gb.getI64Type(),
@@ -694,22 +699,35 @@ void gpu_kernels::buildFinishKernel(OpBuilder &gb, Location loc,
   auto t0 = scf::IfOp::create(b, loc, first, /*withElse=*/false);
   b.setInsertionPoint(t0.thenBlock()->getTerminator());
 
-  // skip = sg ? sg->skip : 0
+  // The step's control (zk.control: the same IR as the host CONTROL) on
+  // sumsq = sg ? sg->sumsq : 0 (no SUMSQ: never skipped) and the scaler.
+  using F = zk::ControlField;
   Value sgNull = isNull(sgGeneric);
-  auto skipIf = scf::IfOp::create(
-      b, loc, sgNull,
-      [&](OpBuilder &tb, Location l) {
-        scf::YieldOp::create(tb, l, ValueRange{G{tb, l}.i32(0)});
-      },
-      [&](OpBuilder &eb, Location l) {
-        G ge{eb, l};
-        scf::YieldOp::create(
-            eb, l, ValueRange{ge.load(i32, ge.gepc(i32, sg, kSgSkip))});
-      });
-  Value skip = arith::CmpIOp::create(b, loc, arith::CmpIPredicate::ne,
-                                     skipIf.getResult(0), g.i32(0));
-  Value applied = arith::XOrIOp::create(
-      b, loc, skip, arith::ConstantOp::create(b, loc, b.getBoolAttr(true)));
+  auto sumsq = [&]() -> Value {
+    auto r = scf::IfOp::create(
+        b, loc, sgNull,
+        [&](OpBuilder &tb, Location l) {
+          scf::YieldOp::create(tb, l, ValueRange{G{tb, l}.f64(0.0)});
+        },
+        [&](OpBuilder &eb, Location l) {
+          G ge{eb, l};
+          scf::YieldOp::create(
+              eb, l, ValueRange{ge.load(f64, ge.gepc(f64, sg, kSgSumsq))});
+        });
+    return r.getResult(0);
+  };
+  Value applied;
+  if (failed(emitControlBody(
+          b, loc, st.control, {F::advance},
+          [&](F f) -> Value {
+            if (f == F::sumsq)
+              return sumsq();
+            if (f == F::max_norm)
+              return g.f64(st.maxNorm);
+            return Value(); // counts do not depend on the scaler
+          },
+          [&](F, Value v) { applied = v; })))
+    return failure();
   auto stepIf = scf::IfOp::create(b, loc, applied, /*withElse=*/false);
   {
     OpBuilder::InsertionGuard ig(b);
@@ -742,36 +760,30 @@ void gpu_kernels::buildFinishKernel(OpBuilder &gb, Location loc,
         /*withElse=*/false);
     b.setInsertionPoint(scIf.thenBlock()->getTerminator());
     auto fld = [&](Type t, int64_t i) { return g.gepc(t, sc, i); };
-    Value scale = g.load(f64, fld(f64, kScScale));
-    LLVM::StoreOp::create(b, loc, scale, fld(f64, kScLast));
-    Value good = g.load(i64, fld(i64, kScGood));
-    Value dynamic = arith::CmpIOp::create(b, loc, arith::CmpIPredicate::ne,
-                                          g.load(i32, fld(i32, kScDynamic)),
-                                          g.i32(0));
-    // Skipped: back off, never below min_scale.
-    Value minS = g.load(f64, fld(f64, kScMin));
-    Value backed = arith::MulFOp::create(b, loc, scale,
-                                         g.load(f64, fld(f64, kScBackoff)));
-    Value backedC = arith::SelectOp::create(
-        b, loc,
-        arith::CmpFOp::create(b, loc, arith::CmpFPredicate::OLT, backed, minS),
-        minS, backed);
-    // Applied: grow after growth_interval good steps, if the result is finite.
-    Value good1 = g.add(good, g.i64(1));
-    Value grow = arith::CmpIOp::create(b, loc, arith::CmpIPredicate::sge, good1,
-                                       g.load(i64, fld(i64, kScInterval)));
-    Value grown = arith::MulFOp::create(b, loc, scale,
-                                        g.load(f64, fld(f64, kScGrowth)));
-    Value finite = arith::CmpFOp::create(
-        b, loc, arith::CmpFPredicate::OLT, math::AbsFOp::create(b, loc, grown),
-        g.f64(std::numeric_limits<double>::infinity()));
-    Value applyScale = arith::SelectOp::create(
-        b, loc, arith::AndIOp::create(b, loc, grow, finite), grown, scale);
-    Value applyGood = arith::SelectOp::create(b, loc, grow, g.i64(0), good1);
-    Value newScale = arith::SelectOp::create(b, loc, skip, backedC, applyScale);
-    Value newGood = arith::SelectOp::create(b, loc, skip, g.i64(0), applyGood);
-    newScale = arith::SelectOp::create(b, loc, dynamic, newScale, scale);
-    newGood = arith::SelectOp::create(b, loc, dynamic, newGood, good);
+    LLVM::StoreOp::create(b, loc, g.load(f64, fld(f64, kScScale)),
+                          fld(f64, kScLast));
+    Value newScale, newGood;
+    if (failed(emitControlBody(
+            b, loc, st.control, {F::new_scale, F::new_good_steps},
+            [&](F f) -> Value {
+              switch (f) {
+              case F::sumsq: return sumsq();
+              case F::max_norm: return g.f64(st.maxNorm);
+              case F::scale: return g.load(f64, fld(f64, kScScale));
+              case F::growth_factor: return g.load(f64, fld(f64, kScGrowth));
+              case F::backoff_factor: return g.load(f64, fld(f64, kScBackoff));
+              case F::min_scale: return g.load(f64, fld(f64, kScMin));
+              case F::growth_interval: return g.load(i64, fld(i64, kScInterval));
+              case F::good_steps: return g.load(i64, fld(i64, kScGood));
+              case F::dynamic:
+                return arith::CmpIOp::create(b, loc, arith::CmpIPredicate::ne,
+                                             g.load(i32, fld(i32, kScDynamic)),
+                                             g.i32(0));
+              default: return Value();
+              }
+            },
+            [&](F f, Value v) { (f == F::new_scale ? newScale : newGood) = v; })))
+      return failure();
     LLVM::StoreOp::create(b, loc, newScale, fld(f64, kScScale));
     LLVM::StoreOp::create(b, loc, newGood, fld(i64, kScGood));
     // GRAD_SCALE = 1 / (S * D) (abi.h), with each group's sign kept: a
@@ -793,4 +805,5 @@ void gpu_kernels::buildFinishKernel(OpBuilder &gb, Location loc,
   }
   b.setInsertionPointToEnd(&entry);
   gpu::ReturnOp::create(b, loc);
+  return success();
 }

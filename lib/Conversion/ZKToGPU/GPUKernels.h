@@ -23,8 +23,8 @@
 
 namespace mlir::zopt::gpu_kernels {
 
-/// What the kernels need to know of the step (its zk.descriptor and
-/// zk.prepare).
+/// What the kernels need to know of the step (its zk.descriptor,
+/// zk.prepare and zk.control).
 struct Step {
   std::string name;
   int64_t numStates, numHypers, numCoeffs;
@@ -32,6 +32,7 @@ struct Step {
   double maxNorm;
   zk::PrepareOp prepare;
   ArrayRef<int32_t> kinds, dtypes, inits;
+  zk::ControlOp control;
 };
 
 /// PREPARE: the zk.prepare body per group, one thread per group.
@@ -41,10 +42,12 @@ void buildUpdateKernel(OpBuilder &gb, zk::KernelOp k, const Step &st);
 /// INIT: the states initialized from the param, at finalize.
 void buildInitKernel(OpBuilder &gb, Location loc, const Step &st);
 /// SUMSQ: the two-stage sum of squares of kernel `k`; the last block writes
-/// the norm, clip coefficient and skip flag and recomputes the coefficients.
-void buildSumsqKernel(OpBuilder &gb, zk::KernelOp k, const Step &st);
-/// FINISH: step counts, the dynamic loss scaler and 1/S in the globals.
-void buildFinishKernel(OpBuilder &gb, Location loc, const Step &st);
+/// the norm, clip coefficient and skip flag of the step's zk.control and
+/// recomputes the coefficients.
+LogicalResult buildSumsqKernel(OpBuilder &gb, zk::KernelOp k, const Step &st);
+/// FINISH: step counts and the loss scaler as the step's zk.control says,
+/// and 1/S in the globals.
+LogicalResult buildFinishKernel(OpBuilder &gb, Location loc, const Step &st);
 
 } // namespace mlir::zopt::gpu_kernels
 

@@ -23,7 +23,7 @@
 extern "C" {
 #endif
 
-#define ZOPT_ABI_VERSION 2u
+#define ZOPT_ABI_VERSION 3u
 #define ZOPT_DESC_MAGIC "ZOPTDSC1" /* 8 bytes, no terminator stored */
 #define ZOPT_DESC_SYMBOL "zopt_step_descriptor"
 
@@ -137,6 +137,15 @@ typedef enum zopt_global {
  *   is the same bits on every ISA, thread count and world size.
  *   Non-finite inputs make the result non-finite.
  *     double sumsq(void *const *states, int64_t n, const float *coeffs);
+ * CONTROL: the step's control semantics (docs/NUMERICS.md sections 3, 5,
+ *   6), on the host, once per step: from the reduced sum of squares, the
+ *   max_norm and the loss scaler it decides the norm, the clip coefficient,
+ *   the non-finite skip, the scaler's next state and whether the step
+ *   counts advance (zopt_control below). A pure function of the `in`
+ *   fields; it writes every `out` field. Every step.so has one (isa NONE,
+ *   device CPU); the GPU kernels inline the same IR (SUMSQ's last block,
+ *   FINISH), so the runtime holds no arithmetic of any of these rules.
+ *     void control(zopt_control *c);
  */
 #define ZOPT_SUMSQ_LANES 32
 typedef enum zopt_kernel_role {
@@ -145,7 +154,38 @@ typedef enum zopt_kernel_role {
   ZOPT_KERNEL_SUMSQ = 3,
   ZOPT_KERNEL_GPU_IMAGE = 4, /* a GPU code image; see "GPU kernels" below */
   ZOPT_KERNEL_FINISH = 5,    /* GPU only: step bookkeeping after UPDATE */
+  ZOPT_KERNEL_CONTROL = 6,   /* host: norm, clip, skip, loss scaler, counts */
 } zopt_kernel_role;
+
+/* The argument of CONTROL. The step's flags decide which fields matter:
+ * with a norm (ZOPT_FLAG_SUMSQ) `sumsq`; with ZOPT_FLAG_CLIP `max_norm`;
+ * with ZOPT_FLAG_LOSS_SCALE the scaler's. Without a norm: norm = NaN,
+ * skip = 0. Without loss scaling: new_scale = scale, new_good_steps =
+ * good_steps. */
+typedef struct zopt_control {
+  /* in */
+  double sumsq;           /* the step's sum of squares (every rank, every
+                             linked part), abi.h "SUMSQ" order */
+  double max_norm;        /* ZOPT_FLAG_CLIP: the max_norm of this step */
+  double scale;           /* S of this step (the loss scale) */
+  double growth_factor;   /* the loss scaler's configuration (zopt.h) */
+  double backoff_factor;
+  double min_scale;
+  int64_t growth_interval;
+  int64_t good_steps;     /* finite steps since the last change of S */
+  uint32_t dynamic;       /* 0: a static S */
+  uint32_t reserved0;
+  /* out */
+  double norm;            /* sqrt(sumsq); NaN without a norm */
+  double clip_coef;       /* ZOPT_GLOBAL_CLIP_COEF of the update: with
+                             ZOPT_FLAG_CLIP and not skipped
+                             min(1, max_norm / (norm + 1e-6)), else 1 */
+  double new_scale;       /* S of the next step */
+  int64_t new_good_steps;
+  uint32_t skip;          /* the step is skipped: nothing but the scaler
+                             changes (sumsq not finite) */
+  uint32_t advance;       /* the step counts advance (!skip) */
+} zopt_control; /* 112 bytes */
 
 /* Instruction-set variant of a CPU kernel. Each value's instructions are a
  * superset of the one before, so the runtime picks the highest variant the
@@ -169,6 +209,7 @@ typedef double (*zopt_sumsq_fn)(void *const *states, int64_t n,
 typedef void (*zopt_update_sr_fn)(void *const *in, void *const *out,
                                   int64_t n, const float *coeffs,
                                   uint32_t key, uint32_t first);
+typedef void (*zopt_control_fn)(zopt_control *c);
 
 /* Descriptor flags. */
 #define ZOPT_FLAG_CLIP 1u       /* global-norm clipping; max_norm is valid */
@@ -426,12 +467,11 @@ static inline uint64_t zopt_desc_checksum(const zopt_step_descriptor *d) {
  *   finalize): every block writes its f64 partial sum of squares to
  *   partials[blockIdx.x]; the last block to finish (atomic counter
  *   sg->blocks_done, reset to 0 by that block) adds the partials in block
- *   order and writes sg: sumsq, norm = sqrt(sumsq), clip_coef = min(1,
- *   max_norm / (norm + 1e-6)) with ZOPT_FLAG_CLIP (else 1), nonfinite, and
- *   skip = nonfinite (as the CPU runtime: a non-finite norm skips the whole
- *   step, with or without loss scaling). The same block then re-runs
- *   PREPARE for every group with that clip_coef. The runtime zero-fills *sg
- *   once when allocating it.
+ *   order and writes sg: sumsq, and the norm, clip_coef and skip of the
+ *   step's CONTROL (the same IR as the host function, with the descriptor's
+ *   max_norm), nonfinite = skip. The same block then re-runs PREPARE for
+ *   every group with that clip_coef. The runtime zero-fills *sg once when
+ *   allocating it.
  *
  * UPDATE (any grid; ZOPT_GPU_BLOCK):
  *     void update(void *const *states,          // [num_segments][num_states]
@@ -456,13 +496,13 @@ static inline uint64_t zopt_desc_checksum(const zopt_step_descriptor *d) {
  *                 int64_t num_groups,
  *                 zopt_gpu_step_globals *sg,    // NULL: no SUMSQ, never skipped
  *                 zopt_gpu_scaler *sc);         // NULL: no loss scaling
- *   skip = sg ? sg->skip : 0. Unless skip, every group's STEP global
- *   advances by 1 and sg->steps_applied by 1 (when sg). With sc,
- *   sc->last_scale = sc->scale first; then with sc->dynamic, the scaler
- *   updates as zopt_optimizer_configure_loss_scaler documents (skip:
- *   scale = max(scale * backoff, min_scale), good_steps = 0; else after
- *   growth_interval good steps scale *= growth if finite); then every
- *   group's GRAD_SCALE global becomes 1 / (sc->scale * sc->grad_divisor).
+ *   The step's CONTROL (the same IR as the host function) on sumsq =
+ *   sg ? sg->sumsq : 0 and the scaler *sc: when it advances, every group's
+ *   STEP global advances by 1 and sg->steps_applied by 1 (when sg). With
+ *   sc, sc->last_scale = sc->scale first, then sc->scale and
+ *   sc->good_steps become CONTROL's new_scale and new_good_steps, and every
+ *   group's GRAD_SCALE global becomes 1 / (sc->scale * sc->grad_divisor)
+ *   with the group's sign.
  *
  * INIT (any grid; ZOPT_GPU_BLOCK; once, at finalize and refresh_master):
  *     void init(void *const *states, const zopt_gpu_segment *segs,

@@ -411,6 +411,26 @@ void run_update(zopt_optimizer *o, Work &w) {
   });
 }
 
+}  // namespace
+
+zopt_control decide(const zopt_optimizer *o, double sumsq) {
+  zopt_control c;
+  memset(&c, 0, sizeof c);
+  c.sumsq = sumsq;
+  c.max_norm = o->max_norm;
+  c.scale = o->scaler.scale;
+  c.growth_factor = o->scaler.cfg.growth_factor;
+  c.backoff_factor = o->scaler.cfg.backoff_factor;
+  c.min_scale = o->scaler.cfg.min_scale;
+  c.growth_interval = o->scaler.cfg.growth_interval;
+  c.good_steps = o->scaler.good_steps;
+  c.dynamic = o->scaler.cfg.dynamic ? 1u : 0u;
+  o->step->control(&c);
+  return c;
+}
+
+namespace {
+
 // ---- agreement between ranks -----------------------------------------------
 
 // The hash of step_settings() (agree.h): the same fields, without building
@@ -571,7 +591,9 @@ zopt_status run_op(zopt_optimizer *o, StepState *st, size_t i) {
       run_update(o, op.range == ZOPT_RANGE_OWNED ? P.update_owned : P.update_all);
       return ZOPT_OK;
     case ZOPT_OP_FINISH:
-      if (!st->skipped) {
+      // What CONTROL decided at run_end: the counts of the updated
+      // tensors and their groups, the loss scaler's next state.
+      if (st->ctl.advance) {
         std::vector<uint8_t> touched(o->groups.size(), 0);
         for (size_t t = 0; t < o->tensors.size(); ++t)
           if (active(P, (int)t)) {
@@ -580,7 +602,10 @@ zopt_status run_op(zopt_optimizer *o, StepState *st, size_t i) {
           }
         for (size_t g = 0; g < o->groups.size(); ++g) o->groups[g].step_count += touched[g];
       }
-      if (d->flags & ZOPT_FLAG_LOSS_SCALE) update_loss_scaler(o, st->skipped);
+      if (d->flags & ZOPT_FLAG_LOSS_SCALE) {
+        o->scaler.scale = st->ctl.new_scale;
+        o->scaler.good_steps = st->ctl.new_good_steps;
+      }
       return ZOPT_OK;
   }
   return ZOPT_OK;
@@ -649,6 +674,11 @@ static zopt_status validate(zopt_optimizer *o) {
       return bad("runs on the GPU, but this step's update runs on the CPU");
   }
   if (updates != 1) return fail(ZOPT_ERR_ABI, "step '%s': the program has %d UPDATE ops (need 1)", d->name, updates);
+  // CONTROL reads the sum of squares exactly when the step has a SUMSQ
+  // kernel: the program takes the norm then, and only then.
+  if ((norms != 0) != ((d->flags & ZOPT_FLAG_SUMSQ) != 0))
+    return fail(ZOPT_ERR_ABI, "step '%s': the program %s a NORM op but the step %s a SUMSQ kernel", d->name,
+                norms ? "has" : "has no", norms ? "has no" : "has");
   if (o->stream_grads) {
     // Streaming replaces the program's reduction of the whole gradient by
     // the caller's per-bucket reductions into runtime-held shards: the
@@ -934,15 +964,13 @@ zopt_status run_begin(zopt_optimizer *o, StepState *st, bool first) {
 zopt_status run_end(zopt_optimizer *o, StepState *st, double sumsq, zopt_step_result *result) {
   Program &P = *o->prog;
   const zopt_step_descriptor *d = o->d;
-  if (st->has_norm) {
-    st->norm = std::sqrt(sumsq);
-    if (!std::isfinite(sumsq)) {
-      st->skipped = true;
-    } else if (d->flags & ZOPT_FLAG_CLIP) {
-      st->clip = std::min(1.0, o->max_norm / (st->norm + 1e-6));
-      prepare_rows(o, false, st->clip, st->gscale);
-    }
-  }
+  // The step's CONTROL decides (validate: a NORM op exactly when the step
+  // has a SUMSQ kernel, so without one sumsq is not read).
+  st->ctl = decide(o, st->has_norm ? sumsq : 0.0);
+  st->norm = st->ctl.norm;
+  st->skipped = st->ctl.skip != 0;
+  st->clip = st->ctl.clip_coef;
+  if (!st->skipped && (d->flags & ZOPT_FLAG_CLIP)) prepare_rows(o, false, st->clip, st->gscale);
   for (size_t i = st->pc; i < P.ops.size(); ++i)
     if (zopt_status s = run_op(o, st, i)) return s;
   if (o->stream_grads) {  // the next step needs every bucket again

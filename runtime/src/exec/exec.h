@@ -102,7 +102,13 @@ struct StepState {
   double sumsq = 0;
   double norm = NAN, clip = 1.0;
   bool skipped = false;
+  zopt_control ctl{};        // run_end's decision (FINISH applies it)
 };
+// The step's CONTROL (abi.h; docs/NUMERICS.md) for the sum of squares
+// `sumsq` with the optimizer's max_norm and loss scaler: norm, clip
+// coefficient, skip, the scaler's next state, whether counts advance.
+// Pure: changes nothing.
+zopt_control decide(const zopt_optimizer *o, double sumsq);
 // `first`: this is the call's first collective work (not a later part of
 // a linked step): a mismatch at its agreement leaves the communicator usable.
 zopt_status run_begin(zopt_optimizer *o, StepState *st, bool first = true);
