@@ -1,7 +1,7 @@
 //===- fake-cuda.cpp - a CUDA driver stand-in that records what it is asked --===//
 //
 // libzopt-fake-cuda.so exports the driver entry points the runtime resolves
-// (runtime/src/cuda_driver.h) with host semantics: "device" memory is host
+// (runtime/src/backend/cuda/cuda_driver.h) with host semantics: "device" memory is host
 // memory from malloc, the devices are sm_90s with 132 SMs (one by default,
 // fake_cuda_set_device_count for more), the driver reports CUDA 13.0
 // (fake_cuda_set_driver_version). Kernels are NOT executed: cuLaunchKernel
