@@ -777,10 +777,19 @@ ZOPT_API zopt_status zopt_optimizer_set_active(zopt_optimizer *o, const uint8_t 
     return fail(ZOPT_ERR_BAD_STATE,
                 "zopt_optimizer_set_active: with streamed gradients the gradients handed to "
                 "zopt_optimizer_reduce_bucket (NULL: none) say which tensors have one");
-  if (!active) {
-    o->active.clear();
+  // The mask may live where the backend runs (the device): the counts are
+  // refreshed first, the new mask pushed with them; a failed push puts the
+  // old mask back.
+  auto apply = [&](std::vector<uint8_t> &&mask) -> zopt_status {
+    if (zopt_status st = o->backend->pull(o)) return st;
+    o->active.swap(mask);
+    if (zopt_status st = o->backend->push(o)) {
+      o->active.swap(mask);
+      return st;
+    }
     return ZOPT_OK;
-  }
+  };
+  if (!active) return apply({});
   if (n != (int64_t)o->tensors.size())
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_set_active: %lld entries for %zu tensors", (long long)n,
                 o->tensors.size());
@@ -791,13 +800,13 @@ ZOPT_API zopt_status zopt_optimizer_set_active(zopt_optimizer *o, const uint8_t 
                   active[i]);
     all = all && active[i];
   }
+  std::vector<uint8_t> mask;
   try {
-    if (all) o->active.clear();
-    else o->active.assign(active, active + n);
+    if (!all) mask.assign(active, active + n);
   } catch (...) {
     return fail(ZOPT_ERR_OUT_OF_MEMORY, "out of memory");
   }
-  return ZOPT_OK;
+  return apply(std::move(mask));
 }
 
 ZOPT_API zopt_status zopt_optimizer_get_tensor_step(const zopt_optimizer *o, int tensor, int64_t *count) {
@@ -862,8 +871,14 @@ ZOPT_API zopt_status zopt_optimizer_set_tensor_step(zopt_optimizer *o, int tenso
   CHECK_OPT(o, "zopt_optimizer_set_tensor_step");
   if (zopt_status st = check_tensor(o, tensor, "zopt_optimizer_set_tensor_step")) return st;
   if (count < 0) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_set_tensor_step: count %lld < 0", (long long)count);
-  if (zopt_status st = o->backend->supports(o, Feature::TensorStep, "zopt_optimizer_set_tensor_step")) return st;
+  // The counts may live where the backend runs (the device): refresh, change, push.
+  if (zopt_status st = o->backend->pull(o)) return st;
+  const int64_t old = o->tensors[tensor].steps;
   o->tensors[tensor].steps = count;
+  if (zopt_status st = o->backend->push(o)) {
+    o->tensors[tensor].steps = old;
+    return st;
+  }
   return ZOPT_OK;
 }
 

@@ -3,13 +3,19 @@
 // What convert-zk-to-gpu builds into `gpu.module @<step>_gpu`, with the
 // launch ABI of abi.h's "GPU kernels" section:
 //
-//   <step>_prepare_gpu(hypers, globals, num_groups, coeffs)
+//   <step>_prepare_gpu(hypers, globals, segs, tensor_t, num_rows, coeffs)
 //   <step>_sumsq(states, segs, chunks, num_chunks, coeffs, partials, sg,
-//                hypers, globals, num_groups)          (if a sumsq kernel)
-//   <step>_update(states, segs, chunks, num_chunks, coeffs, sg[, globals,
-//                 seed])
-//   <step>_finish(globals, num_groups, sg, scaler)
+//                hypers, globals, num_rows, tensor_t, active)
+//                                                      (if a sumsq kernel)
+//   <step>_update(states, segs, chunks, num_chunks, coeffs, sg, active
+//                 [, tensor_t, seed])
+//   <step>_finish(globals, num_groups, sg, scaler, tensor_t, active,
+//                 num_rows)
 //   <step>_init_gpu(states, segs, chunks, num_chunks)
+//
+// The coefficient table has one row per segment (tensor): its group's
+// hyperparameters at the tensor's own step t (tensor_t); `active` says
+// which tensors (and groups) a step updates.
 //
 // Each builder appends one gpu.func kernel at `gb` (inside the gpu.module).
 //

@@ -418,12 +418,18 @@ static inline uint64_t zopt_desc_checksum(const zopt_step_descriptor *d) {
  * The step's running state lives on the device, so that a step is a fixed
  * sequence of launches with no host synchronisation and nothing the host
  * must compute per step (it can be captured in a CUDA graph and replayed):
- * the globals table (per group: the 1-based step t of the *next* step, a
- * clip coefficient of 1, 1/(S*D)), the hyperparameter table (read by every
+ * the globals table (per group: the group's step count + 1, a clip
+ * coefficient of 1, 1/(S*D)), the tensors' steps (tensor_t, per segment:
+ * the 1-based step t of the tensor's *next* step, the t its coefficients
+ * and stochastic rounding use), the hyperparameter table (read by every
  * launch, so a value the runtime writes between replays is the one the next
- * replay uses) and, with loss scaling, the dynamic loss scaler
- * (zopt_gpu_scaler). The runtime initializes them and reads them back on
- * demand; FINISH advances them.
+ * replay uses), the active mask (`const uint8_t *active`: [num_segments]
+ * whether the step updates each tensor, then [num_groups] whether it
+ * updates any tensor of each group; zopt_optimizer_set_active writes it)
+ * and, with loss scaling, the dynamic loss scaler (zopt_gpu_scaler). The
+ * runtime initializes them and reads them back on demand; FINISH advances
+ * them. The coefficient table has one row per segment: its group's
+ * hyperparameters and globals at the tensor's own t.
  *
  * The elementwise kernels run over a WORK LIST of chunks (zopt_gpu_chunk):
  * each chunk is a range of elements of one segment (one tensor), and block b
@@ -444,33 +450,39 @@ static inline uint64_t zopt_desc_checksum(const zopt_step_descriptor *d) {
  * All pointers below are device pointers; every launch goes on one stream,
  * in the order PREPARE, SUMSQ, UPDATE, FINISH:
  *
- * PREPARE (grid-stride over groups, any grid; ZOPT_GPU_PREPARE_BLOCK):
+ * PREPARE (grid-stride over segments, any grid; ZOPT_GPU_PREPARE_BLOCK):
  *     void prepare(const double *hypers,   // [num_groups][num_hypers]
  *                  const double *globals,  // [num_groups][ZOPT_NUM_GLOBALS]
- *                  int64_t num_groups,
- *                  float *coeffs);         // out: [num_groups][num_coeffs]
- *   The host PREPARE run on the device for every group. The CLIP_COEF
- *   global is taken from `globals` here (pass 1); with clipping, SUMSQ
- *   recomputes the table with the device-computed coefficient.
+ *                  const zopt_gpu_segment *segs,
+ *                  const double *tensor_t, // [num_segments]
+ *                  int64_t num_segments,
+ *                  float *coeffs);         // out: [num_segments][num_coeffs]
+ *   The host PREPARE run on the device for every segment s: the
+ *   hyperparameters and globals of its group segs[s].group, with STEP =
+ *   tensor_t[s]. The CLIP_COEF global is taken from `globals` here (pass
+ *   1); with clipping, SUMSQ recomputes the table with the device-computed
+ *   coefficient.
  *
  * SUMSQ (gridDim.x <= ZOPT_GPU_MAX_BLOCKS; ZOPT_GPU_BLOCK):
  *     void sumsq(void *const *states,          // [num_segments][num_states]
  *                const zopt_gpu_segment *segs, // [num_segments]
  *                const zopt_gpu_chunk *chunks, // [num_chunks]
  *                int64_t num_chunks,
- *                float *coeffs,                // [num_groups][num_coeffs]
+ *                float *coeffs,                // [num_segments][num_coeffs]
  *                double *partials,             // [gridDim.x] scratch
  *                zopt_gpu_step_globals *sg,
  *                const double *hypers, const double *globals,
- *                int64_t num_groups);
+ *                int64_t num_segments,
+ *                const double *tensor_t, const uint8_t *active);
  *   Two-stage, deterministic for a given grid and work list (both fixed at
  *   finalize): every block writes its f64 partial sum of squares to
- *   partials[blockIdx.x]; the last block to finish (atomic counter
+ *   partials[blockIdx.x] (a chunk of a tensor the step does not update,
+ *   active[s] == 0, adds nothing); the last block to finish (atomic counter
  *   sg->blocks_done, reset to 0 by that block) adds the partials in block
  *   order and writes sg: sumsq, and the norm, clip_coef and skip of the
  *   step's CONTROL (the same IR as the host function, with the descriptor's
  *   max_norm), nonfinite = skip. The same block then re-runs PREPARE for
- *   every group with that clip_coef. The runtime zero-fills *sg once when
+ *   every segment with that clip_coef. The runtime zero-fills *sg once when
  *   allocating it.
  *
  * UPDATE (any grid; ZOPT_GPU_BLOCK):
@@ -478,27 +490,35 @@ static inline uint64_t zopt_desc_checksum(const zopt_step_descriptor *d) {
  *                 const zopt_gpu_segment *segs,
  *                 const zopt_gpu_chunk *chunks,
  *                 int64_t num_chunks,
- *                 const float *coeffs,          // [num_groups][num_coeffs]
- *                 const zopt_gpu_step_globals *sg); // NULL: never skip
+ *                 const float *coeffs,          // [num_segments][num_coeffs]
+ *                 const zopt_gpu_step_globals *sg, // NULL: never skip
+ *                 const uint8_t *active);
  *   With ZOPT_FLAG_STOCHASTIC two more arguments follow:
- *                 const double *globals,        // [num_groups][ZOPT_NUM_GLOBALS]
+ *                 const double *tensor_t,       // [num_segments]
  *                 uint64_t seed);
  *   and element i of segment s rounds with zopt_sr_bits(zopt_sr_key(seed,
- *   t of its group, segs[s].tensor, i >> 32), slot, (uint32_t)i), the same
+ *   tensor_t[s], segs[s].tensor, i >> 32), slot, (uint32_t)i), the same
  *   bits as on the CPU.
- *   ONE launch for all tensors of the step. Returns at once when sg->skip.
+ *   ONE launch for all tensors of the step. Returns at once when sg->skip;
+ *   leaves the chunks of a segment with active[s] == 0 untouched.
  *   Segment s has segs[s].n elements at the pointers states[s * num_states
  *   + k] (k = descriptor state index; unused states may be NULL); pointers
  *   need only be aligned to their element size.
  *
- * FINISH (one block; ZOPT_GPU_FINISH_BLOCK; thread 0 does the work):
+ * FINISH (one block; ZOPT_GPU_FINISH_BLOCK; its threads share the counts,
+ * thread 0 the scaler):
  *     void finish(double *globals,              // [num_groups][ZOPT_NUM_GLOBALS]
  *                 int64_t num_groups,
  *                 zopt_gpu_step_globals *sg,    // NULL: no SUMSQ, never skipped
- *                 zopt_gpu_scaler *sc);         // NULL: no loss scaling
+ *                 zopt_gpu_scaler *sc,          // NULL: no loss scaling
+ *                 double *tensor_t,             // [num_segments]
+ *                 const uint8_t *active,
+ *                 int64_t num_segments);
  *   The step's CONTROL (the same IR as the host function) on sumsq =
- *   sg ? sg->sumsq : 0 and the scaler *sc: when it advances, every group's
- *   STEP global advances by 1 and sg->steps_applied by 1 (when sg). With
+ *   sg ? sg->sumsq : 0 and the scaler *sc: when it advances, tensor_t[s]
+ *   of every segment with active[s] advances by 1, the STEP global of
+ *   every group with active[num_segments + g] by 1, and
+ *   sg->steps_applied by 1 (when sg). With
  *   sc, sc->last_scale = sc->scale first, then sc->scale and
  *   sc->good_steps become CONTROL's new_scale and new_good_steps, and every
  *   group's GRAD_SCALE global becomes 1 / (sc->scale * sc->grad_divisor)
@@ -518,7 +538,7 @@ static inline uint64_t zopt_desc_checksum(const zopt_step_descriptor *d) {
 
 typedef struct zopt_gpu_segment {
   int64_t n;       /* elements */
-  uint32_t group;  /* parameter group: row of the coefficient table */
+  uint32_t group;  /* parameter group: its row of the hyperparameter and globals tables */
   uint32_t tensor; /* the tensor's index in the optimizer (stochastic rounding) */
 } zopt_gpu_segment; /* 16 bytes */
 

@@ -38,7 +38,6 @@ enum class Feature {
   RuntimeMaxNorm,  // zopt_optimizer_set_max_norm
   GradStreaming,   // zopt_optimizer_set_grad_streaming
   TensorMemory,    // zopt_optimizer_set_tensor_memory / _set_grad_memory
-  TensorStep,      // zopt_optimizer_set_tensor_step
   OpTimes,         // zopt_optimizer_get_op_times
   GatherParams,    // zopt_optimizer_gather_params
 };

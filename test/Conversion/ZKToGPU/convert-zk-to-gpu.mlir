@@ -24,8 +24,12 @@ zk.descriptor {name = "t", zero_stage = 0 : i64, align = 1 : i64, flags = 5 : i6
 
 // CHECK: zk.descriptor {{{.*}}cpu_kernels = {{\[}}[1 : i32, 0 : i32, "t_prepare"], [6 : i32, 0 : i32, "t_control"]], flags = 5 : i64, gpu_images = {{\[}}[80 : i32, "t_gpu_sm_80"], [90 : i32, "t_gpu_sm_90"]], gpu_kernels = {{\[}}[1 : i32, "t_prepare_gpu"], [2 : i32, "t_update"], [3 : i32, "t_sumsq"], [5 : i32, "t_finish"]],
 // CHECK-LABEL: gpu.module @t_gpu [#nvvm.target<O = 3, chip = "sm_80", features = "+ptx80">, #nvvm.target<O = 3, chip = "sm_90", features = "+ptx80">]
-// CHECK: gpu.func @t_prepare_gpu(%{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr, %{{.+}}: i64, %{{.+}}: !llvm.ptr) kernel attributes {nvvm.reqntid = array<i32: 64, 1, 1>}
+// PREPARE: (hypers, globals, segs, tensor_t, num_rows, coeffs), a row per
+// segment: its group (word 2 of the segment) selects the hyperparameters
+// and globals, the tensor's own t (tensor_t) is the STEP global.
+// CHECK: gpu.func @t_prepare_gpu(%{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr, %{{.+}}: i64, %{{.+}}: !llvm.ptr) kernel attributes {nvvm.reqntid = array<i32: 64, 1, 1>}
 // CHECK: scf.for
+// CHECK: arith.addi %{{.+}}, %c2_i64
 // The clip coefficient (global 1) comes from the globals table here.
 // CHECK: llvm.getelementptr %{{.+}}[1] : (!llvm.ptr<1>) -> !llvm.ptr<1>, f64
 // CHECK: llvm.store %{{.+}}, %{{.+}} : f32, !llvm.ptr<1>
@@ -39,7 +43,8 @@ zk.prepare @t_prepare {
   zk.set_coeff 1, %cc : f32
 }
 
-// CHECK-LABEL: gpu.func @t_update(%{{[a-z0-9]+}}: !llvm.ptr, %{{[a-z0-9]+}}: !llvm.ptr, %{{[a-z0-9]+}}: !llvm.ptr, %{{[a-z0-9]+}}: i64, %{{[a-z0-9]+}}: !llvm.ptr, %{{[a-z0-9]+}}: !llvm.ptr) kernel attributes {nvvm.reqntid = array<i32: 256, 1, 1>}
+// UPDATE: (states, segs, chunks, num_chunks, coeffs, sg, active).
+// CHECK-LABEL: gpu.func @t_update(%{{[a-z0-9]+}}: !llvm.ptr, %{{[a-z0-9]+}}: !llvm.ptr, %{{[a-z0-9]+}}: !llvm.ptr, %{{[a-z0-9]+}}: i64, %{{[a-z0-9]+}}: !llvm.ptr, %{{[a-z0-9]+}}: !llvm.ptr, %{{[a-z0-9]+}}: !llvm.ptr) kernel attributes {nvvm.reqntid = array<i32: 256, 1, 1>}
 // CHECK: llvm.addrspacecast %{{.+}} : !llvm.ptr to !llvm.ptr<1>
 // The skip flag of the step globals (byte 28).
 // CHECK: llvm.getelementptr %{{.+}}[7] : (!llvm.ptr<1>) -> !llvm.ptr<1>, i32
@@ -57,6 +62,11 @@ zk.prepare @t_prepare {
 // CHECK: arith.divui
 // CHECK: arith.minui
 // CHECK: arith.select
+// A chunk of a tensor the step does not update (active[segment] == 0) is
+// left alone.
+// CHECK: llvm.load %{{.+}} : !llvm.ptr<1> -> i8
+// CHECK: arith.cmpi ne, %{{.+}}, %c0_i8 : i8
+// CHECK: scf.if
 // CHECK: scf.for
 // CHECK: llvm.load %{{.+}} {alignment = 16 : i64} : !llvm.ptr<1> -> vector<8xi16>
 // CHECK: arith.constant dense<32767> : vector<8xi32>
@@ -137,13 +147,22 @@ zk.kernel @t_sumsq sumsq {
 
 // FINISH (one block of 32) and INIT: no state is initialized from the
 // param in this step, so INIT does nothing.
-// CHECK-LABEL: gpu.func @t_finish(
+// FINISH: (globals, num_groups, sg, sc, tensor_t, active, num_rows).
+// CHECK-LABEL: gpu.func @t_finish(%{{.+}}: !llvm.ptr, %{{.+}}: i64, %{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr, %{{.+}}: i64)
 // CHECK-SAME: kernel attributes {nvvm.reqntid = array<i32: 32, 1, 1>}
 // The control on sg->sumsq (0 without step globals): advance = finite.
 // CHECK: scf.if %{{.+}} -> (f64)
 // CHECK: math.absf
 // CHECK: arith.cmpf olt
 // CHECK: scf.if
+// When it advances: the threads stride over the tensors (t + 1 where
+// active), then over the groups (STEP + 1 where active[num_rows + g]).
+// CHECK: scf.for
+// CHECK: llvm.load %{{.+}} : !llvm.ptr<1> -> i8
+// CHECK: arith.addf %{{.+}}, %cst{{.*}} : f64
+// CHECK: scf.for
+// CHECK: arith.addi
+// CHECK: llvm.load %{{.+}} : !llvm.ptr<1> -> i8
 // CHECK-LABEL: gpu.func @t_init_gpu(
 // CHECK-SAME: kernel attributes {nvvm.reqntid = array<i32: 256, 1, 1>}
 // CHECK-NEXT: gpu.return

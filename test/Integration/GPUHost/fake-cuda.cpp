@@ -58,8 +58,9 @@
 // launch is queued on its stream and runs after `delay_us` microseconds, and
 // at that time the stand-in does the little of the kernels' work that the
 // host side can observe: PREPARE snapshots the hyperparameter table it reads
-// (fake_cuda_num_prepares / fake_cuda_prepare_hypers), FINISH advances every
-// group's step global unless the step globals say skip (as the real FINISH).
+// (fake_cuda_num_prepares / fake_cuda_prepare_hypers), FINISH advances the
+// step of every active tensor and group unless the step globals say skip
+// (as the real FINISH).
 //
 // Huge allocations (over 1 GiB) are reserved, not committed (mmap
 // MAP_NORESERVE, zero-filled), and memsets of zero on them are skipped, so
@@ -422,11 +423,18 @@ void emulate(const Launch &l) {
     size_t n = it == st().allocs.end() ? 0 : (it->first + it->second - (uintptr_t)hy) / 8;
     st().prepare_hypers.emplace_back(hy, hy + n);
   } else if (ends_with(l.name, "_finish")) {
+    // finish(globals, num_groups, sg, sc, tensor_t, active, num_segments)
     double *gl = (double *)(uintptr_t)l.arg[0];
     int64_t ng = (int64_t)l.arg[1];
     uint32_t *sg = (uint32_t *)(uintptr_t)l.arg[2];
+    double *tt = (double *)(uintptr_t)l.arg[4];
+    const uint8_t *active = (const uint8_t *)(uintptr_t)l.arg[5];
+    int64_t nrows = (int64_t)l.arg[6];
     if (sg && sg[7]) return;  // zopt_gpu_step_globals.skip
-    for (int64_t g = 0; g < ng; ++g) gl[g * 3] += 1;
+    for (int64_t g = 0; g < ng; ++g)
+      if (active[nrows + g]) gl[g * 3] += 1;  // groups with an updated tensor
+    for (int64_t r = 0; r < nrows; ++r)
+      if (active[r]) tt[r] += 1;  // the updated tensors
     if (sg) ++sg[9];  // steps_applied
   }
 }

@@ -264,10 +264,10 @@ static zopt_status load_module(GpuState *g, const zopt_step *s) {
     if (CUresult r = cu->ModuleGetFunction(slot, g->mod, k.symbol))
       return fail(ZOPT_ERR_ABI, "step '%s': kernel '%s' not in the GPU image: %s", d->name, k.symbol,
                   error_string(r));
-    const size_t nparams = k.role == ZOPT_KERNEL_PREPARE  ? 4
-                           : k.role == ZOPT_KERNEL_SUMSQ  ? 10
-                           : k.role == ZOPT_KERNEL_FINISH ? 4
-                                                          : (g->sr ? 8 : 6);
+    const size_t nparams = k.role == ZOPT_KERNEL_PREPARE  ? 6
+                           : k.role == ZOPT_KERNEL_SUMSQ  ? 12
+                           : k.role == ZOPT_KERNEL_FINISH ? 7
+                                                          : (g->sr ? 9 : 7);
     if (zopt_status st = check_params(g, *slot, k.symbol, nparams, d->name)) return st;
   }
   if (!g->prepare || !g->update || (!g->sumsq && (d->flags & ZOPT_FLAG_SUMSQ)))
@@ -437,7 +437,7 @@ static zopt_status gpu_finalize(zopt_optimizer *o) {
   g->update_grid = (unsigned)std::clamp<int64_t>(g->num_chunks, 1, resident);
   g->sumsq_grid = (unsigned)std::clamp<int64_t>(
       g->num_chunks, 1, std::min<int64_t>((int64_t)std::max(g->sumsq_blocks_per_sm, 1) * g->num_sms, ZOPT_GPU_MAX_BLOCKS));
-  g->prepare_grid = (unsigned)((G + ZOPT_GPU_PREPARE_BLOCK - 1) / ZOPT_GPU_PREPARE_BLOCK);
+  g->prepare_grid = (unsigned)((S + ZOPT_GPU_PREPARE_BLOCK - 1) / ZOPT_GPU_PREPARE_BLOCK);  // a row per tensor
   g->h_hypers.assign(std::max<size_t>(G * d->num_hypers, 1), 0.0);
   for (size_t gi = 0; gi < G; ++gi)
     for (size_t h = 0; h < d->num_hypers; ++h) g->h_hypers[gi * d->num_hypers + h] = o->groups[gi].hypers[h];
@@ -447,7 +447,9 @@ static zopt_status gpu_finalize(zopt_optimizer *o) {
       (st = dalloc(g, chunks.size() * sizeof(zopt_gpu_chunk), &g->d_chunks, "work list")) ||
       (st = dalloc(g, g->h_hypers.size() * 8, &g->d_hypers, "hyperparameter table")) ||
       (st = dalloc(g, G * ZOPT_NUM_GLOBALS * 8, &g->d_globals, "globals table")) ||
-      (st = dalloc(g, G * std::max<uint32_t>(d->num_coeffs, 1) * 4, &g->d_coeffs, "coefficient table")) ||
+      (st = dalloc(g, S * std::max<uint32_t>(d->num_coeffs, 1) * 4, &g->d_coeffs, "coefficient table")) ||
+      (st = dalloc(g, S * 8, &g->d_tensor_t, "tensors' steps")) ||
+      (st = dalloc(g, S + G, &g->d_active, "active mask")) ||
       (st = dalloc(g, (size_t)g->sumsq_grid * 8, &g->d_partials, "norm partials")) ||
       (st = dalloc(g, sizeof(zopt_gpu_step_globals), &g->d_sg, "step globals")) ||
       (st = dalloc(g, sizeof(zopt_gpu_scaler), &g->d_scaler, "loss scaler")))
@@ -482,7 +484,16 @@ static zopt_status gpu_push(zopt_optimizer *o) {
   const bool ls = d->flags & ZOPT_FLAG_LOSS_SCALE;
   const double S = ls ? o->scaler.scale : 1.0;
   std::vector<double> globals(o->groups.size() * ZOPT_NUM_GLOBALS);
-  for (Tensor &x : o->tensors) x.steps = o->groups[x.group].step_count;  // every tensor steps with its group
+  // Per tensor the t of its next step; the active mask (zopt_optimizer_set_active;
+  // empty: every tensor), then per group whether any of its tensors is.
+  const size_t T = o->tensors.size(), NG = o->groups.size();
+  std::vector<double> tensor_t(T);
+  std::vector<uint8_t> active(T + NG, 0);
+  for (size_t t = 0; t < T; ++t) {
+    tensor_t[t] = (double)(o->tensors[t].steps + 1);
+    active[t] = o->active.empty() || o->active[t];
+    if (active[t]) active[T + (size_t)o->tensors[t].group] = 1;
+  }
   for (size_t gi = 0; gi < o->groups.size(); ++gi) {
     double *gl = &globals[gi * ZOPT_NUM_GLOBALS];
     gl[ZOPT_GLOBAL_STEP] = (double)(o->groups[gi].step_count + 1);
@@ -510,6 +521,8 @@ static zopt_status gpu_push(zopt_optimizer *o) {
       for (size_t h = 0; h < H; ++h) g->h_hypers[gi * H + h] = o->groups[gi].hypers[h];
   }
   CUresult r = g->cu->MemcpyHtoDAsync(g->d_globals, globals.data(), globals.size() * 8, g->stream);
+  if (!r) r = g->cu->MemcpyHtoDAsync(g->d_tensor_t, tensor_t.data(), tensor_t.size() * 8, g->stream);
+  if (!r) r = g->cu->MemcpyHtoDAsync(g->d_active, active.data(), active.size(), g->stream);
   if (!r) r = g->cu->MemcpyHtoDAsync(g->d_scaler, &sc, sizeof sc, g->stream);
   if (!r && hypers) r = g->cu->MemcpyHtoDAsync(g->d_hypers, g->h_hypers.data(), g->h_hypers.size() * 8, g->stream);
   if (!r) r = g->cu->StreamSynchronize(g->stream);
@@ -528,15 +541,16 @@ static zopt_status read_device_state(zopt_optimizer *o, zopt_gpu_step_globals *s
   GpuState *g = G(o);
   ZOPT_CTX_SCOPE(g);
   if (zopt_status st = gpu_begin_host_access(g, what)) return st;
-  std::vector<double> globals(o->groups.size() * ZOPT_NUM_GLOBALS);
+  std::vector<double> globals(o->groups.size() * ZOPT_NUM_GLOBALS), tensor_t(o->tensors.size());
   CUresult r = g->cu->MemcpyDtoHAsync(globals.data(), g->d_globals, globals.size() * 8, g->stream);
+  if (!r) r = g->cu->MemcpyDtoHAsync(tensor_t.data(), g->d_tensor_t, tensor_t.size() * 8, g->stream);
   if (!r) r = g->cu->MemcpyDtoHAsync(sc, g->d_scaler, sizeof *sc, g->stream);
   if (!r && sg) r = g->cu->MemcpyDtoHAsync(sg, g->d_sg, sizeof *sg, g->stream);
   if (!r) r = g->cu->StreamSynchronize(g->stream);
   if (r) return fail(ZOPT_ERR_INTERNAL, "reading the GPU step state: %s", error_string(r));
   for (size_t gi = 0; gi < o->groups.size(); ++gi)
     o->groups[gi].step_count = (int64_t)globals[gi * ZOPT_NUM_GLOBALS + ZOPT_GLOBAL_STEP] - 1;
-  for (Tensor &x : o->tensors) x.steps = o->groups[x.group].step_count;  // every tensor steps with its group
+  for (size_t t = 0; t < o->tensors.size(); ++t) o->tensors[t].steps = (int64_t)tensor_t[t] - 1;
   if (o->d->flags & ZOPT_FLAG_LOSS_SCALE) {
     o->scaler.scale = sc->scale;
     o->scaler.good_steps = sc->good_steps;
@@ -641,7 +655,7 @@ static zopt_status gpu_run_op(zopt_optimizer *o, size_t i) {
   const zopt_step_descriptor *d = o->d;
   const bool has_sumsq = d->flags & ZOPT_FLAG_SUMSQ;
   const bool ls = d->flags & ZOPT_FLAG_LOSS_SCALE;
-  int64_t ng = (int64_t)o->groups.size(), nchunks = g->num_chunks;
+  int64_t ng = (int64_t)o->groups.size(), nchunks = g->num_chunks, nrows = g->num_segments;
   CUdeviceptr no_ptr = 0;
   switch (d->program[i].code) {
     case ZOPT_OP_REDUCE_SCATTER:
@@ -655,29 +669,31 @@ static zopt_status gpu_run_op(zopt_optimizer *o, size_t i) {
   CUstream s = g->stream;
   switch (d->program[i].code) {
     case ZOPT_OP_PREPARE: {
-      void *args[] = {&g->d_hypers, &g->d_globals, &ng, &g->d_coeffs};
+      void *args[] = {&g->d_hypers, &g->d_globals, &g->d_segs, &g->d_tensor_t, &nrows, &g->d_coeffs};
       CU_TRY(cu->LaunchKernel(g->prepare, g->prepare_grid, 1, 1, ZOPT_GPU_PREPARE_BLOCK, 1, 1, 0, s, args, nullptr),
              "launching PREPARE");
       return ZOPT_OK;
     }
     case ZOPT_OP_NORM_PARTIALS: {
-      void *args[] = {&g->d_states, &g->d_segs,   &g->d_chunks,  &nchunks, &g->d_coeffs,
-                      &g->d_partials, &g->d_sg, &g->d_hypers, &g->d_globals, &ng};
+      void *args[] = {&g->d_states,  &g->d_segs, &g->d_chunks,  &nchunks, &g->d_coeffs,
+                      &g->d_partials, &g->d_sg,  &g->d_hypers, &g->d_globals, &nrows,
+                      &g->d_tensor_t, &g->d_active};
       CU_TRY(cu->LaunchKernel(g->sumsq, g->sumsq_grid, 1, 1, ZOPT_GPU_BLOCK, 1, 1, 0, s, args, nullptr),
              "launching SUMSQ");
       return ZOPT_OK;
     }
     case ZOPT_OP_UPDATE: {
-      // Stochastic rounding: the device's globals (step t) and the seed too.
+      // Stochastic rounding: the tensors' steps t and the seed too.
       uint64_t seed = o->seed;
       void *args[] = {&g->d_states, &g->d_segs, &g->d_chunks, &nchunks, &g->d_coeffs,
-                      has_sumsq ? &g->d_sg : &no_ptr, &g->d_globals, &seed};
+                      has_sumsq ? &g->d_sg : &no_ptr, &g->d_active, &g->d_tensor_t, &seed};
       CU_TRY(cu->LaunchKernel(g->update, g->update_grid, 1, 1, ZOPT_GPU_BLOCK, 1, 1, 0, s, args, nullptr),
              "launching UPDATE");
       return ZOPT_OK;
     }
     case ZOPT_OP_FINISH: {
-      void *args[] = {&g->d_globals, &ng, has_sumsq ? &g->d_sg : &no_ptr, ls ? &g->d_scaler : &no_ptr};
+      void *args[] = {&g->d_globals, &ng,         has_sumsq ? &g->d_sg : &no_ptr, ls ? &g->d_scaler : &no_ptr,
+                      &g->d_tensor_t, &g->d_active, &nrows};
       CU_TRY(cu->LaunchKernel(g->finish, 1, 1, 1, ZOPT_GPU_FINISH_BLOCK, 1, 1, 0, s, args, nullptr),
              "launching FINISH");
       return ZOPT_OK;
@@ -818,8 +834,6 @@ class CudaBackend final : public Backend {
                     fn, name);
       case Feature::TensorMemory:
         return fail(ZOPT_ERR_UNSUPPORTED, "%s: GPU steps keep their tensors' device pointers in device tables", fn);
-      case Feature::TensorStep:
-        return fail(ZOPT_ERR_UNSUPPORTED, "%s: GPU steps count per group (zopt_optimizer_set_step_count)", fn);
       case Feature::OpTimes:
         return fail(ZOPT_ERR_UNSUPPORTED, "%s: a GPU step's ops run asynchronously on its stream", fn);
       case Feature::GatherParams:
@@ -847,13 +861,7 @@ class CudaBackend final : public Backend {
   void destroy(zopt_optimizer *o) override { gpu_free(o); }
 
   zopt_status begin_step(zopt_optimizer *o, exec::StepState *, bool) override {
-    if (!o->active.empty())
-      for (uint8_t a : o->active)
-        if (!a)
-          return fail(ZOPT_ERR_UNSUPPORTED,
-                      "zopt_optimizer_step: GPU steps update every tensor (a gradient mask with inactive tensors "
-                      "is not supported on the GPU yet)");
-    return gpu_begin_step(o, &capturing);
+    return gpu_begin_step(o, &capturing);  // the active mask is on the device (push)
   }
   zopt_status run_op(zopt_optimizer *o, exec::StepState *, size_t i) override { return gpu_run_op(o, i); }
   // The device decides (SUMSQ's last block): nothing is skipped on the host.

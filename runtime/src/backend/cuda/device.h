@@ -60,7 +60,7 @@ struct GpuState {
   CUstream alloc_stream = nullptr;  // the stream given to allocator.alloc (finalize's)
   std::vector<std::pair<CUdeviceptr, size_t>> allocs;
   CUdeviceptr d_states = 0, d_segs = 0, d_chunks = 0, d_hypers = 0, d_globals = 0, d_coeffs = 0, d_partials = 0,
-              d_sg = 0, d_scaler = 0;
+              d_sg = 0, d_scaler = 0, d_tensor_t = 0, d_active = 0;
   std::vector<double> h_hypers;  // host copy of the hyperparameter table
   int64_t num_segments = 0, num_chunks = 0, chunk_elems = 0;
   std::vector<int64_t> chunk_first;  // per segment its first chunk; [S] = num_chunks
