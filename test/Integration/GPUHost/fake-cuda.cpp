@@ -54,6 +54,10 @@
 // queue and cuStreamQuery reports CUDA_ERROR_NOT_READY (600) while it is not
 // empty. Events count records and completions.
 //
+// With ZOPT_FAKE_CUDA_TWIN=<the step compiled for the CPU> the emulation is
+// on from the start and runs each kernel whole on the twin's CPU kernels
+// (fake-cuda-twin.cpp): the numbers of a GPU step, on the stand-in.
+//
 // Emulation (fake_cuda_set_emulation(delay_us), off by default): every kernel
 // launch is queued on its stream and runs after `delay_us` microseconds, and
 // at that time the stand-in does the little of the kernels' work that the
@@ -87,6 +91,11 @@
 
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
+
+// fake-cuda-twin.cpp: with ZOPT_FAKE_CUDA_TWIN, a GPU step's kernels run on
+// the CPU twin's kernels.
+bool fake_twin_enabled();
+bool fake_twin_run(const char *name, const unsigned long long *args, int nargs);
 
 namespace {
 
@@ -158,7 +167,7 @@ struct State {
   std::map<void *, Graph *> capturing;  // stream -> graph under capture
   int replays = 0;
   unsigned delay_us = 0;
-  bool emulate = false;
+  bool emulate = fake_twin_enabled();  // a twin runs every kernel (fake-cuda-twin.cpp)
   std::vector<std::vector<double>> prepare_hypers;  // emulation: per executed PREPARE
   std::string patch_suffix;  // fake_cuda_patch_params
   int patch_delta = 0;
@@ -422,7 +431,9 @@ void emulate(const Launch &l) {
     auto it = find_alloc((uintptr_t)hy);
     size_t n = it == st().allocs.end() ? 0 : (it->first + it->second - (uintptr_t)hy) / 8;
     st().prepare_hypers.emplace_back(hy, hy + n);
-  } else if (ends_with(l.name, "_finish")) {
+  }
+  if (fake_twin_run(l.name.c_str(), l.arg, l.nargs)) return;  // the whole kernel, on the twin
+  if (ends_with(l.name, "_finish")) {
     // finish(globals, num_groups, sg, sc, tensor_t, active, num_segments)
     double *gl = (double *)(uintptr_t)l.arg[0];
     int64_t ng = (int64_t)l.arg[1];
