@@ -72,13 +72,14 @@ def run(step, dtype, n_tensors, numel, iters, threads):
     opt = zopt.Optimizer(step, ps, lr=1e-4, weight_decay=0.01, num_threads=threads)
     opt.step()  # grads copied in and attached once
     if isinstance(step, dict):  # the linked step over the classes
-        h, n, res = opt._harr, len(opt._plist), opt._res_ref
+        h, n, res = opt._harr, len(opt._parts), opt._res_ref
         fn = opt._lib.zopt_optimizer_step_linked
 
         def c_step():
             fn(h, n, res)
     else:
-        h, fn1, res = opt._h, opt._step_fn, opt._res_ref
+        c = opt._parts[0]  # the one class's native optimizer
+        h, fn1, res = c.h, c.step_fn, c.res_ref
 
         def c_step():
             fn1(h, res)

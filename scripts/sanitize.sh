@@ -86,4 +86,6 @@ trap 'rm -rf "$tmp"' EXIT
 "$tsan/bin/zopt-zero-check" "$tmp/z2.so" --world=3 --threads=2 --steps=2 --async --delay | tail -1
 "$tsan/bin/zopt-zero-check" "$tmp/z3.so" --world=3 --async-misorder --bucket=40000 | tail -1
 "$tsan/bin/zopt-zero-check" "$tmp/z3.so" --world=1 --async-free --bucket=40000 | tail -1
+# tensors added after finalize, the state exported and imported (issue 17)
+"$tsan/bin/zopt-state-check" "$tmp/z2.so" "$tmp/z3.so" --world=3 | tail -1
 echo "== sanitize: TSan passed; sanitizer stage done in $(( $(date +%s) - start )) s"

@@ -38,7 +38,7 @@ import pytest
 import torch
 
 import zopt
-from zopt.reference import Reference
+from oracles.reference import Reference
 from zopt_testutil import (ParamChecker, Problem, StateChecker, check_param,
                            from_storage)
 

@@ -11,7 +11,7 @@ import torch
 import zopt
 from zopt import bf16
 from zopt.describe import describe
-from zopt.reference import Reference
+from oracles.reference import Reference
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 EXAMPLES = sorted(glob.glob(os.path.join(REPO, "examples", "*.mlir")))

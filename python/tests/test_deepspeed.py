@@ -17,7 +17,7 @@ import pytest
 
 import zopt
 from zopt import deepspeed as ds
-from zopt.reference import Reference
+from oracles.reference import Reference
 from zopt_testutil import Problem, StateChecker, check_param, from_storage
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "deepspeed")

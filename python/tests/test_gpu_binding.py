@@ -146,7 +146,7 @@ class RecordingLib:
                 return 0
             if name == "zopt_optimizer_set_device_allocator":
                 a = args[1]._obj
-                self.allocators.append((h, zo._DeviceAllocatorC(a.alloc, a.free, a.user)))
+                self.allocators.append((h, zopt._gpu.DeviceAllocatorC(a.alloc, a.free, a.user)))
                 return 0
             if name == "zopt_optimizer_gpu_result":
                 r = args[1]._obj
@@ -164,21 +164,20 @@ def gpu_env(monkeypatch):
     log = []
     fc = FakeCuda(log)
     fc.install(monkeypatch)
-    rec = RecordingLib(zo.lib(), fc, log)
-    monkeypatch.setattr(zo, "lib", lambda: rec)
-    monkeypatch.setattr(zopt.mixed, "lib", lambda: rec)
+    rec = RecordingLib(zopt._native.lib(), fc, log)
+    monkeypatch.setattr(zopt._native, "lib", lambda: rec)
 
     def mode(m):
         monkeypatch.setattr(zo.Step, "gpu", property(lambda s: m == "gpu"))
         monkeypatch.setattr(zo.Step, "on_device", property(lambda s: True))
 
-    orig_entry = zo.Optimizer._entry
+    orig_entry = zopt._params.make_entry
 
-    def entry(self, gid, i, p):
-        e = orig_entry(self, gid, i, p)
+    def entry(step, gid, i, p):
+        e = orig_entry(step, gid, i, p)
         e.cuda = e.torch
         return e
-    monkeypatch.setattr(zo.Optimizer, "_entry", entry)
+    monkeypatch.setattr(zopt._params, "make_entry", entry)
     return fc, rec, mode
 
 
@@ -204,7 +203,7 @@ def test_current_stream_before_every_device_call(steps, gpu_env, tmp_path):
     mode("gpu")
     ps = _params()
     opt = zopt.Optimizer(steps(rule="adamw", layout="f32"), ps, lr=1e-2)
-    assert opt._streams and not opt._offload
+    assert opt._parts[0].streams and not opt._parts[0].offload
     names = [c[0] for c in rec.calls()]
     # the stream is set right after create, before anything is enqueued
     assert names.index("zopt_optimizer_set_stream") < names.index("zopt_optimizer_finalize")
@@ -252,7 +251,7 @@ def test_scheduler_between_replays_reaches_the_runtime_without_step(steps, gpu_e
     mode("gpu")
     ps = _params()
     opt = zopt.Optimizer(steps(rule="adamw", layout="f32"), ps, lr=1e-2, betas=(0.9, 0.99))
-    assert all(isinstance(g, zo._GpuGroup) for g in opt.param_groups)
+    assert all(isinstance(g, zopt._gpu.GpuGroup) for g in opt.param_groups)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 ** i)
     opt.step()  # "the capture" (a GPU step only enqueues)
     n_steps = len(rec.calls("zopt_optimizer_step"))
@@ -361,7 +360,7 @@ def test_torch_allocator_registered_before_finalize_and_kept(steps, gpu_env):
         < names.index("zopt_optimizer_finalize")
     (h, a), = rec.allocators
     assert h == opt._h.value
-    keep = opt._dev_alloc
+    keep = opt._parts[0].dev_alloc
     assert keep is not None
     del keep
     gc.collect()
@@ -375,7 +374,7 @@ def test_torch_allocator_registered_before_finalize_and_kept(steps, gpu_env):
     # a rebuild (add_param_group) registers the same allocator again
     extra = _params(1, seed=1)
     opt.add_param_group({"params": extra})
-    assert len(rec.allocators) == 2 and opt._dev_alloc.c.alloc is not None
+    assert len(rec.allocators) == 2 and opt._parts[0].dev_alloc.c.alloc is not None
     names = [c[0] for c in rec.calls()]
     last_fin = len(names) - 1 - names[::-1].index("zopt_optimizer_finalize")
     last_alloc = len(names) - 1 - names[::-1].index("zopt_optimizer_set_device_allocator")
@@ -407,7 +406,7 @@ def test_offloaded_step_inside_capture_refused(steps, gpu_env):
     mode("offload")
     ps = _params()
     opt = zopt.Optimizer(steps(rule="adamw", layout="f32"), ps, lr=1e-2)
-    assert opt._offload and not any(isinstance(g, zo._GpuGroup) for g in opt.param_groups)
+    assert opt._parts[0].offload and not any(isinstance(g, zopt._gpu.GpuGroup) for g in opt.param_groups)
     assert not rec.calls("zopt_optimizer_set_device_allocator")  # pinned host staging only
     fc.capturing = True
     before = [p.detach().clone() for p in ps]
@@ -446,6 +445,30 @@ def test_mixed_offloaded_parts(steps, gpu_env):
     _assert_on_current_stream(rec)
 
 
+def test_gpu_scaler_state_read_without_a_checkpoint(steps, gpu_env):
+    """GPU steps keep the loss scaler on the device: state_dict() reads its
+    scale and good-step count with zopt_optimizer_get_loss_scaler_state
+    (which waits for the stream), not by saving a whole checkpoint to a
+    temporary directory to read two numbers (issue 17)."""
+    fc, rec, mode = gpu_env
+    mode("gpu")
+    g = torch.Generator().manual_seed(5)
+    ps = [torch.nn.Parameter(torch.randn(5 + 3 * i, generator=g).half()) for i in range(3)]
+    opt = zopt.Optimizer(steps(rule="adamw", layout="f16_loss_scale"), ps, lr=1e-3,
+                         loss_scaler=dict(init_scale=256.0, growth_interval=5))
+    for _ in range(2):
+        for p in ps:
+            p.grad = (torch.randn(p.shape, generator=g) * 0.01 * opt.loss_scale).half()
+        opt.step()
+    n0 = len(rec.calls())
+    ls = opt.state_dict()["zopt"]["loss_scaler"]
+    names = [c[0] for c in rec.calls()[n0:]]
+    assert "zopt_optimizer_save" not in names
+    assert "zopt_optimizer_get_loss_scaler_state" in names
+    assert (ls["scale"], ls["good_steps"], ls["growth_interval"]) == (256.0, 2, 5)
+    _assert_on_current_stream(rec, n0)
+
+
 def test_cpu_steps_untouched(steps, monkeypatch):
     """A CPU step never asks torch.cuda for anything (and its groups are
     plain dicts)."""
@@ -461,7 +484,7 @@ def test_cpu_steps_untouched(steps, monkeypatch):
     sched.step()
     opt.step()
     opt.step_count()
-    assert not opt._streams and all(type(g) is dict for g in opt.param_groups)
+    assert not opt._parts[0].streams and all(type(g) is dict for g in opt.param_groups)
 
 
 # ---- frozen params of GPU steps -------------------------------------------------------
@@ -516,12 +539,12 @@ def test_gpu_step_leaves_frozen_params_out(steps, gpu_env, tmp_path):
                          weight_decay=WD)
     ot = torch.optim.AdamW(mt.parameters(), lr=LR, weight_decay=WD, foreach=False)
     w = mz[0].weight
-    assert oz._excluded == {0} and len(oz.param_groups[0]["params"]) == 4
+    assert oz._parts[0].excluded == {0} and len(oz.param_groups[0]["params"]) == 4
     built = _built(rec, oz)
     assert built[0] == (0, None, None, 0)  # an empty slot: tensor ids stay param indices
     assert all(n > 0 and pp and gp for _, pp, gp, n in built[1:])
     assert oz.memory_info()["state_bytes"] == orf.memory_info()["state_bytes"]
-    assert sum(f.numel() for f in oz._grad_flats) == sum(f.numel() for f in orf._grad_flats)
+    assert sum(f.numel() for f in oz._parts[0].grad_flats) == sum(f.numel() for f in orf._parts[0].grad_flats)
     w0 = w.detach().clone()
     for i in range(3):
         for m, o in ((mz, oz), (mr, orf), (mt, ot)):
@@ -581,7 +604,7 @@ def test_gpu_step_frozen_params_in_a_new_group_and_other_dtypes(steps, gpu_env):
     head_r = torch.nn.Parameter(head_z.detach().clone())
     oz.add_param_group({"params": [table, head_z, frozen32], "lr": 5e-3})
     orf.add_param_group({"params": [head_r], "lr": 5e-3})
-    assert oz._excluded == {0, 4, 6} and oz.rebuilds == 1
+    assert oz._parts[0].excluded == {0, 4, 6} and oz.rebuilds == 1
     t0 = table.detach().clone()
     for i in range(2, 5):
         for m, o, h in ((mz, oz, head_z), (mr, orf, head_r)):
@@ -619,7 +642,7 @@ def test_gpu_step_unfrozen_param_joins_with_fresh_states(steps, gpu_env, tmp_pat
     for i in range(3):
         _train(mz, oz, i)
         _train(mt, ot, i)
-    assert oz.rebuilds == 0 and oz._excluded == {0}
+    assert oz.rebuilds == 0 and oz._parts[0].excluded == {0}
     w.requires_grad_(True)
     wt.requires_grad_(True)
     for i in range(3, 6):
@@ -629,10 +652,10 @@ def test_gpu_step_unfrozen_param_joins_with_fresh_states(steps, gpu_env, tmp_pat
         assert float(oz.state[w]["step"]) == float(ot.state[wt]["step"]) == i - 2
         _close([oz.state[w]["exp_avg"], oz.state[w]["exp_avg_sq"]],
                [ot.state[wt]["exp_avg"], ot.state[wt]["exp_avg_sq"]])
-    assert oz.rebuilds == 1 and not oz._excluded
-    assert oz._cohort_gid == [0] and oz._cohort_of == {0: 0}
+    assert oz.rebuilds == 1 and not oz._parts[0].excluded
+    assert oz._parts[0].cohort_gid == [0] and oz._parts[0].cohort_of == {0: 0}
     assert [b[0] for b in _built(rec, oz)] == [1, 0, 0, 0]  # native group 1: its own
-    assert oz._native_steps() == [6, 3] and oz.step_count(0) == 6
+    assert oz._parts[0].native_steps() == [6, 3] and oz.step_count(0) == 6
     assert oz.tensor_step(w) == 3 and oz.tensor_step(mz[0].bias) == 6
     # a scheduler's lr reaches both native groups of param group 0
     n = len(rec.calls("zopt_optimizer_set_hyper"))
@@ -645,9 +668,9 @@ def test_gpu_step_unfrozen_param_joins_with_fresh_states(steps, gpu_env, tmp_pat
     m2 = _mlp(frozen=False)
     m2.load_state_dict(mz.state_dict())
     o2 = zopt.Optimizer(st, m2.parameters(), lr=LR, weight_decay=WD)
-    assert not o2._excluded and not o2._cohort_gid
+    assert not o2._parts[0].excluded and not o2._parts[0].cohort_gid
     o2.load_state_dict(sd)
-    assert o2._partition(o2._cohort_of) == {frozenset({0})} and o2._native_steps() == [6, 3]
+    assert zopt._rebuild.partition(o2._parts[0].cohort_of) == {frozenset({0})} and o2._parts[0].native_steps() == [6, 3]
     assert o2.param_groups[0]["lr"] == 5e-3 and o2.get_hyper(0, "lr") == 5e-3
     # save() / load(): the file's native groups
     oz.save(tmp_path / "ck")
@@ -655,7 +678,7 @@ def test_gpu_step_unfrozen_param_joins_with_fresh_states(steps, gpu_env, tmp_pat
     m3.load_state_dict(mz.state_dict())
     o3 = zopt.Optimizer(st, m3.parameters(), lr=LR, weight_decay=WD)
     o3.load(tmp_path / "ck")
-    assert o3._cohort_of == {0: 0} and o3._native_steps() == [6, 3]
+    assert o3._parts[0].cohort_of == {0: 0} and o3._parts[0].native_steps() == [6, 3]
     for i in range(6, 8):
         for m, o in ((mz, oz), (m2, o2), (m3, o3)):
             _train(m, o, i)
@@ -666,15 +689,15 @@ def test_gpu_step_unfrozen_param_joins_with_fresh_states(steps, gpu_env, tmp_pat
     o4 = zopt.Optimizer(st, m4.parameters(), lr=LR, weight_decay=WD)
     _train(m4, o4, 0)
     before = o4.state_dict()
-    real = o4._restore
+    real = zopt._rebuild.restore
 
-    def failing(snap, **kw):
-        o4._restore = real
+    def failing(c, snap, **kw):
+        zopt._rebuild.restore = real
         raise ZoptError(Status.CHECKPOINT, "refused (test)")
-    o4._restore = failing
+    zopt._rebuild.restore = failing
     with pytest.raises(ZoptError, match="refused"):
         o4.load_state_dict(sd)
-    assert o4.rebuilds == 2 and not o4._cohort_gid and o4._native_steps() == [1]
+    assert o4.rebuilds == 2 and not o4._parts[0].cohort_gid and o4._parts[0].native_steps() == [1]
     after = o4.state_dict()
     for t in before["state"]:
         for k in before["state"][t]:
@@ -694,7 +717,7 @@ def test_gpu_step_unfrozen_before_the_first_step(steps, gpu_env):
     for i in range(3):
         _train(mz, oz, i)
         _train(mr, orf, i)
-    assert oz.rebuilds == 1 and not oz._excluded and not oz._cohort_gid
+    assert oz.rebuilds == 1 and not oz._parts[0].excluded and not oz._parts[0].cohort_gid
     assert _same(mz.parameters(), mr.parameters())
 
 
@@ -711,7 +734,7 @@ def test_gpu_step_f32_grads_frozen_param_joins_with_hooks(steps, gpu_env):
     ps = [torch.nn.Parameter(torch.randn(n).to(torch.bfloat16)) for n in (5, 7, 9)]
     ps[1].requires_grad_(False)
     opt = zopt.Optimizer(st, ps, lr=1e-2)
-    assert opt._excluded == {1} and len(opt._acc_hooks) == 2
+    assert opt._parts[0].excluded == {1} and len(opt._parts[0].acc_hooks) == 2
     frozen0 = ps[1].detach().clone()
 
     def backward():
@@ -723,7 +746,7 @@ def test_gpu_step_f32_grads_frozen_param_joins_with_hooks(steps, gpu_env):
     backward()
     assert ps[1].grad is not None  # no hook yet: taken at step()
     opt.step()
-    assert opt.rebuilds == 1 and not opt._excluded and len(opt._acc_hooks) == 3
+    assert opt.rebuilds == 1 and not opt._parts[0].excluded and len(opt._parts[0].acc_hooks) == 3
     assert opt.tensor_step(ps[1]) == 1 and opt.tensor_step(ps[0]) == 2
     assert not torch.equal(ps[1], frozen0) and ps[1].main_grad.dtype == torch.float32
     opt.zero_grad()
@@ -985,16 +1008,16 @@ def _worker(what, step_path, tmp):
         fake.fake_cuda_set_emulation(1, 0)  # FINISH counts steps, PREPARE records the table
         st = zopt.Step(step_path)
         lr_i, H = list(st.hypers).index("lr"), len(st.hypers)
-        real_alloc = zo.Optimizer._alloc_grads
+        real_alloc = zopt._grads.alloc_grads
 
-        def alloc_grads(self, entries):  # the grad buffers in the stand-in's device memory
+        def alloc_grads(c, entries):  # the grad buffers in the stand-in's device memory
             zeros = torch.zeros
             torch.zeros = lambda n, dtype=None, device=None: torch.from_numpy(dev_array(n))
             try:
-                return real_alloc(self, entries)
+                return real_alloc(c, entries)
             finally:
                 torch.zeros = zeros
-        zo.Optimizer._alloc_grads = alloc_grads
+        zopt._grads.alloc_grads = alloc_grads
 
         def params(trainable=(True, False, True)):
             return [torch.nn.Parameter(torch.from_numpy(dev_array(n, rng.standard_normal(n))),
@@ -1007,18 +1030,18 @@ def _worker(what, step_path, tmp):
         ps = params()
         opt = zopt.Optimizer(st, ps, lr=1e-3)
         twin = zopt.Optimizer(st, [p for p in params() if p.requires_grad], lr=1e-3)
-        out["excluded"] = sorted(opt._excluded)
+        out["excluded"] = sorted(opt._parts[0].excluded)
         out["state_bytes"] = [opt.memory_info()["state_bytes"],
                               twin.memory_info()["state_bytes"]]
         for _ in range(3):
             grads(ps)
             opt.step()
-        out["counts_before"] = opt._native_steps()
+        out["counts_before"] = opt._parts[0].native_steps()
         opt.save(os.path.join(tmp, "ck0"))  # with the empty slot
         o0 = zopt.Optimizer(st, params(), lr=1e-3)
         o0.load(os.path.join(tmp, "ck0"))
         o0.load_state_dict(opt.state_dict())
-        out["o0"] = [o0._native_steps(), sorted(o0._excluded), len(o0.state_dict()["state"])]
+        out["o0"] = [o0._parts[0].native_steps(), sorted(o0._parts[0].excluded), len(o0.state_dict()["state"])]
         o0.close()
         ps[0].grad = None
         try:
@@ -1030,8 +1053,8 @@ def _worker(what, step_path, tmp):
         for _ in range(2):
             grads(ps)
             opt.step()
-        out["rebuilds"], out["cohorts"] = opt.rebuilds, opt._cohort_gid
-        out["counts_after"] = opt._native_steps()
+        out["rebuilds"], out["cohorts"] = opt.rebuilds, opt._parts[0].cohort_gid
+        out["counts_after"] = opt._parts[0].native_steps()
         out["tensor_steps"] = [opt.tensor_step(p) for p in ps]
         opt.param_groups[0]["lr"] = 5e-4
         grads(ps)
@@ -1043,13 +1066,13 @@ def _worker(what, step_path, tmp):
         sd = opt.state_dict()
         o2 = zopt.Optimizer(st, params((True, True, True)), lr=1e-3)
         o2.load_state_dict(sd)
-        out["o2_counts"] = o2._native_steps()
-        out["o2_cohorts"] = sorted(map(sorted, o2._partition(o2._cohort_of)))
+        out["o2_counts"] = o2._parts[0].native_steps()
+        out["o2_cohorts"] = sorted(map(sorted, zopt._rebuild.partition(o2._parts[0].cohort_of)))
         opt.save(os.path.join(tmp, "ck"))
         o3 = zopt.Optimizer(st, params((True, True, True)), lr=1e-3)
         o3.load(os.path.join(tmp, "ck"))
-        out["o3_counts"] = o3._native_steps()
-        out["o3_cohorts"] = sorted(map(sorted, o3._partition(o3._cohort_of)))
+        out["o3_counts"] = o3._parts[0].native_steps()
+        out["o3_cohorts"] = sorted(map(sorted, zopt._rebuild.partition(o3._parts[0].cohort_of)))
         fake.fake_cuda_drain_all()
         for o in (opt, twin, o2, o3):
             o.close()

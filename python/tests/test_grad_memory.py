@@ -43,7 +43,7 @@ def test_fresh_grads_read_in_place(adamw_step):
         o1.step(), o2.step()
         # no copy: p.grad is still backward's tensor, and the runtime read it
         assert all(p.grad is b for p, b in zip(m1.parameters(), before))
-        assert len(o1._foreign) == 4
+        assert len(o1._parts[0].foreign) == 4
         _close(m1, m2)
 
 

@@ -678,6 +678,31 @@ def test_f32_grads_in_a_mixed_model_match_torch(steps):
 
 # ---- settings reach every class; a class added later joins the loss scaler -----------
 
+def test_add_param_group_refused_by_a_class_brings_no_new_class(steps):
+    """A group that an existing class refuses (its f32 param overlaps one the
+    class holds) leaves no part behind for the class the group would have
+    brought (bf16): the optimizer is as before and steps; the same group
+    without the overlap then adds the class."""
+    cl = classes(steps, "sgd", classes={"bf16": dict(master="f32"), "f32": {}})
+    rng = np.random.default_rng(17)
+    a, b = _random_params(rng, [("f32", (20,)), ("bf16", (8,))])
+    opt = zopt.Optimizer(cl, [a], lr=0.1, momentum=0.9)
+    overlap = torch.nn.Parameter(a.data[5:15])  # a view into the f32 param
+    with pytest.raises(zopt.ZoptError, match="overlap"):
+        opt.add_param_group(dict(params=[b, overlap]))
+    assert list(opt.parts) == ["f32"] and len(opt.param_groups) == 1
+    assert "no params yet: bf16" in repr(opt) and opt.rebuilds == 0
+    g = torch.from_numpy(rng.standard_normal(20).astype(np.float32))
+    a0 = a.detach().clone()
+    a.grad = g.clone()
+    opt.step()  # plain SGD's first step: p -= lr * g
+    want = (a0.double() - 0.1 * g.double()).float()
+    torch.testing.assert_close(a.detach(), want, rtol=1e-6, atol=1e-7)
+    assert opt.tensor_step(a) == 1
+    opt.add_param_group(dict(params=[b]))
+    assert list(opt.parts) == ["bf16", "f32"] and opt.tensor_step(b) == 0
+
+
 def test_settings_reach_every_class_and_a_new_class_joins_the_scaler(steps):
     cl = classes(steps, "adamw", classes={"f16": dict(master="f32"), "f32": {}})
     h = [torch.nn.Parameter(torch.ones(50, dtype=torch.float16)) for _ in range(2)]
@@ -690,12 +715,12 @@ def test_settings_reach_every_class_and_a_new_class_joins_the_scaler(steps):
         h[0].grad = torch.full((50,), float("inf") if k == 2 else 0.5,
                                dtype=torch.float16)
         opt.step()
-    assert opt.loss_scale == 2.0 ** 10 and opt.parts["f16"]._good_steps == 1
+    assert opt.loss_scale == 2.0 ** 10 and opt.state_dict()["zopt"]["loss_scaler"]["good_steps"] == 1
     opt.add_param_group(dict(params=[h[1], f[0], f[1]], lr=5e-3))
     assert list(opt.parts) == ["f16", "f32"]
     for o in opt.parts.values():   # every setting in every class, the new one too
         assert o.seed == 7 and o.grad_divisor == 3 and o.loss_scale == 2.0 ** 10
-        assert o._num_threads == 1 and o._bucket_elems == 65536
+        assert o.num_threads == 1 and o.bucket_elems == 65536
         assert o.get_hyper(1, "lr") == 5e-3
     opt.set_seed(9)
     opt.grad_divisor = 1

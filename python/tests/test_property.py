@@ -5,12 +5,12 @@ check that every mutant is either
   LINE:COL inside the text), without a crash or a timeout of zopt-compile,
 * or accepted, and then (CPU placement) the step.so loads and its steps
   match a float64 interpreter of the mutated description itself
-  (zopt.interp) on random data, for every element of every state and of the
+  (oracles/interp.py) on random data, for every element of every state and of the
   param; a GPU / offload mutant is only compiled.
 
-The oracle: zopt.interp reads the description text and evaluates its
+The oracle: oracles/interp.py reads the description text and evaluates its
 per-element program in float64 (it is validated below against
-zopt.reference on every layout and rule of zopt.describe: bit-identical).
+oracles/reference.py on every layout and rule of zopt.describe: bit-identical).
 It also propagates a bound on how far an f32 evaluation of each primitive
 (f32 coefficients derived in f64, as the decompose phase lowers them) may
 land from the float64 value. A stored element passes when it lies in
@@ -63,10 +63,11 @@ import numpy as np
 import pytest
 
 import zopt
-from zopt import _lib, interp
+from zopt import _lib
+from oracles import interp
 from zopt.compiler import CompileWarning
 from zopt.describe import LAYOUTS, RULES, describe, layout_types
-from zopt.reference import Reference, round_to
+from oracles.reference import Reference, round_to
 from zopt_testutil import from_storage, never_zero, to_storage
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -1019,7 +1020,7 @@ def _compare(it, actual, kinds, stats):
 
 
 # ---------------------------------------------------------------------------
-# The oracle itself: the interpreter agrees with zopt.reference
+# The oracle itself: the interpreter agrees with oracles.reference
 # ---------------------------------------------------------------------------
 
 def _reference_case(kw, seed, inject=False):
@@ -1073,7 +1074,7 @@ def test_interpreter_matches_reference():
     matrix (zopt.describe: adam/adamw with and without amsgrad, named and
     primitive forms, sgd plain/momentum/nesterov, lion with f32 and bf16
     momentum, x 4 layouts x clip on/off), the interpreter of the
-    description's text and zopt.reference agree bit for bit (both float64,
+    description's text and oracles.reference agree bit for bit (both float64,
     both rounding to storage) over 5 steps, 2 groups (bias correction on
     and off), the loss-scaled layout included."""
     for n, kw in enumerate(MATRIX):

@@ -149,6 +149,8 @@ def test_clip_grad_norm_one_rank_against_torch(steps):
         assert abs(float(n1) - float(n2)) <= 1e-6 * float(n2)
         with pytest.raises(zopt.ZoptError, match="call step\\(\\) first"):
             o1.state_dict()  # nothing between the clip and the step
+        with pytest.raises(zopt.ZoptError, match="call step\\(\\) first"):
+            o1.state[next(m1.parameters())]["exp_avg"]  # opt.state[p] neither
         with pytest.raises(zopt.ZoptError, match="called already"):
             o1.clip_grad_norm_(mn)
         with pytest.raises(zopt.ZoptError, match="zero_grad"):

@@ -7,7 +7,7 @@ import torch
 
 from zopt import bf16
 from zopt.describe import describe
-from zopt.reference import Reference, round_to
+from oracles.reference import Reference, round_to
 
 SIZES = [1, 17, 1000]
 

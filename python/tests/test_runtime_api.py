@@ -127,7 +127,7 @@ def test_linked_step_one_norm_over_parts(steps):
     the gradient, so each part's params show the clip coefficient: with a
     per-part norm they would be ~1.4x off the float64 reference, which
     clips every tensor with the combined norm."""
-    from zopt.reference import Reference
+    from oracles.reference import Reference
     step = steps(rule="sgd", layout="f32", clip=1.0)
     a, b = _arrays(5, (1000, 17)), _arrays(6, (300, 4099))
     ref = Reference("sgd", [dict(params=[p.copy() for p, _ in a + b], lr=1e-2, momentum=0.9)],

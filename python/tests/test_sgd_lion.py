@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import zopt
-from zopt.reference import Reference
+from oracles.reference import Reference
 from zopt_testutil import (Problem, StateChecker, check_f32, check_param,
                            from_storage)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import zopt
-from zopt.reference import Reference
+from oracles.reference import Reference
 from zopt_testutil import Problem, check_param, from_storage
 
 SIZES = [[1, 17, 1000], [33]]
@@ -347,3 +347,33 @@ def test_checkpoint_readers_formats_2_and_3(steps, tmp_path):
         nk = struct.unpack_from("<I", w, 200)[0]
         assert nk == 0 and struct.unpack_from("<qII", w, 208) == (0, 0, _ckpt.GROUP_MAXIMIZE)
     assert ids[0] != ids[1]
+
+
+def test_loss_scaler_state_is_read_from_the_runtime(steps):
+    """The loss scaler's scale and good-step count are the runtime's, read
+    through zopt_optimizer_get_loss_scaler_state (issue 17: the binding no
+    longer mirrors the count): what the runtime counts, and what is set
+    through the C API, is what state_dict() reports and carries over."""
+    step, prob, opt = make(steps, "f16_loss_scale",
+                           scaler=dict(init_scale=1024.0, growth_interval=3))
+    for _ in range(2):
+        prob.set_grads(0.01, loss_scale=opt.loss_scale)
+        opt.step()
+    ls = opt.state_dict()["zopt"]["loss_scaler"]
+    assert (ls["scale"], ls["good_steps"]) == (1024.0, 2)
+    L = zopt._lib.lib()
+    zopt._lib.check(L.zopt_optimizer_set_loss_scaler_state(opt._handle(), 2048.0, 1))
+    sd = opt.state_dict()
+    assert (sd["zopt"]["loss_scaler"]["scale"], sd["zopt"]["loss_scaler"]["good_steps"]) \
+        == (2048.0, 1)
+    _, _, o2 = make(steps, "f16_loss_scale", scaler=dict(init_scale=8.0))
+    with pytest.warns(zopt.optimizer.MasterWeightsWarning):  # o2's params: the first ones
+        o2.load_state_dict(sd)
+    got = o2.state_dict()["zopt"]["loss_scaler"]
+    assert (got["scale"], got["good_steps"], got["growth_interval"]) == (2048.0, 1, 3)
+    prob.set_grads(0.01, loss_scale=opt.loss_scale)
+    opt.step()  # the runtime's third good step since 2048: unchanged; the next grows
+    prob.set_grads(0.01, loss_scale=opt.loss_scale)
+    opt.step()
+    assert opt.loss_scale == 4096.0
+    assert opt.state_dict()["zopt"]["loss_scaler"]["good_steps"] == 0

@@ -17,7 +17,7 @@ import pytest
 import zopt
 from zopt import steps as S
 from zopt.describe import describe
-from zopt.reference import Reference
+from oracles.reference import Reference
 from zopt_testutil import Problem, StateChecker, check_param, from_storage
 
 HERE = os.path.dirname(os.path.abspath(__file__))

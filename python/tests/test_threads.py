@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import zopt
-from zopt._calls import lock_of
+from zopt._native import lock_of
 
 TIMEOUT = 60
 

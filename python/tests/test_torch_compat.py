@@ -464,3 +464,27 @@ def test_no_cyclic_garbage(steps, kind):
         assert gc.collect() == 0
     finally:
         gc.enable()
+
+
+def test_comm_buffers_leave_no_cyclic_garbage():
+    """The torch.distributed engine views the runtime's buffers as tensors
+    at every collective, and loopback communicators are made in arrays:
+    neither may leave ctypes array types (one per size) as cyclic garbage."""
+    from zopt.comm import Comm, _TorchEngine
+    buf = np.arange(4096, dtype=np.uint8)
+
+    def run():
+        for n in (1, 7, 100, 4096):
+            t = _TorchEngine._bytes(buf.ctypes.data, n)
+            assert t.numel() == n and int(t[-1]) == (n - 1) % 256
+        for c in Comm.loopback(3):
+            c.close()
+
+    run()
+    gc.collect()
+    gc.disable()
+    try:
+        run()
+        assert gc.collect() == 0
+    finally:
+        gc.enable()

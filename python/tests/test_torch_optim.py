@@ -352,7 +352,7 @@ def test_a_param_that_is_a_rounding_of_its_master_is_kept():
     """Stochastic rounding may write either neighbour of the master into a
     bf16 param: both count as agreeing (nothing rewritten, no warning);
     anything else does not."""
-    from zopt.optimizer import _is_rounding_of
+    from zopt._dtypes import is_rounding_of as _is_rounding_of
     from zopt._lib import DType
     m = np.array([1.0 + 0.75 * 2 ** -7, 1.0 + 0.25 * 2 ** -7, 1.0, -3.0, 1.0 + 0.75 * 2 ** -7,
                   float("nan"), 0.0], np.float32)

@@ -6,7 +6,7 @@ import numpy as np
 import zopt
 from zopt import bf16
 from zopt.describe import layout_types
-from zopt.reference import Reference, round_to
+from oracles.reference import Reference, round_to
 
 NP_OF = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
 

@@ -13,7 +13,8 @@ from ._lib import (DType, HyperKind, Isa, Placement, StateKind, Status,
                    ZoptError, ZoptTypeError, ZoptValueError, find_runtime_library)
 from .compiler import compile, find_compiler
 from ._install import installation  # also: finds an installed runtime (see _install)
-from .optimizer import Optimizer, Step
+from .optimizer import Optimizer
+from ._step import Step
 from . import steps
 from .zero3 import zero3_hooks
 

@@ -1,17 +1,18 @@
 """Runtime checkpoint files (format 3, runtime/src/checkpoint/checkpoint.cpp;
-docs/CHECKPOINT.md) written and read from Python.
+docs/CHECKPOINT.md) read, and written, from Python.
 
-The C API has no setter for the per-tensor and per-group step counts, the
-loss scaler's good-step counter or (before finalize) a tensor's states; a
-checkpoint file carries all of them, and ``zopt_optimizer_load_ex``
-validates a file completely before it changes anything. So the binding
-writes a one-rank (world size 1) format-3 file of what it wants the
-optimizer to hold and loads it: ``Optimizer.load_state_dict`` (torch's
-layout, or a torch optimizer's state_dict) and the rebuilds of the native
-optimizer (``add_param_group``, a param whose storage moved) go this way.
+Reading: the header's tensor table (which class a ``load()`` file holds,
+a GPU step's extra native groups) and the loss scaler's configuration (the
+C API has no getter for it). Writing, for one user only (zopt._rebuild): a
+native optimizer rebuilt with its states (``add_param_group``, a param
+whose storage moved, ``load_state_dict``) loads a one-rank (world size 1)
+format-3 file the binding writes, because the C API cannot set a tensor's
+states before finalize nor a GPU step's per-tensor counts, and
+``zopt_optimizer_load_ex`` validates a whole file before it changes
+anything. The runtime's in-memory state export/import replaces the writer.
 A world-size-1 file loads at any world size: every rank reads the pieces it
 holds. Its save identity is random (a one-file set has no other file to
-match). The readers below read formats 2 and 3 (and the scaler of 1).
+match). The readers read formats 2 and 3 (and the scaler of 1).
 
 Checksums are FNV-1a-64. The header's is computed byte by byte (it is
 small: 24 bytes per tensor, 40 per piece); the data's is computed for many

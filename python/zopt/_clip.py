@@ -42,12 +42,9 @@ __all__ = ["clip_grad_norm_", "finish"]
 
 
 def _parts(opt):
-    """The native optimizers stepped together (one, or a mixed optimizer's
-    parts) and whether they step linked."""
-    from .mixed import MixedOptimizer
-    if isinstance(opt, MixedOptimizer):
-        return list(opt._plist), True
-    return [opt], False
+    """The parts (parameter classes) stepped together and whether they step
+    linked (several classes)."""
+    return list(opt._parts), len(opt._parts) > 1
 
 
 def clip_grad_norm_(opt, max_norm, norm_type=2.0, error_if_nonfinite=False):
@@ -71,7 +68,7 @@ def clip_grad_norm_(opt, max_norm, norm_type=2.0, error_if_nonfinite=False):
                         "with clipping: zopt.steps.<rule>(..., clip=1.0) (any max_norm: "
                         "clip_grad_norm_(max_norm) sets it for each step), or "
                         "zopt.clip_by_global_norm in the description")
-    if any(o.step_obj.gpu for o in parts):
+    if any(c.step.gpu for c in parts):
         raise ZoptError(Status.UNSUPPORTED,
                         f"clip_grad_norm_: step '{s.name}' updates on the GPU, whose kernels "
                         f"clip at the compiled max_norm {s.max_norm:g}: compile the step with "
@@ -82,20 +79,19 @@ def clip_grad_norm_(opt, max_norm, norm_type=2.0, error_if_nonfinite=False):
     if not opt._step_prologue():  # world size 1, no gradient: nothing to clip
         return torch.zeros((), dtype=torch.float32) if torch is not None else 0.0
     L = opt._lib
-    hs = [o._h for o in parts]
+    hs = [c.h for c in parts]
     for h in hs:
         check(L.zopt_optimizer_set_max_norm(h, max_norm), "clip_grad_norm_")
     r = _lib.StepResult()
     if linked:
-        arr = (ctypes.c_void_p * len(hs))(*[h.value for h in hs])
+        keep, arr = _lib.c_array(ctypes.c_void_p, [h.value for h in hs])
         st = L.zopt_optimizer_step_linked_begin(arr, len(hs), ctypes.byref(r))
     else:
         st = L.zopt_optimizer_step_begin(hs[0], ctypes.byref(r))
     if st:
         _restore(opt, parts)
         check(st, "clip_grad_norm_ (zopt_optimizer_step_begin)")
-    for o in [opt] + parts:
-        o._begun = True
+    opt._begun = True
     norm = float(r.grad_norm)
     if error_if_nonfinite and not math.isfinite(norm):
         finish(opt, None)  # a skipped step: nothing changes
@@ -108,9 +104,9 @@ def clip_grad_norm_(opt, max_norm, norm_type=2.0, error_if_nonfinite=False):
 
 def _restore(opt, parts):
     """The compiled max_norm again (the threshold held for one step)."""
-    for o in parts:
-        if o._h is not None and o.step_obj.clipped:
-            o._lib.zopt_optimizer_set_max_norm(o._h, float(o.step_obj.max_norm))
+    for c in parts:
+        if c.h is not None and c.step.clipped:
+            c.lib.zopt_optimizer_set_max_norm(c.h, float(c.step.max_norm))
 
 
 def finish(opt, closure):
@@ -122,8 +118,7 @@ def finish(opt, closure):
                         "step() without a closure")
     parts, _ = _parts(opt)
     t0 = time.perf_counter()
-    for o in [opt] + parts:  # what follows the step (a ZeRO-3 gather, hooks) may call in
-        o._begun = False
+    opt._begun = False  # what follows the step (a ZeRO-3 gather, hooks) may call in
     try:
         opt._run_native_step(t0)
     finally:

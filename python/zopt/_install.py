@@ -26,6 +26,8 @@ from __future__ import annotations
 import os
 import shutil
 
+from . import _lib, compiler as _compiler
+
 _RUNTIME = "libzopt_runtime.so"
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 _found = {}
@@ -60,7 +62,6 @@ def path_prefix():
 
 
 def _configure():
-    from . import _lib
     env = os.environ
     explicit = env.get("ZOPT_PREFIX")
     candidates = []
@@ -85,8 +86,7 @@ def _configure():
                     _found["runtime"] = (how, lib)
                     break
     if "ZOPT_COMPILE" not in env:
-        from .compiler import find_compiler
-        build_cc = None if explicit else find_compiler()
+        build_cc = None if explicit else _compiler.find_compiler()
         if build_cc is None:
             if not explicit and not candidates:
                 p = package_prefix()
@@ -103,13 +103,11 @@ def _configure():
 def installation():
     """{"runtime": path or None, "compiler": path or None, "how": {...}}:
     what the bindings will use, and which search step found it."""
-    from . import _lib
-    from .compiler import find_compiler
     try:
         rt = _lib.find_runtime_library()
     except Exception:  # ZOPT_RUNTIME_LIB names a missing file
         rt = None
-    return {"runtime": rt, "compiler": find_compiler(),
+    return {"runtime": rt, "compiler": _compiler.find_compiler(),
             "how": {k: v[0] for k, v in _found.items()}}
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import weakref
 
+from .comm import TorchComm, seconds
 from ._lib import Status, ZoptError
 from ._warnings import warn_user
 
@@ -26,12 +27,10 @@ except ImportError:  # pragma: no cover - the binding works without torch
 __all__ = ["make_comm", "RankChecks"]
 
 
-
 def make_comm(process_group, comm, timeout):
     """(comm, owned) for ``process_group=`` / ``comm=`` / ``timeout=``: a
     TorchComm on a gloo group of its own over the process group's ranks
     (made and owned here), or the caller's comm with the timeout set."""
-    from .comm import TorchComm, seconds
     timeout = seconds(timeout)
     if process_group is not None and comm is not None:
         raise ZoptError(Status.INVALID_ARGUMENT, "give process_group= or comm=, not both")
@@ -119,12 +118,12 @@ class RankChecks:
                                        extra=extra), UserWarning)
 
     # ---- gradients rescaled in place ----------------------------------------------
-    def add_hooks(self, opt, entries):
+    def add_hooks(self, c, entries):
         """Hooks on the AccumulateGrad nodes of the torch params among
-        ``entries`` (kept in opt._acc_hooks: removed with the optimizer);
-        not for streamed steps (p.grad is freed during backward) or f32
-        gradients (p.main_grad is the gradient)."""
-        if self.streaming or opt._main:
+        ``entries`` of part c (kept in its acc_hooks: removed with the
+        optimizer); not for streamed steps (p.grad is freed during backward)
+        or f32 gradients (p.main_grad is the gradient)."""
+        if self.streaming or c.main:
             return
         for e in entries:
             p = e.param
@@ -132,7 +131,7 @@ class RankChecks:
                 continue
             with torch.enable_grad():
                 node = p.expand_as(p).grad_fn.next_functions[0][0]
-            opt._acc_hooks.append((node, node.register_hook(self.hook_for(p))))
+            c.acc_hooks.append((node, node.register_hook(self.hook_for(p))))
 
     def hook_for(self, p):
         """A hook for p's AccumulateGrad node: records p.grad's version."""

@@ -64,10 +64,9 @@ def overlapping(t):
     return False
 
 
-def unsupported(opt, e):
+def unsupported(s, e):
     """Why entry e (a non-dense torch param) cannot be stepped through a
-    dense copy, or None."""
-    s = opt.step_obj
+    dense copy by step s, or None."""
     if e.param.device.type != "cpu":
         return ("a CUDA param: GPU and offloaded steps read the registered device memory "
                 "directly (CUDA graphs included), with no copy around the step")

@@ -58,6 +58,16 @@ def _buffer(x, what, writable):
     raise TypeError(f"{what}: expected a numpy array or a torch tensor, got {type(x).__name__}")
 
 
+
+class _RawBytes:
+    """n bytes at addr, as numpy sees them (``__array_interface__``)."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, addr, n):
+        self.__array_interface__ = {"data": (addr, False), "shape": (n,),
+                                    "typestr": "|u1", "version": 3}
+
 class Comm:
     """A zopt communicator. Use the constructors :meth:`self`,
     :meth:`loopback`, :meth:`mpi`, :meth:`nccl`, or :class:`TorchComm`."""
@@ -87,10 +97,10 @@ class Comm:
                                     flags=(_lib.LOOPBACK_DELAY if delay else 0)
                                     | (_lib.LOOPBACK_POISON if poison else 0),
                                     seed=seed)
-        hs = (ctypes.c_void_p * size)()
-        check(lib().zopt_comm_create_loopback(size, ctypes.byref(opts), hs),
+        hs, ptr = _lib.c_array(ctypes.c_void_p, [0] * size)
+        check(lib().zopt_comm_create_loopback(size, ctypes.byref(opts), ptr),
               "zopt_comm_create_loopback")
-        return [cls(ctypes.c_void_p(h)) for h in hs]
+        return [cls(ctypes.c_void_p(int(h))) for h in hs]
 
     @classmethod
     def mpi(cls, mpi_comm_address=None):
@@ -340,7 +350,9 @@ class _TorchEngine:
         import torch
         if n == 0:
             return torch.empty(0, dtype=torch.uint8)
-        return torch.from_numpy(np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(addr)))
+        # An array interface over the address, not ctypes' `c_uint8 * n`: each
+        # such type (one per size) would be left as cyclic garbage.
+        return torch.from_numpy(np.asarray(_RawBytes(addr, n)))
 
     # ---- waiting ------------------------------------------------------------
     def _beat_every(self):

@@ -1,5 +1,9 @@
 """DeepSpeed config import: a ``ds_config.json`` -> a zopt step description.
 
+(Longer than ~800 lines: the mapping of one config format, every DeepSpeed
+field's handling, its refusal text and its version notes beside the
+others; it imports zopt.steps and nothing imports it.)
+
     import zopt
     text, defaults = zopt.deepspeed.from_config("ds_config.json")
     step = zopt.steps.load_text(text)                    # compiled, cached
@@ -66,8 +70,8 @@ import math
 import os
 import sys
 
+from . import compiler as _compiler, steps as _steps
 from ._lib import Status, ZoptError
-from . import steps as _steps
 
 SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "Lion", "SGD")
 SUPPORTED_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
@@ -1124,8 +1128,7 @@ def main(argv=None):
                 json.dump(defaults, f, indent=2)
                 f.write("\n")
         if a.compile:
-            from .compiler import compile as _compile
-            _compile(text, out_path=a.compile)
+            _compiler.compile(text, out_path=a.compile)
     except ZoptError as e:
         print(f"zopt-import-deepspeed: {e.message}", file=sys.stderr)
         return 1

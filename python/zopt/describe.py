@@ -2,7 +2,7 @@
 
 The public builder is :mod:`zopt.steps` (``zopt.steps.adamw(param="bf16",
 master="f32", ...)``); this module keeps the four named layouts the tests,
-the float64 reference (zopt.reference) and the benchmarks are written
+the float64 reference (python/tests/oracles/reference.py) and the benchmarks are written
 against, and generates their text with the same generator (without
 comments, so the text, and the cache key, stays short).
 

@@ -8,8 +8,8 @@
 
 Columns: step, loss, grad_norm, skipped, loss_scale, lr0, lr1, ... (one
 per param group), active_tensors, updated_elems, step_time_s, overhead_s,
-bytes, bytes_per_s, refreshes, rebuilds (see
-``Optimizer.register_metrics_hook`` for each).
+bytes, bytes_per_s, refreshes, rebuilds (docs/USAGE.md section 9 says
+what each is).
 """
 from __future__ import annotations
 

@@ -1,5 +1,10 @@
 """One line to a compiled optimizer step.
 
+(Longer than ~800 lines: one module holds the one option set of a step,
+its checks, the text it generates and the four builders, because each
+option is checked, defaulted and written in one place; the on-disk cache
+of compiled steps is its last section.)
+
     import zopt
     step = zopt.steps.adamw(param="bf16", master="f32", moments="bf16", clip=1.0,
                             rounding="stochastic", zero_stage=2)
@@ -80,6 +85,7 @@ this module accepts exactly what zopt-compile accepts.
 """
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import hashlib
 import inspect
@@ -89,7 +95,11 @@ import re
 import tempfile
 import threading
 
+import numpy as np
+
+from . import compiler as _compiler
 from ._lib import Status, ZoptError
+from ._step import Step
 
 RULES = ("adam", "adamw", "sgd", "lion")
 DTYPES = ("f32", "bf16", "f16")
@@ -145,7 +155,6 @@ def dtype_name(x, arg="dtype"):
         s = getattr(x, "__name__", None) or str(x)
         s = s.replace("torch.", "")
         try:  # numpy dtypes and scalar types
-            import numpy as np
             s = np.dtype(x).name if not str(x).startswith("torch.") else s
         except Exception:
             pass
@@ -823,7 +832,7 @@ _loaded_lock = threading.Lock()
 
 def compile_text(text):
     """Compiles description text through the cache; returns the step.so path."""
-    from .compiler import compile as _compile, find_compiler
+    _compile, find_compiler = _compiler.compile, _compiler.find_compiler
     h = hashlib.sha256(text.encode()).hexdigest()
     d = os.path.join(cache_dir(), "steps")
     os.makedirs(d, exist_ok=True)
@@ -839,14 +848,13 @@ def compile_text(text):
         # zopt.compile raises the not-found error, unless it has another
         # source of steps (a test's step cache): its step.so is then kept
         # here like a compiled one (under the id "precompiled").
-        from .compiler import compile as _c
         so = os.path.join(d, f"{h}.precompiled.so")
         with _FileLock(os.path.join(d, f"{h}.lock")):
             if not os.path.exists(so):
                 fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".so")
                 os.close(fd)
                 try:
-                    _c(text, out_path=tmp)
+                    _compile(text, out_path=tmp)
                     mlir = os.path.join(d, f"{h}.mlir")
                     if not os.path.exists(mlir):
                         _atomic_write(mlir, text)
@@ -882,7 +890,6 @@ def load_text(text):
     with _loaded_lock:
         st = _loaded.get(so)
         if st is None:
-            from .optimizer import Step
             st = Step(so)
             _loaded[so] = st
         return st
@@ -955,7 +962,6 @@ class Builder:
         return self._fn(**kw)
 
     def _class_specs(self, classes, kw):
-        import collections.abc
         if not isinstance(classes, collections.abc.Mapping) or not classes:
             raise _bad("classes", "must be a non-empty dict {param dtype: {per-class "
                        "arguments}}, e.g. {'bf16': dict(master='f32'), 'f32': {}}; "

@@ -51,6 +51,7 @@ import weakref
 import numpy as np
 
 from . import _lib
+from ._dtypes import torch_of
 from ._lib import Status, ZoptError, check
 
 try:
@@ -66,10 +67,11 @@ def _refuse(code, msg):
 
 
 class GradStreamer:
-    """The streaming state of one zopt.Optimizer (``opt._streamer``)."""
+    """The streaming state of one parameter class (a zopt._part.Part: the
+    optimizer's only part; ``opt._streamer``)."""
 
     def __init__(self, opt):
-        s = opt.step_obj
+        s = opt.step
         if torch is None:
             _refuse(Status.UNSUPPORTED, "needs torch (backward hooks)")
         if s.gpu or s.on_device:
@@ -87,7 +89,7 @@ class GradStreamer:
                     f"step '{s.name}' has f32 gradients of {s.param_dtype.name} params "
                     "(p.main_grad); streaming is implemented for gradients in the param's "
                     "dtype (p.grad)")
-        self.check_entries(opt._entries)
+        self.check_entries(opt.entries)
         self._opt = weakref.ref(opt)
         self._gdtype = None  # the step's grad dtype (torch), set in attach
         self._hooked = {}   # id(param) -> tensor id at registration (for the hooks)
@@ -115,19 +117,19 @@ class GradStreamer:
     def configure(self, h):
         """Before finalize: the runtime holds the reduced shards itself."""
         o = self._opt()
-        check(o._lib.zopt_optimizer_set_grad_streaming(h, 1), "set_grad_streaming")
+        check(o.lib.zopt_optimizer_set_grad_streaming(h, 1), "set_grad_streaming")
 
     def attach(self, h):
         """After finalize (build and every rebuild): the buckets' tensors,
         the fixed reduction order and the hooks of params not hooked yet."""
         o = self._opt()
-        L = o._lib
+        L = o.lib
         if self.started and self.pos > 0:
             self.lost = True  # reduced shards of this step died with the old optimizer
         n = ctypes.c_int()
         check(L.zopt_optimizer_num_buckets(h, ctypes.byref(n)), "zopt_optimizer_num_buckets")
         nb = n.value
-        T = len(o._entries)
+        T = len(o.entries)
         b_tensors = []
         cap = max(T, 1)
         ids_keep, ids = _lib.c_array(ctypes.c_int, [0] * cap)
@@ -148,19 +150,18 @@ class GradStreamer:
         for b, ts in enumerate(b_tensors):
             for t in ts:
                 self.t_buckets[t].append(b)
-        self.numels = np.array([e.numel for e in o._entries], dtype=np.int64)
-        from .optimizer import _torch_of
-        self._gdtype = _torch_of(o.step_obj.grad_dtype)
-        self._contig = [e.param.is_contiguous() for e in o._entries]
+        self.numels = np.array([e.numel for e in o.entries], dtype=np.int64)
+        self._gdtype = torch_of(o.step.grad_dtype)
+        self._contig = [e.param.is_contiguous() for e in o.entries]
         self._hook_new()
         self._idle(keep_lost=True)
 
     def _hook_new(self):
         """Hooks on the AccumulateGrad nodes of params that require grad and
-        have none yet (kept in opt._acc_hooks: removed with the optimizer)."""
+        have none yet (kept in the part's acc_hooks: removed with the optimizer)."""
         o = self._opt()
         ref = weakref.ref(self)
-        for t, e in enumerate(o._entries):
+        for t, e in enumerate(o.entries):
             p = e.param
             if id(p) in self._hooked or not p.requires_grad or not p.is_leaf:
                 continue
@@ -171,7 +172,7 @@ class GradStreamer:
                 s = ref()
                 if s is not None:
                     s._on_grad(key)
-            o._acc_hooks.append((node, node.register_hook(hook)))
+            o.acc_hooks.append((node, node.register_hook(hook)))
             self._hooked[id(p)] = t
 
     # ---- the cycle between two steps -------------------------------------------
@@ -196,11 +197,11 @@ class GradStreamer:
         of every tensor. Params that do not require grad (frozen) have
         nothing to wait for."""
         o = self._opt()
-        o._check_params()
-        T = len(o._entries)
+        o.check_params()
+        T = len(o.entries)
         self.given = [None] * T
         self.held = [None] * T
-        ents = o._entries
+        ents = o.entries
         hooked = self._hooked
         self.ready = [not (e.param.requires_grad and id(e.param) in hooked) for e in ents]
         self.missing = [sum(1 for t in ts if not self.ready[t]) for ts in self.b_tensors]
@@ -220,15 +221,15 @@ class GradStreamer:
         if self._depth:
             return  # no_sync(): accumulate only
         o = self._opt()
-        if o is None or o._h is None:
+        if o is None or o.h is None:
             return
         t = self._hooked.get(key)
-        if t is None or t >= len(o._entries) or id(o._entries[t].param) != key:
+        if t is None or t >= len(o.entries) or id(o.entries[t].param) != key:
             return
         if not self.started:
             self._start(from_hook=True)
         if self.first_pos[t] < self.pos:
-            e = o._entries[t]
+            e = o.entries[t]
             raise ZoptError(Status.BAD_STATE,
                             f"grad_streaming: {e.name} got a gradient after its bucket was "
                             "reduced (a second backward since the last step()): accumulate "
@@ -282,11 +283,11 @@ class GradStreamer:
         o = self._opt()
         if len(self.pending) >= self.MAX_IN_FLIGHT:
             self._release(wait=True)
-        ents = o._entries
+        ents = o.entries
         ts = self.b_tensors[b]
         n = len(ts)
         keep, ptrs = _lib.c_array(ctypes.c_void_p, [self._grad_ptr(t, ents[t]) for t in ts])
-        check(o._lib.zopt_optimizer_reduce_bucket_async(o._h, b, ptrs, n),
+        check(o.lib.zopt_optimizer_reduce_bucket_async(o.h, b, ptrs, n),
               "zopt_optimizer_reduce_bucket_async")
         self.reduced = True
         at = self.pos
@@ -302,17 +303,17 @@ class GradStreamer:
             return
         o = self._opt()
         if wait:
-            st = o._lib.zopt_optimizer_wait_buckets(o._h)
+            st = o.lib.zopt_optimizer_wait_buckets(o.h)
             if st:
                 self.pending.clear()  # the step fails; the gradients stay p.grad
                 self.lost = True
                 check(st, "zopt_optimizer_wait_buckets")
-        ents = o._entries
+        ents = o.entries
         done = ctypes.c_int()
         while self.pending:
             b, ts = self.pending[0]
             if not wait:
-                check(o._lib.zopt_optimizer_bucket_done(o._h, b, ctypes.byref(done)),
+                check(o.lib.zopt_optimizer_bucket_done(o.h, b, ctypes.byref(done)),
                       "zopt_optimizer_bucket_done")
                 if not done.value:
                     return
@@ -332,12 +333,12 @@ class GradStreamer:
     def before_step(self):
         """In step(), instead of the gradient sync: the param checks, the
         buckets no backward reduced (in order, from p.grad), and the mask
-        the binding reports (opt._active)."""
+        the binding reports (the part's active mask)."""
         o = self._opt()
         self.wait()  # the exchanges in flight (a failure is raised here)
         if self.started:
             rb = o.rebuilds
-            o._check_params()  # in-place writes since: the master refreshed
+            o.check_params()  # in-place writes since: the master refreshed
             if o.rebuilds != rb:
                 self.lost = True
         if self.lost:
@@ -346,18 +347,18 @@ class GradStreamer:
                             "grad_streaming: the native optimizer was rebuilt (params given new "
                             "memory, p.data = ..., or a param group added) after this step's "
                             "gradients were reduced; they are lost: run the backward again")
-        ents = o._entries
+        ents = o.entries
         if not self.started:
             if o.world_size == 1 and all(e.param.grad is None for e in ents):
-                o._active[:] = bytes(len(ents))  # nothing to do (step() returns early)
+                o.active[:] = bytes(len(ents))  # nothing to do (step() returns early)
                 return
             self._start(from_hook=False)
         self._advance(final=True, where="at_step")
         self.wait()
         act = bytes(1 if (g or not ents[t].numel) else 0 for t, g in enumerate(self.given))
-        o._active[:] = act
-        o._mask_all = 0 not in o._active
-        o._active_elems = int(np.dot(np.frombuffer(act, dtype=np.uint8).astype(np.int64),
+        o.active[:] = act
+        o.mask_all = 0 not in o.active
+        o.active_elems = int(np.dot(np.frombuffer(act, dtype=np.uint8).astype(np.int64),
                                      self.numels)) if act else 0
 
     def after_step(self):
@@ -368,8 +369,8 @@ class GradStreamer:
         o = self._opt()
         if self.given is not None:
             for t, g in enumerate(self.given):
-                if g and o._entries[t].param.grad is not None:
-                    o._entries[t].param.grad = None
+                if g and o.entries[t].param.grad is not None:
+                    o.entries[t].param.grad = None
         self._idle()
         self._hook_new()
 

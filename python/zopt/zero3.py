@@ -36,11 +36,15 @@ import weakref
 from ._lib import Status, ZoptError
 from ._torch_compat import storage_ptr
 
+try:
+    import torch
+except ImportError:  # pragma: no cover - the binding works without torch
+    torch = None
+
 __all__ = ["zero3_hooks"]
 
 
 def _tensors(x):
-    import torch
     if isinstance(x, torch.Tensor):
         yield x
     elif isinstance(x, (list, tuple)):
@@ -80,7 +84,6 @@ def zero3_hooks(module, opt):
     """Registers ZeRO-3 gather/release hooks on every submodule of
     ``module`` that owns params of ``opt`` (a ZeRO-3 zopt.Optimizer);
     releases the params now. Returns a :class:`Zero3Hooks`."""
-    import torch
     opt._zero3_only("zero3_hooks")
     tid_map = opt._tid_map
     handles = []

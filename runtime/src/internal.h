@@ -224,6 +224,9 @@ struct zopt_optimizer {
   double linked_sumsq = 0;
   // The C API call running on the optimizer (zopt.h "Threading").
   mutable zopt::CallGate gate;
+  // Counts the rebuilds of the layout (tensors added after finalize): a
+  // staged import begun before one is refused at its commit.
+  uint64_t generation = 0;
 };
 
 namespace zopt {

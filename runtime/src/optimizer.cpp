@@ -242,7 +242,9 @@ ZOPT_API zopt_status zopt_optimizer_add_tensor(zopt_optimizer *o, int group, voi
   const char *fn = "zopt_optimizer_add_tensor";
   CHECK_OPT(o, "zopt_optimizer_add_tensor");
   if (!tensor_id) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: tensor_id is NULL", fn);
-  if (o->finalized) return fail(ZOPT_ERR_BAD_STATE, "%s: optimizer already finalized", fn);
+  if (o->finalized)
+    return fail(ZOPT_ERR_BAD_STATE, "%s: optimizer already finalized (zopt_optimizer_add_tensors adds tensors after it)",
+                fn);
   if (zopt_status st = check_group(o, group, fn)) return st;
   if (numel < 0) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: numel = %lld must be >= 0", fn, (long long)numel);
   // An empty tensor (numel 0, as torch allows) has no memory to check.
@@ -909,6 +911,25 @@ ZOPT_API zopt_status zopt_optimizer_set_loss_scaler_state(zopt_optimizer *o, dou
   o->scaler.scale = scale;
   o->scaler.good_steps = good_steps;
   return o->backend->push(o);
+}
+
+ZOPT_API zopt_status zopt_optimizer_get_loss_scaler_config(const zopt_optimizer *o, zopt_loss_scaler_config *config) {
+  CHECK_OPT(o, "zopt_optimizer_get_loss_scaler_config");
+  if (!config) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_get_loss_scaler_config: config is NULL");
+  *config = o->scaler.cfg;  // the host's copy: configure and load write it, the device never changes it
+  return ZOPT_OK;
+}
+
+ZOPT_API zopt_status zopt_optimizer_get_tensor_steps(const zopt_optimizer *o, int first, int count, int64_t *counts) {
+  const char *fn = "zopt_optimizer_get_tensor_steps";
+  CHECK_OPT(o, "zopt_optimizer_get_tensor_steps");
+  if (first < 0 || count < 0 || (size_t)first + (size_t)count > o->tensors.size() || (count && !counts))
+    return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: tensors [%d, %d + %d) out of range (have %zu) or counts NULL", fn,
+                first, first, count, o->tensors.size());
+  // The counts may advance where the backend runs (the device: waits for the stream).
+  if (zopt_status st = o->backend->pull(const_cast<zopt_optimizer *>(o))) return st;
+  for (int i = 0; i < count; ++i) counts[i] = o->tensors[(size_t)(first + i)].steps;
+  return ZOPT_OK;
 }
 
 ZOPT_API zopt_status zopt_optimizer_get_op_times(const zopt_optimizer *o, double *seconds, int n) {

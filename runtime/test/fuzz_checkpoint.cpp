@@ -3,7 +3,9 @@
 // One optimizer (the step in $ZOPT_FUZZ_STEP, three tensors in two groups,
 // two steps taken so that every state is non-zero) is built once. Each input
 // is written to a file and loaded into it, with and without
-// ZOPT_LOAD_ALLOW_RULE_CHANGE (the input's length picks). The properties:
+// ZOPT_LOAD_ALLOW_RULE_CHANGE (the input's length picks), and imported from
+// memory (zopt_optimizer_import_state, validating only). The properties:
+//   - the in-memory import accepts exactly what the file's load accepts;
 //   - no crash, no sanitizer report, no leak (ASan + LeakSanitizer);
 //   - a refused load leaves every state, step count, hyperparameter, loss
 //     scale and tensor step bit-identical (a snapshot is compared);
@@ -201,7 +203,19 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   fclose(f);
   const std::vector<unsigned char> before = snapshot();
   const uint32_t flags = (size & 1) ? ZOPT_LOAD_ALLOW_RULE_CHANGE : 0;
-  if (zopt_optimizer_load_ex(F.o, F.input.c_str(), flags) != ZOPT_OK) {
+  // The same bytes in memory (zopt_optimizer_import_state, every check and
+  // nothing applied): the same reader, so the same verdict as the file's.
+  const zopt_status mem = zopt_optimizer_import_state(F.o, buf.data(), buf.size(), flags | ZOPT_LOAD_VALIDATE_ONLY);
+  if (snapshot() != before) {
+    fprintf(stderr, "zopt-fuzz-checkpoint: a validating in-memory import changed the optimizer's state\n");
+    abort();
+  }
+  const zopt_status file = zopt_optimizer_load_ex(F.o, F.input.c_str(), flags);
+  if ((mem == ZOPT_OK) != (file == ZOPT_OK)) {
+    fprintf(stderr, "zopt-fuzz-checkpoint: the in-memory import says %d, the file's load %d\n", (int)mem, (int)file);
+    abort();
+  }
+  if (file != ZOPT_OK) {
     if (snapshot() != before) {
       fprintf(stderr, "zopt-fuzz-checkpoint: a refused load changed the optimizer's state\n");
       abort();

@@ -244,6 +244,32 @@ static void run_step(const char *path) {
       break;
     }
 
+  /* the state calls (issue 17) before finalize: nothing to export or import */
+  {
+    void *eb = NULL;
+    size_t en = 0;
+    zopt_state_import *imp = NULL;
+    ZT_ERR(zopt_optimizer_export_state(o, &eb, &en, 0), ZOPT_ERR_BAD_STATE);
+    ZT_CHECK(eb == NULL && en == 0);
+    ZT_ERR(zopt_optimizer_import_state(o, buf, 64, 0), ZOPT_ERR_BAD_STATE);
+    ZT_ERR(zopt_optimizer_import_begin(o, &imp), ZOPT_ERR_BAD_STATE);
+    ZT_CHECK(imp == NULL);
+    ZT_ERR(zopt_optimizer_export_state(NULL, &eb, &en, 0), ZOPT_ERR_INVALID_ARGUMENT);
+    ZT_ERR(zopt_optimizer_export_state(o, NULL, &en, 0), ZOPT_ERR_INVALID_ARGUMENT);
+    ZT_ERR(zopt_optimizer_import_begin(o, NULL), ZOPT_ERR_INVALID_ARGUMENT);
+    ZT_ERR(zopt_state_import_commit(NULL), ZOPT_ERR_INVALID_ARGUMENT);
+    zopt_state_import_abort(NULL); /* a no-op */
+    zopt_state_buffer_free(NULL);
+    /* add_tensors before finalize checks every entry first: nothing added */
+    int grp[2] = {g0, 7};
+    void *ps[2] = {p[1], p[2]}, *gs[2] = {g[1], g[2]};
+    int64_t ns[2] = {numel[1], numel[2]};
+    ZT_ERR(zopt_optimizer_add_tensors(o, 0, 2, grp, ps, gs, ns, (zopt_dtype)pdt, NULL, NULL),
+           ZOPT_ERR_INVALID_ARGUMENT);
+    ZT_ERR(zopt_optimizer_read_state_f32(o, 3, ZOPT_STATE_PARAM, buf, numel[1]), ZOPT_ERR_INVALID_ARGUMENT);
+    ZT_ERR(zopt_optimizer_get_tensor_steps(o, 0, 4, (int64_t *)buf), ZOPT_ERR_INVALID_ARGUMENT);
+  }
+
   ZT_OK(zopt_optimizer_finalize(o));
   ZT_ERR(zopt_optimizer_finalize(o), ZOPT_ERR_BAD_STATE);
   ZT_ERR(zopt_optimizer_add_group(o, &g1), ZOPT_ERR_BAD_STATE);

@@ -9,7 +9,10 @@
 //      serially;
 //   2. zopt_optimizer_free while a step runs on another thread: the free
 //      waits, the step completes (bit-identical to one step alone), nothing
-//      crashes.
+//      crashes;
+//   3. the state calls (export, the staged import, add_tensors) beside a
+//      stepping thread: alone or refused, the steps' state unchanged by
+//      them, the last export a whole state.
 // Steps: argv[1..] (files or directories of *.so; the first CPU step of
 // kind param f32 is used); skipped (77) without one. Bounded by alarm().
 #include "test_util.h"
@@ -75,7 +78,7 @@ bool build(zopt_step *s, const std::vector<int64_t> &sizes, int threads, Model *
 bool refused_as_documented(zopt_status st, const char *fn) {
   const char *m = zopt_last_error();
   if (st != ZOPT_ERR_BAD_STATE || !strstr(m, kRefusal) || strncmp(m, fn, strlen(fn)) != 0 ||
-      !strstr(m, "another call (zopt_optimizer_")) {
+      !strstr(m, "another call (zopt_")) {  // zopt_optimizer_*, zopt_state_import_*
     fprintf(stderr, "%s -> %d: '%s' (want BAD_STATE '%s: another call (...) %s')\n", fn, (int)st, m, fn, kRefusal);
     return false;
   }
@@ -181,6 +184,98 @@ void free_during_step(zopt_step *s) {
   zopt_optimizer_free(ref.o);
 }
 
+// 3. The state calls (export, import, the staged import, add_tensors) under
+// the same rules, while another thread steps: each runs alone or is refused
+// as documented; the state afterwards is the steps' alone, and the last
+// exported image is a whole state (imported into a fresh optimizer it is
+// the state after as many serial steps as it counts).
+void state_calls_race(zopt_step *s, const zopt_step_descriptor *d) {
+  const std::vector<int64_t> sizes = {70001, 513, 9};
+  Model m;
+  ZT_CHECK(build(s, sizes, 2, &m));
+  const int kCalls = 60;
+  std::atomic<int> ok{0}, bad{0}, exported{0};
+  std::atomic<bool> go{false};
+  std::vector<unsigned char> image;
+  uint32_t k1 = 0;  // an optimizer state of the step
+  for (uint32_t k = d->num_states; k-- > 0;)
+    if (d->states[k].kind != ZOPT_STATE_PARAM && d->states[k].kind != ZOPT_STATE_GRAD) k1 = d->states[k].kind;
+  auto expect = [&](zopt_status st, zopt_status want, const char *fn) {
+    if (st != want && !refused_as_documented(st, fn)) bad++;
+  };
+  std::thread a([&] {
+    while (!go.load()) std::this_thread::yield();
+    for (int k = 0; k < kCalls; ++k) {
+      usleep(50 + (k * 37) % 200);
+      zopt_step_result r;
+      zopt_status st = zopt_optimizer_step(m.o, &r);
+      if (st == ZOPT_OK) ok++;
+      else if (!refused_as_documented(st, "zopt_optimizer_step")) bad++;
+    }
+  });
+  std::thread b([&] {
+    while (!go.load()) std::this_thread::yield();
+    std::vector<float> f((size_t)sizes[2], 0.25f);
+    float p = 1.0f, g = 1.0f;
+    void *pp = &p, *gp = &g;
+    int grp = 0;
+    int64_t one = 1;
+    for (int k = 0; k < kCalls; ++k) {
+      void *buf = nullptr;
+      size_t n = 0;
+      zopt_status st = zopt_optimizer_export_state(m.o, &buf, &n, ZOPT_EXPORT_WHOLE);
+      expect(st, ZOPT_OK, "zopt_optimizer_export_state");
+      if (st == ZOPT_OK) {
+        image.assign((unsigned char *)buf, (unsigned char *)buf + n);
+        zopt_state_buffer_free(buf);
+        exported++;
+      }
+      zopt_state_import *imp = nullptr;
+      st = zopt_optimizer_import_begin(m.o, &imp);
+      expect(st, ZOPT_OK, "zopt_optimizer_import_begin");
+      if (imp) {
+        expect(zopt_state_import_put(imp, 2, (zopt_state_kind)k1, ZOPT_DTYPE_F32, f.data(), sizes[2]), ZOPT_OK,
+               "zopt_state_import_put");
+        zopt_state_import_abort(imp);  // nothing applied
+      }
+      // A refused addition (another dtype): changes nothing.
+      expect(zopt_optimizer_add_tensors(m.o, 0, 1, &grp, &pp, &gp, &one, ZOPT_DTYPE_BF16, nullptr, nullptr),
+             ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_add_tensors");
+      usleep(30 + (k * 53) % 150);
+    }
+  });
+  go = true;
+  a.join();
+  b.join();
+  ZT_CHECK(bad.load() == 0);
+  Model ref;
+  ZT_CHECK(build(s, sizes, 2, &ref));
+  for (int k = 0; k < ok.load(); ++k) {
+    zopt_step_result r;
+    ZT_OK(zopt_optimizer_step(ref.o, &r));
+  }
+  ZT_CHECK(snapshot(m, d) == snapshot(ref, d));
+  // The last image: the state after `c` serial steps (its params: theirs).
+  Model at;
+  ZT_CHECK(build(s, sizes, 2, &at));
+  ZT_CHECK(exported.load() > 0);
+  ZT_OK(zopt_optimizer_import_state(at.o, image.data(), image.size(), 0));
+  int64_t c = -1;
+  ZT_OK(zopt_optimizer_get_step_count(at.o, 0, &c));
+  Model serial;
+  ZT_CHECK(build(s, sizes, 2, &serial));
+  for (int64_t k = 0; k < c; ++k) {
+    zopt_step_result r;
+    ZT_OK(zopt_optimizer_step(serial.o, &r));
+  }
+  for (size_t t = 0; t < at.p.size(); ++t) at.p[t] = serial.p[t];  // the model's params are not in the image
+  ZT_CHECK(c >= 0 && c <= ok.load() && snapshot(at, d) == snapshot(serial, d));
+  printf("  state calls beside steps on another thread: %d steps ran, %d whole exports, every call alone or "
+         "refused; the last image is the state after %lld serial steps\n",
+         ok.load(), exported.load(), (long long)c);
+  for (Model *x : {&m, &ref, &at, &serial}) zopt_optimizer_free(x->o);
+}
+
 }  // namespace
 
 int main(int argc, char **argv) {
@@ -209,6 +304,7 @@ int main(int argc, char **argv) {
   printf("test_shared_optimizer: step '%s'\n", d->name);
   two_threads_step(s, d);
   free_during_step(s);
+  state_calls_race(s, d);
   zopt_step_free(s);
   if (zt_failures) {
     fprintf(stderr, "test_shared_optimizer: %d failure(s)\n", zt_failures);

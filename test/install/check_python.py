@@ -16,6 +16,8 @@ import zopt  # noqa: E402
 where = os.path.realpath(os.path.dirname(zopt.__file__))
 source = os.path.realpath(os.path.join(os.path.dirname(__file__), "..", "..", "python"))
 assert not where.startswith(source), f"zopt imported from the source tree: {where}"
+for oracle in ("reference", "interp"):  # test oracles: beside the tests, not shipped
+    assert not os.path.exists(os.path.join(where, oracle + ".py")), f"{where} ships {oracle}.py"
 inst = zopt.installation()
 print(f"zopt from {where}: {inst}")
 rt, cc = inst["runtime"], inst["compiler"]

@@ -113,7 +113,8 @@ ZOPT_API void zopt_optimizer_free(zopt_optimizer *opt);
 ZOPT_API zopt_status zopt_optimizer_set_num_threads(zopt_optimizer *opt, int n);
 
 /* Adds a parameter group whose hyperparameters start at the descriptor's
- * defaults; returns its id (0, 1, ...). Only before finalize. */
+ * defaults; returns its id (0, 1, ...). Only before finalize (after it:
+ * zopt_optimizer_add_tensors' new_groups). */
 ZOPT_API zopt_status zopt_optimizer_add_group(zopt_optimizer *opt, int *group_id);
 /* Sets/gets one hyperparameter of a group by name ("lr", "beta1", "beta2",
  * "eps", "weight_decay", "momentum", "dampening", "bias_correction").
@@ -142,11 +143,37 @@ ZOPT_API zopt_status zopt_optimizer_get_group_flags(const zopt_optimizer *opt, i
  * Registers a tensor: the user's param and grad memory (host pointers for
  * CPU-placed param/grad, device pointers for GPU-placed ones), its element
  * count and dtype (must equal the descriptor's param dtype). The memory
- * must stay valid. Only before finalize. A param pointer registered twice
+ * must stay valid. Only before finalize (after it: zopt_optimizer_add_tensors,
+ * below). A param pointer registered twice
  * is an error. An empty tensor (numel 0) may pass NULL pointers. */
 ZOPT_API zopt_status zopt_optimizer_add_tensor(zopt_optimizer *opt, int group,
                                       void *param, void *grad, int64_t numel,
                                       zopt_dtype dtype, int *tensor_id);
+
+/* Several tensors at once, and `new_groups` groups first (ids after the
+ * existing ones, hyperparameters at the descriptor's defaults): tensor i
+ * goes into groups[i] with params[i], grads[i] (NULL arrays: none, with
+ * gradient streaming), numels[i] elements of `dtype`; their ids are
+ * *first_tensor, *first_tensor + 1, ... (first_tensor and first_group may
+ * be NULL). Every entry is checked as add_tensor checks it before any is
+ * added: a refused call changes nothing.
+ * Before finalize it is n add_tensor calls. After finalize (CPU-updated
+ * steps: all-CPU and offloaded; GPU steps: ZOPT_ERR_UNSUPPORTED) the
+ * layout is rebuilt with every tensor: the existing tensors keep every
+ * state element, step count and their memory; the new ones start as at
+ * finalize (master from the param, moments zero, step count 0); the
+ * result is bit-identical to an optimizer built with all the tensors into
+ * which the old ones' states were loaded. With several ranks it is
+ * collective (every rank adds the same groups and tensors, the same
+ * param values; checked) and the sharded states are re-sharded (an
+ * all-gather of each). Memory: the old and the new states side by side
+ * until it returns. A failure leaves the optimizer as it was (a
+ * collective's failure leaves the communicator unusable, as in a step).
+ * Not while a step is begun or buckets are in flight, nor, with gradient
+ * streaming, once a bucket was reduced for the next step. */
+ZOPT_API zopt_status zopt_optimizer_add_tensors(zopt_optimizer *opt, int new_groups, int n, const int *groups,
+                                                void *const *params, void *const *grads, const int64_t *numels,
+                                                zopt_dtype dtype, int *first_group, int *first_tensor);
 
 /* Allocates master and optimizer states (flat, aligned, per group),
  * initializes them (master from the params, moments zero). Needs at least
@@ -442,6 +469,84 @@ ZOPT_API zopt_status zopt_optimizer_load_ex(zopt_optimizer *opt, const char *pat
 /* zopt_optimizer_load_ex(opt, path, 0). */
 ZOPT_API zopt_status zopt_optimizer_load(zopt_optimizer *opt, const char *path);
 
+/* ---- the state in memory (docs/CHECKPOINT.md "In memory") --------------
+ *
+ * The same state as a checkpoint, as the bytes of the checkpoint format
+ * (the writer and the reader of the files), without a file: e.g. a
+ * binding's state_dict, or a state sent elsewhere. Both need a finalized
+ * optimizer; with several ranks both are collective.
+ *
+ * zopt_optimizer_export_state: *buf (free it with zopt_state_buffer_free)
+ * and *size get an image of the state. flags 0: the elements this rank
+ * holds, exactly the bytes zopt_optimizer_save writes into this rank's
+ * file (world W, rank r, a save identity the ranks agree on): the W
+ * ranks' buffers are one set, as the files of one save.
+ * ZOPT_EXPORT_WHOLE: every element of every state, on every rank (the
+ * sharded states are gathered; every rank gets the same image, world size
+ * 1 and rank 0, as a one-rank save): what a caller that needs whole
+ * tensors (torch's state_dict) reads. A failure on one rank fails every
+ * rank's export, the same error. */
+#define ZOPT_EXPORT_WHOLE 1u
+ZOPT_API zopt_status zopt_optimizer_export_state(const zopt_optimizer *opt, void **buf, size_t *size,
+                                                 uint32_t flags);
+ZOPT_API void zopt_state_buffer_free(void *buf);
+/* Loads an image exported (or a checkpoint file read into memory) with
+ * load's semantics and flags (ZOPT_LOAD_ALLOW_RULE_CHANGE,
+ * ZOPT_LOAD_VALIDATE_ONLY): everything is checked on every rank before
+ * anything changes, a refused import changes nothing anywhere, and a
+ * corrupt or truncated buffer is ZOPT_ERR_CHECKPOINT as a corrupt file is.
+ * A whole image (world size 1) loads at any world size: each rank passes
+ * it and keeps what it holds. The _set form takes n images of one export
+ * at W ranks (any order, each rank's at most once): each rank passes
+ * images holding every element it holds: the whole set always does (any
+ * world size, bucket size or dtype, as a set of files); its own image
+ * alone does when it loads into the world size, bucket size and tensors
+ * that exported it and every saved state is sharded (ZeRO-1/2/3's, not
+ * ZeRO-0's, which every rank holds whole). The buffers are read during the
+ * call only. */
+ZOPT_API zopt_status zopt_optimizer_import_state(zopt_optimizer *opt, const void *buf, size_t size, uint32_t flags);
+ZOPT_API zopt_status zopt_optimizer_import_state_set(zopt_optimizer *opt, int n, const void *const *bufs,
+                                                     const size_t *sizes, uint32_t flags);
+
+/* A staged import (e.g. torch's load_state_dict in one transaction): the
+ * whole state given piece by piece and applied at once. begin starts from
+ * an empty state: every (tensor, state) not put starts as at finalize
+ * (moments zero; a master from the params, or from the PARAM put into this
+ * import under ZeRO-3; ZeRO-3's held params from the user's params), every
+ * tensor's and group's step count at 0; the hyperparameters, group flags,
+ * the loss scaler (configuration and state) and the seed start at the
+ * optimizer's current values. Each call checks its arguments at once (an
+ * error leaves the import as it was); nothing changes the optimizer until
+ * zopt_state_import_commit, which completes the missing states, checks
+ * (with several ranks, collectively: every rank imports the same step
+ * counts, hyperparameters, flags, scaler and seed, each putting the same
+ * whole tensors and keeping the elements it holds), then applies
+ * everything, or nothing. commit (whatever it returns) and abort free the
+ * import; abort must not race another call on the same import. The calls run
+ * under the optimizer's call rules (zopt.h "Threading"); tensors added to
+ * the optimizer after begin make commit fail (ZOPT_ERR_BAD_STATE). */
+typedef struct zopt_state_import zopt_state_import;
+ZOPT_API zopt_status zopt_optimizer_import_begin(zopt_optimizer *opt, zopt_state_import **out);
+/* State `kind` of tensor `tensor`, numel elements of `dtype` (F32, BF16 or
+ * F16: converted to the state's storage dtype, nearest even). Kinds: the
+ * step's optimizer states, and PARAM where the runtime holds the params
+ * (ZeRO-3). Each (tensor, kind) once. */
+ZOPT_API zopt_status zopt_state_import_put(zopt_state_import *imp, int tensor, zopt_state_kind kind,
+                                           zopt_dtype dtype, const void *data, int64_t numel);
+ZOPT_API zopt_status zopt_state_import_set_tensor_step(zopt_state_import *imp, int tensor, int64_t steps);
+ZOPT_API zopt_status zopt_state_import_set_group(zopt_state_import *imp, int group, int64_t step_count,
+                                                 uint32_t flags);
+ZOPT_API zopt_status zopt_state_import_set_hyper(zopt_state_import *imp, int group, const char *name,
+                                                 double value);
+/* `config` NULL keeps the configuration; scale and good_steps as
+ * zopt_optimizer_set_loss_scaler_state. */
+ZOPT_API zopt_status zopt_state_import_set_loss_scaler(zopt_state_import *imp,
+                                                       const zopt_loss_scaler_config *config, double scale,
+                                                       int64_t good_steps);
+ZOPT_API zopt_status zopt_state_import_set_seed(zopt_state_import *imp, uint64_t seed);
+ZOPT_API zopt_status zopt_state_import_commit(zopt_state_import *imp);
+ZOPT_API void zopt_state_import_abort(zopt_state_import *imp);
+
 /* ---- introspection ----------------------------------------------------- */
 
 typedef struct zopt_memory_info {
@@ -501,7 +606,8 @@ ZOPT_API zopt_status zopt_optimizer_get_grad_divisor(const zopt_optimizer *opt, 
 ZOPT_API zopt_status zopt_optimizer_set_active(zopt_optimizer *opt, const uint8_t *active, int64_t n);
 /* The steps tensor `tensor` took (torch's per-param state['step']; a
  * tensor left alone by set_active does not advance). The bias corrections
- * and stochastic rounding of a tensor use its own count. */
+ * and stochastic rounding of a tensor use its own count (GPU steps too:
+ * the device holds each tensor's count). */
 ZOPT_API zopt_status zopt_optimizer_get_tensor_step(const zopt_optimizer *opt, int tensor, int64_t *count);
 /* Moves tensor `tensor` to new user memory after finalize (the same
  * numel and dtype; e.g. PyTorch replaced `p.data` or allocated a new
@@ -529,6 +635,14 @@ ZOPT_API zopt_status zopt_optimizer_set_step_count(zopt_optimizer *opt, int grou
 ZOPT_API zopt_status zopt_optimizer_get_loss_scaler_state(const zopt_optimizer *opt, double *scale,
                                                           int64_t *good_steps);
 ZOPT_API zopt_status zopt_optimizer_set_loss_scaler_state(zopt_optimizer *opt, double scale, int64_t good_steps);
+/* The loss scaler's configuration (zopt_optimizer_configure_loss_scaler's,
+ * or a loaded checkpoint's). */
+ZOPT_API zopt_status zopt_optimizer_get_loss_scaler_config(const zopt_optimizer *opt,
+                                                           zopt_loss_scaler_config *config);
+/* zopt_optimizer_get_tensor_step of tensors [first, first + count) into
+ * counts[0 .. count). */
+ZOPT_API zopt_status zopt_optimizer_get_tensor_steps(const zopt_optimizer *opt, int first, int count,
+                                                     int64_t *counts);
 /* Makes the master (and, under ZeRO-3, the runtime's param shard) of
  * tensors [first, first + count) again the user's params, widened, as at
  * finalize: call it after writing new values into params whose step keeps

@@ -40,6 +40,7 @@ enum class Feature {
   TensorMemory,    // zopt_optimizer_set_tensor_memory / _set_grad_memory
   OpTimes,         // zopt_optimizer_get_op_times
   GatherParams,    // zopt_optimizer_gather_params
+  AddTensors,      // zopt_optimizer_add_tensors after finalize (the program rebuilt)
 };
 
 class Backend {
@@ -118,6 +119,11 @@ class Backend {
   virtual bool stages() const { return false; }
   // A staging buffer of `bytes` (freed by destroy).
   virtual zopt_status alloc_staging(zopt_optimizer *o, size_t bytes, void **out);
+  // The staging buffers allocated so far (in allocation order), and
+  // freeing those of indices [first, last) (a program rebuilt around more
+  // tensors: the old program's, or the new one's after a failure).
+  virtual size_t staging_count(const zopt_optimizer *o) const { return 0; }
+  virtual void free_staging(zopt_optimizer *o, size_t first, size_t last) {}
   // State si (PARAM or GRAD) of every tensor between the user's memory and
   // its staging copy; with `sync`, waits for the copies.
   virtual zopt_status copy_staged(zopt_optimizer *o, int si, bool to_user, bool sync);

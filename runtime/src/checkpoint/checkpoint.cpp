@@ -8,10 +8,13 @@
 // Loading validates everything on every rank before anything changes, and
 // the ranks agree: a load that fails on one rank fails on all. Format 2
 // files (no save identity, no group flags) and format 1 files (one rank,
-// written before ABI 2) are still read. The set's file names and the
-// commit of a multi-rank save are set.h's.
+// written before ABI 2) are still read (format.cpp parses a file). The
+// set's file names and the commit of a multi-rank save are set.h's; the
+// same writer and reader serve the state in memory (image.h, memory.cpp).
 #include "internal.h"
 
+#include "checkpoint/format.h"
+#include "checkpoint/image.h"
 #include "checkpoint/set.h"
 
 #include "comm/comm_internal.h"
@@ -33,67 +36,22 @@
 #include <string>
 
 using namespace zopt;
+using zopt::ckpt::saved_state;
 
 namespace {
 
-constexpr char kMagic2[8] = {'Z', 'O', 'P', 'T', 'C', 'K', 'P', '2'};
-constexpr char kMagic1[8] = {'Z', 'O', 'P', 'T', 'C', 'K', 'P', '1'};
-constexpr uint32_t kVersion = 3;                // written; 2 is still read
-constexpr uint32_t kGroupFlagsKnown = 1u;       // bit 0: maximize (Group::flags)
-constexpr uint64_t kFnvBasisV1 = 1469598103934665603ull;  // format 1's (wrong) basis
-constexpr size_t kDataAlign = 64;
-constexpr uint32_t kMaxRanks = 1u << 20;
-
-// ---- in-memory form of one file -------------------------------------------
-
-struct GroupRec {
-  int64_t step_count = 0;
-  uint32_t flags = 0;  // format 3 (Group::flags)
-  std::vector<std::pair<uint32_t, double>> hypers;
-};
-struct TensorRec {
-  uint32_t group = 0;
-  int64_t numel = 0, steps = 0;
-};
-struct KindRec {
-  uint32_t kind, dtype;
-};
-struct PieceRec {
-  uint32_t kind_index, tensor;
-  int64_t start, len;
-  uint64_t offset, fnv;
-};
-struct File {
-  std::string path;
-  uint32_t version = 0, world = 1, rank = 0;
-  ckpt::SaveId id;  // format 3
-  uint64_t desc_sum = 0;
-  char name[ZOPT_NAME_LEN + 1] = {0};
-  LossScaler scaler;
-  uint64_t seed = 0;
-  bool has_seed = false;
-  std::vector<GroupRec> groups;
-  std::vector<TensorRec> tensors;
-  std::vector<KindRec> kinds;
-  std::vector<PieceRec> pieces;
-  uint64_t size = 0;
-  // Format 1 keeps its data in memory (it was read whole to check it).
-  std::vector<unsigned char> v1_data;
-  int fd = -1;
-  ~File() {
-    if (fd >= 0) ::close(fd);
-  }
-};
-
-zopt_status ck_fail(const std::string &path, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-zopt_status ck_fail(const std::string &path, const char *fmt, ...) {
-  char m[768];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(m, sizeof m, fmt, ap);
-  va_end(ap);
-  return fail(ZOPT_ERR_CHECKPOINT, "checkpoint '%s': %s", path.c_str(), m);
-}
+using ckpt::File;
+using ckpt::GroupRec;
+using ckpt::KindRec;
+using ckpt::PieceRec;
+using ckpt::TensorRec;
+using ckpt::ck_fail;
+using ckpt::kDataAlign;
+using ckpt::kMagic2;
+using ckpt::kVersion;
+using ckpt::read_at;
+using ckpt::read_header;
+using ckpt::read_v1;
 
 struct Writer {
   std::string buf;
@@ -103,320 +61,6 @@ struct Writer {
   }
   void bytes(const void *p, size_t n) { buf.append((const char *)p, n); }
 };
-
-struct Reader {
-  const unsigned char *p;
-  size_t n, pos = 0;
-  bool ok = true;
-  template <class T>
-  T get() {
-    T v{};
-    if (!ok || n - pos < sizeof v) {
-      ok = false;
-      return v;
-    }
-    memcpy(&v, p + pos, sizeof v);
-    pos += sizeof v;
-    return v;
-  }
-  void bytes(void *out, size_t k) {
-    if (!ok || n - pos < k) {
-      ok = false;
-      return;
-    }
-    memcpy(out, p + pos, k);
-    pos += k;
-  }
-};
-
-bool write_all(int fd, const void *p, size_t n) {
-  const char *c = (const char *)p;
-  while (n) {
-    ssize_t w = ::write(fd, c, n);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      return false;
-    }
-    c += w;
-    n -= (size_t)w;
-  }
-  return true;
-}
-
-bool read_at(int fd, void *p, size_t n, uint64_t off) {
-  char *c = (char *)p;
-  while (n) {
-    ssize_t r = ::pread(fd, c, n, (off_t)off);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) return false;
-    c += r;
-    n -= (size_t)r;
-    off += (uint64_t)r;
-  }
-  return true;
-}
-
-bool valid_scaler(const LossScaler &ls) {
-  const zopt_loss_scaler_config &c = ls.cfg;
-  return std::isfinite(ls.scale) && ls.scale > 0 && ls.good_steps >= 0 && std::isfinite(c.init_scale) &&
-         c.init_scale > 0 && (c.dynamic == 0 || c.dynamic == 1) &&
-         (!c.dynamic || (c.growth_factor >= 1 && std::isfinite(c.growth_factor) && c.backoff_factor > 0 &&
-                         c.backoff_factor < 1 && c.growth_interval >= 1 && c.min_scale > 0 &&
-                         std::isfinite(c.min_scale)));
-}
-
-// ---- reading ---------------------------------------------------------------
-
-zopt_status read_header(File &f, const std::string &path) {
-  f.path = path;
-  f.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (f.fd < 0) return fail(ZOPT_ERR_IO, "cannot open checkpoint '%s': %s", path.c_str(), strerror(errno));
-  struct stat st;
-  if (fstat(f.fd, &st) != 0 || !S_ISREG(st.st_mode))
-    return fail(ZOPT_ERR_IO, "checkpoint '%s' is not a regular file", path.c_str());
-  f.size = (uint64_t)st.st_size;
-  unsigned char fixed[24];
-  if (f.size < sizeof fixed || !read_at(f.fd, fixed, sizeof fixed, 0))
-    return ck_fail(path, "file is %llu bytes, too short to be a checkpoint", (unsigned long long)f.size);
-  if (memcmp(fixed, kMagic1, 8) == 0) {
-    f.version = 1;
-    return ZOPT_OK;  // read_v1 reads the rest
-  }
-  if (memcmp(fixed, kMagic2, 8) != 0) return ck_fail(path, "bad magic (not a zopt checkpoint)");
-  uint32_t version, flags;
-  uint64_t hsize;
-  memcpy(&version, fixed + 8, 4);
-  memcpy(&flags, fixed + 12, 4);
-  memcpy(&hsize, fixed + 16, 8);
-  if (version != 2 && version != kVersion)
-    return ck_fail(path, "format version %u, this runtime reads versions 1 to %u", version, kVersion);
-  if (flags != 0) return ck_fail(path, "flags 0x%x: no flags are defined (a newer writer?)", flags);
-  if (hsize < 24 || hsize > f.size - 8 || hsize > (uint64_t)1 << 34)
-    return ck_fail(path, "header size %llu outside the file", (unsigned long long)hsize);
-  std::vector<unsigned char> h;
-  try {
-    h.resize((size_t)hsize + 8);
-  } catch (...) {
-    return fail(ZOPT_ERR_OUT_OF_MEMORY, "cannot read the header of checkpoint '%s'", path.c_str());
-  }
-  if (!read_at(f.fd, h.data(), h.size(), 0)) return ck_fail(path, "truncated header");
-  uint64_t stored;
-  memcpy(&stored, h.data() + hsize, 8);
-  if (fnv1a64(h.data(), (size_t)hsize) != stored)
-    return ck_fail(path, "header checksum mismatch (corrupt or truncated)");
-  Reader r{h.data(), (size_t)hsize};
-  r.pos = 24;
-  f.version = version;
-  // Reserved fields (docs/CHECKPOINT.md: "pad u32, 0") must be 0, like
-  // flags: a file with something there was not written by this format.
-  const char *bad_pad = nullptr;
-  auto pad = [&](const char *where) {
-    if (r.get<uint32_t>() != 0 && r.ok && !bad_pad) bad_pad = where;
-  };
-  f.desc_sum = r.get<uint64_t>();
-  r.bytes(f.name, ZOPT_NAME_LEN);
-  f.world = r.get<uint32_t>();
-  f.rank = r.get<uint32_t>();
-  if (version >= 3) r.bytes(f.id.b, ckpt::kSaveIdBytes);
-  uint32_t ngroups = r.get<uint32_t>(), ntensors = r.get<uint32_t>();
-  LossScaler &ls = f.scaler;
-  ls.scale = r.get<double>();
-  ls.good_steps = r.get<int64_t>();
-  ls.cfg.init_scale = r.get<double>();
-  ls.cfg.growth_factor = r.get<double>();
-  ls.cfg.backoff_factor = r.get<double>();
-  ls.cfg.growth_interval = r.get<int64_t>();
-  ls.cfg.min_scale = r.get<double>();
-  ls.cfg.dynamic = (int)r.get<uint32_t>();
-  pad("the loss scaler's");
-  f.seed = r.get<uint64_t>();
-  f.has_seed = true;
-  uint32_t nkinds = r.get<uint32_t>();
-  pad("the state kinds'");
-  if (!r.ok) return ck_fail(path, "truncated header");
-  if (f.world < 1 || f.world > kMaxRanks || f.rank >= f.world)
-    return ck_fail(path, "rank %u of world size %u out of range", f.rank, f.world);
-  if (!valid_scaler(ls))
-    return ck_fail(path, "invalid loss-scaler state (scale %g, good steps %lld)", ls.scale, (long long)ls.good_steps);
-  if (nkinds > ZOPT_MAX_STATES) return ck_fail(path, "%u state kinds", nkinds);
-  try {
-    for (uint32_t i = 0; i < nkinds; ++i) {
-      KindRec k{r.get<uint32_t>(), r.get<uint32_t>()};
-      if (!r.ok) return ck_fail(path, "truncated header");
-      if (k.kind == ZOPT_STATE_GRAD || k.kind < ZOPT_STATE_PARAM || k.kind > ZOPT_STATE_MOMENTUM_BUFFER)
-        return ck_fail(path, "state kind %u is not a state a checkpoint holds", k.kind);
-      if (!dtype_size(k.dtype)) return ck_fail(path, "state %s: unknown dtype %u", state_kind_name(k.kind), k.dtype);
-      for (const KindRec &o : f.kinds)
-        if (o.kind == k.kind) return ck_fail(path, "state %s stored twice", state_kind_name(k.kind));
-      f.kinds.push_back(k);
-    }
-    if (ngroups > (1u << 20) || ntensors > 0x7fffffffu / 2) return ck_fail(path, "too many groups or tensors");
-    f.groups.resize(ngroups);
-    for (uint32_t g = 0; g < ngroups; ++g) {
-      f.groups[g].step_count = r.get<int64_t>();
-      uint32_t nh = r.get<uint32_t>();
-      if (version >= 3)
-        f.groups[g].flags = r.get<uint32_t>();
-      else
-        pad("a group's");
-      if (!r.ok || nh > ZOPT_MAX_HYPERS) return ck_fail(path, "group %u: bad hyperparameter table", g);
-      if (f.groups[g].step_count < 0) return ck_fail(path, "group %u: negative step count", g);
-      if (f.groups[g].flags & ~kGroupFlagsKnown)
-        return ck_fail(path, "group %u: flags 0x%x has bits this runtime does not know (a newer writer?)", g,
-                       f.groups[g].flags);
-      for (uint32_t k = 0; k < nh; ++k) {
-        uint32_t kind = r.get<uint32_t>();
-        pad("a hyperparameter's");
-        double v = r.get<double>();
-        if (kind < ZOPT_HYPER_LR || kind > ZOPT_HYPER_BIAS_CORRECTION)
-          return ck_fail(path, "group %u: unknown hyperparameter kind %u", g, kind);
-        f.groups[g].hypers.emplace_back(kind, v);
-      }
-    }
-    if (!r.ok) return ck_fail(path, "truncated header");
-    if (hsize - r.pos < (uint64_t)ntensors * 24) return ck_fail(path, "truncated tensor table");
-    f.tensors.resize(ntensors);
-    for (uint32_t t = 0; t < ntensors; ++t) {
-      TensorRec &tr = f.tensors[t];
-      tr.group = r.get<uint32_t>();
-      pad("a tensor's");
-      tr.numel = r.get<int64_t>();
-      tr.steps = r.get<int64_t>();
-      if (tr.group >= ngroups || tr.numel < 0 || tr.steps < 0)
-        return ck_fail(path, "tensor %u: bad group, size or step count", t);
-    }
-    uint64_t npieces = r.get<uint64_t>();
-    if (!r.ok || npieces > (hsize - r.pos) / 40) return ck_fail(path, "bad piece table");
-    f.pieces.resize((size_t)npieces);
-    const uint64_t data_start = (hsize + 8 + kDataAlign - 1) / kDataAlign * kDataAlign;
-    for (PieceRec &p : f.pieces) {
-      p.kind_index = r.get<uint32_t>();
-      p.tensor = r.get<uint32_t>();
-      p.start = r.get<int64_t>();
-      p.len = r.get<int64_t>();
-      p.offset = r.get<uint64_t>();
-      p.fnv = r.get<uint64_t>();
-      if (!r.ok) return ck_fail(path, "truncated piece table");
-      if (p.kind_index >= nkinds || p.tensor >= ntensors) return ck_fail(path, "a piece names no state or tensor");
-      const TensorRec &tr = f.tensors[p.tensor];
-      uint64_t bytes = (uint64_t)p.len * dtype_size(f.kinds[p.kind_index].dtype);
-      if (p.start < 0 || p.len <= 0 || p.start > tr.numel || p.len > tr.numel - p.start)
-        return ck_fail(path, "tensor %u: piece [%lld, +%lld) outside its %lld elements", p.tensor,
-                       (long long)p.start, (long long)p.len, (long long)tr.numel);
-      if (p.offset % kDataAlign || p.offset < data_start || p.offset > f.size || bytes > f.size - p.offset)
-        return ck_fail(path, "tensor %u state %s: data outside the file", p.tensor,
-                       state_kind_name(f.kinds[p.kind_index].kind));
-    }
-    if (bad_pad) return ck_fail(path, "%s reserved field is not 0 (not written by this format)", bad_pad);
-    uint64_t data_end = r.get<uint64_t>();
-    if (!r.ok || r.pos != hsize) return ck_fail(path, "header size mismatch");
-    if (data_end != f.size) return ck_fail(path, "file is %llu bytes, its header says %llu (truncated or extended)",
-                                           (unsigned long long)f.size, (unsigned long long)data_end);
-  } catch (...) {
-    return fail(ZOPT_ERR_OUT_OF_MEMORY, "zopt_optimizer_load: out of memory reading '%s'", path.c_str());
-  }
-  return ZOPT_OK;
-}
-
-// Format 1 (ABI 1 runtimes; one rank, whole tensors, a whole-file FNV with
-// the old offset basis): read whole, checked, turned into pieces.
-zopt_status read_v1(File &f) {
-  const std::string &path = f.path;
-  try {
-    f.v1_data.resize((size_t)f.size);
-  } catch (...) {
-    return fail(ZOPT_ERR_OUT_OF_MEMORY, "cannot allocate %llu bytes to read checkpoint '%s'",
-                (unsigned long long)f.size, path.c_str());
-  }
-  const unsigned char *buf = f.v1_data.data();
-  const size_t n = (size_t)f.size;
-  if (n < 16 || !read_at(f.fd, f.v1_data.data(), n, 0)) return ck_fail(path, "cannot read the file");
-  uint32_t version;
-  memcpy(&version, buf + 8, 4);
-  if (version != 1) return ck_fail(path, "format 1 file with version field %u", version);
-  uint64_t stored;
-  memcpy(&stored, buf + n - 8, 8);
-  if (fnv1a64(buf, n - 8, kFnvBasisV1) != stored) return ck_fail(path, "file checksum mismatch (corrupt or truncated)");
-  uint32_t flags;
-  memcpy(&flags, buf + 12, 4);
-  if (flags) return ck_fail(path, "flags 0x%x: no flags are defined", flags);
-  Reader r{buf, n - 8};
-  r.pos = 16;
-  f.desc_sum = r.get<uint64_t>();
-  r.bytes(f.name, ZOPT_NAME_LEN);
-  uint32_t ngroups = r.get<uint32_t>(), ntensors = r.get<uint32_t>();
-  LossScaler &ls = f.scaler;
-  ls.scale = r.get<double>();
-  ls.good_steps = r.get<int64_t>();
-  ls.cfg.init_scale = r.get<double>();
-  ls.cfg.growth_factor = r.get<double>();
-  ls.cfg.backoff_factor = r.get<double>();
-  ls.cfg.growth_interval = r.get<int64_t>();
-  ls.cfg.min_scale = r.get<double>();
-  ls.cfg.dynamic = (int)r.get<uint32_t>();
-  r.get<uint32_t>();
-  if (!r.ok) return ck_fail(path, "truncated header");
-  if (!valid_scaler(ls))
-    return ck_fail(path, "invalid loss-scaler state (scale %g, good steps %lld)", ls.scale, (long long)ls.good_steps);
-  if (ngroups > (1u << 20) || ntensors > (n / 16)) return ck_fail(path, "too many groups or tensors");
-  try {
-    f.groups.resize(ngroups);
-    for (uint32_t g = 0; g < ngroups; ++g) {
-      f.groups[g].step_count = r.get<int64_t>();
-      uint32_t nh = r.get<uint32_t>();
-      r.get<uint32_t>();
-      if (!r.ok || nh > ZOPT_MAX_HYPERS) return ck_fail(path, "group %u: bad hyperparameter table", g);
-      if (f.groups[g].step_count < 0) return ck_fail(path, "group %u: negative step count", g);
-      for (uint32_t k = 0; k < nh; ++k) {
-        uint32_t kind = r.get<uint32_t>();
-        r.get<uint32_t>();
-        double v = r.get<double>();
-        if (kind < ZOPT_HYPER_LR || kind > ZOPT_HYPER_BIAS_CORRECTION)
-          return ck_fail(path, "group %u: unknown hyperparameter kind %u", g, kind);
-        f.groups[g].hypers.emplace_back(kind, v);
-      }
-    }
-    f.tensors.resize(ntensors);
-    for (uint32_t t = 0; t < ntensors; ++t) {
-      TensorRec &tr = f.tensors[t];
-      tr.group = r.get<uint32_t>();
-      uint32_t ns = r.get<uint32_t>();
-      tr.numel = r.get<int64_t>();
-      if (!r.ok || ns > ZOPT_MAX_STATES || tr.group >= ngroups || tr.numel < 0)
-        return ck_fail(path, "tensor %u: bad state table", t);
-      tr.steps = f.groups[tr.group].step_count;  // format 1 counted per group
-      for (uint32_t s = 0; s < ns; ++s) {
-        uint32_t kind = r.get<uint32_t>(), dtype = r.get<uint32_t>();
-        uint64_t bytes = r.get<uint64_t>(), off = r.get<uint64_t>(), fnv = r.get<uint64_t>();
-        if (!r.ok) return ck_fail(path, "truncated tensor table");
-        if (kind <= ZOPT_STATE_GRAD || kind > ZOPT_STATE_MOMENTUM_BUFFER)
-          return ck_fail(path, "tensor %u: unknown state kind %u", t, kind);
-        size_t es = dtype_size(dtype);
-        if (!es) return ck_fail(path, "tensor %u state %s: unknown dtype %u", t, state_kind_name(kind), dtype);
-        if (bytes != (uint64_t)tr.numel * es)
-          return ck_fail(path, "tensor %u state %s: %llu bytes for %lld elements", t, state_kind_name(kind),
-                         (unsigned long long)bytes, (long long)tr.numel);
-        if (off % kDataAlign || off > n - 8 || bytes > n - 8 - off)
-          return ck_fail(path, "tensor %u state %s: data outside the file", t, state_kind_name(kind));
-        if (fnv1a64(buf + off, bytes, kFnvBasisV1) != fnv)  // format 1: the old basis throughout
-          return ck_fail(path, "tensor %u state %s: data checksum mismatch", t, state_kind_name(kind));
-        uint32_t ki = 0;
-        while (ki < f.kinds.size() && f.kinds[ki].kind != kind) ++ki;
-        if (ki == f.kinds.size()) f.kinds.push_back(KindRec{kind, dtype});
-        else if (f.kinds[ki].dtype != dtype) return ck_fail(path, "state %s stored in two dtypes", state_kind_name(kind));
-        for (const PieceRec &p : f.pieces)
-          if (p.tensor == t && p.kind_index == ki)
-            return ck_fail(path, "tensor %u: state %s stored twice", t, state_kind_name(kind));
-        if (tr.numel) f.pieces.push_back(PieceRec{ki, t, 0, tr.numel, off, 0});
-      }
-    }
-    uint64_t end = r.get<uint64_t>();
-    if (!r.ok || end != n - 8) return ck_fail(path, "data size mismatch (truncated or extended file)");
-  } catch (...) {
-    return fail(ZOPT_ERR_OUT_OF_MEMORY, "zopt_optimizer_load: out of memory");
-  }
-  return ZOPT_OK;
-}
 
 // ---- what a rank holds -----------------------------------------------------
 
@@ -452,18 +96,10 @@ void save_runs(const zopt_optimizer *o, int t, int si, std::vector<exec::Run> *o
   }
 }
 
-// What a checkpoint holds: the optimizer states, and the params where the
-// runtime holds them (ZeRO-3: sharded, the model has no copy of its own).
-bool saved_state(const zopt_optimizer *o, uint32_t s) {
-  uint32_t k = o->d->states[s].kind;
-  if (is_owned_kind(k)) return true;
-  return k == ZOPT_STATE_PARAM && o->prog && o->prog->buf[s] && !o->prog->pinned[s];
-}
-
 // The bytes of a run: in place for host memory, staged where the backend
 // keeps the state elsewhere (a GPU step's device memory: whole tensors).
 zopt_status run_bytes(const zopt_optimizer *o, int t, int si, const exec::Run &r, std::vector<unsigned char> &stage,
-                      const void **out) {
+                      const void **out, const char *fn) {
   size_t bytes = (size_t)r.len * dtype_size(o->d->states[si].dtype);
   if (o->backend->host_state(o, si)) {
     *out = r.ptr;
@@ -472,29 +108,99 @@ zopt_status run_bytes(const zopt_optimizer *o, int t, int si, const exec::Run &r
   try {
     stage.resize(bytes);
   } catch (...) {
-    return fail(ZOPT_ERR_OUT_OF_MEMORY, "zopt_optimizer_save: out of host memory");
+    return fail(ZOPT_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
   }
   *out = stage.data();
   return o->backend->read_state(o, t, si, stage.data(), bytes);  // whole tensors (world size 1)
 }
 
+bool write_all_at(int fd, const void *p, size_t n, uint64_t off) {
+  const char *c = (const char *)p;
+  while (n) {
+    ssize_t w = ::pwrite(fd, c, n, (off_t)off);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return false;
+    }
+    c += w;
+    n -= (size_t)w;
+    off += (uint64_t)w;
+  }
+  return true;
+}
+
+// A rank's file of a save (a name no other save uses): written, fsync'd
+// (finish); removed unless finished.
+class FileSink : public ckpt::Sink {
+ public:
+  FileSink(std::string file, ckpt::Fault fault) : file_(std::move(file)), fault_(fault) {}
+  ~FileSink() override {
+    if (fd_ >= 0) {
+      ::close(fd_);
+      ::unlink(file_.c_str());
+    }
+  }
+  zopt_status begin(uint64_t) override {
+    fd_ = ::open(file_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd_ < 0) return fail(ZOPT_ERR_IO, "cannot create '%s': %s", file_.c_str(), strerror(errno));
+    return ZOPT_OK;
+  }
+  zopt_status write_at(uint64_t off, const void *p, size_t n) override {
+    if (fault_ == ckpt::Fault::kWrite) {  // test fault: the first write fails
+      errno = EIO;
+      return io_fail("cannot write");
+    }
+    if (!write_all_at(fd_, p, n, off)) return io_fail("cannot write");
+    return ZOPT_OK;
+  }
+  // The file durable under its name (before the commit).
+  zopt_status finish() {
+    if (fault_ == ckpt::Fault::kFsync) errno = EIO;
+    if (fault_ == ckpt::Fault::kFsync || ::fsync(fd_) != 0) return io_fail("cannot fsync");
+    const int fd = fd_;
+    fd_ = -1;
+    if (::close(fd) != 0) {
+      int e = errno;
+      ::unlink(file_.c_str());
+      return fail(ZOPT_ERR_IO, "cannot close '%s': %s", file_.c_str(), strerror(e));
+    }
+    ckpt::fsync_dir(file_);  // its name is durable before the commit
+    return ZOPT_OK;
+  }
+
+ private:
+  zopt_status io_fail(const char *what) {
+    int e = errno;
+    return fail(ZOPT_ERR_IO, "%s '%s': %s%s", what, file_.c_str(), strerror(e),
+                fault_ == ckpt::Fault::kWrite || fault_ == ckpt::Fault::kFsync ? " (ZOPT_TEST_SAVE_FAULT)" : "");
+  }
+  std::string file_;
+  ckpt::Fault fault_;
+  int fd_ = -1;
+};
+
 }  // namespace
 
-extern "C" {
+namespace zopt {
+namespace ckpt {
 
-// ---- save ------------------------------------------------------------------
+// What a checkpoint holds: the optimizer states, and the params where the
+// runtime holds them (ZeRO-3: sharded, the model has no copy of its own).
+bool saved_state(const zopt_optimizer *o, uint32_t s) {
+  uint32_t k = o->d->states[s].kind;
+  if (is_owned_kind(k)) return true;
+  return k == ZOPT_STATE_PARAM && o->prog && o->prog->buf[s] && !o->prog->pinned[s];
+}
 
-// Writes this rank's file of the set `id` to `file` (a name no other save
-// uses), fsync'd; on failure the file is removed.
-static zopt_status save_file(const zopt_optimizer *o, const std::string &file, const ckpt::SaveId &id,
-                             ckpt::Fault fault) {
+zopt_status write_image(const zopt_optimizer *o, const SaveId &id, bool whole, Sink &sink, const char *fn) {
   const zopt_step_descriptor *d = o->d;
   std::vector<uint32_t> kinds;  // descriptor indices of the saved states
   for (uint32_t s = 0; s < d->num_states; ++s)
     if (saved_state(o, s)) kinds.push_back(s);
   struct P {
     uint32_t ki, t;
-    exec::Run run;
+    exec::Run run;  // ptr NULL: gathered into the image (whole, a sharded state)
+    uint64_t off, fnv;
   };
   std::vector<P> pieces;
   std::vector<exec::Run> runs;
@@ -503,8 +209,14 @@ static zopt_status save_file(const zopt_optimizer *o, const std::string &file, c
   try {
     for (uint32_t ki = 0; ki < kinds.size(); ++ki)
       for (size_t t = 0; t < o->tensors.size(); ++t) {
-        save_runs(o, (int)t, (int)kinds[ki], &runs);
-        for (const exec::Run &r : runs) pieces.push_back(P{ki, (uint32_t)t, r});
+        const int si = (int)kinds[ki];
+        if (!whole) {
+          save_runs(o, (int)t, si, &runs);
+          for (const exec::Run &r : runs) pieces.push_back(P{ki, (uint32_t)t, r, 0, 0});
+        } else if (const int64_t n = o->tensors[t].numel) {
+          void *p = o->world > 1 && !exec::holds_whole(o, si) ? nullptr : state_ptr(o, (int)t, si);
+          pieces.push_back(P{ki, (uint32_t)t, exec::Run{0, n, p}, 0, 0});
+        }
       }
     w.bytes(kMagic2, 8);
     w.put<uint32_t>(kVersion);
@@ -512,8 +224,8 @@ static zopt_status save_file(const zopt_optimizer *o, const std::string &file, c
     w.put<uint64_t>(0);  // header size, patched below
     w.put<uint64_t>(d->checksum);
     w.bytes(d->name, ZOPT_NAME_LEN);
-    w.put<uint32_t>((uint32_t)o->world);
-    w.put<uint32_t>((uint32_t)o->rank);
+    w.put<uint32_t>(whole ? 1u : (uint32_t)o->world);
+    w.put<uint32_t>(whole ? 0u : (uint32_t)o->rank);
     w.bytes(id.b, ckpt::kSaveIdBytes);
     w.put<uint32_t>((uint32_t)o->groups.size());
     w.put<uint32_t>((uint32_t)o->tensors.size());
@@ -551,74 +263,87 @@ static zopt_status save_file(const zopt_optimizer *o, const std::string &file, c
       w.put<int64_t>(x.steps);  // the backend's pull refreshed it
     }
     w.put<uint64_t>(pieces.size());
-    const size_t table = w.buf.size();
-    const uint64_t hsize = table + pieces.size() * 40 + 8;
-    uint64_t off = (hsize + 8 + kDataAlign - 1) / kDataAlign * kDataAlign;
+  } catch (...) {
+    return fail(ZOPT_ERR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  }
+  // The data: each piece at a multiple of kDataAlign after the header, the
+  // last one ending the image (no trailing padding).
+  const uint64_t hsize = w.buf.size() + pieces.size() * 40 + 8;
+  uint64_t off = (hsize + 8 + kDataAlign - 1) / kDataAlign * kDataAlign, data_end = hsize + 8;
+  for (P &p : pieces) {
+    p.off = off;
+    data_end = off + (uint64_t)p.run.len * dtype_size(d->states[kinds[p.ki]].dtype);
+    off = (data_end + kDataAlign - 1) / kDataAlign * kDataAlign;
+  }
+  zopt_status begun = sink.begin(data_end);
+  if (whole && o->world > 1)  // every rank has its buffer before the gathers
+    begun = agree_status(const_cast<zopt_optimizer *>(o), begun, "EXPORT buffer", kSigUnchanged);
+  if (begun) return begun;
+  if (whole && o->world > 1) {
+    // The sharded states, gathered straight into their pieces' places (a
+    // collective per state: every rank writes the same image).
+    unsigned char *img = sink.direct();
+    if (!img) return fail(ZOPT_ERR_INTERNAL, "%s: a whole image needs a sink in memory", fn);
+    std::vector<void *> dst;
+    try {
+      for (uint32_t ki = 0; ki < kinds.size(); ++ki) {
+        if (exec::holds_whole(o, (int)kinds[ki])) continue;
+        dst.assign(o->tensors.size(), nullptr);
+        for (const P &p : pieces)
+          if (p.ki == ki) dst[p.t] = img + p.off;
+        if (zopt_status st = exec::gather_state(const_cast<zopt_optimizer *>(o), (int)kinds[ki], 0,
+                                                (int)o->tensors.size(), dst.data()))
+          return st;
+      }
+    } catch (...) {
+      return fail(ZOPT_ERR_OUT_OF_MEMORY, "%s: out of memory", fn);
+    }
+  }
+  for (P &p : pieces) {
+    const size_t bytes = (size_t)p.run.len * dtype_size(d->states[kinds[p.ki]].dtype);
+    if (!p.run.ptr && whole && o->world > 1) {  // gathered in place
+      p.fnv = fnv1a64(sink.direct() + p.off, bytes);
+      continue;
+    }
+    const void *src = nullptr;
+    if (zopt_status st = run_bytes(o, (int)p.t, (int)kinds[p.ki], p.run, stage, &src, fn)) return st;
+    p.fnv = fnv1a64(src, bytes);
+    if (zopt_status st = sink.write_at(p.off, src, bytes)) return st;
+  }
+  // The header, now that every piece's checksum is known.
+  try {
     for (const P &p : pieces) {
-      uint64_t bytes = (uint64_t)p.run.len * dtype_size(d->states[kinds[p.ki]].dtype);
-      const void *src = nullptr;
-      if (zopt_status st = run_bytes(o, (int)p.t, (int)kinds[p.ki], p.run, stage, &src)) return st;
       w.put<uint32_t>(p.ki);
       w.put<uint32_t>(p.t);
       w.put<int64_t>(p.run.start);
       w.put<int64_t>(p.run.len);
-      w.put<uint64_t>(off);
-      w.put<uint64_t>(fnv1a64(src, (size_t)bytes));
-      off = (off + bytes + kDataAlign - 1) / kDataAlign * kDataAlign;
-    }
-    // The last piece ends the file (no trailing padding).
-    uint64_t data_end = hsize + 8;
-    if (!pieces.empty()) {
-      const P &p = pieces.back();
-      uint64_t last_off;
-      memcpy(&last_off, w.buf.data() + w.buf.size() - 16, 8);
-      data_end = last_off + (uint64_t)p.run.len * dtype_size(d->states[kinds[p.ki]].dtype);
+      w.put<uint64_t>(p.off);
+      w.put<uint64_t>(p.fnv);
     }
     w.put<uint64_t>(data_end);
     if (w.buf.size() != hsize) return fail(ZOPT_ERR_INTERNAL, "checkpoint header size mismatch");
     memcpy(&w.buf[16], &hsize, 8);
     w.put<uint64_t>(fnv1a64(w.buf.data(), (size_t)hsize));
   } catch (...) {
-    return fail(ZOPT_ERR_OUT_OF_MEMORY, "zopt_optimizer_save: out of memory");
+    return fail(ZOPT_ERR_OUT_OF_MEMORY, "%s: out of memory", fn);
   }
-  int fd = ::open(file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return fail(ZOPT_ERR_IO, "cannot create '%s': %s", file.c_str(), strerror(errno));
-  auto io_fail = [&](const char *what) {
-    int e = errno;
-    ::close(fd);
-    ::unlink(file.c_str());
-    return fail(ZOPT_ERR_IO, "%s '%s': %s%s", what, file.c_str(), strerror(e),
-                fault == ckpt::Fault::kWrite || fault == ckpt::Fault::kFsync ? " (ZOPT_TEST_SAVE_FAULT)" : "");
-  };
-  static const char zeros[kDataAlign] = {0};
-  uint64_t pos = w.buf.size();
-  if (!write_all(fd, w.buf.data(), w.buf.size())) return io_fail("cannot write");
-  if (fault == ckpt::Fault::kWrite) {  // test fault: the header made it, the data did not
-    errno = EIO;
-    return io_fail("cannot write");
-  }
-  for (const P &p : pieces) {
-    uint64_t at = (pos + kDataAlign - 1) / kDataAlign * kDataAlign;
-    if (at > pos && !write_all(fd, zeros, (size_t)(at - pos))) return io_fail("cannot write");
-    size_t bytes = (size_t)p.run.len * dtype_size(d->states[kinds[p.ki]].dtype);
-    const void *src = nullptr;
-    if (zopt_status st = run_bytes(o, (int)p.t, (int)kinds[p.ki], p.run, stage, &src)) {
-      ::close(fd);
-      ::unlink(file.c_str());
-      return st;
-    }
-    if (!write_all(fd, src, bytes)) return io_fail("cannot write");
-    pos = at + bytes;
-  }
-  if (fault == ckpt::Fault::kFsync) errno = EIO;
-  if (fault == ckpt::Fault::kFsync || ::fsync(fd) != 0) return io_fail("cannot fsync");
-  if (::close(fd) != 0) {
-    int e = errno;
-    ::unlink(file.c_str());
-    return fail(ZOPT_ERR_IO, "cannot close '%s': %s", file.c_str(), strerror(e));
-  }
-  ckpt::fsync_dir(file);  // its name is durable before the commit
-  return ZOPT_OK;
+  return sink.write_at(0, w.buf.data(), w.buf.size());
+}
+
+}  // namespace ckpt
+}  // namespace zopt
+
+extern "C" {
+
+// ---- save ------------------------------------------------------------------
+
+// Writes this rank's file of the set `id` to `file` (a name no other save
+// uses), fsync'd; on failure the file is removed.
+static zopt_status save_file(const zopt_optimizer *o, const std::string &file, const ckpt::SaveId &id,
+                             ckpt::Fault fault) {
+  FileSink sink(file, fault);
+  if (zopt_status st = ckpt::write_image(o, id, false, sink, "zopt_optimizer_save")) return st;
+  return sink.finish();
 }
 
 ZOPT_API zopt_status zopt_optimizer_save(const zopt_optimizer *co, const char *path) {
@@ -653,27 +378,45 @@ ZOPT_API zopt_status zopt_optimizer_save(const zopt_optimizer *co, const char *p
   return ckpt::commit(o, path, mine, fault);
 }
 
+}  // extern "C"
+
 // ---- load ------------------------------------------------------------------
 
-// What a load changes, staged: validated completely before it is applied.
-struct Staged {
-  struct Dest {
-    int t, si;
-    int64_t start, len;
-    std::vector<unsigned char> bytes;  // the state's storage dtype
-  };
-  std::vector<Dest> dests;
-  std::vector<GroupRec> groups;
-  std::vector<int64_t> tensor_steps;
-  LossScaler scaler;
-  uint64_t seed = 0;
-  bool has_seed = false;
-};
+using ckpt::Staged;
+using Files = std::vector<std::unique_ptr<File>>;
 
-static zopt_status stage_load(zopt_optimizer *o, const char *path, uint32_t flags, Staged &out) {
-  const zopt_step_descriptor *d = o->d;
+// File f is a member of the set of f0 (`ref` names f0, `set` the set, in
+// messages).
+static zopt_status check_member(const File &f, const File &f0, const char *ref, const char *set) {
+  if (f.version != f0.version) return ck_fail(f.path, "is a format %u file, %s format %u", f.version, ref, f0.version);
+  if (f.id != f0.id)
+    return ck_fail(f.path,
+                   "belongs to another save: its save identity is %s, %s names %s (files of two saves do not make a "
+                   "checkpoint)",
+                   ckpt::hex(f.id).c_str(), ref, ckpt::hex(f0.id).c_str());
+  if (f.world != f0.world || f.desc_sum != f0.desc_sum || memcmp(f.name, f0.name, ZOPT_NAME_LEN) != 0 ||
+      f.kinds.size() != f0.kinds.size() || f.tensors.size() != f0.tensors.size() ||
+      f.groups.size() != f0.groups.size())
+    return ck_fail(f.path, "does not belong to the checkpoint set of %s (another save, rank or world size)", set);
+  for (size_t k = 0; k < f.kinds.size(); ++k)
+    if (f.kinds[k].kind != f0.kinds[k].kind || f.kinds[k].dtype != f0.kinds[k].dtype)
+      return ck_fail(f.path, "stores other states than %s", set);
+  for (size_t t = 0; t < f.tensors.size(); ++t)
+    if (f.tensors[t].numel != f0.tensors[t].numel || f.tensors[t].group != f0.tensors[t].group ||
+        f.tensors[t].steps != f0.tensors[t].steps)
+      return ck_fail(f.path, "tensor %zu differs from %s", t, ref);
+  return ZOPT_OK;
+}
+
+static zopt_status stage_files(zopt_optimizer *o, const Files &files, const char *path, uint32_t flags,
+                               Staged &out);
+
+namespace zopt {
+namespace ckpt {
+
+zopt_status stage_path(zopt_optimizer *o, const char *path, uint32_t flags, Staged &out) {
   // 1. The file set: rank 0's file names the world size that wrote it.
-  std::vector<std::unique_ptr<File>> files;
+  Files files;
   files.emplace_back(new File);
   if (zopt_status st = read_header(*files[0], path)) return st;
   if (files[0]->version == 1) {
@@ -683,6 +426,7 @@ static zopt_status stage_load(zopt_optimizer *o, const char *path, uint32_t flag
                    files[0]->world);
   }
   const File &f0 = *files[0];
+  const std::string ref = std::string("rank 0's file '") + path + "'", set = std::string("'") + path + "'";
   for (uint32_t q = 1; q < f0.world; ++q) {
     files.emplace_back(new File);
     File &f = *files.back();
@@ -692,25 +436,53 @@ static zopt_status stage_load(zopt_optimizer *o, const char *path, uint32_t flag
       return st == ZOPT_ERR_IO ? fail(st, "%s (rank %u's file of the %u-rank checkpoint set that '%s' names)",
                                       std::string(zopt_last_error()).c_str(), q, f0.world, path)
                                : st;
-    if (f.version != f0.version)
-      return ck_fail(f.path, "is a format %u file, rank 0's file '%s' format %u", f.version, path, f0.version);
-    if (f.id != f0.id)
-      return ck_fail(f.path,
-                     "belongs to another save: its save identity is %s, rank 0's file '%s' names %s (files of "
-                     "two saves do not make a checkpoint)",
-                     ckpt::hex(f.id).c_str(), path, ckpt::hex(f0.id).c_str());
-    if (f.world != f0.world || f.rank != q || f.desc_sum != f0.desc_sum ||
-        memcmp(f.name, f0.name, ZOPT_NAME_LEN) != 0 || f.kinds.size() != f0.kinds.size() ||
-        f.tensors.size() != f0.tensors.size() || f.groups.size() != f0.groups.size())
+    if (zopt_status st = check_member(f, f0, ref.c_str(), set.c_str())) return st;
+    if (f.rank != q)
       return ck_fail(f.path, "does not belong to the checkpoint set of '%s' (another save, rank or world size)", path);
-    for (size_t k = 0; k < f.kinds.size(); ++k)
-      if (f.kinds[k].kind != f0.kinds[k].kind || f.kinds[k].dtype != f0.kinds[k].dtype)
-        return ck_fail(f.path, "stores other states than '%s'", path);
-    for (size_t t = 0; t < f.tensors.size(); ++t)
-      if (f.tensors[t].numel != f0.tensors[t].numel || f.tensors[t].group != f0.tensors[t].group ||
-          f.tensors[t].steps != f0.tensors[t].steps)
-        return ck_fail(f.path, "tensor %zu differs from rank 0's file", t);
   }
+  return stage_files(o, files, path, flags, out);
+}
+
+zopt_status stage_memory(zopt_optimizer *o, int n, const void *const *bufs, const size_t *sizes, uint32_t flags,
+                         Staged &out) {
+  // The images of one export: one whole image, or rank images (each rank
+  // at most once) of one save identity.
+  Files files;
+  std::vector<uint8_t> seen;
+  for (int i = 0; i < n; ++i) {
+    files.emplace_back(new File);
+    File &f = *files.back();
+    f.mem = (const unsigned char *)bufs[i];
+    f.size = sizes[i];
+    const std::string label = "<in-memory state, buffer " + std::to_string(i) + ">";
+    if (zopt_status st = read_header(f, label)) return st;
+    if (f.version == 1)
+      if (zopt_status st = read_v1(f)) return st;
+    if (f.world > 1 && n > (int)f.world)
+      return ck_fail(label, "is rank %u's image of %u, and %d buffers were given", f.rank, f.world, n);
+    if (f.world == 1 && n > 1)
+      return ck_fail(label, "holds every element (world size 1): pass it alone, not with %d other buffers", n - 1);
+    if (i == 0) {
+      seen.assign(f.world, 0);
+    } else if (zopt_status st = check_member(f, *files[0], "buffer 0", "buffer 0")) {
+      return st;
+    }
+    if (seen[f.rank]++)
+      return ck_fail(label, "is rank %u's image of %u, as an earlier buffer (each rank's image at most once)", f.rank,
+                     f.world);
+  }
+  return stage_files(o, files, n == 1 ? "<in-memory state>" : "<in-memory state set>", flags, out);
+}
+
+}  // namespace ckpt
+}  // namespace zopt
+
+// Checks the set against the optimizer and stages every element this rank
+// holds (the overlapping pieces of the files, read, checked and converted).
+static zopt_status stage_files(zopt_optimizer *o, const Files &files, const char *path, uint32_t flags,
+                               Staged &out) {
+  const zopt_step_descriptor *d = o->d;
+  const File &f0 = *files[0];
   // 2. Against this optimizer.
   if (f0.groups.size() != o->groups.size())
     return ck_fail(path, "has %zu groups, the optimizer has %zu", f0.groups.size(), o->groups.size());
@@ -779,7 +551,7 @@ static zopt_status stage_load(zopt_optimizer *o, const char *path, uint32_t flag
       if (f.version == 1) {
         memcpy(b.data(), f.v1_data.data() + p.offset, bytes);
       } else {
-        if (!read_at(f.fd, b.data(), bytes, p.offset)) return ck_fail(f.path, "cannot read tensor %u's data", p.tensor);
+        if (!read_at(f, b.data(), bytes, p.offset)) return ck_fail(f.path, "cannot read tensor %u's data", p.tensor);
         if (fnv1a64(b.data(), bytes) != p.fnv)
           return ck_fail(f.path, "tensor %u state %s: data checksum mismatch", p.tensor,
                          state_kind_name(f.kinds[p.kind_index].kind));
@@ -868,28 +640,19 @@ static zopt_status stage_load(zopt_optimizer *o, const char *path, uint32_t flag
   return ZOPT_OK;
 }
 
-ZOPT_API zopt_status zopt_optimizer_load_ex(zopt_optimizer *o, const char *path, uint32_t flags) {
-  ZOPT_ENTER_CALL(o, "zopt_optimizer_load");
-  if (zopt_status st = check_idle(o, "zopt_optimizer_load")) return st;
-  if (!path || !*path) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_load: path is NULL or empty");
-  if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_load: call zopt_optimizer_finalize first");
-  if (flags & ~(uint32_t)(ZOPT_LOAD_ALLOW_RULE_CHANGE | ZOPT_LOAD_VALIDATE_ONLY))
-    return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_load_ex: unknown flags 0x%x", flags);
-  Staged sg;
-  zopt_status st = stage_load(o, path, flags, sg);
-  // Nothing applied yet (kSigUnchanged): a rank at another call fails this
-  // load cleanly.
-  if (zopt_status ag = ckpt::agree_status(o, st, "LOAD status", kSigUnchanged)) return ag;
-  if (flags & ZOPT_LOAD_VALIDATE_ONLY) return ZOPT_OK;  // every check passed; nothing applied
-  // Apply: host copies cannot fail; a GPU step's copies fail only if the
-  // device does (its context is then unusable anyway).
+namespace zopt {
+namespace ckpt {
+
+zopt_status apply(zopt_optimizer *o, Staged &sg) {
+  // Host copies cannot fail; a GPU step's copies fail only if the device
+  // does (its context is then unusable anyway).
   const zopt_step_descriptor *d = o->d;
+  std::vector<exec::Run> runs;
   for (const Staged::Dest &dst : sg.dests) {
     if (!o->backend->host_state(o, dst.si)) {  // whole tensors where the backend keeps them
       if (zopt_status e = o->backend->write_state(o, dst.t, dst.si, dst.bytes.data(), dst.bytes.size())) return e;
       continue;
     }
-    std::vector<exec::Run> runs;
     exec::runs(o, dst.t, dst.si, &runs);
     for (const exec::Run &r : runs)
       if (r.start == dst.start && r.len == dst.len) memcpy(r.ptr, dst.bytes.data(), dst.bytes.size());
@@ -908,6 +671,27 @@ ZOPT_API zopt_status zopt_optimizer_load_ex(zopt_optimizer *o, const char *path,
   // Step counts, scaler and hyperparameters to where the backend keeps them.
   o->backend->hypers_changed(o);
   return o->backend->push(o);
+}
+
+}  // namespace ckpt
+}  // namespace zopt
+
+extern "C" {
+
+ZOPT_API zopt_status zopt_optimizer_load_ex(zopt_optimizer *o, const char *path, uint32_t flags) {
+  ZOPT_ENTER_CALL(o, "zopt_optimizer_load");
+  if (zopt_status st = check_idle(o, "zopt_optimizer_load")) return st;
+  if (!path || !*path) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_load: path is NULL or empty");
+  if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_load: call zopt_optimizer_finalize first");
+  if (flags & ~(uint32_t)(ZOPT_LOAD_ALLOW_RULE_CHANGE | ZOPT_LOAD_VALIDATE_ONLY))
+    return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_load_ex: unknown flags 0x%x", flags);
+  Staged sg;
+  zopt_status st = ckpt::stage_path(o, path, flags, sg);
+  // Nothing applied yet (kSigUnchanged): a rank at another call fails this
+  // load cleanly.
+  if (zopt_status ag = ckpt::agree_status(o, st, "LOAD status", kSigUnchanged)) return ag;
+  if (flags & ZOPT_LOAD_VALIDATE_ONLY) return ZOPT_OK;  // every check passed; nothing applied
+  return ckpt::apply(o, sg);
 }
 
 ZOPT_API zopt_status zopt_optimizer_load(zopt_optimizer *o, const char *path) {

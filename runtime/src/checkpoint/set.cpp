@@ -122,7 +122,7 @@ void fsync_dir(const std::string &path) {
   }
 }
 
-zopt_status agree_save_id(zopt_optimizer *o, const char *path, SaveId *id) {
+zopt_status agree_save_id(zopt_optimizer *o, const char *path, SaveId *id, const char *what) {
   if (o->rank == 0) random_id(id);
   if (o->world == 1) return ZOPT_OK;
   struct Msg {
@@ -134,7 +134,7 @@ zopt_status agree_save_id(zopt_optimizer *o, const char *path, SaveId *id) {
   std::vector<Msg> v((size_t)o->world);
   all = v.data();
   // The save's first collective: nothing written yet (kSigUnchanged).
-  if (zopt_status st = comm_all_gather(o->comm, &mine, all, sizeof mine, "SAVE identity", kSigUnchanged)) return st;
+  if (zopt_status st = comm_all_gather(o->comm, &mine, all, sizeof mine, what, kSigUnchanged)) return st;
   memcpy(id->b, all[0].id, kSaveIdBytes);
   std::string bad;
   for (int q = 1; q < o->world; ++q)

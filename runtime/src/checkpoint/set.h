@@ -59,7 +59,8 @@ zopt_status die(zopt_optimizer *o, const char *when);
 // The save's identity: drawn on rank 0 and agreed by every rank, with a
 // check that every rank passed the same path (a collective at W > 1; its
 // mismatch leaves the communicator usable: nothing was written yet).
-zopt_status agree_save_id(zopt_optimizer *o, const char *path, SaveId *id);
+// `what` names the collective (an export's differs from a save's).
+zopt_status agree_save_id(zopt_optimizer *o, const char *path, SaveId *id, const char *what = "SAVE identity");
 
 // After every rank wrote and fsync'd `mine` (its set_file) and agreed so:
 // rank 0 renames its file to `path` (the commit), the ranks agree on the

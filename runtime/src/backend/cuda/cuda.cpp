@@ -838,6 +838,13 @@ class CudaBackend final : public Backend {
         return fail(ZOPT_ERR_UNSUPPORTED, "%s: a GPU step's ops run asynchronously on its stream", fn);
       case Feature::GatherParams:
         return fail(ZOPT_ERR_UNSUPPORTED, "%s: the params of step '%s' live on the GPU, whole", fn, name);
+      case Feature::AddTensors:
+        return fail(ZOPT_ERR_UNSUPPORTED,
+                    "%s: step '%s' updates on the GPU, whose device tables (segments, states, work list) are built "
+                    "once at finalize: adding tensors to a finalized GPU step is not implemented. Build a new "
+                    "optimizer with every tensor and move the state over (zopt_optimizer_export_state + "
+                    "zopt_optimizer_import_begin)",
+                    fn, name);
     }
     return ZOPT_OK;
   }

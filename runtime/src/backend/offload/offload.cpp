@@ -161,6 +161,18 @@ zopt_status offload_copy(GpuState *g, const zopt_optimizer *o, int t, int si, vo
   return ZOPT_OK;
 }
 
+size_t offload_staging_count(const GpuState *g) { return g ? g->pinned.size() : 0; }
+
+void offload_free_staging(GpuState *g, size_t first, size_t last) {
+  if (!g || first >= last || last > g->pinned.size()) return;
+  CtxScope scope(g);
+  if (!scope.status()) {
+    gpu_sync_own_work(g);  // pending copies read the staging
+    for (size_t i = first; i < last; ++i) g->cu->MemFreeHost(g->pinned[i]);
+  }
+  g->pinned.erase(g->pinned.begin() + (long)first, g->pinned.begin() + (long)last);
+}
+
 void offload_free(GpuState *g) {
   if (!g) return;
   {
@@ -222,6 +234,8 @@ class OffloadBackend final : public CpuBackend {
   zopt_status alloc_staging(zopt_optimizer *, size_t bytes, void **out) override {
     return offload_alloc_staging(g, bytes, out);
   }
+  size_t staging_count(const zopt_optimizer *) const override { return offload_staging_count(g); }
+  void free_staging(zopt_optimizer *, size_t first, size_t last) override { offload_free_staging(g, first, last); }
   zopt_status copy_staged(zopt_optimizer *o, int si, bool to_user, bool sync) override {
     return offload_copy_state(g, o, si, to_user, sync);
   }

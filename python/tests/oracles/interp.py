@@ -1,7 +1,7 @@
 """A float64 interpreter of zopt step descriptions: the oracle of the
 property test (python/tests/test_property.py).
 
-``zopt.reference`` models the four named rules; a description can say
+``oracles.reference`` models the four named rules; a description can say
 anything the verifier accepts (a mutated one, a new rule), so this module
 reads the description *text* and runs its per-element program on float64
 numpy arrays, following docs/Dialects/Zopt.md (the ops and their formulas),
@@ -46,8 +46,8 @@ the compiler (a description cannot use them anyway).
 
 Usage::
 
-    prog = zopt.interp.parse(text)
-    it = zopt.interp.Interpreter(prog, [dict(params=[p0, p1], lr=0.01), ...])
+    prog = oracles.interp.parse(text)
+    it = oracles.interp.Interpreter(prog, [dict(params=[p0, p1], lr=0.01), ...])
     res = it.step([g0, g1])          # dict(norm, skipped, clip_coef, scale)
     it.state(0, "exp_avg")          # float64 stored values
     y, lo, hi = it.expected(0, "exp_avg")
@@ -722,7 +722,7 @@ def _settle(val, err, amb_in):
 
 def _ema_sq(avg, x, b):
     """b*avg + ((1-b)*x)*x (the association of the lowering and of
-    zopt.reference)."""
+    oracles.reference)."""
     c = _f(1.0) - b
     ta = b * avg.val
     tx = (c * x.val) * x.val

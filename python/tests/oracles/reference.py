@@ -1,4 +1,5 @@
-"""float64 reference of the zopt numerics contract (docs/NUMERICS.md).
+"""float64 reference of the zopt numerics contract (docs/NUMERICS.md): a test
+oracle, kept beside the tests (not part of the installed zopt package).
 
 The math is done in float64. What the reference models of the hardware is
 only *storage*: after every step each stored state is rounded to its
@@ -22,8 +23,8 @@ import math
 
 import numpy as np
 
-from . import bf16 as _bf16
-from .describe import layout_types
+from zopt import bf16 as _bf16
+from zopt.describe import layout_types
 
 
 def round_to(x, dtype):

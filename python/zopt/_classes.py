@@ -1,0 +1,112 @@
+"""Parameter classes: which step a param is stepped by.
+
+``zopt.Optimizer(step, ...)`` has one class (the step's param dtype) and
+takes every param into it (a param of another dtype is refused by the
+class, naming the step). ``zopt.Optimizer({dtype: step}, ...)`` has one
+class per key (torch dtypes or "f32"/"bf16"/"f16") and routes each param
+to the class of its dtype (docs/USAGE.md, "Params of several dtypes").
+Classes run in the order bf16, f16, f32 whatever the mapping's order, so
+the linked step's norm sum, and with it every result, does not depend on
+how the mapping was written.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._dtypes import is_torch, torch_dtypes
+from ._lib import DType, Status, ZoptError, DTYPE_NAMES
+from ._step import Step
+from .steps import dtype_name
+
+CLASS_ORDER = ("bf16", "f16", "f32")
+DT_OF = {"f32": DType.F32, "bf16": DType.BF16, "f16": DType.F16}
+NAME_OF = {v: k for k, v in DT_OF.items()}
+_NP_CLASS = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
+             np.dtype(np.uint16): "bf16"}
+
+
+def class_key(k):
+    try:
+        return dtype_name(k, "step")
+    except ZoptError:
+        raise ZoptError(Status.INVALID_ARGUMENT,
+                        f"step mapping: key {k!r} is not a dtype; the keys name the "
+                        "parameter classes: torch dtypes or 'f32', 'bf16', 'f16'") from None
+
+
+def steps_of(step, mapped):
+    """{class: Step} in CLASS_ORDER: one class for a Step (or a step.so
+    path), one per key of a mapping, checked to be steppable as one."""
+    if not mapped:
+        st = step if isinstance(step, Step) else Step(step)
+        return {NAME_OF.get(st.param_dtype, "?"): st}
+    if not step:
+        raise ZoptError(Status.INVALID_ARGUMENT, "step mapping is empty: give "
+                        "{dtype: Step or path}, e.g. zopt.steps.adamw(classes=...)")
+    steps = {}
+    for k, v in step.items():
+        c = class_key(k)
+        if c in steps:
+            raise ZoptError(Status.INVALID_ARGUMENT,
+                            f"step mapping: two keys name the class {c!r}")
+        st = v if isinstance(v, Step) else Step(v)
+        if st.param_dtype != DT_OF[c]:
+            raise ZoptError(Status.INVALID_ARGUMENT,
+                            f"step mapping: the step for class {c!r} ('{st.name}') has "
+                            f"{DTYPE_NAMES[st.param_dtype]} params, not {c}")
+        steps[c] = st
+    steps = {c: steps[c] for c in CLASS_ORDER if c in steps}
+    first_c, first = next(iter(steps.items()))
+    for c, st in steps.items():
+        what = None
+        if set(st.hypers) != set(first.hypers):
+            what = (f"hyperparameter slots ({', '.join(st.hypers)} vs "
+                    f"{', '.join(first.hypers)}): the classes share param_groups")
+        elif st.clipped != first.clipped or st.max_norm != first.max_norm:
+            what = (f"clipping (max_norm {st.max_norm} vs {first.max_norm}): the "
+                    "classes share one global norm")
+        elif st.loss_scaled != first.loss_scaled:
+            what = ("loss scaling: the classes share one loss scaler and skip "
+                    "decision")
+        elif st.gpu:
+            what = ("placement: linked steps run CPU-updated steps (all-CPU or "
+                    "offloaded); this step updates on the GPU")
+        if what is not None:
+            raise ZoptError(Status.INVALID_ARGUMENT,
+                            f"step mapping: class {c!r} ('{st.name}') and class "
+                            f"{first_c!r} ('{first.name}') differ in {what}")
+    return steps
+
+
+def classify(steps, gid, i, p):
+    """The class of user item ``p`` of a step mapping (a torch param or a
+    (param, grad) pair) at ``param_groups[gid]['params'][i]``."""
+    name = f"param_groups[{gid}]['params'][{i}]"
+    if isinstance(p, (tuple, list)):
+        if len(p) != 2:
+            raise ZoptError(Status.INVALID_ARGUMENT,
+                            "a tensor entry must be a param or a (param, grad) pair")
+        param = p[0]
+    elif is_torch(p):
+        param = p
+    elif isinstance(p, np.ndarray):
+        raise ZoptError(Status.INVALID_ARGUMENT,
+                        "numpy params need their gradient: pass (param, grad) pairs")
+    else:
+        raise ZoptError(Status.INVALID_ARGUMENT,
+                        f"unsupported parameter type {type(p).__name__}")
+    if is_torch(param):
+        name += f" (shape {tuple(param.shape)}, {str(param.dtype).replace('torch.', '')})"
+        c = NAME_OF.get(torch_dtypes().get(param.dtype))
+    elif isinstance(param, np.ndarray):
+        name += f" (numpy {param.dtype}, shape {param.shape})"
+        c = _NP_CLASS.get(param.dtype)
+    else:
+        raise ZoptError(Status.INVALID_ARGUMENT, f"{name}: expected a numpy array or "
+                        f"torch tensor, got {type(param).__name__}")
+    if c is None or c not in steps:
+        have = ", ".join(f"{k} ('{s.name}')" for k, s in steps.items())
+        raise ZoptError(Status.INVALID_ARGUMENT,
+                        f"{name}: no parameter class for its dtype"
+                        + (f" {c}" if c else "") + f"; the step mapping's classes: {have}")
+    return c

@@ -1,0 +1,377 @@
+"""Gradient memory of one parameter class (a part, zopt._part.Part).
+
+The runtime reads gradients from memory registered when the native
+optimizer is built (docs/USAGE.md section 3 is the user's view):
+
+* Torch params given alone get memory of ours: one flat buffer per dtype
+  and device, one view per param strided like it, never attached to a
+  param before it has a gradient (:func:`alloc_grads`).
+* Each step, which params have a gradient and where it lives
+  (:func:`sync_grads`): a fresh ``p.grad`` tensor of a CPU step is handed
+  to the runtime in place (``zopt_optimizer_set_grad_memory``), otherwise
+  copied into our memory; params without one are masked off
+  (``zopt_optimizer_set_active``).
+* f32 gradients of bf16/f16 params (``p.main_grad``, :func:`sync_main`):
+  ``p.grad`` accumulated into it, by hooks after each backward or by hand.
+* ``zero_grad`` as torch's, one fill per buffer.
+"""
+from __future__ import annotations
+
+import operator
+import weakref
+
+from ._dtypes import is_torch, torch, torch_of
+from ._lib import Status, ZoptError
+from ._params import UNSET
+
+_is = operator.is_
+_grad_of = operator.attrgetter("grad")
+_data_ptr = torch.Tensor.data_ptr if torch is not None else None
+
+
+def _ptrs_of(grads):
+    """data_ptr() of each gradient, 0 for None."""
+    try:
+        return list(map(_data_ptr, grads))  # the usual case: every param has one
+    except TypeError:
+        return [0 if g is None else g.data_ptr() for g in grads]
+
+
+def alloc_grads(c, entries):
+    """The gradient memory of torch params given alone: one flat buffer
+    per (dtype, device), one view per param strided like it (64-byte
+    aligned), in the step's gradient dtype. Never attached to a param
+    before it has a gradient (as ``p.grad``, or for f32 gradients of
+    bf16/f16 params as ``p.main_grad``)."""
+    by = {}
+    gdt = torch_of(c.step.grad_dtype) if torch is not None else None
+    for e in entries:
+        if e.auto:
+            by.setdefault((gdt, str(e.param.device)), []).append(e)
+    for (dtype, dev), es in by.items():
+        esz = torch.empty((), dtype=dtype).element_size()
+        q = max(1, 64 // esz)
+        offs, total = [], 0
+        for e in es:
+            offs.append(total)
+            total += (e.numel + q - 1) // q * q
+        flat = torch.zeros(max(total, 1), dtype=dtype, device=dev)
+        c.grad_flats.append(flat)
+        for e, o in zip(es, offs):
+            v = flat[o:o + e.numel]
+            e.grad = v.as_strided(e.shape, e.stride) if e.numel else v.view(e.shape)
+            e.gptr = e.grad.data_ptr() if e.numel else 0
+
+
+def sync_grads(c, grads=None):
+    """Which params have a gradient, and where the runtime reads it.
+    Fast path: every p.grad is the object it was last step. A new
+    gradient tensor (zero_grad(set_to_none=True) and a backward) of a
+    CPU step is handed to the runtime in place, without a copy
+    (zopt_optimizer_set_grad_memory, one call for all that changed)
+    when it has the param's memory layout and is not a view; otherwise
+    (GPU and offloaded steps, views, other strides) it is copied into
+    the optimizer's own gradient memory at every step; p.grad stays the
+    user's tensor either way (the user may hold it and write into it),
+    and a p.grad given other memory under the same object (p.grad.data
+    = ..., Module._apply) is seen by its data_ptr()."""
+    ps = c.a_params
+    if grads is None:
+        grads = list(map(_grad_of, ps))
+    last = c.a_last
+    foreign = c.foreign
+    copied = c.copied
+    regs = c.a_regs
+    gp = c.a_gp
+    if all(map(_is, grads, last)):
+        ptrs = _ptrs_of(grads)
+        if ptrs == gp:
+            if copied:  # the user's tensors may have changed since
+                with torch.no_grad():
+                    for j, g in copied.items():
+                        regs[j].copy_(g)
+            return
+        # A p.grad that kept its object but got other memory. (Never one
+        # of our own views: those are not handed out as p.grad.)
+        for j, (q, want) in enumerate(zip(ptrs, gp)):
+            if q != want:
+                last[j] = UNSET
+    act = c.active
+    tids = c.a_tids
+    ents = c.entries
+    zero_copy = c.grad_zero_copy
+    moved_t, moved_p = [], []
+    changed = False
+    with torch.no_grad():
+        for j, g in enumerate(grads):
+            if g is last[j]:
+                if j in copied:
+                    regs[j].copy_(g)
+                continue
+            t = tids[j]
+            if g is None:
+                if act[t]:
+                    act[t] = 0
+                    changed = True
+                last[j] = None
+                gp[j] = 0
+                copied.pop(j, None)
+                if t in foreign:
+                    # our own memory again, not the dropped p.grad: at
+                    # W > 1 the reduced gradient of a param another
+                    # rank updates lands in this rank's registered memory
+                    del foreign[t]
+                    moved_t.append(t)
+                    moved_p.append(ents[t].gptr)
+                continue
+            reg = regs[j]
+            copy = False
+            if g is not reg:
+                # torch guarantees p.grad's shape, dtype and device
+                if g.is_sparse:
+                    raise ZoptError(Status.UNSUPPORTED,
+                                    f"{ents[t].name} has a sparse gradient")
+                e = ents[t]
+                ptr = g.data_ptr()
+                if zero_copy and g._base is None and ptr != e.pptr and (
+                        e.numel <= 1 or g.stride() == e.stride):
+                    moved_t.append(t)
+                    moved_p.append(ptr)
+                    foreign[t] = (g, ptr)
+                    copied.pop(j, None)
+                else:
+                    # copied into our memory now and at every step; it
+                    # stays p.grad (the user may hold it and write it)
+                    reg.copy_(g)
+                    copied[j] = g
+                    copy = True
+            else:
+                copied.pop(j, None)
+            if (g is reg or copy) and t in foreign:  # back to our own memory
+                del foreign[t]
+                moved_t.append(t)
+                moved_p.append(ents[t].gptr)
+            if not act[t]:
+                act[t] = 1
+                changed = True
+            last[j] = g
+            gp[j] = g.data_ptr()
+    if moved_t:
+        c.set_grad_memory(moved_t, moved_p)
+    if changed:
+        c.push_mask()
+
+
+# ---- f32 gradients of bf16/f16 params (p.main_grad) ------------------------------
+def sync_main(c):
+    """sync_grads for steps with f32 gradients of 16-bit params (after
+    take_grads: what is left in p.grad accumulated into p.main_grad):
+    which params have a main_grad and where it lives. Our own buffer
+    views are registered at build; a main_grad the user attached is
+    registered in place (zopt_optimizer_set_grad_memory), or copied each
+    step for GPU steps (which keep device pointer tables)."""
+    ps = c.a_params
+    mgs = [getattr(p, "main_grad", None) for p in ps]
+    last = c.a_last
+    gpu = c.step.gpu
+    for t, (g, ptr) in list(c.foreign.items()):
+        if g.data_ptr() != ptr:  # the same tensor given other memory
+            last[c.a_index[t]] = UNSET
+    if not gpu and all(map(_is, mgs, last)):
+        return
+    act, tids, regs = c.active, c.a_tids, c.a_regs
+    changed = False
+    with torch.no_grad():
+        for j, g in enumerate(mgs):
+            if g is last[j] and not (gpu and g is not None and g is not regs[j]):
+                continue
+            t = tids[j]
+            if g is None:
+                if act[t]:
+                    act[t] = 0
+                    changed = True
+                last[j] = None
+                continue
+            reg = regs[j]
+            if g is not reg:
+                check_main_grad(c, t, g)
+                if gpu:
+                    reg.copy_(g)
+                else:
+                    register_grad(c, t, g)
+            elif t in c.foreign:
+                register_grad(c, t, None)
+            if not act[t]:
+                act[t] = 1
+                changed = True
+            last[j] = g
+    if changed:
+        c.push_mask()
+
+
+def check_main_grad(c, t, g):
+    e = c.entries[t]
+    p = e.param
+    what = None
+    if not is_torch(g):
+        what = f"is a {type(g).__name__}, not a torch tensor"
+    elif g.dtype != torch.float32:
+        what = f"has dtype {g.dtype}; it must be torch.float32"
+    elif tuple(g.shape) != e.shape:
+        what = f"has shape {tuple(g.shape)}, the param {e.shape}"
+    elif g.device != p.device:
+        what = f"is on {g.device}, the param on {p.device}"
+    elif g.is_sparse:
+        what = "is sparse"
+    elif e.numel > 1 and tuple(g.stride()) != e.stride and not (
+            g.is_contiguous() and p.is_contiguous()):
+        what = (f"has strides {tuple(g.stride())}, the param {e.stride}: it must have "
+                "the param's memory layout")
+    if what is not None:
+        raise ZoptError(Status.INVALID_ARGUMENT,
+                        f"{e.name}: its main_grad (the f32 gradient of step "
+                        f"'{c.step.name}') {what}")
+
+
+def register_grad(c, t, g):
+    """The runtime reads tensor t's gradient from g (a user's main_grad)
+    or, with g None, from our own buffer view again."""
+    e = c.entries[t]
+    ptr = (g.data_ptr() if g is not None else e.gptr) if e.numel else None
+    c.set_grad_memory([t], [ptr], f"zopt_optimizer_set_grad_memory({e.name}'s main_grad)")
+    if g is None:
+        c.foreign.pop(t, None)
+    else:
+        c.foreign[t] = (g, g.data_ptr())  # kept alive while the runtime reads it
+
+
+def take_grads(c):
+    """Every ``p.grad`` (the last backward's, in the param's dtype) added
+    into ``p.main_grad`` in f32, ``p.grad`` set to None."""
+    regs = c.a_regs
+    with torch.no_grad():
+        for j, p in enumerate(c.a_params):
+            g = p.grad
+            if g is not None:
+                accumulate(p, g, regs[j], c.entries[c.a_tids[j]])
+
+
+def accumulate(p, g, reg, e):
+    """p.main_grad += p.grad (f32); p.grad = None."""
+    if g.is_sparse:
+        raise ZoptError(Status.UNSUPPORTED, f"{e.name} has a sparse gradient")
+    mg = getattr(p, "main_grad", None)
+    if mg is None:
+        reg.copy_(g)
+        p.main_grad = reg
+    else:
+        if tuple(mg.shape) != e.shape:
+            raise ZoptError(Status.INVALID_ARGUMENT,
+                            f"{e.name}: its main_grad has shape {tuple(mg.shape)}, "
+                            f"the param {e.shape}")
+        mg.add_(g)
+    p.grad = None
+
+
+def add_acc_hooks(c, entries):
+    """grad_accumulation="hooks": after backward accumulates a param's
+    gradient (torch's AccumulateGrad node; torch 1.13 has no
+    register_post_accumulate_grad_hook), add it into the f32 main_grad
+    and free p.grad, as DeepSpeed's bf16 optimizer does. (At several
+    ranks the checks of zopt._ranks hook them too.)"""
+    if c.rank_checks is not None:
+        c.rank_checks.add_hooks(c, entries)
+    if not c.main or c.grad_accumulation != "hooks" or torch is None:
+        return
+    ref = weakref.ref(c)
+    for e in entries:
+        p = e.param
+        if not e.auto or not p.requires_grad or not p.is_leaf:
+            continue  # (a non-leaf's p.grad is taken at step())
+        with torch.enable_grad():
+            node = p.expand_as(p).grad_fn.next_functions[0][0]
+
+        def hook(*_, e=e, p=p):
+            o = ref()
+            if o is None or o.h is None:
+                return
+            g = p.grad
+            if g is not None:
+                with torch.no_grad():
+                    accumulate(p, g, e.grad, e)
+        c.acc_hooks.append((node, node.register_hook(hook)))
+
+
+def remove_acc_hooks(c):
+    for _, h in c.acc_hooks:
+        h.remove()
+    c.acc_hooks = []
+
+
+# ---- zero_grad -------------------------------------------------------------------
+def zero_grad(c, set_to_none):
+    """torch's zero_grad over the part's params: the zopt-owned gradient
+    memory is zeroed with one fill per buffer; explicit (param, grad)
+    pairs are always zeroed."""
+    ps = c.a_params
+    if ps and c.main:
+        # f32 gradients: p.grad is only ever pending accumulation;
+        # our main_grad views are dropped or zeroed, a user's main_grad
+        # is zeroed (it is the user's: never detached).
+        if not set_to_none:
+            for f in c.grad_flats:
+                f.zero_()
+        for p, r in zip(ps, c.a_regs):
+            p.grad = None
+            mg = getattr(p, "main_grad", None)
+            if mg is None:
+                continue
+            if mg is r:
+                if set_to_none:
+                    p.main_grad = None
+            else:
+                mg.zero_()
+    elif ps:
+        grads = [p.grad for p in ps]
+        regs = c.a_regs
+        # Gradient tensors the runtime reads in place (sync_grads): with
+        # set_to_none, no longer kept alive (freed as torch frees them;
+        # the next step() registers what backward makes before the
+        # runtime reads any). Without, every p.grad is zeroed in place
+        # and stays p.grad, as torch does (the user may hold it): the
+        # next backward accumulates where the runtime already reads (or
+        # copies from).
+        foreign = c.foreign
+        if foreign and set_to_none:
+            last, index = c.a_last, c.a_index
+            for t, (g, _) in list(foreign.items()):
+                last[index[t]] = UNSET
+                foreign[t] = (None, foreign[t][1])
+        if set_to_none:
+            for p, g in zip(ps, grads):
+                if g is not None:
+                    p.grad = None
+        else:
+            for f in c.grad_flats:
+                f.zero_()
+            zs = []
+            for g, r in zip(grads, regs):
+                if g is not None and g is not r:
+                    if g.grad_fn is not None:
+                        g.detach_()
+                    elif g.requires_grad:
+                        g.requires_grad_(False)
+                    zs.append(g)
+            if zs:  # as torch.optim's zero_grad: in place, one call
+                with torch.no_grad():
+                    if hasattr(torch, "_foreach_zero_"):
+                        torch._foreach_zero_(zs)
+                    else:
+                        for g in zs:
+                            g.zero_()
+    for e in c.entries:
+        if not e.auto:
+            if is_torch(e.grad):
+                e.grad.zero_()
+            else:
+                e.grad[...] = 0

@@ -1,0 +1,186 @@
+"""The param groups of a zopt.Optimizer and the parts (parameter classes)
+their params go to: a group checked and its params made entries of their
+class's part (zopt._classes routes them), the global tables (tensor index
+-> part and index in it), and ``add_param_group`` after construction: every
+class's native optimizer rebuilt with the new group, keeping its states (a
+class seen for the first time gets a part), all of it undone if one fails.
+
+Functions take the optimizer first.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _classes, _gpu, _grads, _hypers, _params, _rebuild, _strided, _torch_compat
+from ._dtypes import is_torch
+from ._lib import Status, ZoptError
+from ._part import Part
+
+
+def part_of(opt, cls):
+    """The part of class cls (a new one, not built yet, if it has none)."""
+    c = opt.parts.get(cls)
+    if c is None:
+        st = dict(opt._settings)
+        built = [x for x in opt._parts if x.h is not None]
+        if built:  # a class joining later: the others' seed and scaler
+            st.update(seed=built[0].get_seed(), scaler_cfg=built[0].scaler_cfg)
+        c = Part(opt, cls, opt._steps[cls], zero3_mode=opt._zero3_gather,
+                 grad_accumulation=opt._grad_accumulation, comm=opt._comm, **st)
+        c.rank_checks = opt._rank_checks
+        opt._parts.append(c)
+        opt._parts.sort(key=lambda x: _classes.CLASS_ORDER.index(x.cls))
+        opt.parts[cls] = c
+    return c
+
+
+def extend(c, new):
+    """Part c's new entries (already in c.entries) registered: a new
+    native optimizer over them (no states restored here)."""
+    held = _rebuild.exclude_frozen(c, new)
+    _params.check_overlaps(c)
+    if c.streamer is None:
+        _grads.alloc_grads(c, held)
+    else:
+        c.streamer.check_entries(held)
+    c.build()
+
+
+def route(opt):
+    """The global tables: tensor index -> (part, local index), in
+    param_groups order (each part's local order is the same order
+    restricted to its class); params of different classes must not
+    share memory either."""
+    opt.parts = {c.cls: c for c in opt._parts}
+    counters = {id(c): 0 for c in opt._parts}
+    opt._entries, opt._where, opt._tid_map = [], [], {}
+    opt._global_of = {id(c): [] for c in opt._parts}
+    for g in opt.param_groups:
+        for p in g["params"]:
+            c = opt.parts[opt._class_of[id(p)]]
+            lt = counters[id(c)]
+            counters[id(c)] += 1
+            opt._global_of[id(c)].append(len(opt._entries))
+            opt._tid_map[id(p)] = len(opt._entries)
+            opt._where.append((c, lt))
+            opt._entries.append(c.entries[lt])
+    if len(opt._parts) > 1:
+        _strided.check_spans([e for c in opt._parts for e in _params.held_entries(c)])
+    c0 = opt._parts[0]
+    opt.rank, opt.world_size = c0.rank, c0.world_size
+    opt._harr_key = None
+
+
+def new_group(opt, g):
+    """A param group checked, its entries made: (group, {class:
+    [entries]}). Changes nothing."""
+    if not isinstance(g, dict):
+        raise ZoptError(Status.INVALID_ARGUMENT, "param group must be a dict")
+    if "params" not in g:
+        raise ZoptError(Status.INVALID_ARGUMENT, "param group without 'params'")
+    ps = g["params"]
+    if is_torch(ps) or isinstance(ps, np.ndarray):
+        ps = [ps]
+    elif isinstance(ps, set):
+        raise ZoptError(Status.INVALID_ARGUMENT,
+                        "params must be an ordered collection (a list), not a set")
+    ps, names = _torch_compat.split_named(ps)  # model.named_parameters() (torch >= 2.5)
+    gid = len(opt.param_groups)
+    extra = {k: v for k, v in g.items() if k != "params"}
+    if names is not None:
+        extra["param_names"] = names
+    for st in opt._steps.values():
+        _hypers.check_rule_flags(st, extra, f"param group {gid}")
+    hyp = opt.step_obj.hypers
+    bad = [k for k in _hypers.slots(extra, hyp) if k not in hyp]
+    if bad:
+        raise ZoptError(Status.INVALID_ARGUMENT,
+                        f"param group {gid}: {opt._who()} no hyperparameter "
+                        f"{', '.join(sorted(set(bad)))}")
+    group = dict(opt.defaults)
+    group.update(extra)
+    group = _hypers.complete_group(opt.step_obj, group)
+    _hypers.slots(group, hyp)  # validates (betas, bias_correction)
+    if opt._mapped:
+        classes = [_classes.classify(opt._steps, gid, i, p) for i, p in enumerate(ps)]
+    else:
+        classes = [next(iter(opt._steps))] * len(ps)
+    seen = {id(e.param) for c in opt._parts for e in c.entries}
+    new, params = {}, []
+    for i, (p, cls) in enumerate(zip(ps, classes)):
+        e = _params.make_entry(opt._steps[cls], gid, i, p)
+        if id(e.param) in seen:
+            raise ZoptError(Status.INVALID_ARGUMENT,
+                            f"{e.name} appears twice in the optimizer's params")
+        seen.add(id(e.param))
+        new.setdefault(cls, []).append(e)
+        params.append(e.param)
+    group["params"] = params
+    if opt.step_obj.gpu:
+        group = _gpu.GpuGroup(opt, group)
+    return group, new
+
+
+def append_group(opt, group, new):
+    opt.param_groups.append(group)
+    for cls, es in new.items():
+        part_of(opt, cls).entries.extend(es)
+        for e in es:
+            opt._class_of[id(e.param)] = cls
+
+
+def add_group(opt, param_group):
+    """``add_param_group`` after construction: every class's native
+    optimizer rebuilt with the group, keeping every state (the new
+    group's params start fresh); a new class gets its part, with the
+    others' seed and loss scaler state; all of it undone if one fails."""
+    group, new = new_group(opt, param_group)
+    n_groups, old_parts = len(opt.param_groups), list(opt._parts)
+    sizes = {id(c): (len(c.entries), len(c.grad_flats), len(c.acc_hooks),
+                     set(c.excluded)) for c in old_parts}
+    snaps, built = {}, []
+    for c in old_parts:  # every state, before anything changes
+        c.prepare()
+        snaps[id(c)] = _rebuild.snapshot(c)
+    append_group(opt, group, new)
+    created = [c for c in opt._parts if c not in old_parts]  # classes seen first now
+    try:
+        for c in old_parts:  # each keeps its states; an empty group where it has none
+            _params.pre_rebuild(c)
+            es = c.entries[sizes[id(c)][0]:]
+            extend(c, es)
+            built.append(c)
+            _rebuild.restore(c, snaps[id(c)])
+            _grads.add_acc_hooks(c, es)
+            c.rebuilds += 1
+        for c in created:  # the others' seed (at its creation) and scaler state
+            extend(c, c.entries)
+            if c.step.loss_scaled:
+                scale, good, _ = old_parts[0].scaler_state()
+                c.set_scaler_state(scale, good)
+            _grads.add_acc_hooks(c, c.entries)
+        route(opt)
+    except BaseException:
+        for c in created:
+            c.free()
+            opt._parts.remove(c)
+        for c in old_parts:
+            n_ent, n_fl, n_hooks, ex = sizes[id(c)]
+            for _, h in c.acc_hooks[n_hooks:]:
+                h.remove()
+            del c.acc_hooks[n_hooks:]
+            del c.entries[n_ent:]
+            del c.grad_flats[n_fl:]
+            c.excluded = ex
+            if c in built:
+                c.build()
+                _rebuild.restore(c, snaps[id(c)])
+                c.rebuilds += 1
+        del opt.param_groups[n_groups:]
+        for es in new.values():
+            for e in es:
+                opt._class_of.pop(id(e.param), None)
+        route(opt)
+        raise
+    opt._pushed.reset(opt.param_groups)
+

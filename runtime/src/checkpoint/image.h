@@ -1,0 +1,91 @@
+// checkpoint/image.h - the checkpoint format's one writer and one reader,
+// shared by the files of zopt_optimizer_save / _load (checkpoint.cpp) and
+// the optimizer's state in memory (memory.cpp: zopt_optimizer_export_state,
+// _import_state and the staged import, docs/CHECKPOINT.md "In memory").
+//
+// An image is the bytes of one file of the format (docs/CHECKPOINT.md
+// "Layout of a file"): write_image lays it out and hands its bytes to a
+// Sink (a file, or a buffer); stage_path / stage_memory read a set of
+// images (files or buffers), check everything and stage what this rank
+// holds (Staged); apply changes the optimizer once every rank agreed.
+#ifndef ZOPT_RUNTIME_CHECKPOINT_IMAGE_H
+#define ZOPT_RUNTIME_CHECKPOINT_IMAGE_H
+
+#include "internal.h"
+
+#include "checkpoint/set.h"
+#include "exec/exec.h"
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+namespace zopt {
+namespace ckpt {
+
+// ---- writing ----------------------------------------------------------------
+
+// Where write_image puts an image of `size` bytes: begin(size) first, then
+// each piece's bytes at its offset and the header at offset 0 last. Bytes
+// no call writes (padding between pieces) must read as zero.
+class Sink {
+ public:
+  virtual ~Sink() = default;
+  virtual zopt_status begin(uint64_t size) = 0;
+  virtual zopt_status write_at(uint64_t off, const void *p, size_t n) = 0;
+  // A sink in memory: its bytes (valid after begin), so that a gather can
+  // land in place; NULL for a file.
+  virtual unsigned char *direct() { return nullptr; }
+};
+
+// The image of the optimizer's state. whole = false: the elements this rank
+// holds (world W, rank r: what zopt_optimizer_save writes into this rank's
+// file); whole = true: every element of every state, world 1 and rank 0
+// (at W > 1 a collective: sharded states are gathered; needs a sink with
+// direct()). `id` is the save identity written into the header. `fn` names
+// the API call in errors.
+zopt_status write_image(const zopt_optimizer *o, const SaveId &id, bool whole, Sink &sink, const char *fn);
+
+// ---- reading, staging, applying ---------------------------------------------
+
+struct GroupRec {
+  int64_t step_count = 0;
+  uint32_t flags = 0;  // format 3 (Group::flags)
+  std::vector<std::pair<uint32_t, double>> hypers;  // (zopt_hyper_kind, value)
+};
+
+// What a load changes, staged: validated completely before it is applied.
+struct Staged {
+  struct Dest {
+    int t, si;
+    int64_t start, len;  // a run this rank holds (exec::runs)
+    std::vector<unsigned char> bytes;  // the state's storage dtype
+  };
+  std::vector<Dest> dests;
+  std::vector<GroupRec> groups;  // one per optimizer group
+  std::vector<int64_t> tensor_steps;
+  LossScaler scaler;
+  uint64_t seed = 0;
+  bool has_seed = false;
+};
+
+// The states a checkpoint holds: the optimizer's states, and the params
+// where the runtime holds them (ZeRO-3).
+bool saved_state(const zopt_optimizer *o, uint32_t s);
+
+// Stages a load of the set of files that `path` names (zopt_optimizer_load).
+zopt_status stage_path(zopt_optimizer *o, const char *path, uint32_t flags, Staged &out);
+// Stages a load of n images in memory: one whole image (world 1), or
+// images of one export at W ranks (each rank's at most once) that hold
+// every element this rank needs (zopt_optimizer_import_state_set).
+zopt_status stage_memory(zopt_optimizer *o, int n, const void *const *bufs, const size_t *sizes, uint32_t flags,
+                         Staged &out);
+// Applies a staged load on this rank (after the ranks agreed): states,
+// step counts, group flags and hyperparameters, the loss scaler and the
+// seed. Fails only if a GPU step's device does.
+zopt_status apply(zopt_optimizer *o, Staged &sg);
+
+}  // namespace ckpt
+}  // namespace zopt
+
+#endif

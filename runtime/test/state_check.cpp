@@ -1,0 +1,821 @@
+// zopt-state-check: the runtime owns all state (issue 17 item 3).
+//
+//   zopt-state-check STEP.so|DIR... [--world=W] [--dir=DIR] [--device-memory=FAKE.so]
+//
+// W ranks as loopback threads (W = 1: one rank without a communicator),
+// each over its own copy of the model: tensors of awkward sizes (an empty
+// one) in two groups over several buckets (states sharded under ZeRO-1/2/3),
+// deterministic random params and per-rank gradients, never zero. Every
+// state is read back whole (a collective gather; ZeRO-3 params through
+// gather_params) with every count, hyperparameter, the scaler and the seed:
+// a snapshot, compared bit for bit. Per step:
+//  1. add: three tensors (one in a new group) added after 2 steps keep every
+//     old state and count, start fresh (master = param, moments 0, count
+//     0), and 3 more steps are bit-identical to an optimizer built with all
+//     tensors (registered at once by add_tensors before finalize) into
+//     which the old states were written;
+//  2. add refused (bad entries; at W > 1 ranks adding different tensors;
+//     during a begun step): the same error on every rank, nothing changed,
+//     the next step runs;
+//  3. export -> import equals save -> load: a rank's image is its file's
+//     bytes (but the save identity); the set, the whole image and (every
+//     saved state sharded) a rank's own image import bit-identically, also
+//     into one rank; VALIDATE_ONLY changes nothing;
+//  4. corrupt images (bad magic, flipped header or data byte, truncated,
+//     extended, a newer version, an image of another export, one twice) are
+//     refused like corrupt files, on every rank, nothing changed;
+//  5. the staged import: every state put (as f32) with the counts, the
+//     hyperparameters, the scaler and the seed restores the snapshot; a
+//     partial one starts the rest fresh; bad calls leave it usable; abort
+//     and a commit after tensors were added change nothing; ranks
+//     importing other counts are refused on every rank.
+// A GPU step (world size 1; against the stand-in driver) runs test_gpu:
+// export, import and the staged import of states written through the API,
+// a corrupt image refused, add_tensors after finalize refused.
+// With --dir, test 3 also saves there; with --device-memory (and
+// ZOPT_CUDA_DRIVER naming the same stand-in driver of test/Integration/
+// GPUHost), the model lives in its "device" memory: offloaded steps run.
+// Exit 77 when no step runs on this machine (GPU steps without a driver).
+// The model, the ranks and the snapshots: state_test_util.h.
+#include "state_test_util.h"
+
+#include "zopt/comm.h"
+#include "zopt/zopt.h"
+
+#include <dirent.h>
+#include <dlfcn.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdarg>
+#include <cstdlib>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using namespace stt;
+
+// ---- 1. tensors added after finalize ------------------------------------------
+
+void test_add() {
+  std::vector<Snap> after((size_t)g_world), with_all((size_t)g_world);
+  std::atomic<bool> kept{true}, fresh{true};
+  on_ranks([&](int r, zopt_comm *c) {
+    Rank A;
+    RANK_CK(build_old(A, c));
+    Snap s0;
+    RANK_CK(A.snapshot(&s0));
+    const size_t T0 = A.n.size();
+    A.grow(kNew, kNewG, 5);
+    RANK_CK(A.add(T0) == ZOPT_OK);
+    RANK_CK(A.hypers());
+    Snap s1;
+    RANK_CK(A.snapshot(&s1));
+    // The old tensors kept every state and count; the new ones start fresh.
+    for (size_t t = 0; t < T0; ++t)
+      if (s1.st[t] != s0.st[t] || s1.steps[t] != s0.steps[t]) kept = false;
+    if (s1.scale != s0.scale || s1.good != s0.good) kept = false;
+    for (int gi = 0; gi < 2; ++gi)
+      if (s1.gcounts[(size_t)gi] != s0.gcounts[(size_t)gi]) kept = false;
+    if (s1.gcounts[2] != 0) fresh = false;
+    int pk = -1;
+    for (uint32_t k = 0; k < A.d->num_states; ++k)
+      if (A.d->states[k].kind == ZOPT_STATE_PARAM) pk = (int)k;
+    for (size_t t = T0; t < A.n.size(); ++t) {
+      if (s1.steps[t] != 0) fresh = false;
+      for (uint32_t k = 0; k < A.d->num_states; ++k) {
+        const zopt_state_desc &sd = A.d->states[k];
+        if (!is_owned(sd.kind)) continue;
+        for (int64_t i = 0; i < A.n[t]; ++i) {
+          float v = get(s1.st[t][k].data(), sd.dtype, (size_t)i);
+          float want = sd.init == ZOPT_INIT_FROM_PARAM ? get(s1.st[t][(size_t)pk].data(), A.pdt, (size_t)i) : 0.0f;
+          if (memcmp(&v, &want, 4)) {
+            fresh = false;
+            break;
+          }
+        }
+      }
+    }
+    RANK_CK(A.steps(2, 3));
+    RANK_CK(A.snapshot(&after[(size_t)r]));
+    // The reference: every tensor registered before finalize (add_tensors,
+    // the new group included), the old tensors' params and states those A
+    // had when the tensors were added.
+    Rank B;
+    RANK_CK(B.create(c));
+    B.grow(kOld, kOldG, 1);
+    B.grow(kNew, kNewG, 5);
+    for (size_t t = 0; t < T0; ++t) memcpy(B.p[t], s0.st[t][(size_t)pk].data(), (size_t)B.n[t] * esz(B.pdt));
+    RANK_CK(B.add(0) == ZOPT_OK);
+    RANK_CK(zopt_optimizer_finalize(B.o) == ZOPT_OK && B.hypers());
+    for (size_t t = 0; t < T0; ++t) {
+      for (uint32_t k = 0; k < B.d->num_states; ++k) {
+        const zopt_state_desc &sd = B.d->states[k];
+        if (!is_owned(sd.kind)) continue;
+        RANK_CK(zopt_optimizer_write_state_raw(B.o, (int)t, (zopt_state_kind)sd.kind, s0.st[t][k].data(),
+                                               (size_t)B.n[t] * esz(sd.dtype)) == ZOPT_OK);
+      }
+      RANK_CK(zopt_optimizer_set_tensor_step(B.o, (int)t, s0.steps[t]) == ZOPT_OK);
+    }
+    for (int gi = 0; gi < 2; ++gi) RANK_CK(zopt_optimizer_set_step_count(B.o, gi, s0.gcounts[(size_t)gi]) == ZOPT_OK);
+    RANK_CK(zopt_optimizer_set_loss_scaler_state(B.o, s0.scale, s0.good) == ZOPT_OK);
+    RANK_CK(B.steps(2, 3));
+    RANK_CK(B.snapshot(&with_all[(size_t)r]));
+  });
+  report(kept, "add_tensors after finalize (2 steps, %zu + %zu tensors, a new group): every old state, count and "
+               "the scaler kept",
+         kOld.size(), kNew.size());
+  report(fresh, "the added tensors start as at finalize (master = param, moments 0, counts 0)");
+  bool same = true;
+  std::string where;
+  for (int q = 0; q < g_world; ++q)
+    if (after[(size_t)q] != with_all[(size_t)q]) {
+      same = false;
+      where = diff(after[(size_t)q], with_all[(size_t)q]);
+    }
+  report(same && !after[0].st.empty() && after[0].steps[0] == 5,
+         "3 steps after the add are bit-identical to an optimizer built with every tensor into which the old "
+         "states were written%s%s",
+         where.empty() ? "" : ": differs at ", where.c_str());
+  // With gradient streaming (ZeRO-2/3 CPU steps at W > 1): the same steps,
+  // the gradients handed over bucket by bucket, bit-identical; and no
+  // addition once a bucket was reduced for the next step.
+  zopt_step *st = nullptr;
+  zopt_step_load(g_step.c_str(), &st);
+  const zopt_step_descriptor *d = zopt_step_get_descriptor(st);
+  bool can_stream = g_world > 1 && d->zero_stage >= 2;
+  for (uint32_t k = 0; k < d->num_states; ++k) can_stream = can_stream && d->states[k].placement == ZOPT_PLACE_CPU;
+  zopt_step_free(st);
+  if (!can_stream) return;
+  std::atomic<bool> streamed{true};
+  Outcomes reduced;
+  on_ranks([&](int r, zopt_comm *c) {
+    Rank S;
+    S.streaming = true;
+    RANK_CK(build_old(S, c));
+    const size_t T0 = S.n.size();
+    S.grow(kNew, kNewG, 5);
+    RANK_CK(S.add(T0) == ZOPT_OK);
+    RANK_CK(S.hypers() && S.steps(2, 3));
+    Snap s;
+    RANK_CK(S.snapshot(&s));
+    if (s != after[(size_t)r]) streamed = false;
+    RANK_CK(S.reduce_buckets(0, 1));
+    std::vector<int64_t> one = {5};
+    S.grow(one, {2}, 7);
+    reduced.set(r, S.add(S.reg));
+  });
+  report(streamed, "with gradient streaming: tensors added after finalize, the same steps bit-identical");
+  report(reduced.all(ZOPT_ERR_BAD_STATE, "was reduced"),
+         "with gradient streaming: no addition once a bucket was reduced for the next step (%s)",
+         reduced.msg[0].c_str());
+}
+
+void test_add_refused() {
+  std::atomic<bool> unchanged{true}, stepped{true};
+  Outcomes differ, begun, one_bad;
+  std::vector<std::string> errs;
+  std::mutex mu;
+  on_ranks([&](int r, zopt_comm *c) {
+    Rank A;
+    RANK_CK(build_old(A, c));
+    Snap s0, s1;
+    RANK_CK(A.snapshot(&s0));
+    const size_t T0 = A.n.size();
+    A.grow(kNew, kNewG, 5);
+    std::vector<int> gs = {1, 2, 2};
+    std::vector<void *> ps = {A.p[T0], A.p[T0 + 1], A.p[T0 + 2]};
+    std::vector<void *> gr = {A.g[T0], A.g[T0 + 1], A.g[T0 + 2]};
+    std::vector<int64_t> ns = {kNew[0], kNew[1], kNew[2]};
+    const zopt_dtype pdt = (zopt_dtype)A.pdt, other = (zopt_dtype)(A.pdt == ZOPT_DTYPE_F32 ? ZOPT_DTYPE_BF16 : ZOPT_DTYPE_F32);
+    struct Bad {
+      const char *what;
+      std::function<zopt_status()> call;
+    };
+    void *dup = A.p[1];  // an old tensor's param
+    const std::vector<Bad> bad = {
+        {"another dtype", [&] { return zopt_optimizer_add_tensors(A.o, 1, 3, gs.data(), ps.data(), gr.data(), ns.data(), other, nullptr, nullptr); }},
+        {"a group out of range", [&] { std::vector<int> g2 = {1, 3, 2}; return zopt_optimizer_add_tensors(A.o, 1, 3, g2.data(), ps.data(), gr.data(), ns.data(), pdt, nullptr, nullptr); }},
+        {"a registered param", [&] { std::vector<void *> p2 = {ps[0], dup, ps[2]}; return zopt_optimizer_add_tensors(A.o, 1, 3, gs.data(), p2.data(), gr.data(), ns.data(), pdt, nullptr, nullptr); }},
+        {"one param twice", [&] { std::vector<void *> p2 = {ps[0], ps[0], ps[2]}; return zopt_optimizer_add_tensors(A.o, 1, 3, gs.data(), p2.data(), gr.data(), ns.data(), pdt, nullptr, nullptr); }},
+        {"a NULL grad", [&] { std::vector<void *> g2 = {gr[0], nullptr, gr[2]}; return zopt_optimizer_add_tensors(A.o, 1, 3, gs.data(), ps.data(), g2.data(), ns.data(), pdt, nullptr, nullptr); }},
+        {"a negative numel", [&] { std::vector<int64_t> n2 = {kNew[0], -1, kNew[2]}; return zopt_optimizer_add_tensors(A.o, 1, 3, gs.data(), ps.data(), gr.data(), n2.data(), pdt, nullptr, nullptr); }},
+        {"NULL arrays", [&] { return zopt_optimizer_add_tensors(A.o, 1, 3, nullptr, ps.data(), gr.data(), ns.data(), pdt, nullptr, nullptr); }},
+        {"new_groups < 0", [&] { return zopt_optimizer_add_tensors(A.o, -1, 3, gs.data(), ps.data(), gr.data(), ns.data(), pdt, nullptr, nullptr); }},
+    };
+    for (const Bad &b : bad) {
+      zopt_status st = b.call();
+      if (st != ZOPT_ERR_INVALID_ARGUMENT) {
+        std::lock_guard<std::mutex> lk(mu);
+        errs.push_back(std::string(b.what) + " -> " + std::to_string((int)st) + ": " + zopt_last_error());
+      }
+    }
+    int64_t cnt;
+    if (zopt_optimizer_get_tensor_step(A.o, (int)T0, &cnt) != ZOPT_ERR_INVALID_ARGUMENT) unchanged = false;
+    RANK_CK(A.snapshot(&s1));
+    if (s1 != s0) unchanged = false;
+    // W > 1: the last rank adds another size: refused on every rank.
+    if (g_world > 1) {
+      std::vector<int64_t> n2 = ns;
+      if (r == g_world - 1) n2[1] = 6;
+      differ.set(r, zopt_optimizer_add_tensors(A.o, 1, 3, gs.data(), ps.data(), gr.data(), n2.data(), pdt, nullptr, nullptr));
+      std::vector<void *> g2 = gr;
+      if (r == g_world - 1) g2[1] = nullptr;  // refused on that rank only
+      one_bad.set(r, zopt_optimizer_add_tensors(A.o, 1, 3, gs.data(), ps.data(), g2.data(), ns.data(), pdt, nullptr, nullptr));
+      RANK_CK(A.snapshot(&s1));
+      if (s1 != s0) unchanged = false;
+    }
+    // A begun step: refused (and the step finishes).
+    zopt_step_result res;
+    RANK_CK(zopt_optimizer_step_begin(A.o, &res) == ZOPT_OK);
+    begun.set(r, A.add(T0));
+    RANK_CK(zopt_optimizer_step(A.o, nullptr) == ZOPT_OK);
+    // Then it works, and the next step runs.
+    RANK_CK(A.add(T0) == ZOPT_OK);
+    if (!A.steps(3, 1)) stepped = false;
+  });
+  std::string e;
+  for (const std::string &x : errs) e += " [" + x + "]";
+  report(errs.empty() && unchanged, "refused add_tensors calls (dtype, group, registered or repeated param, NULL grad, "
+                                    "numel, NULL arrays, counts): INVALID_ARGUMENT, nothing changed%s",
+         e.c_str());
+  if (g_world > 1)
+    report(differ.all(ZOPT_ERR_INVALID_ARGUMENT, "added different tensors"),
+           "ranks adding different tensors: refused on every rank alike, nothing changed (%s)", differ.msg[0].c_str());
+  if (g_world > 1)
+    report(one_bad.all(ZOPT_ERR_INVALID_ARGUMENT, "grad pointer is NULL"),
+           "an entry refused on one rank only: refused on every rank alike, nothing changed (%s)",
+           one_bad.msg[0].c_str());
+  report(begun.all(ZOPT_ERR_BAD_STATE), "add_tensors during a begun step: BAD_STATE (%s)", begun.msg[0].c_str());
+  report(stepped, "after the refusals the add works and the next step runs");
+}
+
+// ---- 3, 4. export and import ----------------------------------------------------
+
+bool all_sharded(const zopt_step_descriptor *d) {
+  for (uint32_t k = 0; k < d->num_states; ++k) {
+    const zopt_state_desc &sd = d->states[k];
+    const bool held = is_owned(sd.kind) || (sd.kind == ZOPT_STATE_PARAM && (sd.flags & ZOPT_STATE_PARTITIONED));
+    if (held && !(sd.flags & ZOPT_STATE_PARTITIONED)) return false;
+  }
+  return true;
+}
+
+std::vector<unsigned char> to_vec(void *b, size_t n) {
+  std::vector<unsigned char> v((unsigned char *)b, (unsigned char *)b + n);
+  zopt_state_buffer_free(b);
+  return v;
+}
+
+void test_export_import() {
+  std::vector<std::vector<unsigned char>> images((size_t)g_world), wholes((size_t)g_world), files((size_t)g_world);
+  std::vector<Snap> want((size_t)g_world);
+  std::atomic<bool> set_ok{true}, whole_ok{true}, own_ok{true}, load_ok{true}, validate_ok{true}, changed{true};
+  Outcomes own;
+  const bool sharded = all_sharded([] {
+    zopt_step *s = nullptr;
+    zopt_step_load(g_step.c_str(), &s);
+    static zopt_step_descriptor d;
+    d = *zopt_step_get_descriptor(s);
+    zopt_step_free(s);
+    return &d;
+  }());
+  const std::string path = g_dir.empty() ? "" : g_dir + "/" + g_name + ".w" + std::to_string(g_world) + ".ck";
+  on_ranks([&](int r, zopt_comm *c) {
+    Rank A;
+    RANK_CK(build_old(A, c));
+    RANK_CK(A.snapshot(&want[(size_t)r]));
+    void *b = nullptr;
+    size_t n = 0;
+    RANK_CK(zopt_optimizer_export_state(A.o, &b, &n, 0) == ZOPT_OK);
+    images[(size_t)r] = to_vec(b, n);
+    RANK_CK(zopt_optimizer_export_state(A.o, &b, &n, ZOPT_EXPORT_WHOLE) == ZOPT_OK);
+    wholes[(size_t)r] = to_vec(b, n);
+    if (!path.empty()) RANK_CK(zopt_optimizer_save(A.o, path.c_str()) == ZOPT_OK);
+    // The model's params as they were (the caller restores them before a
+    // load: docs/CHECKPOINT.md), before each import.
+    const std::vector<std::vector<unsigned char>> params = A.params();
+    auto model_back = [&] {
+      if (!A.zero3 && !A.set_params(params)) set_ok = false;
+    };
+    Snap s;
+    auto restored = [&](std::atomic<bool> &ok) {
+      if (!A.snapshot(&s) || s != want[(size_t)r]) {
+        ok = false;
+        fprintf(stderr, "rank %d: differs at %s\n", r, diff(s, want[(size_t)r]).c_str());
+      }
+    };
+    auto drift = [&] {
+      if (!A.steps(7, 1) || !A.snapshot(&s) || s == want[(size_t)r]) changed = false;
+    };
+    std::vector<const void *> bufs;
+    std::vector<size_t> sizes;
+    for (int q = 0; q < g_world; ++q) {  // every rank's image (the threads wrote theirs before the first drift's step)
+      bufs.push_back(nullptr);
+      sizes.push_back(0);
+    }
+    drift();  // a collective: every rank's images exist after it
+    for (int q = 0; q < g_world; ++q) {
+      bufs[(size_t)q] = images[(size_t)q].data();
+      sizes[(size_t)q] = images[(size_t)q].size();
+    }
+    model_back();
+    RANK_CK(zopt_optimizer_import_state_set(A.o, g_world, bufs.data(), sizes.data(), 0) == ZOPT_OK);
+    restored(set_ok);
+    drift();
+    model_back();
+    RANK_CK(zopt_optimizer_import_state(A.o, wholes[(size_t)r].data(), wholes[(size_t)r].size(), 0) == ZOPT_OK);
+    restored(whole_ok);
+    drift();
+    model_back();
+    Snap before;
+    RANK_CK(A.snapshot(&before));
+    RANK_CK(zopt_optimizer_import_state(A.o, wholes[0].data(), wholes[0].size(), ZOPT_LOAD_VALIDATE_ONLY) == ZOPT_OK);
+    RANK_CK(A.snapshot(&s));
+    if (s != before) validate_ok = false;
+    own.set(r, zopt_optimizer_import_state(A.o, images[(size_t)r].data(), images[(size_t)r].size(), 0));
+    if (own.st[(size_t)r] == ZOPT_OK) restored(own_ok);
+    else if (!A.snapshot(&s) || s != before) own_ok = false;
+    if (!path.empty()) {
+      drift();
+      model_back();
+      RANK_CK(zopt_optimizer_load(A.o, path.c_str()) == ZOPT_OK);
+      restored(load_ok);
+    }
+  });
+  report(changed, "(a step after each import changes the state)");
+  report(set_ok, "export (each rank's image) -> import of the set: bit-identical");
+  report(whole_ok, "export WHOLE -> import on every rank: bit-identical");
+  report(validate_ok, "import with ZOPT_LOAD_VALIDATE_ONLY: nothing changed");
+  bool same_whole = true;
+  for (int q = 1; q < g_world; ++q) same_whole = same_whole && wholes[(size_t)q] == wholes[0];
+  report(same_whole, "every rank's WHOLE image is the same bytes");
+  if (sharded || g_world == 1)
+    report(own.all(ZOPT_OK) && own_ok, "a rank's own image alone imports (every saved state sharded): bit-identical");
+  else
+    report(own.all(ZOPT_ERR_CHECKPOINT) && own_ok,
+           "a rank's own image alone is refused where a state is held whole on every rank (ZeRO-0), nothing changed "
+           "(%s)",
+           own.msg[0].c_str());
+  if (!path.empty()) {
+    report(load_ok, "save -> load of the same state: bit-identical");
+    // A rank's image is its file's bytes, but the save identity (and the
+    // header checksum over it).
+    bool same = true;
+    std::vector<unsigned char> f0 = ckt::slurp(path);
+    std::string id_hex;
+    for (size_t i = 0; i < 16 && f0.size() > ckt::kIdAt + 16; ++i) {
+      char h[3];
+      snprintf(h, sizeof h, "%02x", f0[ckt::kIdAt + i]);
+      id_hex += h;
+    }
+    for (int q = 0; q < g_world; ++q) {
+      std::vector<unsigned char> f =
+          q == 0 ? f0 : ckt::slurp(path + "." + std::to_string(q) + "-of-" + std::to_string(g_world) + "." + id_hex);
+      std::vector<unsigned char> img = images[(size_t)q];
+      if (f.size() != img.size() || img.size() < ckt::kIdAt + 16) {
+        same = false;
+        continue;
+      }
+      memcpy(img.data() + ckt::kIdAt, f.data() + ckt::kIdAt, 16);
+      ckt::reseal(img);
+      same = same && img == f;
+    }
+    report(same, "each rank's exported image is the bytes save writes into its file (but the save identity)");
+  }
+  // Into one rank (W' = 1): the set and the whole image.
+  if (g_world > 1) {
+    const int W = g_world;
+    g_world = 1;
+    std::atomic<bool> one{true};
+    on_ranks([&](int r, zopt_comm *c) {
+      Rank A;
+      RANK_CK(build_old(A, c));
+      std::vector<const void *> bufs;
+      std::vector<size_t> sizes;
+      for (int q = W - 1; q >= 0; --q) {  // any order
+        bufs.push_back(images[(size_t)q].data());
+        sizes.push_back(images[(size_t)q].size());
+      }
+      Snap s;
+      // The model as the W ranks' was (restored by the caller before a load).
+      int pk = -1;
+      for (uint32_t k = 0; k < A.d->num_states; ++k)
+        if (A.d->states[k].kind == ZOPT_STATE_PARAM) pk = (int)k;
+      std::vector<std::vector<unsigned char>> params;
+      for (size_t t = 0; t < A.reg; ++t) params.push_back(want[0].st[t][(size_t)pk]);
+      if (!A.zero3) RANK_CK(A.set_params(params));
+      RANK_CK(zopt_optimizer_import_state_set(A.o, W, bufs.data(), sizes.data(), 0) == ZOPT_OK);
+      if (!A.snapshot(&s) || diff(s, want[0]) != "") one = false;
+      RANK_CK(A.steps(9, 1));
+      if (!A.zero3) RANK_CK(A.set_params(params));
+      RANK_CK(zopt_optimizer_import_state(A.o, wholes[0].data(), wholes[0].size(), 0) == ZOPT_OK);
+      if (!A.snapshot(&s) || diff(s, want[0]) != "") one = false;
+    });
+    g_world = W;
+    report(one, "the %d ranks' set (in reverse order) and the WHOLE image import into one rank: bit-identical", W);
+  }
+}
+
+void test_corrupt() {
+  // Each case: a function from (this rank's image, the whole image, another
+  // export's images) to the buffers this rank passes.
+  using Bufs = std::vector<std::vector<unsigned char>>;
+  struct Case {
+    const char *what;
+    std::function<Bufs(int r, const Bufs &set, const Bufs &other, const std::vector<unsigned char> &whole)> make;
+    zopt_status want;
+  };
+  auto mut = [](std::vector<unsigned char> v, const std::function<void(std::vector<unsigned char> &)> &f) {
+    f(v);
+    return v;
+  };
+  const std::vector<Case> cases = {
+      {"bad magic", [&](int, const Bufs &, const Bufs &, const std::vector<unsigned char> &w) { return Bufs{mut(w, [](auto &v) { v[0] ^= 1; })}; }, ZOPT_ERR_CHECKPOINT},
+      {"a flipped header byte", [&](int, const Bufs &, const Bufs &, const std::vector<unsigned char> &w) { return Bufs{mut(w, [](auto &v) { v[ckt::kNumGroupsAt + 9] ^= 4; })}; }, ZOPT_ERR_CHECKPOINT},
+      {"a flipped data byte", [&](int, const Bufs &, const Bufs &, const std::vector<unsigned char> &w) { return Bufs{mut(w, [](auto &v) { v[v.size() - 3] ^= 0x10; })}; }, ZOPT_ERR_CHECKPOINT},
+      {"truncated by one byte", [&](int, const Bufs &, const Bufs &, const std::vector<unsigned char> &w) { return Bufs{mut(w, [](auto &v) { v.pop_back(); })}; }, ZOPT_ERR_CHECKPOINT},
+      {"truncated to half", [&](int, const Bufs &, const Bufs &, const std::vector<unsigned char> &w) { return Bufs{mut(w, [](auto &v) { v.resize(v.size() / 2); })}; }, ZOPT_ERR_CHECKPOINT},
+      {"truncated to 10 bytes", [&](int, const Bufs &, const Bufs &, const std::vector<unsigned char> &w) { return Bufs{mut(w, [](auto &v) { v.resize(10); })}; }, ZOPT_ERR_CHECKPOINT},
+      {"extended by one byte", [&](int, const Bufs &, const Bufs &, const std::vector<unsigned char> &w) { return Bufs{mut(w, [](auto &v) { v.push_back(0); })}; }, ZOPT_ERR_CHECKPOINT},
+      {"format version 9 (resealed)", [&](int, const Bufs &, const Bufs &, const std::vector<unsigned char> &w) { return Bufs{mut(w, [](auto &v) { v[8] = 9; ckt::reseal(v); })}; }, ZOPT_ERR_CHECKPOINT},
+      {"a reserved field set (resealed)", [&](int, const Bufs &, const Bufs &, const std::vector<unsigned char> &w) { return Bufs{mut(w, [](auto &v) { v[ckt::kReservedAt] = 1; ckt::reseal(v); })}; }, ZOPT_ERR_CHECKPOINT},
+      {"the whole image twice", [&](int, const Bufs &, const Bufs &, const std::vector<unsigned char> &w) { return Bufs{w, w}; }, ZOPT_ERR_CHECKPOINT},
+      {"only the last rank's whole image corrupt", [&](int r, const Bufs &, const Bufs &, const std::vector<unsigned char> &w) { return Bufs{r == g_world - 1 ? mut(w, [](auto &v) { v[ckt::kNumGroupsAt + 9] ^= 4; }) : w}; }, ZOPT_ERR_CHECKPOINT},
+  };
+  std::vector<Case> set_cases;
+  if (g_world > 1) {
+    set_cases.push_back({"a set with the last rank's image of another export", [&](int, const Bufs &set, const Bufs &other, const std::vector<unsigned char> &) { Bufs b = set; b.back() = other.back(); return b; }, ZOPT_ERR_CHECKPOINT});
+    set_cases.push_back({"a set with rank 0's image twice", [&](int, const Bufs &set, const Bufs &, const std::vector<unsigned char> &) { Bufs b = set; b.back() = set[0]; return b; }, ZOPT_ERR_CHECKPOINT});
+    set_cases.push_back({"a set without rank 0's image, a whole image with it", [&](int, const Bufs &set, const Bufs &, const std::vector<unsigned char> &w) { Bufs b = set; b[0] = w; return b; }, ZOPT_ERR_CHECKPOINT});
+  }
+  Bufs set((size_t)g_world), other((size_t)g_world), whole((size_t)g_world);
+  std::vector<Outcomes> outs(cases.size() + set_cases.size());
+  std::atomic<bool> unchanged{true};
+  Outcomes empty, nul;
+  on_ranks([&](int r, zopt_comm *c) {
+    Rank A;
+    RANK_CK(build_old(A, c));
+    void *b = nullptr;
+    size_t n = 0;
+    RANK_CK(zopt_optimizer_export_state(A.o, &b, &n, 0) == ZOPT_OK);
+    set[(size_t)r] = to_vec(b, n);
+    RANK_CK(zopt_optimizer_export_state(A.o, &b, &n, ZOPT_EXPORT_WHOLE) == ZOPT_OK);
+    whole[(size_t)r] = to_vec(b, n);
+    RANK_CK(zopt_optimizer_export_state(A.o, &b, &n, 0) == ZOPT_OK);  // another export: another identity
+    other[(size_t)r] = to_vec(b, n);
+    RANK_CK(A.steps(2, 1));  // now the state differs from the images; also: every rank's images exist
+    Snap s0, s;
+    RANK_CK(A.snapshot(&s0));
+    for (size_t i = 0; i < cases.size() + set_cases.size(); ++i) {
+      const Case &k = i < cases.size() ? cases[i] : set_cases[i - cases.size()];
+      Bufs mine = k.make(r, set, other, whole[(size_t)r]);
+      std::vector<const void *> p;
+      std::vector<size_t> sz;
+      for (const auto &v : mine) {
+        p.push_back(v.data());
+        sz.push_back(v.size());
+      }
+      outs[i].set(r, zopt_optimizer_import_state_set(A.o, (int)p.size(), p.data(), sz.data(), 0));
+      if (!A.snapshot(&s) || s != s0) unchanged = false;
+    }
+    empty.set(r, zopt_optimizer_import_state(A.o, whole[(size_t)r].data(), 0, 0));
+    nul.set(r, zopt_optimizer_import_state_set(A.o, 1, nullptr, nullptr, 0));
+    if (!A.snapshot(&s) || s != s0) unchanged = false;
+  });
+  for (size_t i = 0; i < cases.size() + set_cases.size(); ++i) {
+    const Case &k = i < cases.size() ? cases[i] : set_cases[i - cases.size()];
+    // A rank that found nothing wrong reports the failing rank's message.
+    bool ok = true;
+    for (int q = 0; q < g_world; ++q) ok = ok && outs[i].st[(size_t)q] == k.want && outs[i].msg[(size_t)q] == outs[i].msg[0];
+    report(ok, "import of %s: refused on every rank alike (%s)", k.what, outs[i].msg[0].c_str());
+  }
+  report(empty.all(ZOPT_ERR_CHECKPOINT) && nul.all(ZOPT_ERR_INVALID_ARGUMENT),
+         "an empty buffer: CHECKPOINT; NULL arrays: INVALID_ARGUMENT (%s)", empty.msg[0].c_str());
+  report(unchanged, "every refused import left every state, count, hyperparameter, the scaler and the seed as they were");
+}
+
+// ---- 5. the staged import ---------------------------------------------------------
+
+void test_staged() {
+  std::atomic<bool> full{true}, partial{true}, usable{true}, aborted{true}, rebuilt{true};
+  std::vector<std::string> errs;
+  std::mutex mu;
+  Outcomes differ, after_add;
+  on_ranks([&](int r, zopt_comm *c) {
+    Rank A;
+    RANK_CK(build_old(A, c));
+    Snap want, s;
+    RANK_CK(A.snapshot(&want));
+    const std::vector<std::vector<unsigned char>> params = A.params();
+    RANK_CK(A.steps(2, 2));
+    if (!A.zero3) RANK_CK(A.set_params(params));  // the model back
+    auto put_all = [&](zopt_state_import *imp, const Snap &from, size_t only) {
+      for (size_t t = 0; t < A.n.size(); ++t) {
+        if (only != (size_t)-1 && t != only) continue;
+        for (uint32_t k = 0; k < A.d->num_states; ++k) {
+          const zopt_state_desc &sd = A.d->states[k];
+          if (!is_owned(sd.kind) && !(sd.kind == ZOPT_STATE_PARAM && A.zero3)) continue;
+          std::vector<float> f((size_t)A.n[t] + 1);  // as f32: converted back exactly
+          for (int64_t i = 0; i < A.n[t]; ++i) f[(size_t)i] = get(from.st[t][k].data(), sd.dtype, (size_t)i);
+          if (zopt_state_import_put(imp, (int)t, (zopt_state_kind)sd.kind, ZOPT_DTYPE_F32, f.data(), A.n[t]))
+            return false;
+        }
+        if (zopt_state_import_set_tensor_step(imp, (int)t, from.steps[t])) return false;
+      }
+      return true;
+    };
+    // Everything put: the snapshot again.
+    zopt_state_import *imp = nullptr;
+    RANK_CK(zopt_optimizer_import_begin(A.o, &imp) == ZOPT_OK);
+    RANK_CK(put_all(imp, want, (size_t)-1));
+    size_t hi = 0;
+    for (int gi = 0; gi < A.ngroups; ++gi) {
+      RANK_CK(zopt_state_import_set_group(imp, gi, want.gcounts[(size_t)gi], want.gflags[(size_t)gi]) == ZOPT_OK);
+      for (const char *h : kHyperNames) {
+        double v;
+        if (zopt_optimizer_get_hyper(A.o, gi, h, &v) == ZOPT_OK)
+          RANK_CK(zopt_state_import_set_hyper(imp, gi, h, want.hypers[hi++]) == ZOPT_OK);
+      }
+    }
+    RANK_CK(zopt_state_import_set_loss_scaler(imp, &want.cfg, want.scale, want.good) == ZOPT_OK);
+    RANK_CK(zopt_state_import_set_seed(imp, want.seed) == ZOPT_OK);
+    RANK_CK(zopt_state_import_commit(imp) == ZOPT_OK);
+    if (!A.snapshot(&s) || s != want) full = false;
+    // Only tensor 1: the rest as at finalize (master from the params,
+    // moments zero, counts zero).
+    RANK_CK(A.steps(4, 1));
+    RANK_CK(zopt_optimizer_import_begin(A.o, &imp) == ZOPT_OK);
+    RANK_CK(put_all(imp, want, 1));
+    RANK_CK(zopt_state_import_commit(imp) == ZOPT_OK);
+    RANK_CK(A.snapshot(&s));
+    for (uint32_t k = 0; k < A.d->num_states; ++k)
+      if ((is_owned(A.d->states[k].kind) || A.zero3) && s.st[1][k] != want.st[1][k]) partial = false;
+    if (s.steps[1] != want.steps[1]) partial = false;
+    for (int64_t c2 : s.gcounts) partial = partial && c2 == 0;
+    for (size_t t = 0; t < A.n.size(); ++t) {
+      if (t == 1) continue;
+      partial = partial && s.steps[t] == 0;
+      int pk = -1;
+      for (uint32_t k = 0; k < A.d->num_states; ++k)
+        if (A.d->states[k].kind == ZOPT_STATE_PARAM) pk = (int)k;
+      for (uint32_t k = 0; k < A.d->num_states; ++k) {
+        const zopt_state_desc &sd = A.d->states[k];
+        if (!is_owned(sd.kind)) continue;
+        for (int64_t i = 0; i < A.n[t] && partial; ++i) {
+          // ZeRO-3: fresh held params from the user's params, the master from them.
+          float pv = get(A.zero3 ? A.p[t] : s.st[t][(size_t)pk].data(), A.pdt, (size_t)i);
+          float v = get(s.st[t][k].data(), sd.dtype, (size_t)i), w = sd.init == ZOPT_INIT_FROM_PARAM ? pv : 0.0f;
+          if (memcmp(&v, &w, 4)) partial = false;
+        }
+      }
+    }
+    // Bad calls leave the import usable; abort changes nothing.
+    Snap before;
+    RANK_CK(A.snapshot(&before));
+    RANK_CK(zopt_optimizer_import_begin(A.o, &imp) == ZOPT_OK);
+    std::vector<float> f((size_t)A.n[1] + 1, 0.5f);
+    zopt_state_kind k1 = ZOPT_STATE_MASTER;  // an optimizer state of the step
+    for (uint32_t k = A.d->num_states; k-- > 0;)
+      if (is_owned(A.d->states[k].kind)) k1 = (zopt_state_kind)A.d->states[k].kind;
+    RANK_CK(zopt_state_import_put(imp, 1, k1, ZOPT_DTYPE_F32, f.data(), A.n[1]) == ZOPT_OK);
+    struct Bad {
+      const char *what;
+      zopt_status st;
+    };
+    const Bad bad[] = {
+        {"a state put twice", zopt_state_import_put(imp, 1, k1, ZOPT_DTYPE_F32, f.data(), A.n[1])},
+        {"GRAD", zopt_state_import_put(imp, 1, ZOPT_STATE_GRAD, ZOPT_DTYPE_F32, f.data(), A.n[1])},
+        {"another numel", zopt_state_import_put(imp, 0, k1, ZOPT_DTYPE_F32, f.data(), 2)},
+        {"dtype 99", zopt_state_import_put(imp, 0, k1, (zopt_dtype)99, f.data(), A.n[0])},
+        {"tensor -1", zopt_state_import_put(imp, -1, k1, ZOPT_DTYPE_F32, f.data(), A.n[0])},
+        {"group flags 4", zopt_state_import_set_group(imp, 0, 1, 4)},
+        {"a hyperparameter the step lacks", zopt_state_import_set_hyper(imp, 0, "nope", 1.0)},
+        {"lr -1", zopt_state_import_set_hyper(imp, 0, "lr", -1.0)},
+        {"scale 0", zopt_state_import_set_loss_scaler(imp, nullptr, 0.0, 0)},
+        {"steps -1", zopt_state_import_set_tensor_step(imp, 0, -1)},
+    };
+    for (const Bad &b : bad)
+      if (b.st != ZOPT_ERR_INVALID_ARGUMENT) {
+        std::lock_guard<std::mutex> lk(mu);
+        errs.push_back(std::string(b.what) + " -> " + std::to_string((int)b.st));
+      }
+    if (zopt_state_import_put(imp, 0, k1, ZOPT_DTYPE_F32, f.data(), A.n[0]) != ZOPT_OK) usable = false;
+    zopt_state_import_abort(imp);
+    if (!A.snapshot(&s) || s != before) aborted = false;
+    // W > 1: the last rank imports other counts: refused everywhere.
+    if (g_world > 1) {
+      RANK_CK(zopt_optimizer_import_begin(A.o, &imp) == ZOPT_OK);
+      RANK_CK(zopt_state_import_set_tensor_step(imp, 0, r == g_world - 1 ? 9 : 8) == ZOPT_OK);
+      differ.set(r, zopt_state_import_commit(imp));
+      if (!A.snapshot(&s) || s != before) aborted = false;
+    }
+    // Tensors added between begin and commit: the commit is refused.
+    RANK_CK(zopt_optimizer_import_begin(A.o, &imp) == ZOPT_OK);
+    const size_t T0 = A.n.size();
+    A.grow(kNew, kNewG, 5);
+    RANK_CK(A.add(T0) == ZOPT_OK);
+    Snap grown;
+    RANK_CK(A.snapshot(&grown));
+    after_add.set(r, zopt_state_import_commit(imp));
+    if (!A.snapshot(&s) || s != grown) rebuilt = false;
+  });
+  std::string e;
+  for (const std::string &x : errs) e += " [" + x + "]";
+  report(full, "staged import of every state (as f32), count, hyperparameter, flag, the scaler and the seed: "
+               "bit-identical to the snapshot");
+  report(partial, "staged import of one tensor: the others start as at finalize (master from the params, moments "
+                  "zero, counts zero)");
+  report(errs.empty() && usable, "bad staged calls (put twice, GRAD, numel, dtype, tensor, flags, hyper name and "
+                                 "range, scale, steps): INVALID_ARGUMENT, the import still usable%s",
+         e.c_str());
+  report(aborted, "an aborted (or refused) staged import changed nothing");
+  if (g_world > 1)
+    report(differ.all(ZOPT_ERR_INVALID_ARGUMENT, "imported other step counts"),
+           "ranks importing other counts: refused on every rank alike (%s)", differ.msg[0].c_str());
+  report(after_add.all(ZOPT_ERR_BAD_STATE, "tensors were added") && rebuilt,
+         "a staged import committed after tensors were added: BAD_STATE, nothing changed (%s)",
+         after_add.msg[0].c_str());
+}
+
+// ---- GPU steps ------------------------------------------------------------------------
+
+bool gpu_step(const zopt_step_descriptor *d) {
+  for (uint32_t k = 0; k < d->num_states; ++k)
+    if (is_owned(d->states[k].kind) && d->states[k].placement == ZOPT_PLACE_GPU) return true;
+  return false;
+}
+
+// A GPU step (against the stand-in driver its kernels are recorded, not
+// run): states and counts written through the API, exported and imported
+// (each kind of import), bit-identical; a corrupt image refused; adding
+// tensors after finalize refused (UNSUPPORTED), nothing changed.
+void test_gpu() {
+  Rank A;
+  int r = 0, id;
+  RANK_CK(A.create(nullptr));
+  A.grow(kOld, kOldG, 1);
+  for (int gi = 0; gi < A.ngroups; ++gi) RANK_CK(zopt_optimizer_add_group(A.o, &id) == ZOPT_OK);
+  for (size_t t = 0; t < kOld.size(); ++t)
+    RANK_CK(zopt_optimizer_add_tensor(A.o, A.grp[t], A.p[t], A.g[t], A.n[t], (zopt_dtype)A.pdt, &id) == ZOPT_OK);
+  A.reg = kOld.size();
+  RANK_CK(zopt_optimizer_finalize(A.o) == ZOPT_OK && A.hypers());
+  auto fill = [&](uint64_t seed, int64_t c0, double scale) {
+    for (size_t t = 0; t < A.reg; ++t)
+      for (uint32_t k = 0; k < A.d->num_states; ++k) {
+        const zopt_state_desc &sd = A.d->states[k];
+        if (!is_owned(sd.kind)) continue;
+        std::vector<unsigned char> b((size_t)A.n[t] * esz(sd.dtype) + 1);
+        for (int64_t i = 0; i < A.n[t]; ++i) put(b.data(), sd.dtype, (size_t)i, value(seed, t * 16 + k, (uint64_t)i, 0.5));
+        if (zopt_optimizer_write_state_raw(A.o, (int)t, (zopt_state_kind)sd.kind, b.data(), b.size() - 1)) return false;
+      }
+    return !zopt_optimizer_set_step_count(A.o, 0, c0) && !zopt_optimizer_set_step_count(A.o, 1, c0 + 2) &&
+           !zopt_optimizer_set_loss_scaler_state(A.o, scale, c0 % 3) && !zopt_optimizer_set_seed(A.o, (uint64_t)c0);
+  };
+  RANK_CK(fill(9, 3, 512.0));
+  Snap want, s;
+  RANK_CK(A.snapshot(&want));
+  const size_t T0 = A.reg;
+  A.grow(kNew, kNewG, 5);
+  const zopt_status added = A.add(T0);
+  const std::string msg = zopt_last_error();
+  RANK_CK(A.snapshot(&s));
+  report(added == ZOPT_ERR_UNSUPPORTED && msg.find("GPU") != std::string::npos && s == want,
+         "GPU step: add_tensors after finalize refused (UNSUPPORTED), nothing changed (%s)", msg.c_str());
+  void *b = nullptr;
+  size_t n = 0;
+  RANK_CK(zopt_optimizer_export_state(A.o, &b, &n, 0) == ZOPT_OK);
+  const std::vector<unsigned char> image = to_vec(b, n);
+  RANK_CK(zopt_optimizer_export_state(A.o, &b, &n, ZOPT_EXPORT_WHOLE) == ZOPT_OK);
+  const std::vector<unsigned char> whole = to_vec(b, n);
+  std::vector<unsigned char> same = image;  // world size 1: the WHOLE image but the save identity
+  if (same.size() == whole.size() && same.size() > ckt::kIdAt + 16) {
+    memcpy(same.data() + ckt::kIdAt, whole.data() + ckt::kIdAt, 16);
+    ckt::reseal(same);
+  }
+  bool ok = same == whole;
+  RANK_CK(fill(11, 8, 4.0) && A.snapshot(&s) && s != want);
+  RANK_CK(zopt_optimizer_import_state(A.o, image.data(), image.size(), 0) == ZOPT_OK && A.snapshot(&s));
+  ok = ok && s == want;
+  RANK_CK(fill(12, 9, 8.0));
+  RANK_CK(zopt_optimizer_import_state(A.o, whole.data(), whole.size(), 0) == ZOPT_OK && A.snapshot(&s));
+  ok = ok && s == want;
+  report(ok, "GPU step: export -> import (its image, the WHOLE image): states, counts, scaler and seed "
+             "bit-identical");
+  RANK_CK(fill(13, 10, 16.0));
+  zopt_state_import *imp = nullptr;
+  RANK_CK(zopt_optimizer_import_begin(A.o, &imp) == ZOPT_OK);
+  for (size_t t = 0; t < A.reg; ++t) {
+    for (uint32_t k = 0; k < A.d->num_states; ++k) {
+      const zopt_state_desc &sd = A.d->states[k];
+      if (!is_owned(sd.kind)) continue;
+      RANK_CK(zopt_state_import_put(imp, (int)t, (zopt_state_kind)sd.kind, (zopt_dtype)sd.dtype, want.st[t][k].data(),
+                                    A.n[t]) == ZOPT_OK);
+    }
+    RANK_CK(zopt_state_import_set_tensor_step(imp, (int)t, want.steps[t]) == ZOPT_OK);
+  }
+  for (int gi = 0; gi < 2; ++gi)
+    RANK_CK(zopt_state_import_set_group(imp, gi, want.gcounts[(size_t)gi], want.gflags[(size_t)gi]) == ZOPT_OK);
+  RANK_CK(zopt_state_import_set_loss_scaler(imp, nullptr, want.scale, want.good) == ZOPT_OK);
+  RANK_CK(zopt_state_import_set_seed(imp, want.seed) == ZOPT_OK);
+  RANK_CK(zopt_state_import_commit(imp) == ZOPT_OK && A.snapshot(&s));
+  report(s == want, "GPU step: the staged import (in the storage dtypes): bit-identical%s%s", s == want ? "" : ": ",
+         diff(s, want).c_str());
+  Snap before;
+  RANK_CK(A.snapshot(&before));
+  std::vector<unsigned char> bad = whole;
+  bad[ckt::kNumGroupsAt + 9] ^= 4;
+  const zopt_status st = zopt_optimizer_import_state(A.o, bad.data(), bad.size(), 0);
+  RANK_CK(A.snapshot(&s));
+  report(st == ZOPT_ERR_CHECKPOINT && s == before, "GPU step: a corrupt image refused, nothing changed");
+}
+
+// ---- the steps to run ----------------------------------------------------------
+
+std::vector<std::string> collect(const std::vector<std::string> &args) {
+  std::vector<std::string> out;
+  for (const std::string &a : args) {
+    if (DIR *dir = opendir(a.c_str())) {
+      while (struct dirent *e = readdir(dir)) {
+        std::string f = e->d_name;
+        if (f.size() > 3 && f.compare(f.size() - 3, 3, ".so") == 0) out.push_back(a + "/" + f);
+      }
+      closedir(dir);
+    } else {
+      out.push_back(a);
+    }
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char **argv) {
+  std::vector<std::string> args;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a.rfind("--world=", 0) == 0) g_world = atoi(a.c_str() + 8);
+    else if (a.rfind("--dir=", 0) == 0) g_dir = a.substr(6);
+    else if (a.rfind("--device-memory=", 0) == 0) {
+      // The stand-in driver (ZOPT_CUDA_DRIVER must name it too): the
+      // model's memory from its cuMemAlloc.
+      const std::string lib = a.substr(16);
+      const char *env = getenv("ZOPT_CUDA_DRIVER");
+      void *h = dlopen(lib.c_str(), RTLD_NOW | RTLD_LOCAL);
+      if (!env || lib != env || !h) {
+        fprintf(stderr, "zopt-state-check: --device-memory needs ZOPT_CUDA_DRIVER=%s (%s)\n", lib.c_str(),
+                h ? "unset or another" : dlerror());
+        return 2;
+      }
+      *(void **)&g_dev_alloc = dlsym(h, "cuMemAlloc_v2");
+      *(void **)&g_dev_free = dlsym(h, "cuMemFree_v2");
+      if (!g_dev_alloc || !g_dev_free) return 2;
+    }
+    else if (a[0] != '-') args.push_back(a);
+    else {
+      fprintf(stderr, "zopt-state-check: unknown argument '%s'\n", a.c_str());
+      return 2;
+    }
+  }
+  if (args.empty() && getenv("ZOPT_TEST_STEP")) args.push_back(getenv("ZOPT_TEST_STEP"));
+  if (args.empty() || g_world < 1) {
+    fprintf(stderr, "usage: zopt-state-check STEP.so|DIR... [--world=W] [--dir=DIR]\n");
+    return 2;
+  }
+  if (!g_dir.empty()) mkdir(g_dir.c_str(), 0755);
+  int ran = 0;
+  for (const std::string &s : collect(args)) {
+    g_step = s;
+    g_name = s.substr(s.rfind('/') + 1);
+    zopt_step *st = nullptr;
+    zopt_optimizer *o = nullptr;
+    if (zopt_step_load(s.c_str(), &st) || zopt_optimizer_create(st, &o)) {
+      printf("SKIP %s: %s\n", g_name.c_str(), zopt_last_error());
+      zopt_step_free(st);
+      continue;
+    }
+    const bool gpu = gpu_step(zopt_step_get_descriptor(st));
+    zopt_optimizer_free(o);
+    zopt_step_free(st);
+    ++ran;
+    if (gpu) {  // world size 1
+      test_gpu();
+      continue;
+    }
+    test_add();
+    test_add_refused();
+    test_export_import();
+    test_corrupt();
+    test_staged();
+  }
+  printf("%d passed, %d failed\n", g_pass, g_fail);
+  if (!ran) return 77;
+  return g_fail ? 1 : 0;
+}
