@@ -3,11 +3,11 @@ and its registered tensors (a *part*; ``opt.parts`` maps each class name
 to its part).
 
 A part ties the layers below together: the native handle (zopt._native),
-param registration (zopt._params), gradient memory (zopt._grads),
-rebuilds (zopt._rebuild) and the lent state tensors (zopt._state). An
-optimizer over one dtype has one part; ``zopt.Optimizer({dtype: step})``
-one per class that has params, stepped together
-(``zopt_optimizer_step_linked``). Every part holds every param group
+param registration (zopt._params), gradient memory (zopt._grads), the
+state moved in memory (zopt._rebuild; GPU steps' cohorts: zopt._cohorts)
+and the lent state tensors (zopt._state). An optimizer over one dtype has
+one part; ``zopt.Optimizer({dtype: step})`` one per class that has params,
+stepped together (``zopt_optimizer_step_linked``). Every part holds every param group
 (empty where the group has no param of its class), so group ids are the
 same everywhere. The optimizer owns ``param_groups``; a part reads them
 through its owner.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import weakref
 
-from . import _grads, _params, _rebuild, _state, _strided
+from . import _cohorts, _grads, _params, _rebuild, _state, _strided
 from ._collective import collective_errors
 from ._lib import Status, ZoptError
 from ._native import Native
@@ -68,6 +68,11 @@ class Part(Native):
         """A new native optimizer over the registered tensors and the
         optimizer's groups (the old one freed), and the per-step tables."""
         self.build_native(self.groups)
+        self.after_layout()
+
+    def after_layout(self):
+        """The per-step tables of a native optimizer whose tensors changed
+        (built, or tensors added in place)."""
         _params.rebuild_lists(self)
         if self.streamer is not None:
             self.streamer.attach(self.h)
@@ -104,7 +109,7 @@ class Part(Native):
         every torch param is given alone (the usual case): each param's
         metadata is brought into the caches once."""
         if self.excluded:  # GPU steps: frozen params that got a gradient join
-            _rebuild.include_unfrozen(self)
+            _cohorts.include_unfrozen(self)
         ps = self.a_params
         if not self.one_pass:
             rb = self.rebuilds
@@ -144,7 +149,7 @@ class Part(Native):
         if not self.main or not self.a_params:
             return
         if self.excluded:  # GPU steps: a frozen param's p.grad: it joins first
-            _rebuild.include_unfrozen(self)
+            _cohorts.include_unfrozen(self)
         _grads.take_grads(self)
 
     def after_step(self, r):
