@@ -670,7 +670,7 @@ def test_gpu_step_unfrozen_param_joins_with_fresh_states(steps, gpu_env, tmp_pat
     o2 = zopt.Optimizer(st, m2.parameters(), lr=LR, weight_decay=WD)
     assert not o2._parts[0].excluded and not o2._parts[0].cohort_gid
     o2.load_state_dict(sd)
-    assert zopt._rebuild.partition(o2._parts[0].cohort_of) == {frozenset({0})} and o2._parts[0].native_steps() == [6, 3]
+    assert zopt._cohorts.partition(o2._parts[0].cohort_of) == {frozenset({0})} and o2._parts[0].native_steps() == [6, 3]
     assert o2.param_groups[0]["lr"] == 5e-3 and o2.get_hyper(0, "lr") == 5e-3
     # save() / load(): the file's native groups
     oz.save(tmp_path / "ck")
@@ -1067,12 +1067,12 @@ def _worker(what, step_path, tmp):
         o2 = zopt.Optimizer(st, params((True, True, True)), lr=1e-3)
         o2.load_state_dict(sd)
         out["o2_counts"] = o2._parts[0].native_steps()
-        out["o2_cohorts"] = sorted(map(sorted, zopt._rebuild.partition(o2._parts[0].cohort_of)))
+        out["o2_cohorts"] = sorted(map(sorted, zopt._cohorts.partition(o2._parts[0].cohort_of)))
         opt.save(os.path.join(tmp, "ck"))
         o3 = zopt.Optimizer(st, params((True, True, True)), lr=1e-3)
         o3.load(os.path.join(tmp, "ck"))
         out["o3_counts"] = o3._parts[0].native_steps()
-        out["o3_cohorts"] = sorted(map(sorted, zopt._rebuild.partition(o3._parts[0].cohort_of)))
+        out["o3_cohorts"] = sorted(map(sorted, zopt._cohorts.partition(o3._parts[0].cohort_of)))
         fake.fake_cuda_drain_all()
         for o in (opt, twin, o2, o3):
             o.close()

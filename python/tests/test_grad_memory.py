@@ -183,3 +183,40 @@ def test_user_grad_tensors_stay_p_grad(adamw_step, make, zero):
             o.step()
             assert all(p.grad is g for p, g in zip(ps, gs))
         _close(m1, m2)
+
+
+@pytest.mark.parametrize("change", ["add_param_group", "p.data"])
+def test_registrations_changed_in_place_with_grads_read_in_place(adamw_step, monkeypatch,
+                                                                change):
+    """add_param_group (zopt_optimizer_add_tensors) and a moved p.data
+    (zopt_optimizer_set_tensor_memory) change the registered memory of the
+    same native optimizer while the runtime reads fresh gradients in place:
+    the next steps must read the gradients the user gives then, read in
+    place or copied (other strides), as torch.optim.AdamW does. (The runtime
+    used to keep reading a gradient freed since, or the optimizer's own
+    stale memory, while the per-step pass thought it read p.grad.)"""
+    monkeypatch.setattr(zopt._rebuild, "snapshot", lambda c: pytest.fail("rebuilt"))
+    (m1, o1), (m2, o2) = _pair(adamw_step)
+    extra = [torch.nn.Parameter(torch.full((5,), 0.5)) for _ in range(2)]
+    for i in range(4):
+        for m, o, x in ((m1, o1, extra[0]), (m2, o2, extra[1])):
+            ps = list(m.parameters())
+            if i == 1 and change == "add_param_group":
+                o.add_param_group({"params": [x], "lr": 0.1})
+            if i == 1 and change == "p.data":
+                with torch.no_grad():
+                    for p in ps:
+                        p.data = p.data.clone()
+            o.zero_grad(set_to_none=True)
+            xb, yb = _batch(i)
+            torch.nn.functional.mse_loss(m(xb), yb).backward()
+            if i >= 1:
+                x.grad = torch.full_like(x, 0.25 * i)
+            if i in (1, 3):  # other strides than the params: copied
+                for p in ps:
+                    if p.dim() == 2:
+                        p.grad = p.grad.t().contiguous().t()
+            o.step()
+        _close(m1, m2)
+        torch.testing.assert_close(extra[0], extra[1], rtol=2e-6, atol=2e-7)
+    assert o1.rebuilds == 1

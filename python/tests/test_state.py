@@ -266,10 +266,11 @@ def snapshot_one(opt, prob):
 
 
 def test_checkpoint_writer_checksums_and_pieces(steps):
-    """zopt._ckpt: the side-by-side FNV equals the sequential one for
+    """oracles.ckptfmt: the side-by-side FNV equals the sequential one for
     chunks of any length; a state_dict of tensors cut into several pieces
-    (larger than _ckpt.PIECE_BYTES) loads back bit for bit."""
-    from zopt import _ckpt
+    (larger than _ckpt.PIECE_BYTES) loads back bit for bit; the runtime's
+    export behind it has the checksums the oracle computes."""
+    from oracles import ckptfmt as _ckpt
     rng = np.random.default_rng(4)
     chunks = [rng.integers(0, 256, n, dtype=np.uint8) for n in (0, 1, 7, 64, 1000, 3)]
     assert _ckpt.fnv1a64_many(chunks) == [_ckpt.fnv1a64(c.tobytes()) for c in chunks]
@@ -289,6 +290,7 @@ def test_checkpoint_writer_checksums_and_pieces(steps):
     for k, v in before.items():
         assert opt.read_state_raw(0, k).tobytes() == v.tobytes(), k
     assert opt.tensor_step(0) == 2 and opt.tensor_step(1) == 2
+    assert _ckpt.check_image(opt._parts[0].export_whole()) == 3  # 3 states of tensor 0
 
 
 def test_checkpoint_readers_formats_2_and_3(steps, tmp_path):
@@ -296,9 +298,11 @@ def test_checkpoint_readers_formats_2_and_3(steps, tmp_path):
     save identity after world/rank) and of the same save in format 2 (as
     runtimes before format 3 wrote it) alike: tensor table, loss scaler,
     seed; the runtime loads both into the same states; the files the
-    binding writes itself are format 3, each with its own identity."""
+    runtime exports (what state_dict reads) are format 3, each with its
+    own identity."""
     import struct
     from zopt import _ckpt
+    from oracles.ckptfmt import fnv1a64
     rng = np.random.default_rng(5)
     step = steps(rule="adamw", layout="f32")
     ps = [rng.standard_normal(n).astype(np.float32) for n in (5, 300)]
@@ -317,7 +321,7 @@ def test_checkpoint_readers_formats_2_and_3(steps, tmp_path):
     v2b = bytearray(b[:104] + b[120:H])  # without the 16-byte identity
     struct.pack_into("<I", v2b, 8, 2)
     struct.pack_into("<Q", v2b, 16, H - 16)
-    v2b += struct.pack("<Q", _ckpt.fnv1a64(v2b))
+    v2b += struct.pack("<Q", fnv1a64(v2b))
     v2b += bytes(H + 8 - len(v2b)) + b[H + 8:]  # the data where they were
     v2 = tmp_path / "ck2"
     v2.write_bytes(bytes(v2b))
@@ -334,18 +338,21 @@ def test_checkpoint_readers_formats_2_and_3(steps, tmp_path):
                 a, c = opt.read_state_raw(t, k), fresh.read_state_raw(t, k)
                 assert a.tobytes() == c.tobytes() and np.any(a != 0), (f, t, k)
         assert fresh.param_groups[1]["lr"] == 0.003 and fresh.seed == 77
-    # The binding's own file (a load_state_dict goes through one): format 3.
+    # The runtime's whole export (what state_dict() reads): format 3, one
+    # rank, each export its own identity; read in memory as files are.
+    opt.param_groups[0]["maximize"] = True
+    opt._push_hypers()
     ids = []
     for i in range(2):
-        f = tmp_path / f"w{i}"
-        _ckpt.write(f, name=step.name, desc_checksum=step.checksum,
-                    scaler=(1.0, 0, 1.0, 2.0, 0.5, 100, 1.0, 0), seed=5,
-                    kinds=[], groups=[(0, [], _ckpt.GROUP_MAXIMIZE)], tensors=[], data={})
-        w = f.read_bytes()
+        w = opt._parts[0].export_whole()
         assert struct.unpack_from("<I", w, 8)[0] == 3
-        ids.append(w[104:120])
-        nk = struct.unpack_from("<I", w, 200)[0]
-        assert nk == 0 and struct.unpack_from("<qII", w, 208) == (0, 0, _ckpt.GROUP_MAXIMIZE)
+        assert struct.unpack_from("<II", w, 96) == (1, 0)  # world 1, rank 0
+        ids.append(w[104:120].tobytes())
+        img = _ckpt.parse(w)
+        assert img.name == step.name and img.seed == 77 and len(img.kinds) == 2
+        assert [(g[0], g[2]) for g in img.groups] == [(2, _ckpt.GROUP_MAXIMIZE), (2, 0)]
+        assert img.tensors["numel"].tolist() == [5, 300]
+        assert img.state(0, 1).tobytes() == opt.read_state_raw(1, img.kinds[0][0]).tobytes()
     assert ids[0] != ids[1]
 
 

@@ -7,7 +7,9 @@ and saves the final params, masters and step counts.
 CASE: "z2" (ZeRO-2), "z3step" (ZeRO-3, params gathered after each step),
 "z3hooks" (ZeRO-3 with zopt.zero3_hooks: gathered per module in forward and
 backward, released after), "one_rank_state_dict" (ZeRO-2; before step 2
-only rank 0 calls state_dict() while rank 1 steps: both fail, and go on). Rank r trains on batches (s, r); some params
+only rank 0 calls state_dict() while rank 1 steps: both fail, and go on),
+"roundtrip_z2" / "roundtrip_z3" (round_trip_sequence: state_dict ->
+load_state_dict, add_param_group). Rank r trains on batches (s, r); some params
 have no gradient on some ranks (drop_grad). A case whose value is
 "bf16:A.so,f32:B.so" trains mixed_model() (bf16 Linears, an f32 LayerNorm)
 with one optimizer over both classes. Prints "DONE rank R" last.
@@ -149,9 +151,67 @@ def run_one_rank_state_dict(case, so, rank, world, outdir):
     opt.close()
 
 
+def extra_param():
+    """The param add_param_group adds (the same on every rank)."""
+    g = torch.Generator().manual_seed(77)
+    return torch.nn.Parameter(torch.randn(37, generator=g).to(torch.bfloat16))
+
+
+def extra_grad(s, r):
+    g = torch.Generator().manual_seed(500 + 10 * s + r)
+    return torch.randn(37, generator=g).to(torch.bfloat16)
+
+
+def round_trip_sequence(opt, model, extra, set_grads):
+    """Two steps; state_dict(); two more; the params put back and the
+    state_dict loaded; its state_dict again; the same two steps again;
+    add_param_group([extra]) and two steps. ``set_grads(s, with_extra)``
+    gives the gradients of step s. Returns what each phase ended with."""
+    def run(ss, with_extra=False):
+        for s in ss:
+            opt.zero_grad(set_to_none=True)
+            set_grads(s, with_extra)
+            opt.step()
+        opt.gather_params()
+        return [p.detach().clone() for p in model.parameters()] + \
+            ([extra.detach().clone()] if with_extra else [])
+    run(range(2))
+    saved = [p.detach().clone() for p in model.parameters()]
+    sd = opt.state_dict()
+    first = run(range(2, 4))
+    with torch.no_grad():
+        for p, x in zip(model.parameters(), saved):
+            p.copy_(x)
+    opt.load_state_dict(sd)
+    again = opt.state_dict()
+    second = run(range(2, 4))
+    opt.add_param_group({"params": [extra], "lr": 2 * LR})
+    final = run(range(4, 6), with_extra=True)
+    return {"sd": sd, "again": again, "first": first, "second": second, "final": final,
+            "final_state": opt.state_dict()["state"]}
+
+
+def run_round_trip(case, so, rank, world, outdir):
+    model, extra = zero_model(), extra_param()
+    opt = zopt.Optimizer(zopt.Step(so), model.parameters(), lr=LR, weight_decay=WD,
+                         process_group=dist.group.WORLD, seed=9)
+
+    def set_grads(s, with_extra):
+        loss_of(model, s, rank).backward()
+        if with_extra:
+            extra.grad = extra_grad(s, rank)
+    out = round_trip_sequence(opt, model, extra, set_grads)
+    out["rebuilds"] = opt.rebuilds
+    torch.save(out, os.path.join(outdir, f"{case}_rank{rank}.pt"))
+    print(f"ok {case} rank {rank}", flush=True)
+    opt.close()
+
+
 def run_case(case, so, rank, world, outdir):
     if case == "one_rank_state_dict":
         return run_one_rank_state_dict(case, so, rank, world, outdir)
+    if case.startswith("roundtrip"):
+        return run_round_trip(case, so, rank, world, outdir)
     if "," in so:
         return run_mixed(case, so, rank, world, outdir)
     model = zero_model()

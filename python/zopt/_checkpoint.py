@@ -4,19 +4,22 @@ checkpoint files (``save()`` / ``load()``; the format: docs/CHECKPOINT.md).
 
 The user-facing semantics (what the dicts hold, rule changes, the master
 and the model agreeing after a load) are docs/USAGE.md's, sections 4 and
-"Checkpoints". The functions named ``part_*`` work on one part (a
-parameter class, zopt._part.Part); the others on the optimizer, over its
-parts: a failed load of one part puts the parts loaded before it back.
+"Checkpoints". Everything goes through the runtime's state in memory
+(zopt._rebuild): ``state_dict()`` reads an exported image, and
+``load_state_dict()`` checks the whole state_dict in Python, then gives
+each part's states to one staged import (no file). The functions named
+``part_*`` work on one part (a parameter class, zopt._part.Part); the
+others on the optimizer, over its parts: a failed load of one part puts
+the parts loaded before it back.
 """
 from __future__ import annotations
 
 import os
 import struct
-import tempfile
 
 import numpy as np
 
-from . import _ckpt, _hypers, _lib, _params, _rebuild, _state
+from . import _ckpt, _cohorts, _hypers, _lib, _params, _rebuild, _state
 from ._collective import collective_errors
 from ._dtypes import KIND_OF_KEY, NP_DTYPES, TORCH_KEY, torch
 from ._lib import HYPER_BY_NAME, StateKind, Status, ZoptError, check
@@ -43,7 +46,9 @@ def warn_master_replaced(what, changed, total):
 # ---- state_dict ---------------------------------------------------------------------
 def part_states(c):
     """({tensor: {'step': ..., key: tensor}} of the tensors that stepped,
-    the snapshot they come from) of part c."""
+    the snapshot they come from) of part c: the states of contiguous
+    params are views of the runtime's export (one buffer, freed with the
+    last of them), the others copies strided like their params."""
     snap = _rebuild.snapshot(c)
     s = c.step
     state = {}
@@ -55,7 +60,7 @@ def part_states(c):
         for k in snap["kinds"]:
             if (k, t) in snap["data"] and k != StateKind.PARAM:
                 d[TORCH_KEY[k]] = _state.user_tensor(e, snap["data"][(k, t)],
-                                                     s.state_dtype(k))
+                                                     s.state_dtype(k), share=True)
         state[t] = d
     return state, snap
 
@@ -145,13 +150,14 @@ def load_state_dict(opt, sd, allow_rule_change):
                             f"state_dict has state for param {pid!r}, which no group lists")
     subs = _split(opt, sd) if opt._mapped else [sd]
     opt._prepare()
-    results = []
     with collective_errors(opt, "load_state_dict"):
-        _apply_to_parts(opt, lambda c, sub: results.append((c, part_load_state_dict(
-            c, sub, opt.param_groups, allow_rule_change))), subs)
-        new_groups = results[0][1][1]
-        opt._set_groups(new_groups)
-        finish_master_loads([(c, r[0]) for c, r in results], "load_state_dict")
+        # every part's share checked before any changes
+        plans = [part_plan_state_dict(c, sub, opt.param_groups, allow_rule_change)
+                 for c, sub in zip(opt._parts, subs)]
+        _apply_to_parts(opt, part_apply_plan, plans)
+        opt._set_groups(plans[0]["groups"])
+        finish_master_loads([(c, p["pending"]) for c, p in zip(opt._parts, plans)],
+                            "load_state_dict")
 
 
 def _split(opt, sd):
@@ -197,10 +203,12 @@ def _apply_to_parts(opt, fn, args):
         raise
 
 
-def part_load_state_dict(c, sd, groups, allow_rule_change=False):
-    """Loads torch's layout (one part's share) into part c, with the
-    hyperparameters of the state_dict's groups; returns (what the params'
-    update after the load is, for finish_master_loads; the new groups)."""
+def part_plan_state_dict(c, sd, groups, allow_rule_change=False):
+    """What loading torch's layout (one part's share) into part c is,
+    checked, without changing it: dict(snap: the states, counts, scaler and
+    seed as zopt._rebuild.restore takes them; groups: the new param groups;
+    pending: the params' update after the load, for finish_master_loads;
+    dropped: states of GPU steps' frozen params, not loaded)."""
     s = c.step
     saved = sd["param_groups"]
     counts = [0] * len(groups)
@@ -333,19 +341,28 @@ def part_load_state_dict(c, sd, groups, allow_rule_change=False):
     seed = int(z["seed"]) if "seed" in z else c.get_seed()
     snap = dict(kinds=kinds, data=data, steps=steps, group_steps=gsteps,
                 scaler=(scale, good, cfg), seed=seed)
+    return dict(snap=snap, groups=new_groups, pending=(fixes, mtids, set(fixes)),
+                dropped=dropped)
+
+
+def part_apply_plan(c, plan):
+    """A checked plan (part_plan_state_dict) into part c: one staged import
+    (GPU steps: into a native optimizer regrouped first where the counts
+    need it); nothing changes if the runtime refuses it."""
+    s, snap = c.step, plan["snap"]
     regrouped = None
     if s.gpu:  # one count per native group: params of other counts in groups of their own
-        cohorts = _rebuild.cohorts_by_steps(c, steps, gsteps)
-        if _rebuild.partition(cohorts[1]) != _rebuild.partition(c.cohort_of):
-            regrouped = _rebuild.regroup(c, cohorts)
+        cohorts = _cohorts.cohorts_by_steps(c, snap["steps"], snap["group_steps"])
+        if _cohorts.partition(cohorts[1]) != _cohorts.partition(c.cohort_of):
+            regrouped = _cohorts.regroup(c, cohorts)
     try:
-        _rebuild.restore(c, snap, groups=new_groups,
-                         flags=_lib.LOAD_ALLOW_RULE_CHANGE if allow_rule_change else 0)
+        _rebuild.restore(c, snap, groups=plan["groups"], what="load_state_dict")
     except BaseException:
         if regrouped is not None:
-            _rebuild.undo_regroup(c, *regrouped)
+            _cohorts.undo_regroup(c, *regrouped)
         raise
     c.state_epoch += 1
+    dropped = plan["dropped"]
     if dropped:
         warn_user(
             f"zopt: load_state_dict: the state_dict has states for {len(dropped)} "
@@ -356,7 +373,6 @@ def part_load_state_dict(c, sd, groups, allow_rule_change=False):
             "states, step 0) if it is unfrozen and gets a gradient. To keep them, "
             "set requires_grad=True on those params before building the optimizer",
             UserWarning)
-    return (fixes, mtids, set(fixes)), new_groups
 
 
 def loaded_step(s, e, st, kinds):
@@ -477,26 +493,27 @@ def _check_files(opt, path, files):
                 "class's checkpoint (another model, or another split into classes)")
 
 
-def part_load_file(c, path, allow_rule_change=False):
-    """The runtime's checkpoint file into part c (without the params'
-    update: returns what it would be)."""
+def part_load_file(c, path, allow_rule_change=False, image=None):
+    """The runtime's checkpoint file (or an ``image`` of one in memory,
+    named ``path``) into part c (without the params' update: returns what
+    it would be)."""
     flags = _lib.LOAD_ALLOW_RULE_CHANGE if allow_rule_change else 0
     regrouped = None
-    if c.step.gpu:  # the file's extra native groups (params that joined later)
-        cohorts = _rebuild.file_cohorts(c, path)
+    if c.step.gpu and image is None:  # the file's extra native groups (params that joined later)
+        cohorts = _cohorts.file_cohorts(c, path)
         if cohorts is not None and cohorts != (c.cohort_gid, c.cohort_of):
-            regrouped = _rebuild.regroup(c, cohorts)
+            regrouped = _cohorts.regroup(c, cohorts)
     try:
-        check(c.lib.zopt_optimizer_load_ex(c.handle(), os.fspath(path).encode(), flags),
-              f"load({path})")
+        if image is None:
+            check(c.lib.zopt_optimizer_load_ex(c.handle(), os.fspath(path).encode(), flags),
+                  f"load({path})")
+        else:
+            c.import_image(image, flags, f"load({path})")
     except BaseException:
         if regrouped is not None:
-            _rebuild.undo_regroup(c, *regrouped)
+            _cohorts.undo_regroup(c, *regrouped)
         raise
-    try:  # the scaler's configuration: the file's (no C getter for it)
-        c.scaler_cfg = _ckpt.read_scaler(path)[2]
-    except (OSError, ValueError):
-        pass
+    c.scaler_cfg = c.scaler_config_now()  # (for the native optimizers built later)
     c.seed_value = c.get_seed()
     _params.reset_watch(c)
     c.state_epoch += 1
@@ -513,8 +530,5 @@ def _load_legacy(c, sd):
     blob = sd.get("checkpoint")
     if blob is None:
         raise ZoptError(Status.CHECKPOINT, "legacy zopt state_dict without its checkpoint")
-    with tempfile.TemporaryDirectory(prefix="zopt-sd-") as d:
-        p = os.path.join(d, "ckpt")
-        with open(p, "wb") as f:
-            f.write(blob)
-        return part_load_file(c, p)
+    return part_load_file(c, "the state_dict's checkpoint",
+                          image=np.frombuffer(bytes(blob), dtype=np.uint8))

@@ -76,6 +76,24 @@ def make_scan(c):
         c.tp_synced = True
 
 
+def own_again(c):
+    """The runtime reads every gradient from the optimizer's own memory
+    again, as a new native optimizer does: those the per-step pass
+    (``c.scan.in_place()``) or sync_main (``c.foreign``: a user's
+    main_grad) handed over in place. Before the tables and the pass are
+    made anew over registrations changed in place (Part.after_layout):
+    a new pass knows of no gradient read in place, and would otherwise
+    leave the runtime reading one it no longer keeps alive."""
+    tids = set(c.foreign)
+    if c.scan is not None:
+        tids.update(c.scan.in_place())
+    if tids:
+        tids = sorted(tids)
+        c.set_grad_memory(tids, [c.entries[t].gptr or None for t in tids])
+    c.foreign = {}
+    c.scan = None
+
+
 def sync_grads(c):
     """Which params have a gradient, and where the runtime reads it (the
     rules: zopt/_scan.py); for a part whose params are all given alone,

@@ -1,9 +1,10 @@
 """The param groups of a zopt.Optimizer and the parts (parameter classes)
 their params go to: a group checked and its params made entries of their
 class's part (zopt._classes routes them), the global tables (tensor index
--> part and index in it), and ``add_param_group`` after construction: every
-class's native optimizer rebuilt with the new group, keeping its states (a
-class seen for the first time gets a part), all of it undone if one fails.
+-> part and index in it), and ``add_param_group`` after construction: the
+group and its tensors added to every class's native optimizer, keeping its
+states (zopt._rebuild.grow; a class seen for the first time gets a part),
+all of it undone if one fails.
 
 Functions take the optimizer first.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _classes, _gpu, _grads, _hypers, _params, _rebuild, _strided, _torch_compat
+from . import _classes, _cohorts, _gpu, _grads, _hypers, _params, _rebuild, _strided, _torch_compat
 from ._dtypes import is_torch
 from ._lib import Status, ZoptError
 from ._part import Part
@@ -24,7 +25,7 @@ def part_of(opt, cls):
         st = dict(opt._settings)
         built = [x for x in opt._parts if x.h is not None]
         if built:  # a class joining later: the others' seed and scaler
-            st.update(seed=built[0].get_seed(), scaler_cfg=built[0].scaler_cfg)
+            st.update(seed=built[0].get_seed(), scaler_cfg=built[0].scaler_config_now())
         c = Part(opt, cls, opt._steps[cls], zero3_mode=opt._zero3_gather,
                  grad_accumulation=opt._grad_accumulation, comm=opt._comm, **st)
         c.rank_checks = opt._rank_checks
@@ -34,15 +35,21 @@ def part_of(opt, cls):
     return c
 
 
-def extend(c, new):
-    """Part c's new entries (already in c.entries) registered: a new
-    native optimizer over them (no states restored here)."""
-    held = _rebuild.exclude_frozen(c, new)
+def register(c, new):
+    """Part c's new entries (already in c.entries) checked and given
+    gradient memory (GPU steps: frozen ones left out)."""
+    held = _cohorts.exclude_frozen(c, new)
     _params.check_overlaps(c)
     if c.streamer is None:
         _grads.alloc_grads(c, held)
     else:
         c.streamer.check_entries(held)
+
+
+def extend(c, new):
+    """Part c's new entries (already in c.entries) registered: a new
+    native optimizer over them (no states restored here)."""
+    register(c, new)
     c.build()
 
 
@@ -130,29 +137,26 @@ def append_group(opt, group, new):
 
 
 def add_group(opt, param_group):
-    """``add_param_group`` after construction: every class's native
-    optimizer rebuilt with the group, keeping every state (the new
+    """``add_param_group`` after construction: the group and its tensors
+    added to every class's native optimizer, keeping every state (the new
     group's params start fresh); a new class gets its part, with the
     others' seed and loss scaler state; all of it undone if one fails."""
     group, new = new_group(opt, param_group)
     n_groups, old_parts = len(opt.param_groups), list(opt._parts)
     sizes = {id(c): (len(c.entries), len(c.grad_flats), len(c.acc_hooks),
                      set(c.excluded)) for c in old_parts}
-    snaps, built = {}, []
-    for c in old_parts:  # every state, before anything changes
+    for c in old_parts:
         c.prepare()
-        snaps[id(c)] = _rebuild.snapshot(c)
     append_group(opt, group, new)
     created = [c for c in opt._parts if c not in old_parts]  # classes seen first now
+    undo = {}  # id(part) -> its snapshot before zopt._rebuild.grow, or None
     try:
         for c in old_parts:  # each keeps its states; an empty group where it has none
-            _params.pre_rebuild(c)
-            es = c.entries[sizes[id(c)][0]:]
-            extend(c, es)
-            built.append(c)
-            _rebuild.restore(c, snaps[id(c)])
+            n0 = sizes[id(c)][0]
+            es = c.entries[n0:]
+            register(c, es)
+            _rebuild.grow(c, 1, list(range(n0, len(c.entries))), undo)
             _grads.add_acc_hooks(c, es)
-            c.rebuilds += 1
         for c in created:  # the others' seed (at its creation) and scaler state
             extend(c, c.entries)
             if c.step.loss_scaled:
@@ -164,6 +168,11 @@ def add_group(opt, param_group):
         for c in created:
             c.free()
             opt._parts.remove(c)
+        grown = [c for c in old_parts if id(c) in undo]
+        # the states of the grown native optimizers, before their registrations go
+        snaps = {id(c): undo[id(c)] if undo[id(c)] is not None else _rebuild.snapshot(c)
+                 for c in grown}
+        del opt.param_groups[n_groups:]
         for c in old_parts:
             n_ent, n_fl, n_hooks, ex = sizes[id(c)]
             for _, h in c.acc_hooks[n_hooks:]:
@@ -172,15 +181,11 @@ def add_group(opt, param_group):
             del c.entries[n_ent:]
             del c.grad_flats[n_fl:]
             c.excluded = ex
-            if c in built:
-                c.build()
-                _rebuild.restore(c, snaps[id(c)])
-                c.rebuilds += 1
-        del opt.param_groups[n_groups:]
+        for c in grown:
+            _rebuild.rebuild(c, snaps[id(c)])
         for es in new.values():
             for e in es:
                 opt._class_of.pop(id(e.param), None)
         route(opt)
         raise
     opt._pushed.reset(opt.param_groups)
-

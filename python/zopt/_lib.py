@@ -17,7 +17,7 @@ import threading
 REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 # ---- abi.h ---------------------------------------------------------------
-ABI_VERSION = 2
+ABI_VERSION = 3
 API_VERSION = 3
 MAX_STATES = 12
 MAX_HYPERS = 16
@@ -287,6 +287,27 @@ _SIGS = {
                                                   ctypes.POINTER(ctypes.c_int64)]),
     "zopt_optimizer_set_loss_scaler_state": (_S, [_P, ctypes.c_double, ctypes.c_int64]),
     "zopt_optimizer_get_op_times": (_S, [_P, ctypes.POINTER(ctypes.c_double), ctypes.c_int]),
+    # the state in memory, tensors added after finalize (zopt.h; issue 17)
+    "zopt_optimizer_add_tensors": (_S, [_P, ctypes.c_int, ctypes.c_int, _P, _P, _P, _P,
+                                        ctypes.c_int, ctypes.POINTER(ctypes.c_int),
+                                        ctypes.POINTER(ctypes.c_int)]),
+    "zopt_optimizer_export_state": (_S, [_P, ctypes.POINTER(_P), ctypes.POINTER(ctypes.c_size_t),
+                                         ctypes.c_uint32]),
+    "zopt_state_buffer_free": (None, [_P]),
+    "zopt_optimizer_import_state": (_S, [_P, _P, ctypes.c_size_t, ctypes.c_uint32]),
+    "zopt_optimizer_import_begin": (_S, [_P, ctypes.POINTER(_P)]),
+    "zopt_state_import_put": (_S, [_P, ctypes.c_int, ctypes.c_int, ctypes.c_int, _P,
+                                   ctypes.c_int64]),
+    "zopt_state_import_set_tensor_step": (_S, [_P, ctypes.c_int, ctypes.c_int64]),
+    "zopt_state_import_set_group": (_S, [_P, ctypes.c_int, ctypes.c_int64, ctypes.c_uint32]),
+    "zopt_state_import_set_hyper": (_S, [_P, ctypes.c_int, ctypes.c_char_p, ctypes.c_double]),
+    "zopt_state_import_set_loss_scaler": (_S, [_P, ctypes.POINTER(LossScalerConfig),
+                                               ctypes.c_double, ctypes.c_int64]),
+    "zopt_state_import_set_seed": (_S, [_P, ctypes.c_uint64]),
+    "zopt_state_import_commit": (_S, [_P]),
+    "zopt_state_import_abort": (None, [_P]),
+    "zopt_optimizer_get_loss_scaler_config": (_S, [_P, ctypes.POINTER(LossScalerConfig)]),
+    "zopt_optimizer_get_tensor_steps": (_S, [_P, ctypes.c_int, ctypes.c_int, _P]),
 }
 
 _lib = None
@@ -326,7 +347,7 @@ def lib():
 
 
 _NP_OF_CTYPE = {ctypes.c_void_p: "uintp", ctypes.c_int: "intc", ctypes.c_int32: "int32",
-                ctypes.c_uint8: "uint8"}
+                ctypes.c_uint8: "uint8", ctypes.c_int64: "int64"}
 
 
 def c_array(ctype, values):
@@ -431,5 +452,7 @@ _SIGS.update({
 # ---- abi.h state flags, zopt.h load flags (appended) -------------------------
 STATE_PARTITIONED = 1          # ZOPT_STATE_PARTITIONED: sharded across ranks under ZeRO
 LOAD_ALLOW_RULE_CHANGE = 1     # ZOPT_LOAD_ALLOW_RULE_CHANGE (zopt_optimizer_load_ex)
+LOAD_VALIDATE_ONLY = 2         # ZOPT_LOAD_VALIDATE_ONLY (load_ex, import_state)
+EXPORT_WHOLE = 1               # ZOPT_EXPORT_WHOLE (zopt_optimizer_export_state)
 GROUP_MAXIMIZE = 1             # ZOPT_GROUP_MAXIMIZE (zopt_optimizer_set_group_flags)
 DTYPE_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}

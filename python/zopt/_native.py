@@ -26,7 +26,7 @@ import threading
 
 import numpy as np
 
-from . import _gpu, _hypers, _lib, _strided
+from . import _gpu, _hypers, _lib, _stateio, _strided
 from ._lib import DTYPE_ITEMSIZE, STATE_NAMES, StateKind, Status, ZoptError, check, lib
 from ._dtypes import NP_OF, torch
 
@@ -119,12 +119,11 @@ class Native:
 
     Settings given to every native optimizer it builds: ``num_threads``,
     ``bucket_elems``, ``divisor`` (the gradient divisor), ``seed_value``,
-    ``scaler_cfg`` (the loss
-    scaler's configuration: the C API has no getter for it), ``comm``,
+    ``scaler_cfg`` (the loss scaler's configuration), ``comm``,
     ``device_allocator``. ``entries`` are the registered tensors (tensor
     ids = their indices); GPU steps leave ``excluded`` ones out (empty slots)
     and put ``cohort_of`` ones in extra native groups (``cohort_gid``: the
-    param group of each), see zopt._rebuild."""
+    param group of each), see zopt._cohorts."""
 
     def __init__(self, step, *, num_threads=None, bucket_elems=None, grad_divisor=None,
                  seed=None, scaler_cfg=None, comm=None, device_allocator=None):
@@ -190,18 +189,12 @@ class Native:
                 check(L.zopt_optimizer_set_grad_divisor(h, float(self.divisor)),
                       "set_grad_divisor")
             # native groups: one per param group, then the extra groups of
-            # params that joined a GPU step later (zopt._rebuild)
+            # params that joined a GPU step later (zopt._cohorts)
             G = len(groups)
             for ng, gid in enumerate(list(range(G)) + list(self.cohort_gid)):
                 g = ctypes.c_int()
                 check(L.zopt_optimizer_add_group(h, ctypes.byref(g)), "zopt_optimizer_add_group")
-                for name, val in _hypers.slots(groups[gid], step.hypers).items():
-                    _lib.check_value(
-                        L.zopt_optimizer_set_hyper(h, ng, name.encode(), float(val)),
-                        f"param group {gid}: {name}={val!r}")
-                if _hypers.maximize(groups[gid]):
-                    check(L.zopt_optimizer_set_group_flags(h, ng, _lib.GROUP_MAXIMIZE),
-                          f"param group {gid}: maximize=True")
+                self.push_group(h, ng, gid, groups[gid])
             excluded = self.excluded
             for t, e in enumerate(self.entries):
                 tid = ctypes.c_int()
@@ -240,6 +233,12 @@ class Native:
         r, w = ctypes.c_int(), ctypes.c_int()
         check(L.zopt_optimizer_get_world(h, ctypes.byref(r), ctypes.byref(w)), "get_world")
         self.rank, self.world_size = r.value, w.value
+        self._tables()
+
+    def _tables(self):
+        """The per-native tables after its tensors changed (finalize,
+        add_tensors): every tensor active, as the runtime starts."""
+        L, step = self.lib, self.step
         T = len(self.entries)
         self.active = bytearray(b"\x01" * T)
         # the mask's address for set_active (a c_char over the bytearray:
@@ -260,6 +259,17 @@ class Native:
         self.bytes_per_elem = bpe
         self.numels = np.array([e.numel for e in self.entries], dtype=np.int64)
         self.active_elems = int(self.numels.sum())
+
+    def push_group(self, h, ng, gid, group):
+        """Native group ng <- param group ``group`` (number gid): its
+        hyperparameters and maximize flag (a new group's)."""
+        L = self.lib
+        for name, val in _hypers.slots(group, self.step.hypers).items():
+            _lib.check_value(L.zopt_optimizer_set_hyper(h, ng, name.encode(), float(val)),
+                             f"param group {gid}: {name}={val!r}")
+        if _hypers.maximize(group):
+            check(L.zopt_optimizer_set_group_flags(h, ng, _lib.GROUP_MAXIMIZE),
+                  f"param group {gid}: maximize=True")
 
     def _attach_allocator(self, h):
         """GPU steps: torch's caching allocator for finalize's buffers
@@ -306,7 +316,7 @@ class Native:
     # ---- native groups ----------------------------------------------------------
     def ngroup(self, t):
         """The native group of tensor t: its param group's, or the extra one
-        it joined in (GPU steps, zopt._rebuild)."""
+        it joined in (GPU steps, zopt._cohorts)."""
         c = self.cohort_of.get(t)
         return self.entries[t].group if c is None else self.native_G + c
 
@@ -403,12 +413,10 @@ class Native:
         return s.value
 
     def scaler_state(self):
-        """(scale, good_steps, config) of the runtime's scaler: the scale
-        and good-step count read from the runtime, which owns them (GPU
-        steps: from the device); the configuration is the one this binding
-        gave it (the C API has no getter for it). A step without loss
-        scaling reports its configured initial scale."""
-        cfg = self.scaler_cfg or scaler_config()
+        """(scale, good_steps, config) of the runtime's scaler, read from
+        the runtime, which owns them (GPU steps: from the device). A step
+        without loss scaling reports its configured initial scale."""
+        cfg = self.scaler_config_now()
         scale, good = ctypes.c_double(), ctypes.c_int64()
         check(self.lib.zopt_optimizer_get_loss_scaler_state(
             self.handle(), ctypes.byref(scale), ctypes.byref(good)),
@@ -536,6 +544,66 @@ class Native:
         self.mask_all = all_on
         self.active_elems = int(np.dot(np.frombuffer(act, dtype=np.uint8).astype(np.int64),
                                        self.numels)) if len(act) else 0
+
+    # ---- tensors added after finalize; the state in memory --------------------------
+    def add_tensors(self, new_groups, tids):
+        """``zopt_optimizer_add_tensors``: ``new_groups`` native groups
+        (at the descriptor's defaults) and the entries ``tids`` (the last
+        ones, registered like at build) added to the finalized native
+        optimizer, every state kept (collective at world size > 1). CPU and
+        offloaded steps; a refused call changes nothing (ZoptError)."""
+        ents = self.entries
+        n = len(tids)
+        ga, gp = _lib.c_array(ctypes.c_int, [ents[t].group for t in tids])
+        pa, _ = _lib.c_array(ctypes.c_void_p, [ents[t].pptr or None for t in tids])
+        na, _ = _lib.c_array(ctypes.c_int64, [ents[t].numel for t in tids])
+        if self.streamer is None:
+            da, _ = _lib.c_array(ctypes.c_void_p, [ents[t].gptr or None for t in tids])
+            dp = da.ctypes.data
+        else:  # streamed gradients: the runtime holds no gradient memory
+            da, dp = None, None
+        fg, ft = ctypes.c_int(), ctypes.c_int()
+        check(self.lib.zopt_optimizer_add_tensors(
+            self.handle(), int(new_groups), n, ga.ctypes.data, pa.ctypes.data, dp,
+            na.ctypes.data, int(self.step.param_dtype), ctypes.byref(fg), ctypes.byref(ft)),
+            "zopt_optimizer_add_tensors")
+        self.native_G += int(new_groups)
+        # every tensor active again (as after a build): the binding's next
+        # step sets the mask from the gradients
+        check(self.lib.zopt_optimizer_set_active(self.h, None, 0), "set_active")
+        self._tables()
+
+    def export_whole(self):
+        """The whole state as an image of the checkpoint format
+        (``zopt_optimizer_export_state``, ZOPT_EXPORT_WHOLE): a numpy uint8
+        array over the runtime's buffer, freed when it and every view of it
+        are gone. Collective at world size > 1."""
+        buf, size = ctypes.c_void_p(), ctypes.c_size_t()
+        check(self.lib.zopt_optimizer_export_state(self.handle(), ctypes.byref(buf),
+                                                   ctypes.byref(size), _lib.EXPORT_WHOLE),
+              "zopt_optimizer_export_state")
+        return np.asarray(_stateio.StateBuffer(self.lib, buf.value, size.value))
+
+    def import_image(self, img, flags=0, what="import_state"):
+        """``zopt_optimizer_import_state`` of an image in memory (load's
+        checks and semantics; collective at world size > 1)."""
+        a = np.ascontiguousarray(np.frombuffer(img, dtype=np.uint8)
+                                 if not isinstance(img, np.ndarray) else img)
+        check(self.lib.zopt_optimizer_import_state(self.handle(), ctypes.c_void_p(a.ctypes.data),
+                                                   a.nbytes, int(flags)), what)
+
+    def begin_import(self):
+        """A staged import (zopt._stateio.StagedImport) into the native
+        optimizer."""
+        return _stateio.StagedImport(self.lib, self.handle())
+
+    def scaler_config_now(self):
+        """The runtime's loss scaler configuration (scaler_config's dict)."""
+        c = _lib.LossScalerConfig()
+        check(self.lib.zopt_optimizer_get_loss_scaler_config(self.handle(), ctypes.byref(c)),
+              "zopt_optimizer_get_loss_scaler_config")
+        return scaler_config(c.init_scale, c.growth_factor, c.backoff_factor,
+                             c.growth_interval, c.min_scale, bool(c.dynamic))
 
     def memory_info(self):
         m = _lib.MemoryInfo()

@@ -3,11 +3,11 @@ and its registered tensors (a *part*; ``opt.parts`` maps each class name
 to its part).
 
 A part ties the layers below together: the native handle (zopt._native),
-param registration (zopt._params), gradient memory (zopt._grads),
-rebuilds (zopt._rebuild) and the lent state tensors (zopt._state). An
-optimizer over one dtype has one part; ``zopt.Optimizer({dtype: step})``
-one per class that has params, stepped together
-(``zopt_optimizer_step_linked``). Every part holds every param group
+param registration (zopt._params), gradient memory (zopt._grads), the
+state moved in memory (zopt._rebuild; GPU steps' cohorts: zopt._cohorts)
+and the lent state tensors (zopt._state). An optimizer over one dtype has
+one part; ``zopt.Optimizer({dtype: step})`` one per class that has params,
+stepped together (``zopt_optimizer_step_linked``). Every part holds every param group
 (empty where the group has no param of its class), so group ids are the
 same everywhere. The optimizer owns ``param_groups``; a part reads them
 through its owner.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import weakref
 
-from . import _grads, _params, _rebuild, _state, _strided
+from . import _cohorts, _grads, _params, _rebuild, _state, _strided
 from ._collective import collective_errors
 from ._lib import Status, ZoptError
 from ._native import Native
@@ -69,9 +69,22 @@ class Part(Native):
         """A new native optimizer over the registered tensors and the
         optimizer's groups (the old one freed), and the per-step tables."""
         self.build_native(self.groups)
+        self.scan, self.foreign = None, {}  # (what the old native optimizer was handed)
+        self.after_layout()
+
+    def after_layout(self, same_tensors=False):
+        """The per-step tables after the registered memory changed: every
+        path that changes it ends here (a native optimizer built, tensors
+        added in place, moved params registered in place; ``same_tensors``:
+        only moved, the streamer's buckets stay). The gradients handed to
+        the runtime in place are read from our own memory again
+        (zopt._grads.own_again), then the tables and the per-step pass
+        (zopt._scan, its baselines) are made anew over the registrations as
+        they are now; the next step hands the gradients over again."""
+        _grads.own_again(self)
         _params.rebuild_lists(self)
         _grads.make_scan(self)
-        if self.streamer is not None:
+        if self.streamer is not None and not same_tensors:
             self.streamer.attach(self.h)
 
     def check_params(self, same=False):
@@ -108,7 +121,7 @@ class Part(Native):
         C++ where the extension is loaded): gradients, moved storage and
         versions, each param's metadata brought into the caches once."""
         if self.excluded:  # GPU steps: frozen params that got a gradient join
-            _rebuild.include_unfrozen(self)
+            _cohorts.include_unfrozen(self)
         rb = self.rebuilds
         if self.main:
             self.take_grads()
@@ -134,7 +147,7 @@ class Part(Native):
         if not self.main or not self.a_params:
             return
         if self.excluded:  # GPU steps: a frozen param's p.grad: it joins first
-            _rebuild.include_unfrozen(self)
+            _cohorts.include_unfrozen(self)
         _grads.take_grads(self)
 
     def after_step(self, r):

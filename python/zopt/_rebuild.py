@@ -1,331 +1,207 @@
-"""Rebuilding a part's native optimizer with every state kept, and the GPU
-steps' frozen params and cohorts: what the runtime cannot do in place yet.
+"""A part's native optimizer changed with every state kept, through the
+runtime's state in memory (docs/CHECKPOINT.md "In memory"): no file, and
+no checkpoint written by the binding (the runtime's writer is the format's
+only one).
 
-What replaces this module (issue 17, item 3; in the runtime, after this
-binding's split): an in-memory state export/import and tensors added to a
-finalized optimizer. Until then:
+* :func:`snapshot`: the whole state exported
+  (``zopt_optimizer_export_state``, ZOPT_EXPORT_WHOLE) and read in memory
+  (zopt._ckpt: numpy views of the image).
+* :func:`restore`: one staged import (``zopt_optimizer_import_begin`` ...
+  ``_commit``) of a snapshot, or of the states ``load_state_dict`` gives,
+  into the current native optimizer, whose tensors may be more or fewer
+  than the snapshot's: checked whole, then applied, or nothing.
+* :func:`grow`: new entries (``add_param_group``) through
+  ``zopt_optimizer_add_tensors`` (CPU and offloaded steps: rebuilt in
+  place); otherwise (GPU steps, or a refusal of it) :func:`rebuild`:
+  export -> a new native optimizer -> staged import (which also undoes a
+  grow).
+* :func:`register_moved`: params whose storage moved (``p.data = new``):
+  ``zopt_optimizer_set_tensor_memory`` (CPU and offloaded steps), else
+  export -> new native -> import.
 
-* **Rebuilds through a temporary checkpoint.** A native optimizer's groups
-  and tensors are fixed at finalize, and the C API cannot set a tensor's
-  states before finalize nor every count afterwards (GPU steps count per
-  group), so ``add_param_group``, a param whose storage moved (``p.data =
-  new``) and ``load_state_dict`` read everything the native optimizer
-  holds (:func:`snapshot`), build a new one and load a one-rank checkpoint
-  file the binding writes (:func:`restore`, zopt._ckpt's writer;
-  ``zopt_optimizer_load_ex`` checks the whole file before it changes
-  anything). The swap: ``snapshot`` -> the runtime's export, ``restore`` ->
-  its import, and the rebuilds -> tensors added in place.
-* **GPU cohorts.** GPU kernels have no per-tensor skip (active mask) yet:
-  a torch param that does not require grad when the optimizer is built is
-  left out (an empty slot, :func:`exclude_frozen`), joins once it has a
-  gradient (:func:`include_unfrozen`, a rebuild) with fresh states, in an
-  extra native group of its own when its group has stepped (a *cohort*:
-  GPU steps count steps per group). A held param without a gradient
-  refuses the step. The swap: the runtime's per-tensor mask on the GPU.
-
-Functions take the part ``c`` (zopt._part.Part) first.
+GPU steps' frozen params and cohorts (extra native groups) are
+zopt._cohorts'. Functions take the part ``c`` (zopt._part.Part) first.
 """
 from __future__ import annotations
 
-import os
-import struct
-import tempfile
+import ctypes
 
 import numpy as np
 
-from . import _ckpt, _grads, _hypers, _params
-from ._dtypes import NP_DTYPES, NP_OF, convert_bits
-from ._lib import DType, HYPER_BY_NAME, StateKind, Status, ZoptError, check
+from . import _ckpt, _hypers, _params
+from ._dtypes import NP_DTYPES, NP_OF, TORCH_KEY
+from ._lib import GROUP_MAXIMIZE, DType, StateKind, Status, ZoptError, check
 
 
 # ---- snapshots and restores -----------------------------------------------------
-def ckpt_kinds(c):
-    kinds = list(c.step.owned_states)
-    if c.step.zero3:
-        kinds.append(StateKind.PARAM)
-    return kinds
-
-
 def snapshot(c):
-    """Everything the native optimizer holds (states raw, step counts,
-    scaler, seed); collective at world size > 1 for sharded states."""
-    c.handle()
-    kinds = ckpt_kinds(c)
+    """Everything the native optimizer holds, exported and read in memory:
+    dict(kinds, data {(kind, tensor): numpy view}, steps (per tensor),
+    group_steps (per param group), native_steps, native_G, scaler
+    (scale, good_steps, config), seed, image). Collective at world size
+    > 1 (the sharded states are gathered)."""
+    img = _ckpt.parse(c.export_whole(), f"the state of step '{c.step.name}'")
+    kinds = [StateKind(k) for k, _ in img.kinds]
+    ex = c.excluded
+    T = len(img.tensors)  # (the registrations may have more already)
     data = {}
-    for t, e in enumerate(c.entries):
-        if t in c.excluded:  # no states (GPU steps' frozen params)
-            continue
-        for k in kinds:
-            data[(k, t)] = c.read_raw(t, k) if e.numel else \
-                np.empty(0, dtype=NP_OF[c.step.state_dtype(k)])
-    native = c.native_steps()
+    for ki, (k, dt) in enumerate(img.kinds):
+        empty = np.empty(0, dtype=NP_OF[DType(dt)])
+        for t in range(T):
+            if t in ex:  # no states (GPU steps' frozen params)
+                continue
+            a = img.state(ki, t)
+            data[(kinds[ki], t)] = empty if a is None else a
+    steps = img.tensors["steps"].tolist()
+    for t in ex:  # left out (GPU steps): never stepped
+        if t < T:
+            steps[t] = 0
+    native = [g[0] for g in img.groups]
     G = c.native_G
-    return dict(kinds=kinds, data=data,
-                steps=[c.tensor_step(t) for t in range(len(c.entries))],
+    return dict(kinds=kinds, data=data, steps=steps,
                 group_steps=[max([native[g]] + [native[G + k] for k, x in
                                                 enumerate(c.cohort_gid) if x == g])
                              for g in range(G)],
                 native_steps=native, native_G=G,
-                scaler=c.scaler_state(), seed=c.get_seed())
+                scaler=c.scaler_state(),  # (the image's, read through the getters)
+                seed=img.seed, image=img)
 
 
-def restore(c, snap, groups=None, flags=0, file_kinds=None):
-    """Loads a snapshot (old tensors; new ones start fresh) with the
-    hyperparameters and flags of ``groups`` (default: the optimizer's
-    param groups) through a checkpoint file the binding writes (the only
-    way to set every count and the scaler's state through the C API)."""
+def restore(c, snap, groups=None, what="restore"):
+    """Imports a snapshot (or what load_state_dict made of a state_dict:
+    the same keys) into c's native optimizer in one staged import, with
+    the hyperparameters and flags of ``groups`` (default: the optimizer's
+    param groups): the snapshot's tensors that c has (by index) get their
+    states and counts, the others start as at finalize. Nothing changes if
+    anything is refused."""
     s = c.step
     if groups is None:
         groups = c.groups
-    kinds = list(file_kinds if file_kinds is not None else snap["kinds"])
-    dts = {}
-    for (k, t), a in snap["data"].items():
-        dts.setdefault(k, NP_DTYPES[a.dtype])
-    kind_dt = [(k, dts.get(k, s.state_dtype(k) or DType.F32)) for k in kinds]
-    kidx = {k: i for i, (k, _) in enumerate(kind_dt)}
-    data = {}
-    for (k, t), a in snap["data"].items():
-        if k not in kidx:
-            continue
-        want = NP_OF[kind_dt[kidx[k]][1]]
-        if a.dtype != want:
-            a = convert_bits(a, NP_DTYPES[a.dtype], kind_dt[kidx[k]][1])
-        data[(kidx[k], t)] = a
-    steps = list(snap["steps"]) + [0] * (len(c.entries) - len(snap["steps"]))
-    ex = c.excluded
+    ents, ex = c.entries, c.excluded
+    T, G = len(ents), len(groups)
+    steps = (list(snap["steps"]) + [0] * T)[:T]
     for t in ex:  # left out (GPU steps): no states, never stepped
         steps[t] = 0
-    data = {key: a for key, a in data.items() if key[1] not in ex}
-    gsteps = list(snap["group_steps"])
-    gsteps += [0] * (len(groups) - len(gsteps))
+    gsteps = list(snap["group_steps"]) + [0] * G
     # Native groups: the param groups' (a snapshot's own counts where it
     # has them), then the extra groups of GPU steps (those the snapshot
     # had keep their counts; a new one starts at its tensors' steps).
     native, nG = snap.get("native_steps"), snap.get("native_G", 0)
-    G = len(groups)
     counts = [native[g] if native is not None and g < nG else gsteps[g] for g in range(G)]
     for k in range(len(c.cohort_gid)):
         if native is not None and nG + k < len(native):
             counts.append(native[nG + k])
         else:
-            counts.append(max([steps[t] for t, x in c.cohort_of.items() if x == k]
-                              or [0]))
-    ngroups = []
-    for ng, gid in enumerate(list(range(G)) + list(c.cohort_gid)):
-        g = groups[gid]
-        ngroups.append((counts[ng], [(int(HYPER_BY_NAME[n]), v)
-                                     for n, v in _hypers.slots(g, s.hypers).items()],
-                        _ckpt.GROUP_MAXIMIZE if g.get("maximize") else 0))
-    cohort = c.cohort_of
-    tensors = [(e.group if t not in cohort else G + cohort[t],
-                0 if t in ex else e.numel, steps[t]) for t, e in enumerate(c.entries)]
+            counts.append(max([steps[t] for t, x in c.cohort_of.items() if x == k] or [0]))
     scale, good, cfg = snap["scaler"]
-    scaler = (scale, good, cfg["init_scale"], cfg["growth_factor"], cfg["backoff_factor"],
-              cfg["growth_interval"], cfg["min_scale"], cfg["dynamic"])
-    with tempfile.TemporaryDirectory(prefix="zopt-load-") as d:
-        path = os.path.join(d, "state.zckpt")
-        _ckpt.write(path, name=s.name, desc_checksum=s.checksum, scaler=scaler,
-                    seed=snap["seed"], kinds=[(int(k), int(dt)) for k, dt in kind_dt],
-                    groups=ngroups, tensors=tensors, data=data)
-        check(c.lib.zopt_optimizer_load_ex(c.handle(), path.encode(), flags),
-              "load_state_dict")
-    c.scaler_cfg = dict(cfg)
+    with c.begin_import() as imp:
+        for (k, t), a in snap["data"].items():
+            if t >= T or t in ex or not ents[t].numel:
+                continue
+            imp.put(t, k, NP_DTYPES[a.dtype], a,
+                    f"{what}: {ents[t].name}: '{TORCH_KEY.get(k, k)}'")
+        for t, n in enumerate(steps):
+            if n:
+                imp.tensor_step(t, n)
+        for ng, gid in enumerate(list(range(G)) + list(c.cohort_gid)):
+            g = groups[gid]
+            imp.group(ng, counts[ng], GROUP_MAXIMIZE if _hypers.maximize(g) else 0)
+            for name, v in _hypers.slots(g, s.hypers).items():
+                imp.hyper(ng, name, v, f"{what}: param group {gid}: {name}={v!r}")
+        imp.scaler(cfg, scale, good)
+        imp.seed(snap["seed"])
+        imp.commit(what)
+    c.scaler_cfg = dict(cfg)  # (for the native optimizers built later)
     c.seed_value = snap["seed"]
-    for gid, g in enumerate(groups):  # the files may not carry the flag: the groups do
-        c.set_maximize(gid, _hypers.maximize(g))
     _params.reset_watch(c)
 
 
-# ---- rebuilds ---------------------------------------------------------------------
+def rebuild(c, snap=None):
+    """A new native optimizer over the registered tensors and groups with
+    every state of the old one (``snap``: a snapshot taken of it before the
+    registrations changed; default: taken now)."""
+    if snap is None:
+        snap = snapshot(c)
+    _params.pre_rebuild(c)
+    c.build()
+    restore(c, snap)
+    c.rebuilds += 1
+
+
+# ---- tensors added, moved ---------------------------------------------------------
+_IN_PLACE_REFUSALS = (Status.UNSUPPORTED, Status.BAD_STATE)
+
+
+def grow(c, new_groups, tids, undo):
+    """Param groups ``c.groups[-new_groups:]`` and the registered entries
+    ``tids`` (the last ones) into c's native optimizer, every state kept:
+    ``zopt_optimizer_add_tensors`` where the runtime does it in place (CPU
+    and offloaded steps), else a rebuild (export -> new native -> import).
+    ``undo[id(c)]`` is set, before the native optimizer changes, to the
+    snapshot that puts it back (:func:`rebuild` over the old
+    registrations), or None: its old states stay in the grown native
+    optimizer (snapshot it before its registrations go back)."""
+    if not c.step.gpu:
+        try:
+            c.add_tensors(new_groups, tids)
+        except ZoptError as e:
+            if e.code not in _IN_PLACE_REFUSALS:
+                raise
+        else:
+            undo[id(c)] = None
+            G = len(c.groups)
+            for gid in range(G - new_groups, G):
+                c.push_group(c.h, gid, gid, c.groups[gid])
+            c.after_layout()
+            c.rebuilds += 1
+            return
+    undo[id(c)] = snap = snapshot(c)
+    rebuild(c, snap)
+
+
 def register_moved(c, tids):
     """Moved params: under ZeRO-3 nothing to register (the runtime never
-    reads the registered param memory after finalize; the binding
-    passes the current storage everywhere). Otherwise the runtime
-    writes params in place: the native optimizer is rebuilt around the
-    new storage, every state kept."""
+    reads the registered param memory after finalize; the binding passes
+    the current storage everywhere). Otherwise the runtime writes params
+    in place: their new storage is registered
+    (``zopt_optimizer_set_tensor_memory``; GPU steps, or a refusal: the
+    native optimizer rebuilt around it), every state kept."""
     if c.step.zero3:
         return
     tids = [t for t in tids if c.entries[t].dense is None]
     if not tids:  # strided params: their registered copies did not move
         return
-    snap = snapshot(c)
+    if not c.step.gpu:
+        try:
+            _move_in_place(c, tids)
+        except ZoptError as e:  # (two params that swapped storage, ...)
+            if e.code not in _IN_PLACE_REFUSALS + (Status.INVALID_ARGUMENT,):
+                raise
+        else:
+            c.rebuilds += 1
+            return
+    snap = snapshot(c)  # (the states: none of them moved)
     for t in tids:
         c.entries[t].pptr = c.entries[t].param.data_ptr()
-    c.build()
-    restore(c, snap)
-    c.rebuilds += 1
+    rebuild(c, snap)
 
 
-def regroup(c, cohorts):
-    """Rebuilds the native optimizer with other extra native groups
-    (cohort_gid, cohort_of); returns what :func:`undo_regroup` needs
-    to put the old one back (a snapshot of every state)."""
-    snap = snapshot(c)
-    _params.pre_rebuild(c)
-    old = (c.cohort_gid, c.cohort_of)
-    c.cohort_gid, c.cohort_of = list(cohorts[0]), dict(cohorts[1])
+def _move_in_place(c, tids):
+    """set_tensor_memory of each moved param with our own gradient memory,
+    then the per-step tables made anew (Part.after_layout: every gradient
+    read in place, moved or not, is ours again until the next step hands
+    it over, checked against the params' new memory)."""
+    L, h = c.lib, c.handle()
+    done = False
     try:
-        c.build()
-    except BaseException:
-        c.cohort_gid, c.cohort_of = old
-        raise
-    c.rebuilds += 1
-    return snap, old
-
-
-def undo_regroup(c, snap, old):
-    c.cohort_gid, c.cohort_of = old
-    c.build()
-    restore(c, snap)
-    c.rebuilds += 1
-
-
-# ---- GPU steps: frozen params left out, joining when trained ----------------------
-def exclude_frozen(c, new):
-    """GPU steps: the new entries (the last ``len(new)`` ones) that are
-    frozen (a torch param given alone with requires_grad=False and no
-    gradient) are left out of the native optimizer: GPU kernels have
-    no per-tensor skip, so a param the runtime holds must have a
-    gradient at every step. Returns the entries that are held."""
-    base = len(c.entries) - len(new)
-    held = []
-    for i, e in enumerate(new):
-        if e.frozen:
-            c.excluded.add(base + i)
-        else:
-            held.append(e)
-    return held
-
-
-def include_unfrozen(c):
-    """GPU steps: params left out that now have a gradient (unfrozen:
-    ``requires_grad_(True)`` and a backward) join the native optimizer,
-    rebuilt keeping every state. They start like torch's lazily created
-    state: zero states, step 0 (in a native group of their own when
-    their param group has stepped already: GPU steps count steps per
-    group)."""
-    ents = c.entries
-    new = [t for t in sorted(c.excluded) if _params.has_grad(ents[t].param)]
-    if not new:
-        return False
-    for t in new:  # checked as any param is (dtype, layout, memory)
-        e = ents[t]
-        e.name = e.name.split(" (shape ")[0] + (
-            f" (shape {tuple(e.param.shape)}, {str(e.param.dtype).replace('torch.', '')})")
-        _params.layout(c.step, e)
-    c.prepare()
-    snap = snapshot(c)
-    _params.pre_rebuild(c)
-    old = (set(c.excluded), list(c.cohort_gid), dict(c.cohort_of))
-    n_flats = len(c.grad_flats)
-    try:
-        c.excluded.difference_update(new)
-        for e in (ents[t] for t in new):
-            e.frozen = False
-        _params.check_overlaps(c)
-        by_group = {}
-        for t in new:
-            by_group.setdefault(ents[t].group, []).append(t)
-        for gid, ts in by_group.items():
-            if snap["native_steps"][gid]:  # the group has stepped: a group of their own
-                k = len(c.cohort_gid)
-                c.cohort_gid.append(gid)
-                for t in ts:
-                    c.cohort_of[t] = k
-        _grads.alloc_grads(c, [ents[t] for t in new])
-        c.build()
-    except BaseException:
-        c.excluded, c.cohort_gid, c.cohort_of = old
-        del c.grad_flats[n_flats:]
-        for t in new:
-            ents[t].frozen, ents[t].grad, ents[t].gptr = True, None, None
-        raise
-    restore(c, snap)
-    _grads.add_acc_hooks(c, [ents[t] for t in new])
-    c.rebuilds += 1
-    return True
-
-
-def cohorts_by_steps(c, steps, gsteps):
-    """GPU steps (one step count per native group): the extra native
-    groups that give every held tensor its own count ``steps[t]``: a
-    tensor whose count is not its param group's ``gsteps[g]`` goes to
-    the extra group of (g, count). Returns (cohort_gid, cohort_of)."""
-    gid_of, cohort_of, key_of = [], {}, {}
-    for t, e in enumerate(c.entries):
-        if t in c.excluded or steps[t] == gsteps[e.group]:
-            continue
-        k = key_of.setdefault((e.group, steps[t]), len(gid_of))
-        if k == len(gid_of):
-            gid_of.append(e.group)
-        cohort_of[t] = k
-    return gid_of, cohort_of
-
-
-def partition(cohort_of):
-    by = {}
-    for t, k in cohort_of.items():
-        by.setdefault(k, set()).add(t)
-    return {frozenset(ts) for ts in by.values()}
-
-
-def file_cohorts(c, path):
-    """GPU steps: the extra native groups of a checkpoint file written by
-    save() (params that joined after the optimizer was built, each such
-    group a native group after the param groups'), as (cohort_gid,
-    cohort_of) for this part's tensors; None if the file does not
-    say or does not fit (the runtime's load then names the mismatch)."""
-    try:
-        t = _ckpt.read_tensor_table(path)
-    except (OSError, ValueError, struct.error):
-        return None
-    if t is None:
-        return None
-    _name, _world, ngroups, table = t
-    tgroup = [g for g, _ in table]
-    G = c.native_G
-    if len(tgroup) != len(c.entries) or ngroups < G:
-        return None
-    gid_of = [None] * (ngroups - G)
-    cohort_of = {}
-    for t, (e, fg) in enumerate(zip(c.entries, tgroup)):
-        if fg < G:
-            if fg != e.group:
-                return None
-            continue
-        k = fg - G
-        if k >= len(gid_of) or gid_of[k] not in (None, e.group):
-            return None
-        gid_of[k] = e.group
-        cohort_of[t] = k
-    if None in gid_of:
-        return None
-    return gid_of, cohort_of
-
-
-def check_held(c, t, what):
-    """A param left out (GPU steps) has no states to read or write."""
-    if t in c.excluded:
-        raise ZoptError(
-            Status.INVALID_ARGUMENT,
-            f"{what}: {c.entries[t].name} is left out of the optimizer's native "
-            f"state: step '{c.step.name}' updates on the GPU and the param did not "
-            "require grad when the optimizer was built, so it has no states (as torch's "
-            "opt.state[p] is empty for a param never stepped). It gets fresh states when "
-            "it is trained: requires_grad_(True) and a gradient at a step")
-
-
-def refuse_missing_grads(c):
-    miss = c.gpu_missing
-    names = [c.entries[t].name for t in miss[:4]]
-    raise ZoptError(
-        Status.UNSUPPORTED,
-        f"step(): {', '.join(names)}{', ...' if len(miss) > 4 else ''} "
-        f"({len(miss)} of {len(c.entries)} params) require grad but have no gradient "
-        f"at this step. Step '{c.step.name}' updates on the GPU, whose kernels have "
-        "no per-tensor skip yet: every param the optimizer holds needs a gradient at "
-        "every step (torch.optim would leave these alone). For params that are never "
-        "trained, set requires_grad=False before building the optimizer: they are then "
-        "left out (and join with fresh states once unfrozen and given a gradient). "
-        "Otherwise let backward reach them, or use a CPU or offloaded step. Nothing was "
-        "updated")
+        for t in tids:
+            e = c.entries[t]
+            p = e.param.data_ptr()
+            check(L.zopt_optimizer_set_tensor_memory(h, int(t), ctypes.c_void_p(p),
+                                                     ctypes.c_void_p(e.gptr or None)),
+                  f"zopt_optimizer_set_tensor_memory({e.name})")
+            e.pptr = p
+            done = True
+    finally:
+        if done:  # (also before a refusal's rebuild: the tables match the runtime)
+            c.after_layout(same_tensors=True)

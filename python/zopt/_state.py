@@ -19,7 +19,7 @@ import weakref
 
 import numpy as np
 
-from . import _params, _rebuild
+from . import _cohorts, _params
 from ._dtypes import (KIND_OF_KEY, NP_DTYPES, NP_OF, TORCH_KEY, convert_bits, from_bits,
                       is_torch, np_bits, round_bits, torch, torch_dtypes, torch_of)
 from ._lib import DType, DTYPE_NAMES, StateKind, Status, ZoptError
@@ -209,12 +209,16 @@ class StateView(collections.abc.MutableMapping):
 
 
 # ---- conversions between the user's values and storage bits ---------------------
-def user_tensor(e, flat, dt):
+def user_tensor(e, flat, dt, share=False):
     """A state (numpy storage bits, memory order) as the user sees it:
     a CPU torch tensor shaped (and strided) like the param; for numpy
-    params (or without torch) a numpy array (bf16 widened to f32)."""
+    params (or without torch) a numpy array (bf16 widened to f32).
+    ``share``: a contiguous param's state is a view of ``flat`` (no copy;
+    it keeps ``flat``'s memory alive)."""
     if torch is not None:
         src = from_bits(flat, dt)
+        if share and e.torch and e.stride == _contiguous(e.shape):
+            return src.view(e.shape)
         if e.torch:
             out = torch.empty_strided(e.shape, e.stride, dtype=src.dtype)
             if e.numel:
@@ -224,6 +228,14 @@ def user_tensor(e, flat, dt):
     if dt == DType.BF16:
         return bf16.to_f32(flat).reshape(e.shape)
     return flat.copy().reshape(e.shape)
+
+
+def _contiguous(shape):
+    st, n = [], 1
+    for d in reversed(shape):
+        st.append(n)
+        n *= d
+    return tuple(reversed(st))
 
 
 def flat_from_user(e, v, key):
@@ -371,7 +383,7 @@ def state_values(c, t, values):
     s = c.step
     out = {}
     if values:
-        _rebuild.check_held(c, t, "opt.state[p] = ...")
+        _cohorts.check_held(c, t, "opt.state[p] = ...")
     for key, v in values.items():
         what = f"opt.state[p][{key!r}] of {e.name}"
         if key == "step":

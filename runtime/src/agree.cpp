@@ -2,6 +2,8 @@
 // the messages naming the setting that differs (agree.h).
 #include "agree.h"
 
+#include "backend/backend.h"
+
 #include "comm/comm_internal.h"
 #include "layout/layout.h"
 
@@ -182,7 +184,7 @@ zopt_status agree_at_finalize(zopt_optimizer *o) {
   for (size_t t = 0; t < o->tensors.size(); ++t) {
     const Tensor &x = o->tensors[t];
     if (!x.numel) continue;
-    const void *p = o->offload ? state_ptr(o, (int)t, pi) : x.param;
+    const void *p = o->backend->param_on_host(o, (int)t);
     ph = mix(p, (size_t)x.numel * es, ph);
   }
   s.add_hex(kParams, ph);

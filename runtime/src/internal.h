@@ -138,6 +138,7 @@ struct zopt_step {
   zopt_prepare_fn prepare = nullptr;
   zopt_update_fn update = nullptr;
   zopt_sumsq_fn sumsq = nullptr;
+  zopt_control_fn control = nullptr;  // every step: the host CONTROL (abi.h)
   zopt_isa update_isa = ZOPT_ISA_NONE;
   bool has_cpu_kernels = false;
   bool has_gpu_code = false;  // GPU images present (need the CUDA backend)
@@ -165,7 +166,7 @@ struct Group {
   std::vector<void *> buffers; // GPU steps: per descriptor state; null for PARAM/GRAD
 };
 
-struct GpuState;  // gpu.cpp: the CUDA backend of a GPU step
+class Backend;    // backend/backend.h: where the states live, how ops run
 namespace exec {
 struct Program;   // exec/exec.h: the step program of a CPU-updated step
 struct StepState; // exec/exec.h: a step between run_begin and run_end
@@ -192,8 +193,7 @@ struct zopt_optimizer {
   zopt::LossScaler scaler;
   zopt::ThreadPool *pool = nullptr;
   std::unordered_set<const void *> params;  // registered param pointers
-  zopt::GpuState *gpu = nullptr;  // set for steps that run on the GPU
-  zopt::GpuState *offload = nullptr;  // set for offloaded steps (offload.cpp)
+  zopt::Backend *backend = nullptr;  // cpu, offload or cuda (backend/)
   uint64_t seed = 0;  // stochastic rounding (abi.h)
   // Ranks: the communicator (NULL until set: world size 1), and what
   // finalize read of it.
@@ -243,20 +243,12 @@ int hyper_index(const zopt_step_descriptor *d, uint32_t kind);
 // Pointer to element 0 of state `si` of tensor `t` where this rank holds the
 // whole tensor contiguously: user memory for PARAM and GRAD, an offloaded
 // step's host staging, a GPU step's device buffer, an unsharded runtime
-// buffer. NULL for a state sharded across ranks (exec::runs gives its
-// pieces). Requires finalize for runtime-held states.
+// buffer (the backend's Backend::state_ptr). NULL for a state sharded
+// across ranks (exec::runs gives its pieces). Requires finalize for
+// runtime-held states.
 void *state_ptr(const zopt_optimizer *o, int t, int si);
-// GPU steps: lays out every group's flat device buffers: each tensor's
-// segment starts at a multiple of `align` elements and the group total is
-// one too. Sets Tensor::offset and Group::padded_total; returns the largest
-// numel.
-int64_t layout_segments(zopt_optimizer *o, int64_t align);
 // The divisor D of the gradient scale 1/(S*D) (abi.h ZOPT_GLOBAL_GRAD_SCALE).
 double grad_divisor(const zopt_optimizer *o);
-// The dynamic loss scaler after a step (PyTorch GradScaler / DeepSpeed):
-// on overflow back off (not below min_scale) and restart the count, else
-// grow after growth_interval good steps. No-op for a static scale.
-void update_loss_scaler(zopt_optimizer *o, bool overflow);
 bool is_owned_kind(uint32_t kind);
 // The integer in an enum-typed API argument, read without an enum-typed load
 // (a C caller may pass any value; loading it as the C++ enum would be UB).
@@ -269,50 +261,6 @@ inline uint32_t raw_enum(const E &e) {
 }
 void release_step(const zopt_step *s);
 
-// ---- the CUDA backend (gpu.cpp) ------------------------------------------
-// For a step with GPU code, the owned state buffers of a group hold device
-// addresses (state_ptr returns device pointers) and these replace the CPU
-// paths of optimizer.cpp.
-zopt_status gpu_create(zopt_optimizer *o);  // driver, context, module
-zopt_status gpu_check_tensor(const zopt_optimizer *o, void *param, void *grad);
-zopt_status gpu_finalize(zopt_optimizer *o);
-zopt_status gpu_step(zopt_optimizer *o, zopt_step_result *result);
-// The step counts and the loss scaler live on the device after finalize.
-// gpu_pull refreshes the host copies (groups[].step_count, scaler) when steps
-// ran since the last pull (synchronizes the stream); gpu_push writes the
-// host copies to the device (after configure_loss_scaler or a checkpoint
-// load). gpu_hypers_changed marks the device's hyperparameter table stale.
-zopt_status gpu_pull(zopt_optimizer *o);
-zopt_status gpu_push(zopt_optimizer *o);
-void gpu_hypers_changed(zopt_optimizer *o);
-// set_hyper of a changed value: stores it and writes it into the device's
-// table (after finalize), ordered between the steps on the stream.
-zopt_status gpu_set_hyper(zopt_optimizer *o, int group, int hi, double value);
-// Synchronous staging copy of state `si` of tensor `t` (bytes of storage).
-zopt_status gpu_copy(const zopt_optimizer *o, int t, int si, void *host, size_t bytes, bool to_device);
-// The master of tensors [first, first + count) from their params, on the
-// device (zopt_optimizer_refresh_master).
-zopt_status gpu_refresh_master(zopt_optimizer *o, int first, int count);
-void gpu_free(zopt_optimizer *o);
-
-// ---- offloaded steps (offload.cpp): params/grads on the GPU, optimizer
-// states and kernels on the CPU; PARAM/GRAD get pinned host staging buffers
-// in the groups' flat layout, copied around the CPU step.
-bool is_offload_step(const zopt_step *s);
-zopt_status offload_create(zopt_optimizer *o);
-zopt_status offload_check_tensor(const zopt_optimizer *o, void *param, void *grad);
-zopt_status offload_alloc_staging(zopt_optimizer *o, size_t bytes, void **out);
-// The staging buffers allocated so far (in allocation order), and freeing
-// those of indices [first, last) (a program rebuilt around more tensors).
-size_t offload_staging_count(const zopt_optimizer *o);
-void offload_free_staging(zopt_optimizer *o, size_t first, size_t last);
-// Asynchronous copies of state si (PARAM or GRAD) of every tensor between
-// the user's device memory and the host staging (state_ptr); with
-// `sync`, waits for the stream afterwards.
-zopt_status offload_copy_state(zopt_optimizer *o, int si, bool to_device, bool sync);
-// Synchronous copy of the user's device PARAM/GRAD of tensor t.
-zopt_status offload_copy(const zopt_optimizer *o, int t, int si, void *host, size_t bytes, bool to_device);
-void offload_free(zopt_optimizer *o);
 }  // namespace zopt
 
 #endif

@@ -89,8 +89,11 @@ zopt_status validate_fields(const zopt_step_descriptor *d) {
     if (k.device != ZOPT_PLACE_CPU && k.device != ZOPT_PLACE_GPU)
       return fail(ZOPT_ERR_ABI, "kernel %u: device %u out of range", i, k.device);
     if (k.device == ZOPT_PLACE_CPU) {
-      if (k.role < ZOPT_KERNEL_PREPARE || k.role > ZOPT_KERNEL_SUMSQ)
+      if ((k.role < ZOPT_KERNEL_PREPARE || k.role > ZOPT_KERNEL_SUMSQ) && k.role != ZOPT_KERNEL_CONTROL)
         return fail(ZOPT_ERR_ABI, "kernel %u: role %u out of range", i, k.role);
+      if ((k.role == ZOPT_KERNEL_PREPARE || k.role == ZOPT_KERNEL_CONTROL) && k.isa != ZOPT_ISA_NONE)
+        return fail(ZOPT_ERR_ABI, "kernel %u: a %s kernel is baseline x86-64 (isa %u)", i,
+                    k.role == ZOPT_KERNEL_CONTROL ? "CONTROL" : "PREPARE", k.isa);
       if (k.isa > ZOPT_ISA_MAX)
         return fail(ZOPT_ERR_ABI, "kernel %u: isa %u out of range", i, k.isa);
     } else {
@@ -245,8 +248,10 @@ ZOPT_API zopt_status zopt_step_load(const char *path, zopt_step **out) {
   if (memcmp(d->magic, ZOPT_DESC_MAGIC, 8) != 0)
     return bail(fail(ZOPT_ERR_ABI, "'%s': bad descriptor magic (expected \"%s\")", path, ZOPT_DESC_MAGIC));
   if (d->abi_version != ZOPT_ABI_VERSION)
-    return bail(fail(ZOPT_ERR_ABI, "'%s': step ABI version %u, this runtime reads ABI version %u", path,
-                     d->abi_version, ZOPT_ABI_VERSION));
+    return bail(fail(ZOPT_ERR_ABI, "'%s': step ABI version %u, this runtime reads ABI version %u: %s", path,
+                     d->abi_version, ZOPT_ABI_VERSION,
+                     d->abi_version < ZOPT_ABI_VERSION ? "recompile the step with this zopt-compile"
+                                                       : "use the runtime of the zopt-compile that built it"));
   if (d->size != sizeof(zopt_step_descriptor))
     return bail(fail(ZOPT_ERR_ABI, "'%s': descriptor size %u, expected %zu", path, d->size,
                      sizeof(zopt_step_descriptor)));
@@ -271,8 +276,9 @@ ZOPT_API zopt_status zopt_step_load(const char *path, zopt_step **out) {
     if (d->states[i].kind == ZOPT_STATE_GRAD) s->grad_index = (int)i;
   }
   // Resolve every CPU kernel; keep the best variant per role.
-  int best[4] = {-1, -1, -1, -1};
-  void *fn[4] = {nullptr, nullptr, nullptr, nullptr};
+  int best[ZOPT_KERNEL_CONTROL + 1];
+  void *fn[ZOPT_KERNEL_CONTROL + 1];
+  for (int r = 0; r <= ZOPT_KERNEL_CONTROL; ++r) best[r] = -1, fn[r] = nullptr;
   bool any_cpu = false;
   for (uint32_t i = 0; i < d->num_kernels; ++i) {
     const zopt_kernel_desc &k = d->kernels[i];
@@ -300,20 +306,25 @@ ZOPT_API zopt_status zopt_step_load(const char *path, zopt_step **out) {
     }
   }
   if (any_cpu) {
-    for (int role = ZOPT_KERNEL_PREPARE; role <= ZOPT_KERNEL_SUMSQ; ++role) {
-      // A GPU step keeps only its host PREPARE on the CPU.
-      bool needed = role == ZOPT_KERNEL_PREPARE ||
+    for (int role : {ZOPT_KERNEL_PREPARE, ZOPT_KERNEL_UPDATE, ZOPT_KERNEL_SUMSQ, ZOPT_KERNEL_CONTROL}) {
+      // A GPU step keeps only its host PREPARE and CONTROL on the CPU.
+      bool needed = role == ZOPT_KERNEL_PREPARE || role == ZOPT_KERNEL_CONTROL ||
                     (!s->has_gpu_code && (role != ZOPT_KERNEL_SUMSQ || (d->flags & ZOPT_FLAG_SUMSQ)));
       bool present = false;
       for (uint32_t i = 0; i < d->num_kernels; ++i)
         present |= d->kernels[i].role == (uint32_t)role && d->kernels[i].device == ZOPT_PLACE_CPU;
+      const char *name = role == ZOPT_KERNEL_PREPARE  ? "PREPARE"
+                         : role == ZOPT_KERNEL_UPDATE ? "UPDATE"
+                         : role == ZOPT_KERNEL_SUMSQ  ? "SUMSQ"
+                                                      : "CONTROL";
       if (needed && !present)
-        return bail2(fail(ZOPT_ERR_ABI, "'%s': no CPU %s kernel", path,
-                          role == 1 ? "PREPARE" : role == 2 ? "UPDATE" : "SUMSQ"));
+        return bail2(fail(ZOPT_ERR_ABI, "'%s': no CPU %s kernel%s", path, name,
+                          role == ZOPT_KERNEL_CONTROL ? " (compiled by an older zopt-compile? recompile the step)" : ""));
       if (needed && !fn[role])
         return bail2(fail(ZOPT_ERR_UNSUPPORTED, "'%s': no %s kernel variant runs on this CPU (best allowed ISA: %s)",
-                          path, role == 1 ? "PREPARE" : role == 2 ? "UPDATE" : "SUMSQ", zopt_isa_name((uint32_t)max_isa)));
+                          path, name, zopt_isa_name((uint32_t)max_isa)));
     }
+    s->control = (zopt_control_fn)fn[ZOPT_KERNEL_CONTROL];
     s->prepare = (zopt_prepare_fn)fn[ZOPT_KERNEL_PREPARE];
     s->update = (zopt_update_fn)fn[ZOPT_KERNEL_UPDATE];
     s->sumsq = (zopt_sumsq_fn)fn[ZOPT_KERNEL_SUMSQ];

@@ -1,9 +1,10 @@
 // optimizer.cpp - the optimizer's C API: groups, tensors, hyperparameters,
-// ranks, finalize, the step (exec/ runs CPU-updated steps, gpu.cpp GPU
-// steps), loss scaling, state access and introspection.
+// ranks, finalize, the step (exec/ drives the program on the optimizer's
+// backend, backend/), loss scaling, state access and introspection.
 #include "internal.h"
 
 #include "agree.h"
+#include "backend/backend.h"
 #include "comm/comm_internal.h"
 #include "exec/exec.h"
 #include "pipeline/pipeline.h"
@@ -26,17 +27,6 @@ int default_threads() {
   }
   unsigned n = std::thread::hardware_concurrency();
   return n ? (int)n : 1;
-}
-
-// Where state si lives in device memory: every state of a GPU step; the
-// user's params/grads of an offloaded step.
-bool on_device(const zopt_optimizer *o, int si) {
-  return o->gpu || (o->offload && !is_owned_kind(o->d->states[si].kind));
-}
-
-// Synchronous copy between host memory and a device-resident state.
-zopt_status device_copy(const zopt_optimizer *o, int t, int si, void *host, size_t bytes, bool to_device) {
-  return o->gpu ? gpu_copy(o, t, si, host, bytes, to_device) : offload_copy(o, t, si, host, bytes, to_device);
 }
 
 // Every API call on an optimizer: not NULL, no other call running on it on
@@ -91,34 +81,6 @@ zopt_status check_hyper_value(const zopt_hyper_desc &h, double v) {
 
 namespace zopt {
 
-int64_t layout_segments(zopt_optimizer *o, int64_t align) {
-  int64_t max_n = 0;
-  for (auto &g : o->groups) {
-    int64_t off = 0;
-    for (int t : g.tensors) {
-      o->tensors[t].offset = off;
-      off += o->tensors[t].numel;
-      off = (off + align - 1) / align * align;
-      max_n = std::max(max_n, o->tensors[t].numel);
-    }
-    g.padded_total = off;
-  }
-  return max_n;
-}
-
-void update_loss_scaler(zopt_optimizer *o, bool overflow) {
-  auto &sc = o->scaler;
-  if (!sc.cfg.dynamic) return;
-  if (overflow) {
-    sc.scale = std::max(sc.scale * sc.cfg.backoff_factor, sc.cfg.min_scale);
-    sc.good_steps = 0;
-  } else if (++sc.good_steps >= sc.cfg.growth_interval) {
-    double ns = sc.scale * sc.cfg.growth_factor;
-    if (std::isfinite(ns)) sc.scale = ns;
-    sc.good_steps = 0;
-  }
-}
-
 int state_index(const zopt_step_descriptor *d, uint32_t kind) {
   for (uint32_t i = 0; i < d->num_states; ++i)
     if (d->states[i].kind == kind) return (int)i;
@@ -133,31 +95,6 @@ int hyper_index(const zopt_step_descriptor *d, uint32_t kind) {
 
 bool is_owned_kind(uint32_t kind) { return kind != ZOPT_STATE_PARAM && kind != ZOPT_STATE_GRAD; }
 
-void *state_ptr(const zopt_optimizer *o, int t, int si) {
-  const Tensor &x = o->tensors[t];
-  const uint32_t kind = o->d->states[si].kind;
-  if (o->gpu) {  // a GPU step: the group's flat device buffers
-    if (kind == ZOPT_STATE_PARAM) return x.param;
-    if (kind == ZOPT_STATE_GRAD) return x.grad;
-    char *b = (char *)o->groups[x.group].buffers[si];
-    return b + (size_t)x.offset * dtype_size(o->d->states[si].dtype);
-  }
-  const exec::Program *P = o->prog;
-  if (!P || !P->buf[si]) {  // the user's memory
-    if (kind == ZOPT_STATE_PARAM) return x.param;
-    if (kind == ZOPT_STATE_GRAD) return x.grad;
-    return nullptr;  // not finalized
-  }
-  if (P->sharded[si] && o->world > 1) return nullptr;  // pieces: exec::runs
-  // A full buffer (a sharded one at world size 1 is full): within a group
-  // the buckets are contiguous, so the tensor's segment is too.
-  const layout::Segment &seg = P->L1.tensors[t];
-  char *b = (char *)P->buf[si];
-  if (!seg.numel) return b;
-  const layout::Bucket &k = P->L1.buckets[seg.bucket];
-  return b + (size_t)(k.local_offset + seg.flat - k.begin) * dtype_size(o->d->states[si].dtype);
-}
-
 double grad_divisor(const zopt_optimizer *o) { return o->grad_divisor > 0 ? o->grad_divisor : (double)o->world; }
 
 }  // namespace zopt
@@ -169,14 +106,6 @@ ZOPT_API zopt_status zopt_optimizer_create(const zopt_step *step, zopt_optimizer
   *out = nullptr;
   if (!step) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_create: step is NULL");
   const zopt_step_descriptor *d = &step->desc;
-  const bool offload = is_offload_step(step);
-  if (!step->has_gpu_code && !offload)
-    for (uint32_t i = 0; i < d->num_states; ++i)
-      if (d->states[i].placement == ZOPT_PLACE_GPU)
-        return fail(ZOPT_ERR_UNSUPPORTED, "%s state '%s': GPU-placed state needs the CUDA backend and the step has no GPU code", d->name,
-                    state_kind_name(d->states[i].kind));
-  if (!step->has_gpu_code && !step->has_cpu_kernels)
-    return fail(ZOPT_ERR_UNSUPPORTED, "step '%s' has no CPU kernels (needs the CUDA backend)", d->name);
   zopt_optimizer *o = new (std::nothrow) zopt_optimizer;
   if (!o) return fail(ZOPT_ERR_OUT_OF_MEMORY, "out of memory");
   o->step = step;
@@ -187,11 +116,9 @@ ZOPT_API zopt_status zopt_optimizer_create(const zopt_step *step, zopt_optimizer
   o->scaler.cfg = {65536.0, 2.0, 0.5, 2000, 1.0, 1};
   o->scaler.scale = 65536.0;
   o->scaler.good_steps = 0;
-  if (step->has_gpu_code || offload) {
-    if (zopt_status st = step->has_gpu_code ? gpu_create(o) : offload_create(o)) {
-      zopt_optimizer_free(o);
-      return st;
-    }
+  if (zopt_status st = make_backend(o, &o->backend)) {
+    zopt_optimizer_free(o);
+    return st;
   }
   *out = o;
   return ZOPT_OK;
@@ -203,9 +130,8 @@ ZOPT_API void zopt_optimizer_free(zopt_optimizer *o) {
   delete o->pipe;  // skips queued jobs, waits for a running one, joins
   delete o->pool;
   delete o->begun;
-  exec::destroy(o);  // host buffers (not the pinned staging)
-  gpu_free(o);       // device buffers (nulls them)
-  offload_free(o);   // pinned staging
+  if (o->backend) o->backend->destroy(o);  // buffers, device state, staging
+  delete o->backend;
   const zopt_step *s = o->step;
   delete o;
   release_step(s);
@@ -269,10 +195,7 @@ ZOPT_API zopt_status zopt_optimizer_set_hyper(zopt_optimizer *o, int group, cons
   int hi = 0;
   if (zopt_status st = find_hyper(o, group, name, "zopt_optimizer_set_hyper", &hi)) return st;
   if (zopt_status st = check_hyper_value(o->d->hypers[hi], value)) return st;
-  if (o->gpu && o->groups[group].hypers[hi] != value)  // and into the device's table
-    return gpu_set_hyper(o, group, hi, value);
-  o->groups[group].hypers[hi] = value;
-  return ZOPT_OK;
+  return o->backend->set_hyper(o, group, hi, value);  // and where the backend keeps the table
 }
 
 ZOPT_API zopt_status zopt_optimizer_get_hyper(const zopt_optimizer *o, int group, const char *name, double *value) {
@@ -292,15 +215,14 @@ ZOPT_API zopt_status zopt_optimizer_set_group_flags(zopt_optimizer *o, int group
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: flags 0x%x has unknown bits (known: ZOPT_GROUP_MAXIMIZE = 0x%x)", fn,
                 flags, ZOPT_GROUP_MAXIMIZE);
   if (o->groups[group].flags == flags) return ZOPT_OK;
-  // GPU steps keep the gradient scale per group in the device's globals
-  // table (gpu_push writes sign / (S * D)); the step counts live there too:
+  // A backend may keep the gradient scale per group where it runs (the
+  // GPU's globals table: sign / (S * D)), and the step counts there too:
   // refresh them before pushing.
-  if (o->gpu && o->finalized)
-    if (zopt_status st = gpu_pull(o)) return st;
+  if (zopt_status st = o->backend->pull(o)) return st;
   const uint32_t old = o->groups[group].flags;
   o->groups[group].flags = flags;
-  if (o->gpu && o->finalized)
-    if (zopt_status st = gpu_push(o)) {
+  if (o->finalized)
+    if (zopt_status st = o->backend->push(o)) {
       o->groups[group].flags = old;
       return st;
     }
@@ -336,10 +258,8 @@ ZOPT_API zopt_status zopt_optimizer_add_tensor(zopt_optimizer *o, int group, voi
   if (dt != pdt)
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: dtype %s (%u) does not match the step's param dtype %s", fn,
                 dtype_name(dt), dt, dtype_name(pdt));
-  if (o->gpu && numel > 0)
-    if (zopt_status st = gpu_check_tensor(o, param, grad)) return st;
-  if (o->offload && numel > 0)
-    if (zopt_status st = offload_check_tensor(o, param, grad)) return st;
+  if (numel > 0)
+    if (zopt_status st = o->backend->check_tensor(o, (int)o->tensors.size(), param, grad)) return st;
   if (numel > 0 && o->params.count(param))
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: param pointer %p is already registered", fn, param);
   if (o->tensors.size() >= (size_t)0x7fffffff) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: too many tensors", fn);
@@ -368,32 +288,7 @@ ZOPT_API zopt_status zopt_optimizer_finalize(zopt_optimizer *o) {
   } undo{o};
   o->world = o->comm ? zopt_comm_size(o->comm) : 1;
   o->rank = o->comm ? zopt_comm_rank(o->comm) : 0;
-  if (o->gpu) {
-    if (o->world > 1)
-      return fail(ZOPT_ERR_UNSUPPORTED,
-                  "zopt_optimizer_finalize: step '%s' updates on the GPU, which runs at world size 1 for now "
-                  "(the communicator has %d ranks); ZeRO across GPU ranks is not implemented yet",
-                  o->d->name, o->world);
-    if (zopt_status st = gpu_finalize(o)) return st;
-    o->finalized = true;
-    return ZOPT_OK;
-  }
-  if (o->world > 4096)
-    return fail(ZOPT_ERR_UNSUPPORTED, "zopt_optimizer_finalize: world size %d > 4096", o->world);
-  try {
-    o->pool = new ThreadPool(o->num_threads);
-  } catch (...) {
-    return fail(ZOPT_ERR_OUT_OF_MEMORY, "zopt_optimizer_finalize: cannot start %d threads", o->num_threads);
-  }
-  auto bail = [&](zopt_status st) {
-    exec::destroy(o);
-    delete o->pool;
-    o->pool = nullptr;
-    return st;
-  };
-  if (zopt_status st = exec::build(o)) return bail(st);
-  if (o->world > 1)
-    if (zopt_status st = agree_at_finalize(o)) return bail(st);
+  if (zopt_status st = o->backend->finalize(o)) return st;
   o->finalized = true;
   return ZOPT_OK;
 }
@@ -415,20 +310,19 @@ ZOPT_API zopt_status zopt_optimizer_configure_loss_scaler(zopt_optimizer *o, con
     if (!(std::isfinite(c->min_scale) && c->min_scale > 0 && c->min_scale <= c->init_scale))
       return fail(ZOPT_ERR_INVALID_ARGUMENT, "loss scaler: min_scale = %g out of range (0, init_scale]", c->min_scale);
   }
-  if (o->gpu)  // the device holds the step counts: refresh before pushing
-    if (zopt_status st = gpu_pull(o)) return st;
+  // The backend may hold the step counts (the device): refresh before pushing.
+  if (zopt_status st = o->backend->pull(o)) return st;
   o->scaler.cfg = *c;
   o->scaler.scale = c->init_scale;
   o->scaler.good_steps = 0;
-  if (o->gpu) return gpu_push(o);
-  return ZOPT_OK;
+  return o->backend->push(o);
 }
 
 ZOPT_API zopt_status zopt_optimizer_get_loss_scale(const zopt_optimizer *o, double *scale) {
   CHECK_OPT(o, "zopt_optimizer_get_loss_scale");
   if (!scale) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_get_loss_scale: scale is NULL");
-  if (o->gpu)  // the scaler runs on the device (waits for the stream)
-    if (zopt_status st = gpu_pull(const_cast<zopt_optimizer *>(o))) return st;
+  // The scaler may run where the backend does (the device: waits for the stream).
+  if (zopt_status st = o->backend->pull(const_cast<zopt_optimizer *>(o))) return st;
   *scale = (o->d->flags & ZOPT_FLAG_LOSS_SCALE) ? o->scaler.scale : 1.0;
   return ZOPT_OK;
 }
@@ -443,10 +337,14 @@ static zopt_status finish_begun(zopt_optimizer *o, zopt_step_result *result) {
   return exec::run_end(o, st.get(), sumsq, result);
 }
 
-static void begun_result(const exec::StepState &st, double sumsq, zopt_step_result *result) {
+// What a begun step will report: the norm and skip the step's CONTROL
+// decides for `sumsq`.
+static void begun_result(const zopt_optimizer *o, const exec::StepState &st, double sumsq,
+                         zopt_step_result *result) {
   if (!result) return;
-  result->grad_norm = st.has_norm ? std::sqrt(sumsq) : NAN;
-  result->skipped = st.has_norm && !std::isfinite(sumsq);
+  const zopt_control c = exec::decide(o, sumsq);
+  result->grad_norm = st.has_norm ? c.norm : NAN;
+  result->skipped = st.has_norm && c.skip;
   result->loss_scale = st.S;
 }
 
@@ -461,15 +359,6 @@ ZOPT_API zopt_status zopt_optimizer_step(zopt_optimizer *o, zopt_step_result *re
     return finish_begun(o, result);
   }
   if (zopt_status st = exec::wait_buckets(o)) return st;  // the background reductions first
-  if (o->gpu) {
-    if (!o->active.empty())
-      for (uint8_t a : o->active)
-        if (!a)
-          return fail(ZOPT_ERR_UNSUPPORTED,
-                      "zopt_optimizer_step: GPU steps update every tensor (a gradient mask with inactive tensors "
-                      "is not supported on the GPU yet)");
-    return gpu_step(o, result);
-  }
   return exec::run(o, result);
 }
 
@@ -478,14 +367,12 @@ ZOPT_API zopt_status zopt_optimizer_step_begin(zopt_optimizer *o, zopt_step_resu
   CHECK_OPT_ANY(o, "zopt_optimizer_step_begin");
   if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "%s: call zopt_optimizer_finalize first", fn);
   if (o->begun) return fail(ZOPT_ERR_BAD_STATE, "%s: a step was begun already: finish it with zopt_optimizer_step", fn);
-  if (o->gpu)
-    return fail(ZOPT_ERR_UNSUPPORTED, "%s: step '%s' updates on the GPU, whose step runs as one stream of kernels",
-                fn, o->d->name);
+  if (zopt_status st = o->backend->supports(o, Feature::SplitStep, fn)) return st;
   if (zopt_status st = exec::wait_buckets(o)) return st;
   std::unique_ptr<exec::StepState> st(new (std::nothrow) exec::StepState);
   if (!st) return fail(ZOPT_ERR_OUT_OF_MEMORY, "%s: out of memory", fn);
   if (zopt_status s = exec::run_begin(o, st.get())) return s;
-  begun_result(*st, st->sumsq, result);
+  begun_result(o, *st, st->sumsq, result);
   o->begun = st.release();
   o->linked = 0;
   return ZOPT_OK;
@@ -499,11 +386,7 @@ ZOPT_API zopt_status zopt_optimizer_set_max_norm(zopt_optimizer *o, double max_n
                 "zopt.clip_by_global_norm): compile it with clipping (zopt.steps.<rule>(clip=...)) to set max_norm "
                 "at run time",
                 o->d->name);
-  if (o->gpu)
-    return fail(ZOPT_ERR_UNSUPPORTED,
-                "zopt_optimizer_set_max_norm: step '%s' updates on the GPU, whose kernels hold the compiled max_norm "
-                "%g",
-                o->d->name, o->d->max_norm);
+  if (zopt_status st = o->backend->supports(o, Feature::RuntimeMaxNorm, "zopt_optimizer_set_max_norm")) return st;
   if (!(std::isfinite(max_norm) && max_norm > 0))
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_set_max_norm: max_norm %g must be finite and > 0",
                 max_norm);
@@ -541,9 +424,7 @@ static zopt_status check_linked(zopt_optimizer *const *parts, int n, const char 
                   o->linked ? "as a part of another linked step" : "alone (zopt_optimizer_step_begin)");
     if (!o->begun)
       if (zopt_status st = exec::wait_buckets(parts[i])) return st;  // its background reductions
-    if (o->gpu)
-      return fail(ZOPT_ERR_UNSUPPORTED, "%s: part %d ('%s') is a GPU step: linked steps run CPU-updated steps", fn, i,
-                  o->d->name);
+    if (zopt_status st = o->backend->supports(o, Feature::LinkedStep, fn)) return st;
     for (int j = 0; j < i; ++j)
       if (parts[j] == o) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: parts %d and %d are the same optimizer", fn, j, i);
     if (i == 0) continue;
@@ -610,7 +491,7 @@ ZOPT_API zopt_status zopt_optimizer_step_linked_begin(zopt_optimizer *const *par
     if (zopt_status s = exec::run_begin(parts[i], st[i].get(), i == 0)) return s;
     if (st[i]->has_norm) sumsq += st[i]->sumsq;
   }
-  begun_result(*st[0], sumsq, result);
+  begun_result(parts[0], *st[0], sumsq, result);
   for (int i = 0; i < n; ++i) {
     parts[i]->begun = st[i].release();
     parts[i]->linked = n;
@@ -636,8 +517,9 @@ ZOPT_API zopt_status zopt_optimizer_get_step_count(const zopt_optimizer *o, int 
   CHECK_OPT(o, "zopt_optimizer_get_step_count");
   if (!count) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_get_step_count: count is NULL");
   if (zopt_status st = check_group(o, group, "zopt_optimizer_get_step_count")) return st;
-  if (o->gpu)  // the step counts advance on the device (waits for the stream)
-    if (zopt_status st = gpu_pull(const_cast<zopt_optimizer *>(o))) return st;
+  // The step counts may advance where the backend runs (the device: waits
+  // for the stream).
+  if (zopt_status st = o->backend->pull(const_cast<zopt_optimizer *>(o))) return st;
   *count = o->groups[group].step_count;
   return ZOPT_OK;
 }
@@ -664,28 +546,13 @@ static zopt_status check_state_access(const zopt_optimizer *o, int tensor, uint3
 // memory, a copy of host memory, or (a state sharded across ranks) a
 // collective gather: every rank reads.
 static zopt_status read_storage(const zopt_optimizer *o, int t, int si, void *out, size_t bytes) {
-  if (on_device(o, si)) return device_copy(o, t, si, out, bytes, false);
-  if (const void *p = state_ptr(o, t, si)) {
-    if (bytes) memcpy(out, p, bytes);
-    return ZOPT_OK;
-  }
-  void *dst[1] = {out};
-  return exec::gather_state(const_cast<zopt_optimizer *>(o), si, t, 1, dst);
+  return o->backend->read_state(o, t, si, out, bytes);
 }
 
 // Writes state si of tensor t from its storage dtype: each rank keeps the
 // elements it holds (no communication).
 static zopt_status write_storage(zopt_optimizer *o, int t, int si, const void *in, size_t bytes) {
-  if (on_device(o, si)) return device_copy(o, t, si, const_cast<void *>(in), bytes, true);
-  if (void *p = state_ptr(o, t, si)) {
-    if (bytes) memmove(p, in, bytes);
-    return ZOPT_OK;
-  }
-  std::vector<exec::Run> runs;
-  exec::runs(o, t, si, &runs);
-  const size_t es = dtype_size(o->d->states[si].dtype);
-  for (const exec::Run &r : runs) memmove(r.ptr, (const char *)in + (size_t)r.start * es, (size_t)r.len * es);
-  return ZOPT_OK;
+  return o->backend->write_state(o, t, si, in, bytes);
 }
 
 static zopt_status with_staging(int64_t n, uint32_t dt, std::vector<unsigned char> *tmp) {
@@ -768,19 +635,7 @@ ZOPT_API zopt_status zopt_optimizer_memory_info(const zopt_optimizer *o, zopt_me
     (sd.placement == ZOPT_PLACE_GPU ? info->bytes_gpu : info->bytes_cpu) += n * dtype_size(sd.dtype);
   }
   if (!o->finalized) return ZOPT_OK;
-  if (o->gpu) {
-    for (uint32_t s = 0; s < d->num_states; ++s)
-      if (is_owned_kind(d->states[s].kind))
-        for (const Group &g : o->groups)
-          info->state_bytes += ((uint64_t)g.padded_total * dtype_size(d->states[s].dtype) + 63) & ~(uint64_t)63;
-    info->state_bytes_one_rank = info->state_bytes;
-    info->bytes_gpu += info->state_bytes;
-    return ZOPT_OK;
-  }
-  exec::state_bytes(o, &info->state_bytes, &info->state_bytes_one_rank, &info->scratch_bytes, &info->grad_bytes);
-  info->bytes_cpu += info->state_bytes + info->grad_bytes + info->scratch_bytes;
-  for (uint32_t s = 0; s < d->num_states; ++s)  // an offloaded step's pinned staging
-    if (o->prog->pinned[s]) info->bytes_cpu += o->prog->buf_bytes[s];
+  o->backend->memory_info(o, info);
   return ZOPT_OK;
 }
 
@@ -793,11 +648,7 @@ ZOPT_API zopt_status zopt_optimizer_set_comm(zopt_optimizer *o, zopt_comm *comm)
     int r = zopt_comm_rank(comm), w = zopt_comm_size(comm);
     if (w < 1 || r < 0 || r >= w)
       return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_set_comm: rank %d / world size %d out of range", r, w);
-    if (zopt_comm_memory(comm) != ZOPT_COMM_MEM_HOST && !o->gpu)
-      return fail(ZOPT_ERR_INVALID_ARGUMENT,
-                  "zopt_optimizer_set_comm: communicator '%s' moves device memory, but step '%s' updates on the CPU: "
-                  "use a host communicator (mpi, loopback, torch gloo)",
-                  zopt_comm_name(comm), o->d->name);
+    if (zopt_status st = o->backend->check_comm(o, comm)) return st;
   }
   o->comm = comm;
   return ZOPT_OK;
@@ -825,11 +676,9 @@ ZOPT_API zopt_status zopt_optimizer_set_grad_divisor(zopt_optimizer *o, double d
   if (!(std::isfinite(divisor) && divisor >= 0))
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_set_grad_divisor: %g must be finite and > 0 (0: the world size)",
                 divisor);
-  if (o->gpu && o->finalized)  // the device holds the step counts: refresh before pushing
-    if (zopt_status st = gpu_pull(o)) return st;
+  if (zopt_status st = o->backend->pull(o)) return st;  // counts where the backend keeps them
   o->grad_divisor = divisor;
-  if (o->gpu && o->finalized) return gpu_push(o);
-  return ZOPT_OK;
+  return o->backend->push(o);
 }
 
 ZOPT_API zopt_status zopt_optimizer_get_grad_divisor(const zopt_optimizer *o, double *divisor) {
@@ -844,9 +693,8 @@ ZOPT_API zopt_status zopt_optimizer_set_grad_streaming(zopt_optimizer *o, int on
   CHECK_OPT(o, "zopt_optimizer_set_grad_streaming");
   if (o->finalized) return fail(ZOPT_ERR_BAD_STATE, "%s: the optimizer is already finalized", fn);
   if (on != 0 && on != 1) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: on = %d (0 or 1)", fn, on);
-  if (on && (o->gpu || o->offload))
-    return fail(ZOPT_ERR_UNSUPPORTED, "%s: step '%s' %s; gradient streaming is implemented for steps updated on the CPU from host gradients",
-                fn, o->d->name, o->gpu ? "updates on the GPU" : "is offloaded");
+  if (on)
+    if (zopt_status st = o->backend->supports(o, Feature::GradStreaming, fn)) return st;
   if (!on)
     for (const Tensor &x : o->tensors)
       if (x.numel && !x.grad)
@@ -931,10 +779,19 @@ ZOPT_API zopt_status zopt_optimizer_set_active(zopt_optimizer *o, const uint8_t 
     return fail(ZOPT_ERR_BAD_STATE,
                 "zopt_optimizer_set_active: with streamed gradients the gradients handed to "
                 "zopt_optimizer_reduce_bucket (NULL: none) say which tensors have one");
-  if (!active) {
-    o->active.clear();
+  // The mask may live where the backend runs (the device): the counts are
+  // refreshed first, the new mask pushed with them; a failed push puts the
+  // old mask back.
+  auto apply = [&](std::vector<uint8_t> &&mask) -> zopt_status {
+    if (zopt_status st = o->backend->pull(o)) return st;
+    o->active.swap(mask);
+    if (zopt_status st = o->backend->push(o)) {
+      o->active.swap(mask);
+      return st;
+    }
     return ZOPT_OK;
-  }
+  };
+  if (!active) return apply({});
   if (n != (int64_t)o->tensors.size())
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_set_active: %lld entries for %zu tensors", (long long)n,
                 o->tensors.size());
@@ -945,24 +802,20 @@ ZOPT_API zopt_status zopt_optimizer_set_active(zopt_optimizer *o, const uint8_t 
                   active[i]);
     all = all && active[i];
   }
+  std::vector<uint8_t> mask;
   try {
-    if (all) o->active.clear();
-    else o->active.assign(active, active + n);
+    if (!all) mask.assign(active, active + n);
   } catch (...) {
     return fail(ZOPT_ERR_OUT_OF_MEMORY, "out of memory");
   }
-  return ZOPT_OK;
+  return apply(std::move(mask));
 }
 
 ZOPT_API zopt_status zopt_optimizer_get_tensor_step(const zopt_optimizer *o, int tensor, int64_t *count) {
   CHECK_OPT(o, "zopt_optimizer_get_tensor_step");
   if (!count) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_get_tensor_step: count is NULL");
   if (zopt_status st = check_tensor(o, tensor, "zopt_optimizer_get_tensor_step")) return st;
-  if (o->gpu) {  // GPU steps count per group on the device
-    if (zopt_status st = gpu_pull(const_cast<zopt_optimizer *>(o))) return st;
-    *count = o->groups[o->tensors[tensor].group].step_count;
-    return ZOPT_OK;
-  }
+  if (zopt_status st = o->backend->pull(const_cast<zopt_optimizer *>(o))) return st;  // counts where they advance
   *count = o->tensors[tensor].steps;
   return ZOPT_OK;
 }
@@ -971,16 +824,15 @@ ZOPT_API zopt_status zopt_optimizer_set_tensor_memory(zopt_optimizer *o, int ten
   const char *fn = "zopt_optimizer_set_tensor_memory";
   CHECK_OPT(o, "zopt_optimizer_set_tensor_memory");
   if (zopt_status st = check_tensor(o, tensor, fn)) return st;
-  if (o->gpu)
-    return fail(ZOPT_ERR_UNSUPPORTED, "%s: GPU steps keep their tensors' device pointers in device tables", fn);
+  if (zopt_status st = o->backend->supports(o, Feature::TensorMemory, fn)) return st;
   Tensor &x = o->tensors[tensor];
   if (x.numel > 0 && !param) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: param pointer is NULL", fn);
   if (x.numel > 0 && param == grad)
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: param and grad are the same memory", fn);
   if (x.numel > 0 && param != x.param && o->params.count(param))
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: param pointer %p is already registered", fn, param);
-  if (o->offload && x.numel > 0)
-    if (zopt_status st = offload_check_tensor(o, param, grad ? grad : param)) return st;
+  if (x.numel > 0)
+    if (zopt_status st = o->backend->check_tensor(o, tensor, param, grad)) return st;
   try {
     if (x.numel > 0) {
       o->params.erase(x.param);
@@ -1002,16 +854,15 @@ ZOPT_API zopt_status zopt_optimizer_set_grad_memory(zopt_optimizer *o, int64_t n
   if (n < 0 || (n > 0 && (!tensors || !grads)))
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: n = %lld with %s", fn, (long long)n,
                 n < 0 ? "n < 0" : "a NULL array");
-  if (o->gpu)
-    return fail(ZOPT_ERR_UNSUPPORTED, "%s: GPU steps keep their tensors' device pointers in device tables", fn);
+  if (zopt_status st = o->backend->supports(o, Feature::TensorMemory, fn)) return st;
   for (int64_t i = 0; i < n; ++i) {  // every entry checked before any is applied
     if (zopt_status st = check_tensor(o, tensors[i], fn)) return st;
     const Tensor &x = o->tensors[tensors[i]];
     if (x.numel > 0 && grads[i] == x.param)
       return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: entry %lld: tensor %d's grad is its param's memory", fn,
                   (long long)i, (int)tensors[i]);
-    if (o->offload && x.numel > 0 && grads[i])
-      if (zopt_status st = offload_check_tensor(o, x.param, grads[i])) return st;
+    if (x.numel > 0 && grads[i])
+      if (zopt_status st = o->backend->check_tensor(o, tensors[i], x.param, grads[i])) return st;
   }
   for (int64_t i = 0; i < n; ++i) o->tensors[tensors[i]].grad = grads[i];
   if (n && o->finalized && o->prog) o->prog->rebind_pending = true;  // once, at the next step
@@ -1022,10 +873,14 @@ ZOPT_API zopt_status zopt_optimizer_set_tensor_step(zopt_optimizer *o, int tenso
   CHECK_OPT(o, "zopt_optimizer_set_tensor_step");
   if (zopt_status st = check_tensor(o, tensor, "zopt_optimizer_set_tensor_step")) return st;
   if (count < 0) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_set_tensor_step: count %lld < 0", (long long)count);
-  if (o->gpu)
-    return fail(ZOPT_ERR_UNSUPPORTED, "zopt_optimizer_set_tensor_step: GPU steps count per group "
-                                      "(zopt_optimizer_set_step_count)");
+  // The counts may live where the backend runs (the device): refresh, change, push.
+  if (zopt_status st = o->backend->pull(o)) return st;
+  const int64_t old = o->tensors[tensor].steps;
   o->tensors[tensor].steps = count;
+  if (zopt_status st = o->backend->push(o)) {
+    o->tensors[tensor].steps = old;
+    return st;
+  }
   return ZOPT_OK;
 }
 
@@ -1033,18 +888,15 @@ ZOPT_API zopt_status zopt_optimizer_set_step_count(zopt_optimizer *o, int group,
   CHECK_OPT(o, "zopt_optimizer_set_step_count");
   if (zopt_status st = check_group(o, group, "zopt_optimizer_set_step_count")) return st;
   if (count < 0) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_set_step_count: count %lld < 0", (long long)count);
-  if (o->gpu && o->finalized)  // the device holds the counts: refresh, change, push
-    if (zopt_status st = gpu_pull(o)) return st;
+  if (zopt_status st = o->backend->pull(o)) return st;  // refresh, change, push
   o->groups[group].step_count = count;
-  if (o->gpu && o->finalized) return gpu_push(o);
-  return ZOPT_OK;
+  return o->backend->push(o);
 }
 
 ZOPT_API zopt_status zopt_optimizer_get_loss_scaler_state(const zopt_optimizer *o, double *scale, int64_t *good_steps) {
   CHECK_OPT(o, "zopt_optimizer_get_loss_scaler_state");
   if (!scale || !good_steps) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_get_loss_scaler_state: NULL argument");
-  if (o->gpu)
-    if (zopt_status st = gpu_pull(const_cast<zopt_optimizer *>(o))) return st;
+  if (zopt_status st = o->backend->pull(const_cast<zopt_optimizer *>(o))) return st;
   *scale = o->scaler.scale;
   *good_steps = o->scaler.good_steps;
   return ZOPT_OK;
@@ -1055,12 +907,10 @@ ZOPT_API zopt_status zopt_optimizer_set_loss_scaler_state(zopt_optimizer *o, dou
   if (!(std::isfinite(scale) && scale > 0) || good_steps < 0)
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_set_loss_scaler_state: scale %g must be finite and > 0, "
                 "good_steps %lld >= 0", scale, (long long)good_steps);
-  if (o->gpu && o->finalized)
-    if (zopt_status st = gpu_pull(o)) return st;
+  if (zopt_status st = o->backend->pull(o)) return st;
   o->scaler.scale = scale;
   o->scaler.good_steps = good_steps;
-  if (o->gpu && o->finalized) return gpu_push(o);
-  return ZOPT_OK;
+  return o->backend->push(o);
 }
 
 ZOPT_API zopt_status zopt_optimizer_get_loss_scaler_config(const zopt_optimizer *o, zopt_loss_scaler_config *config) {
@@ -1076,12 +926,9 @@ ZOPT_API zopt_status zopt_optimizer_get_tensor_steps(const zopt_optimizer *o, in
   if (first < 0 || count < 0 || (size_t)first + (size_t)count > o->tensors.size() || (count && !counts))
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: tensors [%d, %d + %d) out of range (have %zu) or counts NULL", fn,
                 first, first, count, o->tensors.size());
-  if (o->gpu)  // GPU steps count per group on the device
-    if (zopt_status st = gpu_pull(const_cast<zopt_optimizer *>(o))) return st;
-  for (int i = 0; i < count; ++i) {
-    const Tensor &x = o->tensors[(size_t)(first + i)];
-    counts[i] = o->gpu ? o->groups[x.group].step_count : x.steps;
-  }
+  // The counts may advance where the backend runs (the device: waits for the stream).
+  if (zopt_status st = o->backend->pull(const_cast<zopt_optimizer *>(o))) return st;
+  for (int i = 0; i < count; ++i) counts[i] = o->tensors[(size_t)(first + i)].steps;
   return ZOPT_OK;
 }
 
@@ -1089,7 +936,7 @@ ZOPT_API zopt_status zopt_optimizer_get_op_times(const zopt_optimizer *o, double
   const char *fn = "zopt_optimizer_get_op_times";
   CHECK_OPT(o, "zopt_optimizer_get_op_times");
   if (!seconds) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: seconds is NULL", fn);
-  if (o->gpu) return fail(ZOPT_ERR_UNSUPPORTED, "%s: a GPU step's ops run asynchronously on its stream", fn);
+  if (zopt_status st = o->backend->supports(o, Feature::OpTimes, fn)) return st;
   if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "%s: call zopt_optimizer_finalize first", fn);
   const exec::Program &P = *o->prog;
   if (n < (int)P.ops.size() + 1)
@@ -1106,27 +953,7 @@ ZOPT_API zopt_status zopt_optimizer_refresh_master(zopt_optimizer *o, int first,
   if (first < 0 || count < 0 || (size_t)first + (size_t)count > o->tensors.size())
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: tensors [%d, %d + %d) out of range (have %zu)", fn, first, first,
                 count, o->tensors.size());
-  if (o->gpu) return gpu_refresh_master(o, first, count);  // on the device
-  const zopt_step_descriptor *d = o->d;
-  const int pi = o->step->param_index;
-  const uint32_t pdt = d->states[pi].dtype;
-  // Offloaded params are on the GPU: bring them to the staging first.
-  if (o->offload)
-    if (zopt_status st = offload_copy_state(o, pi, false, true)) return st;
-  for (uint32_t s = 0; s < d->num_states; ++s) {
-    const uint32_t kind = d->states[s].kind, dt = d->states[s].dtype;
-    const bool held_param = kind == ZOPT_STATE_PARAM && o->prog && o->prog->buf[s] && !o->prog->pinned[s];
-    if (kind != ZOPT_STATE_MASTER && !held_param) continue;
-    for (int t = first; t < first + count; ++t) {
-      const Tensor &x = o->tensors[t];
-      if (!x.numel) continue;
-      const char *src = o->offload ? (const char *)state_ptr(o, t, pi) : (const char *)x.param;
-      std::vector<exec::Run> runs;
-      exec::runs(o, t, (int)s, &runs);
-      for (const exec::Run &r : runs) convert(src + (size_t)r.start * dtype_size(pdt), pdt, r.ptr, dt, r.len);
-    }
-  }
-  return ZOPT_OK;
+  return o->backend->refresh_master(o, first, count);
 }
 
 ZOPT_API zopt_status zopt_optimizer_gather_params(zopt_optimizer *o, int first, int count, void *const *dst) {
@@ -1136,8 +963,7 @@ ZOPT_API zopt_status zopt_optimizer_gather_params(zopt_optimizer *o, int first, 
   if (first < 0 || count < 0 || (size_t)first + (size_t)count > o->tensors.size())
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: tensors [%d, %d + %d) out of range (have %zu)", fn, first, first,
                 count, o->tensors.size());
-  if (o->gpu || o->offload)
-    return fail(ZOPT_ERR_UNSUPPORTED, "%s: the params of step '%s' live on the GPU, whole", fn, o->d->name);
+  if (zopt_status st = o->backend->supports(o, Feature::GatherParams, fn)) return st;
   return exec::gather_state(o, o->step->param_index, first, count, dst);
 }
 

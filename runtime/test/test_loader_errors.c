@@ -58,7 +58,10 @@ int main(int argc, char **argv) {
   expect_load_fails("fx_nodesc", ZOPT_ERR_ABI, "not a zopt step (no zopt_step_descriptor symbol)");
   expect_load_fails("fx_smalldesc", ZOPT_ERR_ABI, "bytes");
   expect_load_fails("fx_badmagic", ZOPT_ERR_ABI, "magic");
-  expect_load_fails("fx_badversion", ZOPT_ERR_ABI, "ABI version 2");
+  expect_load_fails("fx_badversion", ZOPT_ERR_ABI, "this runtime reads ABI version");
+  /* a step.so of the previous ABI (before CONTROL): recompile it */
+  expect_load_fails("fx_oldversion", ZOPT_ERR_ABI, "recompile the step");
+  expect_load_fails("fx_nocontrol", ZOPT_ERR_ABI, "no CPU CONTROL kernel (compiled by an older zopt-compile? recompile");
   expect_load_fails("fx_badchecksum", ZOPT_ERR_ABI, "checksum");
   expect_load_fails("fx_badenum", ZOPT_ERR_ABI, "dtype 9");
   expect_load_fails("fx_twoparams", ZOPT_ERR_ABI, "param");

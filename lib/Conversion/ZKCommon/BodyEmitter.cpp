@@ -305,6 +305,46 @@ void mlir::zopt::emitPrepareBody(
   }
 }
 
+LogicalResult mlir::zopt::emitControlBody(
+    OpBuilder &b, Location loc, zk::ControlOp c,
+    ArrayRef<zk::ControlField> want,
+    llvm::function_ref<Value(zk::ControlField)> in,
+    llvm::function_ref<void(zk::ControlField, Value)> out) {
+  (void)loc;
+  Block &body = c.getBody().front();
+  llvm::SmallPtrSet<Operation *, 32> needed;
+  SmallVector<Operation *> work;
+  for (auto o : body.getOps<zk::ControlOutOp>())
+    if (llvm::is_contained(want, o.getField()))
+      work.push_back(o);
+  while (!work.empty()) {
+    Operation *op = work.pop_back_val();
+    if (!needed.insert(op).second)
+      continue;
+    for (Value v : op->getOperands())
+      if (Operation *d = v.getDefiningOp())
+        work.push_back(d);
+  }
+  IRMapping map;
+  for (Operation &op : body) {
+    if (!needed.contains(&op))
+      continue;
+    if (auto i = dyn_cast<zk::ControlInOp>(op)) {
+      Value v = in(i.getField());
+      if (!v)
+        return i.emitOpError("reads '")
+               << zk::stringifyControlField(i.getField())
+               << "', which this lowering does not provide here";
+      map.map(i.getResult(), v);
+    } else if (auto o = dyn_cast<zk::ControlOutOp>(op)) {
+      out(o.getField(), map.lookup(o.getValue()));
+    } else {
+      b.clone(op, map);
+    }
+  }
+  return success();
+}
+
 Value mlir::zopt::loadPtrAt(OpBuilder &b, Location loc, Value base,
                             int64_t idx, Type elem, Type result) {
   auto ptrTy = LLVM::LLVMPointerType::get(b.getContext());

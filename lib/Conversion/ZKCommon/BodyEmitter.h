@@ -120,6 +120,17 @@ void emitPrepareBody(OpBuilder &b, Location loc, zk::PrepareOp p,
                      llvm::function_ref<Value(int64_t)> global,
                      llvm::function_ref<void(int64_t, Value)> setCoeff);
 
+/// Emits at `b` what the outputs `want` of the zk.control `c` need (the
+/// backward slice of their zk.control_out, in body order): `in(f)` gives
+/// the value of input field f (asked only for the inputs that slice
+/// reads; a null Value: not available here, and the emission fails),
+/// `out(f, v)` receives each wanted output. The CPU lowering asks for every
+/// output; the GPU kernels for the ones they apply.
+LogicalResult emitControlBody(OpBuilder &b, Location loc, zk::ControlOp c,
+                     ArrayRef<zk::ControlField> want,
+                     llvm::function_ref<Value(zk::ControlField)> in,
+                     llvm::function_ref<void(zk::ControlField, Value)> out);
+
 /// Loads element `idx` of type `result` from `base` viewed as `elem`s.
 Value loadPtrAt(OpBuilder &b, Location loc, Value base, int64_t idx,
                 Type elem, Type result);

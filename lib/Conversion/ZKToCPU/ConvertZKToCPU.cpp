@@ -18,8 +18,9 @@
 // on every variant. bf16 values are carried as the f32 they exactly widen to.
 // The avx512bf16 variant narrows to bf16 with VCVTNEPS2BF16 (BodyEmitter.h); it
 // is emitted only for UPDATE kernels that store bf16, where it differs from
-// the avx512 one, unless it is the only variant asked for. The zk.descriptor
-// stays: the functions' kernel-table entries are recorded on it
+// the avx512 one, unless it is the only variant asked for. The zk.control
+// becomes the host function `void name(zopt_control *)` (abi.h CONTROL), for
+// CPU and GPU steps alike. The zk.descriptor stays: the functions' kernel-table entries are recorded on it
 // (cpu_kernels) for zopt-emit-descriptor.
 //
 //===----------------------------------------------------------------------===//
@@ -30,6 +31,8 @@
 #include "zopt/abi.h"
 
 #include "mlir/IR/IRMapping.h"
+
+#include <cstddef>
 
 namespace mlir::zopt {
 #define GEN_PASS_DEF_CONVERTZKTOCPU
@@ -315,6 +318,74 @@ static func::FuncOp lowerPrepare(OpBuilder &mb, zk::PrepareOp p) {
   return fn;
 }
 
+/// Byte offset of field `f` in abi.h's zopt_control.
+static int64_t controlOffset(zk::ControlField f) {
+  using F = zk::ControlField;
+  switch (f) {
+  case F::sumsq: return offsetof(zopt_control, sumsq);
+  case F::max_norm: return offsetof(zopt_control, max_norm);
+  case F::scale: return offsetof(zopt_control, scale);
+  case F::growth_factor: return offsetof(zopt_control, growth_factor);
+  case F::backoff_factor: return offsetof(zopt_control, backoff_factor);
+  case F::min_scale: return offsetof(zopt_control, min_scale);
+  case F::growth_interval: return offsetof(zopt_control, growth_interval);
+  case F::good_steps: return offsetof(zopt_control, good_steps);
+  case F::dynamic: return offsetof(zopt_control, dynamic);
+  case F::norm: return offsetof(zopt_control, norm);
+  case F::clip_coef: return offsetof(zopt_control, clip_coef);
+  case F::new_scale: return offsetof(zopt_control, new_scale);
+  case F::new_good_steps: return offsetof(zopt_control, new_good_steps);
+  case F::skip: return offsetof(zopt_control, skip);
+  case F::advance: return offsetof(zopt_control, advance);
+  }
+  llvm_unreachable("zopt_control field");
+}
+static_assert(sizeof(zopt_control) == 112, "zopt_control layout");
+
+/// `void <name>(zopt_control *c)`: the zk.control body between loads of
+/// its input fields and stores of its output fields (i1 fields are the
+/// struct's uint32_t: nonzero / 0 or 1).
+static FailureOr<func::FuncOp> lowerControl(OpBuilder &mb, zk::ControlOp c) {
+  MLIRContext *ctx = c.getContext();
+  Location loc = c.getLoc();
+  auto ptrTy = LLVM::LLVMPointerType::get(ctx);
+  auto fn = func::FuncOp::create(mb, loc, c.getSymName(),
+                                 FunctionType::get(ctx, {ptrTy}, {}));
+  fn->setAttr("zopt.isa", StringAttr::get(ctx, "none"));
+  Block *entry = fn.addEntryBlock();
+  OpBuilder b = OpBuilder::atBlockEnd(entry);
+  Value io = entry->getArgument(0);
+  Type i8 = b.getI8Type(), i32 = b.getI32Type();
+  auto at = [&](zk::ControlField f) -> Value {
+    return LLVM::GEPOp::create(b, loc, ptrTy, i8, io,
+                               ArrayRef<LLVM::GEPArg>{int32_t(controlOffset(f))});
+  };
+  SmallVector<zk::ControlField> outputs;
+  for (uint32_t f = 0; f <= uint32_t(zk::ControlField::advance); ++f)
+    if (!zk::ControlOp::isInput(zk::ControlField(f)))
+      outputs.push_back(zk::ControlField(f));
+  LogicalResult ok = emitControlBody(
+      b, loc, c, outputs,
+      [&](zk::ControlField f) -> Value {
+        Type t = zk::ControlOp::fieldType(ctx, f);
+        if (!t.isInteger(1))
+          return LLVM::LoadOp::create(b, loc, t, at(f));
+        Value w = LLVM::LoadOp::create(b, loc, i32, at(f));
+        return arith::CmpIOp::create(
+            b, loc, arith::CmpIPredicate::ne, w,
+            arith::ConstantOp::create(b, loc, b.getI32IntegerAttr(0)));
+      },
+      [&](zk::ControlField f, Value v) {
+        if (v.getType().isInteger(1))
+          v = arith::ExtUIOp::create(b, loc, i32, v);
+        LLVM::StoreOp::create(b, loc, v, at(f));
+      });
+  if (failed(ok))
+    return failure();
+  func::ReturnOp::create(b, loc);
+  return fn;
+}
+
 struct ConvertZKToCPU
     : public mlir::zopt::impl::ConvertZKToCPUBase<ConvertZKToCPU> {
   using Base::Base;
@@ -357,6 +428,13 @@ struct ConvertZKToCPU
       func::FuncOp f = lowerPrepare(mb, p);
       addKernel(ZOPT_KERNEL_PREPARE, ZOPT_ISA_NONE, f.getSymName());
       p.erase();
+    }
+    for (auto c : llvm::make_early_inc_range(m.getOps<zk::ControlOp>())) {
+      FailureOr<func::FuncOp> f = lowerControl(mb, c);
+      if (failed(f))
+        return signalPassFailure();
+      addKernel(ZOPT_KERNEL_CONTROL, ZOPT_ISA_NONE, f->getSymName());
+      c.erase();
     }
     bool onlyNativeBf16 = llvm::all_of(
         variants, [](const IsaInfo &v) { return v.nativeBf16; });

@@ -5,7 +5,8 @@
 // #nvvm.target per requested SM) with the kernels of GPUKernels.h (abi.h's
 // "GPU kernels" section). The kernel-table entries are recorded on the
 // zk.descriptor (gpu_kernels, gpu_images) for zopt-emit-descriptor; the
-// host keeps the zk.prepare for convert-zk-to-cpu. The fatbinaries are
+// host keeps the zk.prepare and the zk.control (inlined into SUMSQ and
+// FINISH here) for convert-zk-to-cpu. The fatbinaries are
 // built and embedded by zopt-embed-gpu-binaries (lib/Target/CUDA) after
 // gpu-module-to-binary.
 //
@@ -37,6 +38,7 @@ struct ConvertZKToGPU
     MLIRContext *ctx = &getContext();
     auto descs = llvm::to_vector(m.getOps<zk::DescriptorOp>());
     auto preps = llvm::to_vector(m.getOps<zk::PrepareOp>());
+    auto controls = llvm::to_vector(m.getOps<zk::ControlOp>());
     if (descs.size() != 1 || preps.size() != 1) {
       m.emitError("expected exactly one zk.descriptor and one zk.prepare");
       return signalPassFailure();
@@ -64,7 +66,8 @@ struct ConvertZKToGPU
     Step st{d.getName().str(),    int64_t(kinds.size()),
             int64_t(d.getHyperKinds().size()), int64_t(d.getNumCoeffs()),
             uint32_t(d.getFlags()), d.getMaxNorm().convertToDouble(),
-            preps.front(), kinds, d.getStateDtypes(), d.getStateInits()};
+            preps.front(), kinds, d.getStateDtypes(), d.getStateInits(),
+            controls.empty() ? zk::ControlOp() : controls.front()};
     SmallVector<Attribute> targets, images;
     for (const std::string &chip : chips) {
       int sm = 0;
@@ -89,6 +92,12 @@ struct ConvertZKToGPU
                 StringAttr::get(ctx, st.name + "_gpu_" + chip)}));
     }
 
+    if (controls.size() != 1) {
+      d.emitError("a GPU step needs exactly one zk.control (its SUMSQ and "
+                  "FINISH kernels evaluate it), found ")
+          << controls.size();
+      return signalPassFailure();
+    }
     m->setAttr(gpu::GPUDialect::getContainerModuleAttrName(),
                UnitAttr::get(ctx));
     OpBuilder mb = OpBuilder::atBlockEnd(m.getBody());
@@ -105,7 +114,8 @@ struct ConvertZKToGPU
     entry(ZOPT_KERNEL_PREPARE, st.name + "_prepare_gpu");
     for (auto k : llvm::make_early_inc_range(m.getOps<zk::KernelOp>())) {
       if (k.getRole() == zk::KernelRole::sumsq) {
-        buildSumsqKernel(gb, k, st);
+        if (failed(buildSumsqKernel(gb, k, st)))
+          return signalPassFailure();
         entry(ZOPT_KERNEL_SUMSQ, k.getSymName());
       } else {
         buildUpdateKernel(gb, k, st);
@@ -113,7 +123,8 @@ struct ConvertZKToGPU
       }
       k.erase();
     }
-    buildFinishKernel(gb, d.getLoc(), st);
+    if (failed(buildFinishKernel(gb, d.getLoc(), st)))
+      return signalPassFailure();
     entry(ZOPT_KERNEL_FINISH, st.name + "_finish");
     // INIT has no kernel-table role: the runtime finds it by its name.
     buildInitKernel(gb, d.getLoc(), st);

@@ -5,8 +5,9 @@
 // over a chunk work list; the kernel body is the shared BodyEmitter
 // (lib/Conversion/ZKCommon) at 16 bytes per access of the narrowest state
 // (4 x f32 or 8 x 16-bit lanes) plus a scalar head and tail. SUMSQ is a
-// two-stage f64 reduction that decides the norm, clip coefficient and skip
-// on the device; FINISH keeps the step counts and the loss scaler there.
+// two-stage f64 reduction whose last block evaluates the step's zk.control
+// (norm, clip coefficient, skip) on the device; FINISH evaluates it again
+// for the step counts and the loss scaler, which it keeps there.
 //
 //===----------------------------------------------------------------------===//
 #include "GPUKernels.h"
@@ -178,7 +179,9 @@ static Chunk loadChunk(G &g, const Step &st, const KernelInfo &info,
     Value base = LLVM::PtrToIntOp::create(b, loc, i64, generic);
     addrs.push_back(g.add(base, g.mul(ch.begin, g.i64(bytes))));
   }
-  Value crow = g.gep(b.getF32Type(), coeffs, g.mul(ch.group, g.i64(st.numCoeffs)));
+  // The coefficient table has one row per segment (tensor): its group's
+  // hyperparameters at the tensor's own step count.
+  Value crow = g.gep(b.getF32Type(), coeffs, g.mul(ch.seg, g.i64(st.numCoeffs)));
   for (int64_t k = 0; k < info.numCoeffs; ++k) {
     ch.cs.push_back(g.load(b.getF32Type(), g.gepc(b.getF32Type(), crow, k)));
     ch.cv.push_back(g.splat(ch.cs.back(), info.lanes));
@@ -257,22 +260,29 @@ static gpu::GPUFuncOp makeKernel(OpBuilder &gb, Location loc, StringRef name,
   return fn;
 }
 
-/// The prepare body for group `grp` (i64), writing row `grp` of `coeffs`;
+/// The prepare body for row `row` (i64: segment `row`, one per tensor):
+/// its group's hyperparameters and globals, but the tensor's own step t
+/// (tensorT[row]) for the STEP global; writes row `row` of `coeffs`.
 /// `clip` (f64) replaces the CLIP_COEF global when set.
-static void emitPrepareForGroup(G &g, const Step &st, Value hypers,
-                                Value globals, Value coeffs, Value grp,
-                                Value clip) {
+static void emitPrepareForRow(G &g, const Step &st, Value hypers,
+                              Value globals, Value segs, Value tensorT,
+                              Value coeffs, Value row, Value clip) {
   OpBuilder &b = g.b;
-  Type f64 = b.getF64Type(), f32 = b.getF32Type();
+  Type f64 = b.getF64Type(), f32 = b.getF32Type(), i32 = b.getI32Type();
+  Value grp = arith::ExtUIOp::create(
+      b, g.loc, b.getI64Type(),
+      g.load(i32, g.gep(i32, segs, g.add(g.mul(row, g.i64(4)), g.i64(2)))));
   Value hrow = g.gep(f64, hypers, g.mul(grp, g.i64(st.numHypers)));
   Value grow = g.gep(f64, globals, g.mul(grp, g.i64(ZOPT_NUM_GLOBALS)));
-  Value crow = g.gep(f32, coeffs, g.mul(grp, g.i64(st.numCoeffs)));
+  Value crow = g.gep(f32, coeffs, g.mul(row, g.i64(st.numCoeffs)));
   emitPrepareBody(
       b, g.loc, st.prepare,
       [&](int64_t i) { return g.load(f64, g.gepc(f64, hrow, i)); },
       [&](int64_t i) {
         if (clip && i == ZOPT_GLOBAL_CLIP_COEF)
           return clip;
+        if (i == ZOPT_GLOBAL_STEP)
+          return g.load(f64, g.gep(f64, tensorT, row));
         return g.load(f64, g.gepc(f64, grow, i));
       },
       [&](int64_t i, Value v) {
@@ -285,20 +295,23 @@ void gpu_kernels::buildPrepareKernel(OpBuilder &gb, Location loc,
   OpBuilder::InsertionGuard guard(gb);
   MLIRContext *ctx = gb.getContext();
   Type ptr = LLVM::LLVMPointerType::get(ctx), i64 = gb.getI64Type();
-  auto fn = makeKernel(gb, loc, st.name + "_prepare_gpu", {ptr, ptr, i64, ptr},
-                       ZOPT_GPU_PREPARE_BLOCK);
+  // (hypers, globals, segs, tensor_t, num_rows, coeffs)
+  auto fn = makeKernel(gb, loc, st.name + "_prepare_gpu",
+                       {ptr, ptr, ptr, ptr, i64, ptr}, ZOPT_GPU_PREPARE_BLOCK);
   Block &entry = fn.getBody().front();
   OpBuilder b = OpBuilder::atBlockEnd(&entry);
   G g{b, loc};
   auto [gtid, nthr] = g.grid();
-  auto loop = scf::ForOp::create(b, loc, gtid, entry.getArgument(2), nthr);
+  auto loop = scf::ForOp::create(b, loc, gtid, entry.getArgument(4), nthr);
   {
     OpBuilder::InsertionGuard ig(b);
     b.setInsertionPoint(loop.getBody()->getTerminator());
-    emitPrepareForGroup(g, st, g.toGlobal(entry.getArgument(0)),
-                        g.toGlobal(entry.getArgument(1)),
-                        g.toGlobal(entry.getArgument(3)), loop.getInductionVar(),
-                        Value());
+    emitPrepareForRow(g, st, g.toGlobal(entry.getArgument(0)),
+                      g.toGlobal(entry.getArgument(1)),
+                      g.toGlobal(entry.getArgument(2)),
+                      g.toGlobal(entry.getArgument(3)),
+                      g.toGlobal(entry.getArgument(5)), loop.getInductionVar(),
+                      Value());
   }
   gpu::ReturnOp::create(b, loc);
 }
@@ -336,24 +349,26 @@ void gpu_kernels::buildUpdateKernel(OpBuilder &gb, zk::KernelOp k,
   MLIRContext *ctx = gb.getContext();
   Type ptr = LLVM::LLVMPointerType::get(ctx), i64 = gb.getI64Type();
   KernelInfo info = analyze(k);
-  // Stochastic rounding (abi.h): the device globals (the group's step t)
-  // and the seed follow the six ABI arguments.
+  // (states, segs, chunks, num_chunks, coeffs, sg, active); stochastic
+  // rounding (abi.h): the tensors' step t (tensor_t) and the seed follow.
   bool sr = false;
   k.getBody().walk([&](zk::StoreOp s) {
     sr |= s.getRounding() == ZOPT_ROUND_STOCHASTIC;
   });
-  SmallVector<Type> args = {ptr, ptr, ptr, i64, ptr, ptr};
+  SmallVector<Type> args = {ptr, ptr, ptr, i64, ptr, ptr, ptr};
   if (sr)
     args.append({ptr, i64});
   auto fn = makeKernel(gb, loc, k.getSymName(), args, ZOPT_GPU_BLOCK);
   Block &entry = fn.getBody().front();
   Value states = entry.getArgument(0), segs = entry.getArgument(1),
         chunks = entry.getArgument(2), nchunks = entry.getArgument(3),
-        coeffs = entry.getArgument(4), sg = entry.getArgument(5);
+        coeffs = entry.getArgument(4), sg = entry.getArgument(5),
+        active = entry.getArgument(6);
   OpBuilder b = OpBuilder::atBlockEnd(&entry);
   G g{b, loc};
   Block &body = k.getBody().front();
   Value sgGeneric = sg;
+  active = g.toGlobal(active);
   states = g.toGlobal(states);
   segs = g.toGlobal(segs);
   chunks = g.toGlobal(chunks);
@@ -381,19 +396,23 @@ void gpu_kernels::buildUpdateKernel(OpBuilder &gb, zk::KernelOp k,
   b.setInsertionPoint(chunkLoop.getBody()->getTerminator());
   Chunk ch = loadChunk(g, st, info, states, segs, chunks, coeffs,
                        chunkLoop.getInductionVar());
+  // A tensor not updated this step (active[seg] == 0) is left as it is.
+  Value isActive = arith::CmpIOp::create(
+      b, loc, arith::CmpIPredicate::ne,
+      g.load(b.getI8Type(), g.gep(b.getI8Type(), active, ch.seg)),
+      arith::ConstantOp::create(b, loc, b.getI8IntegerAttr(0)));
+  auto activeIf = scf::IfOp::create(b, loc, isActive, /*withElse=*/false);
+  b.setInsertionPoint(activeIf.thenBlock()->getTerminator());
   Type i32 = b.getI32Type();
   Value srPartial;
   if (sr) {
-    // Per chunk: t of its segment's group (device globals) and its tensor.
-    Value globals = g.toGlobal(entry.getArgument(6));
-    Value tD = g.load(b.getF64Type(),
-                      g.gep(b.getF64Type(), globals,
-                            g.add(g.mul(ch.group, g.i64(ZOPT_NUM_GLOBALS)),
-                                  g.i64(ZOPT_GLOBAL_STEP))));
+    // Per chunk: its tensor's step t (tensor_t) and its tensor index.
+    Value tensorT = g.toGlobal(entry.getArgument(7));
+    Value tD = g.load(b.getF64Type(), g.gep(b.getF64Type(), tensorT, ch.seg));
     Value t = arith::FPToUIOp::create(b, loc, b.getI64Type(), tD);
     Value tensor = g.load(
         i32, g.gep(i32, segs, g.add(g.mul(ch.seg, g.i64(4)), g.i64(3))));
-    srPartial = srKeyPartial(g, entry.getArgument(7), t, tensor);
+    srPartial = srKeyPartial(g, entry.getArgument(8), t, tensor);
   }
   // The key and i32 index of element i (a chunk, hence a vector, never
   // straddles a multiple of 2^32 elements: abi.h).
@@ -501,8 +520,8 @@ void gpu_kernels::buildInitKernel(OpBuilder &gb, Location loc,
   gpu::ReturnOp::create(b, loc);
 }
 
-void gpu_kernels::buildSumsqKernel(OpBuilder &gb, zk::KernelOp k,
-                                   const Step &st) {
+LogicalResult gpu_kernels::buildSumsqKernel(OpBuilder &gb, zk::KernelOp k,
+                                            const Step &st) {
   OpBuilder::InsertionGuard guard(gb);
   Location loc = k.getLoc();
   MLIRContext *ctx = gb.getContext();
@@ -512,21 +531,24 @@ void gpu_kernels::buildSumsqKernel(OpBuilder &gb, zk::KernelOp k,
   auto wg = gpu::AddressSpaceAttr::get(ctx, gpu::AddressSpace::Workgroup);
   auto redTy = MemRefType::get({ZOPT_GPU_BLOCK}, f64, AffineMap(), wg);
   auto flagTy = MemRefType::get({1}, i32, AffineMap(), wg);
+  // (states, segs, chunks, num_chunks, coeffs, partials, sg, hypers,
+  //  globals, num_rows, tensor_t, active)
   auto fn = makeKernel(gb, loc, k.getSymName(),
-                       {ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64},
+                       {ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr},
                        ZOPT_GPU_BLOCK, {redTy, flagTy});
   Block &entry = fn.getBody().front();
   Value states = entry.getArgument(0), segs = entry.getArgument(1),
         chunks = entry.getArgument(2), nchunks = entry.getArgument(3),
         coeffs = entry.getArgument(4), partials = entry.getArgument(5),
         sg = entry.getArgument(6), hypers = entry.getArgument(7),
-        globals = entry.getArgument(8), ngroups = entry.getArgument(9);
+        globals = entry.getArgument(8), nrows = entry.getArgument(9),
+        tensorT = entry.getArgument(10), active = entry.getArgument(11);
   Value red = fn.getWorkgroupAttributions()[0],
         flag = fn.getWorkgroupAttributions()[1];
   OpBuilder b = OpBuilder::atBlockEnd(&entry);
   G g{b, loc};
   Block &body = k.getBody().front();
-  for (Value *v : {&states, &segs, &chunks, &coeffs, &partials, &sg, &hypers, &globals})
+  for (Value *v : {&states, &segs, &chunks, &coeffs, &partials, &sg, &hypers, &globals, &tensorT, &active})
     *v = g.toGlobal(*v);
 
   // Stage 1: this thread's sum of squares over its elements of the block's
@@ -536,6 +558,18 @@ void gpu_kernels::buildSumsqKernel(OpBuilder &gb, zk::KernelOp k,
       [&](OpBuilder &cb, Location cl, Value c, ValueRange iter) {
         G gc{cb, cl};
         Chunk ch = loadChunk(gc, st, info, states, segs, chunks, coeffs, c);
+        // A tensor not updated this step adds nothing (+0.0 changes no sum).
+        Value isActive = arith::CmpIOp::create(
+            cb, cl, arith::CmpIPredicate::ne,
+            gc.load(cb.getI8Type(), gc.gep(cb.getI8Type(), active, ch.seg)),
+            arith::ConstantOp::create(cb, cl, cb.getI8IntegerAttr(0)));
+        auto activeIf = scf::IfOp::create(cb, cl, TypeRange{f64}, isActive,
+                                          /*withElse=*/true);
+        scf::YieldOp::create(cb, cl, activeIf.getResults());
+        OpBuilder::InsertionGuard aig(cb);
+        cb.setInsertionPointToStart(&activeIf.getElseRegion().front());
+        scf::YieldOp::create(cb, cl, iter);
+        cb.setInsertionPointToStart(&activeIf.getThenRegion().front());
         ValueRange r = forChunkElements(
             gc, ch, info.lanes, iter,
             [&](OpBuilder &vb, Location l, Value i, ValueRange acc) {
@@ -628,21 +662,24 @@ void gpu_kernels::buildSumsqKernel(OpBuilder &gb, zk::KernelOp k,
                                ValueRange{arith::AddFOp::create(lb, l, acc[0], p)});
         });
     Value s = sum.getResult(0);
-    Value norm = math::SqrtOp::create(b, loc, s);
-    Value clip = g.f64(1.0);
-    if (st.flags & ZOPT_FLAG_CLIP) {
-      Value q = arith::DivFOp::create(
-          b, loc, g.f64(st.maxNorm), arith::AddFOp::create(b, loc, norm, g.f64(1e-6)));
-      Value lt1 = arith::CmpFOp::create(b, loc, arith::CmpFPredicate::OLT, q,
-                                        g.f64(1.0));
-      clip = arith::SelectOp::create(b, loc, lt1, q, g.f64(1.0));
-    }
-    Value nan = arith::CmpFOp::create(b, loc, arith::CmpFPredicate::UNO, s, s);
-    Value inf = arith::CmpFOp::create(b, loc, arith::CmpFPredicate::OEQ, s,
-                                      g.f64(std::numeric_limits<double>::infinity()));
-    Value nonfinite = arith::ExtUIOp::create(
-        b, loc, i32, arith::OrIOp::create(b, loc, nan, inf));
-    // A non-finite norm skips the whole step, as on the CPU.
+    // The step's control (zk.control: the same IR as the host CONTROL) on
+    // this sum, with the compiled max_norm: norm, clip coefficient, skip.
+    using F = zk::ControlField;
+    Value norm, clip, skip1;
+    if (failed(emitControlBody(
+            b, loc, st.control, {F::norm, F::clip_coef, F::skip},
+            [&](F f) -> Value {
+              if (f == F::sumsq)
+                return s;
+              if (f == F::max_norm)
+                return g.f64(st.maxNorm);
+              return Value(); // the scaler is FINISH's
+            },
+            [&](F f, Value v) {
+              (f == F::norm ? norm : f == F::clip_coef ? clip : skip1) = v;
+            })))
+      return failure();
+    Value nonfinite = arith::ExtUIOp::create(b, loc, i32, skip1);
     Value skip = nonfinite;
     LLVM::StoreOp::create(b, loc, s, g.gepc(f64, sg, kSgSumsq));
     LLVM::StoreOp::create(b, loc, norm, g.gepc(f64, sg, kSgNorm));
@@ -655,132 +692,171 @@ void gpu_kernels::buildSumsqKernel(OpBuilder &gb, zk::KernelOp k,
   gpu::BarrierOp::create(b, loc);
   // The coefficient table again, with the device's clip coefficient.
   Value clip = memref::LoadOp::create(b, loc, red, ValueRange{zeroIdx});
-  auto gl = scf::ForOp::create(b, loc, g.toI64(tx), ngroups, g.bdim());
+  auto gl = scf::ForOp::create(b, loc, g.toI64(tx), nrows, g.bdim());
   {
     OpBuilder::InsertionGuard ig(b);
     b.setInsertionPoint(gl.getBody()->getTerminator());
-    emitPrepareForGroup(g, st, hypers, globals, coeffs, gl.getInductionVar(),
-                        clip);
+    emitPrepareForRow(g, st, hypers, globals, segs, tensorT, coeffs,
+                      gl.getInductionVar(), clip);
   }
   b.setInsertionPointToEnd(&entry);
   gpu::ReturnOp::create(b, loc);
+  return success();
 }
 
 /// FINISH: the step's bookkeeping on the device (abi.h): step counts, the
-/// dynamic loss scaler and 1/S in the globals table. Thread 0 of block 0.
-void gpu_kernels::buildFinishKernel(OpBuilder &gb, Location loc,
-                                    const Step &st) {
+/// dynamic loss scaler and 1/S in the globals table. One block: its threads
+/// share the per-tensor and per-group counts; thread 0 the scaler.
+LogicalResult gpu_kernels::buildFinishKernel(OpBuilder &gb, Location loc,
+                                             const Step &st) {
   OpBuilder::InsertionGuard guard(gb);
   MLIRContext *ctx = gb.getContext();
   Type ptr = LLVM::LLVMPointerType::get(ctx), i64 = gb.getI64Type(),
-       f64 = gb.getF64Type(), i32 = gb.getI32Type();
-  auto fn = makeKernel(gb, loc, st.name + "_finish", {ptr, i64, ptr, ptr},
-                       ZOPT_GPU_FINISH_BLOCK);
+       f64 = gb.getF64Type(), i32 = gb.getI32Type(), i8 = gb.getI8Type();
+  // (globals, num_groups, sg, sc, tensor_t, active, num_rows)
+  auto fn = makeKernel(gb, loc, st.name + "_finish",
+                       {ptr, i64, ptr, ptr, ptr, ptr, i64}, ZOPT_GPU_FINISH_BLOCK);
   Block &entry = fn.getBody().front();
   Value globals = entry.getArgument(0), ngroups = entry.getArgument(1),
-        sgGeneric = entry.getArgument(2), scGeneric = entry.getArgument(3);
+        sgGeneric = entry.getArgument(2), scGeneric = entry.getArgument(3),
+        tensorT = entry.getArgument(4), active = entry.getArgument(5),
+        nrows = entry.getArgument(6);
   OpBuilder b = OpBuilder::atBlockEnd(&entry);
   G g{b, loc};
   globals = g.toGlobal(globals);
+  tensorT = g.toGlobal(tensorT);
+  active = g.toGlobal(active);
   Value sg = g.toGlobal(sgGeneric), sc = g.toGlobal(scGeneric);
   auto isNull = [&](Value p) {
     return LLVM::ICmpOp::create(b, loc, LLVM::ICmpPredicate::eq, p,
                                 LLVM::ZeroOp::create(b, loc, ptr));
   };
+  auto notI1 = [&](Value v) {
+    return arith::XOrIOp::create(b, loc, v,
+                                 arith::ConstantOp::create(b, loc, b.getBoolAttr(true)));
+  };
+  Value tid = g.tid(), bdim = g.bdim();
   Value first = arith::AndIOp::create(
-      b, loc,
-      arith::CmpIOp::create(b, loc, arith::CmpIPredicate::eq, g.tid(), g.i64(0)),
+      b, loc, arith::CmpIOp::create(b, loc, arith::CmpIPredicate::eq, tid, g.i64(0)),
       arith::CmpIOp::create(b, loc, arith::CmpIPredicate::eq, g.bid(), g.i64(0)));
-  auto t0 = scf::IfOp::create(b, loc, first, /*withElse=*/false);
-  b.setInsertionPoint(t0.thenBlock()->getTerminator());
+  auto isActive = [&](Value idx) {
+    return arith::CmpIOp::create(b, loc, arith::CmpIPredicate::ne,
+                                 g.load(i8, g.gep(i8, active, idx)),
+                                 arith::ConstantOp::create(b, loc, b.getI8IntegerAttr(0)));
+  };
 
-  // skip = sg ? sg->skip : 0
+  // The step's control (zk.control: the same IR as the host CONTROL) on
+  // sumsq = sg ? sg->sumsq : 0 (no SUMSQ: never skipped) and the scaler.
+  using F = zk::ControlField;
   Value sgNull = isNull(sgGeneric);
-  auto skipIf = scf::IfOp::create(
-      b, loc, sgNull,
-      [&](OpBuilder &tb, Location l) {
-        scf::YieldOp::create(tb, l, ValueRange{G{tb, l}.i32(0)});
-      },
-      [&](OpBuilder &eb, Location l) {
-        G ge{eb, l};
-        scf::YieldOp::create(
-            eb, l, ValueRange{ge.load(i32, ge.gepc(i32, sg, kSgSkip))});
-      });
-  Value skip = arith::CmpIOp::create(b, loc, arith::CmpIPredicate::ne,
-                                     skipIf.getResult(0), g.i32(0));
-  Value applied = arith::XOrIOp::create(
-      b, loc, skip, arith::ConstantOp::create(b, loc, b.getBoolAttr(true)));
+  auto sumsq = [&]() -> Value {
+    auto r = scf::IfOp::create(
+        b, loc, sgNull,
+        [&](OpBuilder &tb, Location l) {
+          scf::YieldOp::create(tb, l, ValueRange{G{tb, l}.f64(0.0)});
+        },
+        [&](OpBuilder &eb, Location l) {
+          G ge{eb, l};
+          scf::YieldOp::create(
+              eb, l, ValueRange{ge.load(f64, ge.gepc(f64, sg, kSgSumsq))});
+        });
+    return r.getResult(0);
+  };
+  Value applied;
+  if (failed(emitControlBody(
+          b, loc, st.control, {F::advance},
+          [&](F f) -> Value {
+            if (f == F::sumsq)
+              return sumsq();
+            if (f == F::max_norm)
+              return g.f64(st.maxNorm);
+            return Value(); // counts do not depend on the scaler
+          },
+          [&](F, Value v) { applied = v; })))
+    return failure();
+  // When it advances: every updated tensor's t (tensor_t) and every group
+  // with an updated tensor (active[num_rows + g]) its STEP global, the
+  // block's threads striding over them; thread 0 counts the step.
   auto stepIf = scf::IfOp::create(b, loc, applied, /*withElse=*/false);
   {
     OpBuilder::InsertionGuard ig(b);
     b.setInsertionPoint(stepIf.thenBlock()->getTerminator());
-    auto loop = scf::ForOp::create(b, loc, g.i64(0), ngroups, g.i64(1));
+    auto rows = scf::ForOp::create(b, loc, tid, nrows, bdim);
     {
       OpBuilder::InsertionGuard lg(b);
-      b.setInsertionPoint(loop.getBody()->getTerminator());
-      Value p = g.gep(f64, globals,
-                      g.add(g.mul(loop.getInductionVar(), g.i64(ZOPT_NUM_GLOBALS)),
-                            g.i64(ZOPT_GLOBAL_STEP)));
+      b.setInsertionPoint(rows.getBody()->getTerminator());
+      Value r = rows.getInductionVar();
+      auto upd = scf::IfOp::create(b, loc, isActive(r), /*withElse=*/false);
+      b.setInsertionPoint(upd.thenBlock()->getTerminator());
+      Value p = g.gep(f64, tensorT, r);
       LLVM::StoreOp::create(
           b, loc, arith::AddFOp::create(b, loc, g.load(f64, p), g.f64(1.0)), p);
     }
-    auto cnt = scf::IfOp::create(
-        b, loc,
-        arith::XOrIOp::create(b, loc, sgNull,
-                              arith::ConstantOp::create(b, loc, b.getBoolAttr(true))),
-        /*withElse=*/false);
+    auto groups = scf::ForOp::create(b, loc, tid, ngroups, bdim);
+    {
+      OpBuilder::InsertionGuard lg(b);
+      b.setInsertionPoint(groups.getBody()->getTerminator());
+      Value gi = groups.getInductionVar();
+      auto upd = scf::IfOp::create(b, loc, isActive(g.add(nrows, gi)), /*withElse=*/false);
+      b.setInsertionPoint(upd.thenBlock()->getTerminator());
+      Value p = g.gep(f64, globals,
+                      g.add(g.mul(gi, g.i64(ZOPT_NUM_GLOBALS)), g.i64(ZOPT_GLOBAL_STEP)));
+      LLVM::StoreOp::create(
+          b, loc, arith::AddFOp::create(b, loc, g.load(f64, p), g.f64(1.0)), p);
+    }
+    auto cnt = scf::IfOp::create(b, loc, arith::AndIOp::create(b, loc, first, notI1(sgNull)),
+                                 /*withElse=*/false);
     b.setInsertionPoint(cnt.thenBlock()->getTerminator());
     Value p = g.gepc(i32, sg, kSgApplied);
     LLVM::StoreOp::create(b, loc, g.add(g.load(i32, p), g.i32(1)), p);
   }
 
   if (st.flags & ZOPT_FLAG_LOSS_SCALE) {
-    auto scIf = scf::IfOp::create(
-        b, loc,
-        arith::XOrIOp::create(b, loc, isNull(scGeneric),
-                              arith::ConstantOp::create(b, loc, b.getBoolAttr(true))),
-        /*withElse=*/false);
+    // sc is the same pointer for every thread: a uniform branch (the
+    // barrier inside is reached by all or none).
+    auto scIf = scf::IfOp::create(b, loc, notI1(isNull(scGeneric)), /*withElse=*/false);
     b.setInsertionPoint(scIf.thenBlock()->getTerminator());
     auto fld = [&](Type t, int64_t i) { return g.gepc(t, sc, i); };
-    Value scale = g.load(f64, fld(f64, kScScale));
-    LLVM::StoreOp::create(b, loc, scale, fld(f64, kScLast));
-    Value good = g.load(i64, fld(i64, kScGood));
-    Value dynamic = arith::CmpIOp::create(b, loc, arith::CmpIPredicate::ne,
-                                          g.load(i32, fld(i32, kScDynamic)),
-                                          g.i32(0));
-    // Skipped: back off, never below min_scale.
-    Value minS = g.load(f64, fld(f64, kScMin));
-    Value backed = arith::MulFOp::create(b, loc, scale,
-                                         g.load(f64, fld(f64, kScBackoff)));
-    Value backedC = arith::SelectOp::create(
-        b, loc,
-        arith::CmpFOp::create(b, loc, arith::CmpFPredicate::OLT, backed, minS),
-        minS, backed);
-    // Applied: grow after growth_interval good steps, if the result is finite.
-    Value good1 = g.add(good, g.i64(1));
-    Value grow = arith::CmpIOp::create(b, loc, arith::CmpIPredicate::sge, good1,
-                                       g.load(i64, fld(i64, kScInterval)));
-    Value grown = arith::MulFOp::create(b, loc, scale,
-                                        g.load(f64, fld(f64, kScGrowth)));
-    Value finite = arith::CmpFOp::create(
-        b, loc, arith::CmpFPredicate::OLT, math::AbsFOp::create(b, loc, grown),
-        g.f64(std::numeric_limits<double>::infinity()));
-    Value applyScale = arith::SelectOp::create(
-        b, loc, arith::AndIOp::create(b, loc, grow, finite), grown, scale);
-    Value applyGood = arith::SelectOp::create(b, loc, grow, g.i64(0), good1);
-    Value newScale = arith::SelectOp::create(b, loc, skip, backedC, applyScale);
-    Value newGood = arith::SelectOp::create(b, loc, skip, g.i64(0), applyGood);
-    newScale = arith::SelectOp::create(b, loc, dynamic, newScale, scale);
-    newGood = arith::SelectOp::create(b, loc, dynamic, newGood, good);
-    LLVM::StoreOp::create(b, loc, newScale, fld(f64, kScScale));
-    LLVM::StoreOp::create(b, loc, newGood, fld(i64, kScGood));
+    auto t0 = scf::IfOp::create(b, loc, first, /*withElse=*/false);
+    {
+      OpBuilder::InsertionGuard ig(b);
+      b.setInsertionPoint(t0.thenBlock()->getTerminator());
+      LLVM::StoreOp::create(b, loc, g.load(f64, fld(f64, kScScale)),
+                            fld(f64, kScLast));
+      Value newScale, newGood;
+      if (failed(emitControlBody(
+              b, loc, st.control, {F::new_scale, F::new_good_steps},
+              [&](F f) -> Value {
+                switch (f) {
+                case F::sumsq: return sumsq();
+                case F::max_norm: return g.f64(st.maxNorm);
+                case F::scale: return g.load(f64, fld(f64, kScScale));
+                case F::growth_factor: return g.load(f64, fld(f64, kScGrowth));
+                case F::backoff_factor: return g.load(f64, fld(f64, kScBackoff));
+                case F::min_scale: return g.load(f64, fld(f64, kScMin));
+                case F::growth_interval: return g.load(i64, fld(i64, kScInterval));
+                case F::good_steps: return g.load(i64, fld(i64, kScGood));
+                case F::dynamic:
+                  return arith::CmpIOp::create(b, loc, arith::CmpIPredicate::ne,
+                                               g.load(i32, fld(i32, kScDynamic)),
+                                               g.i32(0));
+                default: return Value();
+                }
+              },
+              [&](F f, Value v) { (f == F::new_scale ? newScale : newGood) = v; })))
+        return failure();
+      LLVM::StoreOp::create(b, loc, newScale, fld(f64, kScScale));
+      LLVM::StoreOp::create(b, loc, newGood, fld(i64, kScGood));
+    }
+    gpu::BarrierOp::create(b, loc);
     // GRAD_SCALE = 1 / (S * D) (abi.h), with each group's sign kept: a
     // maximizing group's (ZOPT_GROUP_MAXIMIZE) is negative, as the host
     // wrote it.
     Value inv = arith::DivFOp::create(
         b, loc, g.f64(1.0),
-        arith::MulFOp::create(b, loc, newScale, g.load(f64, fld(f64, kScDivisor))));
-    auto loop = scf::ForOp::create(b, loc, g.i64(0), ngroups, g.i64(1));
+        arith::MulFOp::create(b, loc, g.load(f64, fld(f64, kScScale)),
+                              g.load(f64, fld(f64, kScDivisor))));
+    auto loop = scf::ForOp::create(b, loc, tid, ngroups, bdim);
     b.setInsertionPoint(loop.getBody()->getTerminator());
     Value at = g.gep(f64, globals,
                      g.add(g.mul(loop.getInductionVar(), g.i64(ZOPT_NUM_GLOBALS)),
@@ -793,4 +869,5 @@ void gpu_kernels::buildFinishKernel(OpBuilder &gb, Location loc,
   }
   b.setInsertionPointToEnd(&entry);
   gpu::ReturnOp::create(b, loc);
+  return success();
 }

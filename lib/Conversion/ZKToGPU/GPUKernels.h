@@ -3,13 +3,19 @@
 // What convert-zk-to-gpu builds into `gpu.module @<step>_gpu`, with the
 // launch ABI of abi.h's "GPU kernels" section:
 //
-//   <step>_prepare_gpu(hypers, globals, num_groups, coeffs)
+//   <step>_prepare_gpu(hypers, globals, segs, tensor_t, num_rows, coeffs)
 //   <step>_sumsq(states, segs, chunks, num_chunks, coeffs, partials, sg,
-//                hypers, globals, num_groups)          (if a sumsq kernel)
-//   <step>_update(states, segs, chunks, num_chunks, coeffs, sg[, globals,
-//                 seed])
-//   <step>_finish(globals, num_groups, sg, scaler)
+//                hypers, globals, num_rows, tensor_t, active)
+//                                                      (if a sumsq kernel)
+//   <step>_update(states, segs, chunks, num_chunks, coeffs, sg, active
+//                 [, tensor_t, seed])
+//   <step>_finish(globals, num_groups, sg, scaler, tensor_t, active,
+//                 num_rows)
 //   <step>_init_gpu(states, segs, chunks, num_chunks)
+//
+// The coefficient table has one row per segment (tensor): its group's
+// hyperparameters at the tensor's own step t (tensor_t); `active` says
+// which tensors (and groups) a step updates.
 //
 // Each builder appends one gpu.func kernel at `gb` (inside the gpu.module).
 //
@@ -23,8 +29,8 @@
 
 namespace mlir::zopt::gpu_kernels {
 
-/// What the kernels need to know of the step (its zk.descriptor and
-/// zk.prepare).
+/// What the kernels need to know of the step (its zk.descriptor,
+/// zk.prepare and zk.control).
 struct Step {
   std::string name;
   int64_t numStates, numHypers, numCoeffs;
@@ -32,6 +38,7 @@ struct Step {
   double maxNorm;
   zk::PrepareOp prepare;
   ArrayRef<int32_t> kinds, dtypes, inits;
+  zk::ControlOp control;
 };
 
 /// PREPARE: the zk.prepare body per group, one thread per group.
@@ -41,10 +48,12 @@ void buildUpdateKernel(OpBuilder &gb, zk::KernelOp k, const Step &st);
 /// INIT: the states initialized from the param, at finalize.
 void buildInitKernel(OpBuilder &gb, Location loc, const Step &st);
 /// SUMSQ: the two-stage sum of squares of kernel `k`; the last block writes
-/// the norm, clip coefficient and skip flag and recomputes the coefficients.
-void buildSumsqKernel(OpBuilder &gb, zk::KernelOp k, const Step &st);
-/// FINISH: step counts, the dynamic loss scaler and 1/S in the globals.
-void buildFinishKernel(OpBuilder &gb, Location loc, const Step &st);
+/// the norm, clip coefficient and skip flag of the step's zk.control and
+/// recomputes the coefficients.
+LogicalResult buildSumsqKernel(OpBuilder &gb, zk::KernelOp k, const Step &st);
+/// FINISH: step counts and the loss scaler as the step's zk.control says,
+/// and 1/S in the globals.
+LogicalResult buildFinishKernel(OpBuilder &gb, Location loc, const Step &st);
 
 } // namespace mlir::zopt::gpu_kernels
 

@@ -23,7 +23,7 @@
 extern "C" {
 #endif
 
-#define ZOPT_ABI_VERSION 2u
+#define ZOPT_ABI_VERSION 3u
 #define ZOPT_DESC_MAGIC "ZOPTDSC1" /* 8 bytes, no terminator stored */
 #define ZOPT_DESC_SYMBOL "zopt_step_descriptor"
 
@@ -137,6 +137,15 @@ typedef enum zopt_global {
  *   is the same bits on every ISA, thread count and world size.
  *   Non-finite inputs make the result non-finite.
  *     double sumsq(void *const *states, int64_t n, const float *coeffs);
+ * CONTROL: the step's control semantics (docs/NUMERICS.md sections 3, 5,
+ *   6), on the host, once per step: from the reduced sum of squares, the
+ *   max_norm and the loss scaler it decides the norm, the clip coefficient,
+ *   the non-finite skip, the scaler's next state and whether the step
+ *   counts advance (zopt_control below). A pure function of the `in`
+ *   fields; it writes every `out` field. Every step.so has one (isa NONE,
+ *   device CPU); the GPU kernels inline the same IR (SUMSQ's last block,
+ *   FINISH), so the runtime holds no arithmetic of any of these rules.
+ *     void control(zopt_control *c);
  */
 #define ZOPT_SUMSQ_LANES 32
 typedef enum zopt_kernel_role {
@@ -145,7 +154,38 @@ typedef enum zopt_kernel_role {
   ZOPT_KERNEL_SUMSQ = 3,
   ZOPT_KERNEL_GPU_IMAGE = 4, /* a GPU code image; see "GPU kernels" below */
   ZOPT_KERNEL_FINISH = 5,    /* GPU only: step bookkeeping after UPDATE */
+  ZOPT_KERNEL_CONTROL = 6,   /* host: norm, clip, skip, loss scaler, counts */
 } zopt_kernel_role;
+
+/* The argument of CONTROL. The step's flags decide which fields matter:
+ * with a norm (ZOPT_FLAG_SUMSQ) `sumsq`; with ZOPT_FLAG_CLIP `max_norm`;
+ * with ZOPT_FLAG_LOSS_SCALE the scaler's. Without a norm: norm = NaN,
+ * skip = 0. Without loss scaling: new_scale = scale, new_good_steps =
+ * good_steps. */
+typedef struct zopt_control {
+  /* in */
+  double sumsq;           /* the step's sum of squares (every rank, every
+                             linked part), abi.h "SUMSQ" order */
+  double max_norm;        /* ZOPT_FLAG_CLIP: the max_norm of this step */
+  double scale;           /* S of this step (the loss scale) */
+  double growth_factor;   /* the loss scaler's configuration (zopt.h) */
+  double backoff_factor;
+  double min_scale;
+  int64_t growth_interval;
+  int64_t good_steps;     /* finite steps since the last change of S */
+  uint32_t dynamic;       /* 0: a static S */
+  uint32_t reserved0;
+  /* out */
+  double norm;            /* sqrt(sumsq); NaN without a norm */
+  double clip_coef;       /* ZOPT_GLOBAL_CLIP_COEF of the update: with
+                             ZOPT_FLAG_CLIP and not skipped
+                             min(1, max_norm / (norm + 1e-6)), else 1 */
+  double new_scale;       /* S of the next step */
+  int64_t new_good_steps;
+  uint32_t skip;          /* the step is skipped: nothing but the scaler
+                             changes (sumsq not finite) */
+  uint32_t advance;       /* the step counts advance (!skip) */
+} zopt_control; /* 112 bytes */
 
 /* Instruction-set variant of a CPU kernel. Each value's instructions are a
  * superset of the one before, so the runtime picks the highest variant the
@@ -169,6 +209,7 @@ typedef double (*zopt_sumsq_fn)(void *const *states, int64_t n,
 typedef void (*zopt_update_sr_fn)(void *const *in, void *const *out,
                                   int64_t n, const float *coeffs,
                                   uint32_t key, uint32_t first);
+typedef void (*zopt_control_fn)(zopt_control *c);
 
 /* Descriptor flags. */
 #define ZOPT_FLAG_CLIP 1u       /* global-norm clipping; max_norm is valid */
@@ -377,12 +418,18 @@ static inline uint64_t zopt_desc_checksum(const zopt_step_descriptor *d) {
  * The step's running state lives on the device, so that a step is a fixed
  * sequence of launches with no host synchronisation and nothing the host
  * must compute per step (it can be captured in a CUDA graph and replayed):
- * the globals table (per group: the 1-based step t of the *next* step, a
- * clip coefficient of 1, 1/(S*D)), the hyperparameter table (read by every
+ * the globals table (per group: the group's step count + 1, a clip
+ * coefficient of 1, 1/(S*D)), the tensors' steps (tensor_t, per segment:
+ * the 1-based step t of the tensor's *next* step, the t its coefficients
+ * and stochastic rounding use), the hyperparameter table (read by every
  * launch, so a value the runtime writes between replays is the one the next
- * replay uses) and, with loss scaling, the dynamic loss scaler
- * (zopt_gpu_scaler). The runtime initializes them and reads them back on
- * demand; FINISH advances them.
+ * replay uses), the active mask (`const uint8_t *active`: [num_segments]
+ * whether the step updates each tensor, then [num_groups] whether it
+ * updates any tensor of each group; zopt_optimizer_set_active writes it)
+ * and, with loss scaling, the dynamic loss scaler (zopt_gpu_scaler). The
+ * runtime initializes them and reads them back on demand; FINISH advances
+ * them. The coefficient table has one row per segment: its group's
+ * hyperparameters and globals at the tensor's own t.
  *
  * The elementwise kernels run over a WORK LIST of chunks (zopt_gpu_chunk):
  * each chunk is a range of elements of one segment (one tensor), and block b
@@ -403,66 +450,79 @@ static inline uint64_t zopt_desc_checksum(const zopt_step_descriptor *d) {
  * All pointers below are device pointers; every launch goes on one stream,
  * in the order PREPARE, SUMSQ, UPDATE, FINISH:
  *
- * PREPARE (grid-stride over groups, any grid; ZOPT_GPU_PREPARE_BLOCK):
+ * PREPARE (grid-stride over segments, any grid; ZOPT_GPU_PREPARE_BLOCK):
  *     void prepare(const double *hypers,   // [num_groups][num_hypers]
  *                  const double *globals,  // [num_groups][ZOPT_NUM_GLOBALS]
- *                  int64_t num_groups,
- *                  float *coeffs);         // out: [num_groups][num_coeffs]
- *   The host PREPARE run on the device for every group. The CLIP_COEF
- *   global is taken from `globals` here (pass 1); with clipping, SUMSQ
- *   recomputes the table with the device-computed coefficient.
+ *                  const zopt_gpu_segment *segs,
+ *                  const double *tensor_t, // [num_segments]
+ *                  int64_t num_segments,
+ *                  float *coeffs);         // out: [num_segments][num_coeffs]
+ *   The host PREPARE run on the device for every segment s: the
+ *   hyperparameters and globals of its group segs[s].group, with STEP =
+ *   tensor_t[s]. The CLIP_COEF global is taken from `globals` here (pass
+ *   1); with clipping, SUMSQ recomputes the table with the device-computed
+ *   coefficient.
  *
  * SUMSQ (gridDim.x <= ZOPT_GPU_MAX_BLOCKS; ZOPT_GPU_BLOCK):
  *     void sumsq(void *const *states,          // [num_segments][num_states]
  *                const zopt_gpu_segment *segs, // [num_segments]
  *                const zopt_gpu_chunk *chunks, // [num_chunks]
  *                int64_t num_chunks,
- *                float *coeffs,                // [num_groups][num_coeffs]
+ *                float *coeffs,                // [num_segments][num_coeffs]
  *                double *partials,             // [gridDim.x] scratch
  *                zopt_gpu_step_globals *sg,
  *                const double *hypers, const double *globals,
- *                int64_t num_groups);
+ *                int64_t num_segments,
+ *                const double *tensor_t, const uint8_t *active);
  *   Two-stage, deterministic for a given grid and work list (both fixed at
  *   finalize): every block writes its f64 partial sum of squares to
- *   partials[blockIdx.x]; the last block to finish (atomic counter
+ *   partials[blockIdx.x] (a chunk of a tensor the step does not update,
+ *   active[s] == 0, adds nothing); the last block to finish (atomic counter
  *   sg->blocks_done, reset to 0 by that block) adds the partials in block
- *   order and writes sg: sumsq, norm = sqrt(sumsq), clip_coef = min(1,
- *   max_norm / (norm + 1e-6)) with ZOPT_FLAG_CLIP (else 1), nonfinite, and
- *   skip = nonfinite (as the CPU runtime: a non-finite norm skips the whole
- *   step, with or without loss scaling). The same block then re-runs
- *   PREPARE for every group with that clip_coef. The runtime zero-fills *sg
- *   once when allocating it.
+ *   order and writes sg: sumsq, and the norm, clip_coef and skip of the
+ *   step's CONTROL (the same IR as the host function, with the descriptor's
+ *   max_norm), nonfinite = skip. The same block then re-runs PREPARE for
+ *   every segment with that clip_coef. The runtime zero-fills *sg once when
+ *   allocating it.
  *
  * UPDATE (any grid; ZOPT_GPU_BLOCK):
  *     void update(void *const *states,          // [num_segments][num_states]
  *                 const zopt_gpu_segment *segs,
  *                 const zopt_gpu_chunk *chunks,
  *                 int64_t num_chunks,
- *                 const float *coeffs,          // [num_groups][num_coeffs]
- *                 const zopt_gpu_step_globals *sg); // NULL: never skip
+ *                 const float *coeffs,          // [num_segments][num_coeffs]
+ *                 const zopt_gpu_step_globals *sg, // NULL: never skip
+ *                 const uint8_t *active);
  *   With ZOPT_FLAG_STOCHASTIC two more arguments follow:
- *                 const double *globals,        // [num_groups][ZOPT_NUM_GLOBALS]
+ *                 const double *tensor_t,       // [num_segments]
  *                 uint64_t seed);
  *   and element i of segment s rounds with zopt_sr_bits(zopt_sr_key(seed,
- *   t of its group, segs[s].tensor, i >> 32), slot, (uint32_t)i), the same
+ *   tensor_t[s], segs[s].tensor, i >> 32), slot, (uint32_t)i), the same
  *   bits as on the CPU.
- *   ONE launch for all tensors of the step. Returns at once when sg->skip.
+ *   ONE launch for all tensors of the step. Returns at once when sg->skip;
+ *   leaves the chunks of a segment with active[s] == 0 untouched.
  *   Segment s has segs[s].n elements at the pointers states[s * num_states
  *   + k] (k = descriptor state index; unused states may be NULL); pointers
  *   need only be aligned to their element size.
  *
- * FINISH (one block; ZOPT_GPU_FINISH_BLOCK; thread 0 does the work):
+ * FINISH (one block; ZOPT_GPU_FINISH_BLOCK; its threads share the counts,
+ * thread 0 the scaler):
  *     void finish(double *globals,              // [num_groups][ZOPT_NUM_GLOBALS]
  *                 int64_t num_groups,
  *                 zopt_gpu_step_globals *sg,    // NULL: no SUMSQ, never skipped
- *                 zopt_gpu_scaler *sc);         // NULL: no loss scaling
- *   skip = sg ? sg->skip : 0. Unless skip, every group's STEP global
- *   advances by 1 and sg->steps_applied by 1 (when sg). With sc,
- *   sc->last_scale = sc->scale first; then with sc->dynamic, the scaler
- *   updates as zopt_optimizer_configure_loss_scaler documents (skip:
- *   scale = max(scale * backoff, min_scale), good_steps = 0; else after
- *   growth_interval good steps scale *= growth if finite); then every
- *   group's GRAD_SCALE global becomes 1 / (sc->scale * sc->grad_divisor).
+ *                 zopt_gpu_scaler *sc,          // NULL: no loss scaling
+ *                 double *tensor_t,             // [num_segments]
+ *                 const uint8_t *active,
+ *                 int64_t num_segments);
+ *   The step's CONTROL (the same IR as the host function) on sumsq =
+ *   sg ? sg->sumsq : 0 and the scaler *sc: when it advances, tensor_t[s]
+ *   of every segment with active[s] advances by 1, the STEP global of
+ *   every group with active[num_segments + g] by 1, and
+ *   sg->steps_applied by 1 (when sg). With
+ *   sc, sc->last_scale = sc->scale first, then sc->scale and
+ *   sc->good_steps become CONTROL's new_scale and new_good_steps, and every
+ *   group's GRAD_SCALE global becomes 1 / (sc->scale * sc->grad_divisor)
+ *   with the group's sign.
  *
  * INIT (any grid; ZOPT_GPU_BLOCK; once, at finalize and refresh_master):
  *     void init(void *const *states, const zopt_gpu_segment *segs,
@@ -478,7 +538,7 @@ static inline uint64_t zopt_desc_checksum(const zopt_step_descriptor *d) {
 
 typedef struct zopt_gpu_segment {
   int64_t n;       /* elements */
-  uint32_t group;  /* parameter group: row of the coefficient table */
+  uint32_t group;  /* parameter group: its row of the hyperparameter and globals tables */
   uint32_t tensor; /* the tensor's index in the optimizer (stochastic rounding) */
 } zopt_gpu_segment; /* 16 bytes */
 

@@ -606,8 +606,8 @@ ZOPT_API zopt_status zopt_optimizer_get_grad_divisor(const zopt_optimizer *opt, 
 ZOPT_API zopt_status zopt_optimizer_set_active(zopt_optimizer *opt, const uint8_t *active, int64_t n);
 /* The steps tensor `tensor` took (torch's per-param state['step']; a
  * tensor left alone by set_active does not advance). The bias corrections
- * and stochastic rounding of a tensor use its own count. GPU steps count
- * per group: a tensor's count is its group's. */
+ * and stochastic rounding of a tensor use its own count (GPU steps too:
+ * the device holds each tensor's count). */
 ZOPT_API zopt_status zopt_optimizer_get_tensor_step(const zopt_optimizer *opt, int tensor, int64_t *count);
 /* Moves tensor `tensor` to new user memory after finalize (the same
  * numel and dtype; e.g. PyTorch replaced `p.data` or allocated a new

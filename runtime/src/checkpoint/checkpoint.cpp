@@ -18,6 +18,7 @@
 #include "checkpoint/set.h"
 
 #include "comm/comm_internal.h"
+#include "backend/backend.h"
 #include "exec/exec.h"
 
 #include <fcntl.h>
@@ -71,7 +72,7 @@ void save_runs(const zopt_optimizer *o, int t, int si, std::vector<exec::Run> *o
   out->clear();
   const Tensor &x = o->tensors[t];
   if (!x.numel) return;
-  if (o->world == 1 || o->gpu) {
+  if (o->world == 1) {
     out->push_back(exec::Run{0, x.numel, state_ptr(o, t, si)});
     return;
   }
@@ -95,13 +96,12 @@ void save_runs(const zopt_optimizer *o, int t, int si, std::vector<exec::Run> *o
   }
 }
 
-bool on_gpu(const zopt_optimizer *o) { return o->gpu != nullptr; }
-
-// The bytes of a run: in place for host memory, staged for a GPU step.
+// The bytes of a run: in place for host memory, staged where the backend
+// keeps the state elsewhere (a GPU step's device memory: whole tensors).
 zopt_status run_bytes(const zopt_optimizer *o, int t, int si, const exec::Run &r, std::vector<unsigned char> &stage,
                       const void **out, const char *fn) {
   size_t bytes = (size_t)r.len * dtype_size(o->d->states[si].dtype);
-  if (!on_gpu(o)) {
+  if (o->backend->host_state(o, si)) {
     *out = r.ptr;
     return ZOPT_OK;
   }
@@ -111,7 +111,7 @@ zopt_status run_bytes(const zopt_optimizer *o, int t, int si, const exec::Run &r
     return fail(ZOPT_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
   }
   *out = stage.data();
-  return gpu_copy(o, t, si, stage.data(), bytes, false);  // GPU steps hold whole tensors
+  return o->backend->read_state(o, t, si, stage.data(), bytes);  // whole tensors (world size 1)
 }
 
 bool write_all_at(int fd, const void *p, size_t n, uint64_t off) {
@@ -192,15 +192,6 @@ bool saved_state(const zopt_optimizer *o, uint32_t s) {
   return k == ZOPT_STATE_PARAM && o->prog && o->prog->buf[s] && !o->prog->pinned[s];
 }
 
-void held_runs(const zopt_optimizer *o, int t, int si, std::vector<exec::Run> *out) {
-  if (o->gpu) {
-    out->clear();
-    if (o->tensors[t].numel) out->push_back(exec::Run{0, o->tensors[t].numel, nullptr});
-    return;
-  }
-  exec::runs(o, t, si, out);
-}
-
 zopt_status write_image(const zopt_optimizer *o, const SaveId &id, bool whole, Sink &sink, const char *fn) {
   const zopt_step_descriptor *d = o->d;
   std::vector<uint32_t> kinds;  // descriptor indices of the saved states
@@ -269,8 +260,7 @@ zopt_status write_image(const zopt_optimizer *o, const SaveId &id, bool whole, S
       w.put<uint32_t>((uint32_t)x.group);
       w.put<uint32_t>(0);
       w.put<int64_t>(x.numel);
-      // GPU steps count per group on the device (gpu_pull refreshed it).
-      w.put<int64_t>(o->gpu ? o->groups[x.group].step_count : x.steps);
+      w.put<int64_t>(x.steps);  // the backend's pull refreshed it
     }
     w.put<uint64_t>(pieces.size());
   } catch (...) {
@@ -362,8 +352,9 @@ ZOPT_API zopt_status zopt_optimizer_save(const zopt_optimizer *co, const char *p
   if (zopt_status st = check_idle(o, "zopt_optimizer_save")) return st;
   if (!path || !*path) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_save: path is NULL or empty");
   if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_save: call zopt_optimizer_finalize first");
-  if (o->gpu)  // step counts and scaler from the device (waits for the stream)
-    if (zopt_status st = gpu_pull(o)) return st;
+  // Step counts and scaler from where the backend keeps them (the device:
+  // waits for the stream).
+  if (zopt_status st = o->backend->pull(o)) return st;
   // docs/CHECKPOINT.md "Saving": an identity every rank agrees on; every
   // rank writes its file under a name of that identity (the previous set
   // stays untouched) and fsyncs it; the ranks agree that all did; then one
@@ -585,7 +576,7 @@ static zopt_status stage_files(zopt_optimizer *o, const Files &files, const char
       if (!saved_state(o, s)) continue;
       const size_t es = dtype_size(dt);
       for (size_t t = 0; t < o->tensors.size(); ++t) {
-        ckpt::held_runs(o, (int)t, (int)s, &runs);
+        exec::runs(o, (int)t, (int)s, &runs);
         auto pit = index.find({kind, (uint32_t)t});
         for (const exec::Run &r : runs) {
           Staged::Dest dst{(int)t, (int)s, r.start, r.len, {}};
@@ -600,13 +591,18 @@ static zopt_status stage_files(zopt_optimizer *o, const Files &files, const char
           }
           if (pit == index.end()) {
             if (kind == ZOPT_STATE_MASTER) {  // (allowed above) from the params, as at finalize
-              std::vector<unsigned char> p((size_t)r.len * dtype_size(d->states[pidx].dtype));
-              if (zopt_status st = o->gpu ? gpu_copy(o, (int)t, pidx, p.data(), p.size(), false) : ZOPT_OK) return st;
-              const void *src = o->gpu ? (const void *)p.data()
-                                       : (const char *)state_ptr(o, (int)t, pidx) +
-                                             (size_t)r.start * dtype_size(d->states[pidx].dtype);
-              if (!o->gpu && !state_ptr(o, (int)t, pidx))
+              const size_t pes = dtype_size(d->states[pidx].dtype);
+              std::vector<unsigned char> p;
+              const void *src = nullptr;
+              if (!state_ptr(o, (int)t, pidx))
                 return ck_fail(path, "cannot make the master of tensor %zu from its sharded param", t);
+              if (o->backend->host_state(o, pidx)) {
+                src = (const char *)state_ptr(o, (int)t, pidx) + (size_t)r.start * pes;
+              } else {  // the whole param, from where the backend keeps it
+                p.resize((size_t)o->tensors[t].numel * pes);
+                if (zopt_status st = o->backend->read_state(o, (int)t, pidx, p.data(), p.size())) return st;
+                src = p.data() + (size_t)r.start * pes;
+              }
               convert(src, d->states[pidx].dtype, dst.bytes.data(), dt, r.len);
             }  // else zeros (allowed above)
             out.dests.push_back(std::move(dst));
@@ -652,9 +648,9 @@ zopt_status apply(zopt_optimizer *o, Staged &sg) {
   // does (its context is then unusable anyway).
   const zopt_step_descriptor *d = o->d;
   std::vector<exec::Run> runs;
-  for (Staged::Dest &dst : sg.dests) {
-    if (o->gpu) {
-      if (zopt_status e = gpu_copy(o, dst.t, dst.si, dst.bytes.data(), dst.bytes.size(), true)) return e;
+  for (const Staged::Dest &dst : sg.dests) {
+    if (!o->backend->host_state(o, dst.si)) {  // whole tensors where the backend keeps them
+      if (zopt_status e = o->backend->write_state(o, dst.t, dst.si, dst.bytes.data(), dst.bytes.size())) return e;
       continue;
     }
     exec::runs(o, dst.t, dst.si, &runs);
@@ -672,11 +668,9 @@ zopt_status apply(zopt_optimizer *o, Staged &sg) {
   for (size_t t = 0; t < o->tensors.size(); ++t) o->tensors[t].steps = sg.tensor_steps[t];
   o->scaler = sg.scaler;
   if (sg.has_seed) o->seed = sg.seed;
-  if (o->gpu) {  // step counts, scaler and hyperparameters to the device
-    gpu_hypers_changed(o);
-    return gpu_push(o);
-  }
-  return ZOPT_OK;
+  // Step counts, scaler and hyperparameters to where the backend keeps them.
+  o->backend->hypers_changed(o);
+  return o->backend->push(o);
 }
 
 }  // namespace ckpt

@@ -58,7 +58,7 @@ struct GroupRec {
 struct Staged {
   struct Dest {
     int t, si;
-    int64_t start, len;  // a run this rank holds (held_runs)
+    int64_t start, len;  // a run this rank holds (exec::runs)
     std::vector<unsigned char> bytes;  // the state's storage dtype
   };
   std::vector<Dest> dests;
@@ -72,9 +72,6 @@ struct Staged {
 // The states a checkpoint holds: the optimizer's states, and the params
 // where the runtime holds them (ZeRO-3).
 bool saved_state(const zopt_optimizer *o, uint32_t s);
-// The runs of state si of tensor t this rank holds (a GPU step: the whole
-// tensor, ptr NULL; the device holds it).
-void held_runs(const zopt_optimizer *o, int t, int si, std::vector<exec::Run> *out);
 
 // Stages a load of the set of files that `path` names (zopt_optimizer_load).
 zopt_status stage_path(zopt_optimizer *o, const char *path, uint32_t flags, Staged &out);

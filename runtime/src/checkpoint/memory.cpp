@@ -5,6 +5,7 @@
 // (a binding's load_state_dict in one transaction).
 #include "internal.h"
 
+#include "backend/backend.h"
 #include "checkpoint/image.h"
 #include "checkpoint/set.h"
 #include "comm/comm_internal.h"
@@ -93,10 +94,12 @@ zopt_status check_group_id(const zopt_optimizer *o, int g, const char *fn) {
 
 // Every (tensor, state) not put: as at finalize. ZeRO-3's held params from
 // the user's params; a master from the PARAM put into the import, else from
-// the user's params (an offloaded step's fetched from the GPU first; a GPU
-// step's copied from the device); moments zero.
+// the user's params as the host sees them (a staging backend's, offload,
+// fetched into its staging first; a device backend's, cuda, read from
+// where it keeps them); moments zero.
 zopt_status complete(zopt_state_import *imp, const char *fn) {
   zopt_optimizer *o = imp->o;
+  Backend *be = o->backend;
   const zopt_step_descriptor *d = o->d;
   const int pi = o->step->param_index;
   const uint32_t pdt = d->states[pi].dtype;
@@ -122,7 +125,7 @@ zopt_status complete(zopt_state_import *imp, const char *fn) {
       const uint32_t kind = d->states[s].kind, dt = d->states[s].dtype;
       for (size_t t = 0; t < T; ++t) {
         if (imp->put[t * S + s]) continue;
-        ckpt::held_runs(o, (int)t, (int)s, &runs);
+        exec::runs(o, (int)t, (int)s, &runs);
         const bool from_param = kind == ZOPT_STATE_PARAM || d->states[s].init == ZOPT_INIT_FROM_PARAM;
         for (const exec::Run &r : runs) {
           ckpt::Staged::Dest dst{(int)t, (int)s, r.start, r.len, {}};
@@ -132,17 +135,16 @@ zopt_status complete(zopt_state_import *imp, const char *fn) {
             const void *src = nullptr;
             if (held) {
               src = held->bytes.data();
-            } else if (o->gpu) {
+            } else if (!be->stages() && !be->host_state(o, pi)) {  // the whole param, from the backend
               tmp.resize((size_t)o->tensors[t].numel * dtype_size(pdt));
-              if (zopt_status st = gpu_copy(o, (int)t, pi, tmp.data(), tmp.size(), false)) return st;
+              if (zopt_status st = be->read_state(o, (int)t, pi, tmp.data(), tmp.size())) return st;
               src = tmp.data() + (size_t)r.start * dtype_size(pdt);
             } else {
-              if (o->offload && !fetched) {  // the params from the GPU into the staging
-                if (zopt_status st = offload_copy_state(o, pi, false, true)) return st;
+              if (be->stages() && !fetched) {  // the params from the user's memory into the staging
+                if (zopt_status st = be->copy_staged(o, pi, false, true)) return st;
                 fetched = true;
               }
-              const char *p = o->offload ? (const char *)state_ptr(o, (int)t, pi) : (const char *)o->tensors[t].param;
-              src = p + (size_t)r.start * dtype_size(pdt);
+              src = (const char *)be->param_on_host(o, (int)t) + (size_t)r.start * dtype_size(pdt);
             }
             convert(src, pdt, dst.bytes.data(), dt, r.len);
           }
@@ -205,8 +207,9 @@ ZOPT_API zopt_status zopt_optimizer_export_state(const zopt_optimizer *co, void 
   if (flags & ~(uint32_t)ZOPT_EXPORT_WHOLE)
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: unknown flags 0x%x (known: ZOPT_EXPORT_WHOLE)", fn, flags);
   if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "%s: call zopt_optimizer_finalize first", fn);
-  if (o->gpu)  // step counts and scaler from the device (waits for the stream)
-    if (zopt_status st = gpu_pull(o)) return st;
+  // Step counts and scaler from where the backend keeps them (the device:
+  // waits for the stream).
+  if (zopt_status st = o->backend->pull(o)) return st;
   // The identity of the set (a collective at W > 1), as a save's.
   ckpt::SaveId id;
   if (zopt_status st = ckpt::agree_save_id(o, "(export)", &id, "EXPORT identity")) return st;
@@ -258,8 +261,8 @@ ZOPT_API zopt_status zopt_optimizer_import_begin(zopt_optimizer *o, zopt_state_i
   if (!out) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: out is NULL", fn);
   *out = nullptr;
   if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "%s: call zopt_optimizer_finalize first", fn);
-  if (o->gpu)  // the scaler's current state from the device
-    if (zopt_status st = gpu_pull(o)) return st;
+  // The scaler's current state from where the backend keeps it.
+  if (zopt_status st = o->backend->pull(o)) return st;
   zopt_state_import *imp = new (std::nothrow) zopt_state_import;
   if (!imp) return fail(ZOPT_ERR_OUT_OF_MEMORY, "%s: out of memory", fn);
   try {
@@ -311,7 +314,7 @@ ZOPT_API zopt_status zopt_state_import_put(zopt_state_import *imp, int tensor, z
   const uint32_t sdt = d->states[si].dtype;
   std::vector<exec::Run> runs;
   try {
-    ckpt::held_runs(o, tensor, si, &runs);
+    exec::runs(o, tensor, si, &runs);
     std::vector<ckpt::Staged::Dest> add;
     for (const exec::Run &r : runs) {
       ckpt::Staged::Dest dst{tensor, si, r.start, r.len, {}};

@@ -11,7 +11,7 @@
 // host memory and awaited with the same deadline: it makes every checked
 // collective wait for the stream's earlier work. NCCL cannot tell which
 // rank is missing, so timeouts name none.
-#include "../cuda_driver.h"
+#include "backend/cuda/cuda_driver.h"
 #include "comm_internal.h"
 
 #include <dlfcn.h>

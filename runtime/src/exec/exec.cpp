@@ -3,6 +3,7 @@
 #include "exec/exec.h"
 
 #include "agree.h"
+#include "backend/backend.h"
 #include "comm/comm_internal.h"
 #include "pipeline/pipeline.h"
 
@@ -66,8 +67,7 @@ bool active(const Program &P, int t) { return P.global_active.empty() || P.globa
 // host staging copy), whatever the runtime holds.
 const void *user_param(const zopt_optimizer *o, int t, int64_t start) {
   const int pi = o->step->param_index;
-  if (o->offload) return view(o, pi, t, start);
-  return (const char *)o->tensors[t].param + (size_t)start * es_of(o, pi);
+  return (const char *)o->backend->param_on_host(o, t) + (size_t)start * es_of(o, pi);
 }
 
 // Splits a chunk list into contiguous per-thread ranges of ~equal cost.
@@ -171,7 +171,7 @@ void build_blocks(zopt_optimizer *o, Blocks &B, int range) {
 void free_buffers(zopt_optimizer *o) {
   Program &P = *o->prog;
   for (size_t s = 0; s < P.buf.size(); ++s) {
-    if (P.buf[s] && !P.pinned[s]) free(P.buf[s]);  // pinned: offload_free
+    if (P.buf[s] && !P.pinned[s]) free(P.buf[s]);  // pinned: the backend's staging
     P.buf[s] = nullptr;
   }
 }
@@ -411,6 +411,26 @@ void run_update(zopt_optimizer *o, Work &w) {
   });
 }
 
+}  // namespace
+
+zopt_control decide(const zopt_optimizer *o, double sumsq) {
+  zopt_control c;
+  memset(&c, 0, sizeof c);
+  c.sumsq = sumsq;
+  c.max_norm = o->max_norm;
+  c.scale = o->scaler.scale;
+  c.growth_factor = o->scaler.cfg.growth_factor;
+  c.backoff_factor = o->scaler.cfg.backoff_factor;
+  c.min_scale = o->scaler.cfg.min_scale;
+  c.growth_interval = o->scaler.cfg.growth_interval;
+  c.good_steps = o->scaler.good_steps;
+  c.dynamic = o->scaler.cfg.dynamic ? 1u : 0u;
+  o->step->control(&c);
+  return c;
+}
+
+namespace {
+
 // ---- agreement between ranks -----------------------------------------------
 
 // The hash of step_settings() (agree.h): the same fields, without building
@@ -503,12 +523,13 @@ zopt_status agree(zopt_optimizer *o, bool first) {
   return ZOPT_OK;
 }
 
-// One op of the program (NORM only sums: run_end decides).
-zopt_status run_op(zopt_optimizer *o, StepState *st, size_t i) {
+}  // namespace
+
+// One op of the program on the host (NORM only sums: run_end decides).
+zopt_status run_host_op(zopt_optimizer *o, StepState *st, size_t i) {
   Program &P = *o->prog;
   const zopt_step_descriptor *d = o->d;
   const zopt_program_op &op = P.ops[i];
-  if (st->skipped && (op.code == ZOPT_OP_UPDATE || (op.flags & ZOPT_OPF_UNLESS_SKIPPED))) return ZOPT_OK;
   using clock = std::chrono::steady_clock;
   struct Timer {
     double *out;
@@ -517,12 +538,13 @@ zopt_status run_op(zopt_optimizer *o, StepState *st, size_t i) {
   } timer{&P.op_seconds[i]};
   switch (op.code) {
     case ZOPT_OP_COPY: {
-      // To the host: wait after the last of a run of such copies (the CPU
-      // reads them next); to the device: asynchronous, ordered before the
-      // caller's next work on the stream.
+      // Staged user tensors (validate allows COPY only then): to the host,
+      // wait after the last of a run of such copies (the CPU reads them
+      // next); to the device, asynchronous, ordered before the caller's
+      // next work on the stream.
       const bool to_host = op.dst == ZOPT_PLACE_CPU;
       const bool more = i + 1 < P.ops.size() && P.ops[i + 1].code == ZOPT_OP_COPY && P.ops[i + 1].dst == op.dst;
-      return offload_copy_state(o, (int)op.state, !to_host, to_host && !more);
+      return o->backend->copy_staged(o, (int)op.state, !to_host, to_host && !more);
     }
     case ZOPT_OP_REDUCE_SCATTER:
       // Streaming: the caller reduced the buckets (run_begin checked).
@@ -571,7 +593,9 @@ zopt_status run_op(zopt_optimizer *o, StepState *st, size_t i) {
       run_update(o, op.range == ZOPT_RANGE_OWNED ? P.update_owned : P.update_all);
       return ZOPT_OK;
     case ZOPT_OP_FINISH:
-      if (!st->skipped) {
+      // What CONTROL decided at run_end: the counts of the updated
+      // tensors and their groups, the loss scaler's next state.
+      if (st->ctl.advance) {
         std::vector<uint8_t> touched(o->groups.size(), 0);
         for (size_t t = 0; t < o->tensors.size(); ++t)
           if (active(P, (int)t)) {
@@ -580,13 +604,14 @@ zopt_status run_op(zopt_optimizer *o, StepState *st, size_t i) {
           }
         for (size_t g = 0; g < o->groups.size(); ++g) o->groups[g].step_count += touched[g];
       }
-      if (d->flags & ZOPT_FLAG_LOSS_SCALE) update_loss_scaler(o, st->skipped);
+      if (d->flags & ZOPT_FLAG_LOSS_SCALE) {
+        o->scaler.scale = st->ctl.new_scale;
+        o->scaler.good_steps = st->ctl.new_good_steps;
+      }
       return ZOPT_OK;
   }
   return ZOPT_OK;
 }
-
-}  // namespace
 
 // ---- build ------------------------------------------------------------------
 
@@ -604,7 +629,7 @@ static zopt_status validate(zopt_optimizer *o) {
     switch (op.code) {
       case ZOPT_OP_COPY: {
         uint32_t k = d->states[op.state].kind;
-        if (!o->offload || (k != ZOPT_STATE_PARAM && k != ZOPT_STATE_GRAD))
+        if (!o->backend->stages() || (k != ZOPT_STATE_PARAM && k != ZOPT_STATE_GRAD))
           return bad("copies a state this runtime does not stage (only offloaded params and grads)");
         if (op.src == op.dst) return bad("copies to the same placement");
         break;
@@ -649,6 +674,11 @@ static zopt_status validate(zopt_optimizer *o) {
       return bad("runs on the GPU, but this step's update runs on the CPU");
   }
   if (updates != 1) return fail(ZOPT_ERR_ABI, "step '%s': the program has %d UPDATE ops (need 1)", d->name, updates);
+  // CONTROL reads the sum of squares exactly when the step has a SUMSQ
+  // kernel: the program takes the norm then, and only then.
+  if ((norms != 0) != ((d->flags & ZOPT_FLAG_SUMSQ) != 0))
+    return fail(ZOPT_ERR_ABI, "step '%s': the program %s a NORM op but the step %s a SUMSQ kernel", d->name,
+                norms ? "has" : "has no", norms ? "has no" : "has");
   if (o->stream_grads) {
     // Streaming replaces the program's reduction of the whole gradient by
     // the caller's per-bucket reductions into runtime-held shards: the
@@ -770,11 +800,13 @@ zopt_status build(zopt_optimizer *o) {
         if (zopt_status st = alloc_host(P->buf_bytes[s], "streamed gradient shards", &P->buf[s])) return bail(st);
         continue;
       }
-      if (user && !zero3_param && !o->offload) continue;  // the user's memory
-      if (user && o->offload && !zero3_param) {
-        // Offload staging: full, pinned (offload.cpp frees it).
+      const bool staged = o->backend->stages();
+      if (user && !zero3_param && !staged) continue;  // the user's memory
+      if (user && staged && !zero3_param) {
+        // Staging of device-resident user tensors: full (the backend
+        // allocates and frees it: pinned host memory).
         P->buf_bytes[s] = ((size_t)P->L1.local_elems * es + 63) & ~(size_t)63;
-        if (zopt_status st = offload_alloc_staging(o, P->buf_bytes[s], &P->buf[s])) return bail(st);
+        if (zopt_status st = o->backend->alloc_staging(o, P->buf_bytes[s], &P->buf[s])) return bail(st);
         P->pinned[s] = 1;
         continue;
       }
@@ -801,9 +833,9 @@ zopt_status build(zopt_optimizer *o) {
   } catch (...) {
     return bail(fail(ZOPT_ERR_OUT_OF_MEMORY, "zopt_optimizer_finalize: out of memory"));
   }
-  // Offload: the params from the GPU first (the master is made from them).
-  if (o->offload)
-    if (zopt_status st = offload_copy_state(o, o->step->param_index, false, true)) return bail(st);
+  // Staged params: from the device first (the master is made from them).
+  if (o->backend->stages())
+    if (zopt_status st = o->backend->copy_staged(o, o->step->param_index, false, true)) return bail(st);
   // Initialize the held states, each chunk by the thread that updates it
   // (first touch): ZeRO-3 params and masters from the user's params,
   // moments zero; then the gaps and padding zero.
@@ -882,15 +914,55 @@ void destroy(zopt_optimizer *o) {
 
 // ---- run --------------------------------------------------------------------
 
-// The ops before the update: from agree() through the NORM op's sum of
-// every rank's partials (or, without a norm, up to the UPDATE). Leaves S
-// and the sum of squares in `st`. (Program::validate puts NORM before any
-// UPDATE.)
+// The step driver, the same for every backend (backend/backend.h): the
+// ops before the update, from the backend's begin_step through the NORM
+// op's sum of every rank's partials (or, without a norm, up to the
+// UPDATE), leaving S and the sum of squares in `st` (validate puts NORM
+// before any UPDATE; the zprog verifier FINISH last).
 zopt_status run_begin(zopt_optimizer *o, StepState *st, bool first) {
-  Program &P = *o->prog;
   const zopt_step_descriptor *d = o->d;
-  const bool ls = d->flags & ZOPT_FLAG_LOSS_SCALE;
   *st = StepState();
+  st->S = (d->flags & ZOPT_FLAG_LOSS_SCALE) ? o->scaler.scale : 1.0;
+  st->gscale = 1.0 / (st->S * grad_divisor(o));
+  Backend *B = o->backend;
+  if (zopt_status s = B->begin_step(o, st, first)) return s;
+  for (size_t i = 0; i < d->num_program; ++i) {
+    const uint32_t code = d->program[i].code;
+    if (code == ZOPT_OP_UPDATE || code == ZOPT_OP_FINISH) break;  // no norm: up to the update
+    st->pc = i + 1;
+    if (zopt_status s = B->run_op(o, st, i)) return s;
+    if (code == ZOPT_OP_NORM) break;
+  }
+  return ZOPT_OK;
+}
+
+// The rest of the program, deciding with the sum of squares `sumsq` (the
+// step's own, or several optimizers' in zopt_optimizer_step_linked). The
+// UPDATE and the ops flagged UNLESS_SKIPPED do not run on a skipped step.
+zopt_status run_end(zopt_optimizer *o, StepState *st, double sumsq, zopt_step_result *result) {
+  const zopt_step_descriptor *d = o->d;
+  Backend *B = o->backend;
+  B->decide(o, st, sumsq);
+  for (size_t i = st->pc; i < d->num_program; ++i) {
+    const zopt_program_op &op = d->program[i];
+    if (st->skipped && (op.code == ZOPT_OP_UPDATE || (op.flags & ZOPT_OPF_UNLESS_SKIPPED))) continue;
+    if (zopt_status s = B->run_op(o, st, i)) return s;
+  }
+  B->end_step(o, st, result);
+  return ZOPT_OK;
+}
+
+zopt_status run(zopt_optimizer *o, zopt_step_result *result) {
+  StepState st;
+  if (zopt_status s = run_begin(o, &st)) return s;
+  return run_end(o, &st, st.sumsq, result);
+}
+
+// ---- the host executor's step (backend/cpu) ------------------------------
+
+zopt_status host_begin(zopt_optimizer *o, StepState *st, bool first) {
+  (void)st;
+  Program &P = *o->prog;
   if (P.rebind_pending) {
     try {
       rebind(o);
@@ -912,39 +984,26 @@ zopt_status run_begin(zopt_optimizer *o, StepState *st, bool first) {
                     b, P.bucket_reduced.size(), tensor_list(ts).c_str());
       }
   }
-  st->S = ls ? o->scaler.scale : 1.0;
-  st->gscale = 1.0 / (st->S * grad_divisor(o));
   using clock = std::chrono::steady_clock;
   auto t0 = clock::now();
   if (zopt_status s = agree(o, first)) return s;
   P.agree_seconds = std::chrono::duration<double>(clock::now() - t0).count();
   P.op_seconds.assign(P.ops.size(), 0.0);
-  for (size_t i = 0; i < P.ops.size(); ++i) {
-    const zopt_program_op &op = P.ops[i];
-    if (op.code == ZOPT_OP_UPDATE || op.code == ZOPT_OP_FINISH) break;  // no norm: up to the update
-    st->pc = i + 1;
-    if (zopt_status s = run_op(o, st, i)) return s;
-    if (op.code == ZOPT_OP_NORM) break;
-  }
   return ZOPT_OK;
 }
 
-// The rest of the program, deciding with the sum of squares `sumsq` (the
-// step's own, or several optimizers' in zopt_optimizer_step_linked).
-zopt_status run_end(zopt_optimizer *o, StepState *st, double sumsq, zopt_step_result *result) {
+void host_decide(zopt_optimizer *o, StepState *st, double sumsq) {
+  // The step's CONTROL decides (validate: a NORM op exactly when the step
+  // has a SUMSQ kernel, so without one sumsq is not read).
+  st->ctl = decide(o, st->has_norm ? sumsq : 0.0);
+  st->norm = st->ctl.norm;
+  st->skipped = st->ctl.skip != 0;
+  st->clip = st->ctl.clip_coef;
+  if (!st->skipped && (o->d->flags & ZOPT_FLAG_CLIP)) prepare_rows(o, false, st->clip, st->gscale);
+}
+
+void host_end(zopt_optimizer *o, StepState *st, zopt_step_result *result) {
   Program &P = *o->prog;
-  const zopt_step_descriptor *d = o->d;
-  if (st->has_norm) {
-    st->norm = std::sqrt(sumsq);
-    if (!std::isfinite(sumsq)) {
-      st->skipped = true;
-    } else if (d->flags & ZOPT_FLAG_CLIP) {
-      st->clip = std::min(1.0, o->max_norm / (st->norm + 1e-6));
-      prepare_rows(o, false, st->clip, st->gscale);
-    }
-  }
-  for (size_t i = st->pc; i < P.ops.size(); ++i)
-    if (zopt_status s = run_op(o, st, i)) return s;
   if (o->stream_grads) {  // the next step needs every bucket again
     std::fill(P.bucket_reduced.begin(), P.bucket_reduced.end(), 0);
     std::fill(P.bucket_queued.begin(), P.bucket_queued.end(), 0);
@@ -955,13 +1014,6 @@ zopt_status run_end(zopt_optimizer *o, StepState *st, double sumsq, zopt_step_re
     result->skipped = st->skipped ? 1 : 0;
     result->loss_scale = st->S;
   }
-  return ZOPT_OK;
-}
-
-zopt_status run(zopt_optimizer *o, zopt_step_result *result) {
-  StepState st;
-  if (zopt_status s = run_begin(o, &st)) return s;
-  return run_end(o, &st, st.sumsq, result);
 }
 
 // ---- gradient streaming ------------------------------------------------

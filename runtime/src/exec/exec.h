@@ -1,13 +1,16 @@
-// exec/exec.h - the step-program executor of CPU-updated steps.
+// exec/exec.h - the step-program executor.
 //
-// This subsystem owns what finalize builds and what a step runs for a step
-// whose update runs on the CPU (all-CPU and offloaded steps): the program
-// of the step.so (abi.h "The step program") instantiated with the world
-// size and the shapes — the layout (layout/), the runtime-held state
-// buffers, the work chunks of every op, the norm blocks, the collective
-// scratch — and its execution, op by op, in the same order on every rank.
-// Nothing here knows a ZeRO stage: the program says what to reduce, where
-// the norm is taken, what to update and what to gather.
+// This subsystem owns the execution of a step's program (abi.h "The step
+// program"), op by op, in the same order on every rank: the driver every
+// backend runs under (run_begin / run_end call the backend's begin_step,
+// run_op, decide and end_step, backend/backend.h), and the host executor
+// the CPU and offload backends are made of: the program instantiated with
+// the world size and the shapes for a step whose update runs on the CPU —
+// the layout (layout/), the runtime-held state buffers, the work chunks of
+// every op, the norm blocks, the collective scratch — and its ops on the
+// thread pool and the communicator. Nothing here knows a ZeRO stage or a
+// backend: the program says what to reduce, where the norm is taken, what
+// to update and what to gather.
 #ifndef ZOPT_RUNTIME_EXEC_H
 #define ZOPT_RUNTIME_EXEC_H
 
@@ -102,11 +105,27 @@ struct StepState {
   double sumsq = 0;
   double norm = NAN, clip = 1.0;
   bool skipped = false;
+  zopt_control ctl{};        // run_end's decision (FINISH applies it)
 };
+// The step's CONTROL (abi.h; docs/NUMERICS.md) for the sum of squares
+// `sumsq` with the optimizer's max_norm and loss scaler: norm, clip
+// coefficient, skip, the scaler's next state, whether counts advance.
+// Pure: changes nothing.
+zopt_control decide(const zopt_optimizer *o, double sumsq);
 // `first`: this is the call's first collective work (not a later part of
 // a linked step): a mismatch at its agreement leaves the communicator usable.
+// Both drive the optimizer's backend (backend/backend.h).
 zopt_status run_begin(zopt_optimizer *o, StepState *st, bool first = true);
 zopt_status run_end(zopt_optimizer *o, StepState *st, double sumsq, zopt_step_result *result);
+// The host executor's parts of a step (backend/cpu): the checks, the work
+// lists' rebinding and the ranks' agreement before the first op; op i on
+// the pool and the communicator (COPY through the backend's staging); the
+// decision by the step's CONTROL (and the coefficients again with its clip
+// coefficient); the streaming bookkeeping and the result.
+zopt_status host_begin(zopt_optimizer *o, StepState *st, bool first);
+zopt_status run_host_op(zopt_optimizer *o, StepState *st, size_t i);
+void host_decide(zopt_optimizer *o, StepState *st, double sumsq);
+void host_end(zopt_optimizer *o, StepState *st, zopt_step_result *result);
 // Gradient streaming: reduces bucket b's gradients (grads[i]: element 0 of
 // the i-th tensor of bucket_tensors(b), NULL for none on this rank) into
 // this rank's runtime-held gradient shard. A collective.

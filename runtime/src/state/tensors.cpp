@@ -13,6 +13,7 @@
 #include "internal.h"
 
 #include "agree.h"
+#include "backend/backend.h"
 #include "checkpoint/set.h"
 #include "comm/comm_internal.h"
 #include "exec/exec.h"
@@ -37,7 +38,8 @@ void with_prog(zopt_optimizer *o, exec::Program *P, F &&f) {
   o->prog = cur;
 }
 
-// Frees program P (its host buffers and, offloaded, its pinned staging).
+// Frees program P's host buffers (not the backend's staging: rebuild frees
+// that through Backend::free_staging).
 void drop_program(zopt_optimizer *o, exec::Program *P) {
   with_prog(o, P, [&] { exec::destroy(o); });
 }
@@ -55,8 +57,8 @@ zopt_status agree_added(zopt_optimizer *o, size_t T0) {
     const Tensor &x = o->tensors[t];
     int64_t v[2] = {x.group, x.numel};
     h = fnv1a64(v, sizeof v, h);
-    // The params as this rank sees them (user memory, or the offload staging).
-    if (x.numel) ph = fnv1a64(o->offload ? state_ptr(o, (int)t, pi) : x.param, (size_t)x.numel * es, ph);
+    // The params as this rank's host sees them (user memory, or the backend's staging).
+    if (x.numel) ph = fnv1a64(o->backend->param_on_host(o, (int)t), (size_t)x.numel * es, ph);
   }
   s.add_hex("added tensors' sizes and groups", h);
   s.add_hex("added tensors' param values", ph);
@@ -129,7 +131,8 @@ zopt_status carry_states(zopt_optimizer *o, exec::Program *old, size_t T0) {
 // already; T0, G0 the counts before).
 zopt_status rebuild(zopt_optimizer *o, size_t T0) {
   exec::Program *old = o->prog;
-  const size_t staging0 = offload_staging_count(o);
+  Backend *be = o->backend;
+  const size_t staging0 = be->staging_count(o);
   o->prog = nullptr;
   zopt_status st = exec::build(o);  // on failure it frees what it built (not the pinned staging)
   if (o->world > 1) {  // every rank built its program (nothing changed yet), then the same one
@@ -139,12 +142,12 @@ zopt_status rebuild(zopt_optimizer *o, size_t T0) {
   if (!st) st = carry_states(o, old, T0);
   if (st) {  // back to the old program
     if (o->prog) exec::destroy(o);
-    offload_free_staging(o, staging0, offload_staging_count(o));
+    be->free_staging(o, staging0, be->staging_count(o));
     o->prog = old;
     return st;
   }
   drop_program(o, old);
-  offload_free_staging(o, 0, staging0);
+  be->free_staging(o, 0, staging0);
   return ZOPT_OK;
 }
 
@@ -189,10 +192,8 @@ zopt_status check_entries(const zopt_optimizer *o, int new_groups, int n, const 
         return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: entry %d: %s pointer is NULL", fn, i, !param ? "param" : "grad");
       if (numel > 0 && param == grad)
         return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: entry %d: param and grad are the same memory", fn, i);
-      if (o->gpu && numel > 0)
-        if (zopt_status st = gpu_check_tensor(o, param, grad)) return st;
-      if (o->offload && numel > 0)
-        if (zopt_status st = offload_check_tensor(o, param, grad ? grad : param)) return st;
+      if (numel > 0)
+        if (zopt_status st = o->backend->check_tensor(o, (int)(T0 + (size_t)i), param, grad)) return st;
       if (numel > 0 && (o->params.count(param) || !seen->insert(param).second))
         return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: entry %d: param pointer %p is already registered", fn, i, param);
       add->push_back(Tensor{g, param, grad, numel, 0, 0});
@@ -213,12 +214,8 @@ ZOPT_API zopt_status zopt_optimizer_add_tensors(zopt_optimizer *o, int new_group
   const char *fn = kFn;
   ZOPT_ENTER_CALL(o, fn);
   if (zopt_status st = check_idle(o, fn)) return st;
-  if (o->finalized && o->gpu)
-    return fail(ZOPT_ERR_UNSUPPORTED,
-                "%s: step '%s' updates on the GPU, whose device tables (segments, states, work list) are built once "
-                "at finalize: adding tensors to a finalized GPU step is not implemented. Build a new optimizer with "
-                "every tensor and move the state over (zopt_optimizer_export_state + zopt_optimizer_import_begin)",
-                fn, o->d->name);
+  if (o->finalized)
+    if (zopt_status st = o->backend->supports(o, Feature::AddTensors, fn)) return st;
   const size_t G0 = o->groups.size(), T0 = o->tensors.size();
   std::vector<Tensor> add;
   std::unordered_set<const void *> seen;

@@ -176,3 +176,57 @@ zk.kernel @t_update update {
   %p1 = arith.subf %pf, %d : f32
   zk.store 0, %p1 {rounding = 2 : i32} : f32 into bf16
 }
+
+// -----
+
+// zk.control becomes `void c_control(zopt_control *)` (abi.h CONTROL, no
+// ISA: baseline x86-64): each input field loaded at its byte offset in
+// zopt_control (sumsq 0, max_norm 8, scale 16, growth_interval 48,
+// good_steps 56, dynamic 64 as a u32 != 0), each output stored at its own
+// (norm 72, clip_coef 80, new_scale 88, new_good_steps 96, skip 104 and
+// advance 108 as u32 0/1); its kernel-table entry is [6, 0, "c_control"].
+zk.descriptor {name = "c", zero_stage = 0 : i64, align = 1 : i64, flags = 6 : i64,
+  max_norm = 0.0 : f64, num_coeffs = 0 : i64,
+  state_kinds = array<i32: 1, 2>, state_dtypes = array<i32: 1, 1>,
+  state_placements = array<i32: 1, 1>, state_roundings = array<i32: 1, 1>,
+  state_inits = array<i32: 1, 1>, state_access = array<i32: 3, 1>, state_flags = array<i32: 0, 0>,
+  hyper_kinds = array<i32>, hyper_defaults = array<f64>,
+  hyper_mins = array<f64>, hyper_maxs = array<f64>, hyper_max_exclusive = array<i32>}
+// CHECK: zk.descriptor {{{.*}}cpu_kernels = {{\[}}[6 : i32, 0 : i32, "c_control"]]
+// CHECK-LABEL: func.func @c_control(
+// CHECK-SAME: %[[IO:.+]]: !llvm.ptr) attributes {zopt.isa = "none"}
+// CHECK: %[[PS:.+]] = llvm.getelementptr %[[IO]][0] : (!llvm.ptr) -> !llvm.ptr, i8
+// CHECK: %[[S:.+]] = llvm.load %[[PS]] : !llvm.ptr -> f64
+// CHECK: %[[N:.+]] = math.sqrt %[[S]] : f64
+// CHECK: llvm.getelementptr %[[IO]][16] : (!llvm.ptr) -> !llvm.ptr, i8
+// CHECK: llvm.getelementptr %[[IO]][64] : (!llvm.ptr) -> !llvm.ptr, i8
+// CHECK: %[[DW:.+]] = llvm.load %{{.+}} : !llvm.ptr -> i32
+// CHECK: arith.cmpi ne, %[[DW]], %{{.+}} : i32
+// CHECK: %[[PN:.+]] = llvm.getelementptr %[[IO]][72] : (!llvm.ptr) -> !llvm.ptr, i8
+// CHECK: llvm.store %[[N]], %[[PN]] : f64, !llvm.ptr
+// CHECK: %[[SK:.+]] = arith.extui %{{.+}} : i1 to i32
+// CHECK: %[[PK:.+]] = llvm.getelementptr %[[IO]][104] : (!llvm.ptr) -> !llvm.ptr, i8
+// CHECK: llvm.store %[[SK]], %[[PK]] : i32, !llvm.ptr
+// CHECK: llvm.getelementptr %[[IO]][96] : (!llvm.ptr) -> !llvm.ptr, i8
+// CHECK: return
+zk.control @c_control {
+  %s = zk.control_in sumsq : f64
+  %n = math.sqrt %s : f64
+  %inf = arith.constant 0x7FF0000000000000 : f64
+  %a = math.absf %s : f64
+  %fin = arith.cmpf olt, %a, %inf : f64
+  %true = arith.constant true
+  %skip = arith.xori %fin, %true : i1
+  %one = arith.constant 1.0 : f64
+  %S = zk.control_in scale : f64
+  %d = zk.control_in dynamic : i1
+  %S2 = arith.addf %S, %S : f64
+  %nS = arith.select %d, %S2, %S : f64
+  %good = zk.control_in good_steps : i64
+  zk.control_out norm, %n : f64
+  zk.control_out clip_coef, %one : f64
+  zk.control_out skip, %skip : i1
+  zk.control_out advance, %fin : i1
+  zk.control_out new_scale, %nS : f64
+  zk.control_out new_good_steps, %good : i64
+}

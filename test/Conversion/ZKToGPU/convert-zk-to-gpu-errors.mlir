@@ -1,8 +1,10 @@
 // RUN: not zopt-opt %s --convert-zk-to-gpu 2>&1 | FileCheck %s --check-prefix=NOCHIP
 // RUN: not zopt-opt %s --convert-zk-to-gpu="chips=gfx90a" 2>&1 | FileCheck %s --check-prefix=BADCHIP
+// RUN: not zopt-opt %s --convert-zk-to-gpu="chips=sm_90" 2>&1 | FileCheck %s --check-prefix=NOCONTROL
 
 // NOCHIP: error: the optimizer states are on the GPU but no GPU architecture was given
 // BADCHIP: error: unknown GPU architecture 'gfx90a'; expected sm_70 or newer
+// NOCONTROL: error: a GPU step needs exactly one zk.control (its SUMSQ and FINISH kernels evaluate it), found 0
 zk.descriptor {name = "e", zero_stage = 0 : i64, align = 1 : i64, flags = 0 : i64,
   max_norm = 0.0 : f64, num_coeffs = 1 : i64,
   state_kinds = array<i32: 1, 2>, state_dtypes = array<i32: 1, 1>,

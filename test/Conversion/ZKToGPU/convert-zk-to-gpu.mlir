@@ -22,10 +22,14 @@ zk.descriptor {name = "t", zero_stage = 0 : i64, align = 1 : i64, flags = 5 : i6
   hyper_mins = array<f64: 0.0>, hyper_maxs = array<f64: 1.0>,
   hyper_max_exclusive = array<i32: 0>}
 
-// CHECK: zk.descriptor {{{.*}}cpu_kernels = {{\[}}[1 : i32, 0 : i32, "t_prepare"]], flags = 5 : i64, gpu_images = {{\[}}[80 : i32, "t_gpu_sm_80"], [90 : i32, "t_gpu_sm_90"]], gpu_kernels = {{\[}}[1 : i32, "t_prepare_gpu"], [2 : i32, "t_update"], [3 : i32, "t_sumsq"], [5 : i32, "t_finish"]],
+// CHECK: zk.descriptor {{{.*}}cpu_kernels = {{\[}}[1 : i32, 0 : i32, "t_prepare"], [6 : i32, 0 : i32, "t_control"]], flags = 5 : i64, gpu_images = {{\[}}[80 : i32, "t_gpu_sm_80"], [90 : i32, "t_gpu_sm_90"]], gpu_kernels = {{\[}}[1 : i32, "t_prepare_gpu"], [2 : i32, "t_update"], [3 : i32, "t_sumsq"], [5 : i32, "t_finish"]],
 // CHECK-LABEL: gpu.module @t_gpu [#nvvm.target<O = 3, chip = "sm_80", features = "+ptx80">, #nvvm.target<O = 3, chip = "sm_90", features = "+ptx80">]
-// CHECK: gpu.func @t_prepare_gpu(%{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr, %{{.+}}: i64, %{{.+}}: !llvm.ptr) kernel attributes {nvvm.reqntid = array<i32: 64, 1, 1>}
+// PREPARE: (hypers, globals, segs, tensor_t, num_rows, coeffs), a row per
+// segment: its group (word 2 of the segment) selects the hyperparameters
+// and globals, the tensor's own t (tensor_t) is the STEP global.
+// CHECK: gpu.func @t_prepare_gpu(%{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr, %{{.+}}: i64, %{{.+}}: !llvm.ptr) kernel attributes {nvvm.reqntid = array<i32: 64, 1, 1>}
 // CHECK: scf.for
+// CHECK: arith.addi %{{.+}}, %c2_i64
 // The clip coefficient (global 1) comes from the globals table here.
 // CHECK: llvm.getelementptr %{{.+}}[1] : (!llvm.ptr<1>) -> !llvm.ptr<1>, f64
 // CHECK: llvm.store %{{.+}}, %{{.+}} : f32, !llvm.ptr<1>
@@ -39,7 +43,8 @@ zk.prepare @t_prepare {
   zk.set_coeff 1, %cc : f32
 }
 
-// CHECK-LABEL: gpu.func @t_update(%{{[a-z0-9]+}}: !llvm.ptr, %{{[a-z0-9]+}}: !llvm.ptr, %{{[a-z0-9]+}}: !llvm.ptr, %{{[a-z0-9]+}}: i64, %{{[a-z0-9]+}}: !llvm.ptr, %{{[a-z0-9]+}}: !llvm.ptr) kernel attributes {nvvm.reqntid = array<i32: 256, 1, 1>}
+// UPDATE: (states, segs, chunks, num_chunks, coeffs, sg, active).
+// CHECK-LABEL: gpu.func @t_update(%{{[a-z0-9]+}}: !llvm.ptr, %{{[a-z0-9]+}}: !llvm.ptr, %{{[a-z0-9]+}}: !llvm.ptr, %{{[a-z0-9]+}}: i64, %{{[a-z0-9]+}}: !llvm.ptr, %{{[a-z0-9]+}}: !llvm.ptr, %{{[a-z0-9]+}}: !llvm.ptr) kernel attributes {nvvm.reqntid = array<i32: 256, 1, 1>}
 // CHECK: llvm.addrspacecast %{{.+}} : !llvm.ptr to !llvm.ptr<1>
 // The skip flag of the step globals (byte 28).
 // CHECK: llvm.getelementptr %{{.+}}[7] : (!llvm.ptr<1>) -> !llvm.ptr<1>, i32
@@ -57,6 +62,11 @@ zk.prepare @t_prepare {
 // CHECK: arith.divui
 // CHECK: arith.minui
 // CHECK: arith.select
+// A chunk of a tensor the step does not update (active[segment] == 0) is
+// left alone.
+// CHECK: llvm.load %{{.+}} : !llvm.ptr<1> -> i8
+// CHECK: arith.cmpi ne, %{{.+}}, %c0_i8 : i8
+// CHECK: scf.if
 // CHECK: scf.for
 // CHECK: llvm.load %{{.+}} {alignment = 16 : i64} : !llvm.ptr<1> -> vector<8xi16>
 // CHECK: arith.constant dense<32767> : vector<8xi32>
@@ -81,9 +91,39 @@ zk.kernel @t_update update {
   zk.store 0, %p1 : f32 into bf16
 }
 
+// The step's control (as zopt-fuse writes it for a clipping step): the
+// SUMSQ kernel's last block inlines its norm, clip and skip, FINISH its
+// advance; the host gets it as t_control (abi.h CONTROL).
+zk.control @t_control {
+  %s = zk.control_in sumsq : f64
+  %n = math.sqrt %s : f64
+  %a = math.absf %s : f64
+  %inf = arith.constant 0x7FF0000000000000 : f64
+  %fin = arith.cmpf olt, %a, %inf : f64
+  %true = arith.constant true
+  %skip = arith.xori %fin, %true : i1
+  %m = zk.control_in max_norm : f64
+  %eps = arith.constant 1.0e-6 : f64
+  %d = arith.addf %n, %eps : f64
+  %q = arith.divf %m, %d : f64
+  %one = arith.constant 1.0 : f64
+  %lt = arith.cmpf olt, %q, %one : f64
+  %c = arith.select %lt, %q, %one : f64
+  %clip = arith.select %skip, %one, %c : f64
+  zk.control_out norm, %n : f64
+  zk.control_out clip_coef, %clip : f64
+  zk.control_out skip, %skip : i1
+  zk.control_out advance, %fin : i1
+  %S = zk.control_in scale : f64
+  %good = zk.control_in good_steps : i64
+  zk.control_out new_scale, %S : f64
+  zk.control_out new_good_steps, %good : i64
+}
+
 // Two-stage reduction: f64 per thread, a shared-memory tree, the block's
 // partial, then the last block (atomic counter) sums the partials in order,
-// writes norm / clip / flags and recomputes the coefficient table.
+// writes the control's norm / clip / skip (the max_norm compiled in) and
+// recomputes the coefficient table.
 // CHECK-LABEL: gpu.func @t_sumsq(
 // CHECK-SAME: workgroup(%{{.+}} : memref<256xf64, #gpu.address_space<workgroup>>, %{{.+}} : memref<1xi32, #gpu.address_space<workgroup>>) kernel attributes {nvvm.reqntid = array<i32: 256, 1, 1>}
 // CHECK: arith.mulf %{{.+}}, %{{.+}} : vector<8xf64>
@@ -92,8 +132,10 @@ zk.kernel @t_update update {
 // CHECK: llvm.atomicrmw add %{{.+}}, %{{.+}} acq_rel : !llvm.ptr<1>, i32
 // CHECK: llvm.load volatile %{{.+}} : !llvm.ptr<1> -> f64
 // CHECK: math.sqrt %{{.+}} : f64
+// CHECK: math.absf
+// CHECK: arith.cmpf olt, %{{.+}}, %{{.+}} : f64
+// CHECK: arith.constant 1.000000e+00 : f64
 // CHECK: arith.constant 9.9999999999999995E-7 : f64
-// CHECK: arith.cmpf uno
 // CHECK: gpu.barrier
 // CHECK: scf.for
 // CHECK: gpu.return
@@ -105,12 +147,27 @@ zk.kernel @t_sumsq sumsq {
 
 // FINISH (one block of 32) and INIT: no state is initialized from the
 // param in this step, so INIT does nothing.
-// CHECK-LABEL: gpu.func @t_finish(
+// FINISH: (globals, num_groups, sg, sc, tensor_t, active, num_rows).
+// CHECK-LABEL: gpu.func @t_finish(%{{.+}}: !llvm.ptr, %{{.+}}: i64, %{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr, %{{.+}}: i64)
 // CHECK-SAME: kernel attributes {nvvm.reqntid = array<i32: 32, 1, 1>}
+// The control on sg->sumsq (0 without step globals): advance = finite.
+// CHECK: scf.if %{{.+}} -> (f64)
+// CHECK: math.absf
+// CHECK: arith.cmpf olt
+// CHECK: scf.if
+// When it advances: the threads stride over the tensors (t + 1 where
+// active), then over the groups (STEP + 1 where active[num_rows + g]).
+// CHECK: scf.for
+// CHECK: llvm.load %{{.+}} : !llvm.ptr<1> -> i8
+// CHECK: arith.addf %{{.+}}, %cst{{.*}} : f64
+// CHECK: scf.for
+// CHECK: arith.addi
+// CHECK: llvm.load %{{.+}} : !llvm.ptr<1> -> i8
 // CHECK-LABEL: gpu.func @t_init_gpu(
 // CHECK-SAME: kernel attributes {nvvm.reqntid = array<i32: 256, 1, 1>}
 // CHECK-NEXT: gpu.return
 // CHECK: func.func @t_prepare(%{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr) attributes {zopt.isa = "none"}
+// CHECK: func.func @t_control(%{{.+}}: !llvm.ptr) attributes {zopt.isa = "none"}
 // CHECK-NOT: func.func @t_update
 
 // -----
@@ -165,6 +222,46 @@ zk.prepare @s_prepare {
   %gc = arith.truncf %gs : f64 to f32
   zk.set_coeff 1, %gc : f32
 }
+zk.control @s_control {
+  %s = zk.control_in sumsq : f64
+  %n = math.sqrt %s : f64
+  %a = math.absf %s : f64
+  %inf = arith.constant 0x7FF0000000000000 : f64
+  %fin = arith.cmpf olt, %a, %inf : f64
+  %true = arith.constant true
+  %skip = arith.xori %fin, %true : i1
+  %one = arith.constant 1.0 : f64
+  zk.control_out norm, %n : f64
+  zk.control_out clip_coef, %one : f64
+  zk.control_out skip, %skip : i1
+  zk.control_out advance, %fin : i1
+  %S = zk.control_in scale : f64
+  %good = zk.control_in good_steps : i64
+  %min = zk.control_in min_scale : f64
+  %bf = zk.control_in backoff_factor : f64
+  %b = arith.mulf %S, %bf : f64
+  %blt = arith.cmpf olt, %b, %min : f64
+  %bc = arith.select %blt, %min, %b : f64
+  %c1 = arith.constant 1 : i64
+  %g1 = arith.addi %good, %c1 : i64
+  %iv = zk.control_in growth_interval : i64
+  %grow = arith.cmpi sge, %g1, %iv : i64
+  %gf = zk.control_in growth_factor : f64
+  %gS = arith.mulf %S, %gf : f64
+  %ga = math.absf %gS : f64
+  %gfin = arith.cmpf olt, %ga, %inf : f64
+  %gok = arith.andi %grow, %gfin : i1
+  %tS = arith.select %gok, %gS, %S : f64
+  %c0 = arith.constant 0 : i64
+  %tG = arith.select %grow, %c0, %g1 : i64
+  %dyn = zk.control_in dynamic : i1
+  %nS0 = arith.select %skip, %bc, %tS : f64
+  %nS = arith.select %dyn, %nS0, %S : f64
+  %nG0 = arith.select %skip, %c0, %tG : i64
+  %nG = arith.select %dyn, %nG0, %good : i64
+  zk.control_out new_scale, %nS : f64
+  zk.control_out new_good_steps, %nG : i64
+}
 zk.kernel @s_update update {
   %p = zk.load 0 : f32
   %g = zk.load 1 : f16
@@ -184,6 +281,10 @@ zk.kernel @s_sumsq sumsq {
   zk.accumulate_sumsq %gs : f32
 }
 // CHECK-LABEL: gpu.func @s_finish(
+// last_scale (word 6) = scale (word 0), then the control's new scale.
+// CHECK: llvm.getelementptr %{{.+}}[6] : (!llvm.ptr<1>) -> !llvm.ptr<1>, f64
+// CHECK: arith.cmpi sge
+// CHECK: arith.select
 // The scale 1 / (S * D), S the scaler's new scale, D its divisor (word 8).
 // CHECK: llvm.getelementptr %{{.+}}[8] : (!llvm.ptr<1>) -> !llvm.ptr<1>, f64
 // CHECK: %[[SD:.+]] = arith.mulf

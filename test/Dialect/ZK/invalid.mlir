@@ -63,3 +63,57 @@ zk.descriptor {name = "t", zero_stage = 0 : i64, align = 1 : i64, flags = 0 : i6
   hyper_kinds = array<i32>, hyper_defaults = array<f64>,
   hyper_mins = array<f64>, hyper_maxs = array<f64>, hyper_max_exclusive = array<i32>,
   gpu_images = [[90, "t_gpu_sm_90"]]}
+
+// -----
+
+// zk.control writes every output of zopt_control exactly once.
+// expected-error@+1 {{does not write 'new_good_steps'}}
+zk.control @c {
+  %one = arith.constant 1.0 : f64
+  %f = arith.constant false
+  zk.control_out norm, %one : f64
+  zk.control_out clip_coef, %one : f64
+  zk.control_out skip, %f : i1
+  zk.control_out advance, %f : i1
+  zk.control_out new_scale, %one : f64
+}
+
+// -----
+
+zk.control @c {
+  %one = arith.constant 1.0 : f64
+  zk.control_out norm, %one : f64
+  // expected-error@+1 {{writes 'norm' twice}}
+  zk.control_out norm, %one : f64
+}
+
+// -----
+
+zk.control @c {
+  // expected-error@+1 {{reads 'norm', an output of zopt_control}}
+  %n = zk.control_in norm : f64
+}
+
+// -----
+
+zk.control @c {
+  // expected-error@+1 {{field 'good_steps' is 'i64', not 'f64'}}
+  %g = zk.control_in good_steps : f64
+}
+
+// -----
+
+zk.control @c {
+  %one = arith.constant 1.0 : f64
+  // expected-error@+1 {{writes 'sumsq', an input of zopt_control}}
+  zk.control_out sumsq, %one : f64
+}
+
+// -----
+
+// Only scalar arith/math between the field ops (the lowerings inline it).
+zk.control @c {
+  %x = arith.constant 1.0 : f64
+  // expected-error@+1 {{is not scalar arith/math}}
+  %v = vector.broadcast %x : f64 to vector<2xf64>
+}

@@ -63,3 +63,26 @@ zk.kernel @t_sumsq sumsq {
   %gf = arith.extf %g : bf16 to f32
   zk.accumulate_sumsq %gf : f32
 }
+
+// CHECK-LABEL: zk.control @t_control {
+// CHECK-NEXT: %[[S:.+]] = zk.control_in sumsq : f64
+// CHECK-NEXT: %[[N:.+]] = math.sqrt %[[S]] : f64
+// CHECK: zk.control_in dynamic : i1
+// CHECK: zk.control_out norm, %[[N]] : f64
+// CHECK: zk.control_out new_good_steps, %{{.+}} : i64
+zk.control @t_control {
+  %s = zk.control_in sumsq : f64
+  %n = math.sqrt %s : f64
+  %one = arith.constant 1.0 : f64
+  %f = arith.constant false
+  %t = arith.constant true
+  %S = zk.control_in scale : f64
+  %good = zk.control_in good_steps : i64
+  %d = zk.control_in dynamic : i1
+  zk.control_out norm, %n : f64
+  zk.control_out clip_coef, %one : f64
+  zk.control_out skip, %f : i1
+  zk.control_out advance, %t : i1
+  zk.control_out new_scale, %S : f64
+  zk.control_out new_good_steps, %good : i64
+}

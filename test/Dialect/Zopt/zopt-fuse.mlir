@@ -25,6 +25,23 @@
 // CHECK-DAG: math.powf %{{.+}}, %{{.+}} : f64
 // CHECK: zk.set_coeff 0,
 
+// The step's control (Control.cpp; abi.h CONTROL): a clipping step without
+// loss scaling takes the norm of the sum, skips when it is not finite and
+// clips by min(1, max_norm / (norm + 1e-6)); the scaler passes through.
+// CHECK-LABEL: zk.control @adamw_bf16_control
+// CHECK-DAG: %[[S:.+]] = zk.control_in sumsq : f64
+// CHECK-DAG: %[[N:.+]] = math.sqrt %[[S]] : f64
+// CHECK-DAG: %[[A:.+]] = math.absf %[[S]] : f64
+// CHECK-DAG: %[[FIN:.+]] = arith.cmpf olt, %[[A]], %{{.+}} : f64
+// CHECK-DAG: %[[MN:.+]] = zk.control_in max_norm : f64
+// CHECK-DAG: %[[D:.+]] = arith.addf %[[N]], %{{.+}} : f64
+// CHECK-DAG: %[[Q:.+]] = arith.divf %[[MN]], %[[D]] : f64
+// CHECK-DAG: zk.control_out norm, %[[N]] : f64
+// CHECK-DAG: zk.control_out advance, %[[FIN]] : i1
+// CHECK-DAG: %[[SC:.+]] = zk.control_in scale : f64
+// CHECK-DAG: zk.control_out new_scale, %[[SC]] : f64
+// CHECK-NOT: zk.control_in growth_factor
+
 // CHECK-LABEL: zk.kernel @adamw_bf16_update update
 // CHECK-NOT: zk.load 0
 // CHECK: %[[G:.+]] = zk.load 1 : bf16
@@ -65,3 +82,4 @@ zopt.step @adamw_bf16 {
   %w1, %m1, %v1 = zopt.adam %w, %gc, %m, %v, %lr, %b1, %b2, %eps, %wd {decoupled} : f32, f32, f32, f32
   zopt.yield %w1, %m1, %v1, %w1 into %w, %m, %v, %p : f32, f32, f32, f32 into f32, f32, f32, bf16
 }
+

@@ -7,8 +7,8 @@
 // size, checksum, bounds, state kinds, kernel table, symbols) and checks every
 // UPDATE and SUMSQ variant of the kernel table that this CPU can run against a
 // float64 reference of the numerics contract (docs/NUMERICS.md), written
-// here independently of the compiler. Coefficients come from the step's own
-// PREPARE kernel.
+// here independently of the compiler, and the CONTROL kernel against
+// control-check.h's. Coefficients come from the step's own PREPARE kernel.
 //
 // RULE: adam | adamw | adam_amsgrad | sgd | sgd_nesterov | lion. Plain `sgd`
 // means momentum without Nesterov when the step has a momentum_buffer state,
@@ -52,6 +52,7 @@
 // `N passed, M failed`; exit status 1 on any failure, 2 on usage errors.
 //===----------------------------------------------------------------------===//
 
+#include "control-check.h"
 #include "zopt/abi.h"
 #include "zopt/cpu.h"
 
@@ -244,6 +245,8 @@ struct Step {
   bool clip = false, lossScale = false;
   int idx[8]; // state index by kind, -1 if absent
   zopt_prepare_fn prepare = nullptr;
+  zopt_control_fn control = nullptr;
+  int nControl = 0;
   std::vector<std::pair<uint32_t, zopt_update_fn>> updates; // isa, fn
   std::vector<std::pair<uint32_t, zopt_sumsq_fn>> sumsqs;
 };
@@ -471,10 +474,13 @@ bool loadStep(const char *path, Step &st) {
     } else if (k.role == ZOPT_KERNEL_SUMSQ) {
       for (auto &u : st.sumsqs) if (u.first == k.isa) kernOk = false;
       st.sumsqs.push_back({k.isa, (zopt_sumsq_fn)fn});
+    } else if (k.role == ZOPT_KERNEL_CONTROL && k.isa == ZOPT_ISA_NONE) {
+      ++st.nControl;
+      st.control = (zopt_control_fn)fn;
     } else kernOk = false;
   }
   bool sumsqExpected = (d->flags & ZOPT_FLAG_SUMSQ) != 0;
-  kernOk = kernOk && nPrep == 1 && anyUpdate &&
+  kernOk = kernOk && nPrep == 1 && st.nControl == 1 && anyUpdate &&
            sumsqExpected == !st.sumsqs.empty() && sumsqExpected == (st.clip || st.lossScale);
   report(kernOk, "kernel table: 1 prepare, %zu update, %zu sumsq variants, all symbols "
                  "resolve; SUMSQ flag=%d", st.updates.size(), st.sumsqs.size(), sumsqExpected);
@@ -979,6 +985,23 @@ int main(int argc, char **argv) {
       identifyCoeffs(st, h, c, co, configTag(c, tag, sizeof tag));
       report(ok, "prepare %s: writes exactly %u finite coefficients, deterministic", tag,
              st.d->num_coeffs);
+    }
+    {
+      char first[512] = "";
+      int bad = 0;
+      int n = control_check::check(
+          st.d->flags, st.control, &bad,
+          [&](const zopt_control &in, const zopt_control &got, const control_check::Out &want) {
+            std::snprintf(first, sizeof first,
+                          "; first: sumsq %.17g max_norm %g scale %g good %lld dynamic %u -> norm %.17g clip %.17g "
+                          "skip %u advance %u scale %.17g good %lld, want %.17g %.17g %d %d %.17g %lld",
+                          in.sumsq, in.max_norm, in.scale, (long long)in.good_steps, in.dynamic, got.norm,
+                          got.clip_coef, got.skip, got.advance, got.new_scale, (long long)got.new_good_steps,
+                          want.norm, want.clip, want.skip, want.advance, want.scale, (long long)want.good);
+          });
+      report(bad == 0, "control: norm, clip, skip, counts and loss scaler bit-identical to the contract's "
+                       "float64 reference in %d of %d cases%s",
+             n - bad, n, first);
     }
     uint64_t seed = 1;
     for (auto &u : st.updates) {

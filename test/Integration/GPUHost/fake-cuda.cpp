@@ -1,7 +1,7 @@
 //===- fake-cuda.cpp - a CUDA driver stand-in that records what it is asked --===//
 //
 // libzopt-fake-cuda.so exports the driver entry points the runtime resolves
-// (runtime/src/cuda_driver.h) with host semantics: "device" memory is host
+// (runtime/src/backend/cuda/cuda_driver.h) with host semantics: "device" memory is host
 // memory from malloc, the devices are sm_90s with 132 SMs (one by default,
 // fake_cuda_set_device_count for more), the driver reports CUDA 13.0
 // (fake_cuda_set_driver_version). Kernels are NOT executed: cuLaunchKernel
@@ -54,12 +54,17 @@
 // queue and cuStreamQuery reports CUDA_ERROR_NOT_READY (600) while it is not
 // empty. Events count records and completions.
 //
+// With ZOPT_FAKE_CUDA_TWIN=<the step compiled for the CPU> the emulation is
+// on from the start and runs each kernel whole on the twin's CPU kernels
+// (fake-cuda-twin.cpp): the numbers of a GPU step, on the stand-in.
+//
 // Emulation (fake_cuda_set_emulation(delay_us), off by default): every kernel
 // launch is queued on its stream and runs after `delay_us` microseconds, and
 // at that time the stand-in does the little of the kernels' work that the
 // host side can observe: PREPARE snapshots the hyperparameter table it reads
-// (fake_cuda_num_prepares / fake_cuda_prepare_hypers), FINISH advances every
-// group's step global unless the step globals say skip (as the real FINISH).
+// (fake_cuda_num_prepares / fake_cuda_prepare_hypers), FINISH advances the
+// step of every active tensor and group unless the step globals say skip
+// (as the real FINISH).
 //
 // Huge allocations (over 1 GiB) are reserved, not committed (mmap
 // MAP_NORESERVE, zero-filled), and memsets of zero on them are skipped, so
@@ -86,6 +91,11 @@
 
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
+
+// fake-cuda-twin.cpp: with ZOPT_FAKE_CUDA_TWIN, a GPU step's kernels run on
+// the CPU twin's kernels.
+bool fake_twin_enabled();
+bool fake_twin_run(const char *name, const unsigned long long *args, int nargs);
 
 namespace {
 
@@ -157,7 +167,7 @@ struct State {
   std::map<void *, Graph *> capturing;  // stream -> graph under capture
   int replays = 0;
   unsigned delay_us = 0;
-  bool emulate = false;
+  bool emulate = fake_twin_enabled();  // a twin runs every kernel (fake-cuda-twin.cpp)
   std::vector<std::vector<double>> prepare_hypers;  // emulation: per executed PREPARE
   std::string patch_suffix;  // fake_cuda_patch_params
   int patch_delta = 0;
@@ -421,12 +431,21 @@ void emulate(const Launch &l) {
     auto it = find_alloc((uintptr_t)hy);
     size_t n = it == st().allocs.end() ? 0 : (it->first + it->second - (uintptr_t)hy) / 8;
     st().prepare_hypers.emplace_back(hy, hy + n);
-  } else if (ends_with(l.name, "_finish")) {
+  }
+  if (fake_twin_run(l.name.c_str(), l.arg, l.nargs)) return;  // the whole kernel, on the twin
+  if (ends_with(l.name, "_finish")) {
+    // finish(globals, num_groups, sg, sc, tensor_t, active, num_segments)
     double *gl = (double *)(uintptr_t)l.arg[0];
     int64_t ng = (int64_t)l.arg[1];
     uint32_t *sg = (uint32_t *)(uintptr_t)l.arg[2];
+    double *tt = (double *)(uintptr_t)l.arg[4];
+    const uint8_t *active = (const uint8_t *)(uintptr_t)l.arg[5];
+    int64_t nrows = (int64_t)l.arg[6];
     if (sg && sg[7]) return;  // zopt_gpu_step_globals.skip
-    for (int64_t g = 0; g < ng; ++g) gl[g * 3] += 1;
+    for (int64_t g = 0; g < ng; ++g)
+      if (active[nrows + g]) gl[g * 3] += 1;  // groups with an updated tensor
+    for (int64_t r = 0; r < nrows; ++r)
+      if (active[r]) tt[r] += 1;  // the updated tensors
     if (sg) ++sg[9];  // steps_applied
   }
 }

@@ -721,7 +721,7 @@ int gpu_main_check(Fake &f, zopt_step *step, const char *path) {
   auto ls = launches_since(f, l0);
   bool on_stream = true, in_ctx = true, blocks = true, nargs = true;
   unsigned long long d_hypers = 0, d_globals = 0, d_states = 0, d_segs = 0, d_chunks = 0, d_sg = 0, d_scaler = 0,
-                     nchunks = 0, ngroups = 0;
+                     nchunks = 0, ngroups = 0, d_tensor_t = 0, nrows = 0, d_active = 0;
   unsigned update_grid = 0, sumsq_grid = 0;
   for (const Rec &l : ls) {
     on_stream &= l.stream == stream;
@@ -731,24 +731,29 @@ int gpu_main_check(Fake &f, zopt_step *step, const char *path) {
                                                      : ZOPT_GPU_BLOCK;
     blocks &= l.block[0] == want_block && l.block[1] == 1 && l.block[2] == 1;
     if (l.role == "PREPARE") {
-      d_hypers = l.args[0], d_globals = l.args[1], ngroups = l.args[2];
-      nargs &= l.nargs == 4;
+      d_hypers = l.args[0], d_globals = l.args[1], d_tensor_t = l.args[3], nrows = l.args[4];
+      nargs &= l.nargs == 6;
     } else if (l.role == "SUMSQ") {
       d_sg = l.args[6];
       sumsq_grid = l.grid[0];
-      nargs &= l.nargs == 10;
+      nargs &= l.nargs == 12;
+      check(l.args[9] == nrows && l.args[10] == d_tensor_t,
+            "SUMSQ: the rows of the coefficient table (one per tensor) and the tensors' steps");
     } else if (l.role == "UPDATE") {
       d_states = l.args[0], d_segs = l.args[1], d_chunks = l.args[2], nchunks = l.args[3];
       update_grid = l.grid[0];
-      nargs &= l.nargs == (si.sr ? 8 : 6);
+      d_active = l.args[6];
+      nargs &= l.nargs == (si.sr ? 9 : 7);
       check(l.args[5] == d_sg, "UPDATE reads the SUMSQ step globals (or NULL without SUMSQ)");
       if (si.sr)
-        check(l.args[6] == d_globals && l.args[7] == seed,
-              "stochastic rounding: UPDATE gets the device globals (step t) and the seed");
+        check(l.args[7] == d_tensor_t && l.args[8] == seed,
+              "stochastic rounding: UPDATE gets the tensors' steps t and the seed");
     } else if (l.role == "FINISH") {
-      nargs &= l.nargs == 4;
-      check(l.grid[0] == 1 && l.args[0] == d_globals && l.args[1] == ngroups && l.args[2] == d_sg,
-            "FINISH: one block, the globals table, the group count and the step globals");
+      nargs &= l.nargs == 7;
+      ngroups = l.args[1];
+      check(l.grid[0] == 1 && l.args[0] == d_globals && l.args[2] == d_sg && l.args[4] == d_tensor_t &&
+                l.args[5] == d_active && l.args[6] == nrows,
+            "FINISH: one block, the globals table, the step globals, the tensors' steps, the active mask, the rows");
       d_scaler = l.args[3];
       check((d_scaler != 0) == si.ls, "FINISH gets the loss scaler exactly when the step scales the loss");
     }
@@ -765,7 +770,15 @@ int gpu_main_check(Fake &f, zopt_step *step, const char *path) {
   check(std::isnan(r.grad_norm) && r.skipped == 0, "step()'s result is left to zopt_optimizer_gpu_result");
 
   // ---- the tables the kernels read ------------------------------------------
-  check(ngroups == 2, "2 groups");
+  check(ngroups == 2 && nrows == sizes.size(), "2 groups, a coefficient row per tensor");
+  {
+    const double *tt = (const double *)(uintptr_t)d_tensor_t;
+    const uint8_t *act = (const uint8_t *)(uintptr_t)d_active;
+    bool ok = d_active != 0;
+    for (size_t t = 0; t < sizes.size() && ok; ++t) ok = tt[t] == 1 && act[t] == 1;
+    check(ok && act[sizes.size()] == 1 && act[sizes.size() + 1] == 1,
+          "tensors' steps t = 1 and the active mask (every tensor, both groups) on the device");
+  }
   const zopt_gpu_segment *segs = (const zopt_gpu_segment *)(uintptr_t)d_segs;
   const unsigned long long *ptrs = (const unsigned long long *)(uintptr_t)d_states;
   bool segs_ok = true, ptrs_ok = true;
@@ -1211,6 +1224,101 @@ void graph_checks(Fake &f, zopt_step *step) {
   }
 }
 
+// The active mask (zopt_optimizer_set_active) of a GPU step: the mask on
+// the device (per tensor, then per group), the tensors' own step counts
+// (FINISH, emulated by the stand-in as the real kernel: the step t of every
+// active tensor and the count of every group with an active tensor), a
+// tensor that joins later starting at t = 1 (PREPARE reads its t), the
+// counts through set_tensor_step and a checkpoint, a mask refused during a
+// capture or with the wrong length leaving the old one.
+void active_checks(Fake &f, zopt_step *step) {
+  const StepInfo si = info_of(step);
+  f.set_emulation(1, 0);
+  Setup su = make_optimizer(f, step, si, {33, 1000, 5000, 7});  // groups 0 1 0 1
+  zopt_optimizer *o = su.o;
+  Z(zopt_optimizer_finalize(o));
+  auto counts = [&](zopt_optimizer *x) {
+    std::string s;
+    for (int t = 0; t < 4; ++t) {
+      int64_t c = -1;
+      Z(zopt_optimizer_get_tensor_step(x, t, &c));
+      s += std::to_string(c) + (t < 3 ? " " : "");
+    }
+    return s;
+  };
+  auto groups = [&](zopt_optimizer *x) {
+    int64_t a = -1, b = -1;
+    Z(zopt_optimizer_get_step_count(x, su.gid[0], &a));
+    Z(zopt_optimizer_get_step_count(x, su.gid[1], &b));
+    return std::to_string(a) + " " + std::to_string(b);
+  };
+  const uint8_t mask[4] = {1, 0, 1, 0};  // group 1 has no active tensor
+  const int l0 = f.num_launches();
+  Z(zopt_optimizer_set_active(o, mask, 4));
+  Z(zopt_optimizer_step(o, nullptr));
+  Z(zopt_optimizer_step(o, nullptr));
+  f.drain_all();
+  const uint8_t *act = nullptr;
+  const double *tt = nullptr;
+  for (const Rec &l : launches_since(f, l0)) {
+    if (l.role == "UPDATE") act = (const uint8_t *)(uintptr_t)l.args[6];
+    if (l.role == "PREPARE") tt = (const double *)(uintptr_t)l.args[3];
+  }
+  check(act && act[0] == 1 && act[1] == 0 && act[2] == 1 && act[3] == 0 && act[4] == 1 && act[5] == 0,
+        "set_active on a GPU step: the mask on the device, per tensor (1 0 1 0) then per group (1 0), read by "
+        "UPDATE");
+  std::string c = counts(o), g = groups(o);
+  check(c == "2 0 2 0" && g == "2 0",
+        "2 steps with tensors 1 and 3 inactive: per-tensor counts " + c + " (2 0 2 0), group counts " + g +
+            " (2 0): FINISH advances only the active tensors and groups");
+  Z(zopt_optimizer_set_active(o, nullptr, 0));
+  const double t_next = tt ? tt[1] : 0;  // what the next PREPARE reads for tensor 1's row
+  Z(zopt_optimizer_step(o, nullptr));
+  f.drain_all();
+  c = counts(o), g = groups(o);
+  check(c == "3 1 3 1" && g == "3 1" && t_next == 1 && act[1] == 1,
+        "every tensor active again: tensor 1 joins at t = 1 (the device's t of its coefficient row: " +
+            std::to_string((int)t_next) + "), counts " + c + ", groups " + g);
+  Z(zopt_optimizer_set_tensor_step(o, 1, 7));
+  c = counts(o);
+  check(c == "3 7 3 1" && tt && tt[1] == 8,
+        "set_tensor_step on a GPU step: count " + c + ", the device's t of tensor 1 is 8");
+  // Refusals leave the mask as it was: the wrong length; during a capture.
+  const uint8_t three[3] = {0, 0, 0};
+  zopt_status st_n = zopt_optimizer_set_active(o, three, 3);
+  void *cs = nullptr, *graph = nullptr;
+  f.stream_create(&cs, 0);
+  Z(zopt_optimizer_set_stream(o, cs));
+  f.begin_capture(cs, 0);
+  zopt_status st_cap = zopt_optimizer_set_active(o, mask, 4);
+  std::string msg_cap = zopt_last_error();
+  f.end_capture(cs, &graph);
+  Z(zopt_optimizer_step(o, nullptr));
+  f.drain_all();
+  c = counts(o);
+  check(st_n == ZOPT_ERR_INVALID_ARGUMENT && st_cap == ZOPT_ERR_BAD_STATE &&
+            msg_cap.find("capturing a CUDA graph") != std::string::npos && c == "4 8 4 2" && act[1] == 1,
+        "set_active refused with 3 entries for 4 tensors and during a capture (" + msg_cap +
+            "); the mask stays all-active: counts " + c);
+  // A checkpoint holds the per-tensor counts.
+  std::string ck = "/tmp/zopt-host-check-active-" + std::to_string(getpid()) + ".ckpt";
+  Z(zopt_optimizer_save(o, ck.c_str()));
+  Setup s2 = make_optimizer(f, step, si, {33, 1000, 5000, 7});
+  Z(zopt_optimizer_finalize(s2.o));
+  Z(zopt_optimizer_load(s2.o, ck.c_str()));
+  remove(ck.c_str());
+  c = counts(s2.o), g = groups(s2.o);
+  check(c == "4 8 4 2" && g == "4 2", "checkpoint round trip: per-tensor counts " + c + ", group counts " + g);
+  f.set_emulation(0, 0);
+  for (Setup *x : {&su, &s2}) {
+    zopt_optimizer_free(x->o);
+    for (size_t i = 0; i < x->dp.size(); ++i) {
+      f.mem_free(x->dp[i]);
+      f.mem_free(x->dg[i]);
+    }
+  }
+}
+
 // Views into flat buffers at odd element offsets (DeepSpeed, FSDP): the
 // owned states of each tensor get the 16-byte phase of its param, so that
 // the kernels' head (abi.h) reaches one element where every pointer is
@@ -1304,7 +1412,7 @@ void big_checks(Fake &f, zopt_step *step) {
     if (l.role == "UPDATE") {
       ch = (const zopt_gpu_chunk *)(uintptr_t)l.args[2];
       nch = (int64_t)l.args[3];
-      sr_args = l.nargs == 8 && l.args[7] == 42;
+      sr_args = l.nargs == 9 && l.args[8] == 42;
     }
   int64_t chunk = 0;
   bool cover = ch && chunks_cover(ch, nch, sizes, &chunk);
@@ -1406,6 +1514,7 @@ int main(int argc, char **argv) {
     driver_checks(f, step);
     device_checks(f, step);
     graph_checks(f, step);
+    active_checks(f, step);
     misaligned_checks(f, step);
     if (big) big_checks(f, step);
   }

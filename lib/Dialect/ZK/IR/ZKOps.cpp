@@ -3,6 +3,9 @@
 
 #include "zopt/abi.h"
 
+#include "mlir/Dialect/Arith/IR/Arith.h"
+#include "mlir/Dialect/Math/IR/Math.h"
+
 using namespace mlir;
 using namespace mlir::zk;
 
@@ -63,6 +66,75 @@ LogicalResult KernelOp::verifyRegions() {
     return emitOpError("an update kernel stores and does not accumulate");
   if (getRole() == KernelRole::sumsq && (!hasAcc || hasStore))
     return emitOpError("a sumsq kernel accumulates and does not store");
+  return success();
+}
+
+bool ControlOp::isInput(ControlField f) {
+  return uint32_t(f) <= uint32_t(ControlField::dynamic);
+}
+
+Type ControlOp::fieldType(MLIRContext *ctx, ControlField f) {
+  switch (f) {
+  case ControlField::growth_interval:
+  case ControlField::good_steps:
+  case ControlField::new_good_steps:
+    return IntegerType::get(ctx, 64);
+  case ControlField::dynamic:
+  case ControlField::skip:
+  case ControlField::advance:
+    return IntegerType::get(ctx, 1);
+  default:
+    return Float64Type::get(ctx);
+  }
+}
+
+LogicalResult ControlInOp::verify() {
+  if (!ControlOp::isInput(getField()))
+    return emitOpError("reads '") << stringifyControlField(getField())
+                                  << "', an output of zopt_control";
+  Type want = ControlOp::fieldType(getContext(), getField());
+  if (getType() != want)
+    return emitOpError("field '") << stringifyControlField(getField())
+                                  << "' is " << want << ", not " << getType();
+  return success();
+}
+
+LogicalResult ControlOutOp::verify() {
+  if (ControlOp::isInput(getField()))
+    return emitOpError("writes '") << stringifyControlField(getField())
+                                   << "', an input of zopt_control";
+  Type want = ControlOp::fieldType(getContext(), getField());
+  if (getValue().getType() != want)
+    return emitOpError("field '")
+           << stringifyControlField(getField()) << "' is " << want << ", not "
+           << getValue().getType();
+  return success();
+}
+
+LogicalResult ControlOp::verifyRegions() {
+  // Every output written exactly once, so that each lowering is total; the
+  // body is scalar arith/math between the field ops (no memory, no loops).
+  uint32_t written = 0;
+  for (Operation &op : getBody().front()) {
+    if (auto out = dyn_cast<ControlOutOp>(op)) {
+      uint32_t bit = 1u << uint32_t(out.getField());
+      if (written & bit)
+        return out.emitOpError("writes '")
+               << stringifyControlField(out.getField()) << "' twice";
+      written |= bit;
+      continue;
+    }
+    if (isa<ControlInOp>(op))
+      continue;
+    if (op.getNumRegions() ||
+        !llvm::isa<arith::ArithDialect, math::MathDialect>(op.getDialect()))
+      return op.emitOpError("is not scalar arith/math: a zk.control body "
+                            "holds only zk.control_in/out and arith/math");
+  }
+  for (uint32_t f = 0; f <= uint32_t(ControlField::advance); ++f)
+    if (!isInput(ControlField(f)) && !(written & (1u << f)))
+      return emitOpError("does not write '")
+             << stringifyControlField(ControlField(f)) << "'";
   return success();
 }
 

@@ -27,6 +27,12 @@ struct ElemBuilder {
   Value coeff(Value x64);
 };
 
+/// Appends at `b` the `zk.control @<stepName>_control` of a step whose
+/// descriptor flags are `flags` (ZOPT_FLAG_*): the step's control semantics
+/// (Control.cpp; abi.h "CONTROL").
+void buildControl(OpBuilder &b, Location loc, StringRef stepName,
+                  int64_t flags);
+
 } // namespace mlir::zopt
 
 #endif

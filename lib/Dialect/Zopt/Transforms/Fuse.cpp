@@ -7,6 +7,7 @@
 // globals and stores them as f32; the kernels read them with zk.coeff.
 //
 //===----------------------------------------------------------------------===//
+#include "Builders.h"
 #include "zopt/Dialect/Zopt/Transforms/Passes.h"
 #include "zopt/abi.h"
 
@@ -101,6 +102,20 @@ struct StepFuser {
     return success();
   }
 
+  /// The descriptor's ZOPT_FLAG_* bits.
+  int64_t descriptorFlags() {
+    int64_t flags = 0;
+    if (step->getAttrOfType<FloatAttr>("zopt.max_norm"))
+      flags |= ZOPT_FLAG_CLIP;
+    if (step->hasAttr("zopt.loss_scale"))
+      flags |= ZOPT_FLAG_LOSS_SCALE;
+    if (reduce)
+      flags |= ZOPT_FLAG_SUMSQ;
+    if (stochastic)
+      flags |= ZOPT_FLAG_STOCHASTIC;
+    return flags;
+  }
+
   void buildDescriptor(OpBuilder &b) {
     SmallVector<int32_t> kinds, dtypes, places, rounds, inits, access, sflags;
     llvm::DenseSet<StringRef> partitioned;
@@ -146,18 +161,10 @@ struct StepFuser {
       maxs.push_back(info.maxValue);
       excl.push_back(info.maxExclusive);
     }
-    int64_t flags = 0;
+    int64_t flags = descriptorFlags();
     double maxNorm = 0.0;
-    if (auto mn = step->getAttrOfType<FloatAttr>("zopt.max_norm")) {
-      flags |= ZOPT_FLAG_CLIP;
+    if (auto mn = step->getAttrOfType<FloatAttr>("zopt.max_norm"))
       maxNorm = mn.getValueAsDouble();
-    }
-    if (step->hasAttr("zopt.loss_scale"))
-      flags |= ZOPT_FLAG_LOSS_SCALE;
-    if (reduce)
-      flags |= ZOPT_FLAG_SUMSQ;
-    if (stochastic)
-      flags |= ZOPT_FLAG_STOCHASTIC;
     zk::DescriptorOp::create(
         b, step.getLoc(), b.getStringAttr(step.getSymName()),
         b.getI64IntegerAttr(step.getZeroStage()),
@@ -280,6 +287,7 @@ struct StepFuser {
     OpBuilder b(step);
     buildDescriptor(b);
     buildPrepare(b);
+    buildControl(b, step.getLoc(), step.getSymName(), descriptorFlags());
     buildKernel(b, "_update", zk::KernelRole::update,
                 sliceOf({step.getYield().getOperation()}));
     if (reduce)

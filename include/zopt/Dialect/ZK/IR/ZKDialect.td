@@ -12,7 +12,9 @@ def ZK_Dialect : Dialect {
     The output of the fuse phase. A module holds one `zk.descriptor` (what
     the runtime must know: states, hyperparameter slots, flags), one
     `zk.prepare` (the per-group coefficient computation in f64, run on the
-    host once per group and step), and `zk.kernel`s: elementwise bodies over
+    host once per group and step), one `zk.control` (the step's control
+    semantics: norm, clip coefficient, skip, loss scaler, counts; written
+    once, lowered by every backend), and `zk.kernel`s: elementwise bodies over
     one element (`update`: one pass over memory doing the whole update;
     `sumsq`: the global-norm / non-finite reduction). Device codegen turns
     each kernel body into a loop at the target's vector width.

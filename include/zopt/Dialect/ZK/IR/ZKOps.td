@@ -83,6 +83,57 @@ def ZK_SetCoeffOp : ZK_Op<"set_coeff", [HasParent<"PrepareOp">]> {
   let assemblyFormat = "$index `,` $value attr-dict `:` type($value)";
 }
 
+def ZK_ControlOp : ZK_Op<"control", [Symbol, IsolatedFromAbove, SingleBlock,
+                                      NoTerminator]> {
+  let summary = "the step's control semantics: norm, clip, skip, loss scaler, counts";
+  let description = [{
+    What a step decides once it has its sum of squares (docs/NUMERICS.md
+    sections 3, 5 and 6), written once: `zk.control_in` reads an input field
+    of abi.h's `zopt_control` (the sum of squares, max_norm, the loss
+    scaler's state and configuration), `zk.control_out` writes each output
+    field exactly once (the norm, the clip coefficient, the skip, the
+    scaler's next state, whether the step counts advance); the math between
+    them is arith/math on scalars. `zopt-fuse` writes it from the step's
+    flags; convert-zk-to-cpu lowers it to the host function of kernel role
+    CONTROL, convert-zk-to-gpu inlines the same body into the SUMSQ
+    kernel's last block (norm, clip, skip) and into FINISH (counts, scaler).
+    ```mlir
+    zk.control @sgd_control {
+      %s = zk.control_in sumsq : f64
+      %n = math.sqrt %s : f64
+      zk.control_out norm, %n : f64
+      ...
+    }
+    ```
+  }];
+  let arguments = (ins SymbolNameAttr:$sym_name);
+  let regions = (region SizedRegion<1>:$body);
+  let assemblyFormat = "$sym_name attr-dict-with-keyword $body";
+  let hasRegionVerifier = 1;
+  let extraClassDeclaration = [{
+    /// The IR type of a field: f64, i64, or i1 for the u32 flags.
+    static Type fieldType(MLIRContext *ctx, ControlField f);
+    static bool isInput(ControlField f);
+  }];
+}
+
+def ZK_ControlInOp : ZK_Op<"control_in", [Pure, HasParent<"ControlOp">]> {
+  let summary = "an input field of zopt_control";
+  let description = "```mlir\n%s = zk.control_in sumsq : f64\n```";
+  let arguments = (ins ZK_ControlFieldAttr:$field);
+  let results = (outs AnyTypeOf<[F64, I64, I1]>:$result);
+  let assemblyFormat = "`` $field attr-dict `:` type($result)";
+  let hasVerifier = 1;
+}
+
+def ZK_ControlOutOp : ZK_Op<"control_out", [HasParent<"ControlOp">]> {
+  let summary = "writes an output field of zopt_control";
+  let description = "```mlir\nzk.control_out norm, %n : f64\n```";
+  let arguments = (ins ZK_ControlFieldAttr:$field, AnyTypeOf<[F64, I64, I1]>:$value);
+  let assemblyFormat = "`` $field `,` $value attr-dict `:` type($value)";
+  let hasVerifier = 1;
+}
+
 def ZK_KernelOp : ZK_Op<"kernel", [Symbol, IsolatedFromAbove, SingleBlock,
                                     NoTerminator]> {
   let summary = "an elementwise kernel body over one element";

@@ -81,13 +81,16 @@ def ZoptFuse : Pass<"zopt-fuse", "ModuleOp"> {
     into `zk.prepare` (computed in f64 once per group and step) and reach
     the kernels as `zk.coeff` slots. What depends on state becomes the body
     of one `zk.kernel ... update` (one pass over memory) and, when the plan
-    asked for a reduction, one `zk.kernel ... sumsq`.
+    asked for a reduction, one `zk.kernel ... sumsq`. The step's control
+    semantics (norm, clip, skip, loss scaler, counts: docs/NUMERICS.md)
+    become one `zk.control`.
 
     ```mlir
     zopt.step @s { ... }
     // becomes
     zk.descriptor {...}
     zk.prepare @s_prepare { ... }
+    zk.control @s_control { ... }
     zk.kernel @s_update update { ... }
     ```
   }];

@@ -1,7 +1,13 @@
-// gpu.cpp - the CUDA backend of the optimizer: steps whose states live on the
-// GPU (abi.h "GPU kernels"). Driver API only, loaded at run time
-// (cuda_driver.h); see docs/GPU.md for the design and what has been tested.
-#include "gpu_internal.h"
+// backend/cuda/cuda.cpp - the CUDA backend (cuda.h): steps whose states
+// live on the GPU (abi.h "GPU kernels"). Driver API only, loaded at run
+// time (cuda_driver.h); the program's ops are kernel launches on the
+// optimizer's stream. See docs/GPU.md for the design and what has been
+// tested.
+#include "backend/cuda/cuda.h"
+
+#include "backend/backend.h"
+#include "backend/cuda/device.h"
+#include "exec/exec.h"
 
 #include <dlfcn.h>
 
@@ -15,17 +21,6 @@ using namespace zopt;
 using namespace zopt::cu;
 
 namespace {
-
-#define CU_TRY(call, what)                                                                   \
-  do {                                                                                       \
-    CUresult r_ = (call);                                                                    \
-    if (r_ != CUDA_SUCCESS) return fail(ZOPT_ERR_INTERNAL, "%s: %s", what, error_string(r_)); \
-  } while (0)
-
-const char *attr_name(int a) {
-  return a == ATTR_CC_MAJOR ? "COMPUTE_CAPABILITY_MAJOR" : a == ATTR_CC_MINOR ? "COMPUTE_CAPABILITY_MINOR"
-                                                                               : "MULTIPROCESSOR_COUNT";
-}
 
 // "13.0" for 13000.
 std::string cuda_version_str(int v) { return std::to_string(v / 1000) + "." + std::to_string(v % 1000 / 10); }
@@ -176,155 +171,14 @@ zopt_status occupancy(const GpuState *g, CUfunction f, const char *name, int blo
 
 namespace zopt {
 
-// ---- contexts, events, streams ---------------------------------------------
-
-CtxScope::CtxScope(const GpuState *g) : g_(g) {
-  CUcontext cur = nullptr;
-  if (g->cu->CtxGetCurrent(&cur) == CUDA_SUCCESS && cur == g->ctx) return;
-  if (CUresult r = g->cu->CtxPushCurrent(g->ctx)) {
-    st_ = fail(ZOPT_ERR_INTERNAL, "cuCtxPushCurrent (the optimizer's context): %s", error_string(r));
-    return;
-  }
-  pushed_ = true;
-}
-
-CtxScope::~CtxScope() {
-  if (!pushed_) return;
-  CUcontext popped = nullptr;
-  g_->cu->CtxPopCurrent(&popped);
-}
-
-zopt_status cuda_attach(GpuState *g, const char *name, const char *what) {
-  const char *why = "";
-  const Driver *cu = driver(&why);
-  if (!cu) return fail(ZOPT_ERR_UNSUPPORTED, "step '%s' %s: %s", name, what, why);
-  g->cu = cu;
-  if (CUresult r = cu->DriverGetVersion(&g->driver_version))
-    return fail(ZOPT_ERR_INTERNAL, "cuDriverGetVersion: %s", error_string(r));
-  CUcontext cur = nullptr;
-  if (cu->CtxGetCurrent(&cur) == CUDA_SUCCESS && cur) {
-    g->ctx = cur;
-    if (CUresult r = cu->CtxGetDevice(&g->dev)) return fail(ZOPT_ERR_INTERNAL, "cuCtxGetDevice: %s", error_string(r));
-  } else {
-    int n = 0;
-    if (cu->DeviceGetCount(&n) != CUDA_SUCCESS || n < 1)
-      return fail(ZOPT_ERR_UNSUPPORTED, "step '%s' %s: no CUDA device", name, what);
-    if (CUresult r = cu->DeviceGet(&g->dev, 0)) return fail(ZOPT_ERR_INTERNAL, "cuDeviceGet: %s", error_string(r));
-    if (CUresult r = cu->DevicePrimaryCtxRetain(&g->ctx, g->dev))
-      return fail(ZOPT_ERR_INTERNAL, "cuDevicePrimaryCtxRetain: %s", error_string(r));
-    g->retained = true;
-  }
-  int v[3] = {0, 0, 0};
-  const int attrs[3] = {ATTR_CC_MAJOR, ATTR_CC_MINOR, ATTR_MULTIPROCESSOR_COUNT};
-  for (int i = 0; i < 3; ++i) {
-    CUresult r = cu->DeviceGetAttribute(&v[i], attrs[i], g->dev);
-    if (r != CUDA_SUCCESS || v[i] < (i == 1 ? 0 : 1)) {
-      zopt_status st = fail(ZOPT_ERR_INTERNAL, "step '%s': cuDeviceGetAttribute(%s) of cuda:%d: %s", name,
-                            attr_name(attrs[i]), (int)g->dev,
-                            r != CUDA_SUCCESS ? error_string(r) : ("value " + std::to_string(v[i])).c_str());
-      cuda_detach(g);
-      return st;
-    }
-  }
-  g->sm = v[0] * 10 + v[1];
-  g->num_sms = v[2];
-  return ZOPT_OK;
-}
-
-void cuda_detach(GpuState *g) {
-  if (g->retained) g->cu->DevicePrimaryCtxRelease(g->dev);
-  g->retained = false;
-}
-
-zopt_status gpu_events(GpuState *g) {
-  for (CUevent *e : {&g->done, &g->hypers_ready, &g->staging})
-    if (!*e)
-      if (CUresult r = g->cu->EventCreate(e, EVENT_DISABLE_TIMING))
-        return fail(ZOPT_ERR_INTERNAL, "cuEventCreate: %s", error_string(r));
-  return ZOPT_OK;
-}
-
-static void destroy_events(GpuState *g) {
-  for (CUevent *e : {&g->done, &g->hypers_ready, &g->staging})
-    if (*e) {
-      g->cu->EventDestroy(*e);
-      *e = nullptr;
-    }
-}
-
-zopt_status gpu_check_pointers(const GpuState *g, void *param, void *grad, int tensor) {
-  ZOPT_CTX_SCOPE(g);
-  for (int i = 0; i < 2; ++i) {
-    void *p = i ? grad : param;
-    const char *what = i ? "grad" : "param";
-    unsigned type = 0;
-    CUresult r = g->cu->PointerGetAttribute(&type, POINTER_ATTRIBUTE_MEMORY_TYPE, (CUdeviceptr)(uintptr_t)p);
-    if (r != CUDA_SUCCESS || (type != MEMORYTYPE_DEVICE && type != MEMORYTYPE_UNIFIED))
-      return fail(ZOPT_ERR_INVALID_ARGUMENT,
-                  "zopt_optimizer_add_tensor: the %s of tensor %d (%p) is not CUDA device memory (the step's %ss "
-                  "are on the GPU)",
-                  what, tensor, p, what);
-    if (type != MEMORYTYPE_DEVICE) continue;  // managed memory: any device
-    int dev = -1;
-    r = g->cu->PointerGetAttribute(&dev, POINTER_ATTRIBUTE_DEVICE_ORDINAL, (CUdeviceptr)(uintptr_t)p);
-    if (r != CUDA_SUCCESS)
-      return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_add_tensor: the device of the %s of tensor %d (%p): %s",
-                  what, tensor, p, error_string(r));
-    if (dev != (int)g->dev)
-      return fail(ZOPT_ERR_INVALID_ARGUMENT,
-                  "zopt_optimizer_add_tensor: the %s of tensor %d is on cuda:%d, but the optimizer runs on cuda:%d "
-                  "(the context current at zopt_optimizer_create, else device 0): create the optimizer while "
-                  "cuda:%d's context is current (PyTorch: inside `with torch.cuda.device(%d)`), with every tensor "
-                  "on that device",
-                  what, tensor, dev, (int)g->dev, dev, dev);
-  }
-  return ZOPT_OK;
-}
-
-zopt_status gpu_capturing(const GpuState *g, CUstream s, bool *capturing) {
-  int status = STREAM_CAPTURE_STATUS_NONE;
-  if (CUresult r = g->cu->StreamIsCapturing(s, &status))
-    return fail(ZOPT_ERR_BAD_STATE,
-                "cuStreamIsCapturing(%p): %s (the legacy default stream while another stream captures a CUDA "
-                "graph? pass the capturing stream: zopt_optimizer_set_stream)",
-                (void *)s, error_string(r));
-  *capturing = status != STREAM_CAPTURE_STATUS_NONE;
-  return ZOPT_OK;
-}
-
-zopt_status gpu_wait_own_work(GpuState *g, CUstream s) {
-  const std::pair<CUevent, bool> evs[] = {
-      {g->done, g->done_recorded}, {g->hypers_ready, g->hypers_recorded}, {g->staging, g->staging_recorded}};
-  for (auto &e : evs)
-    if (e.second) CU_TRY(g->cu->StreamWaitEvent(s, e.first, 0), "cuStreamWaitEvent (the optimizer's last work)");
-  return ZOPT_OK;
-}
-
-zopt_status gpu_begin_host_access(GpuState *g, const char *what) {
-  bool cap = false;
-  if (zopt_status st = gpu_capturing(g, g->stream, &cap)) return st;
-  if (cap)
-    return fail(ZOPT_ERR_BAD_STATE,
-                "%s: the optimizer's stream is capturing a CUDA graph, and this call copies device memory to or "
-                "from the host and waits for it: call it outside the capture (e.g. after a replay)",
-                what);
-  return gpu_wait_own_work(g, g->stream);
-}
-
-void gpu_sync_own_work(GpuState *g) {
-  const std::pair<CUevent, bool> evs[] = {
-      {g->done, g->done_recorded}, {g->hypers_ready, g->hypers_recorded}, {g->staging, g->staging_recorded}};
-  for (auto &e : evs)
-    if (e.second) g->cu->EventSynchronize(e.first);
-}
-
 // ---- the optimizer's GPU backend ---------------------------------------------
 
-bool gpu_enabled(const zopt_optimizer *o) { return o->gpu != nullptr; }
-
+class CudaBackend;
+static GpuState *G(const zopt_optimizer *o);
 static zopt_status load_module(GpuState *g, const zopt_step *s);
+static zopt_status gpu_push(zopt_optimizer *o);
 
-zopt_status gpu_create(zopt_optimizer *o) {
+static zopt_status gpu_create(zopt_optimizer *o, GpuState **out) {
   const zopt_step *s = o->step;
   const zopt_step_descriptor *d = o->d;
   for (uint32_t i = 0; i < d->num_states; ++i)
@@ -354,7 +208,7 @@ zopt_status gpu_create(zopt_optimizer *o) {
     delete g;
     return st;
   }
-  o->gpu = g;
+  *out = g;
   return ZOPT_OK;
 }
 
@@ -410,10 +264,10 @@ static zopt_status load_module(GpuState *g, const zopt_step *s) {
     if (CUresult r = cu->ModuleGetFunction(slot, g->mod, k.symbol))
       return fail(ZOPT_ERR_ABI, "step '%s': kernel '%s' not in the GPU image: %s", d->name, k.symbol,
                   error_string(r));
-    const size_t nparams = k.role == ZOPT_KERNEL_PREPARE  ? 4
-                           : k.role == ZOPT_KERNEL_SUMSQ  ? 10
-                           : k.role == ZOPT_KERNEL_FINISH ? 4
-                                                          : (g->sr ? 8 : 6);
+    const size_t nparams = k.role == ZOPT_KERNEL_PREPARE  ? 6
+                           : k.role == ZOPT_KERNEL_SUMSQ  ? 12
+                           : k.role == ZOPT_KERNEL_FINISH ? 7
+                                                          : (g->sr ? 9 : 7);
     if (zopt_status st = check_params(g, *slot, k.symbol, nparams, d->name)) return st;
   }
   if (!g->prepare || !g->update || (!g->sumsq && (d->flags & ZOPT_FLAG_SUMSQ)))
@@ -439,7 +293,7 @@ static zopt_status load_module(GpuState *g, const zopt_step *s) {
   return gpu_events(g);
 }
 
-zopt_status gpu_check_tensor(const zopt_optimizer *o, void *param, void *grad) {
+static zopt_status gpu_check_tensor(const zopt_optimizer *o, int tensor, void *param, void *grad) {
   // The kernels access param and grad element by element where the chunk
   // has no common 16-byte aligned element (abi.h), so each pointer must be
   // aligned to its own dtype: a device access off its natural alignment
@@ -457,40 +311,24 @@ zopt_status gpu_check_tensor(const zopt_optimizer *o, void *param, void *grad) {
                   "zopt_optimizer_add_tensor: the %s of tensor %d (%p) is not aligned to its dtype %s (%zu bytes): "
                   "the GPU kernels would fault on a misaligned address (a view into a flat %s buffer must start at "
                   "a whole element of that buffer's dtype)",
-                  i ? "grad" : "param", (int)o->tensors.size(), (void *)p, dtype_name(dt), es, dtype_name(dt));
+                  i ? "grad" : "param", tensor, (void *)p, dtype_name(dt), es, dtype_name(dt));
   }
-  return gpu_check_pointers(o->gpu, param, grad, (int)o->tensors.size());
+  return gpu_check_pointers(G(o), param, grad, tensor);
 }
 
-zopt_status gpu_set_stream(zopt_optimizer *o, void *stream) {
-  GpuState *g = o->gpu ? o->gpu : o->offload;
-  if ((CUstream)stream == g->stream) return ZOPT_OK;
-  ZOPT_CTX_SCOPE(g);
-  // The new stream starts after the optimizer's work on the old one (its
-  // events: the old stream itself may be gone). A capturing stream cannot
-  // wait for work outside its capture; the capture's caller orders it
-  // (PyTorch synchronizes before capturing).
-  bool cap = false;
-  if (gpu_capturing(g, (CUstream)stream, &cap) == ZOPT_OK && !cap)
-    if (zopt_status st = gpu_wait_own_work(g, (CUstream)stream)) return st;
-  clear_error();
-  g->stream = (CUstream)stream;
-  return ZOPT_OK;
-}
-
-zopt_status gpu_set_allocator(zopt_optimizer *o, const zopt_device_allocator *a) {
+static zopt_status gpu_set_allocator(zopt_optimizer *o, const zopt_device_allocator *a) {
   if (o->finalized)
     return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_set_device_allocator: the optimizer is already finalized");
   if (a && (!a->alloc || !a->free))
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_set_device_allocator: alloc and free must both be set");
-  o->gpu->allocator = a ? *a : zopt_device_allocator{};
+  G(o)->allocator = a ? *a : zopt_device_allocator{};
   return ZOPT_OK;
 }
 
 // Master (and any state initialized from the param) of tensors
 // [first, first + count): INIT on their chunks, or through the host.
 static zopt_status init_from_param(zopt_optimizer *o, int first, int count) {
-  GpuState *g = o->gpu;
+  GpuState *g = G(o);
   const zopt_step_descriptor *d = o->d;
   bool any = false;
   for (uint32_t k = 0; k < d->num_states; ++k) any |= d->states[k].init == ZOPT_INIT_FROM_PARAM;
@@ -537,8 +375,8 @@ static zopt_status init_from_param(zopt_optimizer *o, int first, int count) {
   return ZOPT_OK;
 }
 
-zopt_status gpu_finalize(zopt_optimizer *o) {
-  GpuState *g = o->gpu;
+static zopt_status gpu_finalize(zopt_optimizer *o) {
+  GpuState *g = G(o);
   const Driver *cu = g->cu;
   const zopt_step_descriptor *d = o->d;
   ZOPT_CTX_SCOPE(g);
@@ -599,7 +437,7 @@ zopt_status gpu_finalize(zopt_optimizer *o) {
   g->update_grid = (unsigned)std::clamp<int64_t>(g->num_chunks, 1, resident);
   g->sumsq_grid = (unsigned)std::clamp<int64_t>(
       g->num_chunks, 1, std::min<int64_t>((int64_t)std::max(g->sumsq_blocks_per_sm, 1) * g->num_sms, ZOPT_GPU_MAX_BLOCKS));
-  g->prepare_grid = (unsigned)((G + ZOPT_GPU_PREPARE_BLOCK - 1) / ZOPT_GPU_PREPARE_BLOCK);
+  g->prepare_grid = (unsigned)((S + ZOPT_GPU_PREPARE_BLOCK - 1) / ZOPT_GPU_PREPARE_BLOCK);  // a row per tensor
   g->h_hypers.assign(std::max<size_t>(G * d->num_hypers, 1), 0.0);
   for (size_t gi = 0; gi < G; ++gi)
     for (size_t h = 0; h < d->num_hypers; ++h) g->h_hypers[gi * d->num_hypers + h] = o->groups[gi].hypers[h];
@@ -609,7 +447,9 @@ zopt_status gpu_finalize(zopt_optimizer *o) {
       (st = dalloc(g, chunks.size() * sizeof(zopt_gpu_chunk), &g->d_chunks, "work list")) ||
       (st = dalloc(g, g->h_hypers.size() * 8, &g->d_hypers, "hyperparameter table")) ||
       (st = dalloc(g, G * ZOPT_NUM_GLOBALS * 8, &g->d_globals, "globals table")) ||
-      (st = dalloc(g, G * std::max<uint32_t>(d->num_coeffs, 1) * 4, &g->d_coeffs, "coefficient table")) ||
+      (st = dalloc(g, S * std::max<uint32_t>(d->num_coeffs, 1) * 4, &g->d_coeffs, "coefficient table")) ||
+      (st = dalloc(g, S * 8, &g->d_tensor_t, "tensors' steps")) ||
+      (st = dalloc(g, S + G, &g->d_active, "active mask")) ||
       (st = dalloc(g, (size_t)g->sumsq_grid * 8, &g->d_partials, "norm partials")) ||
       (st = dalloc(g, sizeof(zopt_gpu_step_globals), &g->d_sg, "step globals")) ||
       (st = dalloc(g, sizeof(zopt_gpu_scaler), &g->d_scaler, "loss scaler")))
@@ -635,8 +475,8 @@ zopt_status gpu_finalize(zopt_optimizer *o) {
 
 // Copies of the globals, the scaler and (when stale) the hyperparameter
 // table to the device, then a stream synchronisation.
-zopt_status gpu_push(zopt_optimizer *o) {
-  GpuState *g = o->gpu;
+static zopt_status gpu_push(zopt_optimizer *o) {
+  GpuState *g = G(o);
   if (!g->d_globals) return ZOPT_OK;  // not finalized: finalize pushes
   ZOPT_CTX_SCOPE(g);
   if (zopt_status st = gpu_begin_host_access(g, "writing the GPU step state")) return st;
@@ -644,6 +484,16 @@ zopt_status gpu_push(zopt_optimizer *o) {
   const bool ls = d->flags & ZOPT_FLAG_LOSS_SCALE;
   const double S = ls ? o->scaler.scale : 1.0;
   std::vector<double> globals(o->groups.size() * ZOPT_NUM_GLOBALS);
+  // Per tensor the t of its next step; the active mask (zopt_optimizer_set_active;
+  // empty: every tensor), then per group whether any of its tensors is.
+  const size_t T = o->tensors.size(), NG = o->groups.size();
+  std::vector<double> tensor_t(T);
+  std::vector<uint8_t> active(T + NG, 0);
+  for (size_t t = 0; t < T; ++t) {
+    tensor_t[t] = (double)(o->tensors[t].steps + 1);
+    active[t] = o->active.empty() || o->active[t];
+    if (active[t]) active[T + (size_t)o->tensors[t].group] = 1;
+  }
   for (size_t gi = 0; gi < o->groups.size(); ++gi) {
     double *gl = &globals[gi * ZOPT_NUM_GLOBALS];
     gl[ZOPT_GLOBAL_STEP] = (double)(o->groups[gi].step_count + 1);
@@ -671,6 +521,8 @@ zopt_status gpu_push(zopt_optimizer *o) {
       for (size_t h = 0; h < H; ++h) g->h_hypers[gi * H + h] = o->groups[gi].hypers[h];
   }
   CUresult r = g->cu->MemcpyHtoDAsync(g->d_globals, globals.data(), globals.size() * 8, g->stream);
+  if (!r) r = g->cu->MemcpyHtoDAsync(g->d_tensor_t, tensor_t.data(), tensor_t.size() * 8, g->stream);
+  if (!r) r = g->cu->MemcpyHtoDAsync(g->d_active, active.data(), active.size(), g->stream);
   if (!r) r = g->cu->MemcpyHtoDAsync(g->d_scaler, &sc, sizeof sc, g->stream);
   if (!r && hypers) r = g->cu->MemcpyHtoDAsync(g->d_hypers, g->h_hypers.data(), g->h_hypers.size() * 8, g->stream);
   if (!r) r = g->cu->StreamSynchronize(g->stream);
@@ -686,17 +538,19 @@ zopt_status gpu_push(zopt_optimizer *o) {
 // scaler).
 static zopt_status read_device_state(zopt_optimizer *o, zopt_gpu_step_globals *sg, zopt_gpu_scaler *sc,
                                      const char *what) {
-  GpuState *g = o->gpu;
+  GpuState *g = G(o);
   ZOPT_CTX_SCOPE(g);
   if (zopt_status st = gpu_begin_host_access(g, what)) return st;
-  std::vector<double> globals(o->groups.size() * ZOPT_NUM_GLOBALS);
+  std::vector<double> globals(o->groups.size() * ZOPT_NUM_GLOBALS), tensor_t(o->tensors.size());
   CUresult r = g->cu->MemcpyDtoHAsync(globals.data(), g->d_globals, globals.size() * 8, g->stream);
+  if (!r) r = g->cu->MemcpyDtoHAsync(tensor_t.data(), g->d_tensor_t, tensor_t.size() * 8, g->stream);
   if (!r) r = g->cu->MemcpyDtoHAsync(sc, g->d_scaler, sizeof *sc, g->stream);
   if (!r && sg) r = g->cu->MemcpyDtoHAsync(sg, g->d_sg, sizeof *sg, g->stream);
   if (!r) r = g->cu->StreamSynchronize(g->stream);
   if (r) return fail(ZOPT_ERR_INTERNAL, "reading the GPU step state: %s", error_string(r));
   for (size_t gi = 0; gi < o->groups.size(); ++gi)
     o->groups[gi].step_count = (int64_t)globals[gi * ZOPT_NUM_GLOBALS + ZOPT_GLOBAL_STEP] - 1;
+  for (size_t t = 0; t < o->tensors.size(); ++t) o->tensors[t].steps = (int64_t)tensor_t[t] - 1;
   if (o->d->flags & ZOPT_FLAG_LOSS_SCALE) {
     o->scaler.scale = sc->scale;
     o->scaler.good_steps = sc->good_steps;
@@ -705,17 +559,17 @@ static zopt_status read_device_state(zopt_optimizer *o, zopt_gpu_step_globals *s
   return ZOPT_OK;
 }
 
-zopt_status gpu_pull(zopt_optimizer *o) {
+static zopt_status gpu_pull(zopt_optimizer *o) {
   // After a capture, replays advance the device's state unseen: always read.
-  if (!o->gpu->device_ahead && !o->gpu->captured) return ZOPT_OK;
+  if (!G(o)->device_ahead && !G(o)->captured) return ZOPT_OK;
   zopt_gpu_scaler sc;
   return read_device_state(o, nullptr, &sc, "reading the GPU step state");
 }
 
-void gpu_hypers_changed(zopt_optimizer *o) { o->gpu->hypers_dirty = true; }
+static void gpu_hypers_changed(zopt_optimizer *o) { G(o)->hypers_dirty = true; }
 
-zopt_status gpu_set_hyper(zopt_optimizer *o, int group, int hi, double value) {
-  GpuState *g = o->gpu;
+static zopt_status gpu_set_hyper(zopt_optimizer *o, int group, int hi, double value) {
+  GpuState *g = G(o);
   if (!g->d_hypers) {  // before finalize: finalize uploads the table
     o->groups[group].hypers[hi] = value;
     return ZOPT_OK;
@@ -753,16 +607,18 @@ zopt_status gpu_set_hyper(zopt_optimizer *o, int group, int hi, double value) {
   return ZOPT_OK;
 }
 
-zopt_status gpu_step(zopt_optimizer *o, zopt_step_result *result) {
-  GpuState *g = o->gpu;
+// A step (exec/ drives it through CudaBackend): before the first op, the
+// hyperparameter table's upload (after a failed write) and the wait for
+// its latest write; `cap` says whether the stream is capturing a graph.
+static zopt_status gpu_begin_step(zopt_optimizer *o, bool *capturing) {
+  GpuState *g = G(o);
   const Driver *cu = g->cu;
   const zopt_step_descriptor *d = o->d;
   ZOPT_CTX_SCOPE(g);
-  const bool has_sumsq = d->flags & ZOPT_FLAG_SUMSQ;
-  const bool ls = d->flags & ZOPT_FLAG_LOSS_SCALE;
   CUstream s = g->stream;
   bool cap = false;
   if (zopt_status st = gpu_capturing(g, s, &cap)) return st;
+  *capturing = cap;
   if (g->hypers_dirty) {
     // Only after a failed hyperparameter write.
     if (cap)
@@ -784,35 +640,76 @@ zopt_status gpu_step(zopt_optimizer *o, zopt_step_result *result) {
   // before its launch (an event never recorded is complete).
   if (g->hypers_recorded || cap)
     CU_TRY(cu->StreamWaitEvent(s, g->hypers_ready, cap ? EVENT_WAIT_EXTERNAL : 0), "cuStreamWaitEvent(hypers)");
-  int64_t ng = (int64_t)o->groups.size(), nchunks = g->num_chunks;
+  return ZOPT_OK;
+}
+
+// Program op i as launches on the optimizer's stream (validate_program
+// checked the program): PREPARE, NORM_PARTIALS (the SUMSQ kernel, whose
+// last block takes the norm and decides with the step's control), UPDATE
+// (returns at once on a skipped step) and FINISH (counts, loss scaler).
+// The NORM is SUMSQ's last block; at world size 1 the collectives move
+// nothing.
+static zopt_status gpu_run_op(zopt_optimizer *o, size_t i) {
+  GpuState *g = G(o);
+  const Driver *cu = g->cu;
+  const zopt_step_descriptor *d = o->d;
+  const bool has_sumsq = d->flags & ZOPT_FLAG_SUMSQ;
+  const bool ls = d->flags & ZOPT_FLAG_LOSS_SCALE;
+  int64_t ng = (int64_t)o->groups.size(), nchunks = g->num_chunks, nrows = g->num_segments;
   CUdeviceptr no_ptr = 0;
-  {
-    void *args[] = {&g->d_hypers, &g->d_globals, &ng, &g->d_coeffs};
-    CU_TRY(cu->LaunchKernel(g->prepare, g->prepare_grid, 1, 1, ZOPT_GPU_PREPARE_BLOCK, 1, 1, 0, s, args, nullptr),
-           "launching PREPARE");
+  switch (d->program[i].code) {
+    case ZOPT_OP_REDUCE_SCATTER:
+    case ZOPT_OP_ALL_GATHER:
+    case ZOPT_OP_NORM:
+      return ZOPT_OK;
+    default:
+      break;
   }
-  if (has_sumsq) {
-    void *args[] = {&g->d_states, &g->d_segs,   &g->d_chunks,  &nchunks, &g->d_coeffs,
-                    &g->d_partials, &g->d_sg, &g->d_hypers, &g->d_globals, &ng};
-    CU_TRY(cu->LaunchKernel(g->sumsq, g->sumsq_grid, 1, 1, ZOPT_GPU_BLOCK, 1, 1, 0, s, args, nullptr),
-           "launching SUMSQ");
+  ZOPT_CTX_SCOPE(g);
+  CUstream s = g->stream;
+  switch (d->program[i].code) {
+    case ZOPT_OP_PREPARE: {
+      void *args[] = {&g->d_hypers, &g->d_globals, &g->d_segs, &g->d_tensor_t, &nrows, &g->d_coeffs};
+      CU_TRY(cu->LaunchKernel(g->prepare, g->prepare_grid, 1, 1, ZOPT_GPU_PREPARE_BLOCK, 1, 1, 0, s, args, nullptr),
+             "launching PREPARE");
+      return ZOPT_OK;
+    }
+    case ZOPT_OP_NORM_PARTIALS: {
+      void *args[] = {&g->d_states,  &g->d_segs, &g->d_chunks,  &nchunks, &g->d_coeffs,
+                      &g->d_partials, &g->d_sg,  &g->d_hypers, &g->d_globals, &nrows,
+                      &g->d_tensor_t, &g->d_active};
+      CU_TRY(cu->LaunchKernel(g->sumsq, g->sumsq_grid, 1, 1, ZOPT_GPU_BLOCK, 1, 1, 0, s, args, nullptr),
+             "launching SUMSQ");
+      return ZOPT_OK;
+    }
+    case ZOPT_OP_UPDATE: {
+      // Stochastic rounding: the tensors' steps t and the seed too.
+      uint64_t seed = o->seed;
+      void *args[] = {&g->d_states, &g->d_segs, &g->d_chunks, &nchunks, &g->d_coeffs,
+                      has_sumsq ? &g->d_sg : &no_ptr, &g->d_active, &g->d_tensor_t, &seed};
+      CU_TRY(cu->LaunchKernel(g->update, g->update_grid, 1, 1, ZOPT_GPU_BLOCK, 1, 1, 0, s, args, nullptr),
+             "launching UPDATE");
+      return ZOPT_OK;
+    }
+    case ZOPT_OP_FINISH: {
+      void *args[] = {&g->d_globals, &ng,         has_sumsq ? &g->d_sg : &no_ptr, ls ? &g->d_scaler : &no_ptr,
+                      &g->d_tensor_t, &g->d_active, &nrows};
+      CU_TRY(cu->LaunchKernel(g->finish, 1, 1, 1, ZOPT_GPU_FINISH_BLOCK, 1, 1, 0, s, args, nullptr),
+             "launching FINISH");
+      return ZOPT_OK;
+    }
   }
-  {
-    // Stochastic rounding: the device's globals (step t) and the seed too.
-    uint64_t seed = o->seed;
-    void *args[] = {&g->d_states, &g->d_segs, &g->d_chunks, &nchunks, &g->d_coeffs,
-                    has_sumsq ? &g->d_sg : &no_ptr, &g->d_globals, &seed};
-    CU_TRY(cu->LaunchKernel(g->update, g->update_grid, 1, 1, ZOPT_GPU_BLOCK, 1, 1, 0, s, args, nullptr),
-           "launching UPDATE");
-  }
-  {
-    void *args[] = {&g->d_globals, &ng, has_sumsq ? &g->d_sg : &no_ptr, ls ? &g->d_scaler : &no_ptr};
-    CU_TRY(cu->LaunchKernel(g->finish, 1, 1, 1, ZOPT_GPU_FINISH_BLOCK, 1, 1, 0, s, args, nullptr),
-           "launching FINISH");
-  }
+  return fail(ZOPT_ERR_INTERNAL, "step '%s': program op %zu (code %u) has no GPU launch", d->name, i,
+              d->program[i].code);
+}
+
+// After the last op: the event every later read and stream waits for.
+static zopt_status gpu_end_step(zopt_optimizer *o, bool cap, zopt_step_result *result) {
+  GpuState *g = G(o);
+  ZOPT_CTX_SCOPE(g);
   // Reads wait for this; captured, it is a record node that every replay
   // runs, so reads after a replay on any stream wait for that replay.
-  CU_TRY(cu->EventRecordWithFlags(g->done, s, cap ? EVENT_RECORD_EXTERNAL : 0), "cuEventRecord(step)");
+  CU_TRY(g->cu->EventRecordWithFlags(g->done, g->stream, cap ? EVENT_RECORD_EXTERNAL : 0), "cuEventRecord(step)");
   g->done_recorded = true;
   g->captured |= cap;
   g->stepped = true;
@@ -825,8 +722,39 @@ zopt_status gpu_step(zopt_optimizer *o, zopt_step_result *result) {
   return ZOPT_OK;
 }
 
-zopt_status gpu_result(zopt_optimizer *o, zopt_step_result *result) {
-  GpuState *g = o->gpu;
+// The ops the GPU backend launches, as the zprog verifier and the
+// descriptor's checks order them (docs/Dialects/Program.md): every op on
+// the GPU, no copies, the norm exactly when the step has its SUMSQ kernel.
+static zopt_status validate_program(const zopt_optimizer *o) {
+  const zopt_step_descriptor *d = o->d;
+  int prepares = 0, updates = 0, finishes = 0, partials = 0, norms = 0;
+  for (uint32_t i = 0; i < d->num_program; ++i) {
+    const zopt_program_op &op = d->program[i];
+    if (op.code == ZOPT_OP_COPY || op.src != ZOPT_PLACE_GPU)
+      return fail(ZOPT_ERR_ABI, "step '%s': program op %u (code %u) %s, but the step's update runs on the GPU",
+                  d->name, i, op.code, op.code == ZOPT_OP_COPY ? "copies between placements" : "runs on the CPU");
+    prepares += op.code == ZOPT_OP_PREPARE;
+    updates += op.code == ZOPT_OP_UPDATE;
+    finishes += op.code == ZOPT_OP_FINISH;
+    partials += op.code == ZOPT_OP_NORM_PARTIALS;
+    norms += op.code == ZOPT_OP_NORM;
+    if (op.code == ZOPT_OP_NORM_PARTIALS && !prepares)
+      return fail(ZOPT_ERR_ABI, "step '%s': program op %u: the norm's partials before the PREPARE", d->name, i);
+    if (op.code == ZOPT_OP_UPDATE && (!prepares || partials != norms))
+      return fail(ZOPT_ERR_ABI, "step '%s': program op %u: the UPDATE before the PREPARE or the NORM", d->name, i);
+  }
+  const bool sumsq = d->flags & ZOPT_FLAG_SUMSQ;
+  if (prepares != 1 || updates != 1 || finishes != 1 || d->program[d->num_program - 1].code != ZOPT_OP_FINISH ||
+      partials != norms || partials > 1 || (partials == 1) != sumsq)
+    return fail(ZOPT_ERR_ABI,
+                "step '%s': the program is not one the GPU backend runs (one PREPARE, [NORM_PARTIALS NORM exactly "
+                "with a SUMSQ kernel], one UPDATE, FINISH last)",
+                d->name);
+  return ZOPT_OK;
+}
+
+static zopt_status gpu_result(zopt_optimizer *o, zopt_step_result *result) {
+  GpuState *g = G(o);
   if (!g->stepped) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_gpu_result: no step has run yet");
   zopt_gpu_step_globals sg;
   zopt_gpu_scaler sc;
@@ -838,8 +766,8 @@ zopt_status gpu_result(zopt_optimizer *o, zopt_step_result *result) {
   return ZOPT_OK;
 }
 
-zopt_status gpu_copy(const zopt_optimizer *o, int t, int si, void *host, size_t bytes, bool to_device) {
-  GpuState *g = o->gpu;
+static zopt_status gpu_copy(const zopt_optimizer *o, int t, int si, void *host, size_t bytes, bool to_device) {
+  GpuState *g = G(o);
   ZOPT_CTX_SCOPE(g);
   if (zopt_status st = gpu_begin_host_access(g, to_device ? "writing a GPU state" : "reading a GPU state")) return st;
   CUdeviceptr p = (CUdeviceptr)(uintptr_t)state_ptr(o, t, si);
@@ -851,15 +779,15 @@ zopt_status gpu_copy(const zopt_optimizer *o, int t, int si, void *host, size_t 
   return ZOPT_OK;
 }
 
-zopt_status gpu_refresh_master(zopt_optimizer *o, int first, int count) {
-  GpuState *g = o->gpu;
+static zopt_status gpu_refresh_master(zopt_optimizer *o, int first, int count) {
+  GpuState *g = G(o);
   ZOPT_CTX_SCOPE(g);
   if (zopt_status st = gpu_begin_host_access(g, "zopt_optimizer_refresh_master")) return st;
   return init_from_param(o, first, count);
 }
 
-void gpu_free(zopt_optimizer *o) {
-  GpuState *g = o->gpu;
+static void gpu_free(zopt_optimizer *o) {
+  GpuState *g = G(o);
   if (!g) return;
   {
     CtxScope scope(g);
@@ -875,34 +803,142 @@ void gpu_free(zopt_optimizer *o) {
     for (void *&b : gr.buffers) b = nullptr;
   cuda_detach(g);
   delete g;
-  o->gpu = nullptr;
+}
+
+// ---- the backend ----------------------------------------------------------------
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(GpuState *state) : g(state) {}
+  GpuState *g;
+  bool capturing = false;  // the current step's stream captures a graph
+
+  const char *name() const override { return "cuda"; }
+
+  zopt_status supports(const zopt_optimizer *o, Feature f, const char *fn) const override {
+    const char *name = o->d->name;
+    switch (f) {
+      case Feature::SplitStep:
+        return fail(ZOPT_ERR_UNSUPPORTED, "%s: step '%s' updates on the GPU, whose step runs as one stream of kernels",
+                    fn, name);
+      case Feature::LinkedStep:
+        return fail(ZOPT_ERR_UNSUPPORTED, "%s: step '%s' is a GPU step: linked steps run CPU-updated steps", fn, name);
+      case Feature::RuntimeMaxNorm:
+        return fail(ZOPT_ERR_UNSUPPORTED,
+                    "%s: step '%s' updates on the GPU, whose kernels hold the compiled max_norm %g", fn, name,
+                    o->d->max_norm);
+      case Feature::GradStreaming:
+        return fail(ZOPT_ERR_UNSUPPORTED,
+                    "%s: step '%s' updates on the GPU; gradient streaming is implemented for steps updated on the "
+                    "CPU from host gradients",
+                    fn, name);
+      case Feature::TensorMemory:
+        return fail(ZOPT_ERR_UNSUPPORTED, "%s: GPU steps keep their tensors' device pointers in device tables", fn);
+      case Feature::OpTimes:
+        return fail(ZOPT_ERR_UNSUPPORTED, "%s: a GPU step's ops run asynchronously on its stream", fn);
+      case Feature::GatherParams:
+        return fail(ZOPT_ERR_UNSUPPORTED, "%s: the params of step '%s' live on the GPU, whole", fn, name);
+      case Feature::AddTensors:
+        return fail(ZOPT_ERR_UNSUPPORTED,
+                    "%s: step '%s' updates on the GPU, whose device tables (segments, states, work list) are built "
+                    "once at finalize: adding tensors to a finalized GPU step is not implemented. Build a new "
+                    "optimizer with every tensor and move the state over (zopt_optimizer_export_state + "
+                    "zopt_optimizer_import_begin)",
+                    fn, name);
+    }
+    return ZOPT_OK;
+  }
+
+  zopt_status check_comm(const zopt_optimizer *, zopt_comm *) const override { return ZOPT_OK; }
+
+  zopt_status check_tensor(const zopt_optimizer *o, int t, void *param, void *grad) const override {
+    return gpu_check_tensor(o, t, param, grad);
+  }
+
+  zopt_status finalize(zopt_optimizer *o) override {
+    if (o->world > 1)
+      return fail(ZOPT_ERR_UNSUPPORTED,
+                  "zopt_optimizer_finalize: step '%s' updates on the GPU, which runs at world size 1 for now "
+                  "(the communicator has %d ranks); ZeRO across GPU ranks is not implemented yet",
+                  o->d->name, o->world);
+    if (zopt_status st = validate_program(o)) return st;
+    return gpu_finalize(o);
+  }
+
+  void destroy(zopt_optimizer *o) override { gpu_free(o); }
+
+  zopt_status begin_step(zopt_optimizer *o, exec::StepState *, bool) override {
+    return gpu_begin_step(o, &capturing);  // the active mask is on the device (push)
+  }
+  zopt_status run_op(zopt_optimizer *o, exec::StepState *, size_t i) override { return gpu_run_op(o, i); }
+  // The device decides (SUMSQ's last block): nothing is skipped on the host.
+  void decide(zopt_optimizer *, exec::StepState *, double) override {}
+  void end_step(zopt_optimizer *o, exec::StepState *, zopt_step_result *result) override {
+    gpu_end_step(o, capturing, result);
+  }
+
+  void *state_ptr(const zopt_optimizer *o, int t, int si) const override {
+    const Tensor &x = o->tensors[t];
+    const uint32_t kind = o->d->states[si].kind;
+    if (kind == ZOPT_STATE_PARAM) return x.param;
+    if (kind == ZOPT_STATE_GRAD) return x.grad;
+    char *b = (char *)o->groups[x.group].buffers[si];  // the group's flat device buffers
+    return b + (size_t)x.offset * dtype_size(o->d->states[si].dtype);
+  }
+  bool host_state(const zopt_optimizer *, int) const override { return false; }
+  zopt_status read_state(const zopt_optimizer *o, int t, int si, void *out, size_t bytes) const override {
+    return gpu_copy(o, t, si, out, bytes, false);
+  }
+  zopt_status write_state(zopt_optimizer *o, int t, int si, const void *in, size_t bytes) override {
+    return gpu_copy(o, t, si, const_cast<void *>(in), bytes, true);
+  }
+  zopt_status refresh_master(zopt_optimizer *o, int first, int count) override {
+    return gpu_refresh_master(o, first, count);
+  }
+  void memory_info(const zopt_optimizer *o, zopt_memory_info *info) const override {
+    const zopt_step_descriptor *d = o->d;
+    for (uint32_t s = 0; s < d->num_states; ++s)
+      if (is_owned_kind(d->states[s].kind))
+        for (const Group &gr : o->groups)
+          info->state_bytes += ((uint64_t)gr.padded_total * dtype_size(d->states[s].dtype) + 63) & ~(uint64_t)63;
+    info->state_bytes_one_rank = info->state_bytes;
+    info->bytes_gpu += info->state_bytes;
+  }
+
+  zopt_status pull(zopt_optimizer *o) override { return o->finalized ? gpu_pull(o) : ZOPT_OK; }
+  zopt_status push(zopt_optimizer *o) override { return o->finalized ? gpu_push(o) : ZOPT_OK; }
+  zopt_status set_hyper(zopt_optimizer *o, int group, int hi, double value) override {
+    if (o->groups[group].hypers[hi] == value) return ZOPT_OK;
+    return gpu_set_hyper(o, group, hi, value);  // and into the device's table
+  }
+  void hypers_changed(zopt_optimizer *o) override { gpu_hypers_changed(o); }
+
+  zopt_status set_stream(zopt_optimizer *, void *stream) override { return gpu_set_stream(g, stream); }
+  zopt_status device_result(zopt_optimizer *o, zopt_step_result *result) override { return gpu_result(o, result); }
+  zopt_status set_device_allocator(zopt_optimizer *o, const zopt_device_allocator *a) override {
+    return gpu_set_allocator(o, a);
+  }
+};
+
+static GpuState *G(const zopt_optimizer *o) { return static_cast<const CudaBackend *>(o->backend)->g; }
+
+zopt_status make_cuda_backend(zopt_optimizer *o, Backend **out) {
+  GpuState *g = nullptr;
+  if (zopt_status st = gpu_create(o, &g)) return st;
+  *out = new (std::nothrow) CudaBackend(g);
+  if (!*out) {
+    {
+      CtxScope scope(g);
+      if (!scope.status()) {
+        if (g->mod) g->cu->ModuleUnload(g->mod);
+        destroy_events(g);
+      }
+    }
+    cuda_detach(g);
+    delete g;
+    return fail(ZOPT_ERR_OUT_OF_MEMORY, "out of memory");
+  }
+  return ZOPT_OK;
 }
 
 }  // namespace zopt
-
-extern "C" {
-
-ZOPT_API zopt_status zopt_optimizer_set_stream(zopt_optimizer *o, void *cu_stream) {
-  ZOPT_ENTER_CALL(o, "zopt_optimizer_set_stream");
-  if (!o->gpu && !o->offload)
-    return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_set_stream: step '%s' has nothing on the GPU", o->d->name);
-  return gpu_set_stream(o, cu_stream);
-}
-
-ZOPT_API zopt_status zopt_optimizer_gpu_result(zopt_optimizer *o, zopt_step_result *result) {
-  ZOPT_ENTER_CALL(o, "zopt_optimizer_gpu_result");
-  if (!result) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_gpu_result: result is NULL");
-  if (!o->gpu) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_gpu_result: step '%s' does not run on the GPU", o->d->name);
-  return gpu_result(o, result);
-}
-
-ZOPT_API zopt_status zopt_optimizer_set_device_allocator(zopt_optimizer *o, const zopt_device_allocator *allocator) {
-  ZOPT_ENTER_CALL(o, "zopt_optimizer_set_device_allocator");
-  if (!o->gpu)
-    return fail(ZOPT_ERR_BAD_STATE,
-                "zopt_optimizer_set_device_allocator: step '%s' allocates no device memory (not a GPU step)",
-                o->d->name);
-  return gpu_set_allocator(o, allocator);
-}
-
-}  // extern "C"

@@ -1,5 +1,5 @@
 // cuda_driver.cpp - dlopen("libcuda.so.1") into a table of driver functions.
-#include "cuda_driver.h"
+#include "backend/cuda/cuda_driver.h"
 
 #include <dlfcn.h>
 

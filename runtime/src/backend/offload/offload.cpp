@@ -1,14 +1,14 @@
-// offload.cpp - steps whose params and grads live on the GPU while the
-// optimizer states and the update run on the CPU (ZeRO-Offload; the brief's
-// `param : bf16 on gpu`, `master : f32 on cpu` description). See docs/GPU.md
-// "Offloaded steps".
+// backend/offload/offload.cpp - the offload backend (offload.h): steps
+// whose params and grads live on the GPU while the optimizer states and the
+// update run on the CPU (ZeRO-Offload; a `param : bf16 on gpu`,
+// `master : f32 on cpu` description). See docs/GPU.md "Offloaded steps".
 //
-// The CPU step program (exec/) does the work: PARAM and GRAD are given
-// pinned host staging buffers in the full layout (state_ptr returns them),
-// so the CPU kernels, the norm reduction, the collectives, the thread
-// partition and checkpoints are the CPU step's, unchanged. The program's
-// COPY ops (zopt-plan puts them first and last) call offload_copy_state on
-// the optimizer's stream:
+// The CPU backend (backend/cpu, the host executor of exec/) does the work:
+// PARAM and GRAD are given pinned host staging buffers in the full layout
+// (state_ptr returns them), so the CPU kernels, the norm reduction, the
+// collectives, the thread partition and checkpoints are the CPU step's,
+// unchanged. The program's COPY ops (zopt-plan puts them first and last)
+// call copy_staged on the optimizer's stream:
 //   first: grads (and params, if the kernel reads them) device -> staging,
 //          then one stream synchronisation (the CPU needs the bytes);
 //   last:  unless the step was skipped, the written params staging ->
@@ -21,7 +21,11 @@
 // captured in a CUDA graph: the first copy refuses a capturing stream with
 // a message that says so (rather than the driver's "operation not permitted
 // when stream is capturing" from the synchronisation).
-#include "gpu_internal.h"
+#include "backend/offload/offload.h"
+
+#include "backend/cpu/cpu.h"
+#include "backend/cuda/device.h"
+#include "exec/exec.h"
 
 #include <new>
 
@@ -43,7 +47,9 @@ bool is_offload_step(const zopt_step *s) {
   return any_gpu;
 }
 
-zopt_status offload_create(zopt_optimizer *o) {
+namespace {
+
+zopt_status offload_attach(zopt_optimizer *o, GpuState **out) {
   const zopt_step_descriptor *d = o->d;
   // Params and grads must be on the same side (the verifier's placement
   // rules allow only param/grad on the GPU here; both, for an offload).
@@ -83,16 +89,11 @@ zopt_status offload_create(zopt_optimizer *o) {
     delete g;
     return st;
   }
-  o->offload = g;
+  *out = g;
   return ZOPT_OK;
 }
 
-zopt_status offload_check_tensor(const zopt_optimizer *o, void *param, void *grad) {
-  return gpu_check_pointers(o->offload, param, grad, (int)o->tensors.size());
-}
-
-zopt_status offload_alloc_staging(zopt_optimizer *o, size_t bytes, void **out) {
-  GpuState *g = o->offload;
+zopt_status offload_alloc_staging(GpuState *g, size_t bytes, void **out) {
   ZOPT_CTX_SCOPE(g);
   void *p = nullptr;
   CUresult r = g->cu->MemHostAlloc(&p, std::max<size_t>(bytes, 64), 0);
@@ -104,8 +105,7 @@ zopt_status offload_alloc_staging(zopt_optimizer *o, size_t bytes, void **out) {
   return ZOPT_OK;
 }
 
-zopt_status offload_copy_state(zopt_optimizer *o, int si, bool to_device, bool sync) {
-  GpuState *g = o->offload;
+zopt_status offload_copy_state(GpuState *g, zopt_optimizer *o, int si, bool to_device, bool sync) {
   ZOPT_CTX_SCOPE(g);
   bool cap = false;
   if (zopt_status st = gpu_capturing(g, g->stream, &cap)) return st;
@@ -146,8 +146,8 @@ zopt_status offload_copy_state(zopt_optimizer *o, int si, bool to_device, bool s
   return ZOPT_OK;
 }
 
-zopt_status offload_copy(const zopt_optimizer *o, int t, int si, void *host, size_t bytes, bool to_device) {
-  GpuState *g = o->offload;
+zopt_status offload_copy(GpuState *g, const zopt_optimizer *o, int t, int si, void *host, size_t bytes,
+                         bool to_device) {
   ZOPT_CTX_SCOPE(g);
   const Tensor &x = o->tensors[t];
   const bool param = o->d->states[si].kind == ZOPT_STATE_PARAM;
@@ -161,10 +161,9 @@ zopt_status offload_copy(const zopt_optimizer *o, int t, int si, void *host, siz
   return ZOPT_OK;
 }
 
-size_t offload_staging_count(const zopt_optimizer *o) { return o->offload ? o->offload->pinned.size() : 0; }
+size_t offload_staging_count(const GpuState *g) { return g ? g->pinned.size() : 0; }
 
-void offload_free_staging(zopt_optimizer *o, size_t first, size_t last) {
-  GpuState *g = o->offload;
+void offload_free_staging(GpuState *g, size_t first, size_t last) {
   if (!g || first >= last || last > g->pinned.size()) return;
   CtxScope scope(g);
   if (!scope.status()) {
@@ -174,8 +173,7 @@ void offload_free_staging(zopt_optimizer *o, size_t first, size_t last) {
   g->pinned.erase(g->pinned.begin() + (long)first, g->pinned.begin() + (long)last);
 }
 
-void offload_free(zopt_optimizer *o) {
-  GpuState *g = o->offload;
+void offload_free(GpuState *g) {
   if (!g) return;
   {
     CtxScope scope(g);
@@ -190,7 +188,73 @@ void offload_free(zopt_optimizer *o) {
   }
   cuda_detach(g);
   delete g;
-  o->offload = nullptr;
+}
+
+// The CPU backend over staged params and grads.
+class OffloadBackend final : public CpuBackend {
+ public:
+  explicit OffloadBackend(GpuState *state) : g(state) {}
+  GpuState *g;
+
+  const char *name() const override { return "offload"; }
+  zopt_status supports(const zopt_optimizer *o, Feature f, const char *fn) const override {
+    if (f == Feature::GradStreaming)
+      return fail(ZOPT_ERR_UNSUPPORTED,
+                  "%s: step '%s' is offloaded; gradient streaming is implemented for steps updated on the CPU from "
+                  "host gradients",
+                  fn, o->d->name);
+    if (f == Feature::GatherParams)
+      return fail(ZOPT_ERR_UNSUPPORTED, "%s: the params of step '%s' live on the GPU, whole", fn, o->d->name);
+    return CpuBackend::supports(o, f, fn);
+  }
+  zopt_status check_tensor(const zopt_optimizer *o, int t, void *param, void *grad) const override {
+    return gpu_check_pointers(g, param, grad ? grad : param, t);
+  }
+  void destroy(zopt_optimizer *o) override {
+    CpuBackend::destroy(o);  // host buffers, not the pinned staging
+    offload_free(g);         // pinned staging, events, the context
+    g = nullptr;
+  }
+  bool host_state(const zopt_optimizer *o, int si) const override { return is_owned_kind(o->d->states[si].kind); }
+  zopt_status read_state(const zopt_optimizer *o, int t, int si, void *out, size_t bytes) const override {
+    if (is_owned_kind(o->d->states[si].kind)) return CpuBackend::read_state(o, t, si, out, bytes);
+    return offload_copy(g, o, t, si, out, bytes, false);  // the user's device memory
+  }
+  zopt_status write_state(zopt_optimizer *o, int t, int si, const void *in, size_t bytes) override {
+    if (is_owned_kind(o->d->states[si].kind)) return CpuBackend::write_state(o, t, si, in, bytes);
+    return offload_copy(g, o, t, si, const_cast<void *>(in), bytes, true);
+  }
+  zopt_status refresh_master(zopt_optimizer *o, int first, int count) override {
+    // The params are on the GPU: to the staging first.
+    if (zopt_status st = copy_staged(o, o->step->param_index, false, true)) return st;
+    return CpuBackend::refresh_master(o, first, count);
+  }
+  zopt_status set_stream(zopt_optimizer *, void *stream) override { return gpu_set_stream(g, stream); }
+  bool stages() const override { return true; }
+  zopt_status alloc_staging(zopt_optimizer *, size_t bytes, void **out) override {
+    return offload_alloc_staging(g, bytes, out);
+  }
+  size_t staging_count(const zopt_optimizer *) const override { return offload_staging_count(g); }
+  void free_staging(zopt_optimizer *, size_t first, size_t last) override { offload_free_staging(g, first, last); }
+  zopt_status copy_staged(zopt_optimizer *o, int si, bool to_user, bool sync) override {
+    return offload_copy_state(g, o, si, to_user, sync);
+  }
+  const void *param_on_host(const zopt_optimizer *o, int t) const override {
+    return state_ptr(o, t, o->step->param_index);  // the staging
+  }
+};
+
+}  // namespace
+
+zopt_status make_offload_backend(zopt_optimizer *o, Backend **out) {
+  GpuState *g = nullptr;
+  if (zopt_status st = offload_attach(o, &g)) return st;
+  *out = new (std::nothrow) OffloadBackend(g);
+  if (!*out) {
+    offload_free(g);
+    return fail(ZOPT_ERR_OUT_OF_MEMORY, "out of memory");
+  }
+  return ZOPT_OK;
 }
 
 }  // namespace zopt

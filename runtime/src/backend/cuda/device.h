@@ -1,14 +1,23 @@
-// gpu_internal.h - state shared by the CUDA backends of the runtime: GPU
-// steps (gpu.cpp: states on the device, kernels from the step's images) and
-// offloaded steps (offload.cpp: params/grads on the device, states and
-// kernels on the CPU). Not installed.
-#ifndef ZOPT_RUNTIME_GPU_INTERNAL_H
-#define ZOPT_RUNTIME_GPU_INTERNAL_H
+// backend/cuda/device.h - what the backends on a CUDA device share: GPU
+// steps (cuda.cpp: states on the device, kernels from the step's images)
+// and offloaded steps (backend/offload/: params/grads on the device, states
+// and kernels on the CPU): the driver, a context, events, streams
+// (device.cpp). Not installed.
+#ifndef ZOPT_RUNTIME_BACKEND_CUDA_DEVICE_H
+#define ZOPT_RUNTIME_BACKEND_CUDA_DEVICE_H
 
-#include "cuda_driver.h"
+#include "backend/cuda/cuda_driver.h"
 #include "internal.h"
 
 #include <utility>
+
+// Returns ZOPT_ERR_INTERNAL "what: <driver error>" when a driver call fails.
+#define CU_TRY(call, what)                                                                   \
+  do {                                                                                       \
+    ::zopt::cu::CUresult r_ = (call);                                                        \
+    if (r_ != ::zopt::cu::CUDA_SUCCESS)                                                      \
+      return ::zopt::fail(ZOPT_ERR_INTERNAL, "%s: %s", what, ::zopt::cu::error_string(r_));  \
+  } while (0)
 
 namespace zopt {
 
@@ -51,7 +60,7 @@ struct GpuState {
   CUstream alloc_stream = nullptr;  // the stream given to allocator.alloc (finalize's)
   std::vector<std::pair<CUdeviceptr, size_t>> allocs;
   CUdeviceptr d_states = 0, d_segs = 0, d_chunks = 0, d_hypers = 0, d_globals = 0, d_coeffs = 0, d_partials = 0,
-              d_sg = 0, d_scaler = 0;
+              d_sg = 0, d_scaler = 0, d_tensor_t = 0, d_active = 0;
   std::vector<double> h_hypers;  // host copy of the hyperparameter table
   int64_t num_segments = 0, num_chunks = 0, chunk_elems = 0;
   std::vector<int64_t> chunk_first;  // per segment its first chunk; [S] = num_chunks
@@ -95,8 +104,9 @@ class CtxScope {
 // CUDA driver ..." messages.
 zopt_status cuda_attach(GpuState *g, const char *name, const char *what);
 void cuda_detach(GpuState *g);  // releases a retained primary context
-// The optimizer's events (created on first use).
+// The optimizer's events (created on first use), destroyed.
 zopt_status gpu_events(GpuState *g);
+void destroy_events(GpuState *g);
 // Both pointers are CUDA device (or managed) memory of the optimizer's
 // device; `tensor` is the id the tensor will get (for messages).
 zopt_status gpu_check_pointers(const GpuState *g, void *param, void *grad, int tensor);
@@ -113,6 +123,9 @@ zopt_status gpu_wait_own_work(GpuState *g, CUstream s);
 // Waits on the host for the optimizer's own asynchronous work (freeing: the
 // caller's stream may be gone).
 void gpu_sync_own_work(GpuState *g);
+// zopt_optimizer_set_stream: the optimizer's work goes on `stream` from now
+// on, after its work on the previous one.
+zopt_status gpu_set_stream(GpuState *g, void *stream);
 
 }  // namespace zopt
 
