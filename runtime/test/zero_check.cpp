@@ -75,6 +75,7 @@
 //                           against a float64 sum over both parts' gradients
 #include "zopt/comm.h"
 #include "zopt/zopt.h"
+#include "zopt_reference.h"
 
 #include <algorithm>
 #include <cmath>
@@ -129,37 +130,9 @@ void report(int rank, bool ok, const char *fmt, ...) {
     }                                                                                 \
   } while (0)
 
-size_t esize(uint32_t dt) { return dt == ZOPT_DTYPE_F32 ? 4 : 2; }
-float to_f32(const void *p, uint32_t dt, size_t i) {
-  if (dt == ZOPT_DTYPE_F32) return ((const float *)p)[i];
-  uint16_t h = ((const uint16_t *)p)[i];
-  if (dt == ZOPT_DTYPE_BF16) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-  }
-  _Float16 x;
-  memcpy(&x, &h, 2);
-  return (float)x;
-}
-void from_f32(void *p, uint32_t dt, size_t i, float v) {
-  if (dt == ZOPT_DTYPE_F32) {
-    ((float *)p)[i] = v;
-  } else if (dt == ZOPT_DTYPE_BF16) {  // round to nearest even (finite and inf inputs)
-    uint32_t u;
-    memcpy(&u, &v, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) {
-      ((uint16_t *)p)[i] = (uint16_t)((u >> 16) | 0x40);
-      return;
-    }
-    u += 0x7fffu + ((u >> 16) & 1u);
-    ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
-  } else {
-    _Float16 x = (_Float16)v;
-    memcpy((uint16_t *)p + i, &x, 2);
-  }
-}
+size_t esize(uint32_t dt) { return zopt_ref::dtype_size(dt); }
+using zopt_ref::load;   // element i of a dtype array, widened
+using zopt_ref::store;  // ... stored rounded (docs/NUMERICS.md §1)
 
 uint64_t mix(uint64_t x) {
   x ^= x >> 33;
@@ -208,7 +181,7 @@ bool build(int rank, const zopt_step *step, Model &m, const Options &opt, zopt_c
   for (size_t t = 0; t < T; ++t) {
     m.p[t].resize((size_t)kSizes[t] * esize(m.pdt) + 1);
     m.g[t].resize((size_t)kSizes[t] * esize(m.gdt) + 1);
-    for (int64_t i = 0; i < kSizes[t]; ++i) from_f32(m.p[t].data(), m.pdt, (size_t)i, value(1, t, 0, i, 1.0));
+    for (int64_t i = 0; i < kSizes[t]; ++i) store(m.p[t].data(), m.pdt, (size_t)i, value(1, t, 0, i, 1.0));
   }
   CK(zopt_optimizer_create(step, &m.o));
   CK(zopt_optimizer_set_num_threads(m.o, opt.threads));
@@ -257,7 +230,7 @@ bool has_grad(const Options &opt, int r, size_t t) {
 void fill_grads(Model &m, const Options &opt, int r, int k, double S, int cls = 0) {
   for (size_t t = 0; t < m.g.size(); ++t)
     for (int64_t i = 0; i < kSizes[t]; ++i)
-      from_f32(m.g[t].data(), m.gdt, (size_t)i, has_grad(opt, r, t) ? grad_value(opt, r, k, t, i, S, cls) : 0.0f);
+      store(m.g[t].data(), m.gdt, (size_t)i, has_grad(opt, r, t) ? grad_value(opt, r, k, t, i, S, cls) : 0.0f);
 }
 
 // The reference's gradient: the rank-order f32 sum of every rank's
@@ -270,12 +243,12 @@ void fill_ref_grads(Model &m, const Options &opt, int world, int k, double S, in
       for (int r = 0; r < world; ++r) {
         // Each rank's value as stored in its grad dtype.
         unsigned char tmp[4];
-        from_f32(tmp, m.gdt, 0, has_grad(opt, r, t) ? grad_value(opt, r, k, t, i, S, cls) : 0.0f);
-        float x = to_f32(tmp, m.gdt, 0);
+        store(tmp, m.gdt, 0, has_grad(opt, r, t) ? grad_value(opt, r, k, t, i, S, cls) : 0.0f);
+        float x = load(tmp, m.gdt, 0);
         acc = first ? x : acc + x;
         first = false;
       }
-      from_f32(m.g[t].data(), m.gdt, (size_t)i, acc);
+      store(m.g[t].data(), m.gdt, (size_t)i, acc);
     }
 }
 
@@ -433,10 +406,10 @@ bool compare(int rank, Model &m, Model &ref, const zopt_step_result &a, const zo
   for (size_t t = 0; t < m.p.size(); ++t)
     if (memcmp(m.p[t].data(), ref.p[t].data(), (size_t)kSizes[t] * esize(m.pdt)) != 0) {
       size_t i = 0;
-      while (i < (size_t)kSizes[t] && to_f32(m.p[t].data(), m.pdt, i) == to_f32(ref.p[t].data(), m.pdt, i)) ++i;
+      while (i < (size_t)kSizes[t] && load(m.p[t].data(), m.pdt, i) == load(ref.p[t].data(), m.pdt, i)) ++i;
       report(rank, false, "%s: param of tensor %zu differs from one rank's at element %zu (%.9g vs %.9g)", what, t, i,
-             i < (size_t)kSizes[t] ? to_f32(m.p[t].data(), m.pdt, i) : 0.0f,
-             i < (size_t)kSizes[t] ? to_f32(ref.p[t].data(), m.pdt, i) : 0.0f);
+             i < (size_t)kSizes[t] ? load(m.p[t].data(), m.pdt, i) : 0.0f,
+             i < (size_t)kSizes[t] ? load(ref.p[t].data(), m.pdt, i) : 0.0f);
       ok = false;
     }
   // Every optimizer state, whole (sharded states: gathered, a collective).
@@ -476,7 +449,7 @@ bool compare(int rank, Model &m, Model &ref, const zopt_step_result &a, const zo
         if (memcmp(m.g[t].data() + (size_t)i * es, want, es) != 0) {
           report(rank, false,
                  "%s: grad of tensor %zu element %lld is %.9g, want %.9g (%s; element owned by rank %d)", what, t,
-                 (long long)i, to_f32(m.g[t].data(), m.gdt, (size_t)i), to_f32(want, m.gdt, 0),
+                 (long long)i, load(m.g[t].data(), m.gdt, (size_t)i), load(want, m.gdt, 0),
                  reduced ? "the reduced gradient: one rank's rank-order sum" : "this rank's own gradient",
                  L.owner(t, i));
           ok = false;
@@ -506,7 +479,7 @@ bool stream_grads(int rank, Model &m, const Options &opt) {
   auto poison = [&](int b) {
     for (int t : ids[b])
       if (--left[t] == 0)
-        for (int64_t i = 0; i < kSizes[t]; ++i) from_f32(m.g[t].data(), m.gdt, (size_t)i, NAN);
+        for (int64_t i = 0; i < kSizes[t]; ++i) store(m.g[t].data(), m.gdt, (size_t)i, NAN);
   };
   if (!opt.async) {
     for (int b = nb - 1; b >= 0; --b) {
@@ -883,15 +856,14 @@ bool run_rank(int rank, int world, zopt_comm *comm, const Options &opt) {
       // coefficient 1 / (S D)), summed in long double: the kernels' f64
       // sums of ~500k terms are within ~1e-12; a norm that missed a part,
       // or one element (~2e-6), or scaled by another D is far outside 1e-10.
-      const float gs = (float)(1.0 / (Sr * world * opt.accum));
+      const float gs = zopt_ref::grad_scale(Sr, world * opt.accum);
       long double sum = 0;
       for (int c = 0; c < nparts; ++c)
         for (size_t t = 0; t < kSizes.size(); ++t)
-          for (int64_t i = 0; i < kSizes[t]; ++i) {
-            double x = (float)(to_f32(refs[c]->g[t].data(), refs[c]->gdt, (size_t)i) * gs);
-            sum += (long double)x * x;
-          }
-      double want = std::sqrt((double)sum);
+          sum += zopt_ref::sumsq_exact((size_t)kSizes[t], [&](size_t i) {
+            return zopt_ref::norm_value(load(refs[c]->g[t].data(), refs[c]->gdt, i), gs);
+          });
+      double want = zopt_ref::norm((double)sum);
       bool norm_ok = std::isinf(want) ? std::isinf(b.grad_norm) || std::isnan(b.grad_norm)
                                       : std::fabs(b.grad_norm - want) <= 1e-10 * want;
       report(rank, norm_ok, "linked step %d: the norm %.17g is float64's over both parts (%.17g)", k, b.grad_norm,

@@ -30,6 +30,7 @@
 // when BACKEND needs a CUDA driver and there is none (lit: UNSUPPORTED).
 //===----------------------------------------------------------------------===//
 #include "../check_util.h"
+#include "zopt_reference.h"
 #include "zopt/abi.h"
 #include "zopt/zopt.h"
 
@@ -342,19 +343,16 @@ int main(int argc, char **argv) {
     double S = 1, D = 1;
     if (ls) Z(zopt_optimizer_get_loss_scale(a.o, &S));
     Z(zopt_optimizer_get_grad_divisor(a.o, &D));
-    const float gs = (float)(1.0 / (S * D));
+    const float gs = zopt_ref::grad_scale(S, D);
     long double sum = 0;
     for (int t = 0; t < T; ++t) {
       std::vector<float> g(kSizes[t]);
       Z(zopt_optimizer_read_state_f32(b.o, t, ZOPT_STATE_GRAD, g.data(), kSizes[t]));
-      for (float v : g) {
-        const double x = (double)(v * gs);
-        sum += (long double)x * x;
-      }
+      sum += zopt_ref::sumsq_exact(g.size(), [&](size_t i) { return zopt_ref::norm_value(g[i], gs); });
     }
     step(a);
     step(b);
-    const double want = std::sqrt((double)sum);
+    const double want = zopt_ref::norm((double)sum);
     check(std::fabs(a.last.grad_norm - want) <= 1e-12 * want && a.last.skipped == 0,
           "clip: the norm " + std::to_string(a.last.grad_norm) + " is the float64 norm of the scaled gradients " +
               std::to_string(want));

@@ -5,10 +5,11 @@
 //
 // dlopens a compiled step, validates its descriptor (magic, ABI version,
 // size, checksum, bounds, state kinds, kernel table, symbols) and checks every
-// UPDATE and SUMSQ variant of the kernel table that this CPU can run against a
-// float64 reference of the numerics contract (docs/NUMERICS.md), written
-// here independently of the compiler, and the CONTROL kernel against
-// control-check.h's. Coefficients come from the step's own PREPARE kernel.
+// UPDATE and SUMSQ variant of the kernel table that this CPU can run against
+// the float64 reference of the numerics contract (docs/NUMERICS.md,
+// test/reference/zopt_reference.h: written independently of the compiler),
+// and the CONTROL kernel against it (control-check.h). Coefficients come
+// from the step's own PREPARE kernel.
 //
 // RULE: adam | adamw | adam_amsgrad | sgd | sgd_nesterov | lion. Plain `sgd`
 // means momentum without Nesterov when the step has a momentum_buffer state,
@@ -21,7 +22,7 @@
 //                 inf, overflow, denormals) through the master->param copy-out
 //                 with lr = 0, wd = 0 (the master is then unchanged).
 //
-// Tolerances (see also test/Integration/CPU/README.md):
+// Tolerances:
 //  * f32 results: the reference carries, next to each f64 value v, a
 //    first-order running error bound s (Higham-style): every rounded f32
 //    operation or f32-rounded coefficient adds |result| to s, and s propagates
@@ -53,6 +54,7 @@
 //===----------------------------------------------------------------------===//
 
 #include "control-check.h"
+#include "zopt_reference.h"
 #include "zopt/abi.h"
 #include "zopt/cpu.h"
 
@@ -86,103 +88,24 @@ void report(bool ok, const char *fmt, ...) {
 }
 
 //===----------------------------------------------------------------------===//
-// Storage types: exact decode, RNE encode (two independent implementations
-// each for bf16 and f16, cross-checked in selfTest()).
+// Storage types: the reference's (test/reference/zopt_reference.h: exact
+// decode, two independent RNE encodings, cross-checked in selfTest()).
 //===----------------------------------------------------------------------===//
 
-uint32_t f32Bits(float f) { uint32_t b; std::memcpy(&b, &f, 4); return b; }
-uint64_t f64Bits(double f) { uint64_t b; std::memcpy(&b, &f, 8); return b; }
-float bitsF32(uint32_t b) { float f; std::memcpy(&f, &b, 4); return f; }
+using zopt_ref::bits_f32;
+using zopt_ref::decode_bf16;
+using zopt_ref::decode_f16;
+using zopt_ref::dtype_name;
+using zopt_ref::dtype_size;
+using zopt_ref::f32_bits;
+using zopt_ref::f64_bits;
+using zopt_ref::is_nan_bits;
+using zopt_ref::rne_bf16;
+using zopt_ref::rne_bf16_bits;
+using zopt_ref::rne_f16;
+using zopt_ref::rne_f16_bits;
+using zopt_ref::round_f32;
 
-double decodeBf16(uint16_t h) { return bitsF32(uint32_t(h) << 16); }
-
-double decodeF16(uint16_t h) {
-  int sign = h >> 15, e = (h >> 10) & 31, m = h & 1023;
-  double v;
-  if (e == 0) v = std::ldexp(double(m), -24);
-  else if (e == 31) v = m ? NAN : INFINITY;
-  else v = std::ldexp(double(1024 + m), e - 25);
-  return sign ? -v : v;
-}
-
-// Rounds a double to a binary format with `p` significand bits (implicit one
-// included), minimum normal exponent emin and maximum exponent emax, with
-// round-to-nearest-even, overflowing to infinity. Generic, via the FPU's RNE.
-double roundFmt(double x, int p, int emin, int emax) {
-  if (!std::isfinite(x) || x == 0) return x;
-  int e;
-  std::frexp(x, &e);
-  int lead = std::max(e - 1, emin);
-  double q = std::ldexp(1.0, lead - (p - 1));
-  double r = std::nearbyint(x / q) * q;
-  if (std::fabs(r) >= std::ldexp(1.0, emax + 1)) r = std::copysign(INFINITY, x);
-  return r;
-}
-double roundBf16(double x) { return roundFmt(x, 8, -126, 127); }
-double roundF16(double x) { return roundFmt(x, 11, -14, 15); }
-double roundF32(double x) { return roundFmt(x, 24, -126, 127); }
-
-// Encode an exactly representable (already rounded) double.
-uint16_t encodeBf16Exact(double r) {
-  if (std::isnan(r)) return 0x7FC0;
-  return uint16_t(f32Bits(float(r)) >> 16);
-}
-uint16_t encodeF16Exact(double r) {
-  if (std::isnan(r)) return 0x7E00;
-  uint16_t s = std::signbit(r) ? 0x8000 : 0;
-  double a = std::fabs(r);
-  if (std::isinf(a)) return s | 0x7C00;
-  if (a == 0) return s;
-  int e;
-  std::frexp(a, &e);
-  int lead = e - 1;
-  if (lead < -14) return s | uint16_t(a / std::ldexp(1.0, -24));
-  return s | uint16_t((lead + 15) << 10) |
-         uint16_t(a / std::ldexp(1.0, lead) * 1024.0 - 1024.0);
-}
-uint16_t rneBf16(double x) { return encodeBf16Exact(roundBf16(x)); }
-uint16_t rneF16(double x) { return encodeF16Exact(roundF16(x)); }
-
-// Second, bit-level implementations of f32 -> bf16 / f16 RNE (non-NaN).
-uint16_t rneBf16Bits(uint32_t b) {
-  return uint16_t((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
-}
-uint16_t rneF16Bits(uint32_t b) {
-  uint16_t s = (b >> 16) & 0x8000;
-  int e = int((b >> 23) & 0xFF);
-  uint32_t m = b & 0x7FFFFF;
-  if (e == 0xFF) return s | 0x7C00;       // inf (NaN not handled here)
-  if (e == 0) return s;                   // f32 denormals are < 2^-126
-  int ue = e - 127;                       // unbiased
-  uint32_t sig = m | 0x800000;            // 24 bits
-  int shift;                              // bits to drop from sig
-  uint32_t expField;
-  if (ue >= -14) { shift = 13; expField = uint32_t(ue + 15); }
-  else { shift = 13 + (-14 - ue); expField = 0; }
-  if (shift > 25) return s;               // < 2^-25 (half of min denormal)
-  uint32_t kept = sig >> shift;
-  uint32_t rem = sig & ((1u << shift) - 1), half = 1u << (shift - 1);
-  if (rem > half || (rem == half && (kept & 1))) ++kept;
-  uint32_t bits;
-  if (expField) bits = (expField << 10) + (kept - 1024); // carry ok
-  else bits = kept;                                     // may become normal
-  if (bits >= 0x7C00) return s | 0x7C00;
-  return uint16_t(s | bits);
-}
-
-bool isNanBits(uint32_t bits, zopt_dtype dt) {
-  switch (dt) {
-  case ZOPT_DTYPE_F32: return (bits & 0x7F800000u) == 0x7F800000u && (bits & 0x7FFFFFu);
-  case ZOPT_DTYPE_BF16: return (bits & 0x7F80u) == 0x7F80u && (bits & 0x7Fu);
-  case ZOPT_DTYPE_F16: return (bits & 0x7C00u) == 0x7C00u && (bits & 0x3FFu);
-  }
-  return false;
-}
-
-size_t dtSize(uint32_t dt) { return dt == ZOPT_DTYPE_F32 ? 4 : 2; }
-const char *dtName(uint32_t dt) {
-  return dt == ZOPT_DTYPE_F32 ? "f32" : dt == ZOPT_DTYPE_BF16 ? "bf16" : "f16";
-}
 const char *kindName(uint32_t k) {
   static const char *n[] = {"?", "param", "grad", "master", "exp_avg",
                             "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"};
@@ -214,6 +137,19 @@ E operator/(E a, E b) {
 E esqrt(E a) { double v = std::sqrt(a.v); return {v, a.s / (2 * v) + v}; }
 E emax(E a, E b) { return a.v >= b.v ? E{a.v, std::max(a.s, b.s)} : E{b.v, std::max(a.s, b.s)}; }
 
+} // namespace
+
+// The reference's rules computed on E (zopt_reference.h, Num<V>).
+template <> struct zopt_ref::Num<E> {
+  static E coef(double c) { return ::coef(c); }
+  static E exact(double x) { return ::exact(x); }
+  static E sqrt(const E &x) { return esqrt(x); }
+  static E max(const E &a, const E &b) { return emax(a, b); }
+  static double value(const E &x) { return x.v; }
+};
+
+namespace {
+
 const double kU = std::ldexp(1.0, -24);
 const double kK = 2.0;
 double tolOf(const E &e) { return kK * kU * e.s + 1e-38; }
@@ -222,7 +158,7 @@ double tolOf(const E &e) { return kK * kU * e.s + 1e-38; }
 // Rule and run configuration.
 //===----------------------------------------------------------------------===//
 
-enum class Rule { Adam, AdamW, AdamAmsgrad, Sgd, SgdNesterov, Lion };
+using zopt_ref::Rule;
 
 struct Config {
   double t;
@@ -233,9 +169,12 @@ struct Config {
   double wd;
 };
 
-struct Hypers {
-  double lr = 1e-2, b1 = 0.9, b2 = 0.99, eps = 1e-8, wd = 0.1, mu = 0.9,
-         damp = 0.1, bc = 1;
+// The hyperparameters of every run (the RNE check overrides lr and wd).
+struct Hypers : zopt_ref::Hypers {
+  Hypers() {
+    lr = 1e-2; beta1 = 0.9; beta2 = 0.99; eps = 1e-8; weight_decay = 0.1; momentum = 0.9; dampening = 0.1;
+    bias_correction = true;
+  }
 };
 
 struct Step {
@@ -261,13 +200,13 @@ std::vector<double> hyperArray(const Step &st, const Hypers &h) {
   for (uint32_t i = 0; i < st.d->num_hypers; ++i) {
     switch (st.d->hypers[i].kind) {
     case ZOPT_HYPER_LR: out.push_back(h.lr); break;
-    case ZOPT_HYPER_BETA1: out.push_back(h.b1); break;
-    case ZOPT_HYPER_BETA2: out.push_back(h.b2); break;
+    case ZOPT_HYPER_BETA1: out.push_back(h.beta1); break;
+    case ZOPT_HYPER_BETA2: out.push_back(h.beta2); break;
     case ZOPT_HYPER_EPS: out.push_back(h.eps); break;
-    case ZOPT_HYPER_WEIGHT_DECAY: out.push_back(h.wd); break;
-    case ZOPT_HYPER_MOMENTUM: out.push_back(h.mu); break;
-    case ZOPT_HYPER_DAMPENING: out.push_back(h.damp); break;
-    case ZOPT_HYPER_BIAS_CORRECTION: out.push_back(h.bc); break;
+    case ZOPT_HYPER_WEIGHT_DECAY: out.push_back(h.weight_decay); break;
+    case ZOPT_HYPER_MOMENTUM: out.push_back(h.momentum); break;
+    case ZOPT_HYPER_DAMPENING: out.push_back(h.dampening); break;
+    case ZOPT_HYPER_BIAS_CORRECTION: out.push_back(h.bias_correction ? 1 : 0); break;
     default: out.push_back(NAN);
     }
   }
@@ -285,32 +224,32 @@ struct Buf {
   uint32_t dtype;
   std::vector<uint8_t> mem; // offset + n + kGuard elements, 64-aligned data()
   size_t off, n;
-  uint8_t *ptr() { return mem.data() + off * dtSize(dtype); }
+  uint8_t *ptr() { return mem.data() + off * dtype_size(dtype); }
   uint32_t bits(size_t i) const {
-    const uint8_t *p = mem.data() + (off + i) * dtSize(dtype);
+    const uint8_t *p = mem.data() + (off + i) * dtype_size(dtype);
     if (dtype == ZOPT_DTYPE_F32) { uint32_t b; std::memcpy(&b, p, 4); return b; }
     uint16_t b; std::memcpy(&b, p, 2); return b;
   }
   void setBits(size_t i, uint32_t b) {
-    uint8_t *p = mem.data() + (off + i) * dtSize(dtype);
+    uint8_t *p = mem.data() + (off + i) * dtype_size(dtype);
     if (dtype == ZOPT_DTYPE_F32) std::memcpy(p, &b, 4);
     else { uint16_t h = uint16_t(b); std::memcpy(p, &h, 2); }
   }
   double value(size_t i) const {
     uint32_t b = bits(i);
-    if (dtype == ZOPT_DTYPE_F32) return bitsF32(b);
-    if (dtype == ZOPT_DTYPE_BF16) return decodeBf16(uint16_t(b));
-    return decodeF16(uint16_t(b));
+    if (dtype == ZOPT_DTYPE_F32) return bits_f32(b);
+    if (dtype == ZOPT_DTYPE_BF16) return decode_bf16(uint16_t(b));
+    return decode_f16(uint16_t(b));
   }
   // Stores x rounded (RNE) to the storage type; returns the stored value.
   double store(size_t i, double x) {
-    if (dtype == ZOPT_DTYPE_F32) setBits(i, f32Bits(float(roundF32(x))));
-    else if (dtype == ZOPT_DTYPE_BF16) setBits(i, rneBf16(x));
-    else setBits(i, rneF16(x));
+    if (dtype == ZOPT_DTYPE_F32) setBits(i, f32_bits(float(round_f32(x))));
+    else if (dtype == ZOPT_DTYPE_BF16) setBits(i, rne_bf16(x));
+    else setBits(i, rne_f16(x));
     return value(i);
   }
   bool guardsIntact() const {
-    size_t es = dtSize(dtype);
+    size_t es = dtype_size(dtype);
     for (size_t i = 0; i < off * es; ++i) if (mem[i] != kGuardByte) return false;
     for (size_t i = (off + n) * es; i < mem.size(); ++i) if (mem[i] != kGuardByte) return false;
     return true;
@@ -320,7 +259,7 @@ struct Buf {
 Buf makeBuf(uint32_t dtype, size_t n, size_t off) {
   Buf b;
   b.dtype = dtype; b.n = n; b.off = off;
-  b.mem.assign((off + n + kGuard) * dtSize(dtype), kGuardByte);
+  b.mem.assign((off + n + kGuard) * dtype_size(dtype), kGuardByte);
   return b;
 }
 
@@ -335,52 +274,29 @@ struct RefOut {
   E pAlt, pZero;          // Lion: p with the other sign / with sign 0
 };
 
+// The reference's rule (zopt_reference.h, docs/NUMERICS.md §4) on E: its
+// f64 value and this check's error bound.
 RefOut reference(Rule rule, const Hypers &h, const Config &c, bool hasBuf, RefIn in) {
   RefOut o;
-  E p = exact(in.p);
-  // g after unscaling and clipping; the kernel multiplies by f32 coefficients.
-  double gs = in.g * c.invLossScale * c.clipCoef;
+  zopt_ref::Hypers hy = h;
+  hy.lr = c.lr;
+  hy.weight_decay = c.wd;
+  const zopt_ref::Coeffs co = zopt_ref::rounded(zopt_ref::coefficients(hy, c.t));
+  // g after unscaling and clipping (§2); the kernel multiplies by f32
+  // coefficients, two roundings unless both are 1.
+  double gs = zopt_ref::gradient(in.g, c.invLossScale, c.clipCoef);
   E g = {gs, (c.invLossScale != 1 || c.clipCoef != 1) ? 2 * std::fabs(gs) : 0};
-  double lr = c.lr, wd = c.wd;
-  switch (rule) {
-  case Rule::Adam: case Rule::AdamW: case Rule::AdamAmsgrad: {
-    if (rule != Rule::AdamW) g = g + coef(wd) * p;
-    E m1 = coef(h.b1) * exact(in.m) + coef(1 - h.b1) * g;
-    E v1 = coef(h.b2) * exact(in.v) + coef(1 - h.b2) * g * g;
-    E vv = v1;
-    if (rule == Rule::AdamAmsgrad) { o.vm = emax(exact(in.vm), v1); vv = o.vm; }
-    double bc1 = h.bc ? 1 - std::pow(h.b1, c.t) : 1;
-    double bc2 = h.bc ? 1 - std::pow(h.b2, c.t) : 1;
-    E u = (m1 / coef(bc1)) / (esqrt(vv) / coef(std::sqrt(bc2)) + coef(h.eps));
-    E pd = rule == Rule::AdamW ? p * coef(1 - lr * wd) : p;
-    o.p = pd - coef(lr) * u;
-    o.m = m1; o.v = v1;
-    break;
-  }
-  case Rule::Sgd: case Rule::SgdNesterov: {
-    g = g + coef(wd) * p;
-    E d = g;
-    if (hasBuf) {
-      E b1 = c.t == 1 ? g : coef(h.mu) * exact(in.buf) + coef(1 - h.damp) * g;
-      o.buf = b1;
-      d = rule == Rule::SgdNesterov ? g + coef(h.mu) * b1 : b1;
-    }
-    o.p = p - coef(lr) * d;
-    break;
-  }
-  case Rule::Lion: {
-    E cc = coef(h.b1) * exact(in.m) + coef(1 - h.b1) * g;
-    double sg = cc.v > 0 ? 1 : cc.v < 0 ? -1 : 0;
+  zopt_ref::Elem<E> s{exact(in.p), exact(in.m), exact(in.v), exact(in.vm), exact(in.buf)};
+  zopt_ref::LionTrace<E> lion{};
+  zopt_ref::step_element(rule, co, c.t == 1, hasBuf, g, s, &lion);
+  o.p = s.p; o.m = s.m; o.v = s.v; o.vm = s.vmax; o.buf = s.buf;
+  if (rule == Rule::Lion) {
     // Within its f32 error bound the interpolation's sign is not determined:
     // the kernel may see -1, 0 or +1 there; accept each (counted, reported).
-    o.ambiguous = std::fabs(cc.v) <= tolOf(cc);
-    E pd = p * coef(1 - lr * wd);
-    o.p = pd - coef(lr) * exact(sg);
-    o.pAlt = pd - coef(lr) * exact(-sg);
-    o.pZero = pd; // the f32 interpolation may round to exactly 0: sign(0) = 0
-    o.m = coef(h.b2) * exact(in.m) + coef(1 - h.b2) * g;
-    break;
-  }
+    const double sg = zopt_ref::sign(lion.interp.v);
+    o.ambiguous = std::fabs(lion.interp.v) <= tolOf(lion.interp);
+    o.pAlt = lion.p_decayed - coef(co.lr) * exact(-sg);
+    o.pZero = lion.p_decayed; // the f32 interpolation may round to exactly 0: sign(0) = 0
   }
   return o;
 }
@@ -418,7 +334,7 @@ bool loadStep(const char *path, Step &st) {
         s.placement != ZOPT_PLACE_CPU || (s.access & ~3u) || !s.access)
       statesOk = false;
     else st.idx[s.kind] = int(i);
-    std::printf("INFO state %u: %s %s access=%s%s\n", i, kindName(s.kind), dtName(s.dtype),
+    std::printf("INFO state %u: %s %s access=%s%s\n", i, kindName(s.kind), dtype_name(s.dtype),
                 (s.access & ZOPT_ACCESS_READ) ? "r" : "", (s.access & ZOPT_ACCESS_WRITE) ? "w" : "");
   }
   auto has = [&](uint32_t k) { return st.idx[k] >= 0; };
@@ -494,19 +410,19 @@ bool loadStep(const char *path, Step &st) {
 std::vector<float> runPrepare(const Step &st, const Hypers &h, const Config &c, bool &ok) {
   std::vector<double> hy = hyperArray(st, h);
   double globals[ZOPT_NUM_GLOBALS] = {c.t, c.clipCoef, c.invLossScale};
-  std::vector<float> co(ZOPT_MAX_COEFFS + 8, bitsF32(0x7FC0DEADu));
-  const float sentinel = bitsF32(0x7FC0BEEFu);
+  std::vector<float> co(ZOPT_MAX_COEFFS + 8, bits_f32(0x7FC0DEADu));
+  const float sentinel = bits_f32(0x7FC0BEEFu);
   for (size_t i = st.d->num_coeffs; i < co.size(); ++i) co[i] = sentinel;
   st.prepare(hy.data(), globals, co.data());
   ok = true;
   for (size_t i = 0; i < co.size(); ++i) {
     if (i < st.d->num_coeffs) ok = ok && std::isfinite(co[i]);
-    else ok = ok && f32Bits(co[i]) == f32Bits(sentinel);
+    else ok = ok && f32_bits(co[i]) == f32_bits(sentinel);
   }
   // Determinism: a second call gives the same bits.
   std::vector<float> co2(co.size(), 0.f);
   st.prepare(hy.data(), globals, co2.data());
-  for (size_t i = 0; i < st.d->num_coeffs; ++i) ok = ok && f32Bits(co[i]) == f32Bits(co2[i]);
+  for (size_t i = 0; i < st.d->num_coeffs; ++i) ok = ok && f32_bits(co[i]) == f32_bits(co2[i]);
   co.resize(std::max<size_t>(st.d->num_coeffs, 1));
   return co;
 }
@@ -515,26 +431,27 @@ std::vector<float> runPrepare(const Step &st, const Hypers &h, const Config &c, 
 void identifyCoeffs(const Step &st, const Hypers &h, const Config &c,
                     const std::vector<float> &co, const char *tag) {
   std::vector<std::pair<const char *, double>> exp;
-  double lr = c.lr, wd = c.wd;
+  zopt_ref::Hypers hy = h;
+  hy.lr = c.lr;
+  hy.weight_decay = c.wd;
+  const zopt_ref::Coeffs k = zopt_ref::coefficients(hy, c.t);
   switch (st.rule) {
-  case Rule::Adam: case Rule::AdamW: case Rule::AdamAmsgrad: {
-    double bc1 = h.bc ? 1 - std::pow(h.b1, c.t) : 1, bc2 = h.bc ? 1 - std::pow(h.b2, c.t) : 1;
-    exp = {{"lr", lr}, {"b1", h.b1}, {"1-b1", 1 - h.b1}, {"b2", h.b2}, {"1-b2", 1 - h.b2},
-           {"eps", h.eps}, {"1/bc1", 1 / bc1}, {"sqrt(bc2)", std::sqrt(bc2)}};
-    if (st.rule == Rule::AdamW) exp.push_back({"1-lr*wd", 1 - lr * wd});
-    else exp.push_back({"wd", wd});
+  case Rule::Adam: case Rule::AdamW: case Rule::AdamAmsgrad:
+    exp = {{"lr", k.lr}, {"b1", k.b1}, {"1-b1", k.one_minus_b1}, {"b2", k.b2}, {"1-b2", k.one_minus_b2},
+           {"eps", k.eps}, {"1/bc1", k.inv_bc1}, {"1/sqrt(bc2)", k.inv_sqrt_bc2}};
+    if (st.rule == Rule::AdamW) exp.push_back({"1-lr*wd", k.decay});
+    else exp.push_back({"wd", k.wd});
     break;
-  }
   case Rule::Sgd: case Rule::SgdNesterov:
-    exp = {{"lr", lr}, {"wd", wd}};
+    exp = {{"lr", k.lr}, {"wd", k.wd}};
     if (st.idx[ZOPT_STATE_MOMENTUM_BUFFER] >= 0) {
-      exp.push_back({"mu or 0 at t=1", c.t == 1 ? 0.0 : h.mu});
-      exp.push_back({"1-damp or 1 at t=1", c.t == 1 ? 1.0 : 1 - h.damp});
+      exp.push_back({"mu or 0 at t=1", c.t == 1 ? 0.0 : k.mu});
+      exp.push_back({"1-damp or 1 at t=1", c.t == 1 ? 1.0 : k.one_minus_damp});
     }
     break;
   case Rule::Lion:
-    exp = {{"lr", lr}, {"b1", h.b1}, {"1-b1", 1 - h.b1}, {"b2", h.b2}, {"1-b2", 1 - h.b2},
-           {"1-lr*wd", 1 - lr * wd}};
+    exp = {{"lr", k.lr}, {"b1", k.b1}, {"1-b1", k.one_minus_b1}, {"b2", k.b2}, {"1-b2", k.one_minus_b2},
+           {"1-lr*wd", k.decay}};
     break;
   }
   if (st.clip && c.clipCoef != 1) exp.push_back({"clip_coef", c.clipCoef});
@@ -543,7 +460,7 @@ void identifyCoeffs(const Step &st, const Hypers &h, const Config &c,
   std::string missing;
   for (auto &e : exp) {
     float want = float(e.second);
-    bool f = std::any_of(co.begin(), co.end(), [&](float x) { return f32Bits(x) == f32Bits(want); });
+    bool f = std::any_of(co.begin(), co.end(), [&](float x) { return f32_bits(x) == f32_bits(want); });
     found += f;
     if (!f) missing += std::string(" ") + e.first;
   }
@@ -585,8 +502,8 @@ void checkUpdate(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n, cons
                  uint64_t seed) {
   const zopt_step_descriptor *d = st.d;
   Hypers h;
-  h.bc = c.biasCorrection ? 1 : 0;
-  h.lr = c.lr; h.wd = c.wd;
+  h.bias_correction = c.biasCorrection;
+  h.lr = c.lr; h.weight_decay = c.wd;
   bool prepOk;
   std::vector<float> co = runPrepare(st, h, c, prepOk);
   char tag[128];
@@ -674,18 +591,18 @@ void checkUpdate(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n, cons
       auto matches = [&](const E &w, double &ratio, bool &one) {
         double tol = tolOf(w);
         if (s.dtype == ZOPT_DTYPE_F32) {
-          double got = bitsF32(gotBits);
+          double got = bits_f32(gotBits);
           ratio = std::fabs(got - w.v) / tol;
           return std::isfinite(got) && std::fabs(got - w.v) <= tol;
         }
         bool bf = s.dtype == ZOPT_DTYPE_BF16;
-        uint16_t lo = bf ? rneBf16(w.v - tol) : rneF16(w.v - tol);
-        uint16_t hi = bf ? rneBf16(w.v + tol) : rneF16(w.v + tol);
-        uint16_t rn = bf ? rneBf16(w.v) : rneF16(w.v);
+        uint16_t lo = bf ? rne_bf16(w.v - tol) : rne_f16(w.v - tol);
+        uint16_t hi = bf ? rne_bf16(w.v + tol) : rne_f16(w.v + tol);
+        uint16_t rn = bf ? rne_bf16(w.v) : rne_f16(w.v);
         uint16_t g16 = uint16_t(gotBits);
         ratio = 0;
         one = g16 != rn;
-        return !isNanBits(g16, zopt_dtype(s.dtype)) && ord16(g16) >= ord16(lo) &&
+        return !is_nan_bits(g16, zopt_dtype(s.dtype)) && ord16(g16) >= ord16(lo) &&
                ord16(g16) <= ord16(hi);
       };
       double ratio = 0;
@@ -698,7 +615,7 @@ void checkUpdate(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n, cons
       // With an f32 master, the narrow param is the rounded master, bit-exact.
       if (ok && s.kind == ZOPT_STATE_PARAM && st.idx[ZOPT_STATE_MASTER] >= 0) {
         uint32_t mb = bufs[st.idx[ZOPT_STATE_MASTER]].bits(e);
-        uint16_t w16 = s.dtype == ZOPT_DTYPE_BF16 ? rneBf16Bits(mb) : rneF16Bits(mb);
+        uint16_t w16 = s.dtype == ZOPT_DTYPE_BF16 ? rne_bf16_bits(mb) : rne_f16_bits(mb);
         if (uint16_t(gotBits) != w16) {
           ok = false;
           if (!bad) {
@@ -716,7 +633,7 @@ void checkUpdate(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n, cons
           std::snprintf(m, sizeof m,
                         "%s[%zu] (%s) got %.9g (bits 0x%x) expected %.9g +- %.3g "
                         "(inputs p=%.9g g=%.9g m=%.9g v=%.9g vmax=%.9g buf=%.9g)",
-                        kindName(s.kind), e, dtName(s.dtype), got, gotBits, want->v,
+                        kindName(s.kind), e, dtype_name(s.dtype), got, gotBits, want->v,
                         tolOf(*want), in[e].p, in[e].g, in[e].m, in[e].v, in[e].vm, in[e].buf);
           firstBad = m;
         }
@@ -751,29 +668,19 @@ void checkSumsq(const Step &st, uint32_t isa, zopt_sumsq_fn fn, size_t n, uint64
   for (uint32_t i = 0; i < d->num_states; ++i)
     for (size_t e = 0; e < n; ++e) bufs[i].store(e, genFor(d->states[i].kind, gen, c));
   Buf &g = bufs[st.idx[ZOPT_STATE_GRAD]];
-  long double sum = 0;
-  for (size_t e = 0; e < n; ++e) {
-    // x = g * (1/S) in f32; with S a power of two this is exact.
-    long double x = (long double)(g.value(e) * c.invLossScale);
-    sum += x * x;
-  }
+  // x = g * f32(1/S), the value the norm is taken of (§2, §3).
+  const float gscale = float(c.invLossScale);
+  auto x = [&](size_t e) { return zopt_ref::norm_value(float(g.value(e)), gscale); };
   std::vector<void *> ptrs;
   for (auto &b : bufs) ptrs.push_back(b.ptr());
   double got = fn(ptrs.data(), int64_t(n), co.data());
   // abi.h's exact order: ZOPT_SUMSQ_LANES lane sums, then the lanes in order.
-  double lane[ZOPT_SUMSQ_LANES] = {0};
-  for (size_t e = 0; e < n; ++e) {
-    double x = double(float(g.value(e) * c.invLossScale));
-    lane[e % ZOPT_SUMSQ_LANES] += x * x;
-  }
-  double canon = lane[0];
-  for (int l = 1; l < ZOPT_SUMSQ_LANES; ++l) canon += lane[l];
-  report(f64Bits(got) == f64Bits(canon),
+  double canon = zopt_ref::sumsq_block(n, x);
+  report(f64_bits(got) == f64_bits(canon),
          "sumsq[%s] n=%zu: the order of abi.h (%d lanes): got %.17g canonical %.17g",
          isaName(isa), n, ZOPT_SUMSQ_LANES, got, canon);
-  double ref = double(sum);
-  double tol = double(n > 1 ? n - 1 : 0) * std::ldexp(1.0, -53) * ref * 1.01 +
-               double(n) * std::ldexp(1.0, -63) * ref;
+  double ref = double(zopt_ref::sumsq_exact(n, x));
+  double tol = zopt_ref::sumsq_tolerance(n, ref);
   double err = std::fabs(got - ref);
   report(prepOk && std::isfinite(got) && err <= tol,
          "sumsq[%s] n=%zu: got %.17g ref %.17g |err|=%.3g tol=%.3g (rel err %.3g)", isaName(isa),
@@ -836,7 +743,7 @@ void checkRne(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n) {
   }
   Config c{3, true, 1.0, st.lossScale ? 1.0 / 1024 : 1.0, 0.0, 0.0};
   Hypers h;
-  h.lr = 0; h.wd = 0;
+  h.lr = 0; h.weight_decay = 0;
   bool prepOk;
   std::vector<float> co = runPrepare(st, h, c, prepOk);
   std::vector<uint32_t> sv = specialValues(pdt);
@@ -873,16 +780,16 @@ void checkRne(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n) {
   std::string first;
   for (size_t e = 0; e < n; ++e) {
     uint32_t w = masterIn[e], wo = bufs[im].bits(e), p = bufs[ip].bits(e);
-    bool wNan = isNanBits(w, ZOPT_DTYPE_F32);
+    bool wNan = is_nan_bits(w, ZOPT_DTYPE_F32);
     bool ok;
     uint32_t want;
     if (wNan) {
       want = 0;
-      ok = isNanBits(wo, ZOPT_DTYPE_F32) && isNanBits(p, zopt_dtype(pdt));
+      ok = is_nan_bits(wo, ZOPT_DTYPE_F32) && is_nan_bits(p, zopt_dtype(pdt));
       uint16_t trunc = uint16_t(w >> 16) | (pdt == ZOPT_DTYPE_BF16 ? 0x40 : 0);
       if (ok && pdt == ZOPT_DTYPE_BF16 && p != trunc) ++nanPayloadChanged;
     } else {
-      want = pdt == ZOPT_DTYPE_BF16 ? rneBf16Bits(w) : rneF16Bits(w);
+      want = pdt == ZOPT_DTYPE_BF16 ? rne_bf16_bits(w) : rne_f16_bits(w);
       ok = wo == w && p == want;
     }
     if (!ok && !bad++) {
@@ -898,7 +805,7 @@ void checkRne(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n) {
          "rne[%s] n=%zu f32 master -> %s param, %zu special values (ties, overflow, inf, NaN, "
          "denormals): %zu mismatches%s%s (NaN kept as NaN; %zu NaNs not the quieted "
          "truncated payload)",
-         isaName(isa), n, dtName(pdt), sv.size(), bad, first.empty() ? "" : "; first: ",
+         isaName(isa), n, dtype_name(pdt), sv.size(), bad, first.empty() ? "" : "; first: ",
          first.c_str(), nanPayloadChanged);
 }
 
@@ -910,13 +817,13 @@ bool selfTest() {
   std::mt19937 rng(7);
   size_t bad = 0;
   auto one = [&](uint32_t b) {
-    if (isNanBits(b, ZOPT_DTYPE_F32)) return;
-    double x = bitsF32(b);
-    if (rneBf16Bits(b) != rneBf16(x)) ++bad;
-    if (rneF16Bits(b) != rneF16(x)) ++bad;
+    if (is_nan_bits(b, ZOPT_DTYPE_F32)) return;
+    double x = bits_f32(b);
+    if (rne_bf16_bits(b) != rne_bf16(x)) ++bad;
+    if (rne_f16_bits(b) != rne_f16(x)) ++bad;
     // Exact round trip of the decoders.
-    uint16_t h = rneF16(x);
-    if (!std::isnan(decodeF16(h)) && rneF16(decodeF16(h)) != h) ++bad;
+    uint16_t h = rne_f16(x);
+    if (!std::isnan(decode_f16(h)) && rne_f16(decode_f16(h)) != h) ++bad;
   };
   for (uint32_t b : specialValues(ZOPT_DTYPE_BF16)) one(b);
   for (uint32_t b : specialValues(ZOPT_DTYPE_F16)) one(b);
@@ -978,7 +885,7 @@ int main(int argc, char **argv) {
     // Identify coefficients once per config (informational).
     for (auto &c : configs) {
       Hypers h;
-      h.bc = c.biasCorrection;
+      h.bias_correction = c.biasCorrection;
       bool ok;
       std::vector<float> co = runPrepare(st, h, c, ok);
       char tag[128];
