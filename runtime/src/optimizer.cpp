@@ -97,6 +97,13 @@ bool is_owned_kind(uint32_t kind) { return kind != ZOPT_STATE_PARAM && kind != Z
 
 double grad_divisor(const zopt_optimizer *o) { return o->grad_divisor > 0 ? o->grad_divisor : (double)o->world; }
 
+double loss_scale(const zopt_optimizer *o) { return (o->d->flags & ZOPT_FLAG_LOSS_SCALE) ? o->scaler.scale : 1.0; }
+
+double grad_scale(const zopt_optimizer *o, double S, uint32_t group_flags) {
+  const double scale = 1.0 / (S * grad_divisor(o));
+  return (group_flags & ZOPT_GROUP_MAXIMIZE) ? -scale : scale;
+}
+
 }  // namespace zopt
 
 extern "C" {
@@ -323,7 +330,7 @@ ZOPT_API zopt_status zopt_optimizer_get_loss_scale(const zopt_optimizer *o, doub
   if (!scale) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_get_loss_scale: scale is NULL");
   // The scaler may run where the backend does (the device: waits for the stream).
   if (zopt_status st = o->backend->pull(const_cast<zopt_optimizer *>(o))) return st;
-  *scale = (o->d->flags & ZOPT_FLAG_LOSS_SCALE) ? o->scaler.scale : 1.0;
+  *scale = loss_scale(o);
   return ZOPT_OK;
 }
 

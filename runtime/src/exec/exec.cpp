@@ -328,8 +328,9 @@ std::string tensor_list(const std::vector<int> &ts) {
 // ---- the coefficient table ----------------------------------------------
 
 // One row per (group, t) among the tensors this step updates; prepare()
-// fills each with the given clip coefficient and gradient scale.
-void prepare_rows(zopt_optimizer *o, bool rebuild, double clip, double gscale) {
+// fills each with the given clip coefficient and the gradient scale of
+// loss scale S (grad_scale).
+void prepare_rows(zopt_optimizer *o, bool rebuild, double clip, double S) {
   Program &P = *o->prog;
   const zopt_step_descriptor *d = o->d;
   if (rebuild) {
@@ -358,10 +359,7 @@ void prepare_rows(zopt_optimizer *o, bool rebuild, double clip, double gscale) {
     double globals[ZOPT_NUM_GLOBALS];
     globals[ZOPT_GLOBAL_STEP] = (double)P.rows[i].second;
     globals[ZOPT_GLOBAL_CLIP_COEF] = clip;
-    // A maximizing group (torch's maximize=True) reads -g: one sign in the
-    // gradient scale, before weight decay and every rule, as torch negates
-    // the gradient first. The norm's square and the skip are unchanged.
-    globals[ZOPT_GLOBAL_GRAD_SCALE] = (g.flags & ZOPT_GROUP_MAXIMIZE) ? -gscale : gscale;
+    globals[ZOPT_GLOBAL_GRAD_SCALE] = grad_scale(o, S, g.flags);
     for (uint32_t h = 0; h < d->num_hypers; ++h) hyp[h] = g.hypers[h];
     o->step->prepare(hyp, globals, P.coeffs.data() + i * ZOPT_MAX_COEFFS);
   }
@@ -444,7 +442,7 @@ uint64_t hash_step_settings(const zopt_optimizer *o) {
   }
   double D = grad_divisor(o);
   h = fnv1a64(&D, sizeof D, h);
-  double S = (o->d->flags & ZOPT_FLAG_LOSS_SCALE) ? o->scaler.scale : 1.0;
+  double S = loss_scale(o);
   h = fnv1a64(&S, sizeof S, h);
   double m = (o->d->flags & ZOPT_FLAG_CLIP) ? o->max_norm : 0;
   h = fnv1a64(&m, sizeof m, h);
@@ -553,7 +551,7 @@ zopt_status run_host_op(zopt_optimizer *o, StepState *st, size_t i) {
     case ZOPT_OP_ALL_GATHER:
       return o->world > 1 ? all_gather(o, op) : ZOPT_OK;
     case ZOPT_OP_PREPARE:
-      prepare_rows(o, true, 1.0, st->gscale);
+      prepare_rows(o, true, 1.0, st->S);
       return ZOPT_OK;
     case ZOPT_OP_NORM_PARTIALS:
       run_sumsq(o, op.range == ZOPT_RANGE_OWNED ? P.norm_owned : P.norm_all);
@@ -922,8 +920,7 @@ void destroy(zopt_optimizer *o) {
 zopt_status run_begin(zopt_optimizer *o, StepState *st, bool first) {
   const zopt_step_descriptor *d = o->d;
   *st = StepState();
-  st->S = (d->flags & ZOPT_FLAG_LOSS_SCALE) ? o->scaler.scale : 1.0;
-  st->gscale = 1.0 / (st->S * grad_divisor(o));
+  st->S = loss_scale(o);
   Backend *B = o->backend;
   if (zopt_status s = B->begin_step(o, st, first)) return s;
   for (size_t i = 0; i < d->num_program; ++i) {
@@ -999,7 +996,7 @@ void host_decide(zopt_optimizer *o, StepState *st, double sumsq) {
   st->norm = st->ctl.norm;
   st->skipped = st->ctl.skip != 0;
   st->clip = st->ctl.clip_coef;
-  if (!st->skipped && (o->d->flags & ZOPT_FLAG_CLIP)) prepare_rows(o, false, st->clip, st->gscale);
+  if (!st->skipped && (o->d->flags & ZOPT_FLAG_CLIP)) prepare_rows(o, false, st->clip, st->S);
 }
 
 void host_end(zopt_optimizer *o, StepState *st, zopt_step_result *result) {

@@ -100,7 +100,7 @@ zopt_status run(zopt_optimizer *o, zopt_step_result *result);
 // decides the skip and the clip coefficient from `sumsq` and runs the rest.
 struct StepState {
   size_t pc = 0;            // the first op run_end runs
-  double S = 1, gscale = 1;  // loss scale, gradient scale 1 / (S D)
+  double S = 1;               // the step's loss scale (its gradient scale: grad_scale)
   bool has_norm = false;     // the program has a NORM op (sumsq is set)
   double sumsq = 0;
   double norm = NAN, clip = 1.0;

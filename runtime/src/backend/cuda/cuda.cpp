@@ -482,7 +482,7 @@ static zopt_status gpu_push(zopt_optimizer *o) {
   if (zopt_status st = gpu_begin_host_access(g, "writing the GPU step state")) return st;
   const zopt_step_descriptor *d = o->d;
   const bool ls = d->flags & ZOPT_FLAG_LOSS_SCALE;
-  const double S = ls ? o->scaler.scale : 1.0;
+  const double S = loss_scale(o);
   std::vector<double> globals(o->groups.size() * ZOPT_NUM_GLOBALS);
   // Per tensor the t of its next step; the active mask (zopt_optimizer_set_active;
   // empty: every tensor), then per group whether any of its tensors is.
@@ -498,10 +498,9 @@ static zopt_status gpu_push(zopt_optimizer *o) {
     double *gl = &globals[gi * ZOPT_NUM_GLOBALS];
     gl[ZOPT_GLOBAL_STEP] = (double)(o->groups[gi].step_count + 1);
     gl[ZOPT_GLOBAL_CLIP_COEF] = 1.0;
-    // Negative for a maximizing group (ZOPT_GROUP_MAXIMIZE); FINISH keeps
-    // each group's sign when it rewrites the scale.
-    const double sign = (o->groups[gi].flags & ZOPT_GROUP_MAXIMIZE) ? -1.0 : 1.0;
-    gl[ZOPT_GLOBAL_GRAD_SCALE] = sign / (S * grad_divisor(o));
+    // Negative for a maximizing group; FINISH keeps each group's sign when
+    // it rewrites the scale.
+    gl[ZOPT_GLOBAL_GRAD_SCALE] = grad_scale(o, S, o->groups[gi].flags);
   }
   zopt_gpu_scaler sc;
   memset(&sc, 0, sizeof sc);
