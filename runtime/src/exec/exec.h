@@ -10,7 +10,8 @@
 // every op, the norm blocks, the collective scratch — and its ops on the
 // thread pool and the communicator. Nothing here knows a ZeRO stage or a
 // backend: the program says what to reduce, where the norm is taken, what
-// to update and what to gather.
+// to update and what to gather. Its files, one concern each, are listed in
+// exec_internal.h.
 #ifndef ZOPT_RUNTIME_EXEC_H
 #define ZOPT_RUNTIME_EXEC_H
 
@@ -56,8 +57,8 @@ struct Program {
   layout::Layout L;   // at the world size: shards
   layout::Layout L1;  // at world size 1: full buffers
   // Per descriptor state: the runtime-held buffer (NULL: the user's memory),
-  // whether it is sharded (indexed by L) or full (by L1), pinned (offload
-  // staging, owned by offload.cpp) and its size.
+  // whether it is sharded (indexed by L) or full (by L1), pinned (staging
+  // the backend allocates and frees: backend/offload) and its size.
   std::vector<void *> buf;
   std::vector<uint8_t> sharded, pinned;
   std::vector<size_t> buf_bytes;
