@@ -1,5 +1,5 @@
 // backend/cuda/device.h - what the backends on a CUDA device share: GPU
-// steps (cuda.cpp: states on the device, kernels from the step's images)
+// steps (cuda.cpp and its parts: states on the device, kernels from the step's images)
 // and offloaded steps (backend/offload/: params/grads on the device, states
 // and kernels on the CPU): the driver, a context, events, streams
 // (device.cpp). Not installed.
