@@ -93,8 +93,8 @@ void test_add() {
         const zopt_state_desc &sd = A.d->states[k];
         if (!is_owned(sd.kind)) continue;
         for (int64_t i = 0; i < A.n[t]; ++i) {
-          float v = get(s1.st[t][k].data(), sd.dtype, (size_t)i);
-          float want = sd.init == ZOPT_INIT_FROM_PARAM ? get(s1.st[t][(size_t)pk].data(), A.pdt, (size_t)i) : 0.0f;
+          float v = load(s1.st[t][k].data(), sd.dtype, (size_t)i);
+          float want = sd.init == ZOPT_INIT_FROM_PARAM ? load(s1.st[t][(size_t)pk].data(), A.pdt, (size_t)i) : 0.0f;
           if (memcmp(&v, &want, 4)) {
             fresh = false;
             break;
@@ -523,7 +523,7 @@ void test_staged() {
           const zopt_state_desc &sd = A.d->states[k];
           if (!is_owned(sd.kind) && !(sd.kind == ZOPT_STATE_PARAM && A.zero3)) continue;
           std::vector<float> f((size_t)A.n[t] + 1);  // as f32: converted back exactly
-          for (int64_t i = 0; i < A.n[t]; ++i) f[(size_t)i] = get(from.st[t][k].data(), sd.dtype, (size_t)i);
+          for (int64_t i = 0; i < A.n[t]; ++i) f[(size_t)i] = load(from.st[t][k].data(), sd.dtype, (size_t)i);
           if (zopt_state_import_put(imp, (int)t, (zopt_state_kind)sd.kind, ZOPT_DTYPE_F32, f.data(), A.n[t]))
             return false;
         }
@@ -570,8 +570,8 @@ void test_staged() {
         if (!is_owned(sd.kind)) continue;
         for (int64_t i = 0; i < A.n[t] && partial; ++i) {
           // ZeRO-3: fresh held params from the user's params, the master from them.
-          float pv = get(A.zero3 ? A.p[t] : s.st[t][(size_t)pk].data(), A.pdt, (size_t)i);
-          float v = get(s.st[t][k].data(), sd.dtype, (size_t)i), w = sd.init == ZOPT_INIT_FROM_PARAM ? pv : 0.0f;
+          float pv = load(A.zero3 ? A.p[t] : s.st[t][(size_t)pk].data(), A.pdt, (size_t)i);
+          float v = load(s.st[t][k].data(), sd.dtype, (size_t)i), w = sd.init == ZOPT_INIT_FROM_PARAM ? pv : 0.0f;
           if (memcmp(&v, &w, 4)) partial = false;
         }
       }
@@ -672,7 +672,7 @@ void test_gpu() {
         const zopt_state_desc &sd = A.d->states[k];
         if (!is_owned(sd.kind)) continue;
         std::vector<unsigned char> b((size_t)A.n[t] * esz(sd.dtype) + 1);
-        for (int64_t i = 0; i < A.n[t]; ++i) put(b.data(), sd.dtype, (size_t)i, value(seed, t * 16 + k, (uint64_t)i, 0.5));
+        for (int64_t i = 0; i < A.n[t]; ++i) store(b.data(), sd.dtype, (size_t)i, value(seed, t * 16 + k, (uint64_t)i, 0.5));
         if (zopt_optimizer_write_state_raw(A.o, (int)t, (zopt_state_kind)sd.kind, b.data(), b.size() - 1)) return false;
       }
     return !zopt_optimizer_set_step_count(A.o, 0, c0) && !zopt_optimizer_set_step_count(A.o, 1, c0 + 2) &&

@@ -75,6 +75,7 @@
 //                           against a float64 sum over both parts' gradients
 #include "zopt/comm.h"
 #include "zopt/zopt.h"
+#include "rank_test_util.h"
 #include "zopt_reference.h"
 
 #include <algorithm>
@@ -130,18 +131,11 @@ void report(int rank, bool ok, const char *fmt, ...) {
     }                                                                                 \
   } while (0)
 
-size_t esize(uint32_t dt) { return zopt_ref::dtype_size(dt); }
-using zopt_ref::load;   // element i of a dtype array, widened
-using zopt_ref::store;  // ... stored rounded (docs/NUMERICS.md §1)
+size_t esize(uint32_t dt) { return rtu::dtype_size(dt); }
+using rtu::load;
+using rtu::mix;
+using rtu::store;
 
-uint64_t mix(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdull;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ull;
-  x ^= x >> 33;
-  return x;
-}
 // A deterministic value in +-[0.1, 1.1) * scale (never zero).
 float value(uint64_t a, uint64_t b, uint64_t c, uint64_t i, double scale) {
   uint64_t h = mix(a * 0x9E3779B97F4A7C15ull ^ mix(b * 31 + c * 1000003 + i * 7919 + 17));

@@ -30,6 +30,7 @@
 // when BACKEND needs a CUDA driver and there is none (lit: UNSUPPORTED).
 //===----------------------------------------------------------------------===//
 #include "../check_util.h"
+#include "../cuda_test_driver.h"
 #include "zopt_reference.h"
 #include "zopt/abi.h"
 #include "zopt/zopt.h"
@@ -49,33 +50,15 @@ using zopt_check::check;
 namespace {
 
 // ---- memory for the params and grads: host, or the CUDA driver's ----------
-struct Driver {
-  void *h = nullptr;
-  int (*Init)(unsigned);
-  int (*DeviceGet)(int *, int);
-  int (*PrimaryCtxRetain)(void **, int);
-  int (*CtxPushCurrent)(void *);
-  int (*MemAlloc)(unsigned long long *, size_t);
-  int (*MemFree)(unsigned long long);
-  bool load() {
-    const char *lib = getenv("ZOPT_CUDA_DRIVER");
-    h = dlopen(lib && *lib ? lib : "libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (!h) return false;
-    auto sym = [&](const char *n) { return dlsym(h, n); };
-    Init = (int (*)(unsigned))sym("cuInit");
-    DeviceGet = (int (*)(int *, int))sym("cuDeviceGet");
-    PrimaryCtxRetain = (int (*)(void **, int))sym("cuDevicePrimaryCtxRetain");
-    CtxPushCurrent = (int (*)(void *))sym("cuCtxPushCurrent_v2");
-    MemAlloc = (int (*)(unsigned long long *, size_t))sym("cuMemAlloc_v2");
-    MemFree = (int (*)(unsigned long long))sym("cuMemFree_v2");
-    if (!Init || !DeviceGet || !PrimaryCtxRetain || !CtxPushCurrent || !MemAlloc || !MemFree) return false;
-    int dev = 0;
-    void *ctx = nullptr;
-    return Init(0) == 0 && DeviceGet(&dev, 0) == 0 && PrimaryCtxRetain(&ctx, dev) == 0 && CtxPushCurrent(ctx) == 0;
-  }
-};
-
-Driver g_cu;
+// The driver, device 0's primary context pushed on this thread.
+zopt_check::TestCuda g_cu;
+bool load_driver() {
+  int dev = 0;
+  void *ctx = nullptr;
+  return g_cu.load() > 0 && g_cu.DeviceGet && g_cu.DevicePrimaryCtxRetain && g_cu.CtxPushCurrent && g_cu.MemAlloc &&
+         g_cu.MemFree && g_cu.DeviceGet(&dev, 0) == 0 && g_cu.DevicePrimaryCtxRetain(&ctx, dev) == 0 &&
+         g_cu.CtxPushCurrent(ctx) == 0;
+}
 bool g_device = false;  // params and grads in device memory
 
 void *alloc(size_t bytes) {
@@ -218,7 +201,7 @@ int main(int argc, char **argv) {
     fprintf(stderr, "unknown backend '%s'\n", argv[1]);
     return 2;
   }
-  if (device && !g_cu.load()) {
+  if (device && !load_driver()) {
     printf("UNSUPPORTED: backend %s needs a CUDA driver and a device\n", argv[1]);
     return 77;
   }
