@@ -311,6 +311,21 @@ struct Outcomes {
   }
 };
 
+// An exported image's bytes (the buffer freed).
+inline std::vector<unsigned char> to_vec(void *b, size_t n) {
+  std::vector<unsigned char> v((unsigned char *)b, (unsigned char *)b + n);
+  zopt_state_buffer_free(b);
+  return v;
+}
+
+// The tests of zopt-state-check: state_check_add.cpp (1, 2),
+// state_check_image.cpp (3 to 5), state_check.cpp (GPU steps).
+void test_add();
+void test_add_refused();
+void test_export_import();
+void test_corrupt();
+void test_staged();
+
 }  // namespace stt
 
 #endif
