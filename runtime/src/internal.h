@@ -1,4 +1,8 @@
-// internal.h - shared internals of libzopt_runtime (not installed).
+// internal.h - shared internals of libzopt_runtime (not installed): what
+// every folder of runtime/src uses: errors, dtypes and their conversions,
+// hashing, the thread pool, one call at a time per optimizer (CallGate),
+// the loaded step and the optimizer object, descriptor lookups and the
+// gradient scale. runtime/README.md lists the folders.
 #ifndef ZOPT_RUNTIME_INTERNAL_H
 #define ZOPT_RUNTIME_INTERNAL_H
 
