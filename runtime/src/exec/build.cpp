@@ -463,6 +463,16 @@ void runs(const zopt_optimizer *o, int t, int si, std::vector<Run> *out) {
     return;
   }
   const Program &P = *o->prog;
+  std::vector<OwnedRange> rs;
+  owned_ranges(o, t, &rs);
+  for (const OwnedRange &r : rs)
+    out->push_back(Run{r.start, r.len,
+                       (char *)P.buf[si] + (size_t)P.L.local_index(r.bucket, o->rank, r.flat) * es_of(o, si)});
+}
+
+void owned_ranges(const zopt_optimizer *o, int t, std::vector<OwnedRange> *out) {
+  out->clear();
+  const Program &P = *o->prog;
   const layout::Segment &seg = P.L.tensors[t];
   for (int b = seg.bucket; b < (int)P.L.buckets.size(); ++b) {
     const layout::Bucket &k = P.L.buckets[b];
@@ -471,9 +481,7 @@ void runs(const zopt_optimizer *o, int t, int si, std::vector<Run> *out) {
     P.L.shard_range(b, o->rank, &a, &e);
     a = std::max(a, seg.flat);
     e = std::min(e, seg.flat + seg.numel);
-    if (a < e)
-      out->push_back(Run{a - seg.flat, e - a,
-                         (char *)P.buf[si] + (size_t)P.L.local_index(b, o->rank, a) * es_of(o, si)});
+    if (a < e) out->push_back(OwnedRange{b, a - seg.flat, e - a, a});
   }
 }
 

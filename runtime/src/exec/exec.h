@@ -162,6 +162,15 @@ struct Run {
 void runs(const zopt_optimizer *o, int t, int si, std::vector<Run> *out);
 // Whether this rank holds every element of state si.
 bool holds_whole(const zopt_optimizer *o, int si);
+// The elements of tensor t in this rank's shards of the layout at the world
+// size, in element order: [start, start + len) of the tensor, at flat
+// offset `flat` of bucket `bucket`. What a sharded state holds of it, and
+// what a rank writes of a state every rank holds whole (checkpoints).
+struct OwnedRange {
+  int bucket;
+  int64_t start, len, flat;
+};
+void owned_ranges(const zopt_optimizer *o, int t, std::vector<OwnedRange> *out);
 
 // State si of tensors [first, first + count), whole, into dst[i] (storage
 // dtype; a NULL entry or dst: the registered param memory, for PARAM). For

@@ -79,29 +79,14 @@ zopt_status gpu_create(zopt_optimizer *o, GpuState **out) {
                   "%s state '%s' is on the CPU: mixed CPU/GPU placement (offload) is not implemented by the CUDA "
                   "backend yet",
                   d->name, state_kind_name(d->states[i].kind));
-  GpuState *g = new (std::nothrow) GpuState;
-  if (!g) return fail(ZOPT_ERR_OUT_OF_MEMORY, "out of memory");
-  if (zopt_status st = cuda_attach(g, d->name, "runs on the GPU")) {
-    delete g;
-    return st;
-  }
-  zopt_status st;
-  {
-    CtxScope scope(g);
-    st = scope.status();
-    if (!st) st = load_module(g, s);
-    if (st) {
-      if (!scope.status() && g->mod) g->cu->ModuleUnload(g->mod);
-      if (!scope.status()) destroy_events(g);
-    }
-  }
-  if (st) {
-    cuda_detach(g);
-    delete g;
-    return st;
-  }
-  *out = g;
-  return ZOPT_OK;
+  return gpu_state_create(
+      d->name, "runs on the GPU",
+      [](GpuState *g, const void *step) { return load_module(g, static_cast<const zopt_step *>(step)); }, s,
+      [](GpuState *g) {
+        if (g->mod) g->cu->ModuleUnload(g->mod);
+        destroy_events(g);
+      },
+      out);
 }
 
 // The image for this device, its kernels (parameters, block sizes,
