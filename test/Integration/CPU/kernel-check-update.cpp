@@ -102,14 +102,22 @@ void checkUpdate(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n, cons
         outBufs[i].setBits(e, d->states[i].dtype == ZOPT_DTYPE_F32 ? 0xFFFFFFFFu : 0xFFFFu);
     outPtrs.push_back((d->states[i].access & ZOPT_ACCESS_WRITE) ? outBufs[i].ptr() : nullptr);
   }
-  fn(inPtrs.data(), outPtrs.data(), int64_t(n), co.data());
+  // Stochastic rounding (abi.h): the call's key and the index of its first
+  // element (not 0, so that the kernels' index arithmetic is exercised).
+  const bool sr = d->flags & ZOPT_FLAG_STOCHASTIC;
+  const uint32_t srKey = zopt_sr_key(42, uint64_t(c.t), 3, 0), srFirst = 1000;
+  auto run = [&](void *const *inP, void *const *outP) {
+    if (sr) ((zopt_update_sr_fn)(void *)fn)(inP, outP, int64_t(n), co.data(), srKey, srFirst);
+    else fn(inP, outP, int64_t(n), co.data());
+  };
+  run(inPtrs.data(), outPtrs.data());
   size_t inChanged = 0;
   for (uint32_t i = 0; i < d->num_states; ++i)
     for (size_t e = 0; e < n; ++e) inChanged += bufs[i].bits(e) != before[i].bits(e);
   // Then in place; the results must be the same bits.
   std::vector<void *> ptrs;
   for (auto &b : bufs) ptrs.push_back(b.ptr());
-  fn(ptrs.data(), ptrs.data(), int64_t(n), co.data());
+  run(ptrs.data(), ptrs.data());
   size_t placeDiff = 0;
   for (uint32_t i = 0; i < d->num_states; ++i)
     if (d->states[i].access & ZOPT_ACCESS_WRITE)
@@ -154,6 +162,19 @@ void checkUpdate(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n, cons
           return std::isfinite(got) && std::fabs(got - w.v) <= tol;
         }
         bool bf = s.dtype == ZOPT_DTYPE_BF16;
+        if (s.rounding == ZOPT_ROUND_STOCHASTIC) {
+          // The kernel's f32 value lies in [v - tol, v + tol] and the
+          // reference's stochastic rounding (§7) is monotone in it: the
+          // stored value lies between the roundings of the two bounds.
+          const uint32_t idx = srFirst + uint32_t(e);
+          int32_t a = ord16(zopt_ref::sr_bf16(float(w.v - tol), srKey, i, idx));
+          int32_t b = ord16(zopt_ref::sr_bf16(float(w.v + tol), srKey, i, idx));
+          uint16_t g16 = uint16_t(gotBits);
+          ratio = 0;
+          one = false;
+          return bf && !is_nan_bits(g16, ZOPT_DTYPE_BF16) && ord16(g16) >= std::min(a, b) &&
+                 ord16(g16) <= std::max(a, b);
+        }
         uint16_t lo = bf ? rne_bf16(w.v - tol) : rne_f16(w.v - tol);
         uint16_t hi = bf ? rne_bf16(w.v + tol) : rne_f16(w.v + tol);
         uint16_t rn = bf ? rne_bf16(w.v) : rne_f16(w.v);
@@ -170,16 +191,19 @@ void checkUpdate(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n, cons
         ok = matches(r.pAlt, ratio, one) || matches(r.pZero, ratio, one);
       if (ok && s.dtype == ZOPT_DTYPE_F32) worst = std::max(worst, ratio);
       if (ok && one) ++offByOne;
-      // With an f32 master, the narrow param is the rounded master, bit-exact.
+      // With an f32 master, the narrow param is the rounded master, bit-exact
+      // (stochastically rounded with the call's key where the param is).
       if (ok && s.kind == ZOPT_STATE_PARAM && st.idx[ZOPT_STATE_MASTER] >= 0) {
         uint32_t mb = bufs[st.idx[ZOPT_STATE_MASTER]].bits(e);
-        uint16_t w16 = s.dtype == ZOPT_DTYPE_BF16 ? rne_bf16_bits(mb) : rne_f16_bits(mb);
+        const bool srp = s.rounding == ZOPT_ROUND_STOCHASTIC;
+        uint16_t w16 = srp ? zopt_ref::sr_bf16(bits_f32(mb), srKey, i, srFirst + uint32_t(e))
+                       : s.dtype == ZOPT_DTYPE_BF16 ? rne_bf16_bits(mb) : rne_f16_bits(mb);
         if (uint16_t(gotBits) != w16) {
           ok = false;
           if (!bad) {
             char m[256];
-            std::snprintf(m, sizeof m, "param[%zu]=0x%04x but RNE(master=0x%08x)=0x%04x", e,
-                          gotBits, mb, w16);
+            std::snprintf(m, sizeof m, "param[%zu]=0x%04x but %s(master=0x%08x)=0x%04x", e,
+                          gotBits, srp ? "SR" : "RNE", mb, w16);
             firstBad = m;
           }
         }
@@ -239,8 +263,8 @@ void checkRne(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n) {
   const zopt_step_descriptor *d = st.d;
   int im = st.idx[ZOPT_STATE_MASTER], ip = st.idx[ZOPT_STATE_PARAM];
   uint32_t pdt = d->states[ip].dtype;
-  if (im < 0 || pdt == ZOPT_DTYPE_F32) {
-    std::printf("SKIP rne[%s]: needs an f32 master and a bf16/f16 param\n", isaName(isa));
+  if (im < 0 || pdt == ZOPT_DTYPE_F32 || d->states[ip].rounding == ZOPT_ROUND_STOCHASTIC) {
+    std::printf("SKIP rne[%s]: needs an f32 master and a bf16/f16 param rounded to nearest even\n", isaName(isa));
     return;
   }
   Config c{3, true, 1.0, st.lossScale ? 1.0 / 1024 : 1.0, 0.0, 0.0};
