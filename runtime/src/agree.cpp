@@ -233,7 +233,7 @@ Settings step_settings(const zopt_optimizer *o) {
   Settings s;
   s.add_hex("seed", o->seed);
   s.add_real("gradient divisor", grad_divisor(o));
-  s.add_real("loss scale", (o->d->flags & ZOPT_FLAG_LOSS_SCALE) ? o->scaler.scale : 1.0);
+  s.add_real("loss scale", loss_scale(o));
   s.add_clip("clip max_norm", (o->d->flags & ZOPT_FLAG_CLIP) ? o->max_norm : 0);
   for (size_t g = 0; g < o->groups.size(); ++g) {
     const Group &x = o->groups[g];

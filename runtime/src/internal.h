@@ -1,4 +1,8 @@
-// internal.h - shared internals of libzopt_runtime (not installed).
+// internal.h - shared internals of libzopt_runtime (not installed): what
+// every folder of runtime/src uses: errors, dtypes and their conversions,
+// hashing, the thread pool, one call at a time per optimizer (CallGate),
+// the loaded step and the optimizer object, descriptor lookups and the
+// gradient scale. runtime/README.md lists the folders.
 #ifndef ZOPT_RUNTIME_INTERNAL_H
 #define ZOPT_RUNTIME_INTERNAL_H
 
@@ -249,6 +253,15 @@ int hyper_index(const zopt_step_descriptor *d, uint32_t kind);
 void *state_ptr(const zopt_optimizer *o, int t, int si);
 // The divisor D of the gradient scale 1/(S*D) (abi.h ZOPT_GLOBAL_GRAD_SCALE).
 double grad_divisor(const zopt_optimizer *o);
+// S: the loss scale of the next step (1 without loss scaling).
+double loss_scale(const zopt_optimizer *o);
+// A group's GRAD_SCALE global (abi.h, docs/NUMERICS.md §2) for a step of
+// loss scale S: 1 / (S * D), negative for a maximizing group (torch's
+// maximize: the gradient negated before weight decay and the rule; the
+// norm's square and the skip are unchanged). The one place the runtime
+// computes it, for every backend (the GPU's FINISH rewrites it on the
+// device after the scaler changes S, abi.h "GPU kernels").
+double grad_scale(const zopt_optimizer *o, double S, uint32_t group_flags);
 bool is_owned_kind(uint32_t kind);
 // The integer in an enum-typed API argument, read without an enum-typed load
 // (a C caller may pass any value; loading it as the C++ enum would be UB).

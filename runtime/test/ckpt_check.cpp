@@ -26,6 +26,7 @@
 //     loads bit-identically.
 //  4. Ranks that pass different paths are refused alike, nothing written.
 #include "ckpt_test_util.h"
+#include "rank_test_util.h"
 
 #include "zopt/comm.h"
 #include "zopt/zopt.h"
@@ -65,29 +66,6 @@ void report(bool ok, const char *fmt, ...) {
   fflush(stdout);
 }
 
-uint64_t mix(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdull;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ull;
-  x ^= x >> 33;
-  return x;
-}
-// Deterministic values in +-[0.1, 1.1) * scale, never zero.
-float value(uint64_t a, uint64_t b, uint64_t i, double scale) {
-  uint64_t h = mix(a * 0x9E3779B97F4A7C15ull ^ mix(b * 1000003 + i * 7919 + 17));
-  double u = (double)(h >> 11) / 9007199254740992.0;
-  return (float)((h & 1 ? 1.0 : -1.0) * (0.1 + u) * scale);
-}
-void put(void *p, uint32_t dt, size_t i, float v) {
-  if (dt == ZOPT_DTYPE_F32) {
-    ((float *)p)[i] = v;
-    return;
-  }
-  uint32_t u;
-  memcpy(&u, &v, 4);
-  ((uint16_t *)p)[i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);  // bf16, nearest even
-}
 
 // One rank's optimizer over its own copy of the model.
 struct Rank {
@@ -102,7 +80,7 @@ struct Rank {
     zopt_optimizer_free(o);
     zopt_step_free(step);
   }
-  size_t es(uint32_t dt) const { return dt == ZOPT_DTYPE_F32 ? 4 : 2; }
+  size_t es(uint32_t dt) const { return rtu::dtype_size(dt); }
   bool build(zopt_comm *comm) {
     rank = zopt_comm_rank(comm);
     if (zopt_step_load(g_step.c_str(), &step) || zopt_optimizer_create(step, &o)) return false;
@@ -121,7 +99,7 @@ struct Rank {
     for (size_t t = 0; t < kSizes.size(); ++t) {
       p[t].assign((size_t)kSizes[t] * es(pdt) + 1, 0);
       g[t].assign((size_t)kSizes[t] * es(gdt) + 1, 0);
-      for (int64_t i = 0; i < kSizes[t]; ++i) put(p[t].data(), pdt, (size_t)i, value(1, t, (uint64_t)i, 1.0));
+      for (int64_t i = 0; i < kSizes[t]; ++i) rtu::store(p[t].data(), pdt, (size_t)i, rtu::value(1, t, (uint64_t)i, 1.0));
       if (zopt_optimizer_add_tensor(o, kGroups[t], p[t].data(), g[t].data(), kSizes[t], (zopt_dtype)pdt, &id))
         return false;
     }
@@ -134,7 +112,7 @@ struct Rank {
     for (int k = k0; k < k0 + n; ++k) {
       for (size_t t = 0; t < g.size(); ++t)
         for (int64_t i = 0; i < kSizes[t]; ++i)
-          put(g[t].data(), gdt, (size_t)i, value(2 + 100 * (uint64_t)run, (uint64_t)k * 64 + (uint64_t)rank * 8 + t,
+          rtu::store(g[t].data(), gdt, (size_t)i, rtu::value(2 + 100 * (uint64_t)run, (uint64_t)k * 64 + (uint64_t)rank * 8 + t,
                                                  (uint64_t)i, 0.05));
       if (zopt_optimizer_step(o, nullptr)) return false;
     }
@@ -174,19 +152,10 @@ struct Outcome {
   std::string msg;
 };
 
+
 // Runs fn(rank, comm) on W fresh loopback ranks.
 void on_ranks(const std::function<void(int, zopt_comm *)> &fn) {
-  std::vector<zopt_comm *> comms((size_t)g_world);
-  zopt_loopback_options lo{};
-  lo.timeout_s = 20;
-  if (zopt_comm_create_loopback(g_world, &lo, comms.data())) {
-    report(false, "loopback: %s", zopt_last_error());
-    return;
-  }
-  std::vector<std::thread> th;
-  for (int r = 0; r < g_world; ++r) th.emplace_back([&, r] { fn(r, comms[(size_t)r]); });
-  for (auto &t : th) t.join();
-  for (zopt_comm *c : comms) zopt_comm_free(c);
+  if (!rtu::on_ranks(g_world, 20, false, fn)) report(false, "loopback: %s", zopt_last_error());
 }
 
 // The file names in `dir` that start with `base`, sorted.
@@ -200,14 +169,6 @@ std::vector<std::string> files_of(const std::string &dir, const std::string &bas
   std::sort(out.begin(), out.end());
   return out;
 }
-
-#define RANK_CK(call)                                                                              \
-  do {                                                                                             \
-    if (!(call)) {                                                                                 \
-      report(false, "rank %d: %s at %s:%d: %s", r, #call, __FILE__, __LINE__, zopt_last_error()); \
-      return;                                                                                      \
-    }                                                                                              \
-  } while (0)
 
 // A fresh run loads `path` and compares the snapshot with `want`, then
 // (`resave`) saves, reloads and checks again and that exactly the set's W

@@ -6,6 +6,7 @@
 #define ZOPT_STATE_TEST_UTIL_H
 
 #include "ckpt_test_util.h"
+#include "rank_test_util.h"
 
 #include "zopt/comm.h"
 #include "zopt/zopt.h"
@@ -45,52 +46,10 @@ inline void report(bool ok, const char *fmt, ...) {
   fflush(stdout);
 }
 
-inline uint64_t mix(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdull;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ull;
-  x ^= x >> 33;
-  return x;
-}
-// Deterministic values in +-[0.1, 1.1) * scale, never zero.
-inline float value(uint64_t a, uint64_t b, uint64_t i, double scale) {
-  uint64_t h = mix(a * 0x9E3779B97F4A7C15ull ^ mix(b * 1000003 + i * 7919 + 17));
-  double u = (double)(h >> 11) / 9007199254740992.0;
-  return (float)((h & 1 ? 1.0 : -1.0) * (0.1 + u) * scale);
-}
-inline size_t esz(uint32_t dt) { return dt == ZOPT_DTYPE_F32 ? 4 : 2; }
-inline void put(void *p, uint32_t dt, size_t i, float v) {
-  if (dt == ZOPT_DTYPE_F32) {
-    memcpy((char *)p + 4 * i, &v, 4);
-  } else if (dt == ZOPT_DTYPE_F16) {
-    _Float16 h = (_Float16)v;  // nearest even
-    memcpy((char *)p + 2 * i, &h, 2);
-  } else {
-    uint32_t u;
-    memcpy(&u, &v, 4);
-    uint16_t b = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);  // bf16, nearest even
-    memcpy((char *)p + 2 * i, &b, 2);
-  }
-}
-inline float get(const void *p, uint32_t dt, size_t i) {
-  if (dt == ZOPT_DTYPE_F32) {
-    float f;
-    memcpy(&f, (const char *)p + 4 * i, 4);
-    return f;
-  }
-  uint16_t b;
-  memcpy(&b, (const char *)p + 2 * i, 2);
-  if (dt == ZOPT_DTYPE_F16) {
-    _Float16 h;
-    memcpy(&h, &b, 2);
-    return (float)h;
-  }
-  uint32_t u = (uint32_t)b << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
+inline size_t esz(uint32_t dt) { return rtu::dtype_size(dt); }
+using rtu::load;
+using rtu::store;
+using rtu::value;
 inline bool is_owned(uint32_t kind) { return kind != ZOPT_STATE_PARAM && kind != ZOPT_STATE_GRAD; }
 
 // The model's memory: host memory, or (--device-memory=FAKE.so, for
@@ -206,7 +165,7 @@ struct Rank {
       ngroups = std::max(ngroups, groups[i] + 1);
       p.push_back(mem_alloc((size_t)sizes[i] * esz(pdt) + 8));
       g.push_back(mem_alloc((size_t)sizes[i] * esz(gdt) + 8));
-      for (int64_t k = 0; k < sizes[i]; ++k) put(p[t], pdt, (size_t)k, value(pseed, t, (uint64_t)k, 1.0));
+      for (int64_t k = 0; k < sizes[i]; ++k) store(p[t], pdt, (size_t)k, value(pseed, t, (uint64_t)k, 1.0));
     }
   }
   // Registers tensors [from, end) with add_tensors (new groups as needed).
@@ -252,7 +211,7 @@ struct Rank {
     for (int s = k0; s < k0 + k; ++s) {
       for (size_t t = 0; t < reg; ++t)
         for (int64_t i = 0; i < n[t]; ++i)
-          put(g[t], gdt, (size_t)i, value(2, (uint64_t)s * 64 + (uint64_t)r * 16 + t, (uint64_t)i, 0.05));
+          store(g[t], gdt, (size_t)i, value(2, (uint64_t)s * 64 + (uint64_t)r * 16 + t, (uint64_t)i, 0.05));
       if (streaming && !reduce_buckets(0)) return false;
       if (zopt_optimizer_step(o, nullptr)) return false;
     }
@@ -318,30 +277,8 @@ struct Rank {
 
 // Runs fn(rank, comm) on W ranks: loopback threads (W = 1: no communicator).
 inline void on_ranks(const std::function<void(int, zopt_comm *)> &fn) {
-  if (g_world == 1) {
-    fn(0, nullptr);
-    return;
-  }
-  std::vector<zopt_comm *> comms((size_t)g_world);
-  zopt_loopback_options lo{};
-  lo.timeout_s = 30;
-  if (zopt_comm_create_loopback(g_world, &lo, comms.data())) {
-    report(false, "loopback: %s", zopt_last_error());
-    return;
-  }
-  std::vector<std::thread> th;
-  for (int r = 0; r < g_world; ++r) th.emplace_back([&, r] { fn(r, comms[(size_t)r]); });
-  for (auto &t : th) t.join();
-  for (zopt_comm *c : comms) zopt_comm_free(c);
+  if (!rtu::on_ranks(g_world, 30, true, fn)) report(false, "loopback: %s", zopt_last_error());
 }
-
-#define RANK_CK(call)                                                                              \
-  do {                                                                                             \
-    if (!(call)) {                                                                                 \
-      report(false, "rank %d: %s at %s:%d: %s", r, #call, __FILE__, __LINE__, zopt_last_error()); \
-      return;                                                                                      \
-    }                                                                                              \
-  } while (0)
 
 // A rank's optimizer over the old tensors, finalized, 2 steps taken.
 inline bool build_old(Rank &R, zopt_comm *c) {
@@ -373,6 +310,21 @@ struct Outcomes {
     return true;
   }
 };
+
+// An exported image's bytes (the buffer freed).
+inline std::vector<unsigned char> to_vec(void *b, size_t n) {
+  std::vector<unsigned char> v((unsigned char *)b, (unsigned char *)b + n);
+  zopt_state_buffer_free(b);
+  return v;
+}
+
+// The tests of zopt-state-check: state_check_add.cpp (1, 2),
+// state_check_image.cpp (3 to 5), state_check.cpp (GPU steps).
+void test_add();
+void test_add_refused();
+void test_export_import();
+void test_corrupt();
+void test_staged();
 
 }  // namespace stt
 

@@ -11,6 +11,7 @@
 // Steps: argv[1..] (files or directories of *.so) or $ZOPT_TEST_STEP;
 // exit 77 (skipped) without any.
 #include "test_util.h"
+#include "zopt_reference.h"
 
 #include <algorithm>
 #include <cmath>
@@ -23,60 +24,10 @@
 
 namespace {
 
-size_t esize(uint32_t dt) { return dt == ZOPT_DTYPE_F32 ? 4 : 2; }
-
-float bf16_f(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-uint16_t f_bf16(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
-}
-float f16_f(uint16_t h) {
-  uint32_t s = (h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
-  float v;
-  if (e == 0) v = std::ldexp((float)m, -24);
-  else if (e == 31) v = m ? NAN : INFINITY;
-  else v = std::ldexp((float)(m | 0x400), (int)e - 25);
-  return s ? -v : v;
-}
-uint16_t f_f16(float f) {  // RNE via double arithmetic (test-only, finite small values)
-  double a = std::fabs((double)f);
-  uint16_t s = std::signbit(f) ? 0x8000 : 0;
-  if (std::isnan(f)) return 0x7e00;
-  if (a >= 65520.0) return s | 0x7c00;
-  int e;
-  std::frexp(a, &e);  // a in [2^(e-1), 2^e)
-  int ulp_exp = std::max(e - 11, -24);
-  double q = std::nearbyint(std::ldexp(a, -ulp_exp));  // default mode: ties to even
-  double r = std::ldexp(q, ulp_exp);
-  // re-encode
-  if (r == 0) return s;
-  int e2;
-  std::frexp(r, &e2);
-  if (e2 - 1 < -14) return s | (uint16_t)std::ldexp(r, 24);
-  uint32_t m = (uint32_t)std::ldexp(r, 11 - e2) & 0x3ff;
-  return s | (uint16_t)(((e2 - 1 + 15) << 10) | m);
-}
-float load(const void *p, uint32_t dt, size_t i) {
-  if (dt == ZOPT_DTYPE_F32) return ((const float *)p)[i];
-  uint16_t h = ((const uint16_t *)p)[i];
-  return dt == ZOPT_DTYPE_BF16 ? bf16_f(h) : f16_f(h);
-}
-void store(void *p, uint32_t dt, size_t i, float v) {
-  if (dt == ZOPT_DTYPE_F32) ((float *)p)[i] = v;
-  else ((uint16_t *)p)[i] = dt == ZOPT_DTYPE_BF16 ? f_bf16(v) : f_f16(v);
-}
-float round_to(float v, uint32_t dt) {
-  if (dt == ZOPT_DTYPE_F32) return v;
-  return dt == ZOPT_DTYPE_BF16 ? bf16_f(f_bf16(v)) : f16_f(f_f16(v));
-}
+using zopt_ref::load;
+using zopt_ref::round_to;
+using zopt_ref::store;
+size_t esize(uint32_t dt) { return zopt_ref::dtype_size(dt); }
 
 struct Rng {
   uint64_t s;
@@ -377,7 +328,7 @@ void test_maximize(const StepInfo &s) {
   printf("  maximize == negated gradients, bit-exact: checked\n");
 }
 
-// ---- float64 reference ----------------------------------------------------
+// ---- float64 reference (test/reference/zopt_reference.h) -----------------
 enum Rule { UNKNOWN, ADAMW, ADAM, SGD, SGD_NESTEROV, LION };
 
 Rule rule_of(const std::string &name) {
@@ -388,6 +339,16 @@ Rule rule_of(const std::string &name) {
   if (n.find("lion") != std::string::npos) return LION;
   if (n.find("sgd") != std::string::npos) return n.find("nesterov") != std::string::npos ? SGD_NESTEROV : SGD;
   return UNKNOWN;
+}
+
+zopt_ref::Rule ref_rule(Rule r, bool ams) {
+  switch (r) {
+    case ADAMW: return zopt_ref::Rule::AdamW;
+    case ADAM: return ams ? zopt_ref::Rule::AdamAmsgrad : zopt_ref::Rule::Adam;
+    case SGD: return zopt_ref::Rule::Sgd;
+    case SGD_NESTEROV: return zopt_ref::Rule::SgdNesterov;
+    default: return zopt_ref::Rule::Lion;
+  }
 }
 
 void test_reference(const StepInfo &s) {
@@ -425,82 +386,55 @@ void test_reference(const StepInfo &s) {
   }
   const bool master = s.has(ZOPT_STATE_MASTER);
   const bool ams = s.has(ZOPT_STATE_MAX_EXP_AVG_SQ);
+  const bool has_buf = s.has(ZOPT_STATE_MOMENTUM_BUFFER);
+  const zopt_ref::Rule rr = ref_rule(rule, ams);
   const uint32_t wdt = master ? s.dtype_of(ZOPT_STATE_MASTER) : s.pdt;
   // reference state
   size_t T = sizes.size();
-  std::vector<std::vector<double>> P(T), M(T), V(T), VM(T), B(T);
-  for (size_t t = 0; t < T; ++t) {
-    for (int64_t i = 0; i < sizes[t]; ++i) P[t].push_back(load(m.p[t].data(), s.pdt, (size_t)i));
-    M[t].assign((size_t)sizes[t], 0);
-    V[t].assign((size_t)sizes[t], 0);
-    VM[t].assign((size_t)sizes[t], 0);
-    B[t].assign((size_t)sizes[t], 0);
-  }
+  std::vector<std::vector<zopt_ref::Elem<double>>> R(T);
+  std::vector<std::vector<double>> P(T), M(T);  // R's params and exp_avg, for the comparison
+  for (size_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < sizes[t]; ++i) R[t].push_back({load(m.p[t].data(), s.pdt, (size_t)i), 0, 0, 0, 0});
   double worst = 0;
   const int steps = 5;
   for (int k = 0; k < steps; ++k) {
     const int t1 = k + 1;
     double S = ls ? m.scale() : 1.0;
     m.fill_grads(k, S);
-    std::vector<std::vector<double>> G(T);
+    const float gs = zopt_ref::grad_scale(S, 1);
     double ss = 0;
     for (size_t t = 0; t < T; ++t)
-      for (int64_t i = 0; i < sizes[t]; ++i) {
-        double gv = (double)load(m.g[t].data(), s.gdt, (size_t)i) / S;
-        G[t].push_back(gv);
-        ss += gv * gv;
-      }
-    double norm = std::sqrt(ss), clip = 1;
-    if (d->flags & ZOPT_FLAG_CLIP) clip = std::min(1.0, d->max_norm / (norm + 1e-6));
+      ss += (double)zopt_ref::sumsq_exact((size_t)sizes[t], [&](size_t i) {
+        return zopt_ref::norm_value(load(m.g[t].data(), s.gdt, i), gs);
+      });
+    double norm = zopt_ref::norm(ss), clip = 1;
+    if (d->flags & ZOPT_FLAG_CLIP) clip = zopt_ref::clip_coef(norm, d->max_norm);
     zopt_step_result r{};
     ZT_OK(zopt_optimizer_step(m.o, &r));
     if (d->flags & ZOPT_FLAG_SUMSQ) ZT_CHECK(std::fabs(r.grad_norm - norm) <= 1e-5 * norm);
     for (size_t t = 0; t < T; ++t) {
       const double *h = H[groups[t]];
-      double lr = h[1], b1 = h[2], b2 = h[3], eps = h[4], wd = h[5], mu = h[6], damp = h[7];
-      bool bc = h[8] != 0;
+      zopt_ref::Hypers hy;
+      hy.lr = h[1];
+      hy.beta1 = h[2];
+      hy.beta2 = h[3];
+      hy.eps = h[4];
+      hy.weight_decay = h[5];
+      hy.momentum = h[6];
+      hy.dampening = h[7];
+      hy.bias_correction = h[8] != 0;
+      const zopt_ref::Coeffs co = zopt_ref::rounded(zopt_ref::coefficients(hy, t1));
       for (int64_t i = 0; i < sizes[t]; ++i) {
-        double g = G[t][i] * clip, &p = P[t][i];
-        switch (rule) {
-          case ADAMW:
-          case ADAM: {
-            if (rule == ADAM) g += wd * p;
-            else p *= 1 - lr * wd;
-            double &mm = M[t][i], &vv = V[t][i];
-            mm = b1 * mm + (1 - b1) * g;
-            vv = b2 * vv + (1 - b2) * g * g;
-            double vu = vv;
-            if (ams) vu = VM[t][i] = std::max(VM[t][i], vv);
-            if (bc)
-              p -= (lr / (1 - std::pow(b1, t1))) * mm / (std::sqrt(vu) / std::sqrt(1 - std::pow(b2, t1)) + eps);
-            else
-              p -= lr * mm / (std::sqrt(vu) + eps);
-            break;
-          }
-          case SGD:
-          case SGD_NESTEROV: {
-            g += wd * p;
-            double dir = g;
-            if (mu != 0) {
-              double &b = B[t][i];
-              b = t1 == 1 ? g : mu * b + (1 - damp) * g;
-              dir = rule == SGD_NESTEROV ? g + mu * b : b;
-            }
-            p -= lr * dir;
-            break;
-          }
-          case LION: {
-            p *= 1 - lr * wd;
-            double c = b1 * M[t][i] + (1 - b1) * g;
-            p -= lr * (c > 0 ? 1 : c < 0 ? -1 : 0);
-            M[t][i] = b2 * M[t][i] + (1 - b2) * g;
-            break;
-          }
-          default: break;
-        }
+        double g = zopt_ref::gradient(load(m.g[t].data(), s.gdt, (size_t)i), 1.0 / S, clip);
+        zopt_ref::step_element(rr, co, t1 == 1, has_buf, g, R[t][i]);
       }
     }
   }
+  for (size_t t = 0; t < T; ++t)
+    for (const auto &e : R[t]) {
+      P[t].push_back(e.p);
+      M[t].push_back(e.m);
+    }
   // compare
   // Tolerance: rounding of the weights (relative) plus rounding inside the
   // update (relative to the total update, lr * steps), by the precision of

@@ -1,4 +1,10 @@
 //===- SetTargetAttrs.cpp - per-function ISA into llvm.func attributes ----===//
+//
+// lib/Target/CPU/ owns zopt-set-target-attrs (include/zopt/Target/Passes.td):
+// each CPU kernel function's ISA variant (the `_<isa>` suffix of its name,
+// convert-zk-to-cpu's) becomes its target-cpu, target-features and vector
+// width, so that one object holds the x86-64-v3, v4 and avx512bf16 variants.
+//===----------------------------------------------------------------------===//
 #include "zopt/Target/Passes.h"
 
 namespace mlir::zopt {

@@ -4,7 +4,7 @@
 // how the ops of its program (abi.h "The step program") run there. One is
 // chosen per optimizer, at zopt_optimizer_create, from the step
 // (make_backend, the only place that tells them apart); the callers (the C
-// API in optimizer.cpp, checkpoint/, exec/'s step driver) call through
+// API in optimizer/, checkpoint/, exec/'s step driver) call through
 // this interface and never ask which backend they hold. As in IREE's HAL
 // (a table of functions per driver), each backend lives in a folder of its
 // own:

@@ -81,19 +81,11 @@ void save_runs(const zopt_optimizer *o, int t, int si, std::vector<exec::Run> *o
     return;
   }
   // Whole on every rank: this rank writes its shard of the layout.
-  const exec::Program &P = *o->prog;
-  const layout::Segment &seg = P.L.tensors[t];
   char *base = (char *)state_ptr(o, t, si);
   const size_t es = dtype_size(o->d->states[si].dtype);
-  for (int b = seg.bucket; b < (int)P.L.buckets.size(); ++b) {
-    const layout::Bucket &k = P.L.buckets[b];
-    if (k.group != seg.group || k.begin >= seg.flat + seg.numel) break;
-    int64_t a, e;
-    P.L.shard_range(b, o->rank, &a, &e);
-    a = std::max(a, seg.flat);
-    e = std::min(e, seg.flat + seg.numel);
-    if (a < e) out->push_back(exec::Run{a - seg.flat, e - a, base + (size_t)(a - seg.flat) * es});
-  }
+  std::vector<exec::OwnedRange> rs;
+  exec::owned_ranges(o, t, &rs);
+  for (const exec::OwnedRange &r : rs) out->push_back(exec::Run{r.start, r.len, base + (size_t)r.start * es});
 }
 
 // The bytes of a run: in place for host memory, staged where the backend

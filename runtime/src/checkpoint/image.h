@@ -3,6 +3,13 @@
 // the optimizer's state in memory (memory.cpp: zopt_optimizer_export_state,
 // _import_state and the staged import, docs/CHECKPOINT.md "In memory").
 //
+// runtime/src/checkpoint/ owns the optimizer's state outside the optimizer:
+// the format (docs/CHECKPOINT.md), written once (checkpoint.cpp) and read
+// once (format.h/.cpp: one image parsed and checked), the set of files of a
+// multi-rank save and its commit (set.h/.cpp), the file API (checkpoint.cpp)
+// and the state in memory (memory.cpp). It reads and writes states only
+// through the backend's state access (backend/backend.h).
+//
 // An image is the bytes of one file of the format (docs/CHECKPOINT.md
 // "Layout of a file"): write_image lays it out and hands its bytes to a
 // Sink (a file, or a buffer); stage_path / stage_memory read a set of

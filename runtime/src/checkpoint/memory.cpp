@@ -9,6 +9,7 @@
 #include "checkpoint/image.h"
 #include "checkpoint/set.h"
 #include "comm/comm_internal.h"
+#include "optimizer/api.h"
 
 #include <algorithm>
 #include <cmath>
@@ -77,20 +78,6 @@ namespace {
   if ((imp)->generation != (imp)->o->generation)                                                \
     return fail(ZOPT_ERR_BAD_STATE, "%s: tensors were added to the optimizer since "            \
                 "zopt_optimizer_import_begin: begin the import again", fn)
-
-zopt_status check_tensor_id(const zopt_optimizer *o, int t, const char *fn) {
-  if (t < 0 || (size_t)t >= o->tensors.size())
-    return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: tensor id %d out of range (have %zu tensors)", fn, t,
-                o->tensors.size());
-  return ZOPT_OK;
-}
-
-zopt_status check_group_id(const zopt_optimizer *o, int g, const char *fn) {
-  if (g < 0 || (size_t)g >= o->groups.size())
-    return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: group id %d out of range (have %zu groups)", fn, g,
-                o->groups.size());
-  return ZOPT_OK;
-}
 
 // Every (tensor, state) not put: as at finalize. ZeRO-3's held params from
 // the user's params; a master from the PARAM put into the import, else from
@@ -293,7 +280,7 @@ ZOPT_API zopt_status zopt_state_import_put(zopt_state_import *imp, int tensor, z
   ZOPT_ENTER_IMPORT(imp, fn);
   zopt_optimizer *o = imp->o;
   const zopt_step_descriptor *d = o->d;
-  if (zopt_status st = check_tensor_id(o, tensor, fn)) return st;
+  if (zopt_status st = check_tensor(o, tensor, fn)) return st;
   const uint32_t k = raw_enum(kind), dt = raw_enum(dtype);
   const int si = state_index(d, k);
   if (si < 0 || !ckpt::saved_state(o, (uint32_t)si))
@@ -334,7 +321,7 @@ ZOPT_API zopt_status zopt_state_import_put(zopt_state_import *imp, int tensor, z
 ZOPT_API zopt_status zopt_state_import_set_tensor_step(zopt_state_import *imp, int tensor, int64_t steps) {
   const char *fn = "zopt_state_import_set_tensor_step";
   ZOPT_ENTER_IMPORT(imp, fn);
-  if (zopt_status st = check_tensor_id(imp->o, tensor, fn)) return st;
+  if (zopt_status st = check_tensor(imp->o, tensor, fn)) return st;
   if (steps < 0) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: steps %lld < 0", fn, (long long)steps);
   imp->sg.tensor_steps[(size_t)tensor] = steps;
   return ZOPT_OK;
@@ -343,7 +330,7 @@ ZOPT_API zopt_status zopt_state_import_set_tensor_step(zopt_state_import *imp, i
 ZOPT_API zopt_status zopt_state_import_set_group(zopt_state_import *imp, int group, int64_t step_count, uint32_t flags) {
   const char *fn = "zopt_state_import_set_group";
   ZOPT_ENTER_IMPORT(imp, fn);
-  if (zopt_status st = check_group_id(imp->o, group, fn)) return st;
+  if (zopt_status st = check_group(imp->o, group, fn)) return st;
   if (step_count < 0) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: step_count %lld < 0", fn, (long long)step_count);
   if (flags & ~ZOPT_GROUP_MAXIMIZE)
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: flags 0x%x has unknown bits (known: ZOPT_GROUP_MAXIMIZE = 0x%x)", fn,
@@ -357,7 +344,7 @@ ZOPT_API zopt_status zopt_state_import_set_hyper(zopt_state_import *imp, int gro
   const char *fn = "zopt_state_import_set_hyper";
   ZOPT_ENTER_IMPORT(imp, fn);
   const zopt_step_descriptor *d = imp->o->d;
-  if (zopt_status st = check_group_id(imp->o, group, fn)) return st;
+  if (zopt_status st = check_group(imp->o, group, fn)) return st;
   if (!name) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: name is NULL", fn);
   const int kind = hyper_kind_from_name(name);
   const int hi = kind ? hyper_index(d, (uint32_t)kind) : -1;

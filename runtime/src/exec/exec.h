@@ -10,7 +10,8 @@
 // every op, the norm blocks, the collective scratch — and its ops on the
 // thread pool and the communicator. Nothing here knows a ZeRO stage or a
 // backend: the program says what to reduce, where the norm is taken, what
-// to update and what to gather.
+// to update and what to gather. Its files, one concern each, are listed in
+// exec_internal.h.
 #ifndef ZOPT_RUNTIME_EXEC_H
 #define ZOPT_RUNTIME_EXEC_H
 
@@ -56,8 +57,8 @@ struct Program {
   layout::Layout L;   // at the world size: shards
   layout::Layout L1;  // at world size 1: full buffers
   // Per descriptor state: the runtime-held buffer (NULL: the user's memory),
-  // whether it is sharded (indexed by L) or full (by L1), pinned (offload
-  // staging, owned by offload.cpp) and its size.
+  // whether it is sharded (indexed by L) or full (by L1), pinned (staging
+  // the backend allocates and frees: backend/offload) and its size.
   std::vector<void *> buf;
   std::vector<uint8_t> sharded, pinned;
   std::vector<size_t> buf_bytes;
@@ -100,7 +101,7 @@ zopt_status run(zopt_optimizer *o, zopt_step_result *result);
 // decides the skip and the clip coefficient from `sumsq` and runs the rest.
 struct StepState {
   size_t pc = 0;            // the first op run_end runs
-  double S = 1, gscale = 1;  // loss scale, gradient scale 1 / (S D)
+  double S = 1;               // the step's loss scale (its gradient scale: grad_scale)
   bool has_norm = false;     // the program has a NORM op (sumsq is set)
   double sumsq = 0;
   double norm = NAN, clip = 1.0;
@@ -161,6 +162,15 @@ struct Run {
 void runs(const zopt_optimizer *o, int t, int si, std::vector<Run> *out);
 // Whether this rank holds every element of state si.
 bool holds_whole(const zopt_optimizer *o, int si);
+// The elements of tensor t in this rank's shards of the layout at the world
+// size, in element order: [start, start + len) of the tensor, at flat
+// offset `flat` of bucket `bucket`. What a sharded state holds of it, and
+// what a rank writes of a state every rank holds whole (checkpoints).
+struct OwnedRange {
+  int bucket;
+  int64_t start, len, flat;
+};
+void owned_ranges(const zopt_optimizer *o, int t, std::vector<OwnedRange> *out);
 
 // State si of tensors [first, first + count), whole, into dst[i] (storage
 // dtype; a NULL entry or dst: the registered param memory, for PARAM). For

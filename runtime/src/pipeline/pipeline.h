@@ -22,7 +22,7 @@
 // CallGate, internal.h); the jobs run on
 // the pipeline's thread. A job's `run` may use the optimizer's thread pool
 // and scratch: the API refuses every other call on the optimizer while a
-// job is queued or running (CHECK_OPT in optimizer.cpp), and a step drains
+// job is queued or running (CHECK_OPT, optimizer/api.h), and a step drains
 // first.
 //===----------------------------------------------------------------------===//
 #ifndef ZOPT_RUNTIME_PIPELINE_H

@@ -30,6 +30,8 @@
 // when BACKEND needs a CUDA driver and there is none (lit: UNSUPPORTED).
 //===----------------------------------------------------------------------===//
 #include "../check_util.h"
+#include "../cuda_test_driver.h"
+#include "zopt_reference.h"
 #include "zopt/abi.h"
 #include "zopt/zopt.h"
 
@@ -48,33 +50,15 @@ using zopt_check::check;
 namespace {
 
 // ---- memory for the params and grads: host, or the CUDA driver's ----------
-struct Driver {
-  void *h = nullptr;
-  int (*Init)(unsigned);
-  int (*DeviceGet)(int *, int);
-  int (*PrimaryCtxRetain)(void **, int);
-  int (*CtxPushCurrent)(void *);
-  int (*MemAlloc)(unsigned long long *, size_t);
-  int (*MemFree)(unsigned long long);
-  bool load() {
-    const char *lib = getenv("ZOPT_CUDA_DRIVER");
-    h = dlopen(lib && *lib ? lib : "libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (!h) return false;
-    auto sym = [&](const char *n) { return dlsym(h, n); };
-    Init = (int (*)(unsigned))sym("cuInit");
-    DeviceGet = (int (*)(int *, int))sym("cuDeviceGet");
-    PrimaryCtxRetain = (int (*)(void **, int))sym("cuDevicePrimaryCtxRetain");
-    CtxPushCurrent = (int (*)(void *))sym("cuCtxPushCurrent_v2");
-    MemAlloc = (int (*)(unsigned long long *, size_t))sym("cuMemAlloc_v2");
-    MemFree = (int (*)(unsigned long long))sym("cuMemFree_v2");
-    if (!Init || !DeviceGet || !PrimaryCtxRetain || !CtxPushCurrent || !MemAlloc || !MemFree) return false;
-    int dev = 0;
-    void *ctx = nullptr;
-    return Init(0) == 0 && DeviceGet(&dev, 0) == 0 && PrimaryCtxRetain(&ctx, dev) == 0 && CtxPushCurrent(ctx) == 0;
-  }
-};
-
-Driver g_cu;
+// The driver, device 0's primary context pushed on this thread.
+zopt_check::TestCuda g_cu;
+bool load_driver() {
+  int dev = 0;
+  void *ctx = nullptr;
+  return g_cu.load() > 0 && g_cu.DeviceGet && g_cu.DevicePrimaryCtxRetain && g_cu.CtxPushCurrent && g_cu.MemAlloc &&
+         g_cu.MemFree && g_cu.DeviceGet(&dev, 0) == 0 && g_cu.DevicePrimaryCtxRetain(&ctx, dev) == 0 &&
+         g_cu.CtxPushCurrent(ctx) == 0;
+}
 bool g_device = false;  // params and grads in device memory
 // Every buffer alloc() made, with where it lives: freed by free_all().
 std::vector<std::pair<void *, bool>> g_allocs;
@@ -234,7 +218,7 @@ int main(int argc, char **argv) {
     fprintf(stderr, "unknown backend '%s'\n", argv[1]);
     return 2;
   }
-  if (device && !g_cu.load()) {
+  if (device && !load_driver()) {
     printf("UNSUPPORTED: backend %s needs a CUDA driver and a device\n", argv[1]);
     return 77;
   }
@@ -359,19 +343,16 @@ int main(int argc, char **argv) {
     double S = 1, D = 1;
     if (ls) Z(zopt_optimizer_get_loss_scale(a.o, &S));
     Z(zopt_optimizer_get_grad_divisor(a.o, &D));
-    const float gs = (float)(1.0 / (S * D));
+    const float gs = zopt_ref::grad_scale(S, D);
     long double sum = 0;
     for (int t = 0; t < T; ++t) {
       std::vector<float> g(kSizes[t]);
       Z(zopt_optimizer_read_state_f32(b.o, t, ZOPT_STATE_GRAD, g.data(), kSizes[t]));
-      for (float v : g) {
-        const double x = (double)(v * gs);
-        sum += (long double)x * x;
-      }
+      sum += zopt_ref::sumsq_exact(g.size(), [&](size_t i) { return zopt_ref::norm_value(g[i], gs); });
     }
     step(a);
     step(b);
-    const double want = std::sqrt((double)sum);
+    const double want = zopt_ref::norm((double)sum);
     check(std::fabs(a.last.grad_norm - want) <= 1e-12 * want && a.last.skipped == 0,
           "clip: the norm " + std::to_string(a.last.grad_norm) + " is the float64 norm of the scaled gradients " +
               std::to_string(want));

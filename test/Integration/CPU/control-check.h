@@ -1,10 +1,10 @@
 //===- control-check.h - the CONTROL kernel against the contract -*- C++ -*-===//
 //
-// A float64 reference of the step's control semantics (docs/NUMERICS.md §3
+// The check of a step's CONTROL kernel (abi.h) against the reference's
+// control semantics (test/reference/zopt_reference.h: docs/NUMERICS.md §3
 // the norm, clip coefficient and non-finite skip; §5 the loss scaler; §6
-// whether the step counts advance), written here from the contract,
-// independently of the compiler's zk.control, and the check of a step's
-// CONTROL kernel (abi.h) against it, bit for bit, over a grid of inputs:
+// whether the step counts advance; written from the contract, independently
+// of the compiler's zk.control), bit for bit, over a grid of inputs:
 // sums of squares (zero, tiny, ordinary, huge, inf, NaN), max_norms and
 // loss-scaler states (growth at the interval, growth to inf refused,
 // backoff to min_scale, static). Used by zopt-kernel-check.
@@ -13,6 +13,7 @@
 #define ZOPT_TEST_CONTROL_CHECK_H
 
 #include "zopt/abi.h"
+#include "zopt_reference.h"
 
 #include <cmath>
 #include <cstddef>
@@ -22,41 +23,7 @@
 
 namespace control_check {
 
-struct Out {
-  double norm, clip, scale;
-  int64_t good;
-  bool skip, advance;
-};
-
-/// The contract, for a step with descriptor flags `flags`.
-inline Out reference(uint32_t flags, const zopt_control &in) {
-  Out o;
-  const bool takesNorm = flags & ZOPT_FLAG_SUMSQ;
-  o.norm = takesNorm ? std::sqrt(in.sumsq) : std::numeric_limits<double>::quiet_NaN();
-  o.skip = takesNorm && !std::isfinite(in.sumsq);
-  o.clip = 1.0;
-  if ((flags & ZOPT_FLAG_CLIP) && !o.skip) {
-    double c = in.max_norm / (o.norm + 1e-6);
-    o.clip = c < 1.0 ? c : 1.0;
-  }
-  o.advance = !o.skip;
-  o.scale = in.scale;
-  o.good = in.good_steps;
-  if ((flags & ZOPT_FLAG_LOSS_SCALE) && in.dynamic) {
-    if (o.skip) {
-      double b = in.scale * in.backoff_factor;
-      o.scale = b < in.min_scale ? in.min_scale : b;
-      o.good = 0;
-    } else if (in.good_steps + 1 >= in.growth_interval) {
-      double g = in.scale * in.growth_factor;
-      if (std::isfinite(g)) o.scale = g;
-      o.good = 0;
-    } else {
-      o.good = in.good_steps + 1;
-    }
-  }
-  return o;
-}
+using Out = zopt_ref::Control;
 
 inline bool sameBits(double a, double b) {
   if (std::isnan(a) && std::isnan(b)) return true;
@@ -100,7 +67,7 @@ int check(uint32_t flags, zopt_control_fn fn, int *bad, Describe describe) {
         io.reserved0 = 0;
         const zopt_control before = io;
         fn(&io);
-        Out r = reference(flags, before);
+        Out r = zopt_ref::control(flags, before);
         bool ok = sameBits(io.norm, r.norm) && sameBits(io.clip_coef, r.clip) && sameBits(io.new_scale, r.scale) &&
                   io.new_good_steps == r.good && io.skip == (r.skip ? 1u : 0u) &&
                   io.advance == (r.advance ? 1u : 0u) &&

@@ -5,10 +5,11 @@
 //
 // dlopens a compiled step, validates its descriptor (magic, ABI version,
 // size, checksum, bounds, state kinds, kernel table, symbols) and checks every
-// UPDATE and SUMSQ variant of the kernel table that this CPU can run against a
-// float64 reference of the numerics contract (docs/NUMERICS.md), written
-// here independently of the compiler, and the CONTROL kernel against
-// control-check.h's. Coefficients come from the step's own PREPARE kernel.
+// UPDATE and SUMSQ variant of the kernel table that this CPU can run against
+// the float64 reference of the numerics contract (docs/NUMERICS.md,
+// test/reference/zopt_reference.h: written independently of the compiler),
+// and the CONTROL kernel against it (control-check.h). Coefficients come
+// from the step's own PREPARE kernel.
 //
 // RULE: adam | adamw | adam_amsgrad | sgd | sgd_nesterov | lion. Plain `sgd`
 // means momentum without Nesterov when the step has a momentum_buffer state,
@@ -21,7 +22,7 @@
 //                 inf, overflow, denormals) through the master->param copy-out
 //                 with lr = 0, wd = 0 (the master is then unchanged).
 //
-// Tolerances (see also test/Integration/CPU/README.md):
+// Tolerances:
 //  * f32 results: the reference carries, next to each f64 value v, a
 //    first-order running error bound s (Higham-style): every rounded f32
 //    operation or f32-rounded coefficient adds |result| to s, and s propagates
@@ -42,6 +43,13 @@
 //    elements far from any tie. The separate --rne check is bit-exact.
 //  * With an f32 master, the narrow param must equal RNE(kernel's own master)
 //    bit for bit.
+//  * Stochastic rounding (steps with ZOPT_FLAG_STOCHASTIC: UPDATE called with
+//    a key and a first index, abi.h): a bf16 state declared `rounding
+//    stochastic` must lie between the reference's stochastic roundings
+//    (zopt_ref::sr_bf16, the same key, slot and index) of v - tol and
+//    v + tol, which is monotone in the kernel's f32 value; a stochastically
+//    rounded param beside an f32 master must equal the reference's
+//    rounding of the kernel's own master, bit for bit.
 //  * SUMSQ: x*x of an f32 x is exact in f64 (48 significant bits), so the
 //    only error is the f64 summation: for any summation order of n
 //    non-negative terms |err| <= (n-1)*2^-53*sum (+O(u^2)). The reference is
@@ -51,343 +59,13 @@
 // Output: one line per check (PASS/FAIL/SKIP/INFO ...) and a final line
 // `N passed, M failed`; exit status 1 on any failure, 2 on usage errors.
 //===----------------------------------------------------------------------===//
+#include "kernel-check.h"
 
 #include "control-check.h"
-#include "zopt/abi.h"
-#include "zopt/cpu.h"
 
-#include <dlfcn.h>
+using namespace kc;
 
-#include <algorithm>
-#include <cinttypes>
-#include <cmath>
-#include <cstdarg>
-#include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <random>
-#include <string>
-#include <vector>
-
-namespace {
-
-int gPassed = 0, gFailed = 0;
-
-void report(bool ok, const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  std::printf("%s ", ok ? "PASS" : "FAIL");
-  std::vprintf(fmt, ap);
-  std::printf("\n");
-  va_end(ap);
-  (ok ? gPassed : gFailed)++;
-  std::fflush(stdout);
-}
-
-//===----------------------------------------------------------------------===//
-// Storage types: exact decode, RNE encode (two independent implementations
-// each for bf16 and f16, cross-checked in selfTest()).
-//===----------------------------------------------------------------------===//
-
-uint32_t f32Bits(float f) { uint32_t b; std::memcpy(&b, &f, 4); return b; }
-uint64_t f64Bits(double f) { uint64_t b; std::memcpy(&b, &f, 8); return b; }
-float bitsF32(uint32_t b) { float f; std::memcpy(&f, &b, 4); return f; }
-
-double decodeBf16(uint16_t h) { return bitsF32(uint32_t(h) << 16); }
-
-double decodeF16(uint16_t h) {
-  int sign = h >> 15, e = (h >> 10) & 31, m = h & 1023;
-  double v;
-  if (e == 0) v = std::ldexp(double(m), -24);
-  else if (e == 31) v = m ? NAN : INFINITY;
-  else v = std::ldexp(double(1024 + m), e - 25);
-  return sign ? -v : v;
-}
-
-// Rounds a double to a binary format with `p` significand bits (implicit one
-// included), minimum normal exponent emin and maximum exponent emax, with
-// round-to-nearest-even, overflowing to infinity. Generic, via the FPU's RNE.
-double roundFmt(double x, int p, int emin, int emax) {
-  if (!std::isfinite(x) || x == 0) return x;
-  int e;
-  std::frexp(x, &e);
-  int lead = std::max(e - 1, emin);
-  double q = std::ldexp(1.0, lead - (p - 1));
-  double r = std::nearbyint(x / q) * q;
-  if (std::fabs(r) >= std::ldexp(1.0, emax + 1)) r = std::copysign(INFINITY, x);
-  return r;
-}
-double roundBf16(double x) { return roundFmt(x, 8, -126, 127); }
-double roundF16(double x) { return roundFmt(x, 11, -14, 15); }
-double roundF32(double x) { return roundFmt(x, 24, -126, 127); }
-
-// Encode an exactly representable (already rounded) double.
-uint16_t encodeBf16Exact(double r) {
-  if (std::isnan(r)) return 0x7FC0;
-  return uint16_t(f32Bits(float(r)) >> 16);
-}
-uint16_t encodeF16Exact(double r) {
-  if (std::isnan(r)) return 0x7E00;
-  uint16_t s = std::signbit(r) ? 0x8000 : 0;
-  double a = std::fabs(r);
-  if (std::isinf(a)) return s | 0x7C00;
-  if (a == 0) return s;
-  int e;
-  std::frexp(a, &e);
-  int lead = e - 1;
-  if (lead < -14) return s | uint16_t(a / std::ldexp(1.0, -24));
-  return s | uint16_t((lead + 15) << 10) |
-         uint16_t(a / std::ldexp(1.0, lead) * 1024.0 - 1024.0);
-}
-uint16_t rneBf16(double x) { return encodeBf16Exact(roundBf16(x)); }
-uint16_t rneF16(double x) { return encodeF16Exact(roundF16(x)); }
-
-// Second, bit-level implementations of f32 -> bf16 / f16 RNE (non-NaN).
-uint16_t rneBf16Bits(uint32_t b) {
-  return uint16_t((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
-}
-uint16_t rneF16Bits(uint32_t b) {
-  uint16_t s = (b >> 16) & 0x8000;
-  int e = int((b >> 23) & 0xFF);
-  uint32_t m = b & 0x7FFFFF;
-  if (e == 0xFF) return s | 0x7C00;       // inf (NaN not handled here)
-  if (e == 0) return s;                   // f32 denormals are < 2^-126
-  int ue = e - 127;                       // unbiased
-  uint32_t sig = m | 0x800000;            // 24 bits
-  int shift;                              // bits to drop from sig
-  uint32_t expField;
-  if (ue >= -14) { shift = 13; expField = uint32_t(ue + 15); }
-  else { shift = 13 + (-14 - ue); expField = 0; }
-  if (shift > 25) return s;               // < 2^-25 (half of min denormal)
-  uint32_t kept = sig >> shift;
-  uint32_t rem = sig & ((1u << shift) - 1), half = 1u << (shift - 1);
-  if (rem > half || (rem == half && (kept & 1))) ++kept;
-  uint32_t bits;
-  if (expField) bits = (expField << 10) + (kept - 1024); // carry ok
-  else bits = kept;                                     // may become normal
-  if (bits >= 0x7C00) return s | 0x7C00;
-  return uint16_t(s | bits);
-}
-
-bool isNanBits(uint32_t bits, zopt_dtype dt) {
-  switch (dt) {
-  case ZOPT_DTYPE_F32: return (bits & 0x7F800000u) == 0x7F800000u && (bits & 0x7FFFFFu);
-  case ZOPT_DTYPE_BF16: return (bits & 0x7F80u) == 0x7F80u && (bits & 0x7Fu);
-  case ZOPT_DTYPE_F16: return (bits & 0x7C00u) == 0x7C00u && (bits & 0x3FFu);
-  }
-  return false;
-}
-
-size_t dtSize(uint32_t dt) { return dt == ZOPT_DTYPE_F32 ? 4 : 2; }
-const char *dtName(uint32_t dt) {
-  return dt == ZOPT_DTYPE_F32 ? "f32" : dt == ZOPT_DTYPE_BF16 ? "bf16" : "f16";
-}
-const char *kindName(uint32_t k) {
-  static const char *n[] = {"?", "param", "grad", "master", "exp_avg",
-                            "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"};
-  return k < 8 ? n[k] : "?";
-}
-
-// Monotone integer index of a 16-bit value (sign-magnitude -> two's complement)
-int32_t ord16(uint16_t b) { int32_t m = b & 0x7FFF; return (b & 0x8000) ? -m : m; }
-
-//===----------------------------------------------------------------------===//
-// f64 values with a first-order running error bound (in units of u).
-//===----------------------------------------------------------------------===//
-
-struct E {
-  double v, s; // value, accumulated bound: |f32 computation - v| <= u*s
-};
-E exact(double v) { return {v, 0}; }
-E coef(double v) { return {v, std::fabs(v)}; } // rounded once to f32
-E operator+(E a, E b) { double v = a.v + b.v; return {v, a.s + b.s + std::fabs(v)}; }
-E operator-(E a, E b) { double v = a.v - b.v; return {v, a.s + b.s + std::fabs(v)}; }
-E operator*(E a, E b) {
-  double v = a.v * b.v;
-  return {v, std::fabs(a.v) * b.s + std::fabs(b.v) * a.s + std::fabs(v)};
-}
-E operator/(E a, E b) {
-  double v = a.v / b.v;
-  return {v, a.s / std::fabs(b.v) + std::fabs(a.v) * b.s / (b.v * b.v) + std::fabs(v)};
-}
-E esqrt(E a) { double v = std::sqrt(a.v); return {v, a.s / (2 * v) + v}; }
-E emax(E a, E b) { return a.v >= b.v ? E{a.v, std::max(a.s, b.s)} : E{b.v, std::max(a.s, b.s)}; }
-
-const double kU = std::ldexp(1.0, -24);
-const double kK = 2.0;
-double tolOf(const E &e) { return kK * kU * e.s + 1e-38; }
-
-//===----------------------------------------------------------------------===//
-// Rule and run configuration.
-//===----------------------------------------------------------------------===//
-
-enum class Rule { Adam, AdamW, AdamAmsgrad, Sgd, SgdNesterov, Lion };
-
-struct Config {
-  double t;
-  bool biasCorrection;
-  double clipCoef;     // global 1
-  double invLossScale; // global 2
-  double lr;           // overrides for the RNE check
-  double wd;
-};
-
-struct Hypers {
-  double lr = 1e-2, b1 = 0.9, b2 = 0.99, eps = 1e-8, wd = 0.1, mu = 0.9,
-         damp = 0.1, bc = 1;
-};
-
-struct Step {
-  const zopt_step_descriptor *d = nullptr;
-  void *lib = nullptr;
-  Rule rule;
-  bool clip = false, lossScale = false;
-  int idx[8]; // state index by kind, -1 if absent
-  zopt_prepare_fn prepare = nullptr;
-  zopt_control_fn control = nullptr;
-  int nControl = 0;
-  std::vector<std::pair<uint32_t, zopt_update_fn>> updates; // isa, fn
-  std::vector<std::pair<uint32_t, zopt_sumsq_fn>> sumsqs;
-};
-
-const char *isaName(uint32_t isa) { return zopt_isa_name(isa); }
-
-bool cpuRuns(uint32_t isa) { return zopt_cpu_runs_isa(isa) != 0; }
-
-// Fills the descriptor-ordered hyperparameter array.
-std::vector<double> hyperArray(const Step &st, const Hypers &h) {
-  std::vector<double> out;
-  for (uint32_t i = 0; i < st.d->num_hypers; ++i) {
-    switch (st.d->hypers[i].kind) {
-    case ZOPT_HYPER_LR: out.push_back(h.lr); break;
-    case ZOPT_HYPER_BETA1: out.push_back(h.b1); break;
-    case ZOPT_HYPER_BETA2: out.push_back(h.b2); break;
-    case ZOPT_HYPER_EPS: out.push_back(h.eps); break;
-    case ZOPT_HYPER_WEIGHT_DECAY: out.push_back(h.wd); break;
-    case ZOPT_HYPER_MOMENTUM: out.push_back(h.mu); break;
-    case ZOPT_HYPER_DAMPENING: out.push_back(h.damp); break;
-    case ZOPT_HYPER_BIAS_CORRECTION: out.push_back(h.bc); break;
-    default: out.push_back(NAN);
-    }
-  }
-  return out;
-}
-
-//===----------------------------------------------------------------------===//
-// Buffers: one per state, with a prefix offset (misalignment) and a guard.
-//===----------------------------------------------------------------------===//
-
-constexpr size_t kGuard = 64;
-constexpr uint8_t kGuardByte = 0xA5;
-
-struct Buf {
-  uint32_t dtype;
-  std::vector<uint8_t> mem; // offset + n + kGuard elements, 64-aligned data()
-  size_t off, n;
-  uint8_t *ptr() { return mem.data() + off * dtSize(dtype); }
-  uint32_t bits(size_t i) const {
-    const uint8_t *p = mem.data() + (off + i) * dtSize(dtype);
-    if (dtype == ZOPT_DTYPE_F32) { uint32_t b; std::memcpy(&b, p, 4); return b; }
-    uint16_t b; std::memcpy(&b, p, 2); return b;
-  }
-  void setBits(size_t i, uint32_t b) {
-    uint8_t *p = mem.data() + (off + i) * dtSize(dtype);
-    if (dtype == ZOPT_DTYPE_F32) std::memcpy(p, &b, 4);
-    else { uint16_t h = uint16_t(b); std::memcpy(p, &h, 2); }
-  }
-  double value(size_t i) const {
-    uint32_t b = bits(i);
-    if (dtype == ZOPT_DTYPE_F32) return bitsF32(b);
-    if (dtype == ZOPT_DTYPE_BF16) return decodeBf16(uint16_t(b));
-    return decodeF16(uint16_t(b));
-  }
-  // Stores x rounded (RNE) to the storage type; returns the stored value.
-  double store(size_t i, double x) {
-    if (dtype == ZOPT_DTYPE_F32) setBits(i, f32Bits(float(roundF32(x))));
-    else if (dtype == ZOPT_DTYPE_BF16) setBits(i, rneBf16(x));
-    else setBits(i, rneF16(x));
-    return value(i);
-  }
-  bool guardsIntact() const {
-    size_t es = dtSize(dtype);
-    for (size_t i = 0; i < off * es; ++i) if (mem[i] != kGuardByte) return false;
-    for (size_t i = (off + n) * es; i < mem.size(); ++i) if (mem[i] != kGuardByte) return false;
-    return true;
-  }
-};
-
-Buf makeBuf(uint32_t dtype, size_t n, size_t off) {
-  Buf b;
-  b.dtype = dtype; b.n = n; b.off = off;
-  b.mem.assign((off + n + kGuard) * dtSize(dtype), kGuardByte);
-  return b;
-}
-
-//===----------------------------------------------------------------------===//
-// The float64 reference.
-//===----------------------------------------------------------------------===//
-
-struct RefIn { double p, g, m, v, vm, buf; };
-struct RefOut {
-  E p, m, v, vm, buf;
-  bool ambiguous = false; // Lion: sign of the interpolation within its error
-  E pAlt, pZero;          // Lion: p with the other sign / with sign 0
-};
-
-RefOut reference(Rule rule, const Hypers &h, const Config &c, bool hasBuf, RefIn in) {
-  RefOut o;
-  E p = exact(in.p);
-  // g after unscaling and clipping; the kernel multiplies by f32 coefficients.
-  double gs = in.g * c.invLossScale * c.clipCoef;
-  E g = {gs, (c.invLossScale != 1 || c.clipCoef != 1) ? 2 * std::fabs(gs) : 0};
-  double lr = c.lr, wd = c.wd;
-  switch (rule) {
-  case Rule::Adam: case Rule::AdamW: case Rule::AdamAmsgrad: {
-    if (rule != Rule::AdamW) g = g + coef(wd) * p;
-    E m1 = coef(h.b1) * exact(in.m) + coef(1 - h.b1) * g;
-    E v1 = coef(h.b2) * exact(in.v) + coef(1 - h.b2) * g * g;
-    E vv = v1;
-    if (rule == Rule::AdamAmsgrad) { o.vm = emax(exact(in.vm), v1); vv = o.vm; }
-    double bc1 = h.bc ? 1 - std::pow(h.b1, c.t) : 1;
-    double bc2 = h.bc ? 1 - std::pow(h.b2, c.t) : 1;
-    E u = (m1 / coef(bc1)) / (esqrt(vv) / coef(std::sqrt(bc2)) + coef(h.eps));
-    E pd = rule == Rule::AdamW ? p * coef(1 - lr * wd) : p;
-    o.p = pd - coef(lr) * u;
-    o.m = m1; o.v = v1;
-    break;
-  }
-  case Rule::Sgd: case Rule::SgdNesterov: {
-    g = g + coef(wd) * p;
-    E d = g;
-    if (hasBuf) {
-      E b1 = c.t == 1 ? g : coef(h.mu) * exact(in.buf) + coef(1 - h.damp) * g;
-      o.buf = b1;
-      d = rule == Rule::SgdNesterov ? g + coef(h.mu) * b1 : b1;
-    }
-    o.p = p - coef(lr) * d;
-    break;
-  }
-  case Rule::Lion: {
-    E cc = coef(h.b1) * exact(in.m) + coef(1 - h.b1) * g;
-    double sg = cc.v > 0 ? 1 : cc.v < 0 ? -1 : 0;
-    // Within its f32 error bound the interpolation's sign is not determined:
-    // the kernel may see -1, 0 or +1 there; accept each (counted, reported).
-    o.ambiguous = std::fabs(cc.v) <= tolOf(cc);
-    E pd = p * coef(1 - lr * wd);
-    o.p = pd - coef(lr) * exact(sg);
-    o.pAlt = pd - coef(lr) * exact(-sg);
-    o.pZero = pd; // the f32 interpolation may round to exactly 0: sign(0) = 0
-    o.m = coef(h.b2) * exact(in.m) + coef(1 - h.b2) * g;
-    break;
-  }
-  }
-  return o;
-}
-
-//===----------------------------------------------------------------------===//
-// Descriptor validation.
-//===----------------------------------------------------------------------===//
+namespace kc {
 
 bool loadStep(const char *path, Step &st) {
   std::string file = std::strchr(path, '/') ? path : std::string("./") + path;
@@ -418,7 +96,7 @@ bool loadStep(const char *path, Step &st) {
         s.placement != ZOPT_PLACE_CPU || (s.access & ~3u) || !s.access)
       statesOk = false;
     else st.idx[s.kind] = int(i);
-    std::printf("INFO state %u: %s %s access=%s%s\n", i, kindName(s.kind), dtName(s.dtype),
+    std::printf("INFO state %u: %s %s access=%s%s\n", i, kindName(s.kind), dtype_name(s.dtype),
                 (s.access & ZOPT_ACCESS_READ) ? "r" : "", (s.access & ZOPT_ACCESS_WRITE) ? "w" : "");
   }
   auto has = [&](uint32_t k) { return st.idx[k] >= 0; };
@@ -487,26 +165,22 @@ bool loadStep(const char *path, Step &st) {
   return ok && statesOk && flagsOk && kernOk;
 }
 
-//===----------------------------------------------------------------------===//
-// PREPARE checks.
-//===----------------------------------------------------------------------===//
-
 std::vector<float> runPrepare(const Step &st, const Hypers &h, const Config &c, bool &ok) {
   std::vector<double> hy = hyperArray(st, h);
   double globals[ZOPT_NUM_GLOBALS] = {c.t, c.clipCoef, c.invLossScale};
-  std::vector<float> co(ZOPT_MAX_COEFFS + 8, bitsF32(0x7FC0DEADu));
-  const float sentinel = bitsF32(0x7FC0BEEFu);
+  std::vector<float> co(ZOPT_MAX_COEFFS + 8, bits_f32(0x7FC0DEADu));
+  const float sentinel = bits_f32(0x7FC0BEEFu);
   for (size_t i = st.d->num_coeffs; i < co.size(); ++i) co[i] = sentinel;
   st.prepare(hy.data(), globals, co.data());
   ok = true;
   for (size_t i = 0; i < co.size(); ++i) {
     if (i < st.d->num_coeffs) ok = ok && std::isfinite(co[i]);
-    else ok = ok && f32Bits(co[i]) == f32Bits(sentinel);
+    else ok = ok && f32_bits(co[i]) == f32_bits(sentinel);
   }
   // Determinism: a second call gives the same bits.
   std::vector<float> co2(co.size(), 0.f);
   st.prepare(hy.data(), globals, co2.data());
-  for (size_t i = 0; i < st.d->num_coeffs; ++i) ok = ok && f32Bits(co[i]) == f32Bits(co2[i]);
+  for (size_t i = 0; i < st.d->num_coeffs; ++i) ok = ok && f32_bits(co[i]) == f32_bits(co2[i]);
   co.resize(std::max<size_t>(st.d->num_coeffs, 1));
   return co;
 }
@@ -515,26 +189,27 @@ std::vector<float> runPrepare(const Step &st, const Hypers &h, const Config &c, 
 void identifyCoeffs(const Step &st, const Hypers &h, const Config &c,
                     const std::vector<float> &co, const char *tag) {
   std::vector<std::pair<const char *, double>> exp;
-  double lr = c.lr, wd = c.wd;
+  zopt_ref::Hypers hy = h;
+  hy.lr = c.lr;
+  hy.weight_decay = c.wd;
+  const zopt_ref::Coeffs k = zopt_ref::coefficients(hy, c.t);
   switch (st.rule) {
-  case Rule::Adam: case Rule::AdamW: case Rule::AdamAmsgrad: {
-    double bc1 = h.bc ? 1 - std::pow(h.b1, c.t) : 1, bc2 = h.bc ? 1 - std::pow(h.b2, c.t) : 1;
-    exp = {{"lr", lr}, {"b1", h.b1}, {"1-b1", 1 - h.b1}, {"b2", h.b2}, {"1-b2", 1 - h.b2},
-           {"eps", h.eps}, {"1/bc1", 1 / bc1}, {"sqrt(bc2)", std::sqrt(bc2)}};
-    if (st.rule == Rule::AdamW) exp.push_back({"1-lr*wd", 1 - lr * wd});
-    else exp.push_back({"wd", wd});
+  case Rule::Adam: case Rule::AdamW: case Rule::AdamAmsgrad:
+    exp = {{"lr", k.lr}, {"b1", k.b1}, {"1-b1", k.one_minus_b1}, {"b2", k.b2}, {"1-b2", k.one_minus_b2},
+           {"eps", k.eps}, {"1/bc1", k.inv_bc1}, {"1/sqrt(bc2)", k.inv_sqrt_bc2}};
+    if (st.rule == Rule::AdamW) exp.push_back({"1-lr*wd", k.decay});
+    else exp.push_back({"wd", k.wd});
     break;
-  }
   case Rule::Sgd: case Rule::SgdNesterov:
-    exp = {{"lr", lr}, {"wd", wd}};
+    exp = {{"lr", k.lr}, {"wd", k.wd}};
     if (st.idx[ZOPT_STATE_MOMENTUM_BUFFER] >= 0) {
-      exp.push_back({"mu or 0 at t=1", c.t == 1 ? 0.0 : h.mu});
-      exp.push_back({"1-damp or 1 at t=1", c.t == 1 ? 1.0 : 1 - h.damp});
+      exp.push_back({"mu or 0 at t=1", c.t == 1 ? 0.0 : k.mu});
+      exp.push_back({"1-damp or 1 at t=1", c.t == 1 ? 1.0 : k.one_minus_damp});
     }
     break;
   case Rule::Lion:
-    exp = {{"lr", lr}, {"b1", h.b1}, {"1-b1", 1 - h.b1}, {"b2", h.b2}, {"1-b2", 1 - h.b2},
-           {"1-lr*wd", 1 - lr * wd}};
+    exp = {{"lr", k.lr}, {"b1", k.b1}, {"1-b1", k.one_minus_b1}, {"b2", k.b2}, {"1-b2", k.one_minus_b2},
+           {"1-lr*wd", k.decay}};
     break;
   }
   if (st.clip && c.clipCoef != 1) exp.push_back({"clip_coef", c.clipCoef});
@@ -543,7 +218,7 @@ void identifyCoeffs(const Step &st, const Hypers &h, const Config &c,
   std::string missing;
   for (auto &e : exp) {
     float want = float(e.second);
-    bool f = std::any_of(co.begin(), co.end(), [&](float x) { return f32Bits(x) == f32Bits(want); });
+    bool f = std::any_of(co.begin(), co.end(), [&](float x) { return f32_bits(x) == f32_bits(want); });
     found += f;
     if (!f) missing += std::string(" ") + e.first;
   }
@@ -552,371 +227,17 @@ void identifyCoeffs(const Step &st, const Hypers &h, const Config &c,
               missing.empty() ? "" : "; not found:", missing.c_str());
 }
 
-//===----------------------------------------------------------------------===//
-// UPDATE check.
-//===----------------------------------------------------------------------===//
-
-struct Gen {
-  std::mt19937_64 rng;
-  explicit Gen(uint64_t seed) : rng(seed) {}
-  double uni(double a, double b) { return std::uniform_real_distribution<double>(a, b)(rng); }
-  double sgn() { return (rng() & 1) ? 1.0 : -1.0; }
-};
-
-double genFor(uint32_t kind, Gen &gen, const Config &c) {
-  switch (kind) {
-  case ZOPT_STATE_PARAM: case ZOPT_STATE_MASTER: return gen.sgn() * gen.uni(0.01, 1.0);
-  case ZOPT_STATE_GRAD: return gen.sgn() * gen.uni(1e-3, 1.0) / c.invLossScale;
-  case ZOPT_STATE_EXP_AVG: return gen.sgn() * gen.uni(1e-3, 0.1);
-  case ZOPT_STATE_EXP_AVG_SQ: return gen.uni(1e-4, 1e-1);
-  case ZOPT_STATE_MAX_EXP_AVG_SQ: return gen.uni(1e-4, 1.2e-1);
-  case ZOPT_STATE_MOMENTUM_BUFFER: return gen.sgn() * gen.uni(1e-3, 1.0);
-  }
-  return 1.0;
-}
-
-const char *configTag(const Config &c, char *buf, size_t len) {
-  std::snprintf(buf, len, "t=%g bc=%d clip=%g invS=%g", c.t, int(c.biasCorrection),
-                c.clipCoef, c.invLossScale);
-  return buf;
-}
-
-void checkUpdate(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n, const Config &c,
-                 uint64_t seed) {
-  const zopt_step_descriptor *d = st.d;
-  Hypers h;
-  h.bc = c.biasCorrection ? 1 : 0;
-  h.lr = c.lr; h.wd = c.wd;
-  bool prepOk;
-  std::vector<float> co = runPrepare(st, h, c, prepOk);
-  char tag[128];
-  configTag(c, tag, sizeof tag);
-  size_t off = (seed & 1) ? 1 : 0; // every other run uses misaligned pointers
-  std::vector<Buf> bufs;
-  Gen gen(seed);
-  for (uint32_t i = 0; i < d->num_states; ++i) bufs.push_back(makeBuf(d->states[i].dtype, n, off));
-  std::vector<RefIn> in(n);
-  int ip = st.idx[ZOPT_STATE_MASTER] >= 0 ? st.idx[ZOPT_STATE_MASTER] : st.idx[ZOPT_STATE_PARAM];
-  for (size_t e = 0; e < n; ++e) {
-    for (uint32_t i = 0; i < d->num_states; ++i) {
-      const zopt_state_desc &s = d->states[i];
-      if (!(s.access & ZOPT_ACCESS_READ)) { // write-only: poison with a NaN pattern
-        bufs[i].setBits(e, s.dtype == ZOPT_DTYPE_F32 ? 0xFFFFFFFFu : 0xFFFFu);
-        continue;
-      }
-      double v = bufs[i].store(e, genFor(s.kind, gen, c));
-      switch (s.kind) {
-      case ZOPT_STATE_GRAD: in[e].g = v; break;
-      case ZOPT_STATE_EXP_AVG: in[e].m = v; break;
-      case ZOPT_STATE_EXP_AVG_SQ: in[e].v = v; break;
-      case ZOPT_STATE_MAX_EXP_AVG_SQ: in[e].vm = v; break;
-      case ZOPT_STATE_MOMENTUM_BUFFER: in[e].buf = v; break;
-      }
-      if (int(i) == ip) in[e].p = v;
-    }
-  }
-  std::vector<Buf> before = bufs;
-  // Out of place first (abi.h: loads through `in`, stores through `out`):
-  // the written states go to separate buffers; every input stays as it was.
-  std::vector<Buf> outBufs = bufs;
-  std::vector<void *> inPtrs, outPtrs;
-  for (uint32_t i = 0; i < d->num_states; ++i) {
-    inPtrs.push_back(bufs[i].ptr());
-    if (d->states[i].access & ZOPT_ACCESS_WRITE)
-      for (size_t e = 0; e < n; ++e)
-        outBufs[i].setBits(e, d->states[i].dtype == ZOPT_DTYPE_F32 ? 0xFFFFFFFFu : 0xFFFFu);
-    outPtrs.push_back((d->states[i].access & ZOPT_ACCESS_WRITE) ? outBufs[i].ptr() : nullptr);
-  }
-  fn(inPtrs.data(), outPtrs.data(), int64_t(n), co.data());
-  size_t inChanged = 0;
-  for (uint32_t i = 0; i < d->num_states; ++i)
-    for (size_t e = 0; e < n; ++e) inChanged += bufs[i].bits(e) != before[i].bits(e);
-  // Then in place; the results must be the same bits.
-  std::vector<void *> ptrs;
-  for (auto &b : bufs) ptrs.push_back(b.ptr());
-  fn(ptrs.data(), ptrs.data(), int64_t(n), co.data());
-  size_t placeDiff = 0;
-  for (uint32_t i = 0; i < d->num_states; ++i)
-    if (d->states[i].access & ZOPT_ACCESS_WRITE)
-      for (size_t e = 0; e < n; ++e) placeDiff += bufs[i].bits(e) != outBufs[i].bits(e);
-  report(inChanged == 0 && placeDiff == 0,
-         "update[%s] n=%zu out of place: %zu input elements changed, %zu outputs differ from "
-         "the in-place run", isaName(isa), n, inChanged, placeDiff);
-
-  bool hasBuf = st.idx[ZOPT_STATE_MOMENTUM_BUFFER] >= 0;
-  size_t bad = 0, offByOne = 0, ambiguous = 0;
-  double worst = 0; // max |err|/tol over f32 outputs
-  std::string firstBad;
-  for (size_t e = 0; e < n; ++e) {
-    RefOut r = reference(st.rule, h, c, hasBuf, in[e]);
-    if (r.ambiguous) ++ambiguous;
-    for (uint32_t i = 0; i < d->num_states; ++i) {
-      const zopt_state_desc &s = d->states[i];
-      uint32_t gotBits = bufs[i].bits(e);
-      if (!(s.access & ZOPT_ACCESS_WRITE)) {
-        if (gotBits != before[i].bits(e)) {
-          if (!bad++) {
-            char m[256];
-            std::snprintf(m, sizeof m, "read-only %s[%zu] modified", kindName(s.kind), e);
-            firstBad = m;
-          }
-        }
-        continue;
-      }
-      const E *want = nullptr;
-      switch (s.kind) {
-      case ZOPT_STATE_PARAM: case ZOPT_STATE_MASTER: want = &r.p; break;
-      case ZOPT_STATE_EXP_AVG: want = &r.m; break;
-      case ZOPT_STATE_EXP_AVG_SQ: want = &r.v; break;
-      case ZOPT_STATE_MAX_EXP_AVG_SQ: want = &r.vm; break;
-      case ZOPT_STATE_MOMENTUM_BUFFER: want = &r.buf; break;
-      }
-      auto matches = [&](const E &w, double &ratio, bool &one) {
-        double tol = tolOf(w);
-        if (s.dtype == ZOPT_DTYPE_F32) {
-          double got = bitsF32(gotBits);
-          ratio = std::fabs(got - w.v) / tol;
-          return std::isfinite(got) && std::fabs(got - w.v) <= tol;
-        }
-        bool bf = s.dtype == ZOPT_DTYPE_BF16;
-        uint16_t lo = bf ? rneBf16(w.v - tol) : rneF16(w.v - tol);
-        uint16_t hi = bf ? rneBf16(w.v + tol) : rneF16(w.v + tol);
-        uint16_t rn = bf ? rneBf16(w.v) : rneF16(w.v);
-        uint16_t g16 = uint16_t(gotBits);
-        ratio = 0;
-        one = g16 != rn;
-        return !isNanBits(g16, zopt_dtype(s.dtype)) && ord16(g16) >= ord16(lo) &&
-               ord16(g16) <= ord16(hi);
-      };
-      double ratio = 0;
-      bool one = false;
-      bool ok = matches(*want, ratio, one);
-      if (!ok && r.ambiguous && want == &r.p)
-        ok = matches(r.pAlt, ratio, one) || matches(r.pZero, ratio, one);
-      if (ok && s.dtype == ZOPT_DTYPE_F32) worst = std::max(worst, ratio);
-      if (ok && one) ++offByOne;
-      // With an f32 master, the narrow param is the rounded master, bit-exact.
-      if (ok && s.kind == ZOPT_STATE_PARAM && st.idx[ZOPT_STATE_MASTER] >= 0) {
-        uint32_t mb = bufs[st.idx[ZOPT_STATE_MASTER]].bits(e);
-        uint16_t w16 = s.dtype == ZOPT_DTYPE_BF16 ? rneBf16Bits(mb) : rneF16Bits(mb);
-        if (uint16_t(gotBits) != w16) {
-          ok = false;
-          if (!bad) {
-            char m[256];
-            std::snprintf(m, sizeof m, "param[%zu]=0x%04x but RNE(master=0x%08x)=0x%04x", e,
-                          gotBits, mb, w16);
-            firstBad = m;
-          }
-        }
-      }
-      if (!ok) {
-        if (!bad++ && firstBad.empty()) {
-          char m[320];
-          double got = bufs[i].value(e);
-          std::snprintf(m, sizeof m,
-                        "%s[%zu] (%s) got %.9g (bits 0x%x) expected %.9g +- %.3g "
-                        "(inputs p=%.9g g=%.9g m=%.9g v=%.9g vmax=%.9g buf=%.9g)",
-                        kindName(s.kind), e, dtName(s.dtype), got, gotBits, want->v,
-                        tolOf(*want), in[e].p, in[e].g, in[e].m, in[e].v, in[e].vm, in[e].buf);
-          firstBad = m;
-        }
-      }
-    }
-  }
-  bool guards = true;
-  for (auto &b : bufs) guards = guards && b.guardsIntact();
-  bool ok = prepOk && bad == 0 && guards;
-  report(ok, "update[%s] n=%zu %s%s: %zu bad elements, max f32 err/tol=%.3f, "
-             "narrow stores 1 ULP from RNE(ref)=%zu, lion sign ambiguous=%zu, guards %s, "
-             "prepare %s%s%s",
-         isaName(isa), n, tag, off ? " misaligned" : "", bad, worst, offByOne, ambiguous,
-         guards ? "intact" : "OVERWRITTEN", prepOk ? "ok" : "BAD",
-         firstBad.empty() ? "" : "; first: ", firstBad.c_str());
-}
-
-//===----------------------------------------------------------------------===//
-// SUMSQ checks.
-//===----------------------------------------------------------------------===//
-
-void checkSumsq(const Step &st, uint32_t isa, zopt_sumsq_fn fn, size_t n, uint64_t seed) {
-  const zopt_step_descriptor *d = st.d;
-  Config c{3, true, 0.37, st.lossScale ? 1.0 / 1024 : 1.0, 1e-2, 0.1};
-  if (!st.clip) c.clipCoef = 1;
-  Hypers h;
-  bool prepOk;
-  std::vector<float> co = runPrepare(st, h, c, prepOk);
-  Gen gen(seed);
-  std::vector<Buf> bufs;
-  for (uint32_t i = 0; i < d->num_states; ++i) bufs.push_back(makeBuf(d->states[i].dtype, n, seed & 1));
-  for (uint32_t i = 0; i < d->num_states; ++i)
-    for (size_t e = 0; e < n; ++e) bufs[i].store(e, genFor(d->states[i].kind, gen, c));
-  Buf &g = bufs[st.idx[ZOPT_STATE_GRAD]];
-  long double sum = 0;
-  for (size_t e = 0; e < n; ++e) {
-    // x = g * (1/S) in f32; with S a power of two this is exact.
-    long double x = (long double)(g.value(e) * c.invLossScale);
-    sum += x * x;
-  }
-  std::vector<void *> ptrs;
-  for (auto &b : bufs) ptrs.push_back(b.ptr());
-  double got = fn(ptrs.data(), int64_t(n), co.data());
-  // abi.h's exact order: ZOPT_SUMSQ_LANES lane sums, then the lanes in order.
-  double lane[ZOPT_SUMSQ_LANES] = {0};
-  for (size_t e = 0; e < n; ++e) {
-    double x = double(float(g.value(e) * c.invLossScale));
-    lane[e % ZOPT_SUMSQ_LANES] += x * x;
-  }
-  double canon = lane[0];
-  for (int l = 1; l < ZOPT_SUMSQ_LANES; ++l) canon += lane[l];
-  report(f64Bits(got) == f64Bits(canon),
-         "sumsq[%s] n=%zu: the order of abi.h (%d lanes): got %.17g canonical %.17g",
-         isaName(isa), n, ZOPT_SUMSQ_LANES, got, canon);
-  double ref = double(sum);
-  double tol = double(n > 1 ? n - 1 : 0) * std::ldexp(1.0, -53) * ref * 1.01 +
-               double(n) * std::ldexp(1.0, -63) * ref;
-  double err = std::fabs(got - ref);
-  report(prepOk && std::isfinite(got) && err <= tol,
-         "sumsq[%s] n=%zu: got %.17g ref %.17g |err|=%.3g tol=%.3g (rel err %.3g)", isaName(isa),
-         n, got, ref, err, tol, ref ? err / ref : 0);
-
-  // Non-finite propagation: inf at the first and at the last element, NaN in the
-  // middle (vector body and tail).
-  struct Inj { size_t at; bool nan; };
-  std::vector<Inj> inj = {{0, false}, {n - 1, false}, {n / 2, true}};
-  for (auto &j : inj) {
-    uint32_t saved = g.bits(j.at);
-    uint32_t bits = g.dtype == ZOPT_DTYPE_F32 ? (j.nan ? 0x7FC00000u : 0x7F800000u)
-                    : g.dtype == ZOPT_DTYPE_BF16 ? (j.nan ? 0x7FC0u : 0x7F80u)
-                                                 : (j.nan ? 0x7E00u : 0x7C00u);
-    g.setBits(j.at, bits);
-    double r = fn(ptrs.data(), int64_t(n), co.data());
-    report(!std::isfinite(r), "sumsq[%s] n=%zu with %s grad at %zu: returns %g (must be "
-                              "non-finite)", isaName(isa), n, j.nan ? "NaN" : "+inf", j.at, r);
-    g.setBits(j.at, saved);
-  }
-}
-
-//===----------------------------------------------------------------------===//
-// Bit-exact narrowing check through the master -> param copy-out.
-//===----------------------------------------------------------------------===//
-
-std::vector<uint32_t> specialValues(uint32_t pdt) {
-  std::vector<uint32_t> v = {0x00000000u, 0x80000000u, 0x3F800000u, 0xBF800000u,
-                             0x7F800000u, 0xFF800000u, 0x7F7FFFFFu, 0xFF7FFFFFu,
-                             0x00800000u, 0x80800000u};
-  if (pdt == ZOPT_DTYPE_BF16) {
-    uint32_t more[] = {
-        0x3F808000u, 0x3F818000u, 0x3F808001u, 0x3F807FFFu, 0x3F80FFFFu, // ties/near
-        0x40490FDBu, 0x3DCCCCCDu, 0x7F7F7FFFu, 0x7F7F8000u, 0x7F7E8000u, // pi, 0.1, top
-        0x00000001u, 0x00008000u, 0x00018000u, 0x00010000u, 0x007FFFFFu, // denormals
-        0x00408000u, 0x00808000u, 0x0000FFFFu, 0x00017FFFu};
-    for (uint32_t m : more) { v.push_back(m); v.push_back(m | 0x80000000u); }
-  } else {
-    uint32_t more[] = {
-        0x3F801000u, 0x3F803000u, 0x3F801001u, 0x3F800FFFu, // ties/near at 1.0
-        0x477FE000u, 0x477FEFFFu, 0x477FF000u, 0x47C35000u, // 65504, <65520, 65520, 1e5
-        0x33800000u, 0x33000000u, 0x33400000u, 0x33C00000u, // 2^-24, 2^-25, 1.5,3 *2^-25
-        0x38800000u, 0x387FC000u, 0x387FE000u, 0x38000000u, // around 2^-14
-        0x00000001u, 0x007FFFFFu, 0x40490FDBu, 0x3DCCCCCDu, 0x32FFFFFFu};
-    for (uint32_t m : more) { v.push_back(m); v.push_back(m | 0x80000000u); }
-  }
-  uint32_t nans[] = {0x7FC00000u, 0xFFC00000u, 0x7F800001u, 0x7FFFFFFFu, 0xFFFFFFFFu,
-                     0x7FBFFFFFu, 0xFF800001u, 0x7FC0FFFFu};
-  for (uint32_t n : nans) v.push_back(n);
-  return v;
-}
-
-void checkRne(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n) {
-  const zopt_step_descriptor *d = st.d;
-  int im = st.idx[ZOPT_STATE_MASTER], ip = st.idx[ZOPT_STATE_PARAM];
-  uint32_t pdt = d->states[ip].dtype;
-  if (im < 0 || pdt == ZOPT_DTYPE_F32) {
-    std::printf("SKIP rne[%s]: needs an f32 master and a bf16/f16 param\n", isaName(isa));
-    return;
-  }
-  Config c{3, true, 1.0, st.lossScale ? 1.0 / 1024 : 1.0, 0.0, 0.0};
-  Hypers h;
-  h.lr = 0; h.wd = 0;
-  bool prepOk;
-  std::vector<float> co = runPrepare(st, h, c, prepOk);
-  std::vector<uint32_t> sv = specialValues(pdt);
-  // With L2 decay (Adam, SGD) the param enters the gradient as 0 * p even at
-  // wd = 0, and 0 * inf = NaN (as in torch): infinite masters cannot pass
-  // through unchanged, so they are left out there (overflow to inf is still
-  // covered by FLT_MAX and the values that round up to inf).
-  bool l2 = st.rule == Rule::Adam || st.rule == Rule::AdamAmsgrad || st.rule == Rule::Sgd ||
-            st.rule == Rule::SgdNesterov;
-  if (l2)
-    sv.erase(std::remove_if(sv.begin(), sv.end(),
-                            [](uint32_t b) { return (b & 0x7FFFFFFFu) == 0x7F800000u; }),
-             sv.end());
-  std::vector<Buf> bufs;
-  for (uint32_t i = 0; i < d->num_states; ++i) bufs.push_back(makeBuf(d->states[i].dtype, n, n & 1));
-  for (uint32_t i = 0; i < d->num_states; ++i) {
-    for (size_t e = 0; e < n; ++e) {
-      uint32_t k = d->states[i].kind;
-      if (int(i) == im) bufs[i].setBits(e, sv[(e * 7) % sv.size()]); // varied lanes
-      else if (int(i) == ip) bufs[i].setBits(e, 0xFFFFu);
-      // Positive grads and moments: the update direction u is finite and
-      // positive, so w - 0*u == w even for w = -0.
-      else if (k == ZOPT_STATE_GRAD) bufs[i].store(e, 0.5 / c.invLossScale);
-      else if (k == ZOPT_STATE_EXP_AVG_SQ || k == ZOPT_STATE_MAX_EXP_AVG_SQ) bufs[i].store(e, 0.01);
-      else bufs[i].store(e, 0.1);
-    }
-  }
-  std::vector<uint32_t> masterIn(n);
-  for (size_t e = 0; e < n; ++e) masterIn[e] = bufs[im].bits(e);
-  std::vector<void *> ptrs;
-  for (auto &b : bufs) ptrs.push_back(b.ptr());
-  fn(ptrs.data(), ptrs.data(), int64_t(n), co.data());
-  size_t bad = 0, nanPayloadChanged = 0;
-  std::string first;
-  for (size_t e = 0; e < n; ++e) {
-    uint32_t w = masterIn[e], wo = bufs[im].bits(e), p = bufs[ip].bits(e);
-    bool wNan = isNanBits(w, ZOPT_DTYPE_F32);
-    bool ok;
-    uint32_t want;
-    if (wNan) {
-      want = 0;
-      ok = isNanBits(wo, ZOPT_DTYPE_F32) && isNanBits(p, zopt_dtype(pdt));
-      uint16_t trunc = uint16_t(w >> 16) | (pdt == ZOPT_DTYPE_BF16 ? 0x40 : 0);
-      if (ok && pdt == ZOPT_DTYPE_BF16 && p != trunc) ++nanPayloadChanged;
-    } else {
-      want = pdt == ZOPT_DTYPE_BF16 ? rneBf16Bits(w) : rneF16Bits(w);
-      ok = wo == w && p == want;
-    }
-    if (!ok && !bad++) {
-      char m[200];
-      std::snprintf(m, sizeof m, "master 0x%08x -> master' 0x%08x param 0x%04x, expected "
-                    "param %s0x%04x", w, wo, p, wNan ? "NaN, e.g. " : "", wNan ? 0x7FC0 : want);
-      first = m;
-    }
-  }
-  bool guards = true;
-  for (auto &b : bufs) guards = guards && b.guardsIntact();
-  report(prepOk && bad == 0 && guards,
-         "rne[%s] n=%zu f32 master -> %s param, %zu special values (ties, overflow, inf, NaN, "
-         "denormals): %zu mismatches%s%s (NaN kept as NaN; %zu NaNs not the quieted "
-         "truncated payload)",
-         isaName(isa), n, dtName(pdt), sv.size(), bad, first.empty() ? "" : "; first: ",
-         first.c_str(), nanPayloadChanged);
-}
-
-//===----------------------------------------------------------------------===//
-// Self test of the reference conversions (two implementations must agree).
-//===----------------------------------------------------------------------===//
-
 bool selfTest() {
   std::mt19937 rng(7);
   size_t bad = 0;
   auto one = [&](uint32_t b) {
-    if (isNanBits(b, ZOPT_DTYPE_F32)) return;
-    double x = bitsF32(b);
-    if (rneBf16Bits(b) != rneBf16(x)) ++bad;
-    if (rneF16Bits(b) != rneF16(x)) ++bad;
+    if (is_nan_bits(b, ZOPT_DTYPE_F32)) return;
+    double x = bits_f32(b);
+    if (rne_bf16_bits(b) != rne_bf16(x)) ++bad;
+    if (rne_f16_bits(b) != rne_f16(x)) ++bad;
     // Exact round trip of the decoders.
-    uint16_t h = rneF16(x);
-    if (!std::isnan(decodeF16(h)) && rneF16(decodeF16(h)) != h) ++bad;
+    uint16_t h = rne_f16(x);
+    if (!std::isnan(decode_f16(h)) && rne_f16(decode_f16(h)) != h) ++bad;
   };
   for (uint32_t b : specialValues(ZOPT_DTYPE_BF16)) one(b);
   for (uint32_t b : specialValues(ZOPT_DTYPE_F16)) one(b);
@@ -928,7 +249,7 @@ bool selfTest() {
   return bad == 0;
 }
 
-} // namespace
+} // namespace kc
 
 int main(int argc, char **argv) {
   if (argc < 3) {
@@ -963,13 +284,6 @@ int main(int argc, char **argv) {
   }
   selfTest();
   if (loadStep(argv[1], st)) {
-    if (st.d->flags & ZOPT_FLAG_STOCHASTIC) {
-      // Its UPDATE takes (key, first) and rounds with abi.h's hash; that is
-      // checked against the float64 reference in python/tests/test_stochastic.py.
-      std::fprintf(stderr, "zopt-kernel-check: steps with stochastic rounding are checked by "
-                           "python/tests/test_stochastic.py\n");
-      return 2;
-    }
     const double invS = st.lossScale ? 1.0 / 1024 : 1.0;
     const double clip = st.clip ? 0.37 : 1.0;
     std::vector<Config> configs = {{1, true, clip, invS, 1e-2, 0.1},
@@ -978,7 +292,7 @@ int main(int argc, char **argv) {
     // Identify coefficients once per config (informational).
     for (auto &c : configs) {
       Hypers h;
-      h.bc = c.biasCorrection;
+      h.bias_correction = c.biasCorrection;
       bool ok;
       std::vector<float> co = runPrepare(st, h, c, ok);
       char tag[128];
@@ -1028,3 +342,4 @@ int main(int argc, char **argv) {
   std::printf("%d passed, %d failed\n", gPassed, gFailed);
   return gFailed ? 1 : 0;
 }
+

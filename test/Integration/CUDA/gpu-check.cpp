@@ -42,6 +42,7 @@
 //===----------------------------------------------------------------------===//
 #include "zopt/zopt.h"
 #include "../check_util.h"
+#include "../cuda_test_driver.h"
 
 #include <dlfcn.h>
 #include <signal.h>
@@ -56,39 +57,12 @@
 #include <vector>
 
 namespace {
-typedef unsigned long long CUdeviceptr;
-struct Cu {
-  int (*Init)(unsigned);
-  int (*DriverGetVersion)(int *);
-  int (*DeviceGetCount)(int *);
-  int (*DeviceGet)(int *, int);
-  int (*DeviceGetName)(char *, int, int);
-  int (*DevicePrimaryCtxRetain)(void **, int);
-  int (*CtxSetCurrent)(void *);
-  int (*MemAlloc)(CUdeviceptr *, size_t);
-  int (*MemFree)(CUdeviceptr);
-  int (*MemcpyHtoD)(CUdeviceptr, const void *, size_t);
-  int (*MemcpyDtoH)(void *, CUdeviceptr, size_t);
-  int (*CtxSynchronize)();
-  // CUDA graphs (--graph)
-  int (*StreamCreate)(void **, unsigned);
-  int (*StreamBeginCapture)(void *, int);
-  int (*StreamEndCapture)(void *, void **);
-  int (*GraphInstantiate)(void **, void *, unsigned long long);
-  int (*GraphLaunch)(void *, void *);
-  int (*StreamSynchronize)(void *);
-} cu;
+using zopt_check::CUdeviceptr;
+zopt_check::TestCuda cu;
 
 using zopt_check::check;
 using zopt_check::failed;
 using zopt_check::passed;
-#define C(call)                                                  \
-  do {                                                           \
-    if (int r_ = (call)) {                                       \
-      fprintf(stderr, "%s failed: CUDA error %d\n", #call, r_); \
-      exit(1);                                                   \
-    }                                                            \
-  } while (0)
 
 size_t esize(uint32_t dt) { return dt == ZOPT_DTYPE_F32 ? 4 : 2; }
 float f32_ulp(float x) {
@@ -145,22 +119,7 @@ int main(int argc, char **argv) {
   // ZOPT_CUDA_DRIVER (as the runtime reads it) lets the control flow run
   // against the stand-in driver (its kernels do nothing: the comparisons
   // then fail); without it, the real driver.
-  const char *lib = getenv("ZOPT_CUDA_DRIVER");
-  void *h = dlopen(lib && *lib ? lib : "libcuda.so.1", RTLD_NOW);
-  int ndev = 0;
-  if (h) {
-#define R(f, s) *(void **)&cu.f = dlsym(h, s)
-    R(Init, "cuInit"); R(DriverGetVersion, "cuDriverGetVersion"); R(DeviceGetCount, "cuDeviceGetCount");
-    R(DeviceGet, "cuDeviceGet"); R(DeviceGetName, "cuDeviceGetName");
-    R(DevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain"); R(CtxSetCurrent, "cuCtxSetCurrent");
-    R(MemAlloc, "cuMemAlloc_v2"); R(MemFree, "cuMemFree_v2"); R(MemcpyHtoD, "cuMemcpyHtoD_v2"); R(MemcpyDtoH, "cuMemcpyDtoH_v2");
-    R(CtxSynchronize, "cuCtxSynchronize");
-    R(StreamCreate, "cuStreamCreate"); R(StreamBeginCapture, "cuStreamBeginCapture_v2");
-    R(StreamEndCapture, "cuStreamEndCapture"); R(GraphInstantiate, "cuGraphInstantiateWithFlags");
-    R(GraphLaunch, "cuGraphLaunch"); R(StreamSynchronize, "cuStreamSynchronize");
-#undef R
-    if (cu.Init && cu.Init(0) == 0) cu.DeviceGetCount(&ndev);
-  }
+  const int ndev = cu.load();
   if (ndev < 1) {
     printf("SKIP no CUDA device\n");
     return 77;

@@ -1,6 +1,11 @@
 //===- Builders.h - small IR-building helpers shared by the passes -*- C++ -*-===//
-#ifndef ZOPT_LIB_TRANSFORMS_BUILDERS_H
-#define ZOPT_LIB_TRANSFORMS_BUILDERS_H
+//
+// The IR-building helpers the passes of lib/Dialect/Zopt/Transforms/
+// (zopt-decompose, zopt-plan, zopt-fuse and the control body of Control.cpp)
+// share; the passes are declared in include/zopt/Dialect/Zopt/Transforms/.
+//===----------------------------------------------------------------------===//
+#ifndef ZOPT_LIB_DIALECT_ZOPT_TRANSFORMS_BUILDERS_H
+#define ZOPT_LIB_DIALECT_ZOPT_TRANSFORMS_BUILDERS_H
 
 #include "mlir/Dialect/Arith/IR/Arith.h"
 #include "mlir/IR/Builders.h"

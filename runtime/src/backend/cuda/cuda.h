@@ -4,10 +4,11 @@
 // the driver API, loaded at run time (cuda_driver.h: no build or link
 // dependency on CUDA): the driver table, contexts, events and streams the
 // CUDA backends share (device.h; the offload backend uses them too), and
-// the backend of steps whose states live on the GPU (cuda.cpp): the
-// step's image and kernels, the device tables (segments, work list,
-// hyperparameters, globals, scaler) and the program's ops as launches on
-// the optimizer's stream (abi.h "GPU kernels", docs/GPU.md).
+// the backend of steps whose states live on the GPU (cuda.cpp over the
+// parts cuda_internal.h lists: the step's image and kernels, module.cpp;
+// the device tables of segments, work list, hyperparameters, globals and
+// scaler, tables.cpp; the program's ops as launches on the optimizer's
+// stream, launch.cpp; abi.h "GPU kernels", docs/GPU.md).
 #ifndef ZOPT_RUNTIME_BACKEND_CUDA_H
 #define ZOPT_RUNTIME_BACKEND_CUDA_H
 

@@ -175,4 +175,28 @@ zopt_status gpu_set_stream(GpuState *g, void *stream) {
   return ZOPT_OK;
 }
 
+zopt_status gpu_state_create(const char *name, const char *what, zopt_status (*init)(GpuState *, const void *),
+                             const void *arg, void (*undo)(GpuState *), GpuState **out) {
+  GpuState *g = new (std::nothrow) GpuState;
+  if (!g) return fail(ZOPT_ERR_OUT_OF_MEMORY, "out of memory");
+  if (zopt_status st = cuda_attach(g, name, what)) {
+    delete g;
+    return st;
+  }
+  zopt_status st;
+  {
+    CtxScope scope(g);
+    st = scope.status();
+    if (!st) st = init(g, arg);
+    if (st && !scope.status() && undo) undo(g);
+  }
+  if (st) {
+    cuda_detach(g);
+    delete g;
+    return st;
+  }
+  *out = g;
+  return ZOPT_OK;
+}
+
 }  // namespace zopt

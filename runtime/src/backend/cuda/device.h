@@ -1,5 +1,5 @@
 // backend/cuda/device.h - what the backends on a CUDA device share: GPU
-// steps (cuda.cpp: states on the device, kernels from the step's images)
+// steps (cuda.cpp and its parts: states on the device, kernels from the step's images)
 // and offloaded steps (backend/offload/: params/grads on the device, states
 // and kernels on the CPU): the driver, a context, events, streams
 // (device.cpp). Not installed.
@@ -9,6 +9,7 @@
 #include "backend/cuda/cuda_driver.h"
 #include "internal.h"
 
+#include <new>
 #include <utility>
 
 // Returns ZOPT_ERR_INTERNAL "what: <driver error>" when a driver call fails.
@@ -104,6 +105,12 @@ class CtxScope {
 // CUDA driver ..." messages.
 zopt_status cuda_attach(GpuState *g, const char *name, const char *what);
 void cuda_detach(GpuState *g);  // releases a retained primary context
+// A backend's GpuState at zopt_optimizer_create: attached (cuda_attach),
+// then `init` with its context current. On a failure nothing is left:
+// `undo` (context current) cleans up what init made, the context is
+// detached and the state deleted.
+zopt_status gpu_state_create(const char *name, const char *what, zopt_status (*init)(GpuState *, const void *),
+                             const void *arg, void (*undo)(GpuState *), GpuState **out);
 // The optimizer's events (created on first use), destroyed.
 zopt_status gpu_events(GpuState *g);
 void destroy_events(GpuState *g);

@@ -72,25 +72,9 @@ zopt_status offload_attach(zopt_optimizer *o, GpuState **out) {
                 "GPU and the host, ZeRO-3 keeps only each rank's shard. Compile the offloaded step with "
                 "zero_stage 2 (the same sharded optimizer states on the CPU; params whole on every GPU)",
                 d->name);
-  GpuState *g = new (std::nothrow) GpuState;
-  if (!g) return fail(ZOPT_ERR_OUT_OF_MEMORY, "out of memory");
-  if (zopt_status st = cuda_attach(g, d->name, "offloads its params from the GPU")) {
-    delete g;
-    return st;
-  }
-  zopt_status st;
-  {
-    CtxScope scope(g);
-    st = scope.status();
-    if (!st) st = gpu_events(g);
-  }
-  if (st) {
-    cuda_detach(g);
-    delete g;
-    return st;
-  }
-  *out = g;
-  return ZOPT_OK;
+  return gpu_state_create(
+      d->name, "offloads its params from the GPU", [](GpuState *g, const void *) { return gpu_events(g); }, nullptr,
+      nullptr, out);
 }
 
 zopt_status offload_alloc_staging(GpuState *g, size_t bytes, void **out) {

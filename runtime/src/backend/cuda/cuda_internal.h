@@ -1,0 +1,54 @@
+// backend/cuda/cuda_internal.h - the parts of the CUDA backend (cuda.h),
+// one concern per file, and what they share; nothing outside this folder
+// includes it:
+//
+//   cuda.cpp     the Backend (backend/backend.h) over the parts below
+//   module.cpp   the step's GPU image for this device, its kernels
+//                (parameters, block sizes, occupancy); the backend's state
+//                made at create and its tensors' pointers checked
+//   tables.cpp   device memory (the caller's allocator or cuMemAlloc), the
+//                layout of the groups' flat buffers, the device tables
+//                (segments, work list, hyperparameters, globals, scaler,
+//                active mask) built at finalize, pushed and pulled; a
+//                state's copies; free
+//   launch.cpp   a step: its program's ops as launches on the optimizer's
+//                stream, the program checked, the step's result read back
+//
+// device.h is what this backend shares with the offload backend (driver,
+// context, events, streams).
+#ifndef ZOPT_RUNTIME_BACKEND_CUDA_INTERNAL_H
+#define ZOPT_RUNTIME_BACKEND_CUDA_INTERNAL_H
+
+#include "backend/cuda/device.h"
+
+namespace zopt {
+
+// The CUDA backend's state of optimizer o (cuda.cpp).
+GpuState *G(const zopt_optimizer *o);
+
+// module.cpp
+zopt_status gpu_create(zopt_optimizer *o, GpuState **out);
+zopt_status gpu_check_tensor(const zopt_optimizer *o, int tensor, void *param, void *grad);
+
+// tables.cpp
+zopt_status gpu_set_allocator(zopt_optimizer *o, const zopt_device_allocator *a);
+zopt_status gpu_finalize(zopt_optimizer *o);
+zopt_status gpu_push(zopt_optimizer *o);
+zopt_status read_device_state(zopt_optimizer *o, zopt_gpu_step_globals *sg, zopt_gpu_scaler *sc, const char *what);
+zopt_status gpu_pull(zopt_optimizer *o);
+void gpu_hypers_changed(zopt_optimizer *o);
+zopt_status gpu_set_hyper(zopt_optimizer *o, int group, int hi, double value);
+zopt_status gpu_copy(const zopt_optimizer *o, int t, int si, void *host, size_t bytes, bool to_device);
+zopt_status gpu_refresh_master(zopt_optimizer *o, int first, int count);
+void gpu_free(zopt_optimizer *o);
+
+// launch.cpp
+zopt_status validate_program(const zopt_optimizer *o);
+zopt_status gpu_begin_step(zopt_optimizer *o, bool *capturing);
+zopt_status gpu_run_op(zopt_optimizer *o, size_t i);
+zopt_status gpu_end_step(zopt_optimizer *o, bool cap, zopt_step_result *result);
+zopt_status gpu_result(zopt_optimizer *o, zopt_step_result *result);
+
+}  // namespace zopt
+
+#endif

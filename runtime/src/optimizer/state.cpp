@@ -1,0 +1,127 @@
+// optimizer/state.cpp - a tensor's state read or written whole (zopt.h:
+// as f32, or raw in its storage dtype) through the backend's state
+// access, masters refreshed from the params, ZeRO-3 params gathered.
+#include "optimizer/api.h"
+
+#include "backend/backend.h"
+#include "exec/exec.h"
+
+#include <vector>
+
+using namespace zopt;
+
+extern "C" {
+
+// The checks every state access shares: the buffer, the state, and its
+// size (`size` elements for f32 access, `size` bytes of storage for raw).
+static zopt_status check_state_access(const zopt_optimizer *o, int tensor, uint32_t kind,
+                                      const void *buf, bool raw, uint64_t size, const char *fn,
+                                      int *si) {
+  if (zopt_status st = resolve_state(o, tensor, kind, fn, si)) return st;
+  uint64_t numel = (uint64_t)o->tensors[tensor].numel;
+  if (!buf && numel) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: %s is NULL", fn, raw ? "buffer" : "array");
+  if (!raw && size != numel)
+    return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: numel %lld != tensor's %lld", fn, (long long)size,
+                (long long)numel);
+  uint64_t want = numel * dtype_size(o->d->states[*si].dtype);
+  if (raw && size != want)
+    return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: bytes %llu != %llu", fn, (unsigned long long)size,
+                (unsigned long long)want);
+  return ZOPT_OK;
+}
+
+// State si of tensor t in its storage dtype, whole: device copies for GPU
+// memory, a copy of host memory, or (a state sharded across ranks) a
+// collective gather: every rank reads.
+static zopt_status read_storage(const zopt_optimizer *o, int t, int si, void *out, size_t bytes) {
+  return o->backend->read_state(o, t, si, out, bytes);
+}
+
+// Writes state si of tensor t from its storage dtype: each rank keeps the
+// elements it holds (no communication).
+static zopt_status write_storage(zopt_optimizer *o, int t, int si, const void *in, size_t bytes) {
+  return o->backend->write_state(o, t, si, in, bytes);
+}
+
+static zopt_status with_staging(int64_t n, uint32_t dt, std::vector<unsigned char> *tmp) {
+  try {
+    tmp->resize((size_t)n * dtype_size(dt));
+  } catch (...) {
+    return fail(ZOPT_ERR_OUT_OF_MEMORY, "out of host memory for a staging copy of %lld elements", (long long)n);
+  }
+  return ZOPT_OK;
+}
+
+ZOPT_API zopt_status zopt_optimizer_read_state_f32(const zopt_optimizer *o, int tensor, zopt_state_kind kind,
+                                                   float *out, int64_t numel) {
+  const char *fn = "zopt_optimizer_read_state_f32";
+  CHECK_OPT(o, "zopt_optimizer_read_state_f32");
+  int si;
+  if (zopt_status st = check_state_access(o, tensor, raw_enum(kind), out, false, (uint64_t)numel, fn, &si))
+    return st;
+  const uint32_t dt = o->d->states[si].dtype;
+  if (dt == ZOPT_DTYPE_F32) return read_storage(o, tensor, si, out, (size_t)numel * 4);
+  std::vector<unsigned char> tmp;
+  if (zopt_status st = with_staging(numel, dt, &tmp)) return st;
+  if (zopt_status st = read_storage(o, tensor, si, tmp.data(), tmp.size())) return st;
+  convert(tmp.data(), dt, out, ZOPT_DTYPE_F32, numel);
+  return ZOPT_OK;
+}
+
+ZOPT_API zopt_status zopt_optimizer_write_state_f32(zopt_optimizer *o, int tensor, zopt_state_kind kind,
+                                                    const float *in, int64_t numel) {
+  const char *fn = "zopt_optimizer_write_state_f32";
+  CHECK_OPT(o, "zopt_optimizer_write_state_f32");
+  int si;
+  if (zopt_status st = check_state_access(o, tensor, raw_enum(kind), in, false, (uint64_t)numel, fn, &si))
+    return st;
+  const uint32_t dt = o->d->states[si].dtype;
+  if (dt == ZOPT_DTYPE_F32) return write_storage(o, tensor, si, in, (size_t)numel * 4);
+  std::vector<unsigned char> tmp;
+  if (zopt_status st = with_staging(numel, dt, &tmp)) return st;
+  convert(in, ZOPT_DTYPE_F32, tmp.data(), dt, numel);
+  return write_storage(o, tensor, si, tmp.data(), tmp.size());
+}
+
+ZOPT_API zopt_status zopt_optimizer_read_state_raw(const zopt_optimizer *o, int tensor, zopt_state_kind kind,
+                                                   void *out, size_t bytes) {
+  const char *fn = "zopt_optimizer_read_state_raw";
+  CHECK_OPT(o, "zopt_optimizer_read_state_raw");
+  int si;
+  if (zopt_status st = check_state_access(o, tensor, raw_enum(kind), out, true, bytes, fn, &si))
+    return st;
+  return read_storage(o, tensor, si, out, bytes);
+}
+
+ZOPT_API zopt_status zopt_optimizer_write_state_raw(zopt_optimizer *o, int tensor, zopt_state_kind kind,
+                                                    const void *in, size_t bytes) {
+  const char *fn = "zopt_optimizer_write_state_raw";
+  CHECK_OPT(o, "zopt_optimizer_write_state_raw");
+  int si;
+  if (zopt_status st = check_state_access(o, tensor, raw_enum(kind), in, true, bytes, fn, &si))
+    return st;
+  return write_storage(o, tensor, si, in, bytes);
+}
+
+ZOPT_API zopt_status zopt_optimizer_refresh_master(zopt_optimizer *o, int first, int count) {
+  const char *fn = "zopt_optimizer_refresh_master";
+  CHECK_OPT(o, "zopt_optimizer_refresh_master");
+  if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "%s: call zopt_optimizer_finalize first", fn);
+  if (first < 0 || count < 0 || (size_t)first + (size_t)count > o->tensors.size())
+    return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: tensors [%d, %d + %d) out of range (have %zu)", fn, first, first,
+                count, o->tensors.size());
+  return o->backend->refresh_master(o, first, count);
+}
+
+ZOPT_API zopt_status zopt_optimizer_gather_params(zopt_optimizer *o, int first, int count, void *const *dst) {
+  const char *fn = "zopt_optimizer_gather_params";
+  CHECK_OPT(o, "zopt_optimizer_gather_params");
+  if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "%s: call zopt_optimizer_finalize first", fn);
+  if (first < 0 || count < 0 || (size_t)first + (size_t)count > o->tensors.size())
+    return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: tensors [%d, %d + %d) out of range (have %zu)", fn, first, first,
+                count, o->tensors.size());
+  if (zopt_status st = o->backend->supports(o, Feature::GatherParams, fn)) return st;
+  return exec::gather_state(o, o->step->param_index, first, count, dst);
+}
+
+}  // extern "C"

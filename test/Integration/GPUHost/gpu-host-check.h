@@ -1,0 +1,254 @@
+//===- gpu-host-check.h - what the files of zopt-gpu-host-check share -----===//
+//
+// zopt-gpu-host-check (gpu-host-check.cpp says what it checks) in files by
+// concern: gpu-host-check.cpp (main: the stand-in's table, the run),
+// gpu-host-offload.cpp (offloaded steps against their CPU twin, one rank
+// and W), gpu-host-step.cpp (a GPU step's tables, launches, device state,
+// hyperparameters, results and checkpoints), gpu-host-driver.cpp (driver
+// versions, launch errors, devices and contexts), gpu-host-graph.cpp (CUDA
+// graphs replayed on another stream), gpu-host-tensors.cpp (the active
+// mask, misaligned views, tensors past 2^32 elements). This header: the
+// stand-in's introspection table (Fake), the launch records, a GPU
+// optimizer over stand-in memory, and the small helpers.
+//===----------------------------------------------------------------------===//
+#ifndef ZOPT_TEST_GPU_HOST_CHECK_H
+#define ZOPT_TEST_GPU_HOST_CHECK_H
+
+#include "zopt/abi.h"
+#include "zopt/comm.h"
+#include "zopt/zopt.h"
+#include "../check_util.h"
+#include "zopt_reference.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace ghc {
+
+using zopt_check::check;
+using zopt_check::failed;
+using zopt_check::passed;
+
+struct Fake {
+  int (*num_calls)();
+  const char *(*call)(int);
+  int (*num_launches)();
+  const char *(*launch)(int, unsigned *, unsigned *, void **, unsigned long long *);
+  int (*num_allocs)();
+  void (*fail_next_launch)();
+  unsigned (*image_magic)();
+  int (*image_has_ptx)();
+  int (*kernel_params)(const char *, size_t *);
+  void *(*launch_context)(int);
+  int (*launch_nargs)(int);
+  int (*launch_replay)(int);
+  void (*set_device_count)(int);
+  void (*set_driver_version)(int);
+  void (*fail_attribute)(int);
+  void (*set_emulation)(int, unsigned);
+  int (*num_prepares)();
+  int (*prepare_hypers)(int, double *, int);
+  void (*patch_params)(const char *, int);
+  void (*set_htod_delay)(unsigned);
+  int (*num_delayed_done)();
+  void (*drain_all)();
+  int (*stream_enqueue)(void *, void (*)(void *), void *);
+  int (*num_bad_ranges)();
+  const char *(*bad_range)(int);
+  int (*in_alloc)(unsigned long long, size_t);
+  // The driver API itself (the test plays the application).
+  int (*mem_alloc)(unsigned long long *, size_t);
+  int (*mem_free)(unsigned long long);
+  int (*ctx_retain)(void **, int);
+  int (*ctx_push)(void *);
+  int (*ctx_pop)(void **);
+  int (*ctx_current)(void **);
+  int (*stream_create)(void **, unsigned);
+  int (*stream_query)(void *);
+  int (*begin_capture)(void *, int);
+  int (*end_capture)(void *, void **);
+  int (*instantiate)(void **, void *, unsigned long long);
+  int (*graph_launch)(void *, void *);
+};
+
+using zopt_ref::dtype_name;
+using zopt_ref::dtype_size;
+inline const char *state_kind_name_of(uint32_t k) {
+  return k == ZOPT_STATE_PARAM ? "param" : k == ZOPT_STATE_GRAD ? "grad" : k == ZOPT_STATE_MASTER ? "master"
+         : k == ZOPT_STATE_EXP_AVG ? "exp_avg" : k == ZOPT_STATE_EXP_AVG_SQ ? "exp_avg_sq" : "state";
+}
+
+// The storage bytes of x (exactly representable in dtype dt) in dt.
+inline std::vector<unsigned char> storage_of(const std::vector<float> &x, uint32_t dt) {
+  std::vector<unsigned char> out(x.size() * dtype_size(dt));
+  for (size_t i = 0; i < x.size(); ++i) {
+    uint32_t b;
+    memcpy(&b, &x[i], 4);
+    if (dt == ZOPT_DTYPE_F32) {
+      memcpy(&out[4 * i], &b, 4);
+    } else if (dt == ZOPT_DTYPE_BF16) {
+      uint16_t h = (uint16_t)(b >> 16);
+      memcpy(&out[2 * i], &h, 2);
+    } else {
+      _Float16 h = (_Float16)x[i];
+      memcpy(&out[2 * i], &h, 2);
+    }
+  }
+  return out;
+}
+
+// Values exactly representable in bf16 and f16 (and f32): k/8 for small k.
+inline std::vector<float> exact_values(int64_t n, int salt) {
+  std::vector<float> v((size_t)n);
+  for (int64_t i = 0; i < n; ++i) v[(size_t)i] = (float)((i * 7 + salt) % 61 - 30) * 0.125f;
+  return v;
+}
+
+inline bool ends_with(const std::string &s, const char *suf) {
+  size_t n = strlen(suf);
+  return s.size() >= n && s.compare(s.size() - n, n, suf) == 0;
+}
+
+// ---- GPU steps -------------------------------------------------------------
+
+struct StepInfo {
+  const zopt_step_descriptor *d;
+  bool ls, has_sumsq, sr, master;
+  uint32_t pdt, gdt;  // param and grad dtypes: the grad's may be f32 for a 16-bit param
+  size_t ep, eg;      // their element sizes
+  int lr_i = -1;
+};
+
+inline StepInfo info_of(zopt_step *step) {
+  StepInfo i{};
+  i.d = zopt_step_get_descriptor(step);
+  i.ls = i.d->flags & ZOPT_FLAG_LOSS_SCALE;
+  i.has_sumsq = i.d->flags & ZOPT_FLAG_SUMSQ;
+  i.sr = i.d->flags & ZOPT_FLAG_STOCHASTIC;
+  for (uint32_t k = 0; k < i.d->num_states; ++k) {
+    if (i.d->states[k].kind == ZOPT_STATE_PARAM) i.pdt = i.d->states[k].dtype;
+    if (i.d->states[k].kind == ZOPT_STATE_GRAD) i.gdt = i.d->states[k].dtype;
+    i.master |= i.d->states[k].init == ZOPT_INIT_FROM_PARAM;
+  }
+  for (uint32_t h = 0; h < i.d->num_hypers; ++h)
+    if (i.d->hypers[h].kind == ZOPT_HYPER_LR) i.lr_i = (int)h;
+  i.ep = dtype_size(i.pdt);
+  i.eg = dtype_size(i.gdt);
+  return i;
+}
+
+struct Rec {
+  std::string name, role;
+  unsigned grid[3], block[3];
+  void *stream, *ctx;
+  unsigned long long args[12];
+  int nargs, replay;
+};
+
+inline std::string role_of(const std::string &n) {
+  return ends_with(n, "_prepare_gpu") ? "PREPARE"
+         : ends_with(n, "_sumsq")     ? "SUMSQ"
+         : ends_with(n, "_update")    ? "UPDATE"
+         : ends_with(n, "_finish")    ? "FINISH"
+         : ends_with(n, "_init_gpu")  ? "INIT"
+                                      : "?" + n;
+}
+
+inline std::vector<Rec> launches_since(Fake &f, int from) {
+  std::vector<Rec> out;
+  for (int i = from; i < f.num_launches(); ++i) {
+    Rec r{};
+    r.name = f.launch(i, r.grid, r.block, &r.stream, r.args);
+    r.role = role_of(r.name);
+    r.ctx = f.launch_context(i);
+    r.nargs = f.launch_nargs(i);
+    r.replay = f.launch_replay(i);
+    out.push_back(r);
+  }
+  return out;
+}
+
+inline int calls_since(Fake &f, int from, const char *name) {
+  int n = 0;
+  for (int i = from; i < f.num_calls(); ++i) n += !strcmp(f.call(i), name);
+  return n;
+}
+
+inline std::string seq_of(const std::vector<Rec> &ls) {
+  std::string s;
+  for (auto &l : ls) s += l.role + " ";
+  return s;
+}
+
+// A GPU optimizer over tensors of `sizes` in two groups (lr 1e-3 / 3e-3),
+// params zero, in stand-in device memory; each grad a buffer of the grad's
+// dtype.
+struct Setup {
+  zopt_optimizer *o = nullptr;
+  std::vector<unsigned long long> dp, dg;
+  int gid[2] = {0, 0};
+};
+
+inline Setup make_optimizer(Fake &f, zopt_step *step, const StepInfo &si, const std::vector<int64_t> &sizes) {
+  Setup su;
+  Z(zopt_optimizer_create(step, &su.o));
+  for (int k = 0; k < 2; ++k) {
+    Z(zopt_optimizer_add_group(su.o, &su.gid[k]));
+    Z(zopt_optimizer_set_hyper(su.o, su.gid[k], "lr", k ? 3e-3 : 1e-3));
+  }
+  su.dp.resize(sizes.size());
+  su.dg.resize(sizes.size());
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    f.mem_alloc(&su.dp[i], sizes[i] * si.ep);
+    f.mem_alloc(&su.dg[i], sizes[i] * si.eg);
+    memset((void *)(uintptr_t)su.dp[i], 0, sizes[i] * si.ep);  // 0.0 in every dtype
+    int id = 0;
+    Z(zopt_optimizer_add_tensor(su.o, su.gid[i % 2], (void *)(uintptr_t)su.dp[i], (void *)(uintptr_t)su.dg[i],
+                                sizes[i], (zopt_dtype)si.pdt, &id));
+  }
+  if (si.ls) {
+    zopt_loss_scaler_config c = {1024.0, 2.0, 0.5, 3, 1.0, 1};
+    Z(zopt_optimizer_configure_loss_scaler(su.o, &c));
+  }
+  return su;
+}
+
+// The chunk table of an UPDATE launch: every element of every tensor
+// exactly once, in order, chunks of at most `chunk` elements at multiples of
+// it (so none straddles a multiple of 2^32 elements).
+inline bool chunks_cover(const zopt_gpu_chunk *ch, int64_t nch, const std::vector<int64_t> &sizes, int64_t *chunk) {
+  int64_t c = 0, max_n = 0;
+  for (int64_t i = 0; i < nch; ++i) max_n = std::max<int64_t>(max_n, ch[i].n);
+  for (size_t t = 0; t < sizes.size(); ++t)
+    for (int64_t b = 0; b < sizes[t]; ++c) {
+      if (c >= nch || ch[c].segment != t || ch[c].begin != b || ch[c].n < 1 ||
+          (ch[c].begin % max_n) != 0 || (ch[c].begin >> 32) != ((ch[c].begin + ch[c].n - 1) >> 32))
+        return false;
+      b += ch[c].n;
+      if (b > sizes[t]) return false;
+    }
+  *chunk = max_n;
+  return c == nch;
+}
+
+// The checks, by file.
+int offload_check(Fake &f, zopt_step *step, const char *twin_path);
+void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const char *twin_path, int W);
+int gpu_main_check(Fake &f, zopt_step *step, const char *path);
+void driver_checks(Fake &f, zopt_step *step);
+void device_checks(Fake &f, zopt_step *step);
+void graph_checks(Fake &f, zopt_step *step);
+void active_checks(Fake &f, zopt_step *step);
+void misaligned_checks(Fake &f, zopt_step *step);
+void big_checks(Fake &f, zopt_step *step);
+
+}  // namespace ghc
+
+#endif

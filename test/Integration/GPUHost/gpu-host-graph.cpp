@@ -1,0 +1,102 @@
+//===- gpu-host-graph.cpp - CUDA graphs ----------------------------------===//
+//
+// A step captured into a CUDA graph and replayed on another stream, with
+// hyperparameters changed between replays: every read waits for the
+// replays.
+//===----------------------------------------------------------------------===//
+#include "gpu-host-check.h"
+
+#include <thread>
+
+namespace ghc {
+
+// A CUDA graph: the step captured on stream C, replayed on stream R, with
+// the stand-in emulating the kernels (queued, delayed, FINISH advancing the
+// step counts, PREPARE recording the hyperparameters it read). Reads made
+// without telling the optimizer about R must wait for the replays; lr
+// changes between replays must reach the replays that follow them, and
+// only those.
+void graph_checks(Fake &f, zopt_step *step) {
+  const StepInfo si = info_of(step);
+  f.set_emulation(1, 20000);  // 20 ms per kernel
+  Setup su = make_optimizer(f, step, si, {33, 1000, 5000});
+  zopt_optimizer *o = su.o;
+  Z(zopt_optimizer_finalize(o));
+  void *cs = nullptr, *rs = nullptr, *graph = nullptr, *exec = nullptr;
+  f.stream_create(&cs, 0);
+  f.stream_create(&rs, 0);
+  Z(zopt_optimizer_set_stream(o, cs));
+  Z(zopt_optimizer_step(o, nullptr));  // warm-up, on C
+  f.drain_all();
+  const int p0 = f.num_prepares();
+  f.begin_capture(cs, 0);
+  zopt_status st = zopt_optimizer_step(o, nullptr);
+  zopt_status st_hyper = zopt_optimizer_set_hyper(o, su.gid[0], "lr", 7e-4);
+  std::string msg_hyper = zopt_last_error();
+  int64_t n = -1;
+  zopt_status st_read = zopt_optimizer_get_step_count(o, 0, &n);
+  std::string msg_read = zopt_last_error();
+  int ec = f.end_capture(cs, &graph);
+  check(st == ZOPT_OK && ec == 0, "step captured into a CUDA graph (nothing the capture forbids: no sync, no "
+                                  "pageable copy, no wait for an event outside it)");
+  check(st_hyper == ZOPT_ERR_BAD_STATE && msg_hyper.find("capturing a CUDA graph") != std::string::npos,
+        "set_hyper during the capture is refused, saying why: " + msg_hyper);
+  check(st_read == ZOPT_ERR_BAD_STATE && msg_read.find("capturing a CUDA graph") != std::string::npos,
+        "reading the step count during the capture is refused, saying why: " + msg_read);
+  f.instantiate(&exec, graph, 0);
+  // Three replays on R, lr changed before the second and third; the
+  // optimizer's stream stays C (as after a capture by torch.cuda.graph).
+  const double lrs[3] = {1e-3, 5e-4, 2e-4};
+  for (int k = 0; k < 3; ++k) {
+    if (k) Z(zopt_optimizer_set_hyper(o, su.gid[0], "lr", lrs[k]));
+    f.graph_launch(exec, rs);
+  }
+  int l_after = f.num_launches();
+  Z(zopt_optimizer_get_step_count(o, 0, &n));
+  check(n == 4,
+        "get_step_count after 3 replays on another stream waits for them (the step's event is a record node of "
+        "the graph): count " + std::to_string(n) + " (1 + 3)");
+  std::string seen;
+  bool lr_ok = f.num_prepares() == p0 + 3;
+  for (int k = 0; k < 3 && lr_ok; ++k) {
+    double h[64];
+    f.prepare_hypers(p0 + k, h, 64);
+    char b[64];
+    snprintf(b, sizeof b, "%g ", h[si.lr_i]);
+    seen += b;
+    lr_ok &= h[si.lr_i] == lrs[k] && h[si.d->num_hypers + si.lr_i] == 3e-3;
+  }
+  check(lr_ok, "lr changed between replays reaches exactly the replays after it: the replayed PREPAREs read " + seen);
+  (void)l_after;
+  // Two more replays, then a checkpoint and gpu_result right away.
+  f.graph_launch(exec, rs);
+  f.graph_launch(exec, rs);
+  std::string ck = "/tmp/zopt-host-check-graph-" + std::to_string(getpid()) + ".ckpt";
+  Z(zopt_optimizer_save(o, ck.c_str()));
+  zopt_step_result gr{};
+  Z(zopt_optimizer_gpu_result(o, &gr));
+  Z(zopt_optimizer_load(o, ck.c_str()));
+  Z(zopt_optimizer_get_step_count(o, 0, &n));
+  remove(ck.c_str());
+  check(n == 6, "save after 2 more replays waits for them: the checkpoint holds step count " + std::to_string(n));
+  // A step on another stream after a stream change: ordered after the
+  // replays (the new stream waits for the optimizer's events).
+  void *other = nullptr;
+  f.stream_create(&other, 0);
+  f.graph_launch(exec, rs);
+  int c0 = f.num_calls();
+  Z(zopt_optimizer_set_stream(o, other));
+  Z(zopt_optimizer_step(o, nullptr));
+  Z(zopt_optimizer_get_step_count(o, 0, &n));
+  check(calls_since(f, c0, "cuStreamWaitEvent") >= 1 && n == 8,
+        "a new stream waits for the optimizer's last work (a replay on R), then steps: count " + std::to_string(n));
+  f.drain_all();
+  f.set_emulation(0, 0);
+  zopt_optimizer_free(o);
+  for (size_t i = 0; i < su.dp.size(); ++i) {
+    f.mem_free(su.dp[i]);
+    f.mem_free(su.dg[i]);
+  }
+}
+
+}  // namespace ghc

@@ -1,0 +1,387 @@
+//===- gpu-host-offload.cpp - offloaded steps on the stand-in ------------===//
+//
+// An offloaded step (params/grads on the stand-in's "device", states and
+// kernels on the CPU) against its CPU twin, bit for bit, with its copies
+// counted; at one rank and at W ranks (loopback threads).
+//===----------------------------------------------------------------------===//
+#include "gpu-host-check.h"
+
+#include <thread>
+
+namespace ghc {
+
+int offload_check(Fake &f, zopt_step *step, const char *twin_path) {
+  zopt_step *twin = nullptr;
+  Z(zopt_step_load(twin_path, &twin));
+  const zopt_step_descriptor *d = zopt_step_get_descriptor(step);
+  const bool ls = d->flags & ZOPT_FLAG_LOSS_SCALE, has_sumsq = d->flags & ZOPT_FLAG_SUMSQ;
+  int pi = -1, gi = -1;
+  for (uint32_t i = 0; i < d->num_states; ++i) {
+    if (d->states[i].kind == ZOPT_STATE_PARAM) pi = (int)i;
+    if (d->states[i].kind == ZOPT_STATE_GRAD) gi = (int)i;
+  }
+  // The grad has its own dtype: the param's, or f32 for a 16-bit param
+  // (DeepSpeed's bf16 layout: gradients accumulated in f32).
+  const uint32_t pdt = d->states[pi].dtype, gdt = d->states[gi].dtype;
+  const bool reads_param = d->states[pi].access & ZOPT_ACCESS_READ;
+  const size_t ep = dtype_size(pdt), eg = dtype_size(gdt);
+  printf("INFO offloaded step '%s': param %s, grad %s\n", d->name, dtype_name(pdt), dtype_name(gdt));
+  zopt_optimizer *o = nullptr, *c = nullptr;
+  Z(zopt_optimizer_create(step, &o));
+  Z(zopt_optimizer_create(twin, &c));
+  const std::vector<int64_t> sizes = {1, 7, 17, 100, 1000, 4097, 70001};
+  const size_t T = sizes.size();
+  int go[2], gc[2];
+  for (int k = 0; k < 2; ++k) {
+    Z(zopt_optimizer_add_group(o, &go[k]));
+    Z(zopt_optimizer_add_group(c, &gc[k]));
+    Z(zopt_optimizer_set_hyper(o, go[k], "lr", k ? 3e-3 : 1e-3));
+    Z(zopt_optimizer_set_hyper(c, gc[k], "lr", k ? 3e-3 : 1e-3));
+  }
+  std::vector<unsigned long long> dp(T), dg(T);
+  std::vector<std::vector<unsigned char>> hp(T), hg(T);
+  unsigned rng = 12345;
+  auto rnd = [&]() {
+    rng = rng * 1664525u + 1013904223u;
+    return ((rng >> 8) & 0xFFFF) / 32768.0f - 1.0f;  // [-1, 1)
+  };
+  for (size_t t = 0; t < T; ++t) {
+    f.mem_alloc(&dp[t], sizes[t] * ep);
+    f.mem_alloc(&dg[t], sizes[t] * eg);
+    hp[t].resize(sizes[t] * ep);
+    hg[t].resize(sizes[t] * eg);
+    int id = 0;
+    Z(zopt_optimizer_add_tensor(o, go[t % 2], (void *)(uintptr_t)dp[t], (void *)(uintptr_t)dg[t], sizes[t],
+                                (zopt_dtype)pdt, &id));
+    Z(zopt_optimizer_add_tensor(c, gc[t % 2], hp[t].data(), hg[t].data(), sizes[t], (zopt_dtype)pdt, &id));
+    std::vector<float> v(sizes[t]);
+    for (auto &x : v) x = rnd();
+    Z(zopt_optimizer_write_state_f32(c, (int)t, ZOPT_STATE_PARAM, v.data(), sizes[t]));  // twin: host
+    memcpy((void *)(uintptr_t)dp[t], hp[t].data(), hp[t].size());                        // same bytes
+  }
+  if (ls) {
+    zopt_loss_scaler_config cfg = {1024.0, 2.0, 0.5, 2, 1.0, 1};
+    Z(zopt_optimizer_configure_loss_scaler(o, &cfg));
+    Z(zopt_optimizer_configure_loss_scaler(c, &cfg));
+  }
+  int a0 = f.num_calls();
+  Z(zopt_optimizer_finalize(o));
+  int host_allocs = 0;
+  for (int i = a0; i < f.num_calls(); ++i) host_allocs += !strcmp(f.call(i), "cuMemHostAlloc");
+  check(host_allocs == 2, "finalize: pinned staging for the params and the grads of every group (" +
+                              std::to_string(host_allocs) + " cuMemHostAlloc)");
+  Z(zopt_optimizer_finalize(c));
+  void *const stream = (void *)0x0FF1;
+  Z(zopt_optimizer_set_stream(o, stream));
+
+  const int steps = 5, inf_at = has_sumsq ? 3 : 0;
+  for (int k = 1; k <= steps; ++k) {
+    for (size_t t = 0; t < T; ++t) {  // new grads, identical bytes on both
+      std::vector<float> v(sizes[t]);
+      for (auto &x : v) x = rnd() * (ls ? 64.f : 0.05f);
+      if (k == inf_at && t == T / 2) v[sizes[t] / 2] = INFINITY;
+      Z(zopt_optimizer_write_state_f32(c, (int)t, ZOPT_STATE_GRAD, v.data(), sizes[t]));
+      memcpy((void *)(uintptr_t)dg[t], hg[t].data(), hg[t].size());
+    }
+    zopt_step_result ro{}, rc{};
+    int c0 = f.num_calls();
+    Z(zopt_optimizer_step(o, &ro));
+    int dtoh = 0, htod = 0, syncs = 0, allocs = 0;
+    for (int i = c0; i < f.num_calls(); ++i) {
+      std::string n = f.call(i);
+      dtoh += n == "cuMemcpyDtoHAsync";
+      htod += n == "cuMemcpyHtoDAsync";
+      syncs += n == "cuStreamSynchronize";
+      allocs += n == "cuMemAlloc" || n == "cuMemHostAlloc";
+    }
+    Z(zopt_optimizer_step(c, &rc));
+    const int want_dtoh = (int)T * (reads_param ? 2 : 1), want_htod = rc.skipped ? 0 : (int)T;
+    check(dtoh == want_dtoh && htod == want_htod && syncs == 1 && allocs == 0,
+          "offload step " + std::to_string(k) + ": " + std::to_string(dtoh) + " copies from the GPU, " +
+              std::to_string(htod) + " to it, " + std::to_string(syncs) + " sync, no allocation");
+    bool same_result = ro.skipped == rc.skipped && ro.loss_scale == rc.loss_scale &&
+                       ((std::isnan(ro.grad_norm) && std::isnan(rc.grad_norm)) || ro.grad_norm == rc.grad_norm);
+    char buf[200];
+    snprintf(buf, sizeof buf, "offload step %d result = CPU twin's (norm %.17g, skipped %d, scale %g)", k, ro.grad_norm,
+             ro.skipped, ro.loss_scale);
+    check(same_result, buf);
+    bool params_same = true;
+    for (size_t t = 0; t < T; ++t)
+      params_same &= memcmp((void *)(uintptr_t)dp[t], hp[t].data(), hp[t].size()) == 0;
+    check(params_same, "offload step " + std::to_string(k) + ": params on the GPU bit-identical to the CPU twin's");
+    bool states_same = true;
+    for (size_t t = 0; t < T; ++t)
+      for (uint32_t s = 0; s < d->num_states; ++s) {
+        uint32_t kind = d->states[s].kind;
+        if (kind == ZOPT_STATE_PARAM || kind == ZOPT_STATE_GRAD) continue;
+        size_t b = sizes[t] * (d->states[s].dtype == ZOPT_DTYPE_F32 ? 4 : 2);
+        std::vector<unsigned char> x(b), y(b);
+        Z(zopt_optimizer_read_state_raw(o, (int)t, (zopt_state_kind)kind, x.data(), b));
+        Z(zopt_optimizer_read_state_raw(c, (int)t, (zopt_state_kind)kind, y.data(), b));
+        states_same &= x == y;
+      }
+    check(states_same, "offload step " + std::to_string(k) + ": optimizer states bit-identical to the CPU twin's");
+  }
+  int64_t n1 = -1, n2 = -2;
+  Z(zopt_optimizer_get_step_count(o, 1, &n1));
+  Z(zopt_optimizer_get_step_count(c, 1, &n2));
+  check(n1 == n2 && n1 == steps - (inf_at ? 1 : 0), "offload: step counts " + std::to_string(n1));
+  // PARAM access goes to the user's device memory.
+  std::vector<float> a(sizes[2]), b(sizes[2]);
+  Z(zopt_optimizer_read_state_f32(o, 2, ZOPT_STATE_PARAM, a.data(), sizes[2]));
+  Z(zopt_optimizer_read_state_f32(c, 2, ZOPT_STATE_PARAM, b.data(), sizes[2]));
+  check(a == b, "offload: read_state_f32(PARAM) reads the device param");
+  // GRAD access too, in the grad's own dtype: written through the API into
+  // the user's device grad, read back, and compared with the bytes there.
+  {
+    bool ok = true;
+    for (size_t t = 0; t < T; ++t) {
+      std::vector<float> w = exact_values(sizes[t], (int)t), r(sizes[t]);
+      Z(zopt_optimizer_write_state_f32(o, (int)t, ZOPT_STATE_GRAD, w.data(), sizes[t]));
+      Z(zopt_optimizer_write_state_f32(c, (int)t, ZOPT_STATE_GRAD, w.data(), sizes[t]));  // the twin keeps up
+      Z(zopt_optimizer_read_state_f32(o, (int)t, ZOPT_STATE_GRAD, r.data(), sizes[t]));
+      std::vector<unsigned char> want = storage_of(w, gdt);
+      ok &= r == w && want == hg[t] && memcmp((void *)(uintptr_t)dg[t], want.data(), want.size()) == 0;
+    }
+    check(ok, std::string("offload: write/read_state_f32(GRAD) address the device grad in its dtype (") + dtype_name(gdt) +
+                  ", param " + dtype_name(pdt) + ")");
+  }
+  // Checkpoint round trip (the optimizer states are on the CPU).
+  std::string ck = std::string(twin_path) + ".offload.ckpt";
+  Z(zopt_optimizer_save(o, ck.c_str()));
+  Z(zopt_optimizer_step(o, nullptr));
+  Z(zopt_optimizer_load(o, ck.c_str()));
+  Z(zopt_optimizer_get_step_count(o, 1, &n1));
+  check(n1 == n2, "offload: checkpoint load restores the step count");
+  // A checkpoint of the all-CPU twin (a different step: other placements)
+  // loads into the offloaded optimizer.
+  Z(zopt_optimizer_step(o, nullptr));
+  Z(zopt_optimizer_save(c, ck.c_str()));
+  Z(zopt_optimizer_load(o, ck.c_str()));
+  bool cross = true;
+  for (size_t t = 0; t < T; ++t)
+    for (uint32_t s = 0; s < d->num_states; ++s) {
+      uint32_t kind = d->states[s].kind;
+      if (kind == ZOPT_STATE_PARAM || kind == ZOPT_STATE_GRAD) continue;
+      std::vector<float> x(sizes[t]), y(sizes[t]);
+      Z(zopt_optimizer_read_state_f32(o, (int)t, (zopt_state_kind)kind, x.data(), sizes[t]));
+      Z(zopt_optimizer_read_state_f32(c, (int)t, (zopt_state_kind)kind, y.data(), sizes[t]));
+      cross &= memcmp(x.data(), y.data(), x.size() * 4) == 0;
+    }
+  Z(zopt_optimizer_get_step_count(o, 1, &n1));
+  check(cross && n1 == n2, "offload: the all-CPU twin's checkpoint loads into the offloaded optimizer");
+  remove(ck.c_str());
+
+  // The staging is protected by an event, not by the stream: the params'
+  // copies back to the GPU take a while (a slow DMA on stream A); the next
+  // step runs on stream B, and must wait for them before its CPU update
+  // rewrites the staging.
+  {
+    void *a = nullptr, *b = nullptr;
+    f.stream_create(&a, 0);
+    f.stream_create(&b, 0);
+    Z(zopt_optimizer_set_stream(o, a));
+    for (size_t t = 0; t < T; ++t) memcpy((void *)(uintptr_t)dp[t], hp[t].data(), hp[t].size());  // twins again
+    const int d0 = f.num_delayed_done();
+    f.set_htod_delay(200000);  // 200 ms per copy
+    Z(zopt_optimizer_step(o, nullptr));
+    bool pending = f.num_delayed_done() - d0 < (int)T;
+    Z(zopt_optimizer_step(c, nullptr));
+    Z(zopt_optimizer_set_stream(o, b));
+    f.set_htod_delay(0);
+    Z(zopt_optimizer_step(o, nullptr));
+    Z(zopt_optimizer_step(c, nullptr));
+    bool a_done = f.num_delayed_done() - d0 == (int)T;  // step 1's copies all ran before step 2 returned
+    f.drain_all();
+    bool same = true;
+    for (size_t t = 0; t < T; ++t) same &= memcmp((void *)(uintptr_t)dp[t], hp[t].data(), hp[t].size()) == 0;
+    if (!(pending && a_done && same))
+      printf("INFO pending %d, stream A idle after the next step %d, params same %d\n", pending, a_done, same);
+    check(pending && a_done && same,
+          "offload: a step on another stream waits for the previous step's param copies (its event), and the "
+          "params stay bit-identical to the CPU twin's");
+  }
+  // An offloaded step cannot be captured: a clear refusal.
+  {
+    void *cs = nullptr, *graph = nullptr;
+    f.stream_create(&cs, 0);
+    Z(zopt_optimizer_set_stream(o, cs));
+    f.begin_capture(cs, 0);
+    zopt_status st = zopt_optimizer_step(o, nullptr);
+    std::string msg = zopt_last_error();
+    int ec = f.end_capture(cs, &graph);
+    check(st == ZOPT_ERR_UNSUPPORTED && msg.find("cannot be captured in a CUDA graph") != std::string::npos &&
+              msg.find("offloaded") != std::string::npos && ec == 0,
+          "offload: a step while the stream captures a CUDA graph is refused, saying why (the capture stays "
+          "valid): " + msg);
+  }
+  int f0 = f.num_calls();
+  zopt_optimizer_free(o);
+  int user_syncs = 0;
+  for (int i = f0; i < f.num_calls(); ++i) user_syncs += !strcmp(f.call(i), "cuStreamSynchronize");
+  check(user_syncs == 0, "offload: zopt_optimizer_free waits for its own events, not for the caller's stream");
+  zopt_optimizer_free(c);
+  zopt_step_free(twin);
+  int halloc = 0, hfree = 0;
+  for (int i = 0; i < f.num_calls(); ++i) {
+    halloc += !strcmp(f.call(i), "cuMemHostAlloc");
+    hfree += !strcmp(f.call(i), "cuMemFreeHost");
+  }
+  check(halloc == hfree, "offload: every pinned staging buffer freed");
+  for (size_t t = 0; t < T; ++t) {  // the test's own "device" tensors
+    f.mem_free(dp[t]);
+    f.mem_free(dg[t]);
+  }
+  return 0;
+}
+
+// ZeRO ranks of an offloaded step: W ranks (threads, loopback
+// communicators), each with its own device params/grads, against W ranks
+// of the CPU twin. Every rank has other grads (and one rank an inf at step
+// 3); the grads are reduced across ranks in the staging (the CPU program's
+// REDUCE_SCATTER, in the grad's dtype), the optimizer states are sharded
+// (ZeRO-1/2), the params gathered and copied back to the GPU: every rank's
+// device params must equal its twin's host params bit for bit after every
+// step, as must the step results. Small buckets, so that shards cut through
+// tensors. Each rank loads the steps itself (as a process would; a step's
+// reference count is not atomic, so optimizers of one zopt_step are not
+// created from several threads at once).
+void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const char *twin_path, int W) {
+  const zopt_step_descriptor *d = zopt_step_get_descriptor(step);
+  const bool ls = d->flags & ZOPT_FLAG_LOSS_SCALE, has_sumsq = d->flags & ZOPT_FLAG_SUMSQ;
+  uint32_t pdt = 0, gdt = 0;
+  for (uint32_t i = 0; i < d->num_states; ++i) {
+    if (d->states[i].kind == ZOPT_STATE_PARAM) pdt = d->states[i].dtype;
+    if (d->states[i].kind == ZOPT_STATE_GRAD) gdt = d->states[i].dtype;
+  }
+  const size_t ep = dtype_size(pdt), eg = dtype_size(gdt);
+  const std::vector<int64_t> sizes = {1, 7, 17, 100, 1000, 4097, 70001};
+  const size_t T = sizes.size();
+  const int steps = 5, inf_at = has_sumsq ? 3 : 0;
+  std::vector<zopt_comm *> co(W), cc(W);
+  zopt_loopback_options lo{};
+  lo.timeout_s = 60;
+  Z(zopt_comm_create_loopback(W, &lo, co.data()));
+  Z(zopt_comm_create_loopback(W, &lo, cc.data()));
+  struct RankResult {
+    bool params_same = true, results_same = true, counts_same = true;
+    std::string first_diff;
+  };
+  std::vector<RankResult> res(W);
+  // The initial params: the same on every rank (finalize checks it).
+  std::vector<std::vector<float>> init(T);
+  unsigned rng0 = 777;
+  for (size_t t = 0; t < T; ++t) {
+    init[t].resize(sizes[t]);
+    for (auto &x : init[t]) {
+      rng0 = rng0 * 1664525u + 1013904223u;
+      x = ((rng0 >> 8) & 0xFFFF) / 32768.0f - 1.0f;
+    }
+  }
+  auto rank = [&](int r) {
+    RankResult &rr = res[r];
+    zopt_step *mine = nullptr, *twin = nullptr;
+    Z(zopt_step_load(step_path, &mine));
+    Z(zopt_step_load(twin_path, &twin));
+    zopt_optimizer *o = nullptr, *c = nullptr;
+    Z(zopt_optimizer_create(mine, &o));
+    Z(zopt_optimizer_create(twin, &c));
+    Z(zopt_optimizer_set_comm(o, co[r]));
+    Z(zopt_optimizer_set_comm(c, cc[r]));
+    Z(zopt_optimizer_set_bucket_elems(o, 32768));
+    Z(zopt_optimizer_set_bucket_elems(c, 32768));
+    Z(zopt_optimizer_set_num_threads(o, 2));
+    Z(zopt_optimizer_set_num_threads(c, 2));
+    int go[2], gc[2];
+    for (int k = 0; k < 2; ++k) {
+      Z(zopt_optimizer_add_group(o, &go[k]));
+      Z(zopt_optimizer_add_group(c, &gc[k]));
+      Z(zopt_optimizer_set_hyper(o, go[k], "lr", k ? 3e-3 : 1e-3));
+      Z(zopt_optimizer_set_hyper(c, gc[k], "lr", k ? 3e-3 : 1e-3));
+    }
+    std::vector<unsigned long long> dp(T), dg(T);
+    std::vector<std::vector<unsigned char>> hp(T), hg(T);
+    for (size_t t = 0; t < T; ++t) {
+      f.mem_alloc(&dp[t], sizes[t] * ep);
+      f.mem_alloc(&dg[t], sizes[t] * eg);
+      hp[t].resize(sizes[t] * ep);
+      hg[t].resize(sizes[t] * eg);
+      int id = 0;
+      Z(zopt_optimizer_add_tensor(o, go[t % 2], (void *)(uintptr_t)dp[t], (void *)(uintptr_t)dg[t], sizes[t],
+                                  (zopt_dtype)pdt, &id));
+      Z(zopt_optimizer_add_tensor(c, gc[t % 2], hp[t].data(), hg[t].data(), sizes[t], (zopt_dtype)pdt, &id));
+      Z(zopt_optimizer_write_state_f32(c, (int)t, ZOPT_STATE_PARAM, init[t].data(), sizes[t]));
+      memcpy((void *)(uintptr_t)dp[t], hp[t].data(), hp[t].size());
+    }
+    if (ls) {
+      zopt_loss_scaler_config cfg = {1024.0, 2.0, 0.5, 2, 1.0, 1};
+      Z(zopt_optimizer_configure_loss_scaler(o, &cfg));
+      Z(zopt_optimizer_configure_loss_scaler(c, &cfg));
+    }
+    void *stream = nullptr;
+    f.stream_create(&stream, 0);
+    // finalize is collective: the offloaded ranks together, then the twins.
+    Z(zopt_optimizer_finalize(o));
+    Z(zopt_optimizer_finalize(c));
+    Z(zopt_optimizer_set_stream(o, stream));
+    unsigned rng = 1000u + 7919u * (unsigned)r;  // another grad on every rank
+    for (int k = 1; k <= steps; ++k) {
+      for (size_t t = 0; t < T; ++t) {
+        std::vector<float> v(sizes[t]);
+        for (auto &x : v) {
+          rng = rng * 1664525u + 1013904223u;
+          x = (((rng >> 8) & 0xFFFF) / 32768.0f - 1.0f) * (ls ? 64.f : 0.05f);
+        }
+        if (k == inf_at && r == W - 1 && t == T / 2) v[sizes[t] / 2] = INFINITY;
+        Z(zopt_optimizer_write_state_f32(c, (int)t, ZOPT_STATE_GRAD, v.data(), sizes[t]));
+        memcpy((void *)(uintptr_t)dg[t], hg[t].data(), hg[t].size());
+      }
+      zopt_step_result ro{}, rc{};
+      Z(zopt_optimizer_step(o, &ro));
+      Z(zopt_optimizer_step(c, &rc));
+      rr.results_same &= ro.skipped == rc.skipped && ro.loss_scale == rc.loss_scale &&
+                         ((std::isnan(ro.grad_norm) && std::isnan(rc.grad_norm)) || ro.grad_norm == rc.grad_norm);
+      for (size_t t = 0; t < T; ++t)
+        if (memcmp((void *)(uintptr_t)dp[t], hp[t].data(), hp[t].size())) {
+          if (rr.params_same)
+            rr.first_diff = "rank " + std::to_string(r) + " step " + std::to_string(k) + " tensor " + std::to_string(t);
+          rr.params_same = false;
+        }
+    }
+    int64_t n1 = -1, n2 = -2;
+    Z(zopt_optimizer_get_step_count(o, 1, &n1));
+    Z(zopt_optimizer_get_step_count(c, 1, &n2));
+    rr.counts_same = n1 == n2 && n1 == steps - (inf_at ? 1 : 0);
+    zopt_optimizer_free(o);
+    zopt_optimizer_free(c);
+    zopt_step_free(mine);
+    zopt_step_free(twin);
+    for (size_t t = 0; t < T; ++t) {
+      f.mem_free(dp[t]);
+      f.mem_free(dg[t]);
+    }
+  };
+  std::vector<std::thread> th;
+  for (int r = 0; r < W; ++r) th.emplace_back(rank, r);
+  for (auto &t : th) t.join();
+  bool params = true, results = true, counts = true;
+  std::string diff;
+  for (const RankResult &rr : res) {
+    params &= rr.params_same;
+    results &= rr.results_same;
+    counts &= rr.counts_same;
+    if (diff.empty()) diff = rr.first_diff;
+  }
+  const std::string at = std::to_string(W) + " ranks (ZeRO-" + std::to_string(d->zero_stage) + ", grads " +
+                         dtype_name(gdt) + ", params " + dtype_name(pdt) + ")";
+  check(params, "offload at " + at + ": every rank's params on the GPU bit-identical to its CPU twin's after every "
+                "step" + (diff.empty() ? std::string() : ", first difference: " + diff));
+  check(results, "offload at " + at + ": every rank's step results = its CPU twin's (norm, skip, scale)");
+  check(counts, "offload at " + at + ": step counts");
+  for (int r = 0; r < W; ++r) {
+    zopt_comm_free(co[r]);
+    zopt_comm_free(cc[r]);
+  }
+}
+
+}  // namespace ghc
