@@ -569,13 +569,14 @@ class Native:
 
     def export_whole(self):
         """The whole state as an image of the checkpoint format
-        (``zopt_optimizer_export_state``, ZOPT_EXPORT_WHOLE): a numpy uint8
-        array over the runtime's buffer, freed when it and every view of it
-        are gone. Collective at world size > 1."""
+        (``zopt_optimizer_export_state``, ZOPT_EXPORT_WHOLE) for this
+        process to read (ZOPT_EXPORT_NO_CHECKSUMS: not hashed): a numpy
+        uint8 array over the runtime's buffer, freed when it and every view
+        of it are gone. Collective at world size > 1."""
         buf, size = ctypes.c_void_p(), ctypes.c_size_t()
-        check(self.lib.zopt_optimizer_export_state(self.handle(), ctypes.byref(buf),
-                                                   ctypes.byref(size), _lib.EXPORT_WHOLE),
-              "zopt_optimizer_export_state")
+        check(self.lib.zopt_optimizer_export_state(
+            self.handle(), ctypes.byref(buf), ctypes.byref(size),
+            _lib.EXPORT_WHOLE | _lib.EXPORT_NO_CHECKSUMS), "zopt_optimizer_export_state")
         return np.asarray(_stateio.StateBuffer(self.lib, buf.value, size.value))
 
     def import_image(self, img, flags=0, what="import_state"):
