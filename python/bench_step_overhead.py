@@ -1,26 +1,40 @@
 #!/usr/bin/env python3
-"""The Python overhead of zopt.Optimizer.step(): the whole step() against
-the runtime's zopt_optimizer_step alone, on the same optimizer, for many
-small tensors (default 10,000 tensors of 1,000 elements: the case where
-per-tensor Python work shows).
+"""zopt.Optimizer.step() against the runtime's step alone, for many small
+tensors (default 10,000 tensors of 1,000 elements) and for one tensor of
+the same total, on both implementations of the binding's per-step pass
+over the params (the extension zopt._fast, "ext", and Python, "py").
 
-    PYTHONPATH=python /usr/bin/python3 python/bench_step_overhead.py [--tensors N] [--numel N]
+    PYTHONPATH=python /usr/bin/python3 python/bench_step_overhead.py \\
+        [--tensors N] [--numel N] [--iters N] [--steps adamw_f32,...]
 
-Rows: an f32 AdamW step, a bf16-param step with an f32 master (which
-also checks every param for user writes: version counters and sampled
-elements), and a mixed optimizer over both (half the tensors bf16 with an
-f32 master, half f32, both clipped at 1.0: two classes stepped by
-zopt_optimizer_step_linked; its "C step" is the linked step). Columns: the runtime's step alone (zopt_optimizer_step through
-ctypes); then what step() adds to the runtime's step inside it (measured
-per call as step() minus its C step, so that the C step's own variance on a
-busy machine does not count): right after a real backward through every
-param (the training loop: gradients accumulated in place into the
-registered memory), back to back (the previous C step has just evicted the
-params' metadata from the caches: the pessimistic case), and with fresh
-gradient tensors (zero_grad(set_to_none=True) and a new .grad per param,
-each copied into the registered memory); and zero_grad(). Medians.
+For each step (an f32 AdamW step, a bf16-param step with an f32 master,
+which also checks every param for user writes) and each pass, in one run,
+alternating ext and py iteration by iteration (a busy machine drifts):
+
+* ``C``: zopt_optimizer_step alone (through ctypes) on the optimizer of
+  the 10,000 tensors;
+* step() with ``fresh`` gradient tensors every step (new tensors, as
+  zero_grad(set_to_none=True) and a backward make: torch 2's default),
+  and with gradients ``accum``ulated in place into the same tensors (as
+  zero_grad(set_to_none=False) and a backward);
+* ``views``: 10,000 params that are views of one flat buffer, with
+  gradients that are views of another (DeepSpeed's and FSDP's layout),
+  written in place each step: the C step of that optimizer and step();
+* ``1 tensor``: one param of the same total size, fresh gradients: the C
+  step and step().
+
+The ratios (``x C``): step() over the C step it ran (the same call:
+issue 17's measure, at most 1.1 with fresh gradients), and (``/1
+tensor``) step() of the 10,000 tensors (fresh) and of the 10,000 views
+over step() of one tensor in the same iteration (at most 1.1 each):
+medians of per-call ratios, robust to a busy machine's drift. Times:
+medians in ms. Setting up the gradients is not timed; torch runs its own
+ops on one thread (its idle OpenMP threads would spin against the
+runtime's). Copied next to an older binding's package (one without
+zopt._scan), it measures that binding as "old", for comparisons.
 """
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -33,101 +47,159 @@ import torch  # noqa: E402
 
 import zopt  # noqa: E402
 
+try:
+    from zopt import _ext, _hypers, _scan  # noqa: E402
+except ImportError:  # a binding before zopt._scan (run this script on it to compare)
+    _ext = None
+
 REPO = os.path.dirname(HERE)
 
 
-def median_time(fn, iters, setup=None):
-    ts = []
-    for _ in range(iters):
-        if setup is not None:
-            setup()
+def py_same(a, b):
+    return len(a) == len(b) and all(map(lambda u, v: u is v, a, b))
+
+
+class Path:
+    """Builds optimizers on one implementation of the per-step pass."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __enter__(self):
+        if _ext is None:
+            return self
+        self.saved = _ext.scan_class, _hypers.same
+        if self.name == "py":
+            _ext.scan_class = lambda params: _scan.Scan
+            _hypers.same = py_same
+        return self
+
+    def __exit__(self, *exc):
+        if _ext is not None:
+            _ext.scan_class, _hypers.same = self.saved
+
+
+class Case:
+    """One optimizer and its gradients: ``layout`` "tensors" (each param and
+    gradient its own tensor), "views" (views of one flat param buffer and
+    one flat gradient buffer) or "one" (one tensor of the same total)."""
+
+    def __init__(self, step, dtype, layout, n, numel, path):
+        g = torch.Generator().manual_seed(0)
+        total = n * numel
+        self.dtype = dtype
+        if layout == "one":
+            self.ps = [torch.nn.Parameter(torch.randn(total, generator=g).to(dtype))]
+        elif layout == "views":
+            self.flat = torch.randn(total, generator=g).to(dtype)
+            self.ps = [torch.nn.Parameter(self.flat[i * numel:(i + 1) * numel])
+                       for i in range(n)]
+        else:
+            self.ps = [torch.nn.Parameter(torch.randn(numel, generator=g).to(dtype))
+                       for _ in range(n)]
+        if layout == "views":
+            self.gflat = (torch.randn(total, generator=g) * 1e-3).to(dtype)
+            self.pool = [self.gflat[i * numel:(i + 1) * numel] for i in range(n)]
+        else:
+            self.pool = [(torch.randn(p.shape, generator=g) * 1e-3).to(dtype) for p in self.ps]
+        for p, q in zip(self.ps, self.pool):
+            p.grad = q
+        with Path(path):
+            self.opt = zopt.Optimizer(step, self.ps, lr=1e-4, weight_decay=0.01)
+        self.opt.step()
+        c = self.opt._parts[0]
+        self.c_args = (c.step_fn, c.h, c.res_ref)
+        self.next = None
+
+    def c_step(self):
+        fn, h, res = self.c_args
         t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+        fn(h, res)
+        return time.perf_counter() - t0
 
+    def prepare(self, how):
+        """The gradients of the next step() (not timed)."""
+        if how == "fresh":
+            self.opt.zero_grad(set_to_none=True)
+            for p, q in zip(self.ps, self.pool):
+                p.grad = q.clone()
+        else:  # accumulated in place (a backward into the same tensors)
+            torch._foreach_add_(self.pool, 1e-6) if len(self.pool) > 1 else self.pool[0].add_(1e-6)
 
-def step_overhead(opt, iters, setup=None):
-    """Median of (whole step() - the runtime's step inside it), per call:
-    what the binding adds, robust to the runtime step's own variance on a
-    busy machine."""
-    ts = []
-    for _ in range(iters):
-        if setup is not None:
-            setup()
+    def step(self):
         t0 = time.perf_counter()
-        opt.step()
-        ts.append(time.perf_counter() - t0 - opt.last_metrics["step_time_s"])
-    return statistics.median(ts)
+        self.opt.step()
+        return time.perf_counter() - t0
 
 
-def run(step, dtype, n_tensors, numel, iters, threads):
-    torch.manual_seed(0)
-    dts = dtype if isinstance(dtype, list) else [dtype]
-    ps = [torch.nn.Parameter(torch.randn(numel).to(dts[i % len(dts)]))
-          for i in range(n_tensors)]
-    grads = [torch.randn(numel).to(p.dtype) * 1e-3 for p in ps]
-    for p, g in zip(ps, grads):
-        p.grad = g.clone()
-    opt = zopt.Optimizer(step, ps, lr=1e-4, weight_decay=0.01, num_threads=threads)
-    opt.step()  # grads copied in and attached once
-    if isinstance(step, dict):  # the linked step over the classes
-        h, n, res = opt._harr, len(opt._parts), opt._res_ref
-        fn = opt._lib.zopt_optimizer_step_linked
-
-        def c_step():
-            fn(h, n, res)
-    else:
-        c = opt._parts[0]  # the one class's native optimizer
-        h, fn1, res = c.h, c.step_fn, c.res_ref
-
-        def c_step():
-            fn1(h, res)
-    r = {}
-    r["c"] = median_time(c_step, iters)
-    opt.refresh_master()  # the direct calls above wrote params behind its back
-    r["b2b"] = step_overhead(opt, iters)
-
-    def backward():  # a real backward through every param (grads accumulate in place)
-        opt.zero_grad()
-        torch.stack([p.sum() for p in ps]).sum().backward()
-    r["bwd"] = step_overhead(opt, max(5, iters // 2), setup=backward)
-    r["zero"] = median_time(opt.zero_grad, iters)
-
-    def fresh():
-        opt.zero_grad(set_to_none=True)
-        for p, g in zip(ps, grads):
-            p.grad = g
-    r["fresh"] = step_overhead(opt, iters, setup=fresh)
-    return r
+def run(name, dtype, a, paths):
+    """{(path, what): median ms or ratio} for one step: every optimizer
+    built first, then their iterations interleaved."""
+    step = zopt.Step(zopt.compile(os.path.join(REPO, "examples", name + ".mlir")))
+    cases = {(p, lay): Case(step, dtype, lay, a.tensors, a.numel, p)
+             for lay in ("tensors", "views", "one") for p in paths}
+    C = {k: [] for k in cases}
+    for _ in range(a.iters):
+        for k, c in cases.items():
+            C[k].append(c.c_step())
+    for c in cases.values():
+        c.opt.refresh_master()  # the direct C steps wrote the params behind its back
+    runs = [("tensors", "fresh"), ("tensors", "accum"), ("views", "accum"), ("one", "fresh")]
+    S = {(p, lay, m): [] for p in paths for lay, m in runs}  # (step(), its own C step)
+    for _ in range(a.iters):
+        for lay, m in runs:
+            for p in paths:
+                c = cases[(p, lay)]
+                c.prepare(m)
+                t = c.step()
+                S[(p, lay, m)].append((t, c.opt.last_metrics["step_time_s"]))
+    med = statistics.median
+    out = {}
+    for p in paths:
+        for lay in ("tensors", "views", "one"):
+            out[(p, lay, "C")] = med(C[(p, lay)])
+        for lay, m in runs:
+            out[(p, lay, m)] = med(t for t, _ in S[(p, lay, m)])
+            out[(p, lay, m, "x")] = med(t / ci for t, ci in S[(p, lay, m)])
+        one = [t for t, _ in S[(p, "one", "fresh")]]
+        for lay, m in (("tensors", "fresh"), ("views", "accum")):
+            out[(p, lay, m, "/1")] = med(t / o for (t, _), o in zip(S[(p, lay, m)], one))
+    del cases
+    gc.collect()
+    return out
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tensors", type=int, default=10000)
     ap.add_argument("--numel", type=int, default=1000)
-    ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--no-mixed", action="store_true", help="leave out the mixed row")
+    ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--steps", default="adamw_f32,adamw_bf16_master")
     a = ap.parse_args()
-    cases = [("adamw_f32", torch.float32), ("adamw_bf16_master", torch.bfloat16)]
-    print(f"{a.tensors} tensors x {a.numel} elements, torch {torch.__version__}, "
-          f"{os.cpu_count()} CPUs, median of {a.iters}")
-    print(f"{'step':<18} {'C step':>8} {'+ after backward':>17} {'+ back-to-back':>15} "
-          f"{'+ fresh grads':>14} {'zero_grad()':>12}   (ms; + = what step() adds to the C step)")
-    for name, dtype in cases:
-        step = zopt.Step(zopt.compile(os.path.join(REPO, "examples", name + ".mlir")))
-        r = run(step, dtype, a.tensors, a.numel, a.iters, a.threads)
-        print(f"{name:<18} {r['c'] * 1e3:>8.2f} {r['bwd'] * 1e3:>17.2f} {r['b2b'] * 1e3:>15.2f} "
-              f"{r['fresh'] * 1e3:>14.2f} {r['zero'] * 1e3:>12.2f}")
-    if not a.no_mixed:
-        name = "mixed bf16+f32"
-        # both classes clipped at 1.0, as adamw_bf16_master is (one global norm)
-        step = dict(zopt.steps.adamw(clip=1.0, classes={"bf16": dict(master="f32"),
-                                                        "f32": {}}))
-        r = run(step, [torch.bfloat16, torch.float32], a.tensors, a.numel, a.iters, a.threads)
-        print(f"{name:<18} {r['c'] * 1e3:>8.2f} {r['bwd'] * 1e3:>17.2f} {r['b2b'] * 1e3:>15.2f} "
-              f"{r['fresh'] * 1e3:>14.2f} {r['zero'] * 1e3:>12.2f}")
+    paths = ["old"] if _ext is None else ["ext", "py"] if _ext.fast is not None else ["py"]
+    torch.set_num_threads(1)  # torch's own ops (the untimed gradient set-up) spin no threads
+    print(f"{a.tensors} tensors x {a.numel} elements, and 1 tensor of {a.tensors * a.numel}; "
+          f"torch {torch.__version__}, {os.cpu_count()} CPUs, median of {a.iters} (ms)")
+    if _ext is not None and _ext.fast is None:
+        print(f"(no extension: {_ext.why})")
+    print(f"{'':<24}{'-- ' + format(a.tensors, ',') + ' tensors ':-<34}  {'-- views ':-<20}  "
+          f"{'-- 1 tensor ':-<14}  {'-- /1 tensor ':-<14}")
+    print(f"{'step':<18} {'pass':<4} {'C':>6} {'fresh':>7} {'x C':>5} {'accum':>7} {'x C':>5}  "
+          f"{'C':>6} {'step()':>7} {'x C':>5}  {'C':>6} {'step()':>7}  {'fresh':>6} {'views':>6}")
+    dts = {"adamw_f32": torch.float32, "adamw_bf16_master": torch.bfloat16}
+    for name in a.steps.split(","):
+        r = run(name, dts[name], a, paths)
+        for p in paths:
+            def ms(*k):
+                return f"{r[(p,) + k] * 1e3:>{7 if k[-1] != 'C' else 6}.2f}"
+
+            def x(*k):
+                return f"{r[(p,) + k]:>5.2f}"
+            print(f"{name:<18} {p:<4} {ms('tensors', 'C')} {ms('tensors', 'fresh')} "
+                  f"{x('tensors', 'fresh', 'x')} {ms('tensors', 'accum')} "
+                  f"{x('tensors', 'accum', 'x')}  {ms('views', 'C')} {ms('views', 'accum')} "
+                  f"{x('views', 'accum', 'x')}  {ms('one', 'C')} {ms('one', 'fresh')}  "
+                  f" {x('tensors', 'fresh', '/1')}  {x('views', 'accum', '/1')}")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ if [ ! -f "$build/build.ninja" ]; then
   fi
   cmake -G Ninja -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_C_COMPILER=clang-22 -DCMAKE_CXX_COMPILER=clang++-22 \
-    -DLLVM_USE_LINKER=lld -DZOPT_ENABLE_FUZZER=ON "${launcher[@]}" >/dev/null
+    -DLLVM_USE_LINKER=lld -DZOPT_ENABLE_FUZZER=ON -DZOPT_BUILD_FAST_EXT=OFF "${launcher[@]}" >/dev/null
 fi
 targets=(${FUZZ_TARGETS:-zopt-fuzz-description zopt-fuzz-step zopt-fuzz-checkpoint})
 extra=()

@@ -34,7 +34,7 @@ if [ ! -f "$asan/build.ninja" ]; then
     "-DCMAKE_C_FLAGS=$san" "-DCMAKE_CXX_FLAGS=$san" \
     "-DCMAKE_EXE_LINKER_FLAGS=-fsanitize=address,undefined" \
     "-DCMAKE_SHARED_LINKER_FLAGS=-fsanitize=address,undefined" \
-    "-DLLVM_USE_SANITIZER=Address;Undefined" >/dev/null
+    "-DLLVM_USE_SANITIZER=Address;Undefined" -DZOPT_BUILD_FAST_EXT=OFF >/dev/null
 fi
 ninja -C "$asan"
 echo "== sanitize: ASan+UBSan build done in $(( $(date +%s) - start )) s"

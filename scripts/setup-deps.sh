@@ -8,6 +8,7 @@ PKGS=(
   clang-22 lld-22 llvm-22-dev llvm-22-tools libmlir-22-dev mlir-22-tools
   libclang-rt-22-dev  # the sanitizer stage and libFuzzer (scripts/sanitize.sh, fuzz.sh)
   python3-numpy python3-pytest python3-torch
+  libtorch-dev pybind11-dev  # torch's C++ headers: the binding's extension zopt._fast
   python3-matplotlib  # examples/log_metrics.py's plot (tested)
   libopenmpi-dev openmpi-bin
 )

@@ -115,6 +115,23 @@ def gpu_env(monkeypatch):
     return gpu_fakes.make_gpu_env(monkeypatch)
 
 
+@pytest.fixture(params=["python", "extension"])
+def scan_impl(request, monkeypatch):
+    """The test runs on each implementation of the per-step pass over the
+    params (zopt._scan.Scan, and zopt._fast.Scan where the extension is
+    loaded: skipped where it is not, e.g. with ZOPT_NO_EXTENSION=1 or
+    under another torch than it was built for; test_scan.py checks that it
+    loads where it was built)."""
+    if request.param == "extension":
+        if zopt._ext.fast is None:
+            pytest.skip(f"zopt._fast not loaded: {zopt._ext.why}")
+        cls = zopt._ext.fast.Scan
+    else:
+        cls = zopt._scan.Scan
+    monkeypatch.setattr(zopt._ext, "scan_class", lambda params: cls)
+    return cls
+
+
 def pytest_terminal_summary(terminalreporter):
     if _CACHE is not None:
         terminalreporter.write_line(

@@ -9,7 +9,9 @@ docs/USAGE.md section 3; the fakes: gpu_fakes.py).
   optimizer (empty slots) and joining when unfrozen with zero states and
   step 0 in their param group, every count carried by state_dict/save, a
   file saved with the former extra native groups ("cohorts") loaded, and
-  the refusals inside a CUDA graph capture.
+  the refusals inside a CUDA graph capture. The mask and join tests run on
+  both implementations of the per-step pass (conftest.py's ``scan_impl``):
+  the mask is what the pass finds.
 - Stand-in driver tests (the CUDA toolkit and libzopt-fake-cuda.so): the
   real runtime's GPU host path with a frozen param and a missing gradient
   (counts from the stand-in's emulated FINISH), and with
@@ -171,7 +173,7 @@ def test_gpu_step_frozen_params_in_a_new_group_and_other_dtypes(steps, gpu_env):
     assert torch.equal(table.view(torch.int16), t0.view(torch.int16))
 
 
-def test_gpu_step_unfrozen_param_joins_with_fresh_states(steps, gpu_env, tmp_path):
+def test_gpu_step_unfrozen_param_joins_with_fresh_states(steps, gpu_env, scan_impl, tmp_path):
     """A frozen weight unfrozen after 3 steps: from its first gradient on it
     is stepped, starting from zero states and step 0 like torch's lazily
     created state, in its param group's native group (every tensor counts
@@ -368,7 +370,7 @@ def test_gpu_step_f32_grads_frozen_param_joins_with_hooks(steps, gpu_env):
     assert opt.tensor_step(ps[1]) == 2
 
 
-def test_gpu_step_param_without_grad_left_alone(steps, gpu_env):
+def test_gpu_step_param_without_grad_left_alone(steps, gpu_env, scan_impl):
     """A param that requires grad but has no gradient at a GPU step is left
     alone as torch does (the runtime's active mask, pushed on the current
     stream only when the set of params with a gradient changes), its count
@@ -421,7 +423,7 @@ def test_gpu_step_param_without_grad_left_alone(steps, gpu_env):
     assert torch.equal(qs[1], q1) and off.tensor_step(qs[1]) == 0 and off.tensor_step(qs[0]) == 1
 
 
-def test_gpu_step_changed_grads_inside_capture_refused(steps, gpu_env):
+def test_gpu_step_changed_grads_inside_capture_refused(steps, gpu_env, scan_impl):
     """Inside a CUDA graph capture the device's mask cannot change: a step
     whose set of params with a gradient differs from the last step's
     (a param without one now, a frozen param with one) raises ZoptError

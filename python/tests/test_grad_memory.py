@@ -1,12 +1,17 @@
 """Where the runtime reads a torch param's gradient: a fresh gradient
 tensor (zero_grad(set_to_none=True) then backward, or p.grad assigned) is
-read in place, without a copy (zopt_optimizer_set_grad_memory); views and
-gradients of other strides are copied; every way a training loop hands
-gradients over gives torch.optim.AdamW's result step by step."""
+read in place, without a copy (zopt_optimizer_set_grad_memory), views of
+a flat buffer too (test_scan.py: overlapping ones are copied); gradients
+of other strides are copied; every way a training loop hands
+gradients over gives torch.optim.AdamW's result step by step. Every test
+runs on both implementations of the per-step pass (zopt._scan, in Python
+and in the extension zopt._fast)."""
 import pytest
 import torch
 
 import zopt
+
+pytestmark = pytest.mark.usefixtures("scan_impl")
 
 
 def _model(seed=0):
@@ -43,7 +48,7 @@ def test_fresh_grads_read_in_place(adamw_step):
         o1.step(), o2.step()
         # no copy: p.grad is still backward's tensor, and the runtime read it
         assert all(p.grad is b for p, b in zip(m1.parameters(), before))
-        assert len(o1._parts[0].foreign) == 4
+        assert len(o1._parts[0].scan.in_place()) == 4
         _close(m1, m2)
 
 
@@ -56,7 +61,7 @@ def test_every_way_of_handing_gradients_over(adamw_step):
             o.zero_grad(set_to_none=(i % 3 != 0))  # in place every third step
             ((m(x) - y) ** 2).mean().backward()
             ps = list(m.parameters())
-            if i in (2, 4):  # views into one flat buffer (as DeepSpeed makes): copied
+            if i in (2, 4):  # views into one flat buffer (as DeepSpeed makes): in place
                 flat = torch.zeros(sum(p.numel() for p in ps) + 5)
                 off = 5
                 for p in ps:
@@ -154,8 +159,8 @@ def _contiguous(ps):
 @pytest.mark.parametrize("make", [_flat_views, _transposed, _contiguous])
 def test_user_grad_tensors_stay_p_grad(adamw_step, make, zero):
     """The user sets p.grad = g once and writes each step's gradient into g
-    (flat-buffer and manual all-reduce patterns): g stays p.grad (views and
-    other strides are copied each step, contiguous ones read in place;
+    (flat-buffer and manual all-reduce patterns): g stays p.grad (other
+    strides are copied each step, views and contiguous ones read in place;
     zero_grad(set_to_none=False) zeroes g in place, as torch does), and the
     result is torch's. Both used to swap the optimizer's buffer into p.grad,
     so later writes into g were lost."""
@@ -178,3 +183,40 @@ def test_user_grad_tensors_stay_p_grad(adamw_step, make, zero):
             o.step()
             assert all(p.grad is g for p, g in zip(ps, gs))
         _close(m1, m2)
+
+
+@pytest.mark.parametrize("change", ["add_param_group", "p.data"])
+def test_registrations_changed_in_place_with_grads_read_in_place(adamw_step, monkeypatch,
+                                                                change):
+    """add_param_group (zopt_optimizer_add_tensors) and a moved p.data
+    (zopt_optimizer_set_tensor_memory) change the registered memory of the
+    same native optimizer while the runtime reads fresh gradients in place:
+    the next steps must read the gradients the user gives then, read in
+    place or copied (other strides), as torch.optim.AdamW does. (The runtime
+    used to keep reading a gradient freed since, or the optimizer's own
+    stale memory, while the per-step pass thought it read p.grad.)"""
+    monkeypatch.setattr(zopt._rebuild, "snapshot", lambda c: pytest.fail("rebuilt"))
+    (m1, o1), (m2, o2) = _pair(adamw_step)
+    extra = [torch.nn.Parameter(torch.full((5,), 0.5)) for _ in range(2)]
+    for i in range(4):
+        for m, o, x in ((m1, o1, extra[0]), (m2, o2, extra[1])):
+            ps = list(m.parameters())
+            if i == 1 and change == "add_param_group":
+                o.add_param_group({"params": [x], "lr": 0.1})
+            if i == 1 and change == "p.data":
+                with torch.no_grad():
+                    for p in ps:
+                        p.data = p.data.clone()
+            o.zero_grad(set_to_none=True)
+            xb, yb = _batch(i)
+            torch.nn.functional.mse_loss(m(xb), yb).backward()
+            if i >= 1:
+                x.grad = torch.full_like(x, 0.25 * i)
+            if i in (1, 3):  # other strides than the params: copied
+                for p in ps:
+                    if p.dim() == 2:
+                        p.grad = p.grad.t().contiguous().t()
+            o.step()
+        _close(m1, m2)
+        torch.testing.assert_close(extra[0], extra[1], rtol=2e-6, atol=2e-7)
+    assert o1.rebuilds == 1

@@ -7,11 +7,13 @@ optimizer is built (docs/USAGE.md section 3 is the user's view):
   and device, one view per param strided like it, never attached to a
   param before it has a gradient (:func:`alloc_grads`).
 * Each step, which params have a gradient and where it lives
-  (:func:`sync_grads`): a fresh ``p.grad`` tensor of a CPU step is handed
-  to the runtime in place (``zopt_optimizer_set_grad_memory``), otherwise
-  copied into our memory; params without one are masked off
-  (``zopt_optimizer_set_active``, pushed when the set changes: :func:`push_mask`;
-  GPU steps too, never inside a CUDA graph capture).
+  (:func:`sync_grads`, one pass of zopt._scan's rules, in C++ where the
+  extension zopt._fast is loaded): a fresh ``p.grad`` tensor of a CPU
+  step is handed to the runtime in place
+  (``zopt_optimizer_set_grad_memory``), otherwise copied into our memory;
+  params without one are masked off (``zopt_optimizer_set_active``, pushed
+  when the set the pass finds changes: :func:`push_mask`; GPU steps too,
+  never inside a CUDA graph capture).
 * f32 gradients of bf16/f16 params (``p.main_grad``, :func:`sync_main`):
   ``p.grad`` accumulated into it, by hooks after each backward or by hand.
 * ``zero_grad`` as torch's, one fill per buffer.
@@ -21,21 +23,12 @@ from __future__ import annotations
 import operator
 import weakref
 
+from . import _ext
 from ._dtypes import is_torch, torch, torch_of
 from ._lib import Status, ZoptError
 from ._params import UNSET
 
 _is = operator.is_
-_grad_of = operator.attrgetter("grad")
-_data_ptr = torch.Tensor.data_ptr if torch is not None else None
-
-
-def _ptrs_of(grads):
-    """data_ptr() of each gradient, 0 for None."""
-    try:
-        return list(map(_data_ptr, grads))  # the usual case: every param has one
-    except TypeError:
-        return [0 if g is None else g.data_ptr() for g in grads]
 
 
 def alloc_grads(c, entries):
@@ -64,103 +57,75 @@ def alloc_grads(c, entries):
             e.gptr = e.grad.data_ptr() if e.numel else 0
 
 
-def sync_grads(c, grads=None):
-    """Which params have a gradient, and where the runtime reads it.
-    Fast path: every p.grad is the object it was last step. A new
-    gradient tensor (zero_grad(set_to_none=True) and a backward) of a
-    CPU step is handed to the runtime in place, without a copy
-    (zopt_optimizer_set_grad_memory, one call for all that changed)
-    when it has the param's memory layout and is not a view; otherwise
-    (GPU and offloaded steps, views, other strides) it is copied into
-    the optimizer's own gradient memory at every step; p.grad stays the
-    user's tensor either way (the user may hold it and write into it),
-    and a p.grad given other memory under the same object (p.grad.data
-    = ..., Module._apply) is seen by its data_ptr()."""
-    ps = c.a_params
-    if grads is None:
-        grads = list(map(_grad_of, ps))
-    last = c.a_last
-    foreign = c.foreign
-    copied = c.copied
-    regs = c.a_regs
-    gp = c.a_gp
-    if all(map(_is, grads, last)):
-        ptrs = _ptrs_of(grads)
-        if ptrs == gp:
-            if copied:  # the user's tensors may have changed since
-                with torch.no_grad():
-                    for j, g in copied.items():
-                        regs[j].copy_(g)
-            return
-        # A p.grad that kept its object but got other memory. (Never one
-        # of our own views: those are not handed out as p.grad.)
-        for j, (q, want) in enumerate(zip(ptrs, gp)):
-            if q != want:
-                last[j] = UNSET
-    act = c.active
-    tids = c.a_tids
+def make_scan(c):
+    """The per-step pass over the part's torch params given alone
+    (zopt._scan; the extension's when it is loaded), after every native
+    build: its baselines of the param checks are the part's. Parts with
+    f32 gradients (p.main_grad) have none (sync_main)."""
+    c.scan = None
+    if c.main or not c.a_params:
+        return
     ents = c.entries
-    zero_copy = c.grad_zero_copy
-    moved_t, moved_p = [], []
-    changed = False
-    with torch.no_grad():
-        for j, g in enumerate(grads):
-            if g is last[j]:
-                if j in copied:
-                    regs[j].copy_(g)
-                continue
-            t = tids[j]
-            if g is None:
-                if act[t]:
-                    act[t] = 0
-                    changed = True
-                last[j] = None
-                gp[j] = 0
-                copied.pop(j, None)
-                if t in foreign:
-                    # our own memory again, not the dropped p.grad: at
-                    # W > 1 the reduced gradient of a param another
-                    # rank updates lands in this rank's registered memory
-                    del foreign[t]
-                    moved_t.append(t)
-                    moved_p.append(ents[t].gptr)
-                continue
-            reg = regs[j]
-            copy = False
-            if g is not reg:
-                # torch guarantees p.grad's shape, dtype and device
-                if g.is_sparse:
-                    raise ZoptError(Status.UNSUPPORTED,
-                                    f"{ents[t].name} has a sparse gradient")
-                e = ents[t]
-                ptr = g.data_ptr()
-                if zero_copy and g._base is None and ptr != e.pptr and (
-                        e.numel <= 1 or g.stride() == e.stride):
-                    moved_t.append(t)
-                    moved_p.append(ptr)
-                    foreign[t] = (g, ptr)
-                    copied.pop(j, None)
-                else:
-                    # copied into our memory now and at every step; it
-                    # stays p.grad (the user may hold it and write it)
-                    reg.copy_(g)
-                    copied[j] = g
-                    copy = True
-            else:
-                copied.pop(j, None)
-            if (g is reg or copy) and t in foreign:  # back to our own memory
-                del foreign[t]
-                moved_t.append(t)
-                moved_p.append(ents[t].gptr)
-            if not act[t]:
-                act[t] = 1
-                changed = True
-            last[j] = g
-            gp[j] = g.data_ptr()
-    if moved_t:
-        c.set_grad_memory(moved_t, moved_p)
-    if changed:
+    es = [ents[t] for t in c.a_tids]
+    spans = sorted((e.pptr, e.pptr + e.nbytes) for e in ents if e.numel and e.pptr)
+    cls = _ext.scan_class(c.a_params)
+    c.scan = cls(c.a_params, c.a_tids, c.a_regs, [e.gptr or 0 for e in es],
+                 [e.pptr or 0 for e in es], [e.numel for e in es], [e.gbytes for e in es],
+                 [e.stride or () for e in es], c.active, spans, c.grad_zero_copy,
+                 c.one_pass, c.watch)
+    if c.one_pass:
+        c.scan.rebase(c.tp_ptrs, c.tp_vers if c.watch else None)
+        c.tp_synced = True
+
+
+def own_again(c):
+    """The runtime reads every gradient from the optimizer's own memory
+    again, as a new native optimizer does: those the per-step pass
+    (``c.scan.in_place()``) or sync_main (``c.foreign``: a user's
+    main_grad) handed over in place. Before the tables and the pass are
+    made anew over registrations changed in place (Part.after_layout):
+    a new pass knows of no gradient read in place, and would otherwise
+    leave the runtime reading one it no longer keeps alive."""
+    tids = set(c.foreign)
+    if c.scan is not None:
+        tids.update(c.scan.in_place())
+    if tids:
+        tids = sorted(tids)
+        c.set_grad_memory(tids, [c.entries[t].gptr or None for t in tids])
+    c.foreign = {}
+    c.scan = None
+
+
+def sync_grads(c):
+    """Which params have a gradient, and where the runtime reads it (the
+    rules: zopt/_scan.py); for a part whose params are all given alone,
+    in the same pass, whether a param's storage or version moved (the
+    return value: True when check_params must look). A gradient the
+    rules copy is copied into the optimizer's own memory here, at every
+    step; p.grad stays the user's tensor either way."""
+    r = c.scan.sync()
+    if r is None:
+        return False
+    if type(r) is int:
+        refuse(c, r)
+    moved, copies, mask, dirty = r
+    if copies:
+        ps, regs = c.a_params, c.a_regs
+        with torch.no_grad():
+            for j in copies:
+                regs[j].copy_(ps[j].grad)
+    if moved is not None:
+        c.set_grad_memory_packed(*moved)
+    if mask:
         push_mask(c)
+    return dirty
+
+
+def refuse(c, j):
+    e = c.entries[c.a_tids[j]]
+    g = c.a_params[j].grad
+    what = "a sparse gradient" if g.is_sparse else f"a gradient of layout {g.layout}"
+    raise ZoptError(Status.UNSUPPORTED, f"{e.name} has {what}")
 
 
 # ---- f32 gradients of bf16/f16 params (p.main_grad) ------------------------------
@@ -222,7 +187,10 @@ def push_mask(c):
         c.push_mask()
     except BaseException:
         c.active[:] = c.pushed
-        c.a_last[:] = [UNSET] * len(c.a_last)
+        if c.scan is not None:  # (the gradients' memory it handed over stays handed)
+            c.scan.forget()
+        if c.main:
+            c.a_last[:] = [UNSET] * len(c.a_last)
         raise
 
 
@@ -368,30 +336,20 @@ def zero_grad(c, set_to_none):
             else:
                 mg.zero_()
     elif ps:
-        grads = [p.grad for p in ps]
-        regs = c.a_regs
-        # Gradient tensors the runtime reads in place (sync_grads): with
-        # set_to_none, no longer kept alive (freed as torch frees them;
-        # the next step() registers what backward makes before the
-        # runtime reads any). Without, every p.grad is zeroed in place
-        # and stays p.grad, as torch does (the user may hold it): the
-        # next backward accumulates where the runtime already reads (or
-        # copies from).
-        foreign = c.foreign
-        if foreign and set_to_none:
-            last, index = c.a_last, c.a_index
-            for t, (g, _) in list(foreign.items()):
-                last[index[t]] = UNSET
-                foreign[t] = (None, foreign[t][1])
+        # Gradient tensors read in place (sync_grads): with set_to_none,
+        # no longer kept alive (freed as torch frees them; the next step()
+        # registers what backward makes before the runtime reads any).
+        # Without, every p.grad is zeroed in place and stays p.grad, as
+        # torch does (the user may hold it): the next backward
+        # accumulates where the runtime already reads (or copies from).
         if set_to_none:
-            for p, g in zip(ps, grads):
-                if g is not None:
-                    p.grad = None
+            c.scan.drop()
         else:
             for f in c.grad_flats:
                 f.zero_()
             zs = []
-            for g, r in zip(grads, regs):
+            for p, r in zip(ps, c.a_regs):
+                g = p.grad
                 if g is not None and g is not r:
                     if g.grad_fn is not None:
                         g.detach_()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._dtypes import is_torch, torch
+from ._ext import same
 from ._lib import GROUP_MAXIMIZE, StateKind, Status, ZoptError, ZoptTypeError, ZoptValueError, HYPER_BY_NAME
 
 
@@ -158,7 +159,7 @@ class Pushed:
                             "param_groups changed length: add groups with add_param_group()")
         for gid, group in enumerate(groups):
             ps, built = group["params"], self.params[gid]
-            if len(ps) != len(built) or not all(a is b for a, b in zip(ps, built)):
+            if not same(ps, built):
                 raise ZoptError(Status.BAD_STATE,
                                 f"param_groups[{gid}]['params'] was edited: the optimizer's "
                                 "tensors are fixed; add params with add_param_group()")

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from . import _lib, compiler as _compiler
+from . import _ext, _lib, compiler as _compiler
 
 _RUNTIME = "libzopt_runtime.so"
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -101,14 +101,15 @@ def _configure():
 
 
 def installation():
-    """{"runtime": path or None, "compiler": path or None, "how": {...}}:
-    what the bindings will use, and which search step found it."""
+    """{"runtime": path or None, "compiler": path or None, "how": {...},
+    "extension": {"path": zopt._fast or None, "why": why not}}: what the
+    bindings will use, and which search step found it."""
     try:
         rt = _lib.find_runtime_library()
     except Exception:  # ZOPT_RUNTIME_LIB names a missing file
         rt = None
     return {"runtime": rt, "compiler": _compiler.find_compiler(),
-            "how": {k: v[0] for k, v in _found.items()}}
+            "how": {k: v[0] for k, v in _found.items()}, "extension": _ext.info()}
 
 
 _configure()

@@ -492,6 +492,12 @@ class Native:
         check(self.lib.zopt_optimizer_set_grad_memory(self.h, n, ta.ctypes.data,
                                                       pa.ctypes.data), what)
 
+    def set_grad_memory_packed(self, tids, ptrs):
+        """set_grad_memory from packed arrays (bytes of int32 tensor ids and
+        of pointers, as zopt._scan returns them)."""
+        check(self.lib.zopt_optimizer_set_grad_memory(self.h, len(tids) // 4, tids, ptrs),
+              "zopt_optimizer_set_grad_memory")
+
     def push_mask(self):
         """The active mask (which tensors have a gradient) -> the runtime
         (zopt_optimizer_set_active; GPU steps: into the device's table, two

@@ -208,7 +208,6 @@ def rebuild_lists(c):
     c.a_tids = [t for t, e in enumerate(ents) if e.auto]
     c.a_params = [ents[t].param for t in c.a_tids]
     c.a_regs = [ents[t].grad for t in c.a_tids]
-    c.a_last = [UNSET] * len(c.a_tids)
     c.a_index = {t: j for j, t in enumerate(c.a_tids)}
     c.tp_tids = [t for t, e in enumerate(ents) if e.torch]
     c.tp_params = [ents[t].param for t in c.tp_tids]
@@ -217,14 +216,11 @@ def rebuild_lists(c):
     c.strided = [t for t, e in enumerate(ents) if e.dense is not None]
     c.watch = step.has_master or step.zero3
     c.one_pass = bool(c.a_tids) and c.a_tids == c.tp_tids and not c.main
+    # f32 gradients (p.main_grad, zopt._grads.sync_main): per param, the
+    # main_grad when last seen, and the tensors whose gradient the runtime
+    # reads from user memory. (Other parts: zopt._scan, made after this.)
+    c.a_last = [UNSET] * len(c.a_tids)
     c.foreign = {}  # the new native optimizer has our own grad memory
-    # Per param: the data_ptr() its p.grad had when last seen (0: none),
-    # so that a p.grad that kept its object but got other memory
-    # (p.grad.data = ..., Module._apply, share_memory()) is seen; and
-    # the p.grad tensors copied into our memory each step (views, other
-    # strides, GPU steps): they stay the user's p.grad.
-    c.a_gp = [0] * len(c.a_tids)
-    c.copied = {}
     # Fresh gradient tensors are registered in place (no copy) on CPU
     # steps; GPU and offloaded steps keep device tables or stage copies.
     c.grad_zero_copy = not step.gpu and not any(e.cuda for e in ents) and not c.main
@@ -239,10 +235,18 @@ def versions(c):
     return list(map(_version_of, c.tp_params))
 
 
+def baselines_changed(c):
+    """tp_ptrs / tp_vers were set here: the part's zopt._scan pass, which
+    compares against copies of them, is given them again before it is
+    trusted (Part.pre_step)."""
+    c.tp_synced = False
+
+
 def reset_watch(c):
     """The baselines of the write detection: now (after the optimizer
     wrote the params, loaded or refreshed)."""
     c.tp_vers = versions(c)
+    baselines_changed(c)
     c.sampler = None
     if not c.watch or c.zero3_mode == "hooks":
         return  # hooks: params come and go per module (versions only)
@@ -260,16 +264,17 @@ def reset_watch(c):
         c.sampler = s
 
 
-def detect_changes(c, ptrs=None, vers=None):
+def detect_changes(c, same=False):
     """Moved storages (p.data = ...) and writes into params the runtime
     would not see (version counters, sampled elements). Returns (moved,
     changed): the tensors whose storage moved (checked: same shape, dtype,
     device, strides) and those whose master must be made again from the
-    params. The strided params' dense copies are brought up to date."""
+    params. The strided params' dense copies are brought up to date.
+    ``same``: the step's pass (zopt._scan) found every data pointer and
+    version equal to the baselines."""
     moved = []
-    if c.tp_params:
-        if ptrs is None:
-            ptrs = current_ptrs(c)
+    if c.tp_params and not same:
+        ptrs = current_ptrs(c)
         if ptrs != c.tp_ptrs:
             moved = moved_params(c, ptrs)
     if c.strided:  # the registered dense copies <- the strided params
@@ -278,14 +283,14 @@ def detect_changes(c, ptrs=None, vers=None):
         return moved, ()
     changed = set()
     if c.watch:
-        if c.tp_params:
-            if vers is None:
-                vers = versions(c)
+        if c.tp_params and not same:
+            vers = versions(c)
             if vers != c.tp_vers:
                 for t, a, b in zip(c.tp_tids, vers, c.tp_vers):
                     if a != b and t not in c.released:
                         changed.add(t)
                 c.tp_vers = vers
+                baselines_changed(c)
         if c.sampler is not None:  # never reads a moved (maybe freed) storage
             changed.update(c.sampler.changed(skip=moved))
     return moved, changed
@@ -324,6 +329,7 @@ def moved_params(c, ptrs):
                             "new optimizer for the changed model")
         moved.append(t)
     c.tp_ptrs = ptrs
+    baselines_changed(c)
     if moved:
         check_overlaps(c)
     return moved
@@ -479,6 +485,7 @@ def apply_master_sync(c, fixes, gather=None):
         j = c.tp_index.get(t)
         if j is not None:
             c.tp_vers[j] = c.tp_params[j]._version
+    baselines_changed(c)
 
 
 # ---- ZeRO-3: the model's params from the runtime's shards ---------------------------
@@ -516,6 +523,7 @@ def seen(c, tids):
             p = c.tp_params[j]
             c.tp_ptrs[j] = p.data_ptr()
             c.tp_vers[j] = p._version
+    baselines_changed(c)
     if c.zero3_mode != "hooks":
         reset_watch(c)
 

@@ -39,7 +39,8 @@ class Part(Native):
         # reads this tensor's gradient from user memory (a main_grad, or a
         # fresh p.grad registered without a copy), not from our own buffer
         self.foreign = {}
-        self.copied = {}
+        self.scan = None       # zopt._scan.Scan or zopt._fast.Scan (zopt._grads.make_scan)
+        self.tp_synced = False
         self.acc_hooks = []    # (AccumulateGrad node, hook handle) per param
         self.rank_checks = None
         self.lent = ()         # [_state.Lent]: tensors handed out by state[p]
@@ -68,23 +69,33 @@ class Part(Native):
         """A new native optimizer over the registered tensors and the
         optimizer's groups (the old one freed), and the per-step tables."""
         self.build_native(self.groups)
+        self.scan, self.foreign = None, {}  # (what the old native optimizer was handed)
         self.after_layout()
 
-    def after_layout(self):
-        """The per-step tables of a native optimizer whose tensors changed
-        (built, or tensors added in place)."""
+    def after_layout(self, same_tensors=False):
+        """The per-step tables after the registered memory changed: every
+        path that changes it ends here (a native optimizer built, tensors
+        added in place, moved params registered in place; ``same_tensors``:
+        only moved, the streamer's buckets stay). The gradients handed to
+        the runtime in place are read from our own memory again
+        (zopt._grads.own_again), then the tables and the per-step pass
+        (zopt._scan, its baselines) are made anew over the registrations as
+        they are now; the next step hands the gradients over again."""
+        _grads.own_again(self)
         _params.rebuild_lists(self)
-        if self.streamer is not None:
+        _grads.make_scan(self)
+        if self.streamer is not None and not same_tensors:
             self.streamer.attach(self.h)
 
-    def check_params(self, ptrs=None, vers=None):
+    def check_params(self, same=False):
         """Before the runtime reads the params: in-place changes to lent
         state tensors written back, moved storages re-registered (a
         rebuild), the master made again from params written behind the
-        optimizer's back."""
+        optimizer's back. ``same``: this step's pass found every param's
+        data pointer and version as last seen."""
         if self.lent:
             _state.flush_lent(self)
-        moved, changed = _params.detect_changes(self, ptrs, vers)
+        moved, changed = _params.detect_changes(self, same)
         if moved:
             _rebuild.register_moved(self, moved)
             changed = set(changed)
@@ -105,43 +116,30 @@ class Part(Native):
 
     # ---- a step -----------------------------------------------------------------------
     def pre_step(self):
-        """Every per-param check of a step; in one pass over the params when
-        every torch param is given alone (the usual case): each param's
-        metadata is brought into the caches once."""
+        """Every per-param check of a step. When every torch param is given
+        alone (the usual case) in one pass over the params (zopt._scan, in
+        C++ where the extension is loaded): gradients, moved storage and
+        versions, each param's metadata brought into the caches once."""
         if self.excluded:  # GPU steps: frozen params that got a gradient join
             _frozen.include_unfrozen(self)
-        ps = self.a_params
-        if not self.one_pass:
-            rb = self.rebuilds
-            if self.main:
-                self.take_grads()
-                sync = _grads.sync_main
-            else:
-                sync = _grads.sync_grads
-            if ps:
-                sync(self)
-            self.check_params()
-            if ps and self.rebuilds != rb:  # a rebuilt native optimizer: its mask is new
-                sync(self)
-            return
-        G, P = [], []
-        ga, pa = G.append, P.append
-        if self.watch:
-            V = []
-            va = V.append
-            for p in ps:
-                ga(p.grad)
-                pa(p.data_ptr())
-                va(p._version)
-        else:
-            V = None
-            for p in ps:
-                ga(p.grad)
-                pa(p.data_ptr())
-        _grads.sync_grads(self, G)
         rb = self.rebuilds
-        self.check_params(P, V)
-        if self.rebuilds != rb:  # p.data = new: a new native optimizer, all active
+        if self.main:
+            self.take_grads()
+            if self.a_params:
+                _grads.sync_main(self)
+            self.check_params()
+            if self.a_params and self.rebuilds != rb:  # a rebuilt native optimizer: new mask
+                _grads.sync_main(self)
+            return
+        dirty = _grads.sync_grads(self) if self.a_params else True
+        if self.one_pass and self.tp_synced and not dirty:
+            self.check_params(same=True)
+        else:
+            self.check_params()
+            if self.one_pass and self.scan is not None:  # its baselines: the checks' own
+                self.scan.rebase(self.tp_ptrs, self.tp_vers if self.watch else None)
+                self.tp_synced = True
+        if self.a_params and self.rebuilds != rb:  # p.data = new: a new native optimizer
             _grads.sync_grads(self)
 
     def take_grads(self):

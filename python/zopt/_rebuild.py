@@ -141,20 +141,11 @@ def grow(c, new_groups, tids, undo):
             G = len(c.groups)
             for gid in range(G - new_groups, G):
                 c.push_group(c.h, gid, gid, c.groups[gid])
-            _grads_back_to_own(c)
             c.after_layout()
             c.rebuilds += 1
             return
     undo[id(c)] = snap = snapshot(c)
     rebuild(c, snap)
-
-
-def _grads_back_to_own(c):
-    """The native optimizer reads every gradient from the binding's memory
-    again (as a new one does): the tables are then made afresh."""
-    if c.foreign:
-        tids = sorted(c.foreign)
-        c.set_grad_memory(tids, [c.entries[t].gptr or None for t in tids])
 
 
 def register_moved(c, tids):
@@ -185,15 +176,21 @@ def register_moved(c, tids):
 
 
 def _move_in_place(c, tids):
-    """set_tensor_memory of each moved param, its gradient memory as
-    registered now."""
+    """set_tensor_memory of each moved param with our own gradient memory,
+    then the per-step tables made anew (Part.after_layout: every gradient
+    read in place, moved or not, is ours again until the next step hands
+    it over, checked against the params' new memory)."""
     L, h = c.lib, c.handle()
-    for t in tids:
-        e = c.entries[t]
-        grad = c.foreign[t][1] if t in c.foreign else e.gptr
-        p = e.param.data_ptr()
-        check(L.zopt_optimizer_set_tensor_memory(h, int(t), ctypes.c_void_p(p),
-                                                 ctypes.c_void_p(grad or None)),
-              f"zopt_optimizer_set_tensor_memory({e.name})")
-        e.pptr = p
-    _params.reset_watch(c)
+    done = False
+    try:
+        for t in tids:
+            e = c.entries[t]
+            p = e.param.data_ptr()
+            check(L.zopt_optimizer_set_tensor_memory(h, int(t), ctypes.c_void_p(p),
+                                                     ctypes.c_void_p(e.gptr or None)),
+                  f"zopt_optimizer_set_tensor_memory({e.name})")
+            e.pptr = p
+            done = True
+    finally:
+        if done:  # (also before a refusal's rebuild: the tables match the runtime)
+            c.after_layout(same_tensors=True)

@@ -25,6 +25,10 @@ assert rt and os.path.realpath(rt) == os.path.join(prefix, "lib", "libzopt_runti
 assert cc and os.path.realpath(cc) == os.path.join(prefix, "bin", "zopt-compile"), cc
 want_how = {"package": "package", "ZOPT_PREFIX": "ZOPT_PREFIX", "PATH": "PATH"}[how]
 assert inst["how"].get("runtime") == want_how, inst
+# The extension zopt._fast, where one is used, is the installed one (next to
+# the package), never the build tree's.
+ext = inst["extension"]["path"]
+assert ext is None or os.path.realpath(ext).startswith(where + os.sep), inst["extension"]
 
 step = zopt.steps.sgd(momentum=0.9, lr=0.5)
 p = np.arange(8, dtype=np.float32)

@@ -76,16 +76,33 @@ struct Driver {
 
 Driver g_cu;
 bool g_device = false;  // params and grads in device memory
+// Every buffer alloc() made, with where it lives: freed by free_all().
+std::vector<std::pair<void *, bool>> g_allocs;
 
 void *alloc(size_t bytes) {
   bytes = std::max<size_t>(bytes, 16);
-  if (!g_device) return calloc(1, bytes);
+  if (!g_device) {
+    void *p = calloc(1, bytes);
+    g_allocs.emplace_back(p, false);
+    return p;
+  }
   unsigned long long p = 0;
   if (g_cu.MemAlloc(&p, bytes) != 0) {
     fprintf(stderr, "cuMemAlloc(%zu) failed\n", bytes);
     exit(1);
   }
+  g_allocs.emplace_back((void *)(uintptr_t)p, true);
   return (void *)(uintptr_t)p;
+}
+
+// After the optimizers that used them are freed.
+void free_all() {
+  for (auto &[p, device] : g_allocs)
+    if (device)
+      g_cu.MemFree((unsigned long long)(uintptr_t)p);
+    else
+      free(p);
+  g_allocs.clear();
 }
 
 size_t dsize(uint32_t dt) { return dt == ZOPT_DTYPE_F32 ? 4 : 2; }
@@ -407,6 +424,7 @@ int main(int argc, char **argv) {
   zopt_optimizer_free(b.o);
   zopt_step_free(a.step);
   zopt_step_free(b.step);
+  free_all();
   printf("%d passed, %d failed\n", zopt_check::passed, zopt_check::failed);
   return zopt_check::failed ? 1 : 0;
 }
