@@ -25,7 +25,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "zopt", "_fast.cpp")
-INTERFACE = 1  # zopt/_fast.cpp's kInterface
+INTERFACE = 2  # zopt/_fast.cpp's kInterface
 
 
 def _remove_old(out):

@@ -5,7 +5,8 @@
 #   carry: [".carry"]   command: "bash bench/gpu/run_gpu_bench.sh"
 #
 #   lib/       libzopt_runtime.so (+ the stand-in driver libzopt-fake-cuda.so,
-#              which test_gpu_binding.py's subprocess tests load)
+#              which test_gpu_binding.py's and test_gpu_frozen.py's subprocess
+#              tests load)
 #   bin/       zopt-gpu-check, zopt-nccl-check
 #   steps/     <layout>.gpu.so + its CPU twin <layout>.cpu.so (gpu-check, the
 #              benchmark), nccl_zero2.gpu.so (the NCCL stage)

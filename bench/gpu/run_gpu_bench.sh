@@ -282,7 +282,7 @@ torch2_suite() {
   local o="$scratch/pytest-suite.log" r f files=()
   # the binding's integration with torch first, the long property test last
   for f in test_torch2 test_torch_optim test_api test_state test_mixed test_main_grad test_grad_memory \
-           test_gpu_binding test_adam_parity test_sgd_lion test_stochastic test_reference \
+           test_gpu_binding test_gpu_frozen test_adam_parity test_sgd_lion test_stochastic test_reference \
            test_runtime_api test_steps test_compiler test_deepspeed test_comm test_zero_ranks \
            test_grad_streaming test_property; do
     files+=("python/tests/$f.py")

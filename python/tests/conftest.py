@@ -106,6 +106,15 @@ def compiler_binary(zopt_bins, monkeypatch):
     return zopt.find_compiler()
 
 
+@pytest.fixture
+def gpu_env(monkeypatch):
+    """torch.cuda faked and the runtime recorded, for the binding's GPU path
+    without a GPU (gpu_fakes.make_gpu_env: test_gpu_binding.py,
+    test_gpu_frozen.py)."""
+    import gpu_fakes
+    return gpu_fakes.make_gpu_env(monkeypatch)
+
+
 @pytest.fixture(params=["python", "extension"])
 def scan_impl(request, monkeypatch):
     """The test runs on each implementation of the per-step pass over the

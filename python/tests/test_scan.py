@@ -192,6 +192,34 @@ def test_moved_storage_and_writes_seen(steps):
             assert (m - 2.0).abs().max() < 0.1  # one step from 2.0, not from the old master
 
 
+@both
+def test_forget_reports_the_mask_again(adamw):
+    """forget(): the next pass looks at every gradient again, so a mask
+    change the binding could not push (zopt._grads.push_mask puts the mask
+    the runtime has back, e.g. a GPU step inside a CUDA graph capture) is
+    reported again; gradients read in place stay handed over (no moved
+    pointers). The steps after are torch's."""
+    (m1, o1), (m2, o2) = _pair(adamw)
+    part = o1._parts[0]
+    for i in range(3):
+        for m, o in ((m1, o1), (m2, o2)):
+            ps, new = _grads(m, i)
+            for p, n in zip(ps, new):
+                p.grad = n.clone()
+            ps[1].grad = None if i < 2 else ps[1].grad
+            o.step()
+        _close(m1, m2)
+        if i == 0:
+            assert bytes(part.active) == b"\x01\x00\x01\x01"
+            part.active[:] = b"\x01" * 4  # as if the push had failed and been put back
+            assert part.scan.sync() is None  # the pass alone sees no change
+            part.scan.forget()
+            r = part.scan.sync()
+            assert r is not None and r[0] is None and r[1] is None and r[2] is True
+            assert bytes(part.active) == b"\x01\x00\x01\x01"
+            assert set(part.scan.in_place()) == {0, 2, 3}
+
+
 def test_same():
     a = [torch.zeros(1) for _ in range(5)]
     for same in (_ext.same, lambda x, y: len(x) == len(y) and all(u is v for u, v in zip(x, y))):

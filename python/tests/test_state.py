@@ -269,7 +269,9 @@ def test_checkpoint_writer_checksums_and_pieces(steps):
     """oracles.ckptfmt: the side-by-side FNV equals the sequential one for
     chunks of any length; a state_dict of tensors cut into several pieces
     (larger than _ckpt.PIECE_BYTES) loads back bit for bit; the runtime's
-    export behind it has the checksums the oracle computes."""
+    whole export has the checksums the oracle computes, and the one the
+    binding reads (ZOPT_EXPORT_NO_CHECKSUMS) the same bytes but the
+    header's flag, the pieces' checksums (0) and the save identity."""
     from oracles import ckptfmt as _ckpt
     rng = np.random.default_rng(4)
     chunks = [rng.integers(0, 256, n, dtype=np.uint8) for n in (0, 1, 7, 64, 1000, 3)]
@@ -290,7 +292,20 @@ def test_checkpoint_writer_checksums_and_pieces(steps):
     for k, v in before.items():
         assert opt.read_state_raw(0, k).tobytes() == v.tobytes(), k
     assert opt.tensor_step(0) == 2 and opt.tensor_step(1) == 2
-    assert _ckpt.check_image(opt._parts[0].export_whole()) == 3  # 3 states of tensor 0
+    import ctypes
+    import struct
+    from zopt import _lib, _stateio
+    c = opt._parts[0]
+    buf, size = ctypes.c_void_p(), ctypes.c_size_t()
+    _lib.check(c.lib.zopt_optimizer_export_state(c.h, ctypes.byref(buf), ctypes.byref(size),
+                                                 _lib.EXPORT_WHOLE))
+    hashed = np.asarray(_stateio.StateBuffer(c.lib, buf.value, size.value))
+    assert _ckpt.check_image(hashed) == 3  # 3 states of tensor 0
+    plain = c.export_whole()  # the binding's
+    H = struct.unpack_from("<Q", hashed, 16)[0]
+    pieces = zopt._ckpt.parse(plain).pieces
+    assert struct.unpack_from("<I", plain, 12)[0] == 1 and not pieces["fnv"].any()
+    assert plain.size == hashed.size and np.array_equal(plain[H + 8:], hashed[H + 8:])
 
 
 def test_checkpoint_readers_formats_2_and_3(steps, tmp_path):

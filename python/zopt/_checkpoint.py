@@ -19,7 +19,7 @@ import struct
 
 import numpy as np
 
-from . import _ckpt, _cohorts, _hypers, _lib, _params, _rebuild, _state
+from . import _ckpt, _frozen, _hypers, _lib, _params, _rebuild, _state
 from ._collective import collective_errors
 from ._dtypes import KIND_OF_KEY, NP_DTYPES, TORCH_KEY, torch
 from ._lib import HYPER_BY_NAME, StateKind, Status, ZoptError, check
@@ -347,20 +347,10 @@ def part_plan_state_dict(c, sd, groups, allow_rule_change=False):
 
 def part_apply_plan(c, plan):
     """A checked plan (part_plan_state_dict) into part c: one staged import
-    (GPU steps: into a native optimizer regrouped first where the counts
-    need it); nothing changes if the runtime refuses it."""
-    s, snap = c.step, plan["snap"]
-    regrouped = None
-    if s.gpu:  # one count per native group: params of other counts in groups of their own
-        cohorts = _cohorts.cohorts_by_steps(c, snap["steps"], snap["group_steps"])
-        if _cohorts.partition(cohorts[1]) != _cohorts.partition(c.cohort_of):
-            regrouped = _cohorts.regroup(c, cohorts)
-    try:
-        _rebuild.restore(c, snap, groups=plan["groups"], what="load_state_dict")
-    except BaseException:
-        if regrouped is not None:
-            _cohorts.undo_regroup(c, *regrouped)
-        raise
+    (every tensor its own step count); nothing changes if the runtime
+    refuses it."""
+    s = c.step
+    _rebuild.restore(c, plan["snap"], groups=plan["groups"], what="load_state_dict")
     c.state_epoch += 1
     dropped = plan["dropped"]
     if dropped:
@@ -496,23 +486,19 @@ def _check_files(opt, path, files):
 def part_load_file(c, path, allow_rule_change=False, image=None):
     """The runtime's checkpoint file (or an ``image`` of one in memory,
     named ``path``) into part c (without the params' update: returns what
-    it would be)."""
+    it would be). A file saved with extra native groups (GPU steps'
+    unfrozen params before the runtime's mask) loads through
+    zopt._frozen.load_legacy."""
     flags = _lib.LOAD_ALLOW_RULE_CHANGE if allow_rule_change else 0
-    regrouped = None
-    if c.step.gpu and image is None:  # the file's extra native groups (params that joined later)
-        cohorts = _cohorts.file_cohorts(c, path)
-        if cohorts is not None and cohorts != (c.cohort_gid, c.cohort_of):
-            regrouped = _cohorts.regroup(c, cohorts)
-    try:
-        if image is None:
-            check(c.lib.zopt_optimizer_load_ex(c.handle(), os.fspath(path).encode(), flags),
-                  f"load({path})")
-        else:
-            c.import_image(image, flags, f"load({path})")
-    except BaseException:
-        if regrouped is not None:
-            _cohorts.undo_regroup(c, *regrouped)
-        raise
+    legacy = _frozen.legacy_groups(c, path) if image is None else None
+    if legacy is not None:
+        c.handle()
+        _frozen.load_legacy(c, path, flags, legacy)
+    elif image is None:
+        check(c.lib.zopt_optimizer_load_ex(c.handle(), os.fspath(path).encode(), flags),
+              f"load({path})")
+    else:
+        c.import_image(image, flags, f"load({path})")
     c.scaler_cfg = c.scaler_config_now()  # (for the native optimizers built later)
     c.seed_value = c.get_seed()
     _params.reset_watch(c)

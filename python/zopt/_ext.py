@@ -25,7 +25,7 @@ from ._dtypes import torch
 from ._lib import REPO_ROOT
 from ._scan import Scan as PyScan
 
-INTERFACE = 1  # zopt/_fast.cpp's kInterface
+INTERFACE = 2  # zopt/_fast.cpp's kInterface
 _is = operator.is_
 
 

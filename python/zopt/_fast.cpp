@@ -25,7 +25,7 @@
 namespace {
 
 // The interface zopt/_ext.py expects (bumped with any change of Scan's).
-constexpr int kInterface = 1;
+constexpr int kInterface = 2;  // 2: forget()
 
 enum : uint8_t { OWN = 0, IN_PLACE = 1, COPIED = 2 };
 enum : uint8_t { UNSET = 0, NONE = 1, TENSOR = 2 };  // what `last` is
@@ -475,6 +475,18 @@ PyObject *Scan_drop(ScanObject *self, PyObject *) {
   Py_RETURN_NONE;
 }
 
+// zopt._scan.Scan.forget: every gradient as never seen (p.grad untouched;
+// mode, gp and view stay: the memory handed over is as it was).
+PyObject *Scan_forget(ScanObject *self, PyObject *) {
+  State *s = state_of(self);
+  if (!s) return nullptr;
+  for (Slot &x : s->slots) {
+    x.last = at::Tensor();
+    x.seen = UNSET;
+  }
+  Py_RETURN_NONE;
+}
+
 PyObject *Scan_in_place(ScanObject *self, PyObject *) {
   State *s = state_of(self);
   if (!s) return nullptr;
@@ -499,6 +511,7 @@ PyMethodDef scan_methods[] = {
     {"sync", (PyCFunction)Scan_sync, METH_NOARGS, "zopt._scan.Scan.sync"},
     {"rebase", (PyCFunction)Scan_rebase, METH_VARARGS, "zopt._scan.Scan.rebase"},
     {"drop", (PyCFunction)Scan_drop, METH_NOARGS, "zopt._scan.Scan.drop"},
+    {"forget", (PyCFunction)Scan_forget, METH_NOARGS, "zopt._scan.Scan.forget"},
     {"in_place", (PyCFunction)Scan_in_place, METH_NOARGS, "zopt._scan.Scan.in_place"},
     {nullptr, nullptr, 0, nullptr}};
 

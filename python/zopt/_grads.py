@@ -11,7 +11,9 @@ optimizer is built (docs/USAGE.md section 3 is the user's view):
   extension zopt._fast is loaded): a fresh ``p.grad`` tensor of a CPU
   step is handed to the runtime in place
   (``zopt_optimizer_set_grad_memory``), otherwise copied into our memory;
-  params without one are masked off (``zopt_optimizer_set_active``).
+  params without one are masked off (``zopt_optimizer_set_active``, pushed
+  when the set the pass finds changes: :func:`push_mask`; GPU steps too,
+  never inside a CUDA graph capture).
 * f32 gradients of bf16/f16 params (``p.main_grad``, :func:`sync_main`):
   ``p.grad`` accumulated into it, by hooks after each backward or by hand.
 * ``zero_grad`` as torch's, one fill per buffer.
@@ -115,7 +117,7 @@ def sync_grads(c):
     if moved is not None:
         c.set_grad_memory_packed(*moved)
     if mask:
-        c.push_mask()
+        push_mask(c)
     return dirty
 
 
@@ -170,7 +172,45 @@ def sync_main(c):
                 changed = True
             last[j] = g
     if changed:
+        push_mask(c)
+
+
+def push_mask(c):
+    """The changed active mask (``c.active``) to the runtime. GPU steps:
+    refused inside a CUDA graph capture, where the device's mask cannot
+    change (ZoptError BAD_STATE naming the params). If it fails, the mask
+    and the per-param tables are put back as the runtime has them, so the
+    next step sees the change again; nothing was updated."""
+    try:
+        if c.step.gpu and c.capturing():
+            _refuse_in_capture(c)
         c.push_mask()
+    except BaseException:
+        c.active[:] = c.pushed
+        if c.scan is not None:  # (the gradients' memory it handed over stays handed)
+            c.scan.forget()
+        if c.main:
+            c.a_last[:] = [UNSET] * len(c.a_last)
+        raise
+
+
+def _refuse_in_capture(c):
+    act, had, ents = c.active, c.pushed, c.entries
+    lost = [ents[t].name for t in range(len(act)) if had[t] and not act[t]]
+    got = [ents[t].name for t in range(len(act)) if act[t] and not had[t]]
+
+    def names(ns):
+        return ", ".join(ns[:4]) + (", ..." if len(ns) > 4 else "")
+    what = "; ".join(x for x in (f"{names(lost)} without a gradient now" if lost else "",
+                                 f"{names(got)} with one again" if got else "") if x)
+    raise ZoptError(
+        Status.BAD_STATE,
+        f"step() inside a CUDA graph capture (torch.cuda.graph): the set of params with "
+        f"a gradient changed ({what}). Step '{c.step.name}' updates the params its active "
+        "mask names, which lives in a device table; writing it synchronizes the stream, "
+        "which a capture cannot record. Capture steps whose params have gradients as at the "
+        "step before the capture (e.g. run a warm-up step with the same gradients first, "
+        "or zero_grad(set_to_none=False) to keep every gradient). Nothing was updated")
 
 
 def check_main_grad(c, t, g):

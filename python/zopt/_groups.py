@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _classes, _cohorts, _gpu, _grads, _hypers, _params, _rebuild, _strided, _torch_compat
+from . import _classes, _frozen, _gpu, _grads, _hypers, _params, _rebuild, _strided, _torch_compat
 from ._dtypes import is_torch
 from ._lib import Status, ZoptError
 from ._part import Part
@@ -38,7 +38,7 @@ def part_of(opt, cls):
 def register(c, new):
     """Part c's new entries (already in c.entries) checked and given
     gradient memory (GPU steps: frozen ones left out)."""
-    held = _cohorts.exclude_frozen(c, new)
+    held = _frozen.exclude_frozen(c, new)
     _params.check_overlaps(c)
     if c.streamer is None:
         _grads.alloc_grads(c, held)

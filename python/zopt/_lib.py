@@ -454,5 +454,6 @@ STATE_PARTITIONED = 1          # ZOPT_STATE_PARTITIONED: sharded across ranks un
 LOAD_ALLOW_RULE_CHANGE = 1     # ZOPT_LOAD_ALLOW_RULE_CHANGE (zopt_optimizer_load_ex)
 LOAD_VALIDATE_ONLY = 2         # ZOPT_LOAD_VALIDATE_ONLY (load_ex, import_state)
 EXPORT_WHOLE = 1               # ZOPT_EXPORT_WHOLE (zopt_optimizer_export_state)
+EXPORT_NO_CHECKSUMS = 2        # ZOPT_EXPORT_NO_CHECKSUMS (export_state: an image for this process)
 GROUP_MAXIMIZE = 1             # ZOPT_GROUP_MAXIMIZE (zopt_optimizer_set_group_flags)
 DTYPE_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}

@@ -1,8 +1,8 @@
 """The native optimizer of one parameter class, and the call lock.
 
 :class:`Native` owns one ``zopt_optimizer`` (zopt.h): it creates it over
-the tensors registered so far (their memory, their native groups: one per
-param group, then the extra groups of GPU steps' cohorts), configures it
+the tensors registered so far (their memory; one native group per param
+group, GPU steps' frozen params as empty slots: zopt._frozen), configures it
 (threads, communicator, buckets, scaler, seed, stream, allocator),
 finalizes and frees it, and wraps the C calls on it the layers above use.
 The C API's own semantics are in runtime/include/zopt/zopt.h.
@@ -121,9 +121,8 @@ class Native:
     ``bucket_elems``, ``divisor`` (the gradient divisor), ``seed_value``,
     ``scaler_cfg`` (the loss scaler's configuration), ``comm``,
     ``device_allocator``. ``entries`` are the registered tensors (tensor
-    ids = their indices); GPU steps leave ``excluded`` ones out (empty slots)
-    and put ``cohort_of`` ones in extra native groups (``cohort_gid``: the
-    param group of each), see zopt._cohorts."""
+    ids = their indices); GPU steps leave ``excluded`` ones out (empty slots
+    masked off, zopt._frozen)."""
 
     def __init__(self, step, *, num_threads=None, bucket_elems=None, grad_divisor=None,
                  seed=None, scaler_cfg=None, comm=None, device_allocator=None):
@@ -141,9 +140,6 @@ class Native:
         self.streamer = None      # grad_streaming=True: a zopt.streaming.GradStreamer
         self.entries = []
         self.excluded = set()
-        self.cohort_gid = []
-        self.cohort_of = {}
-        self.gpu_missing = []
         self.native_G = 0
         self.device = None
         self.on_cuda = self.streams = self.offload = False
@@ -188,13 +184,11 @@ class Native:
             if self.divisor is not None:
                 check(L.zopt_optimizer_set_grad_divisor(h, float(self.divisor)),
                       "set_grad_divisor")
-            # native groups: one per param group, then the extra groups of
-            # params that joined a GPU step later (zopt._cohorts)
-            G = len(groups)
-            for ng, gid in enumerate(list(range(G)) + list(self.cohort_gid)):
+            G = len(groups)  # one native group per param group
+            for gid in range(G):
                 g = ctypes.c_int()
                 check(L.zopt_optimizer_add_group(h, ctypes.byref(g)), "zopt_optimizer_add_group")
-                self.push_group(h, ng, gid, groups[gid])
+                self.push_group(h, gid, gid, groups[gid])
             excluded = self.excluded
             for t, e in enumerate(self.entries):
                 tid = ctypes.c_int()
@@ -202,9 +196,8 @@ class Native:
                     pptr = gptr = numel = 0
                 else:
                     pptr, gptr, numel = e.pptr, e.gptr, e.numel
-                c = self.cohort_of.get(t)
                 check(L.zopt_optimizer_add_tensor(
-                    h, e.group if c is None else G + c, ctypes.c_void_p(pptr or None),
+                    h, e.group, ctypes.c_void_p(pptr or None),
                     ctypes.c_void_p(gptr or None), numel, int(step.param_dtype),
                     ctypes.byref(tid)),
                     f"zopt_optimizer_add_tensor({e.name})")
@@ -234,6 +227,10 @@ class Native:
         check(L.zopt_optimizer_get_world(h, ctypes.byref(r), ctypes.byref(w)), "get_world")
         self.rank, self.world_size = r.value, w.value
         self._tables()
+        if self.excluded:  # GPU steps' empty slots: never updated, never counted
+            for t in self.excluded:
+                self.active[t] = 0
+            self.push_mask()
 
     def _tables(self):
         """The per-native tables after its tensors changed (finalize,
@@ -246,7 +243,7 @@ class Native:
         self.active_c = ctypes.c_char.from_buffer(self.active if T else bytearray(1))
         self.active_addr = ctypes.addressof(self.active_c)
         self.mask_all = True
-        self.gpu_missing = []
+        self.pushed = bytes(self.active)  # the mask the runtime has
         self.step_fn = L.zopt_optimizer_step
         self.res = _lib.StepResult()
         self.res_ref = ctypes.byref(self.res)
@@ -313,23 +310,9 @@ class Native:
         graph (torch.cuda.graph)?"""
         return self.streams and _gpu.capturing(self.device)
 
-    # ---- native groups ----------------------------------------------------------
-    def ngroup(self, t):
-        """The native group of tensor t: its param group's, or the extra one
-        it joined in (GPU steps, zopt._cohorts)."""
-        c = self.cohort_of.get(t)
-        return self.entries[t].group if c is None else self.native_G + c
-
-    def native_gids(self, gid):
-        """The native groups of param group gid."""
-        if not self.cohort_gid:
-            return (gid,)
-        return (gid,) + tuple(self.native_G + c for c, g in enumerate(self.cohort_gid)
-                              if g == gid)
-
     # ---- hyperparameters and group flags ----------------------------------------
     def set_hyper(self, gid, name, value):
-        """One slot of param group gid (every native group of it)."""
+        """One slot of param group gid (its native group)."""
         if self.step.gpu and self.capturing():
             raise ZoptError(
                 Status.BAD_STATE,
@@ -339,15 +322,13 @@ class Native:
                 "into the graph. Set it before capturing, or between replays (e.g. the lr "
                 "scheduler's step() after graph.replay()): each replay uses the value set "
                 "before it")
-        h = self.handle()
-        for ng in self.native_gids(gid):
-            _lib.check_value(
-                self.lib.zopt_optimizer_set_hyper(h, ng, name.encode(), float(value)),
-                f"set_hyper(group {gid}, {name}={value!r})")
+        _lib.check_value(
+            self.lib.zopt_optimizer_set_hyper(self.handle(), gid, name.encode(), float(value)),
+            f"set_hyper(group {gid}, {name}={value!r})")
 
     def set_maximize(self, gid, on):
         """torch's ``maximize`` of param group gid -> the runtime's group
-        flag (every native group of it; the gradient's sign). GPU steps:
+        flag (the gradient's sign). GPU steps:
         written into the device's table at once, never inside a capture."""
         if self.step.gpu and self.capturing():
             raise ZoptError(
@@ -356,11 +337,9 @@ class Native:
                 "(torch.cuda.graph): the flag is the sign of the group's gradient scale in "
                 "the device's table, which a capture cannot change. Set it before capturing "
                 "or between replays")
-        h = self.handle()
-        for ng in self.native_gids(gid):
-            check(self.lib.zopt_optimizer_set_group_flags(
-                h, ng, _lib.GROUP_MAXIMIZE if on else 0),
-                f"param_groups[{gid}]: maximize={on}")
+        check(self.lib.zopt_optimizer_set_group_flags(
+            self.handle(), gid, _lib.GROUP_MAXIMIZE if on else 0),
+            f"param_groups[{gid}]: maximize={on}")
 
     def get_hyper(self, gid, name):
         v = ctypes.c_double()
@@ -436,15 +415,11 @@ class Native:
         return c.value
 
     def native_steps(self):
-        """The step count of every native group (param groups, then the
-        extra groups of GPU steps)."""
-        return [self.native_step_count(ng)
-                for ng in range(self.native_G + len(self.cohort_gid))]
+        """The step count of every native group (one per param group)."""
+        return [self.native_step_count(ng) for ng in range(self.native_G)]
 
     def group_step_count(self, gid):
         """Steps in which any tensor of param group ``gid`` was updated."""
-        if self.cohort_gid and 0 <= gid < self.native_G:
-            return max(self.native_step_count(ng) for ng in self.native_gids(gid))
         return self.native_step_count(gid)
 
     def tensor_step(self, t):
@@ -525,22 +500,20 @@ class Native:
 
     def push_mask(self):
         """The active mask (which tensors have a gradient) -> the runtime
-        (zopt_optimizer_set_active). GPU steps have none (no per-tensor skip
-        on the device): the held tensors without a gradient are recorded
-        in ``gpu_missing`` and refuse the step."""
+        (zopt_optimizer_set_active; GPU steps: into the device's table, two
+        stream syncs, refused inside a CUDA graph capture). If the runtime
+        refuses it, ``active`` is put back to the mask it has (and the
+        error raised)."""
         act = self.active
         all_on = 0 not in act
-        if self.step.gpu:
-            # The params left out are empty slots there; a held param
-            # without a gradient refuses the step.
-            ex = self.excluded
-            self.gpu_missing = [] if all_on else \
-                [t for t, a in enumerate(act) if not a and t not in ex]
-        elif all_on:
-            check(self.lib.zopt_optimizer_set_active(self.h, None, 0), "set_active")
+        if all_on:
+            st = self.lib.zopt_optimizer_set_active(self.h, None, 0)
         else:
-            check(self.lib.zopt_optimizer_set_active(self.h, self.active_addr, len(act)),
-                  "set_active")
+            st = self.lib.zopt_optimizer_set_active(self.h, self.active_addr, len(act))
+        if st:
+            act[:] = self.pushed
+            check(st, "zopt_optimizer_set_active")
+        self.pushed = bytes(act)
         self.mask_all = all_on
         self.active_elems = int(np.dot(np.frombuffer(act, dtype=np.uint8).astype(np.int64),
                                        self.numels)) if len(act) else 0
@@ -575,13 +548,14 @@ class Native:
 
     def export_whole(self):
         """The whole state as an image of the checkpoint format
-        (``zopt_optimizer_export_state``, ZOPT_EXPORT_WHOLE): a numpy uint8
-        array over the runtime's buffer, freed when it and every view of it
-        are gone. Collective at world size > 1."""
+        (``zopt_optimizer_export_state``, ZOPT_EXPORT_WHOLE) for this
+        process to read (ZOPT_EXPORT_NO_CHECKSUMS: not hashed): a numpy
+        uint8 array over the runtime's buffer, freed when it and every view
+        of it are gone. Collective at world size > 1."""
         buf, size = ctypes.c_void_p(), ctypes.c_size_t()
-        check(self.lib.zopt_optimizer_export_state(self.handle(), ctypes.byref(buf),
-                                                   ctypes.byref(size), _lib.EXPORT_WHOLE),
-              "zopt_optimizer_export_state")
+        check(self.lib.zopt_optimizer_export_state(
+            self.handle(), ctypes.byref(buf), ctypes.byref(size),
+            _lib.EXPORT_WHOLE | _lib.EXPORT_NO_CHECKSUMS), "zopt_optimizer_export_state")
         return np.asarray(_stateio.StateBuffer(self.lib, buf.value, size.value))
 
     def import_image(self, img, flags=0, what="import_state"):

@@ -89,7 +89,7 @@ def make_entry(step, gid, i, p):
             raise ZoptError(Status.INVALID_ARGUMENT,
                             f"{e.name}: can't optimize a non-leaf tensor")
     # GPU steps: a torch param that does not require grad (and has no
-    # gradient) is left out of the native optimizer (zopt._cohorts); it is
+    # gradient) is left out of the native optimizer (zopt._frozen); it is
     # checked like any param when it joins.
     e.frozen = step.gpu and e.auto and e.torch and untrained(param)
     if e.frozen:

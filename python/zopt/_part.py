@@ -4,7 +4,7 @@ to its part).
 
 A part ties the layers below together: the native handle (zopt._native),
 param registration (zopt._params), gradient memory (zopt._grads), the
-state moved in memory (zopt._rebuild; GPU steps' cohorts: zopt._cohorts)
+state moved in memory (zopt._rebuild; GPU steps' frozen params: zopt._frozen)
 and the lent state tensors (zopt._state). An optimizer over one dtype has
 one part; ``zopt.Optimizer({dtype: step})`` one per class that has params,
 stepped together (``zopt_optimizer_step_linked``). Every part holds every param group
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import weakref
 
-from . import _cohorts, _grads, _params, _rebuild, _state, _strided
+from . import _frozen, _grads, _params, _rebuild, _state, _strided
 from ._collective import collective_errors
 from ._lib import Status, ZoptError
 from ._native import Native
@@ -121,7 +121,7 @@ class Part(Native):
         C++ where the extension is loaded): gradients, moved storage and
         versions, each param's metadata brought into the caches once."""
         if self.excluded:  # GPU steps: frozen params that got a gradient join
-            _cohorts.include_unfrozen(self)
+            _frozen.include_unfrozen(self)
         rb = self.rebuilds
         if self.main:
             self.take_grads()
@@ -147,7 +147,7 @@ class Part(Native):
         if not self.main or not self.a_params:
             return
         if self.excluded:  # GPU steps: a frozen param's p.grad: it joins first
-            _cohorts.include_unfrozen(self)
+            _frozen.include_unfrozen(self)
         _grads.take_grads(self)
 
     def after_step(self, r):

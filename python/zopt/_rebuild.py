@@ -19,8 +19,8 @@ only one).
   ``zopt_optimizer_set_tensor_memory`` (CPU and offloaded steps), else
   export -> new native -> import.
 
-GPU steps' frozen params and cohorts (extra native groups) are
-zopt._cohorts'. Functions take the part ``c`` (zopt._part.Part) first.
+GPU steps' frozen params (left out, joining when unfrozen) are
+zopt._frozen's. Functions take the part ``c`` (zopt._part.Part) first.
 """
 from __future__ import annotations
 
@@ -57,12 +57,8 @@ def snapshot(c):
         if t < T:
             steps[t] = 0
     native = [g[0] for g in img.groups]
-    G = c.native_G
-    return dict(kinds=kinds, data=data, steps=steps,
-                group_steps=[max([native[g]] + [native[G + k] for k, x in
-                                                enumerate(c.cohort_gid) if x == g])
-                             for g in range(G)],
-                native_steps=native, native_G=G,
+    return dict(kinds=kinds, data=data, steps=steps, group_steps=native,
+                native_steps=native, native_G=c.native_G,
                 scaler=c.scaler_state(),  # (the image's, read through the getters)
                 seed=img.seed, image=img)
 
@@ -83,16 +79,10 @@ def restore(c, snap, groups=None, what="restore"):
     for t in ex:  # left out (GPU steps): no states, never stepped
         steps[t] = 0
     gsteps = list(snap["group_steps"]) + [0] * G
-    # Native groups: the param groups' (a snapshot's own counts where it
-    # has them), then the extra groups of GPU steps (those the snapshot
-    # had keep their counts; a new one starts at its tensors' steps).
+    # Native groups, one per param group: a snapshot's own counts where it
+    # has them.
     native, nG = snap.get("native_steps"), snap.get("native_G", 0)
     counts = [native[g] if native is not None and g < nG else gsteps[g] for g in range(G)]
-    for k in range(len(c.cohort_gid)):
-        if native is not None and nG + k < len(native):
-            counts.append(native[nG + k])
-        else:
-            counts.append(max([steps[t] for t, x in c.cohort_of.items() if x == k] or [0]))
     scale, good, cfg = snap["scaler"]
     with c.begin_import() as imp:
         for (k, t), a in snap["data"].items():
@@ -103,11 +93,10 @@ def restore(c, snap, groups=None, what="restore"):
         for t, n in enumerate(steps):
             if n:
                 imp.tensor_step(t, n)
-        for ng, gid in enumerate(list(range(G)) + list(c.cohort_gid)):
-            g = groups[gid]
-            imp.group(ng, counts[ng], GROUP_MAXIMIZE if _hypers.maximize(g) else 0)
+        for gid, g in enumerate(groups):
+            imp.group(gid, counts[gid], GROUP_MAXIMIZE if _hypers.maximize(g) else 0)
             for name, v in _hypers.slots(g, s.hypers).items():
-                imp.hyper(ng, name, v, f"{what}: param group {gid}: {name}={v!r}")
+                imp.hyper(gid, name, v, f"{what}: param group {gid}: {name}={v!r}")
         imp.scaler(cfg, scale, good)
         imp.seed(snap["seed"])
         imp.commit(what)

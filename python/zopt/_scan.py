@@ -22,6 +22,9 @@ both exist. The rules (docs/USAGE.md section 3, "Gradient memory"):
 * A sparse (or otherwise non-strided) gradient is refused before anything
   changes.
 
+``forget()`` makes the next ``sync()`` look at every gradient again (a
+mask change the caller could not push is reported again).
+
 ``sync()`` returns None when there is nothing to do, else ``(moved, copies,
 mask, dirty)``: ``moved`` None or ``(tids, ptrs)`` packed as int32 and
 pointer-sized words for ``zopt_optimizer_set_grad_memory``; ``copies`` None
@@ -299,6 +302,15 @@ class Scan:
         for p in self.params:
             if p.grad is not None:
                 p.grad = None
+        self.last = [_UNSET] * len(self.params)
+
+    def forget(self):
+        """Every gradient as never seen (p.grad untouched): the next
+        ``sync()`` reports each param's gradient again, and the mask where
+        ``active`` differs from it (the caller put back the mask the runtime
+        kept when pushing this one's change failed). The memory handed over
+        stays as it is: a gradient read in place at the same address is not
+        handed over again."""
         self.last = [_UNSET] * len(self.params)
 
     def in_place(self):

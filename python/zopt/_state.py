@@ -19,7 +19,7 @@ import weakref
 
 import numpy as np
 
-from . import _cohorts, _params
+from . import _frozen, _params
 from ._dtypes import (KIND_OF_KEY, NP_DTYPES, NP_OF, TORCH_KEY, convert_bits, from_bits,
                       is_torch, np_bits, round_bits, torch, torch_dtypes, torch_of)
 from ._lib import DType, DTYPE_NAMES, StateKind, Status, ZoptError
@@ -383,7 +383,7 @@ def state_values(c, t, values):
     s = c.step
     out = {}
     if values:
-        _cohorts.check_held(c, t, "opt.state[p] = ...")
+        _frozen.check_held(c, t, "opt.state[p] = ...")
     for key, v in values.items():
         what = f"opt.state[p][{key!r}] of {e.name}"
         if key == "step":

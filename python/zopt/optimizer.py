@@ -12,7 +12,7 @@ stepped together with one norm and one skip decision
 (``zopt_optimizer_step_linked``). The layers below, each a module:
 
 * zopt._classes: which class a param belongs to;
-* zopt._part (zopt._native, _params, _grads, _rebuild, _cohorts): one
+* zopt._part (zopt._native, _params, _grads, _rebuild, _frozen): one
   class's native optimizer, registered params and gradient memory;
 * zopt._state: ``opt.state[p]`` (torch's keys, written through);
 * zopt._checkpoint: ``state_dict`` / ``load_state_dict`` / ``save`` / ``load``;
@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from . import (_checkpoint, _classes, _clip, _cohorts, _gpu, _grads, _groups, _hypers, _lib,
+from . import (_checkpoint, _classes, _clip, _frozen, _gpu, _grads, _groups, _hypers, _lib,
                _native, _params, _strided, _torch_compat)
 from ._checkpoint import MasterWeightsWarning  # noqa: F401 (zopt.optimizer.MasterWeightsWarning)
 from ._dtypes import TORCH_KEY, kind as _kind, torch
@@ -467,13 +467,8 @@ class Optimizer(_Base):
         else:
             self._streamer.before_step()  # the buckets no backward reduced
         self._push_hypers()
-        if self.world_size == 1 and not any(1 in c.active for c in parts) and not (
-                self._streamer is not None and self._streamer.reduced):
-            return False
-        for c in parts:
-            if c.gpu_missing:
-                _cohorts.refuse_missing_grads(c)
-        return True
+        return self.world_size > 1 or any(1 in c.active for c in parts) or (
+            self._streamer is not None and self._streamer.reduced)
 
     def _run_native_step(self, t0):
         """The runtime's step (one class: zopt_optimizer_step; several:
@@ -642,7 +637,7 @@ class Optimizer(_Base):
         index or a param) as a float32 numpy array (flat, memory order)."""
         k = _kind(kind)
         c, lt = self._route(tensor_idx)
-        _cohorts.check_held(c, lt, "read_state")
+        _frozen.check_held(c, lt, "read_state")
         self._check_open()
         c.prepare()
         return c.read_f32(lt, k)
@@ -655,7 +650,7 @@ class Optimizer(_Base):
         does), so model and master agree."""
         k = _kind(kind)
         c, lt = self._route(tensor_idx)
-        _cohorts.check_held(c, lt, "write_state")
+        _frozen.check_held(c, lt, "write_state")
         self._check_open()
         _params.write_f32(c, lt, k, values)
         c.outdate([lt], (TORCH_KEY.get(k),))
@@ -665,7 +660,7 @@ class Optimizer(_Base):
         """Storage-exact copy of a state (uint16 for bf16, float16, float32)."""
         k = _kind(kind)
         c, lt = self._route(tensor_idx)
-        _cohorts.check_held(c, lt, "read_state_raw")
+        _frozen.check_held(c, lt, "read_state_raw")
         self._check_open()
         c.prepare()
         if c.step.state_dtype(k) is None:

@@ -59,6 +59,26 @@ inline void reseal(std::vector<unsigned char> &f) {
   memcpy(f.data() + H, &c, 8);
 }
 
+// Byte offset of format 3's piece table (40 bytes a piece) and the number of
+// pieces (the u64 before it), after the groups' and tensors' records.
+inline size_t pieces_at(const std::vector<unsigned char> &f, uint64_t *n) {
+  uint32_t ngroups, ntensors;
+  memcpy(&ngroups, f.data() + kNumGroupsAt, 4);
+  memcpy(&ntensors, f.data() + kNumGroupsAt + 4, 4);
+  size_t pos = kNumGroupsAt + 8 + 8 * 8 + 8;  // num_groups/tensors, scaler (64 bytes), seed
+  uint32_t nkinds;
+  memcpy(&nkinds, f.data() + pos, 4);
+  pos += 8 + 8 * (size_t)nkinds;
+  for (uint32_t g = 0; g < ngroups; ++g) {
+    uint32_t nh;
+    memcpy(&nh, f.data() + pos + 8, 4);
+    pos += 16 + 16 * (size_t)nh;
+  }
+  pos += 24 * (size_t)ntensors;
+  memcpy(n, f.data() + pos, 8);
+  return pos + 8;
+}
+
 // Byte offset of group g's `flags` (format 3; format 2: its pad): the
 // per-group records follow the state-kind table.
 inline size_t group_flags_at(const std::vector<unsigned char> &f, uint32_t g) {

@@ -5,7 +5,10 @@
 // is written to a file and loaded into it, with and without
 // ZOPT_LOAD_ALLOW_RULE_CHANGE (the input's length picks), and imported from
 // memory (zopt_optimizer_import_state, validating only). The properties:
-//   - the in-memory import accepts exactly what the file's load accepts;
+//   - the in-memory import accepts exactly what the file's load accepts,
+//     except an image whose header flags say its pieces carry no checksums
+//     (ZOPT_EXPORT_NO_CHECKSUMS): the file's load always refuses it, the
+//     in-memory import reads it without checking the pieces' data;
 //   - no crash, no sanitizer report, no leak (ASan + LeakSanitizer);
 //   - a refused load leaves every state, step count, hyperparameter, loss
 //     scale and tensor step bit-identical (a snapshot is compared);
@@ -211,7 +214,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     abort();
   }
   const zopt_status file = zopt_optimizer_load_ex(F.o, F.input.c_str(), flags);
-  if ((mem == ZOPT_OK) != (file == ZOPT_OK)) {
+  uint32_t hflags = 0;
+  if (size >= 16) memcpy(&hflags, buf.data() + 12, 4);
+  if (size >= 16 && memcmp(buf.data(), "ZOPTCKP2", 8) == 0 && hflags == 1) {  // no piece checksums
+    if (file == ZOPT_OK) {
+      fprintf(stderr, "zopt-fuzz-checkpoint: a file without piece checksums was loaded\n");
+      abort();
+    }
+  } else if ((mem == ZOPT_OK) != (file == ZOPT_OK)) {
     fprintf(stderr, "zopt-fuzz-checkpoint: the in-memory import says %d, the file's load %d\n", (int)mem, (int)file);
     abort();
   }

@@ -230,6 +230,7 @@ int main(int argc, char **argv) {
     test_add();
     test_add_refused();
     test_export_import();
+    test_unhashed();
     test_corrupt();
     test_staged();
   }

@@ -177,6 +177,60 @@ void test_export_import() {
   }
 }
 
+// ZOPT_EXPORT_NO_CHECKSUMS: the WHOLE image with the header flag set and the
+// pieces' checksums 0 (else the same bytes), imported bit-identical; the
+// same bytes in a file are refused by load; unknown export flags refused.
+void test_unhashed() {
+  std::vector<std::vector<unsigned char>> hashed((size_t)g_world), plain((size_t)g_world);
+  std::atomic<bool> ok{true}, unchanged{true};
+  Outcomes file, bad_flag;
+  const std::string dir = g_dir.empty() ? (getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp") : g_dir;
+  on_ranks([&](int r, zopt_comm *c) {
+    Rank A;
+    RANK_CK(build_old(A, c));
+    Snap want, s;
+    RANK_CK(A.snapshot(&want));
+    void *b = nullptr;
+    size_t n = 0;
+    RANK_CK(zopt_optimizer_export_state(A.o, &b, &n, ZOPT_EXPORT_WHOLE) == ZOPT_OK);
+    hashed[(size_t)r] = to_vec(b, n);
+    RANK_CK(zopt_optimizer_export_state(A.o, &b, &n, ZOPT_EXPORT_WHOLE | ZOPT_EXPORT_NO_CHECKSUMS) == ZOPT_OK);
+    plain[(size_t)r] = to_vec(b, n);
+    const std::vector<std::vector<unsigned char>> params = A.params();
+    RANK_CK(A.steps(3, 1));
+    if (!A.zero3) RANK_CK(A.set_params(params));
+    RANK_CK(zopt_optimizer_import_state(A.o, plain[(size_t)r].data(), plain[(size_t)r].size(), 0) == ZOPT_OK);
+    if (!A.snapshot(&s) || s != want) ok = false;
+    const std::string f = dir + "/" + g_name + ".unhashed.w" + std::to_string(g_world);  // the same bytes on every rank
+    if (r == 0) RANK_CK(ckt::spit(f, plain[0]));
+    RANK_CK(!c || zopt_comm_barrier(c) == ZOPT_OK);
+    file.set(r, zopt_optimizer_load(A.o, f.c_str()));
+    RANK_CK(!c || zopt_comm_barrier(c) == ZOPT_OK);
+    if (r == 0) unlink(f.c_str());
+    bad_flag.set(r, zopt_optimizer_export_state(A.o, &b, &n, ZOPT_EXPORT_WHOLE | 4u));
+    if (!A.snapshot(&s) || s != want) unchanged = false;
+  });
+  report(ok, "export WHOLE | NO_CHECKSUMS -> import on every rank: bit-identical");
+  std::vector<unsigned char> p = plain[0], h = hashed[0];
+  uint64_t np = 0, nh = 0;
+  const size_t at = ckt::pieces_at(p, &np), ath = ckt::pieces_at(h, &nh);
+  bool same = p.size() == h.size() && at && at == ath && np == nh && p[12] == 1 && h[12] == 0;
+  for (uint64_t k = 0; same && k < np; ++k) {
+    uint64_t fnv;
+    memcpy(&fnv, p.data() + at + 40 * k + 32, 8);
+    same = fnv == 0;
+    memcpy(p.data() + at + 40 * k + 32, h.data() + at + 40 * k + 32, 8);
+  }
+  p[12] = 0;
+  if (same) memcpy(p.data() + ckt::kIdAt, h.data() + ckt::kIdAt, 16);  // each export its identity
+  ckt::reseal(p);
+  for (int q = 1; q < g_world; ++q) same = same && plain[(size_t)q] == plain[0];
+  report(same && p == h,
+         "the NO_CHECKSUMS image is the WHOLE image with flags 1 and every piece's checksum 0 (but the identity)");
+  report(file.all(ZOPT_ERR_CHECKPOINT, "never from a file") && bad_flag.all(ZOPT_ERR_INVALID_ARGUMENT) && unchanged,
+         "those bytes in a file: refused by load, nothing changed; export flag 4: refused (%s)", file.msg[0].c_str());
+}
+
 void test_corrupt() {
   // Each case: a function from (this rank's image, the whole image, another
   // export's images) to the buffers this rank passes.

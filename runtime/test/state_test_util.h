@@ -323,6 +323,7 @@ inline std::vector<unsigned char> to_vec(void *b, size_t n) {
 void test_add();
 void test_add_refused();
 void test_export_import();
+void test_unhashed();
 void test_corrupt();
 void test_staged();
 

@@ -485,8 +485,14 @@ ZOPT_API zopt_status zopt_optimizer_load(zopt_optimizer *opt, const char *path);
  * sharded states are gathered; every rank gets the same image, world size
  * 1 and rank 0, as a one-rank save): what a caller that needs whole
  * tensors (torch's state_dict) reads. A failure on one rank fails every
- * rank's export, the same error. */
+ * rank's export, the same error.
+ * ZOPT_EXPORT_NO_CHECKSUMS (with either): the pieces' checksums are left
+ * out (0; the header's flags say so, its own checksum stays): the copy
+ * without hashing every byte, for a reader in the same process (a
+ * binding's state_dict). Such an image imports from memory only; a file
+ * holding it is refused by load. */
 #define ZOPT_EXPORT_WHOLE 1u
+#define ZOPT_EXPORT_NO_CHECKSUMS 2u
 ZOPT_API zopt_status zopt_optimizer_export_state(const zopt_optimizer *opt, void **buf, size_t *size,
                                                  uint32_t flags);
 ZOPT_API void zopt_state_buffer_free(void *buf);

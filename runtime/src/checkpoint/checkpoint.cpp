@@ -26,6 +26,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cmath>
 #include <cstdarg>
@@ -106,6 +107,60 @@ zopt_status run_bytes(const zopt_optimizer *o, int t, int si, const exec::Run &r
   return o->backend->read_state(o, t, si, stage.data(), bytes);  // whole tensors (world size 1)
 }
 
+// A piece of an image being written: state kinds[ki] of tensor t, its run
+// (ptr NULL: gathered into the image in memory), offset and checksum.
+struct Piece {
+  uint32_t ki, t;
+  exec::Run run;
+  uint64_t off, fnv;
+};
+
+// The pieces whose bytes are host memory (`src[i]`: the state's own, or
+// the image's where a gather put them) copied into the image in memory
+// (`img`, else not copied) and, with `checksums`, hashed: on the
+// optimizer's pool (one thread without one), the threads taking tasks in
+// turn. A task is a piece when it is hashed (FNV-1a is sequential; copied
+// and hashed 1 MiB at a time, each block hashed while it is in cache),
+// else a 1 MiB block of one.
+void copy_and_hash(const zopt_optimizer *o, std::vector<Piece> &pieces, const std::vector<size_t> &which,
+                   const std::vector<const unsigned char *> &src, const std::vector<size_t> &bytes,
+                   unsigned char *img, bool checksums) {
+  constexpr size_t kBlock = (size_t)1 << 20;
+  struct Task {
+    size_t i, begin, end;  // which[i], bytes [begin, end)
+  };
+  std::vector<Task> tasks;
+  for (size_t i = 0; i < which.size(); ++i) {
+    const size_t n = bytes[i];
+    if (checksums || n <= kBlock) {
+      tasks.push_back(Task{i, 0, n});
+    } else {
+      for (size_t b = 0; b < n; b += kBlock) tasks.push_back(Task{i, b, std::min(n, b + kBlock)});
+    }
+  }
+  std::atomic<size_t> next{0};
+  auto work = [&](int) {
+    for (size_t k; (k = next.fetch_add(1)) < tasks.size();) {
+      const Task &tk = tasks[k];
+      Piece &p = pieces[which[tk.i]];
+      const unsigned char *from = src[tk.i];
+      unsigned char *to = img ? img + p.off : nullptr;
+      uint64_t h = kFnvBasis;
+      for (size_t b = tk.begin; b < tk.end; b += kBlock) {
+        const size_t n = std::min(kBlock, tk.end - b);
+        if (to && to + b != from + b) memcpy(to + b, from + b, n);
+        if (checksums) h = fnv1a64(to ? to + b : from + b, n, h);
+      }
+      if (checksums) p.fnv = h;
+    }
+  };
+  if (o->pool && o->pool->size() > 1 && tasks.size() > 1) {
+    parallel(o->pool, [&](int tid) { work(tid); });
+  } else {
+    work(0);
+  }
+}
+
 bool write_all_at(int fd, const void *p, size_t n, uint64_t off) {
   const char *c = (const char *)p;
   while (n) {
@@ -184,16 +239,13 @@ bool saved_state(const zopt_optimizer *o, uint32_t s) {
   return k == ZOPT_STATE_PARAM && o->prog && o->prog->buf[s] && !o->prog->pinned[s];
 }
 
-zopt_status write_image(const zopt_optimizer *o, const SaveId &id, bool whole, Sink &sink, const char *fn) {
+zopt_status write_image(const zopt_optimizer *o, const SaveId &id, bool whole, Sink &sink, const char *fn,
+                        bool checksums) {
   const zopt_step_descriptor *d = o->d;
   std::vector<uint32_t> kinds;  // descriptor indices of the saved states
   for (uint32_t s = 0; s < d->num_states; ++s)
     if (saved_state(o, s)) kinds.push_back(s);
-  struct P {
-    uint32_t ki, t;
-    exec::Run run;  // ptr NULL: gathered into the image (whole, a sharded state)
-    uint64_t off, fnv;
-  };
+  using P = Piece;
   std::vector<P> pieces;
   std::vector<exec::Run> runs;
   std::vector<unsigned char> stage;
@@ -212,7 +264,7 @@ zopt_status write_image(const zopt_optimizer *o, const SaveId &id, bool whole, S
       }
     w.bytes(kMagic2, 8);
     w.put<uint32_t>(kVersion);
-    w.put<uint32_t>(0);  // flags
+    w.put<uint32_t>(checksums ? 0u : kFlagNoChecksums);
     w.put<uint64_t>(0);  // header size, patched below
     w.put<uint64_t>(d->checksum);
     w.bytes(d->name, ZOPT_NAME_LEN);
@@ -291,17 +343,43 @@ zopt_status write_image(const zopt_optimizer *o, const SaveId &id, bool whole, S
       return fail(ZOPT_ERR_OUT_OF_MEMORY, "%s: out of memory", fn);
     }
   }
-  for (P &p : pieces) {
-    const size_t bytes = (size_t)p.run.len * dtype_size(d->states[kinds[p.ki]].dtype);
-    if (!p.run.ptr && whole && o->world > 1) {  // gathered in place
-      p.fnv = fnv1a64(sink.direct() + p.off, bytes);
-      continue;
+  // The data. A state the backend keeps elsewhere (a GPU step's device
+  // memory) is read piece by piece, straight into an image in memory;
+  // host memory is copied into an image in memory and hashed on the pool
+  // (copy_and_hash), or hashed there and written piece by piece.
+  unsigned char *img = sink.direct();
+  std::vector<size_t> host;
+  std::vector<const unsigned char *> host_src;
+  std::vector<size_t> host_bytes;
+  try {
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      P &p = pieces[i];
+      const int si = (int)kinds[p.ki];
+      const size_t bytes = (size_t)p.run.len * dtype_size(d->states[si].dtype);
+      const bool gathered = !p.run.ptr && whole && o->world > 1;  // in place already
+      if (gathered || o->backend->host_state(o, si)) {
+        host.push_back(i);
+        host_src.push_back(gathered ? img + p.off : (const unsigned char *)p.run.ptr);
+        host_bytes.push_back(bytes);
+        continue;
+      }
+      if (img) {  // whole tensors (world size 1)
+        if (zopt_status st = o->backend->read_state(o, (int)p.t, si, img + p.off, bytes)) return st;
+        if (checksums) p.fnv = fnv1a64(img + p.off, bytes);
+        continue;
+      }
+      const void *src = nullptr;
+      if (zopt_status st = run_bytes(o, (int)p.t, si, p.run, stage, &src, fn)) return st;
+      if (checksums) p.fnv = fnv1a64(src, bytes);
+      if (zopt_status st = sink.write_at(p.off, src, bytes)) return st;
     }
-    const void *src = nullptr;
-    if (zopt_status st = run_bytes(o, (int)p.t, (int)kinds[p.ki], p.run, stage, &src, fn)) return st;
-    p.fnv = fnv1a64(src, bytes);
-    if (zopt_status st = sink.write_at(p.off, src, bytes)) return st;
+    copy_and_hash(o, pieces, host, host_src, host_bytes, img, checksums);
+  } catch (...) {
+    return fail(ZOPT_ERR_OUT_OF_MEMORY, "%s: out of memory", fn);
   }
+  if (!img)
+    for (size_t i = 0; i < host.size(); ++i)
+      if (zopt_status st = sink.write_at(pieces[host[i]].off, host_src[i], host_bytes[i])) return st;
   // The header, now that every piece's checksum is known.
   try {
     for (const P &p : pieces) {
@@ -544,7 +622,7 @@ static zopt_status stage_files(zopt_optimizer *o, const Files &files, const char
         memcpy(b.data(), f.v1_data.data() + p.offset, bytes);
       } else {
         if (!read_at(f, b.data(), bytes, p.offset)) return ck_fail(f.path, "cannot read tensor %u's data", p.tensor);
-        if (fnv1a64(b.data(), bytes) != p.fnv)
+        if (f.checksums && fnv1a64(b.data(), bytes) != p.fnv)
           return ck_fail(f.path, "tensor %u state %s: data checksum mismatch", p.tensor,
                          state_kind_name(f.kinds[p.kind_index].kind));
       }

@@ -110,7 +110,15 @@ zopt_status read_header(File &f, const std::string &path) {
   memcpy(&hsize, fixed + 16, 8);
   if (version != 2 && version != kVersion)
     return ck_fail(path, "format version %u, this runtime reads versions 1 to %u", version, kVersion);
-  if (flags != 0) return ck_fail(path, "flags 0x%x: no flags are defined (a newer writer?)", flags);
+  if (flags == kFlagNoChecksums && !f.mem)
+    return ck_fail(path,
+                   "flags 0x%x: an image without piece checksums (ZOPT_EXPORT_NO_CHECKSUMS) is only read from "
+                   "memory by the process that exported it, never from a file: export it with checksums (flags "
+                   "without ZOPT_EXPORT_NO_CHECKSUMS) or save it with zopt_optimizer_save to keep it",
+                   flags);
+  if (flags & ~kFlagNoChecksums)
+    return ck_fail(path, "flags 0x%x: bits this runtime does not know (a newer writer?)", flags);
+  f.checksums = !(flags & kFlagNoChecksums);
   if (hsize < 24 || hsize > f.size - 8 || hsize > (uint64_t)1 << 34)
     return ck_fail(path, "header size %llu outside the file", (unsigned long long)hsize);
   std::vector<unsigned char> h;

@@ -23,6 +23,9 @@ inline constexpr char kMagic2[8] = {'Z', 'O', 'P', 'T', 'C', 'K', 'P', '2'};
 inline constexpr char kMagic1[8] = {'Z', 'O', 'P', 'T', 'C', 'K', 'P', '1'};
 inline constexpr uint32_t kVersion = 3;                // written; 2 is still read
 inline constexpr uint32_t kGroupFlagsKnown = 1u;       // bit 0: maximize (Group::flags)
+// Header flags, bit 0: the pieces carry no checksum (ZOPT_EXPORT_NO_CHECKSUMS);
+// read only from an image in memory, never from a file.
+inline constexpr uint32_t kFlagNoChecksums = 1u;
 inline constexpr uint64_t kFnvBasisV1 = 1469598103934665603ull;  // format 1's (wrong) basis
 inline constexpr size_t kDataAlign = 64;
 inline constexpr uint32_t kMaxRanks = 1u << 20;
@@ -44,6 +47,7 @@ struct PieceRec {
 struct File {
   std::string path;
   uint32_t version = 0, world = 1, rank = 0;
+  bool checksums = true;  // false: kFlagNoChecksums (an image in memory)
   SaveId id;  // format 3
   uint64_t desc_sum = 0;
   char name[ZOPT_NAME_LEN + 1] = {0};

@@ -50,8 +50,12 @@ class Sink {
 // file); whole = true: every element of every state, world 1 and rank 0
 // (at W > 1 a collective: sharded states are gathered; needs a sink with
 // direct()). `id` is the save identity written into the header. `fn` names
-// the API call in errors.
-zopt_status write_image(const zopt_optimizer *o, const SaveId &id, bool whole, Sink &sink, const char *fn);
+// the API call in errors. checksums = false (ZOPT_EXPORT_NO_CHECKSUMS, an
+// image in memory for the process that wrote it): every piece's checksum is
+// 0 and the header's flags say so (kFlagNoChecksums); the header keeps its
+// own checksum.
+zopt_status write_image(const zopt_optimizer *o, const SaveId &id, bool whole, Sink &sink, const char *fn,
+                        bool checksums = true);
 
 // ---- reading, staging, applying ---------------------------------------------
 

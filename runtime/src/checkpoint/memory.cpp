@@ -191,8 +191,9 @@ ZOPT_API zopt_status zopt_optimizer_export_state(const zopt_optimizer *co, void 
   if (!buf || !size) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: buf or size is NULL", fn);
   *buf = nullptr;
   *size = 0;
-  if (flags & ~(uint32_t)ZOPT_EXPORT_WHOLE)
-    return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: unknown flags 0x%x (known: ZOPT_EXPORT_WHOLE)", fn, flags);
+  if (flags & ~(uint32_t)(ZOPT_EXPORT_WHOLE | ZOPT_EXPORT_NO_CHECKSUMS))
+    return fail(ZOPT_ERR_INVALID_ARGUMENT,
+                "%s: unknown flags 0x%x (known: ZOPT_EXPORT_WHOLE, ZOPT_EXPORT_NO_CHECKSUMS)", fn, flags);
   if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "%s: call zopt_optimizer_finalize first", fn);
   // Step counts and scaler from where the backend keeps them (the device:
   // waits for the stream).
@@ -202,7 +203,7 @@ ZOPT_API zopt_status zopt_optimizer_export_state(const zopt_optimizer *co, void 
   if (zopt_status st = ckpt::agree_save_id(o, "(export)", &id, "EXPORT identity")) return st;
   MemSink sink;
   const bool whole = flags & ZOPT_EXPORT_WHOLE;
-  zopt_status st = ckpt::write_image(o, id, whole, sink, fn);
+  zopt_status st = ckpt::write_image(o, id, whole, sink, fn, !(flags & ZOPT_EXPORT_NO_CHECKSUMS));
   // The same outcome on every rank (a whole image gathered: its
   // collectives' failures are already every rank's).
   if (!whole)
