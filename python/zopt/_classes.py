@@ -15,6 +15,7 @@ import numpy as np
 
 from ._dtypes import is_torch, torch_dtypes
 from ._lib import DType, Status, ZoptError, DTYPE_NAMES
+from ._params import split_item
 from ._step import Step
 from .steps import dtype_name
 
@@ -82,19 +83,7 @@ def classify(steps, gid, i, p):
     """The class of user item ``p`` of a step mapping (a torch param or a
     (param, grad) pair) at ``param_groups[gid]['params'][i]``."""
     name = f"param_groups[{gid}]['params'][{i}]"
-    if isinstance(p, (tuple, list)):
-        if len(p) != 2:
-            raise ZoptError(Status.INVALID_ARGUMENT,
-                            "a tensor entry must be a param or a (param, grad) pair")
-        param = p[0]
-    elif is_torch(p):
-        param = p
-    elif isinstance(p, np.ndarray):
-        raise ZoptError(Status.INVALID_ARGUMENT,
-                        "numpy params need their gradient: pass (param, grad) pairs")
-    else:
-        raise ZoptError(Status.INVALID_ARGUMENT,
-                        f"unsupported parameter type {type(p).__name__}")
+    param = split_item(p)[0]
     if is_torch(param):
         name += f" (shape {tuple(param.shape)}, {str(param.dtype).replace('torch.', '')})"
         c = NAME_OF.get(torch_dtypes().get(param.dtype))

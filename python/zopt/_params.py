@@ -56,27 +56,30 @@ def has_grad(p):
 
 
 # ---- entries -------------------------------------------------------------------
+def split_item(p):
+    """``(param, grad, auto)`` of user item ``p``: a (param, grad) pair as
+    given (auto False), a torch param with its gradient read from ``p.grad``
+    (grad None, auto True); anything else refused."""
+    if isinstance(p, (tuple, list)):
+        if len(p) != 2:
+            raise ZoptError(Status.INVALID_ARGUMENT,
+                            "a tensor entry must be a param or a (param, grad) pair")
+        return p[0], p[1], False
+    if is_torch(p):
+        return p, None, True
+    if isinstance(p, np.ndarray):
+        raise ZoptError(Status.INVALID_ARGUMENT,
+                        "numpy params need their gradient: pass (param, grad) pairs")
+    raise ZoptError(Status.INVALID_ARGUMENT, f"unsupported parameter type {type(p).__name__}")
+
+
 def make_entry(step, gid, i, p):
     """The entry of user item ``p`` (a tensor or a (param, grad) pair), named
     ``param_groups[gid]['params'][i]``, checked against ``step``."""
     e = Entry()
     e.group = gid
     e.dense = None  # a strided param's registered dense copy (layout)
-    if isinstance(p, (tuple, list)):
-        if len(p) != 2:
-            raise ZoptError(Status.INVALID_ARGUMENT,
-                            "a tensor entry must be a param or a (param, grad) pair")
-        param, grad = p
-        e.auto = False
-    elif is_torch(p):
-        param, grad = p, None
-        e.auto = True
-    elif isinstance(p, np.ndarray):
-        raise ZoptError(Status.INVALID_ARGUMENT,
-                        "numpy params need their gradient: pass (param, grad) pairs")
-    else:
-        raise ZoptError(Status.INVALID_ARGUMENT,
-                        f"unsupported parameter type {type(p).__name__}")
+    param, grad, e.auto = split_item(p)
     e.param, e.grad = param, grad
     e.torch = is_torch(param)
     e.name = f"param_groups[{gid}]['params'][{i}]"

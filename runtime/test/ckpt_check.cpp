@@ -85,13 +85,7 @@ struct Rank {
     rank = zopt_comm_rank(comm);
     if (zopt_step_load(g_step.c_str(), &step) || zopt_optimizer_create(step, &o)) return false;
     d = zopt_step_get_descriptor(step);
-    for (uint32_t s = 0; s < d->num_states; ++s) {
-      if (d->states[s].kind == ZOPT_STATE_PARAM) {
-        pdt = d->states[s].dtype;
-        zero3 = d->states[s].flags & ZOPT_STATE_PARTITIONED;
-      }
-      if (d->states[s].kind == ZOPT_STATE_GRAD) gdt = d->states[s].dtype;
-    }
+    rtu::tensor_types(d, &pdt, &gdt, &zero3);
     int id;
     if (zopt_optimizer_add_group(o, &id) || zopt_optimizer_add_group(o, &id)) return false;
     p.resize(kSizes.size());

@@ -21,6 +21,18 @@ using zopt_ref::dtype_size;
 using zopt_ref::load;   // element i of a dtype array, widened
 using zopt_ref::store;  // ... stored rounded (docs/NUMERICS.md §1)
 
+// The step's param and grad dtypes, and whether params are partitioned
+// (ZeRO-3), from its descriptor.
+inline void tensor_types(const zopt_step_descriptor *d, uint32_t *pdt, uint32_t *gdt, bool *zero3) {
+  for (uint32_t s = 0; s < d->num_states; ++s) {
+    if (d->states[s].kind == ZOPT_STATE_PARAM) {
+      *pdt = d->states[s].dtype;
+      *zero3 = d->states[s].flags & ZOPT_STATE_PARTITIONED;
+    }
+    if (d->states[s].kind == ZOPT_STATE_GRAD) *gdt = d->states[s].dtype;
+  }
+}
+
 // A 64-bit mixer (splitmix64's finalizer).
 inline uint64_t mix(uint64_t x) {
   x ^= x >> 33;

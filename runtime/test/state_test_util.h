@@ -145,13 +145,7 @@ struct Rank {
     r = comm ? zopt_comm_rank(comm) : 0;
     if (zopt_step_load(g_step.c_str(), &step) || zopt_optimizer_create(step, &o)) return false;
     d = zopt_step_get_descriptor(step);
-    for (uint32_t s = 0; s < d->num_states; ++s) {
-      if (d->states[s].kind == ZOPT_STATE_PARAM) {
-        pdt = d->states[s].dtype;
-        zero3 = d->states[s].flags & ZOPT_STATE_PARTITIONED;
-      }
-      if (d->states[s].kind == ZOPT_STATE_GRAD) gdt = d->states[s].dtype;
-    }
+    rtu::tensor_types(d, &pdt, &gdt, &zero3);
     zopt_loss_scaler_config c = {1024.0, 2.0, 0.5, 3, 1.0, 1};  // the scale moves within the test's steps
     return (!comm || !zopt_optimizer_set_comm(o, comm)) && !zopt_optimizer_set_bucket_elems(o, 65536) &&
            !zopt_optimizer_set_seed(o, 42) && !zopt_optimizer_configure_loss_scaler(o, &c);

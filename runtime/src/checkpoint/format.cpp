@@ -55,6 +55,19 @@ bool read_at(int fd, void *p, size_t n, uint64_t off) {
   return true;
 }
 
+// The loss scaler's fields, in the order every format version stores them
+// (docs/CHECKPOINT.md): scale, good steps, then the configuration.
+void read_scaler(Reader &r, LossScaler &ls) {
+  ls.scale = r.get<double>();
+  ls.good_steps = r.get<int64_t>();
+  ls.cfg.init_scale = r.get<double>();
+  ls.cfg.growth_factor = r.get<double>();
+  ls.cfg.backoff_factor = r.get<double>();
+  ls.cfg.growth_interval = r.get<int64_t>();
+  ls.cfg.min_scale = r.get<double>();
+  ls.cfg.dynamic = (int)r.get<uint32_t>();
+}
+
 bool valid_scaler(const LossScaler &ls) {
   const zopt_loss_scaler_config &c = ls.cfg;
   return std::isfinite(ls.scale) && ls.scale > 0 && ls.good_steps >= 0 && std::isfinite(c.init_scale) &&
@@ -148,14 +161,7 @@ zopt_status read_header(File &f, const std::string &path) {
   if (version >= 3) r.bytes(f.id.b, ckpt::kSaveIdBytes);
   uint32_t ngroups = r.get<uint32_t>(), ntensors = r.get<uint32_t>();
   LossScaler &ls = f.scaler;
-  ls.scale = r.get<double>();
-  ls.good_steps = r.get<int64_t>();
-  ls.cfg.init_scale = r.get<double>();
-  ls.cfg.growth_factor = r.get<double>();
-  ls.cfg.backoff_factor = r.get<double>();
-  ls.cfg.growth_interval = r.get<int64_t>();
-  ls.cfg.min_scale = r.get<double>();
-  ls.cfg.dynamic = (int)r.get<uint32_t>();
+  read_scaler(r, ls);
   pad("the loss scaler's");
   f.seed = r.get<uint64_t>();
   f.has_seed = true;
@@ -274,14 +280,7 @@ zopt_status read_v1(File &f) {
   r.bytes(f.name, ZOPT_NAME_LEN);
   uint32_t ngroups = r.get<uint32_t>(), ntensors = r.get<uint32_t>();
   LossScaler &ls = f.scaler;
-  ls.scale = r.get<double>();
-  ls.good_steps = r.get<int64_t>();
-  ls.cfg.init_scale = r.get<double>();
-  ls.cfg.growth_factor = r.get<double>();
-  ls.cfg.backoff_factor = r.get<double>();
-  ls.cfg.growth_interval = r.get<int64_t>();
-  ls.cfg.min_scale = r.get<double>();
-  ls.cfg.dynamic = (int)r.get<uint32_t>();
+  read_scaler(r, ls);
   r.get<uint32_t>();
   if (!r.ok) return ck_fail(path, "truncated header");
   if (!valid_scaler(ls))
