@@ -40,13 +40,15 @@ bool adjacent(const zopt_optimizer *o, const Chunk &a, const Chunk &b) {
 }
 
 // Joins w's chunks thread by thread into w.joined; inactive chunks are
-// left out (UPDATE skips them).
+// left out (UPDATE skips them). Without any join, w.joined is left empty
+// and w.joins false.
 void join(const zopt_optimizer *o, Work &w) {
   const Program &P = *o->prog;
   const bool sr = o->d->flags & ZOPT_FLAG_STOCHASTIC;
   const size_t T = w.thread_begin.size() - 1;
   w.joined.clear();
   w.joined_begin.assign(T + 1, 0);
+  w.joins = false;
   for (size_t tid = 0; tid < T; ++tid) {
     w.joined_begin[tid] = w.joined.size();
     bool open = false;  // w.joined.back() is this thread's and may grow
@@ -65,6 +67,7 @@ void join(const zopt_optimizer *o, Work &w) {
                                    j.start / k2to32 == (c.start + c.len - 1) / k2to32);
         if (same_row && sr_ok && adjacent(o, j, c)) {
           j.len += c.len;  // j.ptrs stay at its first element
+          w.joins = true;
           continue;
         }
       }
@@ -73,6 +76,10 @@ void join(const zopt_optimizer *o, Work &w) {
     }
   }
   w.joined_begin[T] = w.joined.size();
+  if (!w.joins) {  // nothing to gain: no second copy of the chunks
+    std::vector<Chunk>().swap(w.joined);
+    std::vector<size_t>().swap(w.joined_begin);
+  }
 }
 
 }  // namespace
@@ -90,11 +97,12 @@ bool use_joined(zopt_optimizer *o, Work &w) {
       join(o, w);
     } catch (const std::bad_alloc &) {
       w.joined_gen = 0;
+      w.joins = false;
       return false;  // the chunks one by one: the same bits
     }
     w.joined_gen = P.rows_gen;
   }
-  return true;
+  return w.joins;
 }
 
 }  // namespace exec

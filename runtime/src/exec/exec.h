@@ -41,10 +41,12 @@ struct Work {
   std::vector<size_t> thread_begin;  // size T + 1
   // UPDATE's calls (coalesce.cpp): each thread's run of chunks with runs
   // of adjacent chunks of equal coefficients joined into one call; built
-  // for the coefficient rows of generation `joined_gen` (0: stale).
+  // for the coefficient rows of generation `joined_gen` (0: stale); empty
+  // (and `joins` false) when no two chunks join: the chunks are the calls.
   std::vector<Chunk> joined;
   std::vector<size_t> joined_begin;  // size T + 1
   uint64_t joined_gen = 0;
+  bool joins = false;
 };
 
 // Norm blocks of the range NORM_PARTIALS covers: block i's partial is the
