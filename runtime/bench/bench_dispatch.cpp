@@ -1,122 +1,163 @@
-// bench_dispatch: is step() dispatch-bound on many small tensors?
-// Times zopt_optimizer_step() for 10,000 tensors x 1,000 elements against
-// one tensor of 10,000,000 elements (same bytes), median of repeats.
+// bench_dispatch: the runtime's step over many small tensors against one
+// tensor of the same total (issue 17: at most 1.1x).
 //   usage: zopt_bench_dispatch STEP.so [repeats=15] [threads=all]
-// Target: ratio (many / one) < 1.10.
+//                              [--tensors=10000] [--numel=1000]
+// zopt_optimizer_step (the runtime alone, no binding) over T tensors of n
+// elements, with UPDATE's adjacent chunks joined into one call
+// (src/exec/coalesce.cpp) and without (ZOPT_NO_COALESCE=1 at finalize),
+// for three layouts of the user's params and grads:
+//   one    one tensor of T * n elements;
+//   views  views of one param and one grad buffer in add order (DeepSpeed's
+//          and FSDP's flat buffers; python/bench_step_overhead.py's views);
+//   flat   the same in the runtime's flat order (reverse add order,
+//          docs/DISTRIBUTED.md), each tensor at a multiple of the step's
+//          align: where n is a multiple of it every stream of neighbours is
+//          adjacent and their calls join.
+// Every optimizer is built first; the iterations run them in turn (a busy
+// machine drifts). Printed per optimizer: the median ms, the median of
+// per-iteration ratios to `one` (joined) of the same iteration, and the
+// median ms of each program op (zopt_optimizer_get_op_times) and of the
+// ranks' agreement.
 #include "zopt/zopt.h"
-
-#include <cstdint>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
-static size_t esize(uint32_t dt) { return dt == ZOPT_DTYPE_F32 ? 4 : 2; }
+namespace {
 
-struct Setup {
-  std::vector<unsigned char> p, g;
+struct Case {
+  std::string name;
+  bool coalesce;
   zopt_optimizer *o = nullptr;
-  double bytes = 0;  // state traffic per step
-  std::vector<double> ts;
+  std::vector<double> ms, ratio;
+  std::vector<std::vector<double>> op_ms;  // per program op (and the agreement)
 };
 
-static void setup(const zopt_step *step, int ntensors, int64_t numel, int threads, Setup &su) {
-  const zopt_step_descriptor *d = zopt_step_get_descriptor(step);
-  uint32_t pdt = 0, gdt = 0;
-  double bytes_per_elem = 0;
-  for (uint32_t i = 0; i < d->num_states; ++i) {
-    const zopt_state_desc &s = d->states[i];
-    if (s.kind == ZOPT_STATE_PARAM) pdt = s.dtype;
-    if (s.kind == ZOPT_STATE_GRAD) gdt = s.dtype;
-    bytes_per_elem += (double)esize(s.dtype) * (((s.access & ZOPT_ACCESS_READ) ? 1 : 0) +
-                                                ((s.access & ZOPT_ACCESS_WRITE) ? 1 : 0));
-  }
-  size_t total = (size_t)ntensors * (size_t)numel;
-  std::vector<unsigned char> &p = su.p, &g = su.g;
-  p.resize(total * esize(pdt));
-  g.resize(total * esize(gdt));
-  // small finite values: 0x3c00 (f16 1.0) / bf16 ~ 0.0; f32 0.001
-  if (pdt == ZOPT_DTYPE_F32) std::fill((float *)p.data(), (float *)p.data() + total, 0.5f);
-  else std::fill((uint16_t *)p.data(), (uint16_t *)p.data() + total, pdt == ZOPT_DTYPE_BF16 ? 0x3f00 : 0x3800);
-  if (gdt == ZOPT_DTYPE_F32) std::fill((float *)g.data(), (float *)g.data() + total, 1e-3f);
-  else std::fill((uint16_t *)g.data(), (uint16_t *)g.data() + total, gdt == ZOPT_DTYPE_BF16 ? 0x3a83 : 0x1419);
-  zopt_optimizer *o = nullptr;
-  if (zopt_optimizer_create(step, &o)) {
-    fprintf(stderr, "create: %s\n", zopt_last_error());
-    exit(1);
-  }
-  if (threads > 0) zopt_optimizer_set_num_threads(o, threads);
-  int gid, tid;
-  zopt_optimizer_add_group(o, &gid);
-  for (int t = 0; t < ntensors; ++t) {
-    size_t off = (size_t)t * (size_t)numel;
-    if (zopt_optimizer_add_tensor(o, gid, p.data() + off * esize(pdt), g.data() + off * esize(gdt), numel,
-                                  (zopt_dtype)pdt, &tid)) {
-      fprintf(stderr, "add_tensor: %s\n", zopt_last_error());
-      exit(1);
-    }
-  }
-  if (zopt_optimizer_finalize(o)) {
-    fprintf(stderr, "finalize: %s\n", zopt_last_error());
-    exit(1);
-  }
-  if (d->flags & ZOPT_FLAG_LOSS_SCALE) {
-    zopt_loss_scaler_config c = {1, 2, 0.5, 1000000000, 1, 0};  // static S = 1
-    zopt_optimizer_configure_loss_scaler(o, &c);
-  }
-  su.o = o;
-  su.bytes = bytes_per_elem * (double)total;
-}
-
-static void time_step(Setup &su, bool record) {
-  auto t0 = std::chrono::steady_clock::now();
-  zopt_step_result res;
-  if (zopt_optimizer_step(su.o, &res)) {
-    fprintf(stderr, "step: %s\n", zopt_last_error());
-    exit(1);
-  }
-  auto t1 = std::chrono::steady_clock::now();
-  if (record) su.ts.push_back(std::chrono::duration<double>(t1 - t0).count());
-}
-
-static double median(std::vector<double> v) {
+double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
+  return v.empty() ? 0 : v[v.size() / 2];
 }
+
+}  // namespace
 
 int main(int argc, char **argv) {
-  if (argc < 2) {
-    fprintf(stderr, "usage: %s STEP.so [repeats=15] [threads=all]\n", argv[0]);
+  const char *path = nullptr;
+  int T = 10000, iters = 15, threads = 0, pos = 0;
+  int64_t n = 1000;
+  for (int i = 1; i < argc; ++i) {
+    if (!strncmp(argv[i], "--tensors=", 10)) T = atoi(argv[i] + 10);
+    else if (!strncmp(argv[i], "--numel=", 8)) n = atoll(argv[i] + 8);
+    else if (pos == 0 && ++pos) path = argv[i];
+    else if (pos == 1 && ++pos) iters = atoi(argv[i]);
+    else if (pos == 2 && ++pos) threads = atoi(argv[i]);
+  }
+  if (!path || T < 1 || n < 1 || iters < 1) {
+    fprintf(stderr, "usage: zopt_bench_dispatch STEP.so [repeats=15] [threads=all] [--tensors=T] [--numel=N]\n");
     return 2;
   }
-  int repeats = argc > 2 ? atoi(argv[2]) : 15;
-  int threads = argc > 3 ? atoi(argv[3]) : 0;
-  if (repeats < 1) repeats = 1;
   zopt_step *step = nullptr;
-  if (zopt_step_load(argv[1], &step)) {
-    fprintf(stderr, "load: %s\n", zopt_last_error());
+  if (zopt_step_load(path, &step)) {
+    fprintf(stderr, "%s: %s\n", path, zopt_last_error());
     return 1;
   }
-  printf("step %s (%s), update isa %d, median of %d\n", argv[1], zopt_step_get_descriptor(step)->name,
-         (int)zopt_step_isa(step), repeats);
-  // Both layouts live side by side; their steps alternate so that machine
-  // noise hits both alike.
-  Setup one, many;
-  setup(step, 1, 10000000, threads, one);
-  setup(step, 10000, 1000, threads, many);
-  for (int r = 0; r < repeats + 2; ++r) {
-    time_step(one, r >= 2);
-    time_step(many, r >= 2);
+  const zopt_step_descriptor *d = zopt_step_get_descriptor(step);
+  uint32_t pdt = 0, gdt = 0;
+  for (uint32_t s = 0; s < d->num_states; ++s) {
+    if (d->states[s].kind == ZOPT_STATE_PARAM) pdt = d->states[s].dtype;
+    if (d->states[s].kind == ZOPT_STATE_GRAD) gdt = d->states[s].dtype;
   }
-  double t1 = median(one.ts), tm = median(many.ts);
-  printf("1 x 10,000,000     : %8.3f ms  (%.1f GB/s of state traffic)\n", t1 * 1e3, one.bytes / t1 / 1e9);
-  printf("10,000 x 1,000     : %8.3f ms  (%.1f GB/s of state traffic)\n", tm * 1e3, many.bytes / tm / 1e9);
-  printf("ratio many/one     : %8.3f  (target < 1.10)\n", tm / t1);
-  zopt_optimizer_free(one.o);
-  zopt_optimizer_free(many.o);
+  for (uint32_t dt : {pdt, gdt})
+    if (dt != ZOPT_DTYPE_F32 && dt != ZOPT_DTYPE_BF16) {
+      fprintf(stderr, "%s: params and grads must be f32 or bf16\n", d->name);
+      return 2;
+    }
+  const size_t pes = pdt == ZOPT_DTYPE_F32 ? 4 : 2, ges = gdt == ZOPT_DTYPE_F32 ? 4 : 2;
+  const int64_t A = d->align ? d->align : 1, stride = (n + A - 1) / A * A;
+  // The user's memory: one param and one grad arena per layout, shared by
+  // its coalesced and uncoalesced optimizers. Values: small, never zero.
+  auto arena = [&](size_t es, int64_t elems, bool grad) {
+    std::vector<unsigned char> v((size_t)elems * es);
+    for (int64_t i = 0; i < elems; ++i) {
+      float x = (float)(((i * 2654435761u) % 1000) + 1) * (grad ? 1e-6f : 1e-3f);
+      uint32_t b;
+      memcpy(&b, &x, 4);
+      if (es == 4) memcpy(&v[(size_t)i * 4], &b, 4);
+      else { uint16_t h = (uint16_t)(b >> 16); memcpy(&v[(size_t)i * 2], &h, 2); }  // bf16
+    }
+    return v;
+  };
+  std::vector<unsigned char> Pv = arena(pes, (int64_t)T * n, false), Gv = arena(ges, (int64_t)T * n, true);
+  std::vector<unsigned char> Pf = arena(pes, (int64_t)T * stride, false), Gf = arena(ges, (int64_t)T * stride, true);
+  std::vector<Case> cases;
+  for (const char *lay : {"one", "views", "flat"})
+    for (bool c : {true, false}) cases.push_back(Case{lay, c});
+  for (Case &c : cases) {
+    if (c.coalesce) unsetenv("ZOPT_NO_COALESCE");
+    else setenv("ZOPT_NO_COALESCE", "1", 1);
+    int g0;
+    bool ok = zopt_optimizer_create(step, &c.o) == ZOPT_OK && zopt_optimizer_add_group(c.o, &g0) == ZOPT_OK;
+    if (ok && threads > 0) ok = zopt_optimizer_set_num_threads(c.o, threads) == ZOPT_OK;
+    for (int t = 0; ok && t < (c.name == "one" ? 1 : T); ++t) {
+      int id;
+      void *p, *g;
+      int64_t numel = n;
+      if (c.name == "one") {
+        p = Pv.data(), g = Gv.data(), numel = (int64_t)T * n;
+      } else if (c.name == "views") {
+        p = &Pv[(size_t)t * n * pes], g = &Gv[(size_t)t * n * ges];
+      } else {  // tensor t at slot T-1-t: the runtime's flat order
+        p = &Pf[(size_t)(T - 1 - t) * stride * pes], g = &Gf[(size_t)(T - 1 - t) * stride * ges];
+      }
+      ok = zopt_optimizer_add_tensor(c.o, 0, p, g, numel, (zopt_dtype)pdt, &id) == ZOPT_OK;
+    }
+    ok = ok && zopt_optimizer_finalize(c.o) == ZOPT_OK;
+    if (ok && (d->flags & ZOPT_FLAG_LOSS_SCALE)) {
+      zopt_loss_scaler_config ls = {1, 2, 0.5, 1000000000, 1, 0};  // static S = 1
+      ok = zopt_optimizer_configure_loss_scaler(c.o, &ls) == ZOPT_OK;
+    }
+    ok = ok && zopt_optimizer_step(c.o, nullptr) == ZOPT_OK;
+    unsetenv("ZOPT_NO_COALESCE");
+    if (!ok) {
+      fprintf(stderr, "%s: %s\n", c.name.c_str(), zopt_last_error());
+      return 1;
+    }
+  }
+  using clock = std::chrono::steady_clock;
+  for (int k = 0; k < iters; ++k) {
+    for (Case &c : cases) {
+      auto t0 = clock::now();
+      if (zopt_optimizer_step(c.o, nullptr)) {
+        fprintf(stderr, "step: %s\n", zopt_last_error());
+        return 1;
+      }
+      c.ms.push_back(std::chrono::duration<double, std::milli>(clock::now() - t0).count());
+      std::vector<double> sec(d->num_program + 1, 0.0);
+      zopt_optimizer_get_op_times(c.o, sec.data(), (int)sec.size());
+      c.op_ms.resize(sec.size());
+      for (size_t i = 0; i < sec.size(); ++i) c.op_ms[i].push_back(sec[i] * 1e3);
+    }
+    for (Case &c : cases) c.ratio.push_back(c.ms.back() / cases[0].ms.back());
+  }
+  printf("%s: %d tensors x %lld elements (align %lld) and 1 tensor of %lld, median of %d\n", d->name, T,
+         (long long)n, (long long)A, (long long)T * n, iters);
+  static const char *op_names[] = {"?", "COPY", "RS", "AG", "NORMP", "NORM", "PREP", "UPDATE", "FINISH"};
+  printf("%-6s %-11s %8s %8s   ms per op:", "layout", "calls", "ms", "/1");
+  for (uint32_t i = 0; i < d->num_program; ++i)
+    printf(" %7s", d->program[i].code < 9 ? op_names[d->program[i].code] : "?");
+  printf(" %7s\n", "agree");
+  for (Case &c : cases) {
+    printf("%-6s %-11s %8.2f %8.2f              ", c.name.c_str(), c.coalesce ? "joined" : "per chunk",
+           median(c.ms), median(c.ratio));
+    for (auto &v : c.op_ms) printf(" %7.3f", median(v));
+    printf("\n");
+  }
+  printf("ratio many/one     : %8.3f  (views, joined; target < 1.10)\n", median(cases[2].ratio));
+  for (Case &c : cases) zopt_optimizer_free(c.o);
   zopt_step_free(step);
   return 0;
 }

@@ -75,6 +75,7 @@ void partition(Work &w, int T) {
     w.thread_begin[t] = i;
   }
   w.thread_begin[T] = n;
+  w.joined_gen = 0;  // UPDATE's joined calls follow (coalesce.cpp)
 }
 
 // The chunk of tensor piece `p` of bucket b, elements [off, off + len) of it.
@@ -345,6 +346,7 @@ zopt_status build(zopt_optimizer *o) {
   Program *P = new (std::nothrow) Program;
   if (!P) return fail(ZOPT_ERR_OUT_OF_MEMORY, "zopt_optimizer_finalize: out of memory");
   o->prog = P;
+  P->coalesce = coalesce_enabled();
   auto bail = [&](zopt_status st) {
     destroy(o);
     return st;

@@ -13,22 +13,30 @@ void prepare_rows(zopt_optimizer *o, bool rebuild, double clip, double S) {
   const zopt_step_descriptor *d = o->d;
   if (rebuild) {
     P.rows.clear();
-    P.row_of_tensor.assign(o->tensors.size(), -1);
+    // A changed row_of_tensor (a mask, diverging counts) makes UPDATE's
+    // joined calls stale (coalesce.cpp): a new generation.
+    bool changed = P.row_of_tensor.size() != o->tensors.size();
+    if (changed) P.row_of_tensor.assign(o->tensors.size(), -1);
     for (size_t t = 0; t < o->tensors.size(); ++t) {
-      if (!active(P, (int)t)) continue;
-      std::pair<int, int64_t> key{o->tensors[t].group, o->tensors[t].steps + 1};
       int row = -1;
-      for (size_t i = P.rows.size(); i-- > 0;)  // usually one row per group
-        if (P.rows[i] == key) {
-          row = (int)i;
-          break;
+      if (active(P, (int)t)) {
+        std::pair<int, int64_t> key{o->tensors[t].group, o->tensors[t].steps + 1};
+        for (size_t i = P.rows.size(); i-- > 0;)  // usually one row per group
+          if (P.rows[i] == key) {
+            row = (int)i;
+            break;
+          }
+        if (row < 0) {
+          row = (int)P.rows.size();
+          P.rows.push_back(key);
         }
-      if (row < 0) {
-        row = (int)P.rows.size();
-        P.rows.push_back(key);
       }
-      P.row_of_tensor[t] = row;
+      if (P.row_of_tensor[t] != row) {
+        P.row_of_tensor[t] = row;
+        changed = true;
+      }
     }
+    if (changed) ++P.rows_gen;
     P.coeffs.assign(std::max<size_t>(P.rows.size(), 1) * ZOPT_MAX_COEFFS, 0.0f);
   }
   double hyp[ZOPT_MAX_HYPERS + 1];

@@ -40,9 +40,13 @@ void run_sumsq(zopt_optimizer *o, Blocks &B) {
 void run_update(zopt_optimizer *o, Work &w) {
   Program &P = *o->prog;
   const bool sr = o->d->flags & ZOPT_FLAG_STOCHASTIC;
+  // Each thread's chunks, or the same elements in fewer calls (coalesce.cpp).
+  const bool j = use_joined(o, w);
+  const std::vector<Chunk> &calls = j ? w.joined : w.chunks;
+  const std::vector<size_t> &begin = j ? w.joined_begin : w.thread_begin;
   parallel(o->pool, [&](int tid) {
-    for (size_t i = w.thread_begin[tid]; i < w.thread_begin[tid + 1]; ++i) {
-      const Chunk &c = w.chunks[i];
+    for (size_t i = begin[tid]; i < begin[tid + 1]; ++i) {
+      const Chunk &c = calls[i];
       if (!active(P, c.tensor)) continue;
       const float *co = coeffs_of(P, c.tensor);
       if (sr) {

@@ -39,6 +39,14 @@ struct Work {
   bool built = false;
   std::vector<Chunk> chunks;
   std::vector<size_t> thread_begin;  // size T + 1
+  // UPDATE's calls (coalesce.cpp): each thread's run of chunks with runs
+  // of adjacent chunks of equal coefficients joined into one call; built
+  // for the coefficient rows of generation `joined_gen` (0: stale); empty
+  // (and `joins` false) when no two chunks join: the chunks are the calls.
+  std::vector<Chunk> joined;
+  std::vector<size_t> joined_begin;  // size T + 1
+  uint64_t joined_gen = 0;
+  bool joins = false;
 };
 
 // Norm blocks of the range NORM_PARTIALS covers: block i's partial is the
@@ -73,6 +81,10 @@ struct Program {
   std::vector<float> coeffs;
   std::vector<int> row_of_tensor;
   std::vector<std::pair<int, int64_t>> rows;  // (group, t) of each row
+  uint64_t rows_gen = 1;  // bumped when row_of_tensor changes (never 0)
+  // UPDATE joins adjacent chunks of equal coefficients (coalesce.cpp);
+  // false with ZOPT_NO_COALESCE=1 in the environment at finalize.
+  bool coalesce = true;
   std::vector<uint8_t> global_active;  // per tensor, agreed by every rank
   bool any_active = true;
   // Gradient streaming: per bucket, reduced since the last step; per

@@ -7,6 +7,7 @@
 //   build.cpp        the program at finalize: validation, layout, held
 //                    buffers, work lists and norm blocks; runs, accounting
 //   coeffs.cpp       the coefficient table: PREPARE's rows per (group, t)
+//   coalesce.cpp     UPDATE's calls: adjacent chunks of one row joined
 //   collectives.cpp  REDUCE_SCATTER, ALL_GATHER, gather_state
 //   stream.cpp       gradient streaming: buckets reduced during backward
 //   fold.cpp         the rank-order sum of a reduction
@@ -67,6 +68,13 @@ void prepare_rows(zopt_optimizer *o, bool rebuild, double clip, double S);
 inline const float *coeffs_of(const Program &P, int t) {
   return P.coeffs.data() + (size_t)P.row_of_tensor[t] * ZOPT_MAX_COEFFS;
 }
+
+// UPDATE's calls (coalesce.cpp): whether w.joined / w.joined_begin are
+// current and to be run instead of w.chunks / w.thread_begin (rebuilt here
+// when stale; false with coalescing off or out of memory).
+bool use_joined(zopt_optimizer *o, Work &w);
+// Whether ZOPT_NO_COALESCE leaves coalescing on (read at finalize).
+bool coalesce_enabled();
 
 // "3, 4, 7" (at most 8, then "... (N in all)"), for messages.
 std::string tensor_list(const std::vector<int> &ts);

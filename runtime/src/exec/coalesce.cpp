@@ -1,0 +1,109 @@
+// exec/coalesce.cpp - UPDATE's kernel calls: a thread's consecutive chunks
+// joined into one call where that gives the same bits (issue 17: 10,000
+// small tensors cost about what one tensor of their total does).
+//
+// UPDATE is elementwise and its result does not depend on the chunking
+// (abi.h; docs/NUMERICS.md §8), so chunks a and b of one thread's run
+// (Work::thread_begin: the partition is untouched) are run as one call
+// over a.len + b.len elements when
+//   * they have the same coefficient row (the same group and step count:
+//     the same coefficients), both active;
+//   * b starts where a ends in every state's memory (params and grads of
+//     views of one flat buffer, runtime-held states without an align gap);
+//   * with stochastic rounding, they are of one tensor and their joined
+//     range does not straddle a multiple of 2^32 elements: the key is
+//     (seed, t, tensor, index >> 32) and each element's index its own
+//     (abi.h "Stochastic rounding"), so the keys and indices stay the same.
+// SUMSQ is not joined: its ordered sum is per call (lane i mod 32), so a
+// joined call would change the norm's bits. The joined list is rebuilt
+// when the work lists are (finalize, moved memory, threads) or the rows
+// change (a mask, counts that diverge), never per step otherwise.
+// ZOPT_NO_COALESCE=1 at finalize turns it off (docs/TESTING.md).
+#include "exec/exec_internal.h"
+
+#include <cstdlib>
+#include <new>
+
+namespace zopt {
+namespace exec {
+
+namespace {
+
+constexpr int64_t k2to32 = int64_t(1) << 32;
+
+bool adjacent(const zopt_optimizer *o, const Chunk &a, const Chunk &b) {
+  for (uint32_t s = 0; s < o->d->num_states; ++s) {
+    if (!a.ptrs[s] || !b.ptrs[s]) return false;
+    if ((const char *)a.ptrs[s] + (size_t)a.len * es_of(o, (int)s) != (const char *)b.ptrs[s]) return false;
+  }
+  return true;
+}
+
+// Joins w's chunks thread by thread into w.joined; inactive chunks are
+// left out (UPDATE skips them). Without any join, w.joined is left empty
+// and w.joins false.
+void join(const zopt_optimizer *o, Work &w) {
+  const Program &P = *o->prog;
+  const bool sr = o->d->flags & ZOPT_FLAG_STOCHASTIC;
+  const size_t T = w.thread_begin.size() - 1;
+  w.joined.clear();
+  w.joined_begin.assign(T + 1, 0);
+  w.joins = false;
+  for (size_t tid = 0; tid < T; ++tid) {
+    w.joined_begin[tid] = w.joined.size();
+    bool open = false;  // w.joined.back() is this thread's and may grow
+    for (size_t i = w.thread_begin[tid]; i < w.thread_begin[tid + 1]; ++i) {
+      const Chunk &c = w.chunks[i];
+      if (!active(P, c.tensor)) {
+        open = false;
+        continue;
+      }
+      if (open) {
+        Chunk &j = w.joined.back();
+        const bool same_row = P.row_of_tensor[j.tensor] == P.row_of_tensor[c.tensor];
+        // (A tensor's pieces in two buckets' shards can be adjacent in a
+        // sharded buffer with other ranks' elements between them.)
+        const bool sr_ok = !sr || (j.tensor == c.tensor && c.start == j.start + j.len &&
+                                   j.start / k2to32 == (c.start + c.len - 1) / k2to32);
+        if (same_row && sr_ok && adjacent(o, j, c)) {
+          j.len += c.len;  // j.ptrs stay at its first element
+          w.joins = true;
+          continue;
+        }
+      }
+      w.joined.push_back(c);
+      open = true;
+    }
+  }
+  w.joined_begin[T] = w.joined.size();
+  if (!w.joins) {  // nothing to gain: no second copy of the chunks
+    std::vector<Chunk>().swap(w.joined);
+    std::vector<size_t>().swap(w.joined_begin);
+  }
+}
+
+}  // namespace
+
+bool coalesce_enabled() {
+  const char *e = getenv("ZOPT_NO_COALESCE");
+  return !(e && *e && *e != '0');
+}
+
+bool use_joined(zopt_optimizer *o, Work &w) {
+  const Program &P = *o->prog;
+  if (!P.coalesce) return false;
+  if (w.joined_gen != P.rows_gen) {
+    try {
+      join(o, w);
+    } catch (const std::bad_alloc &) {
+      w.joined_gen = 0;
+      w.joins = false;
+      return false;  // the chunks one by one: the same bits
+    }
+    w.joined_gen = P.rows_gen;
+  }
+  return w.joins;
+}
+
+}  // namespace exec
+}  // namespace zopt
