@@ -105,6 +105,9 @@ int offload_check(Fake &f, zopt_step *step, const char *twin_path) {
     snprintf(buf, sizeof buf, "offload step %d result = CPU twin's (norm %.17g, skipped %d, scale %g)", k, ro.grad_norm,
              ro.skipped, ro.loss_scale);
     check(same_result, buf);
+    // The params come back asynchronously: read them as the caller's next
+    // work on the stream would (ZOPT_FAKE_CUDA_STRESS delays the copies).
+    f.drain_all();
     bool params_same = true;
     for (size_t t = 0; t < T; ++t)
       params_same &= memcmp((void *)(uintptr_t)dp[t], hp[t].data(), hp[t].size()) == 0;
@@ -360,6 +363,7 @@ void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const 
       Z(zopt_optimizer_step(c, &rc));
       rr.results_same &= ro.skipped == rc.skipped && ro.loss_scale == rc.loss_scale &&
                          ((std::isnan(ro.grad_norm) && std::isnan(rc.grad_norm)) || ro.grad_norm == rc.grad_norm);
+      f.drain_all();  // after the asynchronous param copies (as above)
       for (size_t t = 0; t < T; ++t)
         if (memcmp((void *)(uintptr_t)dp[t], hp[t].data(), hp[t].size())) {
           if (rr.params_same)
