@@ -197,13 +197,15 @@ int main(int argc, char **argv) {
               d->name, d->abi_version, d->zero_stage, d->align, isa, threads);
   uint32_t pdtype = 0;
   double bytesPerParam = 0;
-  bool paramOnGpu = false, gradOnGpu = false;
+  bool paramOnGpu = false, gradOnGpu = false, stateOnGpu = false;
   for (uint32_t s = 0; s < d->num_states; ++s) {
     const zopt_state_desc &sd = d->states[s];
     if (sd.kind == ZOPT_STATE_PARAM)
       pdtype = sd.dtype, paramOnGpu = sd.placement == ZOPT_PLACE_GPU;
-    if (sd.kind == ZOPT_STATE_GRAD)
+    else if (sd.kind == ZOPT_STATE_GRAD)
       gradOnGpu = sd.placement == ZOPT_PLACE_GPU;
+    else if (sd.placement == ZOPT_PLACE_GPU)
+      stateOnGpu = true;
     size_t b = dtypeBytes(sd.dtype);
     bytesPerParam += ((sd.access & ZOPT_ACCESS_READ) ? b : 0) +
                      ((sd.access & ZOPT_ACCESS_WRITE) ? b : 0);
@@ -215,9 +217,11 @@ int main(int argc, char **argv) {
                 sd.rounding == ZOPT_ROUND_STOCHASTIC ? ", rounded stochastically" : "");
   }
 
-  // GPU-placed params and grads: device memory from the CUDA driver.
+  // GPU-placed params and grads: device memory from the CUDA driver. A GPU
+  // step (its states on the GPU too) is refused by zopt_optimizer_create
+  // without one, with the runtime's message; an offloaded step is said here.
   RunDevice device;
-  if (paramOnGpu || gradOnGpu) {
+  if ((paramOnGpu || gradOnGpu) && !stateOnGpu) {
     std::string why;
     if (!device.open(&why)) {
       std::printf("zopt-run: step %s keeps its params and grads on the GPU (an offloaded step: the update runs on "
@@ -239,6 +243,13 @@ int main(int argc, char **argv) {
   std::vector<HostBuf> params(nTensors), grads(nTensors);
   zopt_optimizer *opt = nullptr;
   CHECK_Z(zopt_optimizer_create(step, &opt));
+  if ((paramOnGpu || gradOnGpu) && stateOnGpu) {
+    std::string why;
+    if (!device.open(&why)) {
+      std::fprintf(stderr, "zopt-run: %s\n", why.c_str());
+      return 1;
+    }
+  }
   CHECK_Z(zopt_optimizer_set_num_threads(opt, threads));
   int group;
   CHECK_Z(zopt_optimizer_add_group(opt, &group));
