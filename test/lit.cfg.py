@@ -76,6 +76,12 @@ config.substitutions.append(("%mpirun", mpi_env + "mpirun --allow-run-as-root --
                              "--mca btl_vader_single_copy_mechanism none --timeout 120"))
 # The stand-in CUDA driver of test/Integration/GPUHost.
 config.substitutions.append(("%fake_cuda", os.path.join(config.zopt_obj_root, "lib", "libzopt-fake-cuda.so")))
+# Its asynchrony (fake-cuda.cpp "Asynchrony"): `ZOPT_FAKE_CUDA_STRESS=200 lit
+# test/Integration/GPUHost` runs every stand-in test with every pinned copy
+# queued and randomly delayed.
+for var in ("ZOPT_FAKE_CUDA_ASYNC", "ZOPT_FAKE_CUDA_STRESS", "ZOPT_FAKE_CUDA_SEED"):
+    if var in os.environ:
+        config.environment[var] = os.environ[var]
 # The stand-in NCCL (runtime/test/fake_nccl, soname libnccl.so.2).
 fake_nccl = os.path.join(config.zopt_obj_root, "lib", "zopt_test_nccl", "libnccl.so.2")
 config.substitutions.append(("%fake_nccl", fake_nccl))

@@ -157,6 +157,15 @@ class MemoryInfo(ctypes.Structure):
                 ("rank", ctypes.c_int32), ("grad_bytes", ctypes.c_uint64)]
 
 
+class StepStats(ctypes.Structure):
+    """zopt_step_stats (zopt.h): the last completed step's host time by kind."""
+    _fields_ = [("total_seconds", ctypes.c_double), ("d2h_seconds", ctypes.c_double),
+                ("update_seconds", ctypes.c_double), ("h2d_seconds", ctypes.c_double),
+                ("d2h_bytes", ctypes.c_uint64), ("h2d_bytes", ctypes.c_uint64),
+                ("offloaded", ctypes.c_int32), ("reserved", ctypes.c_int32),
+                ("steps", ctypes.c_int64)]
+
+
 class ZoptError(RuntimeError):
     """An error reported by the zopt runtime, the compiler or the bindings.
 
@@ -287,6 +296,7 @@ _SIGS = {
                                                   ctypes.POINTER(ctypes.c_int64)]),
     "zopt_optimizer_set_loss_scaler_state": (_S, [_P, ctypes.c_double, ctypes.c_int64]),
     "zopt_optimizer_get_op_times": (_S, [_P, ctypes.POINTER(ctypes.c_double), ctypes.c_int]),
+    "zopt_optimizer_get_step_stats": (_S, [_P, ctypes.POINTER(StepStats)]),
     # the state in memory, tensors added after finalize (zopt.h; issue 17)
     "zopt_optimizer_add_tensors": (_S, [_P, ctypes.c_int, ctypes.c_int, _P, _P, _P, _P,
                                         ctypes.c_int, ctypes.POINTER(ctypes.c_int),

@@ -30,7 +30,7 @@ import time
 import numpy as np
 
 from . import (_checkpoint, _classes, _clip, _frozen, _gpu, _grads, _groups, _hypers, _lib,
-               _native, _params, _strided, _torch_compat)
+               _native, _params, _stats, _strided, _torch_compat)
 from ._checkpoint import MasterWeightsWarning  # noqa: F401 (zopt.optimizer.MasterWeightsWarning)
 from ._dtypes import TORCH_KEY, kind as _kind, torch
 from ._lib import DTYPE_NAMES, STATE_NAMES, Status, ZoptError, check
@@ -682,6 +682,12 @@ class Optimizer(_Base):
                for k, v in first.items()}
         out["classes"] = infos
         return out
+
+    @_exclusive("step_stats")
+    def step_stats(self):
+        """Where the last step's host time went: an offloaded step's copies,
+        its CPU update, the whole (zopt_step_stats; keys: docs/USAGE.md)."""
+        return _stats.step_stats(self)
 
     @_exclusive("refresh_master")
     def refresh_master(self, params=None):

@@ -284,6 +284,14 @@ static void run_step(const char *path) {
   ZT_ERR(zopt_optimizer_get_step_count(o, 4, (int64_t *)buf), ZOPT_ERR_INVALID_ARGUMENT);
   ZT_ERR(zopt_optimizer_get_step_count(o, 0, NULL), ZOPT_ERR_INVALID_ARGUMENT);
   ZT_ERR(zopt_optimizer_memory_info(o, NULL), ZOPT_ERR_INVALID_ARGUMENT);
+  ZT_ERR(zopt_optimizer_get_step_stats(o, NULL), ZOPT_ERR_INVALID_ARGUMENT);
+  ZT_ERR(zopt_optimizer_get_step_stats(NULL, NULL), ZOPT_ERR_INVALID_ARGUMENT);
+  {
+    zopt_step_stats ss;
+    memset(&ss, 0xff, sizeof ss);
+    ZT_OK(zopt_optimizer_get_step_stats(o, &ss)); /* no step yet: every figure 0 */
+    ZT_CHECK(ss.steps == 0 && ss.total_seconds == 0 && ss.d2h_bytes == 0 && ss.offloaded == 0);
+  }
   ZT_ERR(zopt_optimizer_get_loss_scale(o, NULL), ZOPT_ERR_INVALID_ARGUMENT);
   ZT_ERR(zopt_optimizer_configure_loss_scaler(o, NULL), ZOPT_ERR_INVALID_ARGUMENT);
   {

@@ -9,12 +9,21 @@
 // prints per-step time, throughput, the ratio to an in-place stream roofline
 // measured in the same run over arrays of the same sizes and dtypes (read
 // what the step reads, write what it writes, no math), and the bytes per
-// parameter held on each placement. Uses only the public C API.
+// parameter held on each placement (the user's tensors, the optimizer
+// states, the rest: staging and scratch). A step with its params and grads
+// on the GPU (an offloaded step) gets them in device memory through the
+// CUDA driver (zopt_run_device.h; on a machine without a GPU, the stand-in
+// driver named by ZOPT_CUDA_DRIVER) and also prints where its step time
+// went: the copies of the grads to the host, the CPU update, the copies of
+// the params back (zopt_optimizer_get_step_stats). Without a driver it says
+// that the step needs one and exits with status 3. Uses only the public C
+// API.
 //
 //===----------------------------------------------------------------------===//
 #include "zopt/zopt.h"
 #include "zopt/cpu.h"
 #include "stream_roofline.h"
+#include "zopt_run_device.h"
 
 #include <algorithm>
 #include <chrono>
@@ -188,18 +197,42 @@ int main(int argc, char **argv) {
               d->name, d->abi_version, d->zero_stage, d->align, isa, threads);
   uint32_t pdtype = 0;
   double bytesPerParam = 0;
+  bool paramOnGpu = false, gradOnGpu = false, stateOnGpu = false;
   for (uint32_t s = 0; s < d->num_states; ++s) {
     const zopt_state_desc &sd = d->states[s];
     if (sd.kind == ZOPT_STATE_PARAM)
-      pdtype = sd.dtype;
+      pdtype = sd.dtype, paramOnGpu = sd.placement == ZOPT_PLACE_GPU;
+    else if (sd.kind == ZOPT_STATE_GRAD)
+      gradOnGpu = sd.placement == ZOPT_PLACE_GPU;
+    else if (sd.placement == ZOPT_PLACE_GPU)
+      stateOnGpu = true;
     size_t b = dtypeBytes(sd.dtype);
     bytesPerParam += ((sd.access & ZOPT_ACCESS_READ) ? b : 0) +
                      ((sd.access & ZOPT_ACCESS_WRITE) ? b : 0);
-    std::printf("  state %-16s %-4s on %s%s%s\n", kindName(sd.kind),
+    std::printf("  state %-16s %-4s on %s%s%s%s\n", kindName(sd.kind),
                 dtypeName(sd.dtype),
                 sd.placement == ZOPT_PLACE_CPU ? "cpu" : "gpu",
                 (sd.access & ZOPT_ACCESS_READ) ? ", read" : "",
-                (sd.access & ZOPT_ACCESS_WRITE) ? ", written" : "");
+                (sd.access & ZOPT_ACCESS_WRITE) ? ", written" : "",
+                sd.rounding == ZOPT_ROUND_STOCHASTIC ? ", rounded stochastically" : "");
+  }
+
+  // GPU-placed params and grads: device memory from the CUDA driver. A GPU
+  // step (its states on the GPU too) is refused by zopt_optimizer_create
+  // without one, with the runtime's message; an offloaded step is said here.
+  RunDevice device;
+  if ((paramOnGpu || gradOnGpu) && !stateOnGpu) {
+    std::string why;
+    if (!device.open(&why)) {
+      std::printf("zopt-run: step %s keeps its params and grads on the GPU (an offloaded step: the update runs on "
+                  "the CPU between copies from and to the GPU), so running it needs a CUDA GPU and its driver: %s.\n"
+                  "On a machine without a GPU, ZOPT_CUDA_DRIVER=<build>/lib/libzopt-fake-cuda.so runs it on the "
+                  "stand-in driver (device memory is host memory; scripts/main.sh does so).\n",
+                  d->name, why.c_str());
+      zopt_step_free(step);
+      return 3;
+    }
+    std::printf("params and grads in device memory of %s\n", device.driver().c_str());
   }
 
   // User tensors: random params and grads of the param dtype.
@@ -210,6 +243,13 @@ int main(int argc, char **argv) {
   std::vector<HostBuf> params(nTensors), grads(nTensors);
   zopt_optimizer *opt = nullptr;
   CHECK_Z(zopt_optimizer_create(step, &opt));
+  if ((paramOnGpu || gradOnGpu) && stateOnGpu) {
+    std::string why;
+    if (!device.open(&why)) {
+      std::fprintf(stderr, "zopt-run: %s\n", why.c_str());
+      return 1;
+    }
+  }
   CHECK_Z(zopt_optimizer_set_num_threads(opt, threads));
   int group;
   CHECK_Z(zopt_optimizer_add_group(opt, &group));
@@ -234,10 +274,14 @@ int main(int argc, char **argv) {
         std::memcpy(grads[t].get() + i * 2, &gb, 2);
       }
     }
+    void *pp = params[t].get(), *gp = grads[t].get();
+    std::string why;
+    if (paramOnGpu && !(pp = device.upload(pp, size_t(n) * eb, &why)))
+      std::fprintf(stderr, "zopt-run: device memory for the params: %s\n", why.c_str()), std::exit(1);
+    if (gradOnGpu && !(gp = device.upload(gp, size_t(n) * eb, &why)))
+      std::fprintf(stderr, "zopt-run: device memory for the grads: %s\n", why.c_str()), std::exit(1);
     int id;
-    CHECK_Z(zopt_optimizer_add_tensor(opt, group, params[t].get(),
-                                      grads[t].get(), n, zopt_dtype(pdtype),
-                                      &id));
+    CHECK_Z(zopt_optimizer_add_tensor(opt, group, pp, gp, n, zopt_dtype(pdtype), &id));
   }
   CHECK_Z(zopt_optimizer_finalize(opt));
   if (d->flags & ZOPT_FLAG_LOSS_SCALE) {
@@ -247,11 +291,25 @@ int main(int argc, char **argv) {
 
   zopt_memory_info mem;
   CHECK_Z(zopt_optimizer_memory_info(opt, &mem));
-  std::printf("%llu parameters in %d tensors; held: %.2f bytes/param on cpu, "
-              "%.2f on gpu\n",
-              (unsigned long long)mem.num_params, nTensors,
-              double(mem.bytes_cpu) / double(mem.num_params),
-              double(mem.bytes_gpu) / double(mem.num_params));
+  std::printf("%llu parameters in %d tensors\n", (unsigned long long)mem.num_params, nTensors);
+  {
+    // Bytes per parameter held on each placement, by what is held (one rank: every state whole): the user's
+    // params and grads and the optimizer's states where the descriptor
+    // places them; the rest is the runtime's staging and scratch.
+    double user[2] = {0, 0}, owned[2] = {0, 0};
+    for (uint32_t s = 0; s < d->num_states; ++s) {
+      const zopt_state_desc &sd = d->states[s];
+      const int at = sd.placement == ZOPT_PLACE_GPU ? 1 : 0;
+      (sd.kind == ZOPT_STATE_PARAM || sd.kind == ZOPT_STATE_GRAD ? user : owned)[at] += double(dtypeBytes(sd.dtype));
+    }
+    const double total[2] = {double(mem.bytes_cpu) / double(mem.num_params),
+                             double(mem.bytes_gpu) / double(mem.num_params)};
+    std::printf("bytes/param          host (cpu)       gpu\n");
+    std::printf("  params, grads      %10.2f %9.2f\n", user[0], user[1]);
+    std::printf("  optimizer states   %10.2f %9.2f\n", owned[0], owned[1]);
+    std::printf("  staging, scratch   %10.2f %9.2f\n", total[0] - user[0] - owned[0], total[1] - user[1] - owned[1]);
+    std::printf("  total              %10.2f %9.2f\n", total[0], total[1]);
+  }
   std::printf("traffic per step: %.0f bytes/param (read + write)\n\n",
               bytesPerParam);
 
@@ -281,6 +339,7 @@ int main(int argc, char **argv) {
   std::printf("%5s %10s %10s %12s %9s %10s %8s\n", "step", "lr", "ms",
               "Gparam/s", "GB/s", "grad_norm", "skipped");
   std::vector<double> stepTimes, streamTimes;
+  std::vector<zopt_step_stats> stats;
   for (int k = 0; k < steps; ++k) {
     double lr = 1e-3 * (0.5 + 0.5 * std::cos(3.14159265 * k / steps));
     CHECK_Z(zopt_optimizer_set_hyper(opt, group, "lr", lr));
@@ -288,6 +347,9 @@ int main(int argc, char **argv) {
     double t0 = now();
     CHECK_Z(zopt_optimizer_step(opt, &r));
     double dt = now() - t0;
+    zopt_step_stats ss;
+    if (zopt_optimizer_get_step_stats(opt, &ss) == ZOPT_OK)
+      stats.push_back(ss);
     t0 = now();
     stream.run(threads);
     streamTimes.push_back(now() - t0);
@@ -308,6 +370,20 @@ int main(int argc, char **argv) {
         std::printf(" %s %.2f ms%s", names[d->program[i].code <= 8 ? d->program[i].code : 0], sec[i] * 1e3,
                     i + 1 < d->num_program ? "," : "\n");
     }
+  }
+  // An offloaded step's parts (zopt_optimizer_get_step_stats), medians over
+  // the steps: the baseline an overlapped step is measured against.
+  if (!stats.empty() && stats.back().offloaded) {
+    auto med = [&](double zopt_step_stats::*f) {
+      std::vector<double> v;
+      for (const zopt_step_stats &x : stats) v.push_back(x.*f);
+      return median(v) * 1e3;
+    };
+    std::printf("\noffloaded step (median of %zu): grads to host %.2f ms (%.1f MB), CPU update %.2f ms, params to "
+                "gpu %.2f ms (%.1f MB), total %.2f ms\n",
+                stats.size(), med(&zopt_step_stats::d2h_seconds), double(stats.back().d2h_bytes) * 1e-6,
+                med(&zopt_step_stats::update_seconds), med(&zopt_step_stats::h2d_seconds),
+                double(stats.back().h2d_bytes) * 1e-6, med(&zopt_step_stats::total_seconds));
   }
   double ts = median(stepTimes), tr = median(streamTimes);
   double gbs = double(nParams) * bytesPerParam / ts * 1e-9;

@@ -663,6 +663,36 @@ ZOPT_API zopt_status zopt_optimizer_refresh_master(zopt_optimizer *opt, int firs
  * them. `n` is the array's length (>= num_program + 1). CPU-updated steps
  * (a GPU step's ops are asynchronous: ZOPT_ERR_UNSUPPORTED). */
 ZOPT_API zopt_status zopt_optimizer_get_op_times(const zopt_optimizer *opt, double *seconds, int n);
+/* The last completed step by kind of work (docs/GPU.md "Offloaded
+ * steps"): the baseline of an offloaded step. All times are host wall
+ * seconds. total_seconds runs from the step's checks to its result
+ * (zopt_optimizer_step; a split or linked step: from its first half's
+ * start to its end, the caller's time between included). The program's
+ * COPY ops of an offloaded step are d2h_seconds (the grads, and params
+ * when the update reads them, from the GPU into the pinned staging, until
+ * they are complete; this includes waiting for the previous step's param
+ * copies out of the same staging) and h2d_seconds (the new params back to
+ * the GPU: the time step() spent on them; the driver runs them
+ * asynchronously, so their completion overlaps the caller's next work on
+ * the stream); update_seconds is every other op (norm, update,
+ * collectives, finish) and the ranks' agreement. total_seconds >= the sum
+ * of the parts. d2h_bytes / h2d_bytes: this rank's bytes copied.
+ * `offloaded` is 1 for a step that stages its params and grads; an
+ * all-CPU step reports 0 and no copies. `steps` counts the completed steps
+ * of this optimizer (0: none yet, every figure 0). CPU-updated steps (a
+ * GPU step's ops are asynchronous: ZOPT_ERR_UNSUPPORTED). */
+typedef struct zopt_step_stats {
+  double total_seconds;
+  double d2h_seconds;
+  double update_seconds;
+  double h2d_seconds;
+  uint64_t d2h_bytes;
+  uint64_t h2d_bytes;
+  int32_t offloaded;
+  int32_t reserved;
+  int64_t steps;
+} zopt_step_stats;
+ZOPT_API zopt_status zopt_optimizer_get_step_stats(const zopt_optimizer *opt, zopt_step_stats *stats);
 /* The current params of tensors [first, first + count) into dst[i] (NULL
  * or a NULL entry: the registered param memory). Under ZeRO-3 the params
  * are held sharded by the runtime and this is a collective: every rank

@@ -195,6 +195,7 @@ zopt_status run_host_op(zopt_optimizer *o, StepState *st, size_t i) {
       // next work on the stream.
       const bool to_host = op.dst == ZOPT_PLACE_CPU;
       const bool more = i + 1 < P.ops.size() && P.ops[i + 1].code == ZOPT_OP_COPY && P.ops[i + 1].dst == op.dst;
+      P.copy_bytes[to_host ? 0 : 1] += copy_size(o, (int)op.state);
       return o->backend->copy_staged(o, (int)op.state, !to_host, to_host && !more);
     }
     case ZOPT_OP_REDUCE_SCATTER:
@@ -335,6 +336,8 @@ zopt_status host_begin(zopt_optimizer *o, StepState *st, bool first) {
                     b, P.bucket_reduced.size(), tensor_list(ts).c_str());
       }
   }
+  P.step_start = now_seconds();
+  P.copy_bytes[0] = P.copy_bytes[1] = 0;
   using clock = std::chrono::steady_clock;
   auto t0 = clock::now();
   if (zopt_status s = agree(o, first)) return s;
@@ -365,6 +368,7 @@ void host_end(zopt_optimizer *o, StepState *st, zopt_step_result *result) {
     result->skipped = st->skipped ? 1 : 0;
     result->loss_scale = st->S;
   }
+  record_stats(o);
 }
 }  // namespace exec
 }  // namespace zopt

@@ -62,6 +62,12 @@ struct Program {
   std::vector<zopt_program_op> ops;
   std::vector<double> op_seconds;  // wall time of each op in the last step (0: did not run)
   double agree_seconds = 0;        // the ranks' agreement before the ops
+  // The step under way (host_begin .. host_end): its start and the bytes
+  // its COPY ops moved to the host [0] and to the device [1]; `stats`: the
+  // last completed step's (zopt_optimizer_get_step_stats; stats.cpp).
+  double step_start = 0;
+  uint64_t copy_bytes[2] = {0, 0};
+  zopt_step_stats stats{};
   layout::Layout L;   // at the world size: shards
   layout::Layout L1;  // at world size 1: full buffers
   // Per descriptor state: the runtime-held buffer (NULL: the user's memory),
@@ -139,6 +145,12 @@ zopt_status host_begin(zopt_optimizer *o, StepState *st, bool first);
 zopt_status run_host_op(zopt_optimizer *o, StepState *st, size_t i);
 void host_decide(zopt_optimizer *o, StepState *st, double sumsq);
 void host_end(zopt_optimizer *o, StepState *st, zopt_step_result *result);
+// stats.cpp: the clock host_begin and host_end read (steady, seconds); the
+// bytes of state si of every tensor (a COPY op's); the completed step's
+// zopt_step_stats from op_seconds, the copies and the clock (host_end).
+double now_seconds();
+uint64_t copy_size(const zopt_optimizer *o, int si);
+void record_stats(zopt_optimizer *o);
 // Gradient streaming: reduces bucket b's gradients (grads[i]: element 0 of
 // the i-th tensor of bucket_tensors(b), NULL for none on this rank) into
 // this rank's runtime-held gradient shard. A collective.

@@ -11,6 +11,7 @@
 //   collectives.cpp  REDUCE_SCATTER, ALL_GATHER, gather_state
 //   stream.cpp       gradient streaming: buckets reduced during backward
 //   fold.cpp         the rank-order sum of a reduction
+//   stats.cpp        zopt_step_stats: the last step's time by kind of work
 #ifndef ZOPT_RUNTIME_EXEC_INTERNAL_H
 #define ZOPT_RUNTIME_EXEC_INTERNAL_H
 

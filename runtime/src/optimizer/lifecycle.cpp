@@ -173,4 +173,14 @@ ZOPT_API zopt_status zopt_optimizer_get_op_times(const zopt_optimizer *o, double
   return ZOPT_OK;
 }
 
+ZOPT_API zopt_status zopt_optimizer_get_step_stats(const zopt_optimizer *o, zopt_step_stats *stats) {
+  const char *fn = "zopt_optimizer_get_step_stats";
+  CHECK_OPT(o, "zopt_optimizer_get_step_stats");
+  if (!stats) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: stats is NULL", fn);
+  if (zopt_status st = o->backend->supports(o, Feature::OpTimes, fn)) return st;
+  if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "%s: call zopt_optimizer_finalize first", fn);
+  *stats = o->prog->stats;
+  return ZOPT_OK;
+}
+
 }  // extern "C"

@@ -243,11 +243,15 @@ API CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, vo
     });
     return kOk;
   }
-  if (busy(stream)) {  // the source is read now (pageable) or at its turn (pinned)
-    if (pinned(src, n)) {
-      enqueue(stream, [dst, src, n] { memcpy((void *)(uintptr_t)dst, src, n); });
-      return kOk;
-    }
+  if ((busy(stream) || async_copies()) && pinned(src, n)) {  // read at its turn
+    const unsigned us = stress_delay_us();
+    enqueue(stream, [dst, src, n, us] {
+      if (us) std::this_thread::sleep_for(std::chrono::microseconds(us));
+      memcpy((void *)(uintptr_t)dst, src, n);
+    });
+    return kOk;
+  }
+  if (busy(stream)) {  // pageable: the source is read now
     std::shared_ptr<std::vector<char>> copy(new std::vector<char>((const char *)src, (const char *)src + n));
     enqueue(stream, [dst, copy] { memcpy((void *)(uintptr_t)dst, copy->data(), copy->size()); });
     return kOk;
@@ -267,13 +271,15 @@ API CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, void *st
     g->nodes.push_back(node);
     return kOk;
   }
-  if (busy(stream)) {
-    if (pinned(dst, n)) {
-      enqueue(stream, [dst, src, n] { memcpy(dst, (const void *)(uintptr_t)src, n); });
-      return kOk;
-    }
-    drain(stream);  // pageable memory: the copy is synchronous
+  if ((busy(stream) || async_copies()) && pinned(dst, n)) {
+    const unsigned us = stress_delay_us();
+    enqueue(stream, [dst, src, n, us] {
+      if (us) std::this_thread::sleep_for(std::chrono::microseconds(us));
+      memcpy(dst, (const void *)(uintptr_t)src, n);
+    });
+    return kOk;
   }
+  if (busy(stream)) drain(stream);  // pageable memory: the copy is synchronous
   memcpy(dst, (const void *)(uintptr_t)src, n);
   return kOk;
 }

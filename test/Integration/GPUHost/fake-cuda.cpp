@@ -55,6 +55,16 @@
 // queue and cuStreamQuery reports CUDA_ERROR_NOT_READY (600) while it is not
 // empty. Events count records and completions.
 //
+// Asynchrony: by default a copy on an idle stream runs at the call. With
+// ZOPT_FAKE_CUDA_ASYNC=1 every copy between cuMemHostAlloc memory and the
+// device (cuMemcpyHtoDAsync, cuMemcpyDtoHAsync) is queued on its stream's
+// worker thread, as a real DMA: the call returns before the bytes move, and
+// only the stream's order, its events and synchronisations make them
+// visible. ZOPT_FAKE_CUDA_STRESS=<us> does the same and sleeps a random
+// 0..us microseconds before each queued copy (seeded by
+// ZOPT_FAKE_CUDA_SEED, default 1), so that a caller that reads or reuses a
+// buffer before the stream says the copy is done sees wrong bytes.
+//
 // With ZOPT_FAKE_CUDA_TWIN=<the step compiled for the CPU> the emulation is
 // on from the start and runs each kernel whole on the twin's CPU kernels
 // (fake-cuda-twin.cpp): the numbers of a GPU step, on the stand-in.
@@ -172,6 +182,26 @@ std::map<uintptr_t, size_t>::iterator find_alloc(uintptr_t p, size_t n) {
   if (it == a.begin()) return a.end();
   --it;
   return p + n <= it->first + it->second ? it : a.end();
+}
+
+// ---- asynchrony (see the top) ----------------------------------------------------
+namespace {
+unsigned env_unsigned(const char *name, unsigned dflt) {
+  const char *v = getenv(name);
+  return v && *v ? (unsigned)strtoul(v, nullptr, 10) : dflt;
+}
+const unsigned g_stress_us = env_unsigned("ZOPT_FAKE_CUDA_STRESS", 0);
+const bool g_async = g_stress_us > 0 || env_unsigned("ZOPT_FAKE_CUDA_ASYNC", 0) != 0;
+std::mutex g_rng_mu;
+uint64_t g_rng = env_unsigned("ZOPT_FAKE_CUDA_SEED", 1) * 0x9E3779B97F4A7C15ull + 1;
+}  // namespace
+
+bool async_copies() { return g_async; }
+unsigned stress_delay_us() {
+  if (!g_stress_us) return 0;
+  std::lock_guard<std::mutex> lk(g_rng_mu);
+  g_rng = g_rng * 6364136223846793005ull + 1442695040888963407ull;
+  return (unsigned)((g_rng >> 33) % (g_stress_us + 1));
 }
 
 // ---- events --------------------------------------------------------------------

@@ -160,6 +160,13 @@ bool ends_with(const std::string &s, const char *suf);
 void emulate(const Launch &l);
 void run_launch(const Launch &l);
 bool bad_range(const char *api, CUdeviceptr p, size_t n);
+// Asynchronous copies (fake-cuda.cpp "Asynchrony"): whether copies between
+// pinned host memory and the device always run on the stream's worker
+// (ZOPT_FAKE_CUDA_ASYNC=1, or ZOPT_FAKE_CUDA_STRESS), and the delay
+// before one such copy: random in [0, ZOPT_FAKE_CUDA_STRESS] microseconds
+// (0 without stress).
+bool async_copies();
+unsigned stress_delay_us();
 bool lazy_zero(CUdeviceptr dst, unsigned v);
 
 }  // namespace fake

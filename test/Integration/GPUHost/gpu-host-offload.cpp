@@ -105,6 +105,9 @@ int offload_check(Fake &f, zopt_step *step, const char *twin_path) {
     snprintf(buf, sizeof buf, "offload step %d result = CPU twin's (norm %.17g, skipped %d, scale %g)", k, ro.grad_norm,
              ro.skipped, ro.loss_scale);
     check(same_result, buf);
+    // The params come back asynchronously: read them as the caller's next
+    // work on the stream would (ZOPT_FAKE_CUDA_STRESS delays the copies).
+    f.drain_all();
     bool params_same = true;
     for (size_t t = 0; t < T; ++t)
       params_same &= memcmp((void *)(uintptr_t)dp[t], hp[t].data(), hp[t].size()) == 0;
@@ -121,6 +124,25 @@ int offload_check(Fake &f, zopt_step *step, const char *twin_path) {
         states_same &= x == y;
       }
     check(states_same, "offload step " + std::to_string(k) + ": optimizer states bit-identical to the CPU twin's");
+    // zopt_optimizer_get_step_stats: the offloaded step's copies, its CPU
+    // work and the whole, each measured; the twin's: no copies.
+    uint64_t n = 0;
+    for (int64_t x : sizes) n += (uint64_t)x;
+    zopt_step_stats so{}, sc{};
+    Z(zopt_optimizer_get_step_stats(o, &so));
+    Z(zopt_optimizer_get_step_stats(c, &sc));
+    const double parts = so.d2h_seconds + so.update_seconds + so.h2d_seconds;
+    snprintf(buf, sizeof buf, "d2h %.3g s %llu B, update %.3g s, h2d %.3g s %llu B, total %.3g s", so.d2h_seconds,
+             (unsigned long long)so.d2h_bytes, so.update_seconds, so.h2d_seconds, (unsigned long long)so.h2d_bytes,
+             so.total_seconds);
+    check(so.offloaded == 1 && so.steps == k && so.d2h_seconds > 0 && so.update_seconds > 0 &&
+              (rc.skipped ? so.h2d_seconds == 0 : so.h2d_seconds > 0) && so.total_seconds >= parts &&
+              so.d2h_bytes == n * (eg + (reads_param ? ep : 0)) && so.h2d_bytes == (rc.skipped ? 0 : n * ep),
+          "offload step " + std::to_string(k) + " stats: every part measured, total >= their sum, the bytes copied (" +
+              buf + ")");
+    check(sc.offloaded == 0 && sc.steps == k && sc.d2h_seconds == 0 && sc.h2d_seconds == 0 && sc.d2h_bytes == 0 &&
+              sc.h2d_bytes == 0 && sc.update_seconds > 0 && sc.total_seconds >= sc.update_seconds,
+          "offload step " + std::to_string(k) + " stats: the CPU twin's step reports no copies");
   }
   int64_t n1 = -1, n2 = -2;
   Z(zopt_optimizer_get_step_count(o, 1, &n1));
@@ -341,6 +363,7 @@ void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const 
       Z(zopt_optimizer_step(c, &rc));
       rr.results_same &= ro.skipped == rc.skipped && ro.loss_scale == rc.loss_scale &&
                          ((std::isnan(ro.grad_norm) && std::isnan(rc.grad_norm)) || ro.grad_norm == rc.grad_norm);
+      f.drain_all();  // after the asynchronous param copies (as above)
       for (size_t t = 0; t < T; ++t)
         if (memcmp((void *)(uintptr_t)dp[t], hp[t].data(), hp[t].size())) {
           if (rr.params_same)

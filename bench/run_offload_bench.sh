@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The serial offloaded step (docs/benchmarks/offload.md): both offload layouts
+# (examples/adamw_bf16_offload_6b.mlir, DeepSpeed #8010's 6-byte cell, and
+# examples/adamw_zero_offload.mlir, the classic 12-byte ZeRO-Offload),
+# each against the same description compiled all-CPU, in the same run
+# (zopt-bench-offload). Without a CUDA driver the offloaded step runs on the
+# stand-in driver (device memory is host memory, copies are memcpys).
+# Usage: bench/run_offload_bench.sh [BUILD_DIR=build] [PARAMS=67108864] [STEPS=5]
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+B=${1:-$ROOT/build}; N=${2:-67108864}; K=${3:-5}
+T=$(mktemp -d); trap 'rm -rf "$T"' EXIT
+grep -m1 'model name' /proc/cpuinfo; echo "date: $(date -u +%F)  nproc: $(nproc)"
+if [[ -z "${ZOPT_CUDA_DRIVER:-}" ]] && ! /sbin/ldconfig -p 2>/dev/null | grep -q 'libcuda\.so\.1'; then
+  export ZOPT_CUDA_DRIVER="$B/lib/libzopt-fake-cuda.so"
+fi
+for f in adamw_bf16_offload_6b adamw_zero_offload; do
+  "$B/bin/zopt-compile" "$ROOT/examples/$f.mlir" -o "$T/$f.so"
+  # The CPU-only peer: the same description on the CPU (the 6-byte cell's
+  # bf16 master would duplicate the bf16 param there: bench/adamw_bf16_6b_cpu.mlir
+  # updates the param in place).
+  if [ "$f" = adamw_bf16_offload_6b ]; then
+    cp "$ROOT/bench/adamw_bf16_6b_cpu.mlir" "$T/$f.cpu.mlir"
+  else
+    sed -e 's/ on gpu/ on cpu/g' -e 's/, gpu_arch = "sm_90"//' "$ROOT/examples/$f.mlir" > "$T/$f.cpu.mlir"
+  fi
+  "$B/bin/zopt-compile" "$T/$f.cpu.mlir" -o "$T/$f.cpu.so"
+  "$B/bin/zopt-bench-offload" "$T/$f.so" "$T/$f.cpu.so" --params "$N" --steps "$K"
+done
