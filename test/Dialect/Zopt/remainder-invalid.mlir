@@ -1,5 +1,5 @@
 // RUN: zopt-opt %s --split-input-file --verify-diagnostics
-// Each refusal of a remainder master (docs/Dialects/Zopt.md rule 27).
+// Each refusal of a remainder master (docs/Dialects/Zopt.md rule 14a).
 
 // Not a master.
 zopt.step @s {

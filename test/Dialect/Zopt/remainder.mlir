@@ -1,6 +1,6 @@
 // RUN: zopt-opt %s --split-input-file | FileCheck %s
 // RUN: zopt-opt %s --split-input-file | zopt-opt --split-input-file | FileCheck %s
-// A remainder master (docs/Dialects/Zopt.md rule 27, docs/NUMERICS.md §9):
+// A remainder master (docs/Dialects/Zopt.md rule 14a, docs/NUMERICS.md §9):
 // parses, prints and re-parses; the refusals are in remainder-invalid.mlir.
 
 // CHECK-LABEL: zopt.step @remainder
