@@ -17,6 +17,10 @@
 //   --clip        the step clips by global norm (descriptor flag must agree);
 //                 the run uses clip_coef = 0.37.
 //   --loss-scale  grads are loss-scaled (flag must agree); S = 1024.
+//   --twin=F.so   STEP has a remainder master, F.so is the same step with an
+//                 f32 master: both run 5 steps on the same random data and
+//                 the rebuilt master, param and moments must match bit for
+//                 bit (kernel-check-remainder.cpp).
 //   --rne         additionally: bit-exact check of the narrowing store
 //                 (f32 master -> bf16/f16 param) on chosen values (ties, NaN,
 //                 inf, overflow, denormals) through the master->param copy-out
@@ -284,7 +288,7 @@ bool selfTest() {
 int main(int argc, char **argv) {
   if (argc < 3) {
     std::fprintf(stderr, "usage: %s STEP.so adam|adamw|adam_amsgrad|sgd|sgd_nesterov|lion "
-                         "[--clip] [--loss-scale] [--rne] [--sizes=1,15,17,1000003]\n", argv[0]);
+                         "[--clip] [--loss-scale] [--rne] [--twin=F32MASTER.so] [--sizes=1,15,17,1000003]\n", argv[0]);
     return 2;
   }
   Step st;
@@ -297,12 +301,14 @@ int main(int argc, char **argv) {
   else if (rule == "lion") st.rule = Rule::Lion;
   else { std::fprintf(stderr, "unknown rule '%s'\n", rule.c_str()); return 2; }
   bool rne = false;
+  std::string twinPath; // --twin: the f32-master twin of a remainder step
   std::vector<size_t> sizes = {1, 15, 17, 1000003};
   for (int i = 3; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--clip") st.clip = true;
     else if (a == "--loss-scale") st.lossScale = true;
     else if (a == "--rne") rne = true;
+    else if (a.rfind("--twin=", 0) == 0) twinPath = a.substr(7);
     else if (a.rfind("--sizes=", 0) == 0) {
       sizes.clear();
       for (const char *p = a.c_str() + 8; *p;) {
@@ -359,6 +365,20 @@ int main(int argc, char **argv) {
       if (rne)
         for (size_t n : {size_t(61), size_t(100003)})
           checkRne(st, u.first, u.second, n);
+    }
+    if (!twinPath.empty()) {
+      Step tw;
+      tw.rule = st.rule; tw.clip = st.clip; tw.lossScale = st.lossScale;
+      std::printf("INFO twin %s\n", twinPath.c_str());
+      const bool twinOk = st.remainder && loadStep(twinPath.c_str(), tw) && !tw.remainder &&
+                          tw.idx[ZOPT_STATE_MASTER] >= 0;
+      report(twinOk, "twin: the step has a remainder master and its twin an f32 master");
+      for (auto &u : st.updates) {
+        zopt_update_fn fb = nullptr;
+        for (auto &v : tw.updates) if (v.first == u.first) fb = v.second;
+        if (!twinOk || !fb || !cpuRuns(u.first)) continue;
+        for (size_t n : sizes) checkRemainderTwin(st, tw, u.first, u.second, fb, n, 5, seed++);
+      }
     }
     for (auto &s : st.sumsqs) {
       if (!cpuRuns(s.first)) {

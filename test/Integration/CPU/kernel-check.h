@@ -262,6 +262,10 @@ void checkRne(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n);
 inline uint32_t joinedMaster(uint32_t p, uint32_t r) {
   return f32_bits(zopt_ref::remainder_master(uint16_t(p), uint16_t(r)));
 }
+// kernel-check-remainder.cpp: a remainder step against its f32-master twin,
+// `steps` steps, bit for bit.
+void checkRemainderTwin(const Step &st, const Step &twin, uint32_t isa, zopt_update_fn fa,
+                        zopt_update_fn fb, size_t n, int steps, uint64_t seed);
 // kernel-check-sumsq.cpp: a SUMSQ variant: abi.h's order bit for bit, the
 // error bound, non-finite inputs.
 void checkSumsq(const Step &st, uint32_t isa, zopt_sumsq_fn fn, size_t n, uint64_t seed);
