@@ -3,9 +3,10 @@
 // global-norm clipping at 1.0. The master is stored as the int16 low half
 // of its bits; the bf16 param is its high half, rounded to nearest (ties
 // away), and the two rebuild the f32 master exactly (docs/NUMERICS.md §9).
-// State bytes per param: param 2 + remainder 2 + m 4 + v 4 = 12 (an f32
-// master: 2 + 4 + 4 + 4 = 14); the master alone costs 2 bytes instead of 4.
-// Bytes per parameter and step: read g, p, rem, m, v (14), write p, rem, m, v (12).
+// Bytes per param held: param 2 + grad 2 + remainder 2 + m 4 + v 4 = 14
+// (examples/adamw_bf16_master.mlir, an f32 master: 16); the master costs 2
+// bytes instead of 4. Bytes per parameter and step: read g, p, rem, m, v
+// (14), write p, rem, m, v (12): 26 (an f32 master: 28).
 zopt.step @adamw_bf16_remainder attributes {zero_stage = 0 : i64, align = 16 : i64} {
   %p = zopt.state param : bf16 on cpu
   %g = zopt.state grad : bf16 on cpu
