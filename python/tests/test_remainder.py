@@ -100,3 +100,21 @@ def test_remainder_state_dict_refused(steps):
         opt.load_state_dict(twin.state_dict())
     for p, b in zip(m.parameters(), before):
         np.testing.assert_array_equal(bits16(p), b)
+
+
+def test_remainder_state_view_hides_the_master(steps):
+    """state[p] shows no 'master' (it is the param plus an int16
+    remainder, no tensor of its own): reading it is a KeyError, writing
+    it refused, the moments are there as usual."""
+    m = model()
+    opt = zopt.Optimizer(steps.text(SRC), m.parameters(), lr=1e-2)
+    train(m, opt, 1)
+    st = opt.state[m.weight]
+    assert sorted(st.keys()) == ["exp_avg", "exp_avg_sq", "step"]
+    with pytest.raises(KeyError):
+        st["master"]
+    before = opt._parts[0].read_f32(0, StateKind.MASTER).copy()
+    with pytest.raises(zopt.ZoptError, match="has no state 'master'"):
+        st["master"] = torch.zeros_like(m.weight, dtype=torch.float32)
+    np.testing.assert_array_equal(opt._parts[0].read_f32(0, StateKind.MASTER).view(np.uint32),
+                                  before.view(np.uint32))
