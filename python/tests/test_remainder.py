@@ -118,3 +118,19 @@ def test_remainder_state_view_hides_the_master(steps):
         st["master"] = torch.zeros_like(m.weight, dtype=torch.float32)
     np.testing.assert_array_equal(opt._parts[0].read_f32(0, StateKind.MASTER).view(np.uint32),
                                   before.view(np.uint32))
+
+
+def test_remainder_zero3_param_replaced(steps):
+    """ZeRO-3: a param given new storage after a step makes its master
+    again from it (the remainder 0), as for an f32 master."""
+    src = SRC.replace("zero_stage = 0", "zero_stage = 3").replace("@adamw_bf16_remainder ", "@rz3 ")
+    m = model()
+    opt = zopt.Optimizer(steps.text(src), m.parameters(), lr=0.0, weight_decay=0.0)
+    train(m, opt, 1)
+    torch.manual_seed(7)
+    new = torch.randn(33, 64).to(torch.bfloat16)
+    m.weight.data = new.clone()
+    train(m, opt, 1, 1)  # lr 0: the master stays what it was made from
+    assert torch.equal(m.weight.detach(), new)
+    np.testing.assert_array_equal(opt._parts[0].read_f32(0, StateKind.MASTER),
+                                  new.float().numpy().ravel())
