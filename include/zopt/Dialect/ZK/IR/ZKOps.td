@@ -173,6 +173,7 @@ def ZK_LoadOp : ZK_Op<"load", [HasParent<"KernelOp">,
   let arguments = (ins I64Attr:$slot, OptionalAttr<I64Attr>:$remainder_of);
   let results = (outs AnyFloat:$result);
   let assemblyFormat = "$slot attr-dict `:` type($result)";
+  let hasVerifier = 1;
 }
 
 def ZK_StoreOp : ZK_Op<"store", [HasParent<"KernelOp">,
@@ -193,6 +194,7 @@ def ZK_StoreOp : ZK_Op<"store", [HasParent<"KernelOp">,
                    DefaultValuedAttr<I32Attr, "ZOPT_ROUND_NEAREST_EVEN">:$rounding,
                    OptionalAttr<I64Attr>:$remainder_of);
   let assemblyFormat = "$slot `,` $value attr-dict `:` type($value) `into` $storage";
+  let hasVerifier = 1;
 }
 
 def ZK_CoeffOp : ZK_Op<"coeff", [Pure, HasParent<"KernelOp">]> {
