@@ -22,7 +22,7 @@ import numpy as np
 from . import _ckpt, _frozen, _hypers, _lib, _params, _rebuild, _state
 from ._collective import collective_errors
 from ._dtypes import KIND_OF_KEY, NP_DTYPES, TORCH_KEY, torch
-from ._lib import HYPER_BY_NAME, StateKind, Status, ZoptError, check
+from ._lib import HYPER_BY_NAME, DType, StateKind, Status, ZoptError, check
 from ._native import scaler_config
 from ._warnings import warn_user
 
@@ -65,9 +65,21 @@ def part_states(c):
     return state, snap
 
 
+def _refuse_remainder(opt, what):
+    """A remainder master (docs/NUMERICS.md §9) is half of a master, the
+    param the other half: torch's layout has no place for it yet."""
+    for c in opt._parts:
+        if any(dt == DType.I16 for _, dt, _ in c.step.states):
+            raise NotImplementedError(
+                f"{what}: step '{c.step.name}' keeps its master as a remainder beside the "
+                "bf16 param (docs/NUMERICS.md §9); torch's state_dict layout does not hold "
+                "it yet: use save()/load() (the runtime's checkpoints) with the model's params")
+
+
 def state_dict(opt):
     """torch's layout over every class (global indices in param_groups
     order); collective at world size > 1."""
+    _refuse_remainder(opt, "state_dict")
     opt._prepare()
     opt._push_hypers()
     with collective_errors(opt, "state_dict"):
@@ -118,6 +130,7 @@ def state_dict(opt):
 def load_state_dict(opt, sd, allow_rule_change):
     """Loads torch's layout into every class; nothing changes if anything is
     refused."""
+    _refuse_remainder(opt, "load_state_dict")
     if sd.get("format") == "zopt-state-dict-1":  # the first binding's
         if opt._mapped:
             raise ZoptError(Status.CHECKPOINT, "the first binding's state_dict format holds "
@@ -398,10 +411,11 @@ def loaded_master_pending(c):
     the model's params (those not released), which the next gather
     replaces, are compared too."""
     s = c.step
-    if not s.has_master:
+    mdt = s.state_dtype(StateKind.MASTER)
+    # A remainder master's high half is the param: they cannot disagree.
+    if not s.has_master or mdt == DType.I16:
         return {}, [], set()
     tids = [t for t, e in enumerate(c.entries) if e.numel and t not in c.excluded]
-    mdt = s.state_dtype(StateKind.MASTER)
     masters = {t: (c.read_raw(t, StateKind.MASTER), mdt) for t in tids}
     fixes = _params.master_sync(c, masters)
     changed = set(fixes)

@@ -19,7 +19,8 @@ except Exception:  # pragma: no cover
 
 NP_DTYPES = {np.dtype(np.float32): DType.F32, np.dtype(np.float16): DType.F16,
              np.dtype(np.uint16): DType.BF16}
-NP_OF = {DType.F32: np.float32, DType.F16: np.float16, DType.BF16: np.uint16}
+NP_OF = {DType.F32: np.float32, DType.F16: np.float16, DType.BF16: np.uint16,
+         DType.I16: np.int16}  # a remainder master's raw low halves
 
 PLACE_GPU = int(Placement.GPU)  # ZOPT_PLACE_GPU (abi.h)
 

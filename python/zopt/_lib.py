@@ -48,6 +48,7 @@ class DType(enum.IntEnum):
     F32 = 1
     BF16 = 2
     F16 = 3
+    I16 = 4  # a remainder master's low half (abi.h "Remainder masters")
 
 
 class Placement(enum.IntEnum):
@@ -87,8 +88,8 @@ STATE_NAMES = {k: k.name.lower() for k in StateKind}
 STATE_BY_NAME = {v: k for k, v in STATE_NAMES.items()}
 HYPER_NAMES = {k: k.name.lower() for k in HyperKind}
 HYPER_BY_NAME = {v: k for k, v in HYPER_NAMES.items()}
-DTYPE_NAMES = {DType.F32: "f32", DType.BF16: "bf16", DType.F16: "f16"}
-DTYPE_ITEMSIZE = {DType.F32: 4, DType.BF16: 2, DType.F16: 2}
+DTYPE_NAMES = {DType.F32: "f32", DType.BF16: "bf16", DType.F16: "f16", DType.I16: "i16"}
+DTYPE_ITEMSIZE = {DType.F32: 4, DType.BF16: 2, DType.F16: 2, DType.I16: 2}
 
 
 class StateDesc(ctypes.Structure):

@@ -26,7 +26,7 @@ import numpy as np
 from . import _strided, _torch_compat
 from ._dtypes import (NP_DTYPES, f32_of_bits, from_bits, is_rounding_of, is_torch, np_bits,
                       round_bits, torch, torch_dtypes)
-from ._lib import DTYPE_ITEMSIZE, DTYPE_NAMES, StateKind, Status, ZoptError
+from ._lib import DTYPE_ITEMSIZE, DTYPE_NAMES, DType, StateKind, Status, ZoptError
 from ._watch import Sampler
 
 UNSET = object()
@@ -381,7 +381,10 @@ def refresh_by_write(c, t):
     writes what it holds; no communication)."""
     e = c.entries[t]
     c.write_raw(t, StateKind.PARAM, memory_order(e, e.param))
-    if c.step.has_master:
+    if c.step.has_master and c.step.state_dtype(StateKind.MASTER) == DType.I16:
+        # A remainder master (docs/NUMERICS.md §9) of the param: 0.
+        c.write_raw(t, StateKind.MASTER, np.zeros(e.numel, dtype=np.int16))
+    elif c.step.has_master:
         write_f32(c, t, StateKind.MASTER, memory_order(e, e.param.detach().float()))
 
 

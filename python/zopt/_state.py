@@ -315,11 +315,18 @@ def state_bits(e, v, dt, what):
 
 
 # ---- state[p] of tensor t of part c ------------------------------------------------
+def shown_states(s):
+    """The states state[p] shows: a remainder master (docs/NUMERICS.md §9)
+    is the param plus an int16 remainder, no tensor of its own: not shown."""
+    return [k for k in s.owned_states
+            if not (k == StateKind.MASTER and s.state_dtype(k) == DType.I16)]
+
+
 def state_keys(c, t):
     """The keys of state[p] of tensor t: none before its first step."""
     if c.tensor_step(t) == 0:
         return []
-    return ["step"] + [TORCH_KEY[k] for k in c.step.owned_states]
+    return ["step"] + [TORCH_KEY[k] for k in shown_states(c.step)]
 
 
 def state_get(c, t, key):
@@ -328,7 +335,7 @@ def state_get(c, t, key):
     c.prepare()  # (writes back what was changed in place so far)
     s = c.step
     k = KIND_OF_KEY.get(key) if isinstance(key, str) and key != "step" else None
-    if c.tensor_step(t) == 0 or (key != "step" and k not in s.owned_states):
+    if c.tensor_step(t) == 0 or (key != "step" and k not in shown_states(s)):
         raise KeyError(key)
     if key == "step":
         steps = c.tensor_step(t)
@@ -390,8 +397,8 @@ def state_values(c, t, values):
             out[key] = step_value(v, what)
             continue
         k = KIND_OF_KEY.get(key) if isinstance(key, str) else None
-        if k is None or k not in s.owned_states:
-            known = ["step"] + [TORCH_KEY[q] for q in s.owned_states]
+        if k is None or k not in shown_states(s):
+            known = ["step"] + [TORCH_KEY[q] for q in shown_states(s)]
             raise ZoptError(Status.INVALID_ARGUMENT,
                             f"{what}: step '{s.name}' has no state {key!r}; its states: "
                             + ", ".join(map(repr, known)))

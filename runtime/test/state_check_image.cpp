@@ -330,6 +330,12 @@ void test_staged() {
         for (uint32_t k = 0; k < A.d->num_states; ++k) {
           const zopt_state_desc &sd = A.d->states[k];
           if (!is_owned(sd.kind) && !(sd.kind == ZOPT_STATE_PARAM && A.zero3)) continue;
+          if (sd.dtype == ZOPT_DTYPE_I16) {  // a remainder master: its raw low halves
+            if (zopt_state_import_put(imp, (int)t, (zopt_state_kind)sd.kind, ZOPT_DTYPE_I16,
+                                      from.st[t][k].data(), A.n[t]))
+              return false;
+            continue;
+          }
           std::vector<float> f((size_t)A.n[t] + 1);  // as f32: converted back exactly
           for (int64_t i = 0; i < A.n[t]; ++i) f[(size_t)i] = load(from.st[t][k].data(), sd.dtype, (size_t)i);
           if (zopt_state_import_put(imp, (int)t, (zopt_state_kind)sd.kind, ZOPT_DTYPE_F32, f.data(), A.n[t]))
@@ -380,6 +386,13 @@ void test_staged() {
           // ZeRO-3: fresh held params from the user's params, the master from them.
           float pv = load(A.zero3 ? A.p[t] : s.st[t][(size_t)pk].data(), A.pdt, (size_t)i);
           float v = load(s.st[t][k].data(), sd.dtype, (size_t)i), w = sd.init == ZOPT_INIT_FROM_PARAM ? pv : 0.0f;
+          if (sd.dtype == ZOPT_DTYPE_I16) {  // a remainder master: rebuilt from the param (abi.h)
+            uint16_t hi, lo;
+            memcpy(&hi, s.st[t][(size_t)pk].data() + 2 * i, 2);
+            memcpy(&lo, s.st[t][k].data() + 2 * i, 2);
+            const uint32_t b = zopt_remainder_join(hi, lo);
+            memcpy(&v, &b, 4);
+          }
           if (memcmp(&v, &w, 4)) partial = false;
         }
       }
@@ -390,8 +403,9 @@ void test_staged() {
     RANK_CK(zopt_optimizer_import_begin(A.o, &imp) == ZOPT_OK);
     std::vector<float> f((size_t)A.n[1] + 1, 0.5f);
     zopt_state_kind k1 = ZOPT_STATE_MASTER;  // an optimizer state of the step
-    for (uint32_t k = A.d->num_states; k-- > 0;)
-      if (is_owned(A.d->states[k].kind)) k1 = (zopt_state_kind)A.d->states[k].kind;
+    for (uint32_t k = A.d->num_states; k-- > 0;)  // (not a remainder master: it takes i16 only)
+      if (is_owned(A.d->states[k].kind) && A.d->states[k].dtype != ZOPT_DTYPE_I16)
+        k1 = (zopt_state_kind)A.d->states[k].kind;
     RANK_CK(zopt_state_import_put(imp, 1, k1, ZOPT_DTYPE_F32, f.data(), A.n[1]) == ZOPT_OK);
     struct Bad {
       const char *what;
@@ -413,6 +427,15 @@ void test_staged() {
       if (b.st != ZOPT_ERR_INVALID_ARGUMENT) {
         std::lock_guard<std::mutex> lk(mu);
         errs.push_back(std::string(b.what) + " -> " + std::to_string((int)b.st));
+      }
+    // A remainder master takes its raw i16 low halves only: f32 values
+    // would need the params too (abi.h "Remainder masters").
+    for (uint32_t k = 0; k < A.d->num_states; ++k)
+      if (A.d->states[k].dtype == ZOPT_DTYPE_I16 &&
+          zopt_state_import_put(imp, 0, (zopt_state_kind)A.d->states[k].kind, ZOPT_DTYPE_F32, f.data(), A.n[0]) !=
+              ZOPT_ERR_UNSUPPORTED) {
+        std::lock_guard<std::mutex> lk(mu);
+        errs.push_back("an f32 remainder master -> not UNSUPPORTED");
       }
     if (zopt_state_import_put(imp, 0, k1, ZOPT_DTYPE_F32, f.data(), A.n[0]) != ZOPT_OK) usable = false;
     zopt_state_import_abort(imp);

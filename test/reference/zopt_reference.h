@@ -17,6 +17,9 @@
 //   §5  the loss scaler, §6 whether the step counts advance, and CONTROL
 //       (abi.h zopt_control) composed of §3, §5, §6
 //   §7  stochastic rounding of bf16
+//   §9  remainder masters: the split of an f32 master into a bf16 param and
+//       an int16 remainder, by values (abi.h's bit formulas are checked
+//       against it), and the rebuild
 //
 // A change to the contract changes this file; a test that needs a value of
 // the contract asks this file for it instead of writing its own formula.
@@ -45,7 +48,11 @@ inline float bits_f32(uint32_t b) { float f; std::memcpy(&f, &b, 4); return f; }
 
 inline size_t dtype_size(uint32_t dt) { return dt == ZOPT_DTYPE_F32 ? 4 : 2; }
 inline const char *dtype_name(uint32_t dt) {
-  return dt == ZOPT_DTYPE_F32 ? "f32" : dt == ZOPT_DTYPE_BF16 ? "bf16" : dt == ZOPT_DTYPE_F16 ? "f16" : "?";
+  return dt == ZOPT_DTYPE_F32    ? "f32"
+         : dt == ZOPT_DTYPE_BF16 ? "bf16"
+         : dt == ZOPT_DTYPE_F16  ? "f16"
+         : dt == ZOPT_DTYPE_I16  ? "i16"
+                                 : "?";
 }
 
 /// Exact widening of a 16-bit value.
@@ -395,6 +402,37 @@ inline Control control(uint32_t flags, const zopt_control &in) {
 inline uint16_t sr_bf16(float x, uint32_t key, uint32_t slot, uint32_t i) {
   if (std::isnan(x)) return to_bf16(x);
   return uint16_t((f32_bits(x) + zopt_sr_bits(key, slot, i)) >> 16);
+}
+
+//===----------------------------------------------------------------------===//
+// §9 Remainder masters.
+//===----------------------------------------------------------------------===//
+
+/// The bf16 param of an f32 master x, by values: the nearer of the two bf16
+/// values around x (the truncation t of x and the next bf16 away from
+/// zero), ties to the one away from zero; a NaN is quieted as RNE. (abi.h's
+/// zopt_remainder_split does it on bits.)
+inline uint16_t remainder_param(float x) {
+  if (std::isnan(x)) return to_bf16(x);
+  const uint32_t b = f32_bits(x);
+  const uint16_t t = uint16_t(b >> 16), up = uint16_t(t + 1);
+  const double dt = std::fabs(double(x) - decode_bf16(t));
+  // The next bf16 away from zero of the largest finite is infinite: its
+  // distance is taken as the distance to 2^128, where it would lie.
+  const double vu = (up & 0x7FFF) == 0x7F80 ? std::copysign(std::ldexp(1.0, 128), double(x))
+                                            : decode_bf16(up);
+  const double du = std::fabs(vu - double(x));
+  if ((b & 0x7FFFFFFFu) >= 0x7F800000u) return t;  // infinite
+  return du <= dt ? up : t;
+}
+/// The remainder: bits(x) - bits(param) << 16, which fits int16.
+inline uint16_t remainder_rem(float x) {
+  const int64_t d = int64_t(f32_bits(x)) - (int64_t(remainder_param(x)) << 16);
+  return uint16_t(int16_t(std::isnan(x) ? int64_t(int16_t(uint16_t(f32_bits(x)))) : d));
+}
+/// The f32 master a param and a remainder stand for.
+inline float remainder_master(uint16_t param, uint16_t rem) {
+  return bits_f32(uint32_t(int64_t(uint32_t(param) << 16) + int64_t(int16_t(rem))));
 }
 
 }  // namespace zopt_ref

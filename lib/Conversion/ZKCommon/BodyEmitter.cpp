@@ -191,6 +191,33 @@ Value BodyEmitter::f32ToBf16BitsStochastic(Value x, int64_t slot) {
   return high16(arith::SelectOp::create(b, loc, isNan, nanBits, sum));
 }
 
+Value BodyEmitter::remainderJoin(Value hi16, Value lo16) {
+  Type i32 = b.getI32Type();
+  Value hi = arith::ShLIOp::create(
+      b, loc, arith::ExtUIOp::create(b, loc, vec(i32), hi16), intCst(i32, 16));
+  Value lo = arith::ExtSIOp::create(b, loc, vec(i32), lo16);
+  return arith::BitcastOp::create(b, loc, vec(b.getF32Type()),
+                                  arith::AddIOp::create(b, loc, hi, lo));
+}
+
+std::pair<Value, Value> BodyEmitter::remainderSplit(Value x) {
+  Type i32 = b.getI32Type(), i16 = b.getI16Type();
+  Value bits = arith::BitcastOp::create(b, loc, vec(i32), x);
+  Value lo = arith::TruncIOp::create(b, loc, vec(i16), bits);
+  Value carry = arith::AndIOp::create(
+      b, loc, arith::ShRUIOp::create(b, loc, bits, intCst(i32, 15)),
+      intCst(i32, 1));
+  Value up = arith::AddIOp::create(
+      b, loc, arith::ShRUIOp::create(b, loc, bits, intCst(i32, 16)), carry);
+  Value nan = arith::ShRUIOp::create(
+      b, loc, arith::OrIOp::create(b, loc, bits, intCst(i32, 0x400000)),
+      intCst(i32, 16));
+  Value isNan = arith::CmpFOp::create(b, loc, arith::CmpFPredicate::UNO, x, x);
+  Value hi = arith::TruncIOp::create(
+      b, loc, vec(i16), arith::SelectOp::create(b, loc, isNan, nan, up));
+  return {hi, lo};
+}
+
 Value BodyEmitter::emit(Block &body, Value i) {
   IRMapping map;
   Value acc;
@@ -199,7 +226,12 @@ Value BodyEmitter::emit(Block &body, Value i) {
     if (auto l = dyn_cast<zk::LoadOp>(op)) {
       Type t = l.getType();
       Value r;
-      if (t.isBF16()) {
+      if (std::optional<uint64_t> hiSlot = l.getRemainderOf()) {
+        Type i16 = b.getI16Type();
+        Value hi = loadAt(vec(i16), elemPtr(*hiSlot, i16, i), alignFor(2));
+        Value lo = loadAt(vec(i16), elemPtr(l.getSlot(), i16, i), alignFor(2));
+        r = remainderJoin(hi, lo);
+      } else if (t.isBF16()) {
         Value p = elemPtr(l.getSlot(), b.getI16Type(), i);
         Value bits = loadAt(vec(b.getI16Type()), p, alignFor(2));
         r = splitBf16 && lanes > 1 ? bf16SplitToF32(bits)
@@ -228,6 +260,17 @@ Value BodyEmitter::emit(Block &body, Value i) {
         vt = b.getF32Type(); // carried as f32
       if (vt.isF16() && !st.isF16())
         v = arith::ExtFOp::create(b, loc, vec(b.getF32Type()), v);
+      if (std::optional<uint64_t> hiSlot = s.getRemainderOf()) {
+        auto [hi, lo] = remainderSplit(v);
+        Type i16 = b.getI16Type();
+        LLVM::StoreOp::create(b, loc, hi,
+                              elemPtr(*hiSlot, i16, i, /*store=*/true),
+                              alignFor(2));
+        LLVM::StoreOp::create(b, loc, lo,
+                              elemPtr(s.getSlot(), i16, i, /*store=*/true),
+                              alignFor(2));
+        continue;
+      }
       Value toStore;
       int align = 4;
       Type memElem = st;

@@ -15,6 +15,8 @@
 //    round to nearest even, NaN -> quiet NaN exactly as the integer form),
 //    except that it flushes subnormal inputs to zero: a vector holding any
 //    subnormal takes the integer form instead.
+// A remainder master (zk.load/zk.store with remainder_of) is joined from
+// and split into its two 16-bit halves here, for both devices.
 // Also the f64 zk.prepare body, with the sources of hyperparameters and
 // globals and the sink of coefficients left to the caller.
 //
@@ -106,6 +108,12 @@ struct BodyEmitter {
   /// f32 -> bf16 bits, stochastically (abi.h "Stochastic rounding"):
   /// (bits + zopt_sr_bits(key, slot, index)) >> 16; NaN as nearest-even.
   Value f32ToBf16BitsStochastic(Value x, int64_t slot);
+
+  /// A remainder master (abi.h "Remainder masters"): the f32 rebuilt from
+  /// the bf16 param's bits (high half) and the int16 remainder, exactly.
+  Value remainderJoin(Value hi16, Value lo16);
+  /// The new f32 master split into {param bits, remainder} (abi.h).
+  std::pair<Value, Value> remainderSplit(Value x);
 
   /// Emits the body for the element(s) at index `i`; returns the value to
   /// accumulate (sumsq kernels) or null.

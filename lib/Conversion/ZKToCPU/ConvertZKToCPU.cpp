@@ -113,11 +113,25 @@ static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
   SmallVector<Value> ptrs(numStates), outPtrs(numStates);
   int64_t maxCoeff = -1;
   for (Operation &op : body) {
-    if (auto l = dyn_cast<zk::LoadOp>(op); l && !ptrs[l.getSlot()])
-      ptrs[l.getSlot()] = loadPtrAt(b, loc, inTable, l.getSlot(), ptrTy, ptrTy);
-    if (auto s = dyn_cast<zk::StoreOp>(op); s && !outPtrs[s.getSlot()])
-      outPtrs[s.getSlot()] =
-          loadPtrAt(b, loc, outTable, s.getSlot(), ptrTy, ptrTy);
+    // A remainder master's load and store also touch the param's slot.
+    auto in = [&](int64_t slot) {
+      if (!ptrs[slot])
+        ptrs[slot] = loadPtrAt(b, loc, inTable, slot, ptrTy, ptrTy);
+    };
+    auto out = [&](int64_t slot) {
+      if (!outPtrs[slot])
+        outPtrs[slot] = loadPtrAt(b, loc, outTable, slot, ptrTy, ptrTy);
+    };
+    if (auto l = dyn_cast<zk::LoadOp>(op)) {
+      in(l.getSlot());
+      if (auto h = l.getRemainderOf())
+        in(*h);
+    }
+    if (auto s = dyn_cast<zk::StoreOp>(op)) {
+      out(s.getSlot());
+      if (auto h = s.getRemainderOf())
+        out(*h);
+    }
     if (auto c = dyn_cast<zk::CoeffOp>(op))
       maxCoeff = std::max<int64_t>(maxCoeff, c.getIndex());
   }
@@ -172,9 +186,15 @@ static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
   body.walk([&](zk::LoadOp l) {
     Type t = l.getType();
     int64_t bytes = t.isF64() ? 8 : t.isF32() ? 4 : 2;
-    Value p = ptrs[l.getSlot()];
-    if (llvm::none_of(streams, [&](auto &s) { return s.first == p; }))
-      streams.push_back({p, bytes});
+    auto stream = [&](Value p, int64_t bytes) {
+      if (llvm::none_of(streams, [&](auto &s) { return s.first == p; }))
+        streams.push_back({p, bytes});
+    };
+    if (auto h = l.getRemainderOf()) { // two 16-bit halves
+      stream(ptrs[*h], 2);
+      bytes = 2;
+    }
+    stream(ptrs[l.getSlot()], bytes);
   });
   auto prefetchAhead = [&](OpBuilder &pb, Location l, Value iv) {
     Type i8 = pb.getI8Type();

@@ -41,10 +41,18 @@ KernelInfo gpu_kernels::analyze(zk::KernelOp k) {
     minBytes = std::min<int>(minBytes, bytes);
   };
   for (Operation &op : k.getBody().front()) {
-    if (auto l = dyn_cast<zk::LoadOp>(op))
-      use(l.getSlot(), l.getType());
-    if (auto s = dyn_cast<zk::StoreOp>(op))
+    // A remainder master: two 16-bit halves, its slot and the param's.
+    Type i16 = IntegerType::get(k.getContext(), 16);
+    if (auto l = dyn_cast<zk::LoadOp>(op)) {
+      if (auto h = l.getRemainderOf())
+        use(*h, i16);
+      use(l.getSlot(), l.getRemainderOf() ? i16 : l.getType());
+    }
+    if (auto s = dyn_cast<zk::StoreOp>(op)) {
+      if (auto h = s.getRemainderOf())
+        use(*h, i16);
       use(s.getSlot(), s.getStorage());
+    }
     if (auto c = dyn_cast<zk::CoeffOp>(op))
       info.numCoeffs = std::max<int64_t>(info.numCoeffs, c.getIndex() + 1);
   }

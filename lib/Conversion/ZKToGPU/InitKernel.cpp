@@ -67,7 +67,9 @@ void gpu_kernels::buildInitKernel(OpBuilder &gb, Location loc,
                                       : e.bf16BitsToF32(x);
     for (auto [k, p] : llvm::zip(targets, dst)) {
       int32_t dt = st.dtypes[k];
-      Value v = dt == pdt                ? x
+      // A remainder master (I16) of the widened param is 0 (abi.h).
+      Value v = dt == ZOPT_DTYPE_I16     ? e.intCst(b.getI16Type(), 0)
+                : dt == pdt              ? x
                 : dt == ZOPT_DTYPE_F32   ? f
                 : dt == ZOPT_DTYPE_F16   ? arith::TruncFOp::create(b, loc, f16, f).getResult()
                                          : e.f32ToBf16BitsInt(f);

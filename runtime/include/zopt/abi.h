@@ -39,6 +39,7 @@ typedef enum zopt_dtype {
   ZOPT_DTYPE_F32 = 1,
   ZOPT_DTYPE_BF16 = 2,
   ZOPT_DTYPE_F16 = 3,
+  ZOPT_DTYPE_I16 = 4, /* a remainder master's low half: see "Remainder masters" */
 } zopt_dtype;
 
 /* Where a state lives. */
@@ -216,6 +217,36 @@ typedef void (*zopt_control_fn)(zopt_control *c);
 #define ZOPT_FLAG_LOSS_SCALE 2u /* grads are loss-scaled; skip non-finite */
 #define ZOPT_FLAG_SUMSQ 4u      /* a SUMSQ kernel exists */
 #define ZOPT_FLAG_STOCHASTIC 8u /* UPDATE takes (key, first): stochastic rounding */
+
+/*===-- Remainder masters -------------------------------------------------===*
+ *
+ * An f32 master declared `remainder` (docs/NUMERICS.md §9) is a state of
+ * kind MASTER, dtype I16, beside a bf16 PARAM on the same placement: the
+ * param holds the high half of the master, the I16 state the low half, as
+ * the signed difference of the master and the param (in units of the f32
+ * bit pattern):
+ *     bits(master) = (bits(param) << 16) + (int32_t)rem      (mod 2^32)
+ * which is the f32 master exactly. A new master x is split as
+ *     rem   = low 16 bits of bits(x)
+ *     param = (bits(x) >> 16) + (rem < 0)    (x not NaN: nearest, ties away)
+ *     param = (bits(x) | 0x400000) >> 16     (x NaN: quiet, as RNE)
+ * so the param is x rounded to nearest bf16 with ties away from zero (it
+ * differs from RNE only on an exact tie with an even high half), and
+ * rebuilding gives bits(x) back (a NaN rebuilds to a NaN). A master
+ * initialized from the param has rem = 0. These two functions are the
+ * definition.
+ */
+static inline uint32_t zopt_remainder_join(uint16_t param, uint16_t rem) {
+  return ((uint32_t)param << 16) + (uint32_t)(int32_t)(int16_t)rem;
+}
+static inline void zopt_remainder_split(uint32_t bits, uint16_t *param,
+                                        uint16_t *rem) {
+  *rem = (uint16_t)bits;
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) /* NaN */
+    *param = (uint16_t)((bits | 0x400000u) >> 16);
+  else
+    *param = (uint16_t)((bits >> 16) + ((bits >> 15) & 1u));
+}
 
 /*===-- Stochastic rounding -----------------------------------------------===*
  *

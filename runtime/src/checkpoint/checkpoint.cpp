@@ -686,6 +686,14 @@ static zopt_status stage_files(zopt_optimizer *o, const Files &files, const char
             const std::vector<unsigned char> *b = nullptr;
             if (zopt_status st = piece_bytes(fi, pi, &b)) return st;
             uint32_t sdt = files[fi]->kinds[p.kind_index].dtype;
+            // A remainder master (I16) is half of a master: the other half
+            // is the param, which this per-state conversion cannot see.
+            if ((sdt == ZOPT_DTYPE_I16) != (dt == ZOPT_DTYPE_I16))
+              return ck_fail(path, "tensor %zu: the checkpoint's %s is %s and this step's %s: converting between a "
+                                   "remainder master and a %s master is not supported (load it into a step with the "
+                                   "checkpoint's master layout)",
+                             t, state_kind_name(kind), dtype_name(sdt), dtype_name(dt),
+                             dtype_name(sdt == ZOPT_DTYPE_I16 ? dt : sdt));
             convert(b->data() + (size_t)(a - p.start) * dtype_size(sdt), sdt,
                     dst.bytes.data() + (size_t)(a - r.start) * es, dt, e - a);
             covered += e - a;

@@ -289,8 +289,15 @@ ZOPT_API zopt_status zopt_state_import_put(zopt_state_import *imp, int tensor, z
                 "%s: step '%s' holds no %s state of its own (kind %u; the optimizer states%s)", fn, d->name,
                 k >= 1 && k <= 7 ? state_kind_name(k) : "such", k,
                 k == ZOPT_STATE_PARAM ? ": the params are the model's, not the optimizer's, except under ZeRO-3" : "");
-  if (dt != ZOPT_DTYPE_F32 && dt != ZOPT_DTYPE_BF16 && dt != ZOPT_DTYPE_F16)
-    return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: dtype %u (f32, bf16 or f16)", fn, dt);
+  const bool rem = d->states[si].dtype == ZOPT_DTYPE_I16;  // a remainder master (abi.h)
+  if (dt != ZOPT_DTYPE_F32 && dt != ZOPT_DTYPE_BF16 && dt != ZOPT_DTYPE_F16 && !(rem && dt == ZOPT_DTYPE_I16))
+    return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: dtype %u (f32, bf16 or f16; i16 for a remainder master)", fn, dt);
+  if (rem != (dt == ZOPT_DTYPE_I16))
+    return fail(ZOPT_ERR_UNSUPPORTED,
+                "%s: step '%s' keeps its master as a remainder beside the param (abi.h \"Remainder masters\"): "
+                "put its int16 low halves as i16 (with the params they belong to), or leave it out and it starts "
+                "from the params",
+                fn, d->name);
   const Tensor &x = o->tensors[tensor];
   if (numel != x.numel)
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: numel %lld != tensor %d's %lld", fn, (long long)numel, tensor,

@@ -52,6 +52,24 @@ static zopt_status with_staging(int64_t n, uint32_t dt, std::vector<unsigned cha
   return ZOPT_OK;
 }
 
+// A remainder master read as f32: rebuilt from the param (its high half)
+// and the remainder (abi.h "Remainder masters"), exactly.
+static zopt_status read_remainder_master(const zopt_optimizer *o, int tensor, int si, float *out, int64_t numel) {
+  std::vector<unsigned char> hi, lo;
+  if (zopt_status st = with_staging(numel, ZOPT_DTYPE_I16, &hi)) return st;
+  if (zopt_status st = with_staging(numel, ZOPT_DTYPE_I16, &lo)) return st;
+  if (zopt_status st = read_storage(o, tensor, o->step->param_index, hi.data(), hi.size())) return st;
+  if (zopt_status st = read_storage(o, tensor, si, lo.data(), lo.size())) return st;
+  for (int64_t i = 0; i < numel; ++i) {
+    uint16_t p, r;
+    memcpy(&p, hi.data() + 2 * i, 2);
+    memcpy(&r, lo.data() + 2 * i, 2);
+    uint32_t b = zopt_remainder_join(p, r);
+    memcpy(out + i, &b, 4);
+  }
+  return ZOPT_OK;
+}
+
 ZOPT_API zopt_status zopt_optimizer_read_state_f32(const zopt_optimizer *o, int tensor, zopt_state_kind kind,
                                                    float *out, int64_t numel) {
   const char *fn = "zopt_optimizer_read_state_f32";
@@ -61,6 +79,7 @@ ZOPT_API zopt_status zopt_optimizer_read_state_f32(const zopt_optimizer *o, int 
     return st;
   const uint32_t dt = o->d->states[si].dtype;
   if (dt == ZOPT_DTYPE_F32) return read_storage(o, tensor, si, out, (size_t)numel * 4);
+  if (dt == ZOPT_DTYPE_I16) return read_remainder_master(o, tensor, si, out, numel);
   std::vector<unsigned char> tmp;
   if (zopt_status st = with_staging(numel, dt, &tmp)) return st;
   if (zopt_status st = read_storage(o, tensor, si, tmp.data(), tmp.size())) return st;
@@ -77,6 +96,10 @@ ZOPT_API zopt_status zopt_optimizer_write_state_f32(zopt_optimizer *o, int tenso
     return st;
   const uint32_t dt = o->d->states[si].dtype;
   if (dt == ZOPT_DTYPE_F32) return write_storage(o, tensor, si, in, (size_t)numel * 4);
+  if (dt == ZOPT_DTYPE_I16)
+    return fail(ZOPT_ERR_UNSUPPORTED, "%s: the master is a remainder (abi.h \"Remainder masters\"): its high half "
+                "is the param; write the param and call zopt_optimizer_refresh_master, or write the raw remainder",
+                fn);
   std::vector<unsigned char> tmp;
   if (zopt_status st = with_staging(numel, dt, &tmp)) return st;
   convert(in, ZOPT_DTYPE_F32, tmp.data(), dt, numel);

@@ -117,3 +117,39 @@ zk.control @c {
   // expected-error@+1 {{is not scalar arith/math}}
   %v = vector.broadcast %x : f64 to vector<2xf64>
 }
+
+// -----
+
+// i16 storage only for a remainder master.
+zk.kernel @k update {
+  %w = zk.load 2 : f32
+  // expected-error@+1 {{stores into f32, bf16 or f16 (i16 only as a remainder master, with remainder_of), not 'i16'}}
+  zk.store 2, %w : f32 into i16
+}
+
+// -----
+
+// A remainder master stores an f32 into i16.
+zk.kernel @k update {
+  %w = zk.load 2 {remainder_of = 0 : i64} : f32
+  // expected-error@+1 {{a remainder master stores an f32 into i16, not 'f32' into 'f32'}}
+  zk.store 2, %w {remainder_of = 0 : i64} : f32 into f32
+}
+
+// -----
+
+// A remainder master loads as f32.
+zk.kernel @k update {
+  // expected-error@+1 {{a remainder master loads as f32, not 'bf16'}}
+  %w = zk.load 2 {remainder_of = 0 : i64} : bf16
+  zk.store 0, %w : bf16 into bf16
+}
+
+// -----
+
+// Its high half is another slot.
+zk.kernel @k update {
+  // expected-error@+1 {{a remainder master's high half is another slot}}
+  %w = zk.load 2 {remainder_of = 2 : i64} : f32
+  zk.store 0, %w : f32 into bf16
+}

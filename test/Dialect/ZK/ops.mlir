@@ -86,3 +86,16 @@ zk.control @t_control {
   zk.control_out new_scale, %S : f64
   zk.control_out new_good_steps, %good : i64
 }
+
+// A remainder master (docs/NUMERICS.md §9): joined from slots 2 and 0, split
+// back into them.
+// CHECK-LABEL: zk.kernel @remainder_update update
+// CHECK: zk.load 2 {remainder_of = 0 : i64} : f32
+// CHECK: zk.store 2, %{{.+}} {remainder_of = 0 : i64} : f32 into i16
+zk.kernel @remainder_update update {
+  %w = zk.load 2 {remainder_of = 0 : i64} : f32
+  %g = zk.load 1 : bf16
+  %gf = arith.extf %g : bf16 to f32
+  %w1 = arith.subf %w, %gf : f32
+  zk.store 2, %w1 {remainder_of = 0 : i64} : f32 into i16
+}

@@ -72,6 +72,7 @@ void checkUpdate(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n, cons
   for (uint32_t i = 0; i < d->num_states; ++i) bufs.push_back(makeBuf(d->states[i].dtype, n, off));
   std::vector<RefIn> in(n);
   int ip = st.idx[ZOPT_STATE_MASTER] >= 0 ? st.idx[ZOPT_STATE_MASTER] : st.idx[ZOPT_STATE_PARAM];
+  const int im = st.idx[ZOPT_STATE_MASTER], iparam = st.idx[ZOPT_STATE_PARAM];
   for (size_t e = 0; e < n; ++e) {
     for (uint32_t i = 0; i < d->num_states; ++i) {
       const zopt_state_desc &s = d->states[i];
@@ -79,7 +80,16 @@ void checkUpdate(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n, cons
         bufs[i].setBits(e, s.dtype == ZOPT_DTYPE_F32 ? 0xFFFFFFFFu : 0xFFFFu);
         continue;
       }
-      double v = bufs[i].store(e, genFor(s.kind, gen, c));
+      double v;
+      if (st.remainder && int(i) == im) {
+        // A random f32 master (random low half), split as the reference says.
+        float x = float(genFor(s.kind, gen, c));
+        bufs[iparam].setBits(e, zopt_ref::remainder_param(x));
+        bufs[i].setBits(e, zopt_ref::remainder_rem(x));
+        v = x;
+      } else {
+        v = bufs[i].store(e, genFor(s.kind, gen, c));
+      }
       switch (s.kind) {
       case ZOPT_STATE_GRAD: in[e].g = v; break;
       case ZOPT_STATE_EXP_AVG: in[e].m = v; break;
@@ -134,8 +144,12 @@ void checkUpdate(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n, cons
     RefOut r = reference(st.rule, h, c, hasBuf, in[e]);
     if (r.ambiguous) ++ambiguous;
     for (uint32_t i = 0; i < d->num_states; ++i) {
-      const zopt_state_desc &s = d->states[i];
+      zopt_state_desc s = d->states[i];
       uint32_t gotBits = bufs[i].bits(e);
+      if (st.remainder && int(i) == im) { // the rebuilt f32 master
+        gotBits = joinedMaster(bufs[iparam].bits(e), gotBits);
+        s.dtype = ZOPT_DTYPE_F32;
+      }
       if (!(s.access & ZOPT_ACCESS_WRITE)) {
         if (gotBits != before[i].bits(e)) {
           if (!bad++) {
@@ -194,16 +208,19 @@ void checkUpdate(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n, cons
       // With an f32 master, the narrow param is the rounded master, bit-exact
       // (stochastically rounded with the call's key where the param is).
       if (ok && s.kind == ZOPT_STATE_PARAM && st.idx[ZOPT_STATE_MASTER] >= 0) {
-        uint32_t mb = bufs[st.idx[ZOPT_STATE_MASTER]].bits(e);
+        uint32_t mb = bufs[im].bits(e);
+        if (st.remainder) mb = joinedMaster(gotBits, mb);
         const bool srp = s.rounding == ZOPT_ROUND_STOCHASTIC;
-        uint16_t w16 = srp ? zopt_ref::sr_bf16(bits_f32(mb), srKey, i, srFirst + uint32_t(e))
+        // A remainder's param: the master rounded to nearest, ties away (§9).
+        uint16_t w16 = st.remainder ? zopt_ref::remainder_param(bits_f32(mb))
+                       : srp ? zopt_ref::sr_bf16(bits_f32(mb), srKey, i, srFirst + uint32_t(e))
                        : s.dtype == ZOPT_DTYPE_BF16 ? rne_bf16_bits(mb) : rne_f16_bits(mb);
         if (uint16_t(gotBits) != w16) {
           ok = false;
           if (!bad) {
             char m[256];
             std::snprintf(m, sizeof m, "param[%zu]=0x%04x but %s(master=0x%08x)=0x%04x", e,
-                          gotBits, srp ? "SR" : "RNE", mb, w16);
+                          gotBits, st.remainder ? "nearest-away" : srp ? "SR" : "RNE", mb, w16);
             firstBad = m;
           }
         }
@@ -211,7 +228,7 @@ void checkUpdate(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n, cons
       if (!ok) {
         if (!bad++ && firstBad.empty()) {
           char m[320];
-          double got = bufs[i].value(e);
+          double got = s.dtype == ZOPT_DTYPE_F32 ? double(bits_f32(gotBits)) : bufs[i].value(e);
           std::snprintf(m, sizeof m,
                         "%s[%zu] (%s) got %.9g (bits 0x%x) expected %.9g +- %.3g "
                         "(inputs p=%.9g g=%.9g m=%.9g v=%.9g vmax=%.9g buf=%.9g)",
@@ -288,8 +305,12 @@ void checkRne(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n) {
   for (uint32_t i = 0; i < d->num_states; ++i) {
     for (size_t e = 0; e < n; ++e) {
       uint32_t k = d->states[i].kind;
-      if (int(i) == im) bufs[i].setBits(e, sv[(e * 7) % sv.size()]); // varied lanes
-      else if (int(i) == ip) bufs[i].setBits(e, 0xFFFFu);
+      if (int(i) == im && st.remainder) { // the param first, then the remainder
+        const float x = bits_f32(sv[(e * 7) % sv.size()]);
+        bufs[ip].setBits(e, zopt_ref::remainder_param(x));
+        bufs[i].setBits(e, zopt_ref::remainder_rem(x));
+      } else if (int(i) == im) bufs[i].setBits(e, sv[(e * 7) % sv.size()]); // varied lanes
+      else if (int(i) == ip) { if (!st.remainder) bufs[i].setBits(e, 0xFFFFu); }
       // Positive grads and moments: the update direction u is finite and
       // positive, so w - 0*u == w even for w = -0.
       else if (k == ZOPT_STATE_GRAD) bufs[i].store(e, 0.5 / c.invLossScale);
@@ -297,15 +318,19 @@ void checkRne(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n) {
       else bufs[i].store(e, 0.1);
     }
   }
+  // A remainder master is read and checked as the f32 it rebuilds (§9).
+  auto masterBits = [&](size_t e) {
+    return st.remainder ? joinedMaster(bufs[ip].bits(e), bufs[im].bits(e)) : bufs[im].bits(e);
+  };
   std::vector<uint32_t> masterIn(n);
-  for (size_t e = 0; e < n; ++e) masterIn[e] = bufs[im].bits(e);
+  for (size_t e = 0; e < n; ++e) masterIn[e] = masterBits(e);
   std::vector<void *> ptrs;
   for (auto &b : bufs) ptrs.push_back(b.ptr());
   fn(ptrs.data(), ptrs.data(), int64_t(n), co.data());
   size_t bad = 0, nanPayloadChanged = 0;
   std::string first;
   for (size_t e = 0; e < n; ++e) {
-    uint32_t w = masterIn[e], wo = bufs[im].bits(e), p = bufs[ip].bits(e);
+    uint32_t w = masterIn[e], wo = masterBits(e), p = bufs[ip].bits(e);
     bool wNan = is_nan_bits(w, ZOPT_DTYPE_F32);
     bool ok;
     uint32_t want;
@@ -315,7 +340,8 @@ void checkRne(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n) {
       uint16_t trunc = uint16_t(w >> 16) | (pdt == ZOPT_DTYPE_BF16 ? 0x40 : 0);
       if (ok && pdt == ZOPT_DTYPE_BF16 && p != trunc) ++nanPayloadChanged;
     } else {
-      want = pdt == ZOPT_DTYPE_BF16 ? rne_bf16_bits(w) : rne_f16_bits(w);
+      want = st.remainder ? zopt_ref::remainder_param(bits_f32(w))
+             : pdt == ZOPT_DTYPE_BF16 ? rne_bf16_bits(w) : rne_f16_bits(w);
       ok = wo == w && p == want;
     }
     if (!ok && !bad++) {
@@ -328,10 +354,11 @@ void checkRne(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n) {
   bool guards = true;
   for (auto &b : bufs) guards = guards && b.guardsIntact();
   report(prepOk && bad == 0 && guards,
-         "rne[%s] n=%zu f32 master -> %s param, %zu special values (ties, overflow, inf, NaN, "
+         "%s[%s] n=%zu f32 master -> %s param, %zu special values (ties, overflow, inf, NaN, "
          "denormals): %zu mismatches%s%s (NaN kept as NaN; %zu NaNs not the quieted "
          "truncated payload)",
-         isaName(isa), n, dtype_name(pdt), sv.size(), bad, first.empty() ? "" : "; first: ",
+         st.remainder ? "remainder" : "rne", isaName(isa), n, dtype_name(pdt), sv.size(), bad,
+         first.empty() ? "" : "; first: ",
          first.c_str(), nanPayloadChanged);
 }
 

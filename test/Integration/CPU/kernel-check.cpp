@@ -17,6 +17,10 @@
 //   --clip        the step clips by global norm (descriptor flag must agree);
 //                 the run uses clip_coef = 0.37.
 //   --loss-scale  grads are loss-scaled (flag must agree); S = 1024.
+//   --twin=F.so   STEP has a remainder master, F.so is the same step with an
+//                 f32 master: both run 5 steps on the same random data and
+//                 the rebuilt master, param and moments must match bit for
+//                 bit (kernel-check-remainder.cpp).
 //   --rne         additionally: bit-exact check of the narrowing store
 //                 (f32 master -> bf16/f16 param) on chosen values (ties, NaN,
 //                 inf, overflow, denormals) through the master->param copy-out
@@ -92,7 +96,9 @@ bool loadStep(const char *path, Step &st) {
   bool statesOk = true;
   for (uint32_t i = 0; i < d->num_states; ++i) {
     const zopt_state_desc &s = d->states[i];
-    if (s.kind < 1 || s.kind > 7 || st.idx[s.kind] != -1 || s.dtype < 1 || s.dtype > 3 ||
+    const bool rem = s.kind == ZOPT_STATE_MASTER && s.dtype == ZOPT_DTYPE_I16;
+    st.remainder = st.remainder || rem;
+    if (s.kind < 1 || s.kind > 7 || st.idx[s.kind] != -1 || s.dtype < 1 || (s.dtype > 3 && !rem) ||
         s.placement != ZOPT_PLACE_CPU || (s.access & ~3u) || !s.access)
       statesOk = false;
     else st.idx[s.kind] = int(i);
@@ -103,7 +109,11 @@ bool loadStep(const char *path, Step &st) {
   statesOk = statesOk && has(ZOPT_STATE_PARAM) && has(ZOPT_STATE_GRAD) &&
              d->states[st.idx[ZOPT_STATE_GRAD]].access == ZOPT_ACCESS_READ &&
              (d->states[st.idx[ZOPT_STATE_PARAM]].access & ZOPT_ACCESS_WRITE);
-  if (has(ZOPT_STATE_MASTER))
+  // A remainder master reads and writes the param (its high half).
+  if (has(ZOPT_STATE_MASTER) && st.remainder)
+    statesOk = statesOk && d->states[st.idx[ZOPT_STATE_PARAM]].dtype == ZOPT_DTYPE_BF16 &&
+               d->states[st.idx[ZOPT_STATE_PARAM]].access == (ZOPT_ACCESS_READ | ZOPT_ACCESS_WRITE);
+  else if (has(ZOPT_STATE_MASTER))
     statesOk = statesOk && d->states[st.idx[ZOPT_STATE_MASTER]].dtype == ZOPT_DTYPE_F32 &&
                d->states[st.idx[ZOPT_STATE_PARAM]].access == ZOPT_ACCESS_WRITE;
   switch (st.rule) {
@@ -246,7 +256,31 @@ bool selfTest() {
   for (uint32_t b = 0x3F000000u; b < 0x3F000000u + (1u << 20); ++b) one(b);
   report(bad == 0, "self-test: two independent f32->bf16 and f32->f16 RNE references agree "
                    "(%zu mismatches)", bad);
-  return bad == 0;
+  // Remainder masters: abi.h's split/join on bits against the reference's
+  // split by values; every master rebuilds exactly (a NaN as a NaN).
+  size_t rbad = 0, ties = 0;
+  auto rem = [&](uint32_t b) {
+    uint16_t p, r;
+    zopt_remainder_split(b, &p, &r);
+    const float x = bits_f32(b);
+    const uint32_t back = zopt_remainder_join(p, r);
+    if (std::isnan(x)) {
+      rbad += !is_nan_bits(back, ZOPT_DTYPE_F32) || !is_nan_bits(p, ZOPT_DTYPE_BF16) ||
+              p != zopt_ref::remainder_param(x);
+      return;
+    }
+    rbad += p != zopt_ref::remainder_param(x) || r != zopt_ref::remainder_rem(x) || back != b ||
+            f32_bits(zopt_ref::remainder_master(p, r)) != b;
+    ties += (b & 0xFFFFu) == 0x8000u;
+  };
+  for (uint32_t b : specialValues(ZOPT_DTYPE_BF16)) rem(b);
+  for (int i = 0; i < 2000000; ++i) rem(rng());
+  for (uint32_t hi : {0x0000u, 0x3F80u, 0x3F81u, 0x7F7Fu, 0x7F80u, 0x8000u, 0xBF80u, 0xFF7Fu})
+    for (uint32_t lo = 0; lo < 0x10000u; ++lo) rem(hi << 16 | lo);
+  report(rbad == 0, "self-test: remainder masters: abi.h's split and join on bits agree with the "
+                    "reference's split by values and rebuild every master exactly (%zu mismatches, "
+                    "%zu ties)", rbad, ties);
+  return bad == 0 && rbad == 0;
 }
 
 } // namespace kc
@@ -254,7 +288,7 @@ bool selfTest() {
 int main(int argc, char **argv) {
   if (argc < 3) {
     std::fprintf(stderr, "usage: %s STEP.so adam|adamw|adam_amsgrad|sgd|sgd_nesterov|lion "
-                         "[--clip] [--loss-scale] [--rne] [--sizes=1,15,17,1000003]\n", argv[0]);
+                         "[--clip] [--loss-scale] [--rne] [--twin=F32MASTER.so] [--sizes=1,15,17,1000003]\n", argv[0]);
     return 2;
   }
   Step st;
@@ -267,12 +301,14 @@ int main(int argc, char **argv) {
   else if (rule == "lion") st.rule = Rule::Lion;
   else { std::fprintf(stderr, "unknown rule '%s'\n", rule.c_str()); return 2; }
   bool rne = false;
+  std::string twinPath; // --twin: the f32-master twin of a remainder step
   std::vector<size_t> sizes = {1, 15, 17, 1000003};
   for (int i = 3; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--clip") st.clip = true;
     else if (a == "--loss-scale") st.lossScale = true;
     else if (a == "--rne") rne = true;
+    else if (a.rfind("--twin=", 0) == 0) twinPath = a.substr(7);
     else if (a.rfind("--sizes=", 0) == 0) {
       sizes.clear();
       for (const char *p = a.c_str() + 8; *p;) {
@@ -329,6 +365,20 @@ int main(int argc, char **argv) {
       if (rne)
         for (size_t n : {size_t(61), size_t(100003)})
           checkRne(st, u.first, u.second, n);
+    }
+    if (!twinPath.empty()) {
+      Step tw;
+      tw.rule = st.rule; tw.clip = st.clip; tw.lossScale = st.lossScale;
+      std::printf("INFO twin %s\n", twinPath.c_str());
+      const bool twinOk = st.remainder && loadStep(twinPath.c_str(), tw) && !tw.remainder &&
+                          tw.idx[ZOPT_STATE_MASTER] >= 0;
+      report(twinOk, "twin: the step has a remainder master and its twin an f32 master");
+      for (auto &u : st.updates) {
+        zopt_update_fn fb = nullptr;
+        for (auto &v : tw.updates) if (v.first == u.first) fb = v.second;
+        if (!twinOk || !fb || !cpuRuns(u.first)) continue;
+        for (size_t n : sizes) checkRemainderTwin(st, tw, u.first, u.second, fb, n, 5, seed++);
+      }
     }
     for (auto &s : st.sumsqs) {
       if (!cpuRuns(s.first)) {

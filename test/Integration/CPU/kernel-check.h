@@ -140,6 +140,7 @@ struct Step {
   void *lib = nullptr;
   Rule rule;
   bool clip = false, lossScale = false;
+  bool remainder = false; // the master is a remainder (I16; abi.h)
   int idx[8]; // state index by kind, -1 if absent
   zopt_prepare_fn prepare = nullptr;
   zopt_control_fn control = nullptr;
@@ -256,6 +257,15 @@ const char *configTag(const Config &c, char *buf, size_t len);
 void checkUpdate(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n, const Config &c, uint64_t seed);
 std::vector<uint32_t> specialValues(uint32_t pdt);
 void checkRne(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n);
+// A remainder master (abi.h "Remainder masters"): the f32 master bits that
+// param bits p and remainder bits r stand for, and x split into both.
+inline uint32_t joinedMaster(uint32_t p, uint32_t r) {
+  return f32_bits(zopt_ref::remainder_master(uint16_t(p), uint16_t(r)));
+}
+// kernel-check-remainder.cpp: a remainder step against its f32-master twin,
+// `steps` steps, bit for bit.
+void checkRemainderTwin(const Step &st, const Step &twin, uint32_t isa, zopt_update_fn fa,
+                        zopt_update_fn fb, size_t n, int steps, uint64_t seed);
 // kernel-check-sumsq.cpp: a SUMSQ variant: abi.h's order bit for bit, the
 // error bound, non-finite inputs.
 void checkSumsq(const Step &st, uint32_t isa, zopt_sumsq_fn fn, size_t n, uint64_t seed);

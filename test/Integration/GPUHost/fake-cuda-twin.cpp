@@ -15,7 +15,8 @@
 //            index), nothing when the step globals say skip
 //   FINISH   the twin's CONTROL on the step globals' sum and the scaler:
 //            counts of the active tensors and groups, the scaler, 1/(S*D)
-//   INIT     the master from the param (widening exactly)
+//   INIT     the master from the param (widening exactly; a remainder
+//            master: 0)
 //
 // so that the runtime's CUDA backend (its tables, its program, its counts,
 // masks and scaler on the "device") can be checked numerically against the
@@ -261,6 +262,10 @@ bool fake_twin_run(const char *name, const unsigned long long *a, int nargs) {
       chunk_ptrs(t, tb, c, ptrs);
       for (uint32_t s = 0; s < t.d->num_states; ++s) {
         if (t.d->states[s].init != ZOPT_INIT_FROM_PARAM) continue;
+        if (t.d->states[s].dtype == ZOPT_DTYPE_I16) {  // a remainder master of the param: 0 (abi.h)
+          memset(ptrs[s], 0, (size_t)tb.chunks[c].n * 2);
+          continue;
+        }
         if (t.d->states[s].dtype != ZOPT_DTYPE_F32) {
           fprintf(stderr, "fake-cuda: twin INIT of a non-f32 master is not emulated\n");
           abort();

@@ -88,6 +88,33 @@ Type ControlOp::fieldType(MLIRContext *ctx, ControlField f) {
   }
 }
 
+// A remainder master (docs/NUMERICS.md §9): an f32 joined from, or split
+// into, the int16 at `slot` and the bf16 at `remainder_of`.
+LogicalResult LoadOp::verify() {
+  if (getRemainderOf() && !getType().isF32())
+    return emitOpError("a remainder master loads as f32, not ") << getType();
+  if (getRemainderOf() && *getRemainderOf() == getSlot())
+    return emitOpError("a remainder master's high half is another slot");
+  return success();
+}
+
+LogicalResult StoreOp::verify() {
+  Type st = getStorage();
+  if (getRemainderOf()) {
+    if (!st.isInteger(16) || !getValue().getType().isF32())
+      return emitOpError("a remainder master stores an f32 into i16, not ")
+             << getValue().getType() << " into " << st;
+    if (*getRemainderOf() == getSlot())
+      return emitOpError("a remainder master's high half is another slot");
+    return success();
+  }
+  if (!st.isF32() && !st.isBF16() && !st.isF16())
+    return emitOpError("stores into f32, bf16 or f16 (i16 only as a "
+                       "remainder master, with remainder_of), not ")
+           << st;
+  return success();
+}
+
 LogicalResult ControlInOp::verify() {
   if (!ControlOp::isInput(getField()))
     return emitOpError("reads '") << stringifyControlField(getField())

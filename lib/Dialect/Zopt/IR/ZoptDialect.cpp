@@ -43,6 +43,8 @@ unsigned mlir::zopt::dtypeCode(Type t) {
     return ZOPT_DTYPE_BF16;
   if (t.isF16())
     return ZOPT_DTYPE_F16;
+  if (t.isInteger(16))
+    return ZOPT_DTYPE_I16; // a remainder master's low half
   return 0;
 }
 
@@ -84,6 +86,18 @@ LogicalResult StateOp::verify() {
     return emitOpError("state '")
            << stringifyStateKind(getKind()) << "' has type " << getType()
            << "; states are stored as f32, bf16 or f16";
+  if (getRemainder()) {
+    if (getKind() != StateKind::master)
+      return emitOpError("'remainder' stores an f32 master as the int16 low "
+                         "half beside its bf16 param; state '")
+             << stringifyStateKind(getKind())
+             << "' is not a master: drop 'remainder'";
+    if (!getType().isF32())
+      return emitOpError("a remainder master is an f32 master (the bf16 "
+                         "param is its high half, the remainder its low "
+                         "half); this master is ")
+             << getType();
+  }
   if (!getRounding())
     return success();
   if (*getRounding() != Rounding::nearest_even && getType().isF32())

@@ -405,6 +405,33 @@ LogicalResult StepOp::verifyRegions() {
       return master.emitOpError("master duplicates the ")
              << pt << " param on the same placement; drop the master and "
                       "update the param in place";
+    if (master.getRemainder()) {
+      // docs/NUMERICS.md §9: the param is the master's high half.
+      if (!pt.isBF16())
+        return master.emitOpError("a remainder master needs a bf16 param "
+                                  "(its high half); the param is ")
+               << pt;
+      if (master.getPlacement() != param.getPlacement())
+        return master.emitOpError("a remainder master lives beside its "
+                                  "param (the param is its high half); the "
+                                  "param is on ")
+               << stringifyPlacement(param.getPlacement())
+               << ", the master on "
+               << stringifyPlacement(master.getPlacement());
+      if (param.getRounding() &&
+          *param.getRounding() == Rounding::stochastic) {
+        InFlightDiagnostic d = master.emitOpError(
+            "a remainder master does not combine with a stochastically "
+            "rounded param: drop 'rounding stochastic' from the param");
+        d.attachNote(param.getLoc())
+            << "the param is the master's high half rounded so that the "
+               "remainder rebuilds the master exactly; a stochastic high "
+               "half would be off by a random carry the 16-bit remainder "
+               "cannot hold, and with an exact f32 master there is no "
+               "lost update for stochastic rounding to recover";
+        return d;
+      }
+    }
   }
   for (StateKind k : {StateKind::exp_avg_sq, StateKind::max_exp_avg_sq})
     if (StateOp s = get(k); s && s.getType().isF16())

@@ -127,9 +127,12 @@ struct StepFuser {
     YieldOp yield = step.getYield();
     llvm::DenseSet<Value> targets(yield.getTargets().begin(),
                                   yield.getTargets().end());
+    StateOp remMaster = remainderMaster();
     for (StateOp s : states) {
       kinds.push_back(int(s.getKind()));
-      dtypes.push_back(dtypeCode(s.getType()));
+      // A remainder master is stored as its int16 low half (abi.h).
+      dtypes.push_back(s == remMaster ? ZOPT_DTYPE_I16
+                                      : dtypeCode(s.getType()));
       places.push_back(int(s.getPlacement()));
       rounds.push_back(s.getRounding() ? int(*s.getRounding())
                                        : ZOPT_ROUND_NEAREST_EVEN);
@@ -138,10 +141,15 @@ struct StepFuser {
                           ? ZOPT_INIT_USER
                       : s.getKind() == StateKind::master ? ZOPT_INIT_FROM_PARAM
                                                          : ZOPT_INIT_ZERO);
-      bool read = llvm::any_of(s->getUses(), [&](OpOperand &u) {
-        return !isa<YieldOp>(u.getOwner()) ||
-               u.getOperandNumber() < yield.getValues().size();
-      });
+      auto readsOf = [&](StateOp x) {
+        return x && llvm::any_of(x->getUses(), [&](OpOperand &u) {
+                 return !isa<YieldOp>(u.getOwner()) ||
+                        u.getOperandNumber() < yield.getValues().size();
+               });
+      };
+      // Reading a remainder master reads the param, its high half.
+      bool read = readsOf(s) || (remMaster && s.getKind() == StateKind::param &&
+                                 readsOf(remMaster));
       access.push_back((read ? ZOPT_ACCESS_READ : 0) |
                        (targets.contains(s.getResult()) ? ZOPT_ACCESS_WRITE : 0));
       sflags.push_back(partitioned.contains(stringifyStateKind(s.getKind()))
@@ -178,6 +186,12 @@ struct StepFuser {
         b.getDenseF64ArrayAttr(mins), b.getDenseF64ArrayAttr(maxs),
         b.getDenseI32ArrayAttr(excl), /*cpu_kernels=*/nullptr,
         /*gpu_kernels=*/nullptr, /*gpu_images=*/nullptr);
+  }
+
+  /// The `remainder` master (abi.h "Remainder masters"), or null.
+  StateOp remainderMaster() {
+    StateOp m = step.getState(StateKind::master);
+    return m && m.getRemainder() ? m : StateOp();
   }
 
   /// The uniform ops needed to compute the coefficients, in body order.
@@ -227,6 +241,8 @@ struct StepFuser {
     k.getBody().push_back(blk);
     OpBuilder kb = OpBuilder::atBlockEnd(blk);
     IRMapping map;
+    StateOp remMaster = remainderMaster();
+    StateOp param = step.getState(StateKind::param);
     auto mapOperands = [&](Operation &op) {
       for (Value v : op.getOperands()) {
         if (map.contains(v))
@@ -242,8 +258,11 @@ struct StepFuser {
       if (!ops.contains(&op))
         continue;
       if (auto s = dyn_cast<StateOp>(op)) {
+        IntegerAttr hi = s == remMaster ? kb.getI64IntegerAttr(slotOf(param))
+                                        : IntegerAttr();
         map.map(s.getResult(),
-                zk::LoadOp::create(kb, s.getLoc(), s.getType(), uint64_t(slotOf(s))));
+                zk::LoadOp::create(kb, s.getLoc(), s.getType(),
+                                   kb.getI64IntegerAttr(slotOf(s)), hi));
         continue;
       }
       mapOperands(op);
@@ -254,10 +273,18 @@ struct StepFuser {
       if (auto y = dyn_cast<YieldOp>(op)) {
         for (auto [v, t] : llvm::zip(y.getValues(), y.getTargets())) {
           auto s = t.getDefiningOp<StateOp>();
+          // The master's store writes the param (its high half); the
+          // verifier made the param receive the master's value.
+          if (remMaster && s == param)
+            continue;
           int32_t rounding = s.getRounding() ? int(*s.getRounding())
                                              : ZOPT_ROUND_NEAREST_EVEN;
-          zk::StoreOp::create(kb, y.getLoc(), slotOf(s), map.lookup(v),
-                              s.getType(), uint32_t(rounding));
+          bool rem = s == remMaster;
+          zk::StoreOp::create(
+              kb, y.getLoc(), kb.getI64IntegerAttr(slotOf(s)), map.lookup(v),
+              TypeAttr::get(rem ? kb.getI16Type() : s.getType()),
+              kb.getI32IntegerAttr(rounding),
+              rem ? kb.getI64IntegerAttr(slotOf(param)) : IntegerAttr());
         }
         continue;
       }

@@ -160,19 +160,41 @@ def ZK_KernelOp : ZK_Op<"kernel", [Symbol, IsolatedFromAbove, SingleBlock,
 def ZK_LoadOp : ZK_Op<"load", [HasParent<"KernelOp">,
                                 MemoryEffects<[MemRead]>]> {
   let summary = "this element of state slot `slot`, in its storage type";
-  let description = "```mlir\n%g = zk.load 1 : bf16\n```";
-  let arguments = (ins I64Attr:$slot);
+  let description = [{
+    With `remainder_of = H`, slot `slot` holds the int16 low half of an f32
+    master whose high half is the bf16 state at slot H (a remainder master,
+    docs/NUMERICS.md §9): the result is the rebuilt f32 master,
+    bits = (bits(H) << 16) + sext(low half), exactly.
+    ```mlir
+    %g = zk.load 1 : bf16
+    %w = zk.load 3 {remainder_of = 0 : i64} : f32
+    ```
+  }];
+  let arguments = (ins I64Attr:$slot, OptionalAttr<I64Attr>:$remainder_of);
   let results = (outs AnyFloat:$result);
   let assemblyFormat = "$slot attr-dict `:` type($result)";
+  let hasVerifier = 1;
 }
 
 def ZK_StoreOp : ZK_Op<"store", [HasParent<"KernelOp">,
                                   MemoryEffects<[MemWrite]>]> {
   let summary = "stores into state slot `slot`, narrowing with `rounding`";
-  let description = "```mlir\nzk.store 0, %p1 : f32 into bf16\n```";
+  let description = [{
+    With `remainder_of = H` (storage i16, an f32 value): splits the new f32
+    master into its bf16 high half, rounded to nearest with ties away from
+    zero (a NaN: quiet, not rounded), stored into slot H (the param), and
+    the int16 remainder (the low half: the signed difference of the master
+    and that high half), stored into `slot` (docs/NUMERICS.md §9).
+    ```mlir
+    zk.store 0, %p1 : f32 into bf16
+    zk.store 3, %w1 {remainder_of = 0 : i64} : f32 into i16
+    ```
+  }];
   let arguments = (ins I64Attr:$slot, AnyFloat:$value, TypeAttr:$storage,
-                   DefaultValuedAttr<I32Attr, "ZOPT_ROUND_NEAREST_EVEN">:$rounding);
+                   DefaultValuedAttr<I32Attr, "ZOPT_ROUND_NEAREST_EVEN">:$rounding,
+                   OptionalAttr<I64Attr>:$remainder_of);
   let assemblyFormat = "$slot `,` $value attr-dict `:` type($value) `into` $storage";
+  let hasVerifier = 1;
 }
 
 def ZK_CoeffOp : ZK_Op<"coeff", [Pure, HasParent<"KernelOp">]> {

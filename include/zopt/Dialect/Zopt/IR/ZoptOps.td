@@ -63,16 +63,24 @@ def Zopt_StateOp : Zopt_Op<"state", [Pure, HasParent<"StepOp">]> {
     counter-based random bits of abi.h, reproducible from the optimizer's
     seed on any thread count and the same on CPU and GPU).
 
+    `remainder` (an f32 `master` of a bf16 param only, on the param's
+    placement): the master is stored as the int16 low half of its bits,
+    the bf16 param being the high half (Transformer Engine's
+    `store_param_remainders`): 4 bytes per param instead of 2 + 4, and the
+    master it rebuilds is the f32 master exactly (docs/NUMERICS.md §9).
+
     ```mlir
     %w = zopt.state master : f32 on cpu
     %m = zopt.state exp_avg : bf16 on cpu rounding nearest_even
+    %r = zopt.state master : f32 on cpu remainder
     ```
   }];
   let arguments = (ins Zopt_StateKindAttr:$kind, Zopt_PlacementAttr:$placement,
-                   OptionalAttr<Zopt_RoundingAttr>:$rounding);
+                   OptionalAttr<Zopt_RoundingAttr>:$rounding,
+                   UnitAttr:$remainder);
   let results = (outs AnyType:$result);
   let assemblyFormat =
-      "`` $kind `:` type($result) `on` `` $placement (`rounding` `` $rounding^)? attr-dict";
+      "`` $kind `:` type($result) `on` `` $placement (`rounding` `` $rounding^)? (`remainder` $remainder^)? attr-dict";
   let hasVerifier = 1;
 }
 
