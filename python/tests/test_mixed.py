@@ -8,7 +8,9 @@ tests also run that wrong formula and check that it is caught. Also: an Inf
 in one class skips every class, frozen and None-grad params, schedulers,
 state_dict both ways with torch.optim.AdamW, checkpoint files, add_param_group,
 master refreshes, ZeRO-3 gather/release at one rank, and f32 gradients of the
-bf16 class accumulated by the hooks (test_main_grad.py has the rest)."""
+bf16 class accumulated by the hooks (test_main_grad.py has the rest).
+(Longer than ~800 lines: one reference model and its fixtures serve every
+test of the several-class optimizer.)"""
 import copy
 import math
 import os

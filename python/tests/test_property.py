@@ -48,6 +48,10 @@ ZOPT_PROPERTY_CASES=N runs N mutants (default 200: CI), e.g. 2000 for a
 long run; ZOPT_PROPERTY_SEED=k shifts the seed list (default 0). A summary
 (tried / refused with a location / accepted and matched / compile-only /
 skipped as unmodelled / known findings) is printed at the end.
+
+(Longer than ~800 lines: the mutators, the runner and the checks of one
+property, and the interpreter's validation against the reference, which
+must change together.)
 """
 import ctypes
 import hashlib

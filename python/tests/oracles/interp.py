@@ -1,12 +1,14 @@
 """A float64 interpreter of zopt step descriptions: the oracle of the
 property test (python/tests/test_property.py).
+(Longer than ~800 lines: one interpreter of the whole dialect, its text
+reader and its error bounds, kept together so that one file is the oracle.)
 
 ``oracles.reference`` models the four named rules; a description can say
 anything the verifier accepts (a mutated one, a new rule), so this module
 reads the description *text* and runs its per-element program on float64
 numpy arrays, following docs/Dialects/Zopt.md (the ops and their formulas),
 docs/ABI.md (the gradient scale, the step program) and the numerics contract
-of the brief:
+(docs/NUMERICS.md):
 
 * every primitive is evaluated in float64 with its hyperparameters as f64
   per-group values; ``adam_direction`` applies the group's bias correction
