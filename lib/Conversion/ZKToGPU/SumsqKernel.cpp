@@ -2,7 +2,8 @@
 //
 // <step>_sumsq (GPUKernels.h): a two-stage f64 sum of squares whose last
 // block evaluates the step's zk.control (norm, clip coefficient, skip; the
-// runtime's max_norm from the step globals) on the device and recomputes the coefficients with the clip coefficient.
+// runtime's max_norm from the step globals) on the device and recomputes
+// the coefficients with the clip coefficient.
 //
 //===----------------------------------------------------------------------===//
 #include "KernelIR.h"

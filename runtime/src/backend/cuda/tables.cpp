@@ -3,8 +3,8 @@
 // group's flat state buffers, the segment table and work list built at
 // finalize, the masters initialized from the params; the step state the
 // host pushes (globals with the gradient scale, tensor counts, the active
-// mask, the scaler, hyperparameters, max_norm) and pulls back; a state copied to or
-// from the host; everything freed.
+// mask, the scaler, hyperparameters, max_norm) and pulls back; a state
+// copied to or from the host; everything freed.
 #include "backend/cuda/cuda_internal.h"
 
 #include "internal.h"
