@@ -11,7 +11,7 @@
 #                   of every carried ELF file (into summary.txt)
 #   1 correctness   zopt-gpu-check on every layout vs its CPU twin: clip+inf,
 #                   loss scaling, CUDA-graph replay on another stream with an
-#                   lr schedule, misaligned views, chunkings, 3000 small
+#                   lr or max_norm schedule, misaligned views, chunkings, 3000 small
 #                   tensors, offload, the f32-grad layouts
 #   2 gpu-python    python/tests/test_cuda.py (GPU and offload parity) from
 #                   the carried step cache, after checking it has every step
@@ -199,6 +199,7 @@ correctness() {
     "f32:" "f32_clip:" "f32_clip:--steps=4 --inf-at=2" "bf16_master_clip:" "bf16:"
     "f16_loss_scale:--steps=4 --inf-at=2" "f16_loss_scale:--steps=6 --inf-at=4 --graph --lr-schedule"
     "f32_clip:--steps=5 --inf-at=3 --graph --lr-schedule"
+    "f32_clip:--steps=4 --max-norm-schedule" "f32_clip:--steps=5 --inf-at=3 --graph --max-norm-schedule"
     "bf16_master_clip:--steps=3 --misaligned" "bf16_sr:--steps=3 --chunk=256" "bf16_sr:--steps=2 --misaligned"
     "f32_clip:--steps=2 --tensors=3000 --numel=100" "f32_clip:--steps=2 --tensors=20 --numel=200003 --chunk=64"
     "bf16_offload:--steps=4 --inf-at=2" "bf16_sr:--steps=3"

@@ -202,6 +202,34 @@ def test_gpu_step_memory_from_torch_allocator(steps):
 
 
 @needs_gpu
+def test_clip_grad_norm_on_a_gpu_step_matches_the_cpu_step(steps):
+    """opt.clip_grad_norm_(max_norm) on a GPU step (the kernels read the
+    runtime's max_norm from the device) and on its CPU twin: the same norm,
+    the step clipped at max_norm (compiled 1.0 would not clip) on both."""
+    gpu_step = steps(rule="sgd", layout="f32", clip=1.0, placement="gpu")
+    cpu_step = steps(rule="sgd", layout="f32", clip=1.0)
+    torch.manual_seed(0)
+    sizes = [7, 1000, 65537]
+    host = [torch.randn(n) for n in sizes]
+    pc = [torch.nn.Parameter(h.clone()) for h in host]
+    pg = [torch.nn.Parameter(h.clone().cuda()) for h in host]
+    oc, og = zopt.Optimizer(cpu_step, pc, lr=0.5), zopt.Optimizer(gpu_step, pg, lr=0.5)
+    for k in range(3):
+        grads = [torch.randn(n) * 1e-2 for n in sizes]
+        for a, b, g in zip(pc, pg, grads):
+            a.grad, b.grad = g.clone(), g.cuda()
+        m = 0.1 * 0.5 ** k
+        nc, ng = oc.clip_grad_norm_(m), og.clip_grad_norm_(m)
+        assert float(nc) > 2 * m and float(ng) == pytest.approx(float(nc), rel=1e-6)
+        oc.step()
+        og.step()
+        norm_g, skipped_g, _ = og.gpu_result()
+        assert not skipped_g and norm_g == pytest.approx(oc.step_result()[0], rel=1e-9)
+    for a, b in zip(pc, pg):
+        np.testing.assert_allclose(b.detach().cpu().numpy(), a.detach().numpy(), rtol=1e-6, atol=1e-7)
+
+
+@needs_gpu
 def test_frozen_params_left_out_and_unfrozen_like_torch(steps):
     """A model with a frozen weight in model.parameters() (LoRA's base
     weights, frozen embeddings) on a GPU step, beside torch.optim.AdamW on

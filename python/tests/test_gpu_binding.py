@@ -201,6 +201,38 @@ def test_maximize_reaches_the_runtime_at_once(steps, gpu_env):
     _assert_on_current_stream(rec)
 
 
+def test_clip_grad_norm_passes_max_norm_to_a_gpu_step(steps, gpu_env):
+    """opt.clip_grad_norm_(max_norm) on a GPU step (one stream of kernels: no
+    first half to run now): the threshold reaches the runtime
+    (set_max_norm, on torch's current stream) before the whole step and the
+    compiled one after it; the returned norm is torch's; the step clips at
+    max_norm (compiled 1.0 would not clip here), as torch's SGD after
+    torch's clip_grad_norm_ (SGD: the update is proportional to the
+    clipped gradient)."""
+    fc, rec, mode = gpu_env
+    mode("gpu")
+    ps, tps = _params(seed=3), _params(seed=3)
+    opt = zopt.Optimizer(steps(rule="sgd", layout="f32", clip=1.0), ps, lr=0.5)
+    topt = torch.optim.SGD(tps, lr=0.5)
+    want = torch.nn.utils.clip_grad_norm_(tps, 0.1)
+    assert 0.2 < float(want)  # so max_norm 0.1 clips, 1.0 would not
+    n0 = len(rec.calls())
+    norm = opt.clip_grad_norm_(0.1)
+    assert norm.dtype == torch.float32 and norm.shape == ()
+    assert float(norm) == pytest.approx(float(want), rel=1e-6)
+    opt.step()
+    topt.step()
+    for p, tp in zip(ps, tps):
+        np.testing.assert_allclose(p.detach().numpy(), tp.detach().numpy(), rtol=1e-6, atol=1e-7)
+    calls = [(c[0], c[4][1] if c[0] == "zopt_optimizer_set_max_norm" else None)
+             for c in rec.calls()[n0:]
+             if c[0] in ("zopt_optimizer_set_max_norm", "zopt_optimizer_step",
+                         "zopt_optimizer_step_begin")]
+    assert calls == [("zopt_optimizer_set_max_norm", 0.1), ("zopt_optimizer_step", None),
+                     ("zopt_optimizer_set_max_norm", 1.0)]
+    _assert_on_current_stream(rec, n0)
+
+
 def test_torch_allocator_registered_before_finalize_and_kept(steps, gpu_env):
     fc, rec, mode = gpu_env
     mode("gpu")

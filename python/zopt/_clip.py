@@ -20,6 +20,11 @@ too): the gradients were taken at ``clip_grad_norm_``, and at several ranks
 the reduced ones are in the gradient memory the step reads, so ``p.grad``
 must not be written until ``step()``.
 
+GPU steps run as one stream of kernels: ``clip_grad_norm_`` sets the
+threshold (the kernels read it from the device, docs/GPU.md) and returns
+torch's norm of the gradients the step reads (see :func:`_gpu_clip`);
+``step()`` runs the whole step, clipped at ``max_norm``.
+
 The step must have been compiled with clipping (any ``max_norm``:
 ``zopt.steps.adamw(clip=1.0)``); without a clip in its program the step
 computes no norm and cannot clip, and ``clip_grad_norm_`` says so.
@@ -31,6 +36,7 @@ import math
 import time
 
 from . import _lib
+from ._dtypes import is_torch
 from ._lib import Status, ZoptError, check
 
 try:
@@ -68,11 +74,6 @@ def clip_grad_norm_(opt, max_norm, norm_type=2.0, error_if_nonfinite=False):
                         "with clipping: zopt.steps.<rule>(..., clip=1.0) (any max_norm: "
                         "clip_grad_norm_(max_norm) sets it for each step), or "
                         "zopt.clip_by_global_norm in the description")
-    if any(c.step.gpu for c in parts):
-        raise ZoptError(Status.UNSUPPORTED,
-                        f"clip_grad_norm_: step '{s.name}' updates on the GPU, whose kernels "
-                        f"clip at the compiled max_norm {s.max_norm:g}: compile the step with "
-                        "clip=max_norm instead")
     if opt._begun:
         raise ZoptError(Status.BAD_STATE, "clip_grad_norm_ was called already for this step: "
                         "call step() first")
@@ -82,6 +83,8 @@ def clip_grad_norm_(opt, max_norm, norm_type=2.0, error_if_nonfinite=False):
     hs = [c.h for c in parts]
     for h in hs:
         check(L.zopt_optimizer_set_max_norm(h, max_norm), "clip_grad_norm_")
+    if any(c.step.gpu for c in parts):
+        return _gpu_clip(opt, parts, norm_type, error_if_nonfinite)
     r = _lib.StepResult()
     if linked:
         keep, arr = _lib.c_array(ctypes.c_void_p, [h.value for h in hs])
@@ -100,6 +103,49 @@ def clip_grad_norm_(opt, max_norm, norm_type=2.0, error_if_nonfinite=False):
             "non-finite, so it cannot be clipped. To disable this error and scale the "
             "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
     return torch.tensor(norm, dtype=torch.float32) if torch is not None else norm
+
+
+def _gpu_clip(opt, parts, norm_type, error_if_nonfinite):
+    """GPU steps run as one stream of kernels (no first half to run now):
+    the threshold is set (the kernels read it from the device), step()
+    runs the whole step and restores the compiled one. The norm returned
+    is torch's, of the gradients the step reads (world size 1: p.grad, or
+    p.main_grad for f32 gradients) times the step's gradient scale
+    1/(S*D), in float64, as a 0-d float32 tensor on their device (no
+    sync); the step clips by its own float64 norm of the same values."""
+    try:
+        norm = _torch_norm(parts)
+    except BaseException:
+        _restore(opt, parts)
+        raise
+    opt._begun = True
+    if error_if_nonfinite and not math.isfinite(float(norm)):
+        finish(opt, None)  # the step skips on the device: nothing changes
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is "
+            "non-finite, so it cannot be clipped. To disable this error and scale the "
+            "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
+    return norm
+
+
+def _torch_norm(parts):
+    sq, dev = [], None
+    for c in parts:
+        S = c.get_loss_scale() if c.step.loss_scaled else 1.0
+        gs = 1.0 / (S * c.grad_divisor_value)
+        for e in c.entries:
+            p = e.param
+            g = getattr(p, "main_grad", None) if c.main else None
+            if g is None:
+                g = getattr(p, "grad", None)
+            if g is None or not is_torch(g):
+                continue
+            dev = g.device
+            x = torch.linalg.vector_norm(g.detach(), 2.0, dtype=torch.float64) * abs(gs)
+            sq.append(x * x)
+    if not sq:
+        return torch.zeros((), dtype=torch.float32)
+    return torch.sqrt(torch.stack([t.to(dev) for t in sq]).sum()).to(torch.float32)
 
 
 def _restore(opt, parts):

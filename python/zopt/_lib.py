@@ -17,7 +17,7 @@ import threading
 REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 # ---- abi.h ---------------------------------------------------------------
-ABI_VERSION = 3
+ABI_VERSION = 4
 API_VERSION = 3
 MAX_STATES = 12
 MAX_HYPERS = 16

@@ -72,6 +72,21 @@ LogicalResult gpu_kernels::buildFinishKernel(OpBuilder &gb, Location loc,
         });
     return r.getResult(0);
   };
+  // max_norm = sg ? sg->max_norm (the runtime's: zopt_optimizer_set_max_norm)
+  // : the compiled one (no SUMSQ: no clipping either).
+  auto maxNorm = [&]() -> Value {
+    auto r = scf::IfOp::create(
+        b, loc, sgNull,
+        [&](OpBuilder &tb, Location l) {
+          scf::YieldOp::create(tb, l, ValueRange{G{tb, l}.f64(st.maxNorm)});
+        },
+        [&](OpBuilder &eb, Location l) {
+          G ge{eb, l};
+          scf::YieldOp::create(
+              eb, l, ValueRange{ge.load(f64, ge.gepc(f64, sg, kSgMaxNorm))});
+        });
+    return r.getResult(0);
+  };
   Value applied;
   if (failed(emitControlBody(
           b, loc, st.control, {F::advance},
@@ -79,7 +94,7 @@ LogicalResult gpu_kernels::buildFinishKernel(OpBuilder &gb, Location loc,
             if (f == F::sumsq)
               return sumsq();
             if (f == F::max_norm)
-              return g.f64(st.maxNorm);
+              return maxNorm();
             return Value(); // counts do not depend on the scaler
           },
           [&](F, Value v) { applied = v; })))
@@ -139,7 +154,7 @@ LogicalResult gpu_kernels::buildFinishKernel(OpBuilder &gb, Location loc,
               [&](F f) -> Value {
                 switch (f) {
                 case F::sumsq: return sumsq();
-                case F::max_norm: return g.f64(st.maxNorm);
+                case F::max_norm: return maxNorm();
                 case F::scale: return g.load(f64, fld(f64, kScScale));
                 case F::growth_factor: return g.load(f64, fld(f64, kScGrowth));
                 case F::backoff_factor: return g.load(f64, fld(f64, kScBackoff));

@@ -86,6 +86,7 @@ inline constexpr int64_t kSgNonfinite = offsetof(zopt_gpu_step_globals, nonfinit
 inline constexpr int64_t kSgSkip = offsetof(zopt_gpu_step_globals, skip) / 4;
 inline constexpr int64_t kSgDone = offsetof(zopt_gpu_step_globals, blocks_done) / 4;
 inline constexpr int64_t kSgApplied = offsetof(zopt_gpu_step_globals, steps_applied) / 4;
+inline constexpr int64_t kSgMaxNorm = offsetof(zopt_gpu_step_globals, max_norm) / 8;
 /// Layout of zopt_gpu_scaler, in units of the field's type.
 inline constexpr int64_t kScScale = offsetof(zopt_gpu_scaler, scale) / 8;
 inline constexpr int64_t kScGrowth = offsetof(zopt_gpu_scaler, growth_factor) / 8;

@@ -1,8 +1,9 @@
 //===- SumsqKernel.cpp - the SUMSQ kernel of a GPU step ------------------===//
 //
 // <step>_sumsq (GPUKernels.h): a two-stage f64 sum of squares whose last
-// block evaluates the step's zk.control (norm, clip coefficient, skip) on
-// the device and recomputes the coefficients with the clip coefficient.
+// block evaluates the step's zk.control (norm, clip coefficient, skip; the
+// runtime's max_norm from the step globals) on the device and recomputes
+// the coefficients with the clip coefficient.
 //
 //===----------------------------------------------------------------------===//
 #include "KernelIR.h"
@@ -159,7 +160,9 @@ LogicalResult gpu_kernels::buildSumsqKernel(OpBuilder &gb, zk::KernelOp k,
         });
     Value s = sum.getResult(0);
     // The step's control (zk.control: the same IR as the host CONTROL) on
-    // this sum, with the compiled max_norm: norm, clip coefficient, skip.
+    // this sum, with the max_norm the runtime wrote into the step globals
+    // (the compiled one unless zopt_optimizer_set_max_norm changed it):
+    // norm, clip coefficient, skip.
     using F = zk::ControlField;
     Value norm, clip, skip1;
     if (failed(emitControlBody(
@@ -168,7 +171,7 @@ LogicalResult gpu_kernels::buildSumsqKernel(OpBuilder &gb, zk::KernelOp k,
               if (f == F::sumsq)
                 return s;
               if (f == F::max_norm)
-                return g.f64(st.maxNorm);
+                return g.load(f64, g.gepc(f64, sg, kSgMaxNorm));
               return Value(); // the scaler is FINISH's
             },
             [&](F f, Value v) {

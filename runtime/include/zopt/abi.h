@@ -23,7 +23,7 @@
 extern "C" {
 #endif
 
-#define ZOPT_ABI_VERSION 3u
+#define ZOPT_ABI_VERSION 4u
 #define ZOPT_DESC_MAGIC "ZOPTDSC1" /* 8 bytes, no terminator stored */
 #define ZOPT_DESC_SYMBOL "zopt_step_descriptor"
 
@@ -511,10 +511,11 @@ static inline uint64_t zopt_desc_checksum(const zopt_step_descriptor *d) {
  *   active[s] == 0, adds nothing); the last block to finish (atomic counter
  *   sg->blocks_done, reset to 0 by that block) adds the partials in block
  *   order and writes sg: sumsq, and the norm, clip_coef and skip of the
- *   step's CONTROL (the same IR as the host function, with the descriptor's
- *   max_norm), nonfinite = skip. The same block then re-runs PREPARE for
- *   every segment with that clip_coef. The runtime zero-fills *sg once when
- *   allocating it.
+ *   step's CONTROL (the same IR as the host function, with max_norm =
+ *   sg->max_norm), nonfinite = skip. The same block then re-runs PREPARE
+ *   for every segment with that clip_coef. The runtime zero-fills *sg once
+ *   when allocating it and writes sg->max_norm (the optimizer's max_norm)
+ *   before the first step and whenever it changes.
  *
  * UPDATE (any grid; ZOPT_GPU_BLOCK):
  *     void update(void *const *states,          // [num_segments][num_states]
@@ -546,7 +547,8 @@ static inline uint64_t zopt_desc_checksum(const zopt_step_descriptor *d) {
  *                 const uint8_t *active,
  *                 int64_t num_segments);
  *   The step's CONTROL (the same IR as the host function) on sumsq =
- *   sg ? sg->sumsq : 0 and the scaler *sc: when it advances, tensor_t[s]
+ *   sg ? sg->sumsq : 0, max_norm = sg ? sg->max_norm : the descriptor's,
+ *   and the scaler *sc: when it advances, tensor_t[s]
  *   of every segment with active[s] advances by 1, the STEP global of
  *   every group with active[num_segments + g] by 1, and
  *   sg->steps_applied by 1 (when sg). With
@@ -587,7 +589,10 @@ typedef struct zopt_gpu_step_globals {
   uint32_t skip;        /* UPDATE does nothing this step */
   uint32_t blocks_done; /* SUMSQ's internal counter; 0 between launches */
   uint32_t steps_applied; /* FINISH: steps not skipped (wraps at 2^32) */
-} zopt_gpu_step_globals; /* 40 bytes */
+  double max_norm;      /* the clip threshold CONTROL reads (ABI 4): the
+                           runtime writes it (the descriptor's max_norm, or
+                           zopt_optimizer_set_max_norm's) */
+} zopt_gpu_step_globals; /* 48 bytes */
 
 typedef struct zopt_gpu_scaler {
   double scale;           /* S: the grads of the next step are scaled by S */

@@ -247,9 +247,11 @@ ZOPT_API zopt_status zopt_optimizer_step_linked_begin(zopt_optimizer *const *par
                                                       zopt_step_result *result);
 
 /* The max_norm of global-norm clipping for the following steps (steps
- * compiled with clipping; the compiled value until set; CPU-updated steps,
- * GPU steps keep the compiled one: UNSUPPORTED). Finite and > 0. Every rank
- * must use the same value (checked at each step). */
+ * compiled with clipping; the compiled value until set; every backend: a
+ * GPU step's kernels read it from the device, where it is written at once
+ * on the optimizer's stream; refused with BAD_STATE while that stream
+ * captures a CUDA graph, as set_hyper). Finite and > 0. Every rank must use
+ * the same value (checked at each step). */
 ZOPT_API zopt_status zopt_optimizer_set_max_norm(zopt_optimizer *opt, double max_norm);
 ZOPT_API zopt_status zopt_optimizer_get_max_norm(const zopt_optimizer *opt, double *max_norm);
 

@@ -39,6 +39,11 @@ zopt_status Backend::set_hyper(zopt_optimizer *o, int group, int hi, double valu
   return ZOPT_OK;
 }
 
+zopt_status Backend::set_max_norm(zopt_optimizer *o, double value) {
+  o->max_norm = value;
+  return ZOPT_OK;
+}
+
 zopt_status Backend::set_stream(zopt_optimizer *o, void *) {
   return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_set_stream: step '%s' has nothing on the GPU", o->d->name);
 }

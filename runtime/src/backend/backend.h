@@ -35,7 +35,6 @@ struct StepState;
 enum class Feature {
   SplitStep,       // zopt_optimizer_step_begin: the norm known on the host before the update
   LinkedStep,      // zopt_optimizer_step_linked(_begin): parts sharing one norm
-  RuntimeMaxNorm,  // zopt_optimizer_set_max_norm
   GradStreaming,   // zopt_optimizer_set_grad_streaming
   TensorMemory,    // zopt_optimizer_set_tensor_memory / _set_grad_memory
   OpTimes,         // zopt_optimizer_get_op_times
@@ -107,6 +106,9 @@ class Backend {
   virtual zopt_status set_hyper(zopt_optimizer *o, int group, int hi, double value);
   // Every hyperparameter may have changed (a checkpoint load; push follows).
   virtual void hypers_changed(zopt_optimizer *o) {}
+  // zopt_optimizer_set_max_norm (already checked): o->max_norm, and where
+  // the step's kernels read it (the device's step globals).
+  virtual zopt_status set_max_norm(zopt_optimizer *o, double value);
 
   // ---- the device (zopt.h "GPU") ----------------------------------------------
   virtual zopt_status set_stream(zopt_optimizer *o, void *stream);

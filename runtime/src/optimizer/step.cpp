@@ -149,12 +149,10 @@ ZOPT_API zopt_status zopt_optimizer_set_max_norm(zopt_optimizer *o, double max_n
                 "zopt.clip_by_global_norm): compile it with clipping (zopt.steps.<rule>(clip=...)) to set max_norm "
                 "at run time",
                 o->d->name);
-  if (zopt_status st = o->backend->supports(o, Feature::RuntimeMaxNorm, "zopt_optimizer_set_max_norm")) return st;
   if (!(std::isfinite(max_norm) && max_norm > 0))
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_set_max_norm: max_norm %g must be finite and > 0",
                 max_norm);
-  o->max_norm = max_norm;
-  return ZOPT_OK;
+  return o->backend->set_max_norm(o, max_norm);
 }
 
 ZOPT_API zopt_status zopt_optimizer_get_max_norm(const zopt_optimizer *o, double *max_norm) {

@@ -122,8 +122,10 @@ zk.control @t_control {
 
 // Two-stage reduction: f64 per thread, a shared-memory tree, the block's
 // partial, then the last block (atomic counter) sums the partials in order,
-// writes the control's norm / clip / skip (the max_norm compiled in) and
-// recomputes the coefficient table.
+// writes the control's norm / clip / skip and recomputes the coefficient
+// table. The control's max_norm is not the compiled 1.0 but a load of the
+// step globals' max_norm (word 5, zopt_gpu_step_globals; the runtime writes
+// it: zopt_optimizer_set_max_norm), the same step globals the norm goes to.
 // CHECK-LABEL: gpu.func @t_sumsq(
 // CHECK-SAME: workgroup(%{{.+}} : memref<256xf64, #gpu.address_space<workgroup>>, %{{.+}} : memref<1xi32, #gpu.address_space<workgroup>>) kernel attributes {nvvm.reqntid = array<i32: 256, 1, 1>}
 // CHECK: arith.mulf %{{.+}}, %{{.+}} : vector<8xf64>
@@ -134,8 +136,13 @@ zk.control @t_control {
 // CHECK: math.sqrt %{{.+}} : f64
 // CHECK: math.absf
 // CHECK: arith.cmpf olt, %{{.+}}, %{{.+}} : f64
-// CHECK: arith.constant 1.000000e+00 : f64
-// CHECK: arith.constant 9.9999999999999995E-7 : f64
+// CHECK: arith.xori
+// CHECK-NEXT: %[[MNP:.+]] = llvm.getelementptr %[[SG:.+]][5] : (!llvm.ptr<1>) -> !llvm.ptr<1>, f64
+// CHECK-NEXT: %[[MN:.+]] = llvm.load %[[MNP]] : !llvm.ptr<1> -> f64
+// CHECK-NEXT: arith.constant 9.9999999999999995E-7 : f64
+// CHECK-NEXT: %[[DEN:.+]] = arith.addf
+// CHECK-NEXT: arith.divf %[[MN]], %[[DEN]] : f64
+// CHECK: llvm.getelementptr %[[SG]][0] : (!llvm.ptr<1>) -> !llvm.ptr<1>, f64
 // CHECK: gpu.barrier
 // CHECK: scf.for
 // CHECK: gpu.return

@@ -357,6 +357,27 @@ int main(int argc, char **argv) {
           "clip: the norm " + std::to_string(a.last.grad_norm) + " is the float64 norm of the scaled gradients " +
               std::to_string(want));
     same("clip: the clipped update", backend == "cuda" ? 2 : 0);
+    // A max_norm set at run time (zopt_optimizer_set_max_norm; torch's
+    // clip_grad_norm_(max_norm)) on both: the step clips by it on every
+    // backend (the GPU's kernels read it from the device), then the
+    // compiled one again.
+    const double m0 = a.d->max_norm, m = 0.125 * a.last.grad_norm;
+    Z(zopt_optimizer_set_max_norm(a.o, m));
+    Z(zopt_optimizer_set_max_norm(b.o, m));
+    double got = 0;
+    Z(zopt_optimizer_get_max_norm(a.o, &got));
+    grads(64.0f);
+    step(a);
+    step(b);
+    check(got == m && a.last.skipped == 0 && b.last.skipped == 0,
+          "clip: max_norm " + std::to_string(m) + " set at run time (the compiled one " + std::to_string(m0) + ")");
+    same("clip: the update clipped by the runtime max_norm", backend == "cuda" ? 2 : 0);
+    Z(zopt_optimizer_set_max_norm(a.o, m0));
+    Z(zopt_optimizer_set_max_norm(b.o, m0));
+    grads(64.0f);
+    step(a);
+    step(b);
+    same("clip: the compiled max_norm again", backend == "cuda" ? 2 : 0);
   }
 
   // active: tensor 1 inactive for 2 steps, then again

@@ -1,8 +1,8 @@
 //===- gpu-check.cpp - a GPU step against the same step on the CPU ---------===//
 //
 // zopt-gpu-check GPU_STEP.so CPU_STEP.so [--steps=N] [--inf-at=K] [--seed=S]
-//                [--graph] [--lr-schedule] [--misaligned] [--chunk=N]
-//                [--tensors=T --numel=N]
+//                [--graph] [--lr-schedule] [--max-norm-schedule]
+//                [--misaligned] [--chunk=N] [--tensors=T --numel=N]
 //
 // Runs the GPU step (device memory via the CUDA driver API, dlopen'ed here)
 // and the same description compiled for the CPU on identical random data
@@ -22,6 +22,10 @@
 // --lr-schedule: before every step k >= 2 the lr of both groups changes
 //   (lr * 0.8^(k-1)), on both optimizers; with --graph between replays: the
 //   replays must use it (item 2).
+// --max-norm-schedule: before every step k >= 2 the clip threshold changes
+//   (zopt_optimizer_set_max_norm: the compiled max_norm * 0.5^(k-1)), on
+//   both optimizers; the GPU kernels read it from the device (with --graph
+//   between replays: the replays must use it).
 // --misaligned: the GPU tensors are views at odd element offsets into one
 //   flat param and one flat grad buffer (DeepSpeed/FSDP), each in its own
 //   dtype (an f32 grad buffer beside bf16 params: the views of tensor t
@@ -98,11 +102,11 @@ void watchdog(int) {
 int main(int argc, char **argv) {
   if (argc < 3) {
     fprintf(stderr, "usage: zopt-gpu-check GPU_STEP.so CPU_STEP.so [--steps=N] [--inf-at=K] [--seed=S] [--graph] "
-                    "[--lr-schedule] [--misaligned] [--chunk=N] [--tensors=T --numel=N]\n");
+                    "[--lr-schedule] [--max-norm-schedule] [--misaligned] [--chunk=N] [--tensors=T --numel=N]\n");
     return 2;
   }
   int steps = 3, inf_at = 0;
-  bool graph = false, lr_schedule = false, misaligned = false;
+  bool graph = false, lr_schedule = false, max_norm_schedule = false, misaligned = false;
   long long chunk = 0, ntensors = 0, numel = 0;
   unsigned seed = 1;
   for (int i = 3; i < argc; ++i) {
@@ -111,6 +115,7 @@ int main(int argc, char **argv) {
     else if (!strncmp(argv[i], "--seed=", 7)) seed = (unsigned)atoi(argv[i] + 7);
     else if (!strcmp(argv[i], "--graph")) graph = true;
     else if (!strcmp(argv[i], "--lr-schedule")) lr_schedule = true;
+    else if (!strcmp(argv[i], "--max-norm-schedule")) max_norm_schedule = true;
     else if (!strcmp(argv[i], "--misaligned")) misaligned = true;
     else if (!strncmp(argv[i], "--chunk=", 8)) chunk = atoll(argv[i] + 8);
     else if (!strncmp(argv[i], "--tensors=", 10)) ntensors = atoll(argv[i] + 10);
@@ -280,6 +285,13 @@ int main(int argc, char **argv) {
         Z(zopt_optimizer_set_hyper(oc, gid[k], "lr", lr));
         if (o2) Z(zopt_optimizer_set_hyper(o2, gid[k], "lr", lr));
       }
+    if (max_norm_schedule && step >= 2) {
+      const double m = zopt_step_get_descriptor(sg)->max_norm * std::pow(0.5, step - 1);
+      Z(zopt_optimizer_set_max_norm(og, m));  // between replays with --graph
+      Z(zopt_optimizer_set_max_norm(oc, m));
+      if (o2) Z(zopt_optimizer_set_max_norm(o2, m));
+      printf("INFO step %d: max_norm %g\n", step, m);
+    }
     zopt_step_result rc{}, rg{}, rg2{};
     Z(zopt_optimizer_step(oc, &rc));
     if (o2) Z(zopt_optimizer_step(o2, nullptr));

@@ -145,11 +145,13 @@ void prepare_rows(const Twin &t, const double *hypers, const double *globals, co
   }
 }
 
-zopt_control control_of(const Twin &t, double sumsq, const zopt_gpu_scaler *sc) {
+// CONTROL as the kernels run it: max_norm from the step globals (what the
+// runtime wrote; abi.h), the descriptor's without them.
+zopt_control control_of(const Twin &t, const zopt_gpu_step_globals *sg, const zopt_gpu_scaler *sc) {
   zopt_control c;
   memset(&c, 0, sizeof c);
-  c.sumsq = sumsq;
-  c.max_norm = t.d->max_norm;
+  c.sumsq = sg ? sg->sumsq : 0.0;
+  c.max_norm = sg ? sg->max_norm : t.d->max_norm;
   c.scale = sc ? sc->scale : 1.0;
   if (sc) {
     c.growth_factor = sc->growth_factor;
@@ -193,8 +195,8 @@ bool fake_twin_run(const char *name, const unsigned long long *a, int nargs) {
       chunk_ptrs(t, tb, c, ptrs);
       sum += t.sumsq(ptrs, tb.chunks[c].n, coeffs + (size_t)s * NC);
     }
-    const zopt_control ctl = control_of(t, sum, nullptr);
     sg->sumsq = sum;
+    const zopt_control ctl = control_of(t, sg, nullptr);
     sg->norm = ctl.norm;
     sg->clip_coef = ctl.clip_coef;
     sg->nonfinite = sg->skip = ctl.skip;
@@ -232,7 +234,7 @@ bool fake_twin_run(const char *name, const unsigned long long *a, int nargs) {
     zopt_gpu_scaler *sc = (zopt_gpu_scaler *)P(3);
     double *tensor_t = (double *)P(4);
     const uint8_t *active = (const uint8_t *)P(5);
-    const zopt_control ctl = control_of(t, sg ? sg->sumsq : 0.0, sc);
+    const zopt_control ctl = control_of(t, sg, sc);
     if (ctl.advance) {
       for (int64_t r = 0; r < nrows; ++r)
         if (active[r]) tensor_t[r] += 1;

@@ -33,6 +33,16 @@ void graph_checks(Fake &f, zopt_step *step) {
   zopt_status st = zopt_optimizer_step(o, nullptr);
   zopt_status st_hyper = zopt_optimizer_set_hyper(o, su.gid[0], "lr", 7e-4);
   std::string msg_hyper = zopt_last_error();
+  const bool clip = si.d->flags & ZOPT_FLAG_CLIP;
+  double mn0 = 0, mn1 = 0;
+  zopt_status st_mn = ZOPT_OK;
+  std::string msg_mn;
+  if (clip) {
+    Z(zopt_optimizer_get_max_norm(o, &mn0));
+    st_mn = zopt_optimizer_set_max_norm(o, 0.5 * mn0);
+    msg_mn = zopt_last_error();
+    Z(zopt_optimizer_get_max_norm(o, &mn1));
+  }
   int64_t n = -1;
   zopt_status st_read = zopt_optimizer_get_step_count(o, 0, &n);
   std::string msg_read = zopt_last_error();
@@ -41,6 +51,9 @@ void graph_checks(Fake &f, zopt_step *step) {
                                   "pageable copy, no wait for an event outside it)");
   check(st_hyper == ZOPT_ERR_BAD_STATE && msg_hyper.find("capturing a CUDA graph") != std::string::npos,
         "set_hyper during the capture is refused, saying why: " + msg_hyper);
+  if (clip)
+    check(st_mn == ZOPT_ERR_BAD_STATE && msg_mn.find("capturing a CUDA graph") != std::string::npos && mn1 == mn0,
+          "set_max_norm during the capture is refused, saying why, and max_norm stays: " + msg_mn);
   check(st_read == ZOPT_ERR_BAD_STATE && msg_read.find("capturing a CUDA graph") != std::string::npos,
         "reading the step count during the capture is refused, saying why: " + msg_read);
   f.instantiate(&exec, graph, 0);

@@ -270,6 +270,35 @@ int gpu_main_check(Fake &f, zopt_step *step, const char *path) {
   Z(zopt_optimizer_step(o, nullptr));
   check(calls_since(f, c0, "cuStreamWaitEvent") == 1 && calls_since(f, c0, "cuMemcpyHtoDAsync") == 0,
         "the next step waits for the hyperparameter write (its event), uploads nothing");
+  // max_norm: the SUMSQ/FINISH kernels read it from the step globals,
+  // written as a hyperparameter is (by value, on the stream, no sync).
+  if (si.d->flags & ZOPT_FLAG_CLIP) {
+    const zopt_gpu_step_globals *sgm = (const zopt_gpu_step_globals *)(uintptr_t)d_sg;
+    f.drain_all();
+    check(sgm->max_norm == si.d->max_norm,
+          "the step globals hold the compiled max_norm after finalize: " + std::to_string(sgm->max_norm));
+    c0 = f.num_calls();
+    Z(zopt_optimizer_set_max_norm(o, si.d->max_norm));  // same value
+    check(f.num_calls() == c0, "setting max_norm to its current value writes nothing");
+    const double mn = 0.3125 * si.d->max_norm;
+    Z(zopt_optimizer_set_max_norm(o, mn));
+    f.drain_all();
+    double got = 0;
+    Z(zopt_optimizer_get_max_norm(o, &got));
+    check(calls_since(f, c0, "cuMemsetD32Async") == 2 && calls_since(f, c0, "cuMemcpyHtoDAsync") == 0 &&
+              calls_since(f, c0, "cuStreamSynchronize") == 0 && calls_since(f, c0, "cuEventRecord") == 1 &&
+              memcmp(&sgm->max_norm, &mn, 8) == 0 && got == mn,
+          "set_max_norm on a GPU step is written into the device's step globals at once, by value (two 32-bit "
+          "memsets, no sync): the bytes of " + std::to_string(mn));
+    c0 = f.num_calls();
+    Z(zopt_optimizer_step(o, nullptr));
+    check(calls_since(f, c0, "cuStreamWaitEvent") == 1 && calls_since(f, c0, "cuMemcpyHtoDAsync") == 0,
+          "the next step waits for the max_norm write (its event), uploads nothing");
+    Z(zopt_optimizer_set_max_norm(o, si.d->max_norm));
+  } else {
+    check(zopt_optimizer_set_max_norm(o, 1.0) == ZOPT_ERR_UNSUPPORTED,
+          "set_max_norm on a step compiled without clipping: UNSUPPORTED");
+  }
 
   // ---- the step state is the device's: emulate FINISH, read it back ---------
   // 4 steps ran; the fake runs no kernel, so write what FINISH would have:

@@ -15,7 +15,7 @@
 // CHECK-NOT: zprog.program
 // CHECK: llvm.mlir.global external constant @zopt_step_descriptor("ZOPTDSC1
 // CHECK-SAME: {addr_space = 0 : i32, alignment = 8 : i64}
-// DESC:      magic ZOPTDSC1 abi 3 size {{[0-9]+}} checksum ok
+// DESC:      magic ZOPTDSC1 abi 4 size {{[0-9]+}} checksum ok
 // DESC-NEXT: name z2 stage 2 align 16 flags 5 max_norm 1 coeffs 3
 // DESC-NEXT: state 0: kind 1 dtype 2 placement 1 rounding 1 init 1 access 3 flags 0
 // DESC-NEXT: state 1: kind 2 dtype 2 placement 1 rounding 1 init 1 access 1 flags 1
@@ -58,7 +58,7 @@ zprog.program for "z2" {
 // A GPU step: the host PREPARE, then the GPU kernels (device 2, no ISA)
 // and one image per architecture (role 4, isa = the SM number); every
 // program op on the GPU (2).
-// DESC:      magic ZOPTDSC1 abi 3 size {{[0-9]+}} checksum ok
+// DESC:      magic ZOPTDSC1 abi 4 size {{[0-9]+}} checksum ok
 // DESC-NEXT: name g stage 0 align 1 flags 0 max_norm 0 coeffs 1
 // DESC-NEXT: state 0: kind 1 dtype 1 placement 2 rounding 1 init 1 access 3 flags 0
 // DESC-NEXT: state 1: kind 2 dtype 1 placement 2 rounding 1 init 1 access 1 flags 0

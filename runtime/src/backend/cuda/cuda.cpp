@@ -35,10 +35,6 @@ class CudaBackend final : public Backend {
                     fn, name);
       case Feature::LinkedStep:
         return fail(ZOPT_ERR_UNSUPPORTED, "%s: step '%s' is a GPU step: linked steps run CPU-updated steps", fn, name);
-      case Feature::RuntimeMaxNorm:
-        return fail(ZOPT_ERR_UNSUPPORTED,
-                    "%s: step '%s' updates on the GPU, whose kernels hold the compiled max_norm %g", fn, name,
-                    o->d->max_norm);
       case Feature::GradStreaming:
         return fail(ZOPT_ERR_UNSUPPORTED,
                     "%s: step '%s' updates on the GPU; gradient streaming is implemented for steps updated on the "
@@ -124,6 +120,9 @@ class CudaBackend final : public Backend {
     return gpu_set_hyper(o, group, hi, value);  // and into the device's table
   }
   void hypers_changed(zopt_optimizer *o) override { gpu_hypers_changed(o); }
+  zopt_status set_max_norm(zopt_optimizer *o, double value) override {
+    return gpu_set_max_norm(o, value);  // and into the device's step globals
+  }
 
   zopt_status set_stream(zopt_optimizer *, void *stream) override { return gpu_set_stream(g, stream); }
   zopt_status device_result(zopt_optimizer *o, zopt_step_result *result) override { return gpu_result(o, result); }

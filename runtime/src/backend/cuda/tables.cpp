@@ -3,14 +3,15 @@
 // group's flat state buffers, the segment table and work list built at
 // finalize, the masters initialized from the params; the step state the
 // host pushes (globals with the gradient scale, tensor counts, the active
-// mask, the scaler, hyperparameters) and pulls back; a state copied to or
-// from the host; everything freed.
+// mask, the scaler, hyperparameters, max_norm) and pulls back; a state
+// copied to or from the host; everything freed.
 #include "backend/cuda/cuda_internal.h"
 
 #include "internal.h"
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -19,6 +20,9 @@ using namespace zopt;
 using namespace zopt::cu;
 
 namespace {
+
+// The step globals' max_norm (abi.h), which the kernels' CONTROL reads.
+CUdeviceptr sg_max_norm(const GpuState *g) { return g->d_sg + offsetof(zopt_gpu_step_globals, max_norm); }
 
 zopt_status dalloc(GpuState *g, size_t bytes, CUdeviceptr *out, const char *what) {
   bytes = std::max<size_t>(bytes, 16);
@@ -328,6 +332,9 @@ zopt_status gpu_push(zopt_optimizer *o) {
   if (!r) r = g->cu->MemcpyHtoDAsync(g->d_tensor_t, tensor_t.data(), tensor_t.size() * 8, g->stream);
   if (!r) r = g->cu->MemcpyHtoDAsync(g->d_active, active.data(), active.size(), g->stream);
   if (!r) r = g->cu->MemcpyHtoDAsync(g->d_scaler, &sc, sizeof sc, g->stream);
+  // The clip threshold the kernels' CONTROL reads (zopt_optimizer_set_max_norm).
+  const double max_norm = o->max_norm;
+  if (!r) r = g->cu->MemcpyHtoDAsync(sg_max_norm(g), &max_norm, 8, g->stream);
   if (!r && hypers) r = g->cu->MemcpyHtoDAsync(g->d_hypers, g->h_hypers.data(), g->h_hypers.size() * 8, g->stream);
   if (!r) r = g->cu->StreamSynchronize(g->stream);
   if (r) return fail(ZOPT_ERR_INTERNAL, "writing the GPU step state: %s", error_string(r));
@@ -372,6 +379,45 @@ zopt_status gpu_pull(zopt_optimizer *o) {
 
 void gpu_hypers_changed(zopt_optimizer *o) { G(o)->hypers_dirty = true; }
 
+// Writes `value` to the device double at `p` on the optimizer's stream, by
+// value (two memsets: no host buffer to keep alive), after the steps
+// already enqueued (on whatever stream: a replay records `done` too) and
+// before the next ones (they wait for `hypers_ready`).
+static CUresult write_f64_ordered(GpuState *g, CUdeviceptr p, double value) {
+  CUstream s = g->stream;
+  uint32_t w[2];
+  memcpy(w, &value, 8);
+  CUresult r = g->done_recorded ? g->cu->StreamWaitEvent(s, g->done, 0) : CUDA_SUCCESS;
+  if (!r) r = g->cu->MemsetD32Async(p, w[0], 1, s);
+  if (!r) r = g->cu->MemsetD32Async(p + 4, w[1], 1, s);
+  if (!r) r = g->cu->EventRecordWithFlags(g->hypers_ready, s, 0);
+  if (!r) g->hypers_recorded = true;
+  return r;
+}
+
+// zopt_optimizer_set_max_norm: the SUMSQ and FINISH kernels read it from the
+// step globals at run time, so it is written there as a hyperparameter is.
+zopt_status gpu_set_max_norm(zopt_optimizer *o, double value) {
+  GpuState *g = G(o);
+  if (!g->d_sg || o->max_norm == value) {  // before finalize: finalize pushes it
+    o->max_norm = value;
+    return ZOPT_OK;
+  }
+  ZOPT_CTX_SCOPE(g);
+  bool cap = false;
+  if (zopt_status st = gpu_capturing(g, g->stream, &cap)) return st;
+  if (cap)
+    return fail(ZOPT_ERR_BAD_STATE,
+                "zopt_optimizer_set_max_norm: the optimizer's stream is capturing a CUDA graph; a value written "
+                "now would be baked into the graph. Set max_norm between replays, outside the capture: every "
+                "replay reads it from the device, so it uses the value set before it");
+  if (CUresult r = write_f64_ordered(g, sg_max_norm(g), value))
+    return fail(ZOPT_ERR_INTERNAL, "zopt_optimizer_set_max_norm: writing the device's step globals: %s",
+                error_string(r));
+  o->max_norm = value;
+  return ZOPT_OK;
+}
+
 zopt_status gpu_set_hyper(zopt_optimizer *o, int group, int hi, double value) {
   GpuState *g = G(o);
   if (!g->d_hypers) {  // before finalize: finalize uploads the table
@@ -391,23 +437,11 @@ zopt_status gpu_set_hyper(zopt_optimizer *o, int group, int hi, double value) {
   o->groups[group].hypers[hi] = value;
   const size_t at = (size_t)group * o->d->num_hypers + (size_t)hi;
   g->h_hypers[at] = value;
-  // Ordered after the steps already enqueued, on whatever stream (a replay
-  // records `done` too), and before the next ones (they wait for
-  // `hypers_ready`); the value travels in the memsets' arguments, so there
-  // is no host buffer to keep alive.
-  uint32_t w[2];
-  memcpy(w, &value, 8);
-  const CUdeviceptr p = g->d_hypers + (CUdeviceptr)at * 8;
-  CUresult r = g->done_recorded ? g->cu->StreamWaitEvent(s, g->done, 0) : CUDA_SUCCESS;
-  if (!r) r = g->cu->MemsetD32Async(p, w[0], 1, s);
-  if (!r) r = g->cu->MemsetD32Async(p + 4, w[1], 1, s);
-  if (!r) r = g->cu->EventRecordWithFlags(g->hypers_ready, s, 0);
-  if (r) {
+  if (CUresult r = write_f64_ordered(g, g->d_hypers + (CUdeviceptr)at * 8, value)) {
     g->hypers_dirty = true;  // the next step or push uploads the whole table
     return fail(ZOPT_ERR_INTERNAL, "zopt_optimizer_set_hyper: writing the device's hyperparameter table: %s",
                 error_string(r));
   }
-  g->hypers_recorded = true;
   return ZOPT_OK;
 }
 
