@@ -40,6 +40,7 @@ API int fake_cuda_num_allocs(void) {
   return (int)st().allocs.size();
 }
 API void fake_cuda_fail_next_launch(void) { st().fail_next_launch = 1; }
+API void fake_cuda_fail_memset(int n) { st().fail_memset_in = n; }
 API void fake_cuda_set_update_nargs(int) {}  // the parameter lists come from the PTX now
 API unsigned fake_cuda_image_magic(void) { return st().image_magic; }
 API int fake_cuda_image_has_ptx(void) { return st().image_ptx; }

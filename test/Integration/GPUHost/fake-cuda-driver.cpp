@@ -308,6 +308,7 @@ static void memset32(CUdeviceptr dst, unsigned v, size_t n) {
 }
 API CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned v, size_t n, void *stream) {
   log("cuMemsetD32Async");
+  if (st().fail_memset_in > 0 && --st().fail_memset_in == 0) return kInvalidValue;  // fake_cuda_fail_memset
   if (dst % 4) return kInvalidValue;
   if (bad_range("cuMemsetD32Async", dst, n * 4)) return kInvalidValue;
   if (legacy_conflict(stream)) return kCaptureImplicit;

@@ -29,7 +29,8 @@
 //     current at cuMemAlloc (CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL); launches
 //     record the current context.
 //   - attributes: fake_cuda_fail_attribute(attr) makes cuDeviceGetAttribute
-//     fail for that attribute.
+//     fail for that attribute; fake_cuda_fail_memset(n) the n-th next
+//     cuMemsetD32Async.
 //   - graph capture (cuStreamBeginCapture ... cuStreamEndCapture): on a
 //     capturing stream, launches, memsets, copies between pinned host memory
 //     and the device, external event records (CU_EVENT_RECORD_EXTERNAL) and

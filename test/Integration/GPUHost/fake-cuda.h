@@ -101,6 +101,7 @@ struct State {
   std::vector<Kernel> kernels;         // of the last image loaded
   std::vector<int> function_kernel;    // CUfunction index -> kernels index (-1: unknown)
   int fail_next_launch = 0;
+  int fail_memset_in = 0;  // fake_cuda_fail_memset: the n-th next cuMemsetD32Async fails (0: none)
   uint32_t image_magic = 0;
   bool image_ptx = false;  // the last image had readable PTX
   int device_count = 1;

@@ -55,6 +55,7 @@ int main(int argc, char **argv) {
   SYM(launch, "fake_cuda_launch");
   SYM(num_allocs, "fake_cuda_num_allocs");
   SYM(fail_next_launch, "fake_cuda_fail_next_launch");
+  SYM(fail_memset, "fake_cuda_fail_memset");
   SYM(image_magic, "fake_cuda_image_magic");
   SYM(image_has_ptx, "fake_cuda_image_has_ptx");
   SYM(kernel_params, "fake_cuda_kernel_params");

@@ -43,6 +43,7 @@ struct Fake {
   const char *(*launch)(int, unsigned *, unsigned *, void **, unsigned long long *);
   int (*num_allocs)();
   void (*fail_next_launch)();
+  void (*fail_memset)(int);
   unsigned (*image_magic)();
   int (*image_has_ptx)();
   int (*kernel_params)(const char *, size_t *);

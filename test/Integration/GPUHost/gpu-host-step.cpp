@@ -294,6 +294,23 @@ int gpu_main_check(Fake &f, zopt_step *step, const char *path) {
     Z(zopt_optimizer_step(o, nullptr));
     check(calls_since(f, c0, "cuStreamWaitEvent") == 1 && calls_since(f, c0, "cuMemcpyHtoDAsync") == 0,
           "the next step waits for the max_norm write (its event), uploads nothing");
+    // A write that fails half way (the second memset): the call fails, the
+    // optimizer keeps its max_norm, and the next step writes that value
+    // again before its kernels (the device held half of the new double).
+    f.fail_memset(2);
+    const double half = 0.7071067811865476 * si.d->max_norm;  // both 32-bit words differ from mn's
+    const zopt_status st_half = zopt_optimizer_set_max_norm(o, half);
+    f.drain_all();
+    double kept = 0;
+    Z(zopt_optimizer_get_max_norm(o, &kept));
+    const bool torn = memcmp(&sgm->max_norm, &mn, 8) != 0;
+    c0 = f.num_calls();
+    Z(zopt_optimizer_step(o, nullptr));
+    f.drain_all();
+    check(st_half == ZOPT_ERR_INTERNAL && kept == mn && torn && memcmp(&sgm->max_norm, &mn, 8) == 0 &&
+              calls_since(f, c0, "cuMemcpyHtoDAsync") == 1,
+          "a set_max_norm whose second write fails: INTERNAL, max_norm unchanged, and the next step writes it "
+          "to the device again (the half-written value never reaches a kernel)");
     Z(zopt_optimizer_set_max_norm(o, si.d->max_norm));
   } else {
     check(zopt_optimizer_set_max_norm(o, 1.0) == ZOPT_ERR_UNSUPPORTED,

@@ -39,6 +39,8 @@ zopt_status gpu_pull(zopt_optimizer *o);
 void gpu_hypers_changed(zopt_optimizer *o);
 zopt_status gpu_set_hyper(zopt_optimizer *o, int group, int hi, double value);
 zopt_status gpu_set_max_norm(zopt_optimizer *o, double value);
+// The step globals' max_norm (abi.h), which the kernels' CONTROL reads.
+inline CUdeviceptr sg_max_norm(const GpuState *g) { return g->d_sg + offsetof(zopt_gpu_step_globals, max_norm); }
 zopt_status gpu_copy(const zopt_optimizer *o, int t, int si, void *host, size_t bytes, bool to_device);
 zopt_status gpu_refresh_master(zopt_optimizer *o, int first, int count);
 void gpu_free(zopt_optimizer *o);

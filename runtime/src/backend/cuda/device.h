@@ -72,9 +72,13 @@ struct GpuState {
   // finalized; `device_ahead` says the host copy in zopt_optimizer is stale
   // (steps ran since the last gpu_pull), `hypers_dirty` that the device's
   // hyperparameter table may be (a failed write: the next step or push
-  // uploads the whole table).
+  // uploads the whole table), `max_norm_dirty` the same of the step
+  // globals' max_norm (a failed zopt_optimizer_set_max_norm may have written
+  // half of it: the next step or push writes the optimizer's value again).
   bool device_ahead = false;
   bool hypers_dirty = true;
+  bool max_norm_dirty = false;
+  double h_max_norm = 0;  // the source of that rewrite (kept alive for the async copy)
   // Offloaded steps: the pinned host staging buffers of params and grads.
   std::vector<void *> pinned;
 };

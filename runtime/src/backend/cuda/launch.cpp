@@ -72,6 +72,20 @@ zopt_status gpu_begin_step(zopt_optimizer *o, bool *capturing) {
     g->hypers_recorded = true;
     g->hypers_dirty = false;
   }
+  if (g->max_norm_dirty) {
+    // Only after a failed zopt_optimizer_set_max_norm: the device may hold
+    // half of a double; the optimizer's max_norm (the value before that
+    // call) is written again, ordered like a hyperparameter write.
+    if (cap)
+      return fail(ZOPT_ERR_BAD_STATE,
+                  "zopt_optimizer_step: the device's max_norm is stale (a failed zopt_optimizer_set_max_norm) and "
+                  "the stream is capturing a CUDA graph: step once outside the capture first");
+    g->h_max_norm = o->max_norm;
+    CU_TRY(cu->MemcpyHtoDAsync(sg_max_norm(g), &g->h_max_norm, 8, s), "cuMemcpyHtoDAsync(max_norm)");
+    CU_TRY(cu->EventRecordWithFlags(g->hypers_ready, s, 0), "cuEventRecord");
+    g->hypers_recorded = true;
+    g->max_norm_dirty = false;
+  }
   // After the latest hyperparameter write, wherever it ran. In a capture,
   // always (also before any write: writes may come between the replays):
   // an external wait node, so each replay waits for the latest write made

@@ -21,9 +21,6 @@ using namespace zopt::cu;
 
 namespace {
 
-// The step globals' max_norm (abi.h), which the kernels' CONTROL reads.
-CUdeviceptr sg_max_norm(const GpuState *g) { return g->d_sg + offsetof(zopt_gpu_step_globals, max_norm); }
-
 zopt_status dalloc(GpuState *g, size_t bytes, CUdeviceptr *out, const char *what) {
   bytes = std::max<size_t>(bytes, 16);
   if (g->allocator.alloc) {
@@ -339,6 +336,7 @@ zopt_status gpu_push(zopt_optimizer *o) {
   if (!r) r = g->cu->StreamSynchronize(g->stream);
   if (r) return fail(ZOPT_ERR_INTERNAL, "writing the GPU step state: %s", error_string(r));
   if (hypers) g->hypers_dirty = false;
+  g->max_norm_dirty = false;
   g->device_ahead = false;
   return ZOPT_OK;
 }
@@ -411,9 +409,11 @@ zopt_status gpu_set_max_norm(zopt_optimizer *o, double value) {
                 "zopt_optimizer_set_max_norm: the optimizer's stream is capturing a CUDA graph; a value written "
                 "now would be baked into the graph. Set max_norm between replays, outside the capture: every "
                 "replay reads it from the device, so it uses the value set before it");
-  if (CUresult r = write_f64_ordered(g, sg_max_norm(g), value))
+  if (CUresult r = write_f64_ordered(g, sg_max_norm(g), value)) {
+    g->max_norm_dirty = true;  // half written, maybe: the next step or push writes o->max_norm again
     return fail(ZOPT_ERR_INTERNAL, "zopt_optimizer_set_max_norm: writing the device's step globals: %s",
                 error_string(r));
+  }
   o->max_norm = value;
   return ZOPT_OK;
 }
