@@ -78,7 +78,7 @@ HYPER_KINDS = ("lr", "beta1", "beta2", "eps", "weight_decay", "momentum",
                "dampening", "bias_correction")
 DTYPES = ("f32", "bf16", "f16")
 PLACEMENTS = ("cpu", "gpu")
-ROUNDINGS = ("nearest_even", "stochastic")
+ROUNDINGS = ("nearest_even", "stochastic")  # as written; "nearest_away": a remainder master's param
 
 #: The runtime's slot defaults (getHyperInfo in lib/Dialect/Zopt/IR/
 #: ZoptDialect.cpp): what a group gets for a slot that neither it nor the
@@ -600,6 +600,9 @@ class _Parser:
             if r.text not in ROUNDINGS:
                 raise DescriptionError(f"unknown rounding {r.text!r}", r.line, r.col)
             rounding = r.text
+        # `remainder` (docs/NUMERICS.md §9): the f32 master kept as the
+        # int16 low half beside its bf16 param; checked in parse().
+        remainder = self.accept("remainder")
         attrs = self._maybe_attrs()
         self._check_attrs(attrs, (), t)
         if len(results) != 1:
@@ -611,7 +614,8 @@ class _Parser:
         op = Op("state", results, [], {"kind": kind.text}, t.line, t.col)
         self._def(prog, results, op, t)
         prog.states[kind.text] = dict(ssa=results[0], dtype=ty.text, placement=pl.text,
-                                      rounding=rounding or "nearest_even", line=t.line)
+                                      rounding=rounding or "nearest_even", line=t.line,
+                                      remainder=bool(remainder), col=t.col)
         prog.state_of_ssa[results[0]] = kind.text
 
     def _hyper(self, prog, results, t):
@@ -676,6 +680,20 @@ def parse(text):
     for k in ("param", "grad"):
         if k not in prog.states:
             raise DescriptionError(f"the step has no {k} state")
+    for k, st in prog.states.items():
+        if not st.get("remainder"):
+            continue
+        p = prog.states["param"]
+        if (k != "master" or st["dtype"] != "f32" or p["dtype"] != "bf16"
+                or p["placement"] != st["placement"] or p["rounding"] != "nearest_even"):
+            raise DescriptionError("'remainder' needs the f32 master of a bf16 param on its "
+                                   "placement, rounded to nearest", st["line"], st["col"])
+        # The param is the master's high half rounded to nearest with ties
+        # away (NUMERICS §9), not ties to even: its interval is the directed
+        # one (either neighbour); the master itself is checked as any f32
+        # state, and it decides the param (zopt-kernel-check checks that
+        # split bit for bit).
+        p["rounding"] = "nearest_away"
     return prog
 
 
@@ -780,7 +798,7 @@ def _directed_bf16(x, up):
 
 def round_interval(lo, hi, dtype, rounding="nearest_even"):
     """Storage values an implementation may store for a result in [lo, hi]."""
-    if rounding == "stochastic" and dtype == "bf16":
+    if rounding in ("stochastic", "nearest_away") and dtype == "bf16":
         return _directed_bf16(lo, False), _directed_bf16(hi, True)
     return store_round(lo, dtype), store_round(hi, dtype)
 
