@@ -262,6 +262,8 @@ class Native:
         hyperparameters and maximize flag (a new group's)."""
         L = self.lib
         for name, val in _hypers.slots(group, self.step.hypers).items():
+            if name not in self.step.hypers:  # plain SGD's momentum 0 (rule_only_keys)
+                continue
             _lib.check_value(L.zopt_optimizer_set_hyper(h, ng, name.encode(), float(val)),
                              f"param group {gid}: {name}={val!r}")
         if _hypers.maximize(group):
