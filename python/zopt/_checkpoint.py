@@ -22,7 +22,7 @@ import numpy as np
 from . import _ckpt, _frozen, _hypers, _lib, _params, _rebuild, _ruleprobe, _state
 from ._collective import collective_errors
 from ._dtypes import KIND_OF_KEY, NP_DTYPES, TORCH_KEY, torch
-from ._lib import HYPER_BY_NAME, StateKind, Status, ZoptError, ZoptValueError, check
+from ._lib import HYPER_BY_NAME, StateKind, Status, ZoptError, check
 from ._native import scaler_config
 from ._warnings import warn_user
 
@@ -253,9 +253,8 @@ def part_plan_state_dict(c, sd, groups, allow_rule_change=False):
         merged.update(ng)
         # torch's rule flags (amsgrad, nesterov, decoupled_weight_decay, a
         # momentum 0 / not 0) against the step's rule: zopt._hypers
-        for exc, key, text in _hypers.rule_flag_problems(s, merged):
-            problems.append(f"group {gid} has {text}" if exc is not ZoptValueError
-                            else f"group {gid}: {text}")
+        for key, text in _hypers.rule_flag_problems(s, merged):
+            problems.append(f"group {gid} has {text}")
             if key in groups[gid]:  # allowed: the step's rule, as the group has it now
                 merged[key] = groups[gid][key]
             else:

@@ -7,6 +7,7 @@ import numpy as np
 
 from ._dtypes import is_torch, torch
 from ._ext import same
+from ._ruleprobe import rule_flags
 from ._lib import GROUP_MAXIMIZE, StateKind, Status, ZoptError, ZoptTypeError, ZoptValueError, HYPER_BY_NAME
 
 
@@ -135,22 +136,21 @@ def held_buffers_text(where, step):
 
 
 def rule_flag_problems(step, group):
-    """[(exception class, key, text)]: the keys of a param group (torch's
+    """[(key, text)]: the keys of a param group (torch's
     rule flags, and a momentum that selects another SGD rule) whose rule is
     not the one compiled into ``step``; empty if the group fits the step.
     The one place that knows how torch's keys map onto compiled rules
     (check_rule_flags raises the first; load_state_dict lists them all)."""
-    from ._ruleprobe import rule_flags
     s, out = step, []
     if group.get("differentiable"):
-        out.append((ZoptError, "differentiable",
+        out.append(("differentiable",
                     "differentiable=True: a zopt step runs in the runtime, outside autograd "
                     "(no graph through the update)"))
     a = group.get("amsgrad")
     if a is not None:
         mine = s.adam_like and StateKind.MAX_EXP_AVG_SQ in s.state_flags
         if bool(a) != mine:
-            out.append((ZoptError, "amsgrad",
+            out.append(("amsgrad",
                         f"amsgrad={a!r}, but step '{s.name}' is compiled "
                         f"{'with' if mine else 'without'} AMSGrad (a state max_exp_avg_sq"
                         f"{'' if mine else ', zopt.steps.adam(amsgrad=True)'}): the rule "
@@ -160,19 +160,19 @@ def rule_flag_problems(step, group):
     n = group.get("nesterov")
     mine = rule_flags(s)["nesterov"] if n is not None else None
     if n is not None and mine is not None and bool(n) != mine:
-        out.append((ZoptError, "nesterov",
+        out.append(("nesterov",
                     f"nesterov={n!r}, but step '{s.name}' is compiled "
                     f"{'with' if mine else 'without'} Nesterov momentum (zopt.steps.sgd("
                     f"nesterov={not mine!r}) is the other rule): the rule is fixed when the "
                     "step is compiled"))
     if mu is not None and s.plain_sgd and mu != 0:
-        out.append((ZoptError, "momentum",
+        out.append(("momentum",
                     f"momentum={group['momentum']!r}, but step '{s.name}' is compiled as plain "
                     "SGD, without a momentum buffer (zopt.steps.sgd(momentum=0)): build "
                     "zopt.steps.sgd() (a buffer, the momentum a runtime value) for SGD with "
                     "momentum"))
     if mu == 0 and buffered and s.gpu:  # CPU steps: Pushed honours it
-        out.append((ZoptError, "momentum",
+        out.append(("momentum",
                     f"momentum=0, but step '{s.name}' (updated on the GPU) is compiled with a "
                     "momentum buffer: torch.optim.SGD keeps no buffer at momentum 0 and starts "
                     "one, buf = grad, at the first step with momentum != 0, which zopt does by "
@@ -181,7 +181,7 @@ def rule_flag_problems(step, group):
     d = group.get("decoupled_weight_decay")
     mine = rule_flags(s)["decoupled"] if d is not None and s.adam_like else None
     if mine is not None and bool(d) != mine:
-        out.append((ZoptError, "decoupled_weight_decay",
+        out.append(("decoupled_weight_decay",
                     f"decoupled_weight_decay={d!r}, but step '{s.name}' is compiled with "
                     f"{'decoupled (AdamW)' if mine else 'L2 (Adam)'} weight decay ("
                     f"zopt.steps.{'adam' if mine else 'adamw'}() is the other rule): the "
@@ -202,7 +202,6 @@ def check_nesterov_defaults(step, defaults):
     Nesterov step's keywords. (A group's own values, and later edits, are
     stepped as torch steps them: the compiled rule is torch's for any
     momentum and dampening.)"""
-    from ._ruleprobe import rule_flags
     if not momentum_buffered(step) or not rule_flags(step)["nesterov"]:
         return
     mu, damp = as_number(defaults.get("momentum")), as_number(defaults.get("dampening"))
@@ -215,17 +214,15 @@ def check_nesterov_defaults(step, defaults):
 
 def check_rule_flags(step, group, where):
     """torch.optim's per-group keys that change the update rule (amsgrad,
-    nesterov, decoupled_weight_decay; a momentum of 0 on a step with a
-    momentum buffer, or not 0 on plain SGD), which is compiled into a zopt
-    step: a group that asks for another rule is refused, never silently
-    stepped with the compiled one; differentiable=True is refused (the
-    step runs outside autograd). (maximize is a runtime group flag: pushed like a hyperparameter.)"""
+    nesterov, decoupled_weight_decay; a momentum != 0 on plain SGD, 0 on a
+    GPU step with a buffer), which is compiled into a zopt step: a group
+    that asks for another rule is refused, never silently stepped with the
+    compiled one; differentiable=True is refused (the step runs outside
+    autograd). (maximize is a runtime group flag: pushed like a
+    hyperparameter; momentum 0 on a CPU step with a buffer: Pushed.)"""
     probs = rule_flag_problems(step, group)
     if probs:
-        exc, _, text = probs[0]
-        if exc is ZoptValueError:
-            raise ZoptValueError(f"{where}: {text}")
-        raise ZoptError(Status.INVALID_ARGUMENT, f"{where} has {text}")
+        raise ZoptError(Status.INVALID_ARGUMENT, f"{where} has {probs[0][1]}")
 
 
 class Pushed:

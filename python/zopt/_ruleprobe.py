@@ -5,9 +5,9 @@ whether an SGD step's momentum is Nesterov's (torch.optim.SGD's
 compares torch's group keys with these.
 
 The descriptor (docs/ABI.md) lists states and hyperparameter slots, which
-both pairs of rules share, so the step is run once on a scratch optimizer
-of its own over one-element numpy params (CPU-updated steps), and the
-result read:
+both pairs of rules share, so the step is run once on a scratch native
+optimizer (the C API) over one-element numpy params (CPU-updated steps),
+and the result read:
 
 * SGD with a momentum buffer: two params in two groups, gradient 1, lr 1,
   momentum 0.5 and 0.25, no dampening, no decay; a first step moves each by
@@ -24,13 +24,12 @@ on the Step.
 """
 from __future__ import annotations
 
-import time
+import ctypes
 
 import numpy as np
 
 from . import bf16
-from ._dtypes import torch, torch_of
-from ._lib import DType, StateKind
+from ._lib import DType, LossScalerConfig, StateKind, StepResult, check, lib
 
 _NP = {DType.F32: np.float32, DType.F16: np.float16}
 
@@ -41,50 +40,62 @@ def _arr(dt, v):
     return np.array([v], _NP[dt])
 
 
-def _val(dt, a):
-    return float(bf16.to_f32(a)[0]) if dt == DType.BF16 else float(a[0])
-
-
-def _pair(step, p, g):
-    if step.zero3 and torch is not None:  # ZeRO-3 holds torch params
-        t = torch.nn.Parameter(torch.tensor([p], dtype=torch_of(step.param_dtype)))
-        t.grad = torch.tensor([g], dtype=torch_of(step.grad_dtype))
-        return t
-    return (_arr(step.param_dtype, p), _arr(step.grad_dtype, g))
-
-
-def _run(step, groups, **kw):
-    """The params (as floats) after one step of a scratch optimizer over
-    ``groups``; raises where the step does not fit (then: unknown)."""
-    from .optimizer import Optimizer  # the probe is an optimizer of its own
-    opt = Optimizer(step, groups, num_threads=1,
-                    loss_scaler=dict(init_scale=1.0) if step.loss_scaled else None, **kw)
+def _run(step, groups):
+    """The params (as floats) after one step of a scratch native optimizer
+    (the C API, zopt.h) over ``groups``: [(param value, gradient value,
+    {hyperparameter: value})], one one-element tensor each, one thread, a
+    loss scale of 1. Raises where the step does not fit (then: unknown)."""
+    L = lib()
+    h = ctypes.c_void_p()
+    check(L.zopt_optimizer_create(step._h, ctypes.byref(h)), "probe: zopt_optimizer_create")
+    keep = []
     try:
-        # the step itself, not step(): torch 2's global step hooks see no phantom step
-        if opt._step_prologue():
-            opt._run_native_step(time.perf_counter())
-        if step.zero3:  # the model's params, gathered after the step
-            return [float(g["params"][0].float()[0]) for g in groups]
-        return [_val(step.param_dtype, g["params"][0][0]) for g in groups]
+        check(L.zopt_optimizer_set_num_threads(h, 1), "probe: set_num_threads")
+        for gid, (p, g, hyp) in enumerate(groups):
+            ng = ctypes.c_int()
+            check(L.zopt_optimizer_add_group(h, ctypes.byref(ng)), "probe: add_group")
+            for name, v in hyp.items():
+                check(L.zopt_optimizer_set_hyper(h, gid, name.encode(), float(v)),
+                      f"probe: set_hyper({name})")
+            pa, ga = _arr(step.param_dtype, p), _arr(step.grad_dtype, g)
+            keep += [pa, ga]
+            tid = ctypes.c_int()
+            check(L.zopt_optimizer_add_tensor(h, gid, ctypes.c_void_p(pa.ctypes.data),
+                                              ctypes.c_void_p(ga.ctypes.data), 1,
+                                              int(step.param_dtype), ctypes.byref(tid)),
+                  "probe: add_tensor")
+        if step.loss_scaled:
+            cfg = LossScalerConfig(1.0, 2.0, 0.5, 2000, 1.0, 0)
+            check(L.zopt_optimizer_configure_loss_scaler(h, ctypes.byref(cfg)),
+                  "probe: configure_loss_scaler")
+        check(L.zopt_optimizer_finalize(h), "probe: finalize")
+        res = StepResult()
+        check(L.zopt_optimizer_step(h, ctypes.byref(res)), "probe: step")
+        out = []
+        for t in range(len(groups)):
+            v = np.empty(1, np.float32)
+            check(L.zopt_optimizer_read_state_f32(h, t, int(StateKind.PARAM),
+                                                  ctypes.c_void_p(v.ctypes.data), 1),
+                  "probe: read_state")
+            out.append(float(v[0]))
+        return out
     finally:
-        opt.close()
+        L.zopt_optimizer_free(h)
 
 
 def _nesterov(step):
     hyp = {"lr": 1.0, "weight_decay": 0.0}
     if "dampening" in step.hypers:
         hyp["dampening"] = 0.0
-    groups = [dict(params=[_pair(step, 0.0, 1.0)], momentum=0.5, **hyp),
-              dict(params=[_pair(step, 0.0, 1.0)], momentum=0.25, **hyp)]
-    a, b = _run(step, groups)
+    a, b = _run(step, [(0.0, 1.0, dict(hyp, momentum=0.5)),
+                       (0.0, 1.0, dict(hyp, momentum=0.25))])
     if not (a < 0 and b < 0):
         return None
     return a / b > 1.1  # 1.0 or 1.2
 
 
 def _decoupled(step):
-    hyp = {k: v for k, v in dict(lr=0.1, weight_decay=0.5).items() if k in step.hypers}
-    (p,) = _run(step, [dict(params=[_pair(step, 1.0, 0.0)], **hyp)])
+    (p,) = _run(step, [(1.0, 0.0, dict(lr=0.1, weight_decay=0.5))])
     if not 0.85 < p < 1.0:
         return None
     return p > 0.925  # 0.9 (L2) or 0.95 (decoupled)
@@ -112,11 +123,5 @@ def rule_flags(step):
     (None: unknown or not the rule's question), found once per Step."""
     f = step.__dict__.get("_rule_flags")
     if f is None:
-        # unknown while the probe runs (its own optimizer checks its groups)
-        step._rule_flags = {"nesterov": None, "decoupled": None}
-        try:
-            f = _probe(step)
-        finally:
-            step.__dict__.pop("_rule_flags", None)
-        step._rule_flags = f
+        f = step._rule_flags = _probe(step)
     return f
