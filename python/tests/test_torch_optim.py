@@ -1083,28 +1083,30 @@ def test_momentum_zero_with_buffers_held_refused(steps):
 
 
 def test_plain_sgd_momentum_refused(steps):
-    """A plain SGD step (no buffer) takes torch's plain groups (momentum 0,
-    any dampening, nesterov False) and steps as torch; a momentum != 0
-    (which torch would follow with a buffer) is refused at construction,
-    add_param_group and step() after an edit, nothing changed (it used to
-    be ignored)."""
+    """A plain SGD step (no buffer): a momentum != 0 (which torch would
+    follow with a buffer) is refused at step() after an edit, nothing
+    changed (it used to be ignored), at construction and add_param_group;
+    torch's plain groups (momentum 0, any dampening, nesterov False) are
+    taken and stepped as torch's."""
     step = steps(rule="sgd", momentum=False, layout="f32")
-    plain = dict(momentum=0.0, dampening=0.2, nesterov=False)
-    mz, mt, oz, ot = _sgd_pair(step, [plain, {}], lr=0.1)
+    mz, mt, oz, ot = _sgd_pair(step, [{}, {}], lr=0.1)
+    train_step(mz, oz, 0)
+    oz.param_groups[0]["momentum"] = 0.9
+    before = [p.detach().clone() for p in mz.parameters()]
+    with pytest.raises(zopt.ZoptError, match=r"param_groups\[0\] has momentum=0.9"):
+        train_step(mz, oz, 1)
+    assert same_bits(before, mz.parameters())
     ps = [torch.nn.Parameter(torch.randn(3))]
     with pytest.raises(zopt.ZoptError, match="momentum=0.9, but step .* plain SGD"):
         zopt.Optimizer(step, [dict(params=ps, momentum=0.9)], lr=0.1)
+    plain = dict(momentum=0.0, dampening=0.2, nesterov=False)
+    mz, mt, oz, ot = _sgd_pair(step, [plain, {}], lr=0.1)
     with pytest.raises(zopt.ZoptError, match="param group 2 has momentum=0.5"):
         oz.add_param_group(dict(params=ps, momentum=0.5))
     for i in range(2):
         train_step(mz, oz, i)
         train_step(mt, ot, i)
     close(mz.parameters(), mt.parameters())
-    oz.param_groups[0]["momentum"] = 0.9
-    before = [p.detach().clone() for p in mz.parameters()]
-    with pytest.raises(zopt.ZoptError, match=r"param_groups\[0\] has momentum=0.9"):
-        train_step(mz, oz, 2)
-    assert same_bits(before, mz.parameters())
 
 
 def test_decoupled_weight_decay_flag(steps):

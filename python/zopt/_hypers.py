@@ -263,7 +263,8 @@ class Pushed:
                 raise ZoptError(Status.BAD_STATE,
                                 f"param_groups[{gid}]['params'] was edited: the optimizer's "
                                 "tensors are fixed; add params with add_param_group()")
-            if any(k in group for k in RULE_KEYS) or self.raw_of(group) != self.raw[gid]:
+            if any(k in group for k in RULE_KEYS + ("momentum",)) \
+                    or self.raw_of(group) != self.raw[gid]:  # (plain SGD: no momentum slot)
                 for st in steps:
                     check_rule_flags(st, group, f"param_groups[{gid}]")
         restart = self.momentum_zero(groups, parts) if momentum_buffered(self.step) else ()
