@@ -19,7 +19,7 @@ import struct
 
 import numpy as np
 
-from . import _ckpt, _frozen, _hypers, _lib, _params, _rebuild, _ruleprobe, _state
+from . import _ckpt, _frozen, _hypers, _lib, _params, _rebuild, _state
 from ._collective import collective_errors
 from ._dtypes import KIND_OF_KEY, NP_DTYPES, TORCH_KEY, torch
 from ._lib import HYPER_BY_NAME, StateKind, Status, ZoptError, check
@@ -84,7 +84,7 @@ def state_dict(opt):
                   for k, v in g.items() if k != "params"}
         if s.adam_like:
             packed.setdefault("amsgrad", StateKind.MAX_EXP_AVG_SQ in s.state_flags)
-        nest = _ruleprobe.rule_flags(s)["nesterov"] if "momentum" in s.hypers else None
+        nest = s.nesterov if "momentum" in s.hypers else None
         if nest is not None:  # torch.optim.SGD reads a missing key as False
             packed.setdefault("nesterov", nest)
         if s.plain_sgd:  # torch.optim.SGD's keys of its momentum-0 rule

@@ -7,7 +7,6 @@ import numpy as np
 
 from ._dtypes import is_torch, torch
 from ._ext import same
-from ._ruleprobe import rule_flags
 from ._lib import GROUP_MAXIMIZE, StateKind, Status, ZoptError, ZoptTypeError, ZoptValueError, HYPER_BY_NAME
 
 
@@ -158,7 +157,7 @@ def rule_flag_problems(step, group):
     buffered = momentum_buffered(s)
     mu = as_number(group.get("momentum"))
     n = group.get("nesterov")
-    mine = rule_flags(s)["nesterov"] if n is not None else None
+    mine = s.nesterov if n is not None else None
     if n is not None and mine is not None and bool(n) != mine:
         out.append(("nesterov",
                     f"nesterov={n!r}, but step '{s.name}' is compiled "
@@ -179,7 +178,8 @@ def rule_flag_problems(step, group):
                     "restarting the params' step counts, on CPU-updated steps only; build "
                     "zopt.steps.sgd(momentum=0) for plain SGD, or use a momentum > 0"))
     d = group.get("decoupled_weight_decay")
-    mine = rule_flags(s)["decoupled"] if d is not None and s.adam_like else None
+    mine = (s.decoupled_decay if d is not None and s.adam_like and "weight_decay" in s.hypers
+            else None)
     if mine is not None and bool(d) != mine:
         out.append(("decoupled_weight_decay",
                     f"decoupled_weight_decay={d!r}, but step '{s.name}' is compiled with "
@@ -202,7 +202,7 @@ def check_nesterov_defaults(step, defaults):
     Nesterov step's keywords. (A group's own values, and later edits, are
     stepped as torch steps them: the compiled rule is torch's for any
     momentum and dampening.)"""
-    if not momentum_buffered(step) or not rule_flags(step)["nesterov"]:
+    if not momentum_buffered(step) or not step.nesterov:
         return
     mu, damp = as_number(defaults.get("momentum")), as_number(defaults.get("dampening"))
     if (mu is not None and mu <= 0) or (damp is not None and damp != 0):

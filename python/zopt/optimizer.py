@@ -17,7 +17,7 @@ stepped together with one norm and one skip decision
 * zopt._state: ``opt.state[p]`` (torch's keys, written through);
 * zopt._checkpoint: ``state_dict`` / ``load_state_dict`` / ``save`` / ``load``;
 * zopt._hypers: param groups <-> hyperparameter slots, torch's rule flags
-  (zopt._ruleprobe: what a compiled rule is);
+  (checked against the descriptor's rule flags, zopt.Step.nesterov ...);
 * zopt.streaming (``grad_streaming=True``), zopt._clip
   (``clip_grad_norm_``), zopt._ranks (checks at several ranks).
 """
