@@ -137,6 +137,32 @@ def test_bf16_numpy_and_torch_agree(steps):
                                   opt_t.read_state(0, "master"))
 
 
+def test_zero3_numpy_pairs_match_zero0(steps):
+    """ZeRO-3 over numpy (param, grad) pairs at one rank: every step gathers
+    the full params back into the user's arrays (it used to crash there,
+    reading a numpy array's address as a torch tensor's data_ptr()), bit for
+    bit the ZeRO-0 step's params and states, several steps."""
+    z0, z3 = steps(rule="adamw"), steps(rule="adamw", attributes={"zero_stage": 3})
+    rng = np.random.default_rng(11)
+    sizes = (1000, 37, 5000)
+    p0 = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+    pairs = {s: [(p.copy(), np.zeros_like(p)) for p in p0] for s in ("z0", "z3")}
+    opts = {"z0": zopt.Optimizer(z0, pairs["z0"], lr=0.01, weight_decay=0.1),
+            "z3": zopt.Optimizer(z3, pairs["z3"], lr=0.01, weight_decay=0.1)}
+    for _ in range(3):
+        gs = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+        for s, o in opts.items():
+            for (_, g), gv in zip(pairs[s], gs):
+                g[...] = gv
+            o.step()
+        for (a, _), (b, _) in zip(pairs["z0"], pairs["z3"]):
+            np.testing.assert_array_equal(a, b)
+    assert not any(np.array_equal(a, p) for (a, _), p in zip(pairs["z3"], p0))  # they moved
+    for t in range(len(sizes)):
+        np.testing.assert_array_equal(opts["z0"].read_state(t, "exp_avg_sq"),
+                                      opts["z3"].read_state(t, "exp_avg_sq"))
+
+
 def test_read_state_raw_and_memory_info(steps):
     step = steps(rule="adam", amsgrad=True, layout="bf16")
     p = bf16.from_f32(np.linspace(-1, 1, 17, dtype=np.float32) + 0.01)

@@ -233,6 +233,39 @@ def test_clip_grad_norm_passes_max_norm_to_a_gpu_step(steps, gpu_env):
     _assert_on_current_stream(rec, n0)
 
 
+@pytest.mark.parametrize("where", ["gpu", "offload"])
+def test_rule_flags_checked_on_device_steps(steps, gpu_env, where):
+    """torch's nesterov and decoupled_weight_decay against a GPU or
+    offloaded step's rule, which its descriptor states (the step cannot be
+    run on the host to find it, so it used to go unchecked): the other
+    value is refused at construction (no native optimizer made) and at
+    step() after an edit (nothing stepped); the step's own value steps."""
+    fc, rec, mode = gpu_env
+    mode(where)
+    nest = steps(rule="sgd", nesterov=True, layout="f32")
+    assert nest.nesterov is True
+    with pytest.raises(ZoptError, match="nesterov=False.*compiled with Nesterov"):
+        zopt.Optimizer(nest, [{"params": _params(), "nesterov": False}], lr=0.1, momentum=0.9)
+    with pytest.raises(ZoptError, match="decoupled_weight_decay=False.*decoupled .AdamW."):
+        zopt.Optimizer(steps(rule="adamw", layout="f32"),
+                       [{"params": _params(), "decoupled_weight_decay": False}], lr=1e-2)
+    assert not rec.calls("zopt_optimizer_create")
+    ps = _params()
+    opt = zopt.Optimizer(nest, [{"params": ps, "nesterov": True}], lr=0.1, momentum=0.9)
+    opt.step()
+    n = len(rec.calls("zopt_optimizer_step"))
+    assert n == 1
+    opt.param_groups[0]["nesterov"] = False
+    before = [p.detach().clone() for p in ps]
+    with pytest.raises(ZoptError, match=r"param_groups\[0\] has nesterov=False"):
+        opt.step()
+    assert len(rec.calls("zopt_optimizer_step")) == n
+    assert all(torch.equal(a, b) for a, b in zip(before, ps))
+    opt.param_groups[0]["nesterov"] = True
+    opt.step()
+    assert len(rec.calls("zopt_optimizer_step")) == n + 1
+
+
 def test_torch_allocator_registered_before_finalize_and_kept(steps, gpu_env):
     fc, rec, mode = gpu_env
     mode("gpu")

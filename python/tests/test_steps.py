@@ -126,6 +126,9 @@ def test_every_option_compiles_and_loads(cache, rule, kw, want):
     assert step.zero_stage == kw.get("zero_stage", 0)
     assert step.align == kw.get("align", 16)
     assert step.clipped == ("clip" in kw)
+    # The rule, as the descriptor states it (no run of the step needed).
+    assert step.nesterov == (rule == "sgd" and kw.get("nesterov", False))
+    assert step.decoupled_decay == (rule in ("adamw", "lion"))
     if "clip" in kw:
         assert step.max_norm == kw["clip"]
     assert step.loss_scaled == (kw.get("loss_scale")

@@ -104,12 +104,12 @@ def test_torch_state_dict_loads_and_trains_on(steps, name):
     _compare_states(oz, pz, ot, pt)
 
 
-@pytest.mark.parametrize("name", sorted(set(RULES) - {"sgd_nesterov"}))
+@pytest.mark.parametrize("name", sorted(RULES))
 def test_zopt_state_dict_loads_into_torch(steps, name):
     """docs/USAGE.md section 7: zopt's state_dict loads into the torch
-    optimizer of its rule, which then trains on as zopt does. (Not Nesterov
-    SGD: a compiled step does not record nesterov, and torch reads a
-    missing flag as False; USAGE.md says so.)"""
+    optimizer of its rule, which then trains on as zopt does. Nesterov SGD
+    too: zopt's groups carry the step's nesterov (torch reads a missing
+    key as False), loaded into a torch SGD built without it."""
     rule, kw, skw = RULES[name]
     pz = params(0)
     oz = zopt.Optimizer(steps(**skw), pz, **{k: v for k, v in kw.items()
@@ -118,7 +118,8 @@ def test_zopt_state_dict_loads_into_torch(steps, name):
         set_grads(pz, grads(pz, s))
         oz.step()
     pt = [torch.nn.Parameter(p.detach().clone()) for p in pz]
-    ot = TORCH[rule](pt, foreach=False, **dict(kw, lr=1.0))
+    ot = TORCH[rule](pt, foreach=False, **dict(kw, lr=1.0, **(
+        dict(nesterov=False, dampening=0.1) if "nesterov" in kw else {})))
     ot.load_state_dict(oz.state_dict())
     assert ot.param_groups[0]["lr"] == kw["lr"]
     for s in range(3, 6):

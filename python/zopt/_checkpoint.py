@@ -96,6 +96,9 @@ def state_dict(opt):
                   for k, v in g.items() if k != "params"}
         if s.adam_like:
             packed.setdefault("amsgrad", StateKind.MAX_EXP_AVG_SQ in s.state_flags)
+        nest = s.nesterov if "momentum" in s.hypers else None
+        if nest is not None:  # torch.optim.SGD reads a missing key as False
+            packed.setdefault("nesterov", nest)
         if s.plain_sgd:  # torch.optim.SGD's keys of its momentum-0 rule
             for k, v in (("momentum", 0.0), ("dampening", 0.0), ("nesterov", False)):
                 packed.setdefault(k, v)
@@ -258,14 +261,22 @@ def part_plan_state_dict(c, sd, groups, allow_rule_change=False):
                             and not ng.get("momentum")):
                         problems.append(f"group {gid} has the hyperparameter '{key}'")
                     del ng[key]
-        if s.adam_like and "amsgrad" in ng:
-            mine = StateKind.MAX_EXP_AVG_SQ in s.state_flags
-            if bool(ng["amsgrad"]) != mine:
-                problems.append(f"group {gid} has amsgrad={ng['amsgrad']} (the step: {mine})")
-                ng["amsgrad"] = mine
         ng["params"] = groups[gid]["params"]
         merged = dict(groups[gid])
         merged.update(ng)
+        # torch's rule flags (amsgrad, nesterov, decoupled_weight_decay, a
+        # momentum 0 / not 0) against the step's rule: zopt._hypers
+        for key, text in _hypers.rule_flag_problems(s, merged):
+            problems.append(f"group {gid} has {text}")
+            if key in groups[gid]:  # allowed: the step's rule, as the group has it now
+                merged[key] = groups[gid][key]
+            else:
+                merged.pop(key, None)
+        if _hypers.momentum_buffered(s) and _hypers.as_number(merged.get("momentum")) == 0 \
+                and any((sd["state"].get(pid) or {}).get("momentum_buffer") is not None
+                        for pid in g["params"]):
+            problems.append(_hypers.held_buffers_text(f"group {gid}", s))
+            merged["momentum"] = groups[gid]["momentum"]
         new_groups.append(_hypers.complete_group(s, merged))
     # States by torch's keys. A key whose value is None (torch's SGD:
     # momentum_buffer None for momentum 0, or a param never stepped with

@@ -99,7 +99,8 @@ def new_group(opt, g):
     for st in opt._steps.values():
         _hypers.check_rule_flags(st, extra, f"param group {gid}")
     hyp = opt.step_obj.hypers
-    bad = [k for k in _hypers.slots(extra, hyp) if k not in hyp]
+    bad = [k for k in _hypers.slots(extra, hyp)
+           if k not in hyp and k not in _hypers.rule_only_keys(opt.step_obj)]
     if bad:
         raise ZoptError(Status.INVALID_ARGUMENT,
                         f"param group {gid}: {opt._who()} no hyperparameter "
@@ -108,6 +109,8 @@ def new_group(opt, g):
     group.update(extra)
     group = _hypers.complete_group(opt.step_obj, group)
     _hypers.slots(group, hyp)  # validates (betas, bias_correction)
+    for st in opt._steps.values():  # with the optimizer's defaults (momentum=0)
+        _hypers.check_rule_flags(st, group, f"param group {gid}")
     if opt._mapped:
         classes = [_classes.classify(opt._steps, gid, i, p) for i, p in enumerate(ps)]
     else:
@@ -188,4 +191,4 @@ def add_group(opt, param_group):
                 opt._class_of.pop(id(e.param), None)
         route(opt)
         raise
-    opt._pushed.reset(opt.param_groups)
+    opt._pushed.reset(opt.param_groups, keep_fresh=True)

@@ -108,26 +108,121 @@ def hyper_keys(step):
             if k in hyp or (k == "betas" and "beta1" in hyp)] + ["maximize"]
 
 
-def check_rule_flags(step, group, where):
-    """torch.optim's per-group amsgrad flag changes the update rule,
-    which is compiled into a zopt step: a group that asks for another
-    rule is refused, never silently stepped with the compiled one;
-    differentiable=True is refused (the step runs outside autograd).
-    (maximize is a runtime group flag: pushed like a hyperparameter.)"""
+# torch.optim's group keys that select the update rule (zopt: compiled
+# into the step), besides the hyperparameters; docs/USAGE.md section 2.
+RULE_KEYS = ("amsgrad", "nesterov", "decoupled_weight_decay", "differentiable")
+
+
+def as_number(v):
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None  # slots() reports it
+
+
+def momentum_buffered(step):
+    """An SGD step with a momentum buffer and a momentum slot."""
+    return "momentum" in step.hypers and StateKind.MOMENTUM_BUFFER in step.state_flags
+
+
+def held_buffers_text(where, step):
+    return (f"{where} has momentum=0 while its params hold momentum buffers (from steps "
+            "with momentum != 0): torch.optim.SGD leaves them unchanged while the momentum "
+            "is 0 and continues them when it is not, but step "
+            f"'{step.name}' would overwrite them with the gradient (its buffer update at "
+            "momentum 0 is buf = grad); use a momentum > 0, or build "
+            "zopt.steps.sgd(momentum=0) for plain SGD")
+
+
+def rule_flag_problems(step, group):
+    """[(key, text)]: the keys of a param group (torch's
+    rule flags, and a momentum that selects another SGD rule) whose rule is
+    not the one compiled into ``step``; empty if the group fits the step.
+    The one place that knows how torch's keys map onto compiled rules
+    (check_rule_flags raises the first; load_state_dict lists them all)."""
+    s, out = step, []
     if group.get("differentiable"):
-        raise ZoptError(Status.INVALID_ARGUMENT,
-                        f"{where} has differentiable=True: a zopt step runs in the "
-                        "runtime, outside autograd (no graph through the update)")
+        out.append(("differentiable",
+                    "differentiable=True: a zopt step runs in the runtime, outside autograd "
+                    "(no graph through the update)"))
     a = group.get("amsgrad")
     if a is not None:
-        s = step
         mine = s.adam_like and StateKind.MAX_EXP_AVG_SQ in s.state_flags
         if bool(a) != mine:
-            raise ZoptError(Status.INVALID_ARGUMENT,
-                            f"{where} has amsgrad={a!r}, but step '{s.name}' is compiled "
-                            f"{'with' if mine else 'without'} AMSGrad (a state max_exp_avg_sq"
-                            f"{'' if mine else ', zopt.steps.adam(amsgrad=True)'}): the rule "
-                            "is fixed when the step is compiled")
+            out.append(("amsgrad",
+                        f"amsgrad={a!r}, but step '{s.name}' is compiled "
+                        f"{'with' if mine else 'without'} AMSGrad (a state max_exp_avg_sq"
+                        f"{'' if mine else ', zopt.steps.adam(amsgrad=True)'}): the rule "
+                        "is fixed when the step is compiled"))
+    buffered = momentum_buffered(s)
+    mu = as_number(group.get("momentum"))
+    n = group.get("nesterov")
+    mine = s.nesterov if n is not None else None
+    if n is not None and mine is not None and bool(n) != mine:
+        out.append(("nesterov",
+                    f"nesterov={n!r}, but step '{s.name}' is compiled "
+                    f"{'with' if mine else 'without'} Nesterov momentum (zopt.steps.sgd("
+                    f"nesterov={not mine!r}) is the other rule): the rule is fixed when the "
+                    "step is compiled"))
+    if mu is not None and s.plain_sgd and mu != 0:
+        out.append(("momentum",
+                    f"momentum={group['momentum']!r}, but step '{s.name}' is compiled as plain "
+                    "SGD, without a momentum buffer (zopt.steps.sgd(momentum=0)): build "
+                    "zopt.steps.sgd() (a buffer, the momentum a runtime value) for SGD with "
+                    "momentum"))
+    if mu == 0 and buffered and s.gpu:  # CPU steps: Pushed honours it
+        out.append(("momentum",
+                    f"momentum=0, but step '{s.name}' (updated on the GPU) is compiled with a "
+                    "momentum buffer: torch.optim.SGD keeps no buffer at momentum 0 and starts "
+                    "one, buf = grad, at the first step with momentum != 0, which zopt does by "
+                    "restarting the params' step counts, on CPU-updated steps only; build "
+                    "zopt.steps.sgd(momentum=0) for plain SGD, or use a momentum > 0"))
+    d = group.get("decoupled_weight_decay")
+    mine = (s.decoupled_decay if d is not None and s.adam_like and "weight_decay" in s.hypers
+            else None)
+    if mine is not None and bool(d) != mine:
+        out.append(("decoupled_weight_decay",
+                    f"decoupled_weight_decay={d!r}, but step '{s.name}' is compiled with "
+                    f"{'decoupled (AdamW)' if mine else 'L2 (Adam)'} weight decay ("
+                    f"zopt.steps.{'adam' if mine else 'adamw'}() is the other rule): the "
+                    "rule is fixed when the step is compiled"))
+    return out
+
+
+def rule_only_keys(step):
+    """Hyperparameter names a group may carry although the step has no
+    slot for them, since they only say which rule it is: torch's plain SGD
+    groups hold momentum 0 and a dampening (unused without momentum)."""
+    return ("momentum", "dampening") if step.plain_sgd else ()
+
+
+def check_nesterov_defaults(step, defaults):
+    """torch.optim.SGD(nesterov=True) refuses a momentum <= 0 or a
+    dampening at construction (ValueError); so does zopt.Optimizer for a
+    Nesterov step's keywords. (A group's own values, and later edits, are
+    stepped as torch steps them: the compiled rule is torch's for any
+    momentum and dampening.)"""
+    if not momentum_buffered(step) or not step.nesterov:
+        return
+    mu, damp = as_number(defaults.get("momentum")), as_number(defaults.get("dampening"))
+    if (mu is not None and mu <= 0) or (damp is not None and damp != 0):
+        raise ZoptValueError("Nesterov momentum requires a momentum and zero dampening "
+                             f"(step '{step.name}' is Nesterov's; momentum="
+                             f"{defaults.get('momentum')!r}, dampening="
+                             f"{defaults.get('dampening')!r})")
+
+
+def check_rule_flags(step, group, where):
+    """torch.optim's per-group keys that change the update rule (amsgrad,
+    nesterov, decoupled_weight_decay; a momentum != 0 on plain SGD, 0 on a
+    GPU step with a buffer), which is compiled into a zopt step: a group
+    that asks for another rule is refused, never silently stepped with the
+    compiled one; differentiable=True is refused (the step runs outside
+    autograd). (maximize is a runtime group flag: pushed like a
+    hyperparameter; momentum 0 on a CPU step with a buffer: Pushed.)"""
+    probs = rule_flag_problems(step, group)
+    if probs:
+        raise ZoptError(Status.INVALID_ARGUMENT, f"{where} has {probs[0][1]}")
 
 
 class Pushed:
@@ -141,8 +236,13 @@ class Pushed:
         self.keys = hyper_keys(step)
         self.reset(groups)
 
-    def reset(self, groups):
-        """Every group as it is now is what the runtimes hold."""
+    def reset(self, groups, keep_fresh=False):
+        """Every group as it is now is what the runtimes hold. ``fresh``
+        (SGD with a buffer): per group, True while its params hold no
+        momentum buffer torch would hold (only steps at momentum 0 so far),
+        None: not known (after a load: from the step counts)."""
+        old = self.__dict__.get("fresh", []) if keep_fresh else []
+        self.fresh = old[:len(groups)] + [None] * (len(groups) - len(old))
         self.params = [tuple(g["params"]) for g in groups]
         self.slots = [slots(g, self.step.hypers) for g in groups]
         self.max = [maximize(g) for g in groups]
@@ -157,16 +257,51 @@ class Pushed:
         if len(groups) != len(self.raw):
             raise ZoptError(Status.BAD_STATE,
                             "param_groups changed length: add groups with add_param_group()")
-        for gid, group in enumerate(groups):
+        for gid, group in enumerate(groups):  # every group checked before any push
             ps, built = group["params"], self.params[gid]
             if not same(ps, built):
                 raise ZoptError(Status.BAD_STATE,
                                 f"param_groups[{gid}]['params'] was edited: the optimizer's "
                                 "tensors are fixed; add params with add_param_group()")
-            if "amsgrad" in group or "differentiable" in group:
+            if any(k in group for k in RULE_KEYS + ("momentum",)) \
+                    or self.raw_of(group) != self.raw[gid]:  # (plain SGD: no momentum slot)
                 for st in steps:
                     check_rule_flags(st, group, f"param_groups[{gid}]")
+        restart = self.momentum_zero(groups, parts) if momentum_buffered(self.step) else ()
+        for gid, group in enumerate(groups):
             self.push_group(gid, group, parts)
+        for gid in restart:
+            for c in parts:
+                for lt, e in enumerate(c.entries):
+                    if e.group == gid and c.tensor_step(lt):
+                        c.set_tensor_step(lt, 0)
+            self.fresh[gid] = False
+
+    def momentum_zero(self, groups, parts):
+        """torch.optim.SGD's momentum 0 on a step with a buffer: torch keeps
+        no buffer while the momentum is 0 (the step's rule does plain SGD
+        then: buf = g when mu == 0, docs/NUMERICS.md) and starts one, buf =
+        g, at the first step with momentum != 0: the groups whose step
+        counts must restart (t = 1: buf = g) now. Refused (nothing changed):
+        momentum 0 while buffers torch would keep unchanged are held."""
+        restart = []
+        for gid, group in enumerate(groups):
+            mu = as_number(group.get("momentum"))
+            if mu is None:
+                continue
+            if mu == 0:
+                if not self.fresh[gid]:
+                    self.fresh[gid] = not any(c.tensor_step(lt) for c in parts
+                                              for lt, e in enumerate(c.entries)
+                                              if e.group == gid)
+                if not self.fresh[gid]:
+                    raise ZoptError(Status.INVALID_ARGUMENT,
+                                    held_buffers_text(f"param_groups[{gid}]", self.step))
+            elif self.fresh[gid]:
+                restart.append(gid)
+            else:
+                self.fresh[gid] = False
+        return restart
 
     def push_group(self, gid, group, parts):
         """The hyperparameters of param group gid that changed since they
@@ -178,6 +313,8 @@ class Pushed:
         on = maximize(group)
         pushed = self.slots[gid]
         for name, val in vals.items():
+            if name not in self.step.hypers:  # plain SGD's momentum 0 (rule_only_keys)
+                continue
             if pushed.get(name) != val:
                 for c in parts:
                     c.set_hyper(gid, name, val)

@@ -104,6 +104,12 @@ def exclusive(name):
     return deco
 
 
+def _param_addr(e):
+    """The address of an entry's param: a torch tensor's data_ptr, a numpy
+    array's data (the (param, grad) pairs of the numpy API)."""
+    return e.param.data_ptr() if e.torch else e.param.ctypes.data
+
+
 # ---- the native optimizer of one parameter class --------------------------
 
 def scaler_config(init_scale=65536.0, growth_factor=2.0, backoff_factor=0.5,
@@ -262,6 +268,8 @@ class Native:
         hyperparameters and maximize flag (a new group's)."""
         L = self.lib
         for name, val in _hypers.slots(group, self.step.hypers).items():
+            if name not in self.step.hypers:  # plain SGD's momentum 0 (rule_only_keys)
+                continue
             _lib.check_value(L.zopt_optimizer_set_hyper(h, ng, name.encode(), float(val)),
                              f"param group {gid}: {name}={val!r}")
         if _hypers.maximize(group):
@@ -477,7 +485,7 @@ class Native:
         over the runs of consecutive ids (ZeRO-3: collective)."""
         for first, count in _runs(tids):
             dst, _ = _lib.c_array(ctypes.c_void_p, [
-                self.entries[u].param.data_ptr() if self.entries[u].numel else None
+                _param_addr(self.entries[u]) if self.entries[u].numel else None
                 for u in range(first, first + count)])
             check(self.lib.zopt_optimizer_gather_params(self.h, first, count,
                                                         dst.ctypes.data),

@@ -96,6 +96,8 @@ def restore(c, snap, groups=None, what="restore"):
         for gid, g in enumerate(groups):
             imp.group(gid, counts[gid], GROUP_MAXIMIZE if _hypers.maximize(g) else 0)
             for name, v in _hypers.slots(g, s.hypers).items():
+                if name not in s.hypers:  # plain SGD's momentum 0 (rule_only_keys)
+                    continue
                 imp.hyper(gid, name, v, f"{what}: param group {gid}: {name}={v!r}")
         imp.scaler(cfg, scale, good)
         imp.seed(snap["seed"])

@@ -52,6 +52,25 @@ class Step:
     def clipped(self):
         return bool(self.flags & _lib.FLAG_CLIP)
 
+    @property
+    def nesterov(self):
+        """Whether the step's SGD momentum is Nesterov's (torch.optim.SGD's
+        ``nesterov``), as the descriptor states it (ZOPT_FLAG_NESTEROV); a
+        step without a momentum buffer is not. None: the descriptor does not
+        say (a step.so compiled before ZOPT_FLAG_RULE_STATED)."""
+        if self.flags & _lib.FLAG_RULE_STATED or StateKind.MOMENTUM_BUFFER not in self.state_flags:
+            return bool(self.flags & _lib.FLAG_NESTEROV)
+        return None
+
+    @property
+    def decoupled_decay(self):
+        """Whether the step's weight decay is decoupled (AdamW, Lion:
+        ZOPT_FLAG_DECOUPLED_DECAY) rather than L2 or none; None: the
+        descriptor does not say (compiled before ZOPT_FLAG_RULE_STATED)."""
+        if self.flags & _lib.FLAG_RULE_STATED:
+            return bool(self.flags & _lib.FLAG_DECOUPLED_DECAY)
+        return None
+
     def state_dtype(self, kind):
         kind = _dtypes.kind(kind)
         for k, dt, _ in self.states:

@@ -16,7 +16,8 @@ stepped together with one norm and one skip decision
   class's native optimizer, registered params and gradient memory;
 * zopt._state: ``opt.state[p]`` (torch's keys, written through);
 * zopt._checkpoint: ``state_dict`` / ``load_state_dict`` / ``save`` / ``load``;
-* zopt._hypers: param groups <-> hyperparameter slots;
+* zopt._hypers: param groups <-> hyperparameter slots, torch's rule flags
+  (checked against the descriptor's rule flags, zopt.Step.nesterov ...);
 * zopt.streaming (``grad_streaming=True``), zopt._clip
   (``clip_grad_norm_``), zopt._ranks (checks at several ranks).
 """
@@ -139,6 +140,8 @@ class Optimizer(_Base):
         if not isinstance(groups[0], dict):
             groups = [{"params": groups}]
         defaults = _hypers.complete_group(s, given)
+        for st in self._steps.values():  # torch's ValueError of SGD(nesterov=True, ...)
+            _hypers.check_nesterov_defaults(st, defaults)
         self.defaults = defaults
         _torch_compat.init_base(self)  # hook dicts, the step wrapper (torch 1.13 and 2.x)
         self.param_groups = []
@@ -381,6 +384,10 @@ class Optimizer(_Base):
         self._check_open()
         if name == "bias_correction":
             value = _hypers.bool_hyper(name, value)
+        if name in ("momentum", "dampening") and 0 <= gid < len(self.param_groups):
+            trial = dict(self.param_groups[gid], **{name: value})  # another SGD rule?
+            for st in self._steps.values():
+                _hypers.check_rule_flags(st, trial, f"set_hyper: param group {gid}")
         for c in self._parts:
             c.set_hyper(gid, name, value)
         self._sync_group_from_c(gid)

@@ -27,11 +27,15 @@ zopt_status validate_fields(const zopt_step_descriptor *d) {
     return fail(ZOPT_ERR_ABI, "descriptor zero_stage %u out of range [0, 3]", d->zero_stage);
   if (d->align == 0 || (d->align & (d->align - 1)) || d->align > (1u << 20))
     return fail(ZOPT_ERR_ABI, "descriptor align %u is not a power of two <= 2^20", d->align);
-  const uint32_t known = ZOPT_FLAG_CLIP | ZOPT_FLAG_LOSS_SCALE | ZOPT_FLAG_SUMSQ | ZOPT_FLAG_STOCHASTIC;
+  const uint32_t known = ZOPT_FLAG_CLIP | ZOPT_FLAG_LOSS_SCALE | ZOPT_FLAG_SUMSQ | ZOPT_FLAG_STOCHASTIC |
+                         ZOPT_FLAG_NESTEROV | ZOPT_FLAG_DECOUPLED_DECAY | ZOPT_FLAG_RULE_STATED;
   if (d->flags & ~known)
     return fail(ZOPT_ERR_ABI, "descriptor has unknown flags 0x%x", d->flags & ~known);
   if ((d->flags & (ZOPT_FLAG_CLIP | ZOPT_FLAG_LOSS_SCALE)) && !(d->flags & ZOPT_FLAG_SUMSQ))
     return fail(ZOPT_ERR_ABI, "descriptor needs a SUMSQ kernel for clipping/loss scaling");
+  if ((d->flags & (ZOPT_FLAG_NESTEROV | ZOPT_FLAG_DECOUPLED_DECAY)) && !(d->flags & ZOPT_FLAG_RULE_STATED))
+    return fail(ZOPT_ERR_ABI, "descriptor has rule flags 0x%x without RULE_STATED",
+                d->flags & (ZOPT_FLAG_NESTEROV | ZOPT_FLAG_DECOUPLED_DECAY));
   if ((d->flags & ZOPT_FLAG_CLIP) && !(std::isfinite(d->max_norm) && d->max_norm > 0))
     return fail(ZOPT_ERR_ABI, "descriptor max_norm %g must be finite and > 0", d->max_norm);
   if (d->num_states < 2 || d->num_states > ZOPT_MAX_STATES)

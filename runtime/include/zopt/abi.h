@@ -217,6 +217,13 @@ typedef void (*zopt_control_fn)(zopt_control *c);
 #define ZOPT_FLAG_LOSS_SCALE 2u /* grads are loss-scaled; skip non-finite */
 #define ZOPT_FLAG_SUMSQ 4u      /* a SUMSQ kernel exists */
 #define ZOPT_FLAG_STOCHASTIC 8u /* UPDATE takes (key, first): stochastic rounding */
+/* What the update rule is (the runtime does not read these; a binding checks
+ * torch.optim's rule keys against them). RULE_STATED: this descriptor states
+ * NESTEROV and DECOUPLED_DECAY (a zopt-compile that predates them left all
+ * three clear). AMSGrad is visible from the states (MAX_EXP_AVG_SQ). */
+#define ZOPT_FLAG_NESTEROV 16u        /* SGD momentum is Nesterov's (zopt.nesterov) */
+#define ZOPT_FLAG_DECOUPLED_DECAY 32u /* weight decay is decoupled (zopt.decoupled_decay) */
+#define ZOPT_FLAG_RULE_STATED 64u     /* NESTEROV and DECOUPLED_DECAY are stated */
 
 /*===-- Remainder masters -------------------------------------------------===*
  *

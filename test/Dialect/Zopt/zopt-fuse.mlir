@@ -4,9 +4,10 @@
 // produces one descriptor, one f64 prepare function, one update kernel that
 // does the whole step in one pass (every state loaded at most once, every
 // written state stored once) and one sumsq kernel over the clipped value.
+// Flags: CLIP | SUMSQ | DECOUPLED_DECAY | RULE_STATED (1 + 4 + 32 + 64).
 
 // CHECK: zk.descriptor
-// CHECK-SAME: flags = 5 : i64
+// CHECK-SAME: flags = 101 : i64
 // CHECK-SAME: hyper_kinds = array<i32: 1, 2, 3, 4, 5, 8>
 // CHECK-SAME: max_norm = 1.000000e+00 : f64
 // CHECK-SAME: name = "adamw_bf16"

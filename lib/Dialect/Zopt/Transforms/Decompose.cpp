@@ -150,6 +150,15 @@ struct ZoptDecompose
               MaxOp, SignOp, AdamDirectionOp, MomentumOp>(op))
         prims.push_back(op);
     });
+    // What the rule is, for the descriptor's flags (zopt-fuse): the ops
+    // that say it are expanded below.
+    for (Operation *op : prims) {
+      StringRef mark = isa<NesterovOp>(op)         ? "zopt.nesterov"
+                       : isa<DecoupledDecayOp>(op) ? "zopt.decoupled_decay"
+                                                   : "";
+      if (auto step = op->getParentOfType<StepOp>(); step && !mark.empty())
+        step->setAttr(mark, UnitAttr::get(op->getContext()));
+    }
     for (Operation *op : prims)
       numPrimitives += expandPrimitive(op);
   }

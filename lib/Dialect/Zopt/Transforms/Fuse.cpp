@@ -113,6 +113,13 @@ struct StepFuser {
       flags |= ZOPT_FLAG_SUMSQ;
     if (stochastic)
       flags |= ZOPT_FLAG_STOCHASTIC;
+    // The rule, as zopt-decompose found it (zopt.nesterov and
+    // zopt.decoupled_decay ops); always stated.
+    flags |= ZOPT_FLAG_RULE_STATED;
+    if (step->hasAttr("zopt.nesterov"))
+      flags |= ZOPT_FLAG_NESTEROV;
+    if (step->hasAttr("zopt.decoupled_decay"))
+      flags |= ZOPT_FLAG_DECOUPLED_DECAY;
     return flags;
   }
 

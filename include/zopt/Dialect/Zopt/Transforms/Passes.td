@@ -18,7 +18,10 @@ def ZoptDecompose : Pass<"zopt-decompose", "ModuleOp"> {
     and `math` ops: f32 math per element, with the coefficients that depend
     only on hyperparameters and the step count computed in f64 from
     `zopt.hyper` / `zopt.global` values. `zopt.unscale` and
-    `zopt.clip_by_global_norm` are left for `zopt-plan`.
+    `zopt.clip_by_global_norm` are left for `zopt-plan`. The ops that say
+    which rule it is are recorded on the step before they are expanded
+    (`zopt.nesterov`, `zopt.decoupled_decay`: unit attributes of the same
+    names), for the descriptor's rule flags (`zopt-fuse`).
 
     ```mlir
     %m1 = zopt.ema %m, %g, %b1 : f32, f32
