@@ -143,11 +143,13 @@ static void run_step(const char *path) {
       ZT_ERR(zopt_optimizer_create(step, &o), ZOPT_ERR_UNSUPPORTED);
       printf("  GPU-placed state: %s (rest skipped)\n", zopt_last_error());
       zopt_step_free(step);
+      for (int t = 0; t < NT; ++t) free(p[t]), free(g[t]);
       return;
     }
   ZT_OK(zopt_optimizer_create(step, &o));
   if (!o) {
     zopt_step_free(step);
+    for (int t = 0; t < NT; ++t) free(p[t]), free(g[t]);
     return;
   }
   zopt_step_free(step); /* the optimizer keeps its step alive */
