@@ -428,6 +428,20 @@ def test_bare_tensor_params_raise_type_error(steps):
         assert isinstance(ez.value, zopt.ZoptError)
 
 
+def _assert_no_cyclic_garbage(run):
+    """``run()`` twice: a warm-up (caches such as ctypes pointer types and
+    torch's filled once), then with the collector off, after which a
+    collection finds nothing."""
+    run()
+    gc.collect()
+    gc.disable()
+    try:
+        run()
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
+
+
 # ---- garbage -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["one", "mixed", "bf16_master"])
@@ -457,14 +471,7 @@ def test_no_cyclic_garbage(steps, kind):
         o.state[ps[0]]["exp_avg"]
         del o, ps
 
-    run()  # warm-up: caches (ctypes pointer types, torch) filled once
-    gc.collect()
-    gc.disable()
-    try:
-        run()
-        assert gc.collect() == 0
-    finally:
-        gc.enable()
+    _assert_no_cyclic_garbage(run)
 
 
 def test_comm_buffers_leave_no_cyclic_garbage():
@@ -481,11 +488,4 @@ def test_comm_buffers_leave_no_cyclic_garbage():
         for c in Comm.loopback(3):
             c.close()
 
-    run()
-    gc.collect()
-    gc.disable()
-    try:
-        run()
-        assert gc.collect() == 0
-    finally:
-        gc.enable()
+    _assert_no_cyclic_garbage(run)
