@@ -52,6 +52,7 @@ copy python/tests
 copy examples
 copy bench/gpu
 cp "$root/python/README.md" "$out/repo/python/" 2>/dev/null || true
+cp "$root/python/build_fast.py" "$out/repo/python/"  # zopt._fast for the machine's Python and torch
 
 log "steps for zopt-gpu-check, the benchmark and the NCCL stage"
 compile() {  # name src : GPU step and its CPU twin

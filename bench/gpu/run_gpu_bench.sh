@@ -8,7 +8,8 @@
 # all (ZOPT_GPU_BUDGET_S, default 460 s), every stage under `timeout`, in
 # order of value:
 #   0 versions      device, driver, toolkit, NCCL, torch, Python, numpy; ldd
-#                   of every carried ELF file (into summary.txt)
+#                   of every carried ELF file (into summary.txt); zopt._fast
+#                   built for the machine's Python and torch beside stage 1
 #   1 correctness   zopt-gpu-check on every layout vs its CPU twin: clip+inf,
 #                   loss scaling, CUDA-graph replay on another stream with an
 #                   lr or max_norm schedule, misaligned views, chunkings, 3000 small
@@ -350,8 +351,16 @@ nccl_lib="$(find_nccl)"  # for the NCCL stage only (pytest sees the machine as i
 export nccl_lib
 versions 2>&1 | tee "$summary.tmp"
 cat "$summary.tmp" > "$summary" && rm -f "$summary.tmp"
+# zopt._fast (the binding's per-step pass in C++) for this machine's Python
+# and torch, built beside stage 1 (never fails: without it the binding runs
+# its pure-Python pass, and the summary says why)
+fast_log="$scratch/build_fast.log"
+(cd "$repo" && timeout 150 "$PY" python/build_fast.py --out "$repo/python/zopt") > "$fast_log" 2>&1 &
+fast_pid=$!
 echo "# stages (status, what, seconds)" >> "$summary"
 stage 1 correctness 100 correctness
+wait $fast_pid
+echo "zopt._fast: $(tr '\n' ' ' < "$fast_log" | cut -c1-300)" | tee -a "$summary"
 stage 2 gpu-python 100 gpu_python
 stage 3 torch2-suite 150 torch2_suite
 stage 4 nccl 40 nccl
