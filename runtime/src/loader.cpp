@@ -28,7 +28,8 @@ zopt_status validate_fields(const zopt_step_descriptor *d) {
   if (d->align == 0 || (d->align & (d->align - 1)) || d->align > (1u << 20))
     return fail(ZOPT_ERR_ABI, "descriptor align %u is not a power of two <= 2^20", d->align);
   const uint32_t known = ZOPT_FLAG_CLIP | ZOPT_FLAG_LOSS_SCALE | ZOPT_FLAG_SUMSQ | ZOPT_FLAG_STOCHASTIC |
-                         ZOPT_FLAG_NESTEROV | ZOPT_FLAG_DECOUPLED_DECAY | ZOPT_FLAG_RULE_STATED;
+                         ZOPT_FLAG_NESTEROV | ZOPT_FLAG_DECOUPLED_DECAY | ZOPT_FLAG_RULE_STATED |
+                         ZOPT_FLAG_FINISH_GRID;
   if (d->flags & ~known)
     return fail(ZOPT_ERR_ABI, "descriptor has unknown flags 0x%x", d->flags & ~known);
   if ((d->flags & (ZOPT_FLAG_CLIP | ZOPT_FLAG_LOSS_SCALE)) && !(d->flags & ZOPT_FLAG_SUMSQ))

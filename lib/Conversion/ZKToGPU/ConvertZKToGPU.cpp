@@ -126,6 +126,8 @@ struct ConvertZKToGPU
     if (failed(buildFinishKernel(gb, d.getLoc(), st)))
       return signalPassFailure();
     entry(ZOPT_KERNEL_FINISH, st.name + "_finish");
+    // This FINISH strides its per-tensor counts over any grid (abi.h).
+    d.setFlags(d.getFlags() | ZOPT_FLAG_FINISH_GRID);
     // INIT has no kernel-table role: the runtime finds it by its name.
     buildInitKernel(gb, d.getLoc(), st);
     d.setGpuKernelsAttr(ArrayAttr::get(ctx, entries));

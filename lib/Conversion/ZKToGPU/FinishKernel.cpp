@@ -15,8 +15,11 @@ using namespace mlir::zopt;
 using namespace mlir::zopt::gpu_kernels;
 
 /// FINISH: the step's bookkeeping on the device (abi.h): step counts, the
-/// dynamic loss scaler and 1/S in the globals table. One block: its threads
-/// share the per-tensor and per-group counts; thread 0 the scaler.
+/// dynamic loss scaler and 1/S in the globals table. Any grid
+/// (ZOPT_FLAG_FINISH_GRID): every thread of the grid strides over the
+/// per-tensor counts; block 0 alone does the per-group counts, thread 0 of
+/// it the applied count and the scaler. (One block of 32 threads took
+/// ~0.2 ms at 10,000 tensors on an H200: docs/benchmarks/gpu.md.)
 LogicalResult gpu_kernels::buildFinishKernel(OpBuilder &gb, Location loc,
                                              const Step &st) {
   OpBuilder::InsertionGuard guard(gb);
@@ -46,9 +49,9 @@ LogicalResult gpu_kernels::buildFinishKernel(OpBuilder &gb, Location loc,
                                  arith::ConstantOp::create(b, loc, b.getBoolAttr(true)));
   };
   Value tid = g.tid(), bdim = g.bdim();
+  Value block0 = arith::CmpIOp::create(b, loc, arith::CmpIPredicate::eq, g.bid(), g.i64(0));
   Value first = arith::AndIOp::create(
-      b, loc, arith::CmpIOp::create(b, loc, arith::CmpIPredicate::eq, tid, g.i64(0)),
-      arith::CmpIOp::create(b, loc, arith::CmpIPredicate::eq, g.bid(), g.i64(0)));
+      b, loc, arith::CmpIOp::create(b, loc, arith::CmpIPredicate::eq, tid, g.i64(0)), block0);
   auto isActive = [&](Value idx) {
     return arith::CmpIOp::create(b, loc, arith::CmpIPredicate::ne,
                                  g.load(i8, g.gep(i8, active, idx)),
@@ -99,14 +102,16 @@ LogicalResult gpu_kernels::buildFinishKernel(OpBuilder &gb, Location loc,
           },
           [&](F, Value v) { applied = v; })))
     return failure();
-  // When it advances: every updated tensor's t (tensor_t) and every group
-  // with an updated tensor (active[num_rows + g]) its STEP global, the
-  // block's threads striding over them; thread 0 counts the step.
+  // When it advances: every updated tensor's t (tensor_t), the grid's
+  // threads striding over them, and every group with an updated tensor
+  // (active[num_rows + g]) its STEP global, block 0's threads striding over
+  // them; thread 0 of block 0 counts the step.
   auto stepIf = scf::IfOp::create(b, loc, applied, /*withElse=*/false);
   {
     OpBuilder::InsertionGuard ig(b);
     b.setInsertionPoint(stepIf.thenBlock()->getTerminator());
-    auto rows = scf::ForOp::create(b, loc, tid, nrows, bdim);
+    auto rows = scf::ForOp::create(b, loc, g.add(g.mul(g.bid(), bdim), tid), nrows,
+                                   g.mul(g.gdim(), bdim));
     {
       OpBuilder::InsertionGuard lg(b);
       b.setInsertionPoint(rows.getBody()->getTerminator());
@@ -117,6 +122,9 @@ LogicalResult gpu_kernels::buildFinishKernel(OpBuilder &gb, Location loc,
       LLVM::StoreOp::create(
           b, loc, arith::AddFOp::create(b, loc, g.load(f64, p), g.f64(1.0)), p);
     }
+    auto inBlock0 = scf::IfOp::create(b, loc, block0, /*withElse=*/false);
+    OpBuilder::InsertionGuard bg(b);
+    b.setInsertionPoint(inBlock0.thenBlock()->getTerminator());
     auto groups = scf::ForOp::create(b, loc, tid, ngroups, bdim);
     {
       OpBuilder::InsertionGuard lg(b);
@@ -137,9 +145,12 @@ LogicalResult gpu_kernels::buildFinishKernel(OpBuilder &gb, Location loc,
   }
 
   if (st.flags & ZOPT_FLAG_LOSS_SCALE) {
-    // sc is the same pointer for every thread: a uniform branch (the
-    // barrier inside is reached by all or none).
-    auto scIf = scf::IfOp::create(b, loc, notI1(isNull(scGeneric)), /*withElse=*/false);
+    // Block 0 only, and sc is the same pointer for every thread: a branch
+    // uniform over the block (the barrier inside is reached by all of its
+    // threads or none).
+    auto scIf = scf::IfOp::create(
+        b, loc, arith::AndIOp::create(b, loc, block0, notI1(isNull(scGeneric))),
+        /*withElse=*/false);
     b.setInsertionPoint(scIf.thenBlock()->getTerminator());
     auto fld = [&](Type t, int64_t i) { return g.gepc(t, sc, i); };
     auto t0 = scf::IfOp::create(b, loc, first, /*withElse=*/false);

@@ -224,6 +224,11 @@ typedef void (*zopt_control_fn)(zopt_control *c);
 #define ZOPT_FLAG_NESTEROV 16u        /* SGD momentum is Nesterov's (zopt.nesterov) */
 #define ZOPT_FLAG_DECOUPLED_DECAY 32u /* weight decay is decoupled (zopt.decoupled_decay) */
 #define ZOPT_FLAG_RULE_STATED 64u     /* NESTEROV and DECOUPLED_DECAY are stated */
+/* The GPU FINISH kernel strides its per-tensor counts over any grid (block
+ * 0 does the per-group counts and the scaler): the runtime launches one
+ * block per ZOPT_GPU_FINISH_BLOCK tensors. Without it (an older step.so)
+ * FINISH runs as one block. */
+#define ZOPT_FLAG_FINISH_GRID 128u
 
 /*===-- Remainder masters -------------------------------------------------===*
  *
@@ -544,8 +549,9 @@ static inline uint64_t zopt_desc_checksum(const zopt_step_descriptor *d) {
  *   + k] (k = descriptor state index; unused states may be NULL); pointers
  *   need only be aligned to their element size.
  *
- * FINISH (one block; ZOPT_GPU_FINISH_BLOCK; its threads share the counts,
- * thread 0 the scaler):
+ * FINISH (ZOPT_GPU_FINISH_BLOCK threads a block; with ZOPT_FLAG_FINISH_GRID
+ * any grid: all threads share the per-segment counts, block 0 the group
+ * counts, its thread 0 the scaler; without it one block):
  *     void finish(double *globals,              // [num_groups][ZOPT_NUM_GLOBALS]
  *                 int64_t num_groups,
  *                 zopt_gpu_step_globals *sg,    // NULL: no SUMSQ, never skipped

@@ -22,7 +22,7 @@ zk.descriptor {name = "t", zero_stage = 0 : i64, align = 1 : i64, flags = 5 : i6
   hyper_mins = array<f64: 0.0>, hyper_maxs = array<f64: 1.0>,
   hyper_max_exclusive = array<i32: 0>}
 
-// CHECK: zk.descriptor {{{.*}}cpu_kernels = {{\[}}[1 : i32, 0 : i32, "t_prepare"], [6 : i32, 0 : i32, "t_control"]], flags = 5 : i64, gpu_images = {{\[}}[80 : i32, "t_gpu_sm_80"], [90 : i32, "t_gpu_sm_90"]], gpu_kernels = {{\[}}[1 : i32, "t_prepare_gpu"], [2 : i32, "t_update"], [3 : i32, "t_sumsq"], [5 : i32, "t_finish"]],
+// CHECK: zk.descriptor {{{.*}}cpu_kernels = {{\[}}[1 : i32, 0 : i32, "t_prepare"], [6 : i32, 0 : i32, "t_control"]], flags = 133 : i64, gpu_images = {{\[}}[80 : i32, "t_gpu_sm_80"], [90 : i32, "t_gpu_sm_90"]], gpu_kernels = {{\[}}[1 : i32, "t_prepare_gpu"], [2 : i32, "t_update"], [3 : i32, "t_sumsq"], [5 : i32, "t_finish"]],
 // CHECK-LABEL: gpu.module @t_gpu [#nvvm.target<O = 3, chip = "sm_80", features = "+ptx80">, #nvvm.target<O = 3, chip = "sm_90", features = "+ptx80">]
 // PREPARE: (hypers, globals, segs, tensor_t, num_rows, coeffs), a row per
 // segment: its group (word 2 of the segment) selects the hyperparameters
@@ -152,8 +152,9 @@ zk.kernel @t_sumsq sumsq {
   zk.accumulate_sumsq %gf : f32
 }
 
-// FINISH (one block of 32) and INIT: no state is initialized from the
-// param in this step, so INIT does nothing.
+// FINISH (blocks of 32, any grid: the descriptor's flags gain
+// ZOPT_FLAG_FINISH_GRID, 5 | 128 = 133 above) and INIT: no state is
+// initialized from the param in this step, so INIT does nothing.
 // FINISH: (globals, num_groups, sg, sc, tensor_t, active, num_rows).
 // CHECK-LABEL: gpu.func @t_finish(%{{.+}}: !llvm.ptr, %{{.+}}: i64, %{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr, %{{.+}}: i64)
 // CHECK-SAME: kernel attributes {nvvm.reqntid = array<i32: 32, 1, 1>}
@@ -162,11 +163,15 @@ zk.kernel @t_sumsq sumsq {
 // CHECK: math.absf
 // CHECK: arith.cmpf olt
 // CHECK: scf.if
-// When it advances: the threads stride over the tensors (t + 1 where
-// active), then over the groups (STEP + 1 where active[num_rows + g]).
+// When it advances: the grid's threads stride over the tensors (from
+// blockIdx * blockDim + threadIdx by gridDim * blockDim; t + 1 where
+// active), then block 0's over the groups (STEP + 1 where
+// active[num_rows + g]).
+// CHECK: gpu.grid_dim x
 // CHECK: scf.for
 // CHECK: llvm.load %{{.+}} : !llvm.ptr<1> -> i8
 // CHECK: arith.addf %{{.+}}, %cst{{.*}} : f64
+// CHECK: scf.if
 // CHECK: scf.for
 // CHECK: arith.addi
 // CHECK: llvm.load %{{.+}} : !llvm.ptr<1> -> i8

@@ -133,9 +133,16 @@ int gpu_main_check(Fake &f, zopt_step *step, const char *path) {
     } else if (l.role == "FINISH") {
       nargs &= l.nargs == 7;
       ngroups = l.args[1];
-      check(l.grid[0] == 1 && l.args[0] == d_globals && l.args[2] == d_sg && l.args[4] == d_tensor_t &&
+      // One block per ZOPT_GPU_FINISH_BLOCK rows (at most 1024) where the
+      // kernel strides over any grid (ZOPT_FLAG_FINISH_GRID), else one.
+      const unsigned long long want_grid =
+          (si.d->flags & ZOPT_FLAG_FINISH_GRID)
+              ? std::min<unsigned long long>(std::max<unsigned long long>((nrows + ZOPT_GPU_FINISH_BLOCK - 1) / ZOPT_GPU_FINISH_BLOCK, 1), 1024)
+              : 1;
+      check(l.grid[0] == want_grid && l.args[0] == d_globals && l.args[2] == d_sg && l.args[4] == d_tensor_t &&
                 l.args[5] == d_active && l.args[6] == nrows,
-            "FINISH: one block, the globals table, the step globals, the tensors' steps, the active mask, the rows");
+            "FINISH: " + std::to_string(l.grid[0]) + " block(s) for " + std::to_string(nrows) +
+                " rows, the globals table, the step globals, the tensors' steps, the active mask, the rows");
       d_scaler = l.args[3];
       check((d_scaler != 0) == si.ls, "FINISH gets the loss scaler exactly when the step scales the loss");
     }

@@ -7,6 +7,7 @@
 
 #include "internal.h"
 
+#include <algorithm>
 #include <cmath>
 
 using namespace zopt;
@@ -146,7 +147,13 @@ zopt_status gpu_run_op(zopt_optimizer *o, size_t i) {
     case ZOPT_OP_FINISH: {
       void *args[] = {&g->d_globals, &ng,         has_sumsq ? &g->d_sg : &no_ptr, ls ? &g->d_scaler : &no_ptr,
                       &g->d_tensor_t, &g->d_active, &nrows};
-      CU_TRY(cu->LaunchKernel(g->finish, 1, 1, 1, ZOPT_GPU_FINISH_BLOCK, 1, 1, 0, s, args, nullptr),
+      // One block per ZOPT_GPU_FINISH_BLOCK tensors where the kernel strides
+      // over any grid (ZOPT_FLAG_FINISH_GRID), else the one block it needs.
+      unsigned fgrid = 1;
+      if (d->flags & ZOPT_FLAG_FINISH_GRID)
+        fgrid = (unsigned)std::min<int64_t>(std::max<int64_t>((nrows + ZOPT_GPU_FINISH_BLOCK - 1) / ZOPT_GPU_FINISH_BLOCK, 1),
+                                            1024);
+      CU_TRY(cu->LaunchKernel(g->finish, fgrid, 1, 1, ZOPT_GPU_FINISH_BLOCK, 1, 1, 0, s, args, nullptr),
              "launching FINISH");
       return ZOPT_OK;
     }
