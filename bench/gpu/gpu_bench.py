@@ -1,5 +1,5 @@
-"""GPU step benchmark (bench/gpu/run_gpu_bench.sh, stage 5; not run on a GPU
-yet: written without one).
+"""GPU step benchmark (bench/gpu/run_gpu_bench.sh, stage 5; first run on an
+H200 on 2026-11-27: docs/benchmarks/gpu.md).
 
 Issue 20's speed list, every ratio measured in the same run, on the same
 tensors:
@@ -10,7 +10,8 @@ tensors:
   torch.optim.AdamW(fused=True) on the same params (goal: torch / zopt >=
   1.0) and, for clipped layouts, clip_grad_norm_ + fused AdamW (goal >= 1.25);
 * the work list: the same parameter count as 1, 1,000 and 10,000 tensors
-  (goal: <= 1.1x one tensor).
+  (goal: <= 1.1x one tensor), with torch's fused AdamW on the same tensors
+  as the peer.
 CUDA events, median of --iters after 3 warm-ups. The markdown (--out) is
 rewritten after every row, so a run stopped by its time box (--deadline, a
 Unix time) keeps the rows it finished. --check (no GPU needed) only loads
@@ -132,7 +133,8 @@ class Report:
         for r in self.rows:
             lines.append("| " + " | ".join(r) + " |")
         if self.seg:
-            lines += ["", "| layout | params | tensors | step ms | / one tensor (<= 1.1) |", "|---|---|---|---|---|"]
+            lines += ["", "| layout | params | tensors | step ms | / one tensor (<= 1.1) | fused AdamW ms | "
+                      "fused / zopt |", "|---|---|---|---|---|---|---|"]
             lines += ["| " + " | ".join(r) + " |" for r in self.seg]
         lines += [""] + self.notes
         text = "\n".join(lines) + "\n"
@@ -249,9 +251,15 @@ def main():
             t = timed(opt.step, a.iters)
             opt.gpu_result()
             opt.close()
-            del opt, ps
+            del opt
+            # The peer on the same tensors: torch's fused AdamW (its own
+            # per-tensor host work included, as zopt's is).
+            topt = torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, fused=True)
+            t_torch = timed(topt.step, a.iters)
+            del topt, ps
             base = base or t
-            rep.seg.append([name, f"{n:.3g}", str(parts), fmt(t * 1e3, ".3f"), fmt(t / base, ".2f")])
+            rep.seg.append([name, f"{n:.3g}", str(parts), fmt(t * 1e3, ".3f"), fmt(t / base, ".2f"),
+                            fmt(t_torch * 1e3, ".3f"), fmt(t_torch / t, ".2f")])
             rep.write()
     print(rep.write())
 
