@@ -293,7 +293,12 @@ torch2_suite() {
     case " ${files[*]} python/tests/test_cuda.py " in *" python/tests/${f##*/} "*) ;; *) files+=("python/tests/${f##*/}") ;; esac
   done
   "$PY" -c "import torch; print('torch', torch.__version__)"
-  (cd "$repo" && ZOPT_PROPERTY_CASES="${ZOPT_PROPERTY_CASES:-200}" "$PY" -m pytest $(pytest_opts) "${files[@]}") 2>&1 | tee "$o"
+  # pytest-xdist where the machine has it (the H200 of 2026-11-27 did; one
+  # process ran 77 % of the files in the 150 s box): files spread over
+  # workers, each file in one worker
+  local par=""
+  "$PY" -c "import xdist" 2>/dev/null && par="-n ${ZOPT_XDIST:-8} --dist loadfile" && echo "pytest-xdist: $par"
+  (cd "$repo" && ZOPT_PROPERTY_CASES="${ZOPT_PROPERTY_CASES:-200}" "$PY" -m pytest $(pytest_opts) $par "${files[@]}") 2>&1 | tee "$o"
   r=${PIPESTATUS[0]}
   echo "== skipped: not in the step cache: $(grep -ac 'not in the step cache' "$o")"
   pytest_result "$o" $r "python/tests under torch $("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null)"
