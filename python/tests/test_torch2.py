@@ -305,3 +305,49 @@ def test_torch_compile_graph_breaks_at_step(steps):
         assert same(ma.parameters(), mb.parameters())
     oa.close()
     ob.close()
+
+
+def _fake_torch_wrapper(how):
+    """A wrapper like torch 2's around an optimizer's methods
+    (torch._dynamo's disable wrapper in eval_frame.py, the step hooks'
+    wrapper, _use_grad), defined in a module that is torch's: by its
+    module name (a fake ``torch._dynamo.eval_frame`` at a path outside
+    torch) or by its file (a file in the installed torch's folder)."""
+    import os
+    import types
+    if how == "module name":
+        name, path = "torch._dynamo._zopt_fake_eval_frame", "/nonexistent/torch/_dynamo/eval_frame.py"
+    else:
+        name, path = "_zopt_fake_wrapper", os.path.join(os.path.dirname(torch.__file__),
+                                                          "_zopt_fake_wrapper.py")
+    mod = types.ModuleType(name)
+    mod.__file__ = path
+    code = compile("def _fn(fn, *args, **kwargs):\n    return fn(*args, **kwargs)\n", path, "exec")
+    exec(code, mod.__dict__)
+    return mod._fn
+
+
+@pytest.mark.parametrize("how", ["module name", "file"])
+def test_warnings_name_the_user_not_torch_wrappers(steps, how):
+    """torch 2 wraps load_state_dict (and step, zero_grad...) in
+    torch._dynamo's disable wrapper: a warning zopt raises inside names
+    the first frame outside zopt AND torch, the user's line (before: the
+    wrapper's file, torch/_dynamo/eval_frame.py)."""
+    st = steps(rule="adamw", layout="bf16_master")
+    torch.manual_seed(0)
+    m = torch.nn.Linear(6, 3).to(torch.bfloat16)
+    opt = zopt.Optimizer(st, m.parameters(), lr=LR, weight_decay=WD)
+    for i in range(2):
+        opt.zero_grad()
+        m(torch.randn(4, 6).to(torch.bfloat16)).float().square().mean().backward()
+        opt.step()
+    sd = opt.state_dict()
+    torch.manual_seed(9)  # other weights: loading the state sets them (warned)
+    m2 = torch.nn.Linear(6, 3).to(torch.bfloat16)
+    opt2 = zopt.Optimizer(st, m2.parameters(), lr=LR, weight_decay=WD)
+    wrapper = _fake_torch_wrapper(how)
+    with pytest.warns(zopt.optimizer.MasterWeightsWarning) as rec:
+        wrapper(opt2.load_state_dict, sd)
+    assert [w.filename for w in rec] == [__file__]
+    opt.close()
+    opt2.close()
