@@ -351,3 +351,52 @@ def test_warnings_name_the_user_not_torch_wrappers(steps, how):
     assert [w.filename for w in rec] == [__file__]
     opt.close()
     opt2.close()
+
+
+def test_lr_scheduler_sees_step_calls_as_torch(steps):
+    """How a scheduler learns that optimizer.step() ran: torch 1.13 wraps
+    the instance's step to count optimizer._step_count; torch 2 (2.2+)
+    wraps it to set optimizer._opt_called (and no longer counts). Emulated
+    here as torch 2.11's LRScheduler does it (on any torch), then with the
+    installed torch's own schedulers: zopt's step goes through either
+    wrapper, and the "lr_scheduler.step() before optimizer.step()" warning
+    comes for a zopt optimizer exactly when it comes for torch's."""
+    import functools
+    import weakref
+    st = steps(rule="adamw", layout="f32")
+    mz, mt = mlp(), mlp()
+    oz = zopt.Optimizer(st, mz.parameters(), lr=LR, weight_decay=WD)
+    ot = torch.optim.AdamW(mt.parameters(), lr=LR, weight_decay=WD, foreach=False)
+
+    def track(opt):  # torch 2.11 lr_scheduler.LRScheduler.__init__'s patch_track_step_called
+        ref, func = weakref.ref(opt), opt.step.__func__
+
+        @functools.wraps(func)
+        def wrapper(*args, **kwargs):
+            o = ref()
+            o._opt_called = True
+            return func.__get__(o, o.__class__)(*args, **kwargs)
+        wrapper._wrapped_by_lr_sched = True
+        opt.step = wrapper
+
+    for o, m in ((oz, mz), (ot, mt)):
+        track(o)
+        backward(m, 0)
+        o.step()
+        assert o._opt_called is True
+    assert oz.step_count() == 1
+    close_to_torch(mz, mt)
+    del oz.step, ot.step, oz._opt_called, ot._opt_called
+
+    def warned(opt, first):
+        with warnings.catch_warnings(record=True) as ws:
+            warnings.simplefilter("always")
+            s = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+            if first == "optimizer":
+                opt.step()
+            s.step()
+        return [str(w.message)[:40] for w in ws if "lr_scheduler.step()" in str(w.message)]
+    got = {first: (warned(oz, first), warned(ot, first)) for first in ("scheduler", "optimizer")}
+    assert got["scheduler"][1] and not got["optimizer"][1], got  # torch's own: warned, not
+    assert all(z == t for z, t in got.values()), got
+    oz.close()
