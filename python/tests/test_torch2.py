@@ -400,3 +400,32 @@ def test_lr_scheduler_sees_step_calls_as_torch(steps):
     assert got["scheduler"][1] and not got["optimizer"][1], got  # torch's own: warned, not
     assert all(z == t for z, t in got.values()), got
     oz.close()
+
+
+def test_gpu_step_inside_a_capture_meets_no_torch_capture_check(steps, gpu_env, monkeypatch):
+    """torch 2's graph-capture health check (_accelerator_graph_capture_health_check,
+    _cuda_graph_capture_health_check: capturable=False refused inside a
+    capture) runs inside torch's own rules' step(), not in the base class's
+    step wrapper that zopt's step() goes through: a zopt GPU step inside a
+    (faked) capture, with CUDA (faked) present, never calls it; zopt's GPU
+    steps capture, and zopt refuses what a capture cannot hold itself."""
+    fc, rec, mode = gpu_env
+    mode("gpu")
+
+    def refuse(self):
+        raise AssertionError("torch's capture health check was called on a zopt optimizer")
+    for name in ("_accelerator_graph_capture_health_check", "_cuda_graph_capture_health_check"):
+        monkeypatch.setattr(torch.optim.Optimizer, name, refuse, raising=False)
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(5)) for _ in range(2)]
+    for p in ps:
+        p.grad = torch.randn(5)
+    opt = zopt.Optimizer(steps(rule="adamw", layout="f32"), ps, lr=LR)
+    opt.step()  # warm-up, outside
+    n = len(rec.calls("zopt_optimizer_step"))
+    fc.capturing = True
+    opt.step()  # captured: enqueued, through torch's step wrapper
+    fc.capturing = False
+    assert len(rec.calls("zopt_optimizer_step")) == n + 1
+    assert torch.cuda.is_available() and type(opt).step.hooked  # the fakes, torch's wrapper
+    opt.close()
