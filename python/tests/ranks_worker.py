@@ -165,6 +165,14 @@ def fault_rank(rank, port, so, mode, out):
     # kept until the interpreter's teardown, as a script's globals are (the
     # order of that teardown is where gloo's leftovers aborted the process)
     KEEP.extend([model, opt])
+    # Per-process first-call costs outside zopt's collectives, then every
+    # rank lined up (the default group's 30 s timeout): the first step's
+    # collectives must not be charged with another rank's start-up under
+    # timeout=2. (torch 2: the first zero_grad() imports torch._dynamo for
+    # its disable wrapper, seconds with 21 processes starting at once; a
+    # rank that late was rightly named "did not answer" at the first step.)
+    opt.zero_grad()
+    dist.barrier()
     for s in range(3):
         opt.zero_grad()
         model(torch.randn(8, 64)).square().mean().backward()

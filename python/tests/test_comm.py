@@ -187,3 +187,61 @@ def test_mpi_python(np_):
     for r in range(np_):
         assert f"DONE rank {r}" in out, out
     assert out.count("ok mismatch names rank 1 and both operations") == np_, out
+
+
+# ---- the torch engine's wait slices (fake works) ----------------------------------
+
+class _Work:
+    """A fake c10d Work: completes after ``slices`` expired timed waits
+    (``race``: at the moment the last one expires, as a work that ends
+    while the waiting thread re-takes the GIL), then succeeds or fails."""
+
+    def __init__(self, slices=0, race=False, error=None):
+        self.left, self.race, self.error, self.done = slices, race, error, slices == 0
+        self.timed = 0
+
+    def wait(self, timeout=None):
+        if timeout is not None and not self.done:
+            self.timed += 1
+            self.left -= 1
+            if self.left <= 0 and self.race:
+                self.done = True  # completed just after the slice expired
+            raise RuntimeError("Operation timed out!")
+        if timeout is None and not self.done:
+            raise AssertionError("an untimed wait on a running work (it would block)")
+        if self.error:
+            raise RuntimeError(self.error)
+        return True
+
+    def is_completed(self):
+        if not self.done and self.left <= 0:
+            self.done = True
+        return self.done
+
+
+def _engine(timeout=None, pg_timeout=30.0):
+    from zopt.comm import _TorchEngine
+    e = object.__new__(_TorchEngine)
+    e.timeout, e.pg_timeout, e.private, e.live, e.rank, e.orphans = \
+        timeout, pg_timeout, True, None, 0, []
+    return e
+
+
+def test_torch_wait_slices_tell_success_from_failure():
+    """_TorchEngine._wait: a work that completes as a wait slice expires
+    ("Operation timed out!", then is_completed() is True) succeeded (before:
+    taken for a failure, the streamed 2-rank test under torch 2.11); a work
+    that failed reports its own error, after every other work ended; works
+    still running keep being waited for, slice by slice."""
+    e = _engine()
+    w = _Work(slices=3, race=True)
+    assert e._wait([w], None) is None and w.timed == 3
+    slow, bad, ok = _Work(slices=2), _Work(error="Connection reset by peer"), _Work(slices=1, race=True)
+    err = e._wait([slow, bad, ok], None)
+    assert isinstance(err, RuntimeError) and "Connection reset by peer" in str(err)
+    assert slow.done and ok.done and slow.timed == 2
+    # set_timeout shorter than the group's: the running work is kept (orphans)
+    e = _engine(timeout=0.01, pg_timeout=30.0)
+    hang = _Work(slices=10 ** 9)
+    err = e._wait([hang], "bufs")
+    assert isinstance(err, TimeoutError) and e.orphans == [([hang], "bufs")]

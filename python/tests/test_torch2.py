@@ -305,3 +305,127 @@ def test_torch_compile_graph_breaks_at_step(steps):
         assert same(ma.parameters(), mb.parameters())
     oa.close()
     ob.close()
+
+
+def _fake_torch_wrapper(how):
+    """A wrapper like torch 2's around an optimizer's methods
+    (torch._dynamo's disable wrapper in eval_frame.py, the step hooks'
+    wrapper, _use_grad), defined in a module that is torch's: by its
+    module name (a fake ``torch._dynamo.eval_frame`` at a path outside
+    torch) or by its file (a file in the installed torch's folder)."""
+    import os
+    import types
+    if how == "module name":
+        name, path = "torch._dynamo._zopt_fake_eval_frame", "/nonexistent/torch/_dynamo/eval_frame.py"
+    else:
+        name, path = "_zopt_fake_wrapper", os.path.join(os.path.dirname(torch.__file__),
+                                                          "_zopt_fake_wrapper.py")
+    mod = types.ModuleType(name)
+    mod.__file__ = path
+    code = compile("def _fn(fn, *args, **kwargs):\n    return fn(*args, **kwargs)\n", path, "exec")
+    exec(code, mod.__dict__)
+    return mod._fn
+
+
+@pytest.mark.parametrize("how", ["module name", "file"])
+def test_warnings_name_the_user_not_torch_wrappers(steps, how):
+    """torch 2 wraps load_state_dict (and step, zero_grad...) in
+    torch._dynamo's disable wrapper: a warning zopt raises inside names
+    the first frame outside zopt AND torch, the user's line (before: the
+    wrapper's file, torch/_dynamo/eval_frame.py)."""
+    st = steps(rule="adamw", layout="bf16_master")
+    torch.manual_seed(0)
+    m = torch.nn.Linear(6, 3).to(torch.bfloat16)
+    opt = zopt.Optimizer(st, m.parameters(), lr=LR, weight_decay=WD)
+    for i in range(2):
+        opt.zero_grad()
+        m(torch.randn(4, 6).to(torch.bfloat16)).float().square().mean().backward()
+        opt.step()
+    sd = opt.state_dict()
+    torch.manual_seed(9)  # other weights: loading the state sets them (warned)
+    m2 = torch.nn.Linear(6, 3).to(torch.bfloat16)
+    opt2 = zopt.Optimizer(st, m2.parameters(), lr=LR, weight_decay=WD)
+    wrapper = _fake_torch_wrapper(how)
+    with pytest.warns(zopt.optimizer.MasterWeightsWarning) as rec:
+        wrapper(opt2.load_state_dict, sd)
+    assert [w.filename for w in rec] == [__file__]
+    opt.close()
+    opt2.close()
+
+
+def test_lr_scheduler_sees_step_calls_as_torch(steps):
+    """How a scheduler learns that optimizer.step() ran: torch 1.13 wraps
+    the instance's step to count optimizer._step_count; torch 2 (2.2+)
+    wraps it to set optimizer._opt_called (and no longer counts). Emulated
+    here as torch 2.11's LRScheduler does it (on any torch), then with the
+    installed torch's own schedulers: zopt's step goes through either
+    wrapper, and the "lr_scheduler.step() before optimizer.step()" warning
+    comes for a zopt optimizer exactly when it comes for torch's."""
+    import functools
+    import weakref
+    st = steps(rule="adamw", layout="f32")
+    mz, mt = mlp(), mlp()
+    oz = zopt.Optimizer(st, mz.parameters(), lr=LR, weight_decay=WD)
+    ot = torch.optim.AdamW(mt.parameters(), lr=LR, weight_decay=WD, foreach=False)
+
+    def track(opt):  # torch 2.11 lr_scheduler.LRScheduler.__init__'s patch_track_step_called
+        ref, func = weakref.ref(opt), opt.step.__func__
+
+        @functools.wraps(func)
+        def wrapper(*args, **kwargs):
+            o = ref()
+            o._opt_called = True
+            return func.__get__(o, o.__class__)(*args, **kwargs)
+        wrapper._wrapped_by_lr_sched = True
+        opt.step = wrapper
+
+    for o, m in ((oz, mz), (ot, mt)):
+        track(o)
+        backward(m, 0)
+        o.step()
+        assert o._opt_called is True
+    assert oz.step_count() == 1
+    close_to_torch(mz, mt)
+    del oz.step, ot.step, oz._opt_called, ot._opt_called
+
+    def warned(opt, first):
+        with warnings.catch_warnings(record=True) as ws:
+            warnings.simplefilter("always")
+            s = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+            if first == "optimizer":
+                opt.step()
+            s.step()
+        return [str(w.message)[:40] for w in ws if "lr_scheduler.step()" in str(w.message)]
+    got = {first: (warned(oz, first), warned(ot, first)) for first in ("scheduler", "optimizer")}
+    assert got["scheduler"][1] and not got["optimizer"][1], got  # torch's own: warned, not
+    assert all(z == t for z, t in got.values()), got
+    oz.close()
+
+
+def test_gpu_step_inside_a_capture_meets_no_torch_capture_check(steps, gpu_env, monkeypatch):
+    """torch 2's graph-capture health check (_accelerator_graph_capture_health_check,
+    _cuda_graph_capture_health_check: capturable=False refused inside a
+    capture) runs inside torch's own rules' step(), not in the base class's
+    step wrapper that zopt's step() goes through: a zopt GPU step inside a
+    (faked) capture, with CUDA (faked) present, never calls it; zopt's GPU
+    steps capture, and zopt refuses what a capture cannot hold itself."""
+    fc, rec, mode = gpu_env
+    mode("gpu")
+
+    def refuse(self):
+        raise AssertionError("torch's capture health check was called on a zopt optimizer")
+    for name in ("_accelerator_graph_capture_health_check", "_cuda_graph_capture_health_check"):
+        monkeypatch.setattr(torch.optim.Optimizer, name, refuse, raising=False)
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(5)) for _ in range(2)]
+    for p in ps:
+        p.grad = torch.randn(5)
+    opt = zopt.Optimizer(steps(rule="adamw", layout="f32"), ps, lr=LR)
+    opt.step()  # warm-up, outside
+    n = len(rec.calls("zopt_optimizer_step"))
+    fc.capturing = True
+    opt.step()  # captured: enqueued, through torch's step wrapper
+    fc.capturing = False
+    assert len(rec.calls("zopt_optimizer_step")) == n + 1
+    assert torch.cuda.is_available() and type(opt).step.hooked  # the fakes, torch's wrapper
+    opt.close()

@@ -9,12 +9,22 @@ from __future__ import annotations
 import numpy as np
 
 
+def _flat(x, dtype=None):
+    """(x as a flat C-contiguous array, x's shape): each conversion works on
+    the flat array and returns its result in x's shape, so a 0-d array (a
+    scalar) in gives a 0-d array out. (np.ascontiguousarray alone made it a
+    1-element array, which numpy >= 2.5 refuses as a scalar: ``arr[i] =
+    it`` and ``float(it)`` raise.)"""
+    a = np.asarray(x, dtype=dtype)
+    return np.ascontiguousarray(a).reshape(-1), a.shape
+
+
 def to_f32(u16):
-    """bf16 bit patterns (uint16) -> float32 values (exact)."""
-    a = np.ascontiguousarray(u16)
+    """bf16 bit patterns (uint16) -> float32 values (exact), of u16's shape."""
+    a, shape = _flat(u16)
     if a.dtype != np.uint16:
         raise TypeError(f"bf16 arrays are uint16 bit patterns, got {a.dtype}")
-    return (a.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return (a.astype(np.uint32) << np.uint32(16)).view(np.float32).reshape(shape)
 
 
 def from_f32(f32):
@@ -23,7 +33,7 @@ def from_f32(f32):
     Rounds to nearest, ties to even; NaN stays NaN (quiet, sign kept);
     values past the bf16 range become +-inf like any RNE narrowing.
     """
-    a = np.ascontiguousarray(np.asarray(f32, dtype=np.float32))
+    a, shape = _flat(f32, np.float32)
     bits = a.view(np.uint32)
     lsb = (bits >> np.uint32(16)) & np.uint32(1)
     rounded = ((bits + np.uint32(0x7FFF) + lsb) >> np.uint32(16)).astype(np.uint16)
@@ -31,7 +41,7 @@ def from_f32(f32):
     if nan.any():
         quiet = ((bits >> np.uint32(16)) | np.uint32(0x0040)).astype(np.uint16)
         rounded = np.where(nan, quiet, rounded)
-    return rounded.reshape(a.shape)
+    return rounded.reshape(shape)
 
 
 def round_f64(x):
@@ -42,7 +52,7 @@ def round_f64(x):
     range, and to a multiple of 2^-133 (the subnormal quantum) below 2^-126;
     NaN stays NaN; overflow gives inf.
     """
-    a = np.ascontiguousarray(np.asarray(x, dtype=np.float64))
+    a, shape = _flat(x, np.float64)
     bits = a.view(np.uint64)
     drop = np.uint64(45)
     lsb = (bits >> drop) & np.uint64(1)
@@ -60,7 +70,7 @@ def round_f64(x):
     # (the scaling by a power of two is exact in float64).
     tiny = np.abs(a) < 2.0 ** -126
     out[tiny] = np.round(a[tiny] * 2.0 ** 133) * 2.0 ** -133
-    return out.reshape(a.shape)
+    return out.reshape(shape)
 
 
 # ---- stochastic rounding (runtime/include/zopt/abi.h, the definition) -----
@@ -101,11 +111,12 @@ def sr_bits(key, slot, index):
 def from_f32_stochastic(f32, rbits):
     """float32 -> bf16 bit patterns, rounded stochastically with the 16-bit
     values `rbits`: (bits + r) >> 16; NaN as from_f32 (quiet)."""
-    a = np.ascontiguousarray(np.asarray(f32, dtype=np.float32))
+    a, shape = _flat(f32, np.float32)
     bits = a.view(np.uint32)
+    r = np.broadcast_to(np.asarray(rbits, dtype=np.uint32), shape).reshape(-1)
     with np.errstate(over="ignore"):
-        out = ((bits + np.asarray(rbits, dtype=np.uint32)) >> np.uint32(16)).astype(np.uint16)
+        out = ((bits + r) >> np.uint32(16)).astype(np.uint16)
     nan = np.isnan(a)
     if nan.any():
         out = np.where(nan, from_f32(a), out)
-    return out
+    return out.reshape(shape)

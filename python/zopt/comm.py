@@ -378,15 +378,11 @@ class _TorchEngine:
         pending = list(works)
         while pending:
             w = pending[0]
-            try:
-                w.wait(datetime.timedelta(seconds=beat))
+            done, e = self._wait_slice(w, beat)
+            if done:
+                err = err or e  # a failed work: the others still end
                 pending.pop(0)
                 continue
-            except RuntimeError as e:
-                if w.is_completed():  # it failed: the others still end
-                    err = err or e
-                    pending.pop(0)
-                    continue
             # this slice expired: tell the peers this rank is here
             now = time.monotonic()
             if self.live is not None:
@@ -401,6 +397,34 @@ class _TorchEngine:
                     f"group's own timeout; its buffers are kept until it ends)")
                 break
         return err
+
+    @staticmethod
+    def _wait_slice(w, seconds):
+        """Waits up to ``seconds`` for work ``w``: (True, None) when it
+        succeeded, (True, its exception) when it failed, (False, None) when
+        it is still running.
+
+        The expired slice is told apart from a failed work by the work's
+        own state, never by the exception of the timed wait: Work.wait(
+        timeout) raises "Operation timed out!" when the slice expires,
+        and the work may complete between that and any check after it
+        (this thread re-takes the GIL first, which another thread may hold
+        for milliseconds: torch 2.11, gloo, streamed buckets on the
+        runtime's thread). Taking that exception as the work's failure
+        failed a collective that succeeded. So a completed work is always
+        asked again with an untimed wait(), which returns at once: it
+        raises the work's own error, or returns because it succeeded."""
+        try:
+            w.wait(datetime.timedelta(seconds=seconds))
+            return True, None
+        except RuntimeError:
+            if not w.is_completed():
+                return False, None  # the slice expired: still running
+        try:
+            w.wait()  # completed: no wait; its own outcome
+            return True, None
+        except Exception as e:  # noqa: BLE001 (the work's error, reported by the caller)
+            return True, e
 
     def drain(self):
         """Waits for the works that outlived their call (they end within the
@@ -451,8 +475,8 @@ class _TorchEngine:
         if gave:
             others = f"; {_rank_list(gave)} failed too"
         return (f"; {_rank_list(silent)} did not answer within {window:g} s (liveness check: "
-                f"{'it is' if len(silent) == 1 else 'they are'} stalled outside zopt, dead or "
-                f"unreachable){others}")
+                f"{'it is' if len(silent) == 1 else 'they are'} not waiting in this collective: "
+                f"stalled or still busy outside zopt, dead or unreachable){others}")
 
     def _fail(self, e):
         text = f"{type(e).__name__}: {e}"
