@@ -793,7 +793,9 @@ def _directed_bf16(x, up):
         q = a / _BF16_SUB_ULP
         q = np.ceil(q) if up else np.floor(q)
         out = np.where(tiny, q * _BF16_SUB_ULP, out)
-    return np.where(np.isfinite(a), out, a)
+    # (the input's shape: ascontiguousarray makes a 0-d array 1-element,
+    # which numpy 2.5 refuses where a scalar is assigned)
+    return np.where(np.isfinite(a), out, a).reshape(np.shape(x))
 
 
 def round_interval(lo, hi, dtype, rounding="nearest_even"):
