@@ -5,7 +5,8 @@ half beside the bf16 param. Against its twin (the same step with a plain f32
 master), on a bf16 model over several steps, every element, bit for bit:
 the rebuilt master (zopt_optimizer_read_state_f32) equals the twin's f32
 master, the param equals that master rounded to nearest with ties away, the
-moments equal the twin's. save()/load() resumes bit for bit. torch's
+moments equal the twin's; the same for zopt.steps.adamw(master="remainder")
+against master="f32". save()/load() resumes bit for bit. torch's
 state_dict layout has no place for a remainder: refused, nothing changes.
 """
 import os
@@ -46,10 +47,19 @@ def nearest_away(master):
     return ((b >> 16) + ((b >> 15) & 1)).astype(np.uint16)
 
 
-def test_remainder_equals_f32_master_twin(steps):
+# the example and its twin; zopt.steps' master="remainder" and master="f32"
+SOURCES = {"example": (SRC, TWIN),
+           "builder": (zopt.steps.adamw.text(param="bf16", master="remainder", clip=1.0),
+                       zopt.steps.adamw.text(param="bf16", master="f32", clip=1.0))}
+
+
+@pytest.mark.parametrize("source", list(SOURCES))
+def test_remainder_equals_f32_master_twin(steps, source):
+    src, twin = SOURCES[source]
+    assert " on cpu remainder" in src and " on cpu remainder" not in twin
     ma, mb = model(), model()
-    oa = zopt.Optimizer(steps.text(SRC), ma.parameters(), lr=1e-2, weight_decay=0.1)
-    ob = zopt.Optimizer(steps.text(TWIN), mb.parameters(), lr=1e-2, weight_decay=0.1)
+    oa = zopt.Optimizer(steps.text(src), ma.parameters(), lr=1e-2, weight_decay=0.1)
+    ob = zopt.Optimizer(steps.text(twin), mb.parameters(), lr=1e-2, weight_decay=0.1)
     ca = oa._parts[0]
     ties = 0
     for s in range(5):
@@ -134,3 +144,16 @@ def test_remainder_zero3_param_replaced(steps):
     assert torch.equal(m.weight.detach(), new)
     np.testing.assert_array_equal(opt._parts[0].read_f32(0, StateKind.MASTER),
                                   new.float().numpy().ravel())
+
+
+@pytest.mark.parametrize("kw, says", [
+    (dict(param="f32"), "param='bf16'"),
+    (dict(param="bf16", placement="offload"), "one placement"),
+    (dict(param="bf16", rounding="stochastic"), "stochastically rounded param"),
+])
+def test_builder_remainder_refusals(kw, says):
+    """zopt.steps' master="remainder" refuses what the verifier would, naming
+    the builder argument: a non-bf16 param, param and master apart, a
+    stochastically rounded param."""
+    with pytest.raises(zopt.ZoptError, match=says):
+        zopt.steps.adamw.text(master="remainder", **kw)

@@ -33,7 +33,10 @@ Arguments every builder takes (keyword only):
     or accumulates ``p.grad`` into an f32 buffer of its own (docs/USAGE.md).
 ``master``
     ``None`` (default: the param is the weight the update changes), ``"f32"``
-    (an fp32 master copy; the param is the rounded master) or ``"bf16"``
+    (an fp32 master copy; the param is the rounded master), ``"remainder"``
+    (an exact fp32 master kept as the int16 low half beside a bf16 param on
+    the same placement: 2 bytes/param instead of 4, Transformer Engine's
+    ``store_param_remainders``; docs/NUMERICS.md section 9) or ``"bf16"``
     (only for bf16 params with ``placement="offload"``: the master lives on
     the CPU, the param on the GPU). ``True`` means ``"f32"``.
 ``moments``
@@ -193,6 +196,7 @@ class Spec:
     grad: str
     master: str | None
     states: tuple
+    remainder: bool = False  # the f32 master kept as a remainder (NUMERICS §9)
     amsgrad: bool = False
     nesterov: bool = False
     momentum_buffer: bool = True
@@ -288,6 +292,19 @@ def _validate(spec):
     if g == "f16" and not spec.loss_scale:
         raise _bad("loss_scale", "f16 gradients need loss scaling (rule 8: fp16 "
                    "training without a scaler underflows); allowed: True or None")
+    if spec.remainder:
+        if p != "bf16":
+            raise _bad("master", f"'remainder' keeps the high half of the f32 master in "
+                       f"a bf16 param; the param is {p} (allowed: param='bf16')")
+        if spec.user_placement != spec.state_placement:
+            raise _bad("master", "'remainder' needs the param and the master on one "
+                       f"placement (the param is half of the master); placement="
+                       f"{spec.placement!r} puts them apart (allowed: 'cpu', 'gpu', or "
+                       "master='f32'/'bf16' with 'offload')")
+        if dict(spec.rounding).get("param") == "stochastic":
+            raise _bad("rounding", "a stochastically rounded param cannot be the high "
+                       "half of an exact master (docs/NUMERICS.md section 9); with "
+                       "master='remainder' the param is the master rounded to nearest")
     if w is not None:
         if w == "f16":
             raise _bad("master", "an f16 master cannot hold small updates to large "
@@ -428,7 +445,8 @@ def resolve(rule, *, param="f32", grad=None, master=None, moments=None,
         master = "f32"
     elif master is False:
         master = None
-    w = None if master is None else dtype_name(master, "master")
+    remainder = master == "remainder"
+    w = None if master is None else "f32" if remainder else dtype_name(master, "master")
     if placement not in PLACEMENTS:
         raise _bad("placement", f"unknown placement {placement!r}; allowed: "
                    + ", ".join(PLACEMENTS))
@@ -489,7 +507,7 @@ def resolve(rule, *, param="f32", grad=None, master=None, moments=None,
         except (TypeError, ValueError):
             raise _bad("clip", f"must be a number or None, got {clip!r}") from None
     spec = Spec(rule=rule, param=p, grad=g, master=w, states=tuple(states),
-                amsgrad=bool(amsgrad), nesterov=bool(nesterov),
+                remainder=remainder, amsgrad=bool(amsgrad), nesterov=bool(nesterov),
                 momentum_buffer=bool(momentum_buffer), clip=clip_v, loss_scale=ls,
                 rounding=rnd, placement=placement, gpu_arch=arch,
                 zero_stage=zero_stage, align=align, hypers=hyp, style=style,
@@ -510,7 +528,7 @@ def _auto_name(s):
     if s.grad != s.param:
         parts.append("g" + s.grad)
     if s.master:
-        parts.append("w" + s.master)
+        parts.append("wrem" if s.remainder else "w" + s.master)
     sts = [d for k, d in s.states if k != "master"]
     if sts:
         parts.append("s" + "".join(dict.fromkeys(sts)) if len(set(sts)) == 1
@@ -583,8 +601,12 @@ def _header(s):
     L += _wrap("//", where.split(" "))
     # Bytes per element the fused update moves.
     b = {"f32": 4, "bf16": 2, "f16": 2}
-    rd = [("g", b[s.grad]), ("w" if s.master else "p", b[s.master or s.param])]
-    wr = [("w" if s.master else "p", b[s.master or s.param])]
+    if s.remainder:  # the master is the param (read, written) and its remainder
+        rd = [("g", b[s.grad]), ("p+r", b[s.param] + 2)]
+        wr = [("r", 2)]
+    else:
+        rd = [("g", b[s.grad]), ("w" if s.master else "p", b[s.master or s.param])]
+        wr = [("w" if s.master else "p", b[s.master or s.param])]
     short = {"exp_avg": "m", "exp_avg_sq": "v", "max_exp_avg_sq": "vm",
              "momentum_buffer": "buf"}
     for k, d in s.states:
@@ -626,6 +648,8 @@ def _emit(s):
 
     def decl(kind, dtype, on, note=None):
         r = f" rounding {rnd[kind]}" if kind in rnd else ""
+        if kind == "master" and s.remainder:
+            r += " remainder"
         B.op(f"{_STATE_SSA[kind]} = zopt.state {kind} : {dtype} on {on}{r}", note)
 
     # --- states
@@ -635,7 +659,8 @@ def _emit(s):
          if s.master else "the weight the update changes")
     decl("grad", s.grad, up)
     if s.master:
-        decl("master", s.master, sp, "the weight the update changes")
+        decl("master", s.master, sp, "the weight the update changes" + (
+            ": its low half beside the param, exact" if s.remainder else ""))
     notes = {"exp_avg": "first moment m" if s.rule != "lion" else "momentum m",
              "exp_avg_sq": "second moment v",
              "max_exp_avg_sq": "running max of v (amsgrad)",
