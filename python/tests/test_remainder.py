@@ -7,8 +7,10 @@ the rebuilt master (zopt_optimizer_read_state_f32) equals the twin's f32
 master, the param equals that master rounded to nearest with ties away, the
 moments equal the twin's; the same for zopt.steps.adamw(master="remainder")
 against master="f32". save()/load() resumes bit for bit. torch's
-state_dict layout has no place for a remainder: refused, nothing changes.
+state_dict layout holds the whole f32 master (joined by the runtime), and
+loading one splits it (the params become its high halves).
 """
+import copy
 import os
 
 import numpy as np
@@ -98,18 +100,75 @@ def test_remainder_save_load_resumes(steps, tmp_path):
                                       ob._parts[0].read_f32(t, StateKind.MASTER).view(np.uint32))
 
 
-def test_remainder_state_dict_refused(steps):
+def _master_bits(sd, t):
+    return sd["state"][t]["master"].detach().float().contiguous().numpy().ravel().view(np.uint32)
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_remainder_state_dict_round_trip(steps, zero):
+    """torch's layout holds a remainder step's whole f32 master (the
+    runtime's join of the param and the remainder): bit for bit the
+    f32-master twin's, and the moments too. Loaded into a remainder
+    optimizer over a model with other weights, the runtime's split sets
+    every param to the master's high half (a MasterWeightsWarning counts
+    them) and the two optimizers then train bit for bit alike; loaded
+    into the f32-master twin, its master is the same bits."""
+    src = SRC.replace("zero_stage = 0", f"zero_stage = {zero}")
+    twin = TWIN.replace("zero_stage = 0", f"zero_stage = {zero}")
+    ma, mb = model(), model()
+    oa = zopt.Optimizer(steps.text(src), ma.parameters(), lr=1e-2, weight_decay=0.1)
+    ob = zopt.Optimizer(steps.text(twin), mb.parameters(), lr=1e-2, weight_decay=0.1)
+    train(ma, oa, 3)
+    train(mb, ob, 3)
+    sa, sb = oa.state_dict(), ob.state_dict()
+    assert sorted(sa["state"][0]) == ["exp_avg", "exp_avg_sq", "master", "step"]
+    for t in range(2):
+        assert sa["state"][t]["master"].dtype == torch.float32
+        np.testing.assert_array_equal(_master_bits(sa, t), _master_bits(sb, t))
+        for k in ("exp_avg", "exp_avg_sq"):
+            np.testing.assert_array_equal(sa["state"][t][k].numpy().view(np.uint32),
+                                          sb["state"][t][k].numpy().view(np.uint32))
+    # into a remainder optimizer whose model holds other weights
+    mc = model(seed=5)
+    oc = zopt.Optimizer(steps.text(src), mc.parameters(), lr=1e-2, weight_decay=0.1)
+    with pytest.warns(zopt.optimizer.MasterWeightsWarning, match="in 2 of 2 params"):
+        oc.load_state_dict(copy.deepcopy(sa))
+    for pa, pc in zip(ma.parameters(), mc.parameters()):
+        np.testing.assert_array_equal(bits16(pc), bits16(pa))
+    train(ma, oa, 2, 3)
+    train(mc, oc, 2, 3)
+    for t, (pa, pc) in enumerate(zip(ma.parameters(), mc.parameters())):
+        np.testing.assert_array_equal(bits16(pc), bits16(pa))
+        np.testing.assert_array_equal(oc._parts[0].read_f32(t, StateKind.MASTER).view(np.uint32),
+                                      oa._parts[0].read_f32(t, StateKind.MASTER).view(np.uint32))
+    # the twin's f32 master into a remainder optimizer: the same master bits
+    md = model(seed=6)
+    od = zopt.Optimizer(steps.text(src), md.parameters(), lr=1e-2, weight_decay=0.1)
+    with pytest.warns(zopt.optimizer.MasterWeightsWarning):
+        od.load_state_dict(copy.deepcopy(sb))
+    for t, p in enumerate(md.parameters()):
+        want = _master_bits(sb, t)
+        np.testing.assert_array_equal(od._parts[0].read_f32(t, StateKind.MASTER).view(np.uint32), want)
+        np.testing.assert_array_equal(bits16(p), nearest_away(want.view(np.float32)))
+
+
+def test_remainder_state_dict_refused_load_changes_nothing(steps):
+    """A state_dict the load refuses (a master of the wrong shape) leaves
+    the params, masters and moments as they were."""
     m = model()
     opt = zopt.Optimizer(steps.text(SRC), m.parameters(), lr=1e-2)
     train(m, opt, 1)
+    sd = opt.state_dict()
+    train(m, opt, 1, 1)
     before = [bits16(p).copy() for p in m.parameters()]
-    with pytest.raises(NotImplementedError, match="remainder"):
-        opt.state_dict()
-    twin = zopt.Optimizer(steps.text(TWIN), model().parameters(), lr=1e-2)
-    with pytest.raises(NotImplementedError, match="remainder"):
-        opt.load_state_dict(twin.state_dict())
-    for p, b in zip(m.parameters(), before):
+    masters = [opt._parts[0].read_f32(t, StateKind.MASTER).copy() for t in range(2)]
+    sd["state"][1]["master"] = torch.zeros(5)
+    with pytest.raises(zopt.ZoptError, match="master"):
+        opt.load_state_dict(sd)
+    for t, (p, b) in enumerate(zip(m.parameters(), before)):
         np.testing.assert_array_equal(bits16(p), b)
+        np.testing.assert_array_equal(opt._parts[0].read_f32(t, StateKind.MASTER).view(np.uint32),
+                                      masters[t].view(np.uint32))
 
 
 def test_remainder_state_view_hides_the_master(steps):

@@ -21,7 +21,8 @@ import numpy as np
 
 from . import _ckpt, _frozen, _hypers, _lib, _params, _rebuild, _state
 from ._collective import collective_errors
-from ._dtypes import KIND_OF_KEY, NP_DTYPES, TORCH_KEY, torch
+from ._dtypes import (KIND_OF_KEY, NP_DTYPES, TORCH_KEY, f32_of_bits, remainder_join,
+                      remainder_split, torch)
 from ._lib import HYPER_BY_NAME, DType, StateKind, Status, ZoptError, check
 from ._native import scaler_config
 from ._warnings import warn_user
@@ -58,28 +59,24 @@ def part_states(c):
         d = {"step": torch.tensor(float(snap["steps"][t])) if torch is not None
              else snap["steps"][t]}
         for k in snap["kinds"]:
-            if (k, t) in snap["data"] and k != StateKind.PARAM:
-                d[TORCH_KEY[k]] = _state.user_tensor(e, snap["data"][(k, t)],
-                                                     s.state_dtype(k), share=True)
+            if (k, t) not in snap["data"] or k == StateKind.PARAM:
+                continue
+            if k == StateKind.MASTER and s.remainder_master:
+                # torch's layout holds the whole f32 master: rebuilt from
+                # the param (its high half) and the remainder
+                hi = snap["data"][(StateKind.PARAM, t)] if s.zero3 else _params.param_bits(e)
+                d["master"] = _state.user_tensor(
+                    e, remainder_join(hi, snap["data"][(k, t)]), DType.F32)
+                continue
+            d[TORCH_KEY[k]] = _state.user_tensor(e, snap["data"][(k, t)],
+                                                 s.state_dtype(k), share=True)
         state[t] = d
     return state, snap
-
-
-def _refuse_remainder(opt, what):
-    """A remainder master (docs/NUMERICS.md §9) is half of a master, the
-    param the other half: torch's layout has no place for it yet."""
-    for c in opt._parts:
-        if any(dt == DType.I16 for _, dt, _ in c.step.states):
-            raise NotImplementedError(
-                f"{what}: step '{c.step.name}' keeps its master as a remainder beside the "
-                "bf16 param (docs/NUMERICS.md §9); torch's state_dict layout does not hold "
-                "it yet: use save()/load() (the runtime's checkpoints) with the model's params")
 
 
 def state_dict(opt):
     """torch's layout over every class (global indices in param_groups
     order); collective at world size > 1."""
-    _refuse_remainder(opt, "state_dict")
     opt._prepare()
     opt._push_hypers()
     with collective_errors(opt, "state_dict"):
@@ -133,7 +130,6 @@ def state_dict(opt):
 def load_state_dict(opt, sd, allow_rule_change):
     """Loads torch's layout into every class; nothing changes if anything is
     refused."""
-    _refuse_remainder(opt, "load_state_dict")
     if sd.get("format") == "zopt-state-dict-1":  # the first binding's
         if opt._mapped:
             raise ZoptError(Status.CHECKPOINT, "the first binding's state_dict format holds "
@@ -345,10 +341,13 @@ def part_plan_state_dict(c, sd, groups, allow_rule_change=False):
     # The params that are not a rounding of their loaded master: set to
     # round(master) after the load (ZeRO-3: the held params, loaded so).
     mtids = sorted(t for (k, t) in data if k == StateKind.MASTER)
-    fixes = _params.master_sync(
-        c, {t: (data[(StateKind.MASTER, t)], NP_DTYPES[data[(StateKind.MASTER, t)].dtype])
-            for t in mtids},
-        params={t: data[(StateKind.PARAM, t)] for t in mtids} if s.zero3 else None)
+    if s.remainder_master:
+        fixes = _split_remainder_masters(c, data, mtids)
+    else:
+        fixes = _params.master_sync(
+            c, {t: (data[(StateKind.MASTER, t)], NP_DTYPES[data[(StateKind.MASTER, t)].dtype])
+                for t in mtids},
+            params={t: data[(StateKind.PARAM, t)] for t in mtids} if s.zero3 else None)
     if s.zero3:
         for t, b in fixes.items():
             data[(StateKind.PARAM, t)] = b
@@ -367,6 +366,24 @@ def part_plan_state_dict(c, sd, groups, allow_rule_change=False):
                 scaler=(scale, good, cfg), seed=seed)
     return dict(snap=snap, groups=new_groups, pending=(fixes, mtids, set(fixes)),
                 dropped=dropped)
+
+
+def _split_remainder_masters(c, data, mtids):
+    """A remainder step (docs/NUMERICS.md section 9) loading torch's
+    layout: each master (an f32 tensor, or narrower: widened exactly) is
+    split by the runtime into the param's bits (the master rounded to
+    nearest, ties away) and the int16 remainder the step stores, in
+    ``data`` in its place. Returns the params whose bits change, {t: bits}
+    (ZeRO-3: the held params of ``data``)."""
+    fixes = {}
+    for t in mtids:
+        m = data[(StateKind.MASTER, t)]
+        hi, rem = remainder_split(f32_of_bits(m, NP_DTYPES[m.dtype]))
+        data[(StateKind.MASTER, t)] = rem
+        cur = data[(StateKind.PARAM, t)] if c.step.zero3 else _params.param_bits(c.entries[t])
+        if not np.array_equal(np.asarray(cur).view(np.uint16), hi):
+            fixes[t] = hi
+    return fixes
 
 
 def part_apply_plan(c, plan):

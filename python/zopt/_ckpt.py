@@ -26,8 +26,8 @@ _SCALER = struct.Struct("<dqdddqdII")
 _TENSOR = np.dtype([("group", "<u4"), ("pad", "<u4"), ("numel", "<i8"), ("steps", "<i8")])
 _PIECE = np.dtype([("ki", "<u4"), ("t", "<u4"), ("start", "<i8"), ("len", "<i8"),
                    ("off", "<u8"), ("fnv", "<u8")])
-# storage dtype of zopt_dtype (F32, BF16 bits, F16)
-_NP = {1: np.dtype("<f4"), 2: np.dtype("<u2"), 3: np.dtype("<f2")}
+# storage dtype of zopt_dtype (F32, BF16 bits, F16, I16: a remainder master's low halves)
+_NP = {1: np.dtype("<f4"), 2: np.dtype("<u2"), 3: np.dtype("<f2"), 4: np.dtype("<i2")}
 
 
 class Image:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import bf16
-from ._lib import DType, Placement, StateKind, Status, ZoptError, STATE_BY_NAME
+from . import _lib, bf16
+from ._lib import DType, Placement, StateKind, Status, ZoptError, STATE_BY_NAME, check
 
 try:  # torch is optional
     import torch
@@ -21,6 +21,8 @@ NP_DTYPES = {np.dtype(np.float32): DType.F32, np.dtype(np.float16): DType.F16,
              np.dtype(np.uint16): DType.BF16}
 NP_OF = {DType.F32: np.float32, DType.F16: np.float16, DType.BF16: np.uint16,
          DType.I16: np.int16}  # a remainder master's raw low halves
+# the dtypes of state data (a remainder master's low halves too; never a param's)
+STATE_NP_DTYPES = {**NP_DTYPES, np.dtype(np.int16): DType.I16}
 
 PLACE_GPU = int(Placement.GPU)  # ZOPT_PLACE_GPU (abi.h)
 
@@ -77,6 +79,30 @@ def from_bits(a, dt):
     if dt == DType.BF16:
         return torch.from_numpy(c.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(c)
+
+
+def remainder_join(param_bits, rem):
+    """f32 masters from their bf16 params' bits (uint16) and int16
+    remainders (abi.h "Remainder masters": the runtime's definition)."""
+    p = np.ascontiguousarray(param_bits, dtype=np.uint16).reshape(-1)
+    r = np.ascontiguousarray(rem, dtype=np.int16).reshape(-1)
+    out = np.empty(p.size, dtype=np.float32)
+    if p.size != r.size:
+        raise ZoptError(Status.INVALID_ARGUMENT, f"remainder_join: {p.size} params, {r.size} remainders")
+    check(_lib.lib().zopt_remainder_join_n(p.ctypes.data, r.ctypes.data, out.ctypes.data, p.size),
+          "zopt_remainder_join_n")
+    return out
+
+
+def remainder_split(master):
+    """f32 masters -> (bf16 param bits (uint16): the master rounded to
+    nearest with ties away, int16 remainders), the runtime's split."""
+    m = np.ascontiguousarray(master, dtype=np.float32).reshape(-1)
+    p = np.empty(m.size, dtype=np.uint16)
+    r = np.empty(m.size, dtype=np.int16)
+    check(_lib.lib().zopt_remainder_split_n(m.ctypes.data, p.ctypes.data, r.ctypes.data, m.size),
+          "zopt_remainder_split_n")
+    return p, r
 
 
 def f32_of_bits(flat, dt):

@@ -274,6 +274,8 @@ _SIGS = {
                                             ctypes.c_int64]),
     "zopt_optimizer_read_state_raw": (_S, [_P, ctypes.c_int, ctypes.c_int, _P,
                                            ctypes.c_size_t]),
+    "zopt_remainder_join_n": (_S, [_P, _P, _P, ctypes.c_int64]),
+    "zopt_remainder_split_n": (_S, [_P, _P, _P, ctypes.c_int64]),
     "zopt_optimizer_write_state_raw": (_S, [_P, ctypes.c_int, ctypes.c_int, _P,
                                             ctypes.c_size_t]),
     "zopt_optimizer_save": (_S, [_P, ctypes.c_char_p]),

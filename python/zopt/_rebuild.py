@@ -29,7 +29,7 @@ import ctypes
 import numpy as np
 
 from . import _ckpt, _hypers, _params
-from ._dtypes import NP_DTYPES, NP_OF, TORCH_KEY
+from ._dtypes import NP_OF, STATE_NP_DTYPES, TORCH_KEY
 from ._lib import GROUP_MAXIMIZE, DType, StateKind, Status, ZoptError, check
 
 
@@ -88,7 +88,7 @@ def restore(c, snap, groups=None, what="restore"):
         for (k, t), a in snap["data"].items():
             if t >= T or t in ex or not ents[t].numel:
                 continue
-            imp.put(t, k, NP_DTYPES[a.dtype], a,
+            imp.put(t, k, STATE_NP_DTYPES[a.dtype], a,
                     f"{what}: {ents[t].name}: '{TORCH_KEY.get(k, k)}'")
         for t, n in enumerate(steps):
             if n:

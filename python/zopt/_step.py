@@ -125,6 +125,12 @@ class Step:
         return StateKind.MASTER in self.state_flags
 
     @property
+    def remainder_master(self):
+        """The f32 master is kept as a remainder beside the bf16 param
+        (docs/NUMERICS.md section 9): its storage dtype is I16."""
+        return self.has_master and self.state_dtype(StateKind.MASTER) == DType.I16
+
+    @property
     def adam_like(self):
         return "eps" in self.hypers and StateKind.EXP_AVG_SQ in self.state_flags
 

@@ -69,7 +69,7 @@ int main(int argc, char **argv) {
   expect_load_fails("fx_unterminated", ZOPT_ERR_ABI, "NUL");
   expect_load_fails("fx_toomany", ZOPT_ERR_ABI, "num_states");
   expect_load_fails("fx_badprogram", ZOPT_ERR_ABI, "program op 1: range 7");
-  expect_load_fails("fx_unknownflag", ZOPT_ERR_ABI, "unknown flags 0x80");
+  expect_load_fails("fx_unknownflag", ZOPT_ERR_ABI, "unknown flags 0x100");
   expect_load_fails("fx_rulenotstated", ZOPT_ERR_ABI, "rule flags 0x10 without RULE_STATED");
 
   /* truncated copy of a real shared library, and a text file */

@@ -430,6 +430,15 @@ ZOPT_API zopt_status zopt_optimizer_read_state_f32(const zopt_optimizer *opt,
 ZOPT_API zopt_status zopt_optimizer_write_state_f32(zopt_optimizer *opt, int tensor,
                                            zopt_state_kind kind,
                                            const float *in, int64_t numel);
+/* Remainder masters (abi.h "Remainder masters", the definition): n f32
+ * masters from their bf16 params' bit patterns and int16 remainders, and n
+ * f32 masters split into the two. For bindings that move a remainder
+ * master in another layout (torch's state_dict). Any n >= 0; NULL arrays
+ * with n > 0 give ZOPT_ERR_INVALID_ARGUMENT. */
+ZOPT_API zopt_status zopt_remainder_join_n(const uint16_t *param, const int16_t *rem, float *master,
+                                           int64_t n);
+ZOPT_API zopt_status zopt_remainder_split_n(const float *master, uint16_t *param, int16_t *rem,
+                                            int64_t n);
 /* Storage-exact copies: `bytes` must equal numel * sizeof(storage dtype). */
 ZOPT_API zopt_status zopt_optimizer_read_state_raw(const zopt_optimizer *opt,
                                           int tensor, zopt_state_kind kind,

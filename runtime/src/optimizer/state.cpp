@@ -6,6 +6,7 @@
 #include "backend/backend.h"
 #include "exec/exec.h"
 
+#include <cstring>
 #include <vector>
 
 using namespace zopt;
@@ -148,3 +149,29 @@ ZOPT_API zopt_status zopt_optimizer_gather_params(zopt_optimizer *o, int first, 
 }
 
 }  // extern "C"
+
+// ---- remainder masters in other layouts (abi.h's two functions, n at a time) ----
+ZOPT_API zopt_status zopt_remainder_join_n(const uint16_t *param, const int16_t *rem, float *master, int64_t n) {
+  if (n < 0 || (n > 0 && (!param || !rem || !master)))
+    return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_remainder_join_n: n = %lld with %s", (long long)n,
+                n < 0 ? "n < 0" : "a NULL array");
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t b = zopt_remainder_join(param[i], (uint16_t)rem[i]);
+    std::memcpy(&master[i], &b, 4);
+  }
+  return ZOPT_OK;
+}
+
+ZOPT_API zopt_status zopt_remainder_split_n(const float *master, uint16_t *param, int16_t *rem, int64_t n) {
+  if (n < 0 || (n > 0 && (!param || !rem || !master)))
+    return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_remainder_split_n: n = %lld with %s", (long long)n,
+                n < 0 ? "n < 0" : "a NULL array");
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t b;
+    std::memcpy(&b, &master[i], 4);
+    uint16_t r;
+    zopt_remainder_split(b, &param[i], &r);
+    rem[i] = (int16_t)r;
+  }
+  return ZOPT_OK;
+}
