@@ -55,8 +55,15 @@ class Backend {
 
   // ---- tensors, finalize, free -------------------------------------------
   // A tensor's memory (add_tensor, set_tensor_memory; `t` is its id, for
-  // messages; grad may be NULL where the caller allows it).
-  virtual zopt_status check_tensor(const zopt_optimizer *o, int t, void *param, void *grad) const;
+  // messages; grad may be NULL where the caller allows it; `fn` the C API
+  // call, for messages).
+  virtual zopt_status check_tensor(const zopt_optimizer *o, int t, void *param, void *grad, const char *fn) const;
+  // Tensors' user memory moved after finalize (zopt_optimizer_set_tensor_memory,
+  // _set_grad_memory: o->tensors already holds the new pointers; `tensors`
+  // their ids): the backend updates what holds those pointers. On failure
+  // the caller puts the old pointers back (what the backend keeps of them
+  // must then be rebuilt from o->tensors before it is used again).
+  virtual zopt_status memory_moved(zopt_optimizer *o, const int32_t *tensors, int64_t n) { return ZOPT_OK; }
   // Builds what a step needs (buffers, tables, the host executor's
   // program); on failure nothing is left allocated.
   virtual zopt_status finalize(zopt_optimizer *o) = 0;

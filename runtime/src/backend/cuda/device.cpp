@@ -94,7 +94,7 @@ void destroy_events(GpuState *g) {
     }
 }
 
-zopt_status gpu_check_pointers(const GpuState *g, void *param, void *grad, int tensor) {
+zopt_status gpu_check_pointers(const GpuState *g, void *param, void *grad, int tensor, const char *fn) {
   ZOPT_CTX_SCOPE(g);
   for (int i = 0; i < 2; ++i) {
     void *p = i ? grad : param;
@@ -103,22 +103,22 @@ zopt_status gpu_check_pointers(const GpuState *g, void *param, void *grad, int t
     CUresult r = g->cu->PointerGetAttribute(&type, POINTER_ATTRIBUTE_MEMORY_TYPE, (CUdeviceptr)(uintptr_t)p);
     if (r != CUDA_SUCCESS || (type != MEMORYTYPE_DEVICE && type != MEMORYTYPE_UNIFIED))
       return fail(ZOPT_ERR_INVALID_ARGUMENT,
-                  "zopt_optimizer_add_tensor: the %s of tensor %d (%p) is not CUDA device memory (the step's %ss "
+                  "%s: the %s of tensor %d (%p) is not CUDA device memory (the step's %ss "
                   "are on the GPU)",
-                  what, tensor, p, what);
+                  fn, what, tensor, p, what);
     if (type != MEMORYTYPE_DEVICE) continue;  // managed memory: any device
     int dev = -1;
     r = g->cu->PointerGetAttribute(&dev, POINTER_ATTRIBUTE_DEVICE_ORDINAL, (CUdeviceptr)(uintptr_t)p);
     if (r != CUDA_SUCCESS)
-      return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_add_tensor: the device of the %s of tensor %d (%p): %s",
+      return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: the device of the %s of tensor %d (%p): %s", fn,
                   what, tensor, p, error_string(r));
     if (dev != (int)g->dev)
       return fail(ZOPT_ERR_INVALID_ARGUMENT,
-                  "zopt_optimizer_add_tensor: the %s of tensor %d is on cuda:%d, but the optimizer runs on cuda:%d "
+                  "%s: the %s of tensor %d is on cuda:%d, but the optimizer runs on cuda:%d "
                   "(the context current at zopt_optimizer_create, else device 0): create the optimizer while "
                   "cuda:%d's context is current (PyTorch: inside `with torch.cuda.device(%d)`), with every tensor "
                   "on that device",
-                  what, tensor, dev, (int)g->dev, dev, dev);
+                  fn, what, tensor, dev, (int)g->dev, dev, dev);
   }
   return ZOPT_OK;
 }
