@@ -121,6 +121,34 @@ def test_gpu_step_copies_what_it_cannot_read_in_place(steps, gpu_env, scan_impl)
     assert not _own_grads_untouched(opt)  # param 1's gradient was copied
 
 
+def test_gpu_step_reads_a_frameworks_main_grad_in_place(steps, gpu_env):
+    """f32 gradients of bf16 params on a GPU step: a framework's new
+    p.main_grad each step is handed to the runtime where it is (one
+    set_grad_memory naming it), never copied into the optimizer's buffer;
+    the update is the float64 one (plain SGD: w - lr * g, g exact in f32)."""
+    from zopt import steps as S
+    fc, rec, mode = gpu_env
+    mode("gpu")
+    st = steps.text(S.sgd.text(param="bf16", grad="f32", master="f32", momentum=0,
+                               comments=False))
+    p = torch.nn.Parameter(torch.ones(4, 3, dtype=torch.bfloat16))
+    opt = zopt.Optimizer(st, [p], lr=1.0, grad_accumulation="manual")
+    c = opt._parts[0]
+    assert not c.main_copied
+    held, w = [], 1.0
+    for k, v in enumerate((0.25, 0.5, -0.125)):
+        mg = torch.full((4, 3), v)
+        held.append(mg)  # the last ones kept alive: each new one at another address
+        p.main_grad = mg
+        n0 = len(rec.calls("zopt_optimizer_set_grad_memory"))
+        opt.step()
+        w -= v
+        calls = rec.calls("zopt_optimizer_set_grad_memory")[n0:]
+        assert len(calls) == 1 and c.foreign[0] == (mg, mg.data_ptr())
+        assert torch.equal(p.detach().float(), torch.full((4, 3), w))
+    assert not any(f.any() for f in c.grad_flats)  # the optimizer's buffer never written
+
+
 @needs_fake
 @needs_toolkit
 def test_stand_in_twin_fresh_device_grads_read_in_place(steps, tmp_path):

@@ -9,8 +9,10 @@ optimizer is built (docs/USAGE.md section 3 is the user's view):
 * Each step, which params have a gradient and where it lives
   (:func:`sync_grads`, one pass of zopt._scan's rules, in C++ where the
   extension zopt._fast is loaded): a fresh ``p.grad`` tensor of a CPU
-  step is handed to the runtime in place
-  (``zopt_optimizer_set_grad_memory``), otherwise copied into our memory;
+  step, or of a GPU step over CUDA params (inside a CUDA graph capture
+  too: the runtime writes its device table into the graph), is handed to
+  the runtime in place (``zopt_optimizer_set_grad_memory``); offloaded
+  steps' and what the rules exclude are copied into our memory;
   params without one are masked off (``zopt_optimizer_set_active``, pushed
   when the set the pass finds changes: :func:`push_mask`; GPU steps too,
   never inside a CUDA graph capture).
