@@ -55,7 +55,8 @@ class Backend {
 
   // ---- tensors, finalize, free -------------------------------------------
   // A tensor's memory (add_tensor, set_tensor_memory; `t` is its id, for
-  // messages; grad may be NULL where the caller allows it; `fn` the C API
+  // messages; grad may be NULL where the caller allows it; param NULL: only
+  // the grad is checked, its param being registered already; `fn` the C API
   // call, for messages).
   virtual zopt_status check_tensor(const zopt_optimizer *o, int t, void *param, void *grad, const char *fn) const;
   // Tensors' user memory moved after finalize (zopt_optimizer_set_tensor_memory,

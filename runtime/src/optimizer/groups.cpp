@@ -197,8 +197,8 @@ ZOPT_API zopt_status zopt_optimizer_set_grad_memory(zopt_optimizer *o, int64_t n
     if (x.numel > 0 && grads[i] == x.param)
       return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: entry %lld: tensor %d's grad is its param's memory", fn,
                   (long long)i, (int)tensors[i]);
-    if (x.numel > 0 && grads[i])
-      if (zopt_status st = o->backend->check_tensor(o, tensors[i], x.param, grads[i], fn)) return st;
+    if (x.numel > 0 && grads[i] && grads[i] != x.grad)  // (its param registered already: not checked again)
+      if (zopt_status st = o->backend->check_tensor(o, tensors[i], nullptr, grads[i], fn)) return st;
   }
   std::vector<void *> old;
   if (n && o->finalized) {

@@ -468,6 +468,14 @@ int main(int argc, char **argv) {
       check(st == ZOPT_ERR_INVALID_ARGUMENT && msg.find("tensor 2") != std::string::npos &&
                 msg.find("aligned") != std::string::npos,
             "rebind: a misaligned grad refused naming the tensor: " + msg);
+      std::vector<float> host((size_t)kSizes[3]);  // host memory: not the device's
+      int32_t id3 = 3;
+      void *g3 = host.data();
+      const zopt_status st3 = zopt_optimizer_set_grad_memory(a.o, 1, &id3, &g3);
+      const std::string msg3 = zopt_last_error();
+      check(st3 == ZOPT_ERR_INVALID_ARGUMENT && msg3.find("tensor 3") != std::string::npos &&
+                msg3.find("not CUDA device memory") != std::string::npos,
+            "rebind: a host grad refused naming the tensor: " + msg3);
       same("rebind: after the refused call, the registered memory");
     }
     g_device = false;

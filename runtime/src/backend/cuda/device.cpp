@@ -99,6 +99,7 @@ zopt_status gpu_check_pointers(const GpuState *g, void *param, void *grad, int t
   for (int i = 0; i < 2; ++i) {
     void *p = i ? grad : param;
     const char *what = i ? "grad" : "param";
+    if (!i && !p) continue;  // the param unchanged (check_tensor: NULL), checked when it was registered
     unsigned type = 0;
     CUresult r = g->cu->PointerGetAttribute(&type, POINTER_ATTRIBUTE_MEMORY_TYPE, (CUdeviceptr)(uintptr_t)p);
     if (r != CUDA_SUCCESS || (type != MEMORYTYPE_DEVICE && type != MEMORYTYPE_UNIFIED))
