@@ -127,6 +127,7 @@ ZOPT_API zopt_status zopt_optimizer_add_tensor(zopt_optimizer *o, int group, voi
   if (dt != pdt)
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: dtype %s (%u) does not match the step's param dtype %s", fn,
                 dtype_name(dt), dt, dtype_name(pdt));
+  const ChecksScope checks{o};
   if (numel > 0)
     if (zopt_status st = o->backend->check_tensor(o, (int)o->tensors.size(), param, grad, fn)) return st;
   if (numel > 0 && o->params.count(param))
@@ -154,6 +155,7 @@ ZOPT_API zopt_status zopt_optimizer_set_tensor_memory(zopt_optimizer *o, int ten
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: param and grad are the same memory", fn);
   if (x.numel > 0 && param != x.param && o->params.count(param))
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: param pointer %p is already registered", fn, param);
+  const ChecksScope checks{o};
   if (x.numel > 0)
     if (zopt_status st = o->backend->check_tensor(o, tensor, param, grad, fn)) return st;
   try {
@@ -191,6 +193,7 @@ ZOPT_API zopt_status zopt_optimizer_set_grad_memory(zopt_optimizer *o, int64_t n
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: n = %lld with %s", fn, (long long)n,
                 n < 0 ? "n < 0" : "a NULL array");
   if (zopt_status st = o->backend->supports(o, Feature::TensorMemory, fn)) return st;
+  const ChecksScope checks{o};
   for (int64_t i = 0; i < n; ++i) {  // every entry checked before any is applied
     if (zopt_status st = check_tensor(o, tensors[i], fn)) return st;
     const Tensor &x = o->tensors[tensors[i]];

@@ -177,6 +177,7 @@ zopt_status check_entries(const zopt_optimizer *o, int new_groups, int n, const 
   if (dt != pdt)
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: dtype %s (%u) does not match the step's param dtype %s", fn,
                 dtype_name(dt), dt, dtype_name(pdt));
+  const ChecksScope checks{o};
   try {
     for (int i = 0; i < n; ++i) {
       const int g = groups[i];

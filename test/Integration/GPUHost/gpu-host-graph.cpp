@@ -198,6 +198,32 @@ void rebind_checks(Fake &f, zopt_step *step) {
   check(st == ZOPT_ERR_INTERNAL && msg.find("state pointer table") != std::string::npos &&
             table_entry(f, si, 1, gi) == g3,
         "a failed table write: the call fails, the grad stays registered where it was: " + msg);
+  // Grads carved from one allocation (a caching allocator's segment): the
+  // driver is asked about it once per call, and again in the next call.
+  {
+    unsigned long long seg = 0;
+    size_t at[3], total = 0;
+    for (size_t i = 0; i < sizes.size(); ++i) at[i] = total, total += ((size_t)sizes[i] * si.eg + 511) / 512 * 512;
+    f.mem_alloc(&seg, total);
+    int32_t ids[3] = {0, 1, 2};
+    void *gs[3];
+    for (int i = 0; i < 3; ++i) gs[i] = (void *)(uintptr_t)(seg + at[i]);
+    int q0 = f.num_calls();
+    Z(zopt_optimizer_set_grad_memory(o, 3, ids, gs));
+    const int first = calls_since(f, q0, "cuPointerGetAttribute");
+    for (int i = 0; i < 3; ++i) gs[i] = (void *)(uintptr_t)(seg + at[(i + 1) % 3]);
+    q0 = f.num_calls();
+    zopt_status st_swap = zopt_optimizer_set_grad_memory(o, 3, ids, gs);  // (sizes differ: only the checks count)
+    const int second = calls_since(f, q0, "cuPointerGetAttribute");
+    int32_t back_ids[3] = {0, 1, 2};
+    void *back[3] = {(void *)(uintptr_t)su.dg[0], (void *)(uintptr_t)g3, (void *)(uintptr_t)su.dg[2]};
+    Z(zopt_optimizer_set_grad_memory(o, 3, back_ids, back));
+    f.drain_all();
+    f.mem_free(seg);
+    check(first == 4 && second == 4 && st_swap == ZOPT_OK,
+          "three grads in one allocation: the driver asked 4 times per call (memory type, device, the "
+          "allocation's range), not trusted across calls: " + std::to_string(first) + ", " + std::to_string(second));
+  }
   // A NULL grad: refused at the step while the tensor is active.
   void *none = nullptr;
   Z(zopt_optimizer_set_grad_memory(o, 1, &one, &none));

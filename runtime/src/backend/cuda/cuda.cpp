@@ -62,6 +62,7 @@ class CudaBackend final : public Backend {
   zopt_status check_tensor(const zopt_optimizer *o, int t, void *param, void *grad, const char *fn) const override {
     return gpu_check_tensor(o, t, param, grad, fn);
   }
+  void checks_done(const zopt_optimizer *) const override { gpu_forget_checked(g); }
 
   zopt_status memory_moved(zopt_optimizer *o, const int32_t *tensors, int64_t n) override {
     return gpu_memory_moved(o, tensors, n);

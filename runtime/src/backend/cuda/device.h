@@ -89,6 +89,11 @@ struct GpuState {
   std::vector<uint64_t> h_ptrs;
   std::vector<uint8_t> ptrs_graphed;
   bool ptrs_dirty = false, ptrs_in_graph = false, null_grads = false;
+  // The device allocations (start, end) that pointers checked since the
+  // last gpu_forget_checked were found in (device memory of this device):
+  // further pointers inside them are not queried again. Emptied after every
+  // call that checks pointers (a freed allocation is never trusted later).
+  mutable std::vector<std::pair<uintptr_t, uintptr_t>> checked;
   // Offloaded steps: the pinned host staging buffers of params and grads.
   std::vector<void *> pinned;
 };
@@ -131,6 +136,9 @@ void destroy_events(GpuState *g);
 // Both pointers are CUDA device (or managed) memory of the optimizer's
 // device; `tensor` is the id the tensor will get (for messages).
 zopt_status gpu_check_pointers(const GpuState *g, void *param, void *grad, int tensor, const char *fn);
+// Forgets the allocations gpu_check_pointers found (after each call that
+// checks pointers: a later call queries the driver again).
+inline void gpu_forget_checked(const GpuState *g) { g->checked.clear(); }
 // Whether `s` is capturing a CUDA graph (an error when the driver cannot
 // tell, e.g. the legacy stream while another stream captures).
 zopt_status gpu_capturing(const GpuState *g, CUstream s, bool *capturing);
