@@ -87,7 +87,12 @@ zopt_status gpu_events(GpuState *g) {
 }
 
 void destroy_events(GpuState *g) {
-  for (CUevent *e : {&g->done, &g->hypers_ready, &g->staging})
+  for (int k = 0; k < 2; ++k)
+    if (g->ptrs_pinned[k]) {
+      g->cu->MemFreeHost(g->ptrs_pinned[k]);
+      g->ptrs_pinned[k] = nullptr;
+    }
+  for (CUevent *e : {&g->done, &g->hypers_ready, &g->staging, &g->ptrs_copied[0], &g->ptrs_copied[1]})
     if (*e) {
       g->cu->EventDestroy(*e);
       *e = nullptr;

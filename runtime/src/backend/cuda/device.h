@@ -88,6 +88,13 @@ struct GpuState {
   // the whole table), `null_grads` some tensor has no gradient memory.
   std::vector<uint64_t> h_ptrs;
   std::vector<uint8_t> ptrs_graphed;
+  // Its uploads' sources: two pinned copies of the table, used in turn, each
+  // reused after the event recorded behind its last copy (made at the first
+  // upload; null: pageable h_ptrs).
+  void *ptrs_pinned[2] = {nullptr, nullptr};
+  CUevent ptrs_copied[2] = {nullptr, nullptr};
+  bool ptrs_copy_recorded[2] = {false, false};
+  int ptrs_turn = 0;
   bool ptrs_dirty = false, ptrs_in_graph = false, null_grads = false;
   // The device allocations (start, end) that pointers checked since the
   // last gpu_forget_checked were found in (device memory of this device):

@@ -46,14 +46,52 @@ void note_null_grads(const zopt_optimizer *o, GpuState *g) {
   for (const Tensor &x : o->tensors) g->null_grads |= x.numel > 0 && !x.grad;
 }
 
+// The pinned sources of the uploads, made at the first (a pageable source
+// would let the driver synchronize with the stream to stage it: the host
+// would wait for the steps already enqueued). On failure, none: pageable.
+void make_pinned(GpuState *g) {
+  const size_t bytes = std::max<size_t>(g->h_ptrs.size() * 8, 64);
+  for (int k = 0; k < 2; ++k) {
+    if (g->cu->MemHostAlloc(&g->ptrs_pinned[k], bytes, 0)) g->ptrs_pinned[k] = nullptr;
+    if (g->ptrs_pinned[k] && g->cu->EventCreate(&g->ptrs_copied[k], EVENT_DISABLE_TIMING)) g->ptrs_copied[k] = nullptr;
+    if (!g->ptrs_pinned[k] || !g->ptrs_copied[k]) {
+      for (int j = 0; j <= k; ++j) {
+        if (g->ptrs_pinned[j]) g->cu->MemFreeHost(g->ptrs_pinned[j]);
+        if (g->ptrs_copied[j]) g->cu->EventDestroy(g->ptrs_copied[j]);
+        g->ptrs_pinned[j] = nullptr;
+        g->ptrs_copied[j] = nullptr;
+      }
+      return;
+    }
+  }
+}
+
 // The table's entries [lo, hi) from the host copy, after the steps already
-// enqueued and before the next ones (outside a capture).
+// enqueued and before the next ones (outside a capture). The source is the
+// pinned copy whose turn it is, once the copy made from it two uploads ago
+// ran (its event: as a rule long done).
 CUresult upload(GpuState *g, size_t lo, size_t hi) {
   CUstream s = g->stream;
-  CUresult r = g->done_recorded ? g->cu->StreamWaitEvent(s, g->done, 0) : CUDA_SUCCESS;
-  // A pageable source: the driver has read it when the call returns (CUDA's
-  // API synchronization behaviour; the fake driver copies it at once too).
-  if (!r) r = g->cu->MemcpyHtoDAsync(g->d_states + (CUdeviceptr)lo * 8, g->h_ptrs.data() + lo, (hi - lo) * 8, s);
+  if (!g->ptrs_pinned[0]) make_pinned(g);
+  const int k = g->ptrs_turn;
+  const void *src = g->h_ptrs.data() + lo;
+  CUresult r = CUDA_SUCCESS;
+  if (g->ptrs_pinned[k]) {
+    if (g->ptrs_copy_recorded[k]) r = g->cu->EventSynchronize(g->ptrs_copied[k]);
+    if (r) return r;
+    uint64_t *pin = (uint64_t *)g->ptrs_pinned[k] + lo;
+    memcpy(pin, src, (hi - lo) * 8);
+    src = pin;
+  }  // else pageable: the driver stages it before the call returns
+  if (g->done_recorded) r = g->cu->StreamWaitEvent(s, g->done, 0);
+  if (!r) r = g->cu->MemcpyHtoDAsync(g->d_states + (CUdeviceptr)lo * 8, src, (hi - lo) * 8, s);
+  if (!r && g->ptrs_pinned[k]) {
+    r = g->cu->EventRecordWithFlags(g->ptrs_copied[k], s, 0);
+    if (!r) {
+      g->ptrs_copy_recorded[k] = true;
+      g->ptrs_turn = k ^ 1;
+    }
+  }
   if (!r) r = g->cu->EventRecordWithFlags(g->hypers_ready, s, 0);
   if (!r) g->hypers_recorded = true;
   return r;
