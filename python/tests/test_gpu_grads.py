@@ -167,6 +167,23 @@ def test_stand_in_twin_fresh_device_grads_read_in_place(steps, tmp_path):
     assert out["bad_ranges"] == 0
 
 
+@needs_fake
+@needs_toolkit
+def test_stand_in_twin_moved_param_storage_in_place(steps, tmp_path):
+    """p.data = new device storage on the real CUDA backend (stand-in, the
+    kernels on the CPU twin's): registered in place (one
+    zopt_optimizer_set_tensor_memory, the same native optimizer, no
+    export), then trained on bit for bit as the CPU step whose param was
+    written in place instead."""
+    st = steps(rule="adamw", layout="f32", placement="gpu")
+    cpu = steps(rule="adamw", layout="f32")
+    out = run_worker(__file__, "moved", st.path + os.pathsep + cpu.path, tmp_path,
+                     ZOPT_FAKE_CUDA_TWIN=cpu.path)
+    assert out["same_as_cpu"] == [True] * 5
+    assert out["set_tensor_memory"] == 1 and out["same_native"] and not out["exported"]
+    assert out["bad_ranges"] == 0
+
+
 # ---- the worker (run with ZOPT_CUDA_DRIVER=libzopt-fake-cuda.so) ----------------------
 
 def _worker(what, step_path, tmp):
@@ -179,8 +196,12 @@ def _worker(what, step_path, tmp):
     rng = np.random.default_rng(0)
     sizes = [33, 1000, 5000]
     out = {}
-    assert what == "fresh"
     gpu_path, cpu_path = step_path.split(os.pathsep)
+    if what == "moved":
+        _moved_worker(s, gpu_path, cpu_path, out)
+        print(json.dumps(out))
+        return
+    assert what == "fresh"
     init = [rng.standard_normal(n) for n in sizes]
     ps = [torch.nn.Parameter(torch.from_numpy(dev_array(n, w))) for n, w in zip(sizes, init)]
     hs = [torch.nn.Parameter(torch.tensor(w, dtype=torch.float32)) for w in init]
@@ -223,6 +244,57 @@ def _worker(what, step_path, tmp):
     opt.close()
     out["bad_ranges"] = fake.fake_cuda_num_bad_ranges()
     print(json.dumps(out))
+
+
+def _moved_worker(s, gpu_path, cpu_path, out):
+    fake, dev_array = s.fake, s.dev_array
+    rng = np.random.default_rng(2)
+    sizes = [33, 1000, 5000]
+    init = [rng.standard_normal(n) for n in sizes]
+    ps = [torch.nn.Parameter(torch.from_numpy(dev_array(n, w))) for n, w in zip(sizes, init)]
+    hs = [torch.nn.Parameter(torch.tensor(w, dtype=torch.float32)) for w in init]
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    opt = zopt.Optimizer(zopt.Step(gpu_path), ps, **kw)
+    cpu = zopt.Optimizer(zopt.Step(cpu_path), hs, **kw)
+    c = opt._parts[0]
+    h0 = c.h.value
+    calls = []
+    real_lib = c.lib
+
+    class Counting:
+        def __getattr__(self, name):
+            f = getattr(real_lib, name)
+            if name == "zopt_optimizer_set_tensor_memory":
+                def counted(*a):
+                    calls.append(name)
+                    return f(*a)
+                return counted
+            return f
+    c.lib = Counting()
+    exported = []
+    real_snapshot = zopt._rebuild.snapshot
+    zopt._rebuild.snapshot = lambda part: exported.append(1) or real_snapshot(part)
+    g = np.random.default_rng(3)
+    out["same_as_cpu"] = []
+    for k in range(5):
+        if k == 2:  # new device storage for param 1, twice the values; the twin's in place
+            x = ps[1].detach().numpy() * 2
+            ps[1].data = torch.from_numpy(dev_array(ps[1].numel(), x))
+            with torch.no_grad():
+                hs[1].mul_(2)
+        for p, h in zip(ps, hs):
+            x = (g.standard_normal(p.numel()) * 0.1).astype(np.float32)
+            p.grad, h.grad = torch.from_numpy(dev_array(p.numel(), x)), torch.from_numpy(x.copy())
+        opt.step()
+        cpu.step()
+        opt.step_count()  # waits for the step
+        out["same_as_cpu"].append(all(torch.equal(p, h) for p, h in zip(ps, hs)))
+    out["set_tensor_memory"] = len(calls)
+    out["same_native"] = c.h.value == h0
+    out["exported"] = bool(exported)
+    fake.fake_cuda_drain_all()
+    opt.close()
+    out["bad_ranges"] = fake.fake_cuda_num_bad_ranges()
 
 
 if __name__ == "__main__":
