@@ -13,7 +13,8 @@
 #   1 correctness   zopt-gpu-check on every layout vs its CPU twin: clip+inf,
 #                   loss scaling, CUDA-graph replay on another stream with an
 #                   lr or max_norm schedule, misaligned views, chunkings, 3000 small
-#                   tensors, offload, the f32-grad layouts
+#                   tensors, offload, the f32-grad layouts, grads moved to
+#                   new device memory before every step (--rebind)
 #   2 gpu-python    python/tests/test_cuda.py (GPU and offload parity) from
 #                   the carried step cache, after checking it has every step
 #   3 torch2-suite  the rest of python/tests under the machine's torch (2.x):
@@ -209,7 +210,8 @@ correctness() {
     "bf16_f32grad_sr:--steps=3 --chunk=256" "bf16_f32grad_sr:--steps=2 --misaligned"
     "f16_f32grad_loss_scale:--steps=4 --inf-at=2"
     "f16_f32grad_loss_scale:--steps=6 --inf-at=4 --graph --lr-schedule"
-    "bf16_f32grad_offload:--steps=4 --inf-at=2")
+    "bf16_f32grad_offload:--steps=4 --inf-at=2"
+    "f32_clip:--steps=4 --inf-at=3 --rebind" "bf16_f32grad:--steps=3 --rebind")
   local ok=0 bad=0 nodev=0 failed="" run l extra r last o="$scratch/gpu-check.out"
   for run in "${runs[@]}"; do
     l="${run%%:*}"; extra="${run#*:}"

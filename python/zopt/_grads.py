@@ -9,8 +9,10 @@ optimizer is built (docs/USAGE.md section 3 is the user's view):
 * Each step, which params have a gradient and where it lives
   (:func:`sync_grads`, one pass of zopt._scan's rules, in C++ where the
   extension zopt._fast is loaded): a fresh ``p.grad`` tensor of a CPU
-  step is handed to the runtime in place
-  (``zopt_optimizer_set_grad_memory``), otherwise copied into our memory;
+  step, or of a GPU step over CUDA params (inside a CUDA graph capture
+  too: the runtime writes its device table into the graph), is handed to
+  the runtime in place (``zopt_optimizer_set_grad_memory``); offloaded
+  steps' and what the rules exclude are copied into our memory;
   params without one are masked off (``zopt_optimizer_set_active``, pushed
   when the set the pass finds changes: :func:`push_mask`; GPU steps too,
   never inside a CUDA graph capture).
@@ -134,22 +136,23 @@ def sync_main(c):
     take_grads: what is left in p.grad accumulated into p.main_grad):
     which params have a main_grad and where it lives. Our own buffer
     views are registered at build; a main_grad the user attached is
-    registered in place (zopt_optimizer_set_grad_memory), or copied each
-    step for GPU steps (which keep device pointer tables)."""
+    registered in place (zopt_optimizer_set_grad_memory; GPU steps too:
+    the runtime rewrites the device's pointer table), or copied each step
+    where it is not CUDA memory the kernels can read (``c.main_copied``)."""
     ps = c.a_params
     mgs = [getattr(p, "main_grad", None) for p in ps]
     last = c.a_last
-    gpu = c.step.gpu
+    copied = c.main_copied
     for t, (g, ptr) in list(c.foreign.items()):
         if g.data_ptr() != ptr:  # the same tensor given other memory
             last[c.a_index[t]] = UNSET
-    if not gpu and all(map(_is, mgs, last)):
+    if not copied and all(map(_is, mgs, last)):
         return
     act, tids, regs = c.active, c.a_tids, c.a_regs
     changed = False
     with torch.no_grad():
         for j, g in enumerate(mgs):
-            if g is last[j] and not (gpu and g is not None and g is not regs[j]):
+            if g is last[j] and not (copied and g is not None and g is not regs[j]):
                 continue
             t = tids[j]
             if g is None:
@@ -161,7 +164,7 @@ def sync_main(c):
             reg = regs[j]
             if g is not reg:
                 check_main_grad(c, t, g)
-                if gpu:
+                if copied:
                     reg.copy_(g)
                 else:
                     register_grad(c, t, g)

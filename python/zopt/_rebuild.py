@@ -16,7 +16,7 @@ only one).
   export -> a new native optimizer -> staged import (which also undoes a
   grow).
 * :func:`register_moved`: params whose storage moved (``p.data = new``):
-  ``zopt_optimizer_set_tensor_memory`` (CPU and offloaded steps), else
+  ``zopt_optimizer_set_tensor_memory`` (every backend), else (a refusal)
   export -> new native -> import.
 
 GPU steps' frozen params (left out, joining when unfrozen) are
@@ -155,22 +155,22 @@ def register_moved(c, tids):
     reads the registered param memory after finalize; the binding passes
     the current storage everywhere). Otherwise the runtime writes params
     in place: their new storage is registered
-    (``zopt_optimizer_set_tensor_memory``; GPU steps, or a refusal: the
-    native optimizer rebuilt around it), every state kept."""
+    (``zopt_optimizer_set_tensor_memory``, GPU steps too: the runtime
+    rewrites the device's pointer table; a refusal: the native optimizer
+    rebuilt around it), every state kept."""
     if c.step.zero3:
         return
     tids = [t for t in tids if c.entries[t].dense is None]
     if not tids:  # strided params: their registered copies did not move
         return
-    if not c.step.gpu:
-        try:
-            _move_in_place(c, tids)
-        except ZoptError as e:  # (two params that swapped storage, ...)
-            if e.code not in _IN_PLACE_REFUSALS + (Status.INVALID_ARGUMENT,):
-                raise
-        else:
-            c.rebuilds += 1
-            return
+    try:
+        _move_in_place(c, tids)
+    except ZoptError as e:  # (two params that swapped storage, ...)
+        if e.code not in _IN_PLACE_REFUSALS + (Status.INVALID_ARGUMENT,):
+            raise
+    else:
+        c.rebuilds += 1
+        return
     snap = snapshot(c)  # (the states: none of them moved)
     for t in tids:
         c.entries[t].pptr = c.entries[t].param.data_ptr()

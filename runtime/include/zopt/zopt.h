@@ -632,15 +632,17 @@ ZOPT_API zopt_status zopt_optimizer_get_tensor_step(const zopt_optimizer *opt, i
  * this rank marks inactive (zopt_optimizer_set_active) until it gets
  * memory again; stepping an active tensor without gradient memory is an
  * error. The param's values are not read (call
- * zopt_optimizer_refresh_master to take new values into a master). CPU and
- * offloaded steps (GPU steps: ZOPT_ERR_UNSUPPORTED). */
+ * zopt_optimizer_refresh_master to take new values into a master). Every
+ * backend; GPU steps rewrite the device's pointer table on the optimizer's
+ * stream, inside a CUDA graph capture by value (docs/GPU.md "Tensor
+ * memory"). */
 ZOPT_API zopt_status zopt_optimizer_set_tensor_memory(zopt_optimizer *opt, int tensor, void *param, void *grad);
 /* Gradient memory of n tensors at once (a binding handing over the fresh
  * gradient tensors of a backward without copying them): tensors[i]'s
  * gradient is read from grads[i] from the next step on, its param memory
  * unchanged; as n calls of zopt_optimizer_set_tensor_memory, except that
  * every entry is checked before any is applied (a refused call changes
- * nothing). CPU and offloaded steps. */
+ * nothing). Every backend (GPU steps: as set_tensor_memory). */
 ZOPT_API zopt_status zopt_optimizer_set_grad_memory(zopt_optimizer *opt, int64_t n, const int32_t *tensors,
                                                     void *const *grads);
 /* Restoring counts and the loss scaler without a checkpoint file (e.g. a

@@ -32,7 +32,9 @@ void *state_ptr(const zopt_optimizer *o, int t, int si) { return o->backend->sta
 
 zopt_status Backend::supports(const zopt_optimizer *, Feature, const char *) const { return ZOPT_OK; }
 
-zopt_status Backend::check_tensor(const zopt_optimizer *, int, void *, void *) const { return ZOPT_OK; }
+zopt_status Backend::check_tensor(const zopt_optimizer *, int, void *, void *, const char *) const { return ZOPT_OK; }
+
+ChecksScope::~ChecksScope() { o->backend->checks_done(o); }
 
 zopt_status Backend::set_hyper(zopt_optimizer *o, int group, int hi, double value) {
   o->groups[group].hypers[hi] = value;

@@ -55,8 +55,20 @@ class Backend {
 
   // ---- tensors, finalize, free -------------------------------------------
   // A tensor's memory (add_tensor, set_tensor_memory; `t` is its id, for
-  // messages; grad may be NULL where the caller allows it).
-  virtual zopt_status check_tensor(const zopt_optimizer *o, int t, void *param, void *grad) const;
+  // messages; grad may be NULL where the caller allows it; param NULL: only
+  // the grad is checked, its param being registered already; `fn` the C API
+  // call, for messages).
+  virtual zopt_status check_tensor(const zopt_optimizer *o, int t, void *param, void *grad, const char *fn) const;
+  // The C API call that checked tensors is over: what check_tensor learned
+  // about the memory it saw (an allocation known to be the device's) is not
+  // trusted by later calls. (ChecksScope calls it.)
+  virtual void checks_done(const zopt_optimizer *o) const {}
+  // Tensors' user memory moved after finalize (zopt_optimizer_set_tensor_memory,
+  // _set_grad_memory: o->tensors already holds the new pointers; `tensors`
+  // their ids): the backend updates what holds those pointers. On failure
+  // the caller puts the old pointers back (what the backend keeps of them
+  // must then be rebuilt from o->tensors before it is used again).
+  virtual zopt_status memory_moved(zopt_optimizer *o, const int32_t *tensors, int64_t n) { return ZOPT_OK; }
   // Builds what a step needs (buffers, tables, the host executor's
   // program); on failure nothing is left allocated.
   virtual zopt_status finalize(zopt_optimizer *o) = 0;
@@ -132,6 +144,12 @@ class Backend {
   // The param of tensor t as the host's kernels read it (the user's memory,
   // or its staging copy), at element 0.
   virtual const void *param_on_host(const zopt_optimizer *o, int t) const;
+};
+
+// Calls Backend::checks_done when the calling C API function returns.
+struct ChecksScope {
+  const zopt_optimizer *o;
+  ~ChecksScope();
 };
 
 // The backend of a step: cuda (the step has GPU code), offload (params and

@@ -7,6 +7,7 @@
 #include "exec/exec.h"
 
 #include <cmath>
+#include <vector>
 
 using namespace zopt;
 
@@ -126,8 +127,9 @@ ZOPT_API zopt_status zopt_optimizer_add_tensor(zopt_optimizer *o, int group, voi
   if (dt != pdt)
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: dtype %s (%u) does not match the step's param dtype %s", fn,
                 dtype_name(dt), dt, dtype_name(pdt));
+  const ChecksScope checks{o};
   if (numel > 0)
-    if (zopt_status st = o->backend->check_tensor(o, (int)o->tensors.size(), param, grad)) return st;
+    if (zopt_status st = o->backend->check_tensor(o, (int)o->tensors.size(), param, grad, fn)) return st;
   if (numel > 0 && o->params.count(param))
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: param pointer %p is already registered", fn, param);
   if (o->tensors.size() >= (size_t)0x7fffffff) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: too many tensors", fn);
@@ -153,8 +155,9 @@ ZOPT_API zopt_status zopt_optimizer_set_tensor_memory(zopt_optimizer *o, int ten
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: param and grad are the same memory", fn);
   if (x.numel > 0 && param != x.param && o->params.count(param))
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: param pointer %p is already registered", fn, param);
+  const ChecksScope checks{o};
   if (x.numel > 0)
-    if (zopt_status st = o->backend->check_tensor(o, tensor, param, grad)) return st;
+    if (zopt_status st = o->backend->check_tensor(o, tensor, param, grad, fn)) return st;
   try {
     if (x.numel > 0) {
       o->params.erase(x.param);
@@ -163,8 +166,21 @@ ZOPT_API zopt_status zopt_optimizer_set_tensor_memory(zopt_optimizer *o, int ten
   } catch (...) {
     return fail(ZOPT_ERR_OUT_OF_MEMORY, "out of memory");
   }
+  void *old_param = x.param, *old_grad = x.grad;
   x.param = param;
   x.grad = grad;
+  if (o->finalized) {
+    const int32_t id = tensor;
+    if (zopt_status st = o->backend->memory_moved(o, &id, 1)) {
+      x.param = old_param;  // as it was (the backend rebuilds what it kept)
+      x.grad = old_grad;
+      if (x.numel > 0 && param != old_param) {
+        o->params.erase(param);
+        o->params.insert(old_param);  // (erased above: no allocation can fail)
+      }
+      return st;
+    }
+  }
   if (o->finalized && o->prog) o->prog->rebind_pending = true;  // once, at the next step
   return ZOPT_OK;
 }
@@ -177,16 +193,31 @@ ZOPT_API zopt_status zopt_optimizer_set_grad_memory(zopt_optimizer *o, int64_t n
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: n = %lld with %s", fn, (long long)n,
                 n < 0 ? "n < 0" : "a NULL array");
   if (zopt_status st = o->backend->supports(o, Feature::TensorMemory, fn)) return st;
+  const ChecksScope checks{o};
   for (int64_t i = 0; i < n; ++i) {  // every entry checked before any is applied
     if (zopt_status st = check_tensor(o, tensors[i], fn)) return st;
     const Tensor &x = o->tensors[tensors[i]];
     if (x.numel > 0 && grads[i] == x.param)
       return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: entry %lld: tensor %d's grad is its param's memory", fn,
                   (long long)i, (int)tensors[i]);
-    if (x.numel > 0 && grads[i])
-      if (zopt_status st = o->backend->check_tensor(o, tensors[i], x.param, grads[i])) return st;
+    if (x.numel > 0 && grads[i] && grads[i] != x.grad)  // (its param registered already: not checked again)
+      if (zopt_status st = o->backend->check_tensor(o, tensors[i], nullptr, grads[i], fn)) return st;
+  }
+  std::vector<void *> old;
+  if (n && o->finalized) {
+    try {
+      old.resize((size_t)n);
+    } catch (...) {
+      return fail(ZOPT_ERR_OUT_OF_MEMORY, "out of memory");
+    }
+    for (int64_t i = 0; i < n; ++i) old[(size_t)i] = o->tensors[tensors[i]].grad;
   }
   for (int64_t i = 0; i < n; ++i) o->tensors[tensors[i]].grad = grads[i];
+  if (n && o->finalized)
+    if (zopt_status st = o->backend->memory_moved(o, tensors, n)) {
+      for (int64_t i = n; i-- > 0;) o->tensors[tensors[i]].grad = old[(size_t)i];  // as it was
+      return st;
+    }
   if (n && o->finalized && o->prog) o->prog->rebind_pending = true;  // once, at the next step
   return ZOPT_OK;
 }

@@ -177,6 +177,7 @@ zopt_status check_entries(const zopt_optimizer *o, int new_groups, int n, const 
   if (dt != pdt)
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: dtype %s (%u) does not match the step's param dtype %s", fn,
                 dtype_name(dt), dt, dtype_name(pdt));
+  const ChecksScope checks{o};
   try {
     for (int i = 0; i < n; ++i) {
       const int g = groups[i];
@@ -193,7 +194,7 @@ zopt_status check_entries(const zopt_optimizer *o, int new_groups, int n, const 
       if (numel > 0 && param == grad)
         return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: entry %d: param and grad are the same memory", fn, i);
       if (numel > 0)
-        if (zopt_status st = o->backend->check_tensor(o, (int)(T0 + (size_t)i), param, grad)) return st;
+        if (zopt_status st = o->backend->check_tensor(o, (int)(T0 + (size_t)i), param, grad, fn)) return st;
       if (numel > 0 && (o->params.count(param) || !seen->insert(param).second))
         return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: entry %d: param pointer %p is already registered", fn, i, param);
       add->push_back(Tensor{g, param, grad, numel, 0, 0});

@@ -422,6 +422,65 @@ int main(int argc, char **argv) {
     same("tensor step: the step at the set count");
   }
 
+  // rebind: fresh gradient memory every step (a framework's new p.grad
+  // tensors read in place: zopt_optimizer_set_grad_memory), tensor 0's
+  // param moved too (zopt_optimizer_set_tensor_memory); the twin keeps its
+  // memory and is given the same values there. The old buffers keep the
+  // previous values: a step that read them would differ.
+  {
+    const uint32_t pdt = a.d->states[state_of(a.d, ZOPT_STATE_PARAM)].dtype;
+    const uint32_t gdt = a.d->states[state_of(a.d, ZOPT_STATE_GRAD)].dtype;
+    g_device = device;
+    bool ok = true;
+    for (int k = 0; k < 2; ++k) {
+      int32_t ids[T];
+      void *gs[T];
+      for (int t = 0; t < T; ++t) {
+        ids[t] = t;
+        gs[t] = alloc((size_t)kSizes[t] * dsize(gdt));
+      }
+      ok &= zopt_optimizer_set_grad_memory(a.o, T, ids, gs) == ZOPT_OK;
+      if (k == 1) {
+        std::vector<float> p(kSizes[0]);
+        Z(zopt_optimizer_read_state_f32(a.o, 0, ZOPT_STATE_PARAM, p.data(), kSizes[0]));
+        ok &= zopt_optimizer_set_tensor_memory(a.o, 0, alloc((size_t)kSizes[0] * dsize(pdt)), gs[0]) == ZOPT_OK;
+        Z(zopt_optimizer_write_state_f32(a.o, 0, ZOPT_STATE_PARAM, p.data(), kSizes[0]));
+      }
+      grads(gscale);
+      step(a);
+      step(b);
+    }
+    check(ok, std::string("rebind: set_grad_memory / set_tensor_memory after finalize accepted") +
+                  (ok ? "" : std::string(": ") + zopt_last_error()));
+    same("rebind: 2 steps from fresh gradient memory (and a moved param)");
+    check(counts(a) == counts(b), "rebind: counts " + counts(a));
+    if (backend == "cuda") {
+      // A grad the kernels cannot read is refused naming the tensor, and
+      // nothing changes: the next step reads the memory registered before.
+      char *bad = (char *)alloc((size_t)kSizes[2] * dsize(gdt) + 8) + 1;
+      int32_t ids[2] = {1, 2};
+      void *gs[2] = {alloc((size_t)kSizes[1] * dsize(gdt)), bad};
+      const zopt_status st = zopt_optimizer_set_grad_memory(a.o, 2, ids, gs);
+      const std::string msg = zopt_last_error();
+      grads(gscale);
+      step(a);
+      step(b);
+      check(st == ZOPT_ERR_INVALID_ARGUMENT && msg.find("tensor 2") != std::string::npos &&
+                msg.find("aligned") != std::string::npos,
+            "rebind: a misaligned grad refused naming the tensor: " + msg);
+      std::vector<float> host((size_t)kSizes[3]);  // host memory: not the device's
+      int32_t id3 = 3;
+      void *g3 = host.data();
+      const zopt_status st3 = zopt_optimizer_set_grad_memory(a.o, 1, &id3, &g3);
+      const std::string msg3 = zopt_last_error();
+      check(st3 == ZOPT_ERR_INVALID_ARGUMENT && msg3.find("tensor 3") != std::string::npos &&
+                msg3.find("not CUDA device memory") != std::string::npos,
+            "rebind: a host grad refused naming the tensor: " + msg3);
+      same("rebind: after the refused call, the registered memory");
+    }
+    g_device = false;
+  }
+
   zopt_optimizer_free(a.o);
   zopt_optimizer_free(b.o);
   zopt_step_free(a.step);

@@ -2,7 +2,7 @@
 //
 // zopt-gpu-check GPU_STEP.so CPU_STEP.so [--steps=N] [--inf-at=K] [--seed=S]
 //                [--graph] [--lr-schedule] [--max-norm-schedule]
-//                [--misaligned] [--chunk=N] [--tensors=T --numel=N]
+//                [--misaligned] [--chunk=N] [--tensors=T --numel=N] [--rebind]
 //
 // Runs the GPU step (device memory via the CUDA driver API, dlopen'ed here)
 // and the same description compiled for the CPU on identical random data
@@ -36,6 +36,11 @@
 //   (ZOPT_GPU_CHUNK); a second GPU optimizer with the default chunking
 //   must give the same bits in every state and param (item 5).
 // --tensors=T --numel=N: T tensors of N elements instead of the odd sizes.
+// --rebind: before every GPU step from the second on, each tensor's grad
+//   moves to freshly allocated device memory holding the same values
+//   (zopt_optimizer_set_grad_memory, as a framework's new gradient tensors
+//   read in place), and the memory it left is overwritten with NaN: a step
+//   that read it would differ from the CPU twin (issue 20).
 // The grad has its own dtype: the param's, or f32 for a bf16/f16 param
 // (DeepSpeed's default bf16 layout, gradients accumulated in f32); every
 // grad buffer, view and copy uses it.
@@ -102,11 +107,12 @@ void watchdog(int) {
 int main(int argc, char **argv) {
   if (argc < 3) {
     fprintf(stderr, "usage: zopt-gpu-check GPU_STEP.so CPU_STEP.so [--steps=N] [--inf-at=K] [--seed=S] [--graph] "
-                    "[--lr-schedule] [--max-norm-schedule] [--misaligned] [--chunk=N] [--tensors=T --numel=N]\n");
+                    "[--lr-schedule] [--max-norm-schedule] [--misaligned] [--chunk=N] [--tensors=T --numel=N] "
+                    "[--rebind]\n");
     return 2;
   }
   int steps = 3, inf_at = 0;
-  bool graph = false, lr_schedule = false, max_norm_schedule = false, misaligned = false;
+  bool graph = false, lr_schedule = false, max_norm_schedule = false, misaligned = false, rebind = false;
   long long chunk = 0, ntensors = 0, numel = 0;
   unsigned seed = 1;
   for (int i = 3; i < argc; ++i) {
@@ -120,8 +126,11 @@ int main(int argc, char **argv) {
     else if (!strncmp(argv[i], "--chunk=", 8)) chunk = atoll(argv[i] + 8);
     else if (!strncmp(argv[i], "--tensors=", 10)) ntensors = atoll(argv[i] + 10);
     else if (!strncmp(argv[i], "--numel=", 8)) numel = atoll(argv[i] + 8);
+    else if (!strcmp(argv[i], "--rebind")) rebind = true;
     else return fprintf(stderr, "unknown option %s\n", argv[i]), 2;
   }
+  if (rebind && (graph || misaligned))
+    return fprintf(stderr, "--rebind moves each tensor's own grad buffer: not with --graph or --misaligned\n"), 2;
   signal(SIGALRM, watchdog);
   alarm(600);
   // ZOPT_CUDA_DRIVER (as the runtime reads it) lets the control flow run
@@ -291,6 +300,28 @@ int main(int argc, char **argv) {
       Z(zopt_optimizer_set_max_norm(oc, m));
       if (o2) Z(zopt_optimizer_set_max_norm(o2, m));
       printf("INFO step %d: max_norm %g\n", step, m);
+    }
+    if (rebind && step >= 2) {
+      // Every grad to new device memory with the same values (the CPU
+      // twin's grad bytes), the memory it left overwritten with NaN.
+      std::vector<int32_t> ids;
+      std::vector<void *> grads;
+      for (T &t : ts) {
+        CUdeviceptr nb = 0;
+        C(cu.MemAlloc(&nb, t.g.size()));
+        C(cu.MemcpyHtoD(nb, t.g.data(), t.g.size()));
+        ids.push_back(t.id);
+        grads.push_back((void *)(uintptr_t)nb);
+      }
+      Z(zopt_optimizer_set_grad_memory(og, (int64_t)ids.size(), ids.data(), grads.data()));
+      for (size_t i = 0; i < ts.size(); ++i) {
+        std::vector<unsigned char> nan(ts[i].g.size(), 0xff);
+        C(cu.CtxSynchronize());  // the last step no longer reads it
+        C(cu.MemcpyHtoD(ts[i].dg, nan.data(), nan.size()));
+        C(cu.MemFree(ts[i].dg));
+        ts[i].dg = (CUdeviceptr)(uintptr_t)grads[i];
+      }
+      printf("INFO step %d: %zu grads moved to new device memory (set_grad_memory)\n", step, ts.size());
     }
     zopt_step_result rc{}, rg{}, rg2{};
     Z(zopt_optimizer_step(oc, &rc));

@@ -583,5 +583,16 @@ API CUresult cuPointerGetAttribute(void *out, int attr, CUdeviceptr p) {
     memcpy(out, &dev, sizeof dev);
     return kOk;
   }
+  if (attr == 11 || attr == 12) {  // CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, _RANGE_SIZE: the allocation
+    if (it == st().allocs.end()) return kInvalidValue;
+    if (attr == 11) {
+      CUdeviceptr start = (CUdeviceptr)it->first;
+      memcpy(out, &start, sizeof start);
+    } else {
+      size_t size = it->second;
+      memcpy(out, &size, sizeof size);
+    }
+    return kOk;
+  }
   return kInvalidValue;
 }

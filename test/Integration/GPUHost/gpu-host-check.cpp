@@ -111,6 +111,7 @@ int main(int argc, char **argv) {
     driver_checks(f, step);
     device_checks(f, step);
     graph_checks(f, step);
+    rebind_checks(f, step);
     active_checks(f, step);
     misaligned_checks(f, step);
     if (big) big_checks(f, step);

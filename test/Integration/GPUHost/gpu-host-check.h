@@ -246,6 +246,7 @@ int gpu_main_check(Fake &f, zopt_step *step, const char *path);
 void driver_checks(Fake &f, zopt_step *step);
 void device_checks(Fake &f, zopt_step *step);
 void graph_checks(Fake &f, zopt_step *step);
+void rebind_checks(Fake &f, zopt_step *step);
 void active_checks(Fake &f, zopt_step *step);
 void misaligned_checks(Fake &f, zopt_step *step);
 void big_checks(Fake &f, zopt_step *step);

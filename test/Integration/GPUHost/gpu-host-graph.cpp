@@ -2,7 +2,8 @@
 //
 // A step captured into a CUDA graph and replayed on another stream, with
 // hyperparameters changed between replays: every read waits for the
-// replays.
+// replays. Gradient memory moved after finalize (set_grad_memory) outside
+// and inside a capture: the device's state pointer table.
 //===----------------------------------------------------------------------===//
 #include "gpu-host-check.h"
 
@@ -110,6 +111,139 @@ void graph_checks(Fake &f, zopt_step *step) {
     f.mem_free(su.dp[i]);
     f.mem_free(su.dg[i]);
   }
+}
+
+// Entry (tensor t, state k) of the device's state pointer table, read from
+// the stand-in's "device" memory (the table is UPDATE's first argument).
+static unsigned long long table_entry(Fake &f, const StepInfo &si, int t, int k) {
+  std::vector<Rec> ls = launches_since(f, 0);
+  for (size_t i = ls.size(); i-- > 0;)
+    if (ls[i].role == "UPDATE") {
+      unsigned long long v = 0;
+      memcpy(&v, (const char *)(uintptr_t)ls[i].args[0] + ((size_t)t * si.d->num_states + (size_t)k) * 8, 8);
+      return v;
+    }
+  return 0;
+}
+
+// zopt_optimizer_set_grad_memory after finalize (a framework's fresh
+// gradient tensors read in place): outside a capture the changed entries of
+// the state pointer table are uploaded, ordered after the steps enqueued;
+// inside one they are written by value (memset nodes: no pageable copy), so
+// every replay reads the gradient the capture saw, and the next step outside
+// the graph uploads the table again; a failed write leaves the call without
+// effect; a NULL grad of an active tensor is refused at the step.
+void rebind_checks(Fake &f, zopt_step *step) {
+  const StepInfo si = info_of(step);
+  int gi = 0;
+  for (uint32_t k = 0; k < si.d->num_states; ++k)
+    if (si.d->states[k].kind == ZOPT_STATE_GRAD) gi = (int)k;
+  const std::vector<int64_t> sizes = {33, 1000, 5000};
+  Setup su = make_optimizer(f, step, si, sizes);
+  zopt_optimizer *o = su.o;
+  Z(zopt_optimizer_finalize(o));
+  void *cs = nullptr, *rs = nullptr, *graph = nullptr, *exec = nullptr;
+  f.stream_create(&cs, 0);
+  f.stream_create(&rs, 0);
+  Z(zopt_optimizer_set_stream(o, cs));
+  Z(zopt_optimizer_step(o, nullptr));
+  f.drain_all();
+  unsigned long long g1 = 0, g2 = 0, g3 = 0;
+  f.mem_alloc(&g1, sizes[1] * si.eg);
+  f.mem_alloc(&g2, sizes[1] * si.eg);
+  f.mem_alloc(&g3, sizes[1] * si.eg);
+  const int32_t one = 1;
+  void *p1 = (void *)(uintptr_t)g1, *p2 = (void *)(uintptr_t)g2, *p3 = (void *)(uintptr_t)g3;
+  // Outside a capture: one upload, then the step reads it.
+  int c0 = f.num_calls();
+  Z(zopt_optimizer_set_grad_memory(o, 1, &one, &p1));
+  Z(zopt_optimizer_step(o, nullptr));
+  f.drain_all();
+  check(table_entry(f, si, 1, gi) == g1 && table_entry(f, si, 0, gi) == su.dg[0] &&
+            calls_since(f, c0, "cuMemcpyHtoDAsync") == 1 && calls_since(f, c0, "cuStreamSynchronize") == 0,
+        "set_grad_memory after finalize: tensor 1's grad entry rewritten (one upload, no synchronisation), the "
+        "others kept");
+  // Inside a capture: written by value, replays restore it.
+  f.begin_capture(cs, 0);
+  c0 = f.num_calls();
+  zopt_status st = zopt_optimizer_set_grad_memory(o, 1, &one, &p2);
+  const int memsets = calls_since(f, c0, "cuMemsetD32Async"), copies = calls_since(f, c0, "cuMemcpyHtoDAsync");
+  zopt_status st_step = zopt_optimizer_step(o, nullptr);
+  int ec = f.end_capture(cs, &graph);
+  check(st == ZOPT_OK && st_step == ZOPT_OK && ec == 0 && memsets == 2 && copies == 0,
+        "set_grad_memory inside a capture: the entry written by value (2 memset nodes, no copy), the capture valid");
+  f.instantiate(&exec, graph, 0);
+  Z(zopt_optimizer_set_grad_memory(o, 1, &one, &p3));  // outside: eager steps read g3
+  f.drain_all();
+  const bool eager = table_entry(f, si, 1, gi) == g3;
+  f.graph_launch(exec, rs);
+  f.drain_all();
+  const bool replayed = table_entry(f, si, 1, gi) == g2;
+  c0 = f.num_calls();
+  Z(zopt_optimizer_step(o, nullptr));
+  f.drain_all();
+  check(eager && replayed && table_entry(f, si, 1, gi) == g3 && calls_since(f, c0, "cuMemcpyHtoDAsync") >= 1,
+        "a replay reads the gradient the capture saw, the next step outside the graph the one set since (the table "
+        "uploaded again)");
+  // A failed write: the call fails with nothing changed, the next step
+  // rewrites the whole table.
+  f.begin_capture(cs, 0);
+  f.fail_memset(1);
+  st = zopt_optimizer_set_grad_memory(o, 1, &one, &p1);
+  std::string msg = zopt_last_error();
+  f.end_capture(cs, &graph);
+  f.fail_memset(0);
+  Z(zopt_optimizer_step(o, nullptr));
+  f.drain_all();
+  check(st == ZOPT_ERR_INTERNAL && msg.find("state pointer table") != std::string::npos &&
+            table_entry(f, si, 1, gi) == g3,
+        "a failed table write: the call fails, the grad stays registered where it was: " + msg);
+  // Grads carved from one allocation (a caching allocator's segment): the
+  // driver is asked about it once per call, and again in the next call.
+  {
+    unsigned long long seg = 0;
+    size_t at[3], total = 0;
+    for (size_t i = 0; i < sizes.size(); ++i) at[i] = total, total += ((size_t)sizes[i] * si.eg + 511) / 512 * 512;
+    f.mem_alloc(&seg, total);
+    int32_t ids[3] = {0, 1, 2};
+    void *gs[3];
+    for (int i = 0; i < 3; ++i) gs[i] = (void *)(uintptr_t)(seg + at[i]);
+    int q0 = f.num_calls();
+    Z(zopt_optimizer_set_grad_memory(o, 3, ids, gs));
+    const int first = calls_since(f, q0, "cuPointerGetAttribute");
+    for (int i = 0; i < 3; ++i) gs[i] = (void *)(uintptr_t)(seg + at[(i + 1) % 3]);
+    q0 = f.num_calls();
+    zopt_status st_swap = zopt_optimizer_set_grad_memory(o, 3, ids, gs);  // (sizes differ: only the checks count)
+    const int second = calls_since(f, q0, "cuPointerGetAttribute");
+    int32_t back_ids[3] = {0, 1, 2};
+    void *back[3] = {(void *)(uintptr_t)su.dg[0], (void *)(uintptr_t)g3, (void *)(uintptr_t)su.dg[2]};
+    Z(zopt_optimizer_set_grad_memory(o, 3, back_ids, back));
+    f.drain_all();
+    f.mem_free(seg);
+    check(first == 4 && second == 4 && st_swap == ZOPT_OK,
+          "three grads in one allocation: the driver asked 4 times per call (memory type, device, the "
+          "allocation's range), not trusted across calls: " + std::to_string(first) + ", " + std::to_string(second));
+  }
+  // A NULL grad: refused at the step while the tensor is active.
+  void *none = nullptr;
+  Z(zopt_optimizer_set_grad_memory(o, 1, &one, &none));
+  st = zopt_optimizer_step(o, nullptr);
+  msg = zopt_last_error();
+  const uint8_t mask[3] = {1, 0, 1};
+  Z(zopt_optimizer_set_active(o, mask, 3));
+  zopt_status st2 = zopt_optimizer_step(o, nullptr);
+  f.drain_all();
+  check(st == ZOPT_ERR_INVALID_ARGUMENT && msg.find("tensor 1 has no gradient memory") != std::string::npos &&
+            st2 == ZOPT_OK,
+        "a NULL grad of an active tensor refused at the step, stepped once masked off: " + msg);
+  zopt_optimizer_free(o);
+  for (size_t i = 0; i < su.dp.size(); ++i) {
+    f.mem_free(su.dp[i]);
+    f.mem_free(su.dg[i]);
+  }
+  f.mem_free(g1);
+  f.mem_free(g2);
+  f.mem_free(g3);
 }
 
 }  // namespace ghc

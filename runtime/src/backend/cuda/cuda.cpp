@@ -41,7 +41,7 @@ class CudaBackend final : public Backend {
                     "CPU from host gradients",
                     fn, name);
       case Feature::TensorMemory:
-        return fail(ZOPT_ERR_UNSUPPORTED, "%s: GPU steps keep their tensors' device pointers in device tables", fn);
+        return ZOPT_OK;  // the device's pointer table rewritten (rebind.cpp)
       case Feature::OpTimes:
         return fail(ZOPT_ERR_UNSUPPORTED, "%s: a GPU step's ops run asynchronously on its stream", fn);
       case Feature::GatherParams:
@@ -59,8 +59,13 @@ class CudaBackend final : public Backend {
 
   zopt_status check_comm(const zopt_optimizer *, zopt_comm *) const override { return ZOPT_OK; }
 
-  zopt_status check_tensor(const zopt_optimizer *o, int t, void *param, void *grad) const override {
-    return gpu_check_tensor(o, t, param, grad);
+  zopt_status check_tensor(const zopt_optimizer *o, int t, void *param, void *grad, const char *fn) const override {
+    return gpu_check_tensor(o, t, param, grad, fn);
+  }
+  void checks_done(const zopt_optimizer *) const override { gpu_forget_checked(g); }
+
+  zopt_status memory_moved(zopt_optimizer *o, const int32_t *tensors, int64_t n) override {
+    return gpu_memory_moved(o, tensors, n);
   }
 
   zopt_status finalize(zopt_optimizer *o) override {

@@ -30,6 +30,8 @@ constexpr int ATTR_CC_MINOR = 76;
 // CUpointer_attribute / CUmemorytype values used here.
 constexpr int POINTER_ATTRIBUTE_MEMORY_TYPE = 2;
 constexpr int POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9;
+constexpr int POINTER_ATTRIBUTE_RANGE_START_ADDR = 11;  // the allocation holding the pointer
+constexpr int POINTER_ATTRIBUTE_RANGE_SIZE = 12;
 constexpr unsigned MEMORYTYPE_HOST = 1, MEMORYTYPE_DEVICE = 2, MEMORYTYPE_UNIFIED = 4;
 // CUfunction_attribute: the largest block a launch of the function may use
 // (its .reqntid / .maxntid when it declares one).

@@ -11,6 +11,9 @@
 //                (segments, work list, hyperparameters, globals, scaler,
 //                active mask) built at finalize, pushed and pulled; a
 //                state's copies; free
+//   rebind.cpp   tensors' memory moved after finalize: the device's
+//                state pointer table rewritten, stream-ordered (also
+//                inside a CUDA graph capture)
 //   launch.cpp   a step: its program's ops as launches on the optimizer's
 //                stream, the program checked, the step's result read back
 //
@@ -28,7 +31,7 @@ GpuState *G(const zopt_optimizer *o);
 
 // module.cpp
 zopt_status gpu_create(zopt_optimizer *o, GpuState **out);
-zopt_status gpu_check_tensor(const zopt_optimizer *o, int tensor, void *param, void *grad);
+zopt_status gpu_check_tensor(const zopt_optimizer *o, int tensor, void *param, void *grad, const char *fn);
 
 // tables.cpp
 zopt_status gpu_set_allocator(zopt_optimizer *o, const zopt_device_allocator *a);
@@ -44,6 +47,13 @@ inline CUdeviceptr sg_max_norm(const GpuState *g) { return g->d_sg + offsetof(zo
 zopt_status gpu_copy(const zopt_optimizer *o, int t, int si, void *host, size_t bytes, bool to_device);
 zopt_status gpu_refresh_master(zopt_optimizer *o, int first, int count);
 void gpu_free(zopt_optimizer *o);
+
+// rebind.cpp
+zopt_status gpu_memory_moved(zopt_optimizer *o, const int32_t *tensors, int64_t n);
+// Before a step's first launch (gpu_begin_step): the table uploaded whole
+// after a failed write or after a capture wrote entries by value, and the
+// check that every active tensor has gradient memory.
+zopt_status gpu_ptrs_before_step(zopt_optimizer *o, bool capturing);
 
 // launch.cpp
 zopt_status validate_program(const zopt_optimizer *o);

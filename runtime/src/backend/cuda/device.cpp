@@ -87,38 +87,62 @@ zopt_status gpu_events(GpuState *g) {
 }
 
 void destroy_events(GpuState *g) {
-  for (CUevent *e : {&g->done, &g->hypers_ready, &g->staging})
+  for (int k = 0; k < 2; ++k)
+    if (g->ptrs_pinned[k]) {
+      g->cu->MemFreeHost(g->ptrs_pinned[k]);
+      g->ptrs_pinned[k] = nullptr;
+    }
+  for (CUevent *e : {&g->done, &g->hypers_ready, &g->staging, &g->ptrs_copied[0], &g->ptrs_copied[1]})
     if (*e) {
       g->cu->EventDestroy(*e);
       *e = nullptr;
     }
 }
 
-zopt_status gpu_check_pointers(const GpuState *g, void *param, void *grad, int tensor) {
+zopt_status gpu_check_pointers(const GpuState *g, void *param, void *grad, int tensor, const char *fn) {
+  // Inside an allocation found in this call (a framework's gradients share
+  // a few of its caching allocator's segments): nothing to ask the driver.
+  auto known = [g](const void *p) {
+    const uintptr_t a = (uintptr_t)p;
+    for (auto it = g->checked.rbegin(); it != g->checked.rend(); ++it)
+      if (a >= it->first && a < it->second) return true;
+    return false;
+  };
+  if ((!param || known(param)) && known(grad)) return ZOPT_OK;
   ZOPT_CTX_SCOPE(g);
   for (int i = 0; i < 2; ++i) {
     void *p = i ? grad : param;
     const char *what = i ? "grad" : "param";
+    if (!i && !p) continue;  // the param unchanged (check_tensor: NULL), checked when it was registered
+    const uintptr_t a = (uintptr_t)p;
+    if (known(p)) continue;
     unsigned type = 0;
     CUresult r = g->cu->PointerGetAttribute(&type, POINTER_ATTRIBUTE_MEMORY_TYPE, (CUdeviceptr)(uintptr_t)p);
     if (r != CUDA_SUCCESS || (type != MEMORYTYPE_DEVICE && type != MEMORYTYPE_UNIFIED))
       return fail(ZOPT_ERR_INVALID_ARGUMENT,
-                  "zopt_optimizer_add_tensor: the %s of tensor %d (%p) is not CUDA device memory (the step's %ss "
+                  "%s: the %s of tensor %d (%p) is not CUDA device memory (the step's %ss "
                   "are on the GPU)",
-                  what, tensor, p, what);
+                  fn, what, tensor, p, what);
     if (type != MEMORYTYPE_DEVICE) continue;  // managed memory: any device
     int dev = -1;
     r = g->cu->PointerGetAttribute(&dev, POINTER_ATTRIBUTE_DEVICE_ORDINAL, (CUdeviceptr)(uintptr_t)p);
     if (r != CUDA_SUCCESS)
-      return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_add_tensor: the device of the %s of tensor %d (%p): %s",
+      return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: the device of the %s of tensor %d (%p): %s", fn,
                   what, tensor, p, error_string(r));
     if (dev != (int)g->dev)
       return fail(ZOPT_ERR_INVALID_ARGUMENT,
-                  "zopt_optimizer_add_tensor: the %s of tensor %d is on cuda:%d, but the optimizer runs on cuda:%d "
+                  "%s: the %s of tensor %d is on cuda:%d, but the optimizer runs on cuda:%d "
                   "(the context current at zopt_optimizer_create, else device 0): create the optimizer while "
                   "cuda:%d's context is current (PyTorch: inside `with torch.cuda.device(%d)`), with every tensor "
                   "on that device",
-                  what, tensor, dev, (int)g->dev, dev, dev);
+                  fn, what, tensor, dev, (int)g->dev, dev, dev);
+    CUdeviceptr start = 0;
+    size_t size = 0;
+    if (g->checked.size() < 64 &&
+        !g->cu->PointerGetAttribute(&start, POINTER_ATTRIBUTE_RANGE_START_ADDR, (CUdeviceptr)a) &&
+        !g->cu->PointerGetAttribute(&size, POINTER_ATTRIBUTE_RANGE_SIZE, (CUdeviceptr)a) && size &&
+        a >= (uintptr_t)start && a < (uintptr_t)start + size)
+      g->checked.emplace_back((uintptr_t)start, (uintptr_t)start + size);
   }
   return ZOPT_OK;
 }

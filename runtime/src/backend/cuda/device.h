@@ -79,6 +79,28 @@ struct GpuState {
   bool hypers_dirty = true;
   bool max_norm_dirty = false;
   double h_max_norm = 0;  // the source of that rewrite (kept alive for the async copy)
+  // The state pointer table's host copy (d_states: per tensor and state,
+  // element 0's address), kept for tensors whose memory moves after
+  // finalize (cuda/rebind.cpp): `ptrs_dirty` after a failed write (the next
+  // step rebuilds it from the tensors and uploads it whole), `ptrs_graphed`
+  // the entries a CUDA graph capture wrote by value (every replay writes
+  // them again: `ptrs_in_graph`, every later step outside a capture uploads
+  // the whole table), `null_grads` some tensor has no gradient memory.
+  std::vector<uint64_t> h_ptrs;
+  std::vector<uint8_t> ptrs_graphed;
+  // Its uploads' sources: two pinned copies of the table, used in turn, each
+  // reused after the event recorded behind its last copy (made at the first
+  // upload; null: pageable h_ptrs).
+  void *ptrs_pinned[2] = {nullptr, nullptr};
+  CUevent ptrs_copied[2] = {nullptr, nullptr};
+  bool ptrs_copy_recorded[2] = {false, false};
+  int ptrs_turn = 0;
+  bool ptrs_dirty = false, ptrs_in_graph = false, null_grads = false;
+  // The device allocations (start, end) that pointers checked since the
+  // last gpu_forget_checked were found in (device memory of this device):
+  // further pointers inside them are not queried again. Emptied after every
+  // call that checks pointers (a freed allocation is never trusted later).
+  mutable std::vector<std::pair<uintptr_t, uintptr_t>> checked;
   // Offloaded steps: the pinned host staging buffers of params and grads.
   std::vector<void *> pinned;
 };
@@ -120,7 +142,10 @@ zopt_status gpu_events(GpuState *g);
 void destroy_events(GpuState *g);
 // Both pointers are CUDA device (or managed) memory of the optimizer's
 // device; `tensor` is the id the tensor will get (for messages).
-zopt_status gpu_check_pointers(const GpuState *g, void *param, void *grad, int tensor);
+zopt_status gpu_check_pointers(const GpuState *g, void *param, void *grad, int tensor, const char *fn);
+// Forgets the allocations gpu_check_pointers found (after each call that
+// checks pointers: a later call queries the driver again).
+inline void gpu_forget_checked(const GpuState *g) { g->checked.clear(); }
 // Whether `s` is capturing a CUDA graph (an error when the driver cannot
 // tell, e.g. the legacy stream while another stream captures).
 zopt_status gpu_capturing(const GpuState *g, CUstream s, bool *capturing);

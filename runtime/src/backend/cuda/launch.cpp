@@ -58,6 +58,9 @@ zopt_status gpu_begin_step(zopt_optimizer *o, bool *capturing) {
   bool cap = false;
   if (zopt_status st = gpu_capturing(g, s, &cap)) return st;
   *capturing = cap;
+  // Tensors' memory: the pointer table whole where it may be stale, every
+  // active tensor with gradient memory.
+  if (zopt_status st = gpu_ptrs_before_step(o, cap)) return st;
   if (g->hypers_dirty) {
     // Only after a failed hyperparameter write.
     if (cap)

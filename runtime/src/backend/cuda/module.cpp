@@ -170,7 +170,7 @@ static zopt_status load_module(GpuState *g, const zopt_step *s) {
   return gpu_events(g);
 }
 
-zopt_status gpu_check_tensor(const zopt_optimizer *o, int tensor, void *param, void *grad) {
+zopt_status gpu_check_tensor(const zopt_optimizer *o, int tensor, void *param, void *grad, const char *fn) {
   // The kernels access param and grad element by element where the chunk
   // has no common 16-byte aligned element (abi.h), so each pointer must be
   // aligned to its own dtype: a device access off its natural alignment
@@ -185,12 +185,12 @@ zopt_status gpu_check_tensor(const zopt_optimizer *o, int tensor, void *param, v
     const uintptr_t p = (uintptr_t)(i ? grad : param);
     if (es && p % es)
       return fail(ZOPT_ERR_INVALID_ARGUMENT,
-                  "zopt_optimizer_add_tensor: the %s of tensor %d (%p) is not aligned to its dtype %s (%zu bytes): "
+                  "%s: the %s of tensor %d (%p) is not aligned to its dtype %s (%zu bytes): "
                   "the GPU kernels would fault on a misaligned address (a view into a flat %s buffer must start at "
                   "a whole element of that buffer's dtype)",
-                  i ? "grad" : "param", tensor, (void *)p, dtype_name(dt), es, dtype_name(dt));
+                  fn, i ? "grad" : "param", tensor, (void *)p, dtype_name(dt), es, dtype_name(dt));
   }
-  return gpu_check_pointers(G(o), param, grad, tensor);
+  return gpu_check_pointers(G(o), param, grad, tensor, fn);
 }
 
 }  // namespace zopt

@@ -270,6 +270,15 @@ zopt_status gpu_finalize(zopt_optimizer *o) {
   if (!r) r = cu->StreamSynchronize(s);  // the pageable sources above
   if (r) return undo(fail(ZOPT_ERR_INTERNAL, "zopt_optimizer_finalize: building device tables: %s", error_string(r)));
   g->hypers_dirty = false;
+  try {
+    g->h_ptrs = std::move(ptrs);  // kept for tensors moved later (rebind.cpp)
+    g->ptrs_graphed.assign(g->h_ptrs.size(), 0);
+  } catch (...) {
+    return undo(fail(ZOPT_ERR_OUT_OF_MEMORY, "zopt_optimizer_finalize: out of host memory"));
+  }
+  g->ptrs_dirty = g->ptrs_in_graph = false;
+  g->null_grads = false;
+  for (const Tensor &x : o->tensors) g->null_grads |= x.numel > 0 && !x.grad;
   // The master from the params, on the device (INIT).
   if (zopt_status st2 = init_from_param(o, 0, (int)S)) return undo(st2);
   if (CUresult r2 = cu->StreamSynchronize(s))

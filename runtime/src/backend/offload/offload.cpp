@@ -191,9 +191,10 @@ class OffloadBackend final : public CpuBackend {
       return fail(ZOPT_ERR_UNSUPPORTED, "%s: the params of step '%s' live on the GPU, whole", fn, o->d->name);
     return CpuBackend::supports(o, f, fn);
   }
-  zopt_status check_tensor(const zopt_optimizer *o, int t, void *param, void *grad) const override {
-    return gpu_check_pointers(g, param, grad ? grad : param, t);
+  zopt_status check_tensor(const zopt_optimizer *o, int t, void *param, void *grad, const char *fn) const override {
+    return gpu_check_pointers(g, param, grad ? grad : param, t, fn);
   }
+  void checks_done(const zopt_optimizer *) const override { gpu_forget_checked(g); }
   void destroy(zopt_optimizer *o) override {
     CpuBackend::destroy(o);  // host buffers, not the pinned staging
     offload_free(g);         // pinned staging, events, the context
