@@ -15,6 +15,8 @@
   pointer table rewritten), give the bits of the same description's CPU
   step and torch's numbers.
 """
+import contextlib
+import ctypes
 import json
 import os
 import sys
@@ -24,9 +26,11 @@ import pytest
 import torch
 
 import zopt
-from gpu_fakes import StandIn, needs_fake, needs_toolkit, run_worker
+from zopt._lib import Status, ZoptError
+from gpu_fakes import REPO, StandIn, needs_fake, needs_toolkit, run_worker
 
 LR, WD = 1e-2, 0.1
+OFFLOAD_SIZES = [33, 1000, 5000]
 
 
 def _params(n=4, seed=0):
@@ -50,15 +54,17 @@ def _own_grads_untouched(opt):
     return all(not f.any() for c in opt._parts for f in c.grad_flats)
 
 
-@pytest.mark.parametrize("capture", [False, True])
-def test_gpu_step_reads_fresh_grads_in_place(steps, gpu_env, scan_impl, capture):
+@pytest.mark.parametrize("where,capture", [("gpu", False), ("gpu", True), ("offload", False)])
+def test_gpu_step_reads_fresh_grads_in_place(steps, gpu_env, scan_impl, where, capture):
     """torch 2's zero_grad (p.grad None) then a new p.grad per param each
-    step: one set_grad_memory call per step handing the runtime every new
-    gradient's address (also while torch's stream captures a CUDA graph:
-    the runtime records the table's new entries into the graph), nothing
+    step, on a GPU step and on an offloaded one (whose copies to the host
+    read the registered gradient): one set_grad_memory call per step
+    handing the runtime every new gradient's address (also while torch's
+    stream captures a CUDA graph: the runtime records the table's new
+    entries into the graph; offloaded steps are refused there), nothing
     copied into the optimizer's own memory, torch.optim.AdamW's numbers."""
     fc, rec, mode = gpu_env
-    mode("gpu")
+    mode(where)
     ps = _params()
     ts = [torch.nn.Parameter(p.detach().clone()) for p in ps]
     opt = zopt.Optimizer(steps(rule="adamw", layout="f32"), ps, lr=LR, weight_decay=WD)
@@ -121,32 +127,71 @@ def test_gpu_step_copies_what_it_cannot_read_in_place(steps, gpu_env, scan_impl)
     assert not _own_grads_untouched(opt)  # param 1's gradient was copied
 
 
-def test_gpu_step_reads_a_frameworks_main_grad_in_place(steps, gpu_env):
-    """f32 gradients of bf16 params on a GPU step: a framework's new
-    p.main_grad each step is handed to the runtime where it is (one
-    set_grad_memory naming it), never copied into the optimizer's buffer;
-    the update is the float64 one (plain SGD: w - lr * g, g exact in f32)."""
+@pytest.mark.parametrize("where", ["gpu", "offload"])
+def test_gpu_step_reads_a_frameworks_main_grad_in_place(steps, gpu_env, where):
+    """f32 gradients of bf16 params on a GPU or offloaded step: a
+    framework's new p.main_grad each step is handed to the runtime where it
+    is (one set_grad_memory per step naming every param's), never copied
+    into the optimizer's buffer; the update is the float64 one (plain SGD:
+    w - lr * g, g exact in f32)."""
     from zopt import steps as S
     fc, rec, mode = gpu_env
-    mode("gpu")
+    mode(where)
     st = steps.text(S.sgd.text(param="bf16", grad="f32", master="f32", momentum=0,
                                comments=False))
-    p = torch.nn.Parameter(torch.ones(4, 3, dtype=torch.bfloat16))
-    opt = zopt.Optimizer(st, [p], lr=1.0, grad_accumulation="manual")
+    ps = [torch.nn.Parameter(torch.ones(4, 3, dtype=torch.bfloat16)) for _ in range(3)]
+    opt = zopt.Optimizer(st, ps, lr=1.0, grad_accumulation="manual")
     c = opt._parts[0]
     assert not c.main_copied
-    held, w = [], 1.0
+    held, w = [], [1.0, 1.0, 1.0]
     for k, v in enumerate((0.25, 0.5, -0.125)):
-        mg = torch.full((4, 3), v)
-        held.append(mg)  # the last ones kept alive: each new one at another address
-        p.main_grad = mg
+        mgs = [torch.full((4, 3), v * (i + 1)) for i in range(3)]
+        held.append(mgs)  # the last ones kept alive: each new one at another address
+        for p, mg in zip(ps, mgs):
+            p.main_grad = mg
         n0 = len(rec.calls("zopt_optimizer_set_grad_memory"))
         opt.step()
-        w -= v
+        w = [x - v * (i + 1) for i, x in enumerate(w)]
         calls = rec.calls("zopt_optimizer_set_grad_memory")[n0:]
-        assert len(calls) == 1 and c.foreign[0] == (mg, mg.data_ptr())
-        assert torch.equal(p.detach().float(), torch.full((4, 3), w))
+        assert len(calls) == 1 and calls[0][4][1] == 3
+        assert all(c.foreign[t] == (mg, mg.data_ptr()) for t, mg in enumerate(mgs))
+        for p, x in zip(ps, w):
+            assert torch.equal(p.detach().float(), torch.full((4, 3), x))
     assert not any(f.any() for f in c.grad_flats)  # the optimizer's buffer never written
+
+
+def test_main_grad_refused_changes_nothing(steps, gpu_env):
+    """A main_grad the runtime refuses (here: any registration naming
+    param 1 fails) leaves every registration (param 0's too), the mask and
+    the params as they were, and the next step looks at every main_grad
+    again."""
+    from zopt import steps as S
+    fc, rec, mode = gpu_env
+    mode("offload")
+    st = steps.text(S.sgd.text(param="bf16", grad="f32", master="f32", momentum=0,
+                               comments=False))
+    ps = [torch.nn.Parameter(torch.ones(4, 3, dtype=torch.bfloat16)) for _ in range(2)]
+    opt = zopt.Optimizer(st, ps, lr=1.0, grad_accumulation="manual")
+    c = opt._parts[0]
+    mgs = [torch.full((4, 3), 0.25), torch.full((4, 3), 0.5)]
+    for p, mg in zip(ps, mgs):
+        p.main_grad = mg
+    real = c.set_grad_memory
+
+    def failing(tids, ptrs, what=""):
+        if 1 in tids:
+            raise ZoptError(Status.INVALID_ARGUMENT, "refused (test)")
+        return real(tids, ptrs, what)
+    c.set_grad_memory = failing
+    with pytest.raises(ZoptError, match="refused"):
+        opt.step()
+    assert c.foreign == {} and bytes(c.active) == c.pushed
+    assert all(torch.equal(p.detach().float(), torch.ones(4, 3)) for p in ps)
+    c.set_grad_memory = real
+    opt.step()
+    assert all(c.foreign[t] == (mg, mg.data_ptr()) for t, mg in enumerate(mgs))
+    assert torch.equal(ps[0].detach().float(), torch.full((4, 3), 0.75))
+    assert torch.equal(ps[1].detach().float(), torch.full((4, 3), 0.5))
 
 
 @needs_fake
@@ -184,7 +229,57 @@ def test_stand_in_twin_moved_param_storage_in_place(steps, tmp_path):
     assert out["bad_ranges"] == 0
 
 
+def _offload_pair(steps, layout):
+    """An offloaded step and its all-CPU twin (the same update with every
+    state on the CPU): DeepSpeed #8010's 6-byte cell (the example; its
+    twin, bench/adamw_bf16_6b_cpu.mlir, updates the bf16 param in place,
+    as the offloaded step its bf16 master), or bf16 params with f32
+    gradients (p.main_grad) and an f32 master."""
+    from zopt import steps as S
+    if layout == "6b":
+        texts = []
+        for f in ("examples/adamw_bf16_offload_6b.mlir", "bench/adamw_bf16_6b_cpu.mlir"):
+            with open(os.path.join(REPO, f)) as fh:
+                texts.append(fh.read())
+        return steps.text(texts[0]), steps.text(texts[1])
+    kw = dict(param="bf16", grad="f32", master="f32", clip=1.0, comments=False)
+    return (steps.text(S.adamw.text(placement="offload", **kw)),
+            steps.text(S.adamw.text(**kw)))
+
+
+@needs_fake
+@pytest.mark.parametrize("layout", ["6b", "f32grad"])
+@pytest.mark.parametrize("stress", [False, True])
+def test_stand_in_offload_fresh_device_grads_read_in_place(steps, tmp_path, layout, stress):
+    """An offloaded step (the real offload backend on the stand-in driver:
+    params and grads in device memory, the update on the CPU) given new
+    gradient tensors in device memory at every step (p.grad of the 6-byte
+    cell; p.main_grad of the f32-gradient layout): one set_grad_memory per
+    step naming every param, the optimizer's own gradient buffers never
+    written, the params and states bit-identical to the all-CPU twin's at
+    every step, and step_stats' bytes those of the copies. The previous
+    step's gradients are overwritten with NaN before each step: the copy
+    to the host reads the new ones. With the stand-in's asynchrony and
+    random delays too (ZOPT_FAKE_CUDA_ASYNC/STRESS)."""
+    off, cpu = _offload_pair(steps, layout)
+    env = dict(ZOPT_FAKE_CUDA_ASYNC="1", ZOPT_FAKE_CUDA_STRESS="300") if stress else {}
+    out = run_worker(__file__, "offload-" + layout, off.path + os.pathsep + cpu.path,
+                     tmp_path, **env)
+    n = sum(OFFLOAD_SIZES)
+    gbytes = 2 if layout == "6b" else 4
+    assert out["same_as_cpu"] == [True] * 5
+    assert out["handed"] == [3] * 5 and out["calls"] == [1] * 5
+    assert out["in_place"] and out["own_untouched"] and out["finite"]
+    # bf16 or f32 grads to the host (a master: the params are not read), bf16 params back
+    assert out["bytes"] == [[gbytes * n, 2 * n]] * 5
+    assert out["bad_ranges"] == 0
+
+
 # ---- the worker (run with ZOPT_CUDA_DRIVER=libzopt-fake-cuda.so) ----------------------
+
+_real_device_grads = zopt._params.device_grads
+_real_alloc_grads = zopt._grads.alloc_grads
+
 
 def _worker(what, step_path, tmp):
     s = StandIn()
@@ -199,6 +294,10 @@ def _worker(what, step_path, tmp):
     gpu_path, cpu_path = step_path.split(os.pathsep)
     if what == "moved":
         _moved_worker(s, gpu_path, cpu_path, out)
+        print(json.dumps(out))
+        return
+    if what.startswith("offload-"):
+        _offload_worker(s, what[len("offload-"):], gpu_path, cpu_path, out)
         print(json.dumps(out))
         return
     assert what == "fresh"
@@ -293,6 +392,114 @@ def _moved_worker(s, gpu_path, cpu_path, out):
     out["same_native"] = c.h.value == h0
     out["exported"] = bool(exported)
     fake.fake_cuda_drain_all()
+    opt.close()
+    out["bad_ranges"] = fake.fake_cuda_num_bad_ranges()
+
+
+def _offload_worker(s, layout, off_path, cpu_path, out):
+    fake = s.fake
+    # The stand-in's device memory is wrapped in CPU tensors: mark the
+    # params CUDA params, as torch's would be (zopt._params.device_grads
+    # then holds; no sampling of device memory for the write checks).
+    zopt._params.device_grads = _real_device_grads
+    make_entry = zopt._params.make_entry
+
+    def entry(step, gid, i, p):
+        e = make_entry(step, gid, i, p)
+        e.cuda = e.torch and step.on_device  # (not the CPU twin's)
+        return e
+    zopt._params.make_entry = entry
+    torch.cuda.device = lambda d: contextlib.nullcontext()  # (the stand-in has one context)
+
+    def dev(n, dtype, fill=None):  # a torch tensor over stand-in device memory
+        es = torch.empty((), dtype=dtype).element_size()
+        p = ctypes.c_ulonglong()
+        assert fake.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(es * max(n, 1))) == 0
+        raw = np.frombuffer((ctypes.c_char * (es * n)).from_address(p.value),
+                            dtype=np.int16 if es == 2 else np.float32)
+        t = torch.from_numpy(raw).view(dtype)
+        if fill is None:
+            t.zero_()
+        else:
+            t.copy_(fill)
+        return t
+    # Our own gradient buffers in device memory, in the step's dtype.
+    zeros, real_alloc = torch.zeros, _real_alloc_grads
+
+    def alloc_grads(c, entries):
+        torch.zeros = lambda n, dtype=None, device=None: dev(n, dtype)
+        try:
+            return real_alloc(c, entries)
+        finally:
+            torch.zeros = zeros
+    zopt._grads.alloc_grads = alloc_grads
+    main = layout == "f32grad"
+    rng = np.random.default_rng(4)
+    init = [torch.from_numpy(rng.standard_normal(n).astype(np.float32)).bfloat16()
+            for n in OFFLOAD_SIZES]
+    ps = [torch.nn.Parameter(dev(w.numel(), torch.bfloat16, w)) for w in init]
+    hs = [torch.nn.Parameter(w.clone()) for w in init]
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    if main:
+        kw["grad_accumulation"] = "manual"
+    opt = zopt.Optimizer(zopt.Step(off_path), ps, **kw)
+    cpu = zopt.Optimizer(zopt.Step(cpu_path), hs, **kw)
+    c = opt._parts[0]
+    assert c.offload
+    handed, calls = [], []
+    real_lib = c.lib
+
+    class Counting:  # every zopt_optimizer_set_grad_memory: how many tensors it names
+        def __getattr__(self, name):
+            f = getattr(real_lib, name)
+            if name == "zopt_optimizer_set_grad_memory":
+                def counted(h, n, *a):
+                    handed.append(int(n))
+                    return f(h, n, *a)
+                return counted
+            return f
+    c.lib = Counting()
+    gdt = torch.float32 if main else torch.bfloat16
+    g = np.random.default_rng(5)
+    old = []
+    out["same_as_cpu"], out["bytes"] = [], []
+    for k in range(5):
+        for o in (opt, cpu):
+            o.zero_grad(set_to_none=True)
+        new = []
+        for p, h in zip(ps, hs):
+            x = torch.from_numpy((g.standard_normal(p.numel()) * 0.1).astype(np.float32)).to(gdt)
+            d = dev(p.numel(), gdt, x)  # fresh device memory
+            new.append(d)
+            if main:
+                p.main_grad, h.main_grad = d, x.clone()
+            else:
+                p.grad, h.grad = d, x.clone()
+        for d in old:  # the runtime must not read the last step's gradients again
+            d.fill_(float("nan"))
+        n0 = len(handed)
+        opt.step()
+        cpu.step()
+        calls.append(len(handed) - n0)
+        opt.step_count()  # waits for the step's copies back
+        fake.fake_cuda_drain_all()
+        st = opt.step_stats()
+        out["bytes"].append([st["d2h_bytes"], st["h2d_bytes"]])
+        sd, sc = opt.state_dict()["state"], cpu.state_dict()["state"]
+        same = all(torch.equal(p.view(torch.int16), h.view(torch.int16)) for p, h in zip(ps, hs))
+        same = same and sorted(sd) == sorted(sc)  # (the twin of the 6-byte cell: no master)
+        same = same and all(torch.equal(sd[i][key], sc[i][key]) for i in sd for key in sc[i])
+        out["same_as_cpu"].append(bool(same))
+        old = new
+    out["handed"] = handed
+    out["calls"] = calls
+    out["finite"] = all(bool(torch.isfinite(p.float()).all()) for p in ps)
+    if main:
+        out["in_place"] = all(c.foreign[t][0] is p.main_grad for t, p in enumerate(ps))
+    else:
+        out["in_place"] = c.scan.in_place() == {t: p.grad.data_ptr() for t, p in enumerate(ps)}
+    out["own_untouched"] = all(not f.view(torch.int16 if f.element_size() == 2 else torch.int32).any()
+                               for f in c.grad_flats)
     opt.close()
     out["bad_ranges"] = fake.fake_cuda_num_bad_ranges()
 

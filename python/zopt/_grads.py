@@ -9,10 +9,11 @@ optimizer is built (docs/USAGE.md section 3 is the user's view):
 * Each step, which params have a gradient and where it lives
   (:func:`sync_grads`, one pass of zopt._scan's rules, in C++ where the
   extension zopt._fast is loaded): a fresh ``p.grad`` tensor of a CPU
-  step, or of a GPU step over CUDA params (inside a CUDA graph capture
-  too: the runtime writes its device table into the graph), is handed to
-  the runtime in place (``zopt_optimizer_set_grad_memory``); offloaded
-  steps' and what the rules exclude are copied into our memory;
+  step, or of a GPU or offloaded step over CUDA params (inside a CUDA
+  graph capture too: the runtime writes its device table into the graph;
+  an offloaded step's copy to the host reads it there), is handed to the
+  runtime in place (``zopt_optimizer_set_grad_memory``); what the rules
+  exclude is copied into our memory;
   params without one are masked off (``zopt_optimizer_set_active``, pushed
   when the set the pass finds changes: :func:`push_mask`; GPU steps too,
   never inside a CUDA graph capture).
@@ -136,9 +137,12 @@ def sync_main(c):
     take_grads: what is left in p.grad accumulated into p.main_grad):
     which params have a main_grad and where it lives. Our own buffer
     views are registered at build; a main_grad the user attached is
-    registered in place (zopt_optimizer_set_grad_memory; GPU steps too:
-    the runtime rewrites the device's pointer table), or copied each step
-    where it is not CUDA memory the kernels can read (``c.main_copied``)."""
+    registered in place (one zopt_optimizer_set_grad_memory for all that
+    changed; GPU and offloaded steps too: the runtime rewrites the
+    device's pointer table, or copies to the host from there), or copied
+    each step where it is not CUDA memory the step can read
+    (``c.main_copied``). A refused main_grad changes nothing (the mask
+    and the registrations stay; the next step looks at every one again)."""
     ps = c.a_params
     mgs = [getattr(p, "main_grad", None) for p in ps]
     last = c.a_last
@@ -150,30 +154,39 @@ def sync_main(c):
         return
     act, tids, regs = c.active, c.a_tids, c.a_regs
     changed = False
-    with torch.no_grad():
-        for j, g in enumerate(mgs):
-            if g is last[j] and not (copied and g is not None and g is not regs[j]):
-                continue
-            t = tids[j]
-            if g is None:
-                if act[t]:
-                    act[t] = 0
+    moved = []  # (tensor id, its main_grad or None: our own view again)
+    act0 = bytes(act)
+    try:
+        with torch.no_grad():
+            for j, g in enumerate(mgs):
+                if g is last[j] and not (copied and g is not None and g is not regs[j]):
+                    continue
+                t = tids[j]
+                if g is None:
+                    if act[t]:
+                        act[t] = 0
+                        changed = True
+                    last[j] = None
+                    continue
+                reg = regs[j]
+                if g is not reg:
+                    check_main_grad(c, t, g)
+                    if copied:
+                        reg.copy_(g)
+                    else:
+                        moved.append((t, g))
+                elif t in c.foreign:
+                    moved.append((t, None))
+                if not act[t]:
+                    act[t] = 1
                     changed = True
-                last[j] = None
-                continue
-            reg = regs[j]
-            if g is not reg:
-                check_main_grad(c, t, g)
-                if copied:
-                    reg.copy_(g)
-                else:
-                    register_grad(c, t, g)
-            elif t in c.foreign:
-                register_grad(c, t, None)
-            if not act[t]:
-                act[t] = 1
-                changed = True
-            last[j] = g
+                last[j] = g
+        if moved:  # one call for every main_grad that moved
+            register_grads(c, moved)
+    except BaseException:  # nothing changed: the next step looks again
+        act[:] = act0
+        last[:] = [UNSET] * len(last)
+        raise
     if changed:
         push_mask(c)
 
@@ -240,16 +253,21 @@ def check_main_grad(c, t, g):
                         f"'{c.step.name}') {what}")
 
 
-def register_grad(c, t, g):
-    """The runtime reads tensor t's gradient from g (a user's main_grad)
-    or, with g None, from our own buffer view again."""
-    e = c.entries[t]
-    ptr = (g.data_ptr() if g is not None else e.gptr) if e.numel else None
-    c.set_grad_memory([t], [ptr], f"zopt_optimizer_set_grad_memory({e.name}'s main_grad)")
-    if g is None:
-        c.foreign.pop(t, None)
-    else:
-        c.foreign[t] = (g, g.data_ptr())  # kept alive while the runtime reads it
+def register_grads(c, moved):
+    """The runtime reads each (tensor id, g) of ``moved``'s gradient from g
+    (a user's main_grad) or, with g None, from our own buffer view again:
+    one zopt_optimizer_set_grad_memory call (all or none applied)."""
+    ents = c.entries
+    tids = [t for t, _ in moved]
+    ptrs = [((g.data_ptr() if g is not None else ents[t].gptr) if ents[t].numel else None)
+            for t, g in moved]
+    names = ", ".join(ents[t].name for t in tids[:4]) + (", ..." if len(tids) > 4 else "")
+    c.set_grad_memory(tids, ptrs, f"zopt_optimizer_set_grad_memory(the main_grad of {names})")
+    for t, g in moved:
+        if g is None:
+            c.foreign.pop(t, None)
+        else:
+            c.foreign[t] = (g, g.data_ptr())  # kept alive while the runtime reads it
 
 
 def take_grads(c):

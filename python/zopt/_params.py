@@ -225,19 +225,21 @@ def rebuild_lists(c):
     c.a_last = [UNSET] * len(c.a_tids)
     c.foreign = {}  # the new native optimizer has our own grad memory
     # Fresh gradient tensors are registered in place (no copy) on CPU steps
-    # and on GPU steps over CUDA params (the runtime rewrites the device's
-    # pointer table; torch keeps p.grad on its param's device); an
-    # offloaded step's gradients stay copied into the memory it stages
-    # from. A GPU step's main_grad likewise (sync_main), else copied.
+    # and on GPU and offloaded steps over CUDA params (torch keeps p.grad on
+    # its param's device; the CUDA backend rewrites its device pointer
+    # table, the offload backend's copy to the host reads the tensor's
+    # current gradient). Their main_grad likewise (sync_main), else copied.
     on_device = device_grads(ents)
-    c.grad_zero_copy = (on_device if step.gpu else not any(e.cuda for e in ents)) and not c.main
-    c.main_copied = step.gpu and not on_device
+    where = on_device if step.on_device else not any(e.cuda for e in ents)
+    c.grad_zero_copy = where and not c.main
+    c.main_copied = step.on_device and not on_device
     reset_watch(c)
 
 
 def device_grads(ents):
     """Whether the gradients of these params are CUDA memory a GPU step's
-    kernels can read where they are: every torch param is a CUDA tensor.
+    kernels (or an offloaded step's copies to the host) can read where
+    they are: every torch param is a CUDA tensor.
     (The tests' stand-ins for CUDA memory patch it.)"""
     return all(e.cuda for e in ents if e.torch)
 

@@ -10,14 +10,15 @@ both exist. The rules (docs/USAGE.md section 3, "Gradient memory"):
 * A gradient that is the object last seen, at the address last seen, is
   done (one that is copied is copied again: the user may have written it).
 * A new ``p.grad`` (or the same object given other memory) of a CPU step,
-  or of a GPU step over CUDA params (the runtime rewrites the device's
-  pointer table, inside a CUDA graph capture too), is read in place
+  or of a GPU or offloaded step over CUDA params (the runtime rewrites the
+  device's pointer table, inside a CUDA graph capture too; an offloaded
+  step's copy to the host reads it there), is read in place
   (``zopt_optimizer_set_grad_memory``, one call for all that changed,
   none for a gradient at the address already registered) when it has the
   param's memory layout and is not the param's memory; a view (DeepSpeed's
   and FSDP's flat gradient buffers) also when it overlaps no param and no
-  other gradient read in place. Otherwise (offloaded steps, other strides,
-  overlapping views) it is copied into the optimizer's own memory at
+  other gradient read in place. Otherwise (other strides, overlapping
+  views) it is copied into the optimizer's own memory at
   every step. (``zero_copy`` says which steps read in place.)
 * ``p.grad`` None: the param is masked off (``zopt_optimizer_set_active``)
   and its gradient memory is the optimizer's own again.
