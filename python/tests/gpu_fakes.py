@@ -13,7 +13,7 @@ binding does"):
   subprocess with ZOPT_CUDA_DRIVER pointing at the stand-in driver
   (test/Integration/GPUHost/fake-cuda.cpp), and :class:`StandIn` is that
   worker's side: torch.cuda over the stand-in's streams, capture and
-  memory.
+  memory; :func:`same_as_twin_close_to_torch` its check after a step.
 """
 import contextlib
 import ctypes
@@ -196,6 +196,20 @@ def _fake_driver():
 
 FAKE = _fake_driver()
 needs_fake = pytest.mark.skipif(FAKE is None, reason="libzopt-fake-cuda.so not built")
+
+
+def same_as_twin_close_to_torch(opt, cpu, ps, hs, ts):
+    """After a step of the stand-in GPU optimizer ``opt`` (params ``ps``),
+    its CPU twin ``cpu`` (``hs``) and torch's reference (``ts``): (the
+    params and every state bit-identical to the twin's, the params close
+    to torch's, opt's state_dict states) -- the stand-in workers' check."""
+    opt.step_count()  # waits for the step
+    sd, sc = opt.state_dict()["state"], cpu.state_dict()["state"]
+    same = all(torch.equal(p, h) for p, h in zip(ps, hs)) and sorted(sd) == sorted(sc)
+    same = same and all(torch.equal(sd[i][key], sc[i][key]) for i in sd for key in sd[i])
+    close = all(np.allclose(p.detach().numpy(), q.detach().numpy(), rtol=2e-5, atol=1e-6)
+                for p, q in zip(ps, ts))
+    return same, close, sd
 
 
 def run_worker(script, what, step_path, tmp_path, **env_extra):

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import zopt
-from gpu_fakes import StandIn, needs_fake, needs_toolkit, run_worker
+from gpu_fakes import StandIn, needs_fake, needs_toolkit, run_worker, same_as_twin_close_to_torch
 from gpu_fakes import assert_on_current_stream as _assert_on_current_stream
 from gpu_fakes import params_with_grads as _params
 from zopt._lib import Status, ZoptError
@@ -635,12 +635,7 @@ def _worker(what, step_path, tmp):
                 p.grad, h.grad, q.grad = (x.clone(), x.clone(), x.clone()) if on else (None,) * 3
             for o in (opt, cpu, ot):
                 o.step()
-            opt.step_count()  # waits for the step
-            sd, sc = opt.state_dict()["state"], cpu.state_dict()["state"]
-            same = all(torch.equal(p, h) for p, h in zip(ps, hs)) and sorted(sd) == sorted(sc)
-            same = same and all(torch.equal(sd[i][key], sc[i][key]) for i in sd for key in sd[i])
-            close = all(np.allclose(p.detach().numpy(), q.detach().numpy(), rtol=2e-5, atol=1e-6)
-                        for p, q in zip(ps, ts))
+            same, close, sd = same_as_twin_close_to_torch(opt, cpu, ps, hs, ts)
             for i, q in enumerate(ts):
                 if q in ot.state:
                     close = close and i in sd and all(np.allclose(

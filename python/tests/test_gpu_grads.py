@@ -27,7 +27,7 @@ import torch
 
 import zopt
 from zopt._lib import Status, ZoptError
-from gpu_fakes import REPO, StandIn, needs_fake, needs_toolkit, run_worker
+from gpu_fakes import REPO, StandIn, needs_fake, needs_toolkit, run_worker, same_as_twin_close_to_torch
 
 LR, WD = 1e-2, 0.1
 OFFLOAD_SIZES = [33, 1000, 5000]
@@ -328,12 +328,7 @@ def _worker(what, step_path, tmp):
             h.grad, q.grad = torch.from_numpy(x.copy()), torch.from_numpy(x.copy())
         for o in (opt, cpu, ot):
             o.step()
-        opt.step_count()  # waits for the step
-        sd, sc = opt.state_dict()["state"], cpu.state_dict()["state"]
-        same = all(torch.equal(p, h) for p, h in zip(ps, hs)) and sorted(sd) == sorted(sc)
-        same = same and all(torch.equal(sd[i][key], sc[i][key]) for i in sd for key in sd[i])
-        close = all(np.allclose(p.detach().numpy(), q.detach().numpy(), rtol=2e-5, atol=1e-6)
-                    for p, q in zip(ps, ts))
+        same, close, _ = same_as_twin_close_to_torch(opt, cpu, ps, hs, ts)
         out["same_as_cpu"].append(bool(same))
         out["close_to_torch"].append(bool(close))
     out["handed"] = handed
