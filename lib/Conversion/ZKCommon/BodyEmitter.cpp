@@ -8,6 +8,9 @@
 #include "BodyEmitter.h"
 
 #include "mlir/IR/IRMapping.h"
+#include "mlir/IR/SymbolTable.h"
+
+#include <limits>
 
 using namespace mlir;
 using namespace mlir::zopt;
@@ -218,6 +221,110 @@ std::pair<Value, Value> BodyEmitter::remainderSplit(Value x) {
   return {hi, lo};
 }
 
+Value mlir::zopt::q8TableAddress(OpBuilder &b, Location loc,
+                                 Operation *symbolTable, Q8Table t,
+                                 unsigned addrSpace) {
+  static const char *names[] = {"zopt_q8_signed_map", "zopt_q8_unsigned_map",
+                                "zopt_q8_signed_thresholds",
+                                "zopt_q8_unsigned_thresholds"};
+  const float *data[] = {zopt_q8_signed_map, zopt_q8_unsigned_map,
+                         zopt_q8_signed_thresholds,
+                         zopt_q8_unsigned_thresholds};
+  const int64_t len = t == Q8Table::SignedMap || t == Q8Table::UnsignedMap
+                          ? 256 : 255;
+  const char *name = names[int(t)];
+  MLIRContext *ctx = b.getContext();
+  Type f32 = b.getF32Type();
+  auto arrTy = LLVM::LLVMArrayType::get(f32, len);
+  if (!SymbolTable::lookupSymbolIn(symbolTable, name)) {
+    OpBuilder::InsertionGuard g(b);
+    b.setInsertionPointToStart(&symbolTable->getRegion(0).front());
+    auto tensorTy = RankedTensorType::get({len}, f32);
+    auto vals = DenseElementsAttr::get(
+        tensorTy, ArrayRef<float>(data[int(t)], size_t(len)));
+    LLVM::GlobalOp::create(b, loc, arrTy, /*isConstant=*/true,
+                           LLVM::Linkage::Internal, name, vals,
+                           /*alignment=*/64, addrSpace);
+  }
+  Value a = LLVM::AddressOfOp::create(
+      b, loc, LLVM::LLVMPointerType::get(ctx, addrSpace), name);
+  return a;
+}
+
+Value BodyEmitter::tableLookup(Value table, Value idx) {
+  Type f32 = b.getF32Type();
+  if (lanes == 1) {
+    Value p = LLVM::GEPOp::create(b, loc, table.getType(), f32, table,
+                                  ValueRange{idx});
+    return LLVM::LoadOp::create(b, loc, f32, p, 4);
+  }
+  auto ptrVec = VectorType::get({lanes}, table.getType());
+  Value ps = LLVM::GEPOp::create(b, loc, ptrVec, f32, table, ValueRange{idx});
+  Value all = arith::ConstantOp::create(
+      b, loc, DenseElementsAttr::get(VectorType::get({lanes}, b.getI1Type()),
+                                     true));
+  Value pass = arith::ConstantOp::create(
+      b, loc, DenseElementsAttr::get(cast<ShapedType>(vec(f32)),
+                                     b.getF32FloatAttr(0)));
+  return LLVM::masked_gather::create(b, loc, vec(f32), ps, all, pass, 4);
+}
+
+Value BodyEmitter::q8Decode(Value codes, Value absmax, bool isUnsigned) {
+  Value idx = arith::ExtUIOp::create(b, loc, vec(b.getI32Type()), codes);
+  Value m = tableLookup(
+      q8Tables[int(isUnsigned ? Q8Table::UnsignedMap : Q8Table::SignedMap)],
+      idx);
+  if (lanes > 1)
+    absmax = vector::BroadcastOp::create(b, loc, vec(b.getF32Type()), absmax);
+  return arith::MulFOp::create(b, loc, m, absmax); // one rounding, no FMA
+}
+
+Value BodyEmitter::q8Encode(Value x, Value absmax, bool isUnsigned) {
+  Type f32 = b.getF32Type(), i32 = b.getI32Type();
+  Value a = lanes > 1 ? Value(vector::BroadcastOp::create(b, loc, vec(f32),
+                                                          absmax))
+                      : absmax;
+  Value r = arith::DivFOp::create(b, loc, x, a);
+  Value table = q8Tables[int(isUnsigned ? Q8Table::UnsignedThresholds
+                                        : Q8Table::SignedThresholds)];
+  // The number of thresholds below r (255 of them, ascending): binary
+  // lifting, 8 lookups.
+  Value c = intCst(i32, 0);
+  for (int64_t s = 128; s; s >>= 1) {
+    Value t = tableLookup(
+        table, arith::AddIOp::create(b, loc, c, intCst(i32, s - 1)));
+    Value above = arith::CmpFOp::create(b, loc, arith::CmpFPredicate::OGT, r, t);
+    c = arith::AddIOp::create(
+        b, loc, c,
+        arith::SelectOp::create(b, loc, above, intCst(i32, s), intCst(i32, 0)));
+  }
+  auto fcst = [&](float v) -> Value {
+    if (lanes == 1)
+      return arith::ConstantOp::create(b, loc, b.getF32FloatAttr(v));
+    return arith::ConstantOp::create(
+        b, loc, DenseElementsAttr::get(cast<ShapedType>(vec(f32)),
+                                       b.getF32FloatAttr(v)));
+  };
+  if (isUnsigned) { // the zero point: a nonzero x takes code 1 at least
+    Value zero = arith::CmpIOp::create(b, loc, arith::CmpIPredicate::eq, c,
+                                       intCst(i32, 0));
+    Value nz = arith::CmpFOp::create(b, loc, arith::CmpFPredicate::UNE, x,
+                                     fcst(0.0f));
+    c = arith::SelectOp::create(b, loc,
+                                arith::AndIOp::create(b, loc, zero, nz),
+                                intCst(i32, 1), c);
+  }
+  // absmax 0 (a block of zeros) or not finite: the zero code.
+  Value pos = arith::CmpFOp::create(b, loc, arith::CmpFPredicate::OGT, a,
+                                    fcst(0.0f));
+  Value fin = arith::CmpFOp::create(b, loc, arith::CmpFPredicate::OLE, a,
+                                    fcst(std::numeric_limits<float>::max()));
+  c = arith::SelectOp::create(
+      b, loc, arith::AndIOp::create(b, loc, pos, fin), c,
+      intCst(i32, isUnsigned ? ZOPT_Q8_UNSIGNED_ZERO : ZOPT_Q8_SIGNED_ZERO));
+  return arith::TruncIOp::create(b, loc, vec(b.getI8Type()), c);
+}
+
 Value BodyEmitter::emit(Block &body, Value i) {
   IRMapping map;
   Value acc;
@@ -226,7 +333,11 @@ Value BodyEmitter::emit(Block &body, Value i) {
     if (auto l = dyn_cast<zk::LoadOp>(op)) {
       Type t = l.getType();
       Value r;
-      if (std::optional<uint64_t> hiSlot = l.getRemainderOf()) {
+      if (l.getAbsmax()) {
+        Type i8 = b.getI8Type();
+        Value codes = loadAt(vec(i8), elemPtr(l.getSlot(), i8, i), 1);
+        r = q8Decode(codes, q8Absmax.at(l.getSlot()), l.getQ8Unsigned());
+      } else if (std::optional<uint64_t> hiSlot = l.getRemainderOf()) {
         Type i16 = b.getI16Type();
         Value hi = loadAt(vec(i16), elemPtr(*hiSlot, i16, i), alignFor(2));
         Value lo = loadAt(vec(i16), elemPtr(l.getSlot(), i16, i), alignFor(2));
@@ -260,6 +371,16 @@ Value BodyEmitter::emit(Block &body, Value i) {
         vt = b.getF32Type(); // carried as f32
       if (vt.isF16() && !st.isF16())
         v = arith::ExtFOp::create(b, loc, vec(b.getF32Type()), v);
+      if (s.getAbsmax()) {
+        // Into the block buffer; the caller reduces the absmax and encodes.
+        Value j = arith::SubIOp::create(b, loc, i, q8Base);
+        Value p = LLVM::GEPOp::create(b, loc, q8Buf.at(s.getSlot()).getType(),
+                                      b.getF32Type(), q8Buf.at(s.getSlot()),
+                                      ValueRange{j});
+        LLVM::StoreOp::create(b, loc, v, p, alignFor(4));
+        q8Stored.push_back({int64_t(s.getSlot()), v});
+        continue;
+      }
       if (std::optional<uint64_t> hiSlot = s.getRemainderOf()) {
         auto [hi, lo] = remainderSplit(v);
         Type i16 = b.getI16Type();

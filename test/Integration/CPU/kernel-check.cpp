@@ -21,6 +21,10 @@
 //                 f32 master: both run 5 steps on the same random data and
 //                 the rebuilt master, param and moments must match bit for
 //                 bit (kernel-check-remainder.cpp).
+//   A step with q8 moments (abi.h "q8 moments") is checked by
+//   kernel-check-q8.cpp instead: the rule from the decoded moments, each
+//   block's absmax and every code against the reference's encode, every
+//   variant bit for bit, zero / NaN / zero-point blocks.
 //   --rne         additionally: bit-exact check of the narrowing store
 //                 (f32 master -> bf16/f16 param) on chosen values (ties, NaN,
 //                 inf, overflow, denormals) through the master->param copy-out
@@ -98,7 +102,15 @@ bool loadStep(const char *path, Step &st) {
     const zopt_state_desc &s = d->states[i];
     const bool rem = s.kind == ZOPT_STATE_MASTER && s.dtype == ZOPT_DTYPE_I16;
     st.remainder = st.remainder || rem;
-    if (s.kind < 1 || s.kind > 7 || st.idx[s.kind] != -1 || s.dtype < 1 || (s.dtype > 3 && !rem) ||
+    // q8 moments (abi.h "q8 moments"): Q8 codes, an f32 per-block absmax.
+    const bool q8 = (s.kind == ZOPT_STATE_EXP_AVG || s.kind == ZOPT_STATE_EXP_AVG_SQ) &&
+                    s.dtype == ZOPT_DTYPE_Q8 && !(s.flags & ZOPT_STATE_PER_BLOCK);
+    const bool absmax = s.kind == ZOPT_STATE_EXP_AVG_ABSMAX || s.kind == ZOPT_STATE_EXP_AVG_SQ_ABSMAX;
+    st.q8 = st.q8 || q8;
+    if (absmax && (s.dtype != ZOPT_DTYPE_F32 || !(s.flags & ZOPT_STATE_PER_BLOCK)))
+      statesOk = false;
+    else if (s.kind < 1 || s.kind > 9 || st.idx[s.kind] != -1 || s.dtype < 1 ||
+        (s.dtype > 3 && !rem && !q8) || (s.kind > 7 && !absmax) ||
         s.placement != ZOPT_PLACE_CPU || (s.access & ~3u) || !s.access)
       statesOk = false;
     else st.idx[s.kind] = int(i);
@@ -106,6 +118,13 @@ bool loadStep(const char *path, Step &st) {
                 (s.access & ZOPT_ACCESS_READ) ? "r" : "", (s.access & ZOPT_ACCESS_WRITE) ? "w" : "");
   }
   auto has = [&](uint32_t k) { return st.idx[k] >= 0; };
+  // Each q8 moment has its absmax, with the same access.
+  for (uint32_t k : {ZOPT_STATE_EXP_AVG, ZOPT_STATE_EXP_AVG_SQ}) {
+    const uint32_t a = k == ZOPT_STATE_EXP_AVG ? ZOPT_STATE_EXP_AVG_ABSMAX : ZOPT_STATE_EXP_AVG_SQ_ABSMAX;
+    const bool isQ8 = has(k) && d->states[st.idx[k]].dtype == ZOPT_DTYPE_Q8;
+    if (isQ8 != has(a) || (isQ8 && d->states[st.idx[a]].access != d->states[st.idx[k]].access))
+      statesOk = false;
+  }
   statesOk = statesOk && has(ZOPT_STATE_PARAM) && has(ZOPT_STATE_GRAD) &&
              d->states[st.idx[ZOPT_STATE_GRAD]].access == ZOPT_ACCESS_READ &&
              (d->states[st.idx[ZOPT_STATE_PARAM]].access & ZOPT_ACCESS_WRITE);
@@ -361,11 +380,16 @@ int main(int argc, char **argv) {
         continue;
       }
       for (size_t n : sizes)
-        for (auto &c : configs) checkUpdate(st, u.first, u.second, n, c, seed++);
-      if (rne)
+        for (auto &c : configs)
+          if (st.q8) checkQ8Update(st, u.first, u.second, n, c, seed++);
+          else checkUpdate(st, u.first, u.second, n, c, seed++);
+      if (rne && st.q8)
+        std::printf("SKIP rne[%s]: not written for q8 steps\n", isaName(u.first));
+      else if (rne)
         for (size_t n : {size_t(61), size_t(100003)})
           checkRne(st, u.first, u.second, n);
     }
+    if (st.q8) checkQ8Isas(st, 100003);
     if (!twinPath.empty()) {
       Step tw;
       tw.rule = st.rule; tw.clip = st.clip; tw.lossScale = st.lossScale;
