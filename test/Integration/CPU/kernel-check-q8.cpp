@@ -330,3 +330,94 @@ void checkQ8Isas(const Step &st, size_t n) {
 }
 
 } // namespace kc
+
+namespace kc {
+
+// --q8-sweep=STRIDE on a step whose new moments are the gradient itself
+// (test/Integration/CPU/Inputs/q8_sweep.mlir, run with beta1 = beta2 = 0,
+// lr = 0): each block holds 1.0 (so its absmax is 1 and r = x) and 255
+// chosen values; every code the kernel stores must be the reference's
+// midpoint encode, exactly. The values: every STRIDE-th f32 pattern of
+// [-1, 1], then every map value and every f32 around every midpoint (+-2
+// ulp). The kernel's encode against the definition, value by value, as
+// zopt-q8-tables-check checks abi.h's.
+void checkQ8Sweep(const Step &st, uint32_t isa, zopt_update_fn fn, uint64_t stride) {
+  const zopt_step_descriptor *d = st.d;
+  const int ig = st.idx[ZOPT_STATE_GRAD], ip = st.idx[ZOPT_STATE_PARAM];
+  const int im = st.idx[ZOPT_STATE_EXP_AVG], iv = st.idx[ZOPT_STATE_EXP_AVG_SQ];
+  const int am = st.idx[ZOPT_STATE_EXP_AVG_ABSMAX], av = st.idx[ZOPT_STATE_EXP_AVG_SQ_ABSMAX];
+  if (im < 0 || iv < 0 || am < 0 || av < 0 || d->states[ig].dtype != ZOPT_DTYPE_F32 ||
+      d->states[ip].dtype != ZOPT_DTYPE_F32) {
+    report(false, "q8 sweep: needs f32 param and grad and q8 exp_avg and exp_avg_sq");
+    return;
+  }
+  Hypers h;
+  h.beta1 = 0; h.beta2 = 0; h.lr = 0; h.weight_decay = 0; h.bias_correction = false;
+  const Config c{1, false, 1.0, 1.0, 0, 0};
+  bool prepOk;
+  std::vector<float> co = runPrepare(st, h, c, prepOk);
+  float map[2][256];
+  zopt_ref::q8_map_f32(true, map[0]);
+  zopt_ref::q8_map_f32(false, map[1]);
+  std::vector<float> xs;
+  for (uint64_t b = 0; b <= 0x3F800000u; b += stride) {
+    xs.push_back(bits_f32(uint32_t(b)));
+    xs.push_back(bits_f32(uint32_t(b) | 0x80000000u));
+  }
+  for (int s = 0; s < 2; ++s)
+    for (int k = 0; k < 256; ++k) {
+      float y[2] = {map[s][k], k < 255 ? float((double(map[s][k]) + double(map[s][k + 1])) / 2) : 1.0f};
+      for (float x : y)
+        for (float z : {x, std::nextafter(x, 2.0f), std::nextafter(x, -2.0f),
+                        std::nextafter(std::nextafter(x, 2.0f), 2.0f),
+                        std::nextafter(std::nextafter(x, -2.0f), -2.0f)})
+          if (z >= -1.0f && z <= 1.0f) xs.push_back(z);
+    }
+  const size_t per = 255, blocks = 4096, n = blocks * ZOPT_Q8_BLOCK; // one call: 1 Mi elements
+  std::vector<Buf> bufs;
+  for (uint32_t i = 0; i < d->num_states; ++i)
+    bufs.push_back(makeBuf(d->states[i].dtype, (d->states[i].flags & ZOPT_STATE_PER_BLOCK) ? blocks : n, 0));
+  size_t bad = 0, done = 0;
+  std::string first;
+  for (size_t at = 0; at < xs.size(); at += per * blocks) {
+    const size_t cnt = std::min(xs.size() - at, per * blocks);
+    const size_t nb = (cnt + per - 1) / per, nn = nb * ZOPT_Q8_BLOCK;
+    for (size_t b = 0; b < nb; ++b) {
+      bufs[am].store(b, 0.0);
+      bufs[av].store(b, 0.0);
+      for (size_t j = 0; j < ZOPT_Q8_BLOCK; ++j) {
+        const size_t e = b * ZOPT_Q8_BLOCK + j, xi = at + b * per + j - 1;
+        const float x = j == 0 ? 1.0f : xi < at + cnt ? xs[xi] : 0.0f;
+        bufs[ig].setBits(e, f32_bits(x));
+        bufs[ip].setBits(e, f32_bits(0.5f));
+        bufs[im].setBits(e, ZOPT_Q8_SIGNED_ZERO);
+        bufs[iv].setBits(e, ZOPT_Q8_UNSIGNED_ZERO);
+      }
+    }
+    std::vector<void *> p;
+    for (auto &b : bufs) p.push_back(b.ptr());
+    fn(p.data(), p.data(), int64_t(nn), co.data());
+    for (size_t e = 0; e < nn; ++e) {
+      const float x = bits_f32(bufs[ig].bits(e));
+      for (int s = 0; s < 2; ++s) {
+        const uint8_t want = zopt_ref::q8_encode(map[s], s == 1, x, 1.0f);
+        const uint32_t got = bufs[s ? iv : im].bits(e);
+        const float a = float(bufs[s ? av : am].value(e / ZOPT_Q8_BLOCK));
+        if ((got != want || a != 1.0f) && !bad++) {
+          char m[200];
+          std::snprintf(m, sizeof m, "%s map: x = %a (0x%08x) code %u, want %u (absmax %a)",
+                        s ? "unsigned" : "signed", x, f32_bits(x), got, want, a);
+          first = m;
+        }
+      }
+      done += e % ZOPT_Q8_BLOCK != 0;
+    }
+  }
+  report(prepOk && bad == 0,
+         "q8 sweep[%s]: the kernel's codes of every %" PRIu64 "th f32 pattern in [-1, 1], every map "
+         "value and midpoint (+-2 ulp), absmax 1, both maps == the reference's encode: %zu values, "
+         "%zu differ%s%s", isaName(isa), stride, done, bad, first.empty() ? "" : "; first: ",
+         first.c_str());
+}
+
+} // namespace kc

@@ -25,6 +25,10 @@
 //   kernel-check-q8.cpp instead: the rule from the decoded moments, each
 //   block's absmax and every code against the reference's encode, every
 //   variant bit for bit, zero / NaN / zero-point blocks.
+//   --q8-sweep=S  STEP is test/Integration/CPU/Inputs/q8_sweep.mlir (the new
+//                 moments are the gradient): the kernel's codes of every
+//                 S-th f32 pattern of [-1, 1] and around every map value and
+//                 midpoint, exactly (instead of the rule's checks).
 //   --rne         additionally: bit-exact check of the narrowing store
 //                 (f32 master -> bf16/f16 param) on chosen values (ties, NaN,
 //                 inf, overflow, denormals) through the master->param copy-out
@@ -307,7 +311,7 @@ bool selfTest() {
 int main(int argc, char **argv) {
   if (argc < 3) {
     std::fprintf(stderr, "usage: %s STEP.so adam|adamw|adam_amsgrad|sgd|sgd_nesterov|lion "
-                         "[--clip] [--loss-scale] [--rne] [--twin=F32MASTER.so] [--sizes=1,15,17,1000003]\n", argv[0]);
+                         "[--clip] [--loss-scale] [--rne] [--twin=F32MASTER.so] [--q8-sweep=STRIDE] [--sizes=1,15,17,1000003]\n", argv[0]);
     return 2;
   }
   Step st;
@@ -321,6 +325,7 @@ int main(int argc, char **argv) {
   else { std::fprintf(stderr, "unknown rule '%s'\n", rule.c_str()); return 2; }
   bool rne = false;
   std::string twinPath; // --twin: the f32-master twin of a remainder step
+  uint64_t q8Sweep = 0; // --q8-sweep=STRIDE: the kernel's q8 encode, value by value
   std::vector<size_t> sizes = {1, 15, 17, 1000003};
   for (int i = 3; i < argc; ++i) {
     std::string a = argv[i];
@@ -328,6 +333,7 @@ int main(int argc, char **argv) {
     else if (a == "--loss-scale") st.lossScale = true;
     else if (a == "--rne") rne = true;
     else if (a.rfind("--twin=", 0) == 0) twinPath = a.substr(7);
+    else if (a.rfind("--q8-sweep=", 0) == 0) q8Sweep = std::strtoull(a.c_str() + 11, nullptr, 10);
     else if (a.rfind("--sizes=", 0) == 0) {
       sizes.clear();
       for (const char *p = a.c_str() + 8; *p;) {
@@ -379,6 +385,10 @@ int main(int argc, char **argv) {
                     isaName(u.first));
         continue;
       }
+      if (q8Sweep) { // a sweep step (Inputs/q8_sweep.mlir), no rule to check
+        checkQ8Sweep(st, u.first, u.second, q8Sweep);
+        continue;
+      }
       for (size_t n : sizes)
         for (auto &c : configs)
           if (st.q8) checkQ8Update(st, u.first, u.second, n, c, seed++);
@@ -389,7 +399,7 @@ int main(int argc, char **argv) {
         for (size_t n : {size_t(61), size_t(100003)})
           checkRne(st, u.first, u.second, n);
     }
-    if (st.q8) checkQ8Isas(st, 100003);
+    if (st.q8 && !q8Sweep) checkQ8Isas(st, 100003);
     if (!twinPath.empty()) {
       Step tw;
       tw.rule = st.rule; tw.clip = st.clip; tw.lossScale = st.lossScale;

@@ -279,6 +279,8 @@ void checkQ8Update(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n, co
 // Every variant the CPU runs bit for bit on the same inputs; zero, NaN and
 // zero-point blocks (kernel-check-q8.cpp).
 void checkQ8Isas(const Step &st, size_t n);
+// --q8-sweep: the kernel's encode of chosen values, exactly (kernel-check-q8.cpp).
+void checkQ8Sweep(const Step &st, uint32_t isa, zopt_update_fn fn, uint64_t stride);
 // kernel-check-sumsq.cpp: a SUMSQ variant: abi.h's order bit for bit, the
 // error bound, non-finite inputs.
 void checkSumsq(const Step &st, uint32_t isa, zopt_sumsq_fn fn, size_t n, uint64_t seed);
