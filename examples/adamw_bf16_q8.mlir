@@ -6,7 +6,8 @@
 // the param update uses the new moments before quantization.
 // Bytes per param held: param 2 + grad 2 + remainder 2 + m 1 + v 1 + two
 // absmax 2 * 4/256 = 8.03 (examples/adamw_bf16_remainder.mlir, f32
-// moments: 14; a bf16 master instead of the remainder and no grad: 4.03).
+// moments: 14); offloaded, with params and grads on the GPU, the host holds
+// remainder + m + v = 4.03 (issue 19's cell; #8010's is 6).
 // Bytes per parameter and step: read g, p, rem, m, v (8.03), write p, rem,
 // m, v (6.03): 14.06 (f32 moments: 26).
 // The runtime does not lay out q8 states yet and refuses this step.so
