@@ -441,12 +441,15 @@ Value BodyEmitter::emit(Block &body, Value i) {
       if (vt.isF16() && !st.isF16())
         v = arith::ExtFOp::create(b, loc, vec(b.getF32Type()), v);
       if (s.getAbsmax()) {
-        // Into the block buffer; the caller reduces the absmax and encodes.
-        Value j = arith::SubIOp::create(b, loc, i, q8Base);
-        Value p = LLVM::GEPOp::create(b, loc, q8Buf.at(s.getSlot()).getType(),
-                                      b.getF32Type(), q8Buf.at(s.getSlot()),
-                                      ValueRange{j});
-        LLVM::StoreOp::create(b, loc, v, p, alignFor(4));
+        // Into the block buffer (CPU; the GPU keeps it in a register); the
+        // caller reduces the absmax and encodes.
+        if (auto buf = q8Buf.find(s.getSlot()); buf != q8Buf.end()) {
+          Value j = arith::SubIOp::create(b, loc, i, q8Base);
+          Value p = LLVM::GEPOp::create(b, loc, buf->second.getType(),
+                                        b.getF32Type(), buf->second,
+                                        ValueRange{j});
+          LLVM::StoreOp::create(b, loc, v, p, alignFor(4));
+        }
         q8Stored.push_back({int64_t(s.getSlot()), v});
         continue;
       }

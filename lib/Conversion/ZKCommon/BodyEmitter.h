@@ -84,9 +84,9 @@ struct BodyEmitter {
   Value loadMask;
   /// q8 moments (zk.load/zk.store with absmax): by slot, the block's
   /// absmax (f32 scalar) its loads decode with, and the block buffer (f32,
-  /// indexed by element - q8Base) its stores write; q8Tables[Q8Table] the
-  /// tables' addresses. Each q8 store of emit() appends (slot, value) to
-  /// q8Stored.
+  /// indexed by element - q8Base) its stores write (none: the value stays
+  /// in a register, GPU); q8Tables[Q8Table] the tables' addresses. Each q8
+  /// store of emit() appends (slot, value) to q8Stored.
   std::map<int64_t, Value> q8Absmax, q8Buf;
   Value q8Base;
   Value q8Tables[4];

@@ -57,18 +57,6 @@ struct ConvertZKToGPU
           device = p;
     if (device != ZOPT_PLACE_GPU)
       return; // a CPU step: convert-zk-to-cpu does everything
-    // q8 moments (abi.h "q8 moments"): the verifier keeps them on the
-    // CPU; the GPU UPDATE for them is not built.
-    for (auto k : m.getOps<zk::KernelOp>()) {
-      WalkResult r = k.walk([&](zk::LoadOp l) {
-        return l.getAbsmax() ? WalkResult::interrupt() : WalkResult::advance();
-      });
-      if (r.wasInterrupted()) {
-        k.emitError("q8 moments are lowered for the CPU only (the GPU UPDATE "
-                    "for q8 is not built yet)");
-        return signalPassFailure();
-      }
-    }
     if (chips.empty()) {
       d.emitError("the optimizer states are on the GPU but no GPU "
                   "architecture was given (gpu_arch / --gpu)");

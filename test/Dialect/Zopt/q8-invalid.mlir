@@ -68,18 +68,3 @@ zopt.step @s {
   %p1 = zopt.apply %p, %m1, %lr : f32, f32
   zopt.yield %p1, %m1 into %p, %m : f32, f32 into f32, f32
 }
-
-// -----
-
-// On the GPU.
-zopt.step @s attributes {gpu_arch = "sm_90"} {
-  %p = zopt.state param : f32 on gpu
-  %g = zopt.state grad : f32 on gpu
-  // expected-error@+1 {{q8 moments are lowered for the CPU only (the GPU UPDATE for q8 is not built yet); place the moment on cpu}}
-  %m = zopt.state exp_avg : f32 on gpu q8
-  %lr = zopt.hyper lr
-  %b1 = zopt.hyper beta1
-  %m1 = zopt.ema %m, %g, %b1 : f32, f32
-  %p1 = zopt.apply %p, %m1, %lr : f32, f32
-  zopt.yield %p1, %m1 into %p, %m : f32, f32 into f32, f32
-}

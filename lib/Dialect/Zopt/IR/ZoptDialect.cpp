@@ -113,10 +113,6 @@ LogicalResult StateOp::verify() {
       return emitOpError("a q8 moment is encoded to the nearest value of its "
                          "map (docs/NUMERICS.md §10), not rounded: drop "
                          "'rounding'");
-    if (getPlacement() != Placement::cpu)
-      return emitOpError("q8 moments are lowered for the CPU only (the GPU "
-                         "UPDATE for q8 is not built yet); place the moment "
-                         "on cpu");
   }
   if (!getRounding())
     return success();

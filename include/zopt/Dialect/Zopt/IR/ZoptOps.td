@@ -69,7 +69,7 @@ def Zopt_StateOp : Zopt_Op<"state", [Pure, HasParent<"StepOp">]> {
     `store_param_remainders`): 4 bytes per param instead of 2 + 4, and the
     master it rebuilds is the f32 master exactly (docs/NUMERICS.md §9).
 
-    `q8` (an f32 `exp_avg` or `exp_avg_sq` on the CPU): the moment is
+    `q8` (an f32 `exp_avg` or `exp_avg_sq`): the moment is
     stored block-quantized, one 8-bit code per element and one f32 absmax
     per block of 256 elements (bitsandbytes' 8-bit Adam; the signed dynamic
     map for exp_avg, the unsigned one for exp_avg_sq): 1.016 bytes per
