@@ -260,6 +260,58 @@ Value BodyEmitter::tableLookup(Value table, Value idx) {
                                   ValueRange{idx});
     return LLVM::LoadOp::create(b, loc, f32, p, 4);
   }
+  if (x86Gather && lanes % (x86Gather / 32) == 0) {
+    // VGATHERDPS with 32-bit indices, a register at a time (LLVM's generic
+    // gather widens some of these indices to 64 bits: twice the gathers).
+    const int w = x86Gather / 32;
+    MLIRContext *ctx = b.getContext();
+    auto fw = VectorType::get({w}, f32);
+    Value zero = arith::ConstantOp::create(
+        b, loc, DenseElementsAttr::get(fw, b.getF32FloatAttr(0)));
+    SmallVector<Value> parts;
+    for (int h = 0; h < lanes; h += w) {
+      Value ix = vector::ExtractStridedSliceOp::create(
+          b, loc, idx, ArrayRef<int64_t>{h}, ArrayRef<int64_t>{w},
+          ArrayRef<int64_t>{1});
+      Value g;
+      if (x86Gather == 512) {
+        Value all = arith::ConstantOp::create(
+            b, loc, DenseElementsAttr::get(VectorType::get({w}, b.getI1Type()),
+                                           true));
+        Value scale = LLVM::ConstantOp::create(b, loc, b.getI32Type(),
+                                               b.getI32IntegerAttr(4));
+        g = LLVM::CallIntrinsicOp::create(
+                b, loc, fw,
+                StringAttr::get(ctx, "llvm.x86.avx512.mask.gather.dps.512"),
+                ValueRange{zero, table, ix, all, scale})
+                .getResult(0);
+      } else {
+        Value all = arith::ConstantOp::create(
+            b, loc, DenseElementsAttr::get(fw, b.getF32FloatAttr(-0.0f)));
+        Value scale = LLVM::ConstantOp::create(b, loc, b.getI8Type(),
+                                               b.getI8IntegerAttr(4));
+        g = LLVM::CallIntrinsicOp::create(
+                b, loc, fw, StringAttr::get(ctx, "llvm.x86.avx2.gather.d.ps.256"),
+                ValueRange{zero, table, ix, all, scale})
+                .getResult(0);
+      }
+      parts.push_back(g);
+    }
+    // Concatenate the registers.
+    while (parts.size() > 1) {
+      SmallVector<Value> next;
+      for (size_t p = 0; p < parts.size(); p += 2) {
+        int64_t n = cast<VectorType>(parts[p].getType()).getNumElements();
+        SmallVector<int64_t> cat;
+        for (int64_t j = 0; j < 2 * n; ++j)
+          cat.push_back(j);
+        next.push_back(
+            vector::ShuffleOp::create(b, loc, parts[p], parts[p + 1], cat));
+      }
+      parts = next;
+    }
+    return parts[0];
+  }
   auto ptrVec = VectorType::get({lanes}, table.getType());
   Value ps = LLVM::GEPOp::create(b, loc, ptrVec, f32, table, ValueRange{idx});
   Value all = arith::ConstantOp::create(
@@ -360,9 +412,9 @@ Value BodyEmitter::q8Encode(Value x, Value absmax, bool isUnsigned) {
   Value tUp = tableLookup(table,
                           arith::MinSIOp::create(b, loc, c0, intCst(i32, 254)));
   Value tDown = tableLookup(
-      table, arith::MaxSIOp::create(
-                 b, loc, arith::SubIOp::create(b, loc, c0, intCst(i32, 1)),
-                 intCst(i32, 0)));
+      table, arith::SubIOp::create(
+                 b, loc, arith::MaxSIOp::create(b, loc, c0, intCst(i32, 1)),
+                 intCst(i32, 1)));
   Value goUp = arith::AndIOp::create(
       b, loc, arith::CmpFOp::create(b, loc, arith::CmpFPredicate::OGT, r, tUp),
       arith::CmpIOp::create(b, loc, arith::CmpIPredicate::slt, c0,

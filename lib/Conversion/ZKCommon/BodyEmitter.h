@@ -68,6 +68,9 @@ struct BodyEmitter {
   bool packHalves = false;
   /// bf16 stores through the hardware conversion (needs +avx512bf16).
   bool nativeBf16 = false;
+  /// Table lookups (q8) through VGATHERDPS: 512 (AVX-512, 16 lanes a
+  /// register) or 256 (AVX2, 8 lanes); 0: LLVM's generic gather.
+  int x86Gather = 0;
   /// SUMSQ kernels whose loads are all bf16: a bf16 vector is widened by a
   /// shift and a mask of its 32-bit words instead of shuffles, so lane j
   /// holds element splitElement(j) (the even elements, then the odd ones).

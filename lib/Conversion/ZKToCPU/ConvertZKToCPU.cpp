@@ -158,6 +158,7 @@ static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
   BodyEmitter vecE{b, loc, lanes, ptrs, cs, cv};
   vecE.packHalves = true;
   vecE.nativeBf16 = isa.nativeBf16;
+  vecE.x86Gather = isa.lanes == 16 ? 512 : 256;
   vecE.storePtrs = outPtrs;
   BodyEmitter sclE{b, loc, 1, ptrs, cs, {}};
   sclE.storePtrs = outPtrs;
