@@ -32,6 +32,7 @@ if cpu_has("avx2") and cpu_has("fma") and cpu_has("f16c"):
 if all(cpu_has(x) for x in ("avx512f", "avx512bw", "avx512dq", "avx512vl")):
     config.available_features.add("cpu-avx512")
 llvm_config.add_tool_substitutions(["zopt-kernel-check"], tool_dirs)
+llvm_config.add_tool_substitutions(["zopt-q8-tables-check"], tool_dirs)
 
 # The CUDA toolkit (ptxas, fatbinary, libdevice) for GPU code generation.
 # lit scrubs the environment, so the path is passed explicitly to the tools

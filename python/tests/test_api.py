@@ -29,8 +29,16 @@ EXPECTED_STATES = {
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[os.path.basename(p) for p in EXAMPLES])
 def test_examples_compile_and_load(steps, path):
-    step = steps.text(open(path).read())
     name = os.path.splitext(os.path.basename(path))[0]
+    if name.endswith("_q8"):
+        # q8 moments compile, and the runtime refuses them until it lays
+        # them out (abi.h "q8 moments"): a clear error, never a misuse.
+        with pytest.raises(zopt.ZoptError) as e:
+            steps.text(open(path).read())
+        assert e.value.code == zopt._lib.Status.UNSUPPORTED
+        assert "q8 moment" in e.value.message and "not built yet" in e.value.message
+        return
+    step = steps.text(open(path).read())
     assert step.name == name
     got = [f"{zopt._lib.STATE_NAMES[k]}:{zopt._lib.DTYPE_NAMES[d]}"
            for k, d, _ in step.states]

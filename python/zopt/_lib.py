@@ -53,6 +53,7 @@ class DType(enum.IntEnum):
     BF16 = 2
     F16 = 3
     I16 = 4  # a remainder master's low half (abi.h "Remainder masters")
+    Q8 = 5  # a q8 moment's codes (abi.h "q8 moments"; the runtime refuses them yet)
 
 
 class Placement(enum.IntEnum):
@@ -68,6 +69,8 @@ class StateKind(enum.IntEnum):
     EXP_AVG_SQ = 5
     MAX_EXP_AVG_SQ = 6
     MOMENTUM_BUFFER = 7
+    EXP_AVG_ABSMAX = 8  # a q8 moment's per-block absmax (abi.h "q8 moments")
+    EXP_AVG_SQ_ABSMAX = 9
 
 
 class HyperKind(enum.IntEnum):
@@ -92,8 +95,9 @@ STATE_NAMES = {k: k.name.lower() for k in StateKind}
 STATE_BY_NAME = {v: k for k, v in STATE_NAMES.items()}
 HYPER_NAMES = {k: k.name.lower() for k in HyperKind}
 HYPER_BY_NAME = {v: k for k, v in HYPER_NAMES.items()}
-DTYPE_NAMES = {DType.F32: "f32", DType.BF16: "bf16", DType.F16: "f16", DType.I16: "i16"}
-DTYPE_ITEMSIZE = {DType.F32: 4, DType.BF16: 2, DType.F16: 2, DType.I16: 2}
+DTYPE_NAMES = {DType.F32: "f32", DType.BF16: "bf16", DType.F16: "f16", DType.I16: "i16",
+               DType.Q8: "q8"}
+DTYPE_ITEMSIZE = {DType.F32: 4, DType.BF16: 2, DType.F16: 2, DType.I16: 2, DType.Q8: 1}
 
 
 class StateDesc(ctypes.Structure):
@@ -467,6 +471,7 @@ _SIGS.update({
 
 
 # ---- abi.h state flags, zopt.h load flags (appended) -------------------------
+STATE_PER_BLOCK = 2            # ZOPT_STATE_PER_BLOCK: one element per ZOPT_Q8_BLOCK (a q8 absmax)
 STATE_PARTITIONED = 1          # ZOPT_STATE_PARTITIONED: sharded across ranks under ZeRO
 LOAD_ALLOW_RULE_CHANGE = 1     # ZOPT_LOAD_ALLOW_RULE_CHANGE (zopt_optimizer_load_ex)
 LOAD_VALIDATE_ONLY = 2         # ZOPT_LOAD_VALIDATE_ONLY (load_ex, import_state)

@@ -35,6 +35,7 @@ const char *dtype_name(uint32_t dt) {
     case ZOPT_DTYPE_BF16: return "bf16";
     case ZOPT_DTYPE_F16: return "f16";
     case ZOPT_DTYPE_I16: return "i16";
+    case ZOPT_DTYPE_Q8: return "q8";
   }
   return "?";
 }
@@ -48,6 +49,8 @@ const char *state_kind_name(uint32_t k) {
     case ZOPT_STATE_EXP_AVG_SQ: return "exp_avg_sq";
     case ZOPT_STATE_MAX_EXP_AVG_SQ: return "max_exp_avg_sq";
     case ZOPT_STATE_MOMENTUM_BUFFER: return "momentum_buffer";
+    case ZOPT_STATE_EXP_AVG_ABSMAX: return "exp_avg_absmax";
+    case ZOPT_STATE_EXP_AVG_SQ_ABSMAX: return "exp_avg_sq_absmax";
   }
   return "?";
 }

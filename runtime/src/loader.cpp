@@ -47,6 +47,19 @@ zopt_status validate_fields(const zopt_step_descriptor *d) {
     return fail(ZOPT_ERR_ABI, "descriptor num_coeffs %u > %d", d->num_coeffs, ZOPT_MAX_COEFFS);
   if (d->num_kernels < 1 || d->num_kernels > ZOPT_MAX_KERNELS)
     return fail(ZOPT_ERR_ABI, "descriptor num_kernels %u out of range [1, %d]", d->num_kernels, ZOPT_MAX_KERNELS);
+  // q8 moments (abi.h "q8 moments"): the compiler writes them, this runtime
+  // does not lay them out yet; refused, never run with a wrong layout.
+  for (uint32_t i = 0; i < d->num_states; ++i) {
+    const zopt_state_desc &s = d->states[i];
+    if (s.dtype == ZOPT_DTYPE_Q8 || s.kind == ZOPT_STATE_EXP_AVG_ABSMAX ||
+        s.kind == ZOPT_STATE_EXP_AVG_SQ_ABSMAX || (s.flags & ZOPT_STATE_PER_BLOCK))
+      return fail(ZOPT_ERR_UNSUPPORTED,
+                  "state %u (%s) is a q8 moment (int8 codes and a per-block absmax, abi.h \"q8 "
+                  "moments\"): this runtime's layout for q8 states (the per-block absmax "
+                  "allocation, block-aligned chunks, ZeRO shards on block boundaries, checkpoints) "
+                  "is not built yet; compile the moments as f32 or bf16",
+                  i, state_kind_name(s.kind));
+  }
   int seen_kind[8] = {0};
   for (uint32_t i = 0; i < d->num_states; ++i) {
     const zopt_state_desc &s = d->states[i];

@@ -20,6 +20,10 @@
 //   §9  remainder masters: the split of an f32 master into a bf16 param and
 //       an int16 remainder, by values (abi.h's bit formulas are checked
 //       against it), and the rebuild
+//   §10 q8 moments: the two dynamic maps built in float64 (the generated
+//       tables of zopt/q8_maps.h are checked against them), the encode by
+//       float64 midpoints (abi.h's threshold search is checked against it),
+//       the decode
 //
 // A change to the contract changes this file; a test that needs a value of
 // the contract asks this file for it instead of writing its own formula.
@@ -46,12 +50,13 @@ inline uint32_t f32_bits(float f) { uint32_t b; std::memcpy(&b, &f, 4); return b
 inline uint64_t f64_bits(double f) { uint64_t b; std::memcpy(&b, &f, 8); return b; }
 inline float bits_f32(uint32_t b) { float f; std::memcpy(&f, &b, 4); return f; }
 
-inline size_t dtype_size(uint32_t dt) { return dt == ZOPT_DTYPE_F32 ? 4 : 2; }
+inline size_t dtype_size(uint32_t dt) { return dt == ZOPT_DTYPE_F32 ? 4 : dt == ZOPT_DTYPE_Q8 ? 1 : 2; }
 inline const char *dtype_name(uint32_t dt) {
   return dt == ZOPT_DTYPE_F32    ? "f32"
          : dt == ZOPT_DTYPE_BF16 ? "bf16"
          : dt == ZOPT_DTYPE_F16  ? "f16"
          : dt == ZOPT_DTYPE_I16  ? "i16"
+         : dt == ZOPT_DTYPE_Q8   ? "q8"
                                  : "?";
 }
 
@@ -434,6 +439,67 @@ inline uint16_t remainder_rem(float x) {
 inline float remainder_master(uint16_t param, uint16_t rem) {
   return bits_f32(uint32_t(int64_t(uint32_t(param) << 16) + int64_t(int16_t(rem))));
 }
+
+//===----------------------------------------------------------------------===//
+// §10 q8 moments.
+//===----------------------------------------------------------------------===//
+
+/// bitsandbytes' create_dynamic_map(signed, max_exponent_bits=7,
+/// total_bits=8) in float64, sorted ascending: the 256 values before their
+/// rounding to f32 (docs/NUMERICS.md §10 gives the construction).
+inline void q8_map_f64(bool is_signed, double out[256]) {
+#pragma clang fp contract(off)
+  static const double scales[7] = {1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0};
+  int n = 0;
+  for (int i = 0; i < 7; ++i) {
+    const int f = is_signed ? (1 << i) + 1 : (1 << (i + 1)) + 1;
+    const double step = (1.0 - 0.1) / (f - 1);
+    double b[129];
+    for (int k = 0; k < f; ++k) // torch.linspace's two-sided formula
+      b[k] = k < f / 2 ? 0.1 + k * step : 1.0 - (f - 1 - k) * step;
+    for (int k = 0; k + 1 < f; ++k) {
+      const double m = (b[k] + b[k + 1]) / 2.0;
+      out[n++] = scales[i] * m;
+      if (is_signed) out[n++] = -(scales[i] * m);
+    }
+  }
+  out[n++] = 0.0;
+  out[n++] = 1.0;
+  std::sort(out, out + n);
+}
+
+/// The f32 map (the float64 values rounded to nearest even).
+inline void q8_map_f32(bool is_signed, float out[256]) {
+  double d[256];
+  q8_map_f64(is_signed, d);
+  for (int k = 0; k < 256; ++k) out[k] = float(d[k]);
+}
+
+/// The code of x in a block with absmax a, by values: r = x / a (f32); the
+/// map value nearest to r by the float64 midpoints of adjacent f32 map
+/// values, a tie going to the smaller magnitude; the unsigned map never
+/// gives a nonzero x the zero code (code 1 instead); a = 0 or not finite:
+/// the zero code (127 signed, 0 unsigned).
+inline uint8_t q8_encode(const float map[256], bool is_unsigned, float x, float a) {
+  if (!(a > 0.0f) || !std::isfinite(a)) return is_unsigned ? 0 : 127;
+  const float r = x / a;
+  // up(k): r belongs above the midpoint of map[k] and map[k+1] (monotone).
+  auto up = [&](int k) {
+    const double mid = (double(map[k]) + double(map[k + 1])) / 2.0; // exact
+    return mid > 0 ? double(r) > mid : double(r) >= mid;
+  };
+  int lo = 0, hi = 255; // the code: the first k with !up(k), or 255
+  while (lo < hi) {
+    const int m = (lo + hi) / 2;
+    if (up(m)) lo = m + 1;
+    else hi = m;
+  }
+  if (is_unsigned && lo == 0 && x != 0.0f) lo = 1;
+  return uint8_t(lo);
+}
+
+/// map[code] * a in f32.
+inline float q8_decode(const float map[256], uint8_t code, float a) { return map[code] * a; }
 
 }  // namespace zopt_ref
 

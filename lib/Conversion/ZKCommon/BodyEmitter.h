@@ -16,7 +16,12 @@
 //    except that it flushes subnormal inputs to zero: a vector holding any
 //    subnormal takes the integer form instead.
 // A remainder master (zk.load/zk.store with remainder_of) is joined from
-// and split into its two 16-bit halves here, for both devices.
+// and split into its two 16-bit halves here, for both devices. A q8 moment
+// (zk.load/zk.store with absmax, abi.h "q8 moments") is decoded and encoded
+// here (q8Decode, q8Encode, the tables as module constants); the block loop
+// around the body (absmax in, the block's new absmax reduced, codes out)
+// is the lowering's: the body stores a q8 moment's new f32 value into the
+// caller's block buffer and reports it (q8Stored).
 // Also the f64 zk.prepare body, with the sources of hyperparameters and
 // globals and the sink of coefficients left to the caller.
 //
@@ -32,11 +37,21 @@
 #include "zopt/Dialect/ZK/IR/ZKOps.h"
 #include "zopt/abi.h"
 
+#include <map>
+
 namespace mlir::zopt {
 
 /// zopt_fmix32 (abi.h) on an i32 scalar or vector: the one emitter of the
 /// stochastic-rounding hash for the CPU and GPU code generators.
 Value emitFmix32(OpBuilder &b, Location loc, Value h);
+
+/// The q8 tables of zopt/q8_maps.h (abi.h "q8 moments").
+enum class Q8Table { SignedMap, UnsignedMap, SignedThresholds, UnsignedThresholds };
+/// The address of q8 table `t`, an internal constant global of the module
+/// (or gpu.module) `symbolTable`, created on first use, in address space
+/// `addrSpace`.
+Value q8TableAddress(OpBuilder &b, Location loc, Operation *symbolTable,
+                     Q8Table t, unsigned addrSpace = 0);
 
 /// Builds code for one kernel body at one width.
 struct BodyEmitter {
@@ -53,6 +68,9 @@ struct BodyEmitter {
   bool packHalves = false;
   /// bf16 stores through the hardware conversion (needs +avx512bf16).
   bool nativeBf16 = false;
+  /// Table lookups (q8) through VGATHERDPS: 512 (AVX-512, 16 lanes a
+  /// register) or 256 (AVX2, 8 lanes); 0: LLVM's generic gather.
+  int x86Gather = 0;
   /// SUMSQ kernels whose loads are all bf16: a bf16 vector is widened by a
   /// shift and a mask of its 32-bit words instead of shuffles, so lane j
   /// holds element splitElement(j) (the even elements, then the odd ones).
@@ -67,6 +85,15 @@ struct BodyEmitter {
   /// A vector<lanes x i1>: loads read only the set lanes (the others are
   /// zero), for a tail shorter than a vector.
   Value loadMask;
+  /// q8 moments (zk.load/zk.store with absmax): by slot, the block's
+  /// absmax (f32 scalar) its loads decode with, and the block buffer (f32,
+  /// indexed by element - q8Base) its stores write (none: the value stays
+  /// in a register, GPU); q8Tables[Q8Table] the tables' addresses. Each q8
+  /// store of emit() appends (slot, value) to q8Stored.
+  std::map<int64_t, Value> q8Absmax, q8Buf;
+  Value q8Base;
+  Value q8Tables[4];
+  SmallVector<std::pair<int64_t, Value>> q8Stored;
 
   int64_t alignFor(int elemAlign) {
     return (lanes > 1 && vecAlign) ? vecAlign : elemAlign;
@@ -114,6 +141,16 @@ struct BodyEmitter {
   Value remainderJoin(Value hi16, Value lo16);
   /// The new f32 master split into {param bits, remainder} (abi.h).
   std::pair<Value, Value> remainderSplit(Value x);
+
+  /// Loads `idx` (i32 at `lanes` lanes) of the f32 table at `table`
+  /// (a gather for vectors).
+  Value tableLookup(Value table, Value idx);
+  /// q8 decode (abi.h): map[code] * absmax; `codes` i8, `absmax` an f32
+  /// scalar.
+  Value q8Decode(Value codes, Value absmax, bool isUnsigned);
+  /// q8 encode (abi.h zopt_q8_encode) of `x` (f32) in a block with absmax
+  /// `absmax` (f32 scalar): the i8 codes.
+  Value q8Encode(Value x, Value absmax, bool isUnsigned);
 
   /// Emits the body for the element(s) at index `i`; returns the value to
   /// accumulate (sumsq kernels) or null.

@@ -27,6 +27,7 @@
 #include "zopt/Conversion/ZKToCPU/ZKToCPU.h"
 
 #include "../ZKCommon/BodyEmitter.h"
+#include "Q8Blocks.h"
 #include "zopt/Dialect/ZK/IR/ZKOps.h"
 #include "zopt/abi.h"
 
@@ -157,6 +158,7 @@ static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
   BodyEmitter vecE{b, loc, lanes, ptrs, cs, cv};
   vecE.packHalves = true;
   vecE.nativeBf16 = isa.nativeBf16;
+  vecE.x86Gather = isa.lanes == 16 ? 512 : 256;
   vecE.storePtrs = outPtrs;
   BodyEmitter sclE{b, loc, 1, ptrs, cs, {}};
   sclE.storePtrs = outPtrs;
@@ -194,6 +196,8 @@ static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
       stream(ptrs[*h], 2);
       bytes = 2;
     }
+    if (l.getAbsmax()) // q8 codes
+      bytes = 1;
     stream(ptrs[l.getSlot()], bytes);
   });
   auto prefetchAhead = [&](OpBuilder &pb, Location l, Value iv) {
@@ -214,6 +218,28 @@ static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
       }
     }
   };
+  bool q8 = false;
+  body.walk([&](zk::LoadOp l) { q8 |= bool(l.getAbsmax()); });
+  body.walk([&](zk::StoreOp s) { q8 |= bool(s.getAbsmax()); });
+  if (!isSum && q8) {
+    emitQ8Blocks(b, loc, fn, body, inTable, outTable, n, lanes, vecE, sclE,
+                 [&](Value iv) {
+                   prefetchAhead(b, loc, iv);
+                   if (sr)
+                     vecE.srIndex = arith::AddIOp::create(
+                         b, loc,
+                         vector::BroadcastOp::create(
+                             b, loc, VectorType::get({lanes}, i32),
+                             srIndexAt(iv)),
+                         srIota);
+                 },
+                 [&](Value iv) {
+                   if (sr)
+                     sclE.srIndex = srIndexAt(iv);
+                 });
+    func::ReturnOp::create(b, loc);
+    return fn;
+  }
   if (!isSum) {
     auto l1 = scf::ForOp::create(b, loc, zero, nVec, W);
     {

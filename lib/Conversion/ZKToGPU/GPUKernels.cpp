@@ -43,14 +43,21 @@ KernelInfo gpu_kernels::analyze(zk::KernelOp k) {
   for (Operation &op : k.getBody().front()) {
     // A remainder master: two 16-bit halves, its slot and the param's.
     Type i16 = IntegerType::get(k.getContext(), 16);
+    // A q8 moment: 8-bit codes and its absmax's slot (f32, per block).
+    Type i8 = IntegerType::get(k.getContext(), 8);
+    Type f32 = Float32Type::get(k.getContext());
     if (auto l = dyn_cast<zk::LoadOp>(op)) {
       if (auto h = l.getRemainderOf())
         use(*h, i16);
-      use(l.getSlot(), l.getRemainderOf() ? i16 : l.getType());
+      if (auto a = l.getAbsmax())
+        use(*a, f32);
+      use(l.getSlot(), l.getRemainderOf() ? i16 : l.getAbsmax() ? i8 : l.getType());
     }
     if (auto s = dyn_cast<zk::StoreOp>(op)) {
       if (auto h = s.getRemainderOf())
         use(*h, i16);
+      if (auto a = s.getAbsmax())
+        use(*a, f32);
       use(s.getSlot(), s.getStorage());
     }
     if (auto c = dyn_cast<zk::CoeffOp>(op))

@@ -80,7 +80,12 @@ ZOPT_KERNEL_ROLES(ZOPT_SAME_VALUE)
 // Exhaustive over abi.h: an enumerator missing from a list above is a
 // -Wswitch error here.
 [[maybe_unused]] constexpr bool mirrored(zopt_state_kind v) {
-  switch (v) { ZOPT_STATE_KINDS(ZOPT_CASE) }
+  switch (v) {
+    ZOPT_STATE_KINDS(ZOPT_CASE)
+  case ZOPT_STATE_EXP_AVG_ABSMAX:    // a q8 moment's companion (abi.h "q8
+  case ZOPT_STATE_EXP_AVG_SQ_ABSMAX: // moments"), written by zopt-fuse
+    return false;
+  }
   return false;
 }
 [[maybe_unused]] constexpr bool mirrored(zopt_placement v) {

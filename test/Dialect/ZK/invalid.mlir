@@ -123,7 +123,7 @@ zk.control @c {
 // i16 storage only for a remainder master.
 zk.kernel @k update {
   %w = zk.load 2 : f32
-  // expected-error@+1 {{stores into f32, bf16 or f16 (i16 only as a remainder master, with remainder_of), not 'i16'}}
+  // expected-error@+1 {{stores into f32, bf16 or f16 (i16 only as a remainder master, with remainder_of; i8 only as a q8 moment, with absmax), not 'i16'}}
   zk.store 2, %w : f32 into i16
 }
 
@@ -152,4 +152,40 @@ zk.kernel @k update {
   // expected-error@+1 {{a remainder master's high half is another slot}}
   %w = zk.load 2 {remainder_of = 2 : i64} : f32
   zk.store 0, %w : f32 into bf16
+}
+
+// -----
+
+// i8 storage only for a q8 moment (docs/NUMERICS.md §10).
+zk.kernel @k update {
+  %m = zk.load 2 : f32
+  // expected-error@+1 {{i8 only as a q8 moment, with absmax), not 'i8'}}
+  zk.store 2, %m : f32 into i8
+}
+
+// -----
+
+// A q8 moment stores an f32 into i8 codes.
+zk.kernel @k update {
+  %m = zk.load 2 {absmax = 4 : i64} : f32
+  // expected-error@+1 {{a q8 moment stores an f32 into i8 codes and an absmax in another slot, not 'f32' into 'bf16'}}
+  zk.store 2, %m {absmax = 4 : i64} : f32 into bf16
+}
+
+// -----
+
+// Its absmax is another slot.
+zk.kernel @k update {
+  // expected-error@+1 {{a q8 moment loads as f32 from codes and an absmax in another slot}}
+  %m = zk.load 2 {absmax = 2 : i64} : f32
+  zk.store 0, %m : f32 into f32
+}
+
+// -----
+
+// The unsigned map only on a q8 moment.
+zk.kernel @k update {
+  // expected-error@+1 {{q8_unsigned needs absmax (a q8 moment)}}
+  %v = zk.load 3 {q8_unsigned} : f32
+  zk.store 0, %v : f32 into f32
 }

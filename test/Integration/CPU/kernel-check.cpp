@@ -21,6 +21,14 @@
 //                 f32 master: both run 5 steps on the same random data and
 //                 the rebuilt master, param and moments must match bit for
 //                 bit (kernel-check-remainder.cpp).
+//   A step with q8 moments (abi.h "q8 moments") is checked by
+//   kernel-check-q8.cpp instead: the rule from the decoded moments, each
+//   block's absmax and every code against the reference's encode, every
+//   variant bit for bit, zero / NaN / zero-point blocks.
+//   --q8-sweep=S  STEP is test/Integration/CPU/Inputs/q8_sweep.mlir (the new
+//                 moments are the gradient): the kernel's codes of every
+//                 S-th f32 pattern of [-1, 1] and around every map value and
+//                 midpoint, exactly (instead of the rule's checks).
 //   --rne         additionally: bit-exact check of the narrowing store
 //                 (f32 master -> bf16/f16 param) on chosen values (ties, NaN,
 //                 inf, overflow, denormals) through the master->param copy-out
@@ -98,7 +106,15 @@ bool loadStep(const char *path, Step &st) {
     const zopt_state_desc &s = d->states[i];
     const bool rem = s.kind == ZOPT_STATE_MASTER && s.dtype == ZOPT_DTYPE_I16;
     st.remainder = st.remainder || rem;
-    if (s.kind < 1 || s.kind > 7 || st.idx[s.kind] != -1 || s.dtype < 1 || (s.dtype > 3 && !rem) ||
+    // q8 moments (abi.h "q8 moments"): Q8 codes, an f32 per-block absmax.
+    const bool q8 = (s.kind == ZOPT_STATE_EXP_AVG || s.kind == ZOPT_STATE_EXP_AVG_SQ) &&
+                    s.dtype == ZOPT_DTYPE_Q8 && !(s.flags & ZOPT_STATE_PER_BLOCK);
+    const bool absmax = s.kind == ZOPT_STATE_EXP_AVG_ABSMAX || s.kind == ZOPT_STATE_EXP_AVG_SQ_ABSMAX;
+    st.q8 = st.q8 || q8;
+    if (absmax && (s.dtype != ZOPT_DTYPE_F32 || !(s.flags & ZOPT_STATE_PER_BLOCK)))
+      statesOk = false;
+    else if (s.kind < 1 || s.kind > 9 || st.idx[s.kind] != -1 || s.dtype < 1 ||
+        (s.dtype > 3 && !rem && !q8) || (s.kind > 7 && !absmax) ||
         s.placement != ZOPT_PLACE_CPU || (s.access & ~3u) || !s.access)
       statesOk = false;
     else st.idx[s.kind] = int(i);
@@ -106,6 +122,13 @@ bool loadStep(const char *path, Step &st) {
                 (s.access & ZOPT_ACCESS_READ) ? "r" : "", (s.access & ZOPT_ACCESS_WRITE) ? "w" : "");
   }
   auto has = [&](uint32_t k) { return st.idx[k] >= 0; };
+  // Each q8 moment has its absmax, with the same access.
+  for (uint32_t k : {ZOPT_STATE_EXP_AVG, ZOPT_STATE_EXP_AVG_SQ}) {
+    const uint32_t a = k == ZOPT_STATE_EXP_AVG ? ZOPT_STATE_EXP_AVG_ABSMAX : ZOPT_STATE_EXP_AVG_SQ_ABSMAX;
+    const bool isQ8 = has(k) && d->states[st.idx[k]].dtype == ZOPT_DTYPE_Q8;
+    if (isQ8 != has(a) || (isQ8 && d->states[st.idx[a]].access != d->states[st.idx[k]].access))
+      statesOk = false;
+  }
   statesOk = statesOk && has(ZOPT_STATE_PARAM) && has(ZOPT_STATE_GRAD) &&
              d->states[st.idx[ZOPT_STATE_GRAD]].access == ZOPT_ACCESS_READ &&
              (d->states[st.idx[ZOPT_STATE_PARAM]].access & ZOPT_ACCESS_WRITE);
@@ -288,7 +311,7 @@ bool selfTest() {
 int main(int argc, char **argv) {
   if (argc < 3) {
     std::fprintf(stderr, "usage: %s STEP.so adam|adamw|adam_amsgrad|sgd|sgd_nesterov|lion "
-                         "[--clip] [--loss-scale] [--rne] [--twin=F32MASTER.so] [--sizes=1,15,17,1000003]\n", argv[0]);
+                         "[--clip] [--loss-scale] [--rne] [--twin=F32MASTER.so] [--q8-sweep=STRIDE] [--sizes=1,15,17,1000003]\n", argv[0]);
     return 2;
   }
   Step st;
@@ -302,6 +325,7 @@ int main(int argc, char **argv) {
   else { std::fprintf(stderr, "unknown rule '%s'\n", rule.c_str()); return 2; }
   bool rne = false;
   std::string twinPath; // --twin: the f32-master twin of a remainder step
+  uint64_t q8Sweep = 0; // --q8-sweep=STRIDE: the kernel's q8 encode, value by value
   std::vector<size_t> sizes = {1, 15, 17, 1000003};
   for (int i = 3; i < argc; ++i) {
     std::string a = argv[i];
@@ -309,6 +333,7 @@ int main(int argc, char **argv) {
     else if (a == "--loss-scale") st.lossScale = true;
     else if (a == "--rne") rne = true;
     else if (a.rfind("--twin=", 0) == 0) twinPath = a.substr(7);
+    else if (a.rfind("--q8-sweep=", 0) == 0) q8Sweep = std::strtoull(a.c_str() + 11, nullptr, 10);
     else if (a.rfind("--sizes=", 0) == 0) {
       sizes.clear();
       for (const char *p = a.c_str() + 8; *p;) {
@@ -360,12 +385,21 @@ int main(int argc, char **argv) {
                     isaName(u.first));
         continue;
       }
+      if (q8Sweep) { // a sweep step (Inputs/q8_sweep.mlir), no rule to check
+        checkQ8Sweep(st, u.first, u.second, q8Sweep);
+        continue;
+      }
       for (size_t n : sizes)
-        for (auto &c : configs) checkUpdate(st, u.first, u.second, n, c, seed++);
-      if (rne)
+        for (auto &c : configs)
+          if (st.q8) checkQ8Update(st, u.first, u.second, n, c, seed++);
+          else checkUpdate(st, u.first, u.second, n, c, seed++);
+      if (rne && st.q8)
+        std::printf("SKIP rne[%s]: not written for q8 steps\n", isaName(u.first));
+      else if (rne)
         for (size_t n : {size_t(61), size_t(100003)})
           checkRne(st, u.first, u.second, n);
     }
+    if (st.q8 && !q8Sweep) checkQ8Isas(st, 100003);
     if (!twinPath.empty()) {
       Step tw;
       tw.rule = st.rule; tw.clip = st.clip; tw.lossScale = st.lossScale;

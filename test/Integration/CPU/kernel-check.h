@@ -3,7 +3,8 @@
 // zopt-kernel-check (kernel-check.cpp says what it checks and with which
 // tolerances) in files: kernel-check.cpp (main, the descriptor, PREPARE,
 // the self-test), kernel-check-update.cpp (UPDATE against the reference,
-// the narrowing stores), kernel-check-sumsq.cpp (SUMSQ). This header: the
+// the narrowing stores), kernel-check-sumsq.cpp (SUMSQ), kernel-check-q8.cpp
+// (UPDATE kernels with q8 moments). This header: the
 // PASS/FAIL lines, the reference's storage helpers, the error-bound type E
 // the reference's rules run on, a run's configuration, the step's kernels,
 // guarded buffers.
@@ -65,8 +66,9 @@ using zopt_ref::round_f32;
 
 inline const char *kindName(uint32_t k) {
   static const char *n[] = {"?", "param", "grad", "master", "exp_avg",
-                            "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"};
-  return k < 8 ? n[k] : "?";
+                            "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer",
+                            "exp_avg_absmax", "exp_avg_sq_absmax"};
+  return k < 10 ? n[k] : "?";
 }
 
 // Monotone integer index of a 16-bit value (sign-magnitude -> two's complement)
@@ -141,7 +143,8 @@ struct Step {
   Rule rule;
   bool clip = false, lossScale = false;
   bool remainder = false; // the master is a remainder (I16; abi.h)
-  int idx[8]; // state index by kind, -1 if absent
+  bool q8 = false;        // some moment is q8 (abi.h "q8 moments")
+  int idx[10]; // state index by kind, -1 if absent
   zopt_prepare_fn prepare = nullptr;
   zopt_control_fn control = nullptr;
   int nControl = 0;
@@ -187,11 +190,13 @@ struct Buf {
   uint32_t bits(size_t i) const {
     const uint8_t *p = mem.data() + (off + i) * dtype_size(dtype);
     if (dtype == ZOPT_DTYPE_F32) { uint32_t b; std::memcpy(&b, p, 4); return b; }
+    if (dtype == ZOPT_DTYPE_Q8) return *p;
     uint16_t b; std::memcpy(&b, p, 2); return b;
   }
   void setBits(size_t i, uint32_t b) {
     uint8_t *p = mem.data() + (off + i) * dtype_size(dtype);
     if (dtype == ZOPT_DTYPE_F32) std::memcpy(p, &b, 4);
+    else if (dtype == ZOPT_DTYPE_Q8) *p = uint8_t(b);
     else { uint16_t h = uint16_t(b); std::memcpy(p, &h, 2); }
   }
   double value(size_t i) const {
@@ -266,6 +271,16 @@ inline uint32_t joinedMaster(uint32_t p, uint32_t r) {
 // `steps` steps, bit for bit.
 void checkRemainderTwin(const Step &st, const Step &twin, uint32_t isa, zopt_update_fn fa,
                         zopt_update_fn fb, size_t n, int steps, uint64_t seed);
+// kernel-check-q8.cpp: an UPDATE variant of a step with q8 moments against
+// the reference (decoded inputs, float64 rule, the block's absmax and the
+// codes as the reference encodes the kernel's f32 values).
+void checkQ8Update(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n, const Config &c,
+                   uint64_t seed);
+// Every variant the CPU runs bit for bit on the same inputs; zero, NaN and
+// zero-point blocks (kernel-check-q8.cpp).
+void checkQ8Isas(const Step &st, size_t n);
+// --q8-sweep: the kernel's encode of chosen values, exactly (kernel-check-q8.cpp).
+void checkQ8Sweep(const Step &st, uint32_t isa, zopt_update_fn fn, uint64_t stride);
 // kernel-check-sumsq.cpp: a SUMSQ variant: abi.h's order bit for bit, the
 // error bound, non-finite inputs.
 void checkSumsq(const Step &st, uint32_t isa, zopt_sumsq_fn fn, size_t n, uint64_t seed);

@@ -95,11 +95,28 @@ LogicalResult LoadOp::verify() {
     return emitOpError("a remainder master loads as f32, not ") << getType();
   if (getRemainderOf() && *getRemainderOf() == getSlot())
     return emitOpError("a remainder master's high half is another slot");
+  // A q8 moment (docs/NUMERICS.md §10): codes at `slot`, absmax at `absmax`.
+  if (getAbsmax() && (!getType().isF32() || getRemainderOf() ||
+                      *getAbsmax() == getSlot()))
+    return emitOpError("a q8 moment loads as f32 from codes and an absmax in "
+                       "another slot");
+  if (getQ8Unsigned() && !getAbsmax())
+    return emitOpError("q8_unsigned needs absmax (a q8 moment)");
   return success();
 }
 
 LogicalResult StoreOp::verify() {
   Type st = getStorage();
+  if (getQ8Unsigned() && !getAbsmax())
+    return emitOpError("q8_unsigned needs absmax (a q8 moment)");
+  if (getAbsmax()) {
+    if (!st.isInteger(8) || !getValue().getType().isF32() ||
+        getRemainderOf() || *getAbsmax() == getSlot())
+      return emitOpError("a q8 moment stores an f32 into i8 codes and an "
+                         "absmax in another slot, not ")
+             << getValue().getType() << " into " << st;
+    return success();
+  }
   if (getRemainderOf()) {
     if (!st.isInteger(16) || !getValue().getType().isF32())
       return emitOpError("a remainder master stores an f32 into i16, not ")
@@ -110,7 +127,8 @@ LogicalResult StoreOp::verify() {
   }
   if (!st.isF32() && !st.isBF16() && !st.isF16())
     return emitOpError("stores into f32, bf16 or f16 (i16 only as a "
-                       "remainder master, with remainder_of), not ")
+                       "remainder master, with remainder_of; i8 only as a "
+                       "q8 moment, with absmax), not ")
            << st;
   return success();
 }

@@ -98,6 +98,22 @@ LogicalResult StateOp::verify() {
                          "half); this master is ")
              << getType();
   }
+  if (getQ8()) {
+    // docs/NUMERICS.md §10: the two Adam moments, quantized per block.
+    if (getKind() != StateKind::exp_avg && getKind() != StateKind::exp_avg_sq)
+      return emitOpError("'q8' block-quantizes an Adam moment (exp_avg: the "
+                         "signed map, exp_avg_sq: the unsigned one); state '")
+             << stringifyStateKind(getKind()) << "' is not one: drop 'q8'";
+    if (!getType().isF32())
+      return emitOpError("a q8 moment is an f32 moment stored as 8-bit codes "
+                         "and a per-block absmax (the rule sees f32); this "
+                         "moment is ")
+             << getType() << ": declare it f32";
+    if (getRounding())
+      return emitOpError("a q8 moment is encoded to the nearest value of its "
+                         "map (docs/NUMERICS.md §10), not rounded: drop "
+                         "'rounding'");
+  }
   if (!getRounding())
     return success();
   if (*getRounding() != Rounding::nearest_even && getType().isF32())

@@ -40,6 +40,9 @@ struct StepFuser {
   SmallVector<int> hyperKinds;            // descriptor order
   ReduceSumSqOp reduce;
   bool stochastic = false; // some state rounds stochastically
+  /// q8 moments (abi.h "q8 moments") -> the slot of their absmax: after
+  /// every zopt.state's slot, exp_avg's first.
+  llvm::DenseMap<Operation *, int64_t> absmaxSlot;
 
   StepFuser(StepOp step, unsigned &numCoeffs)
       : step(step), numCoeffs(numCoeffs), body(step.getBody().front()) {}
@@ -162,6 +165,25 @@ struct StepFuser {
       sflags.push_back(partitioned.contains(stringifyStateKind(s.getKind()))
                            ? ZOPT_STATE_PARTITIONED
                            : 0);
+      if (s.getQ8())
+        dtypes.back() = ZOPT_DTYPE_Q8;
+    }
+    // Each q8 moment's absmax: one f32 per block, beside its moment.
+    for (StateOp s : states) {
+      auto it = absmaxSlot.find(s);
+      if (it == absmaxSlot.end())
+        continue;
+      size_t i = llvm::find(states, s) - states.begin();
+      assert(int64_t(kinds.size()) == it->second && "absmax slots in order");
+      kinds.push_back(s.getKind() == StateKind::exp_avg
+                          ? ZOPT_STATE_EXP_AVG_ABSMAX
+                          : ZOPT_STATE_EXP_AVG_SQ_ABSMAX);
+      dtypes.push_back(ZOPT_DTYPE_F32);
+      places.push_back(places[i]);
+      rounds.push_back(ZOPT_ROUND_NEAREST_EVEN);
+      inits.push_back(ZOPT_INIT_ZERO);
+      access.push_back(access[i]);
+      sflags.push_back(sflags[i] | ZOPT_STATE_PER_BLOCK);
     }
     SmallVector<double> defs, mins, maxs;
     SmallVector<int32_t> excl;
@@ -193,6 +215,14 @@ struct StepFuser {
         b.getDenseF64ArrayAttr(mins), b.getDenseF64ArrayAttr(maxs),
         b.getDenseI32ArrayAttr(excl), /*cpu_kernels=*/nullptr,
         /*gpu_kernels=*/nullptr, /*gpu_images=*/nullptr);
+  }
+
+  /// Numbers the q8 moments' absmax slots (absmaxSlot).
+  void assignAbsmaxSlots() {
+    int64_t next = llvm::range_size(body.getOps<StateOp>());
+    for (StateKind k : {StateKind::exp_avg, StateKind::exp_avg_sq})
+      if (StateOp s = step.getState(k); s && s.getQ8())
+        absmaxSlot[s] = next++;
   }
 
   /// The `remainder` master (abi.h "Remainder masters"), or null.
@@ -267,9 +297,14 @@ struct StepFuser {
       if (auto s = dyn_cast<StateOp>(op)) {
         IntegerAttr hi = s == remMaster ? kb.getI64IntegerAttr(slotOf(param))
                                         : IntegerAttr();
-        map.map(s.getResult(),
-                zk::LoadOp::create(kb, s.getLoc(), s.getType(),
-                                   kb.getI64IntegerAttr(slotOf(s)), hi));
+        auto l = zk::LoadOp::create(kb, s.getLoc(), s.getType(),
+                                    kb.getI64IntegerAttr(slotOf(s)), hi,
+                                    IntegerAttr(), UnitAttr());
+        if (auto it = absmaxSlot.find(s); it != absmaxSlot.end()) {
+          l.setAbsmaxAttr(kb.getI64IntegerAttr(it->second));
+          l.setQ8Unsigned(s.getKind() == StateKind::exp_avg_sq);
+        }
+        map.map(s.getResult(), l);
         continue;
       }
       mapOperands(op);
@@ -287,11 +322,20 @@ struct StepFuser {
           int32_t rounding = s.getRounding() ? int(*s.getRounding())
                                              : ZOPT_ROUND_NEAREST_EVEN;
           bool rem = s == remMaster;
-          zk::StoreOp::create(
+          auto q8 = absmaxSlot.find(s);
+          bool isQ8 = q8 != absmaxSlot.end();
+          auto st = zk::StoreOp::create(
               kb, y.getLoc(), kb.getI64IntegerAttr(slotOf(s)), map.lookup(v),
-              TypeAttr::get(rem ? kb.getI16Type() : s.getType()),
+              TypeAttr::get(rem    ? kb.getI16Type()
+                            : isQ8 ? kb.getI8Type()
+                                   : s.getType()),
               kb.getI32IntegerAttr(rounding),
-              rem ? kb.getI64IntegerAttr(slotOf(param)) : IntegerAttr());
+              rem ? kb.getI64IntegerAttr(slotOf(param)) : IntegerAttr(),
+              IntegerAttr(), UnitAttr());
+          if (isQ8) {
+            st.setAbsmaxAttr(kb.getI64IntegerAttr(q8->second));
+            st.setQ8Unsigned(s.getKind() == StateKind::exp_avg_sq);
+          }
         }
         continue;
       }
@@ -319,6 +363,7 @@ struct StepFuser {
     if (failed(analyze()))
       return failure();
     OpBuilder b(step);
+    assignAbsmaxSlots();
     buildDescriptor(b);
     buildPrepare(b);
     buildControl(b, step.getLoc(), step.getSymName(), descriptorFlags());

@@ -169,8 +169,16 @@ def ZK_LoadOp : ZK_Op<"load", [HasParent<"KernelOp">,
     %g = zk.load 1 : bf16
     %w = zk.load 3 {remainder_of = 0 : i64} : f32
     ```
+    With `absmax = A` (a q8 moment, abi.h "q8 moments", docs/NUMERICS.md
+    §10), slot `slot` holds 8-bit codes and slot A the f32 absmax of each
+    block of 256 elements: the result is map[code] * absmax, with the
+    unsigned map when `q8_unsigned` is set, else the signed one.
+    ```mlir
+    %m = zk.load 3 {absmax = 6 : i64} : f32
+    ```
   }];
-  let arguments = (ins I64Attr:$slot, OptionalAttr<I64Attr>:$remainder_of);
+  let arguments = (ins I64Attr:$slot, OptionalAttr<I64Attr>:$remainder_of,
+                   OptionalAttr<I64Attr>:$absmax, UnitAttr:$q8_unsigned);
   let results = (outs AnyFloat:$result);
   let assemblyFormat = "$slot attr-dict `:` type($result)";
   let hasVerifier = 1;
@@ -189,10 +197,18 @@ def ZK_StoreOp : ZK_Op<"store", [HasParent<"KernelOp">,
     zk.store 0, %p1 : f32 into bf16
     zk.store 3, %w1 {remainder_of = 0 : i64} : f32 into i16
     ```
+    With `absmax = A` (storage i8, a q8 moment): the new f32 moment joins
+    its block, whose absmax (the max of |x| over the block's elements) is
+    stored into slot A and whose elements are encoded into codes in slot
+    `slot` (the unsigned map when `q8_unsigned`): see abi.h "q8 moments".
+    ```mlir
+    zk.store 3, %m1 {absmax = 6 : i64} : f32 into i8
+    ```
   }];
   let arguments = (ins I64Attr:$slot, AnyFloat:$value, TypeAttr:$storage,
                    DefaultValuedAttr<I32Attr, "ZOPT_ROUND_NEAREST_EVEN">:$rounding,
-                   OptionalAttr<I64Attr>:$remainder_of);
+                   OptionalAttr<I64Attr>:$remainder_of,
+                   OptionalAttr<I64Attr>:$absmax, UnitAttr:$q8_unsigned);
   let assemblyFormat = "$slot `,` $value attr-dict `:` type($value) `into` $storage";
   let hasVerifier = 1;
 }

@@ -69,18 +69,27 @@ def Zopt_StateOp : Zopt_Op<"state", [Pure, HasParent<"StepOp">]> {
     `store_param_remainders`): 4 bytes per param instead of 2 + 4, and the
     master it rebuilds is the f32 master exactly (docs/NUMERICS.md §9).
 
+    `q8` (an f32 `exp_avg` or `exp_avg_sq`): the moment is
+    stored block-quantized, one 8-bit code per element and one f32 absmax
+    per block of 256 elements (bitsandbytes' 8-bit Adam; the signed dynamic
+    map for exp_avg, the unsigned one for exp_avg_sq): 1.016 bytes per
+    element instead of 4. The rule reads the decoded f32 moment and the
+    param update uses the new moment before quantization
+    (docs/NUMERICS.md §10).
+
     ```mlir
     %w = zopt.state master : f32 on cpu
     %m = zopt.state exp_avg : bf16 on cpu rounding nearest_even
     %r = zopt.state master : f32 on cpu remainder
+    %q = zopt.state exp_avg_sq : f32 on cpu q8
     ```
   }];
   let arguments = (ins Zopt_StateKindAttr:$kind, Zopt_PlacementAttr:$placement,
                    OptionalAttr<Zopt_RoundingAttr>:$rounding,
-                   UnitAttr:$remainder);
+                   UnitAttr:$remainder, UnitAttr:$q8);
   let results = (outs AnyType:$result);
   let assemblyFormat =
-      "`` $kind `:` type($result) `on` `` $placement (`rounding` `` $rounding^)? (`remainder` $remainder^)? attr-dict";
+      "`` $kind `:` type($result) `on` `` $placement (`rounding` `` $rounding^)? (`remainder` $remainder^)? (`q8` $q8^)? attr-dict";
   let hasVerifier = 1;
 }
 
