@@ -72,6 +72,27 @@ KernelInfo gpu_kernels::analyze(zk::KernelOp k) {
   return info;
 }
 
+void gpu_kernels::blockTreeReduce(
+    OpBuilder &b, Location loc, Value red, Value tx, Value value,
+    function_ref<Value(OpBuilder &, Location, Value, Value)> combine) {
+  memref::StoreOp::create(b, loc, value, red, ValueRange{tx});
+  gpu::BarrierOp::create(b, loc);
+  for (int64_t stride = ZOPT_GPU_BLOCK / 2; stride > 0; stride /= 2) {
+    Value c = arith::ConstantIndexOp::create(b, loc, stride);
+    Value lt = arith::CmpIOp::create(b, loc, arith::CmpIPredicate::ult, tx, c);
+    auto lower = scf::IfOp::create(b, loc, lt, false);
+    {
+      OpBuilder::InsertionGuard ig(b);
+      b.setInsertionPoint(lower.thenBlock()->getTerminator());
+      Value other = arith::AddIOp::create(b, loc, tx, c);
+      Value x = memref::LoadOp::create(b, loc, red, ValueRange{tx});
+      Value y = memref::LoadOp::create(b, loc, red, ValueRange{other});
+      memref::StoreOp::create(b, loc, combine(b, loc, x, y), red, ValueRange{tx});
+    }
+    gpu::BarrierOp::create(b, loc);
+  }
+}
+
 Chunk gpu_kernels::loadChunk(G &g, const Step &st, const KernelInfo &info,
                        Value states, Value segs, Value chunks, Value coeffs,
                        Value c) {

@@ -126,6 +126,14 @@ struct Chunk {
 
 KernelInfo analyze(zk::KernelOp k);
 
+/// A block's tree reduction in shared memory (blockDim.x ==
+/// ZOPT_GPU_BLOCK): each thread stores `value` at red[tx], then halving
+/// strides combine red[tx] and red[tx + stride] into red[tx] (`combine`:
+/// the sum of SUMSQ, q8's NaN-propagating max), a barrier after each;
+/// red[0] holds the block's result (not read here).
+void blockTreeReduce(OpBuilder &b, Location loc, Value red, Value tx, Value value,
+                     function_ref<Value(OpBuilder &, Location, Value, Value)> combine);
+
 /// Loads chunk `c` of the work list: its segment, range, state pointers
 /// and coefficient row, and its head / vector / tail split.
 Chunk loadChunk(G &g, const Step &st, const KernelInfo &info, Value states,

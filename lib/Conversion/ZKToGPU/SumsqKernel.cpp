@@ -91,23 +91,10 @@ LogicalResult gpu_kernels::buildSumsqKernel(OpBuilder &gb, zk::KernelOp k,
 
   // Block tree reduction in shared memory (blockDim.x == ZOPT_GPU_BLOCK).
   Value tx = gpu::ThreadIdOp::create(b, loc, gpu::Dimension::x);
-  memref::StoreOp::create(b, loc, total, red, ValueRange{tx});
-  gpu::BarrierOp::create(b, loc);
-  for (int64_t stride = ZOPT_GPU_BLOCK / 2; stride > 0; stride /= 2) {
-    Value c = arith::ConstantIndexOp::create(b, loc, stride);
-    Value lt = arith::CmpIOp::create(b, loc, arith::CmpIPredicate::ult, tx, c);
-    auto i = scf::IfOp::create(b, loc, lt, false);
-    {
-      OpBuilder::InsertionGuard ig(b);
-      b.setInsertionPoint(i.thenBlock()->getTerminator());
-      Value other = arith::AddIOp::create(b, loc, tx, c);
-      Value x = memref::LoadOp::create(b, loc, red, ValueRange{tx});
-      Value y = memref::LoadOp::create(b, loc, red, ValueRange{other});
-      memref::StoreOp::create(b, loc, arith::AddFOp::create(b, loc, x, y), red,
-                              ValueRange{tx});
-    }
-    gpu::BarrierOp::create(b, loc);
-  }
+  blockTreeReduce(b, loc, red, tx, total,
+                  [](OpBuilder &ob, Location l, Value x, Value y) -> Value {
+                    return arith::AddFOp::create(ob, l, x, y);
+                  });
 
   // Stage 2: thread 0 publishes the partial; the last block finishes.
   Value zeroIdx = arith::ConstantIndexOp::create(b, loc, 0);

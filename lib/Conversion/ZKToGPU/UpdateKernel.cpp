@@ -105,24 +105,10 @@ static void emitQ8Chunk(G &g, const Chunk &ch, Block &body, Value red,
       continue;
     Value x = run.getResult(k++);
     // The block's absmax: a tree of NaN-propagating maxima in shared memory.
-    memref::StoreOp::create(b, loc, math::AbsFOp::create(b, loc, x), red,
-                            ValueRange{tx});
-    gpu::BarrierOp::create(b, loc);
-    for (int64_t stride = ZOPT_GPU_BLOCK / 2; stride > 0; stride /= 2) {
-      Value c = arith::ConstantIndexOp::create(b, loc, stride);
-      Value lt = arith::CmpIOp::create(b, loc, arith::CmpIPredicate::ult, tx, c);
-      auto lower = scf::IfOp::create(b, loc, lt, false);
-      {
-        OpBuilder::InsertionGuard ig(b);
-        b.setInsertionPoint(lower.thenBlock()->getTerminator());
-        Value other = arith::AddIOp::create(b, loc, tx, c);
-        Value u = memref::LoadOp::create(b, loc, red, ValueRange{tx});
-        Value w = memref::LoadOp::create(b, loc, red, ValueRange{other});
-        memref::StoreOp::create(b, loc, arith::MaximumFOp::create(b, loc, u, w),
-                                red, ValueRange{tx});
-      }
-      gpu::BarrierOp::create(b, loc);
-    }
+    blockTreeReduce(b, loc, red, tx, math::AbsFOp::create(b, loc, x),
+                    [](OpBuilder &ob, Location l, Value u, Value w) -> Value {
+                      return arith::MaximumFOp::create(ob, l, u, w);
+                    });
     Value a = memref::LoadOp::create(
         b, loc, red, ValueRange{arith::ConstantIndexOp::create(b, loc, 0)});
     gpu::BarrierOp::create(b, loc); // every thread read it before reuse
