@@ -51,6 +51,7 @@ copy python/zopt
 copy python/tests
 copy examples
 copy bench/gpu
+copy bench/adamw_bf16_6b_cpu.mlir  # the 6-byte cell's all-CPU twin (test_gpu_grads.py)
 cp "$root/python/README.md" "$out/repo/python/" 2>/dev/null || true
 cp "$root/python/build_fast.py" "$out/repo/python/"  # zopt._fast for the machine's Python and torch
 
