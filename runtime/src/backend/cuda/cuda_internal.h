@@ -54,6 +54,9 @@ zopt_status gpu_memory_moved(zopt_optimizer *o, const int32_t *tensors, int64_t 
 // after a failed write or after a capture wrote entries by value, and the
 // check that every active tensor has gradient memory.
 zopt_status gpu_ptrs_before_step(zopt_optimizer *o, bool capturing);
+// Whether some tensor has no gradient memory (g->null_grads: the step then
+// checks that no such tensor is active).
+void gpu_note_null_grads(const zopt_optimizer *o, GpuState *g);
 
 // launch.cpp
 zopt_status validate_program(const zopt_optimizer *o);

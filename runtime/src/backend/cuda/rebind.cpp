@@ -41,9 +41,11 @@ CUresult write_entry(GpuState *g, CUstream s, size_t at, uint64_t v) {
   return r;
 }
 
-void note_null_grads(const zopt_optimizer *o, GpuState *g) {
-  g->null_grads = false;
-  for (const Tensor &x : o->tensors) g->null_grads |= x.numel > 0 && !x.grad;
+// The host copy of the whole table, from o->tensors.
+void refill(const zopt_optimizer *o, GpuState *g) {
+  const size_t NS = o->d->num_states;
+  for (size_t t = 0; t < o->tensors.size(); ++t)
+    for (size_t k = 0; k < NS; ++k) g->h_ptrs[t * NS + k] = entry(o, t, k);
 }
 
 // The pinned sources of the uploads, made at the first (a pageable source
@@ -101,6 +103,11 @@ CUresult upload(GpuState *g, size_t lo, size_t hi) {
 
 namespace zopt {
 
+void gpu_note_null_grads(const zopt_optimizer *o, GpuState *g) {
+  g->null_grads = false;
+  for (const Tensor &x : o->tensors) g->null_grads |= x.numel > 0 && !x.grad;
+}
+
 zopt_status gpu_memory_moved(zopt_optimizer *o, const int32_t *tensors, int64_t n) {
   GpuState *g = G(o);
   if (!g->d_states) return ZOPT_OK;  // not finalized: finalize builds the table
@@ -126,7 +133,7 @@ zopt_status gpu_memory_moved(zopt_optimizer *o, const int32_t *tensors, int64_t 
   } catch (...) {
     return fail(ZOPT_ERR_OUT_OF_MEMORY, "out of memory");
   }
-  note_null_grads(o, g);
+  gpu_note_null_grads(o, g);
   if (changed.empty()) return ZOPT_OK;
   CUresult r = CUDA_SUCCESS;
   if (cap) {
@@ -144,8 +151,7 @@ zopt_status gpu_memory_moved(zopt_optimizer *o, const int32_t *tensors, int64_t 
       }
     }
   } else if (g->ptrs_dirty) {
-    for (size_t t = 0; t < o->tensors.size(); ++t)
-      for (size_t k = 0; k < NS; ++k) g->h_ptrs[t * NS + k] = entry(o, t, k);
+    refill(o, g);
     r = upload(g, 0, g->h_ptrs.size());
   } else {
     size_t lo = changed[0], hi = changed[0] + 1;
@@ -167,7 +173,7 @@ zopt_status gpu_memory_moved(zopt_optimizer *o, const int32_t *tensors, int64_t 
 
 zopt_status gpu_ptrs_before_step(zopt_optimizer *o, bool cap) {
   GpuState *g = G(o);
-  if (g->ptrs_dirty) note_null_grads(o, g);  // (a failed call put other pointers back)
+  if (g->ptrs_dirty) gpu_note_null_grads(o, g);  // (a failed call put other pointers back)
   if (g->null_grads)
     for (size_t t = 0; t < o->tensors.size(); ++t) {
       const Tensor &x = o->tensors[t];
@@ -179,7 +185,6 @@ zopt_status gpu_ptrs_before_step(zopt_optimizer *o, bool cap) {
                     t);
     }
   if (!g->ptrs_dirty && !g->ptrs_in_graph) return ZOPT_OK;
-  const size_t NS = o->d->num_states;
   CUstream s = g->stream;
   if (cap) {
     if (g->ptrs_dirty)
@@ -193,9 +198,7 @@ zopt_status gpu_ptrs_before_step(zopt_optimizer *o, bool cap) {
       if (g->ptrs_graphed[at]) CU_TRY(write_entry(g, s, at, g->h_ptrs[at]), "cuMemsetD32Async(state table)");
     return ZOPT_OK;
   }
-  if (g->ptrs_dirty)
-    for (size_t t = 0; t < o->tensors.size(); ++t)
-      for (size_t k = 0; k < NS; ++k) g->h_ptrs[t * NS + k] = entry(o, t, k);
+  if (g->ptrs_dirty) refill(o, g);
   if (CUresult r = upload(g, 0, g->h_ptrs.size())) {
     g->ptrs_dirty = true;
     return fail(ZOPT_ERR_INTERNAL, "zopt_optimizer_step: writing the device's state pointer table: %s",

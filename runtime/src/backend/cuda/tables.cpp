@@ -277,8 +277,7 @@ zopt_status gpu_finalize(zopt_optimizer *o) {
     return undo(fail(ZOPT_ERR_OUT_OF_MEMORY, "zopt_optimizer_finalize: out of host memory"));
   }
   g->ptrs_dirty = g->ptrs_in_graph = false;
-  g->null_grads = false;
-  for (const Tensor &x : o->tensors) g->null_grads |= x.numel > 0 && !x.grad;
+  gpu_note_null_grads(o, g);
   // The master from the params, on the device (INIT).
   if (zopt_status st2 = init_from_param(o, 0, (int)S)) return undo(st2);
   if (CUresult r2 = cu->StreamSynchronize(s))
