@@ -487,9 +487,32 @@ void owned_ranges(const zopt_optimizer *o, int t, std::vector<OwnedRange> *out) 
   }
 }
 
+// The gradient pointers of every work unit, as make_chunk computes them,
+// for a program whose only change since its lists were built is where
+// tensors' gradients are (the lists' shape does not depend on it).
+void patch_grads(zopt_optimizer *o) {
+  Program &P = *o->prog;
+  const int gi = o->step->grad_index;
+  if (P.buf[gi] && P.sharded[gi]) return;  // runtime-held shards: nothing moved
+  auto patch = [&](Work &w) {
+    if (!w.built) return;
+    for (Chunk &c : w.chunks) c.ptrs[gi] = view(o, gi, c.tensor, c.start);
+    w.joined_gen = 0;  // the joins follow the pointers (coalesce.cpp)
+  };
+  patch(P.update_owned);
+  patch(P.update_all);
+  patch(P.norm_owned.sumsq);
+  patch(P.norm_all.sumsq);
+}
+
 void rebind(zopt_optimizer *o) {
   Program *P = o->prog;
   if (!P) return;
+  if (P->rebind_grads_only) {
+    P->rebind_grads_only = false;
+    patch_grads(o);
+    return;
+  }
   if (P->update_owned.built) build_update_work(o, P->update_owned, ZOPT_RANGE_OWNED);
   if (P->update_all.built) build_update_work(o, P->update_all, ZOPT_RANGE_ALL);
   if (P->norm_owned.sumsq.built) build_blocks(o, P->norm_owned, ZOPT_RANGE_OWNED);

@@ -103,6 +103,10 @@ struct Program {
   // A tensor's user memory moved (zopt_optimizer_set_tensor_memory): the
   // work units' pointers are rebuilt once, at the next step.
   bool rebind_pending = false;
+  // Only gradients moved since the last rebind (zopt_optimizer_set_grad_memory,
+  // e.g. fresh gradient tensors every step): rebind patches the work units'
+  // gradient pointers in place instead of rebuilding the lists.
+  bool rebind_grads_only = false;
 };
 
 // Builds the program at finalize (validates it against the step and the
@@ -169,8 +173,9 @@ void bucket_tensors(const zopt_optimizer *o, int b, std::vector<int> *out);
 // Re-splits the work across o->num_threads threads.
 void repartition(zopt_optimizer *o);
 // Rebuilds every work unit's pointers (after a tensor's user memory moved;
-// run_begin does it when Program::rebind_pending is set). May throw
-// std::bad_alloc.
+// run_begin does it when Program::rebind_pending is set); when only
+// gradients moved (Program::rebind_grads_only), patches their pointers in
+// place. May throw std::bad_alloc.
 void rebind(zopt_optimizer *o);
 void destroy(zopt_optimizer *o);
 

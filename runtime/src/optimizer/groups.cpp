@@ -181,7 +181,10 @@ ZOPT_API zopt_status zopt_optimizer_set_tensor_memory(zopt_optimizer *o, int ten
       return st;
     }
   }
-  if (o->finalized && o->prog) o->prog->rebind_pending = true;  // once, at the next step
+  if (o->finalized && o->prog) {  // once, at the next step
+    o->prog->rebind_pending = true;
+    o->prog->rebind_grads_only = false;
+  }
   return ZOPT_OK;
 }
 
@@ -218,7 +221,10 @@ ZOPT_API zopt_status zopt_optimizer_set_grad_memory(zopt_optimizer *o, int64_t n
       for (int64_t i = n; i-- > 0;) o->tensors[tensors[i]].grad = old[(size_t)i];  // as it was
       return st;
     }
-  if (n && o->finalized && o->prog) o->prog->rebind_pending = true;  // once, at the next step
+  if (n && o->finalized && o->prog) {  // once, at the next step: the grad pointers only
+    if (!o->prog->rebind_pending) o->prog->rebind_grads_only = true;
+    o->prog->rebind_pending = true;
+  }
   return ZOPT_OK;
 }
 
