@@ -446,6 +446,22 @@ Value BodyEmitter::q8Encode(Value x, Value absmax, bool isUnsigned) {
   return arith::TruncIOp::create(b, loc, vec(b.getI8Type()), c);
 }
 
+std::pair<Value, Value> BodyEmitter::kahanStore(int64_t pSlot, int64_t cSlot,
+                                                Value i, Value v) {
+  // abi.h zopt_kahan_store: f32 operations, each rounded, none fused (no
+  // fastmath flags: the contraction the rule's ops allow is not allowed
+  // here; there is no product to fuse anyway).
+  Type i16 = b.getI16Type();
+  Value p = bf16BitsToF32(loadAt(vec(i16), elemPtr(pSlot, i16, i), alignFor(2)));
+  Value c = bf16BitsToF32(loadAt(vec(i16), elemPtr(cSlot, i16, i), alignFor(2)));
+  Value u = arith::SubFOp::create(b, loc, v, p);
+  Value y = arith::AddFOp::create(b, loc, u, c);
+  Value np = f32ToBf16Bits(arith::AddFOp::create(b, loc, p, y));
+  Value moved = arith::SubFOp::create(b, loc, bf16BitsToF32(np), p);
+  Value nc = f32ToBf16Bits(arith::SubFOp::create(b, loc, y, moved));
+  return {np, nc};
+}
+
 Value BodyEmitter::emit(Block &body, Value i) {
   IRMapping map;
   Value acc;
@@ -503,6 +519,17 @@ Value BodyEmitter::emit(Block &body, Value i) {
           LLVM::StoreOp::create(b, loc, v, p, alignFor(4));
         }
         q8Stored.push_back({int64_t(s.getSlot()), v});
+        continue;
+      }
+      if (std::optional<uint64_t> cSlot = s.getKahan()) {
+        auto [p, c] = kahanStore(s.getSlot(), *cSlot, i, v);
+        Type i16 = b.getI16Type();
+        LLVM::StoreOp::create(b, loc, p,
+                              elemPtr(s.getSlot(), i16, i, /*store=*/true),
+                              alignFor(2));
+        LLVM::StoreOp::create(b, loc, c,
+                              elemPtr(*cSlot, i16, i, /*store=*/true),
+                              alignFor(2));
         continue;
       }
       if (std::optional<uint64_t> hiSlot = s.getRemainderOf()) {
