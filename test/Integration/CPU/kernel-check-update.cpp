@@ -171,8 +171,12 @@ void checkUpdate(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n, cons
         // an f32 value within the rule's bound (abi.h, NUMERICS §11).
         const int ic = st.idx[ZOPT_STATE_KAHAN_COMP];
         const uint16_t gc = uint16_t(bufs[ic].bits(e));
-        if (!kahanStoredOk(uint16_t(before[i].bits(e)), uint16_t(before[ic].bits(e)), r.p,
-                           uint16_t(gotBits), gc)) {
+        auto stored = [&](const E &v) {
+          return kahanStoredOk(uint16_t(before[i].bits(e)), uint16_t(before[ic].bits(e)), v,
+                               uint16_t(gotBits), gc);
+        };
+        // Lion: either sign of the interpolation within its error.
+        if (!stored(r.p) && !(r.ambiguous && (stored(r.pAlt) || stored(r.pZero)))) {
           if (!bad++) {
             char m[320];
             std::snprintf(m, sizeof m,
