@@ -64,7 +64,7 @@ def part_states(c):
             if k == StateKind.MASTER and s.remainder_master:
                 # torch's layout holds the whole f32 master: rebuilt from
                 # the param (its high half) and the remainder
-                hi = snap["data"][(StateKind.PARAM, t)] if s.zero3 else _params.param_bits(e)
+                hi = _params.current_bits(c, t, snap["data"])
                 d["master"] = _state.user_tensor(
                     e, remainder_join(hi, snap["data"][(k, t)]), DType.F32)
                 continue
@@ -380,7 +380,7 @@ def _split_remainder_masters(c, data, mtids):
         m = data[(StateKind.MASTER, t)]
         hi, rem = remainder_split(f32_of_bits(m, NP_DTYPES[m.dtype]))
         data[(StateKind.MASTER, t)] = rem
-        cur = data[(StateKind.PARAM, t)] if c.step.zero3 else _params.param_bits(c.entries[t])
+        cur = _params.current_bits(c, t, data)
         if not np.array_equal(np.asarray(cur).view(np.uint16), hi):
             fixes[t] = hi
     return fixes

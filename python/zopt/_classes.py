@@ -7,7 +7,9 @@ class per key (torch dtypes or "f32"/"bf16"/"f16") and routes each param
 to the class of its dtype (docs/USAGE.md, "Params of several dtypes").
 Classes run in the order bf16, f16, f32 whatever the mapping's order, so
 the linked step's norm sum, and with it every result, does not depend on
-how the mapping was written.
+how the mapping was written. A class ``"<dtype>:keep32"`` (the precision
+policy, ``_policy.py``) takes the params of that dtype that its rule keeps
+at 32-bit moments, and runs right after its dtype's class.
 """
 from __future__ import annotations
 
@@ -16,10 +18,12 @@ import numpy as np
 from ._dtypes import is_torch, torch_dtypes
 from ._lib import DType, Status, ZoptError, DTYPE_NAMES
 from ._params import split_item
+from ._policy import SUFFIX, Keep32, split_key
 from ._step import Step
 from .steps import dtype_name
 
-CLASS_ORDER = ("bf16", "f16", "f32")
+DTYPE_ORDER = ("bf16", "f16", "f32")
+CLASS_ORDER = tuple(c + t for c in DTYPE_ORDER for t in ("", SUFFIX))
 DT_OF = {"f32": DType.F32, "bf16": DType.BF16, "f16": DType.F16}
 NAME_OF = {v: k for k, v in DT_OF.items()}
 _NP_CLASS = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
@@ -27,12 +31,25 @@ _NP_CLASS = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
 
 
 def class_key(k):
+    base, keep32 = split_key(k)
     try:
-        return dtype_name(k, "step")
+        return dtype_name(base, "step") + (SUFFIX if keep32 else "")
     except ZoptError:
         raise ZoptError(Status.INVALID_ARGUMENT,
                         f"step mapping: key {k!r} is not a dtype; the keys name the "
-                        "parameter classes: torch dtypes or 'f32', 'bf16', 'f16'") from None
+                        "parameter classes: torch dtypes or 'f32', 'bf16', 'f16', and "
+                        "'<dtype>:keep32' for the params a precision policy keeps at "
+                        "32-bit moments") from None
+
+
+def policy_of(step, steps):
+    """The precision policy routing params to ``"<dtype>:keep32"`` classes:
+    the mapping's own (``zopt.steps.<rule>(..., keep32=...)`` sets it), else
+    the default Keep32() where the mapping has such a class, else None."""
+    if not any(split_key(c)[1] for c in steps):
+        return None
+    p = getattr(step, "keep32", None)
+    return p if isinstance(p, Keep32) else Keep32()
 
 
 def steps_of(step, mapped):
@@ -51,11 +68,18 @@ def steps_of(step, mapped):
             raise ZoptError(Status.INVALID_ARGUMENT,
                             f"step mapping: two keys name the class {c!r}")
         st = v if isinstance(v, Step) else Step(v)
-        if st.param_dtype != DT_OF[c]:
+        if st.param_dtype != DT_OF[split_key(c)[0]]:
             raise ZoptError(Status.INVALID_ARGUMENT,
                             f"step mapping: the step for class {c!r} ('{st.name}') has "
-                            f"{DTYPE_NAMES[st.param_dtype]} params, not {c}")
+                            f"{DTYPE_NAMES[st.param_dtype]} params, not {split_key(c)[0]}")
         steps[c] = st
+    for c in steps:
+        base, keep32 = split_key(c)
+        if keep32 and base not in steps:
+            raise ZoptError(Status.INVALID_ARGUMENT,
+                            f"step mapping: class {c!r} without class {base!r}: the "
+                            f"precision policy sends some {base} params to {c!r}, the "
+                            f"others to {base!r}")
     steps = {c: steps[c] for c in CLASS_ORDER if c in steps}
     first_c, first = next(iter(steps.items()))
     for c, st in steps.items():
@@ -79,9 +103,10 @@ def steps_of(step, mapped):
     return steps
 
 
-def classify(steps, gid, i, p):
+def classify(steps, gid, i, p, pname=None, keep32=None):
     """The class of user item ``p`` of a step mapping (a torch param or a
-    (param, grad) pair) at ``param_groups[gid]['params'][i]``."""
+    (param, grad) pair) at ``param_groups[gid]['params'][i]``, named
+    ``pname`` (None: no names given); ``keep32``: the precision policy."""
     name = f"param_groups[{gid}]['params'][{i}]"
     param = split_item(p)[0]
     if is_torch(param):
@@ -98,4 +123,7 @@ def classify(steps, gid, i, p):
         raise ZoptError(Status.INVALID_ARGUMENT,
                         f"{name}: no parameter class for its dtype"
                         + (f" {c}" if c else "") + f"; the step mapping's classes: {have}")
+    numel = param.size if isinstance(param, np.ndarray) else param.numel()
+    if keep32 is not None and c + SUFFIX in steps and keep32.takes(pname, int(numel)):
+        return c + SUFFIX
     return c

@@ -76,8 +76,7 @@ def np_bits(x):
 
 def from_bits(a, dt):
     """numpy storage array -> torch tensor (shares memory)."""
-    a = np.asarray(a)
-    c = np.ascontiguousarray(a).reshape(a.shape)  # a 0-d array stays 0-d
+    c = bf16.contiguous(a)
     if dt == DType.BF16:
         return torch.from_numpy(c.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(c)
@@ -120,16 +119,14 @@ def round_bits(f32, dt):
     if dt == DType.BF16:
         return bf16.from_f32(f32)
     with np.errstate(over="ignore"):
-        a = np.asarray(f32, dtype=NP_OF[dt])
-        return np.ascontiguousarray(a).reshape(a.shape)  # a 0-d array stays 0-d
+        return bf16.contiguous(f32, NP_OF[dt])
 
 
 def is_rounding_of(pbits, dt, m):
     """Per element: the param (storage bits of dtype dt) is a rounding of
     the master m (float32): the nearest, or the other neighbour of m (what
     stochastic rounding may write); NaN for NaN."""
-    pbits = np.asarray(pbits)
-    pbits = np.ascontiguousarray(pbits).reshape(pbits.shape)
+    pbits = bf16.contiguous(pbits)
     r = round_bits(m, dt)
     pv, rv = f32_of_bits(pbits, dt), f32_of_bits(r, dt)
     signed = {2: np.int16, 4: np.int32}[pbits.dtype.itemsize]

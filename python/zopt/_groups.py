@@ -13,9 +13,11 @@ from __future__ import annotations
 import numpy as np
 
 from . import _classes, _frozen, _gpu, _grads, _hypers, _params, _rebuild, _strided, _torch_compat
+from . import _warnings
 from ._dtypes import is_torch
 from ._lib import Status, ZoptError
 from ._part import Part
+from ._policy import name_matches
 
 
 def part_of(opt, cls):
@@ -112,7 +114,14 @@ def new_group(opt, g):
     for st in opt._steps.values():  # with the optimizer's defaults (momentum=0)
         _hypers.check_rule_flags(st, group, f"param group {gid}")
     if opt._mapped:
-        classes = [_classes.classify(opt._steps, gid, i, p) for i, p in enumerate(ps)]
+        pol = opt._keep32
+        if pol is not None and pol.names and names is None:
+            raise ZoptError(Status.INVALID_ARGUMENT,
+                            f"param group {gid}: the precision policy keeps the params named "
+                            f"{', '.join(pol.names)} at 32-bit moments, but this group's params "
+                            "have no names: give (name, param) pairs (model.named_parameters())")
+        classes = [_classes.classify(opt._steps, gid, i, p, names[i] if names else None, pol)
+                   for i, p in enumerate(ps)]
     else:
         classes = [next(iter(opt._steps))] * len(ps)
     seen = {id(e.param) for c in opt._parts for e in c.entries}
@@ -129,6 +138,22 @@ def new_group(opt, g):
     if opt.step_obj.gpu:
         group = _gpu.GpuGroup(opt, group)
     return group, new
+
+
+def check_keep32_names(opt):
+    """A precision-policy name pattern that matches no param of the optimizer
+    is most likely a typo that leaves an embedding at narrow moments: warned
+    (not refused: add_param_group may bring the param later)."""
+    pol = opt._keep32
+    if pol is None or not pol.names:
+        return
+    names = [n for g in opt.param_groups for n in g.get("param_names", ())]
+    for pat in pol.names:
+        if not any(name_matches(n, pat) for n in names):
+            _warnings.warn_user(f"keep32 names: the pattern {pat!r} matches no param name "
+                                "of this optimizer; the params it was meant for (e.g. "
+                                "embeddings) get the narrow moments. Names are those of "
+                                "model.named_parameters(), e.g. 'embed.weight' or '*embed*'")
 
 
 def append_group(opt, group, new):

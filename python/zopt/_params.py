@@ -445,6 +445,15 @@ def param_bits(e):
     return np.ascontiguousarray(e.param).reshape(-1).copy()
 
 
+def current_bits(c, t, held=None):
+    """The bits of part c's param t as the step sees them: under ZeRO-3 the
+    runtime's held param (from ``held``, {(kind, t): bits} of a snapshot or
+    a plan, else read from the runtime), otherwise the model's param."""
+    if c.step.zero3:
+        return held[(StateKind.PARAM, t)] if held is not None else c.read_raw(t, StateKind.PARAM)
+    return param_bits(c.entries[t])
+
+
 def master_sync(c, masters, params=None):
     """masters {t: (flat master bits in memory order, dtype)} -> {t:
     round(master) in the param dtype} for the tensors whose param is not
@@ -457,12 +466,7 @@ def master_sync(c, masters, params=None):
         e = c.entries[t]
         if not e.numel:
             continue
-        if params is not None:
-            cur = params[t]
-        elif s.zero3:
-            cur = c.read_raw(t, StateKind.PARAM)
-        else:
-            cur = param_bits(e)
+        cur = params[t] if params is not None else current_bits(c, t)
         mf = f32_of_bits(np.ascontiguousarray(m).reshape(-1), mdt)
         if not is_rounding_of(cur, pdt, mf).all():
             fixes[t] = round_bits(mf, pdt)

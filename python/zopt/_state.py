@@ -305,7 +305,7 @@ def state_bits(e, v, dt, what):
         if tuple(v.shape) != e.shape:
             raise ZoptError(Status.INVALID_ARGUMENT,
                             f"{what}: shape {tuple(v.shape)}, the param's is {e.shape}")
-        a = np.ascontiguousarray(v, dtype=np.float32).reshape(v.shape)  # 0-d stays 0-d
+        a = bf16.contiguous(v, np.float32)
         if e.torch and torch is not None:
             return _params.memory_order(e, torch.from_numpy(a).to(torch_of(dt)))
         return round_bits(a.reshape(-1), dt)

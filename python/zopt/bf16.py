@@ -9,6 +9,14 @@ from __future__ import annotations
 import numpy as np
 
 
+def contiguous(x, dtype=None):
+    """x as a C-contiguous numpy array of x's own shape: a 0-d array (a
+    scalar) stays 0-d (np.ascontiguousarray alone makes it a 1-element
+    array, which numpy >= 2.5 refuses as a scalar)."""
+    a = np.asarray(x, dtype=dtype)
+    return np.ascontiguousarray(a).reshape(a.shape)
+
+
 def _flat(x, dtype=None):
     """(x as a flat C-contiguous array, x's shape): each conversion works on
     the flat array and returns its result in x's shape, so a 0-d array (a

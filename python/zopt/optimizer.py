@@ -94,6 +94,7 @@ class Optimizer(_Base):
         self._lib = _native.lib()
         self._mapped = isinstance(step, collections.abc.Mapping)
         self._steps = _classes.steps_of(step, self._mapped)
+        self._keep32 = _classes.policy_of(step, self._steps)
         s = self.step_obj = next(iter(self._steps.values()))  # the shared slots
         if device_allocator not in (None, "torch", "driver"):
             raise ZoptError(Status.INVALID_ARGUMENT,
@@ -150,6 +151,7 @@ class Optimizer(_Base):
                 _groups.part_of(self, next(iter(self._steps)))
             for g in groups:
                 _groups.append_group(self, *_groups.new_group(self, g))
+            _groups.check_keep32_names(self)
             for c in self._parts:
                 if grad_streaming:  # no grad memory of ours: the runtime holds the shards
                     c.streamer = self._streamer = GradStreamer(c)

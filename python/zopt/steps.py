@@ -82,6 +82,10 @@ hyperparameter defaults
     them. They stay runtime values (changing them never recompiles).
 ``name``
     the step's symbol name (default: one made from the options).
+``keep32``
+    the precision policy (a size threshold in elements, or ``{"below": N,
+    "names": [patterns]}``): a twin class with f32 moments for small and
+    named params (docs/USAGE.md, "Params that keep 32-bit moments").
 ``comments``
     ``False`` leaves the comments out of the text.
 
@@ -106,6 +110,7 @@ import numpy as np
 
 from . import compiler as _compiler
 from ._lib import Status, ZoptError
+from ._policy import SUFFIX as _KEEP32, Keep32, keep32_of
 from ._step import Step
 
 RULES = ("adam", "adamw", "sgd", "lion")
@@ -968,11 +973,19 @@ class StepClasses(dict):
     ``zopt.steps.<rule>(..., classes={...})``. Give it to
     :class:`zopt.Optimizer` as ``step``: each param goes to the class of its
     dtype, and the classes step as one (one global norm, one skip
-    decision)."""
+    decision). With ``keep32=``, ``.keep32`` is the :class:`Keep32` rule
+    that sends params to the ``"<dtype>:keep32"`` classes."""
+
+    keep32 = None
 
     def __repr__(self):
         return "zopt.steps.StepClasses({" + ", ".join(
             f"{k!r}: {v!r}" for k, v in self.items()) + "})"
+
+
+class _Specs(dict):
+    """spec()'s dict class -> Spec, with the precision policy (.keep32)."""
+    keep32 = None
 
 
 class Builder:
@@ -991,14 +1004,24 @@ class Builder:
     align, amsgrad, momentum, nesterov, the hyperparameter defaults) is
     given once and shared, since the classes step as one: one global norm,
     one skip decision, one loss scaler. ``loss_scale=None`` turns loss
-    scaling on for every class when one class needs it (f16)."""
+    scaling on for every class when one class needs it (f16).
+
+    ``keep32=`` (an element count, ``{"below": N, "names": [patterns]}`` or
+    :class:`Keep32`) is the precision policy of issue 19: each class whose
+    moments are narrower than f32 gets a twin class ``"<dtype>:keep32"``,
+    the same step with f32 moments, and ``zopt.Optimizer`` sends it the
+    params under ``below`` elements (default 4096) and those whose names
+    (``model.named_parameters()``) match ``names`` (docs/USAGE.md, "Params
+    that keep 32-bit moments"). Without ``classes=`` the call returns a
+    :class:`StepClasses` too."""
 
     def __init__(self, fname, fn):
         self.fname = fname
         self._fn = fn
         sig = inspect.signature(fn)
         self.__signature__ = sig.replace(parameters=list(sig.parameters.values()) + [
-            inspect.Parameter("classes", inspect.Parameter.KEYWORD_ONLY, default=None)])
+            inspect.Parameter(a, inspect.Parameter.KEYWORD_ONLY, default=None)
+            for a in ("classes", "keep32")])
         self.__doc__ = fn.__doc__
         self.__name__ = fname
         self._params = [p for p in sig.parameters]
@@ -1007,18 +1030,28 @@ class Builder:
         unknown = [k for k in kw if k not in self._params]
         if unknown:
             raise _bad(unknown[0], f"zopt.steps.{self.fname}() takes no argument "
-                       f"{unknown[0]!r}; its arguments: {', '.join(self._params)}, classes")
+                       f"{unknown[0]!r}; its arguments: {', '.join(self._params)}, classes, "
+                       "keep32")
 
     def spec(self, **kw):
         """The resolved :class:`Spec` (with ``classes=``: a dict class ->
         Spec)."""
         classes = kw.pop("classes", None)
+        keep32 = kw.pop("keep32", None)
         self._check_known(kw)
+        if keep32 is not None:
+            policy = keep32_of(keep32)
+            if classes is None:  # one class: the step's own arguments
+                param = kw.pop("param", inspect.signature(self._fn).parameters["param"].default)
+                classes = {param: {a: kw.pop(a) for a in _CLASS_ARGS if a in kw}}
+            out = _Specs(self._class_specs(classes, kw, keep32=True))
+            out.keep32 = policy
+            return out
         if classes is not None:
             return self._class_specs(classes, kw)
         return self._fn(**kw)
 
-    def _class_specs(self, classes, kw):
+    def _class_specs(self, classes, kw, keep32=False):
         if not isinstance(classes, collections.abc.Mapping) or not classes:
             raise _bad("classes", "must be a non-empty dict {param dtype: {per-class "
                        "arguments}}, e.g. {'bf16': dict(master='f32'), 'f32': {}}; "
@@ -1067,6 +1100,23 @@ class Builder:
                 out[c] = self._fn(param=c, **shared, **ckw)
             except ZoptError as e:
                 raise ZoptError(e.code, f"classes[{c!r}]: {e.message}") from None
+        if keep32:
+            narrow = [c for c, sp in out.items()
+                      if any(dt != "f32" for k, dt in sp.states if k != "master")]
+            if not narrow:
+                raise _bad("keep32", "every class already has f32 moments: the precision "
+                           "policy keeps small tensors and named ones at 32-bit moments "
+                           "where the others have narrower ones (moments='bf16', ...)")
+            for c in narrow:
+                ckw = {k: v for k, v in per[c].items()
+                       if k not in ("moments", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")}
+                if "name" in ckw:
+                    ckw["name"] = ckw["name"] + "_keep32"
+                try:
+                    out[c + _KEEP32] = self._fn(param=c, **shared, **ckw, moments="f32")
+                except ZoptError as e:
+                    raise ZoptError(e.code, f"keep32 (class {c + _KEEP32!r}): "
+                                    f"{e.message}") from None
         names = {}
         for c, sp in out.items():
             if sp.name in names:
@@ -1077,7 +1127,7 @@ class Builder:
 
     def text(self, **kw):
         """The description (MLIR text) these arguments build (with
-        ``classes=``: a dict class -> text)."""
+        ``classes=`` or ``keep32=``: a dict class -> text)."""
         sp = self.spec(**kw)
         if isinstance(sp, dict):
             return {c: s.text() for c, s in sp.items()}
@@ -1096,10 +1146,12 @@ class Builder:
     def __call__(self, **kw):
         """The compiled, loaded zopt.Step (with ``classes=``: a
         :class:`StepClasses`)."""
-        t = self.text(**kw)
-        if isinstance(t, dict):
-            return StepClasses((c, load_text(x)) for c, x in t.items())
-        return load_text(t)
+        sp = self.spec(**kw)
+        if isinstance(sp, dict):
+            out = StepClasses((c, load_text(s.text())) for c, s in sp.items())
+            out.keep32 = getattr(sp, "keep32", None)
+            return out
+        return load_text(sp.text())
 
     def __repr__(self):
         return f"<zopt.steps.{self.fname}{self.__signature__}>"
@@ -1243,6 +1295,6 @@ def text(rule, **kw):
     return BUILDERS[rule].text(**kw)
 
 
-__all__ = ["adam", "adamw", "sgd", "lion", "build", "text", "resolve", "Spec",
+__all__ = ["adam", "adamw", "sgd", "lion", "build", "text", "resolve", "Spec", "Keep32",
            "Builder", "StepClasses", "cache_dir", "compile_text", "load_text", "dtype_name",
            "RULES", "DTYPES", "PLACEMENTS", "ROUNDINGS"]

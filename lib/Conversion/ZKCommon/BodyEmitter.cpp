@@ -114,7 +114,7 @@ Value BodyEmitter::high16(Value v32) {
   return arith::TruncIOp::create(b, loc, vec(b.getI16Type()), hi);
 }
 
-Value BodyEmitter::f32ToBf16BitsInt(Value x) {
+Value BodyEmitter::f32ToBf16RoundedInt(Value x) {
   Type i32 = b.getI32Type();
   Value bits = arith::BitcastOp::create(b, loc, vec(i32), x);
   Value lsb = arith::AndIOp::create(
@@ -125,7 +125,32 @@ Value BodyEmitter::f32ToBf16BitsInt(Value x) {
   Value nanBits = arith::OrIOp::create(b, loc, bits, intCst(i32, 0x400000));
   Value isNan =
       arith::CmpFOp::create(b, loc, arith::CmpFPredicate::UNO, x, x);
-  return high16(arith::SelectOp::create(b, loc, isNan, nanBits, rounded));
+  return arith::SelectOp::create(b, loc, isNan, nanBits, rounded);
+}
+
+Value BodyEmitter::f32ToBf16BitsInt(Value x) {
+  return high16(f32ToBf16RoundedInt(x));
+}
+
+Value BodyEmitter::splitToBf16Bits(Value rounded32) {
+  int64_t h = lanes / 2;
+  Type i32 = b.getI32Type();
+  auto cst = [&](int64_t v) -> Value {
+    auto wt = VectorType::get({h}, i32);
+    return arith::ConstantOp::create(
+        b, loc, DenseElementsAttr::get(wt, b.getIntegerAttr(i32, v)));
+  };
+  SmallVector<int64_t> lo, hi;
+  for (int64_t j = 0; j < h; ++j) {
+    lo.push_back(j);
+    hi.push_back(h + j);
+  }
+  Value ev = vector::ShuffleOp::create(b, loc, rounded32, rounded32, lo);
+  Value od = vector::ShuffleOp::create(b, loc, rounded32, rounded32, hi);
+  Value w = arith::OrIOp::create(
+      b, loc, arith::ShRUIOp::create(b, loc, ev, cst(16)),
+      arith::AndIOp::create(b, loc, od, cst(int64_t(int32_t(0xFFFF0000u)))));
+  return vector::BitCastOp::create(b, loc, vec(b.getI16Type()), w);
 }
 
 Value BodyEmitter::f32ToBf16Bits(Value x) {
@@ -174,6 +199,10 @@ Value BodyEmitter::f32ToBf16Bits(Value x) {
 }
 
 Value BodyEmitter::f32ToBf16BitsStochastic(Value x, int64_t slot) {
+  return high16(f32ToBf16RoundedStochastic(x, slot));
+}
+
+Value BodyEmitter::f32ToBf16RoundedStochastic(Value x, int64_t slot) {
   Type i32 = b.getI32Type();
   Value kslot = arith::AddIOp::create(
       b, loc, srKey,
@@ -193,7 +222,7 @@ Value BodyEmitter::f32ToBf16BitsStochastic(Value x, int64_t slot) {
   Value nanBits = arith::OrIOp::create(b, loc, bits, intCst(i32, 0x400000));
   Value isNan =
       arith::CmpFOp::create(b, loc, arith::CmpFPredicate::UNO, x, x);
-  return high16(arith::SelectOp::create(b, loc, isNan, nanBits, sum));
+  return arith::SelectOp::create(b, loc, isNan, nanBits, sum);
 }
 
 Value BodyEmitter::remainderJoin(Value hi16, Value lo16) {
@@ -451,15 +480,33 @@ std::pair<Value, Value> BodyEmitter::kahanStore(int64_t pSlot, int64_t cSlot,
   // abi.h zopt_kahan_store: f32 operations, each rounded, none fused (no
   // fastmath flags: the contraction the rule's ops allow is not allowed
   // here; there is no product to fuse anyway).
-  Type i16 = b.getI16Type();
-  Value p = bf16BitsToF32(loadAt(vec(i16), elemPtr(pSlot, i16, i), alignFor(2)));
-  Value c = bf16BitsToF32(loadAt(vec(i16), elemPtr(cSlot, i16, i), alignFor(2)));
+  Type i16 = b.getI16Type(), i32 = b.getI32Type();
+  // In split order (splitBf16: an UPDATE whose every access is bf16) v's
+  // lanes are split too: the param and compensation are widened and
+  // narrowed the same way.
+  const bool split = splitBf16 && lanes > 1;
+  auto load = [&](int64_t slot) {
+    Value bits = loadAt(vec(i16), elemPtr(slot, i16, i), alignFor(2));
+    return split ? bf16SplitToF32(bits) : bf16BitsToF32(bits);
+  };
+  Value p = load(pSlot), c = load(cSlot);
   Value u = arith::SubFOp::create(b, loc, v, p);
   Value y = arith::AddFOp::create(b, loc, u, c);
-  Value np = f32ToBf16Bits(arith::AddFOp::create(b, loc, p, y));
-  Value moved = arith::SubFOp::create(b, loc, bf16BitsToF32(np), p);
-  Value nc = f32ToBf16Bits(arith::SubFOp::create(b, loc, y, moved));
-  return {np, nc};
+  Value s = arith::AddFOp::create(b, loc, p, y);
+  if (!split) {
+    Value np = f32ToBf16Bits(s);
+    Value moved = arith::SubFOp::create(b, loc, bf16BitsToF32(np), p);
+    return {np, f32ToBf16Bits(arith::SubFOp::create(b, loc, y, moved))};
+  }
+  // The rounded words (the bf16 in each high half) give the new param's
+  // f32 value lane by lane, then go back to element order.
+  Value np32 = f32ToBf16RoundedInt(s);
+  Value npF = arith::BitcastOp::create(
+      b, loc, vec(b.getF32Type()),
+      arith::AndIOp::create(b, loc, np32, intCst(i32, int32_t(0xFFFF0000u))));
+  Value moved = arith::SubFOp::create(b, loc, npF, p);
+  Value nc32 = f32ToBf16RoundedInt(arith::SubFOp::create(b, loc, y, moved));
+  return {splitToBf16Bits(np32), splitToBf16Bits(nc32)};
 }
 
 Value BodyEmitter::emit(Block &body, Value i) {
@@ -548,6 +595,15 @@ Value BodyEmitter::emit(Block &body, Value i) {
       Type memElem = st;
       if (st.isF32()) {
         toStore = v;
+      } else if (st.isBF16() && splitBf16 && lanes > 1) {
+        // Split order (an UPDATE whose every access is bf16): the rounded
+        // words go back to element order by a shift, a mask and an or.
+        toStore = splitToBf16Bits(
+            s.getRounding() == ZOPT_ROUND_STOCHASTIC
+                ? f32ToBf16RoundedStochastic(v, s.getSlot())
+                : f32ToBf16RoundedInt(v));
+        memElem = b.getI16Type();
+        align = 2;
       } else if (st.isBF16()) {
         toStore = s.getRounding() == ZOPT_ROUND_STOCHASTIC
                       ? f32ToBf16BitsStochastic(v, s.getSlot())

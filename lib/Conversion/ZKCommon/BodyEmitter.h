@@ -72,10 +72,13 @@ struct BodyEmitter {
   /// Table lookups (q8) through VGATHERDPS: 512 (AVX-512, 16 lanes a
   /// register) or 256 (AVX2, 8 lanes); 0: LLVM's generic gather.
   int x86Gather = 0;
-  /// SUMSQ kernels whose loads are all bf16: a bf16 vector is widened by a
-  /// shift and a mask of its 32-bit words instead of shuffles, so lane j
-  /// holds element splitElement(j) (the even elements, then the odd ones).
-  /// Only lane-wise work may follow; the caller undoes the order.
+  /// Kernels whose every load (SUMSQ) or every load and store (UPDATE) is
+  /// bf16: a bf16 vector is widened by a shift and a mask of its 32-bit
+  /// words instead of shuffles, so lane j holds element splitElement(j)
+  /// (the even elements, then the odd ones); a bf16 store puts them back
+  /// the same way (splitToBf16Bits). Only lane-wise work may follow: SUMSQ's
+  /// caller undoes the order of its sum; an UPDATE's stochastic rounding
+  /// needs srIndex in split order too.
   bool splitBf16 = false;
   /// Stochastic rounding (abi.h): the call's key (i32) and the element
   /// index (i32, at `lanes` lanes) of the element(s) being emitted.
@@ -131,11 +134,18 @@ struct BodyEmitter {
   /// f32 -> bf16 bits in integer arithmetic: round to nearest even; a NaN
   /// keeps its sign and payload and becomes quiet.
   Value f32ToBf16BitsInt(Value x);
+  /// The same before the narrowing: i32 lanes whose high half is the bf16.
+  Value f32ToBf16RoundedInt(Value x);
+  /// i32 lanes in split order, the bf16 in each high half -> the bf16
+  /// bits in element order (splitBf16).
+  Value splitToBf16Bits(Value rounded32);
   /// f32 -> bf16 bits, round to nearest even; NaN stays a (quiet) NaN.
   Value f32ToBf16Bits(Value x);
   /// f32 -> bf16 bits, stochastically (abi.h "Stochastic rounding"):
   /// (bits + zopt_sr_bits(key, slot, index)) >> 16; NaN as nearest-even.
   Value f32ToBf16BitsStochastic(Value x, int64_t slot);
+  /// The same before the narrowing (i32 lanes, the bf16 in the high half).
+  Value f32ToBf16RoundedStochastic(Value x, int64_t slot);
 
   /// A remainder master (abi.h "Remainder masters"): the f32 rebuilt from
   /// the bf16 param's bits (high half) and the int16 remainder, exactly.
@@ -155,7 +165,9 @@ struct BodyEmitter {
 
   /// A Kahan-compensated param's store (abi.h "Kahan-compensated params"):
   /// the param (slot pSlot) and compensation (slot cSlot) at index `i`
-  /// loaded, and their new bf16 bits for the new f32 value `v`.
+  /// loaded, and their new bf16 bits for the new f32 value `v` (in split
+  /// order too, splitBf16: widened and narrowed as bf16 loads and stores
+  /// are there).
   std::pair<Value, Value> kahanStore(int64_t pSlot, int64_t cSlot, Value i,
                                      Value v);
 

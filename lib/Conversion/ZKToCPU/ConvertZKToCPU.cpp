@@ -15,7 +15,11 @@
 // loading through `in` and storing through `out`. SUMSQ kernels run
 // ZOPT_SUMSQ_LANES f64 accumulators on every ISA, a masked tail and an
 // ordered lane sum: the order abi.h defines, so the result is the same bits
-// on every variant. bf16 values are carried as the f32 they exactly widen to.
+// on every variant. bf16 values are carried as the f32 they exactly widen to;
+// a kernel whose every access is bf16 (SUMSQ: its loads; UPDATE: its loads
+// and stores, on the variants without a bf16 instruction) works in split
+// order (BodyEmitter::splitBf16: even elements, then odd ones), which needs
+// no 16-bit shuffle.
 // The avx512bf16 variant narrows to bf16 with VCVTNEPS2BF16 (BodyEmitter.h); it
 // is emitted only for UPDATE kernels that store bf16, where it differs from
 // the avx512 one, unless it is the only variant asked for. The zk.control
@@ -160,8 +164,29 @@ static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
   Value zero = arith::ConstantOp::create(b, loc, b.getI64IntegerAttr(0));
   Value one = arith::ConstantOp::create(b, loc, b.getI64IntegerAttr(1));
 
+  // An UPDATE whose every load and store is plain bf16 (the 14 B/param
+  // layout: bf16 param, grad and moments) runs in split order
+  // (BodyEmitter::splitBf16): widening and narrowing become shifts and
+  // masks of 32-bit words instead of 16-bit shuffles, which on AVX2 and on
+  // AVX-512 without AVX512_BF16 were the shuffle port's bottleneck. The
+  // update is elementwise, so the bits are the same; the stochastic
+  // rounding index is permuted with the lanes. Not where the hardware
+  // converts (avx512bf16: VCVTNE2PS2BF16 writes element order).
+  bool splitUpdate = !isSum && !isa.nativeBf16 && lanes % 2 == 0;
+  {
+    bool anyLoad = false;
+    body.walk([&](zk::LoadOp l) {
+      anyLoad = true;
+      splitUpdate &= l.getType().isBF16() && !l.getRemainderOf() && !l.getAbsmax();
+    });
+    body.walk([&](zk::StoreOp st) {
+      splitUpdate &= st.getStorage().isBF16() && !st.getRemainderOf() && !st.getAbsmax();
+    });
+    splitUpdate &= anyLoad;
+  }
   BodyEmitter vecE{b, loc, lanes, ptrs, cs, cv};
   vecE.packHalves = true;
+  vecE.splitBf16 = splitUpdate;
   vecE.nativeBf16 = isa.nativeBf16;
   vecE.x86Gather = isa.lanes == 16 ? 512 : 256;
   vecE.storePtrs = outPtrs;
@@ -173,7 +198,7 @@ static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
     srFirst = entry->getArgument(5);
     SmallVector<int32_t> iota(lanes);
     for (int j = 0; j < lanes; ++j)
-      iota[j] = j;
+      iota[j] = splitUpdate ? int32_t(BodyEmitter::splitElement(j, lanes)) : j;
     srIota = arith::ConstantOp::create(
         b, loc, DenseIntElementsAttr::get(VectorType::get({lanes}, i32), iota));
   }

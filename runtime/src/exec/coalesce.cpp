@@ -39,6 +39,44 @@ bool adjacent(const zopt_optimizer *o, const Chunk &a, const Chunk &b) {
   return true;
 }
 
+// Whether chunk c may extend the joined call j (c follows j in one
+// thread's run, both active).
+bool joins_onto(const zopt_optimizer *o, bool sr, const Chunk &j, const Chunk &c) {
+  const Program &P = *o->prog;
+  if (P.row_of_tensor[j.tensor] != P.row_of_tensor[c.tensor]) return false;
+  // (A tensor's pieces in two buckets' shards can be adjacent in a
+  // sharded buffer with other ranks' elements between them.)
+  if (sr && !(j.tensor == c.tensor && c.start == j.start + j.len &&
+              j.start / k2to32 == (c.start + c.len - 1) / k2to32))
+    return false;
+  return adjacent(o, j, c);
+}
+
+// Whether any two neighbouring active chunks of a thread's run join. A
+// joined call starts at its first chunk, so if no neighbouring pair joins,
+// no call does (the SR condition only gets stricter as a call grows). This
+// pass allocates nothing: steps whose chunks never join (separately
+// allocated tensors, fresh gradients every step, which rebuild the work
+// lists each step) pay no copy of the chunks.
+bool any_join(const zopt_optimizer *o, const Work &w) {
+  const Program &P = *o->prog;
+  const bool sr = o->d->flags & ZOPT_FLAG_STOCHASTIC;
+  const size_t T = w.thread_begin.size() - 1;
+  for (size_t tid = 0; tid < T; ++tid) {
+    const Chunk *prev = nullptr;
+    for (size_t i = w.thread_begin[tid]; i < w.thread_begin[tid + 1]; ++i) {
+      const Chunk &c = w.chunks[i];
+      if (!active(P, c.tensor)) {
+        prev = nullptr;
+        continue;
+      }
+      if (prev && joins_onto(o, sr, *prev, c)) return true;
+      prev = &c;
+    }
+  }
+  return false;
+}
+
 // Joins w's chunks thread by thread into w.joined; inactive chunks are
 // left out (UPDATE skips them). Without any join, w.joined is left empty
 // and w.joins false.
@@ -46,9 +84,15 @@ void join(const zopt_optimizer *o, Work &w) {
   const Program &P = *o->prog;
   const bool sr = o->d->flags & ZOPT_FLAG_STOCHASTIC;
   const size_t T = w.thread_begin.size() - 1;
-  w.joined.clear();
-  w.joined_begin.assign(T + 1, 0);
   w.joins = false;
+  if (!any_join(o, w)) {  // nothing to gain: no second copy of the chunks
+    std::vector<Chunk>().swap(w.joined);
+    std::vector<size_t>().swap(w.joined_begin);
+    return;
+  }
+  w.joined.clear();
+  w.joined.reserve(w.chunks.size());
+  w.joined_begin.assign(T + 1, 0);
   for (size_t tid = 0; tid < T; ++tid) {
     w.joined_begin[tid] = w.joined.size();
     bool open = false;  // w.joined.back() is this thread's and may grow
@@ -58,28 +102,16 @@ void join(const zopt_optimizer *o, Work &w) {
         open = false;
         continue;
       }
-      if (open) {
-        Chunk &j = w.joined.back();
-        const bool same_row = P.row_of_tensor[j.tensor] == P.row_of_tensor[c.tensor];
-        // (A tensor's pieces in two buckets' shards can be adjacent in a
-        // sharded buffer with other ranks' elements between them.)
-        const bool sr_ok = !sr || (j.tensor == c.tensor && c.start == j.start + j.len &&
-                                   j.start / k2to32 == (c.start + c.len - 1) / k2to32);
-        if (same_row && sr_ok && adjacent(o, j, c)) {
-          j.len += c.len;  // j.ptrs stay at its first element
-          w.joins = true;
-          continue;
-        }
+      if (open && joins_onto(o, sr, w.joined.back(), c)) {
+        w.joined.back().len += c.len;  // its ptrs stay at its first element
+        w.joins = true;
+        continue;
       }
       w.joined.push_back(c);
       open = true;
     }
   }
   w.joined_begin[T] = w.joined.size();
-  if (!w.joins) {  // nothing to gain: no second copy of the chunks
-    std::vector<Chunk>().swap(w.joined);
-    std::vector<size_t>().swap(w.joined_begin);
-  }
 }
 
 }  // namespace

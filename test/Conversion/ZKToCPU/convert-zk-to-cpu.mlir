@@ -4,10 +4,14 @@
 // One function per kernel and ISA, with the C ABI of abi.h; updates load
 // through the `in` pointer table and store through `out`, a vector loop of
 // two registers per iteration and a scalar tail loop; sums of squares run
-// 32 f64 lanes on every ISA (abi.h's order) with a masked tail; bf16 loads
-// widen by interleaving with zero, bf16 stores
+// 32 f64 lanes on every ISA (abi.h's order) with a masked tail; bf16 stores
 // round to nearest even in integer arithmetic (add 0x7FFF + lsb, NaN -> set
-// the quiet bit) and keep the high halves with one shuffle. The functions'
+// the quiet bit). An update whose every load and store is bf16 runs in
+// split order: each 32-bit word widens to its even element (shift) and odd
+// one (mask), and a store puts the rounded words back (even >> 16 | odd &
+// 0xFFFF0000) - no 16-bit shuffle; other bf16 loads widen by interleaving
+// with zero and keep the high halves with one shuffle (the last case of
+// this file). The functions'
 // kernel-table entries ([role, isa, symbol], abi.h codes) are recorded on
 // the zk.descriptor for zopt-emit-descriptor, in the order the descriptor
 // lists them: PREPARE (no ISA), then per kernel its variants, best first.
@@ -41,15 +45,23 @@ zk.prepare @t_prepare {
 // CHECK: llvm.getelementptr %[[OUT]][0]
 // CHECK: scf.for %{{.+}} step %c32_i64
 // CHECK: llvm.load %{{.+}} {alignment = 2 : i64} : !llvm.ptr -> vector<32xi16>
-// CHECK: vector.shuffle %{{.+}}, %{{.+}} [32, 0, 32, 1, {{.+}}, 32, 31] : vector<32xi16>, vector<32xi16>
-// CHECK: vector.bitcast %{{.+}} : vector<64xi16> to vector<32xf32>
+// CHECK: %[[W:.+]] = vector.bitcast %{{.+}} : vector<32xi16> to vector<16xi32>
+// CHECK: %[[EV:.+]] = arith.shli %[[W]], %{{.+}} : vector<16xi32>
+// CHECK: %[[OD:.+]] = arith.andi %[[W]], %{{.+}} : vector<16xi32>
+// CHECK: vector.shuffle %[[EV]], %[[OD]] [0, 1, 2, {{.+}}, 30, 31] : vector<16xi32>, vector<16xi32>
+// CHECK-NOT: vector<64xi16>
 // CHECK: arith.subf %{{.+}}, %{{.+}} : vector<32xf32>
 // CHECK-NOT: call_intrinsic
 // CHECK: arith.constant dense<32767> : vector<32xi32>
 // CHECK: arith.constant dense<4194304> : vector<32xi32>
-// CHECK: arith.cmpf uno
-// CHECK: vector.bitcast %{{.+}} : vector<32xi32> to vector<64xi16>
-// CHECK: vector.shuffle %{{.+}}, %{{.+}} [1, 3, 5, {{.+}}, 61, 63] : vector<64xi16>, vector<64xi16>
+// CHECK: %[[R:.+]] = arith.select
+// CHECK: %[[LO:.+]] = vector.shuffle %[[R]], %[[R]] [0, 1, {{.+}}, 14, 15] : vector<32xi32>, vector<32xi32>
+// CHECK: %[[HI:.+]] = vector.shuffle %[[R]], %[[R]] [16, 17, {{.+}}, 30, 31] : vector<32xi32>, vector<32xi32>
+// CHECK: arith.shrui %[[LO]], %{{.+}} : vector<16xi32>
+// CHECK: arith.andi %[[HI]], %{{.+}} : vector<16xi32>
+// CHECK: arith.ori
+// CHECK: vector.bitcast %{{.+}} : vector<16xi32> to vector<32xi16>
+// CHECK-NOT: vector<64xi16>
 // CHECK: llvm.store %{{.+}}, %{{.+}} {alignment = 2 : i64} : vector<32xi16>, !llvm.ptr
 // CHECK: scf.for
 // CHECK: llvm.load %{{.+}} {alignment = 2 : i64} : !llvm.ptr -> i16
@@ -130,7 +142,7 @@ zk.kernel @t_sumsq sumsq {
 
 // A store with rounding = 2 (stochastic): the update takes (key, first)
 // after the ABI's four arguments, the element index vector is first + i +
-// iota, and the 16 random bits are fmix32((index * 0x9E3779B1) ^ (key +
+// iota (in split order here: every access is bf16), and the 16 random bits are fmix32((index * 0x9E3779B1) ^ (key +
 // slot * 0x27D4EB2F)) >> 16 (abi.h), added to the f32 bits before the high
 // halves are kept; NaN keeps the nearest-even quiet form.
 
@@ -151,7 +163,7 @@ zk.prepare @t_prepare {
 
 // CHECK-LABEL: func.func @t_update_avx512(
 // CHECK-SAME: %{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr, %{{.+}}: i64, %{{.+}}: !llvm.ptr, %[[KEY:[a-z0-9]+]]: i32, %[[FIRST:[a-z0-9]+]]: i32)
-// CHECK: arith.constant dense<[0, 1, 2, {{.+}}, 31]> : vector<32xi32>
+// CHECK: arith.constant dense<[0, 2, 4, {{.+}}, 28, 30, 1, 3, {{.+}}, 29, 31]> : vector<32xi32>
 // CHECK: scf.for
 // CHECK: arith.trunci %{{.+}} : i64 to i32
 // CHECK: arith.addi %[[FIRST]], %{{.+}} : i32
@@ -229,4 +241,44 @@ zk.control @c_control {
   zk.control_out advance, %fin : i1
   zk.control_out new_scale, %nS : f64
   zk.control_out new_good_steps, %good : i64
+}
+
+// -----
+
+// A bf16 param updated from an f32 gradient: not every access is bf16, so
+// the update stays in element order: the bf16 load widens by interleaving
+// with zero and the store keeps the high halves with one shuffle.
+
+zk.descriptor {name = "m", zero_stage = 0 : i64, align = 1 : i64, flags = 4 : i64,
+  max_norm = 0.0 : f64, num_coeffs = 1 : i64,
+  state_kinds = array<i32: 1, 2>, state_dtypes = array<i32: 2, 1>,
+  state_placements = array<i32: 1, 1>, state_roundings = array<i32: 1, 1>,
+  state_inits = array<i32: 1, 1>, state_access = array<i32: 3, 1>, state_flags = array<i32: 0, 0>,
+  hyper_kinds = array<i32: 1>, hyper_defaults = array<f64: 0.001>,
+  hyper_mins = array<f64: 0.0>, hyper_maxs = array<f64: 1.0>,
+  hyper_max_exclusive = array<i32: 0>}
+
+zk.prepare @m_prepare {
+  %lr = zk.hyper 0
+  %c = arith.truncf %lr : f64 to f32
+  zk.set_coeff 0, %c : f32
+}
+
+// CHECK-LABEL: func.func @m_update_avx512(
+// CHECK: llvm.load %{{.+}} {alignment = 2 : i64} : !llvm.ptr -> vector<32xi16>
+// CHECK: vector.shuffle %{{.+}}, %{{.+}} [32, 0, 32, 1, {{.+}}, 32, 31] : vector<32xi16>, vector<32xi16>
+// CHECK: vector.bitcast %{{.+}} : vector<64xi16> to vector<32xf32>
+// CHECK: llvm.load %{{.+}} {alignment = 4 : i64} : !llvm.ptr -> vector<32xf32>
+// CHECK: arith.cmpf uno
+// CHECK: vector.bitcast %{{.+}} : vector<32xi32> to vector<64xi16>
+// CHECK: vector.shuffle %{{.+}}, %{{.+}} [1, 3, 5, {{.+}}, 61, 63] : vector<64xi16>, vector<64xi16>
+// CHECK: llvm.store %{{.+}}, %{{.+}} {alignment = 2 : i64} : vector<32xi16>, !llvm.ptr
+zk.kernel @m_update update {
+  %p = zk.load 0 : bf16
+  %g = zk.load 1 : f32
+  %pf = arith.extf %p : bf16 to f32
+  %lr = zk.coeff 0
+  %d = arith.mulf %lr, %g : f32
+  %p1 = arith.subf %pf, %d : f32
+  zk.store 0, %p1 : f32 into bf16
 }
