@@ -31,7 +31,9 @@ PLACE_GPU = int(Placement.GPU)  # ZOPT_PLACE_GPU (abi.h)
 TORCH_KEY = {StateKind.EXP_AVG: "exp_avg", StateKind.EXP_AVG_SQ: "exp_avg_sq",
              StateKind.MAX_EXP_AVG_SQ: "max_exp_avg_sq",
              StateKind.MOMENTUM_BUFFER: "momentum_buffer",
-             StateKind.MASTER: "master", StateKind.PARAM: "param"}
+             StateKind.MASTER: "master", StateKind.PARAM: "param",
+             # a Kahan param's compensation: optimi's name for it (NUMERICS §11)
+             StateKind.KAHAN_COMP: "kahan_comp"}
 KIND_OF_KEY = {v: k for k, v in TORCH_KEY.items()}
 
 

@@ -71,6 +71,7 @@ class StateKind(enum.IntEnum):
     MOMENTUM_BUFFER = 7
     EXP_AVG_ABSMAX = 8  # a q8 moment's per-block absmax (abi.h "q8 moments")
     EXP_AVG_SQ_ABSMAX = 9
+    KAHAN_COMP = 10  # a kahan param's compensation (abi.h "Kahan-compensated params")
 
 
 class HyperKind(enum.IntEnum):

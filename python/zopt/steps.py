@@ -36,7 +36,11 @@ Arguments every builder takes (keyword only):
     (an fp32 master copy; the param is the rounded master), ``"remainder"``
     (an exact fp32 master kept as the int16 low half beside a bf16 param on
     the same placement: 2 bytes/param instead of 4, Transformer Engine's
-    ``store_param_remainders``; docs/NUMERICS.md section 9) or ``"bf16"``
+    ``store_param_remainders``; docs/NUMERICS.md section 9), ``"kahan"``
+    (no master: a bf16 param with a bf16 Kahan compensation that carries
+    the rounding error of its stores into the next step, optimi's
+    ``kahan_sum``; the same bytes as ``"remainder"``, approximate where it
+    is exact; moments default to f32; docs/NUMERICS.md section 11) or ``"bf16"``
     (only for bf16 params with ``placement="offload"``: the master lives on
     the CPU, the param on the GPU). ``True`` means ``"f32"``.
 ``moments``
@@ -202,6 +206,7 @@ class Spec:
     master: str | None
     states: tuple
     remainder: bool = False  # the f32 master kept as a remainder (NUMERICS §9)
+    kahan: bool = False      # no master: a Kahan-compensated bf16 param (NUMERICS §11)
     amsgrad: bool = False
     nesterov: bool = False
     momentum_buffer: bool = True
@@ -310,6 +315,20 @@ def _validate(spec):
             raise _bad("rounding", "a stochastically rounded param cannot be the high "
                        "half of an exact master (docs/NUMERICS.md section 9); with "
                        "master='remainder' the param is the master rounded to nearest")
+    if spec.kahan:
+        if p != "bf16":
+            raise _bad("master", f"'kahan' compensates a bf16 param (its compensation "
+                       f"is bf16 too); the param is {p} (allowed: param='bf16')")
+        if spec.user_placement != spec.state_placement:
+            raise _bad("master", "'kahan' keeps the compensation beside the param, "
+                       "and the update runs where the optimizer states are; placement="
+                       f"{spec.placement!r} puts them apart (allowed: 'cpu', 'gpu', or "
+                       "master='f32'/'bf16' with 'offload')")
+        if dict(spec.rounding).get("param") == "stochastic":
+            raise _bad("rounding", "a Kahan-compensated param does not combine with "
+                       "stochastic rounding (docs/NUMERICS.md section 11): the "
+                       "compensation already recovers every rounding error; with "
+                       "master='kahan' the param is rounded to nearest")
     if w is not None:
         if w == "f16":
             raise _bad("master", "an f16 master cannot hold small updates to large "
@@ -451,6 +470,9 @@ def resolve(rule, *, param="f32", grad=None, master=None, moments=None,
     elif master is False:
         master = None
     remainder = master == "remainder"
+    kahan = master == "kahan"
+    if kahan:
+        master = None
     w = None if master is None else "f32" if remainder else dtype_name(master, "master")
     if placement not in PLACEMENTS:
         raise _bad("placement", f"unknown placement {placement!r}; allowed: "
@@ -462,7 +484,8 @@ def resolve(rule, *, param="f32", grad=None, master=None, moments=None,
         arch = gpu_arch  # (only reaches here unchecked)
     else:
         arch = gpu_arch or DEFAULT_GPU_ARCH
-    md = _default_moments(p, w) if moments is None else dtype_name(moments, "moments")
+    md = (_default_moments(p, "f32" if kahan else w) if moments is None
+          else dtype_name(moments, "moments"))
     states = []
     if w is not None:
         states.append(("master", w))
@@ -512,7 +535,7 @@ def resolve(rule, *, param="f32", grad=None, master=None, moments=None,
         except (TypeError, ValueError):
             raise _bad("clip", f"must be a number or None, got {clip!r}") from None
     spec = Spec(rule=rule, param=p, grad=g, master=w, states=tuple(states),
-                remainder=remainder, amsgrad=bool(amsgrad), nesterov=bool(nesterov),
+                remainder=remainder, kahan=kahan, amsgrad=bool(amsgrad), nesterov=bool(nesterov),
                 momentum_buffer=bool(momentum_buffer), clip=clip_v, loss_scale=ls,
                 rounding=rnd, placement=placement, gpu_arch=arch,
                 zero_stage=zero_stage, align=align, hypers=hyp, style=style,
@@ -534,6 +557,8 @@ def _auto_name(s):
         parts.append("g" + s.grad)
     if s.master:
         parts.append("wrem" if s.remainder else "w" + s.master)
+    if s.kahan:
+        parts.append("kahan")
     sts = [d for k, d in s.states if k != "master"]
     if sts:
         parts.append("s" + "".join(dict.fromkeys(sts)) if len(set(sts)) == 1
@@ -609,6 +634,9 @@ def _header(s):
     if s.remainder:  # the master is the param (read, written) and its remainder
         rd = [("g", b[s.grad]), ("p+r", b[s.param] + 2)]
         wr = [("r", 2)]
+    elif s.kahan:  # the param and its compensation, read and written
+        rd = [("g", b[s.grad]), ("p+c", b[s.param] + 2)]
+        wr = [("p+c", b[s.param] + 2)]
     else:
         rd = [("g", b[s.grad]), ("w" if s.master else "p", b[s.master or s.param])]
         wr = [("w" if s.master else "p", b[s.master or s.param])]
@@ -655,13 +683,17 @@ def _emit(s):
         r = f" rounding {rnd[kind]}" if kind in rnd else ""
         if kind == "master" and s.remainder:
             r += " remainder"
+        if kind == "param" and s.kahan:
+            r += " kahan"
         B.op(f"{_STATE_SSA[kind]} = zopt.state {kind} : {dtype} on {on}{r}", note)
 
     # --- states
     B.comment("The user's tensors (the grad is read-only) and the optimizer's "
               "states, each with its dtype and placement.")
     decl("param", s.param, up, "the rounded master, written by the step"
-         if s.master else "the weight the update changes")
+         if s.master else "the weight the update changes, with its Kahan "
+         "compensation (a state of its own)" if s.kahan else
+         "the weight the update changes")
     decl("grad", s.grad, up)
     if s.master:
         decl("master", s.master, sp, "the weight the update changes" + (

@@ -51,6 +51,7 @@ const char *state_kind_name(uint32_t k) {
     case ZOPT_STATE_MOMENTUM_BUFFER: return "momentum_buffer";
     case ZOPT_STATE_EXP_AVG_ABSMAX: return "exp_avg_absmax";
     case ZOPT_STATE_EXP_AVG_SQ_ABSMAX: return "exp_avg_sq_absmax";
+    case ZOPT_STATE_KAHAN_COMP: return "kahan_comp";
   }
   return "?";
 }

@@ -60,10 +60,11 @@ zopt_status validate_fields(const zopt_step_descriptor *d) {
                   "is not built yet; compile the moments as f32 or bf16",
                   i, state_kind_name(s.kind));
   }
-  int seen_kind[8] = {0};
+  int seen_kind[ZOPT_STATE_KAHAN_COMP + 1] = {0};
   for (uint32_t i = 0; i < d->num_states; ++i) {
     const zopt_state_desc &s = d->states[i];
-    if (s.kind < ZOPT_STATE_PARAM || s.kind > ZOPT_STATE_MOMENTUM_BUFFER)
+    if (s.kind < ZOPT_STATE_PARAM ||
+        (s.kind > ZOPT_STATE_MOMENTUM_BUFFER && s.kind != ZOPT_STATE_KAHAN_COMP))
       return fail(ZOPT_ERR_ABI, "state %u: kind %u out of range", i, s.kind);
     if (!dtype_size(s.dtype))
       return fail(ZOPT_ERR_ABI, "state %u (%s): dtype %u out of range", i, state_kind_name(s.kind), s.dtype);
@@ -85,6 +86,21 @@ zopt_status validate_fields(const zopt_step_descriptor *d) {
   }
   if (seen_kind[ZOPT_STATE_PARAM] != 1 || seen_kind[ZOPT_STATE_GRAD] != 1)
     return fail(ZOPT_ERR_ABI, "descriptor needs exactly one param and one grad state");
+  // A Kahan param's compensation (abi.h "Kahan-compensated params").
+  for (uint32_t i = 0; i < d->num_states; ++i) {
+    const zopt_state_desc &s = d->states[i];
+    if (s.kind != ZOPT_STATE_KAHAN_COMP) continue;
+    const zopt_state_desc *p = nullptr;
+    for (uint32_t j = 0; j < d->num_states; ++j)
+      if (d->states[j].kind == ZOPT_STATE_PARAM) p = &d->states[j];
+    if (s.dtype != ZOPT_DTYPE_BF16 || s.init != ZOPT_INIT_ZERO ||
+        s.access != (ZOPT_ACCESS_READ | ZOPT_ACCESS_WRITE) || p->dtype != ZOPT_DTYPE_BF16 ||
+        p->placement != s.placement || !(p->access & ZOPT_ACCESS_WRITE) || seen_kind[ZOPT_STATE_MASTER])
+      return fail(ZOPT_ERR_ABI,
+                  "state %u (kahan_comp): a Kahan compensation is bf16, zero-initialized, read and "
+                  "written, beside a written bf16 param on its placement, in a step without a master",
+                  i);
+  }
   int seen_hyper[9] = {0};
   for (uint32_t i = 0; i < d->num_hypers; ++i) {
     const zopt_hyper_desc &h = d->hypers[i];

@@ -71,6 +71,11 @@ int main(int argc, char **argv) {
   expect_load_fails("fx_badprogram", ZOPT_ERR_ABI, "program op 1: range 7");
   expect_load_fails("fx_unknownflag", ZOPT_ERR_ABI, "unknown flags 0x100");
   expect_load_fails("fx_rulenotstated", ZOPT_ERR_ABI, "rule flags 0x10 without RULE_STATED");
+  /* a Kahan compensation beside an f32 param */
+  expect_load_fails("fx_kahanf32", ZOPT_ERR_ABI,
+                    "state 2 (kahan_comp): a Kahan compensation is bf16, zero-initialized, read and written, "
+                    "beside a written bf16 param on its placement, in a step without a master");
+
   /* q8 moments: compiled, but this runtime cannot lay them out yet */
   expect_load_fails("fx_q8", ZOPT_ERR_UNSUPPORTED,
                     "state 2 (exp_avg) is a q8 moment (int8 codes and a per-block absmax, abi.h \"q8 moments\"): "

@@ -20,6 +20,8 @@
 //   §9  remainder masters: the split of an f32 master into a bf16 param and
 //       an int16 remainder, by values (abi.h's bit formulas are checked
 //       against it), and the rebuild
+//   §11 Kahan-compensated params: the store of the param and its
+//       compensation, in f32 operations done in double and rounded once
 //   §10 q8 moments: the two dynamic maps built in float64 (the generated
 //       tables of zopt/q8_maps.h are checked against them), the encode by
 //       float64 midpoints (abi.h's threshold search is checked against it),
@@ -500,6 +502,35 @@ inline uint8_t q8_encode(const float map[256], bool is_unsigned, float x, float 
 
 /// map[code] * a in f32.
 inline float q8_decode(const float map[256], uint8_t code, float a) { return map[code] * a; }
+
+//===----------------------------------------------------------------------===//
+// §11 Kahan-compensated params.
+//===----------------------------------------------------------------------===//
+
+/// An f32 operation's result: the exact double result of two floats rounded
+/// once to f32 (a double holds more than 2*24+2 bits, so rounding the double
+/// sum or difference to float is the correctly rounded f32 operation).
+inline float f32_add(float a, float b) { return float(double(a) + double(b)); }
+inline float f32_sub(float a, float b) { return float(double(a) - double(b)); }
+
+/// The store of a Kahan-compensated param (docs/NUMERICS.md §11): param p
+/// and compensation c (bf16 bits), the rule's new f32 value v; the new
+/// param and compensation (bits), each rounded to nearest even (to_bf16: a
+/// NaN stays a quiet NaN). (abi.h's zopt_kahan_store is checked against it.)
+struct KahanOut { uint16_t p, c; };
+/// The compensation after the store made param p the new param np: given
+/// np, monotone in v (and np is monotone in v).
+inline uint16_t kahan_comp(uint16_t p, uint16_t c, float v, uint16_t np) {
+  const float pf = float(decode_bf16(p));
+  const float y = f32_add(f32_sub(v, pf), float(decode_bf16(c)));
+  return to_bf16(f32_sub(y, f32_sub(float(decode_bf16(np)), pf)));
+}
+inline KahanOut kahan_store(uint16_t p, uint16_t c, float v) {
+  const float pf = float(decode_bf16(p));
+  const float y = f32_add(f32_sub(v, pf), float(decode_bf16(c)));
+  const uint16_t np = to_bf16(f32_add(pf, y));
+  return {np, kahan_comp(p, c, v, np)};
+}
 
 }  // namespace zopt_ref
 

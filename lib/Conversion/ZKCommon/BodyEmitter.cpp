@@ -475,6 +475,40 @@ Value BodyEmitter::q8Encode(Value x, Value absmax, bool isUnsigned) {
   return arith::TruncIOp::create(b, loc, vec(b.getI8Type()), c);
 }
 
+std::pair<Value, Value> BodyEmitter::kahanStore(int64_t pSlot, int64_t cSlot,
+                                                Value i, Value v) {
+  // abi.h zopt_kahan_store: f32 operations, each rounded, none fused (no
+  // fastmath flags: the contraction the rule's ops allow is not allowed
+  // here; there is no product to fuse anyway).
+  Type i16 = b.getI16Type(), i32 = b.getI32Type();
+  // In split order (splitBf16: an UPDATE whose every access is bf16) v's
+  // lanes are split too: the param and compensation are widened and
+  // narrowed the same way.
+  const bool split = splitBf16 && lanes > 1;
+  auto load = [&](int64_t slot) {
+    Value bits = loadAt(vec(i16), elemPtr(slot, i16, i), alignFor(2));
+    return split ? bf16SplitToF32(bits) : bf16BitsToF32(bits);
+  };
+  Value p = load(pSlot), c = load(cSlot);
+  Value u = arith::SubFOp::create(b, loc, v, p);
+  Value y = arith::AddFOp::create(b, loc, u, c);
+  Value s = arith::AddFOp::create(b, loc, p, y);
+  if (!split) {
+    Value np = f32ToBf16Bits(s);
+    Value moved = arith::SubFOp::create(b, loc, bf16BitsToF32(np), p);
+    return {np, f32ToBf16Bits(arith::SubFOp::create(b, loc, y, moved))};
+  }
+  // The rounded words (the bf16 in each high half) give the new param's
+  // f32 value lane by lane, then go back to element order.
+  Value np32 = f32ToBf16RoundedInt(s);
+  Value npF = arith::BitcastOp::create(
+      b, loc, vec(b.getF32Type()),
+      arith::AndIOp::create(b, loc, np32, intCst(i32, int32_t(0xFFFF0000u))));
+  Value moved = arith::SubFOp::create(b, loc, npF, p);
+  Value nc32 = f32ToBf16RoundedInt(arith::SubFOp::create(b, loc, y, moved));
+  return {splitToBf16Bits(np32), splitToBf16Bits(nc32)};
+}
+
 Value BodyEmitter::emit(Block &body, Value i) {
   IRMapping map;
   Value acc;
@@ -532,6 +566,17 @@ Value BodyEmitter::emit(Block &body, Value i) {
           LLVM::StoreOp::create(b, loc, v, p, alignFor(4));
         }
         q8Stored.push_back({int64_t(s.getSlot()), v});
+        continue;
+      }
+      if (std::optional<uint64_t> cSlot = s.getKahan()) {
+        auto [p, c] = kahanStore(s.getSlot(), *cSlot, i, v);
+        Type i16 = b.getI16Type();
+        LLVM::StoreOp::create(b, loc, p,
+                              elemPtr(s.getSlot(), i16, i, /*store=*/true),
+                              alignFor(2));
+        LLVM::StoreOp::create(b, loc, c,
+                              elemPtr(*cSlot, i16, i, /*store=*/true),
+                              alignFor(2));
         continue;
       }
       if (std::optional<uint64_t> hiSlot = s.getRemainderOf()) {

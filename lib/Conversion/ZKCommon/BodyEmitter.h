@@ -16,7 +16,8 @@
 //    except that it flushes subnormal inputs to zero: a vector holding any
 //    subnormal takes the integer form instead.
 // A remainder master (zk.load/zk.store with remainder_of) is joined from
-// and split into its two 16-bit halves here, for both devices. A q8 moment
+// and split into its two 16-bit halves here, for both devices, and a
+// Kahan-compensated param's store (zk.store with kahan) is done here. A q8 moment
 // (zk.load/zk.store with absmax, abi.h "q8 moments") is decoded and encoded
 // here (q8Decode, q8Encode, the tables as module constants); the block loop
 // around the body (absmax in, the block's new absmax reduced, codes out)
@@ -161,6 +162,14 @@ struct BodyEmitter {
   /// q8 encode (abi.h zopt_q8_encode) of `x` (f32) in a block with absmax
   /// `absmax` (f32 scalar): the i8 codes.
   Value q8Encode(Value x, Value absmax, bool isUnsigned);
+
+  /// A Kahan-compensated param's store (abi.h "Kahan-compensated params"):
+  /// the param (slot pSlot) and compensation (slot cSlot) at index `i`
+  /// loaded, and their new bf16 bits for the new f32 value `v` (in split
+  /// order too, splitBf16: widened and narrowed as bf16 loads and stores
+  /// are there).
+  std::pair<Value, Value> kahanStore(int64_t pSlot, int64_t cSlot, Value i,
+                                     Value v);
 
   /// Emits the body for the element(s) at index `i`; returns the value to
   /// accumulate (sumsq kernels) or null.

@@ -136,6 +136,11 @@ static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
       out(s.getSlot());
       if (auto h = s.getRemainderOf())
         out(*h);
+      if (auto c = s.getKahan()) { // reads the param and its compensation
+        in(s.getSlot());
+        in(*c);
+        out(*c);
+      }
     }
     if (auto c = dyn_cast<zk::CoeffOp>(op))
       maxCoeff = std::max<int64_t>(maxCoeff, c.getIndex());
@@ -224,6 +229,11 @@ static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
     if (l.getAbsmax()) // q8 codes
       bytes = 1;
     stream(ptrs[l.getSlot()], bytes);
+  });
+  body.walk([&](zk::StoreOp s) { // a Kahan param's compensation (bf16)
+    if (auto c = s.getKahan())
+      if (llvm::none_of(streams, [&](auto &x) { return x.first == ptrs[*c]; }))
+        streams.push_back({ptrs[*c], 2});
   });
   auto prefetchAhead = [&](OpBuilder &pb, Location l, Value iv) {
     Type i8 = pb.getI8Type();

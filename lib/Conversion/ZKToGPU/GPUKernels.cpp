@@ -58,6 +58,8 @@ KernelInfo gpu_kernels::analyze(zk::KernelOp k) {
         use(*h, i16);
       if (auto a = s.getAbsmax())
         use(*a, f32);
+      if (auto c = s.getKahan()) // a Kahan param's compensation (bf16)
+        use(*c, s.getStorage());
       use(s.getSlot(), s.getStorage());
     }
     if (auto c = dyn_cast<zk::CoeffOp>(op))

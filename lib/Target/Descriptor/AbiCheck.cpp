@@ -84,6 +84,7 @@ ZOPT_KERNEL_ROLES(ZOPT_SAME_VALUE)
     ZOPT_STATE_KINDS(ZOPT_CASE)
   case ZOPT_STATE_EXP_AVG_ABSMAX:    // a q8 moment's companion (abi.h "q8
   case ZOPT_STATE_EXP_AVG_SQ_ABSMAX: // moments"), written by zopt-fuse
+  case ZOPT_STATE_KAHAN_COMP: // a kahan param's compensation (abi.h), too
     return false;
   }
   return false;

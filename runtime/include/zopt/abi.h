@@ -63,6 +63,9 @@ typedef enum zopt_state_kind {
    * EXP_AVG_SQ: see "q8 moments". Not a state of the dialect. */
   ZOPT_STATE_EXP_AVG_ABSMAX = 8,
   ZOPT_STATE_EXP_AVG_SQ_ABSMAX = 9,
+  /* The compensation (bf16) of a param declared `kahan`: see "Kahan-
+   * compensated params". Not a state of the dialect. */
+  ZOPT_STATE_KAHAN_COMP = 10,
 } zopt_state_kind;
 
 /* Rounding of a narrowing store into the state. */
@@ -266,6 +269,43 @@ static inline void zopt_remainder_split(uint32_t bits, uint16_t *param,
     *param = (uint16_t)((bits | 0x400000u) >> 16);
   else
     *param = (uint16_t)((bits >> 16) + ((bits >> 15) & 1u));
+}
+
+/*===-- Kahan-compensated params -----------------------------------------===*
+ *
+ * A bf16 param declared `kahan` (docs/NUMERICS.md §11; `zopt.state param :
+ * bf16 on cpu kahan`) has a compensation: a state of kind KAHAN_COMP, dtype
+ * BF16, on the param's placement, initialized to zero, partitioned as the
+ * optimizer states are. The update kernel computes the param's new value v
+ * in f32 from the bf16 param p as without `kahan`; the store is then, in f32
+ * arithmetic (each operation rounded to nearest even, none fused):
+ *     u  = v - p              the step's update (weight decay included)
+ *     y  = u + c
+ *     p' = bf16(p + y)        round to nearest even (a NaN: quiet)
+ *     c' = bf16(y - (p' - p))
+ * (optimi's kahan_sum with y, p + y and the error kept in f32). This
+ * function is the definition.
+ */
+static inline uint16_t zopt_kahan_bf16(float x) {
+  union { float f; uint32_t u; } b;
+  b.f = x;
+  if ((b.u & 0x7FFFFFFFu) > 0x7F800000u) /* NaN */
+    return (uint16_t)((b.u | 0x400000u) >> 16);
+  return (uint16_t)((b.u + 0x7FFFu + ((b.u >> 16) & 1u)) >> 16);
+}
+static inline float zopt_kahan_f32(uint16_t h) {
+  union { float f; uint32_t u; } b;
+  b.u = (uint32_t)h << 16;
+  return b.f;
+}
+static inline void zopt_kahan_store(uint16_t p, uint16_t c, float v,
+                                    uint16_t *p_out, uint16_t *c_out) {
+  const float pf = zopt_kahan_f32(p);
+  const float u = v - pf;
+  const float y = u + zopt_kahan_f32(c);
+  const uint16_t np = zopt_kahan_bf16(pf + y);
+  *p_out = np;
+  *c_out = zopt_kahan_bf16(y - (zopt_kahan_f32(np) - pf));
 }
 
 /*===-- q8 moments --------------------------------------------------------===*

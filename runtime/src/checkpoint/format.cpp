@@ -177,7 +177,8 @@ zopt_status read_header(File &f, const std::string &path) {
     for (uint32_t i = 0; i < nkinds; ++i) {
       KindRec k{r.get<uint32_t>(), r.get<uint32_t>()};
       if (!r.ok) return ck_fail(path, "truncated header");
-      if (k.kind == ZOPT_STATE_GRAD || k.kind < ZOPT_STATE_PARAM || k.kind > ZOPT_STATE_MOMENTUM_BUFFER)
+      if (k.kind == ZOPT_STATE_GRAD || k.kind < ZOPT_STATE_PARAM ||
+          (k.kind > ZOPT_STATE_MOMENTUM_BUFFER && k.kind != ZOPT_STATE_KAHAN_COMP))
         return ck_fail(path, "state kind %u is not a state a checkpoint holds", k.kind);
       if (!dtype_size(k.dtype)) return ck_fail(path, "state %s: unknown dtype %u", state_kind_name(k.kind), k.dtype);
       for (const KindRec &o : f.kinds)
@@ -316,7 +317,7 @@ zopt_status read_v1(File &f) {
         uint32_t kind = r.get<uint32_t>(), dtype = r.get<uint32_t>();
         uint64_t bytes = r.get<uint64_t>(), off = r.get<uint64_t>(), fnv = r.get<uint64_t>();
         if (!r.ok) return ck_fail(path, "truncated tensor table");
-        if (kind <= ZOPT_STATE_GRAD || kind > ZOPT_STATE_MOMENTUM_BUFFER)
+        if (kind <= ZOPT_STATE_GRAD || (kind > ZOPT_STATE_MOMENTUM_BUFFER && kind != ZOPT_STATE_KAHAN_COMP))
           return ck_fail(path, "tensor %u: unknown state kind %u", t, kind);
         size_t es = dtype_size(dtype);
         if (!es) return ck_fail(path, "tensor %u state %s: unknown dtype %u", t, state_kind_name(kind), dtype);

@@ -189,3 +189,21 @@ zk.kernel @k update {
   %v = zk.load 3 {q8_unsigned} : f32
   zk.store 0, %v : f32 into f32
 }
+
+// -----
+
+// A Kahan-compensated param (docs/NUMERICS.md §11) stores an f32 into bf16.
+zk.kernel @k update {
+  %p = zk.load 0 : bf16
+  // expected-error@+1 {{a Kahan-compensated param stores an f32 into bf16, rounded to nearest even, with its compensation in another slot, not 'bf16' into 'bf16'}}
+  zk.store 0, %p {kahan = 3 : i64} : bf16 into bf16
+}
+
+// -----
+
+// Its compensation is another slot.
+zk.kernel @k update {
+  %p = zk.load 0 : f32
+  // expected-error@+1 {{with its compensation in another slot, not 'f32' into 'bf16'}}
+  zk.store 0, %p {kahan = 0 : i64} : f32 into bf16
+}

@@ -82,6 +82,10 @@ void checkQ8Update(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n, co
         const uint8_t code = uint8_t(gen.rng());
         bufs[i].setBits(e, code);
         v = zopt_ref::q8_decode(qs->map, code, float(bufs[qs->absIdx].value(e / ZOPT_Q8_BLOCK)));
+      } else if (st.kahan && int(i) == st.idx[ZOPT_STATE_KAHAN_COMP]) {
+        // A Kahan compensation: up to about an ULP of the param.
+        bufs[i].store(e, in[e].p * gen.uni(-1.0 / 256, 1.0 / 256));
+        continue;
       } else if (st.remainder && int(i) == im) {
         float x = float(genFor(s.kind, gen, c));
         bufs[iparam].setBits(e, zopt_ref::remainder_param(x));
@@ -191,6 +195,12 @@ void checkQ8Update(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n, co
                              : pdt == ZOPT_DTYPE_BF16  ? rne_bf16_bits(mb)
                                                        : rne_f16_bits(mb);
       if (pb != wantP) fail("param[%zu] 0x%x, from the master 0x%08x: 0x%x", e, pb, mb, wantP);
+    } else if (st.kahan) { // abi.h "Kahan-compensated params"
+      const int ic = st.idx[ZOPT_STATE_KAHAN_COMP];
+      if (!kahanStoredOk(uint16_t(before[iparam].bits(e)), uint16_t(before[ic].bits(e)), w,
+                         uint16_t(bufs[iparam].bits(e)), uint16_t(bufs[ic].bits(e))))
+        fail("param[%zu] 0x%x, compensation 0x%x: not the Kahan store of any f32 in %.9g +- %.3g", e,
+             bufs[iparam].bits(e), bufs[ic].bits(e), w.v, t);
     } else {
       const uint32_t pdt = d->states[iparam].dtype;
       const double got = bufs[iparam].value(e);

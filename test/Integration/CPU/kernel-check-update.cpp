@@ -81,6 +81,11 @@ void checkUpdate(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n, cons
         continue;
       }
       double v;
+      if (st.kahan && int(i) == st.idx[ZOPT_STATE_KAHAN_COMP]) {
+        // A compensation: up to about an ULP of the param (written after it).
+        bufs[i].store(e, in[e].p * gen.uni(-1.0 / 256, 1.0 / 256));
+        continue;
+      }
       if (st.remainder && int(i) == im) {
         // A random f32 master (random low half), split as the reference says.
         float x = float(genFor(s.kind, gen, c));
@@ -155,6 +160,29 @@ void checkUpdate(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n, cons
           if (!bad++) {
             char m[256];
             std::snprintf(m, sizeof m, "read-only %s[%zu] modified", kindName(s.kind), e);
+            firstBad = m;
+          }
+        }
+        continue;
+      }
+      if (st.kahan && s.kind == ZOPT_STATE_KAHAN_COMP) continue; // with the param
+      if (st.kahan && s.kind == ZOPT_STATE_PARAM) {
+        // The param and its compensation, as the reference stores them from
+        // an f32 value within the rule's bound (abi.h, NUMERICS §11).
+        const int ic = st.idx[ZOPT_STATE_KAHAN_COMP];
+        const uint16_t gc = uint16_t(bufs[ic].bits(e));
+        auto stored = [&](const E &v) {
+          return kahanStoredOk(uint16_t(before[i].bits(e)), uint16_t(before[ic].bits(e)), v,
+                               uint16_t(gotBits), gc);
+        };
+        // Lion: either sign of the interpolation within its error.
+        if (!stored(r.p) && !(r.ambiguous && (stored(r.pAlt) || stored(r.pZero)))) {
+          if (!bad++) {
+            char m[320];
+            std::snprintf(m, sizeof m,
+                          "param[%zu] 0x%04x, compensation 0x%04x (from 0x%04x, 0x%04x): not the "
+                          "Kahan store of any f32 in %.9g +- %.3g",
+                          e, gotBits, gc, before[i].bits(e), before[ic].bits(e), r.p.v, tolOf(r.p));
             firstBad = m;
           }
         }

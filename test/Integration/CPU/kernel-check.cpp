@@ -21,6 +21,12 @@
 //                 f32 master: both run 5 steps on the same random data and
 //                 the rebuilt master, param and moments must match bit for
 //                 bit (kernel-check-remainder.cpp).
+//   A step with a Kahan-compensated param (abi.h) has its stores checked by
+//   kernel-check-kahan.cpp (with --rne: special params and compensations).
+//   --track=M.so,P.so  STEP has a Kahan param, M.so is the same rule with an
+//                 f32 master, P.so with a plain bf16 param: 200 small steps
+//                 on the same gradients; the Kahan param must end much
+//                 closer to the f32 master than the plain one.
 //   A step with q8 moments (abi.h "q8 moments") is checked by
 //   kernel-check-q8.cpp instead: the rule from the decoded moments, each
 //   block's absmax and every code against the reference's encode, every
@@ -111,8 +117,15 @@ bool loadStep(const char *path, Step &st) {
                     s.dtype == ZOPT_DTYPE_Q8 && !(s.flags & ZOPT_STATE_PER_BLOCK);
     const bool absmax = s.kind == ZOPT_STATE_EXP_AVG_ABSMAX || s.kind == ZOPT_STATE_EXP_AVG_SQ_ABSMAX;
     st.q8 = st.q8 || q8;
+    // A Kahan param's compensation (abi.h "Kahan-compensated params").
+    const bool kahan = s.kind == ZOPT_STATE_KAHAN_COMP;
+    st.kahan = st.kahan || kahan;
     if (absmax && (s.dtype != ZOPT_DTYPE_F32 || !(s.flags & ZOPT_STATE_PER_BLOCK)))
       statesOk = false;
+    else if (kahan && (s.dtype != ZOPT_DTYPE_BF16 || s.access != (ZOPT_ACCESS_READ | ZOPT_ACCESS_WRITE) ||
+                       st.idx[s.kind] != -1 || s.placement != ZOPT_PLACE_CPU))
+      statesOk = false;
+    else if (kahan) st.idx[s.kind] = int(i);
     else if (s.kind < 1 || s.kind > 9 || st.idx[s.kind] != -1 || s.dtype < 1 ||
         (s.dtype > 3 && !rem && !q8) || (s.kind > 7 && !absmax) ||
         s.placement != ZOPT_PLACE_CPU || (s.access & ~3u) || !s.access)
@@ -132,6 +145,11 @@ bool loadStep(const char *path, Step &st) {
   statesOk = statesOk && has(ZOPT_STATE_PARAM) && has(ZOPT_STATE_GRAD) &&
              d->states[st.idx[ZOPT_STATE_GRAD]].access == ZOPT_ACCESS_READ &&
              (d->states[st.idx[ZOPT_STATE_PARAM]].access & ZOPT_ACCESS_WRITE);
+  // A Kahan param is a bf16 param, read and written, without a master.
+  if (st.kahan)
+    statesOk = statesOk && !has(ZOPT_STATE_MASTER) &&
+               d->states[st.idx[ZOPT_STATE_PARAM]].dtype == ZOPT_DTYPE_BF16 &&
+               d->states[st.idx[ZOPT_STATE_PARAM]].access == (ZOPT_ACCESS_READ | ZOPT_ACCESS_WRITE);
   // A remainder master reads and writes the param (its high half).
   if (has(ZOPT_STATE_MASTER) && st.remainder)
     statesOk = statesOk && d->states[st.idx[ZOPT_STATE_PARAM]].dtype == ZOPT_DTYPE_BF16 &&
@@ -303,7 +321,8 @@ bool selfTest() {
   report(rbad == 0, "self-test: remainder masters: abi.h's split and join on bits agree with the "
                     "reference's split by values and rebuild every master exactly (%zu mismatches, "
                     "%zu ties)", rbad, ties);
-  return bad == 0 && rbad == 0;
+  const bool kahanOk = kahanSelfTest();
+  return bad == 0 && rbad == 0 && kahanOk;
 }
 
 } // namespace kc
@@ -311,7 +330,7 @@ bool selfTest() {
 int main(int argc, char **argv) {
   if (argc < 3) {
     std::fprintf(stderr, "usage: %s STEP.so adam|adamw|adam_amsgrad|sgd|sgd_nesterov|lion "
-                         "[--clip] [--loss-scale] [--rne] [--twin=F32MASTER.so] [--q8-sweep=STRIDE] [--sizes=1,15,17,1000003]\n", argv[0]);
+                         "[--clip] [--loss-scale] [--rne] [--twin=F32MASTER.so] [--track=F32MASTER.so,BF16.so] [--q8-sweep=STRIDE] [--sizes=1,15,17,1000003]\n", argv[0]);
     return 2;
   }
   Step st;
@@ -325,6 +344,7 @@ int main(int argc, char **argv) {
   else { std::fprintf(stderr, "unknown rule '%s'\n", rule.c_str()); return 2; }
   bool rne = false;
   std::string twinPath; // --twin: the f32-master twin of a remainder step
+  std::string trackPath; // --track=MASTER.so,PLAIN.so: a Kahan step's twins
   uint64_t q8Sweep = 0; // --q8-sweep=STRIDE: the kernel's q8 encode, value by value
   std::vector<size_t> sizes = {1, 15, 17, 1000003};
   for (int i = 3; i < argc; ++i) {
@@ -333,6 +353,7 @@ int main(int argc, char **argv) {
     else if (a == "--loss-scale") st.lossScale = true;
     else if (a == "--rne") rne = true;
     else if (a.rfind("--twin=", 0) == 0) twinPath = a.substr(7);
+    else if (a.rfind("--track=", 0) == 0) trackPath = a.substr(8);
     else if (a.rfind("--q8-sweep=", 0) == 0) q8Sweep = std::strtoull(a.c_str() + 11, nullptr, 10);
     else if (a.rfind("--sizes=", 0) == 0) {
       sizes.clear();
@@ -395,10 +416,14 @@ int main(int argc, char **argv) {
           else checkUpdate(st, u.first, u.second, n, c, seed++);
       if (rne && st.q8)
         std::printf("SKIP rne[%s]: not written for q8 steps\n", isaName(u.first));
+      else if (rne && st.kahan)
+        for (size_t n : {size_t(61), size_t(100003)})
+          checkKahanSpecial(st, u.first, u.second, n);
       else if (rne)
         for (size_t n : {size_t(61), size_t(100003)})
           checkRne(st, u.first, u.second, n);
     }
+    if (st.kahan) checkKahanIsas(st, 100003, seed++);
     if (st.q8 && !q8Sweep) checkQ8Isas(st, 100003);
     if (!twinPath.empty()) {
       Step tw;
@@ -413,6 +438,18 @@ int main(int argc, char **argv) {
         if (!twinOk || !fb || !cpuRuns(u.first)) continue;
         for (size_t n : sizes) checkRemainderTwin(st, tw, u.first, u.second, fb, n, 5, seed++);
       }
+    }
+    if (!trackPath.empty()) {
+      const size_t comma = trackPath.find(',');
+      Step tm, tp;
+      tm.rule = tp.rule = st.rule; tm.clip = tp.clip = st.clip;
+      tm.lossScale = tp.lossScale = st.lossScale;
+      const bool ok = st.kahan && comma != std::string::npos &&
+                      loadStep(trackPath.substr(0, comma).c_str(), tm) && tm.idx[ZOPT_STATE_MASTER] >= 0 &&
+                      !tm.remainder && loadStep(trackPath.substr(comma + 1).c_str(), tp) && !tp.kahan &&
+                      tp.idx[ZOPT_STATE_MASTER] < 0;
+      report(ok, "track: the step is Kahan, its twins an f32-master and a plain bf16 step");
+      if (ok) checkKahanTracking(st, tm, tp, 4099, 200);
     }
     for (auto &s : st.sumsqs) {
       if (!cpuRuns(s.first)) {

@@ -67,8 +67,8 @@ using zopt_ref::round_f32;
 inline const char *kindName(uint32_t k) {
   static const char *n[] = {"?", "param", "grad", "master", "exp_avg",
                             "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer",
-                            "exp_avg_absmax", "exp_avg_sq_absmax"};
-  return k < 10 ? n[k] : "?";
+                            "exp_avg_absmax", "exp_avg_sq_absmax", "kahan_comp"};
+  return k < 11 ? n[k] : "?";
 }
 
 // Monotone integer index of a 16-bit value (sign-magnitude -> two's complement)
@@ -144,7 +144,8 @@ struct Step {
   bool clip = false, lossScale = false;
   bool remainder = false; // the master is a remainder (I16; abi.h)
   bool q8 = false;        // some moment is q8 (abi.h "q8 moments")
-  int idx[10]; // state index by kind, -1 if absent
+  bool kahan = false;     // the param is Kahan-compensated (KAHAN_COMP; abi.h)
+  int idx[11]; // state index by kind, -1 if absent
   zopt_prepare_fn prepare = nullptr;
   zopt_control_fn control = nullptr;
   int nControl = 0;
@@ -279,6 +280,20 @@ void checkQ8Update(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n, co
 // Every variant the CPU runs bit for bit on the same inputs; zero, NaN and
 // zero-point blocks (kernel-check-q8.cpp).
 void checkQ8Isas(const Step &st, size_t n);
+// kernel-check-kahan.cpp (abi.h "Kahan-compensated params", NUMERICS §11):
+// the param and compensation a kernel stored, against the reference's store
+// of every f32 value within the rule's bound (both are monotone in it);
+// special params and compensations through a zero update, bit for bit; every
+// variant the CPU runs bit for bit; abi.h's store against the reference's.
+bool kahanStoredOk(uint16_t p, uint16_t c, const E &v, uint16_t gotP, uint16_t gotC);
+void checkKahanSpecial(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n);
+void checkKahanIsas(const Step &st, size_t n, uint64_t seed);
+bool kahanSelfTest();
+// --track: `steps` small AdamW steps of the Kahan step, its f32-master twin
+// and its plain bf16 twin on the same gradients: the Kahan param must stay
+// much closer to the f32 master than the plain one (a measured ratio).
+void checkKahanTracking(const Step &kahan, const Step &master, const Step &plain, size_t n,
+                        int steps);
 // --q8-sweep: the kernel's encode of chosen values, exactly (kernel-check-q8.cpp).
 void checkQ8Sweep(const Step &st, uint32_t isa, zopt_update_fn fn, uint64_t stride);
 // kernel-check-sumsq.cpp: a SUMSQ variant: abi.h's order bit for bit, the

@@ -117,6 +117,16 @@ LogicalResult StoreOp::verify() {
              << getValue().getType() << " into " << st;
     return success();
   }
+  if (getKahan()) {
+    // A Kahan-compensated param (docs/NUMERICS.md §11).
+    if (!st.isBF16() || !getValue().getType().isF32() || getRemainderOf() ||
+        getRounding() != ZOPT_ROUND_NEAREST_EVEN || *getKahan() == getSlot())
+      return emitOpError("a Kahan-compensated param stores an f32 into bf16, "
+                         "rounded to nearest even, with its compensation in "
+                         "another slot, not ")
+             << getValue().getType() << " into " << st;
+    return success();
+  }
   if (getRemainderOf()) {
     if (!st.isInteger(16) || !getValue().getType().isF32())
       return emitOpError("a remainder master stores an f32 into i16, not ")

@@ -223,7 +223,8 @@ void mlir::zopt::lintDescription(StepOp step) {
 /// clipped at 100: the property test's finding F2).
 static ArrayRef<StringRef> syntaxAttributes(StringRef opName) {
   static const StringRef step[] = {"sym_name"};
-  static const StringRef state[] = {"kind", "placement", "rounding", "remainder"};
+  static const StringRef state[] = {"kind", "placement", "rounding", "remainder",
+                                    "kahan"};
   static const StringRef hyper[] = {"kind", "default_value"};
   static const StringRef global[] = {"kind"};
   static const StringRef clip[] = {"max_norm"};

@@ -98,6 +98,17 @@ LogicalResult StateOp::verify() {
                          "half); this master is ")
              << getType();
   }
+  if (getKahan()) {
+    // docs/NUMERICS.md §11: a bf16 param and its bf16 compensation.
+    if (getKind() != StateKind::param)
+      return emitOpError("'kahan' compensates the rounding of a bf16 param's "
+                         "stores; state '")
+             << stringifyStateKind(getKind()) << "' is not the param: drop 'kahan'";
+    if (!getType().isBF16())
+      return emitOpError("'kahan' compensates a bf16 param (its compensation "
+                         "is bf16 too); this param is ")
+             << getType();
+  }
   if (getQ8()) {
     // docs/NUMERICS.md §10: the two Adam moments, quantized per block.
     if (getKind() != StateKind::exp_avg && getKind() != StateKind::exp_avg_sq)

@@ -433,6 +433,39 @@ LogicalResult StepOp::verifyRegions() {
       }
     }
   }
+  if (param.getKahan()) {
+    // docs/NUMERICS.md §11: the compensation replaces the master.
+    if (master) {
+      InFlightDiagnostic d = master.emitOpError(
+          "a Kahan-compensated param has no master: drop the master or "
+          "'kahan' from the param");
+      d.attachNote(param.getLoc())
+          << "the compensation carries the rounding error of the param's "
+             "stores into the next step in place of a master (2 bytes per "
+             "param instead of 4); with a master the param is rounded from "
+             "it and there is no error to carry";
+      return d;
+    }
+    if (param.getRounding() && *param.getRounding() == Rounding::stochastic) {
+      InFlightDiagnostic d = param.emitOpError(
+          "a Kahan-compensated param does not combine with stochastic "
+          "rounding: drop 'rounding stochastic' or 'kahan'");
+      d.attachNote() << "the compensation keeps the rounding error of each "
+                        "store and adds it back at the next, so no update is "
+                        "lost to rounding; a stochastic store would only add "
+                        "noise that the compensation then cancels";
+      return d;
+    }
+    for (auto &kv : states)
+      if (isOptimizerState(kv.second.getKind()) &&
+          kv.second.getPlacement() != param.getPlacement())
+        return param.emitOpError("a Kahan-compensated param is updated "
+                                 "beside its compensation, with the "
+                                 "optimizer states; the param is on ")
+               << stringifyPlacement(param.getPlacement()) << ", '"
+               << kindName(kv.second.getKind()) << "' on "
+               << stringifyPlacement(kv.second.getPlacement());
+  }
   for (StateKind k : {StateKind::exp_avg_sq, StateKind::max_exp_avg_sq})
     if (StateOp s = get(k); s && s.getType().isF16())
       return s.emitOpError("'")

@@ -43,6 +43,8 @@ struct StepFuser {
   /// q8 moments (abi.h "q8 moments") -> the slot of their absmax: after
   /// every zopt.state's slot, exp_avg's first.
   llvm::DenseMap<Operation *, int64_t> absmaxSlot;
+  // The slot of a Kahan param's compensation (after the absmax slots), or -1.
+  int64_t kahanSlot = -1;
 
   StepFuser(StepOp step, unsigned &numCoeffs)
       : step(step), numCoeffs(numCoeffs), body(step.getBody().front()) {}
@@ -185,6 +187,19 @@ struct StepFuser {
       access.push_back(access[i]);
       sflags.push_back(sflags[i] | ZOPT_STATE_PER_BLOCK);
     }
+    // A Kahan param's compensation: bf16, zero at first, beside the param,
+    // partitioned as the optimizer states (abi.h "Kahan-compensated params").
+    if (kahanSlot >= 0) {
+      StateOp param = step.getState(StateKind::param);
+      assert(int64_t(kinds.size()) == kahanSlot && "the compensation last");
+      kinds.push_back(ZOPT_STATE_KAHAN_COMP);
+      dtypes.push_back(ZOPT_DTYPE_BF16);
+      places.push_back(int(param.getPlacement()));
+      rounds.push_back(ZOPT_ROUND_NEAREST_EVEN);
+      inits.push_back(ZOPT_INIT_ZERO);
+      access.push_back(ZOPT_ACCESS_READ | ZOPT_ACCESS_WRITE);
+      sflags.push_back(step.getZeroStage() >= 1 ? ZOPT_STATE_PARTITIONED : 0);
+    }
     SmallVector<double> defs, mins, maxs;
     SmallVector<int32_t> excl;
     for (int k : hyperKinds) {
@@ -223,6 +238,8 @@ struct StepFuser {
     for (StateKind k : {StateKind::exp_avg, StateKind::exp_avg_sq})
       if (StateOp s = step.getState(k); s && s.getQ8())
         absmaxSlot[s] = next++;
+    if (step.getState(StateKind::param).getKahan())
+      kahanSlot = next++;
   }
 
   /// The `remainder` master (abi.h "Remainder masters"), or null.
@@ -322,6 +339,15 @@ struct StepFuser {
           int32_t rounding = s.getRounding() ? int(*s.getRounding())
                                              : ZOPT_ROUND_NEAREST_EVEN;
           bool rem = s == remMaster;
+          if (s == param && kahanSlot >= 0) {
+            // The param's store adds the update with its compensation.
+            zk::StoreOp::create(
+                kb, y.getLoc(), kb.getI64IntegerAttr(slotOf(s)), map.lookup(v),
+                TypeAttr::get(s.getType()), kb.getI32IntegerAttr(rounding),
+                IntegerAttr(), IntegerAttr(), UnitAttr(),
+                kb.getI64IntegerAttr(kahanSlot));
+            continue;
+          }
           auto q8 = absmaxSlot.find(s);
           bool isQ8 = q8 != absmaxSlot.end();
           auto st = zk::StoreOp::create(
@@ -331,7 +357,7 @@ struct StepFuser {
                                    : s.getType()),
               kb.getI32IntegerAttr(rounding),
               rem ? kb.getI64IntegerAttr(slotOf(param)) : IntegerAttr(),
-              IntegerAttr(), UnitAttr());
+              IntegerAttr(), UnitAttr(), IntegerAttr());
           if (isQ8) {
             st.setAbsmaxAttr(kb.getI64IntegerAttr(q8->second));
             st.setQ8Unsigned(s.getKind() == StateKind::exp_avg_sq);

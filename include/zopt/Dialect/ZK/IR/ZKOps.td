@@ -204,11 +204,20 @@ def ZK_StoreOp : ZK_Op<"store", [HasParent<"KernelOp">,
     ```mlir
     zk.store 3, %m1 {absmax = 6 : i64} : f32 into i8
     ```
+    With `kahan = C` (a bf16 param, an f32 value v): the Kahan store of
+    abi.h "Kahan-compensated params" (docs/NUMERICS.md §11): with p the
+    param at `slot` and c the bf16 compensation at slot C, in f32,
+    y = (v - p) + c; the param becomes bf16(p + y) and the compensation
+    bf16(y - (bf16(p + y) - p)), both rounded to nearest even.
+    ```mlir
+    zk.store 0, %p1 {kahan = 5 : i64} : f32 into bf16
+    ```
   }];
   let arguments = (ins I64Attr:$slot, AnyFloat:$value, TypeAttr:$storage,
                    DefaultValuedAttr<I32Attr, "ZOPT_ROUND_NEAREST_EVEN">:$rounding,
                    OptionalAttr<I64Attr>:$remainder_of,
-                   OptionalAttr<I64Attr>:$absmax, UnitAttr:$q8_unsigned);
+                   OptionalAttr<I64Attr>:$absmax, UnitAttr:$q8_unsigned,
+                   OptionalAttr<I64Attr>:$kahan);
   let assemblyFormat = "$slot `,` $value attr-dict `:` type($value) `into` $storage";
   let hasVerifier = 1;
 }

@@ -77,19 +77,29 @@ def Zopt_StateOp : Zopt_Op<"state", [Pure, HasParent<"StepOp">]> {
     param update uses the new moment before quantization
     (docs/NUMERICS.md §10).
 
+    `kahan` (a bf16 `param` only, in a step without a master): the param
+    carries a bf16 Kahan compensation (optimi's `kahan_sum`), a state
+    zopt-fuse adds beside it (abi.h "Kahan-compensated params"): the rule
+    computes the new param in f32 from the bf16 param as usual, and the
+    store adds the update to the param with the rounding error of the
+    previous stores, keeping the new error in the compensation: 4 bytes per
+    param like a remainder master, but approximate where that is exact
+    (docs/NUMERICS.md §11).
+
     ```mlir
     %w = zopt.state master : f32 on cpu
     %m = zopt.state exp_avg : bf16 on cpu rounding nearest_even
     %r = zopt.state master : f32 on cpu remainder
     %q = zopt.state exp_avg_sq : f32 on cpu q8
+    %k = zopt.state param : bf16 on cpu kahan
     ```
   }];
   let arguments = (ins Zopt_StateKindAttr:$kind, Zopt_PlacementAttr:$placement,
                    OptionalAttr<Zopt_RoundingAttr>:$rounding,
-                   UnitAttr:$remainder, UnitAttr:$q8);
+                   UnitAttr:$remainder, UnitAttr:$q8, UnitAttr:$kahan);
   let results = (outs AnyType:$result);
   let assemblyFormat =
-      "`` $kind `:` type($result) `on` `` $placement (`rounding` `` $rounding^)? (`remainder` $remainder^)? (`q8` $q8^)? attr-dict";
+      "`` $kind `:` type($result) `on` `` $placement (`rounding` `` $rounding^)? (`remainder` $remainder^)? (`q8` $q8^)? (`kahan` $kahan^)? attr-dict";
   let hasVerifier = 1;
 }
 
