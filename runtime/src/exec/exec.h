@@ -58,6 +58,8 @@ struct Blocks {
   std::vector<double> partials;  // one per block, in this rank's block order
 };
 
+struct Spec;  // speculate.h: a pipelined offloaded step's buckets
+
 struct Program {
   std::vector<zopt_program_op> ops;
   std::vector<double> op_seconds;  // wall time of each op in the last step (0: did not run)
@@ -103,6 +105,8 @@ struct Program {
   // A tensor's user memory moved (zopt_optimizer_set_tensor_memory): the
   // work units' pointers are rebuilt once, at the next step.
   bool rebind_pending = false;
+  // Offloaded steps with bucket readiness (speculate.h; NULL until used).
+  Spec *spec = nullptr;
 };
 
 // Builds the program at finalize (validates it against the step and the

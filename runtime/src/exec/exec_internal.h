@@ -12,6 +12,8 @@
 //   stream.cpp       gradient streaming: buckets reduced during backward
 //   fold.cpp         the rank-order sum of a reduction
 //   stats.cpp        zopt_step_stats: the last step's time by kind of work
+//   speculate.cpp    a pipelined offloaded step: per-bucket norm partials
+//                    and speculative updates, commit or recompute
 #ifndef ZOPT_RUNTIME_EXEC_INTERNAL_H
 #define ZOPT_RUNTIME_EXEC_INTERNAL_H
 
