@@ -226,20 +226,20 @@ void pipeline_check(Fake &f, zopt_step *step, const char *twin_path) {
           "a negative bucket index is refused");
   refused(zopt_optimizer_set_speculation_budget(P.o, 1000), ZOPT_ERR_INVALID_ARGUMENT, "smaller than one bucket",
           "a budget smaller than one bucket is refused");
+  void *cs = nullptr;  // the optimizer's stream from here on
+  f.stream_create(&cs, 0);
+  Z(zopt_optimizer_set_stream(P.o, cs));
   {
-    void *cs = nullptr, *graph = nullptr;
-    f.stream_create(&cs, 0);
-    Z(zopt_optimizer_set_stream(P.o, cs));
+    void *graph = nullptr;
     f.begin_capture(cs, 0);
     zopt_status st = zopt_optimizer_grad_bucket_ready(P.o, 0);
     std::string msg = zopt_last_error();
     int ec = f.end_capture(cs, &graph);
     check(st == ZOPT_ERR_UNSUPPORTED && msg.find("cannot be captured in a CUDA graph") != std::string::npos && ec == 0,
           "pipeline: a bucket marked ready while the stream captures a CUDA graph is refused: " + msg);
-    Z(zopt_optimizer_set_stream(P.o, stream));
   }
   // One more step: bucket 1 twice, a step with buckets missing, a call that
-  // changes the optimizer in between; then the rest marked, and the step
+  // changes the optimizer in between, a step on a capturing stream; then the rest marked, and the step
   // still bit-identical to the serial one.
   for (size_t t = 0; t < T; ++t) {
     std::vector<float> v(sizes[t]);
@@ -262,6 +262,17 @@ void pipeline_check(Fake &f, zopt_step *step, const char *twin_path) {
   }
   for (int b = 0; b < nb; ++b)
     if (b != 1 && b != 3) Z(zopt_optimizer_grad_bucket_ready(P.o, b));
+  {
+    // The optimizer's stream (cs, set above) starts capturing: the step is
+    // refused, its buckets stay marked, and it runs after the capture.
+    void *graph = nullptr;
+    f.begin_capture(cs, 0);
+    zopt_status st = zopt_optimizer_step(P.o, nullptr);
+    std::string msg = zopt_last_error();
+    int ec = f.end_capture(cs, &graph);
+    check(st == ZOPT_ERR_UNSUPPORTED && msg.find("cannot be captured in a CUDA graph") != std::string::npos && ec == 0,
+          "pipeline: a pipelined step on a capturing stream is refused, saying why: " + msg);
+  }
   zopt_step_result rp{}, rs{};
   Z(zopt_optimizer_step(P.o, &rp));
   Z(zopt_optimizer_step(S.o, &rs));

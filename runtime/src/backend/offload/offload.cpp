@@ -232,7 +232,7 @@ class OffloadBackend final : public CpuBackend {
   // its update commits or recomputes per bucket (pipeline.cpp).
   zopt_status grad_bucket_ready(zopt_optimizer *o, int b) override { return offload_bucket_ready(g, pipe, o, b); }
   zopt_status begin_step(zopt_optimizer *o, exec::StepState *st, bool first) override {
-    if (zopt_status s = offload_pipelined_begin(o)) return s;
+    if (zopt_status s = offload_pipelined_begin(g, o)) return s;
     return CpuBackend::begin_step(o, st, first);
   }
   zopt_status run_op(zopt_optimizer *o, exec::StepState *st, size_t i) override {

@@ -133,7 +133,7 @@ zopt_status offload_bucket_ready(GpuState *g, OffloadPipe &pp, zopt_optimizer *o
   return ZOPT_OK;
 }
 
-zopt_status offload_pipelined_begin(zopt_optimizer *o) {
+zopt_status offload_pipelined_begin(GpuState *g, zopt_optimizer *o) {
   exec::Spec *S = open_spec(o);
   if (!S) return ZOPT_OK;
   if (S->consumed) {
@@ -148,6 +148,15 @@ zopt_status offload_pipelined_begin(zopt_optimizer *o) {
                 "zopt_optimizer_step: gradient buckets were marked ready (zopt_optimizer_grad_bucket_ready) but not "
                 "all of them: bucket %s of %zu not marked since the last step; mark %s before the step",
                 exec::spec_missing(o).c_str(), nb, nb - S->nready == 1 ? "it" : "them");
+  ZOPT_CTX_SCOPE(g);
+  bool cap = false;
+  if (zopt_status st = gpu_capturing(g, g->stream, &cap)) return st;
+  if (cap)
+    return fail(ZOPT_ERR_UNSUPPORTED,
+                "zopt_optimizer_step: step '%s' is offloaded (its update runs on the CPU between the copies of the "
+                "grads and of the params back), so it cannot be captured in a CUDA graph, but the optimizer's "
+                "stream is capturing: run the step outside the capture (its marked buckets stay marked)",
+                o->d->name);
   return ZOPT_OK;
 }
 

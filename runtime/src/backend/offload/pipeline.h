@@ -29,8 +29,9 @@ struct OffloadPipe {
 zopt_status offload_bucket_ready(GpuState *g, OffloadPipe &pp, zopt_optimizer *o, int b);
 // Whether a pipelined step is under way (some bucket marked ready).
 bool offload_pipelined(const zopt_optimizer *o);
-// The step's checks before its first op: every bucket marked ready.
-zopt_status offload_pipelined_begin(zopt_optimizer *o);
+// The step's checks before its first op: every bucket marked ready, the
+// stream not capturing (the step's copies back need the host's update).
+zopt_status offload_pipelined_begin(GpuState *g, zopt_optimizer *o);
 // Program op i of a pipelined step; *handled false: the host executor's.
 zopt_status offload_pipelined_op(GpuState *g, zopt_optimizer *o, exec::StepState *st, size_t i, bool *handled);
 // After the last op: the outcome recorded, the step closed.
