@@ -6,6 +6,9 @@
 
 #include "exec/exec_internal.h"
 
+#include <sys/mman.h>
+
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -55,6 +58,7 @@ void update_chunk(zopt_optimizer *o, const Chunk &c, void *const *out) {
 // The speculation buffer of state s for chunk c of bucket b.
 char *spec_ptr(const zopt_optimizer *o, const Spec &S, int b, const Chunk &c, uint32_t s) {
   const Program &P = *o->prog;
+  if (S.mirror) return S.shadow[s] + ((char *)c.ptrs[s] - (char *)P.buf[s]);
   const size_t so = S.state_off[(size_t)b * o->d->num_states + s];
   const int64_t flat = P.L.tensors[c.tensor].flat + c.start;
   return S.arena + S.off[b] + so + (size_t)(flat - P.L.buckets[b].begin) * es_of(o, (int)s);
@@ -125,6 +129,15 @@ zopt_status spec_set_budget(zopt_optimizer *o, uint64_t bytes, const char *fn) {
     S.arena = nullptr;
     S.arena_bytes = 0;
   }
+  uint64_t total = 0;
+  for (uint64_t c : S.cost) total += c;
+  if (bytes < total) {
+    for (char *&p : S.shadow) {
+      free(p);
+      p = nullptr;
+    }
+    S.mirror = false;
+  }
   return ZOPT_OK;
 }
 
@@ -139,7 +152,32 @@ zopt_status spec_open(zopt_optimizer *o, double scale, const char *fn) {
     Spec &S = *P.spec;
     uint64_t total = 0;
     for (uint64_t c : S.cost) total += c;
-    const size_t want = (size_t)std::min(S.budget, total);
+    // Every bucket fits: shadows of the written states' buffers (each
+    // written state has one: runtime-held, or the param's staging; at 1
+    // rank, the only one readiness serves, a sharded buffer is whole).
+    const uint32_t NS = o->d->num_states;
+    bool mirror = S.budget >= total;
+    for (uint32_t s = 0; s < NS && mirror; ++s)
+      if (o->d->states[s].access & ZOPT_ACCESS_WRITE) mirror = P.buf[s] != nullptr;
+    S.shadow.resize(NS, nullptr);
+    for (uint32_t s = 0; s < NS && mirror; ++s) {
+      if (!(o->d->states[s].access & ZOPT_ACCESS_WRITE) || S.shadow[s]) continue;
+      const size_t huge = size_t(2) << 20, bytes = P.buf_bytes[s];
+      void *p = nullptr;
+      if (posix_memalign(&p, bytes >= 2 * huge ? huge : 64, std::max<size_t>(bytes, 64)) != 0 || !p)
+        return fail(ZOPT_ERR_OUT_OF_MEMORY, "%s: cannot allocate %zu bytes of speculation buffers", fn, bytes);
+      if (bytes >= 2 * huge) madvise(p, bytes, MADV_HUGEPAGE);  // advice only
+      memset(p, 0, bytes);  // the gaps and padding stay zero (a swapped-in buffer's too)
+      S.shadow[s] = (char *)p;
+    }
+    S.mirror = mirror;
+    S.swapped = false;
+    const size_t want = mirror ? 0 : (size_t)std::min(S.budget, total);
+    if (mirror && S.arena) {
+      free(S.arena);
+      S.arena = nullptr;
+      S.arena_bytes = 0;
+    }
     if (S.arena_bytes < want) {
       free(S.arena);
       S.arena = nullptr;
@@ -174,6 +212,10 @@ zopt_status spec_open(zopt_optimizer *o, double scale, const char *fn) {
 
 bool spec_reserve(zopt_optimizer *o, int b) {
   Spec &S = *o->prog->spec;
+  if (S.mirror) {
+    S.speculated[b] = 1;
+    return true;
+  }
   if (S.budget == 0 || S.arena_bytes - S.arena_used < S.cost[b]) return false;
   S.off[b] = S.arena_used;
   S.arena_used += (size_t)S.cost[b];
@@ -223,11 +265,52 @@ bool spec_rows_same(const zopt_optimizer *o) {
          memcmp(P.coeffs.data(), S.rows.data(), S.rows.size() * sizeof(float)) == 0;
 }
 
+void spec_try_swap(zopt_optimizer *o) {
+  Program &P = *o->prog;
+  Spec &S = *P.spec;
+  if (!S.mirror || !spec_rows_same(o)) return;
+  for (uint8_t a : P.global_active)  // an inactive tensor's shadow is stale
+    if (!a) return;
+  for (uint8_t x : S.speculated)
+    if (!x) return;
+  // Every bucket commits and every element was speculated: the shadows of
+  // the runtime-held states are the new states (their gaps zero as well).
+  const uint32_t NS = o->d->num_states;
+  auto swap_all = [&] {
+    for (uint32_t s = 0; s < NS; ++s)
+      if (S.shadow[s] && !P.pinned[s]) {
+        char *x = (char *)P.buf[s];
+        P.buf[s] = S.shadow[s];
+        S.shadow[s] = x;
+      }
+  };
+  swap_all();
+  try {
+    rebind(o);  // the work lists' pointers: the same chunks in the same order
+  } catch (...) {
+    swap_all();  // the states as they were; the next step rebinds
+    P.rebind_pending = true;
+    throw;
+  }
+  S.swapped = true;
+}
+
 void spec_update_bucket(zopt_optimizer *o, int b) {
   Program &P = *o->prog;
   Spec &S = *P.spec;
   Work &w = update_work(P);
   const size_t a = S.upd_first[b], e = S.upd_first[b + 1];
+  const uint32_t NS = o->d->num_states;
+  if (S.swapped) {  // the staged param's speculation copied in; the rest swapped
+    par_range(o, a, e, [&](size_t i) {
+      const Chunk &c = w.chunks[i];
+      for (uint32_t s = 0; s < NS; ++s)
+        if (S.shadow[s] && P.pinned[s])
+          memcpy(c.ptrs[s], spec_ptr(o, S, b, c, s), (size_t)c.len * es_of(o, (int)s));
+    });
+    ++S.committed;
+    return;
+  }
   // Commit only if every row the speculation used is the row the step
   // uses now, bit for bit.
   bool same = S.speculated[b] != 0;
@@ -239,7 +322,6 @@ void spec_update_bucket(zopt_optimizer *o, int b) {
            memcmp(P.coeffs.data() + (size_t)r * ZOPT_MAX_COEFFS, S.rows.data() + (size_t)r0 * ZOPT_MAX_COEFFS,
                   ZOPT_MAX_COEFFS * sizeof(float)) == 0;
   }
-  const uint32_t NS = o->d->num_states;
   if (same) {
     par_range(o, a, e, [&](size_t i) {
       const Chunk &c = w.chunks[i];
@@ -272,6 +354,7 @@ void spec_close(zopt_optimizer *o) {
 
 void spec_free(zopt_optimizer *o) {
   if (!o->prog || !o->prog->spec) return;
+  for (char *p : o->prog->spec->shadow) free(p);
   free(o->prog->spec->arena);
   delete o->prog->spec;
   o->prog->spec = nullptr;

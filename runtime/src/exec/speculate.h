@@ -34,10 +34,16 @@ struct Spec {
   std::vector<uint64_t> cost;
   std::vector<size_t> state_off;  // per bucket x state (SIZE_MAX: not written)
   // The budget (zopt_optimizer_set_speculation_budget; default: every
-  // bucket) and one arena of min(budget, every bucket's cost) bytes.
+  // bucket) and one arena of min(budget, every bucket's cost) bytes, or
+  // (`mirror`: a budget of every bucket) per written state a shadow of its
+  // buffer in the same layout, element for element: a step whose every
+  // bucket commits swaps the shadows of the runtime-held states in (no
+  // copy; `swapped`) and copies only the staged param's.
   uint64_t budget = UINT64_MAX;
   char *arena = nullptr;
   size_t arena_bytes = 0, arena_used = 0;
+  bool mirror = false, swapped = false;
+  std::vector<char *> shadow;  // per state (NULL: not written, or no mirror)
   // The step under way: open after the first readiness until the step
   // ends; `consumed` once its UPDATE began (a failed step after that is
   // not resumed: the next step runs serially).
@@ -78,6 +84,11 @@ void spec_bucket_work(zopt_optimizer *o, int b);
 // At the step's NORM_PARTIALS: whether the rows are the ones the
 // speculation used (the partials computed at readiness stand).
 bool spec_rows_same(const zopt_optimizer *o);
+// At the step's UPDATE, before the buckets: with mirrors, when every
+// bucket's rows are the speculation's and every tensor is updated, the
+// runtime-held written states swapped with their shadows (the work lists
+// rebound; may throw std::bad_alloc).
+void spec_try_swap(zopt_optimizer *o);
 // At the step's UPDATE (rows with the true clip coefficient): bucket b's
 // speculation committed when every row it used is identical, else its
 // update run in place from the untouched states.

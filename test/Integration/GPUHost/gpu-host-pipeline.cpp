@@ -6,7 +6,7 @@
 // zopt_optimizer_step) and the all-CPU twin, bit for bit after every step:
 // params on the device, every optimizer state, the step results. Steps with
 // clipping inactive (commit), clipping active (recompute), a non-finite
-// grad (discard), a budget smaller than the model (some buckets updated
+// grad (discard), two tensors without a gradient, a budget smaller than the model (some buckets updated
 // after validation), no speculation at all (budget 0), several param groups
 // with different hyperparameters. Then the bad input: out of range, ready
 // twice, a step with a bucket missing (named), a budget below one bucket, a
@@ -130,6 +130,7 @@ void pipeline_check(Fake &f, zopt_step *step, const char *twin_path) {
     bool inf;
     int64_t budget;  // -1: every bucket, else bytes
     int want;        // outcome
+    bool inactive = false;  // tensors 2 and 6 without a gradient (set_active)
   };
   // Without clipping the rows never change: every speculation commits.
   const int RECOMP = (d->flags & ZOPT_FLAG_CLIP) ? ZOPT_SPEC_RECOMPUTE : ZOPT_SPEC_COMMIT;
@@ -139,6 +140,7 @@ void pipeline_check(Fake &f, zopt_step *step, const char *twin_path) {
       {"clipping active", 0.5f, false, -1, RECOMP},
       {"a non-finite grad", 1e-4f, true, -1, DISC},
       {"clipping inactive again", 1e-4f, false, -1, ZOPT_SPEC_COMMIT},
+      {"tensors 2 and 6 without a gradient", 1e-4f, false, -1, ZOPT_SPEC_COMMIT, true},
       {"a budget of two buckets, clipping inactive", 1e-4f, false, (int64_t)(2 * 16384 * bytes_per_elem + 4096),
        ZOPT_SPEC_COMMIT},
       {"a budget of two buckets, clipping active", 0.5f, false, (int64_t)(2 * 16384 * bytes_per_elem + 4096), RECOMP},
@@ -160,6 +162,9 @@ void pipeline_check(Fake &f, zopt_step *step, const char *twin_path) {
       memcpy((void *)(uintptr_t)S.dg[t], C.hg[t].data(), C.hg[t].size());
     }
     Z(zopt_optimizer_set_speculation_budget(P.o, pl.budget < 0 ? UINT64_MAX : (uint64_t)pl.budget));
+    std::vector<uint8_t> act(T, 1);
+    act[2] = act[6] = pl.inactive ? 0 : 1;
+    for (Side *x : {&P, &S, &C}) Z(zopt_optimizer_set_active(x->o, act.data(), (int64_t)T));
     std::vector<int> order(nb);
     for (int b = 0; b < nb; ++b) order[b] = b;
     std::shuffle(order.begin(), order.end(), order_rng);

@@ -192,6 +192,11 @@ zopt_status offload_pipelined_op(GpuState *g, zopt_optimizer *o, exec::StepState
       for (size_t j = i + 1; j < P.ops.size(); ++j)
         if (P.ops[j].code == ZOPT_OP_COPY && P.ops[j].dst != ZOPT_PLACE_CPU) back = (int)P.ops[j].state;
       ZOPT_CTX_SCOPE(g);
+      try {
+        exec::spec_try_swap(o);
+      } catch (...) {
+        return fail(ZOPT_ERR_OUT_OF_MEMORY, "zopt_optimizer_step: out of memory rebuilding the work lists");
+      }
       for (int b = 0; b < (int)S->ready.size(); ++b) {
         exec::spec_update_bucket(o, b);
         if (back >= 0)
