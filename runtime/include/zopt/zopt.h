@@ -628,7 +628,8 @@ typedef struct zopt_memory_info {
   uint64_t bytes_cpu; /* on the CPU: the user's params and registered grads
                          (none with gradient streaming), state_bytes,
                          grad_bytes, scratch_bytes, and an offloaded step's
-                         pinned param/grad staging */
+                         pinned param/grad staging and speculation buffers
+                         (zopt_optimizer_grad_bucket_ready) */
   uint64_t bytes_gpu;
   uint64_t num_params; /* total elements */
   uint64_t state_bytes;          /* runtime-owned states this rank holds

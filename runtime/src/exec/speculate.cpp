@@ -360,6 +360,15 @@ void spec_free(zopt_optimizer *o) {
   o->prog->spec = nullptr;
 }
 
+uint64_t spec_bytes(const zopt_optimizer *o) {
+  const Spec *S = o->prog ? o->prog->spec : nullptr;
+  if (!S) return 0;
+  uint64_t n = S->arena_bytes;
+  for (size_t s = 0; s < S->shadow.size(); ++s)
+    if (S->shadow[s]) n += o->prog->buf_bytes[s];
+  return n;
+}
+
 std::string spec_missing(const zopt_optimizer *o) {
   const Spec &S = *o->prog->spec;
   std::vector<int> bs;

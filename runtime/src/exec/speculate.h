@@ -96,6 +96,8 @@ void spec_update_bucket(zopt_optimizer *o, int b);
 // The step is over (or abandoned): nothing ready.
 void spec_close(zopt_optimizer *o);
 void spec_free(zopt_optimizer *o);
+// Bytes of speculation buffers held (the arena, the shadows).
+uint64_t spec_bytes(const zopt_optimizer *o);
 // The buckets not marked ready, for messages ("3, 4, 7").
 std::string spec_missing(const zopt_optimizer *o);
 

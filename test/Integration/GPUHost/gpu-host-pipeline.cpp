@@ -215,6 +215,20 @@ void pipeline_check(Fake &f, zopt_step *step, const char *twin_path) {
       }
     check(states, tag + ": every optimizer state bit-identical to the serial step's and the CPU twin's");
   }
+  {
+    // The speculation buffers (a budget of every bucket: shadows of the
+    // written states) are the pipelined optimizer's host bytes beyond the
+    // serial one's.
+    zopt_memory_info mp{}, ms{};
+    Z(zopt_optimizer_memory_info(P.o, &mp));
+    Z(zopt_optimizer_memory_info(S.o, &ms));
+    uint64_t n = 0;
+    for (int64_t x : sizes) n += (uint64_t)x;
+    const uint64_t extra = mp.bytes_cpu - ms.bytes_cpu, want = n * bytes_per_elem;
+    check(extra >= want && extra < want + want / 4 + 65536,
+          "pipeline: memory_info counts the speculation buffers (" + std::to_string(extra) + " bytes for " +
+              std::to_string(bytes_per_elem) + " B/param of written states)");
+  }
   int64_t cp = 0, cc = 0;
   Z(zopt_optimizer_get_step_count(P.o, 0, &cp));
   Z(zopt_optimizer_get_step_count(C.o, 0, &cc));
