@@ -319,7 +319,9 @@ ZOPT_API zopt_status zopt_optimizer_wait_buckets(zopt_optimizer *opt);
  *
  * docs/GPU.md "Bucket readiness and speculation". For an offloaded step
  * (params and grads on the GPU, optimizer states and the update on the
- * CPU), at 1 rank: the caller marks each gradient bucket ready as soon as
+ * CPU), at 1 rank or at W ranks with ZeRO-2 (every rank marks in the same
+ * order: each bucket's job reduces it across ranks): the caller marks each
+ * gradient bucket ready as soon as
  * its grads are final (zopt_optimizer_num_buckets / _bucket_tensors name
  * the buckets and their tensors; they are the layout's buckets, as for
  * gradient streaming). The call queues on the optimizer's stream an

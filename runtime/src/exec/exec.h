@@ -146,6 +146,10 @@ zopt_status run_end(zopt_optimizer *o, StepState *st, double sumsq, zopt_step_re
 // decision by the step's CONTROL (and the coefficients again with its clip
 // coefficient); the streaming bookkeeping and the result.
 zopt_status host_begin(zopt_optimizer *o, StepState *st, bool first);
+// The ranks' agreement before a step's first collective (host_begin; the
+// first bucket readiness of a pipelined offloaded step): every rank's
+// gradient mask ORed into Program::global_active, the step settings checked.
+zopt_status agree_step(zopt_optimizer *o, bool first);
 zopt_status run_host_op(zopt_optimizer *o, StepState *st, size_t i);
 void host_decide(zopt_optimizer *o, StepState *st, double sumsq);
 void host_end(zopt_optimizer *o, StepState *st, zopt_step_result *result);

@@ -153,8 +153,10 @@ zopt_status spec_open(zopt_optimizer *o, double scale, const char *fn) {
     uint64_t total = 0;
     for (uint64_t c : S.cost) total += c;
     // Every bucket fits: shadows of the written states' buffers (each
-    // written state has one: runtime-held, or the param's staging; at 1
-    // rank, the only one readiness serves, a sharded buffer is whole).
+    // written state has one: runtime-held, whole or this rank's shards, or
+    // the param's staging), mirrored element for element. (The arena is
+    // sized per bucket over its whole flat range: at W ranks W times what
+    // a rank's shard needs.)
     const uint32_t NS = o->d->num_states;
     bool mirror = S.budget >= total;
     for (uint32_t s = 0; s < NS && mirror; ++s)
@@ -189,9 +191,10 @@ zopt_status spec_open(zopt_optimizer *o, double scale, const char *fn) {
       S.arena_bytes = want;
     }
     const size_t nb = P.L.buckets.size();
-    // The step's PREPARE rows (clip coefficient 1, nothing skipped), as
-    // host_begin's agreement and the PREPARE op will compute them again.
-    P.global_active = o->active;
+    // The ranks' agreement (the gradient mask every bucket's reduction and
+    // update use) and the step's PREPARE rows (clip coefficient 1, nothing
+    // skipped), as host_begin and the PREPARE op will compute them again.
+    if (zopt_status st = agree_step(o, true)) return st;
     prepare_rows(o, true, 1.0, scale);
     S.rows = P.coeffs;
     S.row_of = P.row_of_tensor;
@@ -223,10 +226,16 @@ bool spec_reserve(zopt_optimizer *o, int b) {
   return true;
 }
 
-void spec_bucket_work(zopt_optimizer *o, int b) {
+zopt_status spec_bucket_work(zopt_optimizer *o, int b) {
   Program &P = *o->prog;
   Spec &S = *P.spec;
   const double t0 = now_seconds();
+  // At W ranks the bucket's reduction first (a collective: every rank's
+  // jobs run in the order of its marks, which must be the same).
+  if (o->world > 1)
+    for (const zopt_program_op &op : P.ops)
+      if (op.code == ZOPT_OP_REDUCE_SCATTER)
+        if (zopt_status st = reduce_scatter_bucket(o, op, b)) return st;
   if (P.norm_range) {
     // exec.cpp run_sumsq for this bucket's blocks: each chunk's partial,
     // then each block's in-order sum (the same bits, in the same slots).
@@ -256,6 +265,7 @@ void spec_bucket_work(zopt_optimizer *o, int b) {
     });
   }
   S.job_seconds[b] = now_seconds() - t0;
+  return ZOPT_OK;
 }
 
 bool spec_rows_same(const zopt_optimizer *o) {

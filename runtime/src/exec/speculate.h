@@ -17,7 +17,7 @@
 
 #include "internal.h"
 
-#include <atomic>
+#include <string>
 #include <vector>
 
 namespace zopt {
@@ -72,15 +72,17 @@ void spec_build(zopt_optimizer *o);
 // zopt_optimizer_set_speculation_budget (checked against the largest
 // bucket's cost; 0: no speculation).
 zopt_status spec_set_budget(zopt_optimizer *o, uint64_t bytes, const char *fn);
-// The first readiness of a step: the work lists rebound, the active mask,
-// the PREPARE rows (clip coefficient 1) and a copy of them, the arena.
+// The first readiness of a step: the work lists rebound, the ranks'
+// agreement (a collective at W ranks), the PREPARE rows (clip coefficient
+// 1) and a copy of them, the speculation buffers.
 zopt_status spec_open(zopt_optimizer *o, double S, const char *fn);
 // Reserves speculation space for bucket b within the budget (false: it
 // updates after validation).
 bool spec_reserve(zopt_optimizer *o, int b);
 // Bucket b's CPU work once its grads are on the host (the pipeline's
-// thread): its norm partials and, if reserved, its speculative update.
-void spec_bucket_work(zopt_optimizer *o, int b);
+// thread): at W ranks its reduction (a collective), its norm partials and,
+// if reserved, its speculative update.
+zopt_status spec_bucket_work(zopt_optimizer *o, int b);
 // At the step's NORM_PARTIALS: whether the rows are the ones the
 // speculation used (the partials computed at readiness stand).
 bool spec_rows_same(const zopt_optimizer *o);

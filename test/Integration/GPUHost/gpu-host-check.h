@@ -242,7 +242,8 @@ inline bool chunks_cover(const zopt_gpu_chunk *ch, int64_t nch, const std::vecto
 
 // The checks, by file.
 int offload_check(Fake &f, zopt_step *step, const char *twin_path);
-void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const char *twin_path, int W);
+void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const char *twin_path, int W,
+                         bool pipelined = false);
 void pipeline_check(Fake &f, zopt_step *step, const char *twin_path);
 int gpu_main_check(Fake &f, zopt_step *step, const char *path);
 void driver_checks(Fake &f, zopt_step *step);

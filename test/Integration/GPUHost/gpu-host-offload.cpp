@@ -6,6 +6,8 @@
 //===----------------------------------------------------------------------===//
 #include "gpu-host-check.h"
 
+#include <algorithm>
+#include <random>
 #include <thread>
 
 namespace ghc {
@@ -268,7 +270,15 @@ int offload_check(Fake &f, zopt_step *step, const char *twin_path) {
 // tensors. Each rank loads the steps itself (as a process would; a step's
 // reference count is not atomic, so optimizers of one zopt_step are not
 // created from several threads at once).
-void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const char *twin_path, int W) {
+//
+// `pipelined`: the offloaded ranks mark their buckets ready
+// (zopt_optimizer_grad_bucket_ready) before each step, every rank in the
+// same shuffled order: each bucket's reduction, norm partials and
+// speculative update run on the optimizer's thread; every other step has
+// small grads (the speculation commits), the others clip (recompute) or
+// skip (discard).
+void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const char *twin_path, int W,
+                         bool pipelined) {
   const zopt_step_descriptor *d = zopt_step_get_descriptor(step);
   const bool ls = d->flags & ZOPT_FLAG_LOSS_SCALE, has_sumsq = d->flags & ZOPT_FLAG_SUMSQ;
   uint32_t pdt = 0, gdt = 0;
@@ -288,6 +298,7 @@ void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const 
   struct RankResult {
     bool params_same = true, results_same = true, counts_same = true;
     std::string first_diff;
+    int outcomes[4] = {0, 0, 0, 0};  // pipelined: steps per ZOPT_SPEC_* outcome
   };
   std::vector<RankResult> res(W);
   // The initial params: the same on every rank (finalize checks it).
@@ -352,15 +363,30 @@ void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const 
         std::vector<float> v(sizes[t]);
         for (auto &x : v) {
           rng = rng * 1664525u + 1013904223u;
-          x = (((rng >> 8) & 0xFFFF) / 32768.0f - 1.0f) * (ls ? 64.f : 0.05f);
+          x = (((rng >> 8) & 0xFFFF) / 32768.0f - 1.0f) * (ls ? 64.f : 0.05f) * (pipelined && k % 2 ? 1e-3f : 1.f);
         }
         if (k == inf_at && r == W - 1 && t == T / 2) v[sizes[t] / 2] = INFINITY;
         Z(zopt_optimizer_write_state_f32(c, (int)t, ZOPT_STATE_GRAD, v.data(), sizes[t]));
         memcpy((void *)(uintptr_t)dg[t], hg[t].data(), hg[t].size());
       }
       zopt_step_result ro{}, rc{};
+      if (pipelined) {
+        int nb = 0;
+        Z(zopt_optimizer_num_buckets(o, &nb));
+        std::vector<int> order(nb);
+        for (int b = 0; b < nb; ++b) order[b] = b;
+        std::mt19937 g((unsigned)k);  // the same order on every rank
+        std::shuffle(order.begin(), order.end(), g);
+        for (int b : order) Z(zopt_optimizer_grad_bucket_ready(o, b));
+      }
       Z(zopt_optimizer_step(o, &ro));
       Z(zopt_optimizer_step(c, &rc));
+      if (pipelined) {
+        zopt_pipeline_stats ps{};
+        ps.size = sizeof ps;
+        Z(zopt_optimizer_get_pipeline_stats(o, &ps));
+        rr.outcomes[ps.outcome & 3]++;
+      }
       rr.results_same &= ro.skipped == rc.skipped && ro.loss_scale == rc.loss_scale &&
                          ((std::isnan(ro.grad_norm) && std::isnan(rc.grad_norm)) || ro.grad_norm == rc.grad_norm);
       f.drain_all();  // after the asynchronous param copies (as above)
@@ -396,7 +422,17 @@ void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const 
     if (diff.empty()) diff = rr.first_diff;
   }
   const std::string at = std::to_string(W) + " ranks (ZeRO-" + std::to_string(d->zero_stage) + ", grads " +
-                         dtype_name(gdt) + ", params " + dtype_name(pdt) + ")";
+                         dtype_name(gdt) + ", params " + dtype_name(pdt) + (pipelined ? ", pipelined" : "") + ")";
+  if (pipelined) {
+    const int *n = res[0].outcomes;
+    const bool clip = d->flags & ZOPT_FLAG_CLIP;
+    bool same = true;
+    for (int r = 1; r < W; ++r) same &= !memcmp(res[r].outcomes, n, sizeof res[r].outcomes);
+    check(same && n[ZOPT_SPEC_COMMIT] >= 2 && (!clip || n[ZOPT_SPEC_RECOMPUTE] >= 1) &&
+              (!has_sumsq || n[ZOPT_SPEC_DISCARD] == 1),
+          "offload at " + at + ": outcomes on every rank: " + std::to_string(n[1]) + " commit, " +
+              std::to_string(n[2]) + " recompute, " + std::to_string(n[3]) + " discard");
+  }
   check(params, "offload at " + at + ": every rank's params on the GPU bit-identical to its CPU twin's after every "
                 "step" + (diff.empty() ? std::string() : ", first difference: " + diff));
   check(results, "offload at " + at + ": every rank's step results = its CPU twin's (norm, skip, scale)");

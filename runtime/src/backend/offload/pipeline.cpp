@@ -60,11 +60,20 @@ zopt_status offload_bucket_ready(GpuState *g, OffloadPipe &pp, zopt_optimizer *o
   exec::Program &P = *o->prog;
   const int nb = (int)P.L.buckets.size();
   if (b < 0 || b >= nb) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: bucket %d out of range (have %d)", kReady, b, nb);
-  if (o->world != 1)
-    return fail(ZOPT_ERR_UNSUPPORTED,
-                "%s: step '%s' runs at %d ranks; bucket readiness of offloaded steps is implemented at 1 rank (the "
-                "per-bucket reduction across ranks is not pipelined yet): call zopt_optimizer_step alone",
-                kReady, o->d->name, o->world);
+  if (o->world > 1) {
+    // Per bucket: its reduction, its owned norm blocks and update; a
+    // program that needs the whole reduced gradient (ZeRO-0 and ZeRO-1
+    // gather it after the reduction) is not pipelined.
+    bool gathers_grad = false;
+    for (const zopt_program_op &op : P.ops)
+      gathers_grad |= op.code == ZOPT_OP_ALL_GATHER && o->d->states[op.state].kind == ZOPT_STATE_GRAD;
+    if (gathers_grad || P.update_range != ZOPT_RANGE_OWNED)
+      return fail(ZOPT_ERR_UNSUPPORTED,
+                  "%s: step '%s' (ZeRO stage %u) at %d ranks updates from the whole reduced gradient; bucket "
+                  "readiness at several ranks is implemented for ZeRO-2 offloaded steps (each rank updates its shard "
+                  "from its reduced shard): call zopt_optimizer_step alone",
+                  kReady, o->d->name, o->d->zero_stage, o->world);
+  }
   if (o->begun)
     return fail(ZOPT_ERR_BAD_STATE, "%s: a step was begun (zopt_optimizer_step_begin): finish it first", kReady);
   exec::Spec *S = open_spec(o);
@@ -116,8 +125,7 @@ zopt_status offload_bucket_ready(GpuState *g, OffloadPipe &pp, zopt_optimizer *o
           if (zopt_status st = scope.status()) return st;
           if (CUresult r = g->cu->EventSynchronize(ev))
             return fail(ZOPT_ERR_INTERNAL, "waiting for bucket %d's copies from the GPU: %s", b, error_string(r));
-          exec::spec_bucket_work(o, b);
-          return ZOPT_OK;
+          return exec::spec_bucket_work(o, b);
         },
         [](bool) {});
   } catch (...) {
@@ -167,9 +175,14 @@ zopt_status offload_pipelined_op(GpuState *g, zopt_optimizer *o, exec::StepState
   exec::Program &P = *o->prog;
   const zopt_program_op &op = P.ops[i];
   switch (op.code) {
-    case ZOPT_OP_COPY: {
+    case ZOPT_OP_REDUCE_SCATTER:  // each bucket's job reduced it
       *handled = true;
+      return ZOPT_OK;
+    case ZOPT_OP_COPY: {
       const bool to_host = op.dst == ZOPT_PLACE_CPU;
+      // At W ranks the params go back after the ALL_GATHER: the serial copy.
+      if (!to_host && o->world > 1) return ZOPT_OK;
+      *handled = true;
       P.copy_bytes[to_host ? 0 : 1] += exec::copy_size(o, (int)op.state);
       if (to_host) return ZOPT_OK;  // at each bucket's readiness
       // The params went back bucket by bucket at the UPDATE: the event.
@@ -188,8 +201,8 @@ zopt_status offload_pipelined_op(GpuState *g, zopt_optimizer *o, exec::StepState
       *handled = true;
       S->consumed = true;
       const double t0 = exec::now_seconds();
-      int back = -1;  // the param copied back after the update
-      for (size_t j = i + 1; j < P.ops.size(); ++j)
+      int back = -1;  // 1 rank: each bucket's params back at once (W: after the ALL_GATHER)
+      for (size_t j = i + 1; j < P.ops.size() && o->world == 1; ++j)
         if (P.ops[j].code == ZOPT_OP_COPY && P.ops[j].dst != ZOPT_PLACE_CPU) back = (int)P.ops[j].state;
       ZOPT_CTX_SCOPE(g);
       try {
