@@ -299,6 +299,8 @@ void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const 
     bool params_same = true, results_same = true, counts_same = true;
     std::string first_diff;
     int outcomes[4] = {0, 0, 0, 0};  // pipelined: steps per ZOPT_SPEC_* outcome
+    bool order_refused = true;       // pipelined: marks in another order than rank 0's
+    std::string order_msg;
   };
   std::vector<RankResult> res(W);
   // The initial params: the same on every rank (finalize checks it).
@@ -397,6 +399,21 @@ void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const 
           rr.params_same = false;
         }
     }
+    if (pipelined) {
+      // The ranks mark their buckets in different orders: the first
+      // bucket's reduction (a checked collective naming its bucket) fails
+      // on every rank, the step reports it and changes nothing.
+      int nb = 0;
+      Z(zopt_optimizer_num_buckets(o, &nb));
+      for (int i = 0; i < nb; ++i) Z(zopt_optimizer_grad_bucket_ready(o, r == 0 ? i : nb - 1 - i));
+      zopt_status st = zopt_optimizer_step(o, nullptr);
+      std::string msg = zopt_last_error();
+      f.drain_all();
+      bool same = true;
+      for (size_t t = 0; t < T; ++t) same &= memcmp((void *)(uintptr_t)dp[t], hp[t].data(), hp[t].size()) == 0;
+      rr.order_refused = st != ZOPT_OK && msg.find("bucket") != std::string::npos && same;
+      rr.order_msg = msg;
+    }
     int64_t n1 = -1, n2 = -2;
     Z(zopt_optimizer_get_step_count(o, 1, &n1));
     Z(zopt_optimizer_get_step_count(c, 1, &n2));
@@ -432,6 +449,10 @@ void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const 
               (!has_sumsq || n[ZOPT_SPEC_DISCARD] == 1),
           "offload at " + at + ": outcomes on every rank: " + std::to_string(n[1]) + " commit, " +
               std::to_string(n[2]) + " recompute, " + std::to_string(n[3]) + " discard");
+    bool refused = true;
+    for (const RankResult &rr : res) refused &= rr.order_refused;
+    check(refused, "offload at " + at + ": buckets marked in another order on each rank: the step fails on every "
+                   "rank, params unchanged: " + res[0].order_msg);
   }
   check(params, "offload at " + at + ": every rank's params on the GPU bit-identical to its CPU twin's after every "
                 "step" + (diff.empty() ? std::string() : ", first difference: " + diff));
