@@ -61,7 +61,7 @@ char *spec_ptr(const zopt_optimizer *o, const Spec &S, int b, const Chunk &c, ui
   if (S.mirror) return S.shadow[s] + ((char *)c.ptrs[s] - (char *)P.buf[s]);
   const size_t so = S.state_off[(size_t)b * o->d->num_states + s];
   const int64_t flat = P.L.tensors[c.tensor].flat + c.start;
-  return S.arena + S.off[b] + so + (size_t)(flat - P.L.buckets[b].begin) * es_of(o, (int)s);
+  return S.arena + S.off[b] + so + (size_t)(flat - S.first_flat[b]) * es_of(o, (int)s);
 }
 
 }  // namespace
@@ -94,13 +94,19 @@ void spec_build(zopt_optimizer *o) {
     S.blk_first[nb] = k;
   }
   S.cost.assign(nb, 0);
+  S.first_flat.assign(nb, 0);
   S.state_off.assign(nb * NS, SIZE_MAX);
   for (size_t b = 0; b < nb; ++b) {
+    // The flat range this rank updates (its shard; the bucket at 1 rank).
+    int64_t a = 0, e = 0;
+    P.L.shard_range((int)b, o->rank, &a, &e);
+    S.first_flat[b] = a;
+    const uint64_t elems = e > a ? (uint64_t)(e - a) : 0;
     uint64_t off = 0;
     for (uint32_t s = 0; s < NS; ++s) {
       if (!(o->d->states[s].access & ZOPT_ACCESS_WRITE)) continue;
       S.state_off[b * NS + s] = (size_t)off;
-      off += ((uint64_t)P.L.buckets[b].len * es_of(o, (int)s) + 63) & ~(uint64_t)63;
+      off += (elems * es_of(o, (int)s) + 63) & ~(uint64_t)63;
     }
     S.cost[b] = off;
   }
@@ -154,9 +160,7 @@ zopt_status spec_open(zopt_optimizer *o, double scale, const char *fn) {
     for (uint64_t c : S.cost) total += c;
     // Every bucket fits: shadows of the written states' buffers (each
     // written state has one: runtime-held, whole or this rank's shards, or
-    // the param's staging), mirrored element for element. (The arena is
-    // sized per bucket over its whole flat range: at W ranks W times what
-    // a rank's shard needs.)
+    // the param's staging), mirrored element for element.
     const uint32_t NS = o->d->num_states;
     bool mirror = S.budget >= total;
     for (uint32_t s = 0; s < NS && mirror; ++s)

@@ -27,12 +27,14 @@ struct Spec {
   // Built at the first readiness (spec_prepare): per bucket b its update
   // chunks [upd_first[b], upd_first[b + 1]) of the UPDATE's work list, its
   // norm blocks [blk_first[b], blk_first[b + 1]), the bytes its speculation
-  // buffers take (every state the UPDATE writes, over the bucket's flat
-  // range), and per state the offset of its buffer inside them.
+  // buffers take (every state the UPDATE writes, over the flat range this
+  // rank updates: the bucket, or its shard at W ranks), and per state the
+  // offset of its buffer inside them.
   bool built = false;
   std::vector<size_t> upd_first, blk_first;
   std::vector<uint64_t> cost;
   std::vector<size_t> state_off;  // per bucket x state (SIZE_MAX: not written)
+  std::vector<int64_t> first_flat;  // per bucket: where this rank's range starts (its shard)
   // The budget (zopt_optimizer_set_speculation_budget; default: every
   // bucket) and one arena of min(budget, every bucket's cost) bytes, or
   // (`mirror`: a budget of every bucket) per written state a shadow of its

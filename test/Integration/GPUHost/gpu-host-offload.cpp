@@ -276,7 +276,7 @@ int offload_check(Fake &f, zopt_step *step, const char *twin_path) {
 // same shuffled order: each bucket's reduction, norm partials and
 // speculative update run on the optimizer's thread; every other step has
 // small grads (the speculation commits), the others clip (recompute) or
-// skip (discard).
+// skip (discard); step 4 has a budget of a quarter of the model.
 void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const char *twin_path, int W,
                          bool pipelined) {
   const zopt_step_descriptor *d = zopt_step_get_descriptor(step);
@@ -300,6 +300,7 @@ void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const 
     std::string first_diff;
     int outcomes[4] = {0, 0, 0, 0};  // pipelined: steps per ZOPT_SPEC_* outcome
     bool order_refused = true;       // pipelined: marks in another order than rank 0's
+    bool budget_ok = true;           // pipelined, step 4: some buckets speculated, the rest after validation
     std::string order_msg;
   };
   std::vector<RankResult> res(W);
@@ -373,6 +374,13 @@ void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const 
       }
       zopt_step_result ro{}, rc{};
       if (pipelined) {
+        // Step 4: a budget of about a quarter of the model (the arena; some
+        // buckets updated after validation); otherwise every bucket.
+        uint64_t bpe = 0, n = 0;
+        for (uint32_t s = 0; s < d->num_states; ++s)
+          if (d->states[s].access & ZOPT_ACCESS_WRITE) bpe += dtype_size(d->states[s].dtype);
+        for (int64_t x : sizes) n += (uint64_t)x;
+        Z(zopt_optimizer_set_speculation_budget(o, k == 4 ? n * bpe / 4 : UINT64_MAX));
         int nb = 0;
         Z(zopt_optimizer_num_buckets(o, &nb));
         std::vector<int> order(nb);
@@ -388,6 +396,8 @@ void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const 
         ps.size = sizeof ps;
         Z(zopt_optimizer_get_pipeline_stats(o, &ps));
         rr.outcomes[ps.outcome & 3]++;
+        if (k == 4)
+          rr.budget_ok = ps.speculated >= 1 && ps.late >= 1 && ps.committed + ps.recomputed + ps.late == ps.buckets;
       }
       rr.results_same &= ro.skipped == rc.skipped && ro.loss_scale == rc.loss_scale &&
                          ((std::isnan(ro.grad_norm) && std::isnan(rc.grad_norm)) || ro.grad_norm == rc.grad_norm);
@@ -445,10 +455,12 @@ void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const 
     const bool clip = d->flags & ZOPT_FLAG_CLIP;
     bool same = true;
     for (int r = 1; r < W; ++r) same &= !memcmp(res[r].outcomes, n, sizeof res[r].outcomes);
+    for (int r = 0; r < W; ++r) same &= res[r].budget_ok;
     check(same && n[ZOPT_SPEC_COMMIT] >= 2 && (!clip || n[ZOPT_SPEC_RECOMPUTE] >= 1) &&
               (!has_sumsq || n[ZOPT_SPEC_DISCARD] == 1),
           "offload at " + at + ": outcomes on every rank: " + std::to_string(n[1]) + " commit, " +
-              std::to_string(n[2]) + " recompute, " + std::to_string(n[3]) + " discard");
+              std::to_string(n[2]) + " recompute, " + std::to_string(n[3]) + " discard; with a quarter of the "
+              "model's budget some buckets speculated, the rest after validation");
     bool refused = true;
     for (const RankResult &rr : res) refused &= rr.order_refused;
     check(refused, "offload at " + at + ": buckets marked in another order on each rank: the step fails on every "
