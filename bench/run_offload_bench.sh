@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The serial offloaded step (docs/benchmarks/offload.md): both offload layouts
+# The serial and the pipelined offloaded step (docs/benchmarks/offload.md): both offload layouts
 # (examples/adamw_bf16_offload_6b.mlir, DeepSpeed #8010's 6-byte cell, and
 # examples/adamw_zero_offload.mlir, the classic 12-byte ZeRO-Offload),
 # each against the same description compiled all-CPU, in the same run
@@ -26,4 +26,7 @@ for f in adamw_bf16_offload_6b adamw_zero_offload; do
   fi
   "$B/bin/zopt-compile" "$T/$f.cpu.mlir" -o "$T/$f.cpu.so"
   "$B/bin/zopt-bench-offload" "$T/$f.so" "$T/$f.cpu.so" --params "$N" --steps "$K"
+  # The pipelined step (bucket readiness, speculation) against the serial
+  # one behind a simulated backward as long as a serial step, 16 buckets.
+  "$B/bin/zopt-bench-offload-pipeline" "$T/$f.so" --params "$N" --steps "$K" --bucket $(( (N + 15) / 16 ))
 done

@@ -294,6 +294,24 @@ static void run_step(const char *path) {
     ZT_OK(zopt_optimizer_get_step_stats(o, &ss)); /* no step yet: every figure 0 */
     ZT_CHECK(ss.steps == 0 && ss.total_seconds == 0 && ss.d2h_bytes == 0 && ss.offloaded == 0);
   }
+  /* bucket readiness and speculation are for offloaded steps (zopt.h) */
+  ZT_ERR(zopt_optimizer_grad_bucket_ready(o, 0), ZOPT_ERR_UNSUPPORTED);
+  ZT_CHECK(strstr(zopt_last_error(), "is not offloaded") != NULL);
+  ZT_ERR(zopt_optimizer_set_speculation_budget(o, 1u << 20), ZOPT_ERR_UNSUPPORTED);
+  ZT_ERR(zopt_optimizer_get_pipeline_stats(o, NULL), ZOPT_ERR_INVALID_ARGUMENT);
+  {
+    zopt_pipeline_stats ps;
+    memset(&ps, 0xff, sizeof ps);
+    ps.size = 0;
+    ZT_ERR(zopt_optimizer_get_pipeline_stats(o, &ps), ZOPT_ERR_INVALID_ARGUMENT);
+    ps.size = 16; /* an older caller's struct: only its bytes are written */
+    ZT_OK(zopt_optimizer_get_pipeline_stats(o, &ps));
+    ZT_CHECK(ps.size == 16 && ps.outcome == ZOPT_SPEC_NONE && ps.buckets == 0 && ps.speculated == 0 &&
+             ps.committed == -1);
+    ps.size = sizeof ps;
+    ZT_OK(zopt_optimizer_get_pipeline_stats(o, &ps)); /* no pipelined step: every figure 0 */
+    ZT_CHECK(ps.size == sizeof ps && ps.steps == 0 && ps.committed == 0 && ps.exposed_seconds == 0);
+  }
   ZT_ERR(zopt_optimizer_get_loss_scale(o, NULL), ZOPT_ERR_INVALID_ARGUMENT);
   ZT_ERR(zopt_optimizer_configure_loss_scaler(o, NULL), ZOPT_ERR_INVALID_ARGUMENT);
   {

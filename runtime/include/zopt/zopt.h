@@ -315,6 +315,66 @@ ZOPT_API zopt_status zopt_optimizer_reduce_bucket_async(zopt_optimizer *opt, int
 ZOPT_API zopt_status zopt_optimizer_bucket_done(const zopt_optimizer *opt, int bucket, int *done);
 ZOPT_API zopt_status zopt_optimizer_wait_buckets(zopt_optimizer *opt);
 
+/* ---- offloaded steps: bucket readiness and speculation ------------------
+ *
+ * docs/GPU.md "Bucket readiness and speculation". For an offloaded step
+ * (params and grads on the GPU, optimizer states and the update on the
+ * CPU), at 1 rank or at W ranks with ZeRO-2 (every rank marks in the same
+ * order: each bucket's job reduces it across ranks): the caller marks each
+ * gradient bucket ready as soon as
+ * its grads are final (zopt_optimizer_num_buckets / _bucket_tensors name
+ * the buckets and their tensors; they are the layout's buckets, as for
+ * gradient streaming). The call queues on the optimizer's stream an
+ * asynchronous copy of the bucket's grads (and params, for a step without
+ * a master) into the pinned staging and an event, and on the optimizer's
+ * thread the bucket's CPU work once the event completes: its norm partials
+ * and, within the speculation budget, its update written out of place with
+ * the coefficients of "no clipping, no skip". zopt_optimizer_step then
+ * needs every bucket marked (ZOPT_ERR_BAD_STATE naming those that are not,
+ * changing nothing), folds the norm in the serial order, runs the step's
+ * control and, per bucket, commits the speculation (its coefficient rows
+ * are the step's, bit for bit), recomputes it in place from the untouched
+ * states (clipping active), or discards it (a skipped step); buckets
+ * beyond the budget update then. The result is bit-identical to the serial
+ * step. A bucket marked twice, an index out of range, a capturing stream
+ * are errors, changing nothing. Between the first mark and the step every
+ * call that changes the optimizer is refused (ZOPT_ERR_BAD_STATE). Without
+ * marks, zopt_optimizer_step runs serially as before.
+ *
+ * The budget caps the speculation buffers in bytes: per bucket, every state
+ * the update writes over the bucket (e.g. 14 bytes/param for bf16 params
+ * with f32 master and moments, 8 for the 6-byte cell: bf16 param, master
+ * and moments). Default:
+ * every bucket (that many bytes/param of host memory, allocated at the
+ * first mark); 0: no speculation (the CPU work at readiness is the norm
+ * only); otherwise at least the largest bucket's (ZOPT_ERR_INVALID_ARGUMENT). */
+ZOPT_API zopt_status zopt_optimizer_grad_bucket_ready(zopt_optimizer *opt, int bucket);
+ZOPT_API zopt_status zopt_optimizer_set_speculation_budget(zopt_optimizer *opt, uint64_t bytes);
+
+enum { ZOPT_SPEC_NONE = 0, ZOPT_SPEC_COMMIT = 1, ZOPT_SPEC_RECOMPUTE = 2, ZOPT_SPEC_DISCARD = 3 };
+/* The last pipelined step's (steps: how many there were; 0: none yet,
+ * every figure 0). `size`: set it to sizeof(zopt_pipeline_stats) before the
+ * call; the runtime fills min(size, its own) bytes (later fields are
+ * added at the end). outcome: COMMIT (every speculated bucket committed),
+ * RECOMPUTE (some recomputed: clipping active), DISCARD (skipped).
+ * overlapped_seconds: the buckets' CPU work on the optimizer's thread
+ * (norm partials, speculative updates); exposed_seconds: from the last
+ * bucket's readiness to the end of the step. */
+typedef struct zopt_pipeline_stats {
+  uint32_t size;
+  int32_t outcome;
+  int32_t buckets;
+  int32_t speculated;
+  int32_t committed;
+  int32_t recomputed;
+  int32_t late; /* beyond the budget: updated after validation */
+  int32_t reserved;
+  int64_t steps;
+  double overlapped_seconds;
+  double exposed_seconds;
+} zopt_pipeline_stats;
+ZOPT_API zopt_status zopt_optimizer_get_pipeline_stats(const zopt_optimizer *opt, zopt_pipeline_stats *stats);
+
 /* ---- GPU steps (docs/GPU.md) ------------------------------------------ */
 
 /* A step compiled with GPU-placed states runs through the CUDA driver API,
@@ -570,7 +630,8 @@ typedef struct zopt_memory_info {
   uint64_t bytes_cpu; /* on the CPU: the user's params and registered grads
                          (none with gradient streaming), state_bytes,
                          grad_bytes, scratch_bytes, and an offloaded step's
-                         pinned param/grad staging */
+                         pinned param/grad staging and speculation buffers
+                         (zopt_optimizer_grad_bucket_ready) */
   uint64_t bytes_gpu;
   uint64_t num_params; /* total elements */
   uint64_t state_bytes;          /* runtime-owned states this rank holds

@@ -70,6 +70,14 @@ zopt_status Backend::copy_staged(zopt_optimizer *o, int, bool, bool) {
 
 const void *Backend::param_on_host(const zopt_optimizer *o, int t) const { return o->tensors[t].param; }
 
+zopt_status Backend::grad_bucket_ready(zopt_optimizer *o, int) {
+  return fail(ZOPT_ERR_UNSUPPORTED,
+              "zopt_optimizer_grad_bucket_ready: step '%s' is not offloaded (bucket readiness is for steps with the "
+              "params and grads on the GPU and the update on the CPU; CPU steps stream buckets with "
+              "zopt_optimizer_reduce_bucket_async)",
+              o->d->name);
+}
+
 }  // namespace zopt
 
 using namespace zopt;

@@ -144,6 +144,9 @@ class Backend {
   // The param of tensor t as the host's kernels read it (the user's memory,
   // or its staging copy), at element 0.
   virtual const void *param_on_host(const zopt_optimizer *o, int t) const;
+  // zopt_optimizer_grad_bucket_ready (bucket readiness of an offloaded
+  // step, backend/offload/pipeline.h): UNSUPPORTED elsewhere.
+  virtual zopt_status grad_bucket_ready(zopt_optimizer *o, int b);
 };
 
 // Calls Backend::checks_done when the calling C API function returns.

@@ -6,6 +6,7 @@
 #include "exec/exec_internal.h"
 
 #include "backend/backend.h"
+#include "exec/speculate.h"
 
 #include <sys/mman.h>
 
@@ -528,6 +529,7 @@ void repartition(zopt_optimizer *o) {
 
 void destroy(zopt_optimizer *o) {
   if (!o->prog) return;
+  spec_free(o);
   free_buffers(o);
   delete o->prog;
   o->prog = nullptr;

@@ -24,12 +24,18 @@ const char *what(char *buf, size_t n, const char *op, const zopt_optimizer *o, i
 // REDUCE_SCATTER: per bucket, every rank's values of shard q to rank q,
 // which adds them in rank order into its own shard of the state.
 zopt_status reduce_scatter(zopt_optimizer *o, const zopt_program_op &op) {
+  for (int b = 0; b < (int)o->prog->L.buckets.size(); ++b)
+    if (zopt_status st = reduce_scatter_bucket(o, op, b)) return st;
+  return ZOPT_OK;
+}
+
+zopt_status reduce_scatter_bucket(zopt_optimizer *o, const zopt_program_op &op, int b) {
   Program &P = *o->prog;
   const int W = o->world, r = o->rank, si = (int)op.state;
   const uint32_t dt = o->d->states[si].dtype;
   const size_t es = dtype_size(dt);
   const bool has_local_mask = !o->active.empty();
-  for (int b = 0; b < (int)P.L.buckets.size(); ++b) {
+  {
     const layout::Bucket &k = P.L.buckets[b];
     char *send = (char *)P.send.data();
     // Pack: shard q's elements, in flat order, zero where no tensor (or a

@@ -102,10 +102,12 @@ uint64_t hash_step_settings(const zopt_optimizer *o) {
   return h;
 }
 
+}  // namespace
+
 // Every rank's gradient mask (OR) and a check that every rank steps with the
 // same hyperparameters, group flags, step counts, seed, divisor, loss scale
 // and max_norm.
-zopt_status agree(zopt_optimizer *o, bool first) {
+zopt_status agree_step(zopt_optimizer *o, bool first) {
   Program &P = *o->prog;
   const size_t T = o->tensors.size();
   if (o->stream_grads) {
@@ -173,8 +175,6 @@ zopt_status agree(zopt_optimizer *o, bool first) {
   if (all_on) P.global_active.clear();
   return ZOPT_OK;
 }
-
-}  // namespace
 
 // One op of the program on the host (NORM only sums: run_end decides).
 zopt_status run_host_op(zopt_optimizer *o, StepState *st, size_t i) {
@@ -340,7 +340,7 @@ zopt_status host_begin(zopt_optimizer *o, StepState *st, bool first) {
   P.copy_bytes[0] = P.copy_bytes[1] = 0;
   using clock = std::chrono::steady_clock;
   auto t0 = clock::now();
-  if (zopt_status s = agree(o, first)) return s;
+  if (zopt_status s = agree_step(o, first)) return s;
   P.agree_seconds = std::chrono::duration<double>(clock::now() - t0).count();
   P.op_seconds.assign(P.ops.size(), 0.0);
   return ZOPT_OK;

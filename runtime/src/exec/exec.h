@@ -58,6 +58,8 @@ struct Blocks {
   std::vector<double> partials;  // one per block, in this rank's block order
 };
 
+struct Spec;  // speculate.h: a pipelined offloaded step's buckets
+
 struct Program {
   std::vector<zopt_program_op> ops;
   std::vector<double> op_seconds;  // wall time of each op in the last step (0: did not run)
@@ -107,6 +109,8 @@ struct Program {
   // e.g. fresh gradient tensors every step): rebind patches the work units'
   // gradient pointers in place instead of rebuilding the lists.
   bool rebind_grads_only = false;
+  // Offloaded steps with bucket readiness (speculate.h; NULL until used).
+  Spec *spec = nullptr;
 };
 
 // Builds the program at finalize (validates it against the step and the
@@ -146,6 +150,10 @@ zopt_status run_end(zopt_optimizer *o, StepState *st, double sumsq, zopt_step_re
 // decision by the step's CONTROL (and the coefficients again with its clip
 // coefficient); the streaming bookkeeping and the result.
 zopt_status host_begin(zopt_optimizer *o, StepState *st, bool first);
+// The ranks' agreement before a step's first collective (host_begin; the
+// first bucket readiness of a pipelined offloaded step): every rank's
+// gradient mask ORed into Program::global_active, the step settings checked.
+zopt_status agree_step(zopt_optimizer *o, bool first);
 zopt_status run_host_op(zopt_optimizer *o, StepState *st, size_t i);
 void host_decide(zopt_optimizer *o, StepState *st, double sumsq);
 void host_end(zopt_optimizer *o, StepState *st, zopt_step_result *result);

@@ -12,6 +12,8 @@
 //   stream.cpp       gradient streaming: buckets reduced during backward
 //   fold.cpp         the rank-order sum of a reduction
 //   stats.cpp        zopt_step_stats: the last step's time by kind of work
+//   speculate.cpp    a pipelined offloaded step: per-bucket norm partials
+//                    and speculative updates, commit or recompute
 #ifndef ZOPT_RUNTIME_EXEC_INTERNAL_H
 #define ZOPT_RUNTIME_EXEC_INTERNAL_H
 
@@ -59,6 +61,8 @@ inline void pack_range(const Program &P, int b, int64_t a, int64_t e, size_t es,
 
 // REDUCE_SCATTER and ALL_GATHER of the program's op (collectives.cpp).
 zopt_status reduce_scatter(zopt_optimizer *o, const zopt_program_op &op);
+// REDUCE_SCATTER of bucket b alone (a pipelined offloaded step's bucket job).
+zopt_status reduce_scatter_bucket(zopt_optimizer *o, const zopt_program_op &op, int b);
 zopt_status all_gather(zopt_optimizer *o, const zopt_program_op &op);
 
 // One row per (group, t) among the tensors this step updates; PREPARE

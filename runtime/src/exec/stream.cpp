@@ -5,6 +5,7 @@
 #include "exec/exec_internal.h"
 
 #include "comm/comm_internal.h"
+#include "exec/speculate.h"
 #include "pipeline/pipeline.h"
 
 #include <cstdio>
@@ -146,6 +147,9 @@ zopt_status wait_buckets(zopt_optimizer *o) {
   if (o->prog) {  // a failed or skipped bucket can be handed over again
     Program &P = *o->prog;
     for (size_t b = 0; b < P.bucket_queued.size(); ++b) P.bucket_queued[b] = 0;
+    // A failed offload bucket job: the pipelined step is void (its buckets
+    // are marked again, or the step runs serially).
+    if (st && P.spec) spec_close(o);
   }
   return st;
 }

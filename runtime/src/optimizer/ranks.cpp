@@ -5,9 +5,11 @@
 
 #include "backend/backend.h"
 #include "exec/exec.h"
+#include "exec/speculate.h"
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 using namespace zopt;
 
@@ -75,6 +77,19 @@ ZOPT_API zopt_status zopt_optimizer_set_grad_streaming(zopt_optimizer *o, int on
   return ZOPT_OK;
 }
 
+// The buckets are known: gradient streaming, or an offloaded step (its
+// bucket readiness, zopt_optimizer_grad_bucket_ready).
+static zopt_status check_buckets(const zopt_optimizer *o, const char *fn) {
+  if (o->finalized && o->prog && o->backend->stages()) return ZOPT_OK;
+  if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "%s: call zopt_optimizer_finalize first", fn);
+  if (!o->stream_grads || !o->prog)
+    return fail(ZOPT_ERR_BAD_STATE,
+                "%s: gradient streaming is off (zopt_optimizer_set_grad_streaming before finalize) and the step is "
+                "not offloaded",
+                fn);
+  return ZOPT_OK;
+}
+
 static zopt_status check_streaming(const zopt_optimizer *o, const char *fn) {
   if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "%s: call zopt_optimizer_finalize first", fn);
   if (!o->stream_grads || !o->prog)
@@ -93,7 +108,7 @@ static zopt_status check_bucket(const zopt_optimizer *o, int bucket, const char 
 ZOPT_API zopt_status zopt_optimizer_num_buckets(const zopt_optimizer *o, int *n) {
   CHECK_OPT_ANY(o, "zopt_optimizer_num_buckets");
   if (!n) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_num_buckets: n is NULL");
-  if (zopt_status st = check_streaming(o, "zopt_optimizer_num_buckets")) return st;
+  if (zopt_status st = check_buckets(o, "zopt_optimizer_num_buckets")) return st;
   *n = (int)o->prog->L.buckets.size();
   return ZOPT_OK;
 }
@@ -103,7 +118,7 @@ ZOPT_API zopt_status zopt_optimizer_bucket_tensors(const zopt_optimizer *o, int 
   const char *fn = "zopt_optimizer_bucket_tensors";
   CHECK_OPT_ANY(o, "zopt_optimizer_bucket_tensors");
   if (!count) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: count is NULL", fn);
-  if (zopt_status st = check_streaming(o, fn)) return st;
+  if (zopt_status st = check_buckets(o, fn)) return st;
   if (zopt_status st = check_bucket(o, bucket, fn)) return st;
   std::vector<int> ts;
   exec::bucket_tensors(o, bucket, &ts);
@@ -143,6 +158,39 @@ ZOPT_API zopt_status zopt_optimizer_wait_buckets(zopt_optimizer *o) {
   CHECK_OPT_ANY(o, "zopt_optimizer_wait_buckets");
   if (zopt_status st = check_streaming(o, "zopt_optimizer_wait_buckets")) return st;
   return exec::wait_buckets(o);
+}
+
+// ---- offloaded steps: bucket readiness (backend/offload/pipeline.h) -----
+
+ZOPT_API zopt_status zopt_optimizer_grad_bucket_ready(zopt_optimizer *o, int bucket) {
+  CHECK_OPT_ANY(o, "zopt_optimizer_grad_bucket_ready");
+  if (!o->finalized || !o->prog)
+    return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_grad_bucket_ready: call zopt_optimizer_finalize first");
+  return o->backend->grad_bucket_ready(o, bucket);
+}
+
+ZOPT_API zopt_status zopt_optimizer_set_speculation_budget(zopt_optimizer *o, uint64_t bytes) {
+  const char *fn = "zopt_optimizer_set_speculation_budget";
+  CHECK_OPT(o, fn);
+  if (!o->finalized || !o->prog) return fail(ZOPT_ERR_BAD_STATE, "%s: call zopt_optimizer_finalize first", fn);
+  if (!o->backend->stages())
+    return fail(ZOPT_ERR_UNSUPPORTED, "%s: step '%s' is not offloaded (no bucket readiness, no speculation)", fn,
+                o->d->name);
+  return exec::spec_set_budget(o, bytes, fn);
+}
+
+ZOPT_API zopt_status zopt_optimizer_get_pipeline_stats(const zopt_optimizer *o, zopt_pipeline_stats *stats) {
+  const char *fn = "zopt_optimizer_get_pipeline_stats";
+  CHECK_OPT_ANY(o, fn);
+  if (!stats) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: stats is NULL", fn);
+  const uint32_t want = stats->size;
+  if (want < 8)
+    return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: stats->size = %u (set it to sizeof(zopt_pipeline_stats))", fn, want);
+  zopt_pipeline_stats s{};
+  if (o->prog && o->prog->spec) s = o->prog->spec->stats;
+  s.size = (uint32_t)std::min<size_t>(want, sizeof s);
+  memcpy(stats, &s, s.size);
+  return ZOPT_OK;
 }
 
 }  // extern "C"

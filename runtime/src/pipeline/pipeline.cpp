@@ -3,6 +3,8 @@
 //===----------------------------------------------------------------------===//
 #include "pipeline/pipeline.h"
 
+#include "exec/exec.h"
+#include "exec/speculate.h"
 #include "internal.h"
 
 namespace zopt {
@@ -13,10 +15,17 @@ zopt_status check_idle(const zopt_optimizer *o, const char *fn) {
                 "%s: a step was begun (zopt_optimizer_step_begin: its gradients are reduced and its norm computed); "
                 "finish it with zopt_optimizer_step%s first",
                 fn, o->linked ? "_linked (the same parts)" : "");
+  if (o->prog && o->prog->spec && o->prog->spec->open)
+    return fail(ZOPT_ERR_BAD_STATE,
+                "%s: gradient buckets of the step under way were marked ready (zopt_optimizer_grad_bucket_ready): "
+                "their speculative work reads the optimizer's states and settings; finish the step "
+                "(zopt_optimizer_step) first",
+                fn);
   if (o->pipe && !o->pipe->idle())
     return fail(ZOPT_ERR_BAD_STATE,
                 "%s: gradient buckets are still being reduced in the background "
-                "(zopt_optimizer_reduce_bucket_async): zopt_optimizer_wait_buckets (or the step) first",
+                "(zopt_optimizer_reduce_bucket_async, zopt_optimizer_grad_bucket_ready): zopt_optimizer_wait_buckets "
+                "(or the step) first",
                 fn);
   return ZOPT_OK;
 }

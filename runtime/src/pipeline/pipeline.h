@@ -1,9 +1,9 @@
 //===- pipeline.h - an optimizer's background thread ---------------------===//
 //
 // This subsystem owns an optimizer's background thread and its job queue.
-// Jobs (today the gradient-bucket reductions of
-// zopt_optimizer_reduce_bucket_async; an offload pipeline's per-bucket
-// gradient copies are meant to be queued here too) run one at a time, in
+// Jobs (the gradient-bucket reductions of
+// zopt_optimizer_reduce_bucket_async; an offloaded step's per-bucket CPU
+// work after its copies, zopt_optimizer_grad_bucket_ready) run one at a time, in
 // submission order, off the caller's thread. Every rank submits its jobs in
 // the same order, so the collectives inside them match across ranks.
 //

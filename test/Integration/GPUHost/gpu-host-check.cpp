@@ -1,7 +1,7 @@
 //===- gpu-host-check.cpp - the runtime's host side of a GPU step ------------===//
 //
 //   zopt-gpu-host-check FAKE_DRIVER.so GPU_STEP.so [--big]
-//   zopt-gpu-host-check FAKE_DRIVER.so OFFLOAD_STEP.so CPU_TWIN.so
+//   zopt-gpu-host-check FAKE_DRIVER.so OFFLOAD_STEP.so CPU_TWIN.so [--world=W [--pipeline] | --pipeline]
 //
 // Runs a GPU step against libzopt-fake-cuda.so (set ZOPT_CUDA_DRIVER to the
 // same path): "device" memory is host memory and kernels are only recorded,
@@ -24,6 +24,8 @@
 // CPU kernels. It is compared bit for bit with CPU_TWIN.so (the same
 // description with everything on the CPU) over several steps with changing
 // grads, a skipped step and a checkpoint, and its copies are counted.
+// --pipeline: the same step with bucket readiness and speculation
+// (gpu-host-pipeline.cpp) against the serial step and the twin.
 //===----------------------------------------------------------------------===//
 #include "gpu-host-check.h"
 
@@ -32,9 +34,9 @@
 using namespace ghc;
 
 int main(int argc, char **argv) {
-  if (argc < 3 || argc > 5) {
+  if (argc < 3 || argc > 6) {
     fprintf(stderr, "usage: zopt-gpu-host-check FAKE_DRIVER.so GPU_STEP.so [--big] | OFFLOAD_STEP.so CPU_TWIN.so "
-                    "[--world=W] (with ZOPT_CUDA_DRIVER=FAKE_DRIVER.so)\n");
+                    "[--world=W | --pipeline] (with ZOPT_CUDA_DRIVER=FAKE_DRIVER.so)\n");
     return 2;
   }
   const char *env = getenv("ZOPT_CUDA_DRIVER");
@@ -98,12 +100,14 @@ int main(int argc, char **argv) {
   zopt_step *step = nullptr;
   Z(zopt_step_load(argv[2], &step));
   const bool big = argc == 4 && !strcmp(argv[3], "--big");
-  if (argc == 5) {
-    if (strncmp(argv[4], "--world=", 8) || atoi(argv[4] + 8) < 2) {
-      fprintf(stderr, "expected --world=W (W >= 2), got %s\n", argv[4]);
+  if (argc == 5 && !strcmp(argv[4], "--pipeline")) {
+    pipeline_check(f, step, argv[3]);
+  } else if (argc >= 5) {
+    if (strncmp(argv[4], "--world=", 8) || atoi(argv[4] + 8) < 2 || (argc == 6 && strcmp(argv[5], "--pipeline"))) {
+      fprintf(stderr, "expected --world=W (W >= 2) [--pipeline], got %s\n", argv[4]);
       return 2;
     }
-    offload_ranks_check(f, step, argv[2], argv[3], atoi(argv[4] + 8));
+    offload_ranks_check(f, step, argv[2], argv[3], atoi(argv[4] + 8), argc == 6);
   } else if (argc == 4 && !big) {
     offload_check(f, step, argv[3]);
   } else {

@@ -3,7 +3,8 @@
 // zopt-gpu-host-check (gpu-host-check.cpp says what it checks) in files by
 // concern: gpu-host-check.cpp (main: the stand-in's table, the run),
 // gpu-host-offload.cpp (offloaded steps against their CPU twin, one rank
-// and W), gpu-host-step.cpp (a GPU step's tables, launches, device state,
+// and W), gpu-host-pipeline.cpp (bucket readiness and speculation against
+// the serial step and the twin), gpu-host-step.cpp (a GPU step's tables, launches, device state,
 // hyperparameters, results and checkpoints), gpu-host-driver.cpp (driver
 // versions, launch errors, devices and contexts), gpu-host-graph.cpp (CUDA
 // graphs replayed on another stream), gpu-host-tensors.cpp (the active
@@ -241,7 +242,9 @@ inline bool chunks_cover(const zopt_gpu_chunk *ch, int64_t nch, const std::vecto
 
 // The checks, by file.
 int offload_check(Fake &f, zopt_step *step, const char *twin_path);
-void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const char *twin_path, int W);
+void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const char *twin_path, int W,
+                         bool pipelined = false);
+void pipeline_check(Fake &f, zopt_step *step, const char *twin_path);
 int gpu_main_check(Fake &f, zopt_step *step, const char *path);
 void driver_checks(Fake &f, zopt_step *step);
 void device_checks(Fake &f, zopt_step *step);

@@ -6,6 +6,8 @@
 //===----------------------------------------------------------------------===//
 #include "gpu-host-check.h"
 
+#include <algorithm>
+#include <random>
 #include <thread>
 
 namespace ghc {
@@ -268,7 +270,15 @@ int offload_check(Fake &f, zopt_step *step, const char *twin_path) {
 // tensors. Each rank loads the steps itself (as a process would; a step's
 // reference count is not atomic, so optimizers of one zopt_step are not
 // created from several threads at once).
-void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const char *twin_path, int W) {
+//
+// `pipelined`: the offloaded ranks mark their buckets ready
+// (zopt_optimizer_grad_bucket_ready) before each step, every rank in the
+// same shuffled order: each bucket's reduction, norm partials and
+// speculative update run on the optimizer's thread; every other step has
+// small grads (the speculation commits), the others clip (recompute) or
+// skip (discard); step 4 has a budget of a quarter of the model.
+void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const char *twin_path, int W,
+                         bool pipelined) {
   const zopt_step_descriptor *d = zopt_step_get_descriptor(step);
   const bool ls = d->flags & ZOPT_FLAG_LOSS_SCALE, has_sumsq = d->flags & ZOPT_FLAG_SUMSQ;
   uint32_t pdt = 0, gdt = 0;
@@ -288,6 +298,10 @@ void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const 
   struct RankResult {
     bool params_same = true, results_same = true, counts_same = true;
     std::string first_diff;
+    int outcomes[4] = {0, 0, 0, 0};  // pipelined: steps per ZOPT_SPEC_* outcome
+    bool order_refused = true;       // pipelined: marks in another order than rank 0's
+    bool budget_ok = true;           // pipelined, step 4: some buckets speculated, the rest after validation
+    std::string order_msg;
   };
   std::vector<RankResult> res(W);
   // The initial params: the same on every rank (finalize checks it).
@@ -352,15 +366,39 @@ void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const 
         std::vector<float> v(sizes[t]);
         for (auto &x : v) {
           rng = rng * 1664525u + 1013904223u;
-          x = (((rng >> 8) & 0xFFFF) / 32768.0f - 1.0f) * (ls ? 64.f : 0.05f);
+          x = (((rng >> 8) & 0xFFFF) / 32768.0f - 1.0f) * (ls ? 64.f : 0.05f) * (pipelined && k % 2 ? 1e-3f : 1.f);
         }
         if (k == inf_at && r == W - 1 && t == T / 2) v[sizes[t] / 2] = INFINITY;
         Z(zopt_optimizer_write_state_f32(c, (int)t, ZOPT_STATE_GRAD, v.data(), sizes[t]));
         memcpy((void *)(uintptr_t)dg[t], hg[t].data(), hg[t].size());
       }
       zopt_step_result ro{}, rc{};
+      if (pipelined) {
+        // Step 4: a budget of about a quarter of the model (the arena; some
+        // buckets updated after validation); otherwise every bucket.
+        uint64_t bpe = 0, n = 0;
+        for (uint32_t s = 0; s < d->num_states; ++s)
+          if (d->states[s].access & ZOPT_ACCESS_WRITE) bpe += dtype_size(d->states[s].dtype);
+        for (int64_t x : sizes) n += (uint64_t)x;
+        Z(zopt_optimizer_set_speculation_budget(o, k == 4 ? n * bpe / 4 : UINT64_MAX));
+        int nb = 0;
+        Z(zopt_optimizer_num_buckets(o, &nb));
+        std::vector<int> order(nb);
+        for (int b = 0; b < nb; ++b) order[b] = b;
+        std::mt19937 g((unsigned)k);  // the same order on every rank
+        std::shuffle(order.begin(), order.end(), g);
+        for (int b : order) Z(zopt_optimizer_grad_bucket_ready(o, b));
+      }
       Z(zopt_optimizer_step(o, &ro));
       Z(zopt_optimizer_step(c, &rc));
+      if (pipelined) {
+        zopt_pipeline_stats ps{};
+        ps.size = sizeof ps;
+        Z(zopt_optimizer_get_pipeline_stats(o, &ps));
+        rr.outcomes[ps.outcome & 3]++;
+        if (k == 4)
+          rr.budget_ok = ps.speculated >= 1 && ps.late >= 1 && ps.committed + ps.recomputed + ps.late == ps.buckets;
+      }
       rr.results_same &= ro.skipped == rc.skipped && ro.loss_scale == rc.loss_scale &&
                          ((std::isnan(ro.grad_norm) && std::isnan(rc.grad_norm)) || ro.grad_norm == rc.grad_norm);
       f.drain_all();  // after the asynchronous param copies (as above)
@@ -370,6 +408,21 @@ void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const 
             rr.first_diff = "rank " + std::to_string(r) + " step " + std::to_string(k) + " tensor " + std::to_string(t);
           rr.params_same = false;
         }
+    }
+    if (pipelined) {
+      // The ranks mark their buckets in different orders: the first
+      // bucket's reduction (a checked collective naming its bucket) fails
+      // on every rank, the step reports it and changes nothing.
+      int nb = 0;
+      Z(zopt_optimizer_num_buckets(o, &nb));
+      for (int i = 0; i < nb; ++i) Z(zopt_optimizer_grad_bucket_ready(o, r == 0 ? i : nb - 1 - i));
+      zopt_status st = zopt_optimizer_step(o, nullptr);
+      std::string msg = zopt_last_error();
+      f.drain_all();
+      bool same = true;
+      for (size_t t = 0; t < T; ++t) same &= memcmp((void *)(uintptr_t)dp[t], hp[t].data(), hp[t].size()) == 0;
+      rr.order_refused = st != ZOPT_OK && msg.find("bucket") != std::string::npos && same;
+      rr.order_msg = msg;
     }
     int64_t n1 = -1, n2 = -2;
     Z(zopt_optimizer_get_step_count(o, 1, &n1));
@@ -396,7 +449,23 @@ void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const 
     if (diff.empty()) diff = rr.first_diff;
   }
   const std::string at = std::to_string(W) + " ranks (ZeRO-" + std::to_string(d->zero_stage) + ", grads " +
-                         dtype_name(gdt) + ", params " + dtype_name(pdt) + ")";
+                         dtype_name(gdt) + ", params " + dtype_name(pdt) + (pipelined ? ", pipelined" : "") + ")";
+  if (pipelined) {
+    const int *n = res[0].outcomes;
+    const bool clip = d->flags & ZOPT_FLAG_CLIP;
+    bool same = true;
+    for (int r = 1; r < W; ++r) same &= !memcmp(res[r].outcomes, n, sizeof res[r].outcomes);
+    for (int r = 0; r < W; ++r) same &= res[r].budget_ok;
+    check(same && n[ZOPT_SPEC_COMMIT] >= 2 && (!clip || n[ZOPT_SPEC_RECOMPUTE] >= 1) &&
+              (!has_sumsq || n[ZOPT_SPEC_DISCARD] == 1),
+          "offload at " + at + ": outcomes on every rank: " + std::to_string(n[1]) + " commit, " +
+              std::to_string(n[2]) + " recompute, " + std::to_string(n[3]) + " discard; with a quarter of the "
+              "model's budget some buckets speculated, the rest after validation");
+    bool refused = true;
+    for (const RankResult &rr : res) refused &= rr.order_refused;
+    check(refused, "offload at " + at + ": buckets marked in another order on each rank: the step fails on every "
+                   "rank, params unchanged: " + res[0].order_msg);
+  }
   check(params, "offload at " + at + ": every rank's params on the GPU bit-identical to its CPU twin's after every "
                 "step" + (diff.empty() ? std::string() : ", first difference: " + diff));
   check(results, "offload at " + at + ": every rank's step results = its CPU twin's (norm, skip, scale)");

@@ -4,6 +4,7 @@
 
 #include "agree.h"
 #include "exec/exec.h"
+#include "exec/speculate.h"
 
 #include <new>
 
@@ -119,6 +120,7 @@ void CpuBackend::memory_info(const zopt_optimizer *o, zopt_memory_info *info) co
   info->bytes_cpu += info->state_bytes + info->grad_bytes + info->scratch_bytes;
   for (uint32_t s = 0; s < o->d->num_states; ++s)  // staging of device-resident tensors
     if (o->prog->pinned[s]) info->bytes_cpu += o->prog->buf_bytes[s];
+  info->bytes_cpu += exec::spec_bytes(o);  // an offloaded step's speculation buffers
 }
 
 }  // namespace zopt

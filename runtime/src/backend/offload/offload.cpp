@@ -23,6 +23,8 @@
 // when stream is capturing" from the synchronisation).
 #include "backend/offload/offload.h"
 
+#include "backend/offload/pipeline.h"
+
 #include "backend/cpu/cpu.h"
 #include "backend/cuda/device.h"
 #include "exec/exec.h"
@@ -179,6 +181,7 @@ class OffloadBackend final : public CpuBackend {
  public:
   explicit OffloadBackend(GpuState *state) : g(state) {}
   GpuState *g;
+  OffloadPipe pipe;  // bucket readiness (pipeline.h)
 
   const char *name() const override { return "offload"; }
   zopt_status supports(const zopt_optimizer *o, Feature f, const char *fn) const override {
@@ -196,6 +199,7 @@ class OffloadBackend final : public CpuBackend {
   }
   void checks_done(const zopt_optimizer *) const override { gpu_forget_checked(g); }
   void destroy(zopt_optimizer *o) override {
+    offload_pipe_free(g, pipe);  // the jobs are gone (the pipeline was freed first)
     CpuBackend::destroy(o);  // host buffers, not the pinned staging
     offload_free(g);         // pinned staging, events, the context
     g = nullptr;
@@ -223,6 +227,22 @@ class OffloadBackend final : public CpuBackend {
   void free_staging(zopt_optimizer *, size_t first, size_t last) override { offload_free_staging(g, first, last); }
   zopt_status copy_staged(zopt_optimizer *o, int si, bool to_user, bool sync) override {
     return offload_copy_state(g, o, si, to_user, sync);
+  }
+  // A pipelined step (bucket readiness): its copies were done per bucket,
+  // its update commits or recomputes per bucket (pipeline.cpp).
+  zopt_status grad_bucket_ready(zopt_optimizer *o, int b) override { return offload_bucket_ready(g, pipe, o, b); }
+  zopt_status begin_step(zopt_optimizer *o, exec::StepState *st, bool first) override {
+    if (zopt_status s = offload_pipelined_begin(g, o)) return s;
+    return CpuBackend::begin_step(o, st, first);
+  }
+  zopt_status run_op(zopt_optimizer *o, exec::StepState *st, size_t i) override {
+    bool handled = false;
+    if (zopt_status s = offload_pipelined_op(g, o, st, i, &handled)) return s;
+    return handled ? ZOPT_OK : CpuBackend::run_op(o, st, i);
+  }
+  void end_step(zopt_optimizer *o, exec::StepState *st, zopt_step_result *result) override {
+    CpuBackend::end_step(o, st, result);
+    offload_pipelined_end(o, st);
   }
   const void *param_on_host(const zopt_optimizer *o, int t) const override {
     return state_ptr(o, t, o->step->param_index);  // the staging

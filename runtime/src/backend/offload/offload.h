@@ -5,7 +5,8 @@
 // states and the update on the CPU (backend/cpu), the params and grads on
 // the GPU, staged through pinned host buffers by the program's COPY ops on
 // the optimizer's stream (the device's driver, context and events:
-// backend/cuda/device.h).
+// backend/cuda/device.h); with bucket readiness, per bucket and overlapped
+// with backward (pipeline.h).
 #ifndef ZOPT_RUNTIME_BACKEND_OFFLOAD_H
 #define ZOPT_RUNTIME_BACKEND_OFFLOAD_H
 

@@ -1,0 +1,200 @@
+// zopt-bench-offload-pipeline: the pipelined offloaded step (bucket
+// readiness and speculation, docs/GPU.md) against the serial offloaded
+// step, in the same run, behind a simulated backward
+// (docs/benchmarks/offload.md "The pipelined step").
+//
+//   ZOPT_CUDA_DRIVER=... zopt-bench-offload-pipeline OFFLOAD.so [--params N]
+//       [--tensors T] [--steps K] [--threads P] [--backward-ms B]
+//       [--bucket E]
+//
+// Two optimizers of OFFLOAD.so with the same params and grads in device
+// memory (zopt_run_device.h: libcuda.so.1 or the stand-in). Each step runs
+// a simulated backward of B ms for each: the serial one sleeps B ms, then
+// zopt_optimizer_step; the pipelined one sleeps B / nb ms per bucket and
+// marks it ready (buckets in flat order, the order backward produces
+// them), then zopt_optimizer_step. Reported: the median exposed time (the
+// wall time of zopt_optimizer_step after backward) of each, their ratio,
+// the pipelined step's outcome and the CPU time its jobs overlapped with
+// backward; with clipping inactive (max_norm 1e9) and active (max_norm
+// 1e-3: every bucket recomputed). The params of both are compared bit for
+// bit at the end.
+#include "zopt/zopt.h"
+#include "zopt_run_device.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+#define Z(call)                                                                                          \
+  do {                                                                                                   \
+    if (zopt_status st_ = (call)) {                                                                      \
+      std::fprintf(stderr, "zopt-bench-offload-pipeline: %s: %d %s\n", #call, (int)st_, zopt_last_error()); \
+      std::exit(1);                                                                                      \
+    }                                                                                                    \
+  } while (0)
+
+double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+size_t dsize(uint32_t d) { return d == ZOPT_DTYPE_F32 ? 4 : 2; }
+
+void sleep_s(double s) { std::this_thread::sleep_for(std::chrono::duration<double>(s)); }
+
+}  // namespace
+
+int main(int argc, char **argv) {
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: zopt-bench-offload-pipeline OFFLOAD.so [--params N] [--tensors T] [--steps K] "
+                         "[--threads P] [--backward-ms B] [--bucket E]\n");
+    return 2;
+  }
+  long long N = 64ll << 20, E = 0;
+  int T = 64, K = 5, P = 0;
+  double Bms = 0;  // 0: the serial step's own time (a backward as long as the step)
+  for (int i = 2; i + 1 < argc; i += 2) {
+    std::string a = argv[i];
+    double v = std::atof(argv[i + 1]);
+    if (a == "--params") N = (long long)v;
+    else if (a == "--tensors") T = (int)v;
+    else if (a == "--steps") K = (int)v;
+    else if (a == "--threads") P = (int)v;
+    else if (a == "--backward-ms") Bms = v;
+    else if (a == "--bucket") E = (long long)v;
+    else {
+      std::fprintf(stderr, "zopt-bench-offload-pipeline: unknown option %s\n", a.c_str());
+      return 2;
+    }
+  }
+  if (N < T || T < 1 || K < 1) {
+    std::fprintf(stderr, "zopt-bench-offload-pipeline: need params >= tensors >= 1, steps >= 1\n");
+    return 2;
+  }
+  zopt_step *so = nullptr;
+  Z(zopt_step_load(argv[1], &so));
+  const zopt_step_descriptor *d = zopt_step_get_descriptor(so);
+  uint32_t pdt = 0, gdt = 0;
+  double host_state = 0;
+  for (uint32_t s = 0; s < d->num_states; ++s) {
+    const zopt_state_desc &x = d->states[s];
+    if (x.kind == ZOPT_STATE_PARAM) pdt = x.dtype;
+    else if (x.kind == ZOPT_STATE_GRAD) gdt = x.dtype;
+    else host_state += (double)dsize(x.dtype);
+  }
+  RunDevice dev;
+  std::string why;
+  if (!dev.open(&why)) {
+    std::fprintf(stderr, "zopt-bench-offload-pipeline: %s\n", why.c_str());
+    return 3;
+  }
+  zopt_optimizer *o[2] = {nullptr, nullptr};  // serial, pipelined
+  int g[2];
+  for (int i = 0; i < 2; ++i) {
+    Z(zopt_optimizer_create(so, &o[i]));
+    if (P > 0) Z(zopt_optimizer_set_num_threads(o[i], P));
+    if (E > 0) Z(zopt_optimizer_set_bucket_elems(o[i], E));
+    Z(zopt_optimizer_add_group(o[i], &g[i]));
+  }
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  auto bits = [](float f, uint32_t dt, unsigned char *out) {
+    if (dt == ZOPT_DTYPE_F32) {
+      std::memcpy(out, &f, 4);
+      return;
+    }
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    uint16_t h = (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);  // bf16, nearest even
+    std::memcpy(out, &h, 2);
+  };
+  std::vector<long long> numel(T);
+  for (int t = 0; t < T; ++t) {
+    long long n = numel[t] = N / T + (t < N % T ? 1 : 0);
+    std::vector<unsigned char> hp((size_t)n * dsize(pdt)), hg((size_t)n * dsize(gdt));
+    for (long long i = 0; i < n; ++i) {
+      bits(normal(rng) * 0.05f, pdt, &hp[(size_t)i * dsize(pdt)]);
+      bits(normal(rng) * 1e-3f, gdt, &hg[(size_t)i * dsize(gdt)]);
+    }
+    for (int i = 0; i < 2; ++i) {
+      void *dp = dev.upload(hp.data(), hp.size(), &why), *dg = dp ? dev.upload(hg.data(), hg.size(), &why) : nullptr;
+      if (!dg) {
+        std::fprintf(stderr, "zopt-bench-offload-pipeline: %s\n", why.c_str());
+        return 1;
+      }
+      int id;
+      Z(zopt_optimizer_add_tensor(o[i], g[i], dp, dg, n, (zopt_dtype)pdt, &id));
+    }
+  }
+  for (int i = 0; i < 2; ++i) Z(zopt_optimizer_finalize(o[i]));
+  int nb = 0;
+  Z(zopt_optimizer_num_buckets(o[1], &nb));
+  std::printf("offloaded step %s: %.0f B/param of optimizer state on the host; %lld params in %d tensors, %d "
+              "buckets, %d steps per case; device memory of %s\n",
+              d->name, host_state, N, T, nb, K, dev.driver().c_str());
+  if (Bms <= 0) {  // a backward as long as one serial step
+    Z(zopt_optimizer_step(o[0], nullptr));  // warm-up (first touch)
+    for (int b = 0; b < nb; ++b) Z(zopt_optimizer_grad_bucket_ready(o[1], b));
+    Z(zopt_optimizer_step(o[1], nullptr));
+    double t0 = now();
+    Z(zopt_optimizer_step(o[0], nullptr));
+    Bms = (now() - t0) * 1e3;
+    for (int b = 0; b < nb; ++b) Z(zopt_optimizer_grad_bucket_ready(o[1], b));
+    Z(zopt_optimizer_step(o[1], nullptr));
+  }
+  const double B = Bms * 1e-3;
+  std::printf("simulated backward: %.1f ms per step (%.2f ms per bucket)\n", Bms, Bms / nb);
+  bool clip = (d->flags & ZOPT_FLAG_CLIP) != 0;
+  for (int active = 0; active < (clip ? 2 : 1); ++active) {
+    for (int i = 0; i < 2; ++i) Z(zopt_optimizer_set_max_norm(o[i], active ? 1e-3 : 1e9));
+    std::vector<double> ser, pip, over;
+    zopt_pipeline_stats ps{};
+    for (int k = 0; k <= K; ++k) {  // k = 0: warm-up, not counted
+      sleep_s(B);
+      double t0 = now();
+      Z(zopt_optimizer_step(o[0], nullptr));
+      double t1 = now();
+      for (int b = 0; b < nb; ++b) {
+        sleep_s(B / nb);
+        Z(zopt_optimizer_grad_bucket_ready(o[1], b));
+      }
+      double t2 = now();
+      Z(zopt_optimizer_step(o[1], nullptr));
+      double t3 = now();
+      ps.size = sizeof ps;
+      Z(zopt_optimizer_get_pipeline_stats(o[1], &ps));
+      if (!k) continue;
+      ser.push_back(t1 - t0);
+      pip.push_back(t3 - t2);
+      over.push_back(ps.overlapped_seconds);
+    }
+    const char *oc[] = {"none", "commit", "recompute", "discard"};
+    const double s = median(ser), p = median(pip);
+    std::printf("clipping %s: serial step %.1f ms; pipelined step after backward %.1f ms (%.2f of serial); outcome "
+                "%s (%d of %d buckets speculated, %d recomputed); CPU work overlapped with backward %.1f ms\n",
+                active ? "active" : "inactive", s * 1e3, p * 1e3, p / s, oc[ps.outcome & 3], ps.speculated, ps.buckets,
+                ps.recomputed, median(over) * 1e3);
+  }
+  bool same = true;
+  for (int t = 0; t < T && same; ++t) {
+    std::vector<unsigned char> x((size_t)numel[t] * dsize(pdt)), y(x.size());
+    Z(zopt_optimizer_read_state_raw(o[0], t, ZOPT_STATE_PARAM, x.data(), x.size()));
+    Z(zopt_optimizer_read_state_raw(o[1], t, ZOPT_STATE_PARAM, y.data(), y.size()));
+    same = x == y;
+  }
+  std::printf("params of the pipelined and the serial optimizer bit-identical: %s\n", same ? "yes" : "NO");
+  for (int i = 0; i < 2; ++i) zopt_optimizer_free(o[i]);
+  zopt_step_free(so);
+  return same ? 0 : 1;
+}
