@@ -27,9 +27,11 @@ policy, small tensors and the embedding keep f32 moments):
   bf16_rne        bf16 params rounded to nearest, f32 moments, no master
   remainder       bf16 params + int16 remainder (exact f32 master), f32 moments
   remainder_bf16m the same with bf16 moments (keep32)
-  q8_sr, q8_remainder   q8 moments (keep32) with bf16-SR params / a remainder
-                  master: run when this build's runtime runs q8 moments,
-                  else listed as skipped with the reason.
+  kahan           bf16 params with a bf16 Kahan compensation (NUMERICS §11), f32 moments
+  q8_sr, q8_remainder, q8_kahan   q8 moments (keep32) with bf16-SR params / a
+                  remainder master / a Kahan compensation: run when this
+                  build's runtime runs q8 moments, else listed as skipped
+                  with the reason.
 Prints one line per run and a table of the mean final validation loss per
 layout (and its ratio to f32); --json writes every run's curve.
 """
@@ -56,8 +58,10 @@ LAYOUTS = {
     "bf16_rne": dict(param="bf16", moments="f32"),
     "remainder": dict(param="bf16", master="remainder", moments="f32"),
     "remainder_bf16m": dict(param="bf16", master="remainder", moments="bf16", keep32=True),
+    "kahan": dict(param="bf16", master="kahan", moments="f32"),
     "q8_sr": dict(param="bf16", moments="q8", rounding={"param": "stochastic"}, keep32=True),
     "q8_remainder": dict(param="bf16", master="remainder", moments="q8", keep32=True),
+    "q8_kahan": dict(param="bf16", master="kahan", moments="q8", keep32=True),
 }
 
 
