@@ -19,12 +19,33 @@ zopt_status fail(zopt_status st, const char *fmt, ...) {
 
 void clear_error() { g_err[0] = 0; }
 
+bool has_q8(const zopt_step_descriptor *d) {
+  for (uint32_t s = 0; s < d->num_states; ++s)
+    if (d->states[s].dtype == ZOPT_DTYPE_Q8 || (d->states[s].flags & ZOPT_STATE_PER_BLOCK)) return true;
+  return false;
+}
+
+uint8_t zero_byte(const zopt_step_descriptor *d, int si) {
+  const zopt_state_desc &s = d->states[si];
+  if (s.dtype != ZOPT_DTYPE_Q8) return 0;
+  return s.kind == ZOPT_STATE_EXP_AVG_SQ ? ZOPT_Q8_UNSIGNED_ZERO : ZOPT_Q8_SIGNED_ZERO;
+}
+
+zopt_status refuse_q8(const zopt_step_descriptor *d, const char *fn, const char *what) {
+  if (!has_q8(d)) return ZOPT_OK;
+  return fail(ZOPT_ERR_UNSUPPORTED,
+              "%s: step '%s' has q8 moments (abi.h \"q8 moments\"): %s is not built for q8 states yet; read and "
+              "write them with zopt_optimizer_read_state_raw / _f32 and zopt_optimizer_write_state_raw / _f32",
+              fn, d->name, what);
+}
+
 size_t dtype_size(uint32_t dt) {
   switch (dt) {
     case ZOPT_DTYPE_F32: return 4;
     case ZOPT_DTYPE_BF16: return 2;
     case ZOPT_DTYPE_F16: return 2;
     case ZOPT_DTYPE_I16: return 2;
+    case ZOPT_DTYPE_Q8: return 1;
   }
   return 0;
 }

@@ -39,6 +39,25 @@ const char *state_kind_name(uint32_t kind);
 const char *hyper_name(uint32_t kind);
 int hyper_kind_from_name(const char *name);  // 0 if unknown
 
+// ---- q8 moments (abi.h "q8 moments") ----------------------------------------
+// A PER_BLOCK state (a q8 absmax) holds one element per ZOPT_Q8_BLOCK
+// elements of its tensor: `n` elements of the tensor are q8_state_numel of
+// the state (the last block may be partial).
+inline bool is_per_block(const zopt_step_descriptor *d, int si) {
+  return (d->states[si].flags & ZOPT_STATE_PER_BLOCK) != 0;
+}
+inline int64_t state_numel(const zopt_step_descriptor *d, int si, int64_t n) {
+  return is_per_block(d, si) ? (n + ZOPT_Q8_BLOCK - 1) / ZOPT_Q8_BLOCK : n;
+}
+// Whether the step has q8 moments (its layout is then block-aligned).
+bool has_q8(const zopt_step_descriptor *d);
+// The byte a fresh (zero) state of `si` holds: a q8 moment's zero code,
+// else 0.
+uint8_t zero_byte(const zopt_step_descriptor *d, int si);
+// ZOPT_ERR_UNSUPPORTED naming `fn` and `what` for a step with q8 moments
+// (what the runtime does not do for them yet), else ZOPT_OK.
+zopt_status refuse_q8(const zopt_step_descriptor *d, const char *fn, const char *what);
+
 float bf16_to_f32(uint16_t h);
 uint16_t f32_to_bf16(float f);  // round to nearest even, NaN stays NaN
 float f16_to_f32(uint16_t h);

@@ -422,6 +422,7 @@ ZOPT_API zopt_status zopt_optimizer_save(const zopt_optimizer *co, const char *p
   if (zopt_status st = check_idle(o, "zopt_optimizer_save")) return st;
   if (!path || !*path) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_save: path is NULL or empty");
   if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_save: call zopt_optimizer_finalize first");
+  if (zopt_status st = refuse_q8(o->d, "zopt_optimizer_save", "the checkpoint")) return st;
   // Step counts and scaler from where the backend keeps them (the device:
   // waits for the stream).
   if (zopt_status st = o->backend->pull(o)) return st;
@@ -761,6 +762,7 @@ ZOPT_API zopt_status zopt_optimizer_load_ex(zopt_optimizer *o, const char *path,
   if (zopt_status st = check_idle(o, "zopt_optimizer_load")) return st;
   if (!path || !*path) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_load: path is NULL or empty");
   if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_load: call zopt_optimizer_finalize first");
+  if (zopt_status st = refuse_q8(o->d, "zopt_optimizer_load", "the checkpoint")) return st;
   if (flags & ~(uint32_t)(ZOPT_LOAD_ALLOW_RULE_CHANGE | ZOPT_LOAD_VALIDATE_ONLY))
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_load_ex: unknown flags 0x%x", flags);
   Staged sg;

@@ -215,8 +215,10 @@ ZOPT_API zopt_status zopt_optimizer_add_tensors(zopt_optimizer *o, int new_group
   const char *fn = kFn;
   ZOPT_ENTER_CALL(o, fn);
   if (zopt_status st = check_idle(o, fn)) return st;
-  if (o->finalized)
+  if (o->finalized) {
     if (zopt_status st = o->backend->supports(o, Feature::AddTensors, fn)) return st;
+    if (zopt_status st = refuse_q8(o->d, fn, "adding tensors after finalize")) return st;
+  }
   const size_t G0 = o->groups.size(), T0 = o->tensors.size();
   std::vector<Tensor> add;
   std::unordered_set<const void *> seen;
