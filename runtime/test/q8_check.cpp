@@ -22,11 +22,20 @@
 // a nonzero v never takes code 0); the master is the AdamW update with the
 // unquantized m1, v1 (to f32 rounding) and the param its high half.
 // Reading a moment as f32 decodes it; writing f32 quantizes it with
-// zopt_q8_encode; sizes that do not fit and checkpoints are refused.
+// zopt_q8_encode; sizes that do not fit are refused, and so are the staged
+// import and tensors added after finalize (not built for q8 states). A checkpoint of run A
+// loads into a fresh optimizer of the step bit for bit (codes, absmax,
+// master, counts: the next step equal); into a step with f32 moments
+// (--f32=STEP2.so, the same params and master) it is refused with
+// ZOPT_ERR_CHECKPOINT naming the conversion, as is that step's checkpoint
+// into this one (with ZOPT_LOAD_ALLOW_RULE_CHANGE; without it, as another
+// update rule): never loaded as silent zeros or raw codes.
 //
-//   zopt-q8-check STEP.so [--steps=N]
+//   zopt-q8-check STEP.so [--f32=STEP2.so] [--steps=N]
 #include "test_util.h"
 #include "zopt_reference.h"
+
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdint>
@@ -208,9 +217,10 @@ int check_rules(const Snap &before, const Snap &after, const uint16_t *g, int k,
 
 int main(int argc, char **argv) {
   int steps = 3;
-  const char *path = nullptr;
+  const char *path = nullptr, *f32 = nullptr;
   for (int i = 1; i < argc; ++i) {
     if (!strncmp(argv[i], "--steps=", 8)) steps = atoi(argv[i] + 8);
+    else if (!strncmp(argv[i], "--f32=", 6)) f32 = argv[i] + 6;
     else path = argv[i];
   }
   if (!path) {
@@ -310,6 +320,85 @@ int main(int argc, char **argv) {
            ZOPT_ERR_INVALID_ARGUMENT);
     ZT_ERR(zopt_optimizer_read_state_f32(o, R.id_of[t], ZOPT_STATE_EXP_AVG_ABSMAX, f.data(), n),
            ZOPT_ERR_INVALID_ARGUMENT);
+    // Not built for q8 states: refused, nothing changed.
+    zopt_state_import *imp = nullptr;
+    ZT_ERR(zopt_optimizer_import_begin(o, &imp), ZOPT_ERR_UNSUPPORTED);
+    ZT_CHECK(imp == nullptr);
+    std::vector<uint16_t> xp(10), xg(10);
+    void *pp[1] = {xp.data()}, *gg[1] = {xg.data()};
+    const int grp[1] = {0};
+    const int64_t nn[1] = {10};
+    ZT_ERR(zopt_optimizer_add_tensors(o, 0, 1, grp, pp, gg, nn, ZOPT_DTYPE_BF16, nullptr, nullptr),
+           ZOPT_ERR_UNSUPPORTED);
+    ZT_CHECK(same(s, snap(R, t)) == false);  // (exp_avg was written above)
+    ZT_CHECK(same(w, snap(R, t)));
+  }
+  // Checkpoints: saved by run A (a fresh optimizer of the step loads it bit
+  // for bit, and its next step is A's), refused into f32 moments and back.
+  {
+    char dir[] = "/tmp/zopt_q8_check_XXXXXX";
+    if (!mkdtemp(dir)) {
+      perror("mkdtemp");
+      return 1;
+    }
+    const std::string ck = std::string(dir) + "/q8.ckpt", ck32 = std::string(dir) + "/f32.ckpt";
+    Run &A = *runs[0];
+    ZT_OK(zopt_optimizer_save(A.opts[0], ck.c_str()));
+    Run L;
+    int bad = 0;
+    if (make_run(L, step, 2, false, false)) {
+      for (size_t t = 0; t < T; ++t) memcpy(L.p[t], A.p[t], (size_t)kSizes[t] * 2);
+      ZT_OK(zopt_optimizer_load(L.opts[0], ck.c_str()));
+      for (size_t t = 0; t < T; ++t) bad += !same(snap(A, t), snap(L, t));
+      for (Run *R : {&A, &L}) {
+        for (size_t t = 0; t < T; ++t)
+          for (int64_t i = 0; i < kSizes[t]; ++i) R->g[t][(size_t)i] = zopt_ref::to_bf16(value(999, t, (uint64_t)i, 0.0015));
+        zopt_step_result res;
+        ZT_OK(zopt_optimizer_step(R->opts[0], &res));
+      }
+      for (size_t t = 0; t < T; ++t) bad += !same(snap(A, t), snap(L, t));
+    } else {
+      ++bad;
+    }
+    printf("%s checkpoint: loaded bit for bit, the next step the same bytes (%d differ)\n", bad ? "FAIL" : "PASS",
+           bad);
+    fails += bad != 0;
+    if (f32) {
+      zopt_step *s32 = nullptr;
+      ZT_OK(zopt_step_load(f32, &s32));
+      zopt_optimizer *o = nullptr;
+      if (s32) ZT_OK(zopt_optimizer_create(s32, &o));
+      std::vector<std::vector<uint16_t>> p(T), g(T);
+      if (o) {
+        int gid = -1;
+        ZT_OK(zopt_optimizer_add_group(o, &gid));
+        for (size_t t = 0; t < T; ++t) {
+          p[t].assign(A.p[t], A.p[t] + kSizes[t]);
+          g[t].assign((size_t)kSizes[t], 0);
+          int id;
+          ZT_OK(zopt_optimizer_add_tensor(o, 0, p[t].data(), g[t].data(), kSizes[t], ZOPT_DTYPE_BF16, &id));
+        }
+        ZT_OK(zopt_optimizer_finalize(o));
+        ZT_ERR(zopt_optimizer_load(o, ck.c_str()), ZOPT_ERR_CHECKPOINT);
+        const bool rule = strstr(zopt_last_error(), "another update rule") != nullptr;
+        ZT_ERR(zopt_optimizer_load_ex(o, ck.c_str(), ZOPT_LOAD_ALLOW_RULE_CHANGE), ZOPT_ERR_CHECKPOINT);
+        const bool conv = strstr(zopt_last_error(), "is q8 and this step's f32: converting between q8 and f32 "
+                                                     "moments in a load is not built") != nullptr;
+        ZT_OK(zopt_optimizer_save(o, ck32.c_str()));
+        ZT_ERR(zopt_optimizer_load_ex(A.opts[0], ck32.c_str(), ZOPT_LOAD_ALLOW_RULE_CHANGE), ZOPT_ERR_CHECKPOINT);
+        const bool back = strstr(zopt_last_error(), "is f32 and this step's q8: converting") != nullptr;
+        // A refused load leaves the state as it was.
+        bool kept = true;
+        for (size_t t = 0; t < T; ++t) kept = kept && same(snap(A, t), snap(L, t));
+        printf("%s checkpoint: q8 moments into f32 ones and back refused, naming the conversion; the state kept\n",
+               rule && conv && back && kept ? "PASS" : "FAIL");
+        fails += !(rule && conv && back && kept);
+      }
+      zopt_optimizer_free(o);
+      zopt_step_free(s32);
+    }
+    for (const std::string &f : {ck, ck32}) unlink(f.c_str());
+    rmdir(dir);
   }
   fails += zt_failures != 0;
   printf("%s\n", fails ? "FAILED" : "OK");

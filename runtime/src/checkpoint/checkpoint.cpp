@@ -68,13 +68,14 @@ struct Writer {
 // The runs of state si of tensor t this rank holds, for writing a
 // checkpoint: each element is written by exactly one rank (a state held
 // whole by every rank, stage 0, is written by the rank whose shard of the
-// layout at the world size holds it).
+// layout at the world size holds it). A PER_BLOCK state (a q8 absmax):
+// runs of blocks (exec::runs; the shards start at block boundaries).
 void save_runs(const zopt_optimizer *o, int t, int si, std::vector<exec::Run> *out) {
   out->clear();
   const Tensor &x = o->tensors[t];
   if (!x.numel) return;
   if (o->world == 1) {
-    out->push_back(exec::Run{0, x.numel, state_ptr(o, t, si)});
+    out->push_back(exec::Run{0, state_numel(o->d, si, x.numel), state_ptr(o, t, si)});
     return;
   }
   if (!exec::holds_whole(o, si)) {
@@ -86,7 +87,11 @@ void save_runs(const zopt_optimizer *o, int t, int si, std::vector<exec::Run> *o
   const size_t es = dtype_size(o->d->states[si].dtype);
   std::vector<exec::OwnedRange> rs;
   exec::owned_ranges(o, t, &rs);
-  for (const exec::OwnedRange &r : rs) out->push_back(exec::Run{r.start, r.len, base + (size_t)r.start * es});
+  const int64_t q = is_per_block(o->d, si) ? ZOPT_Q8_BLOCK : 1;
+  for (const exec::OwnedRange &r : rs) {
+    const int64_t a = r.start / q, e = (r.start + r.len + q - 1) / q;
+    out->push_back(exec::Run{a, e - a, base + (size_t)a * es});
+  }
 }
 
 // The bytes of a run: in place for host memory, staged where the backend
@@ -257,7 +262,7 @@ zopt_status write_image(const zopt_optimizer *o, const SaveId &id, bool whole, S
         if (!whole) {
           save_runs(o, (int)t, si, &runs);
           for (const exec::Run &r : runs) pieces.push_back(P{ki, (uint32_t)t, r, 0, 0});
-        } else if (const int64_t n = o->tensors[t].numel) {
+        } else if (const int64_t n = state_numel(d, si, o->tensors[t].numel)) {
           void *p = o->world > 1 && !exec::holds_whole(o, si) ? nullptr : state_ptr(o, (int)t, si);
           pieces.push_back(P{ki, (uint32_t)t, exec::Run{0, n, p}, 0, 0});
         }
@@ -422,7 +427,6 @@ ZOPT_API zopt_status zopt_optimizer_save(const zopt_optimizer *co, const char *p
   if (zopt_status st = check_idle(o, "zopt_optimizer_save")) return st;
   if (!path || !*path) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_save: path is NULL or empty");
   if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_save: call zopt_optimizer_finalize first");
-  if (zopt_status st = refuse_q8(o->d, "zopt_optimizer_save", "the checkpoint")) return st;
   // Step counts and scaler from where the backend keeps them (the device:
   // waits for the stream).
   if (zopt_status st = o->backend->pull(o)) return st;
@@ -687,6 +691,16 @@ static zopt_status stage_files(zopt_optimizer *o, const Files &files, const char
             const std::vector<unsigned char> *b = nullptr;
             if (zopt_status st = piece_bytes(fi, pi, &b)) return st;
             uint32_t sdt = files[fi]->kinds[p.kind_index].dtype;
+            // q8 codes need their block's absmax (another state): stored
+            // and loaded as they are, never converted here.
+            if ((sdt == ZOPT_DTYPE_Q8) != (dt == ZOPT_DTYPE_Q8))
+              return ck_fail(path, "tensor %zu: the checkpoint's %s is %s and this step's %s: converting between q8 "
+                                   "and %s moments in a load is not built (load it into a step with the "
+                                   "checkpoint's moments, read the moments as f32 with "
+                                   "zopt_optimizer_read_state_f32 and write them into the other step with "
+                                   "zopt_optimizer_write_state_f32)",
+                             t, state_kind_name(kind), dtype_name(sdt), dtype_name(dt),
+                             dtype_name(sdt == ZOPT_DTYPE_Q8 ? dt : sdt));
             // A remainder master (I16) is half of a master: the other half
             // is the param, which this per-state conversion cannot see.
             if ((sdt == ZOPT_DTYPE_I16) != (dt == ZOPT_DTYPE_I16))
@@ -762,7 +776,6 @@ ZOPT_API zopt_status zopt_optimizer_load_ex(zopt_optimizer *o, const char *path,
   if (zopt_status st = check_idle(o, "zopt_optimizer_load")) return st;
   if (!path || !*path) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_load: path is NULL or empty");
   if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_load: call zopt_optimizer_finalize first");
-  if (zopt_status st = refuse_q8(o->d, "zopt_optimizer_load", "the checkpoint")) return st;
   if (flags & ~(uint32_t)(ZOPT_LOAD_ALLOW_RULE_CHANGE | ZOPT_LOAD_VALIDATE_ONLY))
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_load_ex: unknown flags 0x%x", flags);
   Staged sg;

@@ -195,7 +195,6 @@ ZOPT_API zopt_status zopt_optimizer_export_state(const zopt_optimizer *co, void 
     return fail(ZOPT_ERR_INVALID_ARGUMENT,
                 "%s: unknown flags 0x%x (known: ZOPT_EXPORT_WHOLE, ZOPT_EXPORT_NO_CHECKSUMS)", fn, flags);
   if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "%s: call zopt_optimizer_finalize first", fn);
-  if (zopt_status st = refuse_q8(o->d, fn, "the state image")) return st;
   // Step counts and scaler from where the backend keeps them (the device:
   // waits for the stream).
   if (zopt_status st = o->backend->pull(o)) return st;
@@ -228,7 +227,6 @@ ZOPT_API zopt_status zopt_optimizer_import_state_set(zopt_optimizer *o, int n, c
     if (!bufs[i]) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: buffer %d is NULL", fn, i);
   if (zopt_status st = check_load_flags(flags, fn)) return st;
   if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "%s: call zopt_optimizer_finalize first", fn);
-  if (zopt_status st = refuse_q8(o->d, fn, "the state image")) return st;
   ckpt::Staged sg;
   zopt_status st = ckpt::stage_memory(o, n, bufs, sizes, flags, sg);
   // Nothing applied yet (kSigUnchanged): a rank at another call fails this
@@ -251,7 +249,7 @@ ZOPT_API zopt_status zopt_optimizer_import_begin(zopt_optimizer *o, zopt_state_i
   if (!out) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: out is NULL", fn);
   *out = nullptr;
   if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "%s: call zopt_optimizer_finalize first", fn);
-  if (zopt_status st = refuse_q8(o->d, fn, "the state image")) return st;
+  if (zopt_status st = refuse_q8(o->d, fn, "the staged import")) return st;
   // The scaler's current state from where the backend keeps it.
   if (zopt_status st = o->backend->pull(o)) return st;
   zopt_state_import *imp = new (std::nothrow) zopt_state_import;
