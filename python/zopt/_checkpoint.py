@@ -45,6 +45,15 @@ def warn_master_replaced(what, changed, total):
 
 
 # ---- state_dict ---------------------------------------------------------------------
+# a q8 moment's per-block absmax (abi.h "q8 moments"): not a torch key
+Q8_ABSMAX = (StateKind.EXP_AVG_ABSMAX, StateKind.EXP_AVG_SQ_ABSMAX)
+
+
+def has_q8(step):
+    """Whether the step keeps q8 moments."""
+    return any(dt == DType.Q8 for _, dt, _ in step.states)
+
+
 def part_states(c):
     """({tensor: {'step': ..., key: tensor}} of the tensors that stepped,
     the snapshot they come from) of part c: the states of contiguous
@@ -59,7 +68,13 @@ def part_states(c):
         d = {"step": torch.tensor(float(snap["steps"][t])) if torch is not None
              else snap["steps"][t]}
         for k in snap["kinds"]:
-            if (k, t) not in snap["data"] or k == StateKind.PARAM:
+            if (k, t) not in snap["data"] or k == StateKind.PARAM or k in Q8_ABSMAX:
+                continue
+            if s.state_dtype(k) == DType.Q8:
+                # a q8 moment (abi.h "q8 moments"): torch's layout holds the
+                # f32 moment, decoded by the runtime (codes x block absmax;
+                # a collective gather at world size > 1, as the export)
+                d[TORCH_KEY[k]] = _state.user_tensor(e, c.read_f32(t, k), DType.F32)
                 continue
             if k == StateKind.MASTER and s.remainder_master:
                 # torch's layout holds the whole f32 master: rebuilt from
@@ -103,7 +118,8 @@ def state_dict(opt):
         start += len(g["params"])
         groups.append(packed)
     snaps = [snap for _, snap in got]
-    names = [[TORCH_KEY[k] for k in snap["kinds"] if k != StateKind.PARAM] for snap in snaps]
+    names = [[TORCH_KEY[k] for k in snap["kinds"] if k != StateKind.PARAM and k not in Q8_ABSMAX]
+             for snap in snaps]
     kinds = []
     for ks in names:
         kinds += [k for k in ks if k not in kinds]
@@ -130,6 +146,13 @@ def state_dict(opt):
 def load_state_dict(opt, sd, allow_rule_change):
     """Loads torch's layout into every class; nothing changes if anything is
     refused."""
+    q8 = [c.step.name for c in opt._parts if has_q8(c.step)]
+    if q8:
+        raise NotImplementedError(
+            f"zopt: load_state_dict into step '{q8[0]}', whose moments are q8 (block-quantized, "
+            "docs/NUMERICS.md §10), is not built yet (it would quantize torch's f32 moments); "
+            "state_dict() exports them decoded, and the runtime's checkpoints hold them as they "
+            "are (zopt_optimizer_save / zopt_optimizer_load)")
     if sd.get("format") == "zopt-state-dict-1":  # the first binding's
         if opt._mapped:
             raise ZoptError(Status.CHECKPOINT, "the first binding's state_dict format holds "

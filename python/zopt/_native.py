@@ -446,6 +446,8 @@ class Native:
     def read_raw(self, t, k):
         dt = self.step.state_dtype(k)
         n = self.entries[t].numel
+        if k in (StateKind.EXP_AVG_ABSMAX, StateKind.EXP_AVG_SQ_ABSMAX):
+            n = -(-n // 256)  # a q8 absmax: one f32 per block (abi.h "q8 moments")
         out = np.empty(n, dtype=NP_OF[dt])
         check(self.lib.zopt_optimizer_read_state_raw(
             self.h, t, int(k), ctypes.c_void_p(out.ctypes.data if n else None),
