@@ -79,7 +79,9 @@ Layout per_block(const Layout &L, int64_t q) {
   B.block = std::max<int64_t>(L.block / q, 1);
   for (Segment &s : B.tensors) {
     s.numel = up(s.numel);
-    s.flat /= q;
+    // (An empty tensor's flat is where the previous one ends, maybe inside
+    // a block: rounded up, so that segment ends stay sorted for pieces().)
+    s.flat = up(s.flat);
   }
   for (int64_t &n : B.group_len) n = up(n);
   for (Bucket &k : B.buckets) {
