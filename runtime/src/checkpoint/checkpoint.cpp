@@ -15,6 +15,7 @@
 
 #include "checkpoint/format.h"
 #include "checkpoint/image.h"
+#include "checkpoint/q8.h"
 #include "checkpoint/set.h"
 
 #include "comm/comm_internal.h"
@@ -591,13 +592,22 @@ static zopt_status stage_files(zopt_optimizer *o, const Files &files, const char
       if (k.kind == kind) return true;
     return false;
   };
+  // (A q8 moment's absmax is part of its moment: the moments load between
+  // q8 and wider dtypes, checkpoint/q8.h.)
+  auto fdt = [&](uint32_t kind) -> uint32_t {
+    for (const KindRec &k : f0.kinds)
+      if (k.kind == kind) return k.dtype;
+    return 0;
+  };
   std::string missing, extra;
   for (uint32_t s = 0; s < d->num_states; ++s) {
     uint32_t k = d->states[s].kind;
-    if (is_owned_kind(k) && !file_has(k)) missing += std::string(missing.empty() ? "" : ", ") + state_kind_name(k);
+    if (is_owned_kind(k) && !file_has(k) && !ckpt::q8_converts(k, d->states[s].dtype, fdt))
+      missing += std::string(missing.empty() ? "" : ", ") + state_kind_name(k);
   }
   for (const KindRec &k : f0.kinds)
-    if (state_index(d, k.kind) < 0 && k.kind != ZOPT_STATE_MASTER && k.kind != ZOPT_STATE_PARAM)
+    if (state_index(d, k.kind) < 0 && k.kind != ZOPT_STATE_MASTER && k.kind != ZOPT_STATE_PARAM &&
+        !ckpt::q8_absmax_of_moment(k.kind, d))
       extra += std::string(extra.empty() ? "" : ", ") + state_kind_name(k.kind);
   if (!allow && (!missing.empty() || !extra.empty()))
     return ck_fail(path,
@@ -643,6 +653,30 @@ static zopt_status stage_files(zopt_optimizer *o, const Files &files, const char
       const PieceRec &p = files[fi]->pieces[pi];
       index[{files[fi]->kinds[p.kind_index].kind, p.tensor}].push_back({fi, pi});
     }
+  // Units [a, e) of the set's `kind` of tensor t in its dtype (q8 loads).
+  const ckpt::ReadRange read_range = [&](uint32_t k, size_t t, int64_t a, int64_t e, std::vector<unsigned char> *b,
+                                         uint32_t *sdt) -> zopt_status {
+    *sdt = fdt(k);
+    const size_t es = dtype_size(*sdt);
+    b->assign((size_t)(e - a) * es, 0);
+    int64_t covered = 0;
+    auto pit = index.find({k, (uint32_t)t});
+    if (pit != index.end())
+      for (auto [fi, pi] : pit->second) {
+        const PieceRec &p = files[fi]->pieces[pi];
+        const int64_t x = std::max(a, p.start), y = std::min(e, p.start + p.len);
+        if (x >= y) continue;
+        const std::vector<unsigned char> *pb = nullptr;
+        if (zopt_status st = piece_bytes(fi, pi, &pb)) return st;
+        memcpy(b->data() + (size_t)(x - a) * es, pb->data() + (size_t)(x - p.start) * es, (size_t)(y - x) * es);
+        covered += y - x;
+      }
+    if (covered != e - a)
+      return ck_fail(path, "tensor %zu state %s: the files hold %lld of elements [%lld, %lld) (a file of the set "
+                           "is missing pieces or they overlap)",
+                     t, state_kind_name(k), (long long)covered, (long long)a, (long long)e);
+    return ZOPT_OK;
+  };
   std::vector<exec::Run> runs;
   const int pidx = o->step->param_index;
   try {
@@ -656,6 +690,13 @@ static zopt_status stage_files(zopt_optimizer *o, const Files &files, const char
         for (const exec::Run &r : runs) {
           Staged::Dest dst{(int)t, (int)s, r.start, r.len, {}};
           dst.bytes.resize((size_t)r.len * es);
+          if (ckpt::q8_converts(kind, dt, fdt)) {  // between q8 and wider moments
+            if (zopt_status st = ckpt::q8_stage(kind, dt, t, o->tensors[t].numel, r.start, r.len, fdt, read_range,
+                                                dst.bytes.data(), path))
+              return st;
+            out.dests.push_back(std::move(dst));
+            continue;
+          }
           if (pit == index.end() && kind == ZOPT_STATE_PARAM) {
             // A checkpoint of a step whose params the model holds: the
             // runtime's shard from the model's params, as at finalize.
@@ -679,45 +720,24 @@ static zopt_status stage_files(zopt_optimizer *o, const Files &files, const char
                 src = p.data() + (size_t)r.start * pes;
               }
               convert(src, d->states[pidx].dtype, dst.bytes.data(), dt, r.len);
-            }  // else zeros (allowed above)
+            } else {  // zeros (allowed above; a q8 moment: its zero code)
+              memset(dst.bytes.data(), zero_byte(d, (int)s), dst.bytes.size());
+            }
             out.dests.push_back(std::move(dst));
             continue;
           }
-          int64_t covered = 0;
-          for (auto [fi, pi] : pit->second) {
-            const PieceRec &p = files[fi]->pieces[pi];
-            int64_t a = std::max(r.start, p.start), e = std::min(r.start + r.len, p.start + p.len);
-            if (a >= e) continue;
-            const std::vector<unsigned char> *b = nullptr;
-            if (zopt_status st = piece_bytes(fi, pi, &b)) return st;
-            uint32_t sdt = files[fi]->kinds[p.kind_index].dtype;
-            // q8 codes need their block's absmax (another state): stored
-            // and loaded as they are, never converted here.
-            if ((sdt == ZOPT_DTYPE_Q8) != (dt == ZOPT_DTYPE_Q8))
-              return ck_fail(path, "tensor %zu: the checkpoint's %s is %s and this step's %s: converting between q8 "
-                                   "and %s moments in a load is not built (load it into a step with the "
-                                   "checkpoint's moments, read the moments as f32 with "
-                                   "zopt_optimizer_read_state_f32 and write them into the other step with "
-                                   "zopt_optimizer_write_state_f32)",
-                             t, state_kind_name(kind), dtype_name(sdt), dtype_name(dt),
-                             dtype_name(sdt == ZOPT_DTYPE_Q8 ? dt : sdt));
-            // A remainder master (I16) is half of a master: the other half
-            // is the param, which this per-state conversion cannot see.
-            if ((sdt == ZOPT_DTYPE_I16) != (dt == ZOPT_DTYPE_I16))
-              return ck_fail(path, "tensor %zu: the checkpoint's %s is %s and this step's %s: converting between a "
-                                   "remainder master and a %s master is not supported (load it into a step with the "
-                                   "checkpoint's master layout)",
-                             t, state_kind_name(kind), dtype_name(sdt), dtype_name(dt),
-                             dtype_name(sdt == ZOPT_DTYPE_I16 ? dt : sdt));
-            convert(b->data() + (size_t)(a - p.start) * dtype_size(sdt), sdt,
-                    dst.bytes.data() + (size_t)(a - r.start) * es, dt, e - a);
-            covered += e - a;
-          }
-          if (covered != r.len)
-            return ck_fail(path, "tensor %zu state %s: the files hold %lld of elements [%lld, %lld) (a file of the "
-                                 "set is missing pieces or they overlap)",
-                           t, state_kind_name(kind), (long long)covered, (long long)r.start,
-                           (long long)(r.start + r.len));
+          std::vector<unsigned char> b;
+          uint32_t sdt = 0;
+          if (zopt_status st = read_range(kind, t, r.start, r.start + r.len, &b, &sdt)) return st;
+          // A remainder master (I16) is half of a master: the other half
+          // is the param, which this per-state conversion cannot see.
+          if ((sdt == ZOPT_DTYPE_I16) != (dt == ZOPT_DTYPE_I16))
+            return ck_fail(path, "tensor %zu: the checkpoint's %s is %s and this step's %s: converting between a "
+                                 "remainder master and a %s master is not supported (load it into a step with the "
+                                 "checkpoint's master layout)",
+                           t, state_kind_name(kind), dtype_name(sdt), dtype_name(dt),
+                           dtype_name(sdt == ZOPT_DTYPE_I16 ? dt : sdt));
+          convert(b.data(), sdt, dst.bytes.data(), dt, r.len);
           out.dests.push_back(std::move(dst));
         }
       }
