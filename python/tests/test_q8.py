@@ -8,11 +8,12 @@ the maps of NUMERICS §10 (built here in float64, as the reference does)
 times their block's absmax are the state_dict's f32 moments bit for bit;
 those are torch's moments within the quantization error of their block
 (and v never decodes to 0); the params follow torch's within that error's
-effect on the update. state_dict() has torch's keys and shapes (no absmax);
-load_state_dict() is refused (NotImplementedError: quantizing torch's
-moments is not built). save()/load() resume bit for bit; add_param_group
-(the staged import) is refused with the optimizer kept. The builder
-refuses q8 where it is not offered.
+effect on the update. state_dict() and opt.state[p] show torch's keys and
+shapes (f32 moments, no absmax); load_state_dict() encodes the f32 moments
+by the runtime's rule (as assigning opt.state[p][key] does: the same codes
+and absmax), close to the values. save()/load() resume bit for bit;
+add_param_group after steps works (the runtime adds the tensors). The
+builder refuses q8 where it is not offered.
 """
 import copy
 
@@ -93,8 +94,35 @@ def test_q8_steps_state_dict_and_refusals(q8_step, tmp_path):
         got = p.detach().float().reshape(-1)
         want = r.detach().reshape(-1)
         assert torch.all((got - want).abs() <= 2 ** -8 * want.abs() + 0.3 * LR * 3)
-    with pytest.raises(NotImplementedError, match="q8"):
-        opt.load_state_dict(sd)
+    # opt.state[p] shows the moments decoded (no absmax)
+    w = next(m.parameters())
+    assert sorted(opt.state[w]) == ["exp_avg", "exp_avg_sq", "step"]
+    assert torch.equal(opt.state[w]["exp_avg"], sd["state"][0]["exp_avg"])
+    # load_state_dict encodes torch's f32 moments (the runtime's rule, as
+    # opt.state[p][key] = value does): close to the values, every element
+    m3 = copy.deepcopy(m)
+    opt3 = zopt.Optimizer(q8_step, m3.parameters(), lr=LR, weight_decay=WD)
+    opt3.load_state_dict(sd)
+    m4 = copy.deepcopy(m)
+    opt4 = zopt.Optimizer(q8_step, m4.parameters(), lr=LR, weight_decay=WD)
+    for p in m4.parameters():
+        p.grad = torch.zeros_like(p)
+    opt4.step()  # (states exist after a first step)
+    for i, p in enumerate(m4.parameters()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            opt4.state[p][key] = sd["state"][i][key]
+    for i, p in enumerate(m3.parameters()):
+        for key, kind, akind in (("exp_avg", StateKind.EXP_AVG, StateKind.EXP_AVG_ABSMAX),
+                                 ("exp_avg_sq", StateKind.EXP_AVG_SQ, StateKind.EXP_AVG_SQ_ABSMAX)):
+            for k in (kind, akind):
+                assert np.array_equal(opt3.read_state_raw(i, k), opt4.read_state_raw(i, k))
+            want = sd["state"][i][key].reshape(-1).double()
+            got = opt3.state[p][key].reshape(-1).double()
+            n = want.numel()
+            blk = torch.from_numpy(np.repeat(np.maximum.reduceat(
+                np.abs(want.numpy()), np.arange(0, n, 256)), 256)[:n])
+            assert torch.all((got - want).abs() <= 0.01 * blk)
+        assert int(opt3.state[p]["step"]) == 3
     # opt.save()/opt.load(): the runtime's checkpoint, codes and absmax as
     # they are: a second optimizer resumes bit for bit
     path = str(tmp_path / "q8.ckpt")
@@ -114,10 +142,17 @@ def test_q8_steps_state_dict_and_refusals(q8_step, tmp_path):
         for kind in (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ, StateKind.EXP_AVG_ABSMAX,
                      StateKind.EXP_AVG_SQ_ABSMAX, StateKind.MASTER):
             assert np.array_equal(opt.read_state_raw(i, kind), opt2.read_state_raw(i, kind))
-    # a new param group needs the staged import: refused, the optimizer kept
-    with pytest.raises(ZoptError, match="q8"):
-        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(5, dtype=torch.bfloat16))]})
-    assert len(opt.param_groups) == 1
+    # a new param group after steps: the old codes and absmax kept
+    before = [opt.read_state_raw(i, StateKind.EXP_AVG) for i in range(4)]
+    extra = torch.nn.Parameter(torch.ones(300, dtype=torch.bfloat16))
+    opt.add_param_group({"params": [extra]})
+    for i in range(4):
+        assert np.array_equal(opt.read_state_raw(i, StateKind.EXP_AVG), before[i])
+    extra.grad = torch.full_like(extra, 1e-3)
+    for p in m.parameters():
+        p.grad = None
+    opt.step()
+    assert not torch.equal(extra, torch.ones_like(extra))
     for bad in (dict(amsgrad=True), dict(placement="offload")):
         with pytest.raises(ZoptError, match="q8"):
             zopt.steps.adamw(param="bf16", moments="q8", **bad)

@@ -49,11 +49,6 @@ def warn_master_replaced(what, changed, total):
 Q8_ABSMAX = (StateKind.EXP_AVG_ABSMAX, StateKind.EXP_AVG_SQ_ABSMAX)
 
 
-def has_q8(step):
-    """Whether the step keeps q8 moments."""
-    return any(dt == DType.Q8 for _, dt, _ in step.states)
-
-
 def part_states(c):
     """({tensor: {'step': ..., key: tensor}} of the tensors that stepped,
     the snapshot they come from) of part c: the states of contiguous
@@ -146,13 +141,6 @@ def state_dict(opt):
 def load_state_dict(opt, sd, allow_rule_change):
     """Loads torch's layout into every class; nothing changes if anything is
     refused."""
-    q8 = [c.step.name for c in opt._parts if has_q8(c.step)]
-    if q8:
-        raise NotImplementedError(
-            f"zopt: load_state_dict into step '{q8[0]}', whose moments are q8 (block-quantized, "
-            "docs/NUMERICS.md §10), is not built yet (it would quantize torch's f32 moments); "
-            "state_dict() exports them decoded, and the runtime's checkpoints hold them as they "
-            "are (zopt_optimizer_save / zopt_optimizer_load)")
     if sd.get("format") == "zopt-state-dict-1":  # the first binding's
         if opt._mapped:
             raise ZoptError(Status.CHECKPOINT, "the first binding's state_dict format holds "
@@ -317,7 +305,7 @@ def part_plan_state_dict(c, sd, groups, allow_rule_change=False):
                 named.add(k)
                 if v is not None:
                     present.add(k)
-    mine = set(s.owned_states)
+    mine = set(s.owned_states) - set(Q8_ABSMAX)  # (a q8 absmax: part of its moment)
     extra = present - mine
     lacking = (mine - named - {StateKind.MASTER}) if sd["state"] else set()
     for k in sorted(extra):
@@ -334,7 +322,9 @@ def part_plan_state_dict(c, sd, groups, allow_rule_change=False):
                         "allow_rule_change=True to load it anyway (missing states "
                         "start at zero, extra ones are dropped)")
     # The snapshot to load.
-    kinds = [k for k in s.owned_states]  # every state the step has
+    # every state the step has (a q8 moment: its f32 values, which the
+    # runtime encodes, codes and absmax)
+    kinds = [k for k in s.owned_states if k not in Q8_ABSMAX]
     if s.zero3:
         kinds.append(StateKind.PARAM)
     data = {}

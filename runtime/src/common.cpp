@@ -1,6 +1,8 @@
 // common.cpp - errors, dtype conversions, hashing, thread pool.
 #include "internal.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdarg>
 #include <cstdio>
 
@@ -31,12 +33,18 @@ uint8_t zero_byte(const zopt_step_descriptor *d, int si) {
   return s.kind == ZOPT_STATE_EXP_AVG_SQ ? ZOPT_Q8_UNSIGNED_ZERO : ZOPT_Q8_SIGNED_ZERO;
 }
 
-zopt_status refuse_q8(const zopt_step_descriptor *d, const char *fn, const char *what) {
-  if (!has_q8(d)) return ZOPT_OK;
-  return fail(ZOPT_ERR_UNSUPPORTED,
-              "%s: step '%s' has q8 moments (abi.h \"q8 moments\"): %s is not built for q8 states yet; read and "
-              "write them with zopt_optimizer_read_state_raw / _f32 and zopt_optimizer_write_state_raw / _f32",
-              fn, d->name, what);
+void q8_encode_n(const float *x, int64_t n, int is_unsigned, uint8_t *codes, float *absmax) {
+  for (int64_t b = 0; b * ZOPT_Q8_BLOCK < n; ++b) {
+    const int64_t a = b * ZOPT_Q8_BLOCK, e = std::min<int64_t>(n, a + ZOPT_Q8_BLOCK);
+    float m = 0.0f;
+    for (int64_t i = a; i < e; ++i) {
+      const float v = std::fabs(x[i]);
+      m = (std::isnan(v) || std::isnan(m)) ? NAN : std::max(m, v);
+    }
+    absmax[b] = m;
+    if (codes)
+      for (int64_t i = a; i < e; ++i) codes[i] = zopt_q8_encode(x[i], m, is_unsigned);
+  }
 }
 
 size_t dtype_size(uint32_t dt) {

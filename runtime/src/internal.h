@@ -54,9 +54,12 @@ bool has_q8(const zopt_step_descriptor *d);
 // The byte a fresh (zero) state of `si` holds: a q8 moment's zero code,
 // else 0.
 uint8_t zero_byte(const zopt_step_descriptor *d, int si);
-// ZOPT_ERR_UNSUPPORTED naming `fn` and `what` for a step with q8 moments
-// (what the runtime does not do for them yet), else ZOPT_OK.
-zopt_status refuse_q8(const zopt_step_descriptor *d, const char *fn, const char *what);
+// The canonical encode of n f32 moments of a tensor from its element 0 (or
+// any block boundary): per block of ZOPT_Q8_BLOCK the absmax max |x| (NaN
+// if any x is), each code zopt_q8_encode. `codes` may be NULL (the absmax
+// only). The one encode outside the kernels: state writes, checkpoint
+// loads, the staged import.
+void q8_encode_n(const float *x, int64_t n, int is_unsigned, uint8_t *codes, float *absmax);
 
 float bf16_to_f32(uint16_t h);
 uint16_t f32_to_bf16(float f);  // round to nearest even, NaN stays NaN

@@ -32,19 +32,6 @@ zopt_status read_f32(const ReadRange &read, uint32_t kind, size_t t, int64_t a, 
   return ZOPT_OK;
 }
 
-// max |x| over each block of x (elements [a, a + n) of a tensor, a a block
-// boundary): NaN if any x is (the kernels' absmax).
-void block_absmax(const float *x, int64_t n, float *out) {
-  for (int64_t b = 0; b * ZOPT_Q8_BLOCK < n; ++b) {
-    float m = 0.0f;
-    for (int64_t i = b * ZOPT_Q8_BLOCK; i < std::min(n, (b + 1) * ZOPT_Q8_BLOCK); ++i) {
-      const float v = std::fabs(x[i]);
-      m = (std::isnan(v) || std::isnan(m)) ? NAN : std::max(m, v);
-    }
-    out[b] = m;
-  }
-}
-
 }  // namespace
 
 bool q8_converts(uint32_t kind, uint32_t dt, const FileDtype &fdt) {
@@ -67,15 +54,14 @@ zopt_status q8_stage(uint32_t kind, uint32_t dt, size_t t, int64_t numel, int64_
     const int64_t a = start * ZOPT_Q8_BLOCK, e = std::min(numel, (start + len) * ZOPT_Q8_BLOCK);
     if (zopt_status st = read_f32(read, moment_of(kind), t, a, e, &x)) return st;
     std::vector<float> m((size_t)len);
-    block_absmax(x.data(), e - a, m.data());
+    q8_encode_n(x.data(), e - a, uns, nullptr, m.data());
     memcpy(out, m.data(), (size_t)len * 4);
     return ZOPT_OK;
   }
   if (dt == ZOPT_DTYPE_Q8) {  // codes of elements [start, start + len), whole blocks
     if (zopt_status st = read_f32(read, kind, t, start, start + len, &x)) return st;
     std::vector<float> m((size_t)((len + ZOPT_Q8_BLOCK - 1) / ZOPT_Q8_BLOCK));
-    block_absmax(x.data(), len, m.data());
-    for (int64_t i = 0; i < len; ++i) out[i] = zopt_q8_encode(x[(size_t)i], m[(size_t)(i / ZOPT_Q8_BLOCK)], uns);
+    q8_encode_n(x.data(), len, uns, out, m.data());
     return ZOPT_OK;
   }
   // The set's q8 moment decoded into the step's wider one.

@@ -105,17 +105,7 @@ static zopt_status write_q8(zopt_optimizer *o, int tensor, int si, const float *
   const int64_t nb = state_numel(o->d, ai, numel);
   if (zopt_status st = with_staging(numel, ZOPT_DTYPE_Q8, &codes)) return st;
   if (zopt_status st = with_staging(nb, ZOPT_DTYPE_F32, &absmax)) return st;
-  float *a = (float *)absmax.data();
-  for (int64_t b = 0; b < nb; ++b) {
-    const int64_t e = std::min<int64_t>(numel, (b + 1) * ZOPT_Q8_BLOCK);
-    float m = 0.0f;
-    for (int64_t i = b * ZOPT_Q8_BLOCK; i < e; ++i) {
-      const float x = std::fabs(in[i]);
-      m = (std::isnan(x) || std::isnan(m)) ? NAN : std::max(m, x);
-    }
-    a[b] = m;
-    for (int64_t i = b * ZOPT_Q8_BLOCK; i < e; ++i) codes[(size_t)i] = zopt_q8_encode(in[i], m, uns);
-  }
+  q8_encode_n(in, numel, uns, codes.data(), (float *)absmax.data());
   if (zopt_status st = write_storage(o, tensor, si, codes.data(), codes.size())) return st;
   return write_storage(o, tensor, ai, absmax.data(), absmax.size());
 }
