@@ -133,8 +133,7 @@ def sources():
     for f in sorted(os.listdir(ex)):
         if f.endswith(".mlir"):
             text = open(os.path.join(ex, f)).read()
-            # q8 moments: the staged import and tensors added after
-            # finalize refuse them
+            # (q8 moments: test_q8.py and the runtime's q8 tests)
             if "gpu_arch" not in text and "on gpu" not in text and " q8" not in text:
                 out.append(("examples/" + f, text))
     for kw in _matrix():
