@@ -21,7 +21,8 @@
 // m1 with that absmax (a neighbour only within f32 error of a midpoint;
 // a nonzero v never takes code 0); the master is the AdamW update with the
 // unquantized m1, v1 (to f32 rounding) and the param its high half.
-// Reading a moment as f32 decodes it; writing f32 quantizes it with
+// A hash of every byte after the steps is printed for comparing ISA
+// variants. Reading a moment as f32 decodes it; writing f32 quantizes it with
 // zopt_q8_encode; sizes that do not fit are refused. The staged import
 // encodes a moment put as f32 values and refuses codes put without their
 // absmax. A checkpoint of run A
@@ -38,6 +39,7 @@
 //
 //   zopt-q8-check STEP.so [--f32=STEP2.so] [--other=STEP3.so] [--steps=N]
 #include "test_util.h"
+#include "zopt/cpu.h"
 #include "zopt_reference.h"
 
 #include <unistd.h>
@@ -289,6 +291,25 @@ int main(int argc, char **argv) {
            "differ)\n",
            differ ? "FAIL" : "PASS", k, differ);
     fails += rule_bad != 0 || differ != 0;
+  }
+  {
+    // Every byte of run A after the steps, hashed: the same on every ISA
+    // variant (the lit test compares ZOPT_CPU=avx2 and avx512 runs).
+    uint64_t h = 1469598103934665603ull;
+    auto fnv = [&](const void *p, size_t n) {
+      for (size_t i = 0; i < n; ++i) h = (h ^ ((const unsigned char *)p)[i]) * 1099511628211ull;
+    };
+    for (size_t t = 0; t < T; ++t) {
+      const Snap a = snap(*runs[0], t);
+      fnv(a.p.data(), a.p.size() * 2);
+      fnv(a.rem.data(), a.rem.size() * 2);
+      fnv(a.m.data(), a.m.size());
+      fnv(a.v.data(), a.v.size());
+      fnv(a.am.data(), a.am.size() * 4);
+      fnv(a.av.data(), a.av.size() * 4);
+    }
+    printf("state hash after %d steps (%s kernels): %016llx\n", steps, zopt_isa_name(zopt_step_isa(step)),
+           (unsigned long long)h);
   }
   // Reading as f32 decodes; writing f32 encodes (per block max |x|, then
   // zopt_q8_encode), codes and absmax both.
