@@ -10,8 +10,8 @@
 // remainder + m + v = 4.03 (issue 19's cell; #8010's is 6).
 // Bytes per parameter and step: read g, p, rem, m, v (8.03), write p, rem,
 // m, v (6.03): 14.06 (f32 moments: 26).
-// The runtime does not lay out q8 states yet and refuses this step.so
-// (ZOPT_ERR_UNSUPPORTED); zopt-kernel-check checks its UPDATE kernels.
+// The runtime runs it on the CPU (docs/NUMERICS.md §10; ZeRO lays shards
+// on q8 block boundaries); zopt-kernel-check checks its UPDATE kernels.
 zopt.step @adamw_bf16_q8 attributes {zero_stage = 0 : i64, align = 256 : i64} {
   %p = zopt.state param : bf16 on cpu
   %g = zopt.state grad : bf16 on cpu

@@ -24,20 +24,15 @@ EXPECTED_STATES = {
                           "exp_avg_sq:f32"],
     "lion_bf16": ["param:bf16", "grad:bf16", "master:f32", "exp_avg:bf16"],
     "sgd_nesterov_f32": ["param:f32", "grad:f32", "momentum_buffer:f32"],
+    # q8 moments (abi.h "q8 moments"): codes and a per-block absmax each
+    "adamw_bf16_q8": ["param:bf16", "grad:bf16", "master:i16", "exp_avg:q8", "exp_avg_sq:q8",
+                      "exp_avg_absmax:f32", "exp_avg_sq_absmax:f32"],
 }
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[os.path.basename(p) for p in EXAMPLES])
 def test_examples_compile_and_load(steps, path):
     name = os.path.splitext(os.path.basename(path))[0]
-    if name.endswith("_q8"):
-        # q8 moments compile, and the runtime refuses them until it lays
-        # them out (abi.h "q8 moments"): a clear error, never a misuse.
-        with pytest.raises(zopt.ZoptError) as e:
-            steps.text(open(path).read())
-        assert e.value.code == zopt._lib.Status.UNSUPPORTED
-        assert "q8 moment" in e.value.message and "not built yet" in e.value.message
-        return
     step = steps.text(open(path).read())
     assert step.name == name
     got = [f"{zopt._lib.STATE_NAMES[k]}:{zopt._lib.DTYPE_NAMES[d]}"

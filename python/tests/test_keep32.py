@@ -68,10 +68,13 @@ def test_routing_and_moment_dtypes(steps):
     opt.close()
 
 
-@pytest.mark.parametrize("clip", [None, 0.5])
-def test_each_class_steps_as_its_own_step(steps, clip):
+@pytest.mark.parametrize("clip,moments", [(None, "bf16"), (0.5, "bf16"), (None, "q8"), (0.5, "q8")])
+def test_each_class_steps_as_its_own_step(steps, clip, moments):
     keep = dict(below=4096, names=["emb.*"])
-    cl = policy_classes(steps, keep, param="bf16", master="f32", moments="bf16", clip=clip)
+    cl = policy_classes(steps, keep, param="bf16", master="f32", moments=moments, clip=clip)
+    assert cl["bf16"].state_dtype(zopt.StateKind.EXP_AVG) == \
+        (zopt.DType.Q8 if moments == "q8" else zopt.DType.BF16)
+    assert cl["bf16:keep32"].state_dtype(zopt.StateKind.EXP_AVG) == zopt.DType.F32
     named = model(1)
     opt = zopt.Optimizer(cl, named, lr=1e-2, weight_decay=0.1)
     # References: one optimizer per class step, each over ALL params, so each

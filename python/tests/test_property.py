@@ -133,7 +133,7 @@ def sources():
     for f in sorted(os.listdir(ex)):
         if f.endswith(".mlir"):
             text = open(os.path.join(ex, f)).read()
-            # q8 moments: the runtime refuses them (abi.h "q8 moments");
+            # q8 moments: test_q8.py and the runtime's q8 tests;
             # a Kahan param: the interpreter does not model its compensation
             # (NUMERICS §11; zopt-kernel-check and test_kahan check it)
             if ("gpu_arch" not in text and "on gpu" not in text and " q8" not in text

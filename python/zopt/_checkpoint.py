@@ -45,6 +45,10 @@ def warn_master_replaced(what, changed, total):
 
 
 # ---- state_dict ---------------------------------------------------------------------
+# a q8 moment's per-block absmax (abi.h "q8 moments"): not a torch key
+Q8_ABSMAX = (StateKind.EXP_AVG_ABSMAX, StateKind.EXP_AVG_SQ_ABSMAX)
+
+
 def part_states(c):
     """({tensor: {'step': ..., key: tensor}} of the tensors that stepped,
     the snapshot they come from) of part c: the states of contiguous
@@ -59,7 +63,13 @@ def part_states(c):
         d = {"step": torch.tensor(float(snap["steps"][t])) if torch is not None
              else snap["steps"][t]}
         for k in snap["kinds"]:
-            if (k, t) not in snap["data"] or k == StateKind.PARAM:
+            if (k, t) not in snap["data"] or k == StateKind.PARAM or k in Q8_ABSMAX:
+                continue
+            if s.state_dtype(k) == DType.Q8:
+                # a q8 moment (abi.h "q8 moments"): torch's layout holds the
+                # f32 moment, decoded by the runtime (codes x block absmax;
+                # a collective gather at world size > 1, as the export)
+                d[TORCH_KEY[k]] = _state.user_tensor(e, c.read_f32(t, k), DType.F32)
                 continue
             if k == StateKind.MASTER and s.remainder_master:
                 # torch's layout holds the whole f32 master: rebuilt from
@@ -103,7 +113,8 @@ def state_dict(opt):
         start += len(g["params"])
         groups.append(packed)
     snaps = [snap for _, snap in got]
-    names = [[TORCH_KEY[k] for k in snap["kinds"] if k != StateKind.PARAM] for snap in snaps]
+    names = [[TORCH_KEY[k] for k in snap["kinds"] if k != StateKind.PARAM and k not in Q8_ABSMAX]
+             for snap in snaps]
     kinds = []
     for ks in names:
         kinds += [k for k in ks if k not in kinds]
@@ -294,7 +305,7 @@ def part_plan_state_dict(c, sd, groups, allow_rule_change=False):
                 named.add(k)
                 if v is not None:
                     present.add(k)
-    mine = set(s.owned_states)
+    mine = set(s.owned_states) - set(Q8_ABSMAX)  # (a q8 absmax: part of its moment)
     extra = present - mine
     lacking = (mine - named - {StateKind.MASTER}) if sd["state"] else set()
     for k in sorted(extra):
@@ -311,7 +322,9 @@ def part_plan_state_dict(c, sd, groups, allow_rule_change=False):
                         "allow_rule_change=True to load it anyway (missing states "
                         "start at zero, extra ones are dropped)")
     # The snapshot to load.
-    kinds = [k for k in s.owned_states]  # every state the step has
+    # every state the step has (a q8 moment: its f32 values, which the
+    # runtime encodes, codes and absmax)
+    kinds = [k for k in s.owned_states if k not in Q8_ABSMAX]
     if s.zero3:
         kinds.append(StateKind.PARAM)
     data = {}

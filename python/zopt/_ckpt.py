@@ -27,7 +27,11 @@ _TENSOR = np.dtype([("group", "<u4"), ("pad", "<u4"), ("numel", "<i8"), ("steps"
 _PIECE = np.dtype([("ki", "<u4"), ("t", "<u4"), ("start", "<i8"), ("len", "<i8"),
                    ("off", "<u8"), ("fnv", "<u8")])
 # storage dtype of zopt_dtype (F32, BF16 bits, F16, I16: a remainder master's low halves)
-_NP = {1: np.dtype("<f4"), 2: np.dtype("<u2"), 3: np.dtype("<f2"), 4: np.dtype("<i2")}
+_NP = {1: np.dtype("<f4"), 2: np.dtype("<u2"), 3: np.dtype("<f2"), 4: np.dtype("<i2"),
+       5: np.dtype("u1")}  # q8 codes
+# q8 absmax kinds (abi.h "q8 moments"): one f32 per block of 256 elements
+_PER_BLOCK = (8, 9)
+Q8_BLOCK = 256
 
 
 class Image:
@@ -60,6 +64,8 @@ class Image:
             return None
         dt = _NP[self.kinds[ki][1]]
         numel = int(self.tensors["numel"][t])
+        if self.kinds[ki][0] in _PER_BLOCK:
+            numel = -(-numel // Q8_BLOCK)
         es = dt.itemsize
 
         def view(off, n):

@@ -20,9 +20,11 @@ except Exception:  # pragma: no cover
 NP_DTYPES = {np.dtype(np.float32): DType.F32, np.dtype(np.float16): DType.F16,
              np.dtype(np.uint16): DType.BF16}
 NP_OF = {DType.F32: np.float32, DType.F16: np.float16, DType.BF16: np.uint16,
-         DType.I16: np.int16}  # a remainder master's raw low halves
+         DType.I16: np.int16,  # a remainder master's raw low halves
+         DType.Q8: np.uint8}  # a q8 moment's codes
 # the dtypes of state data (a remainder master's low halves too; never a param's)
-STATE_NP_DTYPES = {**NP_DTYPES, np.dtype(np.int16): DType.I16}
+STATE_NP_DTYPES = {**NP_DTYPES, np.dtype(np.int16): DType.I16,
+                   np.dtype(np.uint8): DType.Q8}  # a q8 moment's codes
 
 PLACE_GPU = int(Placement.GPU)  # ZOPT_PLACE_GPU (abi.h)
 

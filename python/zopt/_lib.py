@@ -53,7 +53,7 @@ class DType(enum.IntEnum):
     BF16 = 2
     F16 = 3
     I16 = 4  # a remainder master's low half (abi.h "Remainder masters")
-    Q8 = 5  # a q8 moment's codes (abi.h "q8 moments"; the runtime refuses them yet)
+    Q8 = 5  # a q8 moment's codes (abi.h "q8 moments"; the runtime runs them on the CPU)
 
 
 class Placement(enum.IntEnum):

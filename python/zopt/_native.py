@@ -258,7 +258,10 @@ class Native:
         bpe = 0
         for k, dt, _ in step.states:
             acc = step.state_access.get(k, 3)
-            bpe += DTYPE_ITEMSIZE[dt] * ((acc & 1) + ((acc >> 1) & 1))
+            es = DTYPE_ITEMSIZE[dt]
+            if k in (StateKind.EXP_AVG_ABSMAX, StateKind.EXP_AVG_SQ_ABSMAX):
+                es = es / 256  # a q8 absmax: one f32 per 256 elements
+            bpe += es * ((acc & 1) + ((acc >> 1) & 1))
         self.bytes_per_elem = bpe
         self.numels = np.array([e.numel for e in self.entries], dtype=np.int64)
         self.active_elems = int(self.numels.sum())
@@ -446,6 +449,8 @@ class Native:
     def read_raw(self, t, k):
         dt = self.step.state_dtype(k)
         n = self.entries[t].numel
+        if k in (StateKind.EXP_AVG_ABSMAX, StateKind.EXP_AVG_SQ_ABSMAX):
+            n = -(-n // 256)  # a q8 absmax: one f32 per block (abi.h "q8 moments")
         out = np.empty(n, dtype=NP_OF[dt])
         check(self.lib.zopt_optimizer_read_state_raw(
             self.h, t, int(k), ctypes.c_void_p(out.ctypes.data if n else None),

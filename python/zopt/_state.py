@@ -317,9 +317,18 @@ def state_bits(e, v, dt, what):
 # ---- state[p] of tensor t of part c ------------------------------------------------
 def shown_states(s):
     """The states state[p] shows: a remainder master (docs/NUMERICS.md §9)
-    is the param plus an int16 remainder, no tensor of its own: not shown."""
+    is the param plus an int16 remainder, no tensor of its own: not shown;
+    nor is a q8 moment's per-block absmax (part of its moment, shown f32)."""
     return [k for k in s.owned_states
-            if not (k == StateKind.MASTER and s.state_dtype(k) == DType.I16)]
+            if not (k == StateKind.MASTER and s.state_dtype(k) == DType.I16)
+            and k not in (StateKind.EXP_AVG_ABSMAX, StateKind.EXP_AVG_SQ_ABSMAX)]
+
+
+def shown_dtype(s, k):
+    """The dtype state[p] shows state k in: a q8 moment (docs/NUMERICS.md
+    §10) as its f32 values, decoded / encoded by the runtime."""
+    dt = s.state_dtype(k)
+    return DType.F32 if dt == DType.Q8 else dt
 
 
 def state_keys(c, t):
@@ -341,7 +350,8 @@ def state_get(c, t, key):
         steps = c.tensor_step(t)
         v = torch.tensor(float(steps)) if torch is not None else steps
     else:
-        v = user_tensor(c.entries[t], c.read_raw(t, k), s.state_dtype(k))
+        raw = c.read_f32(t, k) if s.state_dtype(k) == DType.Q8 else c.read_raw(t, k)
+        v = user_tensor(c.entries[t], raw, shown_dtype(s, k))
     lend(c, t, key, v)
     return v
 
@@ -366,9 +376,9 @@ def state_assign(c, t, values):
     s = c.step
     e = c.entries[t]
     fresh = {} if "step" in vals else {"step": 0}
-    for k in s.owned_states:
+    for k in shown_states(s):
         if TORCH_KEY[k] not in vals and k != StateKind.MASTER:
-            fresh[TORCH_KEY[k]] = np.zeros(e.numel, dtype=NP_OF[s.state_dtype(k)])
+            fresh[TORCH_KEY[k]] = np.zeros(e.numel, dtype=NP_OF[shown_dtype(s, k)])
     write_values(c, t, fresh)
     if s.has_master and "master" not in vals and e.numel:
         if s.zero3:  # from the held param (the model's may be released)
@@ -402,7 +412,7 @@ def state_values(c, t, values):
             raise ZoptError(Status.INVALID_ARGUMENT,
                             f"{what}: step '{s.name}' has no state {key!r}; its states: "
                             + ", ".join(map(repr, known)))
-        out[key] = state_bits(e, v, s.state_dtype(k), what)
+        out[key] = state_bits(e, v, shown_dtype(s, k), what)
     return out
 
 
@@ -415,7 +425,9 @@ def write_values(c, t, vals):
             c.set_tensor_step(t, v)
             continue
         k = KIND_OF_KEY[key]
-        if c.entries[t].numel:
+        if c.entries[t].numel and s.state_dtype(k) == DType.Q8:  # encoded by the runtime
+            c.write_f32(t, k, np.ascontiguousarray(v, dtype=np.float32).reshape(-1))
+        elif c.entries[t].numel:
             c.write_raw(t, k, v)
         if k == StateKind.MASTER:
             _params.apply_master_sync(

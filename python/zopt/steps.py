@@ -49,6 +49,9 @@ Arguments every builder takes (keyword only):
     the master's dtype, else the param's, except that f16 params without a
     master get f32 states (``exp_avg_sq`` cannot be f16). Adam also takes
     ``exp_avg=``, ``exp_avg_sq=``, ``max_exp_avg_sq=`` to set one state.
+    ``"q8"`` (Adam/AdamW on the CPU, without amsgrad): both moments
+    block-quantized, one 8-bit code per element and one f32 absmax per 256
+    (bitsandbytes' 8-bit Adam; docs/NUMERICS.md section 10).
 ``clip``
     ``None`` (default) or the ``max_norm`` of global-norm gradient clipping
     over all params of all groups (``torch.nn.utils.clip_grad_norm_``).
@@ -207,6 +210,7 @@ class Spec:
     states: tuple
     remainder: bool = False  # the f32 master kept as a remainder (NUMERICS §9)
     kahan: bool = False      # no master: a Kahan-compensated bf16 param (NUMERICS §11)
+    q8: bool = False  # exp_avg / exp_avg_sq block-quantized (NUMERICS §10)
     amsgrad: bool = False
     nesterov: bool = False
     momentum_buffer: bool = True
@@ -484,7 +488,16 @@ def resolve(rule, *, param="f32", grad=None, master=None, moments=None,
         arch = gpu_arch  # (only reaches here unchecked)
     else:
         arch = gpu_arch or DEFAULT_GPU_ARCH
-    md = (_default_moments(p, "f32" if kahan else w) if moments is None
+    q8 = isinstance(moments, str) and moments.strip().lower() == "q8"
+    if q8 and check:
+        why = (f"{rule} has no Adam moments" if rule not in ("adam", "adamw")
+               else "amsgrad's running max is not offered with them" if amsgrad
+               else "the runtime lays them out on the CPU only" if placement != "cpu"
+               else "set them with moments='q8' alone" if exp_avg is not None
+               or exp_avg_sq is not None else None)
+        if why:
+            raise _bad("moments", f"'q8' (block-quantized Adam moments): {why}")
+    md = ("f32" if q8 else _default_moments(p, "f32" if kahan else w) if moments is None
           else dtype_name(moments, "moments"))
     states = []
     if w is not None:
@@ -535,7 +548,7 @@ def resolve(rule, *, param="f32", grad=None, master=None, moments=None,
         except (TypeError, ValueError):
             raise _bad("clip", f"must be a number or None, got {clip!r}") from None
     spec = Spec(rule=rule, param=p, grad=g, master=w, states=tuple(states),
-                remainder=remainder, kahan=kahan, amsgrad=bool(amsgrad), nesterov=bool(nesterov),
+                remainder=remainder, kahan=kahan, q8=q8, amsgrad=bool(amsgrad), nesterov=bool(nesterov),
                 momentum_buffer=bool(momentum_buffer), clip=clip_v, loss_scale=ls,
                 rounding=rnd, placement=placement, gpu_arch=arch,
                 zero_stage=zero_stage, align=align, hypers=hyp, style=style,
@@ -560,7 +573,9 @@ def _auto_name(s):
     if s.kahan:
         parts.append("kahan")
     sts = [d for k, d in s.states if k != "master"]
-    if sts:
+    if s.q8:
+        parts.append("q8")
+    elif sts:
         parts.append("s" + "".join(dict.fromkeys(sts)) if len(set(sts)) == 1
                      else "s" + "_".join(sts))
     if s.clip is not None:
@@ -685,6 +700,8 @@ def _emit(s):
             r += " remainder"
         if kind == "param" and s.kahan:
             r += " kahan"
+        if kind in ("exp_avg", "exp_avg_sq") and s.q8:
+            r += " q8"
         B.op(f"{_STATE_SSA[kind]} = zopt.state {kind} : {dtype} on {on}{r}", note)
 
     # --- states
@@ -1102,11 +1119,11 @@ class Builder:
                 raise ZoptError(e.code, f"classes[{c!r}]: {e.message}") from None
         if keep32:
             narrow = [c for c, sp in out.items()
-                      if any(dt != "f32" for k, dt in sp.states if k != "master")]
+                      if sp.q8 or any(dt != "f32" for k, dt in sp.states if k != "master")]
             if not narrow:
                 raise _bad("keep32", "every class already has f32 moments: the precision "
                            "policy keeps small tensors and named ones at 32-bit moments "
-                           "where the others have narrower ones (moments='bf16', ...)")
+                           "where the others have narrower ones (moments='bf16' or 'q8')")
             for c in narrow:
                 ckw = {k: v for k, v in per[c].items()
                        if k not in ("moments", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")}

@@ -1,6 +1,8 @@
 // common.cpp - errors, dtype conversions, hashing, thread pool.
 #include "internal.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdarg>
 #include <cstdio>
 
@@ -19,12 +21,39 @@ zopt_status fail(zopt_status st, const char *fmt, ...) {
 
 void clear_error() { g_err[0] = 0; }
 
+bool has_q8(const zopt_step_descriptor *d) {
+  for (uint32_t s = 0; s < d->num_states; ++s)
+    if (d->states[s].dtype == ZOPT_DTYPE_Q8 || (d->states[s].flags & ZOPT_STATE_PER_BLOCK)) return true;
+  return false;
+}
+
+uint8_t zero_byte(const zopt_step_descriptor *d, int si) {
+  const zopt_state_desc &s = d->states[si];
+  if (s.dtype != ZOPT_DTYPE_Q8) return 0;
+  return s.kind == ZOPT_STATE_EXP_AVG_SQ ? ZOPT_Q8_UNSIGNED_ZERO : ZOPT_Q8_SIGNED_ZERO;
+}
+
+void q8_encode_n(const float *x, int64_t n, int is_unsigned, uint8_t *codes, float *absmax) {
+  for (int64_t b = 0; b * ZOPT_Q8_BLOCK < n; ++b) {
+    const int64_t a = b * ZOPT_Q8_BLOCK, e = std::min<int64_t>(n, a + ZOPT_Q8_BLOCK);
+    float m = 0.0f;
+    for (int64_t i = a; i < e; ++i) {
+      const float v = std::fabs(x[i]);
+      m = (std::isnan(v) || std::isnan(m)) ? NAN : std::max(m, v);
+    }
+    absmax[b] = m;
+    if (codes)
+      for (int64_t i = a; i < e; ++i) codes[i] = zopt_q8_encode(x[i], m, is_unsigned);
+  }
+}
+
 size_t dtype_size(uint32_t dt) {
   switch (dt) {
     case ZOPT_DTYPE_F32: return 4;
     case ZOPT_DTYPE_BF16: return 2;
     case ZOPT_DTYPE_F16: return 2;
     case ZOPT_DTYPE_I16: return 2;
+    case ZOPT_DTYPE_Q8: return 1;
   }
   return 0;
 }

@@ -39,6 +39,28 @@ const char *state_kind_name(uint32_t kind);
 const char *hyper_name(uint32_t kind);
 int hyper_kind_from_name(const char *name);  // 0 if unknown
 
+// ---- q8 moments (abi.h "q8 moments") ----------------------------------------
+// A PER_BLOCK state (a q8 absmax) holds one element per ZOPT_Q8_BLOCK
+// elements of its tensor: `n` elements of the tensor are q8_state_numel of
+// the state (the last block may be partial).
+inline bool is_per_block(const zopt_step_descriptor *d, int si) {
+  return (d->states[si].flags & ZOPT_STATE_PER_BLOCK) != 0;
+}
+inline int64_t state_numel(const zopt_step_descriptor *d, int si, int64_t n) {
+  return is_per_block(d, si) ? (n + ZOPT_Q8_BLOCK - 1) / ZOPT_Q8_BLOCK : n;
+}
+// Whether the step has q8 moments (its layout is then block-aligned).
+bool has_q8(const zopt_step_descriptor *d);
+// The byte a fresh (zero) state of `si` holds: a q8 moment's zero code,
+// else 0.
+uint8_t zero_byte(const zopt_step_descriptor *d, int si);
+// The canonical encode of n f32 moments of a tensor from its element 0 (or
+// any block boundary): per block of ZOPT_Q8_BLOCK the absmax max |x| (NaN
+// if any x is), each code zopt_q8_encode. `codes` may be NULL (the absmax
+// only). The one encode outside the kernels: state writes, checkpoint
+// loads, the staged import.
+void q8_encode_n(const float *x, int64_t n, int is_unsigned, uint8_t *codes, float *absmax);
+
 float bf16_to_f32(uint16_t h);
 uint16_t f32_to_bf16(float f);  // round to nearest even, NaN stays NaN
 float f16_to_f32(uint16_t h);

@@ -18,6 +18,50 @@ namespace {
 
 bool nul_terminated(const char *s, size_t n) { return memchr(s, 0, n) != nullptr; }
 
+// q8 moments (abi.h "q8 moments"): a Q8 code state is an EXP_AVG or
+// EXP_AVG_SQ with its f32 PER_BLOCK absmax of the same placement, access,
+// init and partitioning, and nothing else is PER_BLOCK. The runtime lays
+// them out on the CPU only: a step with any state or kernel on the GPU
+// (the CUDA backend, offload) is refused.
+zopt_status validate_q8(const zopt_step_descriptor *d) {
+  bool any = false, gpu = false;
+  for (uint32_t i = 0; i < d->num_states; ++i) {
+    const zopt_state_desc &s = d->states[i];
+    gpu |= s.placement == ZOPT_PLACE_GPU;
+    const bool absmax = s.kind == ZOPT_STATE_EXP_AVG_ABSMAX || s.kind == ZOPT_STATE_EXP_AVG_SQ_ABSMAX;
+    if (absmax != ((s.flags & ZOPT_STATE_PER_BLOCK) != 0) || (absmax && s.dtype != ZOPT_DTYPE_F32))
+      return fail(ZOPT_ERR_ABI, "state %u (%s): a q8 absmax is exactly an f32 PER_BLOCK state", i,
+                  state_kind_name(s.kind));
+    if (s.dtype == ZOPT_DTYPE_Q8 && s.kind != ZOPT_STATE_EXP_AVG && s.kind != ZOPT_STATE_EXP_AVG_SQ)
+      return fail(ZOPT_ERR_ABI, "state %u (%s): only exp_avg and exp_avg_sq can be q8", i, state_kind_name(s.kind));
+    if (s.dtype != ZOPT_DTYPE_Q8 && !absmax) continue;
+    any = true;
+    // The partner: the absmax of a q8 moment, the q8 moment of an absmax.
+    const uint32_t want = s.kind == ZOPT_STATE_EXP_AVG       ? ZOPT_STATE_EXP_AVG_ABSMAX
+                          : s.kind == ZOPT_STATE_EXP_AVG_SQ  ? ZOPT_STATE_EXP_AVG_SQ_ABSMAX
+                          : s.kind == ZOPT_STATE_EXP_AVG_ABSMAX ? ZOPT_STATE_EXP_AVG
+                                                                : ZOPT_STATE_EXP_AVG_SQ;
+    const zopt_state_desc *q = nullptr;
+    for (uint32_t j = 0; j < d->num_states; ++j)
+      if (d->states[j].kind == want) q = &d->states[j];
+    if (!q || (absmax && q->dtype != ZOPT_DTYPE_Q8) || q->placement != s.placement || q->access != s.access ||
+        q->init != s.init || (q->flags & ZOPT_STATE_PARTITIONED) != (s.flags & ZOPT_STATE_PARTITIONED))
+      return fail(ZOPT_ERR_ABI,
+                  "state %u (%s): a q8 moment and its absmax come in pairs of the same placement, access, init "
+                  "and partitioning (abi.h \"q8 moments\"); %s %s",
+                  i, state_kind_name(s.kind), state_kind_name(want), q ? "differs" : "is missing");
+  }
+  if (!any) return ZOPT_OK;
+  for (uint32_t i = 0; i < d->num_kernels; ++i) gpu |= d->kernels[i].device == ZOPT_PLACE_GPU;
+  if (gpu)
+    return fail(ZOPT_ERR_UNSUPPORTED,
+                "step '%s' has q8 moments and runs on the GPU (a state or kernel placed there: the CUDA backend "
+                "or offload): this runtime lays q8 states out on the CPU only; compile the moments as f32 or bf16 "
+                "for the GPU, or place the whole step on the CPU",
+                d->name);
+  return ZOPT_OK;
+}
+
 // Validates every field of a descriptor whose magic/version/size/checksum
 // already passed. Returns ZOPT_OK or an ABI error with a message.
 zopt_status validate_fields(const zopt_step_descriptor *d) {
@@ -47,24 +91,10 @@ zopt_status validate_fields(const zopt_step_descriptor *d) {
     return fail(ZOPT_ERR_ABI, "descriptor num_coeffs %u > %d", d->num_coeffs, ZOPT_MAX_COEFFS);
   if (d->num_kernels < 1 || d->num_kernels > ZOPT_MAX_KERNELS)
     return fail(ZOPT_ERR_ABI, "descriptor num_kernels %u out of range [1, %d]", d->num_kernels, ZOPT_MAX_KERNELS);
-  // q8 moments (abi.h "q8 moments"): the compiler writes them, this runtime
-  // does not lay them out yet; refused, never run with a wrong layout.
-  for (uint32_t i = 0; i < d->num_states; ++i) {
-    const zopt_state_desc &s = d->states[i];
-    if (s.dtype == ZOPT_DTYPE_Q8 || s.kind == ZOPT_STATE_EXP_AVG_ABSMAX ||
-        s.kind == ZOPT_STATE_EXP_AVG_SQ_ABSMAX || (s.flags & ZOPT_STATE_PER_BLOCK))
-      return fail(ZOPT_ERR_UNSUPPORTED,
-                  "state %u (%s) is a q8 moment (int8 codes and a per-block absmax, abi.h \"q8 "
-                  "moments\"): this runtime's layout for q8 states (the per-block absmax "
-                  "allocation, block-aligned chunks, ZeRO shards on block boundaries, checkpoints) "
-                  "is not built yet; compile the moments as f32 or bf16",
-                  i, state_kind_name(s.kind));
-  }
   int seen_kind[ZOPT_STATE_KAHAN_COMP + 1] = {0};
   for (uint32_t i = 0; i < d->num_states; ++i) {
     const zopt_state_desc &s = d->states[i];
-    if (s.kind < ZOPT_STATE_PARAM ||
-        (s.kind > ZOPT_STATE_MOMENTUM_BUFFER && s.kind != ZOPT_STATE_KAHAN_COMP))
+    if (s.kind < ZOPT_STATE_PARAM || s.kind > ZOPT_STATE_KAHAN_COMP)
       return fail(ZOPT_ERR_ABI, "state %u: kind %u out of range", i, s.kind);
     if (!dtype_size(s.dtype))
       return fail(ZOPT_ERR_ABI, "state %u (%s): dtype %u out of range", i, state_kind_name(s.kind), s.dtype);
@@ -79,7 +109,7 @@ zopt_status validate_fields(const zopt_step_descriptor *d) {
     bool user = s.kind == ZOPT_STATE_PARAM || s.kind == ZOPT_STATE_GRAD;
     if (user != (s.init == ZOPT_INIT_USER))
       return fail(ZOPT_ERR_ABI, "state %u (%s): init %u does not fit the kind", i, state_kind_name(s.kind), s.init);
-    if (s.flags & ~ZOPT_STATE_PARTITIONED || s.reserved)
+    if (s.flags & ~(ZOPT_STATE_PARTITIONED | ZOPT_STATE_PER_BLOCK) || s.reserved)
       return fail(ZOPT_ERR_ABI, "state %u (%s): unknown flags 0x%x", i, state_kind_name(s.kind), s.flags);
     if (seen_kind[s.kind]++)
       return fail(ZOPT_ERR_ABI, "descriptor has more than one %s state", state_kind_name(s.kind));
@@ -101,6 +131,7 @@ zopt_status validate_fields(const zopt_step_descriptor *d) {
                   "written, beside a written bf16 param on its placement, in a step without a master",
                   i);
   }
+  if (zopt_status st = validate_q8(d)) return st;
   int seen_hyper[9] = {0};
   for (uint32_t i = 0; i < d->num_hypers; ++i) {
     const zopt_hyper_desc &h = d->hypers[i];

@@ -87,8 +87,15 @@ void test_gpu() {
       for (uint32_t k = 0; k < A.d->num_states; ++k) {
         const zopt_state_desc &sd = A.d->states[k];
         if (!is_owned(sd.kind)) continue;
-        std::vector<unsigned char> b((size_t)A.n[t] * esz(sd.dtype) + 1);
-        for (int64_t i = 0; i < A.n[t]; ++i) store(b.data(), sd.dtype, (size_t)i, value(seed, t * 16 + k, (uint64_t)i, 0.5));
+        const int64_t ne = selems(sd, A.n[t]);
+        std::vector<unsigned char> b((size_t)ne * esz(sd.dtype) + 1);
+        for (int64_t i = 0; i < ne; ++i) {
+          const float v = value(seed, t * 16 + k, (uint64_t)i, 0.5);
+          if (sd.dtype == ZOPT_DTYPE_Q8)  // a q8 code: any byte
+            b[(size_t)i] = (unsigned char)(int)(v * 1000.0f);
+          else  // (a q8 absmax: positive)
+            store(b.data(), sd.dtype, (size_t)i, (sd.flags & ZOPT_STATE_PER_BLOCK) ? std::fabs(v) : v);
+        }
         if (zopt_optimizer_write_state_raw(A.o, (int)t, (zopt_state_kind)sd.kind, b.data(), b.size() - 1)) return false;
       }
     return !zopt_optimizer_set_step_count(A.o, 0, c0) && !zopt_optimizer_set_step_count(A.o, 1, c0 + 2) &&

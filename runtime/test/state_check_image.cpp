@@ -330,9 +330,11 @@ void test_staged() {
         for (uint32_t k = 0; k < A.d->num_states; ++k) {
           const zopt_state_desc &sd = A.d->states[k];
           if (!is_owned(sd.kind) && !(sd.kind == ZOPT_STATE_PARAM && A.zero3)) continue;
-          if (sd.dtype == ZOPT_DTYPE_I16) {  // a remainder master: its raw low halves
-            if (zopt_state_import_put(imp, (int)t, (zopt_state_kind)sd.kind, ZOPT_DTYPE_I16,
-                                      from.st[t][k].data(), A.n[t]))
+          if (sd.dtype == ZOPT_DTYPE_I16 || is_q8_state(sd)) {
+            // a remainder master: its raw low halves; q8 codes and their
+            // absmax: as they are, the pair
+            if (zopt_state_import_put(imp, (int)t, (zopt_state_kind)sd.kind, (zopt_dtype)sd.dtype,
+                                      from.st[t][k].data(), selems(sd, A.n[t])))
               return false;
             continue;
           }
@@ -382,6 +384,10 @@ void test_staged() {
       for (uint32_t k = 0; k < A.d->num_states; ++k) {
         const zopt_state_desc &sd = A.d->states[k];
         if (!is_owned(sd.kind)) continue;
+        if (is_q8_state(sd)) {  // the zero code, absmax 0
+          partial = partial && q8_fresh(sd, s.st[t][k], A.n[t]);
+          continue;
+        }
         for (int64_t i = 0; i < A.n[t] && partial; ++i) {
           // ZeRO-3: fresh held params from the user's params, the master from them.
           float pv = load(A.zero3 ? A.p[t] : s.st[t][(size_t)pk].data(), A.pdt, (size_t)i);

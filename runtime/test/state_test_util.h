@@ -47,6 +47,27 @@ inline void report(bool ok, const char *fmt, ...) {
 }
 
 inline size_t esz(uint32_t dt) { return rtu::dtype_size(dt); }
+// Elements of state sd for n elements of its tensor (a q8 absmax: one per
+// block of 256, abi.h "q8 moments").
+inline int64_t selems(const zopt_state_desc &sd, int64_t n) {
+  return (sd.flags & ZOPT_STATE_PER_BLOCK) ? (n + 255) / 256 : n;
+}
+inline bool is_q8_state(const zopt_state_desc &sd) {
+  return sd.dtype == ZOPT_DTYPE_Q8 || (sd.flags & ZOPT_STATE_PER_BLOCK);
+}
+// Whether q8 state bytes b (n elements of the tensor) are as at finalize:
+// every code the zero code, every absmax +0.
+inline bool q8_fresh(const zopt_state_desc &sd, const std::vector<unsigned char> &b, int64_t n) {
+  if (sd.dtype == ZOPT_DTYPE_Q8) {
+    const unsigned char z = sd.kind == ZOPT_STATE_EXP_AVG_SQ ? ZOPT_Q8_UNSIGNED_ZERO : ZOPT_Q8_SIGNED_ZERO;
+    for (int64_t i = 0; i < n; ++i)
+      if (b[(size_t)i] != z) return false;
+    return true;
+  }
+  for (int64_t i = 0; i < selems(sd, n) * 4; ++i)
+    if (b[(size_t)i]) return false;
+  return true;
+}
 using rtu::load;
 using rtu::store;
 using rtu::value;
@@ -238,7 +259,7 @@ struct Rank {
         const uint32_t kind = d->states[k].kind;
         std::vector<unsigned char> &b = s->st[t][k];
         if (kind == ZOPT_STATE_GRAD) continue;
-        b.assign((size_t)n[t] * esz(d->states[k].dtype) + 1, 0);
+        b.assign((size_t)selems(d->states[k], n[t]) * esz(d->states[k].dtype) + 1, 0);
         if (kind == ZOPT_STATE_PARAM && zero3) {
           void *dst[1] = {b.data()};
           if (zopt_optimizer_gather_params(o, (int)t, 1, dst)) return false;

@@ -64,6 +64,7 @@ int main() {
       in.numel.push_back(n);
     }
     in.align = int64_t(1) << (rng() % 8);
+    if (rng() % 4 == 0) in.align = 256 << (rng() % 2);  // a step with q8 moments (at least 256)
     switch (rng() % 3) {
       case 0: in.bucket = kMaxBlock * (1 + (int64_t)(rng() % 4)); break;
       case 1: in.bucket = 1 + (int64_t)(rng() % 200); break;  // below any block
@@ -166,6 +167,36 @@ int main() {
               "case %d W %d: a rank holds %lld of %lld elements (block %lld, %d groups)", c, world, (long long)local,
               (long long)flat_total, (long long)B, groups_used);
       REQUIRE(local == L.local_elems && blocks == L.blocks_per_rank, "case %d: local size", c);
+      // q8 moments (align >= 256): every shard piece starts at a block
+      // boundary of its tensor, and per_block's layout holds each block of
+      // each tensor once, where the piece's first element's index / 256 says.
+      if (in.align >= 256) {
+        const Layout Lb = per_block(L, 256);
+        REQUIRE(Lb.local_elems * 256 == L.local_elems && Lb.tensors.size() == L.tensors.size(),
+                "case %d W %d: per-block local size", c, world);
+        std::vector<int64_t> blocks_seen(in.numel.size(), 0);
+        for (int b = 0; b < (int)L.buckets.size(); ++b)
+          for (int r = 0; r < world; ++r) {
+            int64_t a, e, ab, eb;
+            L.shard_range(b, r, &a, &e);
+            Lb.shard_range(b, r, &ab, &eb);
+            const std::vector<Piece> ps = L.pieces(L.buckets[b].group, a, e);
+            const std::vector<Piece> pb = Lb.pieces(Lb.buckets[b].group, ab, eb);
+            REQUIRE(ps.size() == pb.size(), "case %d W %d: per-block pieces", c, world);
+            for (size_t i = 0; i < ps.size() && i < pb.size(); ++i) {
+              const Piece &p = ps[i], &q = pb[i];
+              const int64_t b0 = p.start / 256, b1 = (p.start + p.len + 255) / 256;
+              REQUIRE(p.start % 256 == 0 && p.flat % 256 == 0 && q.tensor == p.tensor && q.start == b0 &&
+                          q.len == b1 - b0 && Lb.local_index(b, r, q.flat) == L.local_index(b, r, p.flat) / 256,
+                      "case %d W %d: tensor %d's piece at %lld is not block %lld of the per-block layout", c, world,
+                      p.tensor, (long long)p.start, (long long)b0);
+              blocks_seen[p.tensor] += q.len;
+            }
+          }
+        for (size_t t = 0; t < in.numel.size(); ++t)
+          REQUIRE(blocks_seen[t] == (in.numel[t] + 255) / 256, "case %d W %d: tensor %zu has %lld blocks held", c,
+                  world, t, (long long)blocks_seen[t]);
+      }
       // Every element of every tensor exactly once.
       std::sort(runs.begin(), runs.end(), [](const Run &x, const Run &y) {
         return x.tensor != y.tensor ? x.tensor < y.tensor : x.start < y.start;
@@ -190,7 +221,8 @@ int main() {
   }
   printf("test_layout: %d random models x 7 world sizes, %lld elements: every element owned once, shards equal "
          "and whole blocks, within one block per group of 1/W at any bucket size, padding at the end of a group's "
-         "last bucket, norm blocks independent of W\n",
+         "last bucket, norm blocks independent of W; with align >= 256 shards on q8 block boundaries and the per-block "
+         "layout holding every block once\n",
          kCases, (long long)elements);
   return 0;
 }

@@ -76,11 +76,13 @@ int main(int argc, char **argv) {
                     "state 2 (kahan_comp): a Kahan compensation is bf16, zero-initialized, read and written, "
                     "beside a written bf16 param on its placement, in a step without a master");
 
-  /* q8 moments: compiled, but this runtime cannot lay them out yet */
-  expect_load_fails("fx_q8", ZOPT_ERR_UNSUPPORTED,
-                    "state 2 (exp_avg) is a q8 moment (int8 codes and a per-block absmax, abi.h \"q8 moments\"): "
-                    "this runtime's layout for q8 states (the per-block absmax allocation, block-aligned chunks, "
-                    "ZeRO shards on block boundaries, checkpoints) is not built yet");
+  /* q8 moments: laid out on the CPU only; a moment comes with its absmax */
+  expect_load_fails("fx_q8gpu", ZOPT_ERR_UNSUPPORTED,
+                    "has q8 moments and runs on the GPU (a state or kernel placed there: the CUDA backend or "
+                    "offload): this runtime lays q8 states out on the CPU only");
+  expect_load_fails("fx_q8pair", ZOPT_ERR_ABI,
+                    "state 2 (exp_avg): a q8 moment and its absmax come in pairs of the same placement, access, "
+                    "init and partitioning (abi.h \"q8 moments\"); exp_avg_absmax is missing");
 
   /* truncated copy of a real shared library, and a text file */
   {

@@ -16,8 +16,20 @@ bool same_bits(double a, double b) { return memcmp(&a, &b, 8) == 0; }
 // in [max(64, align), 32768]; the flat space cut into buckets of `bucket`
 // elements (0: the default picked from the model) rounded up to a multiple
 // of W blocks; each bucket padded to a multiple of W blocks and cut into W
-// equal shards; rank r owns shard r of every bucket.
+// equal shards; rank r owns shard r of every bucket. A step with q8
+// moments (abi.h "q8 moments") lays out with align >= 256, and its
+// PER_BLOCK states (a q8 absmax) hold one f32 per 256 elements of that
+// layout (a rank's buffer: its local elements / 256).
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+bool per_block(const zopt_state_desc &sd) { return (sd.flags & ZOPT_STATE_PER_BLOCK) != 0; }
+int64_t layout_align(const zopt_step_descriptor *d) {
+  int64_t a = d->align < 1 ? 1 : d->align;
+  for (uint32_t s = 0; s < d->num_states; ++s)
+    if (per_block(d->states[s])) a = std::max<int64_t>(a, 256);
+  return a;
+}
+// Elements of state sd for n elements of a tensor.
+int64_t state_elems(const zopt_state_desc &sd, int64_t n) { return per_block(sd) ? (n + 255) / 256 : n; }
 int64_t model_elems() {
   int64_t n = 0;
   for (int64_t x : kSizes) n += x;
@@ -45,12 +57,13 @@ int64_t collective_esize(const zopt_step_descriptor *d, bool stream) {
 // The default bucket at W: the scratch (two buckets of the collectives'
 // dtype) at most half of what sharding saves a rank, in [W blocks, 8Mi].
 int64_t model_default_bucket(const zopt_step_descriptor *d, int world, bool stream) {
-  const int64_t es_c = collective_esize(d, stream), B = model_block(d->align), W = world;
+  const int64_t es_c = collective_esize(d, stream), B = model_block(layout_align(d)), W = world;
   int64_t saved_w = 0;  // bytes per element, times W
   for (uint32_t s = 0; s < d->num_states; ++s) {
     const zopt_state_desc &sd = d->states[s];
     const int64_t es = esize(sd.dtype);
     const bool part = (sd.flags & ZOPT_STATE_PARTITIONED) != 0;
+    if (per_block(sd)) continue;  // 4/256 bytes per element: not counted
     if (sd.kind == ZOPT_STATE_PARAM) saved_w -= part ? es : 0;
     else if (sd.kind == ZOPT_STATE_GRAD) saved_w += stream ? es * (W - 1) : 0;
     else if (part) saved_w += es * (W - 1);
@@ -84,7 +97,7 @@ struct LayoutModel {
 LayoutModel model_layout(int world, const zopt_step_descriptor *d, int64_t bucket, size_t T, bool stream,
                          int default_world) {
   LayoutModel L;
-  const int64_t align = d->align < 1 ? 1 : d->align;
+  const int64_t align = layout_align(d);
   L.block = model_block(align);
   L.flat.assign(T, 0);
   if (bucket <= 0) bucket = model_default_bucket(d, default_world, stream);
@@ -167,9 +180,10 @@ bool compare(int rank, Model &m, Model &ref, const zopt_step_result &a, const zo
     if (kind == ZOPT_STATE_GRAD) continue;
     size_t es = esize(d->states[s].dtype);
     for (size_t t = 0; t < m.p.size(); ++t) {
-      std::vector<unsigned char> x((size_t)kSizes[t] * es + 1), y((size_t)kSizes[t] * es + 1);
-      CK(zopt_optimizer_read_state_raw(m.o, (int)t, (zopt_state_kind)kind, x.data(), (size_t)kSizes[t] * es));
-      CK(zopt_optimizer_read_state_raw(ref.o, (int)t, (zopt_state_kind)kind, y.data(), (size_t)kSizes[t] * es));
+      const size_t n = (size_t)state_elems(d->states[s], kSizes[t]) * es;
+      std::vector<unsigned char> x(n + 1), y(n + 1);
+      CK(zopt_optimizer_read_state_raw(m.o, (int)t, (zopt_state_kind)kind, x.data(), n));
+      CK(zopt_optimizer_read_state_raw(ref.o, (int)t, (zopt_state_kind)kind, y.data(), n));
       if (x != y) {
         report(rank, false, "%s: state %u of tensor %zu differs from one rank's", what, kind, t);
         ok = false;
@@ -245,9 +259,10 @@ bool check_memory(int rank, Model &m, Model &ref, const Options &opt, const char
     }
     if (sd.kind == ZOPT_STATE_PARAM) pg += (uint64_t)model_elems() * es;
     if (sd.kind == ZOPT_STATE_PARAM && !part) continue;
-    lo += alloc((uint64_t)(part ? L.local : L1.local) * es);
-    lo1 += alloc((uint64_t)L1.local * es);
-    ref_lo1 += alloc((uint64_t)L1.local * es);
+    const int64_t q = per_block(sd) ? 256 : 1;
+    lo += alloc((uint64_t)((part ? L.local : L1.local) / q) * es);
+    lo1 += alloc((uint64_t)(L1.local / q) * es);
+    ref_lo1 += alloc((uint64_t)(L1.local / q) * es);
     if (sd.kind == ZOPT_STATE_PARAM) ref_param = alloc((uint64_t)L1.local * es);
     // 1/W of the flat elements plus less than one block per group.
     if (part && W > 1) ok = ok && L.local * W >= flat && L.local * W < flat + (int64_t)W * L.block * groups;

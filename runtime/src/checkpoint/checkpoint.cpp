@@ -15,6 +15,7 @@
 
 #include "checkpoint/format.h"
 #include "checkpoint/image.h"
+#include "checkpoint/q8.h"
 #include "checkpoint/set.h"
 
 #include "comm/comm_internal.h"
@@ -68,13 +69,14 @@ struct Writer {
 // The runs of state si of tensor t this rank holds, for writing a
 // checkpoint: each element is written by exactly one rank (a state held
 // whole by every rank, stage 0, is written by the rank whose shard of the
-// layout at the world size holds it).
+// layout at the world size holds it). A PER_BLOCK state (a q8 absmax):
+// runs of blocks (exec::runs; the shards start at block boundaries).
 void save_runs(const zopt_optimizer *o, int t, int si, std::vector<exec::Run> *out) {
   out->clear();
   const Tensor &x = o->tensors[t];
   if (!x.numel) return;
   if (o->world == 1) {
-    out->push_back(exec::Run{0, x.numel, state_ptr(o, t, si)});
+    out->push_back(exec::Run{0, state_numel(o->d, si, x.numel), state_ptr(o, t, si)});
     return;
   }
   if (!exec::holds_whole(o, si)) {
@@ -86,7 +88,11 @@ void save_runs(const zopt_optimizer *o, int t, int si, std::vector<exec::Run> *o
   const size_t es = dtype_size(o->d->states[si].dtype);
   std::vector<exec::OwnedRange> rs;
   exec::owned_ranges(o, t, &rs);
-  for (const exec::OwnedRange &r : rs) out->push_back(exec::Run{r.start, r.len, base + (size_t)r.start * es});
+  const int64_t q = is_per_block(o->d, si) ? ZOPT_Q8_BLOCK : 1;
+  for (const exec::OwnedRange &r : rs) {
+    const int64_t a = r.start / q, e = (r.start + r.len + q - 1) / q;
+    out->push_back(exec::Run{a, e - a, base + (size_t)a * es});
+  }
 }
 
 // The bytes of a run: in place for host memory, staged where the backend
@@ -257,7 +263,7 @@ zopt_status write_image(const zopt_optimizer *o, const SaveId &id, bool whole, S
         if (!whole) {
           save_runs(o, (int)t, si, &runs);
           for (const exec::Run &r : runs) pieces.push_back(P{ki, (uint32_t)t, r, 0, 0});
-        } else if (const int64_t n = o->tensors[t].numel) {
+        } else if (const int64_t n = state_numel(d, si, o->tensors[t].numel)) {
           void *p = o->world > 1 && !exec::holds_whole(o, si) ? nullptr : state_ptr(o, (int)t, si);
           pieces.push_back(P{ki, (uint32_t)t, exec::Run{0, n, p}, 0, 0});
         }
@@ -586,13 +592,22 @@ static zopt_status stage_files(zopt_optimizer *o, const Files &files, const char
       if (k.kind == kind) return true;
     return false;
   };
+  // (A q8 moment's absmax is part of its moment: the moments load between
+  // q8 and wider dtypes, checkpoint/q8.h.)
+  auto fdt = [&](uint32_t kind) -> uint32_t {
+    for (const KindRec &k : f0.kinds)
+      if (k.kind == kind) return k.dtype;
+    return 0;
+  };
   std::string missing, extra;
   for (uint32_t s = 0; s < d->num_states; ++s) {
     uint32_t k = d->states[s].kind;
-    if (is_owned_kind(k) && !file_has(k)) missing += std::string(missing.empty() ? "" : ", ") + state_kind_name(k);
+    if (is_owned_kind(k) && !file_has(k) && !ckpt::q8_converts(k, d->states[s].dtype, fdt))
+      missing += std::string(missing.empty() ? "" : ", ") + state_kind_name(k);
   }
   for (const KindRec &k : f0.kinds)
-    if (state_index(d, k.kind) < 0 && k.kind != ZOPT_STATE_MASTER && k.kind != ZOPT_STATE_PARAM)
+    if (state_index(d, k.kind) < 0 && k.kind != ZOPT_STATE_MASTER && k.kind != ZOPT_STATE_PARAM &&
+        !ckpt::q8_absmax_of_moment(k.kind, d))
       extra += std::string(extra.empty() ? "" : ", ") + state_kind_name(k.kind);
   if (!allow && (!missing.empty() || !extra.empty()))
     return ck_fail(path,
@@ -638,6 +653,30 @@ static zopt_status stage_files(zopt_optimizer *o, const Files &files, const char
       const PieceRec &p = files[fi]->pieces[pi];
       index[{files[fi]->kinds[p.kind_index].kind, p.tensor}].push_back({fi, pi});
     }
+  // Units [a, e) of the set's `kind` of tensor t in its dtype (q8 loads).
+  const ckpt::ReadRange read_range = [&](uint32_t k, size_t t, int64_t a, int64_t e, std::vector<unsigned char> *b,
+                                         uint32_t *sdt) -> zopt_status {
+    *sdt = fdt(k);
+    const size_t es = dtype_size(*sdt);
+    b->assign((size_t)(e - a) * es, 0);
+    int64_t covered = 0;
+    auto pit = index.find({k, (uint32_t)t});
+    if (pit != index.end())
+      for (auto [fi, pi] : pit->second) {
+        const PieceRec &p = files[fi]->pieces[pi];
+        const int64_t x = std::max(a, p.start), y = std::min(e, p.start + p.len);
+        if (x >= y) continue;
+        const std::vector<unsigned char> *pb = nullptr;
+        if (zopt_status st = piece_bytes(fi, pi, &pb)) return st;
+        memcpy(b->data() + (size_t)(x - a) * es, pb->data() + (size_t)(x - p.start) * es, (size_t)(y - x) * es);
+        covered += y - x;
+      }
+    if (covered != e - a)
+      return ck_fail(path, "tensor %zu state %s: the files hold %lld of elements [%lld, %lld) (a file of the set "
+                           "is missing pieces or they overlap)",
+                     t, state_kind_name(k), (long long)covered, (long long)a, (long long)e);
+    return ZOPT_OK;
+  };
   std::vector<exec::Run> runs;
   const int pidx = o->step->param_index;
   try {
@@ -651,6 +690,13 @@ static zopt_status stage_files(zopt_optimizer *o, const Files &files, const char
         for (const exec::Run &r : runs) {
           Staged::Dest dst{(int)t, (int)s, r.start, r.len, {}};
           dst.bytes.resize((size_t)r.len * es);
+          if (ckpt::q8_converts(kind, dt, fdt)) {  // between q8 and wider moments
+            if (zopt_status st = ckpt::q8_stage(kind, dt, t, o->tensors[t].numel, r.start, r.len, fdt, read_range,
+                                                dst.bytes.data(), path))
+              return st;
+            out.dests.push_back(std::move(dst));
+            continue;
+          }
           if (pit == index.end() && kind == ZOPT_STATE_PARAM) {
             // A checkpoint of a step whose params the model holds: the
             // runtime's shard from the model's params, as at finalize.
@@ -674,35 +720,24 @@ static zopt_status stage_files(zopt_optimizer *o, const Files &files, const char
                 src = p.data() + (size_t)r.start * pes;
               }
               convert(src, d->states[pidx].dtype, dst.bytes.data(), dt, r.len);
-            }  // else zeros (allowed above)
+            } else {  // zeros (allowed above; a q8 moment: its zero code)
+              memset(dst.bytes.data(), zero_byte(d, (int)s), dst.bytes.size());
+            }
             out.dests.push_back(std::move(dst));
             continue;
           }
-          int64_t covered = 0;
-          for (auto [fi, pi] : pit->second) {
-            const PieceRec &p = files[fi]->pieces[pi];
-            int64_t a = std::max(r.start, p.start), e = std::min(r.start + r.len, p.start + p.len);
-            if (a >= e) continue;
-            const std::vector<unsigned char> *b = nullptr;
-            if (zopt_status st = piece_bytes(fi, pi, &b)) return st;
-            uint32_t sdt = files[fi]->kinds[p.kind_index].dtype;
-            // A remainder master (I16) is half of a master: the other half
-            // is the param, which this per-state conversion cannot see.
-            if ((sdt == ZOPT_DTYPE_I16) != (dt == ZOPT_DTYPE_I16))
-              return ck_fail(path, "tensor %zu: the checkpoint's %s is %s and this step's %s: converting between a "
-                                   "remainder master and a %s master is not supported (load it into a step with the "
-                                   "checkpoint's master layout)",
-                             t, state_kind_name(kind), dtype_name(sdt), dtype_name(dt),
-                             dtype_name(sdt == ZOPT_DTYPE_I16 ? dt : sdt));
-            convert(b->data() + (size_t)(a - p.start) * dtype_size(sdt), sdt,
-                    dst.bytes.data() + (size_t)(a - r.start) * es, dt, e - a);
-            covered += e - a;
-          }
-          if (covered != r.len)
-            return ck_fail(path, "tensor %zu state %s: the files hold %lld of elements [%lld, %lld) (a file of the "
-                                 "set is missing pieces or they overlap)",
-                           t, state_kind_name(kind), (long long)covered, (long long)r.start,
-                           (long long)(r.start + r.len));
+          std::vector<unsigned char> b;
+          uint32_t sdt = 0;
+          if (zopt_status st = read_range(kind, t, r.start, r.start + r.len, &b, &sdt)) return st;
+          // A remainder master (I16) is half of a master: the other half
+          // is the param, which this per-state conversion cannot see.
+          if ((sdt == ZOPT_DTYPE_I16) != (dt == ZOPT_DTYPE_I16))
+            return ck_fail(path, "tensor %zu: the checkpoint's %s is %s and this step's %s: converting between a "
+                                 "remainder master and a %s master is not supported (load it into a step with the "
+                                 "checkpoint's master layout)",
+                           t, state_kind_name(kind), dtype_name(sdt), dtype_name(dt),
+                           dtype_name(sdt == ZOPT_DTYPE_I16 ? dt : sdt));
+          convert(b.data(), sdt, dst.bytes.data(), dt, r.len);
           out.dests.push_back(std::move(dst));
         }
       }

@@ -177,10 +177,13 @@ zopt_status read_header(File &f, const std::string &path) {
     for (uint32_t i = 0; i < nkinds; ++i) {
       KindRec k{r.get<uint32_t>(), r.get<uint32_t>()};
       if (!r.ok) return ck_fail(path, "truncated header");
-      if (k.kind == ZOPT_STATE_GRAD || k.kind < ZOPT_STATE_PARAM ||
-          (k.kind > ZOPT_STATE_MOMENTUM_BUFFER && k.kind != ZOPT_STATE_KAHAN_COMP))
+      if (k.kind == ZOPT_STATE_GRAD || k.kind < ZOPT_STATE_PARAM || k.kind > ZOPT_STATE_KAHAN_COMP)
         return ck_fail(path, "state kind %u is not a state a checkpoint holds", k.kind);
       if (!dtype_size(k.dtype)) return ck_fail(path, "state %s: unknown dtype %u", state_kind_name(k.kind), k.dtype);
+      const bool absmax = k.kind == ZOPT_STATE_EXP_AVG_ABSMAX || k.kind == ZOPT_STATE_EXP_AVG_SQ_ABSMAX;
+      if ((absmax && k.dtype != ZOPT_DTYPE_F32) ||
+          (k.dtype == ZOPT_DTYPE_Q8 && k.kind != ZOPT_STATE_EXP_AVG && k.kind != ZOPT_STATE_EXP_AVG_SQ))
+        return ck_fail(path, "state %s: dtype %s does not fit it", state_kind_name(k.kind), dtype_name(k.dtype));
       for (const KindRec &o : f.kinds)
         if (o.kind == k.kind) return ck_fail(path, "state %s stored twice", state_kind_name(k.kind));
       f.kinds.push_back(k);
@@ -235,9 +238,14 @@ zopt_status read_header(File &f, const std::string &path) {
       if (p.kind_index >= nkinds || p.tensor >= ntensors) return ck_fail(path, "a piece names no state or tensor");
       const TensorRec &tr = f.tensors[p.tensor];
       uint64_t bytes = (uint64_t)p.len * dtype_size(f.kinds[p.kind_index].dtype);
-      if (p.start < 0 || p.len <= 0 || p.start > tr.numel || p.len > tr.numel - p.start)
+      // A q8 absmax holds one element per block of the tensor.
+      const uint32_t pk = f.kinds[p.kind_index].kind;
+      const int64_t n = pk == ZOPT_STATE_EXP_AVG_ABSMAX || pk == ZOPT_STATE_EXP_AVG_SQ_ABSMAX
+                            ? (tr.numel + ZOPT_Q8_BLOCK - 1) / ZOPT_Q8_BLOCK
+                            : tr.numel;
+      if (p.start < 0 || p.len <= 0 || p.start > n || p.len > n - p.start)
         return ck_fail(path, "tensor %u: piece [%lld, +%lld) outside its %lld elements", p.tensor,
-                       (long long)p.start, (long long)p.len, (long long)tr.numel);
+                       (long long)p.start, (long long)p.len, (long long)n);
       if (p.offset % kDataAlign || p.offset < data_start || p.offset > f.size || bytes > f.size - p.offset)
         return ck_fail(path, "tensor %u state %s: data outside the file", p.tensor,
                        state_kind_name(f.kinds[p.kind_index].kind));

@@ -116,7 +116,7 @@ zopt_status complete(zopt_state_import *imp, const char *fn) {
         const bool from_param = kind == ZOPT_STATE_PARAM || d->states[s].init == ZOPT_INIT_FROM_PARAM;
         for (const exec::Run &r : runs) {
           ckpt::Staged::Dest dst{(int)t, (int)s, r.start, r.len, {}};
-          dst.bytes.assign((size_t)r.len * dtype_size(dt), 0);
+          dst.bytes.assign((size_t)r.len * dtype_size(dt), zero_byte(d, (int)s));  // q8: the zero code
           if (from_param) {
             const ckpt::Staged::Dest *held = kind == ZOPT_STATE_PARAM ? nullptr : held_param((int)t, r);
             const void *src = nullptr;
@@ -176,6 +176,92 @@ zopt_status agree_import(zopt_state_import *imp, zopt_status st, const char *fn)
                 "%s: %s imported other step counts, hyperparameters, group flags, loss scaler or seed than rank 0: "
                 "every rank imports the same (nothing changed)",
                 fn, comm_rank_list(bad).c_str());
+  return ZOPT_OK;
+}
+
+// The runs this rank holds of state si of tensor t, from `src` (the
+// state's dtype, every unit of the tensor), into `add`.
+void stage_runs(zopt_state_import *imp, int t, int si, const unsigned char *src,
+                std::vector<ckpt::Staged::Dest> *add) {
+  zopt_optimizer *o = imp->o;
+  const size_t es = dtype_size(o->d->states[si].dtype);
+  std::vector<exec::Run> runs;
+  exec::runs(o, t, si, &runs);
+  for (const exec::Run &r : runs) {
+    ckpt::Staged::Dest dst{t, si, r.start, r.len, {}};
+    dst.bytes.assign(src + (size_t)r.start * es, src + (size_t)(r.start + r.len) * es);
+    add->push_back(std::move(dst));
+  }
+}
+
+// A q8 moment or its absmax put (abi.h "q8 moments"): the codes as they are
+// (dtype Q8, numel of them) with the absmax put as f32 (one per block), or
+// the moment as f32 / bf16 / f16 values, encoded here by the canonical rule
+// (per block the absmax max |x|, NaN if any x is; zopt_q8_encode): codes
+// and absmax both put.
+zopt_status put_q8(zopt_state_import *imp, int tensor, int si, uint32_t dt, const void *data, int64_t numel,
+                   const char *fn) {
+  zopt_optimizer *o = imp->o;
+  const zopt_step_descriptor *d = o->d;
+  const uint32_t k = d->states[si].kind;
+  const bool absmax = is_per_block(d, si);
+  const int64_t n = o->tensors[tensor].numel, want = state_numel(d, si, n);
+  // (wide: a moment's values, to encode)
+  const bool wide = !absmax && (dt == ZOPT_DTYPE_F32 || dt == ZOPT_DTYPE_BF16 || dt == ZOPT_DTYPE_F16);
+  if (absmax ? dt != ZOPT_DTYPE_F32 : !(wide || dt == ZOPT_DTYPE_Q8))
+    return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: dtype %u for a q8 %s (%s)", fn, dt, absmax ? "absmax" : "moment",
+                absmax ? "f32, one per 256 elements" : "f32, bf16 or f16 values, or its q8 codes");
+  if (numel != want)
+    return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: numel %lld != %lld (tensor %d's %s%s)", fn, (long long)numel,
+                (long long)want, tensor, state_kind_name(k), absmax ? ": one per block of 256 elements" : "");
+  if (numel && !data) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: data is NULL", fn);
+  const size_t S = d->num_states;
+  const int ai = absmax ? -1
+                        : state_index(d, k == ZOPT_STATE_EXP_AVG ? ZOPT_STATE_EXP_AVG_ABSMAX
+                                                                 : ZOPT_STATE_EXP_AVG_SQ_ABSMAX);
+  uint8_t &mine = imp->put[(size_t)tensor * S + (size_t)si];
+  if (mine || (wide && imp->put[(size_t)tensor * S + (size_t)ai]))
+    return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: tensor %d's %s was put already", fn, tensor,
+                state_kind_name(mine ? k : d->states[ai].kind));
+  std::vector<ckpt::Staged::Dest> add;
+  try {
+    if (!wide) {  // as they are
+      stage_runs(imp, tensor, si, (const unsigned char *)data, &add);
+    } else {
+      std::vector<float> x((size_t)n), a((size_t)want);
+      std::vector<unsigned char> codes((size_t)n);
+      convert(data, dt, x.data(), ZOPT_DTYPE_F32, n);
+      q8_encode_n(x.data(), n, k == ZOPT_STATE_EXP_AVG_SQ, codes.data(), a.data());
+      stage_runs(imp, tensor, si, codes.data(), &add);
+      stage_runs(imp, tensor, ai, (const unsigned char *)a.data(), &add);
+    }
+    imp->sg.dests.reserve(imp->sg.dests.size() + add.size());
+  } catch (...) {
+    return fail(ZOPT_ERR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  }
+  for (ckpt::Staged::Dest &x : add) imp->sg.dests.push_back(std::move(x));
+  mine = 1;
+  if (wide) imp->put[(size_t)tensor * S + (size_t)ai] = 1;
+  return ZOPT_OK;
+}
+
+// Codes put without their absmax (or the other way) would decode with
+// another block's scale: refused at commit.
+zopt_status q8_pairs_put(zopt_state_import *imp, const char *fn) {
+  const zopt_step_descriptor *d = imp->o->d;
+  const size_t S = d->num_states, T = imp->o->tensors.size();
+  for (uint32_t s = 0; s < S; ++s) {
+    if (d->states[s].dtype != ZOPT_DTYPE_Q8) continue;
+    const int ai = state_index(d, d->states[s].kind == ZOPT_STATE_EXP_AVG ? ZOPT_STATE_EXP_AVG_ABSMAX
+                                                                          : ZOPT_STATE_EXP_AVG_SQ_ABSMAX);
+    for (size_t t = 0; t < T; ++t)
+      if (imp->put[t * S + s] != imp->put[t * S + (size_t)ai])
+        return fail(ZOPT_ERR_INVALID_ARGUMENT,
+                    "%s: tensor %zu's %s was put without its %s (q8 codes and their per-block absmax go together: "
+                    "put both, or the moment's f32 values alone)",
+                    fn, t, state_kind_name(d->states[imp->put[t * S + s] ? s : (uint32_t)ai].kind),
+                    state_kind_name(d->states[imp->put[t * S + s] ? (uint32_t)ai : s].kind));
+  }
   return ZOPT_OK;
 }
 
@@ -290,6 +376,8 @@ ZOPT_API zopt_status zopt_state_import_put(zopt_state_import *imp, int tensor, z
                 k >= 1 && k <= 7 ? state_kind_name(k) : "such", k,
                 k == ZOPT_STATE_PARAM ? ": the params are the model's, not the optimizer's, except under ZeRO-3" : "");
   const bool rem = d->states[si].dtype == ZOPT_DTYPE_I16;  // a remainder master (abi.h)
+  const bool q8 = d->states[si].dtype == ZOPT_DTYPE_Q8, absmax = is_per_block(d, si);  // abi.h "q8 moments"
+  if (q8 || absmax) return put_q8(imp, tensor, si, dt, data, numel, fn);
   if (dt != ZOPT_DTYPE_F32 && dt != ZOPT_DTYPE_BF16 && dt != ZOPT_DTYPE_F16 && !(rem && dt == ZOPT_DTYPE_I16))
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: dtype %u (f32, bf16 or f16; i16 for a remainder master)", fn, dt);
   if (rem != (dt == ZOPT_DTYPE_I16))
@@ -401,7 +489,8 @@ ZOPT_API zopt_status zopt_state_import_commit(zopt_state_import *imp) {
   const char *fn = "zopt_state_import_commit";
   std::unique_ptr<zopt_state_import> hold(imp);  // commit frees the import, whatever happens
   ZOPT_ENTER_IMPORT(imp, fn);
-  zopt_status st = complete(imp, fn);
+  zopt_status st = q8_pairs_put(imp, fn);
+  if (!st) st = complete(imp, fn);
   if (zopt_status ag = agree_import(imp, st, fn)) return ag;
   return ckpt::apply(imp->o, imp->sg);
 }

@@ -43,11 +43,15 @@ const char *op_name(uint32_t code) {
 
 // The address of the element at flat offset `flat` of bucket b (tensor t,
 // element `start`) in state si, on this rank. For a sharded buffer the
-// element must lie in this rank's shard.
+// element must lie in this rank's shard. A PER_BLOCK state: the element's
+// block (`flat` is a block boundary: a chunk's first element).
 void *addr(const zopt_optimizer *o, int si, int b, int t, int64_t start, int64_t flat) {
   const Program &P = *o->prog;
-  if (P.buf[si] && P.sharded[si])
-    return (char *)P.buf[si] + (size_t)P.L.local_index(b, o->rank, flat) * es_of(o, si);
+  if (P.buf[si] && P.sharded[si]) {
+    int64_t i = P.L.local_index(b, o->rank, flat);
+    if (is_per_block(o->d, si)) i /= ZOPT_Q8_BLOCK;
+    return (char *)P.buf[si] + (size_t)i * es_of(o, si);
+  }
   return view(o, si, t, start);
 }
 
@@ -185,7 +189,7 @@ zopt_status alloc_host(size_t bytes, const char *what, void **out) {
 void zero_gaps(zopt_optimizer *o, int si) {
   Program &P = *o->prog;
   const bool sh = P.sharded[si];
-  const Layout &L = sh ? P.L : P.L1;
+  const Layout &L = P.layout_of(o->d, si, sh);
   const int r = sh ? o->rank : 0;
   const size_t es = es_of(o, si);
   char *base = (char *)P.buf[si];
@@ -330,6 +334,7 @@ static int64_t default_bucket(const zopt_optimizer *o, int64_t elems, int64_t bl
     const zopt_state_desc &sd = d->states[s];
     const int64_t es = (int64_t)dtype_size(sd.dtype);
     const bool part = sd.flags & ZOPT_STATE_PARTITIONED;
+    if (sd.flags & ZOPT_STATE_PER_BLOCK) continue;  // a q8 absmax: 4/256 bytes per element
     if (sd.kind == ZOPT_STATE_PARAM) saved_w -= part ? es : 0;
     else if (sd.kind == ZOPT_STATE_GRAD) saved_w += o->stream_grads ? es * (W - 1) : 0;
     else if (part) saved_w += es * (W - 1);
@@ -361,7 +366,9 @@ zopt_status build(zopt_optimizer *o) {
       in.group.push_back(x.group);
       in.numel.push_back(x.numel);
     }
-    in.align = d->align;
+    // q8 moments: every segment (and so every bucket, shard and norm block)
+    // at a multiple of the q8 block of the flat space (layout.h "per block").
+    in.align = has_q8(d) ? std::max<int64_t>(d->align, ZOPT_Q8_BLOCK) : d->align;
     int64_t elems = 0;
     for (int64_t n : in.numel) elems += n;
     in.block = layout::block_for(elems, in.align);  // the same at every W
@@ -371,6 +378,10 @@ zopt_status build(zopt_optimizer *o) {
     P->L = layout::make_layout(in);
     in.world = 1;
     P->L1 = layout::make_layout(in);
+    if (has_q8(d)) {
+      P->Lb = layout::per_block(P->L, ZOPT_Q8_BLOCK);
+      P->L1b = layout::per_block(P->L1, ZOPT_Q8_BLOCK);
+    }
     const size_t S = d->num_states;
     P->buf.assign(S, nullptr);
     P->sharded.assign(S, 0);
@@ -402,7 +413,7 @@ zopt_status build(zopt_optimizer *o) {
         continue;
       }
       P->sharded[s] = (sd.flags & ZOPT_STATE_PARTITIONED) ? 1 : 0;
-      const int64_t elems = P->sharded[s] ? P->L.local_elems : P->L1.local_elems;
+      const int64_t elems = P->layout_of(d, (int)s, P->sharded[s]).local_elems;
       P->buf_bytes[s] = ((size_t)elems * es + 63) & ~(size_t)63;
       if (zopt_status st = alloc_host(P->buf_bytes[s], state_kind_name(sd.kind), &P->buf[s])) return bail(st);
     }
@@ -429,7 +440,8 @@ zopt_status build(zopt_optimizer *o) {
     if (zopt_status st = o->backend->copy_staged(o, o->step->param_index, false, true)) return bail(st);
   // Initialize the held states, each chunk by the thread that updates it
   // (first touch): ZeRO-3 params and masters from the user's params,
-  // moments zero; then the gaps and padding zero.
+  // moments zero (q8: the zero code, absmax 0); then the gaps and padding
+  // zero.
   Work &w = P->update_range == ZOPT_RANGE_OWNED ? P->update_owned : P->update_all;
   const int pi = o->step->param_index;
   parallel(o->pool, [&](int tid) {
@@ -442,7 +454,7 @@ zopt_status build(zopt_optimizer *o) {
         if (sd.kind == ZOPT_STATE_PARAM || sd.init == ZOPT_INIT_FROM_PARAM)
           convert(src, d->states[pi].dtype, c.ptrs[s], sd.dtype, c.len);
         else
-          memset(c.ptrs[s], 0, (size_t)c.len * dtype_size(sd.dtype));
+          memset(c.ptrs[s], zero_byte(d, (int)s), (size_t)state_numel(d, (int)s, c.len) * dtype_size(sd.dtype));
       }
     }
   });
@@ -462,15 +474,24 @@ void runs(const zopt_optimizer *o, int t, int si, std::vector<Run> *out) {
   const Tensor &x = o->tensors[t];
   if (!x.numel) return;
   if (holds_whole(o, si)) {
-    out->push_back(Run{0, x.numel, state_ptr(o, t, si)});
+    out->push_back(Run{0, state_numel(o->d, si, x.numel), state_ptr(o, t, si)});
     return;
   }
   const Program &P = *o->prog;
   std::vector<OwnedRange> rs;
   owned_ranges(o, t, &rs);
-  for (const OwnedRange &r : rs)
-    out->push_back(Run{r.start, r.len,
-                       (char *)P.buf[si] + (size_t)P.L.local_index(r.bucket, o->rank, r.flat) * es_of(o, si)});
+  const bool pb = is_per_block(o->d, si);
+  for (const OwnedRange &r : rs) {
+    char *p = (char *)P.buf[si] +
+              (size_t)(P.L.local_index(r.bucket, o->rank, r.flat) / (pb ? ZOPT_Q8_BLOCK : 1)) * es_of(o, si);
+    if (!pb) {
+      out->push_back(Run{r.start, r.len, p});
+      continue;
+    }
+    // Blocks: a range starts at a block boundary (layout.h "per block").
+    const int64_t b0 = r.start / ZOPT_Q8_BLOCK, b1 = state_numel(o->d, si, r.start + r.len);
+    out->push_back(Run{b0, b1 - b0, p});
+  }
 }
 
 void owned_ranges(const zopt_optimizer *o, int t, std::vector<OwnedRange> *out) {
@@ -546,7 +567,8 @@ void state_bytes(const zopt_optimizer *o, uint64_t *mine, uint64_t *one_rank, ui
       continue;
     }
     *mine += P->buf_bytes[s];
-    *one_rank += ((uint64_t)P->L1.local_elems * dtype_size(o->d->states[s].dtype) + 63) & ~(uint64_t)63;
+    *one_rank += ((uint64_t)P->layout_of(o->d, (int)s, false).local_elems * dtype_size(o->d->states[s].dtype) + 63) &
+                 ~(uint64_t)63;
   }
   *scratch = P->send.size() + P->recv.size() + P->gathered.size() * sizeof(double);
 }

@@ -10,6 +10,8 @@
 //     the same coefficients), both active;
 //   * b starts where a ends in every state's memory (params and grads of
 //     views of one flat buffer, runtime-held states without an align gap);
+//     with q8 moments a's length is a whole number of q8 blocks and b's
+//     absmax follows a's (every call starts at a block boundary);
 //   * with stochastic rounding, they are of one tensor and their joined
 //     range does not straddle a multiple of 2^32 elements: the key is
 //     (seed, t, tensor, index >> 32) and each element's index its own
@@ -34,7 +36,14 @@ constexpr int64_t k2to32 = int64_t(1) << 32;
 bool adjacent(const zopt_optimizer *o, const Chunk &a, const Chunk &b) {
   for (uint32_t s = 0; s < o->d->num_states; ++s) {
     if (!a.ptrs[s] || !b.ptrs[s]) return false;
-    if ((const char *)a.ptrs[s] + (size_t)a.len * es_of(o, (int)s) != (const char *)b.ptrs[s]) return false;
+    int64_t n = a.len;
+    if (is_per_block(o->d, (int)s)) {
+      // A q8 absmax: a's blocks must all be whole, so that b's first
+      // element is a block boundary of the joined call (abi.h "q8 moments").
+      if (n % ZOPT_Q8_BLOCK) return false;
+      n /= ZOPT_Q8_BLOCK;
+    }
+    if ((const char *)a.ptrs[s] + (size_t)n * es_of(o, (int)s) != (const char *)b.ptrs[s]) return false;
   }
   return true;
 }

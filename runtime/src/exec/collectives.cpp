@@ -117,17 +117,19 @@ zopt_status gather_state(zopt_optimizer *o, int si, int first, int count, void *
     // Whole on every rank (user memory, staging, a full buffer): a copy.
     for (int t = first; t < first + count; ++t)
       if (o->tensors[t].numel && dst_of(t) != (char *)state_ptr(o, t, si))
-        memcpy(dst_of(t), state_ptr(o, t, si), (size_t)o->tensors[t].numel * es);
+        memcpy(dst_of(t), state_ptr(o, t, si), (size_t)state_numel(o->d, si, o->tensors[t].numel) * es);
     return ZOPT_OK;
   }
   // Sharded: the buckets holding any element of the tensors, in order; each
   // rank's shard of the held buffer is sent as it is (its padding is zero).
+  // A PER_BLOCK state in its own index space (layout.h "per block").
+  const layout::Layout &L = P.layout_of(o->d, si, true);
   std::vector<int> buckets;
   for (int t = first; t < first + count; ++t) {
-    const layout::Segment &sg = P.L.tensors[t];
+    const layout::Segment &sg = L.tensors[t];
     if (!sg.numel) continue;
-    for (int b = sg.bucket; b < (int)P.L.buckets.size(); ++b) {
-      const layout::Bucket &k = P.L.buckets[b];
+    for (int b = sg.bucket; b < (int)L.buckets.size(); ++b) {
+      const layout::Bucket &k = L.buckets[b];
       if (k.group != sg.group || k.begin >= sg.flat + sg.numel) break;
       buckets.push_back(b);
     }
@@ -140,7 +142,7 @@ zopt_status gather_state(zopt_optimizer *o, int si, int first, int count, void *
   const size_t cap = P.recv.size() / (es * (size_t)W);
   if (cap == 0) return fail(ZOPT_ERR_INTERNAL, "gather_state: no collective scratch");
   for (int b : buckets) {
-    const layout::Bucket &k = P.L.buckets[b];
+    const layout::Bucket &k = L.buckets[b];
     for (int64_t off = 0; off < k.shard;) {
       const int64_t c = std::min<int64_t>((int64_t)cap, k.shard - off);
       const char *send = (const char *)P.buf[si] + (size_t)(k.local_offset + off) * es;
@@ -152,7 +154,7 @@ zopt_status gather_state(zopt_optimizer *o, int si, int first, int count, void *
       for (int q = 0; q < W; ++q) {
         const int64_t fa = k.begin + (int64_t)q * k.shard + off;  // rank q's piece: flat [fa, fa + c)
         const unsigned char *recv = P.recv.data() + (size_t)q * c * es;
-        for (const Piece &p : P.L.pieces(k.group, fa, std::min(fa + c, k.begin + k.len))) {
+        for (const Piece &p : L.pieces(k.group, fa, std::min(fa + c, k.begin + k.len))) {
           if (p.tensor < first || p.tensor >= first + count) continue;
           memcpy(dst_of(p.tensor) + (size_t)p.start * es, recv + (size_t)(p.flat - fa) * es, (size_t)p.len * es);
         }

@@ -72,6 +72,15 @@ struct Program {
   zopt_step_stats stats{};
   layout::Layout L;   // at the world size: shards
   layout::Layout L1;  // at world size 1: full buffers
+  // With q8 moments: L and L1 per block (layout::per_block), the index
+  // space of the PER_BLOCK states (a q8 absmax); empty otherwise.
+  layout::Layout Lb, L1b;
+  // The layout indexing state si's buffer: sharded (at the world size) or
+  // full, per element or per block.
+  const layout::Layout &layout_of(const zopt_step_descriptor *d, int si, bool sharded_) const {
+    if (is_per_block(d, si)) return sharded_ ? Lb : L1b;
+    return sharded_ ? L : L1;
+  }
   // Per descriptor state: the runtime-held buffer (NULL: the user's memory),
   // whether it is sharded (indexed by L) or full (by L1), pinned (staging
   // the backend allocates and frees: backend/offload) and its size.
@@ -188,7 +197,8 @@ void rebind(zopt_optimizer *o);
 void destroy(zopt_optimizer *o);
 
 // A run of tensor t's state si held by this rank: elements
-// [start, start + len) of the tensor at `ptr`.
+// [start, start + len) of the tensor at `ptr` (a PER_BLOCK state: its
+// blocks [start, start + len), a q8 absmax each).
 struct Run {
   int64_t start, len;
   void *ptr;

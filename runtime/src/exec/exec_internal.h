@@ -30,8 +30,9 @@ namespace exec {
 inline size_t es_of(const zopt_optimizer *o, int si) { return dtype_size(o->d->states[si].dtype); }
 
 // Element `start` of tensor t's full view of state si (user memory, offload
-// staging or a full runtime buffer).
+// staging or a full runtime buffer); a PER_BLOCK state: the element's block.
 inline char *view(const zopt_optimizer *o, int si, int t, int64_t start) {
+  if (is_per_block(o->d, si)) start /= ZOPT_Q8_BLOCK;
   return (char *)state_ptr(o, t, si) + (size_t)start * es_of(o, si);
 }
 

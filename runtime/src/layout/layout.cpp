@@ -71,6 +71,32 @@ Layout make_layout(const Input &in) {
   return L;
 }
 
+Layout per_block(const Layout &L, int64_t q) {
+  auto up = [q](int64_t x) { return (x + q - 1) / q; };
+  Layout B = L;
+  B.align = std::max<int64_t>(L.align / q, 1);
+  B.bucket = L.bucket / q;
+  B.block = std::max<int64_t>(L.block / q, 1);
+  for (Segment &s : B.tensors) {
+    s.numel = up(s.numel);
+    // (An empty tensor's flat is where the previous one ends, maybe inside
+    // a block: rounded up, so that segment ends stay sorted for pieces().)
+    s.flat = up(s.flat);
+  }
+  for (int64_t &n : B.group_len) n = up(n);
+  for (Bucket &k : B.buckets) {
+    // A bucket ends at a multiple of q, or at its group's end.
+    k.len = up(k.begin + k.len) - k.begin / q;
+    k.begin /= q;
+    k.padded /= q;
+    k.shard /= q;
+    k.local_offset /= q;
+  }
+  B.local_elems = L.local_elems / q;
+  B.max_padded = L.max_padded / q;
+  return B;
+}
+
 int Layout::bucket_of(int group, int64_t flat) const {
   // Buckets are sorted by (group, begin).
   auto it = std::upper_bound(buckets.begin(), buckets.end(), std::make_pair(group, flat),

@@ -36,6 +36,15 @@
 //               The global norm is the sum of the blocks' partial sums in
 //               (group, flat) order: the same bits at any W and any bucket
 //               size.
+//   per block   a step with q8 moments (abi.h "q8 moments") lays out with
+//               align >= ZOPT_Q8_BLOCK (256): every segment, bucket, shard
+//               and norm block then starts at a multiple of 256 of the flat
+//               space, so at a block boundary of its tensor and a q8 block
+//               never straddles a shard. A PER_BLOCK state (a q8 absmax,
+//               one element per 256 of the tensor) is laid out by
+//               per_block(L): the same layout with every offset divided by
+//               256 (counts rounded up: a tensor's last block may be
+//               partial), in its own index space: the same at every W.
 #ifndef ZOPT_RUNTIME_LAYOUT_H
 #define ZOPT_RUNTIME_LAYOUT_H
 
@@ -130,6 +139,12 @@ struct Layout {
 // The pure layout function. Never fails for valid input (world >= 1, align
 // a power of two, numel >= 0); the caller checks sizes against memory.
 Layout make_layout(const Input &in);
+
+// The layout of a state with one element per `q` elements (a q8 absmax: q
+// = ZOPT_Q8_BLOCK) of a layout L whose segments, buckets and shards start
+// at multiples of q (align >= q): every offset divided by q, every count
+// rounded up. Element i of tensor t is at index i / q of its state.
+Layout per_block(const Layout &L, int64_t q);
 
 }  // namespace layout
 }  // namespace zopt

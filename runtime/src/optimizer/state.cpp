@@ -6,6 +6,8 @@
 #include "backend/backend.h"
 #include "exec/exec.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -19,7 +21,8 @@ static zopt_status check_state_access(const zopt_optimizer *o, int tensor, uint3
                                       const void *buf, bool raw, uint64_t size, const char *fn,
                                       int *si) {
   if (zopt_status st = resolve_state(o, tensor, kind, fn, si)) return st;
-  uint64_t numel = (uint64_t)o->tensors[tensor].numel;
+  // A q8 absmax has one element per block of the tensor (abi.h "q8 moments").
+  uint64_t numel = (uint64_t)state_numel(o->d, *si, o->tensors[tensor].numel);
   if (!buf && numel) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: %s is NULL", fn, raw ? "buffer" : "array");
   if (!raw && size != numel)
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: numel %lld != tensor's %lld", fn, (long long)size,
@@ -71,6 +74,42 @@ static zopt_status read_remainder_master(const zopt_optimizer *o, int tensor, in
   return ZOPT_OK;
 }
 
+// The absmax state of q8 moment si (abi.h "q8 moments").
+static int absmax_of(const zopt_optimizer *o, int si) {
+  const bool v = o->d->states[si].kind == ZOPT_STATE_EXP_AVG_SQ;
+  return state_index(o->d, v ? ZOPT_STATE_EXP_AVG_SQ_ABSMAX : ZOPT_STATE_EXP_AVG_ABSMAX);
+}
+
+// A q8 moment read as f32: every code decoded with its block's absmax.
+static zopt_status read_q8(const zopt_optimizer *o, int tensor, int si, float *out, int64_t numel) {
+  const int ai = absmax_of(o, si);
+  const int uns = o->d->states[si].kind == ZOPT_STATE_EXP_AVG_SQ;
+  std::vector<unsigned char> codes, absmax;
+  const int64_t nb = state_numel(o->d, ai, numel);
+  if (zopt_status st = with_staging(numel, ZOPT_DTYPE_Q8, &codes)) return st;
+  if (zopt_status st = with_staging(nb, ZOPT_DTYPE_F32, &absmax)) return st;
+  if (zopt_status st = read_storage(o, tensor, si, codes.data(), codes.size())) return st;
+  if (zopt_status st = read_storage(o, tensor, ai, absmax.data(), absmax.size())) return st;
+  const float *a = (const float *)absmax.data();
+  for (int64_t i = 0; i < numel; ++i) out[i] = zopt_q8_decode(codes[(size_t)i], a[i / ZOPT_Q8_BLOCK], uns);
+  return ZOPT_OK;
+}
+
+// A q8 moment written from f32: per block the absmax max |x| (NaN if any x
+// is), each element zopt_q8_encode'd (the kernels' encode): codes and
+// absmax both written.
+static zopt_status write_q8(zopt_optimizer *o, int tensor, int si, const float *in, int64_t numel) {
+  const int ai = absmax_of(o, si);
+  const int uns = o->d->states[si].kind == ZOPT_STATE_EXP_AVG_SQ;
+  std::vector<unsigned char> codes, absmax;
+  const int64_t nb = state_numel(o->d, ai, numel);
+  if (zopt_status st = with_staging(numel, ZOPT_DTYPE_Q8, &codes)) return st;
+  if (zopt_status st = with_staging(nb, ZOPT_DTYPE_F32, &absmax)) return st;
+  q8_encode_n(in, numel, uns, codes.data(), (float *)absmax.data());
+  if (zopt_status st = write_storage(o, tensor, si, codes.data(), codes.size())) return st;
+  return write_storage(o, tensor, ai, absmax.data(), absmax.size());
+}
+
 ZOPT_API zopt_status zopt_optimizer_read_state_f32(const zopt_optimizer *o, int tensor, zopt_state_kind kind,
                                                    float *out, int64_t numel) {
   const char *fn = "zopt_optimizer_read_state_f32";
@@ -81,6 +120,7 @@ ZOPT_API zopt_status zopt_optimizer_read_state_f32(const zopt_optimizer *o, int 
   const uint32_t dt = o->d->states[si].dtype;
   if (dt == ZOPT_DTYPE_F32) return read_storage(o, tensor, si, out, (size_t)numel * 4);
   if (dt == ZOPT_DTYPE_I16) return read_remainder_master(o, tensor, si, out, numel);
+  if (dt == ZOPT_DTYPE_Q8) return read_q8(o, tensor, si, out, numel);
   std::vector<unsigned char> tmp;
   if (zopt_status st = with_staging(numel, dt, &tmp)) return st;
   if (zopt_status st = read_storage(o, tensor, si, tmp.data(), tmp.size())) return st;
@@ -101,6 +141,7 @@ ZOPT_API zopt_status zopt_optimizer_write_state_f32(zopt_optimizer *o, int tenso
     return fail(ZOPT_ERR_UNSUPPORTED, "%s: the master is a remainder (abi.h \"Remainder masters\"): its high half "
                 "is the param; write the param and call zopt_optimizer_refresh_master, or write the raw remainder",
                 fn);
+  if (dt == ZOPT_DTYPE_Q8) return write_q8(o, tensor, si, in, numel);
   std::vector<unsigned char> tmp;
   if (zopt_status st = with_staging(numel, dt, &tmp)) return st;
   convert(in, ZOPT_DTYPE_F32, tmp.data(), dt, numel);

@@ -86,7 +86,7 @@ zopt_status carry_states(zopt_optimizer *o, exec::Program *old, size_t T0) {
     const size_t es = dtype_size(d->states[s].dtype);
     if (!P->sharded[s] || W == 1) {  // whole on this rank in both layouts
       for (size_t t = 0; t < T0; ++t) {
-        const size_t bytes = (size_t)o->tensors[t].numel * es;
+        const size_t bytes = (size_t)state_numel(d, (int)s, o->tensors[t].numel) * es;
         if (!bytes) continue;
         const void *src = nullptr;
         with_prog(o, old, [&] { src = state_ptr(o, (int)t, (int)s); });
@@ -98,7 +98,7 @@ zopt_status carry_states(zopt_optimizer *o, exec::Program *old, size_t T0) {
     // program's collective scratch, in pieces of `cap` elements per rank);
     // this rank keeps the elements of its new runs.
     for (size_t t = 0; t < T0; ++t) exec::runs(o, (int)t, (int)s, &fresh[t]);
-    const layout::Layout &L = old->L;
+    const layout::Layout &L = old->layout_of(d, (int)s, true);  // a q8 absmax: its blocks
     const size_t cap = old->recv.size() / (es * (size_t)W);
     if (cap == 0) return fail(ZOPT_ERR_INTERNAL, "%s: no collective scratch", kFn);
     for (int b = 0; b < (int)L.buckets.size(); ++b) {

@@ -66,10 +66,11 @@ void *CpuBackend::state_ptr(const zopt_optimizer *o, int t, int si) const {
   if (P->sharded[si] && o->world > 1) return nullptr;  // pieces: exec::runs
   // A full buffer (a sharded one at world size 1 is full): within a group
   // the buckets are contiguous, so the tensor's segment is too.
-  const layout::Segment &seg = P->L1.tensors[t];
+  const layout::Layout &L = P->layout_of(o->d, si, false);
+  const layout::Segment &seg = L.tensors[t];
   char *b = (char *)P->buf[si];
   if (!seg.numel) return b;
-  const layout::Bucket &k = P->L1.buckets[seg.bucket];
+  const layout::Bucket &k = L.buckets[seg.bucket];
   return b + (size_t)(k.local_offset + seg.flat - k.begin) * dtype_size(o->d->states[si].dtype);
 }
 
