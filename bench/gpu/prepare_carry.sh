@@ -34,10 +34,12 @@ py=/usr/bin/python3
 t0=$(date +%s)
 log() { echo "== prepare_carry [$(( $(date +%s) - t0 )) s] $*"; }
 
-ninja -C "$build" -j2 zopt-compile zopt_runtime zopt-gpu-check zopt-nccl-check zopt-fake-cuda
+ninja -C "$build" -j2 zopt-compile zopt_runtime zopt-gpu-check zopt-nccl-check zopt-fake-cuda \
+  zopt-bench-offload zopt-bench-offload-pipeline
 rm -rf "$out" && mkdir -p "$out/steps" "$out/lib" "$out/bin" "$out/stepcache" "$out/repo/python" "$out/repo/bench"
 cp -a "$build"/lib/libzopt_runtime.so* "$build/lib/libzopt-fake-cuda.so" "$out/lib/"
-cp "$build/bin/zopt-gpu-check" "$build/bin/zopt-nccl-check" "$out/bin/"
+cp "$build/bin/zopt-gpu-check" "$build/bin/zopt-nccl-check" "$build/bin/zopt-bench-offload" \
+   "$build/bin/zopt-bench-offload-pipeline" "$out/bin/"
 # The toolkit the steps are built with (the GPU machine's driver must be at
 # least as new: the runtime checks it, the stages report both).
 "$cuda/bin/ptxas" --version | tail -2 > "$out/toolkit.txt"
@@ -75,6 +77,21 @@ compile bf16_sr "$root/test/zopt-compile/Inputs/stochastic-gpu.mlir"
 compile bf16_f32grad "$host/adamw_bf16_f32grad_gpu.mlir"
 compile bf16_f32grad_sr "$host/adamw_bf16_f32grad_sr_gpu.mlir"
 compile f16_f32grad_loss_scale "$host/adam_f16_f32grad_ls_gpu.mlir"
+# Remainder masters and Kahan-compensated params (NUMERICS §9, §11): never
+# run on a device yet. Kahan unclipped, as test/Integration/CUDA's test.
+compile remainder "$host/adamw_bf16_remainder_gpu.mlir"
+sed -e '/clip_by_global_norm/d' -e 's/%gc, %m, %v\(.*\) : bf16, f32, f32, f32/%g, %m, %v\1 : bf16, bf16, f32, f32/' \
+  "$host/adamw_bf16_kahan_gpu.mlir" > "$out/steps/kahan_src.mlir"
+compile kahan "$out/steps/kahan_src.mlir"
+rm "$out/steps/kahan_src.mlir"
+# The offload benchmarks (serial and pipelined, issue 18): the two offload
+# layouts and their all-CPU twins (bench/run_offload_bench.sh).
+"$build/bin/zopt-compile" "$root/examples/adamw_bf16_offload_6b.mlir" -o "$out/steps/offload_6b.so"
+"$build/bin/zopt-compile" "$root/bench/adamw_bf16_6b_cpu.mlir" -o "$out/steps/offload_6b.cpu.so"
+"$build/bin/zopt-compile" "$root/examples/adamw_zero_offload.mlir" -o "$out/steps/zero_offload.so"
+sed -e 's/ on gpu/ on cpu/g' -e 's/, gpu_arch = "sm_90"//' "$root/examples/adamw_zero_offload.mlir" > "$out/steps/zero_offload.cpu.mlir"
+"$build/bin/zopt-compile" "$out/steps/zero_offload.cpu.mlir" -o "$out/steps/zero_offload.cpu.so"
+rm "$out/steps/zero_offload.cpu.mlir"
 compile bf16_f32grad_offload "$host/adamw_bf16_f32grad_offload.mlir"
 # A ZeRO-2 GPU step for zopt-nccl-check (world size 1 with the communicator).
 sed -e 's/zero_stage = 0/zero_stage = 2/' "$root/examples/adamw_bf16_gpu.mlir" > "$out/steps/nccl_zero2.mlir"

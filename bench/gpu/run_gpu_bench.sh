@@ -14,7 +14,8 @@
 #                   loss scaling, CUDA-graph replay on another stream with an
 #                   lr or max_norm schedule, misaligned views, chunkings, 3000 small
 #                   tensors, offload, the f32-grad layouts, grads moved to
-#                   new device memory before every step (--rebind)
+#                   new device memory before every step (--rebind),
+#                   remainder masters and Kahan-compensated params
 #   2 gpu-python    python/tests/test_cuda.py (GPU and offload parity) from
 #                   the carried step cache, after checking it has every step
 #   3 torch2-suite  the rest of python/tests under the machine's torch (2.x):
@@ -22,8 +23,11 @@
 #   4 nccl          zopt-nccl-check with the real libnccl at W = 1 (init,
 #                   collectives, a ZeRO-2 GPU step holding the communicator),
 #                   and zopt.comm.Comm.nccl on torch CUDA tensors
-#   5 bench         gpu_bench.py (ratios measured in the same run) into
-#                   gpu_bench.md
+#   5 bench         the offloaded step serial and pipelined (issue 18:
+#                   zopt-bench-offload, zopt-bench-offload-pipeline on the
+#                   real driver, 32Mi params, both offload layouts; at most
+#                   ~60 s), then gpu_bench.py (ratios measured in the same
+#                   run) into gpu_bench.md
 # $OUT (default ./gpu-out) gets summary.txt (versions, then one line per
 # stage as it ends), one <n>-<stage>.log per stage, written while it runs,
 # and gpu_bench.md: 7 files (the device tool returns at most 8), so a
@@ -211,7 +215,8 @@ correctness() {
     "f16_f32grad_loss_scale:--steps=4 --inf-at=2"
     "f16_f32grad_loss_scale:--steps=6 --inf-at=4 --graph --lr-schedule"
     "bf16_f32grad_offload:--steps=4 --inf-at=2"
-    "f32_clip:--steps=4 --inf-at=3 --rebind" "bf16_f32grad:--steps=3 --rebind")
+    "f32_clip:--steps=4 --inf-at=3 --rebind" "bf16_f32grad:--steps=3 --rebind"
+    "remainder:--steps=3" "kahan:--steps=3")
   local ok=0 bad=0 nodev=0 failed="" run l extra r last o="$scratch/gpu-check.out"
   for run in "${runs[@]}"; do
     l="${run%%:*}"; extra="${run#*:}"
@@ -343,14 +348,30 @@ EOF
 }
 
 # ---- 5: the benchmark ------------------------------------------------------------------
+offload_bench() {  # serial vs pipelined offloaded step (bench/run_offload_bench.sh's runs)
+  local n=${OFFLOAD_PARAMS:-33554432} f
+  [ "$rehearsal" = 1 ] && n=1048576
+  for f in offload_6b zero_offload; do
+    echo "== offload: $f, $n params"
+    env ${drv_override:+ZOPT_CUDA_DRIVER=$drv_override} timeout 40 \
+      "$carry/bin/zopt-bench-offload" "$carry/steps/$f.so" "$carry/steps/$f.cpu.so" --params "$n" --steps 3 ||
+      echo "zopt-bench-offload $f: exit $?"
+    env ${drv_override:+ZOPT_CUDA_DRIVER=$drv_override} timeout 40 \
+      "$carry/bin/zopt-bench-offload-pipeline" "$carry/steps/$f.so" --params "$n" --steps 3 --bucket $(( (n + 15) / 16 )) ||
+      echo "zopt-bench-offload-pipeline $f: exit $?"
+  done
+}
+
 bench() {
+  local t0=$(date +%s)
+  offload_bench
   if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     "$PY" "$repo/bench/gpu/gpu_bench.py" --steps "$carry/steps" --check || { echo "RESULT FAIL gpu_bench.py --check"; return 1; }
     echo "RESULT UNSUPPORTED (no GPU): gpu_bench.py --check found its steps and imports"
     return 0
   fi
   "$PY" "$repo/bench/gpu/gpu_bench.py" --steps "$carry/steps" --toolkit "$carry/toolkit.txt" \
-    --out "$OUT/gpu_bench.md" --deadline "$(( $(date +%s) + ${BENCH_BOX:-100} - 10 ))" ${BENCH_ARGS:-} &&
+    --out "$OUT/gpu_bench.md" --deadline "$(( t0 + ${BENCH_BOX:-100} - 10 ))" ${BENCH_ARGS:-} &&
     echo "RESULT PASS gpu_bench.md written" || echo "RESULT FAIL gpu_bench.py exit $?"
 }
 
