@@ -57,7 +57,8 @@ def test_overlap_from_backward_hooks_bit_identical(six_byte, tmp_path):
     assert out["at_step"] == out["nb"]
     assert out["finite"] and out["bad_ranges"] == 0
     assert out["refusals"] == ["second_backward", "zero_grad", "clip_grad_norm_",
-                               "hyper_after_mark", "stats_without_overlap"], out
+                               "hyper_after_mark", "stats_without_overlap", "no_grad"], out
+    assert out["last_outcome"] == "commit"
 
 
 def test_overlap_refused_where_it_cannot_work(steps):
@@ -134,7 +135,7 @@ def _worker(what, step_path, tmp):
         to_device(p)
     kw = dict(lr=1e-2, weight_decay=0.1, bucket_elems=1024)
     step = zopt.Step(step_path)
-    opt_a = zopt.Optimizer(step, A, overlap=True, **kw)
+    opt_a = zopt.Optimizer(step, A, overlap=True, speculation_budget=1 << 40, **kw)
     opt_b = zopt.Optimizer(step, B, **kw)
     ov = opt_a._overlap
     out = {"nb": ov.nb, "plans": [], "stats": [], "same": []}
@@ -214,6 +215,25 @@ def _worker(what, step_path, tmp):
     refused("hyper_after_mark", change_lr, Status.BAD_STATE)
     opt_a.step()  # the marked step goes on, the lr as at the marks
     refused("stats_without_overlap", opt_b.pipeline_stats, Status.BAD_STATE)
+    # a backward that leaves params 2 and 3 without a gradient: their
+    # buckets stay unmarked, step() names one; given one by hand, it steps
+    opt_a.zero_grad(set_to_none=True)
+    w1, b1 = A[0].float(), A[1].float()
+    (torch.tanh(x @ w1.t() + b1).square().mean() * 1e-3).backward()
+    assert 0 < ov.nmarked < ov.nb
+    try:
+        opt_a.step()
+    except ZoptError as e:
+        m = str(e)
+        if e.code == Status.BAD_STATE and "has no gradient" in m and (
+                "['params'][2]" in m or "['params'][3]" in m):
+            refusals.append("no_grad")
+        else:
+            raise
+    for p in A[2:]:
+        p.grad = dev(tuple(p.shape), torch.full(p.shape, 1e-3))
+    opt_a.step()
+    out["last_outcome"] = opt_a.pipeline_stats()["outcome"]
     out["refusals"] = refusals
     fake.fake_cuda_drain_all()
     opt_a.close()
