@@ -165,11 +165,8 @@ class Optimizer(_Base):
                 if grad_streaming:  # no grad memory of ours: the runtime holds the shards
                     c.streamer = self._streamer = GradStreamer(c)
                 if overlap:  # offloaded: buckets marked ready during backward
-                    if grad_streaming:
-                        raise ZoptError(Status.UNSUPPORTED, "overlap=True with "
-                                        "grad_streaming=True: streaming is for CPU-updated "
-                                        "steps, the overlap for offloaded ones")
-                    c.overlap = self._overlap = OffloadOverlap(c, speculation_budget)
+                    c.overlap = self._overlap = OffloadOverlap(c, speculation_budget,
+                                                               grad_streaming)
                 _groups.extend(c, c.entries)
             _groups.route(self)
             if self.world_size > 1 and torch is not None:  # DDP, per-rank clippers
@@ -543,10 +540,7 @@ class Optimizer(_Base):
         after their reduction (a 0-d tensor) and clips this step at
         ``max_norm``; zopt._clip and docs/DISTRIBUTED.md."""
         if self._overlap is not None:
-            raise ZoptError(Status.UNSUPPORTED,
-                            "clip_grad_norm_ with overlap=True: the buckets marked during "
-                            "backward already computed their norm partials; clip with the "
-                            "step's own clip= (exact: a clipped step is recomputed)")
+            self._overlap.refuse_clip()
         return _clip.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
 
     def no_sync(self):
@@ -566,10 +560,7 @@ class Optimizer(_Base):
         committed, recomputed, late, steps, overlapped_seconds,
         exposed_seconds; docs/USAGE.md)."""
         self._check_open()
-        if self._overlap is None:
-            raise ZoptError(Status.BAD_STATE, "pipeline_stats(): the optimizer was made "
-                            "without overlap=True (no pipelined steps)")
-        return self._overlap.pipeline_stats()
+        return OffloadOverlap.stats_of(self._overlap)
 
     def step_result(self):
         """(grad_norm, skipped) of the last step."""

@@ -61,10 +61,13 @@ class OffloadOverlap:
     """The overlap state of the optimizer's one part (``opt._overlap``,
     ``part.overlap``)."""
 
-    def __init__(self, part, budget=None):
+    def __init__(self, part, budget=None, streaming=False):
         s = part.step
         if torch is None:
             _refuse(Status.UNSUPPORTED, "needs torch (backward hooks)")
+        if streaming:
+            _refuse(Status.UNSUPPORTED, "with grad_streaming=True: streaming is for "
+                    "CPU-updated steps, the overlap for offloaded ones")
         if s.gpu or not s.on_device:
             _refuse(Status.UNSUPPORTED,
                     f"step '{s.name}' is {'a GPU step' if s.gpu else 'a CPU step'}; the "
@@ -327,6 +330,21 @@ class OffloadOverlap:
             yield
         finally:
             self._depth -= 1
+
+    @staticmethod
+    def refuse_clip():
+        _refuse(Status.UNSUPPORTED,
+                "clip_grad_norm_: the buckets marked during backward already computed their "
+                "norm partials; clip with the step's own clipping (exact: a clipped step is "
+                "recomputed)")
+
+    @staticmethod
+    def stats_of(ov):
+        """Optimizer.pipeline_stats()."""
+        if ov is None:
+            raise ZoptError(Status.BAD_STATE, "pipeline_stats(): the optimizer was made "
+                            "without overlap=True (no pipelined steps)")
+        return ov.pipeline_stats()
 
     def pipeline_stats(self):
         c = self._part()
