@@ -201,6 +201,54 @@ def test_gpu_step_memory_from_torch_allocator(steps):
     o.close()
 
 
+OFFLOAD_6B = os.path.join(REPO, "examples", "adamw_bf16_offload_6b.mlir")
+
+
+@needs_gpu
+def test_overlap_offload_from_backward_matches_serial(steps):
+    """overlap=True on a GPU (docs/USAGE.md section 5): a small MLP's
+    backward marks every bucket of the 6-byte cell's offloaded step from
+    its hooks; params and states bit-identical to the same optimizer
+    without overlap (given clones of the same grads) through commit,
+    recompute (clipping active) and discard (an inf)."""
+    step = steps.text(open(OFFLOAD_6B).read())
+
+    def mlp():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(),
+                                   torch.nn.Linear(256, 64)).cuda().bfloat16()
+    ma, mb = mlp(), mlp()
+    pa, pb = list(ma.parameters()), list(mb.parameters())
+    kw = dict(lr=1e-3, weight_decay=0.01, bucket_elems=8192)
+    oa = zopt.Optimizer(step, pa, overlap=True, **kw)
+    ob = zopt.Optimizer(step, pb, **kw)
+    ov = oa._overlap
+    assert ov.nb >= 3
+    for scale, inf, want in [(1e-3, False, "commit"), (1e3, False, "recompute"),
+                             (1e-3, True, "discard"), (1e-3, False, "commit")]:
+        x = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)
+        oa.zero_grad(set_to_none=True)
+        ob.zero_grad(set_to_none=True)
+        h = pa[1].register_hook(lambda g: g.index_fill(0, torch.tensor([3], device=g.device),
+                                                       float("inf"))) if inf else None
+        (ma(x).float().square().mean() * scale).backward()
+        if h is not None:
+            h.remove()
+        assert ov.nmarked == ov.nb  # marked during backward
+        for a, b in zip(pa, pb):
+            b.grad = a.grad.clone()
+        oa.step()
+        ob.step()
+        torch.cuda.synchronize()
+        st = oa.pipeline_stats()
+        assert st["outcome"] == want and st["buckets"] == ov.nb, st
+        assert oa.last_skipped == ob.last_skipped == inf
+        for a, b in zip(pa, pb):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+        sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
+        assert all(torch.equal(sa[i][k], sb[i][k]) for i in sb for k in sb[i])
+
+
 @needs_gpu
 def test_clip_grad_norm_on_a_gpu_step_matches_the_cpu_step(steps):
     """opt.clip_grad_norm_(max_norm) on a GPU step (the kernels read the
@@ -314,6 +362,7 @@ def precompile_parity_steps(cache_dir):
             cache(**{k: c[k] for k in keys}, placement=placement)
     for text in _example_texts():
         cache.text(text)
+    cache.text(open(OFFLOAD_6B).read())  # test_overlap_offload_from_backward_matches_serial
     for placement in ("gpu", "cpu"):  # _graph_case, the allocator test
         cache(rule="adamw", layout="f32", clip=1.0, placement=placement)
     cache(rule="adamw", layout="f32", placement="gpu")

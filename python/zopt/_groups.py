@@ -42,6 +42,9 @@ def register(c, new):
     gradient memory (GPU steps: frozen ones left out)."""
     held = _frozen.exclude_frozen(c, new)
     _params.check_overlaps(c)
+    if c.overlap is not None:
+        for e in held:
+            c.overlap.check_entry(e)
     if c.streamer is None:
         _grads.alloc_grads(c, held)
     else:

@@ -167,6 +167,16 @@ class MemoryInfo(ctypes.Structure):
                 ("rank", ctypes.c_int32), ("grad_bytes", ctypes.c_uint64)]
 
 
+class PipelineStats(ctypes.Structure):
+    """zopt_pipeline_stats (zopt.h): the last pipelined offloaded step's."""
+    _fields_ = [("size", ctypes.c_uint32), ("outcome", ctypes.c_int32),
+                ("buckets", ctypes.c_int32), ("speculated", ctypes.c_int32),
+                ("committed", ctypes.c_int32), ("recomputed", ctypes.c_int32),
+                ("late", ctypes.c_int32), ("reserved", ctypes.c_int32),
+                ("steps", ctypes.c_int64), ("overlapped_seconds", ctypes.c_double),
+                ("exposed_seconds", ctypes.c_double)]
+
+
 class StepStats(ctypes.Structure):
     """zopt_step_stats (zopt.h): the last completed step's host time by kind."""
     _fields_ = [("total_seconds", ctypes.c_double), ("d2h_seconds", ctypes.c_double),
@@ -309,6 +319,10 @@ _SIGS = {
     "zopt_optimizer_set_loss_scaler_state": (_S, [_P, ctypes.c_double, ctypes.c_int64]),
     "zopt_optimizer_get_op_times": (_S, [_P, ctypes.POINTER(ctypes.c_double), ctypes.c_int]),
     "zopt_optimizer_get_step_stats": (_S, [_P, ctypes.POINTER(StepStats)]),
+    # offloaded steps: bucket readiness and speculation (zopt.h; issue 18)
+    "zopt_optimizer_grad_bucket_ready": (_S, [_P, ctypes.c_int]),
+    "zopt_optimizer_set_speculation_budget": (_S, [_P, ctypes.c_uint64]),
+    "zopt_optimizer_get_pipeline_stats": (_S, [_P, ctypes.POINTER(PipelineStats)]),
     # the state in memory, tensors added after finalize (zopt.h; issue 17)
     "zopt_optimizer_add_tensors": (_S, [_P, ctypes.c_int, ctypes.c_int, _P, _P, _P, _P,
                                         ctypes.c_int, ctypes.POINTER(ctypes.c_int),

@@ -144,6 +144,7 @@ class Native:
         self.device_allocator = device_allocator
         self.dev_alloc = None     # GPU steps: a _gpu.TorchAllocator, kept with the optimizer
         self.streamer = None      # grad_streaming=True: a zopt.streaming.GradStreamer
+        self.overlap = None       # overlap=True: a zopt.overlap.OffloadOverlap
         self.entries = []
         self.excluded = set()
         self.native_G = 0

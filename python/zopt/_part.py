@@ -86,6 +86,8 @@ class Part(Native):
         _grads.make_scan(self)
         if self.streamer is not None and not same_tensors:
             self.streamer.attach(self.h)
+        if self.overlap is not None:
+            self.overlap.attach(self.h)
 
     def check_params(self, same=False):
         """Before the runtime reads the params: in-place changes to lent

@@ -39,6 +39,7 @@ from ._native import exclusive as _exclusive, lock_of as _lock_of, scaler_config
 from ._ranks import RankChecks, make_comm
 from ._state import StateView
 from ._step import Step
+from .overlap import OffloadOverlap
 from .streaming import GradStreamer
 
 _Base = torch.optim.Optimizer if torch is not None else object
@@ -71,6 +72,7 @@ class Optimizer(_Base):
     _parts = ()
     _mapped = False
     _streamer = None      # grad_streaming=True: a zopt.streaming.GradStreamer
+    _overlap = None       # overlap=True: a zopt.overlap.OffloadOverlap
     _rank_checks = None   # world size > 1: a zopt._ranks.RankChecks
     _begun = False        # clip_grad_norm_ began the step (zopt._clip)
     _closed = False
@@ -78,6 +80,9 @@ class Optimizer(_Base):
 
     def __new__(cls, step=None, params=None, **kw):
         if cls is Optimizer and isinstance(step, collections.abc.Mapping):
+            if kw.get("overlap"):
+                raise ZoptError(Status.UNSUPPORTED, "overlap=True: not for a step per dtype "
+                                "(a mapping); the overlap is implemented for one offloaded step")
             if kw.get("grad_streaming"):
                 raise ZoptError(Status.UNSUPPORTED, "grad_streaming=True: not for a step per "
                                 "dtype (a mapping); streaming is implemented for one step")
@@ -89,7 +94,8 @@ class Optimizer(_Base):
                  bias_correction=None, maximize=None, num_threads=None, loss_scaler=None,
                  seed=None, process_group=None, comm=None, grad_divisor=None,
                  bucket_elems=None, zero3_gather="step", grad_accumulation="hooks",
-                 device_allocator=None, grad_streaming=False, timeout=None):
+                 device_allocator=None, grad_streaming=False, timeout=None, overlap=False,
+                 speculation_budget=None):
         self._parts, self.parts = [], {}
         self._lib = _native.lib()
         self._mapped = isinstance(step, collections.abc.Mapping)
@@ -106,6 +112,9 @@ class Optimizer(_Base):
         if grad_accumulation not in ("hooks", "manual"):
             raise ZoptError(Status.INVALID_ARGUMENT,
                             f"grad_accumulation={grad_accumulation!r}: 'hooks' or 'manual'")
+        if speculation_budget is not None and not overlap:
+            raise ZoptError(Status.INVALID_ARGUMENT, "speculation_budget= is an option of "
+                            "overlap=True (offloaded steps overlapped with backward)")
         self._zero3_gather = zero3_gather
         self._grad_accumulation = grad_accumulation
         self._settings = dict(num_threads=num_threads, bucket_elems=bucket_elems,
@@ -155,6 +164,9 @@ class Optimizer(_Base):
             for c in self._parts:
                 if grad_streaming:  # no grad memory of ours: the runtime holds the shards
                     c.streamer = self._streamer = GradStreamer(c)
+                if overlap:  # offloaded: buckets marked ready during backward
+                    c.overlap = self._overlap = OffloadOverlap(c, speculation_budget,
+                                                               grad_streaming)
                 _groups.extend(c, c.entries)
             _groups.route(self)
             if self.world_size > 1 and torch is not None:  # DDP, per-rank clippers
@@ -308,6 +320,8 @@ class Optimizer(_Base):
             set_to_none = _torch_compat.zero_grad_default()
         if self._streamer is not None:
             self._streamer.check_zero_grad()
+        if self._overlap is not None:
+            self._overlap.check_zero_grad()
         for c in self._parts:
             _grads.zero_grad(c, set_to_none)
 
@@ -470,7 +484,10 @@ class Optimizer(_Base):
             c.handle()
         if self._rank_checks is not None:
             self._rank_checks.before_step(self)  # DDP, gradients rescaled in place
-        if self._streamer is None:
+        if self._overlap is not None:
+            if not self._overlap.before_step():  # the buckets no backward marked
+                return False
+        elif self._streamer is None:
             for c in parts:
                 c.pre_step()  # may rebuild a part's native optimizer
         else:
@@ -505,6 +522,8 @@ class Optimizer(_Base):
             check(st, what)
         if self._streamer is not None:
             self._streamer.after_step()
+        if self._overlap is not None:
+            self._overlap.after_step()
         for c in parts:
             c.after_step(r)
         self.last_result = r
@@ -520,15 +539,28 @@ class Optimizer(_Base):
         ``step()``: returns the global norm of the gradients over all ranks
         after their reduction (a 0-d tensor) and clips this step at
         ``max_norm``; zopt._clip and docs/DISTRIBUTED.md."""
+        if self._overlap is not None:
+            self._overlap.refuse_clip()
         return _clip.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
 
     def no_sync(self):
         """A context manager, like DDP's: with ``grad_streaming=True`` the
         backward passes inside it only accumulate into ``p.grad``; without
         streaming it does nothing (zopt.streaming)."""
+        if self._overlap is not None:
+            return self._overlap.no_sync()
         if self._streamer is None:
             return contextlib.nullcontext()
         return self._streamer.no_sync()
+
+    @_exclusive("pipeline_stats")
+    def pipeline_stats(self):
+        """``overlap=True``: the last pipelined step's figures (zopt_pipeline_stats:
+        outcome 'commit' / 'recompute' / 'discard', buckets, speculated,
+        committed, recomputed, late, steps, overlapped_seconds,
+        exposed_seconds; docs/USAGE.md)."""
+        self._check_open()
+        return OffloadOverlap.stats_of(self._overlap)
 
     def step_result(self):
         """(grad_norm, skipped) of the last step."""

@@ -338,7 +338,11 @@ ZOPT_API zopt_status zopt_optimizer_wait_buckets(zopt_optimizer *opt);
  * beyond the budget update then. The result is bit-identical to the serial
  * step. A bucket marked twice, an index out of range, a capturing stream
  * are errors, changing nothing. Between the first mark and the step every
- * call that changes the optimizer is refused (ZOPT_ERR_BAD_STATE). Without
+ * call that changes the optimizer is refused (ZOPT_ERR_BAD_STATE) but
+ * zopt_optimizer_set_grad_memory for tensors none of whose buckets is
+ * marked yet (a mark queues the copy from the grads' memory registered
+ * then: register a bucket's fresh gradients just before marking it; a
+ * tensor of a marked bucket is refused, changing nothing). Without
  * marks, zopt_optimizer_step runs serially as before.
  *
  * The budget caps the speculation buffers in bytes: per bucket, every state
@@ -703,7 +707,9 @@ ZOPT_API zopt_status zopt_optimizer_set_tensor_memory(zopt_optimizer *opt, int t
  * gradient is read from grads[i] from the next step on, its param memory
  * unchanged; as n calls of zopt_optimizer_set_tensor_memory, except that
  * every entry is checked before any is applied (a refused call changes
- * nothing). Every backend (GPU steps: as set_tensor_memory). */
+ * nothing). Every backend (GPU steps: as set_tensor_memory). Accepted
+ * between the bucket marks of a pipelined offloaded step for tensors in no
+ * marked bucket (zopt_optimizer_grad_bucket_ready). */
 ZOPT_API zopt_status zopt_optimizer_set_grad_memory(zopt_optimizer *opt, int64_t n, const int32_t *tensors,
                                                     void *const *grads);
 /* Restoring counts and the loss scaler without a checkpoint file (e.g. a

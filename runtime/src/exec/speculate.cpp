@@ -391,5 +391,23 @@ std::string spec_missing(const zopt_optimizer *o) {
   return tensor_list(bs);
 }
 
+bool spec_marking(const zopt_optimizer *o) { return o->prog && o->prog->spec && o->prog->spec->open; }
+
+int64_t spec_first_marked(const zopt_optimizer *o, int64_t n, const int32_t *tensors, int *bucket) {
+  const Spec &S = *o->prog->spec;
+  std::vector<int> of(o->tensors.size(), -1), ts;  // per tensor: a marked bucket holding it
+  for (size_t b = 0; b < S.ready.size(); ++b)
+    if (S.ready[b]) {
+      bucket_tensors(o, (int)b, &ts);
+      for (int t : ts) of[t] = (int)b;
+    }
+  for (int64_t i = 0; i < n; ++i)
+    if (of[tensors[i]] >= 0) {
+      *bucket = of[tensors[i]];
+      return i;
+    }
+  return -1;
+}
+
 }  // namespace exec
 }  // namespace zopt

@@ -104,6 +104,11 @@ void spec_free(zopt_optimizer *o);
 uint64_t spec_bytes(const zopt_optimizer *o);
 // The buckets not marked ready, for messages ("3, 4, 7").
 std::string spec_missing(const zopt_optimizer *o);
+// Whether a pipelined step is under way (a bucket marked since the last step).
+bool spec_marking(const zopt_optimizer *o);
+// While marking: the first of tensors[0 .. n) with elements in a marked
+// bucket (-1: none), its bucket in *bucket (may throw std::bad_alloc).
+int64_t spec_first_marked(const zopt_optimizer *o, int64_t n, const int32_t *tensors, int *bucket);
 
 }  // namespace exec
 }  // namespace zopt

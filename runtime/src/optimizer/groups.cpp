@@ -5,6 +5,7 @@
 
 #include "backend/backend.h"
 #include "exec/exec.h"
+#include "exec/speculate.h"
 
 #include <cmath>
 #include <vector>
@@ -191,7 +192,14 @@ ZOPT_API zopt_status zopt_optimizer_set_tensor_memory(zopt_optimizer *o, int ten
 ZOPT_API zopt_status zopt_optimizer_set_grad_memory(zopt_optimizer *o, int64_t n, const int32_t *tensors,
                                                     void *const *grads) {
   const char *fn = "zopt_optimizer_set_grad_memory";
-  CHECK_OPT(o, "zopt_optimizer_set_grad_memory");
+  CHECK_OPT_ANY(o, fn);
+  // Between the marks of a pipelined offloaded step the gradients of
+  // tensors no marked bucket holds may move (a binding registers each
+  // bucket's fresh gradients just before marking it); the bucket jobs in
+  // flight read only their own buckets' staging.
+  const bool marking = exec::spec_marking(o);
+  if (!marking)
+    if (zopt_status st = check_idle(o, fn)) return st;
   if (n < 0 || (n > 0 && (!tensors || !grads)))
     return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: n = %lld with %s", fn, (long long)n,
                 n < 0 ? "n < 0" : "a NULL array");
@@ -205,6 +213,21 @@ ZOPT_API zopt_status zopt_optimizer_set_grad_memory(zopt_optimizer *o, int64_t n
                   (long long)i, (int)tensors[i]);
     if (x.numel > 0 && grads[i] && grads[i] != x.grad)  // (its param registered already: not checked again)
       if (zopt_status st = o->backend->check_tensor(o, tensors[i], nullptr, grads[i], fn)) return st;
+  }
+  if (marking && n) {
+    int b = -1;
+    int64_t i = -1;
+    try {
+      i = exec::spec_first_marked(o, n, tensors, &b);
+    } catch (...) {
+      return fail(ZOPT_ERR_OUT_OF_MEMORY, "out of memory");
+    }
+    if (i >= 0)
+      return fail(ZOPT_ERR_BAD_STATE,
+                  "%s: entry %lld: tensor %d is in gradient bucket %d, already marked ready "
+                  "(zopt_optimizer_grad_bucket_ready) for the step under way: its gradients were queued for the "
+                  "copy from that memory; move a tensor's gradients before marking its buckets, or after the step",
+                  fn, (long long)i, (int)tensors[i], b);
   }
   std::vector<void *> old;
   if (n && o->finalized) {

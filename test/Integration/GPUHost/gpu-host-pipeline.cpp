@@ -6,7 +6,8 @@
 // zopt_optimizer_step) and the all-CPU twin, bit for bit after every step:
 // params on the device, every optimizer state, the step results. Steps with
 // clipping inactive (commit), clipping active (recompute), a non-finite
-// grad (discard), two tensors without a gradient, a budget smaller than the model (some buckets updated
+// grad (discard); the pipelined side's grads at new device memory each step,
+// registered bucket by bucket between the marks (set_grad_memory); two tensors without a gradient, a budget smaller than the model (some buckets updated
 // after validation), no speculation at all (budget 0), several param groups
 // with different hyperparameters. Then the bad input: out of range, ready
 // twice, a step with a bucket missing (named), a budget below one bucket, a
@@ -153,6 +154,12 @@ void pipeline_check(Fake &f, zopt_step *step, const char *twin_path) {
     const std::string tag = "pipeline step " + std::to_string(k) + " (" + pl.what + ")";
     double scale = 1;
     if (ls) Z(zopt_optimizer_get_loss_scale(C.o, &scale));
+    // The pipelined side's grads at new addresses each step (as a
+    // binding's backward after zero_grad(set_to_none=True)): registered
+    // bucket by bucket just before each mark (zopt_optimizer_set_grad_memory
+    // between marks), the old ones freed after the step.
+    const std::vector<unsigned long long> old_dg = P.dg;
+    for (size_t t = 0; t < T; ++t) f.mem_alloc(&P.dg[t], sizes[t] * eg);
     for (size_t t = 0; t < T; ++t) {
       std::vector<float> v(sizes[t]);
       for (auto &x : v) x = rnd() * pl.grad_scale * (float)scale;
@@ -168,9 +175,37 @@ void pipeline_check(Fake &f, zopt_step *step, const char *twin_path) {
     std::vector<int> order(nb);
     for (int b = 0; b < nb; ++b) order[b] = b;
     std::shuffle(order.begin(), order.end(), order_rng);
-    for (int b : order) Z(zopt_optimizer_grad_bucket_ready(P.o, b));
+    std::vector<uint8_t> moved(T, 0);
+    for (int b : order) {
+      int ids[64], cnt = 0;
+      Z(zopt_optimizer_bucket_tensors(P.o, b, ids, 64, &cnt));
+      std::vector<int32_t> ts;
+      std::vector<void *> gs;
+      for (int i = 0; i < cnt; ++i)
+        if (!moved[ids[i]]) {
+          moved[ids[i]] = 1;
+          ts.push_back(ids[i]);
+          gs.push_back((void *)(uintptr_t)P.dg[ids[i]]);
+        }
+      Z(zopt_optimizer_set_grad_memory(P.o, (int64_t)ts.size(), ts.data(), gs.data()));
+      Z(zopt_optimizer_grad_bucket_ready(P.o, b));
+      if (k == 1 && b == order[0]) {
+        // A tensor of a marked bucket keeps its gradient memory until the
+        // step (its copy was queued from it): refused, nothing changed.
+        void *other = (void *)(uintptr_t)old_dg[ids[0]];
+        const int32_t id = ids[0];
+        zopt_status st = zopt_optimizer_set_grad_memory(P.o, 1, &id, &other);
+        std::string msg = zopt_last_error();
+        check(st == ZOPT_ERR_BAD_STATE && msg.find("already marked ready") != std::string::npos,
+              "pipeline: moving the grads of a tensor in a marked bucket is refused: " + msg);
+      }
+    }
+    bool all_moved = true;
+    for (size_t t = 0; t < T; ++t) all_moved &= moved[t] == 1;
+    if (k == 1) check(all_moved, "pipeline: every tensor's grads registered at new memory bucket by bucket");
     zopt_step_result rp{}, rs{}, rc{};
     Z(zopt_optimizer_step(P.o, &rp));
+    for (size_t t = 0; t < T; ++t) f.mem_free(old_dg[t]);
     Z(zopt_optimizer_step(S.o, &rs));
     Z(zopt_optimizer_step(C.o, &rc));
     auto same_result = [](const zopt_step_result &a, const zopt_step_result &b) {

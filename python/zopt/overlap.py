@@ -1,0 +1,357 @@
+"""Offloaded steps overlapped with backward (``zopt.Optimizer(...,
+overlap=True)``; docs/USAGE.md "Overlapping an offloaded step with
+backward", docs/GPU.md "Bucket readiness and speculation").
+
+An offloaded step (params and grads on the GPU; master, moments and the
+update on the CPU) normally starts at ``step()``. With ``overlap=True`` the
+binding marks each gradient bucket ready (``zopt_optimizer_grad_bucket_ready``)
+as soon as backward has produced every gradient in it: the runtime copies
+the bucket's grads to the host and computes its norm partials and a
+speculative update on its own thread while backward goes on. ``step()``
+validates (commit / recompute / discard), bit-identical to the serial step.
+
+How (the model is zopt.streaming):
+
+* a hook on each param's AccumulateGrad node marks the param's gradient
+  final for this backward; a bucket whose every param (that requires
+  grad) is final is marked at once, in any order (one rank);
+* before a bucket is marked, its params' gradients are registered
+  (``zopt_optimizer_set_grad_memory``, accepted between marks for tensors
+  of buckets not marked yet): ``p.grad`` in place when the runtime can read
+  it there (the step's grad dtype, the param's device and layout), else
+  copied into the optimizer's own gradient memory;
+* at the end of backward (an autograd engine callback) the buckets left
+  are marked (a param without a gradient leaves its buckets to
+  ``step()``); ``step()`` marks whatever no backward did, then steps;
+* the hyperparameters and the active mask are pushed before the first
+  mark of a step (the runtime refuses changes after it: change
+  ``param_groups`` before backward);
+* ``opt.no_sync()``: micro-batches accumulate in ``p.grad`` (the hooks do
+  nothing); the backward outside it marks.
+
+One backward per step outside ``no_sync()``: a gradient arriving for a
+marked bucket raises. ``zero_grad()`` after a mark raises (the copies read
+that memory). ``opt.pipeline_stats()`` reports the last pipelined step.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import weakref
+
+from . import _grads, _lib
+from ._dtypes import torch_of
+from ._lib import Status, ZoptError, check
+
+try:
+    import torch
+except ImportError:  # pragma: no cover - the binding works without torch
+    torch = None
+
+__all__ = ["OffloadOverlap", "OUTCOMES"]
+
+OUTCOMES = {0: "none", 1: "commit", 2: "recompute", 3: "discard"}
+
+
+def _refuse(code, msg):
+    raise ZoptError(code, f"overlap=True: {msg}")
+
+
+class OffloadOverlap:
+    """The overlap state of the optimizer's one part (``opt._overlap``,
+    ``part.overlap``)."""
+
+    def __init__(self, part, budget=None, streaming=False):
+        s = part.step
+        if torch is None:
+            _refuse(Status.UNSUPPORTED, "needs torch (backward hooks)")
+        if streaming:
+            _refuse(Status.UNSUPPORTED, "with grad_streaming=True: streaming is for "
+                    "CPU-updated steps, the overlap for offloaded ones")
+        if s.gpu or not s.on_device:
+            _refuse(Status.UNSUPPORTED,
+                    f"step '{s.name}' is {'a GPU step' if s.gpu else 'a CPU step'}; the "
+                    "overlap is implemented for offloaded steps (params and grads on the "
+                    "GPU, the update on the CPU: placement='offload')")
+        if s.f32_grads:
+            _refuse(Status.UNSUPPORTED,
+                    f"step '{s.name}' has f32 gradients of {s.param_dtype.name} params "
+                    "(p.main_grad); the overlap is implemented for gradients in the "
+                    "param's dtype (p.grad)")
+        if budget is not None and (not isinstance(budget, int) or budget < 0):
+            _refuse(Status.INVALID_ARGUMENT,
+                    f"speculation_budget={budget!r}: bytes (an int >= 0), or None for "
+                    "every bucket")
+        for e in part.entries:
+            self.check_entry(e)
+        self._part = weakref.ref(part)
+        self.budget = budget
+        self._hooked = {}   # id(param) -> tensor id at registration
+        self._depth = 0     # no_sync() nesting
+        self.nb = 0
+        # buckets marked from the hooks during backward, at its end, at step()
+        self.stats = dict(in_backward=0, at_backward_end=0, at_step=0)
+        self._idle()
+
+    @staticmethod
+    def check_entry(e):
+        if not e.auto or not e.torch:
+            _refuse(Status.INVALID_ARGUMENT,
+                    f"{e.name} is a (param, grad) pair or a numpy array: the overlap reads "
+                    "torch params' .grad (pass the params alone)")
+
+    # ---- setup (after every finalize) -------------------------------------------
+    def attach(self, h):
+        """After finalize (build and every rebuild): the buckets' tensors,
+        the budget, the hooks of params not hooked yet. The runtime reads
+        every gradient from our own memory again (Part.after_layout)."""
+        c = self._part()
+        if c.world_size > 1:
+            _refuse(Status.UNSUPPORTED,
+                    f"world size {c.world_size}: the binding marks buckets at one rank "
+                    "(the C API does W ranks with ZeRO-2: zopt_optimizer_grad_bucket_ready)")
+        if not c.offload:
+            _refuse(Status.UNSUPPORTED,
+                    f"step '{c.step.name}' runs on the CPU here (its params are not CUDA "
+                    "tensors): the overlap needs an offloaded step over CUDA params")
+        L = c.lib
+        n = ctypes.c_int()
+        check(L.zopt_optimizer_num_buckets(h, ctypes.byref(n)), "zopt_optimizer_num_buckets")
+        nb = n.value
+        T = len(c.entries)
+        cap = max(T, 1)
+        keep, ids = _lib.c_array(ctypes.c_int, [0] * cap)
+        b_tensors = []
+        for b in range(nb):
+            check(L.zopt_optimizer_bucket_tensors(h, b, ids, cap, ctypes.byref(n)),
+                  "zopt_optimizer_bucket_tensors")
+            b_tensors.append(keep[:n.value].tolist())
+        self.nb, self.b_tensors = nb, b_tensors
+        self.t_buckets = [[] for _ in range(T)]
+        for b, ts in enumerate(b_tensors):
+            for t in ts:
+                self.t_buckets[t].append(b)
+        self._gdtype = torch_of(c.step.grad_dtype)
+        self._contig = [e.param.is_contiguous() for e in c.entries]
+        if self.budget is not None:
+            check(L.zopt_optimizer_set_speculation_budget(h, ctypes.c_uint64(self.budget)),
+                  "zopt_optimizer_set_speculation_budget")
+        self._hook_new()
+        self._idle()
+
+    def set_budget(self, budget):
+        """The speculation budget in bytes (None: every bucket), between steps."""
+        c = self._part()
+        if budget is not None and (not isinstance(budget, int) or budget < 0):
+            _refuse(Status.INVALID_ARGUMENT, f"speculation budget {budget!r}: bytes (an int >= 0)")
+        check(c.lib.zopt_optimizer_set_speculation_budget(
+            c.handle(), ctypes.c_uint64(2 ** 64 - 1 if budget is None else budget)),
+            "zopt_optimizer_set_speculation_budget")
+        self.budget = budget
+
+    def _hook_new(self):
+        c = self._part()
+        ref = weakref.ref(self)
+        for t, e in enumerate(c.entries):
+            p = e.param
+            if id(p) in self._hooked or not p.requires_grad or not p.is_leaf:
+                continue
+            with torch.enable_grad():
+                node = p.expand_as(p).grad_fn.next_functions[0][0]
+
+            def hook(*_, key=id(p)):
+                s = ref()
+                if s is not None:
+                    s._on_grad(key)
+            c.acc_hooks.append((node, node.register_hook(hook)))
+            self._hooked[id(p)] = t
+
+    # ---- the cycle between two steps ----------------------------------------------
+    def _idle(self):
+        self.started = False
+        self.marked = None   # per bucket
+        self.nmarked = 0
+        self.final = None    # per tensor: its gradient final for this step
+        self.missing = None  # per bucket: tensors not final yet
+        self.given = None    # per tensor: registered for this step
+
+    def _start(self, from_hook):
+        """The first hook (or step()) since the last step: the param checks,
+        the hyperparameters and the active mask pushed (nothing may change
+        them after the first mark), then each tensor's readiness."""
+        c = self._part()
+        o = c.owner()
+        c.check_params()
+        o._push_hypers()
+        ents = c.entries
+        T = len(ents)
+        if from_hook:  # every param that requires grad gets one in this backward
+            act = [1 if (e.param.requires_grad and id(e.param) in self._hooked) or
+                   (e.param.grad is not None) else 0 for e in ents]
+        else:
+            act = [1 if e.param.grad is not None else 0 for e in ents]
+        act = bytes(a if ents[t].numel else 1 for t, a in enumerate(act))
+        if act != bytes(c.active):
+            c.active[:] = act
+            _grads.push_mask(c)
+        c.mask_all = 0 not in c.active
+        c.active_elems = sum(e.numel for t, e in enumerate(ents) if c.active[t])
+        self.final = [not (c.active[t] and ents[t].numel) or id(ents[t].param) not in self._hooked
+                      for t in range(T)]
+        self.missing = [sum(1 for t in ts if not self.final[t]) for ts in self.b_tensors]
+        self.marked = [False] * self.nb
+        self.given = [False] * T
+        self.started = True
+        if from_hook:
+            ref = weakref.ref(self)
+
+            def at_end():
+                s = ref()
+                if s is not None and s.started:
+                    s._mark_all(where="at_backward_end", strict=False)
+            torch.autograd.Variable._execution_engine.queue_callback(at_end)
+
+    def _on_grad(self, key):
+        if self._depth:
+            return  # no_sync(): accumulate only
+        c = self._part()
+        if c is None or c.h is None:
+            return
+        t = self._hooked.get(key)
+        if t is None or t >= len(c.entries) or id(c.entries[t].param) != key:
+            return
+        if not self.started:
+            self._start(from_hook=True)
+        if any(self.marked[b] for b in self.t_buckets[t]):
+            raise ZoptError(Status.BAD_STATE,
+                            f"overlap: {c.entries[t].name} got a gradient after its bucket was "
+                            "marked ready (a second backward since the last step()): "
+                            "accumulate micro-batches inside opt.no_sync() and run the last "
+                            "backward outside it, then step()")
+        if self.final[t]:
+            return
+        self.final[t] = True
+        for b in self.t_buckets[t]:
+            self.missing[b] -= 1
+            if self.missing[b] == 0 and not self.marked[b]:
+                self._mark(b, "in_backward")
+
+    def _mark_all(self, where, strict):
+        """Marks the buckets left whose active params have gradients
+        (strict: every one, else a clear error naming a param without)."""
+        c = self._part()
+        ents = c.entries
+        for b in range(self.nb):
+            if self.marked[b]:
+                continue
+            lacking = [t for t in self.b_tensors[b]
+                       if c.active[t] and ents[t].numel and ents[t].param.grad is None]
+            if lacking:
+                if not strict:
+                    continue
+                e = ents[lacking[0]]
+                raise ZoptError(Status.BAD_STATE,
+                                f"overlap: {e.name} has no gradient, but its bucket's "
+                                "neighbours were marked ready this step, which fixed the set "
+                                "of params the step updates: give it a gradient and call "
+                                "step() again (params that get none should not require "
+                                "grad)")
+            self._mark(b, where)
+
+    def _grad_ptr(self, t, e):
+        """Tensor t's gradient for the runtime: p.grad in place when the
+        runtime can read it there, else copied into our own memory."""
+        g = e.param.grad
+        if g is None:
+            return e.gptr or None, None  # inactive: its old registration
+        if g.is_sparse:
+            raise ZoptError(Status.UNSUPPORTED, f"{e.name} has a sparse gradient")
+        if (g.dtype == self._gdtype and g.device == e.param.device and g.data_ptr() != e.pptr
+                and (e.numel <= 1 or tuple(g.stride()) == e.stride
+                     or (g.is_contiguous() and self._contig[t]))):
+            return g.data_ptr(), g
+        with torch.no_grad():
+            e.grad.copy_(g)
+        return e.gptr, None
+
+    def _mark(self, b, where):
+        c = self._part()
+        ents = c.entries
+        tids, ptrs, held = [], [], []
+        for t in self.b_tensors[b]:
+            if self.given[t] or not ents[t].numel:
+                continue
+            ptr, g = self._grad_ptr(t, ents[t])
+            tids.append(t)
+            ptrs.append(ptr)
+            held.append(g)
+        h = c.handle()
+        if tids:
+            c.set_grad_memory(tids, ptrs)
+            for t, ptr, g in zip(tids, ptrs, held):
+                self.given[t] = True
+                if g is None:
+                    c.foreign.pop(t, None)
+                else:
+                    c.foreign[t] = (g, ptr)  # kept alive while the runtime reads it
+        check(c.lib.zopt_optimizer_grad_bucket_ready(h, b), "zopt_optimizer_grad_bucket_ready")
+        self.marked[b] = True
+        self.nmarked += 1
+        self.stats[where] += 1
+
+    # ---- step() ---------------------------------------------------------------------
+    def before_step(self):
+        """In step(), instead of the per-step gradient pass: the buckets no
+        backward marked. False when there is nothing to step (no marks and
+        no gradient)."""
+        c = self._part()
+        if not self.started:
+            if all(e.param.grad is None for e in c.entries):
+                return False
+            self._start(from_hook=False)
+        self._mark_all(where="at_step", strict=True)
+        return True
+
+    def after_step(self):
+        self._idle()
+        self._hook_new()
+
+    def check_zero_grad(self):
+        if self.nmarked:
+            raise ZoptError(Status.BAD_STATE,
+                            "overlap: zero_grad() after buckets of this step were marked ready "
+                            "(their gradients are being copied to the host): call step() first "
+                            "(or accumulate inside opt.no_sync())")
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+
+    @staticmethod
+    def refuse_clip():
+        _refuse(Status.UNSUPPORTED,
+                "clip_grad_norm_: the buckets marked during backward already computed their "
+                "norm partials; clip with the step's own clipping (exact: a clipped step is "
+                "recomputed)")
+
+    @staticmethod
+    def stats_of(ov):
+        """Optimizer.pipeline_stats()."""
+        if ov is None:
+            raise ZoptError(Status.BAD_STATE, "pipeline_stats(): the optimizer was made "
+                            "without overlap=True (no pipelined steps)")
+        return ov.pipeline_stats()
+
+    def pipeline_stats(self):
+        c = self._part()
+        s = _lib.PipelineStats()
+        s.size = ctypes.sizeof(s)
+        check(c.lib.zopt_optimizer_get_pipeline_stats(c.handle(), ctypes.byref(s)),
+              "zopt_optimizer_get_pipeline_stats")
+        out = {f: getattr(s, f) for f, _ in s._fields_ if f not in ("size", "reserved")}
+        out["outcome"] = OUTCOMES.get(s.outcome, str(s.outcome))
+        return out
