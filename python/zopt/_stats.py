@@ -1,8 +1,10 @@
 """``Optimizer.step_stats()``: where the last step's time went on the host
 (the C struct ``zopt_step_stats``, zopt.h; keys: docs/USAGE.md "Step
 statistics"), the baseline of an offloaded step: its copies of the grads
-to the host, the CPU update, the copies of the params back, the whole."""
+to the host, the CPU update, the copies of the params back, the whole;
+and ``opt.last_metrics`` / the metrics hooks of every step (record_metrics)."""
 import ctypes
+import time
 
 from . import _lib
 from ._lib import check
@@ -34,3 +36,33 @@ def step_stats(opt):
     out["steps"] = max(p["steps"] for p in per.values())
     out["classes"] = per
     return out
+
+
+def record_metrics(opt, t0, t1, t2, no_grads=False):
+    """opt.last_metrics of the step that began at t0 (its native step ran
+    t1..t2; None: no native step ran), then the metrics hooks (docs/USAGE.md)."""
+    step_s = (t2 - t1) if t1 is not None else 0.0
+    over = (t1 - t0) if t1 is not None else (time.perf_counter() - t0)
+    W = max(opt.world_size, 1)
+    parts = opt._parts
+    elems = 0 if no_grads else sum(c.active_elems for c in parts) / W
+    nbytes = 0 if no_grads else int(sum(c.active_elems / W * c.bytes_per_elem
+                                        for c in parts))
+    loss = opt.last_loss
+    try:
+        loss = float(loss) if loss is not None else None
+    except (TypeError, ValueError):
+        loss = None
+    m = dict(step=opt.steps_taken, grad_norm=float(opt.last_grad_norm),
+             skipped=bool(opt.last_skipped),
+             loss_scale=float(opt.last_loss_scale) if not no_grads else float("nan"),
+             loss=loss, lr=[g.get("lr") for g in opt.param_groups],
+             active_tensors=sum(len(c.active) - c.active.count(0) for c in parts),
+             updated_elems=int(elems), step_time_s=step_s, overhead_s=over,
+             bytes=nbytes, bytes_per_s=(nbytes / step_s if step_s > 0 else float("nan")),
+             refreshes=opt.refreshes, rebuilds=opt.rebuilds, no_grads=no_grads)
+    if opt._mapped:
+        m["classes"] = [c.cls for c in parts]
+    opt.last_metrics = m
+    for fn in list(opt._metrics_hooks):
+        fn(opt, m)

@@ -463,7 +463,7 @@ class Optimizer(_Base):
         self.last_loss = loss
         if not run:
             self.last_grad_norm, self.last_skipped = float("nan"), False
-            self._metrics(t0, None, None, no_grads=True)
+            _stats.record_metrics(self, t0, None, None, no_grads=True)
             return loss
         self._run_native_step(t0)
         return loss
@@ -531,7 +531,7 @@ class Optimizer(_Base):
         self.last_skipped = bool(r.skipped)
         self.last_loss_scale = r.loss_scale
         self.steps_taken += 1
-        self._metrics(t0, t1, t2)
+        _stats.record_metrics(self, t0, t1, t2)
 
     @_exclusive("clip_grad_norm_")
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
@@ -592,33 +592,6 @@ class Optimizer(_Base):
     @property
     def metrics(self):
         return self.last_metrics
-
-    def _metrics(self, t0, t1, t2, no_grads=False):
-        step_s = (t2 - t1) if t1 is not None else 0.0
-        over = (t1 - t0) if t1 is not None else (time.perf_counter() - t0)
-        W = max(self.world_size, 1)
-        parts = self._parts
-        elems = 0 if no_grads else sum(c.active_elems for c in parts) / W
-        nbytes = 0 if no_grads else int(sum(c.active_elems / W * c.bytes_per_elem
-                                            for c in parts))
-        loss = self.last_loss
-        try:
-            loss = float(loss) if loss is not None else None
-        except (TypeError, ValueError):
-            loss = None
-        m = dict(step=self.steps_taken, grad_norm=float(self.last_grad_norm),
-                 skipped=bool(self.last_skipped),
-                 loss_scale=float(self.last_loss_scale) if not no_grads else float("nan"),
-                 loss=loss, lr=[g.get("lr") for g in self.param_groups],
-                 active_tensors=sum(len(c.active) - c.active.count(0) for c in parts),
-                 updated_elems=int(elems), step_time_s=step_s, overhead_s=over,
-                 bytes=nbytes, bytes_per_s=(nbytes / step_s if step_s > 0 else float("nan")),
-                 refreshes=self.refreshes, rebuilds=self.rebuilds, no_grads=no_grads)
-        if self._mapped:
-            m["classes"] = [c.cls for c in parts]
-        self.last_metrics = m
-        for fn in list(self._metrics_hooks):
-            fn(self, m)
 
     # ---- seed, step counts, loss scaling --------------------------------------------------
     @_exclusive("set_seed")
