@@ -298,6 +298,35 @@ def accumulate(p, g, reg, e):
     p.grad = None
 
 
+def accumulate_node(p):
+    """p's AccumulateGrad node, where backward adds its gradient (torch 1.13
+    has no register_post_accumulate_grad_hook)."""
+    with torch.enable_grad():
+        return p.expand_as(p).grad_fn.next_functions[0][0]
+
+
+def hook_grads_ready(c, owner, hooked):
+    """Hooks that call ``owner._on_grad(id(p))`` once backward has added the
+    gradient of each param of part c that requires grad and is not in
+    ``hooked`` yet ({id(p): tensor index}, filled here); kept in
+    c.acc_hooks (removed with the optimizer). Gradient streaming
+    (zopt.streaming) and the offload overlap (zopt.overlap) mark buckets
+    from them."""
+    ref = weakref.ref(owner)
+    for t, e in enumerate(c.entries):
+        p = e.param
+        if id(p) in hooked or not p.requires_grad or not p.is_leaf:
+            continue
+        node = accumulate_node(p)
+
+        def hook(*_, key=id(p)):
+            s = ref()
+            if s is not None:
+                s._on_grad(key)
+        c.acc_hooks.append((node, node.register_hook(hook)))
+        hooked[id(p)] = t
+
+
 def add_acc_hooks(c, entries):
     """grad_accumulation="hooks": after backward accumulates a param's
     gradient (torch's AccumulateGrad node; torch 1.13 has no
@@ -313,8 +342,7 @@ def add_acc_hooks(c, entries):
         p = e.param
         if not e.auto or not p.requires_grad or not p.is_leaf:
             continue  # (a non-leaf's p.grad is taken at step())
-        with torch.enable_grad():
-            node = p.expand_as(p).grad_fn.next_functions[0][0]
+        node = accumulate_node(p)
 
         def hook(*_, e=e, p=p):
             o = ref()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import weakref
 
 from .comm import TorchComm, seconds
+from ._grads import accumulate_node
 from ._lib import Status, ZoptError
 from ._warnings import warn_user
 
@@ -129,8 +130,7 @@ class RankChecks:
             p = e.param
             if not e.auto or not e.torch or not p.requires_grad or not p.is_leaf:
                 continue
-            with torch.enable_grad():
-                node = p.expand_as(p).grad_fn.next_functions[0][0]
+            node = accumulate_node(p)
             c.acc_hooks.append((node, node.register_hook(self.hook_for(p))))
 
     def hook_for(self, p):

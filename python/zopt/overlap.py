@@ -150,21 +150,7 @@ class OffloadOverlap:
         self.budget = budget
 
     def _hook_new(self):
-        c = self._part()
-        ref = weakref.ref(self)
-        for t, e in enumerate(c.entries):
-            p = e.param
-            if id(p) in self._hooked or not p.requires_grad or not p.is_leaf:
-                continue
-            with torch.enable_grad():
-                node = p.expand_as(p).grad_fn.next_functions[0][0]
-
-            def hook(*_, key=id(p)):
-                s = ref()
-                if s is not None:
-                    s._on_grad(key)
-            c.acc_hooks.append((node, node.register_hook(hook)))
-            self._hooked[id(p)] = t
+        _grads.hook_grads_ready(self._part(), self, self._hooked)
 
     # ---- the cycle between two steps ----------------------------------------------
     def _idle(self):

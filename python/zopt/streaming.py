@@ -50,7 +50,7 @@ import weakref
 
 import numpy as np
 
-from . import _lib
+from . import _grads, _lib
 from ._dtypes import torch_of
 from ._lib import Status, ZoptError, check
 
@@ -158,22 +158,8 @@ class GradStreamer:
 
     def _hook_new(self):
         """Hooks on the AccumulateGrad nodes of params that require grad and
-        have none yet (kept in the part's acc_hooks: removed with the optimizer)."""
-        o = self._opt()
-        ref = weakref.ref(self)
-        for t, e in enumerate(o.entries):
-            p = e.param
-            if id(p) in self._hooked or not p.requires_grad or not p.is_leaf:
-                continue
-            with torch.enable_grad():
-                node = p.expand_as(p).grad_fn.next_functions[0][0]
-
-            def hook(*_, key=id(p)):
-                s = ref()
-                if s is not None:
-                    s._on_grad(key)
-            o.acc_hooks.append((node, node.register_hook(hook)))
-            self._hooked[id(p)] = t
+        have none yet (zopt._grads.hook_grads_ready)."""
+        _grads.hook_grads_ready(self._opt(), self, self._hooked)
 
     # ---- the cycle between two steps -------------------------------------------
     def _idle(self, keep_lost=False):
