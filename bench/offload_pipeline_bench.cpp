@@ -49,7 +49,11 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-size_t dsize(uint32_t d) { return d == ZOPT_DTYPE_F32 ? 4 : 2; }
+size_t dsize(uint32_t d) { return d == ZOPT_DTYPE_F32 ? 4 : d == ZOPT_DTYPE_Q8 ? 1 : 2; }
+// Host bytes per param of a state (a q8 absmax: one f32 per block).
+double state_bpp(const zopt_state_desc &x) {
+  return (double)dsize(x.dtype) / ((x.flags & ZOPT_STATE_PER_BLOCK) ? ZOPT_Q8_BLOCK : 1);
+}
 
 void sleep_s(double s) { std::this_thread::sleep_for(std::chrono::duration<double>(s)); }
 
@@ -91,7 +95,7 @@ int main(int argc, char **argv) {
     const zopt_state_desc &x = d->states[s];
     if (x.kind == ZOPT_STATE_PARAM) pdt = x.dtype;
     else if (x.kind == ZOPT_STATE_GRAD) gdt = x.dtype;
-    else host_state += (double)dsize(x.dtype);
+    else host_state += state_bpp(x);
   }
   RunDevice dev;
   std::string why;
@@ -140,7 +144,7 @@ int main(int argc, char **argv) {
   for (int i = 0; i < 2; ++i) Z(zopt_optimizer_finalize(o[i]));
   int nb = 0;
   Z(zopt_optimizer_num_buckets(o[1], &nb));
-  std::printf("offloaded step %s: %.0f B/param of optimizer state on the host; %lld params in %d tensors, %d "
+  std::printf("offloaded step %s: %.2f B/param of optimizer state on the host; %lld params in %d tensors, %d "
               "buckets, %d steps per case; device memory of %s\n",
               d->name, host_state, N, T, nb, K, dev.driver().c_str());
   if (Bms <= 0) {  // a backward as long as one serial step

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The serial and the pipelined offloaded step (docs/benchmarks/offload.md): both offload layouts
-# (examples/adamw_bf16_offload_6b.mlir, DeepSpeed #8010's 6-byte cell, and
-# examples/adamw_zero_offload.mlir, the classic 12-byte ZeRO-Offload),
+# The serial and the pipelined offloaded step (docs/benchmarks/offload.md): the offload layouts
+# (examples/adamw_bf16_offload_6b.mlir, DeepSpeed #8010's 6-byte cell,
+# examples/adamw_zero_offload.mlir, the classic 12-byte ZeRO-Offload, and
+# examples/adamw_bf16_offload_4b.mlir, issue 19's 4-byte cell with q8 moments),
 # each against the same description compiled all-CPU, in the same run
 # (zopt-bench-offload). Without a CUDA driver the offloaded step runs on the
 # stand-in driver (device memory is host memory, copies are memcpys).
@@ -14,13 +15,18 @@ grep -m1 'model name' /proc/cpuinfo; echo "date: $(date -u +%F)  nproc: $(nproc)
 if [[ -z "${ZOPT_CUDA_DRIVER:-}" ]] && ! /sbin/ldconfig -p 2>/dev/null | grep -q 'libcuda\.so\.1'; then
   export ZOPT_CUDA_DRIVER="$B/lib/libzopt-fake-cuda.so"
 fi
-for f in adamw_bf16_offload_6b adamw_zero_offload; do
+for f in adamw_bf16_offload_6b adamw_zero_offload adamw_bf16_offload_4b; do
   "$B/bin/zopt-compile" "$ROOT/examples/$f.mlir" -o "$T/$f.so"
   # The CPU-only peer: the same description on the CPU (the 6-byte cell's
   # bf16 master would duplicate the bf16 param there: bench/adamw_bf16_6b_cpu.mlir
   # updates the param in place).
+  # The same for the 4-byte cell (bench/adamw_bf16_4b_cpu.mlir; its
+  # stochastically rounded master differs from an in-place param by design,
+  # so its params are not compared).
   if [ "$f" = adamw_bf16_offload_6b ]; then
     cp "$ROOT/bench/adamw_bf16_6b_cpu.mlir" "$T/$f.cpu.mlir"
+  elif [ "$f" = adamw_bf16_offload_4b ]; then
+    cp "$ROOT/bench/adamw_bf16_4b_cpu.mlir" "$T/$f.cpu.mlir"
   else
     sed -e 's/ on gpu/ on cpu/g' -e 's/, gpu_arch = "sm_90"//' "$ROOT/examples/$f.mlir" > "$T/$f.cpu.mlir"
   fi

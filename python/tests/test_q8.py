@@ -153,8 +153,14 @@ def test_q8_steps_state_dict_and_refusals(q8_step, tmp_path):
         p.grad = None
     opt.step()
     assert not torch.equal(extra, torch.ones_like(extra))
-    for bad in (dict(amsgrad=True), dict(placement="offload")):
+    for bad in (dict(amsgrad=True), dict(placement="gpu")):
         with pytest.raises(ZoptError, match="q8"):
             zopt.steps.adamw(param="bf16", moments="q8", **bad)
+    # offloaded (issue 19's cell: param/grad on the GPU, a bf16 SR master and
+    # the q8 moments on the CPU) the step builds and loads (its runs on the
+    # stand-in driver: test/Integration/GPUHost/offload.test)
+    off = zopt.steps.adamw(param="bf16", master="bf16", moments="q8", placement="offload",
+                           rounding="stochastic", clip=1.0)
+    assert off.offloaded and off.state_dtype(StateKind.EXP_AVG_SQ) == zopt._lib.DType.Q8
     with pytest.raises(ZoptError, match="q8"):
         zopt.steps.sgd(param="bf16", moments="q8", momentum=0.9)

@@ -27,7 +27,6 @@ zopt_status validate_q8(const zopt_step_descriptor *d) {
   bool any = false, gpu = false;
   for (uint32_t i = 0; i < d->num_states; ++i) {
     const zopt_state_desc &s = d->states[i];
-    gpu |= s.placement == ZOPT_PLACE_GPU;
     const bool absmax = s.kind == ZOPT_STATE_EXP_AVG_ABSMAX || s.kind == ZOPT_STATE_EXP_AVG_SQ_ABSMAX;
     if (absmax != ((s.flags & ZOPT_STATE_PER_BLOCK) != 0) || (absmax && s.dtype != ZOPT_DTYPE_F32))
       return fail(ZOPT_ERR_ABI, "state %u (%s): a q8 absmax is exactly an f32 PER_BLOCK state", i,
@@ -36,6 +35,7 @@ zopt_status validate_q8(const zopt_step_descriptor *d) {
       return fail(ZOPT_ERR_ABI, "state %u (%s): only exp_avg and exp_avg_sq can be q8", i, state_kind_name(s.kind));
     if (s.dtype != ZOPT_DTYPE_Q8 && !absmax) continue;
     any = true;
+    gpu |= s.placement == ZOPT_PLACE_GPU;
     // The partner: the absmax of a q8 moment, the q8 moment of an absmax.
     const uint32_t want = s.kind == ZOPT_STATE_EXP_AVG       ? ZOPT_STATE_EXP_AVG_ABSMAX
                           : s.kind == ZOPT_STATE_EXP_AVG_SQ  ? ZOPT_STATE_EXP_AVG_SQ_ABSMAX
@@ -52,12 +52,16 @@ zopt_status validate_q8(const zopt_step_descriptor *d) {
                   i, state_kind_name(s.kind), state_kind_name(want), q ? "differs" : "is missing");
   }
   if (!any) return ZOPT_OK;
+  // The CUDA backend (a q8 state or any kernel on the GPU) is refused; an
+  // offloaded step (only the param and grad on the GPU, every kernel and
+  // the q8 states on the CPU: docs/GPU.md "Offloaded steps") runs.
   for (uint32_t i = 0; i < d->num_kernels; ++i) gpu |= d->kernels[i].device == ZOPT_PLACE_GPU;
   if (gpu)
     return fail(ZOPT_ERR_UNSUPPORTED,
-                "step '%s' has q8 moments and runs on the GPU (a state or kernel placed there: the CUDA backend "
-                "or offload): this runtime lays q8 states out on the CPU only; compile the moments as f32 or bf16 "
-                "for the GPU, or place the whole step on the CPU",
+                "step '%s' has q8 moments and runs on the GPU (a q8 state or a kernel placed there: the CUDA "
+                "backend): this runtime lays q8 states out on the CPU only; compile the moments as f32 or bf16 "
+                "for the GPU, or keep them on the CPU (the whole step, or offloaded: only param and grad on the "
+                "GPU)",
                 d->name);
   return ZOPT_OK;
 }

@@ -78,8 +78,11 @@ int main(int argc, char **argv) {
 
   /* q8 moments: laid out on the CPU only; a moment comes with its absmax */
   expect_load_fails("fx_q8gpu", ZOPT_ERR_UNSUPPORTED,
-                    "has q8 moments and runs on the GPU (a state or kernel placed there: the CUDA backend or "
-                    "offload): this runtime lays q8 states out on the CPU only");
+                    "has q8 moments and runs on the GPU (a q8 state or a kernel placed there: the CUDA "
+                    "backend): this runtime lays q8 states out on the CPU only");
+  expect_load_fails("fx_q8cuda", ZOPT_ERR_UNSUPPORTED,
+                    "has q8 moments and runs on the GPU (a q8 state or a kernel placed there: the CUDA "
+                    "backend): this runtime lays q8 states out on the CPU only");
   expect_load_fails("fx_q8pair", ZOPT_ERR_ABI,
                     "state 2 (exp_avg): a q8 moment and its absmax come in pairs of the same placement, access, "
                     "init and partitioning (abi.h \"q8 moments\"); exp_avg_absmax is missing");

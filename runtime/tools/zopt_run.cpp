@@ -52,15 +52,25 @@ namespace {
     }                                                                          \
   } while (0)
 
-size_t dtypeBytes(uint32_t d) { return d == ZOPT_DTYPE_F32 ? 4 : 2; }
+size_t dtypeBytes(uint32_t d) { return d == ZOPT_DTYPE_F32 ? 4 : d == ZOPT_DTYPE_Q8 ? 1 : 2; }
 const char *dtypeName(uint32_t d) {
-  return d == ZOPT_DTYPE_F32 ? "f32" : d == ZOPT_DTYPE_BF16 ? "bf16" : "f16";
+  return d == ZOPT_DTYPE_F32    ? "f32"
+         : d == ZOPT_DTYPE_BF16 ? "bf16"
+         : d == ZOPT_DTYPE_I16  ? "i16"
+         : d == ZOPT_DTYPE_Q8   ? "q8"
+                                : "f16";
+}
+// Bytes per parameter of a state: a PER_BLOCK state (a q8 absmax) holds one
+// element per ZOPT_Q8_BLOCK params.
+double stateBytes(const zopt_state_desc &sd) {
+  return double(dtypeBytes(sd.dtype)) / ((sd.flags & ZOPT_STATE_PER_BLOCK) ? ZOPT_Q8_BLOCK : 1);
 }
 const char *kindName(uint32_t k) {
   static const char *names[] = {"?", "param", "grad", "master", "exp_avg",
                                 "exp_avg_sq", "max_exp_avg_sq",
-                                "momentum_buffer"};
-  return k < 8 ? names[k] : "?";
+                                "momentum_buffer", "exp_avg_absmax",
+                                "exp_avg_sq_absmax", "kahan_comp"};
+  return k < 11 ? names[k] : "?";
 }
 
 uint16_t toBits16(float f, uint32_t dtype) {
@@ -206,15 +216,16 @@ int main(int argc, char **argv) {
       gradOnGpu = sd.placement == ZOPT_PLACE_GPU;
     else if (sd.placement == ZOPT_PLACE_GPU)
       stateOnGpu = true;
-    size_t b = dtypeBytes(sd.dtype);
+    double b = stateBytes(sd);
     bytesPerParam += ((sd.access & ZOPT_ACCESS_READ) ? b : 0) +
                      ((sd.access & ZOPT_ACCESS_WRITE) ? b : 0);
-    std::printf("  state %-16s %-4s on %s%s%s%s\n", kindName(sd.kind),
+    std::printf("  state %-16s %-4s on %s%s%s%s%s\n", kindName(sd.kind),
                 dtypeName(sd.dtype),
                 sd.placement == ZOPT_PLACE_CPU ? "cpu" : "gpu",
                 (sd.access & ZOPT_ACCESS_READ) ? ", read" : "",
                 (sd.access & ZOPT_ACCESS_WRITE) ? ", written" : "",
-                sd.rounding == ZOPT_ROUND_STOCHASTIC ? ", rounded stochastically" : "");
+                sd.rounding == ZOPT_ROUND_STOCHASTIC ? ", rounded stochastically" : "",
+                (sd.flags & ZOPT_STATE_PER_BLOCK) ? ", one per block" : "");
   }
 
   // GPU-placed params and grads: device memory from the CUDA driver. A GPU
@@ -300,7 +311,7 @@ int main(int argc, char **argv) {
     for (uint32_t s = 0; s < d->num_states; ++s) {
       const zopt_state_desc &sd = d->states[s];
       const int at = sd.placement == ZOPT_PLACE_GPU ? 1 : 0;
-      (sd.kind == ZOPT_STATE_PARAM || sd.kind == ZOPT_STATE_GRAD ? user : owned)[at] += double(dtypeBytes(sd.dtype));
+      (sd.kind == ZOPT_STATE_PARAM || sd.kind == ZOPT_STATE_GRAD ? user : owned)[at] += stateBytes(sd);
     }
     const double total[2] = {double(mem.bytes_cpu) / double(mem.num_params),
                              double(mem.bytes_gpu) / double(mem.num_params)};
@@ -320,8 +331,8 @@ int main(int argc, char **argv) {
   stream.avx512 = zopt_cpu_runs_isa(ZOPT_ISA_AVX512);
   for (uint32_t s = 0; s < d->num_states; ++s) {
     const zopt_state_desc &sd = d->states[s];
-    if (!sd.access)
-      continue;
+    if (!sd.access || (sd.flags & ZOPT_STATE_PER_BLOCK))
+      continue;  // a q8 absmax: 4 bytes per 256 params, left out
     size_t es = dtypeBytes(sd.dtype);
     HostBuf buf = allocHuge(size_t(nParams) * es);
     if (!buf) {

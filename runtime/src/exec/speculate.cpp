@@ -55,13 +55,24 @@ void update_chunk(zopt_optimizer *o, const Chunk &c, void *const *out) {
   }
 }
 
-// The speculation buffer of state s for chunk c of bucket b.
+// The bytes of state s over chunk c (a PER_BLOCK state, a q8 absmax: one
+// element per ZOPT_Q8_BLOCK of the chunk's, the last block partial).
+size_t chunk_bytes(const zopt_optimizer *o, const Chunk &c, uint32_t s) {
+  return (size_t)state_numel(o->d, (int)s, c.len) * es_of(o, (int)s);
+}
+
+// The speculation buffer of state s for chunk c of bucket b. The arena
+// holds per bucket and state its elements over the rank's flat range (a
+// PER_BLOCK state: its blocks; the range and every chunk start on q8 block
+// boundaries, the layout is block-aligned).
 char *spec_ptr(const zopt_optimizer *o, const Spec &S, int b, const Chunk &c, uint32_t s) {
   const Program &P = *o->prog;
   if (S.mirror) return S.shadow[s] + ((char *)c.ptrs[s] - (char *)P.buf[s]);
   const size_t so = S.state_off[(size_t)b * o->d->num_states + s];
   const int64_t flat = P.L.tensors[c.tensor].flat + c.start;
-  return S.arena + S.off[b] + so + (size_t)(flat - S.first_flat[b]) * es_of(o, (int)s);
+  int64_t i = flat - S.first_flat[b];
+  if (is_per_block(o->d, (int)s)) i /= ZOPT_Q8_BLOCK;
+  return S.arena + S.off[b] + so + (size_t)i * es_of(o, (int)s);
 }
 
 }  // namespace
@@ -106,7 +117,7 @@ void spec_build(zopt_optimizer *o) {
     for (uint32_t s = 0; s < NS; ++s) {
       if (!(o->d->states[s].access & ZOPT_ACCESS_WRITE)) continue;
       S.state_off[b * NS + s] = (size_t)off;
-      off += (elems * es_of(o, (int)s) + 63) & ~(uint64_t)63;
+      off += ((uint64_t)state_numel(o->d, (int)s, (int64_t)elems) * es_of(o, (int)s) + 63) & ~(uint64_t)63;
     }
     S.cost[b] = off;
   }
@@ -320,7 +331,7 @@ void spec_update_bucket(zopt_optimizer *o, int b) {
       const Chunk &c = w.chunks[i];
       for (uint32_t s = 0; s < NS; ++s)
         if (S.shadow[s] && P.pinned[s])
-          memcpy(c.ptrs[s], spec_ptr(o, S, b, c, s), (size_t)c.len * es_of(o, (int)s));
+          memcpy(c.ptrs[s], spec_ptr(o, S, b, c, s), chunk_bytes(o, c, s));
     });
     ++S.committed;
     return;
@@ -342,7 +353,7 @@ void spec_update_bucket(zopt_optimizer *o, int b) {
       if (!active(P, c.tensor)) return;
       for (uint32_t s = 0; s < NS; ++s)
         if (S.state_off[(size_t)b * NS + s] != SIZE_MAX)
-          memcpy(c.ptrs[s], spec_ptr(o, S, b, c, s), (size_t)c.len * es_of(o, (int)s));
+          memcpy(c.ptrs[s], spec_ptr(o, S, b, c, s), chunk_bytes(o, c, s));
     });
     ++S.committed;
   } else {

@@ -73,7 +73,7 @@ using zopt_check::check;
 using zopt_check::failed;
 using zopt_check::passed;
 
-size_t esize(uint32_t dt) { return dt == ZOPT_DTYPE_F32 ? 4 : 2; }
+size_t esize(uint32_t dt) { return dt == ZOPT_DTYPE_F32 ? 4 : dt == ZOPT_DTYPE_Q8 ? 1 : 2; }
 float f32_ulp(float x) {
   x = std::fabs(x);
   return std::nextafter(x, INFINITY) - x;
@@ -86,6 +86,7 @@ bool close_enough(uint32_t dt, const unsigned char *a, const unsigned char *b) {
     memcpy(&y, b, 4);
     return (std::isnan(x) && std::isnan(y)) || std::fabs(x - y) <= 8 * f32_ulp(std::fmax(std::fabs(x), std::fabs(y))) + 1e-30f;
   }
+  if (dt == ZOPT_DTYPE_Q8) return *a == *b;  // q8 codes: offloaded, the CPU kernels on both sides
   uint16_t x, y;
   memcpy(&x, a, 2);
   memcpy(&y, b, 2);
@@ -376,10 +377,12 @@ int main(int argc, char **argv) {
       if (kind == ZOPT_STATE_GRAD) continue;
       int64_t bad = 0, worst = -1, diff2 = 0;
       for (const T &t : ts) {
-        std::vector<unsigned char> a(t.n * esize(dt)), b(t.n * esize(dt)), c2;
+        // A PER_BLOCK state (a q8 absmax): one element per ZOPT_Q8_BLOCK.
+        const int64_t ne = (d->states[k].flags & ZOPT_STATE_PER_BLOCK) ? (t.n + ZOPT_Q8_BLOCK - 1) / ZOPT_Q8_BLOCK : t.n;
+        std::vector<unsigned char> a(ne * esize(dt)), b(ne * esize(dt)), c2;
         Z(zopt_optimizer_read_state_raw(oc, t.id, (zopt_state_kind)kind, a.data(), a.size()));
         Z(zopt_optimizer_read_state_raw(og, t.id, (zopt_state_kind)kind, b.data(), b.size()));
-        for (int64_t i = 0; i < t.n; ++i) {
+        for (int64_t i = 0; i < ne; ++i) {
           bool ok = close_enough(dt, &a[i * esize(dt)], &b[i * esize(dt)]);
           if (!ok && bad++ == 0) worst = i;
         }
@@ -390,12 +393,12 @@ int main(int argc, char **argv) {
         if (o2) {
           c2.resize(b.size());
           Z(zopt_optimizer_read_state_raw(o2, t.id, (zopt_state_kind)kind, c2.data(), c2.size()));
-          for (int64_t i = 0; i < t.n; ++i)
+          for (int64_t i = 0; i < ne; ++i)
             diff2 += memcmp(&b[i * esize(dt)], &c2[i * esize(dt)], esize(dt)) != 0;
         }
       }
       snprintf(buf, sizeof buf, "step %d state %u (kind %u, %s) mismatches=%lld", step, k, kind,
-               dt == ZOPT_DTYPE_F32 ? "f32" : dt == ZOPT_DTYPE_BF16 ? "bf16" : dt == ZOPT_DTYPE_I16 ? "i16" : "f16",
+               dt == ZOPT_DTYPE_F32 ? "f32" : dt == ZOPT_DTYPE_BF16 ? "bf16" : dt == ZOPT_DTYPE_I16 ? "i16" : dt == ZOPT_DTYPE_Q8 ? "q8" : "f16",
                (long long)bad);
       check(bad == 0, buf);
       if (o2) {
@@ -432,10 +435,11 @@ int main(int argc, char **argv) {
     const uint32_t kind = d->states[k].kind, dt = d->states[k].dtype;
     if (kind == ZOPT_STATE_PARAM || kind == ZOPT_STATE_GRAD) continue;
     for (const T &t : ts) {
-      std::vector<unsigned char> a(t.n * esize(dt)), b(t.n * esize(dt));
+      const int64_t ne = (d->states[k].flags & ZOPT_STATE_PER_BLOCK) ? (t.n + ZOPT_Q8_BLOCK - 1) / ZOPT_Q8_BLOCK : t.n;
+      std::vector<unsigned char> a(ne * esize(dt)), b(ne * esize(dt));
       Z(zopt_optimizer_read_state_raw(oc, t.id, (zopt_state_kind)kind, a.data(), a.size()));
       Z(zopt_optimizer_read_state_raw(og, t.id, (zopt_state_kind)kind, b.data(), b.size()));
-      for (int64_t i = 0; i < t.n; ++i) bad += !close_enough(dt, &a[i * esize(dt)], &b[i * esize(dt)]);
+      for (int64_t i = 0; i < ne; ++i) bad += !close_enough(dt, &a[i * esize(dt)], &b[i * esize(dt)]);
     }
   }
   check(bad == 0, "after checkpoint load: owned states match the CPU's, mismatches=" + std::to_string(bad));

@@ -82,6 +82,12 @@ struct Fake {
 
 using zopt_ref::dtype_name;
 using zopt_ref::dtype_size;
+// The storage bytes of state s of a tensor of n elements (a PER_BLOCK
+// state, a q8 absmax: one element per ZOPT_Q8_BLOCK).
+inline size_t state_bytes(const zopt_step_descriptor *d, uint32_t s, int64_t n) {
+  if (d->states[s].flags & ZOPT_STATE_PER_BLOCK) n = (n + ZOPT_Q8_BLOCK - 1) / ZOPT_Q8_BLOCK;
+  return (size_t)n * dtype_size(d->states[s].dtype);
+}
 inline const char *state_kind_name_of(uint32_t k) {
   return k == ZOPT_STATE_PARAM ? "param" : k == ZOPT_STATE_GRAD ? "grad" : k == ZOPT_STATE_MASTER ? "master"
          : k == ZOPT_STATE_EXP_AVG ? "exp_avg" : k == ZOPT_STATE_EXP_AVG_SQ ? "exp_avg_sq" : "state";

@@ -119,7 +119,7 @@ int offload_check(Fake &f, zopt_step *step, const char *twin_path) {
       for (uint32_t s = 0; s < d->num_states; ++s) {
         uint32_t kind = d->states[s].kind;
         if (kind == ZOPT_STATE_PARAM || kind == ZOPT_STATE_GRAD) continue;
-        size_t b = sizes[t] * (d->states[s].dtype == ZOPT_DTYPE_F32 ? 4 : 2);
+        size_t b = state_bytes(d, s, sizes[t]);
         std::vector<unsigned char> x(b), y(b);
         Z(zopt_optimizer_read_state_raw(o, (int)t, (zopt_state_kind)kind, x.data(), b));
         Z(zopt_optimizer_read_state_raw(c, (int)t, (zopt_state_kind)kind, y.data(), b));
@@ -170,31 +170,71 @@ int offload_check(Fake &f, zopt_step *step, const char *twin_path) {
     check(ok, std::string("offload: write/read_state_f32(GRAD) address the device grad in its dtype (") + dtype_name(gdt) +
                   ", param " + dtype_name(pdt) + ")");
   }
-  // Checkpoint round trip (the optimizer states are on the CPU).
+  // Every optimizer state of o bit for bit the twin's (storage bytes: q8
+  // codes and their per-block absmax too).
+  auto states_as_twin = [&] {
+    bool same = true;
+    for (size_t t = 0; t < T; ++t)
+      for (uint32_t s = 0; s < d->num_states; ++s) {
+        uint32_t kind = d->states[s].kind;
+        if (kind == ZOPT_STATE_PARAM || kind == ZOPT_STATE_GRAD) continue;
+        size_t b = state_bytes(d, s, sizes[t]);
+        std::vector<unsigned char> x(b), y(b);
+        Z(zopt_optimizer_read_state_raw(o, (int)t, (zopt_state_kind)kind, x.data(), b));
+        Z(zopt_optimizer_read_state_raw(c, (int)t, (zopt_state_kind)kind, y.data(), b));
+        same &= x == y;
+      }
+    return same;
+  };
+  // Checkpoint round trip (the optimizer states are on the CPU): the load
+  // undoes the step after the save.
   std::string ck = std::string(twin_path) + ".offload.ckpt";
   Z(zopt_optimizer_save(o, ck.c_str()));
   Z(zopt_optimizer_step(o, nullptr));
   Z(zopt_optimizer_load(o, ck.c_str()));
   Z(zopt_optimizer_get_step_count(o, 1, &n1));
-  check(n1 == n2, "offload: checkpoint load restores the step count");
+  check(n1 == n2 && states_as_twin(), "offload: checkpoint load restores the step count and every state bit for bit");
   // A checkpoint of the all-CPU twin (a different step: other placements)
   // loads into the offloaded optimizer.
   Z(zopt_optimizer_step(o, nullptr));
   Z(zopt_optimizer_save(c, ck.c_str()));
   Z(zopt_optimizer_load(o, ck.c_str()));
-  bool cross = true;
-  for (size_t t = 0; t < T; ++t)
-    for (uint32_t s = 0; s < d->num_states; ++s) {
-      uint32_t kind = d->states[s].kind;
-      if (kind == ZOPT_STATE_PARAM || kind == ZOPT_STATE_GRAD) continue;
-      std::vector<float> x(sizes[t]), y(sizes[t]);
-      Z(zopt_optimizer_read_state_f32(o, (int)t, (zopt_state_kind)kind, x.data(), sizes[t]));
-      Z(zopt_optimizer_read_state_f32(c, (int)t, (zopt_state_kind)kind, y.data(), sizes[t]));
-      cross &= memcmp(x.data(), y.data(), x.size() * 4) == 0;
-    }
+  bool cross = states_as_twin();
   Z(zopt_optimizer_get_step_count(o, 1, &n1));
   check(cross && n1 == n2, "offload: the all-CPU twin's checkpoint loads into the offloaded optimizer");
   remove(ck.c_str());
+  // An in-memory export of the offloaded optimizer after a step imports
+  // into the twin after the same step; then random moments written through
+  // write_state_f32 on both read back the same (f32 and storage bytes).
+  {
+    Z(zopt_optimizer_step(o, nullptr));
+    Z(zopt_optimizer_step(c, nullptr));
+    void *buf = nullptr;
+    size_t size = 0;
+    Z(zopt_optimizer_export_state(o, &buf, &size, 0));
+    Z(zopt_optimizer_step(c, nullptr));  // changed, then restored by the import
+    Z(zopt_optimizer_import_state(c, buf, size, 0));
+    zopt_state_buffer_free(buf);
+    bool imported = states_as_twin();
+    bool rw = true;
+    for (size_t t = 0; t < T; ++t)
+      for (uint32_t k : {ZOPT_STATE_EXP_AVG, ZOPT_STATE_EXP_AVG_SQ}) {
+        std::vector<float> v(sizes[t]), x(sizes[t]), y(sizes[t]);
+        for (auto &e : v) e = k == ZOPT_STATE_EXP_AVG ? rnd() * 0.1f : std::fabs(rnd()) * 0.01f;
+        zopt_status so = zopt_optimizer_write_state_f32(o, (int)t, (zopt_state_kind)k, v.data(), sizes[t]);
+        zopt_status sc = zopt_optimizer_write_state_f32(c, (int)t, (zopt_state_kind)k, v.data(), sizes[t]);
+        if (so == ZOPT_ERR_INVALID_ARGUMENT && sc == so) continue;  // the step has no such state
+        Z(so);
+        Z(sc);
+        Z(zopt_optimizer_read_state_f32(o, (int)t, (zopt_state_kind)k, x.data(), sizes[t]));
+        Z(zopt_optimizer_read_state_f32(c, (int)t, (zopt_state_kind)k, y.data(), sizes[t]));
+        rw &= memcmp(x.data(), y.data(), x.size() * 4) == 0;
+      }
+    rw &= states_as_twin();
+    f.drain_all();  // the step's param copies (delayed under STRESS) land before the next check resets the params
+    check(imported && rw, "offload: export/import and write/read_state_f32 of the moments: every state bit for bit the "
+                          "twin's");
+  }
 
   // The staging is protected by an event, not by the stream: the params'
   // copies back to the GPU take a while (a slow DMA on stream A); the next
@@ -376,11 +416,12 @@ void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const 
       if (pipelined) {
         // Step 4: a budget of about a quarter of the model (the arena; some
         // buckets updated after validation); otherwise every bucket.
-        uint64_t bpe = 0, n = 0;
+        double bpe = 0;  // bytes per param (a q8 absmax: 4 per block)
+        uint64_t n = 0;
         for (uint32_t s = 0; s < d->num_states; ++s)
-          if (d->states[s].access & ZOPT_ACCESS_WRITE) bpe += dtype_size(d->states[s].dtype);
+          if (d->states[s].access & ZOPT_ACCESS_WRITE) bpe += state_bytes(d, s, ZOPT_Q8_BLOCK) / double(ZOPT_Q8_BLOCK);
         for (int64_t x : sizes) n += (uint64_t)x;
-        Z(zopt_optimizer_set_speculation_budget(o, k == 4 ? n * bpe / 4 : UINT64_MAX));
+        Z(zopt_optimizer_set_speculation_budget(o, k == 4 ? (uint64_t)(n * bpe / 4) : UINT64_MAX));
         int nb = 0;
         Z(zopt_optimizer_num_buckets(o, &nb));
         std::vector<int> order(nb);

@@ -119,10 +119,11 @@ void pipeline_check(Fake &f, zopt_step *step, const char *twin_path) {
   int nb = 0;
   Z(zopt_optimizer_num_buckets(P.o, &nb));
   check(nb >= 4, "pipeline: the offloaded step has " + std::to_string(nb) + " buckets (zopt_optimizer_num_buckets)");
-  // Every state the update writes: what one bucket's speculation costs.
-  uint64_t bytes_per_elem = 0;
+  // Every state the update writes: what one bucket's speculation costs,
+  // per param (a q8 absmax: 4 bytes per block of ZOPT_Q8_BLOCK).
+  double bytes_per_elem = 0;
   for (uint32_t s = 0; s < d->num_states; ++s)
-    if (d->states[s].access & ZOPT_ACCESS_WRITE) bytes_per_elem += dtype_size(d->states[s].dtype);
+    if (d->states[s].access & ZOPT_ACCESS_WRITE) bytes_per_elem += state_bytes(d, s, ZOPT_Q8_BLOCK) / double(ZOPT_Q8_BLOCK);
 
   std::mt19937 order_rng(7);
   struct Plan {
@@ -142,9 +143,9 @@ void pipeline_check(Fake &f, zopt_step *step, const char *twin_path) {
       {"a non-finite grad", 1e-4f, true, -1, DISC},
       {"clipping inactive again", 1e-4f, false, -1, ZOPT_SPEC_COMMIT},
       {"tensors 2 and 6 without a gradient", 1e-4f, false, -1, ZOPT_SPEC_COMMIT, true},
-      {"a budget of two buckets, clipping inactive", 1e-4f, false, (int64_t)(2 * 16384 * bytes_per_elem + 4096),
+      {"a budget of two buckets, clipping inactive", 1e-4f, false, (int64_t)(2 * 16384 * bytes_per_elem) + 4096,
        ZOPT_SPEC_COMMIT},
-      {"a budget of two buckets, clipping active", 0.5f, false, (int64_t)(2 * 16384 * bytes_per_elem + 4096), RECOMP},
+      {"a budget of two buckets, clipping active", 0.5f, false, (int64_t)(2 * 16384 * bytes_per_elem) + 4096, RECOMP},
       {"no speculation (budget 0), clipping active", 0.5f, false, 0, ZOPT_SPEC_COMMIT},
       {"every bucket again, clipping inactive", 1e-4f, false, -1, ZOPT_SPEC_COMMIT},
   };
@@ -241,7 +242,7 @@ void pipeline_check(Fake &f, zopt_step *step, const char *twin_path) {
       for (uint32_t s = 0; s < d->num_states; ++s) {
         uint32_t kind = d->states[s].kind;
         if (kind == ZOPT_STATE_PARAM || kind == ZOPT_STATE_GRAD) continue;
-        size_t b = sizes[t] * dtype_size(d->states[s].dtype);
+        size_t b = state_bytes(d, s, sizes[t]);
         std::vector<unsigned char> x(b), y(b), z(b);
         Z(zopt_optimizer_read_state_raw(P.o, (int)t, (zopt_state_kind)kind, x.data(), b));
         Z(zopt_optimizer_read_state_raw(S.o, (int)t, (zopt_state_kind)kind, y.data(), b));
@@ -259,10 +260,10 @@ void pipeline_check(Fake &f, zopt_step *step, const char *twin_path) {
     Z(zopt_optimizer_memory_info(S.o, &ms));
     uint64_t n = 0;
     for (int64_t x : sizes) n += (uint64_t)x;
-    const uint64_t extra = mp.bytes_cpu - ms.bytes_cpu, want = n * bytes_per_elem;
+    const uint64_t extra = mp.bytes_cpu - ms.bytes_cpu, want = (uint64_t)(n * bytes_per_elem);
     check(extra >= want && extra < want + want / 4 + 65536,
           "pipeline: memory_info counts the speculation buffers (" + std::to_string(extra) + " bytes for " +
-              std::to_string(bytes_per_elem) + " B/param of written states)");
+              std::to_string(bytes_per_elem).substr(0, 5) + " B/param of written states)");
   }
   int64_t cp = 0, cc = 0;
   Z(zopt_optimizer_get_step_count(P.o, 0, &cp));
@@ -338,7 +339,7 @@ void pipeline_check(Fake &f, zopt_step *step, const char *twin_path) {
     for (uint32_t s = 0; s < d->num_states; ++s) {
       uint32_t kind = d->states[s].kind;
       if (kind == ZOPT_STATE_PARAM || kind == ZOPT_STATE_GRAD) continue;
-      size_t b = sizes[t] * dtype_size(d->states[s].dtype);
+      size_t b = state_bytes(d, s, sizes[t]);
       std::vector<unsigned char> x(b), y(b);
       Z(zopt_optimizer_read_state_raw(P.o, (int)t, (zopt_state_kind)kind, x.data(), b));
       Z(zopt_optimizer_read_state_raw(S.o, (int)t, (zopt_state_kind)kind, y.data(), b));
