@@ -661,12 +661,15 @@ def _header(s):
     for k, d in s.states:
         if k == "master":
             continue
-        rd.append((short[k], b[d]))
-        wr.append((short[k], b[d]))
+        # a q8 moment: a 1-byte code and its block's f32 absmax (NUMERICS §10)
+        n = 1 + 4 / 256 if s.q8 and k in ("exp_avg", "exp_avg_sq") else b[d]
+        rd.append((short[k], n))
+        wr.append((short[k], n))
     if s.master:
         wr.append(("p", b[s.param]))
-    L.append(f"// Bytes per parameter and step: read {sum(x for _, x in rd)} "
-             f"({', '.join(n for n, _ in rd)}), write {sum(x for _, x in wr)} "
+    fmt = lambda x: f"{x:g}" if x == int(x) else f"{x:.2f}"  # noqa: E731
+    L.append(f"// Bytes per parameter and step: read {fmt(sum(x for _, x in rd))} "
+             f"({', '.join(n for n, _ in rd)}), write {fmt(sum(x for _, x in wr))} "
              f"({', '.join(n for n, _ in wr)}).")
     return L
 
