@@ -193,6 +193,30 @@ def run(layout, seed, steps, train, val, vocab, every):
                 seconds=time.time() - t0)
 
 
+def plot(runs, path):
+    """The validation curves of every run (a color per layout), whole and
+    from step 500 on."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    layouts = list(dict.fromkeys(r["layout"] for r in runs))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, lo in zip(axes, (0, 500)):
+        for i, layout in enumerate(layouts):
+            for r in (r for r in runs if r["layout"] == layout):
+                pts = [(x, v) for x, _, v in r["curve"] if x >= lo]
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], color=f"C{i}", alpha=0.85,
+                        lw=1.2, label=layout if r["seed"] == 0 else None)
+        ax.set_xlabel("step")
+        ax.set_ylabel("validation loss (nats/char)")
+    seeds = len({r["seed"] for r in runs})
+    axes[0].set_title(f"char transformer, {seeds} seeds per layout")
+    axes[1].set_title("from step 500")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=1000)
@@ -201,7 +225,13 @@ def main(argv=None):
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--json")
     ap.add_argument("--plot")
+    ap.add_argument("--from", dest="from_json", nargs="+",
+                    help="no training: plot (--plot) the runs of these --json files")
     a = ap.parse_args(argv)
+    if a.from_json:
+        runs = [r for f in a.from_json for r in json.load(open(f))["runs"]]
+        plot(runs, a.plot)
+        return {r["layout"]: r["final_val"] for r in runs}
     train, val, vocab = corpus()
     torch.manual_seed(0)
     print(f"# corpus {len(train) + len(val)} bytes, vocab {vocab}; model "
@@ -233,20 +263,7 @@ def main(argv=None):
     if a.json:
         json.dump(dict(runs=runs, table=table, skipped=skipped, steps=a.steps), open(a.json, "w"), indent=1)
     if a.plot:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for i, layout in enumerate(dict.fromkeys(r["layout"] for r in runs)):
-            for r in (r for r in runs if r["layout"] == layout):
-                xs, _, vs = zip(*r["curve"])
-                ax.plot(xs, vs, color=f"C{i}", alpha=0.8, label=layout if r["seed"] == 0 else None)
-        ax.set_xlabel("step")
-        ax.set_ylabel("validation loss (nats/char)")
-        ax.set_title(f"char transformer, {a.seeds} seeds per layout")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(a.plot, dpi=110)
+        plot(runs, a.plot)
     return table
 
 
