@@ -158,7 +158,14 @@ void free_during_step(zopt_step *s) {
     std::thread a([&] {
       started = 1;
       zopt_step_result r;
-      status = (int)zopt_optimizer_step(m.o, &r);
+      // The main thread's zopt_optimizer_get_seed may hold the optimizer
+      // when the step arrives: the step is then refused, changing nothing
+      // (BAD_STATE naming that call, as documented), and is called again.
+      zopt_status st;
+      while ((st = zopt_optimizer_step(m.o, &r)) == ZOPT_ERR_BAD_STATE &&
+             strstr(zopt_last_error(), "zopt_optimizer_get_seed"))
+        std::this_thread::yield();
+      status = (int)st;
     });
     while (!started.load()) std::this_thread::yield();
     // Until the step is seen running (a call on the optimizer is refused
