@@ -16,80 +16,32 @@
 // (zopt_optimizer_get_step_stats: grads to the host, CPU update, params
 // back), the median CPU-only step, and whether both ended with the same
 // params (bit for bit).
-#include "zopt/zopt.h"
+#include "offload_common.h"
 #include "zopt_run_device.h"
 
-#include <algorithm>
-#include <chrono>
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <random>
-#include <string>
-#include <vector>
 
-namespace {
-
-#define Z(call)                                                                                 \
-  do {                                                                                          \
-    if (zopt_status st_ = (call)) {                                                             \
-      std::fprintf(stderr, "zopt-bench-offload: %s: %d %s\n", #call, (int)st_, zopt_last_error()); \
-      std::exit(1);                                                                             \
-    }                                                                                           \
-  } while (0)
-
-double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-size_t dsize(uint32_t d) { return d == ZOPT_DTYPE_F32 ? 4 : d == ZOPT_DTYPE_Q8 ? 1 : 2; }
-// Host bytes per param of a state (a q8 absmax: one f32 per block).
-double state_bpp(const zopt_state_desc &x) {
-  return (double)dsize(x.dtype) / ((x.flags & ZOPT_STATE_PER_BLOCK) ? ZOPT_Q8_BLOCK : 1);
-}
-
-}  // namespace
+using namespace zopt_bench;
+#define Z ZB_CHECK
 
 int main(int argc, char **argv) {
+  prog() = "zopt-bench-offload";
   if (argc < 3) {
     std::fprintf(stderr, "usage: zopt-bench-offload OFFLOAD.so CPU.so [--params N] [--tensors T] [--steps K] "
                          "[--threads P]\n");
     return 2;
   }
-  long long N = 64ll << 20;
-  int T = 64, K = 5, P = 0;
-  for (int i = 3; i + 1 < argc; i += 2) {
-    std::string a = argv[i];
-    long long v = std::atoll(argv[i + 1]);
-    if (a == "--params") N = v;
-    else if (a == "--tensors") T = (int)v;
-    else if (a == "--steps") K = (int)v;
-    else if (a == "--threads") P = (int)v;
-    else {
-      std::fprintf(stderr, "zopt-bench-offload: unknown option %s\n", a.c_str());
-      return 2;
-    }
-  }
-  if (N < T || T < 1 || K < 1) {
-    std::fprintf(stderr, "zopt-bench-offload: need params >= tensors >= 1, steps >= 1\n");
-    return 2;
-  }
+  OffloadOpts opt;
+  if (!parse_opts(argc, argv, 3, opt)) return 2;
+  const long long N = opt.params;
+  const int T = opt.tensors, K = opt.steps, P = opt.threads;
   zopt_step *so = nullptr, *sc = nullptr;
   Z(zopt_step_load(argv[1], &so));
   Z(zopt_step_load(argv[2], &sc));
   const zopt_step_descriptor *d = zopt_step_get_descriptor(so);
-  uint32_t pdt = 0, gdt = 0;
-  double host_state = 0;
-  for (uint32_t s = 0; s < d->num_states; ++s) {
-    const zopt_state_desc &x = d->states[s];
-    if (x.kind == ZOPT_STATE_PARAM) pdt = x.dtype;
-    else if (x.kind == ZOPT_STATE_GRAD) gdt = x.dtype;
-    else host_state += state_bpp(x);
-  }
+  const StepShape shape(d);
+  const uint32_t pdt = shape.pdt, gdt = shape.gdt;
   RunDevice dev;
   std::string why;
   if (!dev.open(&why)) {
@@ -98,7 +50,7 @@ int main(int argc, char **argv) {
   }
   std::printf("offloaded step %s: %.2f B/param of optimizer state on the host; %lld params in %d tensors, %d "
               "steps; device memory of %s\n",
-              d->name, host_state, N, T, K, dev.driver().c_str());
+              d->name, shape.host_state, N, T, K, dev.driver().c_str());
 
   zopt_optimizer *o = nullptr, *c = nullptr;
   Z(zopt_optimizer_create(so, &o));
@@ -114,23 +66,13 @@ int main(int argc, char **argv) {
   std::normal_distribution<float> normal(0.f, 1.f);
   std::vector<std::vector<unsigned char>> hp(T), hg(T);
   std::vector<void *> dp(T), dg(T);
-  auto bits = [](float f, uint32_t dt, unsigned char *out) {
-    if (dt == ZOPT_DTYPE_F32) {
-      std::memcpy(out, &f, 4);
-      return;
-    }
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    uint16_t h = (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);  // bf16, nearest even
-    std::memcpy(out, &h, 2);
-  };
   for (int t = 0; t < T; ++t) {
     long long n = N / T + (t < N % T ? 1 : 0);
     hp[t].resize((size_t)n * dsize(pdt));
     hg[t].resize((size_t)n * dsize(gdt));
     for (long long i = 0; i < n; ++i) {
-      bits(normal(rng) * 0.05f, pdt, &hp[t][(size_t)i * dsize(pdt)]);
-      bits(normal(rng) * 1e-3f, gdt, &hg[t][(size_t)i * dsize(gdt)]);
+      store_as(normal(rng) * 0.05f, pdt, &hp[t][(size_t)i * dsize(pdt)]);
+      store_as(normal(rng) * 1e-3f, gdt, &hg[t][(size_t)i * dsize(gdt)]);
     }
     if (!(dp[t] = dev.upload(hp[t].data(), hp[t].size(), &why)) ||
         !(dg[t] = dev.upload(hg[t].data(), hg[t].size(), &why))) {

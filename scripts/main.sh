@@ -25,3 +25,19 @@ if [[ -z "${ZOPT_CUDA_DRIVER:-}" ]] && grep -q ' on gpu' "$example" && [[ -f "$f
 fi
 echo "== zopt-run $build/main/$name.so $*"
 "$build/bin/zopt-run" "$build/main/$name.so" "$@"
+# An offloaded step (params and grads on the GPU, every optimizer state on
+# the CPU) also runs pipelined behind a simulated backward (docs/GPU.md
+# "Bucket readiness and speculation"): each step's overlapped and exposed
+# time and outcome, against the serial step in the same run. One rank only
+# (the benchmark takes --params/--tensors/--steps/--threads).
+if [[ -n "${ZOPT_CUDA_DRIVER:-}" ]] || /sbin/ldconfig -p 2>/dev/null | grep -q 'libcuda\.so\.1'; then
+  if grep -q ' on gpu' "$example" && ! grep -Eq '^[^/]*zopt\.state (master|exp_avg|exp_avg_sq|max_exp_avg_sq|momentum_buffer)[^/]* on gpu' "$example" &&
+     [[ " $* " != *" --ranks "* && " $* " != *" --mpi "* && " $* " != *" --timeout "* ]]; then
+    args=("$@")
+    [[ " $* " == *" --params "* ]] || args+=(--params 16777216)
+    [[ " $* " == *" --steps "* ]] || args+=(--steps 3)
+    echo
+    echo "== zopt-bench-offload-pipeline $build/main/$name.so ${args[*]}"
+    "$build/bin/zopt-bench-offload-pipeline" "$build/main/$name.so" "${args[@]}"
+  fi
+fi
