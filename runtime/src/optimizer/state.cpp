@@ -80,18 +80,27 @@ static int absmax_of(const zopt_optimizer *o, int si) {
   return state_index(o->d, v ? ZOPT_STATE_EXP_AVG_SQ_ABSMAX : ZOPT_STATE_EXP_AVG_ABSMAX);
 }
 
+// A q8 moment's host staging: its codes and its blocks' absmax (state ai),
+// and whether its map is the unsigned one (exp_avg_sq).
+struct Q8Staging {
+  int ai = 0, uns = 0;
+  std::vector<unsigned char> codes, absmax;
+  zopt_status init(const zopt_optimizer *o, int si, int64_t numel) {
+    ai = absmax_of(o, si);
+    uns = o->d->states[si].kind == ZOPT_STATE_EXP_AVG_SQ;
+    if (zopt_status st = with_staging(numel, ZOPT_DTYPE_Q8, &codes)) return st;
+    return with_staging(state_numel(o->d, ai, numel), ZOPT_DTYPE_F32, &absmax);
+  }
+};
+
 // A q8 moment read as f32: every code decoded with its block's absmax.
 static zopt_status read_q8(const zopt_optimizer *o, int tensor, int si, float *out, int64_t numel) {
-  const int ai = absmax_of(o, si);
-  const int uns = o->d->states[si].kind == ZOPT_STATE_EXP_AVG_SQ;
-  std::vector<unsigned char> codes, absmax;
-  const int64_t nb = state_numel(o->d, ai, numel);
-  if (zopt_status st = with_staging(numel, ZOPT_DTYPE_Q8, &codes)) return st;
-  if (zopt_status st = with_staging(nb, ZOPT_DTYPE_F32, &absmax)) return st;
-  if (zopt_status st = read_storage(o, tensor, si, codes.data(), codes.size())) return st;
-  if (zopt_status st = read_storage(o, tensor, ai, absmax.data(), absmax.size())) return st;
-  const float *a = (const float *)absmax.data();
-  for (int64_t i = 0; i < numel; ++i) out[i] = zopt_q8_decode(codes[(size_t)i], a[i / ZOPT_Q8_BLOCK], uns);
+  Q8Staging q;
+  if (zopt_status st = q.init(o, si, numel)) return st;
+  if (zopt_status st = read_storage(o, tensor, si, q.codes.data(), q.codes.size())) return st;
+  if (zopt_status st = read_storage(o, tensor, q.ai, q.absmax.data(), q.absmax.size())) return st;
+  const float *a = (const float *)q.absmax.data();
+  for (int64_t i = 0; i < numel; ++i) out[i] = zopt_q8_decode(q.codes[(size_t)i], a[i / ZOPT_Q8_BLOCK], q.uns);
   return ZOPT_OK;
 }
 
@@ -99,15 +108,11 @@ static zopt_status read_q8(const zopt_optimizer *o, int tensor, int si, float *o
 // is), each element zopt_q8_encode'd (the kernels' encode): codes and
 // absmax both written.
 static zopt_status write_q8(zopt_optimizer *o, int tensor, int si, const float *in, int64_t numel) {
-  const int ai = absmax_of(o, si);
-  const int uns = o->d->states[si].kind == ZOPT_STATE_EXP_AVG_SQ;
-  std::vector<unsigned char> codes, absmax;
-  const int64_t nb = state_numel(o->d, ai, numel);
-  if (zopt_status st = with_staging(numel, ZOPT_DTYPE_Q8, &codes)) return st;
-  if (zopt_status st = with_staging(nb, ZOPT_DTYPE_F32, &absmax)) return st;
-  q8_encode_n(in, numel, uns, codes.data(), (float *)absmax.data());
-  if (zopt_status st = write_storage(o, tensor, si, codes.data(), codes.size())) return st;
-  return write_storage(o, tensor, ai, absmax.data(), absmax.size());
+  Q8Staging q;
+  if (zopt_status st = q.init(o, si, numel)) return st;
+  q8_encode_n(in, numel, q.uns, q.codes.data(), (float *)q.absmax.data());
+  if (zopt_status st = write_storage(o, tensor, si, q.codes.data(), q.codes.size())) return st;
+  return write_storage(o, tensor, q.ai, q.absmax.data(), q.absmax.size());
 }
 
 ZOPT_API zopt_status zopt_optimizer_read_state_f32(const zopt_optimizer *o, int tensor, zopt_state_kind kind,
