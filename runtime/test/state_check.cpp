@@ -227,6 +227,18 @@ int main(int argc, char **argv) {
       continue;
     }
     const bool gpu = gpu_step(zopt_step_get_descriptor(st));
+    bool model_on_gpu = false;  // an offloaded step: params and grads in device memory
+    for (uint32_t k = 0; k < zopt_step_get_descriptor(st)->num_states; ++k)
+      model_on_gpu |= zopt_step_get_descriptor(st)->states[k].placement == ZOPT_PLACE_GPU;
+    if (!gpu && model_on_gpu && !g_dev_alloc) {
+      // A CUDA driver is present (create succeeded) but the model would be
+      // host memory: only --device-memory gives the offloaded step its own.
+      printf("SKIP %s: an offloaded step, whose params and grads are device memory: run it with "
+             "--device-memory\n", g_name.c_str());
+      zopt_optimizer_free(o);
+      zopt_step_free(st);
+      continue;
+    }
     zopt_optimizer_free(o);
     zopt_step_free(st);
     ++ran;
