@@ -1,4 +1,5 @@
-// checkpoint/checkpoint.cpp - zopt_optimizer_save / zopt_optimizer_load.
+// checkpoint/checkpoint.cpp - the writer of an image and zopt_optimizer_load
+// (saving is save.cpp's, the checkpoint of several parts linked.cpp's).
 //
 // This subsystem owns the checkpoint files (docs/CHECKPOINT.md, format 3):
 // every rank writes the elements it holds, as pieces of tensors (tensor,

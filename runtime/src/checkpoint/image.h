@@ -6,8 +6,10 @@
 // runtime/src/checkpoint/ owns the optimizer's state outside the optimizer:
 // the format (docs/CHECKPOINT.md), written once (checkpoint.cpp) and read
 // once (format.h/.cpp: one image parsed and checked), the set of files of a
-// multi-rank save and its commit (set.h/.cpp), the file API (checkpoint.cpp)
-// and the state in memory (memory.cpp). It reads and writes states only
+// multi-rank save and its commit (set.h/.cpp), the file API (save.cpp:
+// saving; checkpoint.cpp: loading; linked.cpp: the checkpoint of an
+// optimizer of several parts, one save) and the state in memory
+// (memory.cpp). It reads and writes states only
 // through the backend's state access (backend/backend.h).
 //
 // An image is the bytes of one file of the format (docs/CHECKPOINT.md
