@@ -9,6 +9,8 @@
 // back whole (with the step counts, the loss scaler and the seed of both
 // parts): a snapshot, compared bit for bit.
 //
+//  0. Bad arguments (NULL or repeated parts or paths, unknown flags, a rank
+//     passing another path) are refused before anything is written.
 //  1. Save A, step, save B failing in part 1 (its write on each rank, its
 //     fsync) or at rank 0's commit rename: every rank returns the same
 //     error, naming part 1 for its faults; no file is left or changed;
@@ -365,6 +367,53 @@ void test_mixed(const std::string &dir) {
   ckt::spit(o + ".p1", keep_o);
 }
 
+// Bad arguments: refused before anything is written (every rank alike).
+void test_arguments(const std::string &dir) {
+  std::vector<Outcome> out((size_t)g_world);
+  std::atomic<int> ok{0};
+  on_ranks([&](int r, zopt_comm *c) {
+    Opt R;
+    RANK_CK(R.build(c));
+    const std::string p0 = dir + "/args.ck", p1 = p0 + ".p1", other = dir + "/args.other";
+    const char *paths[2] = {p0.c_str(), p1.c_str()}, *same[2] = {p0.c_str(), p0.c_str()},
+               *empty[2] = {p0.c_str(), ""};
+    zopt_optimizer *twice[2] = {R.a.o, R.a.o}, *null1[2] = {R.a.o, nullptr};
+    bool all = true;
+    std::string why;
+    // Each call's status and message, checked right after it.
+    auto expect = [&](zopt_status got, zopt_status want, const char *needle) {
+      const std::string m = zopt_last_error();
+      if (got != want || m.find(needle) == std::string::npos) {
+        all = false;
+        if (why.empty()) why = std::to_string((int)got) + ": " + m;
+      }
+    };
+    expect(zopt_optimizer_save_linked(nullptr, 2, paths), ZOPT_ERR_INVALID_ARGUMENT, "parts is NULL");
+    expect(zopt_optimizer_save_linked(R.parts, 0, paths), ZOPT_ERR_INVALID_ARGUMENT, "n must be");
+    expect(zopt_optimizer_save_linked(R.parts, 2, nullptr), ZOPT_ERR_INVALID_ARGUMENT, "paths is NULL");
+    expect(zopt_optimizer_save_linked(null1, 2, paths), ZOPT_ERR_INVALID_ARGUMENT, "part 1 is NULL");
+    expect(zopt_optimizer_save_linked(twice, 2, paths), ZOPT_ERR_INVALID_ARGUMENT, "the same optimizer");
+    expect(zopt_optimizer_save_linked(R.parts, 2, same), ZOPT_ERR_INVALID_ARGUMENT, "the same path");
+    expect(zopt_optimizer_save_linked(R.parts, 2, empty), ZOPT_ERR_INVALID_ARGUMENT, "path 1 is NULL or empty");
+    expect(zopt_optimizer_load_linked(R.parts, 2, paths, 0x100), ZOPT_ERR_INVALID_ARGUMENT, "unknown flags");
+    expect(zopt_optimizer_load_linked(R.parts, 2, paths, 0), ZOPT_ERR_IO, "args.ck");
+    // A rank passing another part-1 path: refused on every rank, nothing
+    // written, the ranks still in step.
+    if (g_world > 1) {
+      const char *mine[2] = {p0.c_str(), (r == g_world - 1 ? other : p1).c_str()};
+      expect(zopt_optimizer_save_linked(R.parts, 2, mine), ZOPT_ERR_INVALID_ARGUMENT, "same path");
+    }
+    all = all && files_of(dir, "args.").empty();
+    if (!all) report(false, "rank %d: %s", r, why.c_str());
+    RANK_CK(R.save(p0) == ZOPT_OK);  // the ranks are still in step
+    if (all) ++ok;
+  });
+  report(ok == g_world && files_of(dir, "args.").size() == 2 * (size_t)g_world,
+         "W=%d: bad arguments (NULL or repeated parts, NULL, empty or repeated paths, unknown flags, a rank "
+         "passing another path) are refused before anything is written",
+         g_world);
+}
+
 }  // namespace
 
 int main(int argc, char **argv) {
@@ -384,6 +433,7 @@ int main(int argc, char **argv) {
     fprintf(stderr, "usage: zopt-ckpt-linked-check PART0.so PART1.so --world=W --dir=DIR\n");
     return 2;
   }
+  test_arguments(dir);
   test_faults(dir);
   test_mixed(dir);
   printf("%d passed, %d failed\n", g_pass, g_fail);
