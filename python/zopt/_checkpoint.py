@@ -14,6 +14,7 @@ the parts loaded before it back.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import struct
 
@@ -494,30 +495,70 @@ def checkpoint_files(opt, path):
     return {c.cls: part_path(path, c.cls, i == 0) for i, c in enumerate(opt._parts)}
 
 
+def _linked_args(handles, files):
+    """(what to keep alive, the parts' array, the paths' array) for
+    zopt_optimizer_save_linked / _load_linked."""
+    bufs = [ctypes.create_string_buffer(os.fspath(f).encode()) for f in files]
+    kh, harr = _lib.c_array(ctypes.c_void_p, [h.value for h in handles])
+    kp, parr = _lib.c_array(ctypes.c_void_p, [ctypes.addressof(b) for b in bufs])
+    return (bufs, kh, kp), harr, parr
+
+
 def save(opt, path):
+    """One checkpoint: with several classes ONE linked save (one identity,
+    one commit point: docs/CHECKPOINT.md "Linked saves"), so that a save
+    that fails or dies part-way leaves the previous checkpoint of every
+    class, or this one."""
     opt._prepare()
     opt._push_hypers()
+    parts = opt._parts
+    files = list(checkpoint_files(opt, path).values())
     with collective_errors(opt, "save"):
-        for c, f in zip(opt._parts, checkpoint_files(opt, path).values()):
+        if len(parts) == 1:
+            c, f = parts[0], files[0]
             check(c.lib.zopt_optimizer_save(c.h, os.fspath(f).encode()), f"save({f})")
+            return
+        keep, harr, parr = _linked_args([c.h for c in parts], files)
+        check(parts[0].lib.zopt_optimizer_save_linked(harr, len(parts), parr),
+              f"save({os.fspath(path)})")
+        del keep
 
 
 def load(opt, path, allow_rule_change):
     files = checkpoint_files(opt, path)
+    parts = opt._parts
+    # Several classes: one linked load (the classes of one save, or none;
+    # every class staged before any changes), unless a file needs
+    # zopt._frozen.load_legacy (written before linked saves).
+    linked = len(parts) > 1 and all(_frozen.legacy_groups(c, f) is None
+                                    for c, f in zip(parts, files.values()))
     if opt._mapped:  # each file holds its class's tensors: checked before anything changes
-        _check_files(opt, path, files)
+        _check_files(opt, path, files, linked)
     opt._prepare()
     pending = []
     with collective_errors(opt, "load"):
-        _apply_to_parts(opt, lambda c, f: pending.append((c, part_load_file(
-            c, f, allow_rule_change))), list(files.values()))
+        if linked:
+            flags = _lib.LOAD_ALLOW_RULE_CHANGE if allow_rule_change else 0
+            keep, harr, parr = _linked_args([c.handle() for c in parts], files.values())
+            check(parts[0].lib.zopt_optimizer_load_linked(harr, len(parts), parr, flags),
+                  f"load({os.fspath(path)})")
+            del keep
+            pending = [(c, _after_part_load(c)) for c in parts]
+        else:
+            _apply_to_parts(opt, lambda c, f: pending.append((c, part_load_file(
+                c, f, allow_rule_change))), list(files.values()))
         _after_file_loads(opt)
         finish_master_loads(pending, "load")
 
 
-def _check_files(opt, path, files):
-    for c, f in zip(opt._parts, files.values()):
+def _check_files(opt, path, files, linked=False):
+    for i, (c, f) in enumerate(zip(opt._parts, files.values())):
         if not os.path.exists(f):
+            d, base = os.path.split(os.fspath(f))
+            if linked and i > 0 and any(n.startswith(base + ".0-of-")
+                                        for n in os.listdir(d or ".")):
+                continue  # (a linked save that died before this rename: the runtime judges it)
+
             raise ZoptError(Status.IO, f"load({path}): class {c.cls!r} is read from {f}, "
                             "which does not exist (the files of this optimizer: "
                             + ", ".join(f"{k}: {v}" for k, v in files.items()) + ")")
@@ -554,6 +595,12 @@ def part_load_file(c, path, allow_rule_change=False, image=None):
               f"load({path})")
     else:
         c.import_image(image, flags, f"load({path})")
+    return _after_part_load(c)
+
+
+def _after_part_load(c):
+    """Part c's binding state after the runtime loaded it; returns the
+    params' update (loaded_master_pending)."""
     c.scaler_cfg = c.scaler_config_now()  # (for the native optimizers built later)
     c.seed_value = c.get_seed()
     _params.reset_watch(c)

@@ -296,6 +296,11 @@ _SIGS = {
     "zopt_optimizer_save": (_S, [_P, ctypes.c_char_p]),
     "zopt_optimizer_load": (_S, [_P, ctypes.c_char_p]),
     "zopt_optimizer_load_ex": (_S, [_P, ctypes.c_char_p, ctypes.c_uint32]),
+    # paths: a C array of char * (c_array of c_void_p: each a buffer's address)
+    "zopt_optimizer_save_linked": (_S, [ctypes.POINTER(_P), ctypes.c_int,
+                                        ctypes.POINTER(ctypes.c_void_p)]),
+    "zopt_optimizer_load_linked": (_S, [ctypes.POINTER(_P), ctypes.c_int,
+                                        ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint32]),
     "zopt_optimizer_memory_info": (_S, [_P, ctypes.POINTER(MemoryInfo)]),
     "zopt_optimizer_set_stream": (_S, [_P, _P]),
     "zopt_optimizer_gpu_result": (_S, [_P, ctypes.POINTER(StepResult)]),

@@ -193,6 +193,27 @@ void test_files(const std::string &dir) {
   ZT_ERR(zopt_optimizer_load(a.o, (path + ".bad").c_str()), ZOPT_ERR_CHECKPOINT);
   ZT_CHECK(strstr(zopt_last_error(), "format version 4") != nullptr);
 
+  // Header flags: bit 1 (`linked`, a part of a linked save) is read (a
+  // plain load of such a file loads it); bit 2 is a newer writer's, and
+  // `linked` in a format-2 file is refused (it has no identity).
+  bad = good;
+  bad[12] = 2;
+  ckt::reseal(bad);
+  spit(path + ".linked", bad);
+  ZT_OK(zopt_optimizer_load(a.o, (path + ".linked").c_str()));
+  bad[12] = 4;
+  ckt::reseal(bad);
+  spit(path + ".bad", bad);
+  ZT_ERR(zopt_optimizer_load(a.o, (path + ".bad").c_str()), ZOPT_ERR_CHECKPOINT);
+  ZT_CHECK(strstr(zopt_last_error(), "flags 0x4: bits this runtime does not know") != nullptr);
+  bad = ckt::to_format2(good);
+  bad[12] = 2;
+  ckt::reseal(bad);
+  spit(path + ".bad", bad);
+  ZT_ERR(zopt_optimizer_load(a.o, (path + ".bad").c_str()), ZOPT_ERR_CHECKPOINT);
+  ZT_CHECK(strstr(zopt_last_error(), "cannot be a part of a linked save") != nullptr);
+  printf("  format 2 with flag 'linked' -> %s\n", zopt_last_error());
+
   // Group flags (format 3): bit 0 (maximize) loads and is saved again; an
   // unknown bit is refused and changes nothing.
   bad = good;

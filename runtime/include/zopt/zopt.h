@@ -544,6 +544,30 @@ ZOPT_API zopt_status zopt_optimizer_load_ex(zopt_optimizer *opt, const char *pat
 /* zopt_optimizer_load_ex(opt, path, 0). */
 ZOPT_API zopt_status zopt_optimizer_load(zopt_optimizer *opt, const char *path);
 
+/* The checkpoint of an optimizer of several parts (one optimizer per
+ * parameter class, as zopt_optimizer_step_linked takes them): ONE save
+ * (collective; one identity, agreed with the check that every rank passed
+ * the same paths) writes part i to paths[i] (its rank files beside it, as
+ * zopt_optimizer_save's), and ONE rename - rank 0's of part 0's file to
+ * paths[0] - commits all of them: a save that fails or dies at any point
+ * leaves the previous checkpoint of every part, or this one (its files
+ * flagged `linked`, docs/CHECKPOINT.md "Linked saves"). The parts must be
+ * distinct, finalized and idle, of the same world and rank, the paths
+ * distinct and non-empty (else ZOPT_ERR_INVALID_ARGUMENT or _BAD_STATE
+ * naming the part, nothing written). n = 1 is zopt_optimizer_save. */
+ZOPT_API zopt_status zopt_optimizer_save_linked(zopt_optimizer *const *parts, int n, const char *const *paths);
+/* Loads the parts of one linked save (load_ex's flags and checks, every
+ * part staged before any changes, on every rank): part 0's set at
+ * paths[0] names the save; a part whose file at paths[i] belongs to
+ * another save (and whose file of this save is not beside it: a save that
+ * died after its commit) is refused with ZOPT_ERR_CHECKPOINT naming the
+ * part, its path and both identities, nothing changed on any part. A part
+ * 0 saved by zopt_optimizer_save (an older checkpoint): every part loads
+ * the file at its path, unchecked against the others (but all or
+ * nothing). */
+ZOPT_API zopt_status zopt_optimizer_load_linked(zopt_optimizer *const *parts, int n, const char *const *paths,
+                                                uint32_t flags);
+
 /* ---- the state in memory (docs/CHECKPOINT.md "In memory") --------------
  *
  * The same state as a checkpoint, as the bytes of the checkpoint format

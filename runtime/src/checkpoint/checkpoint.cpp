@@ -1,4 +1,5 @@
-// checkpoint/checkpoint.cpp - zopt_optimizer_save / zopt_optimizer_load.
+// checkpoint/checkpoint.cpp - the writer of an image and zopt_optimizer_load
+// (saving is save.cpp's, the checkpoint of several parts linked.cpp's).
 //
 // This subsystem owns the checkpoint files (docs/CHECKPOINT.md, format 3):
 // every rank writes the elements it holds, as pieces of tensors (tensor,
@@ -167,71 +168,6 @@ void copy_and_hash(const zopt_optimizer *o, std::vector<Piece> &pieces, const st
   }
 }
 
-bool write_all_at(int fd, const void *p, size_t n, uint64_t off) {
-  const char *c = (const char *)p;
-  while (n) {
-    ssize_t w = ::pwrite(fd, c, n, (off_t)off);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      return false;
-    }
-    c += w;
-    n -= (size_t)w;
-    off += (uint64_t)w;
-  }
-  return true;
-}
-
-// A rank's file of a save (a name no other save uses): written, fsync'd
-// (finish); removed unless finished.
-class FileSink : public ckpt::Sink {
- public:
-  FileSink(std::string file, ckpt::Fault fault) : file_(std::move(file)), fault_(fault) {}
-  ~FileSink() override {
-    if (fd_ >= 0) {
-      ::close(fd_);
-      ::unlink(file_.c_str());
-    }
-  }
-  zopt_status begin(uint64_t) override {
-    fd_ = ::open(file_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd_ < 0) return fail(ZOPT_ERR_IO, "cannot create '%s': %s", file_.c_str(), strerror(errno));
-    return ZOPT_OK;
-  }
-  zopt_status write_at(uint64_t off, const void *p, size_t n) override {
-    if (fault_ == ckpt::Fault::kWrite) {  // test fault: the first write fails
-      errno = EIO;
-      return io_fail("cannot write");
-    }
-    if (!write_all_at(fd_, p, n, off)) return io_fail("cannot write");
-    return ZOPT_OK;
-  }
-  // The file durable under its name (before the commit).
-  zopt_status finish() {
-    if (fault_ == ckpt::Fault::kFsync) errno = EIO;
-    if (fault_ == ckpt::Fault::kFsync || ::fsync(fd_) != 0) return io_fail("cannot fsync");
-    const int fd = fd_;
-    fd_ = -1;
-    if (::close(fd) != 0) {
-      int e = errno;
-      ::unlink(file_.c_str());
-      return fail(ZOPT_ERR_IO, "cannot close '%s': %s", file_.c_str(), strerror(e));
-    }
-    ckpt::fsync_dir(file_);  // its name is durable before the commit
-    return ZOPT_OK;
-  }
-
- private:
-  zopt_status io_fail(const char *what) {
-    int e = errno;
-    return fail(ZOPT_ERR_IO, "%s '%s': %s%s", what, file_.c_str(), strerror(e),
-                fault_ == ckpt::Fault::kWrite || fault_ == ckpt::Fault::kFsync ? " (ZOPT_TEST_SAVE_FAULT)" : "");
-  }
-  std::string file_;
-  ckpt::Fault fault_;
-  int fd_ = -1;
-};
-
 }  // namespace
 
 namespace zopt {
@@ -246,7 +182,7 @@ bool saved_state(const zopt_optimizer *o, uint32_t s) {
 }
 
 zopt_status write_image(const zopt_optimizer *o, const SaveId &id, bool whole, Sink &sink, const char *fn,
-                        bool checksums) {
+                        bool checksums, bool linked) {
   const zopt_step_descriptor *d = o->d;
   std::vector<uint32_t> kinds;  // descriptor indices of the saved states
   for (uint32_t s = 0; s < d->num_states; ++s)
@@ -270,7 +206,7 @@ zopt_status write_image(const zopt_optimizer *o, const SaveId &id, bool whole, S
       }
     w.bytes(kMagic2, 8);
     w.put<uint32_t>(kVersion);
-    w.put<uint32_t>(checksums ? 0u : kFlagNoChecksums);
+    w.put<uint32_t>((checksums ? 0u : ckpt::kFlagNoChecksums) | (linked ? ckpt::kFlagLinked : 0u));
     w.put<uint64_t>(0);  // header size, patched below
     w.put<uint64_t>(d->checksum);
     w.bytes(d->name, ZOPT_NAME_LEN);
@@ -409,53 +345,6 @@ zopt_status write_image(const zopt_optimizer *o, const SaveId &id, bool whole, S
 }  // namespace ckpt
 }  // namespace zopt
 
-extern "C" {
-
-// ---- save ------------------------------------------------------------------
-
-// Writes this rank's file of the set `id` to `file` (a name no other save
-// uses), fsync'd; on failure the file is removed.
-static zopt_status save_file(const zopt_optimizer *o, const std::string &file, const ckpt::SaveId &id,
-                             ckpt::Fault fault) {
-  FileSink sink(file, fault);
-  if (zopt_status st = ckpt::write_image(o, id, false, sink, "zopt_optimizer_save")) return st;
-  return sink.finish();
-}
-
-ZOPT_API zopt_status zopt_optimizer_save(const zopt_optimizer *co, const char *path) {
-  zopt_optimizer *o = const_cast<zopt_optimizer *>(co);
-  ZOPT_ENTER_CALL(o, "zopt_optimizer_save");
-  if (zopt_status st = check_idle(o, "zopt_optimizer_save")) return st;
-  if (!path || !*path) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_save: path is NULL or empty");
-  if (!o->finalized) return fail(ZOPT_ERR_BAD_STATE, "zopt_optimizer_save: call zopt_optimizer_finalize first");
-  // Step counts and scaler from where the backend keeps them (the device:
-  // waits for the stream).
-  if (zopt_status st = o->backend->pull(o)) return st;
-  // docs/CHECKPOINT.md "Saving": an identity every rank agrees on; every
-  // rank writes its file under a name of that identity (the previous set
-  // stays untouched) and fsyncs it; the ranks agree that all did; then one
-  // rename on rank 0 commits the set (set.cpp, ckpt::commit).
-  ckpt::SaveId id;
-  if (zopt_status st = ckpt::agree_save_id(o, path, &id)) return st;
-  const ckpt::Fault fault = ckpt::save_fault(o->rank);
-  const std::string mine = ckpt::set_file(path, (uint32_t)o->rank, (uint32_t)o->world, id);
-  zopt_status st = save_file(o, mine, id, fault);
-  if (fault == ckpt::Fault::kDieEarly && !st) return ckpt::die(o, "before the ranks agreed");
-  bool lost = false;
-  if (zopt_status ag = ckpt::agree_status(o, st, "SAVE status", 0, &lost)) {
-    if (!st) ::unlink(mine.c_str());
-    if (lost)  // a rank failed or stopped answering: nothing was committed
-      return fail(ag,
-                  "zopt_optimizer_save('%s'): a rank failed or stopped answering before the commit; the previous "
-                  "checkpoint there (if any) is unchanged. The communicator: %s",
-                  path, std::string(zopt_last_error()).c_str());
-    return ag;
-  }
-  return ckpt::commit(o, path, mine, fault);
-}
-
-}  // extern "C"
-
 // ---- load ------------------------------------------------------------------
 
 using ckpt::Staged;
@@ -490,19 +379,20 @@ static zopt_status stage_files(zopt_optimizer *o, const Files &files, const char
 namespace zopt {
 namespace ckpt {
 
-zopt_status stage_path(zopt_optimizer *o, const char *path, uint32_t flags, Staged &out) {
+zopt_status stage_path(zopt_optimizer *o, const char *path, uint32_t flags, Staged &out, const char *file0) {
   // 1. The file set: rank 0's file names the world size that wrote it.
   Files files;
   files.emplace_back(new File);
-  if (zopt_status st = read_header(*files[0], path)) return st;
+  if (!file0) file0 = path;
+  if (zopt_status st = read_header(*files[0], file0)) return st;
   if (files[0]->version == 1) {
     if (zopt_status st = read_v1(*files[0])) return st;
   } else if (files[0]->rank != 0) {
-    return ck_fail(path, "is rank %u's file of %u; load the set through rank 0's file", files[0]->rank,
+    return ck_fail(file0, "is rank %u's file of %u; load the set through rank 0's file", files[0]->rank,
                    files[0]->world);
   }
   const File &f0 = *files[0];
-  const std::string ref = std::string("rank 0's file '") + path + "'", set = std::string("'") + path + "'";
+  const std::string ref = std::string("rank 0's file '") + file0 + "'", set = std::string("'") + path + "'";
   for (uint32_t q = 1; q < f0.world; ++q) {
     files.emplace_back(new File);
     File &f = *files.back();
@@ -510,7 +400,7 @@ zopt_status stage_path(zopt_optimizer *o, const char *path, uint32_t flags, Stag
         f0.version >= 3 ? ckpt::set_file(path, q, f0.world, f0.id) : ckpt::v2_file(path, q, f0.world);
     if (zopt_status st = read_header(f, fq))
       return st == ZOPT_ERR_IO ? fail(st, "%s (rank %u's file of the %u-rank checkpoint set that '%s' names)",
-                                      std::string(zopt_last_error()).c_str(), q, f0.world, path)
+                                      std::string(zopt_last_error()).c_str(), q, f0.world, file0)
                                : st;
     if (zopt_status st = check_member(f, f0, ref.c_str(), set.c_str())) return st;
     if (f.rank != q)

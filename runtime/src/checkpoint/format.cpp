@@ -123,15 +123,19 @@ zopt_status read_header(File &f, const std::string &path) {
   memcpy(&hsize, fixed + 16, 8);
   if (version != 2 && version != kVersion)
     return ck_fail(path, "format version %u, this runtime reads versions 1 to %u", version, kVersion);
-  if (flags == kFlagNoChecksums && !f.mem)
+  if ((flags & kFlagNoChecksums) && !f.mem)
     return ck_fail(path,
                    "flags 0x%x: an image without piece checksums (ZOPT_EXPORT_NO_CHECKSUMS) is only read from "
                    "memory by the process that exported it, never from a file: export it with checksums (flags "
                    "without ZOPT_EXPORT_NO_CHECKSUMS) or save it with zopt_optimizer_save to keep it",
                    flags);
-  if (flags & ~kFlagNoChecksums)
+  if (flags & ~(kFlagNoChecksums | kFlagLinked))
     return ck_fail(path, "flags 0x%x: bits this runtime does not know (a newer writer?)", flags);
+  if ((flags & kFlagLinked) && version < 3)
+    return ck_fail(path, "flags 0x%x: a format %u file cannot be a part of a linked save (it has no identity)", flags,
+                   version);
   f.checksums = !(flags & kFlagNoChecksums);
+  f.linked = flags & kFlagLinked;
   if (hsize < 24 || hsize > f.size - 8 || hsize > (uint64_t)1 << 34)
     return ck_fail(path, "header size %llu outside the file", (unsigned long long)hsize);
   std::vector<unsigned char> h;

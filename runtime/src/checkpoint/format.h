@@ -26,6 +26,9 @@ inline constexpr uint32_t kGroupFlagsKnown = 1u;       // bit 0: maximize (Group
 // Header flags, bit 0: the pieces carry no checksum (ZOPT_EXPORT_NO_CHECKSUMS);
 // read only from an image in memory, never from a file.
 inline constexpr uint32_t kFlagNoChecksums = 1u;
+// Header flags, bit 1: a file of a linked save (zopt_optimizer_save_linked):
+// every part of that save has this file's identity (format 3 only).
+inline constexpr uint32_t kFlagLinked = 2u;
 inline constexpr uint64_t kFnvBasisV1 = 1469598103934665603ull;  // format 1's (wrong) basis
 inline constexpr size_t kDataAlign = 64;
 inline constexpr uint32_t kMaxRanks = 1u << 20;
@@ -48,6 +51,7 @@ struct File {
   std::string path;
   uint32_t version = 0, world = 1, rank = 0;
   bool checksums = true;  // false: kFlagNoChecksums (an image in memory)
+  bool linked = false;    // kFlagLinked: a part of a linked save
   SaveId id;  // format 3
   uint64_t desc_sum = 0;
   char name[ZOPT_NAME_LEN + 1] = {0};

@@ -6,8 +6,10 @@
 // runtime/src/checkpoint/ owns the optimizer's state outside the optimizer:
 // the format (docs/CHECKPOINT.md), written once (checkpoint.cpp) and read
 // once (format.h/.cpp: one image parsed and checked), the set of files of a
-// multi-rank save and its commit (set.h/.cpp), the file API (checkpoint.cpp)
-// and the state in memory (memory.cpp). It reads and writes states only
+// multi-rank save and its commit (set.h/.cpp), the file API (save.cpp:
+// saving; checkpoint.cpp: loading; linked.cpp: the checkpoint of an
+// optimizer of several parts, one save) and the state in memory
+// (memory.cpp). It reads and writes states only
 // through the backend's state access (backend/backend.h).
 //
 // An image is the bytes of one file of the format (docs/CHECKPOINT.md
@@ -53,9 +55,9 @@ class Sink {
 // the API call in errors. checksums = false (ZOPT_EXPORT_NO_CHECKSUMS, an
 // image in memory for the process that wrote it): every piece's checksum is
 // 0 and the header's flags say so (kFlagNoChecksums); the header keeps its
-// own checksum.
+// own checksum. linked: a part of a linked save (the header's kFlagLinked).
 zopt_status write_image(const zopt_optimizer *o, const SaveId &id, bool whole, Sink &sink, const char *fn,
-                        bool checksums = true);
+                        bool checksums = true, bool linked = false);
 
 // ---- reading, staging, applying ---------------------------------------------
 
@@ -85,12 +87,26 @@ struct Staged {
 bool saved_state(const zopt_optimizer *o, uint32_t s);
 
 // Stages a load of the set of files that `path` names (zopt_optimizer_load).
-zopt_status stage_path(zopt_optimizer *o, const char *path, uint32_t flags, Staged &out);
+// `file0` (if given) is read as rank 0's file instead of `path` (a linked
+// save's part whose rename to `path` did not happen: linked.cpp); the other
+// ranks' files are derived from `path` as always.
+zopt_status stage_path(zopt_optimizer *o, const char *path, uint32_t flags, Staged &out,
+                       const char *file0 = nullptr);
 // Stages a load of n images in memory: one whole image (world 1), or
 // images of one export at W ranks (each rank's at most once) that hold
 // every element this rank needs (zopt_optimizer_import_state_set).
 zopt_status stage_memory(zopt_optimizer *o, int n, const void *const *bufs, const size_t *sizes, uint32_t flags,
                          Staged &out);
+// Writes this rank's file of the save `id` to `file` (a name no other save
+// uses), fsync'd; on failure the file is removed (save.cpp). `fault`: the
+// test hook's write and fsync faults; `linked`: write_image's.
+zopt_status save_file(const zopt_optimizer *o, const std::string &file, const SaveId &id, Fault fault, bool linked,
+                      const char *fn);
+// A save of the n parts of one optimizer (n = 1: zopt_optimizer_save; n >
+// 1: zopt_optimizer_save_linked, its files flagged kFlagLinked) to
+// paths[i]: one identity, one commit point (docs/CHECKPOINT.md "Saving").
+// The arguments checked by the caller; `fn` names it in errors.
+zopt_status save_parts(zopt_optimizer *const *parts, int n, const char *const *paths, const char *fn);
 // Applies a staged load on this rank (after the ranks agreed): states,
 // step counts, group flags and hyperparameters, the loss scaler and the
 // seed. Fails only if a GPU step's device does.

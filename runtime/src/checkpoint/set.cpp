@@ -60,18 +60,25 @@ zopt_status agree_status(zopt_optimizer *o, zopt_status st, const char *what, ui
   return ZOPT_OK;
 }
 
-Fault save_fault(int rank) {
+Fault save_fault(int rank, int *part) {
+  if (part) *part = 0;
   const char *e = getenv("ZOPT_TEST_SAVE_FAULT");
   if (!e || !*e) return Fault::kNone;
   char *end = nullptr;
   long r = strtol(e, &end, 10);
   if (end == e || *end != ':' || r != rank) return Fault::kNone;
   std::string stage = end + 1;
+  const size_t colon = stage.find(':');
+  if (colon != std::string::npos) {  // :<part>
+    if (part) *part = atoi(stage.c_str() + colon + 1);
+    stage.resize(colon);
+  }
   if (stage == "write") return Fault::kWrite;
   if (stage == "fsync") return Fault::kFsync;
   if (stage == "rename") return Fault::kRename;
   if (stage == "die") return Fault::kDie;
   if (stage == "die-early") return Fault::kDieEarly;
+  if (stage == "after-commit") return Fault::kAfterCommit;
   return Fault::kNone;
 }
 
@@ -122,7 +129,7 @@ void fsync_dir(const std::string &path) {
   }
 }
 
-zopt_status agree_save_id(zopt_optimizer *o, const char *path, SaveId *id, const char *what) {
+zopt_status agree_save_id(zopt_optimizer *o, const std::string &key, SaveId *id, const char *what) {
   if (o->rank == 0) random_id(id);
   if (o->world == 1) return ZOPT_OK;
   struct Msg {
@@ -130,7 +137,7 @@ zopt_status agree_save_id(zopt_optimizer *o, const char *path, SaveId *id, const
     uint64_t path_hash;
   } mine{}, *all = nullptr;
   memcpy(mine.id, id->b, kSaveIdBytes);
-  mine.path_hash = fnv1a64(path, strlen(path));
+  mine.path_hash = fnv1a64(key.data(), key.size());
   std::vector<Msg> v((size_t)o->world);
   all = v.data();
   // The save's first collective: nothing written yet (kSigUnchanged).
@@ -159,23 +166,37 @@ zopt_status die(zopt_optimizer *o, const char *when) {
   return fail(ZOPT_ERR_COMM, "zopt_optimizer_save: ZOPT_TEST_SAVE_FAULT: rank %d died %s", o->rank, when);
 }
 
-zopt_status commit(zopt_optimizer *o, const char *path, const std::string &mine, Fault fault) {
+zopt_status commit(zopt_optimizer *o, const std::vector<std::string> &paths, const std::vector<std::string> &mine,
+                   Fault fault, const char *fn) {
   if (fault == Fault::kDie) return die(o, "during the commit");
-  // The commit point: one rename, on rank 0.
+  const size_t n = paths.size();
+  const char *path = paths[0].c_str();
+  // The commit point: one rename, on rank 0, of part 0's file.
   zopt_status st = ZOPT_OK;
+  std::vector<bool> kept(n, false);  // rank 0: a part's file left under its set name
   if (o->rank == 0) {
     int e = 0;
     if (fault == Fault::kRename)
       e = EIO;
-    else if (::rename(mine.c_str(), path) != 0)
+    else if (::rename(mine[0].c_str(), path) != 0)
       e = errno;
     if (e) {
-      ::unlink(mine.c_str());
-      st = fail(ZOPT_ERR_IO, "zopt_optimizer_save: cannot rename '%s' to '%s' (the commit): %s%s; the previous "
+      ::unlink(mine[0].c_str());
+      st = fail(ZOPT_ERR_IO, "%s: cannot rename '%s' to '%s' (the commit): %s%s; the previous "
                              "checkpoint there (if any) is unchanged",
-                mine.c_str(), path, strerror(e), fault == Fault::kRename ? " (ZOPT_TEST_SAVE_FAULT)" : "");
+                fn, mine[0].c_str(), path, strerror(e), fault == Fault::kRename ? " (ZOPT_TEST_SAVE_FAULT)" : "");
     } else {
       fsync_dir(path);
+      if (fault == Fault::kAfterCommit) return die(o, "after the commit, before the renames of the other parts");
+      // Committed. The other parts' files to their paths: not the commit
+      // (a load finds a file whose rename failed under its set name, which
+      // is kept).
+      for (size_t i = 1; i < n; ++i) {
+        if (::rename(mine[i].c_str(), paths[i].c_str()) != 0)
+          kept[i] = true;
+        else
+          fsync_dir(paths[i]);
+      }
     }
   }
   // Every rank learns the outcome (rank 0's rename), with the same message.
@@ -184,19 +205,22 @@ zopt_status commit(zopt_optimizer *o, const char *path, const std::string &mine,
   if (lost) {
     std::string why = zopt_last_error();
     return fail(ZOPT_ERR_COMM,
-                "zopt_optimizer_save('%s'): a rank failed or stopped answering during the commit, so the ranks "
+                "%s('%s'): a rank failed or stopped answering during the commit, so the ranks "
                 "cannot agree on its outcome. '%s' names a whole checkpoint set (this save's if rank 0 had "
                 "committed it, else the previous one); files of the other set stay until the next save. The "
                 "communicator: %s",
-                path, path, why.c_str());
+                fn, path, path, why.c_str());
   }
   if (st) {
-    ::unlink(mine.c_str());  // not committed: the previous set stays
+    for (const std::string &f : mine) ::unlink(f.c_str());  // not committed: the previous set stays
     return st;
   }
   // Committed: the files of older sets (and of failed saves) go now.
-  const size_t slash = mine.rfind('/');
-  remove_strays(path, o->rank, o->world, o->rank == 0 ? std::string() : mine.substr(slash + 1));
+  for (size_t i = 0; i < n; ++i) {
+    const size_t slash = mine[i].rfind('/');
+    const std::string base = mine[i].substr(slash == std::string::npos ? 0 : slash + 1);
+    remove_strays(paths[i], o->rank, o->world, o->rank == 0 && !kept[i] ? std::string() : base);
+  }
   return ZOPT_OK;
 }
 

@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace zopt {
 namespace ckpt {
@@ -44,31 +45,41 @@ zopt_status agree_status(zopt_optimizer *o, zopt_status st, const char *what, ui
 // fsync of the directory holding `path` (best effort).
 void fsync_dir(const std::string &path);
 
-// Test-only fault injection: ZOPT_TEST_SAVE_FAULT=<rank>:<stage> makes that
-// rank's save fail at one stage of the commit: `write` (writing its file),
-// `fsync` (syncing it), `rename` (rank 0's commit rename; other ranks have
-// none), `die-early` (with its file written, before the ranks agree that
-// all are: the rank stops answering, its communicator aborted as a dead
-// process's would be) or `die` (the same once every rank's file is durable
-// and the ranks agreed so).
-enum class Fault { kNone, kWrite, kFsync, kRename, kDieEarly, kDie };
-Fault save_fault(int rank);
+// Test-only fault injection: ZOPT_TEST_SAVE_FAULT=<rank>:<stage>[:<part>]
+// makes that rank's save fail at one stage of the commit: `write` (writing
+// its file of part <part>, default 0), `fsync` (syncing it), `rename` (rank
+// 0's commit rename; other ranks have none), `die-early` (with its files
+// written, before the ranks agree that all are: the rank stops answering,
+// its communicator aborted as a dead process's would be), `die` (the same
+// once every rank's file is durable and the ranks agreed so) or
+// `after-commit` (rank 0 dies right after its commit rename, before the
+// renames of a linked save's parts i > 0).
+enum class Fault { kNone, kWrite, kFsync, kRename, kDieEarly, kDie, kAfterCommit };
+// The fault of this rank's save; *part: the part whose file it hits (write
+// and fsync).
+Fault save_fault(int rank, int *part = nullptr);
 // The test fault `die`/`die-early`: this rank stops answering.
 zopt_status die(zopt_optimizer *o, const char *when);
 
 // The save's identity: drawn on rank 0 and agreed by every rank, with a
-// check that every rank passed the same path (a collective at W > 1; its
-// mismatch leaves the communicator usable: nothing was written yet).
-// `what` names the collective (an export's differs from a save's).
-zopt_status agree_save_id(zopt_optimizer *o, const char *path, SaveId *id, const char *what = "SAVE identity");
+// check that every rank passed the same path(s) (`key`: the path, or a
+// linked save's paths joined; a collective at W > 1; its mismatch leaves
+// the communicator usable: nothing was written yet). `what` names the
+// collective (an export's differs from a save's).
+zopt_status agree_save_id(zopt_optimizer *o, const std::string &key, SaveId *id,
+                          const char *what = "SAVE identity");
 
-// After every rank wrote and fsync'd `mine` (its set_file) and agreed so:
-// rank 0 renames its file to `path` (the commit), the ranks agree on the
-// outcome, and then (committed) remove stray files of older sets, or (not
-// committed) remove their new files. A rank that cannot learn the outcome
-// (a peer stopped answering) removes nothing. The same status and message
-// on every surviving rank.
-zopt_status commit(zopt_optimizer *o, const char *path, const std::string &mine, Fault fault);
+// After every rank wrote and fsync'd `mine[i]` (its set_file of paths[i],
+// one per part of a linked save; one for a plain save) and agreed so:
+// rank 0 renames its file of part 0 to paths[0] (the commit: the one commit
+// point), then those of parts i > 0 to paths[i] (not the commit: a load
+// finds a file whose rename did not happen under its set name), the ranks
+// agree on the outcome (on `o`, part 0), and then (committed) remove stray
+// files of older sets of every path, or (not committed) remove their new
+// files. A rank that cannot learn the outcome (a peer stopped answering)
+// removes nothing. The same status and message on every surviving rank.
+zopt_status commit(zopt_optimizer *o, const std::vector<std::string> &paths, const std::vector<std::string> &mine,
+                   Fault fault, const char *fn);
 
 // Removes (best effort) the files of other sets of `path` that this rank
 // owns: `path.<q>-of-<N>[.<hex>|.tmp]` with q % W == rank (q > 0, or q = 0
