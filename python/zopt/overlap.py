@@ -14,7 +14,11 @@ How (the model is zopt.streaming):
 
 * a hook on each param's AccumulateGrad node marks the param's gradient
   final for this backward; a bucket whose every param (that requires
-  grad) is final is marked at once, in any order (one rank);
+  grad) is final is marked at once, in the order the hooks run. At W
+  ranks (ZeRO-2 steps) each bucket's job reduces it across the ranks, so
+  the ranks must mark in the same order: the same model and backward do;
+  ranks that do not fail at step() alike, nothing changed (the runtime's
+  checked reduction names both buckets), and step() again steps serially;
 * before a bucket is marked, its params' gradients are registered
   (``zopt_optimizer_set_grad_memory``, accepted between marks for tensors
   of buckets not marked yet): ``p.grad`` in place when the runtime can read
@@ -106,10 +110,14 @@ class OffloadOverlap:
         the budget, the hooks of params not hooked yet. The runtime reads
         every gradient from our own memory again (Part.after_layout)."""
         c = self._part()
-        if c.world_size > 1:
+        if c.world_size > 1 and c.step.zero_stage != 2:
             _refuse(Status.UNSUPPORTED,
-                    f"world size {c.world_size}: the binding marks buckets at one rank "
-                    "(the C API does W ranks with ZeRO-2: zopt_optimizer_grad_bucket_ready)")
+                    f"step '{c.step.name}' has zero_stage = {c.step.zero_stage} at world size "
+                    f"{c.world_size}: bucket readiness at several ranks is implemented for "
+                    "ZeRO-2 offloaded steps (each bucket's job reduces it across the ranks, "
+                    "then updates this rank's shard from its reduced shard); ZeRO-0 and ZeRO-1 "
+                    "update from the whole reduced gradient: compile the step with "
+                    "zero_stage=2, or use overlap=False")
         if not c.offload:
             _refuse(Status.UNSUPPORTED,
                     f"step '{c.step.name}' runs on the CPU here (its params are not CUDA "
@@ -292,8 +300,8 @@ class OffloadOverlap:
         no gradient)."""
         c = self._part()
         if not self.started:
-            if all(e.param.grad is None for e in c.entries):
-                return False
+            if c.world_size == 1 and all(e.param.grad is None for e in c.entries):
+                return False  # (at W ranks the step is collective: every rank steps)
             self._start(from_hook=False)
         self._mark_all(where="at_step", strict=True)
         return True
