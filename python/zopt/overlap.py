@@ -23,7 +23,9 @@ How (the model is zopt.streaming):
   (``zopt_optimizer_set_grad_memory``, accepted between marks for tensors
   of buckets not marked yet): ``p.grad`` in place when the runtime can read
   it there (the step's grad dtype, the param's device and layout), else
-  copied into the optimizer's own gradient memory;
+  copied into the optimizer's own gradient memory; f32 gradients of 16-bit
+  params: ``p.main_grad`` in place (a ``p.grad`` left first added into it,
+  as step() does; the accumulation hooks run before ours);
 * at the end of backward (an autograd engine callback) the buckets left
   are marked (a param without a gradient leaves its buckets to
   ``step()``); ``step()`` marks whatever no backward did, then steps;
@@ -77,11 +79,6 @@ class OffloadOverlap:
                     f"step '{s.name}' is {'a GPU step' if s.gpu else 'a CPU step'}; the "
                     "overlap is implemented for offloaded steps (params and grads on the "
                     "GPU, the update on the CPU: placement='offload')")
-        if s.f32_grads:
-            _refuse(Status.UNSUPPORTED,
-                    f"step '{s.name}' has f32 gradients of {s.param_dtype.name} params "
-                    "(p.main_grad); the overlap is implemented for gradients in the "
-                    "param's dtype (p.grad)")
         if budget is not None and (not isinstance(budget, int) or budget < 0):
             _refuse(Status.INVALID_ARGUMENT,
                     f"speculation_budget={budget!r}: bytes (an int >= 0), or None for "
@@ -89,6 +86,7 @@ class OffloadOverlap:
         for e in part.entries:
             self.check_entry(e)
         self._part = weakref.ref(part)
+        self.main = s.f32_grads  # gradients from p.main_grad (f32)
         self.budget = budget
         self._hooked = {}   # id(param) -> tensor id at registration
         self._depth = 0     # no_sync() nesting
@@ -175,15 +173,21 @@ class OffloadOverlap:
         them after the first mark), then each tensor's readiness."""
         c = self._part()
         o = c.owner()
+        ents = c.entries
+        if self.main:  # a user's main_grad that the step cannot read: before any change
+            for t, e in enumerate(ents):
+                mg = getattr(e.param, "main_grad", None)
+                if mg is not None and mg is not e.grad:
+                    _grads.check_main_grad(c, t, mg)
         c.check_params()
         o._push_hypers()
-        ents = c.entries
         T = len(ents)
+        has = self._has_grad
         if from_hook:  # every param that requires grad gets one in this backward
             act = [1 if (e.param.requires_grad and id(e.param) in self._hooked) or
-                   (e.param.grad is not None) else 0 for e in ents]
+                   has(e) else 0 for e in ents]
         else:
-            act = [1 if e.param.grad is not None else 0 for e in ents]
+            act = [1 if has(e) else 0 for e in ents]
         act = bytes(a if ents[t].numel else 1 for t, a in enumerate(act))
         if act != bytes(c.active):
             c.active[:] = act
@@ -239,7 +243,7 @@ class OffloadOverlap:
             if self.marked[b]:
                 continue
             lacking = [t for t in self.b_tensors[b]
-                       if c.active[t] and ents[t].numel and ents[t].param.grad is None]
+                       if c.active[t] and ents[t].numel and not self._has_grad(ents[t])]
             if lacking:
                 if not strict:
                     continue
@@ -252,9 +256,15 @@ class OffloadOverlap:
                                 "grad)")
             self._mark(b, where)
 
+    def _has_grad(self, e):
+        p = e.param
+        return p.grad is not None or (self.main and getattr(p, "main_grad", None) is not None)
+
     def _grad_ptr(self, t, e):
         """Tensor t's gradient for the runtime: p.grad in place when the
         runtime can read it there, else copied into our own memory."""
+        if self.main:
+            return self._main_ptr(t, e)
         g = e.param.grad
         if g is None:
             return e.gptr or None, None  # inactive: its old registration
@@ -267,6 +277,24 @@ class OffloadOverlap:
         with torch.no_grad():
             e.grad.copy_(g)
         return e.gptr, None
+
+    def _main_ptr(self, t, e):
+        """f32 gradients of 16-bit params: a p.grad left (accumulation by
+        hand, or no hook) added into p.main_grad first, as step() does
+        (zopt._grads.take_grads); then p.main_grad, in place (our own
+        buffer's view, or a user's, checked at the cycle's start)."""
+        p = e.param
+        if p.grad is not None:
+            with torch.no_grad():
+                _grads.accumulate(p, p.grad, e.grad, e)
+        mg = getattr(p, "main_grad", None)
+        if mg is None:
+            return e.gptr or None, None  # inactive: its old registration
+        if mg is e.grad:
+            return e.gptr, None
+        c = self._part()
+        _grads.check_main_grad(c, t, mg)  # (attached during backward)
+        return mg.data_ptr(), mg
 
     def _mark(self, b, where):
         c = self._part()
@@ -300,7 +328,7 @@ class OffloadOverlap:
         no gradient)."""
         c = self._part()
         if not self.started:
-            if c.world_size == 1 and all(e.param.grad is None for e in c.entries):
+            if c.world_size == 1 and not any(map(self._has_grad, c.entries)):
                 return False  # (at W ranks the step is collective: every rank steps)
             self._start(from_hook=False)
         self._mark_all(where="at_step", strict=True)
