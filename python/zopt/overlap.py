@@ -41,12 +41,11 @@ that memory). ``opt.pipeline_stats()`` reports the last pipelined step.
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import weakref
 
 from . import _grads, _lib
 from ._dtypes import torch_of
+from ._marks import BucketMarks
 from ._lib import Status, ZoptError, check
 
 try:
@@ -63,9 +62,9 @@ def _refuse(code, msg):
     raise ZoptError(code, f"overlap=True: {msg}")
 
 
-class OffloadOverlap:
+class OffloadOverlap(BucketMarks):
     """The overlap state of the optimizer's one part (``opt._overlap``,
-    ``part.overlap``)."""
+    ``part.overlap``); the hook-driven cycle is zopt._marks'."""
 
     def __init__(self, part, budget=None, streaming=False):
         s = part.step
@@ -85,14 +84,9 @@ class OffloadOverlap:
                     "every bucket")
         for e in part.entries:
             self.check_entry(e)
-        self._part = weakref.ref(part)
+        super().__init__(part)
         self.main = s.f32_grads  # gradients from p.main_grad (f32)
         self.budget = budget
-        self._hooked = {}   # id(param) -> tensor id at registration
-        self._depth = 0     # no_sync() nesting
-        self.nb = 0
-        # buckets marked from the hooks during backward, at its end, at step()
-        self.stats = dict(in_backward=0, at_backward_end=0, at_step=0)
         self._idle()
 
     @staticmethod
@@ -121,22 +115,7 @@ class OffloadOverlap:
                     f"step '{c.step.name}' runs on the CPU here (its params are not CUDA "
                     "tensors): the overlap needs an offloaded step over CUDA params")
         L = c.lib
-        n = ctypes.c_int()
-        check(L.zopt_optimizer_num_buckets(h, ctypes.byref(n)), "zopt_optimizer_num_buckets")
-        nb = n.value
-        T = len(c.entries)
-        cap = max(T, 1)
-        keep, ids = _lib.c_array(ctypes.c_int, [0] * cap)
-        b_tensors = []
-        for b in range(nb):
-            check(L.zopt_optimizer_bucket_tensors(h, b, ids, cap, ctypes.byref(n)),
-                  "zopt_optimizer_bucket_tensors")
-            b_tensors.append(keep[:n.value].tolist())
-        self.nb, self.b_tensors = nb, b_tensors
-        self.t_buckets = [[] for _ in range(T)]
-        for b, ts in enumerate(b_tensors):
-            for t in ts:
-                self.t_buckets[t].append(b)
+        self.read_buckets(h)
         self._gdtype = torch_of(c.step.grad_dtype)
         self._contig = [e.param.is_contiguous() for e in c.entries]
         if self.budget is not None:
@@ -154,9 +133,6 @@ class OffloadOverlap:
             c.handle(), ctypes.c_uint64(2 ** 64 - 1 if budget is None else budget)),
             "zopt_optimizer_set_speculation_budget")
         self.budget = budget
-
-    def _hook_new(self):
-        _grads.hook_grads_ready(self._part(), self, self._hooked)
 
     # ---- the cycle between two steps ----------------------------------------------
     def _idle(self):
@@ -201,25 +177,15 @@ class OffloadOverlap:
         self.given = [False] * T
         self.started = True
         if from_hook:
-            ref = weakref.ref(self)
+            self._queue_backward_end()
 
-            def at_end():
-                s = ref()
-                if s is not None and s.started:
-                    s._mark_all(where="at_backward_end", strict=False)
-            torch.autograd.Variable._execution_engine.queue_callback(at_end)
+    def _backward_end(self):
+        if self.started:
+            self._mark_all(where="at_backward_end", strict=False)
 
-    def _on_grad(self, key):
-        if self._depth:
-            return  # no_sync(): accumulate only
-        c = self._part()
-        if c is None or c.h is None:
-            return
-        t = self._hooked.get(key)
-        if t is None or t >= len(c.entries) or id(c.entries[t].param) != key:
-            return
-        if not self.started:
-            self._start(from_hook=True)
+    def _grad_final(self, c, t):
+        """Tensor t's gradient is final for this step: its buckets whose
+        every tensor is are marked."""
         if any(self.marked[b] for b in self.t_buckets[t]):
             raise ZoptError(Status.BAD_STATE,
                             f"overlap: {c.entries[t].name} got a gradient after its bucket was "
@@ -344,14 +310,6 @@ class OffloadOverlap:
                             "overlap: zero_grad() after buckets of this step were marked ready "
                             "(their gradients are being copied to the host): call step() first "
                             "(or accumulate inside opt.no_sync())")
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        self._depth += 1
-        try:
-            yield
-        finally:
-            self._depth -= 1
 
     @staticmethod
     def refuse_clip():
