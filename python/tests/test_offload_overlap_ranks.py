@@ -11,7 +11,9 @@ step. Each step every rank runs a backward on its own batch. After every
 step the overlapped optimizer's params and states equal the serial one's
 bit for bit, and the serial one's equal the CPU twin's: clipping inactive
 (committed), clipping active (recomputed), an inf on rank 1 only
-(discarded on both), and gradient accumulation inside ``no_sync()``. Then
+(discarded on both), gradient accumulation inside ``no_sync()``, and a
+step without backward whose gradients only rank 0 has (both ranks'
+step() mark every bucket: the step is collective). Then
 rank 1's backward produces its gradients in another order than rank 0's:
 the step fails on both ranks naming the bucket reduction, nothing changed
 (the params and states still equal the serial optimizer's, which has not
@@ -58,7 +60,8 @@ def test_overlap_two_gloo_ranks_bit_identical(steps, tmp_path):
     for r in range(2):
         with open(os.path.join(tmp_path, f"rank{r}.json")) as fh:
             got.append(json.load(fh))
-    want = {"small": "commit", "clip": "recompute", "inf": "discard", "accumulate": "commit"}
+    want = {"small": "commit", "clip": "recompute", "inf": "discard", "accumulate": "commit",
+            "by_hand": "commit"}
     for r, out in enumerate(got):
         assert out["nb"] >= 3
         assert out["same_as_serial"] == [True] * len(out["plans"]), (r, out)
@@ -68,8 +71,10 @@ def test_overlap_two_gloo_ranks_bit_identical(steps, tmp_path):
             assert st["buckets"] == out["nb"]
         assert out["skipped"] == [p == "inf" for p in out["plans"]], (r, out)
         # every bucket marked from the hooks during backward, every step
-        assert out["in_backward"] == len(out["plans"]) * out["nb"], (r, out)
-        assert out["at_step"] == 0
+        # but the one without a backward (at step(), also on rank 1, which
+        # has no gradient: every step() is collective)
+        assert out["in_backward"] == (len(out["plans"]) - 1) * out["nb"], (r, out)
+        assert out["at_step"] == out["nb"]
         assert out["finite"]
         m = out["order_error"]
         assert m is not None and m[0] == int(zopt.Status.COMM) and "REDUCE_SCATTER" in m[1] \
@@ -193,7 +198,7 @@ def _rank(rank, world, port, outdir, off_path, cpu_path, z0_path):
         return x + rank                      # each rank its own batch
 
     plans = [("small", 1e-3), ("clip", 50.0), ("inf", 1e-3), ("accumulate", 1e-3),
-             ("small", 1e-3)]
+             ("by_hand", 1e-3), ("small", 1e-3)]
     for plan, scale in plans:
         x = batch()
         for o in (opt_a, opt_b, opt_c):
@@ -206,10 +211,16 @@ def _rank(rank, world, port, outdir, off_path, cpu_path, z0_path):
             assert ov.nmarked == 0
             loss(B, x2, scale).backward()
             loss(C, x2, scale).backward()
-        loss(A, x, scale).backward()
-        assert ov.nmarked == ov.nb  # every bucket marked by the end of backward
-        loss(B, x, scale).backward()
-        loss(C, x, scale).backward()
+        if plan == "by_hand":  # no backward; gradients on rank 0 only: step() marks
+            for p, q, h in zip(A, B, C):
+                gd = torch.randn(p.shape, generator=g).bfloat16() * 1e-3  # (both ranks draw)
+                if rank == 0:
+                    p.grad, q.grad, h.grad = dev(p.shape, gd), dev(p.shape, gd), gd.clone()
+        else:
+            loss(A, x, scale).backward()
+            assert ov.nmarked == ov.nb  # every bucket marked by the end of backward
+            loss(B, x, scale).backward()
+            loss(C, x, scale).backward()
         if plan == "inf" and rank == 1:
             C[1].grad[5] = float("inf")
         inject["inf"] = False
