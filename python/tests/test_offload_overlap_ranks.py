@@ -78,7 +78,8 @@ def test_overlap_two_gloo_ranks_bit_identical(steps, tmp_path):
         assert out["finite"]
         m = out["order_error"]
         assert m is not None and m[0] == int(zopt.Status.COMM) and "REDUCE_SCATTER" in m[1] \
-            and "bucket" in m[1], (r, m)
+            and "bucket" in m[1] and "marked their gradient buckets ready in different " \
+            "orders" in m[1] and "step() again" in m[1], (r, m)
         assert out["unchanged_after_error"], (r, out)
         assert out["retry_same"], (r, out)
         z = out["zero0"]

@@ -300,6 +300,24 @@ class OffloadOverlap(BucketMarks):
         self._mark_all(where="at_step", strict=True)
         return True
 
+    def check_step(self, st, what):
+        """A failed native step (status st) raised; at W ranks, when the
+        buckets' reductions disagree, saying what that means."""
+        try:
+            check(st, what)
+        except ZoptError as e:
+            m = e.message
+            if (self._part().world_size > 1 and e.code == Status.COMM and "REDUCE_SCATTER" in m
+                    and "in the same order" in m):
+                raise ZoptError(e.code, (
+                    "overlap=True: the ranks marked their gradient buckets ready in different "
+                    "orders (each rank marks a bucket once its backward has produced the "
+                    "bucket's gradients: the ranks' backward produced them in other orders; "
+                    "every rank must run the same model and backward), so the buckets' "
+                    "reductions disagree. Nothing changed: step() again steps serially over "
+                    f"the same gradients. {m}")) from None
+            raise
+
     def after_step(self):
         self._idle()
         self._hook_new()
