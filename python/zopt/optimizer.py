@@ -518,8 +518,8 @@ class Optimizer(_Base):
             st = self._lib.zopt_optimizer_step_linked(self._harr, len(hs), self._res_ref)
             t2 = time.perf_counter()
             r, what = self._res, "zopt_optimizer_step_linked"
-        if st:
-            check(st, what)
+        if st:  # (overlap: with what a failure means)
+            (check if self._overlap is None else self._overlap.check_step)(st, what)
         if self._streamer is not None:
             self._streamer.after_step()
         if self._overlap is not None:

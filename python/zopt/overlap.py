@@ -14,12 +14,18 @@ How (the model is zopt.streaming):
 
 * a hook on each param's AccumulateGrad node marks the param's gradient
   final for this backward; a bucket whose every param (that requires
-  grad) is final is marked at once, in any order (one rank);
+  grad) is final is marked at once, in the order the hooks run. At W
+  ranks (ZeRO-2 steps) each bucket's job reduces it across the ranks, so
+  the ranks must mark in the same order: the same model and backward do;
+  ranks that do not fail at step() alike, nothing changed (the runtime's
+  checked reduction names both buckets), and step() again steps serially;
 * before a bucket is marked, its params' gradients are registered
   (``zopt_optimizer_set_grad_memory``, accepted between marks for tensors
   of buckets not marked yet): ``p.grad`` in place when the runtime can read
   it there (the step's grad dtype, the param's device and layout), else
-  copied into the optimizer's own gradient memory;
+  copied into the optimizer's own gradient memory; f32 gradients of 16-bit
+  params: ``p.main_grad`` in place (a ``p.grad`` left first added into it,
+  as step() does; the accumulation hooks run before ours);
 * at the end of backward (an autograd engine callback) the buckets left
   are marked (a param without a gradient leaves its buckets to
   ``step()``); ``step()`` marks whatever no backward did, then steps;
@@ -35,12 +41,11 @@ that memory). ``opt.pipeline_stats()`` reports the last pipelined step.
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import weakref
 
 from . import _grads, _lib
 from ._dtypes import torch_of
+from ._marks import BucketMarks
 from ._lib import Status, ZoptError, check
 
 try:
@@ -57,9 +62,9 @@ def _refuse(code, msg):
     raise ZoptError(code, f"overlap=True: {msg}")
 
 
-class OffloadOverlap:
+class OffloadOverlap(BucketMarks):
     """The overlap state of the optimizer's one part (``opt._overlap``,
-    ``part.overlap``)."""
+    ``part.overlap``); the hook-driven cycle is zopt._marks'."""
 
     def __init__(self, part, budget=None, streaming=False):
         s = part.step
@@ -73,24 +78,15 @@ class OffloadOverlap:
                     f"step '{s.name}' is {'a GPU step' if s.gpu else 'a CPU step'}; the "
                     "overlap is implemented for offloaded steps (params and grads on the "
                     "GPU, the update on the CPU: placement='offload')")
-        if s.f32_grads:
-            _refuse(Status.UNSUPPORTED,
-                    f"step '{s.name}' has f32 gradients of {s.param_dtype.name} params "
-                    "(p.main_grad); the overlap is implemented for gradients in the "
-                    "param's dtype (p.grad)")
         if budget is not None and (not isinstance(budget, int) or budget < 0):
             _refuse(Status.INVALID_ARGUMENT,
                     f"speculation_budget={budget!r}: bytes (an int >= 0), or None for "
                     "every bucket")
         for e in part.entries:
             self.check_entry(e)
-        self._part = weakref.ref(part)
+        super().__init__(part)
+        self.main = s.f32_grads  # gradients from p.main_grad (f32)
         self.budget = budget
-        self._hooked = {}   # id(param) -> tensor id at registration
-        self._depth = 0     # no_sync() nesting
-        self.nb = 0
-        # buckets marked from the hooks during backward, at its end, at step()
-        self.stats = dict(in_backward=0, at_backward_end=0, at_step=0)
         self._idle()
 
     @staticmethod
@@ -106,31 +102,20 @@ class OffloadOverlap:
         the budget, the hooks of params not hooked yet. The runtime reads
         every gradient from our own memory again (Part.after_layout)."""
         c = self._part()
-        if c.world_size > 1:
+        if c.world_size > 1 and c.step.zero_stage != 2:
             _refuse(Status.UNSUPPORTED,
-                    f"world size {c.world_size}: the binding marks buckets at one rank "
-                    "(the C API does W ranks with ZeRO-2: zopt_optimizer_grad_bucket_ready)")
+                    f"step '{c.step.name}' has zero_stage = {c.step.zero_stage} at world size "
+                    f"{c.world_size}: bucket readiness at several ranks is implemented for "
+                    "ZeRO-2 offloaded steps (each bucket's job reduces it across the ranks, "
+                    "then updates this rank's shard from its reduced shard); ZeRO-0 and ZeRO-1 "
+                    "update from the whole reduced gradient: compile the step with "
+                    "zero_stage=2, or use overlap=False")
         if not c.offload:
             _refuse(Status.UNSUPPORTED,
                     f"step '{c.step.name}' runs on the CPU here (its params are not CUDA "
                     "tensors): the overlap needs an offloaded step over CUDA params")
         L = c.lib
-        n = ctypes.c_int()
-        check(L.zopt_optimizer_num_buckets(h, ctypes.byref(n)), "zopt_optimizer_num_buckets")
-        nb = n.value
-        T = len(c.entries)
-        cap = max(T, 1)
-        keep, ids = _lib.c_array(ctypes.c_int, [0] * cap)
-        b_tensors = []
-        for b in range(nb):
-            check(L.zopt_optimizer_bucket_tensors(h, b, ids, cap, ctypes.byref(n)),
-                  "zopt_optimizer_bucket_tensors")
-            b_tensors.append(keep[:n.value].tolist())
-        self.nb, self.b_tensors = nb, b_tensors
-        self.t_buckets = [[] for _ in range(T)]
-        for b, ts in enumerate(b_tensors):
-            for t in ts:
-                self.t_buckets[t].append(b)
+        self.read_buckets(h)
         self._gdtype = torch_of(c.step.grad_dtype)
         self._contig = [e.param.is_contiguous() for e in c.entries]
         if self.budget is not None:
@@ -149,9 +134,6 @@ class OffloadOverlap:
             "zopt_optimizer_set_speculation_budget")
         self.budget = budget
 
-    def _hook_new(self):
-        _grads.hook_grads_ready(self._part(), self, self._hooked)
-
     # ---- the cycle between two steps ----------------------------------------------
     def _idle(self):
         self.started = False
@@ -167,15 +149,21 @@ class OffloadOverlap:
         them after the first mark), then each tensor's readiness."""
         c = self._part()
         o = c.owner()
+        ents = c.entries
+        if self.main:  # a user's main_grad that the step cannot read: before any change
+            for t, e in enumerate(ents):
+                mg = getattr(e.param, "main_grad", None)
+                if mg is not None and mg is not e.grad:
+                    _grads.check_main_grad(c, t, mg)
         c.check_params()
         o._push_hypers()
-        ents = c.entries
         T = len(ents)
+        has = self._has_grad
         if from_hook:  # every param that requires grad gets one in this backward
             act = [1 if (e.param.requires_grad and id(e.param) in self._hooked) or
-                   (e.param.grad is not None) else 0 for e in ents]
+                   has(e) else 0 for e in ents]
         else:
-            act = [1 if e.param.grad is not None else 0 for e in ents]
+            act = [1 if has(e) else 0 for e in ents]
         act = bytes(a if ents[t].numel else 1 for t, a in enumerate(act))
         if act != bytes(c.active):
             c.active[:] = act
@@ -189,25 +177,15 @@ class OffloadOverlap:
         self.given = [False] * T
         self.started = True
         if from_hook:
-            ref = weakref.ref(self)
+            self._queue_backward_end()
 
-            def at_end():
-                s = ref()
-                if s is not None and s.started:
-                    s._mark_all(where="at_backward_end", strict=False)
-            torch.autograd.Variable._execution_engine.queue_callback(at_end)
+    def _backward_end(self):
+        if self.started:
+            self._mark_all(where="at_backward_end", strict=False)
 
-    def _on_grad(self, key):
-        if self._depth:
-            return  # no_sync(): accumulate only
-        c = self._part()
-        if c is None or c.h is None:
-            return
-        t = self._hooked.get(key)
-        if t is None or t >= len(c.entries) or id(c.entries[t].param) != key:
-            return
-        if not self.started:
-            self._start(from_hook=True)
+    def _grad_final(self, c, t):
+        """Tensor t's gradient is final for this step: its buckets whose
+        every tensor is are marked."""
         if any(self.marked[b] for b in self.t_buckets[t]):
             raise ZoptError(Status.BAD_STATE,
                             f"overlap: {c.entries[t].name} got a gradient after its bucket was "
@@ -231,7 +209,7 @@ class OffloadOverlap:
             if self.marked[b]:
                 continue
             lacking = [t for t in self.b_tensors[b]
-                       if c.active[t] and ents[t].numel and ents[t].param.grad is None]
+                       if c.active[t] and ents[t].numel and not self._has_grad(ents[t])]
             if lacking:
                 if not strict:
                     continue
@@ -244,9 +222,15 @@ class OffloadOverlap:
                                 "grad)")
             self._mark(b, where)
 
+    def _has_grad(self, e):
+        p = e.param
+        return p.grad is not None or (self.main and getattr(p, "main_grad", None) is not None)
+
     def _grad_ptr(self, t, e):
         """Tensor t's gradient for the runtime: p.grad in place when the
         runtime can read it there, else copied into our own memory."""
+        if self.main:
+            return self._main_ptr(t, e)
         g = e.param.grad
         if g is None:
             return e.gptr or None, None  # inactive: its old registration
@@ -259,6 +243,24 @@ class OffloadOverlap:
         with torch.no_grad():
             e.grad.copy_(g)
         return e.gptr, None
+
+    def _main_ptr(self, t, e):
+        """f32 gradients of 16-bit params: a p.grad left (accumulation by
+        hand, or no hook) added into p.main_grad first, as step() does
+        (zopt._grads.take_grads); then p.main_grad, in place (our own
+        buffer's view, or a user's, checked at the cycle's start)."""
+        p = e.param
+        if p.grad is not None:
+            with torch.no_grad():
+                _grads.accumulate(p, p.grad, e.grad, e)
+        mg = getattr(p, "main_grad", None)
+        if mg is None:
+            return e.gptr or None, None  # inactive: its old registration
+        if mg is e.grad:
+            return e.gptr, None
+        c = self._part()
+        _grads.check_main_grad(c, t, mg)  # (attached during backward)
+        return mg.data_ptr(), mg
 
     def _mark(self, b, where):
         c = self._part()
@@ -292,11 +294,29 @@ class OffloadOverlap:
         no gradient)."""
         c = self._part()
         if not self.started:
-            if all(e.param.grad is None for e in c.entries):
-                return False
+            if c.world_size == 1 and not any(map(self._has_grad, c.entries)):
+                return False  # (at W ranks the step is collective: every rank steps)
             self._start(from_hook=False)
         self._mark_all(where="at_step", strict=True)
         return True
+
+    def check_step(self, st, what):
+        """A failed native step (status st) raised; at W ranks, when the
+        buckets' reductions disagree, saying what that means."""
+        try:
+            check(st, what)
+        except ZoptError as e:
+            m = e.message
+            if (self._part().world_size > 1 and e.code == Status.COMM and "REDUCE_SCATTER" in m
+                    and "in the same order" in m):
+                raise ZoptError(e.code, (
+                    "overlap=True: the ranks marked their gradient buckets ready in different "
+                    "orders (each rank marks a bucket once its backward has produced the "
+                    "bucket's gradients: the ranks' backward produced them in other orders; "
+                    "every rank must run the same model and backward), so the buckets' "
+                    "reductions disagree. Nothing changed: step() again steps serially over "
+                    f"the same gradients. {m}")) from None
+            raise
 
     def after_step(self):
         self._idle()
@@ -308,14 +328,6 @@ class OffloadOverlap:
                             "overlap: zero_grad() after buckets of this step were marked ready "
                             "(their gradients are being copied to the host): call step() first "
                             "(or accumulate inside opt.no_sync())")
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        self._depth += 1
-        try:
-            yield
-        finally:
-            self._depth -= 1
 
     @staticmethod
     def refuse_clip():

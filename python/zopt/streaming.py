@@ -44,14 +44,13 @@ sees None for what was reduced: clip with the step's own ``clip=``.
 from __future__ import annotations
 
 import collections
-import contextlib
 import ctypes
-import weakref
 
 import numpy as np
 
-from . import _grads, _lib
+from . import _lib
 from ._dtypes import torch_of
+from ._marks import BucketMarks
 from ._lib import Status, ZoptError, check
 
 try:
@@ -66,9 +65,10 @@ def _refuse(code, msg):
     raise ZoptError(code, f"grad_streaming=True: {msg}")
 
 
-class GradStreamer:
+class GradStreamer(BucketMarks):
     """The streaming state of one parameter class (a zopt._part.Part: the
-    optimizer's only part; ``opt._streamer``)."""
+    optimizer's only part; ``opt._streamer``); the hook-driven cycle is
+    zopt._marks'."""
 
     def __init__(self, opt):
         s = opt.step
@@ -90,15 +90,9 @@ class GradStreamer:
                     "(p.main_grad); streaming is implemented for gradients in the param's "
                     "dtype (p.grad)")
         self.check_entries(opt.entries)
-        self._opt = weakref.ref(opt)
+        super().__init__(opt)
         self._gdtype = None  # the step's grad dtype (torch), set in attach
-        self._hooked = {}   # id(param) -> tensor id at registration (for the hooks)
-        self._depth = 0     # no_sync() nesting
-        self.nb = 0
         self.lost = False
-        # counters (tests, docs): buckets reduced from the hooks during
-        # backward, at the end of a backward, and at step()
-        self.stats = dict(in_backward=0, at_backward_end=0, at_step=0)
         self._idle()
 
     @staticmethod
@@ -116,27 +110,18 @@ class GradStreamer:
     # ---- setup (after every finalize) -----------------------------------------
     def configure(self, h):
         """Before finalize: the runtime holds the reduced shards itself."""
-        o = self._opt()
+        o = self._part()
         check(o.lib.zopt_optimizer_set_grad_streaming(h, 1), "set_grad_streaming")
 
     def attach(self, h):
         """After finalize (build and every rebuild): the buckets' tensors,
         the fixed reduction order and the hooks of params not hooked yet."""
-        o = self._opt()
-        L = o.lib
+        o = self._part()
         if self.started and self.pos > 0:
             self.lost = True  # reduced shards of this step died with the old optimizer
-        n = ctypes.c_int()
-        check(L.zopt_optimizer_num_buckets(h, ctypes.byref(n)), "zopt_optimizer_num_buckets")
-        nb = n.value
+        self.read_buckets(h)
+        nb, b_tensors = self.nb, self.b_tensors
         T = len(o.entries)
-        b_tensors = []
-        cap = max(T, 1)
-        ids_keep, ids = _lib.c_array(ctypes.c_int, [0] * cap)
-        for b in range(nb):
-            check(L.zopt_optimizer_bucket_tensors(h, b, ids, cap, ctypes.byref(n)),
-                  "zopt_optimizer_bucket_tensors")
-            b_tensors.append(ids_keep[:n.value].tolist())
         self.order = list(range(nb))  # the same on every rank
         pos_of = {b: i for i, b in enumerate(self.order)}
         first = [nb] * T
@@ -145,21 +130,12 @@ class GradStreamer:
             for t in ts:
                 first[t] = min(first[t], pos_of[b])
                 last[t] = max(last[t], pos_of[b])
-        self.nb, self.b_tensors, self.first_pos, self.last_pos = nb, b_tensors, first, last
-        self.t_buckets = [[] for _ in range(T)]
-        for b, ts in enumerate(b_tensors):
-            for t in ts:
-                self.t_buckets[t].append(b)
+        self.first_pos, self.last_pos = first, last
         self.numels = np.array([e.numel for e in o.entries], dtype=np.int64)
         self._gdtype = torch_of(o.step.grad_dtype)
         self._contig = [e.param.is_contiguous() for e in o.entries]
         self._hook_new()
         self._idle(keep_lost=True)
-
-    def _hook_new(self):
-        """Hooks on the AccumulateGrad nodes of params that require grad and
-        have none yet (zopt._grads.hook_grads_ready)."""
-        _grads.hook_grads_ready(self._opt(), self, self._hooked)
 
     # ---- the cycle between two steps -------------------------------------------
     def _idle(self, keep_lost=False):
@@ -182,7 +158,7 @@ class GradStreamer:
         every rank does it before its first reduction), then the readiness
         of every tensor. Params that do not require grad (frozen) have
         nothing to wait for."""
-        o = self._opt()
+        o = self._part()
         o.check_params()
         T = len(o.entries)
         self.given = [None] * T
@@ -193,27 +169,16 @@ class GradStreamer:
         self.missing = [sum(1 for t in ts if not self.ready[t]) for ts in self.b_tensors]
         self.started = True
         if from_hook:
-            ref = weakref.ref(self)
+            self._queue_backward_end()
 
-            def at_end():
-                s = ref()
-                if s is not None and s.started and s.pos < s.nb:
-                    s._advance(final=True, where="at_backward_end")
-                if s is not None:  # as DDP: backward returns with its gradients reduced
-                    s.wait()
-            torch.autograd.Variable._execution_engine.queue_callback(at_end)
+    def _backward_end(self):
+        if self.started and self.pos < self.nb:
+            self._advance(final=True, where="at_backward_end")
+        self.wait()  # as DDP: backward returns with its gradients reduced
 
-    def _on_grad(self, key):
-        if self._depth:
-            return  # no_sync(): accumulate only
-        o = self._opt()
-        if o is None or o.h is None:
-            return
-        t = self._hooked.get(key)
-        if t is None or t >= len(o.entries) or id(o.entries[t].param) != key:
-            return
-        if not self.started:
-            self._start(from_hook=True)
+    def _grad_final(self, o, t):
+        """Tensor t's gradient is final for this step: the buckets reduced
+        in order while the next one is ready."""
         if self.first_pos[t] < self.pos:
             e = o.entries[t]
             raise ZoptError(Status.BAD_STATE,
@@ -266,7 +231,7 @@ class GradStreamer:
     MAX_IN_FLIGHT = 1
 
     def _reduce(self, b):
-        o = self._opt()
+        o = self._part()
         if len(self.pending) >= self.MAX_IN_FLIGHT:
             self._release(wait=True)
         ents = o.entries
@@ -287,7 +252,7 @@ class GradStreamer:
         of them with wait=True, after waiting: raises a failed exchange)."""
         if not self.pending:
             return
-        o = self._opt()
+        o = self._part()
         if wait:
             st = o.lib.zopt_optimizer_wait_buckets(o.h)
             if st:
@@ -320,7 +285,7 @@ class GradStreamer:
         """In step(), instead of the gradient sync: the param checks, the
         buckets no backward reduced (in order, from p.grad), and the mask
         the binding reports (the part's active mask)."""
-        o = self._opt()
+        o = self._part()
         self.wait()  # the exchanges in flight (a failure is raised here)
         if self.started:
             rb = o.rebuilds
@@ -352,7 +317,7 @@ class GradStreamer:
         require grad now get their hooks). A p.grad written again after its
         buckets were reduced (DDP's reducer copies its averaged gradients
         back at the end of backward) is dropped: the step consumed it."""
-        o = self._opt()
+        o = self._part()
         if self.given is not None:
             for t, g in enumerate(self.given):
                 if g and o.entries[t].param.grad is not None:
@@ -366,11 +331,3 @@ class GradStreamer:
                             "grad_streaming: zero_grad() after this step's gradients were "
                             "(partly) reduced by backward; they cannot be taken back: call "
                             "step() first (or accumulate inside opt.no_sync())")
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        self._depth += 1
-        try:
-            yield
-        finally:
-            self._depth -= 1

@@ -29,7 +29,7 @@ zopt_status reduce_scatter(zopt_optimizer *o, const zopt_program_op &op) {
   return ZOPT_OK;
 }
 
-zopt_status reduce_scatter_bucket(zopt_optimizer *o, const zopt_program_op &op, int b) {
+zopt_status reduce_scatter_bucket(zopt_optimizer *o, const zopt_program_op &op, int b, bool unchanged) {
   Program &P = *o->prog;
   const int W = o->world, r = o->rank, si = (int)op.state;
   const uint32_t dt = o->d->states[si].dtype;
@@ -52,7 +52,8 @@ zopt_status reduce_scatter_bucket(zopt_optimizer *o, const zopt_program_op &op, 
     }
     char w[96];
     if (zopt_status st = comm_all_to_all(o->comm, send, P.recv.data(), (size_t)k.shard * es,
-                                         what(w, sizeof w, "REDUCE_SCATTER", o, si, b)))
+                                         what(w, sizeof w, "REDUCE_SCATTER", o, si, b),
+                                         unchanged ? kSigUnchanged : 0))
       return st;
     // Fold this rank's shard into the state, piece by piece, on the pool.
     int64_t a, e;

@@ -63,7 +63,9 @@ inline void pack_range(const Program &P, int b, int64_t a, int64_t e, size_t es,
 // REDUCE_SCATTER and ALL_GATHER of the program's op (collectives.cpp).
 zopt_status reduce_scatter(zopt_optimizer *o, const zopt_program_op &op);
 // REDUCE_SCATTER of bucket b alone (a pipelined offloaded step's bucket job).
-zopt_status reduce_scatter_bucket(zopt_optimizer *o, const zopt_program_op &op, int b);
+// unchanged: nothing the step keeps is written before it (a mismatch of its
+// checked signature then leaves the communicator usable: kSigUnchanged).
+zopt_status reduce_scatter_bucket(zopt_optimizer *o, const zopt_program_op &op, int b, bool unchanged = false);
 zopt_status all_gather(zopt_optimizer *o, const zopt_program_op &op);
 
 // One row per (group, t) among the tensors this step updates; PREPARE

@@ -246,11 +246,16 @@ zopt_status spec_bucket_work(zopt_optimizer *o, int b) {
   Spec &S = *P.spec;
   const double t0 = now_seconds();
   // At W ranks the bucket's reduction first (a collective: every rank's
-  // jobs run in the order of its marks, which must be the same).
+  // jobs run in the order of its marks, which must be the same). Before it
+  // the step has written only its scratch (the reduced shards of earlier
+  // buckets, in the grad staging, which a serial step copies again): ranks
+  // that marked in different orders fail here alike (the jobs after a
+  // failed one are skipped, wait_buckets closes the speculation), and the
+  // communicator stays usable for the step run again.
   if (o->world > 1)
     for (const zopt_program_op &op : P.ops)
       if (op.code == ZOPT_OP_REDUCE_SCATTER)
-        if (zopt_status st = reduce_scatter_bucket(o, op, b)) return st;
+        if (zopt_status st = reduce_scatter_bucket(o, op, b, true)) return st;
   if (P.norm_range) {
     // exec.cpp run_sumsq for this bucket's blocks: each chunk's partial,
     // then each block's in-order sum (the same bits, in the same slots).

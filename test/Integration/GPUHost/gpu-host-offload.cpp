@@ -340,6 +340,7 @@ void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const 
     std::string first_diff;
     int outcomes[4] = {0, 0, 0, 0};  // pipelined: steps per ZOPT_SPEC_* outcome
     bool order_refused = true;       // pipelined: marks in another order than rank 0's
+    bool retry_same = true;          // pipelined: after it, the step again = the twin's
     bool budget_ok = true;           // pipelined, step 4: some buckets speculated, the rest after validation
     std::string order_msg;
   };
@@ -453,7 +454,17 @@ void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const 
     if (pipelined) {
       // The ranks mark their buckets in different orders: the first
       // bucket's reduction (a checked collective naming its bucket) fails
-      // on every rank, the step reports it and changes nothing.
+      // on every rank, the step reports it and changes nothing. Fresh
+      // grads first (the twin's step folded its own shard in place).
+      for (size_t t = 0; t < T; ++t) {
+        std::vector<float> v(sizes[t]);
+        for (auto &x : v) {
+          rng = rng * 1664525u + 1013904223u;
+          x = (((rng >> 8) & 0xFFFF) / 32768.0f - 1.0f) * (ls ? 64.f : 0.05f);
+        }
+        Z(zopt_optimizer_write_state_f32(c, (int)t, ZOPT_STATE_GRAD, v.data(), sizes[t]));
+        memcpy((void *)(uintptr_t)dg[t], hg[t].data(), hg[t].size());
+      }
       int nb = 0;
       Z(zopt_optimizer_num_buckets(o, &nb));
       for (int i = 0; i < nb; ++i) Z(zopt_optimizer_grad_bucket_ready(o, r == 0 ? i : nb - 1 - i));
@@ -464,11 +475,21 @@ void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const 
       for (size_t t = 0; t < T; ++t) same &= memcmp((void *)(uintptr_t)dp[t], hp[t].data(), hp[t].size()) == 0;
       rr.order_refused = st != ZOPT_OK && msg.find("bucket") != std::string::npos && same;
       rr.order_msg = msg;
+      // The communicator stays usable (nothing the step keeps was written
+      // before the reduction): the step again runs serially over the same
+      // grads, equal to the twin's step.
+      zopt_step_result ro{}, rc{};
+      rr.retry_same = zopt_optimizer_step(o, &ro) == ZOPT_OK;
+      if (!rr.retry_same) rr.order_msg += std::string(" | the step again: ") + zopt_last_error();
+      rr.retry_same &= zopt_optimizer_step(c, &rc) == ZOPT_OK && ro.grad_norm == rc.grad_norm;
+      f.drain_all();
+      for (size_t t = 0; t < T; ++t)
+        rr.retry_same &= memcmp((void *)(uintptr_t)dp[t], hp[t].data(), hp[t].size()) == 0;
     }
     int64_t n1 = -1, n2 = -2;
     Z(zopt_optimizer_get_step_count(o, 1, &n1));
     Z(zopt_optimizer_get_step_count(c, 1, &n2));
-    rr.counts_same = n1 == n2 && n1 == steps - (inf_at ? 1 : 0);
+    rr.counts_same = n1 == n2 && n1 == steps - (inf_at ? 1 : 0) + (pipelined ? 1 : 0);
     zopt_optimizer_free(o);
     zopt_optimizer_free(c);
     zopt_step_free(mine);
@@ -502,10 +523,15 @@ void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const 
           "offload at " + at + ": outcomes on every rank: " + std::to_string(n[1]) + " commit, " +
               std::to_string(n[2]) + " recompute, " + std::to_string(n[3]) + " discard; with a quarter of the "
               "model's budget some buckets speculated, the rest after validation");
-    bool refused = true;
-    for (const RankResult &rr : res) refused &= rr.order_refused;
+    bool refused = true, again = true;
+    for (const RankResult &rr : res) {
+      refused &= rr.order_refused;
+      again &= rr.retry_same;
+    }
     check(refused, "offload at " + at + ": buckets marked in another order on each rank: the step fails on every "
                    "rank, params unchanged: " + res[0].order_msg);
+    check(again, "offload at " + at + ": after it the communicator is usable: the step again runs serially, its "
+                 "params and norm = the CPU twin's" + (again ? std::string() : ": " + res[0].order_msg));
   }
   check(params, "offload at " + at + ": every rank's params on the GPU bit-identical to its CPU twin's after every "
                 "step" + (diff.empty() ? std::string() : ", first difference: " + diff));

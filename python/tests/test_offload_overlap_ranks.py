@@ -1,0 +1,285 @@
+"""``zopt.Optimizer(..., overlap=True)`` at 2 gloo ranks (ZeRO-2 offloaded
+steps; docs/USAGE.md "Overlapping an offloaded step with backward").
+
+Each rank is a process with the stand-in CUDA driver (libzopt-fake-cuda.so:
+device memory in host memory, copies queued asynchronously with random
+delays) and three optimizers over the same small bf16 model, all on the
+gloo process group: the overlapped one (its buckets marked from autograd
+hooks during backward: each bucket's job reduces it across the ranks), the
+same offloaded step without overlap (serial), and the all-CPU twin of the
+step. Each step every rank runs a backward on its own batch. After every
+step the overlapped optimizer's params and states equal the serial one's
+bit for bit, and the serial one's equal the CPU twin's: clipping inactive
+(committed), clipping active (recomputed), an inf on rank 1 only
+(discarded on both), gradient accumulation inside ``no_sync()``, and a
+step without backward whose gradients only rank 0 has (both ranks'
+step() mark every bucket: the step is collective). Then
+rank 1's backward produces its gradients in another order than rank 0's:
+the step fails on both ranks naming the bucket reduction, nothing changed
+(the params and states still equal the serial optimizer's, which has not
+stepped); step() again runs the step serially over the same gradients,
+bit-identical. A ZeRO-0 offloaded step is refused at W = 2 with the
+reason. The processes have a hard timeout and are killed on failure.
+"""
+import contextlib
+import ctypes
+import datetime
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import zopt  # noqa: E402
+from gpu_fakes import FAKE, needs_fake  # noqa: E402
+
+KW = dict(param="bf16", grad="bf16", master="f32", clip=1.0, comments=False)
+
+
+@needs_fake
+def test_overlap_two_gloo_ranks_bit_identical(steps, tmp_path):
+    from test_comm import _free_port, _run_all, _runtime_env
+    from zopt import steps as S
+    off = steps.text(S.adamw.text(placement="offload", zero_stage=2, **KW))
+    cpu = steps.text(S.adamw.text(zero_stage=2, **KW))
+    z0 = steps.text(S.adamw.text(placement="offload", **KW))
+    env = dict(_runtime_env(), ZOPT_CUDA_DRIVER=FAKE, ZOPT_FAKE_CUDA_ASYNC="1",
+               ZOPT_FAKE_CUDA_STRESS="200")
+    port = _free_port()
+    cmds = [[sys.executable, os.path.abspath(__file__), str(r), "2", str(port), str(tmp_path),
+             off.path, cpu.path, z0.path] for r in range(2)]
+    procs, outs = _run_all(cmds, timeout=120, env=env)
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and f"DONE rank {r}" in out, f"rank {r}:\n{out}"
+    got = []
+    for r in range(2):
+        with open(os.path.join(tmp_path, f"rank{r}.json")) as fh:
+            got.append(json.load(fh))
+    want = {"small": "commit", "clip": "recompute", "inf": "discard", "accumulate": "commit",
+            "by_hand": "commit"}
+    for r, out in enumerate(got):
+        assert out["nb"] >= 3
+        assert out["same_as_serial"] == [True] * len(out["plans"]), (r, out)
+        assert out["serial_same_as_cpu"] == [True] * len(out["plans"]), (r, out)
+        for plan, st in zip(out["plans"], out["stats"]):
+            assert st["outcome"] == want[plan], (r, plan, st)
+            assert st["buckets"] == out["nb"]
+        assert out["skipped"] == [p == "inf" for p in out["plans"]], (r, out)
+        # every bucket marked from the hooks during backward, every step
+        # but the one without a backward (at step(), also on rank 1, which
+        # has no gradient: every step() is collective)
+        assert out["in_backward"] == (len(out["plans"]) - 1) * out["nb"], (r, out)
+        assert out["at_step"] == out["nb"]
+        assert out["finite"]
+        m = out["order_error"]
+        assert m is not None and m[0] == int(zopt.Status.COMM) and "REDUCE_SCATTER" in m[1] \
+            and "bucket" in m[1] and "marked their gradient buckets ready in different " \
+            "orders" in m[1] and "step() again" in m[1], (r, m)
+        assert out["unchanged_after_error"], (r, out)
+        assert out["retry_same"], (r, out)
+        z = out["zero0"]
+        assert z[0] == int(zopt.Status.UNSUPPORTED) and "ZeRO" in z[1] and "zero_stage=2" in z[1], z
+        assert out["bad_ranges"] == 0
+    assert got[0]["order"] == sorted(got[0]["order"]) != got[1]["order"], (got[0], got[1])
+    # the ranks agree (each holds the whole params after the gather)
+    assert got[0]["params"] == got[1]["params"]
+
+
+# ---- one rank (run with ZOPT_CUDA_DRIVER=libzopt-fake-cuda.so) ----------------------
+
+def _rank(rank, world, port, outdir, off_path, cpu_path, z0_path):
+    import torch.distributed as dist
+    from gpu_fakes import StandIn
+    from zopt._lib import ZoptError
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = port
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    s = StandIn()
+    fake = s.fake
+    make_entry = zopt._params.make_entry
+
+    def entry(step, gid, i, p):  # the stand-in's memory in CPU tensors: CUDA params
+        e = make_entry(step, gid, i, p)
+        e.cuda = e.torch and step.on_device
+        return e
+    zopt._params.make_entry = entry
+    torch.cuda.device = lambda d: contextlib.nullcontext()
+
+    def dev(shape, fill):  # a bf16 tensor over fresh stand-in device memory
+        n = int(np.prod(shape)) if shape else 1
+        p = ctypes.c_ulonglong()
+        assert fake.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(2 * max(n, 1))) == 0
+        raw = np.frombuffer((ctypes.c_char * (2 * n)).from_address(p.value), dtype=np.int16)
+        t = torch.from_numpy(raw).view(torch.bfloat16).view(shape)
+        t.copy_(fill)
+        return t
+
+    real_alloc = zopt._grads.alloc_grads
+
+    def alloc_grads(c, entries):  # our own gradient buffers in device memory
+        if not c.step.on_device:
+            return real_alloc(c, entries)
+        zeros = torch.zeros
+        torch.zeros = lambda n, dtype=None, device=None: dev((n,), zeros(n, dtype=dtype))
+        try:
+            return real_alloc(c, entries)
+        finally:
+            torch.zeros = zeros
+    zopt._grads.alloc_grads = alloc_grads
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(64, 32), (64,), (16, 64), (16,)]
+    init = [torch.randn(sh, generator=g).bfloat16() * 0.3 for sh in shapes]
+    A = [torch.nn.Parameter(dev(sh, w)) for sh, w in zip(shapes, init)]  # overlap
+    B = [torch.nn.Parameter(dev(sh, w)) for sh, w in zip(shapes, init)]  # serial
+    C = [torch.nn.Parameter(w.clone()) for w in init]                    # CPU twin
+    inject = {"inf": False}
+    keep = []
+
+    def to_device(p):
+        """Before zopt's hook: the new p.grad moved to fresh device memory
+        (an inf on rank 1 when asked)."""
+        def hook(*_):
+            if p.grad is not None:
+                gd = p.grad.detach()
+                if inject["inf"] and rank == 1 and p.dim() == 1 and p.numel() == 64:
+                    gd = gd.clone()
+                    gd[5] = float("inf")
+                p.grad = dev(tuple(p.shape), gd)
+        node = p.expand_as(p).grad_fn.next_functions[0][0]
+        keep.append((node, node.register_hook(hook)))
+    for p in A + B:
+        to_device(p)
+    pg = dist.group.WORLD
+    kw = dict(lr=1e-2, weight_decay=0.1, bucket_elems=1024, process_group=pg)
+    opt_a = zopt.Optimizer(zopt.Step(off_path), A, overlap=True, **kw)
+    opt_b = zopt.Optimizer(zopt.Step(off_path), B, **kw)
+    opt_c = zopt.Optimizer(zopt.Step(cpu_path), C, **kw)
+    assert opt_a.world_size == world and opt_a.rank == rank
+    ov = opt_a._overlap
+    out = {"nb": ov.nb, "plans": [], "stats": [], "same_as_serial": [],
+           "serial_same_as_cpu": [], "skipped": []}
+
+    def loss(ps, x, scale):
+        w1, b1, w2, b2 = (p.float() for p in ps)
+        y = torch.tanh(x @ w1.t() + b1) @ w2.t() + b2
+        return y.square().mean() * scale
+
+    def first_layer_first(ps, scale):
+        """A loss whose backward produces w1's gradient first and b2's last
+        (independent terms: the term made last is differentiated first), so
+        its buckets are final in another order than loss()'s."""
+        return sum((p.float().square().sum() * scale for p in reversed(ps)), 0)
+
+    def equal(p, q):
+        return torch.equal(p.detach().view(torch.int16), q.detach().view(torch.int16))
+
+    def same_states(o1, o2):
+        s1, s2 = o1.state_dict()["state"], o2.state_dict()["state"]
+        return sorted(s1) == sorted(s2) and all(
+            torch.equal(s1[i][k], s2[i][k]) for i in s1 for k in s1[i])
+
+    def compare():
+        for o in (opt_a, opt_b):
+            o.step_count()
+        fake.fake_cuda_drain_all()
+        same = all(equal(p, q) for p, q in zip(A, B)) and same_states(opt_a, opt_b)
+        twin = all(equal(p, q) for p, q in zip(B, C)) and same_states(opt_b, opt_c)
+        return bool(same), bool(twin)
+
+    def batch():
+        x = torch.randn(8, 32, generator=g)  # the same stream on both ranks:
+        return x + rank                      # each rank its own batch
+
+    plans = [("small", 1e-3), ("clip", 50.0), ("inf", 1e-3), ("accumulate", 1e-3),
+             ("by_hand", 1e-3), ("small", 1e-3)]
+    for plan, scale in plans:
+        x = batch()
+        for o in (opt_a, opt_b, opt_c):
+            o.zero_grad(set_to_none=True)
+        inject["inf"] = plan == "inf"
+        if plan == "accumulate":  # two micro-batches: only the last backward marks
+            x2 = batch()
+            with opt_a.no_sync():
+                loss(A, x2, scale).backward()
+            assert ov.nmarked == 0
+            loss(B, x2, scale).backward()
+            loss(C, x2, scale).backward()
+        if plan == "by_hand":  # no backward; gradients on rank 0 only: step() marks
+            for p, q, h in zip(A, B, C):
+                gd = torch.randn(p.shape, generator=g).bfloat16() * 1e-3  # (both ranks draw)
+                if rank == 0:
+                    p.grad, q.grad, h.grad = dev(p.shape, gd), dev(p.shape, gd), gd.clone()
+        else:
+            loss(A, x, scale).backward()
+            assert ov.nmarked == ov.nb  # every bucket marked by the end of backward
+            loss(B, x, scale).backward()
+            loss(C, x, scale).backward()
+        if plan == "inf" and rank == 1:
+            C[1].grad[5] = float("inf")
+        inject["inf"] = False
+        for o in (opt_a, opt_b, opt_c):
+            o.step()
+        same, twin = compare()
+        out["plans"].append(plan)
+        out["stats"].append(opt_a.pipeline_stats())
+        out["same_as_serial"].append(same)
+        out["serial_same_as_cpu"].append(twin)
+        out["skipped"].append(opt_a.last_skipped)
+    out.update(ov.stats)
+    out["finite"] = all(bool(torch.isfinite(p.float()).all()) for p in A)
+
+    # Rank 1 produces its gradients in another order: the buckets' reductions
+    # disagree, the step fails on both ranks and changes nothing.
+    x = batch()
+    for o in (opt_a, opt_b):
+        o.zero_grad(set_to_none=True)
+    order = []
+    real_mark = ov._mark
+    ov._mark = lambda b, where: (order.append(b), real_mark(b, where))
+    (first_layer_first(A, 1e-3) if rank == 1 else loss(A, x, 1e-3)).backward()
+    ov._mark = real_mark
+    out["order"] = order
+    for p, q in zip(A, B):  # the serial optimizer: the same gradients
+        q.grad = dev(tuple(p.shape), p.grad)
+    out["order_error"] = None
+    try:
+        opt_a.step()
+    except ZoptError as e:
+        out["order_error"] = [int(e.code), str(e)]
+    fake.fake_cuda_drain_all()
+    out["unchanged_after_error"] = all(equal(p, q) for p, q in zip(A, B)) and \
+        same_states(opt_a, opt_b)
+    opt_a.step()  # again: the same gradients, stepped serially
+    opt_b.step()
+    out["retry_same"] = compare()[0]
+    out["params"] = [p.detach().float().tolist() for p in A]
+
+    # A ZeRO-0 offloaded step at 2 ranks: refused, saying why.
+    out["zero0"] = None
+    try:
+        zopt.Optimizer(zopt.Step(z0_path), [torch.nn.Parameter(dev((8,), torch.ones(8)))],
+                       overlap=True, process_group=pg)
+    except ZoptError as e:
+        out["zero0"] = [int(e.code), str(e)]
+    for o in (opt_a, opt_b, opt_c):
+        o.close()
+    fake.fake_cuda_drain_all()
+    out["bad_ranges"] = fake.fake_cuda_num_bad_ranges()
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as fh:
+        json.dump(out, fh)
+    dist.barrier()
+    print(f"DONE rank {rank}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    a = sys.argv
+    _rank(int(a[1]), int(a[2]), a[3], a[4], a[5], a[6], a[7])
