@@ -745,18 +745,15 @@ class Optimizer(_Base):
 
     @_exclusive("save")
     def save(self, path):
-        """Writes the runtime's checkpoint (:meth:`checkpoint_files`; the
-        format: docs/CHECKPOINT.md); collective at world size > 1. The
-        files of several classes are one save with one commit point: a
-        save that fails or dies leaves the previous checkpoint of every
-        class, or this one."""
+        """Writes the runtime's checkpoint (:meth:`checkpoint_files`; one
+        commit point over every class: docs/CHECKPOINT.md); collective."""
         _checkpoint.save(self, path)
 
     @_exclusive("load")
     def load(self, path, allow_rule_change=False):
         """Loads a runtime checkpoint (:meth:`checkpoint_files`); another
-        update rule is refused unless ``allow_rule_change``, a class file of
-        another save too; a failed load changes nothing. Params and master agree afterwards as with
+        update rule is refused unless ``allow_rule_change``, a mixed set of
+        class files too; a failed load changes nothing. Params and master agree afterwards as with
         :meth:`load_state_dict`."""
         self._check_open()
         _checkpoint.load(self, path, allow_rule_change)
