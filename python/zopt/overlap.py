@@ -39,7 +39,7 @@ import contextlib
 import ctypes
 import weakref
 
-from . import _grads, _lib
+from . import _early, _grads, _lib
 from ._dtypes import torch_of
 from ._lib import Status, ZoptError, check
 
@@ -61,7 +61,7 @@ class OffloadOverlap:
     """The overlap state of the optimizer's one part (``opt._overlap``,
     ``part.overlap``)."""
 
-    def __init__(self, part, budget=None, streaming=False):
+    def __init__(self, part, budget=None, streaming=False, model=None):
         s = part.step
         if torch is None:
             _refuse(Status.UNSUPPORTED, "needs torch (backward hooks)")
@@ -91,6 +91,8 @@ class OffloadOverlap:
         self.nb = 0
         # buckets marked from the hooks during backward, at its end, at step()
         self.stats = dict(in_backward=0, at_backward_end=0, at_step=0)
+        # params back early: per-bucket waits from the model's forward pre-hooks
+        self.early = _early.EarlyParams(part, model) if model is not None else None
         self._idle()
 
     @staticmethod
@@ -136,6 +138,8 @@ class OffloadOverlap:
         if self.budget is not None:
             check(L.zopt_optimizer_set_speculation_budget(h, ctypes.c_uint64(self.budget)),
                   "zopt_optimizer_set_speculation_budget")
+        if self.early is not None:
+            self.early.attach(h, self.t_buckets)
         self._hook_new()
         self._idle()
 
@@ -301,6 +305,8 @@ class OffloadOverlap:
     def after_step(self):
         self._idle()
         self._hook_new()
+        if self.early is not None:
+            self.early.after_step(self.nb)
 
     def check_zero_grad(self):
         if self.nmarked:

@@ -405,7 +405,8 @@ ZOPT_API zopt_status zopt_optimizer_get_pipeline_stats(const zopt_optimizer *opt
  * for all of them). wait_params before any step, or for a bucket whose
  * extent changed since the last copies, waits for every copy (or nothing
  * when none was made). A bucket out of range: ZOPT_ERR_INVALID_ARGUMENT. */
-enum { ZOPT_PARAM_WAIT_ALL = 0, ZOPT_PARAM_WAIT_PER_BUCKET = 1 };
+#define ZOPT_PARAM_WAIT_ALL 0
+#define ZOPT_PARAM_WAIT_PER_BUCKET 1
 ZOPT_API zopt_status zopt_optimizer_set_param_wait(zopt_optimizer *opt, int mode);
 ZOPT_API zopt_status zopt_optimizer_get_param_wait(const zopt_optimizer *opt, int *mode);
 ZOPT_API zopt_status zopt_optimizer_wait_params(zopt_optimizer *opt, int bucket, void *cu_stream);
