@@ -12,7 +12,8 @@ waits): a module that read params whose bucket it did not wait for would
 read the last step's values, and the model would train differently. The
 losses, params and states equal those of the serial offloaded step (no
 overlap, the default mode) and of the all-CPU twin bit for bit; the hooks
-waited for each bucket once per step (a param no module owns: at step()).
+waited for each bucket once per step (a param no module owns: at step());
+``opt.wait_params()`` makes the current stream wait for every bucket left.
 """
 import contextlib
 import ctypes
@@ -50,6 +51,7 @@ def test_early_params_bit_identical_waits_once_per_bucket(six_byte, tmp_path):
     # each step: every bucket waited for once (the hooks, the unowned at step())
     assert out["waits"] == [list(range(out["nb"]))] * 4, out
     assert out["outside"] and set(out["outside"]) <= set(range(out["nb"]))
+    assert out["wait_all_same"], out  # opt.wait_params() then the stream: every new param
     assert out["refusals"] == ["not_a_module"], out
     assert out["bad_ranges"] == 0
 
@@ -132,7 +134,9 @@ def _worker(cpu_path, off_path, tmp):
     C = [w.clone() for w in init]                             # the CPU twin
     nets = [Net(X[:4]) for X in (A, B, C)]
     extra = [torch.nn.Parameter(X[4]) for X in (A, B, C)]
-    params = [list(n.parameters()) + [e] for n, e in zip(nets, extra)]
+    # the unowned param first: in the last bucket, copied first (waiting for it at step()
+    # leaves the rest to the hooks)
+    params = [[e] + list(n.parameters()) for n, e in zip(nets, extra)]
     keep = []
 
     def to_device(p):
@@ -214,6 +218,13 @@ def _worker(cpu_path, off_path, tmp):
         with on(sb):
             opt_b.step()
         opt_c.step()
+        if it == 3:  # opt.wait_params(): every bucket, before reading params outside a forward
+            opt_a.wait_params()
+            assert fake.cuStreamSynchronize(ctypes.c_void_p(sa)) == 0
+            seen = [p.detach().clone() for p in params[0]]
+            fake.fake_cuda_drain_all()
+            out["wait_all_same"] = all(torch.equal(p.view(torch.int16), q.view(torch.int16))
+                                       for p, q in zip(seen, params[1]))
     out["waits"] = [sorted(w) for w in ov.early.waits[-4:]]
     assert all(len(w) == len(set(w)) for w in ov.early.waits), ov.early.waits  # once each
     fake.fake_cuda_set_htod_delay(0)

@@ -554,6 +554,7 @@ class Optimizer(_Base):
             return contextlib.nullcontext()
         return self._streamer.no_sync()
 
+    @_exclusive("wait_params")
     def wait_params(self):
         """``overlap=True`` with a ``model`` (params back early): makes torch's
         current stream wait for every param the model's forward hooks have

@@ -404,7 +404,9 @@ ZOPT_API zopt_status zopt_optimizer_get_pipeline_stats(const zopt_optimizer *opt
  * optimizer's stream, as before, whatever the mode (wait_params then waits
  * for all of them). wait_params before any step, or for a bucket whose
  * extent changed since the last copies, waits for every copy (or nothing
- * when none was made). A bucket out of range: ZOPT_ERR_INVALID_ARGUMENT. */
+ * when none was made). A bucket out of range: ZOPT_ERR_INVALID_ARGUMENT.
+ * get_param_wait: the mode (ZOPT_PARAM_WAIT_ALL for a step that is not
+ * offloaded). */
 #define ZOPT_PARAM_WAIT_ALL 0
 #define ZOPT_PARAM_WAIT_PER_BUCKET 1
 ZOPT_API zopt_status zopt_optimizer_set_param_wait(zopt_optimizer *opt, int mode);
