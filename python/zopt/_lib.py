@@ -328,6 +328,10 @@ _SIGS = {
     "zopt_optimizer_grad_bucket_ready": (_S, [_P, ctypes.c_int]),
     "zopt_optimizer_set_speculation_budget": (_S, [_P, ctypes.c_uint64]),
     "zopt_optimizer_get_pipeline_stats": (_S, [_P, ctypes.POINTER(PipelineStats)]),
+    # offloaded steps: the params back per bucket (zopt.h; issue 18)
+    "zopt_optimizer_set_param_wait": (_S, [_P, ctypes.c_int]),
+    "zopt_optimizer_get_param_wait": (_S, [_P, ctypes.POINTER(ctypes.c_int)]),
+    "zopt_optimizer_wait_params": (_S, [_P, ctypes.c_int, _P]),
     # the state in memory, tensors added after finalize (zopt.h; issue 17)
     "zopt_optimizer_add_tensors": (_S, [_P, ctypes.c_int, ctypes.c_int, _P, _P, _P, _P,
                                         ctypes.c_int, ctypes.POINTER(ctypes.c_int),
@@ -498,4 +502,6 @@ LOAD_VALIDATE_ONLY = 2         # ZOPT_LOAD_VALIDATE_ONLY (load_ex, import_state)
 EXPORT_WHOLE = 1               # ZOPT_EXPORT_WHOLE (zopt_optimizer_export_state)
 EXPORT_NO_CHECKSUMS = 2        # ZOPT_EXPORT_NO_CHECKSUMS (export_state: an image for this process)
 GROUP_MAXIMIZE = 1             # ZOPT_GROUP_MAXIMIZE (zopt_optimizer_set_group_flags)
+PARAM_WAIT_ALL = 0             # ZOPT_PARAM_WAIT_ALL (zopt_optimizer_set_param_wait)
+PARAM_WAIT_PER_BUCKET = 1      # ZOPT_PARAM_WAIT_PER_BUCKET (zopt_optimizer_wait_params)
 DTYPE_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}

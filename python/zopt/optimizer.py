@@ -30,8 +30,8 @@ import time
 
 import numpy as np
 
-from . import (_checkpoint, _classes, _clip, _frozen, _gpu, _grads, _groups, _hypers, _lib,
-               _native, _params, _stats, _strided, _torch_compat)
+from . import (_checkpoint, _classes, _clip, _early, _frozen, _gpu, _grads, _groups, _hypers,
+               _lib, _native, _params, _stats, _strided, _torch_compat)
 from ._checkpoint import MasterWeightsWarning  # noqa: F401 (zopt.optimizer.MasterWeightsWarning)
 from ._dtypes import TORCH_KEY, kind as _kind, torch
 from ._lib import DTYPE_NAMES, STATE_NAMES, Status, ZoptError, check
@@ -95,7 +95,7 @@ class Optimizer(_Base):
                  seed=None, process_group=None, comm=None, grad_divisor=None,
                  bucket_elems=None, zero3_gather="step", grad_accumulation="hooks",
                  device_allocator=None, grad_streaming=False, timeout=None, overlap=False,
-                 speculation_budget=None):
+                 speculation_budget=None, model=None, early_params=None):
         self._parts, self.parts = [], {}
         self._lib = _native.lib()
         self._mapped = isinstance(step, collections.abc.Mapping)
@@ -115,6 +115,7 @@ class Optimizer(_Base):
         if speculation_budget is not None and not overlap:
             raise ZoptError(Status.INVALID_ARGUMENT, "speculation_budget= is an option of "
                             "overlap=True (offloaded steps overlapped with backward)")
+        early_model = _early.model_of(overlap, model, early_params)
         self._zero3_gather = zero3_gather
         self._grad_accumulation = grad_accumulation
         self._settings = dict(num_threads=num_threads, bucket_elems=bucket_elems,
@@ -166,7 +167,7 @@ class Optimizer(_Base):
                     c.streamer = self._streamer = GradStreamer(c)
                 if overlap:  # offloaded: buckets marked ready during backward
                     c.overlap = self._overlap = OffloadOverlap(c, speculation_budget,
-                                                               grad_streaming)
+                                                               grad_streaming, early_model)
                 _groups.extend(c, c.entries)
             _groups.route(self)
             if self.world_size > 1 and torch is not None:  # DDP, per-rank clippers
@@ -552,6 +553,18 @@ class Optimizer(_Base):
         if self._streamer is None:
             return contextlib.nullcontext()
         return self._streamer.no_sync()
+
+    @_exclusive("wait_params")
+    def wait_params(self):
+        """``overlap=True`` with a ``model`` (params back early): makes torch's
+        current stream wait for every param the model's forward hooks have
+        not waited for since the last ``step()`` (before reading params
+        outside their modules' forward: ``model.state_dict()``, a metric).
+        Does nothing otherwise (the step's stream already waits)."""
+        self._check_open()
+        ov = self._overlap
+        if ov is not None and ov.early is not None:
+            ov.early.wait_all()
 
     @_exclusive("pipeline_stats")
     def pipeline_stats(self):

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import ctypes
 
-from . import _grads, _lib
+from . import _early, _grads, _lib
 from ._dtypes import torch_of
 from ._marks import BucketMarks
 from ._lib import Status, ZoptError, check
@@ -66,7 +66,7 @@ class OffloadOverlap(BucketMarks):
     """The overlap state of the optimizer's one part (``opt._overlap``,
     ``part.overlap``); the hook-driven cycle is zopt._marks'."""
 
-    def __init__(self, part, budget=None, streaming=False):
+    def __init__(self, part, budget=None, streaming=False, model=None):
         s = part.step
         if torch is None:
             _refuse(Status.UNSUPPORTED, "needs torch (backward hooks)")
@@ -87,6 +87,8 @@ class OffloadOverlap(BucketMarks):
         super().__init__(part)
         self.main = s.f32_grads  # gradients from p.main_grad (f32)
         self.budget = budget
+        # params back early: per-bucket waits from the model's forward pre-hooks
+        self.early = _early.EarlyParams(part, model) if model is not None else None
         self._idle()
 
     @staticmethod
@@ -121,6 +123,8 @@ class OffloadOverlap(BucketMarks):
         if self.budget is not None:
             check(L.zopt_optimizer_set_speculation_budget(h, ctypes.c_uint64(self.budget)),
                   "zopt_optimizer_set_speculation_budget")
+        if self.early is not None:
+            self.early.attach(h, self.t_buckets)
         self._hook_new()
         self._idle()
 
@@ -321,6 +325,8 @@ class OffloadOverlap(BucketMarks):
     def after_step(self):
         self._idle()
         self._hook_new()
+        if self.early is not None:
+            self.early.after_step(self.nb)
 
     def check_zero_grad(self):
         if self.nmarked:

@@ -379,6 +379,40 @@ typedef struct zopt_pipeline_stats {
 } zopt_pipeline_stats;
 ZOPT_API zopt_status zopt_optimizer_get_pipeline_stats(const zopt_optimizer *opt, zopt_pipeline_stats *stats);
 
+/* ---- offloaded steps: the params back on the GPU, bucket by bucket -------
+ *
+ * docs/GPU.md "Params back early". At 1 rank an offloaded step (serial or
+ * pipelined) copies the updated params back on a copy stream of the
+ * optimizer's own, bucket by bucket in forward order (the last bucket
+ * first: buckets are in reverse add order), each bucket followed by its
+ * own event; the copies are ordered after the caller's work enqueued on the
+ * optimizer's stream before the step (they overwrite params it may read).
+ *
+ * ZOPT_PARAM_WAIT_ALL (the default): the step makes the optimizer's stream
+ * wait for every bucket's copy, so later work on it sees every param, as
+ * before. ZOPT_PARAM_WAIT_PER_BUCKET: it does not; the caller must call
+ * zopt_optimizer_wait_params(o, b, stream) before work on `stream` uses a
+ * param of bucket b (zopt_optimizer_bucket_tensors names them): a
+ * cuStreamWaitEvent of that bucket's event (stream NULL: the optimizer's
+ * stream; a capturing stream gets an external event wait node, so each
+ * replay waits for the copies of the last step before its launch).
+ * Whatever the mode, the runtime's own later work (the next step's copies
+ * or marks, read_state of a param, save, free, set_stream) waits for every
+ * copy. set_param_wait is refused (ZOPT_ERR_BAD_STATE) between a step's
+ * first mark and the step; ZOPT_ERR_UNSUPPORTED for steps that are not
+ * offloaded. At W ranks the params go back after the ALL_GATHER on the
+ * optimizer's stream, as before, whatever the mode (wait_params then waits
+ * for all of them). wait_params before any step, or for a bucket whose
+ * extent changed since the last copies, waits for every copy (or nothing
+ * when none was made). A bucket out of range: ZOPT_ERR_INVALID_ARGUMENT.
+ * get_param_wait: the mode (ZOPT_PARAM_WAIT_ALL for a step that is not
+ * offloaded). */
+#define ZOPT_PARAM_WAIT_ALL 0
+#define ZOPT_PARAM_WAIT_PER_BUCKET 1
+ZOPT_API zopt_status zopt_optimizer_set_param_wait(zopt_optimizer *opt, int mode);
+ZOPT_API zopt_status zopt_optimizer_get_param_wait(const zopt_optimizer *opt, int *mode);
+ZOPT_API zopt_status zopt_optimizer_wait_params(zopt_optimizer *opt, int bucket, void *cu_stream);
+
 /* ---- GPU steps (docs/GPU.md) ------------------------------------------ */
 
 /* A step compiled with GPU-placed states runs through the CUDA driver API,

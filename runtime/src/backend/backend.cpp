@@ -78,6 +78,21 @@ zopt_status Backend::grad_bucket_ready(zopt_optimizer *o, int) {
               o->d->name);
 }
 
+static zopt_status no_params_back(const zopt_optimizer *o, const char *fn) {
+  return fail(ZOPT_ERR_UNSUPPORTED,
+              "%s: step '%s' is not offloaded (the params' copies back to the GPU are an offloaded step's: params "
+              "and grads on the GPU, the update on the CPU)",
+              fn, o->d->name);
+}
+
+zopt_status Backend::set_param_wait(zopt_optimizer *o, int) {
+  return no_params_back(o, "zopt_optimizer_set_param_wait");
+}
+
+zopt_status Backend::wait_params(zopt_optimizer *o, int, void *) {
+  return no_params_back(o, "zopt_optimizer_wait_params");
+}
+
 }  // namespace zopt
 
 using namespace zopt;

@@ -147,6 +147,12 @@ class Backend {
   // zopt_optimizer_grad_bucket_ready (bucket readiness of an offloaded
   // step, backend/offload/pipeline.h): UNSUPPORTED elsewhere.
   virtual zopt_status grad_bucket_ready(zopt_optimizer *o, int b);
+  // zopt_optimizer_set_param_wait / _get_param_wait / _wait_params (the
+  // params' copies back of an offloaded step, backend/offload/params_back.h):
+  // UNSUPPORTED elsewhere.
+  virtual zopt_status set_param_wait(zopt_optimizer *o, int mode);
+  virtual int param_wait(const zopt_optimizer *) const { return 0; }
+  virtual zopt_status wait_params(zopt_optimizer *o, int b, void *stream);
 };
 
 // Calls Backend::checks_done when the calling C API function returns.

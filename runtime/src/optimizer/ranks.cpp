@@ -1,6 +1,7 @@
 // optimizer/ranks.cpp - the optimizer across ranks (zopt.h, zopt/comm.h):
 // its communicator, the bucket size, the gradient divisor D, and gradient
-// streaming (buckets reduced during backward, exec/stream.cpp).
+// streaming (buckets reduced during backward, exec/stream.cpp), an offloaded
+// step's bucket readiness and its params' copies back.
 #include "optimizer/api.h"
 
 #include "backend/backend.h"
@@ -191,6 +192,33 @@ ZOPT_API zopt_status zopt_optimizer_get_pipeline_stats(const zopt_optimizer *o, 
   s.size = (uint32_t)std::min<size_t>(want, sizeof s);
   memcpy(stats, &s, s.size);
   return ZOPT_OK;
+}
+
+// ---- offloaded steps: the params back (backend/offload/params_back.h) -----
+
+ZOPT_API zopt_status zopt_optimizer_set_param_wait(zopt_optimizer *o, int mode) {
+  const char *fn = "zopt_optimizer_set_param_wait";
+  CHECK_OPT(o, fn);
+  if (mode != ZOPT_PARAM_WAIT_ALL && mode != ZOPT_PARAM_WAIT_PER_BUCKET)
+    return fail(ZOPT_ERR_INVALID_ARGUMENT,
+                "%s: mode %d (ZOPT_PARAM_WAIT_ALL = 0 or ZOPT_PARAM_WAIT_PER_BUCKET = 1)", fn, mode);
+  return o->backend->set_param_wait(o, mode);
+}
+
+ZOPT_API zopt_status zopt_optimizer_get_param_wait(const zopt_optimizer *o, int *mode) {
+  CHECK_OPT_ANY(o, "zopt_optimizer_get_param_wait");
+  if (!mode) return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_get_param_wait: mode is NULL");
+  *mode = o->backend->param_wait(o);
+  return ZOPT_OK;
+}
+
+ZOPT_API zopt_status zopt_optimizer_wait_params(zopt_optimizer *o, int bucket, void *cu_stream) {
+  const char *fn = "zopt_optimizer_wait_params";
+  CHECK_OPT_ANY(o, fn);
+  if (!o->backend->stages()) return o->backend->wait_params(o, bucket, cu_stream);  // UNSUPPORTED
+  if (!o->finalized || !o->prog) return fail(ZOPT_ERR_BAD_STATE, "%s: call zopt_optimizer_finalize first", fn);
+  if (zopt_status st = check_bucket(o, bucket, fn)) return st;
+  return o->backend->wait_params(o, bucket, cu_stream);
 }
 
 }  // extern "C"

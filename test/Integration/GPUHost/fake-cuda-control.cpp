@@ -116,3 +116,32 @@ API void fake_cuda_drain_all(void) {
   }
   for (void *s : streams) drain(s);
 }
+// Host-to-device copies issued outside captures: count, and the i-th's
+// destination, bytes and stream (call order: the order of each stream's).
+API int fake_cuda_num_htod(void) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  return (int)st().htod_log.size();
+}
+API void fake_cuda_htod(int i, unsigned long long *dst, size_t *n, void **stream) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  const State::HtoD &c = st().htod_log[(size_t)i];
+  *dst = c.dst;
+  *n = c.n;
+  *stream = c.stream;
+}
+// Host-to-device copies into [lo, hi) issued from now on are queued on
+// their stream and wait at their turn (so does the stream's later work)
+// until fake_cuda_release_htod, which lets every held copy run.
+API void fake_cuda_hold_htod(unsigned long long lo, unsigned long long hi) {
+  Hold &h = hold();
+  std::lock_guard<std::mutex> lk(h.mu);
+  h.lo = lo;
+  h.hi = hi;
+}
+API void fake_cuda_release_htod(void) {
+  Hold &h = hold();
+  std::lock_guard<std::mutex> lk(h.mu);
+  h.lo = h.hi = 0;
+  ++h.gen;
+  h.cv.notify_all();
+}

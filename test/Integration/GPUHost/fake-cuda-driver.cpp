@@ -234,6 +234,31 @@ API CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, vo
     return kOk;
   }
   touch(dst);
+  {
+    std::lock_guard<std::recursive_mutex> lk(g_mu);
+    st().htod_log.push_back({dst, n, stream});
+  }
+  bool held = false;
+  uint64_t gen = 0;
+  {
+    Hold &h = hold();
+    std::lock_guard<std::mutex> lk(h.mu);
+    held = dst < h.hi && dst + n > h.lo;
+    gen = h.gen;
+  }
+  if (held) {  // queued; runs once released (fake_cuda_hold_htod)
+    std::shared_ptr<std::vector<char>> copy;
+    if (!pinned(src, n)) copy.reset(new std::vector<char>((const char *)src, (const char *)src + n));
+    enqueue(stream, [dst, src, n, copy, gen] {
+      Hold &h = hold();
+      {
+        std::unique_lock<std::mutex> lk(h.mu);
+        h.cv.wait(lk, [&] { return h.gen != gen; });
+      }
+      memcpy((void *)(uintptr_t)dst, copy ? copy->data() : src, n);
+    });
+    return kOk;
+  }
   if (st().htod_delay_us && pinned(src, n)) {  // a DMA that takes a while
     unsigned us = st().htod_delay_us;
     enqueue(stream, [dst, src, n, us] {

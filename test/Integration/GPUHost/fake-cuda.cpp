@@ -66,6 +66,12 @@
 // ZOPT_FAKE_CUDA_SEED, default 1), so that a caller that reads or reuses a
 // buffer before the stream says the copy is done sees wrong bytes.
 //
+// Every host-to-device copy is logged (fake_cuda_num_htod / fake_cuda_htod:
+// destination, bytes, stream, in call order), and fake_cuda_hold_htod(lo,
+// hi) queues the copies into [lo, hi) issued after it and holds each at its
+// turn (with its stream's later work) until fake_cuda_release_htod: a copy
+// as slow as a test needs, to show what waits for it and what does not.
+//
 // With ZOPT_FAKE_CUDA_TWIN=<the step compiled for the CPU> the emulation is
 // on from the start and runs each kernel whole on the twin's CPU kernels
 // (fake-cuda-twin.cpp): the numbers of a GPU step, on the stand-in.
@@ -93,6 +99,10 @@ std::atomic<int> g_delayed_done{0};
 State &st() {
   static State s;
   return s;
+}
+Hold &hold() {
+  static Hold h;
+  return h;
 }
 
 // ---- stream queues (see the header) ------------------------------------------

@@ -117,7 +117,25 @@ struct State {
   int patch_delta = 0;
   unsigned htod_delay_us = 0;  // fake_cuda_set_htod_delay
   std::vector<std::string> bad_ranges;  // copies/memsets refused: device range outside every allocation
+  // Host-to-device copies issued (outside captures), in call order.
+  struct HtoD {
+    CUdeviceptr dst;
+    size_t n;
+    void *stream;
+  };
+  std::vector<HtoD> htod_log;
 };
+
+// fake_cuda_hold_htod: host-to-device copies into [lo, hi) are queued and
+// wait at their turn until fake_cuda_release_htod (a copy that takes as
+// long as the test wants).
+struct Hold {
+  std::mutex mu;
+  std::condition_variable cv;
+  CUdeviceptr lo = 0, hi = 0;  // empty: none held
+  uint64_t gen = 0;            // releases so far
+};
+Hold &hold();
 
 extern std::recursive_mutex g_mu;      // guards st() against the stream workers
 extern std::atomic<int> g_delayed_done;  // delayed copies (fake_cuda_set_htod_delay) finished

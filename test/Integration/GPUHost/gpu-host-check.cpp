@@ -1,7 +1,8 @@
 //===- gpu-host-check.cpp - the runtime's host side of a GPU step ------------===//
 //
 //   zopt-gpu-host-check FAKE_DRIVER.so GPU_STEP.so [--big]
-//   zopt-gpu-host-check FAKE_DRIVER.so OFFLOAD_STEP.so CPU_TWIN.so [--world=W [--pipeline] | --pipeline]
+//   zopt-gpu-host-check FAKE_DRIVER.so OFFLOAD_STEP.so CPU_TWIN.so [--world=W [--pipeline] | --pipeline |
+//                                                                   --params-back]
 //
 // Runs a GPU step against libzopt-fake-cuda.so (set ZOPT_CUDA_DRIVER to the
 // same path): "device" memory is host memory and kernels are only recorded,
@@ -26,6 +27,8 @@
 // grads, a skipped step and a checkpoint, and its copies are counted.
 // --pipeline: the same step with bucket readiness and speculation
 // (gpu-host-pipeline.cpp) against the serial step and the twin.
+// --params-back: the params' copies back per bucket, in forward order, and
+// the per-bucket wait mode (gpu-host-params-back.cpp).
 //===----------------------------------------------------------------------===//
 #include "gpu-host-check.h"
 
@@ -36,7 +39,7 @@ using namespace ghc;
 int main(int argc, char **argv) {
   if (argc < 3 || argc > 6) {
     fprintf(stderr, "usage: zopt-gpu-host-check FAKE_DRIVER.so GPU_STEP.so [--big] | OFFLOAD_STEP.so CPU_TWIN.so "
-                    "[--world=W | --pipeline] (with ZOPT_CUDA_DRIVER=FAKE_DRIVER.so)\n");
+                    "[--world=W | --pipeline | --params-back] (with ZOPT_CUDA_DRIVER=FAKE_DRIVER.so)\n");
     return 2;
   }
   const char *env = getenv("ZOPT_CUDA_DRIVER");
@@ -78,6 +81,10 @@ int main(int argc, char **argv) {
   SYM(num_bad_ranges, "fake_cuda_num_bad_ranges");
   SYM(bad_range, "fake_cuda_bad_range");
   SYM(in_alloc, "fake_cuda_in_alloc");
+  SYM(num_htod, "fake_cuda_num_htod");
+  SYM(htod, "fake_cuda_htod");
+  SYM(hold_htod, "fake_cuda_hold_htod");
+  SYM(release_htod, "fake_cuda_release_htod");
   SYM(mem_alloc, "cuMemAlloc_v2");
   SYM(mem_free, "cuMemFree_v2");
   SYM(ctx_retain, "cuDevicePrimaryCtxRetain");
@@ -86,13 +93,16 @@ int main(int argc, char **argv) {
   SYM(ctx_current, "cuCtxGetCurrent");
   SYM(stream_create, "cuStreamCreate");
   SYM(stream_query, "cuStreamQuery");
+  SYM(mem_host_alloc, "cuMemHostAlloc");
+  SYM(mem_free_host, "cuMemFreeHost");
+  SYM(memcpy_dtoh_async, "cuMemcpyDtoHAsync_v2");
   SYM(begin_capture, "cuStreamBeginCapture_v2");
   SYM(end_capture, "cuStreamEndCapture");
   SYM(instantiate, "cuGraphInstantiateWithFlags");
   SYM(graph_launch, "cuGraphLaunch");
 #undef SYM
   if (!f.num_calls || !f.launch || !f.mem_alloc || !f.set_emulation || !f.graph_launch || !f.num_bad_ranges ||
-      !f.in_alloc) {
+      !f.in_alloc || !f.hold_htod) {
     fprintf(stderr, "%s is not the fake driver\n", argv[1]);
     return 2;
   }
@@ -102,6 +112,8 @@ int main(int argc, char **argv) {
   const bool big = argc == 4 && !strcmp(argv[3], "--big");
   if (argc == 5 && !strcmp(argv[4], "--pipeline")) {
     pipeline_check(f, step, argv[3]);
+  } else if (argc == 5 && !strcmp(argv[4], "--params-back")) {
+    params_back_check(f, step, argv[3]);
   } else if (argc >= 5) {
     if (strncmp(argv[4], "--world=", 8) || atoi(argv[4] + 8) < 2 || (argc == 6 && strcmp(argv[5], "--pipeline"))) {
       fprintf(stderr, "expected --world=W (W >= 2) [--pipeline], got %s\n", argv[4]);

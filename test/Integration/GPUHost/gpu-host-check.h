@@ -4,7 +4,8 @@
 // concern: gpu-host-check.cpp (main: the stand-in's table, the run),
 // gpu-host-offload.cpp (offloaded steps against their CPU twin, one rank
 // and W), gpu-host-pipeline.cpp (bucket readiness and speculation against
-// the serial step and the twin), gpu-host-step.cpp (a GPU step's tables, launches, device state,
+// the serial step and the twin), gpu-host-params-back.cpp (the params'
+// copies back per bucket, their order and events), gpu-host-step.cpp (a GPU step's tables, launches, device state,
 // hyperparameters, results and checkpoints), gpu-host-driver.cpp (driver
 // versions, launch errors, devices and contexts), gpu-host-graph.cpp (CUDA
 // graphs replayed on another stream), gpu-host-tensors.cpp (the active
@@ -65,6 +66,10 @@ struct Fake {
   int (*num_bad_ranges)();
   const char *(*bad_range)(int);
   int (*in_alloc)(unsigned long long, size_t);
+  int (*num_htod)();
+  void (*htod)(int, unsigned long long *, size_t *, void **);
+  void (*hold_htod)(unsigned long long, unsigned long long);
+  void (*release_htod)();
   // The driver API itself (the test plays the application).
   int (*mem_alloc)(unsigned long long *, size_t);
   int (*mem_free)(unsigned long long);
@@ -74,6 +79,9 @@ struct Fake {
   int (*ctx_current)(void **);
   int (*stream_create)(void **, unsigned);
   int (*stream_query)(void *);
+  int (*mem_host_alloc)(void **, size_t, unsigned);
+  int (*mem_free_host)(void *);
+  int (*memcpy_dtoh_async)(void *, unsigned long long, size_t, void *);
   int (*begin_capture)(void *, int);
   int (*end_capture)(void *, void **);
   int (*instantiate)(void **, void *, unsigned long long);
@@ -251,6 +259,7 @@ int offload_check(Fake &f, zopt_step *step, const char *twin_path);
 void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const char *twin_path, int W,
                          bool pipelined = false);
 void pipeline_check(Fake &f, zopt_step *step, const char *twin_path);
+void params_back_check(Fake &f, zopt_step *step, const char *twin_path);
 int gpu_main_check(Fake &f, zopt_step *step, const char *path);
 void driver_checks(Fake &f, zopt_step *step);
 void device_checks(Fake &f, zopt_step *step);

@@ -40,6 +40,8 @@ constexpr int FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK = 0;
 constexpr unsigned EVENT_DISABLE_TIMING = 2;
 constexpr unsigned EVENT_RECORD_EXTERNAL = 1;  // in a capture: an event record node
 constexpr unsigned EVENT_WAIT_EXTERNAL = 1;    // in a capture: an event wait node
+// CUstream flags (cuStreamCreate): no implicit order with the legacy stream.
+constexpr unsigned STREAM_NON_BLOCKING = 1;
 // CUstreamCaptureStatus.
 constexpr int STREAM_CAPTURE_STATUS_NONE = 0, STREAM_CAPTURE_STATUS_ACTIVE = 1,
               STREAM_CAPTURE_STATUS_INVALIDATED = 2;
@@ -75,6 +77,8 @@ constexpr int STREAM_CAPTURE_STATUS_NONE = 0, STREAM_CAPTURE_STATUS_ACTIVE = 1,
     CUresult (*)(void *, CUdeviceptr, size_t, CUstream))                                  \
   X(MemsetD8Async, "cuMemsetD8Async", CUresult (*)(CUdeviceptr, unsigned char, size_t, CUstream)) \
   X(MemsetD32Async, "cuMemsetD32Async", CUresult (*)(CUdeviceptr, unsigned, size_t, CUstream)) \
+  X(StreamCreate, "cuStreamCreate", CUresult (*)(CUstream *, unsigned))                   \
+  X(StreamDestroy, "cuStreamDestroy_v2", CUresult (*)(CUstream))                          \
   X(StreamSynchronize, "cuStreamSynchronize", CUresult (*)(CUstream))                     \
   X(StreamWaitEvent, "cuStreamWaitEvent", CUresult (*)(CUstream, CUevent, unsigned))      \
   X(StreamIsCapturing, "cuStreamIsCapturing", CUresult (*)(CUstream, int *))              \

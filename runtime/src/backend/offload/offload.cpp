@@ -12,17 +12,21 @@
 //   first: grads (and params, if the kernel reads them) device -> staging,
 //          then one stream synchronisation (the CPU needs the bytes);
 //   last:  unless the step was skipped, the written params staging ->
-//          device, asynchronously, then an event: the caller's later work
-//          on the stream (or on a new stream: zopt_optimizer_set_stream
-//          orders it after the event) sees the new params, and the next
-//          step's copies wait for the event before the staging is written
-//          again (whatever stream they run on).
+//          device, asynchronously, then the `staging` event: at 1 rank
+//          bucket by bucket in forward order on the optimizer's copy
+//          stream, each bucket with its event (params_back.h: the caller's
+//          later work on the stream sees them unless the wait mode is per
+//          bucket); at W ranks per tensor on the optimizer's stream. Any
+//          new stream (zopt_optimizer_set_stream) is ordered after the
+//          event, and the next step's copies wait for it before the staging
+//          is written again (whatever stream they run on).
 // An offloaded step needs the host between its copies, so it cannot be
 // captured in a CUDA graph: the first copy refuses a capturing stream with
 // a message that says so (rather than the driver's "operation not permitted
 // when stream is capturing" from the synchronisation).
 #include "backend/offload/offload.h"
 
+#include "backend/offload/params_back.h"
 #include "backend/offload/pipeline.h"
 
 #include "backend/cpu/cpu.h"
@@ -91,7 +95,7 @@ zopt_status offload_alloc_staging(GpuState *g, size_t bytes, void **out) {
   return ZOPT_OK;
 }
 
-zopt_status offload_copy_state(GpuState *g, zopt_optimizer *o, int si, bool to_device, bool sync) {
+zopt_status offload_copy_state(GpuState *g, ParamsBack &pb, zopt_optimizer *o, int si, bool to_device, bool sync) {
   ZOPT_CTX_SCOPE(g);
   bool cap = false;
   if (zopt_status st = gpu_capturing(g, g->stream, &cap)) return st;
@@ -104,6 +108,8 @@ zopt_status offload_copy_state(GpuState *g, zopt_optimizer *o, int si, bool to_d
                 o->d->name);
   const size_t es = dtype_size(o->d->states[si].dtype);
   const bool param = o->d->states[si].kind == ZOPT_STATE_PARAM;
+  // 1 rank: the params back bucket by bucket on the copy stream.
+  if (to_device && param && o->world == 1) return params_back_all(g, pb, o, si);
   // The staging is read by the previous step's copies to the GPU until the
   // `staging` event; copies into it (and the CPU update after them) wait.
   if (!to_device)
@@ -182,6 +188,7 @@ class OffloadBackend final : public CpuBackend {
   explicit OffloadBackend(GpuState *state) : g(state) {}
   GpuState *g;
   OffloadPipe pipe;  // bucket readiness (pipeline.h)
+  ParamsBack pb;     // the params' copies back (params_back.h)
 
   const char *name() const override { return "offload"; }
   zopt_status supports(const zopt_optimizer *o, Feature f, const char *fn) const override {
@@ -200,6 +207,7 @@ class OffloadBackend final : public CpuBackend {
   void checks_done(const zopt_optimizer *) const override { gpu_forget_checked(g); }
   void destroy(zopt_optimizer *o) override {
     offload_pipe_free(g, pipe);  // the jobs are gone (the pipeline was freed first)
+    params_back_free(g, pb);
     CpuBackend::destroy(o);  // host buffers, not the pinned staging
     offload_free(g);         // pinned staging, events, the context
     g = nullptr;
@@ -226,7 +234,7 @@ class OffloadBackend final : public CpuBackend {
   size_t staging_count(const zopt_optimizer *) const override { return offload_staging_count(g); }
   void free_staging(zopt_optimizer *, size_t first, size_t last) override { offload_free_staging(g, first, last); }
   zopt_status copy_staged(zopt_optimizer *o, int si, bool to_user, bool sync) override {
-    return offload_copy_state(g, o, si, to_user, sync);
+    return offload_copy_state(g, pb, o, si, to_user, sync);
   }
   // A pipelined step (bucket readiness): its copies were done per bucket,
   // its update commits or recomputes per bucket (pipeline.cpp).
@@ -237,12 +245,20 @@ class OffloadBackend final : public CpuBackend {
   }
   zopt_status run_op(zopt_optimizer *o, exec::StepState *st, size_t i) override {
     bool handled = false;
-    if (zopt_status s = offload_pipelined_op(g, o, st, i, &handled)) return s;
+    if (zopt_status s = offload_pipelined_op(g, pb, o, st, i, &handled)) return s;
     return handled ? ZOPT_OK : CpuBackend::run_op(o, st, i);
   }
   void end_step(zopt_optimizer *o, exec::StepState *st, zopt_step_result *result) override {
     CpuBackend::end_step(o, st, result);
     offload_pipelined_end(o, st);
+  }
+  zopt_status set_param_wait(zopt_optimizer *, int mode) override {
+    pb.mode = mode;
+    return ZOPT_OK;
+  }
+  int param_wait(const zopt_optimizer *) const override { return pb.mode; }
+  zopt_status wait_params(zopt_optimizer *o, int b, void *stream) override {
+    return params_back_wait(g, pb, o, b, stream);
   }
   const void *param_on_host(const zopt_optimizer *o, int t) const override {
     return state_ptr(o, t, o->step->param_index);  // the staging
@@ -254,11 +270,23 @@ class OffloadBackend final : public CpuBackend {
 zopt_status make_offload_backend(zopt_optimizer *o, Backend **out) {
   GpuState *g = nullptr;
   if (zopt_status st = offload_attach(o, &g)) return st;
-  *out = new (std::nothrow) OffloadBackend(g);
-  if (!*out) {
+  OffloadBackend *be = new (std::nothrow) OffloadBackend(g);
+  if (!be) {
     offload_free(g);
     return fail(ZOPT_ERR_OUT_OF_MEMORY, "out of memory");
   }
+  zopt_status st;
+  {
+    CtxScope scope(g);
+    st = scope.status();
+    if (!st) st = params_back_init(g, be->pb);
+  }
+  if (st) {
+    offload_free(g);
+    delete be;
+    return st;
+  }
+  *out = be;
   return ZOPT_OK;
 }
 

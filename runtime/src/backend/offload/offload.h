@@ -6,7 +6,8 @@
 // the GPU, staged through pinned host buffers by the program's COPY ops on
 // the optimizer's stream (the device's driver, context and events:
 // backend/cuda/device.h); with bucket readiness, per bucket and overlapped
-// with backward (pipeline.h).
+// with backward (pipeline.h); the params back on the GPU per bucket in
+// forward order on a copy stream, with an event per bucket (params_back.h).
 #ifndef ZOPT_RUNTIME_BACKEND_OFFLOAD_H
 #define ZOPT_RUNTIME_BACKEND_OFFLOAD_H
 

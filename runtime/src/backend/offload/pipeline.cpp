@@ -7,10 +7,14 @@
 // optimizer's stream after the optimizer's own earlier work (the previous
 // step's param copies read the staging: the `staging` event, waited for on
 // the stream at the step's first readiness), then the bucket's event; the
-// job waits for that event on the host. At the step each bucket's params
-// go back to the device on the stream as soon as the bucket is final, and
-// the `staging` event is recorded after the last, as in a serial step.
+// job waits for that event on the host. At the step (1 rank) the buckets
+// are updated in forward order (the last first) and each bucket's params go
+// back to the device as soon as it is final, on the copy stream with its
+// own event (params_back.h); the `staging` event is recorded after the
+// last, as in a serial step.
 #include "backend/offload/pipeline.h"
+
+#include "backend/offload/params_back.h"
 
 #include "exec/exec.h"
 #include "exec/speculate.h"
@@ -26,9 +30,11 @@ namespace {
 
 const char *kReady = "zopt_optimizer_grad_bucket_ready";
 
+}  // namespace
+
 // State si (PARAM or GRAD) of bucket b between the device and its staging,
-// asynchronously on the optimizer's stream: one copy per tensor piece.
-zopt_status copy_bucket(GpuState *g, zopt_optimizer *o, int b, int si, bool to_device) {
+// asynchronously on `stream`: one copy per tensor piece.
+zopt_status offload_copy_bucket(GpuState *g, const zopt_optimizer *o, int b, int si, bool to_device, CUstream stream) {
   const exec::Program &P = *o->prog;
   const layout::Bucket &k = P.L.buckets[b];
   const size_t es = dtype_size(o->d->states[si].dtype);
@@ -38,14 +44,16 @@ zopt_status copy_bucket(GpuState *g, zopt_optimizer *o, int b, int si, bool to_d
     CUdeviceptr dev = (CUdeviceptr)(uintptr_t)(param ? x.param : x.grad) + (CUdeviceptr)((size_t)p.start * es);
     char *host = (char *)state_ptr(o, p.tensor, si) + (size_t)p.start * es;
     const size_t bytes = (size_t)p.len * es;
-    CUresult r = to_device ? g->cu->MemcpyHtoDAsync(dev, host, bytes, g->stream)
-                           : g->cu->MemcpyDtoHAsync(host, dev, bytes, g->stream);
+    CUresult r = to_device ? g->cu->MemcpyHtoDAsync(dev, host, bytes, stream)
+                           : g->cu->MemcpyDtoHAsync(host, dev, bytes, stream);
     if (r)
       return fail(ZOPT_ERR_INTERNAL, "offload: copying the %s of tensor %d (bucket %d) %s the GPU: %s",
                   param ? "param" : "grad", p.tensor, b, to_device ? "to" : "from", error_string(r));
   }
   return ZOPT_OK;
 }
+
+namespace {
 
 exec::Spec *open_spec(const zopt_optimizer *o) {
   exec::Spec *S = o->prog ? o->prog->spec : nullptr;
@@ -109,7 +117,7 @@ zopt_status offload_bucket_ready(GpuState *g, OffloadPipe &pp, zopt_optimizer *o
       return undo(fail(ZOPT_ERR_INTERNAL, "%s: cuEventCreate: %s", kReady, error_string(r)));
   for (const zopt_program_op &op : P.ops)
     if (op.code == ZOPT_OP_COPY && op.dst == ZOPT_PLACE_CPU)
-      if (zopt_status st = copy_bucket(g, o, b, (int)op.state, false)) return undo(st);
+      if (zopt_status st = offload_copy_bucket(g, o, b, (int)op.state, false, g->stream)) return undo(st);
   CUevent ev = pp.events[b];
   if (CUresult r = g->cu->EventRecordWithFlags(ev, g->stream, 0))
     return undo(fail(ZOPT_ERR_INTERNAL, "%s: cuEventRecord after bucket %d's copies: %s", kReady, b, error_string(r)));
@@ -168,7 +176,8 @@ zopt_status offload_pipelined_begin(GpuState *g, zopt_optimizer *o) {
   return ZOPT_OK;
 }
 
-zopt_status offload_pipelined_op(GpuState *g, zopt_optimizer *o, exec::StepState *st, size_t i, bool *handled) {
+zopt_status offload_pipelined_op(GpuState *g, ParamsBack &pb, zopt_optimizer *o, exec::StepState *st, size_t i,
+                                 bool *handled) {
   exec::Spec *S = open_spec(o);
   *handled = false;
   if (!S) return ZOPT_OK;
@@ -185,12 +194,10 @@ zopt_status offload_pipelined_op(GpuState *g, zopt_optimizer *o, exec::StepState
       *handled = true;
       P.copy_bytes[to_host ? 0 : 1] += exec::copy_size(o, (int)op.state);
       if (to_host) return ZOPT_OK;  // at each bucket's readiness
-      // The params went back bucket by bucket at the UPDATE: the event.
+      // The params went back bucket by bucket at the UPDATE: `staging`,
+      // and the optimizer's stream after them unless per bucket.
       ZOPT_CTX_SCOPE(g);
-      if (CUresult r = g->cu->EventRecordWithFlags(g->staging, g->stream, 0))
-        return fail(ZOPT_ERR_INTERNAL, "offload: cuEventRecord after the copies to the GPU: %s", error_string(r));
-      g->staging_recorded = true;
-      return ZOPT_OK;
+      return params_back_end(g, pb);
     }
     case ZOPT_OP_NORM_PARTIALS:
       // The partials of every bucket were computed at its readiness with
@@ -210,10 +217,14 @@ zopt_status offload_pipelined_op(GpuState *g, zopt_optimizer *o, exec::StepState
       } catch (...) {
         return fail(ZOPT_ERR_OUT_OF_MEMORY, "zopt_optimizer_step: out of memory rebuilding the work lists");
       }
-      for (int b = 0; b < (int)S->ready.size(); ++b) {
+      // In forward order (the last bucket first: the first params the
+      // next forward needs), each bucket's params back once it is final.
+      if (back >= 0)
+        if (zopt_status s = params_back_begin(g, pb, o)) return s;
+      for (int b = (int)S->ready.size() - 1; b >= 0; --b) {
         exec::spec_update_bucket(o, b);
         if (back >= 0)
-          if (zopt_status s = copy_bucket(g, o, b, back, true)) return s;
+          if (zopt_status s = params_back_bucket(g, pb, o, b, back)) return s;
       }
       P.op_seconds[i] = exec::now_seconds() - t0;
       return ZOPT_OK;

@@ -21,10 +21,15 @@ namespace exec {
 struct StepState;
 }
 
+struct ParamsBack;
+
 struct OffloadPipe {
   std::vector<CUevent> events;  // per bucket (made at its first readiness)
 };
 
+// State si (PARAM or GRAD) of bucket b between the device and its staging,
+// asynchronously on `stream`: one copy per tensor piece.
+zopt_status offload_copy_bucket(GpuState *g, const zopt_optimizer *o, int b, int si, bool to_device, CUstream stream);
 // zopt_optimizer_grad_bucket_ready.
 zopt_status offload_bucket_ready(GpuState *g, OffloadPipe &pp, zopt_optimizer *o, int b);
 // Whether a pipelined step is under way (some bucket marked ready).
@@ -33,7 +38,10 @@ bool offload_pipelined(const zopt_optimizer *o);
 // stream not capturing (the step's copies back need the host's update).
 zopt_status offload_pipelined_begin(GpuState *g, zopt_optimizer *o);
 // Program op i of a pipelined step; *handled false: the host executor's.
-zopt_status offload_pipelined_op(GpuState *g, zopt_optimizer *o, exec::StepState *st, size_t i, bool *handled);
+// At 1 rank the params go back through `pb` (params_back.h): bucket by
+// bucket in forward order, each as soon as it is final.
+zopt_status offload_pipelined_op(GpuState *g, ParamsBack &pb, zopt_optimizer *o, exec::StepState *st, size_t i,
+                                 bool *handled);
 // After the last op: the outcome recorded, the step closed.
 void offload_pipelined_end(zopt_optimizer *o, const exec::StepState *st);
 // The events (context current or not).
