@@ -30,8 +30,8 @@ import time
 
 import numpy as np
 
-from . import (_checkpoint, _classes, _clip, _early, _frozen, _gpu, _grads, _groups, _hypers,
-               _lib, _native, _params, _stats, _strided, _torch_compat)
+from . import (_checkpoint, _classes, _clip, _frozen, _gpu, _grads, _groups, _hypers, _lib,
+               _native, _options, _params, _stats, _strided, _torch_compat)
 from ._checkpoint import MasterWeightsWarning  # noqa: F401 (zopt.optimizer.MasterWeightsWarning)
 from ._dtypes import TORCH_KEY, kind as _kind, torch
 from ._lib import DTYPE_NAMES, STATE_NAMES, Status, ZoptError, check
@@ -102,20 +102,8 @@ class Optimizer(_Base):
         self._steps = _classes.steps_of(step, self._mapped)
         self._keep32 = _classes.policy_of(step, self._steps)
         s = self.step_obj = next(iter(self._steps.values()))  # the shared slots
-        if device_allocator not in (None, "torch", "driver"):
-            raise ZoptError(Status.INVALID_ARGUMENT,
-                            f"device_allocator={device_allocator!r}: 'torch' (torch's caching "
-                            "allocator) or 'driver' (cuMemAlloc)")
-        if zero3_gather not in ("step", "manual", "hooks"):
-            raise ZoptError(Status.INVALID_ARGUMENT,
-                            f"zero3_gather={zero3_gather!r}: 'step', 'manual' or 'hooks'")
-        if grad_accumulation not in ("hooks", "manual"):
-            raise ZoptError(Status.INVALID_ARGUMENT,
-                            f"grad_accumulation={grad_accumulation!r}: 'hooks' or 'manual'")
-        if speculation_budget is not None and not overlap:
-            raise ZoptError(Status.INVALID_ARGUMENT, "speculation_budget= is an option of "
-                            "overlap=True (offloaded steps overlapped with backward)")
-        early_model = _early.model_of(overlap, model, early_params)
+        early_model = _options.check(device_allocator, zero3_gather, grad_accumulation, overlap,
+                                     speculation_budget, model, early_params)
         self._zero3_gather = zero3_gather
         self._grad_accumulation = grad_accumulation
         self._settings = dict(num_threads=num_threads, bucket_elems=bucket_elems,
@@ -556,11 +544,9 @@ class Optimizer(_Base):
 
     @_exclusive("wait_params")
     def wait_params(self):
-        """``overlap=True`` with a ``model`` (params back early): makes torch's
-        current stream wait for every param the model's forward hooks have
-        not waited for since the last ``step()`` (before reading params
-        outside their modules' forward: ``model.state_dict()``, a metric).
-        Does nothing otherwise (the step's stream already waits)."""
+        """``overlap=True`` with a ``model``: torch's current stream waits for
+        every param not waited for since ``step()`` (before reading params
+        outside their modules' forward; docs/USAGE.md section 5)."""
         self._check_open()
         ov = self._overlap
         if ov is not None and ov.early is not None:
