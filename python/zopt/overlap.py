@@ -72,7 +72,8 @@ class OffloadOverlap:
             _refuse(Status.UNSUPPORTED,
                     f"step '{s.name}' is {'a GPU step' if s.gpu else 'a CPU step'}; the "
                     "overlap is implemented for offloaded steps (params and grads on the "
-                    "GPU, the update on the CPU: placement='offload')")
+                    "GPU, the update on the CPU: placement='offload'; with its GPU "
+                    "fraction, gpu_fraction=f, the GPU class steps at step())")
         if s.f32_grads:
             _refuse(Status.UNSUPPORTED,
                     f"step '{s.name}' has f32 gradients of {s.param_dtype.name} params "
@@ -286,13 +287,14 @@ class OffloadOverlap:
         self.stats[where] += 1
 
     # ---- step() ---------------------------------------------------------------------
-    def before_step(self):
+    def before_step(self, others=False):
         """In step(), instead of the per-step gradient pass: the buckets no
         backward marked. False when there is nothing to step (no marks and
-        no gradient)."""
+        no gradient, and ``others`` false: no other class of the optimizer,
+        the GPU fraction's, has a gradient either)."""
         c = self._part()
         if not self.started:
-            if all(e.param.grad is None for e in c.entries):
+            if all(e.param.grad is None for e in c.entries) and not others:
                 return False
             self._start(from_hook=False)
         self._mark_all(where="at_step", strict=True)
