@@ -110,6 +110,7 @@ def test_stand_in_gpu_fraction_routes_and_steps_as_one(steps, tmp_path):
     assert out["norms_equal"] == [True] * 6 and out["clipped"] == [False, False, True, False, False, False]
     assert out["skipped"] == [False, False, False, True, True, False]
     assert out["same_as_offload"] == [True] * 6 and out["same_as_cpu"] == [True] * 6
+    assert out["step_stats"] == [["f32"], True, 0.25, True]
     assert out["clip_grad_norm"]
     assert out["state_dict_round_trip"] and out["save_load_round_trip"]
     assert out["files"] == ["ck", "ck.f32:gpu"]
@@ -291,6 +292,9 @@ def _worker(what, step_path, tmp):
         out["skipped"].append(opt.last_skipped and off.last_skipped and cpu.last_skipped)
         out["same_as_offload"].append(same(opt, off, ps, qs))
         out["same_as_cpu"].append(same(opt, cpu, ps, hs))
+    st = opt.step_stats()  # the offloaded class's host times; the GPU class has none
+    out["step_stats"] = [sorted(st["classes"]), st["offloaded"], st["gpu_fraction"],
+                         st["d2h_bytes"] == off.step_stats()["d2h_bytes"] * 6000 // 8000]
     # clip_grad_norm_: the linked step begun (the runtime's norm over both
     # classes), then finished, clipped at the given max_norm
     xs = [torch.from_numpy((g.integers(-256, 256, n) / 64.0).astype(np.float32)) for n in SIZES]

@@ -7,7 +7,7 @@ and ``opt.last_metrics`` / the metrics hooks of every step (record_metrics);
 import ctypes
 import time
 
-from . import _lib
+from . import _lib, _placement
 from ._lib import DTYPE_NAMES, STATE_NAMES, check
 
 _SUMMED = ("total_seconds", "d2h_seconds", "update_seconds", "h2d_seconds", "d2h_bytes",
@@ -26,16 +26,19 @@ def _one(part):
 
 def step_stats(opt):
     """The last completed step's figures; with a step per class the
-    classes' summed (``offloaded`` if any is, ``steps`` the most), and
-    ``classes``: each class's own."""
+    classes' summed (``offloaded`` if any is, ``steps`` the most),
+    ``classes``: each class's own, and ``gpu_fraction`` (the GPU classes'
+    share of the elements: a GPU fraction's class has no host times, its
+    kernels run asynchronously, and is left out of the sums)."""
     opt._check_open()
-    per = {c.cls: _one(c) for c in opt._parts}
     if not opt._mapped:
-        return next(iter(per.values()))
+        return _one(opt._parts[0])
+    per = {c.cls: _one(c) for c in opt._parts if not c.step.gpu}
     out = {k: sum(p[k] for p in per.values()) for k in _SUMMED}
     out["offloaded"] = any(p["offloaded"] for p in per.values())
-    out["steps"] = max(p["steps"] for p in per.values())
+    out["steps"] = max((p["steps"] for p in per.values()), default=0)
     out["classes"] = per
+    out["gpu_fraction"] = _placement.share(opt._parts)
     return out
 
 
