@@ -142,7 +142,74 @@ def test_stand_in_gpu_fraction_with_overlap(steps, tmp_path):
     assert e.value.code == Status.UNSUPPORTED and "gpu_fraction" in str(e.value)
 
 
+@needs_fake
+@needs_toolkit
+def test_stand_in_gpu_fraction_loss_scaled(steps, tmp_path):
+    """f16 params with an f32 master, loss-scaled, gpu_fraction=0.3: one loss
+    scaler over both classes. Each step (clip inactive, active; an inf in
+    the GPU class, then in the offloaded one: skipped, the scale backed off
+    alike; growth after 2 good steps) bit-identical to the all-offloaded
+    optimizer and the all-CPU twin, the loss scale too."""
+    from zopt import steps as S
+    kw = dict(param="f16", master="f32", **KW)
+    gpu = steps.text(S.adamw.text(placement="gpu", **kw))
+    off = steps.text(S.adamw.text(placement="offload", **kw))
+    cpu = steps.text(S.adamw.text(**kw))
+    out = run_worker(__file__, "f16", os.pathsep.join([gpu.path, off.path, cpu.path]),
+                     tmp_path, ZOPT_FAKE_CUDA_TWIN=cpu.path)
+    assert out["classes"] == ["f16:gpu", "f16:gpu", "f16", "f16", "f16"]
+    assert out["skipped"] == [False, False, True, True, False, False]
+    assert out["clipped"] == [False, True, False, False, False, False]
+    assert out["scales"] == [1024.0, 1024.0, 2048.0, 1024.0, 512.0, 512.0]  # each step's S
+    assert out["same_as_offload"] == [True] * 6 and out["same_as_cpu"] == [True] * 6
+
+
 # ---- the worker (run with ZOPT_CUDA_DRIVER=libzopt-fake-cuda.so) ----------------------
+
+def _f16_worker(dev, paths, out):
+    gpu_path, off_path, cpu_path = paths
+    rng = np.random.default_rng(8)
+    init = [torch.from_numpy(rng.standard_normal(n).astype(np.float32)).half() for n in SIZES]
+    ps = [torch.nn.Parameter(dev(n, w, torch.float16)) for n, w in zip(SIZES, init)]
+    qs = [torch.nn.Parameter(dev(n, w, torch.float16)) for n, w in zip(SIZES, init)]
+    hs = [torch.nn.Parameter(w.clone()) for w in init]
+    classes = zopt.steps.StepClasses({"f16": zopt.Step(off_path), "f16:gpu": zopt.Step(gpu_path)})
+    classes.gpu_fraction = 0.3
+    kw = dict(lr=1e-2, weight_decay=0.1, loss_scaler=dict(init_scale=1024.0, growth_interval=2))
+    opts = (zopt.Optimizer(classes, ps, **kw), zopt.Optimizer(zopt.Step(off_path), qs, **kw),
+            zopt.Optimizer(zopt.Step(cpu_path), hs, **kw))
+    opt, off, cpu = opts
+    out["classes"] = [opt._class_of[id(p)] for p in ps]
+    for key in ("skipped", "clipped", "scales", "same_as_offload", "same_as_cpu"):
+        out[key] = []
+    g = np.random.default_rng(9)
+
+    def same(a, b, pa, pb):
+        sa, sb = a.state_dict()["state"], b.state_dict()["state"]
+        return (all(torch.equal(x.detach(), y.detach()) for x, y in zip(pa, pb))
+                and sorted(sa) == sorted(sb) and a.loss_scale == b.loss_scale
+                and all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i]))
+
+    # the scaled gradients: random multiples of 1/64 (exact in f16; their
+    # unscaled squares' sums exact in f64), times 256 for clipping
+    for mult, bad in ((1, None), (256, None), (1, 0), (1, 4), (1, None), (1, None)):
+        xs = [torch.from_numpy((g.integers(-256, 256, n) / 64.0 * mult).astype(np.float32)).half()
+              for n in SIZES]
+        if bad is not None:
+            xs[bad][3] = float("inf")
+        for o, params in zip(opts, (ps, qs, hs)):
+            o.zero_grad(set_to_none=True)
+            for p, x in zip(params, xs):
+                p.grad = dev(p.numel(), x, torch.float16) if o is not cpu else x.clone()
+            o.step()
+        out["skipped"].append(opt.last_skipped and off.last_skipped and cpu.last_skipped)
+        out["clipped"].append(bool(opt.last_grad_norm > 1.0) and not opt.last_skipped)
+        out["scales"].append(opt.last_loss_scale)
+        out["same_as_offload"].append(same(opt, off, ps, qs))
+        out["same_as_cpu"].append(same(opt, cpu, ps, hs))
+    for o in opts:
+        o.close()
+
 
 def _overlap_worker(s, dev, classes, out):
     """A small model's backward; each new p.grad moved to fresh device
@@ -205,7 +272,7 @@ def _overlap_worker(s, dev, classes, out):
 
 
 def _worker(what, step_path, tmp):
-    assert what in ("fraction", "overlap")
+    assert what in ("fraction", "overlap", "f16")
     s = StandIn()
     fake = s.fake
     make_entry = zopt._params.make_entry
@@ -217,23 +284,29 @@ def _worker(what, step_path, tmp):
     zopt._params.make_entry = entry
     torch.cuda.device = lambda d: contextlib.nullcontext()  # (the stand-in has one context)
 
-    def dev(n, fill=None):  # an f32 torch tensor over stand-in device memory
+    def dev(n, fill=None, dtype=torch.float32):  # a tensor over stand-in device memory
+        es = 2 if dtype == torch.float16 else 4
         p = ctypes.c_ulonglong()
-        assert fake.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(4 * max(n, 1))) == 0
-        t = torch.from_numpy(np.frombuffer((ctypes.c_char * (4 * n)).from_address(p.value),
-                                           dtype=np.float32))
+        assert fake.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(es * max(n, 1))) == 0
+        t = torch.from_numpy(np.frombuffer((ctypes.c_char * (es * n)).from_address(p.value),
+                                           dtype=np.float16 if es == 2 else np.float32))
         t.copy_(fill) if fill is not None else t.zero_()
         return t
     zeros, real_alloc = torch.zeros, zopt._grads.alloc_grads
 
     def alloc_grads(c, entries):  # our own gradient buffers in device memory
-        torch.zeros = lambda n, dtype=None, device=None: dev(n)
+        torch.zeros = lambda n, dtype=None, device=None: dev(n, None, dtype or torch.float32)
         try:
             return real_alloc(c, entries)
         finally:
             torch.zeros = zeros
     zopt._grads.alloc_grads = alloc_grads
     gpu_path, off_path, cpu_path = step_path.split(os.pathsep)
+    if what == "f16":
+        out = {}
+        _f16_worker(dev, (gpu_path, off_path, cpu_path), out)
+        print(json.dumps(out))
+        return
     if what == "overlap":
         classes = zopt.steps.StepClasses({"f32": zopt.Step(off_path), "f32:gpu": zopt.Step(gpu_path)})
         classes.gpu_fraction = 0.5
