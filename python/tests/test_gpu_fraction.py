@@ -98,7 +98,8 @@ def test_stand_in_gpu_fraction_routes_and_steps_as_one(steps, tmp_path):
     offloaded optimizer and to the all-CPU twin, params and states; so is
     a step clipped by clip_grad_norm_ (the linked step begun, its norm the
     runtime's); the state_dict and save/load round trips continue
-    bit-identically."""
+    bit-identically; a param added by add_param_group goes to the offloaded
+    class and the next step is the twin's."""
     from zopt import steps as S
     gpu = steps.text(S.adamw.text(placement="gpu", **KW))
     off = steps.text(S.adamw.text(placement="offload", **KW))
@@ -114,6 +115,7 @@ def test_stand_in_gpu_fraction_routes_and_steps_as_one(steps, tmp_path):
     assert out["clip_grad_norm"]
     assert out["state_dict_round_trip"] and out["save_load_round_trip"]
     assert out["files"] == ["ck", "ck.f32:gpu"]
+    assert out["added"] == ["f32", True, True]
 
 
 @needs_fake
@@ -395,6 +397,21 @@ def _worker(what, step_path, tmp):
     opt3.load(path)
     one_step(1 / 1024, opts=(opt, opt3, cpu), groups=(ps, ts, hs))
     out["save_load_round_trip"] = same(opt, opt3, ps, ts) and same(opt3, cpu, ts, hs)
+    # add_param_group: the new params go to the offloaded class (their
+    # gradients arrive first); the GPU class gets the empty group
+    w = torch.from_numpy(rng.standard_normal(77).astype(np.float32))
+    extra = (torch.nn.Parameter(dev(77, w)), torch.nn.Parameter(w.clone()))
+    opt.add_param_group({"params": [extra[0]], "lr": 3e-3})
+    cpu.add_param_group({"params": [extra[1]], "lr": 3e-3})
+    xs = [torch.from_numpy((g.integers(-256, 256, n) / 64.0 / 1024).astype(np.float32))
+          for n in SIZES + [77]]
+    for o, params in ((opt, ps + [extra[0]]), (cpu, hs + [extra[1]])):
+        o.zero_grad(set_to_none=True)
+        for p, x in zip(params, xs):
+            p.grad = dev(p.numel(), x) if o is not cpu else x.clone()
+        o.step()
+    out["added"] = [opt._class_of[id(extra[0])], opt.last_grad_norm == cpu.last_grad_norm,
+                    same(opt, cpu, ps + [extra[0]], hs + [extra[1]])]
     for o in (opt, opt2, opt3, off, cpu):
         o.close()
     print(json.dumps(out))
