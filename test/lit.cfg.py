@@ -61,7 +61,7 @@ def cuda_gpu_present():
         return False
 if cuda_gpu_present():
     config.available_features.add("cuda-gpu")
-llvm_config.add_tool_substitutions(["zopt-gpu-check", "zopt-gpu-host-check", "zopt-nccl-check", "zopt-backend-conformance",
+llvm_config.add_tool_substitutions(["zopt-gpu-check", "zopt-gpu-host-check", "zopt-nccl-check", "zopt-backend-conformance", "zopt-linked-gpu-check",
                                    "zopt-zero-check", "zopt-ckpt-check", "zopt-ckpt-linked-check", "zopt-state-check", "zopt-coalesce-check",
                                    "zopt-q8-check", "zopt-bench-offload-pipeline"], tool_dirs)
 # MPI (Open MPI's mpirun; as root it needs the allow-run-as-root flags, more

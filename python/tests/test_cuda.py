@@ -12,6 +12,7 @@ the GPU, and params/grads on the GPU with the states on the CPU. On a GPU
 machine without zopt-compile they run from ZOPT_TEST_STEP_CACHE, filled here
 by bench/gpu/prepare_carry.sh (precompile_parity_steps below)."""
 import ctypes
+import math
 import os
 import warnings
 
@@ -344,6 +345,52 @@ def test_frozen_params_left_out_and_unfrozen_like_torch(steps):
     oz.close()
 
 
+@needs_gpu
+def test_gpu_fraction_steps_as_one_with_the_offloaded_class(steps):
+    """gpu_fraction on a GPU (docs/USAGE.md "Part of the params' step on the
+    GPU"): the first-added params' step on the GPU, the rest offloaded, one
+    linked step. Against the all-offloaded optimizer over the same params
+    and gradients (random multiples of 1/64, times 2^-10 or 1: their
+    squares' sums are exact, so the norms agree bit for bit): the same
+    norm, clip and skip decisions (an inf in either class skips both), the
+    same step counts; the params within the GPU's rounding of the CPU's."""
+    gpu = steps(rule="adamw", layout="f32", clip=1.0, placement="gpu")
+    off = steps(rule="adamw", layout="f32", clip=1.0, placement="offload")
+    classes = zopt.steps.StepClasses({"f32": off, "f32:gpu": gpu})
+    classes.gpu_fraction = 0.3
+    torch.manual_seed(0)
+    sizes = [700, 1300, 3000, 33, 2967]
+    host = [torch.randn(n) for n in sizes]
+    pa = [torch.nn.Parameter(h.clone().cuda()) for h in host]
+    pb = [torch.nn.Parameter(h.clone().cuda()) for h in host]
+    oa = zopt.Optimizer(classes, pa, lr=1e-2, weight_decay=0.1)
+    ob = zopt.Optimizer(off, pb, lr=1e-2, weight_decay=0.1)
+    assert [oa._class_of[id(p)] for p in pa] == ["f32:gpu"] * 2 + ["f32"] * 3
+    assert oa.gpu_fraction == 0.25
+    g = torch.Generator().manual_seed(1)
+    for scale, bad in ((2.0 ** -10, None), (1.0, None), (2.0 ** -10, 1), (2.0 ** -10, 3),
+                       (2.0 ** -10, None)):
+        xs = [torch.randint(-256, 256, (n,), generator=g).float() / 64 * scale for n in sizes]
+        if bad is not None:
+            xs[bad][7] = float("inf")
+        for o, ps in ((oa, pa), (ob, pb)):
+            o.zero_grad(set_to_none=True)
+            for p, x in zip(ps, xs):
+                p.grad = x.cuda()
+            o.step()
+        torch.cuda.synchronize()
+        assert oa.last_grad_norm == ob.last_grad_norm or (bad is not None and
+                                                          math.isinf(oa.last_grad_norm))
+        assert oa.last_skipped == ob.last_skipped == (bad is not None)
+        assert (oa.last_grad_norm > 1.0) == (scale == 1.0 and bad is None)
+        assert [oa.tensor_step(p) for p in pa] == [ob.tensor_step(p) for p in pb]
+        for a, b in zip(pa, pb):
+            np.testing.assert_allclose(a.detach().cpu().numpy(), b.detach().cpu().numpy(),
+                                       rtol=1e-6, atol=1e-7)
+    oa.close()
+    ob.close()
+
+
 def precompile_parity_steps(cache_dir):
     """Records every step the GPU tests above use into cache_dir (the
     ZOPT_TEST_STEP_CACHE recording cache, zopt_stepcache.py); returns how
@@ -363,7 +410,7 @@ def precompile_parity_steps(cache_dir):
     for text in _example_texts():
         cache.text(text)
     cache.text(open(OFFLOAD_6B).read())  # test_overlap_offload_from_backward_matches_serial
-    for placement in ("gpu", "cpu"):  # _graph_case, the allocator test
+    for placement in ("gpu", "cpu", "offload"):  # _graph_case, the allocator test, gpu_fraction
         cache(rule="adamw", layout="f32", clip=1.0, placement=placement)
     cache(rule="adamw", layout="f32", placement="gpu")
     import shutil

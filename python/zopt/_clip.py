@@ -83,7 +83,7 @@ def clip_grad_norm_(opt, max_norm, norm_type=2.0, error_if_nonfinite=False):
     hs = [c.h for c in parts]
     for h in hs:
         check(L.zopt_optimizer_set_max_norm(h, max_norm), "clip_grad_norm_")
-    if any(c.step.gpu for c in parts):
+    if any(c.step.gpu for c in parts) and not linked:  # linked (a GPU fraction): begun below
         return _gpu_clip(opt, parts, norm_type, error_if_nonfinite)
     r = _lib.StepResult()
     if linked:

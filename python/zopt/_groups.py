@@ -10,9 +10,12 @@ Functions take the optimizer first.
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
-from . import _classes, _frozen, _gpu, _grads, _hypers, _params, _rebuild, _strided, _torch_compat
+from . import (_classes, _frozen, _gpu, _grads, _hypers, _params, _placement, _rebuild, _strided,
+               _torch_compat)
 from . import _warnings
 from ._dtypes import is_torch
 from ._lib import Status, ZoptError
@@ -123,8 +126,8 @@ def new_group(opt, g):
                             f"param group {gid}: the precision policy keeps the params named "
                             f"{', '.join(pol.names)} at 32-bit moments, but this group's params "
                             "have no names: give (name, param) pairs (model.named_parameters())")
-        classes = [_classes.classify(opt._steps, gid, i, p, names[i] if names else None, pol)
-                   for i, p in enumerate(ps)]
+        classes = [_classes.classify(opt._steps, gid, i, p, names[i] if names else None, pol,
+                                     opt._gpu_split) for i, p in enumerate(ps)]
     else:
         classes = [next(iter(opt._steps))] * len(ps)
     seen = {id(e.param) for c in opt._parts for e in c.entries}
@@ -141,6 +144,45 @@ def new_group(opt, g):
     if opt.step_obj.gpu:
         group = _gpu.GpuGroup(opt, group)
     return group, new
+
+
+@contextlib.contextmanager
+def gpu_split(opt, groups):
+    """The GPU fraction (``opt._gpu_fraction``): ``opt._gpu_split`` over the
+    elements of every param of ``groups`` (the constructor's) while they
+    are added; yields them with their params listed (an iterator is read
+    once, here). What new_group refuses is left to it. Afterwards the
+    router sends every param to the offloaded class (add_param_group's:
+    their gradients arrive first)."""
+    if opt._gpu_fraction is None:
+        yield groups
+        return
+    out, total = [], 0
+    for g in groups:
+        if isinstance(g, dict) and "params" in g:
+            ps = g["params"]
+            if is_torch(ps) or isinstance(ps, np.ndarray):
+                ps = [ps]
+            elif not isinstance(ps, (list, tuple, set)):
+                ps = list(ps)
+                g = dict(g, params=ps)
+            if not isinstance(ps, set):
+                try:
+                    items = _torch_compat.split_named(list(ps))[0]
+                except ValueError:  # new_group says so
+                    items = []
+                for p in items:
+                    try:
+                        x = _params.split_item(p)[0]
+                    except ZoptError:
+                        continue
+                    total += int(x.numel()) if is_torch(x) else int(getattr(x, "size", 0))
+        out.append(g)
+    opt._gpu_split = _placement.GpuSplit(opt._gpu_fraction, total)
+    try:
+        yield out
+    finally:
+        opt._gpu_split.closed = True
 
 
 def check_keep32_names(opt):

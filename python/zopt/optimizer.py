@@ -31,10 +31,10 @@ import time
 import numpy as np
 
 from . import (_checkpoint, _classes, _clip, _frozen, _gpu, _grads, _groups, _hypers, _lib,
-               _native, _options, _params, _stats, _strided, _torch_compat)
+               _native, _options, _params, _placement, _stats, _strided, _torch_compat)
 from ._checkpoint import MasterWeightsWarning  # noqa: F401 (zopt.optimizer.MasterWeightsWarning)
 from ._dtypes import TORCH_KEY, kind as _kind, torch
-from ._lib import DTYPE_NAMES, STATE_NAMES, Status, ZoptError, check
+from ._lib import STATE_NAMES, Status, ZoptError, check
 from ._native import exclusive as _exclusive, lock_of as _lock_of, scaler_config
 from ._ranks import RankChecks, make_comm
 from ._state import StateView
@@ -80,12 +80,7 @@ class Optimizer(_Base):
 
     def __new__(cls, step=None, params=None, **kw):
         if cls is Optimizer and isinstance(step, collections.abc.Mapping):
-            if kw.get("overlap"):
-                raise ZoptError(Status.UNSUPPORTED, "overlap=True: not for a step per dtype "
-                                "(a mapping); the overlap is implemented for one offloaded step")
-            if kw.get("grad_streaming"):
-                raise ZoptError(Status.UNSUPPORTED, "grad_streaming=True: not for a step per "
-                                "dtype (a mapping); streaming is implemented for one step")
+            _classes.check_mapping_options(step, kw)  # overlap, grad_streaming
             return super().__new__(MixedOptimizer)
         return super().__new__(cls)
 
@@ -101,6 +96,7 @@ class Optimizer(_Base):
         self._mapped = isinstance(step, collections.abc.Mapping)
         self._steps = _classes.steps_of(step, self._mapped)
         self._keep32 = _classes.policy_of(step, self._steps)
+        self._gpu_fraction, self._gpu_split = _classes.gpu_fraction_of(step, self._steps), None
         s = self.step_obj = next(iter(self._steps.values()))  # the shared slots
         early_model = _options.check(device_allocator, zero3_gather, grad_accumulation, overlap,
                                      speculation_budget, model, early_params)
@@ -147,13 +143,14 @@ class Optimizer(_Base):
         try:
             if not self._mapped:  # the one class exists even without params
                 _groups.part_of(self, next(iter(self._steps)))
-            for g in groups:
-                _groups.append_group(self, *_groups.new_group(self, g))
+            with _groups.gpu_split(self, groups) as groups:  # gpu_fraction: routed in add order
+                for g in groups:
+                    _groups.append_group(self, *_groups.new_group(self, g))
             _groups.check_keep32_names(self)
             for c in self._parts:
                 if grad_streaming:  # no grad memory of ours: the runtime holds the shards
                     c.streamer = self._streamer = GradStreamer(c)
-                if overlap:  # offloaded: buckets marked ready during backward
+                if overlap and not c.step.gpu:  # offloaded: buckets marked during backward
                     c.overlap = self._overlap = OffloadOverlap(c, speculation_budget,
                                                                grad_streaming, early_model)
                 _groups.extend(c, c.entries)
@@ -324,31 +321,7 @@ class Optimizer(_Base):
             c.take_grads()
 
     def __repr__(self):
-        ents = self._entries
-        n = sum(e.numel for e in ents)
-        tail = (f"{len(ents)} tensors, {n} elements, rank {getattr(self, 'rank', 0)} of "
-                f"{getattr(self, 'world_size', 1)}, ")
-        if self._mapped:
-            cls = [f"{c.cls}: {c.step.name} ["
-                   + ", ".join(f"{STATE_NAMES[k]}:{DTYPE_NAMES[dt]}" for k, dt, _ in c.step.states)
-                   + f"] {len(c.entries)} tensors" for c in self._parts]
-            missing = [k for k in self._steps if k not in self.parts]
-            head = (f"zopt.Optimizer(classes {{{'; '.join(cls)}}}"
-                    + (f" (no params yet: {', '.join(missing)})" if missing else "")
-                    + f"; {tail}steps taken {self.steps_taken}")
-        else:
-            s = self.step_obj
-            head = (f"zopt.Optimizer(step={s.name}, "
-                    + ", ".join(f"{STATE_NAMES[k]}:{DTYPE_NAMES[dt]}" for k, dt, _ in s.states)
-                    + f"; isa={'gpu' if s.gpu else s.isa.name}, {tail}"
-                    f"zero_stage={s.zero_stage}, steps taken {self.steps_taken}")
-        lines = [head + (", closed" if self._closed else "") + ")"]
-        for i, group in enumerate(self.param_groups):
-            lines.append(f"Parameter Group {i} ({len(group['params'])} tensors)")
-            for key in sorted(group):
-                if key != "params":
-                    lines.append(f"    {key}: {group[key]}")
-        return "\n".join(lines)
+        return _stats.describe(self)
 
     # ---- hyperparameters (zopt._hypers.Pushed: what reached the runtimes) -----------
     def _hyper_keys(self):
@@ -474,8 +447,11 @@ class Optimizer(_Base):
         if self._rank_checks is not None:
             self._rank_checks.before_step(self)  # DDP, gradients rescaled in place
         if self._overlap is not None:
-            if not self._overlap.before_step():  # the buckets no backward marked
-                return False
+            others = [c for c in parts if c.overlap is None]  # a GPU fraction's class
+            for c in others:
+                c.pre_step()
+            if not self._overlap.before_step(any(1 in c.active for c in others)):
+                return False  # the buckets no backward marked; nothing to step
         elif self._streamer is None:
             for c in parts:
                 c.pre_step()  # may rebuild a part's native optimizer
@@ -557,9 +533,15 @@ class Optimizer(_Base):
         """``overlap=True``: the last pipelined step's figures (zopt_pipeline_stats:
         outcome 'commit' / 'recompute' / 'discard', buckets, speculated,
         committed, recomputed, late, steps, overlapped_seconds,
-        exposed_seconds; docs/USAGE.md)."""
+        exposed_seconds; docs/USAGE.md) and ``gpu_fraction``."""
         self._check_open()
-        return OffloadOverlap.stats_of(self._overlap)
+        return dict(OffloadOverlap.stats_of(self._overlap), gpu_fraction=self.gpu_fraction)
+
+    @property
+    def gpu_fraction(self):
+        """The share of the params' elements whose step runs on the GPU
+        (``gpu_fraction=f``: about f; _placement.share)."""
+        return _placement.share(self._parts)
 
     def step_result(self):
         """(grad_norm, skipped) of the last step."""

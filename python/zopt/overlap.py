@@ -77,7 +77,8 @@ class OffloadOverlap(BucketMarks):
             _refuse(Status.UNSUPPORTED,
                     f"step '{s.name}' is {'a GPU step' if s.gpu else 'a CPU step'}; the "
                     "overlap is implemented for offloaded steps (params and grads on the "
-                    "GPU, the update on the CPU: placement='offload')")
+                    "GPU, the update on the CPU: placement='offload'; with its GPU "
+                    "fraction, gpu_fraction=f, the GPU class steps at step())")
         if budget is not None and (not isinstance(budget, int) or budget < 0):
             _refuse(Status.INVALID_ARGUMENT,
                     f"speculation_budget={budget!r}: bytes (an int >= 0), or None for "
@@ -292,13 +293,14 @@ class OffloadOverlap(BucketMarks):
         self.stats[where] += 1
 
     # ---- step() ---------------------------------------------------------------------
-    def before_step(self):
+    def before_step(self, others=False):
         """In step(), instead of the per-step gradient pass: the buckets no
         backward marked. False when there is nothing to step (no marks and
-        no gradient)."""
+        no gradient, and ``others`` false: no other class of the optimizer,
+        the GPU fraction's, has a gradient either)."""
         c = self._part()
         if not self.started:
-            if c.world_size == 1 and not any(map(self._has_grad, c.entries)):
+            if c.world_size == 1 and not others and not any(map(self._has_grad, c.entries)):
                 return False  # (at W ranks the step is collective: every rank steps)
             self._start(from_hook=False)
         self._mark_all(where="at_step", strict=True)

@@ -89,6 +89,11 @@ hyperparameter defaults
     the precision policy (a size threshold in elements, or ``{"below": N,
     "names": [patterns]}``): a twin class with f32 moments for small and
     named params (docs/USAGE.md, "Params that keep 32-bit moments").
+``gpu_fraction``
+    with ``placement="offload"``, a number in (0, 1): a twin class
+    ``"<dtype>:gpu"`` with every state on the GPU takes about that share of
+    the params (by elements), those whose gradients arrive last in backward
+    (docs/USAGE.md, "Part of the params' step on the GPU").
 ``comments``
     ``False`` leaves the comments out of the text.
 
@@ -113,6 +118,7 @@ import numpy as np
 
 from . import compiler as _compiler
 from ._lib import Status, ZoptError
+from ._placement import SUFFIX as _GPU, gpu_fraction_of
 from ._policy import SUFFIX as _KEEP32, Keep32, keep32_of
 from ._step import Step
 
@@ -995,9 +1001,12 @@ class StepClasses(dict):
     :class:`zopt.Optimizer` as ``step``: each param goes to the class of its
     dtype, and the classes step as one (one global norm, one skip
     decision). With ``keep32=``, ``.keep32`` is the :class:`Keep32` rule
-    that sends params to the ``"<dtype>:keep32"`` classes."""
+    that sends params to the ``"<dtype>:keep32"`` classes; with
+    ``gpu_fraction=``, ``.gpu_fraction`` the share of the params that the
+    ``"<dtype>:gpu"`` classes take."""
 
     keep32 = None
+    gpu_fraction = None
 
     def __repr__(self):
         return "zopt.steps.StepClasses({" + ", ".join(
@@ -1005,8 +1014,10 @@ class StepClasses(dict):
 
 
 class _Specs(dict):
-    """spec()'s dict class -> Spec, with the precision policy (.keep32)."""
+    """spec()'s dict class -> Spec, with the precision policy (.keep32) and
+    the GPU fraction (.gpu_fraction)."""
     keep32 = None
+    gpu_fraction = None
 
 
 class Builder:
@@ -1034,7 +1045,14 @@ class Builder:
     params under ``below`` elements (default 4096) and those whose names
     (``model.named_parameters()``) match ``names`` (docs/USAGE.md, "Params
     that keep 32-bit moments"). Without ``classes=`` the call returns a
-    :class:`StepClasses` too."""
+    :class:`StepClasses` too.
+
+    ``gpu_fraction=f`` (with ``placement="offload"``, 0 < f < 1) gives each
+    class a twin ``"<dtype>:gpu"``, the same step with every state on the
+    GPU; ``zopt.Optimizer`` sends it the first-added params (the last whose
+    gradients arrive in backward) up to about f of the elements, and the
+    classes step as one (docs/USAGE.md, "Part of the params' step on the
+    GPU"). A :class:`StepClasses` either way."""
 
     def __init__(self, fname, fn):
         self.fname = fname
@@ -1042,7 +1060,7 @@ class Builder:
         sig = inspect.signature(fn)
         self.__signature__ = sig.replace(parameters=list(sig.parameters.values()) + [
             inspect.Parameter(a, inspect.Parameter.KEYWORD_ONLY, default=None)
-            for a in ("classes", "keep32")])
+            for a in ("classes", "keep32", "gpu_fraction")])
         self.__doc__ = fn.__doc__
         self.__name__ = fname
         self._params = [p for p in sig.parameters]
@@ -1052,14 +1070,26 @@ class Builder:
         if unknown:
             raise _bad(unknown[0], f"zopt.steps.{self.fname}() takes no argument "
                        f"{unknown[0]!r}; its arguments: {', '.join(self._params)}, classes, "
-                       "keep32")
+                       "keep32, gpu_fraction")
 
     def spec(self, **kw):
         """The resolved :class:`Spec` (with ``classes=``: a dict class ->
         Spec)."""
         classes = kw.pop("classes", None)
         keep32 = kw.pop("keep32", None)
+        gpu_fraction = kw.pop("gpu_fraction", None)
         self._check_known(kw)
+        if gpu_fraction is not None:
+            frac = gpu_fraction_of(gpu_fraction, kw.get("placement", "cpu"))
+            if keep32 is not None:
+                raise _bad("gpu_fraction", "with keep32= is not implemented (a GPU twin of "
+                           "each keep32 class): give one of them")
+            if classes is None:  # one class: the step's own arguments
+                param = kw.pop("param", inspect.signature(self._fn).parameters["param"].default)
+                classes = {param: {a: kw.pop(a) for a in _CLASS_ARGS if a in kw}}
+            out = _Specs(self._class_specs(classes, kw, gpu=True))
+            out.gpu_fraction = frac
+            return out
         if keep32 is not None:
             policy = keep32_of(keep32)
             if classes is None:  # one class: the step's own arguments
@@ -1072,7 +1102,7 @@ class Builder:
             return self._class_specs(classes, kw)
         return self._fn(**kw)
 
-    def _class_specs(self, classes, kw, keep32=False):
+    def _class_specs(self, classes, kw, keep32=False, gpu=False):
         if not isinstance(classes, collections.abc.Mapping) or not classes:
             raise _bad("classes", "must be a non-empty dict {param dtype: {per-class "
                        "arguments}}, e.g. {'bf16': dict(master='f32'), 'f32': {}}; "
@@ -1138,6 +1168,16 @@ class Builder:
                 except ZoptError as e:
                     raise ZoptError(e.code, f"keep32 (class {c + _KEEP32!r}): "
                                     f"{e.message}") from None
+        if gpu:  # each offloaded class's twin with every state on the GPU
+            for c in list(out):
+                ckw = dict(per[c])
+                if "name" in ckw:
+                    ckw["name"] = ckw["name"] + "_gpu"
+                try:
+                    out[c + _GPU] = self._fn(param=c, **dict(shared, placement="gpu"), **ckw)
+                except ZoptError as e:
+                    raise ZoptError(e.code, f"gpu_fraction (class {c + _GPU!r}): "
+                                    f"{e.message}") from None
         names = {}
         for c, sp in out.items():
             if sp.name in names:
@@ -1171,6 +1211,7 @@ class Builder:
         if isinstance(sp, dict):
             out = StepClasses((c, load_text(s.text())) for c, s in sp.items())
             out.keep32 = getattr(sp, "keep32", None)
+            out.gpu_fraction = getattr(sp, "gpu_fraction", None)
             return out
         return load_text(sp.text())
 

@@ -222,12 +222,17 @@ ZOPT_API zopt_status zopt_optimizer_step(zopt_optimizer *opt, zopt_step_result *
  * norm in order (parts[0] first), the norm is sqrt of the parts' sums of
  * squares added in part order (each the canonical, rank-count independent
  * sum), and then the rest of each program in order. The parts must be
- * distinct, finalized, CPU-updated (all-CPU or offloaded), on the same world
- * (same rank and size), and agree on clipping (max_norm) and loss scaling
- * (configuration, scale and good-step count); otherwise ZOPT_ERR_INVALID_-
- * ARGUMENT naming the part, before anything runs. `result` (may be NULL)
- * gets the combined norm. n = 1 is zopt_optimizer_step. A failure before the
- * update leaves every part's state as it was. */
+ * distinct, finalized, on the same world (same rank and size), and agree
+ * on clipping (max_norm) and loss scaling (configuration, scale and
+ * good-step count); otherwise ZOPT_ERR_INVALID_ARGUMENT naming the part,
+ * before anything runs. A part may be all-CPU, offloaded or a GPU step: a
+ * GPU part's sum of squares comes to the host (a copy and a wait on its
+ * stream) and the shared decision goes back to its kernels, so with n > 1
+ * a GPU part whose stream is capturing a CUDA graph is refused
+ * (ZOPT_ERR_BAD_STATE) before anything runs. `result` (may be NULL) gets
+ * the combined norm (also when parts[0] is a GPU step). n = 1 is
+ * zopt_optimizer_step. A failure before the update leaves every part's
+ * state as it was. */
 ZOPT_API zopt_status zopt_optimizer_step_linked(zopt_optimizer *const *parts, int n, zopt_step_result *result);
 
 /* A step in two halves (API 2, additions): zopt_optimizer_step_begin runs
@@ -240,7 +245,7 @@ ZOPT_API zopt_status zopt_optimizer_step_linked(zopt_optimizer *const *parts, in
  * optimizer but zopt_optimizer_get_max_norm and zopt_optimizer_free fails
  * with ZOPT_ERR_BAD_STATE. CPU-updated steps (GPU steps: UNSUPPORTED). The
  * _linked_ form begins a linked step over the same parts (the combined
- * norm), finished by zopt_optimizer_step_linked with the same parts. A
+ * norm; GPU parts too), finished by zopt_optimizer_step_linked with the same parts. A
  * failed begin is a failed step. */
 ZOPT_API zopt_status zopt_optimizer_step_begin(zopt_optimizer *opt, zopt_step_result *result);
 ZOPT_API zopt_status zopt_optimizer_step_linked_begin(zopt_optimizer *const *parts, int n,

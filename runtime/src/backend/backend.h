@@ -82,6 +82,11 @@ class Backend {
   virtual zopt_status begin_step(zopt_optimizer *o, exec::StepState *st, bool first) = 0;
   // Program op i.
   virtual zopt_status run_op(zopt_optimizer *o, exec::StepState *st, size_t i) = 0;
+  // Before a linked step of n > 1 parts runs (zopt_optimizer_step_linked,
+  // _begin; after every other check of the parts): refuses what the
+  // backend cannot run as a part (with the reason) and refreshes the host
+  // copies the parts are compared by (step counts, loss scaler: pull).
+  virtual zopt_status begin_linked(zopt_optimizer *o, const char *fn) { return ZOPT_OK; }
   // After the NORM: the skip and the clip coefficient from `sumsq` (the
   // step's, or the linked parts'), where the backend decides them.
   virtual void decide(zopt_optimizer *o, exec::StepState *st, double sumsq) = 0;

@@ -274,7 +274,9 @@ zopt_status run_host_op(zopt_optimizer *o, StepState *st, size_t i) {
 // before any UPDATE; the zprog verifier FINISH last).
 zopt_status run_begin(zopt_optimizer *o, StepState *st, bool first) {
   const zopt_step_descriptor *d = o->d;
+  const bool linked = st->linked;
   *st = StepState();
+  st->linked = linked;
   st->S = loss_scale(o);
   Backend *B = o->backend;
   if (zopt_status s = B->begin_step(o, st, first)) return s;

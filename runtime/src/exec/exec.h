@@ -135,6 +135,12 @@ zopt_status run(zopt_optimizer *o, zopt_step_result *result);
 // up to the NORM op's sum (no state but the gradients changes); run_end
 // decides the skip and the clip coefficient from `sumsq` and runs the rest.
 struct StepState {
+  // A part of a linked step of several optimizers (zopt_optimizer_step_linked
+  // with n > 1, set by the caller before run_begin, kept by it): the
+  // backend brings its sum of squares to the host at the NORM and applies
+  // the decision run_end is given (the other parts' too), where it would
+  // otherwise decide alone (the device).
+  bool linked = false;
   size_t pc = 0;            // the first op run_end runs
   double S = 1;               // the step's loss scale (its gradient scale: grad_scale)
   bool has_norm = false;     // the program has a NORM op (sumsq is set)

@@ -186,6 +186,10 @@ static zopt_status check_linked(zopt_optimizer *const *parts, int n, const char 
     if (!o->begun)
       if (zopt_status st = exec::wait_buckets(parts[i])) return st;  // its background reductions
     if (zopt_status st = o->backend->supports(o, Feature::LinkedStep, fn)) return st;
+    // A part of several (a GPU step: not inside a capture; its counts and
+    // scaler read from the device before they are compared below).
+    if (n > 1)
+      if (zopt_status st = parts[i]->backend->begin_linked(parts[i], fn)) return st;
     for (int j = 0; j < i; ++j)
       if (parts[j] == o) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: parts %d and %d are the same optimizer", fn, j, i);
     if (i == 0) continue;
@@ -233,6 +237,7 @@ ZOPT_API zopt_status zopt_optimizer_step_linked(zopt_optimizer *const *parts, in
   std::vector<exec::StepState> st(n);
   double sumsq = 0;
   for (int i = 0; i < n; ++i) {
+    st[i].linked = true;
     if (zopt_status s = exec::run_begin(parts[i], &st[i], i == 0)) return s;
     if (st[i].has_norm) sumsq += st[i].sumsq;
   }
@@ -249,6 +254,7 @@ ZOPT_API zopt_status zopt_optimizer_step_linked_begin(zopt_optimizer *const *par
   for (int i = 0; i < n; ++i) {
     st[i].reset(new (std::nothrow) exec::StepState);
     if (!st[i]) return fail(ZOPT_ERR_OUT_OF_MEMORY, "zopt_optimizer_step_linked_begin: out of memory");
+    st[i]->linked = true;
     if (zopt_status s = exec::run_begin(parts[i], st[i].get(), i == 0)) return s;
     if (st[i]->has_norm) sumsq += st[i]->sumsq;
   }

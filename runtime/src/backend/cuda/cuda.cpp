@@ -10,6 +10,7 @@
 #include "backend/cuda/cuda_internal.h"
 #include "exec/exec.h"
 
+#include <cmath>
 #include <new>
 
 using namespace zopt;
@@ -24,6 +25,7 @@ class CudaBackend final : public Backend {
   explicit CudaBackend(GpuState *state) : g(state) {}
   GpuState *g;
   bool capturing = false;  // the current step's stream captures a graph
+  bool applied = false;    // a linked step's decision is on the device (linked.cpp)
 
   const char *name() const override { return "cuda"; }
 
@@ -34,7 +36,7 @@ class CudaBackend final : public Backend {
         return fail(ZOPT_ERR_UNSUPPORTED, "%s: step '%s' updates on the GPU, whose step runs as one stream of kernels",
                     fn, name);
       case Feature::LinkedStep:
-        return fail(ZOPT_ERR_UNSUPPORTED, "%s: step '%s' is a GPU step: linked steps run CPU-updated steps", fn, name);
+        return ZOPT_OK;  // its sum of squares to the host, the decision back (linked.cpp)
       case Feature::GradStreaming:
         return fail(ZOPT_ERR_UNSUPPORTED,
                     "%s: step '%s' updates on the GPU; gradient streaming is implemented for steps updated on the "
@@ -80,14 +82,45 @@ class CudaBackend final : public Backend {
 
   void destroy(zopt_optimizer *o) override { gpu_free(o); }
 
-  zopt_status begin_step(zopt_optimizer *o, exec::StepState *, bool) override {
+  zopt_status begin_linked(zopt_optimizer *o, const char *fn) override { return gpu_begin_linked(o, fn); }
+
+  zopt_status begin_step(zopt_optimizer *o, exec::StepState *st, bool) override {
+    applied = false;
+    if (st->linked)  // check_linked asked begin_linked already; a caller of exec:: may not have
+      if (zopt_status s = gpu_begin_linked(o, "zopt_optimizer_step_linked")) return s;
     return gpu_begin_step(o, &capturing);  // the active mask is on the device (push)
   }
-  zopt_status run_op(zopt_optimizer *o, exec::StepState *, size_t i) override { return gpu_run_op(o, i); }
-  // The device decides (SUMSQ's last block): nothing is skipped on the host.
-  void decide(zopt_optimizer *, exec::StepState *, double) override {}
-  void end_step(zopt_optimizer *o, exec::StepState *, zopt_step_result *result) override {
+  zopt_status run_op(zopt_optimizer *o, exec::StepState *st, size_t i) override {
+    const uint32_t code = o->d->program[i].code;
+    if (st->linked && code == ZOPT_OP_NORM) {  // this part's sum to the host
+      st->has_norm = true;
+      return gpu_linked_sumsq(o, &st->sumsq);
+    }
+    if (st->linked && !applied && (code == ZOPT_OP_UPDATE || code == ZOPT_OP_FINISH)) {
+      size_t prepare = 0;
+      while (o->d->program[prepare].code != ZOPT_OP_PREPARE) ++prepare;  // validate_program: there is one
+      if (zopt_status s = gpu_apply_linked(o, st->ctl, prepare)) return s;
+      applied = true;
+    }
+    return gpu_run_op(o, i);
+  }
+  // Alone, the device decides (SUMSQ's last block): nothing is skipped on
+  // the host. Linked, the host's CONTROL on every part's sum (the skip
+  // leaves UPDATE out; run_op writes the decision to the device).
+  void decide(zopt_optimizer *o, exec::StepState *st, double sumsq) override {
+    if (!st->linked) return;
+    st->ctl = exec::decide(o, st->has_norm ? sumsq : 0.0);
+    st->norm = st->ctl.norm;
+    st->skipped = st->has_norm && st->ctl.skip != 0;
+    st->clip = st->ctl.clip_coef;
+  }
+  void end_step(zopt_optimizer *o, exec::StepState *st, zopt_step_result *result) override {
     gpu_end_step(o, capturing, result);
+    if (st->linked && result) {  // decided on the host: known now
+      result->grad_norm = st->has_norm ? st->norm : NAN;
+      result->skipped = st->skipped ? 1 : 0;
+      result->loss_scale = st->S;
+    }
   }
 
   void *state_ptr(const zopt_optimizer *o, int t, int si) const override {

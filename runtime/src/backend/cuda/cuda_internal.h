@@ -16,6 +16,9 @@
 //                inside a CUDA graph capture)
 //   launch.cpp   a step: its program's ops as launches on the optimizer's
 //                stream, the program checked, the step's result read back
+//   linked.cpp   a GPU step as a part of a linked step: its sum of
+//                squares to the host, the shared decision into the step
+//                globals, the coefficients again with its clip
 //
 // device.h is what this backend shares with the offload backend (driver,
 // context, events, streams).
@@ -64,6 +67,18 @@ zopt_status gpu_begin_step(zopt_optimizer *o, bool *capturing);
 zopt_status gpu_run_op(zopt_optimizer *o, size_t i);
 zopt_status gpu_end_step(zopt_optimizer *o, bool cap, zopt_step_result *result);
 zopt_status gpu_result(zopt_optimizer *o, zopt_step_result *result);
+
+// linked.cpp
+// Before a linked step of several parts: refused inside a capture; the
+// counts and the scaler pulled.
+zopt_status gpu_begin_linked(zopt_optimizer *o, const char *fn);
+// At the NORM: this part's sum of squares (SUMSQ's last block's sum of its
+// block partials in block order), read with one stream synchronisation.
+zopt_status gpu_linked_sumsq(zopt_optimizer *o, double *sumsq);
+// Before the first UPDATE or FINISH: the decision `ctl` (on the linked
+// sum) into the step globals, and with clipping PREPARE (program op
+// `prepare_op`) again with its clip coefficient.
+zopt_status gpu_apply_linked(zopt_optimizer *o, const zopt_control &ctl, size_t prepare_op);
 
 }  // namespace zopt
 

@@ -101,6 +101,12 @@ struct GpuState {
   // further pointers inside them are not queried again. Emptied after every
   // call that checks pointers (a freed allocation is never trusted later).
   mutable std::vector<std::pair<uintptr_t, uintptr_t>> checked;
+  // A GPU part of a linked step (cuda/linked.cpp): the host side of its
+  // sum of squares and of the decision written into the step globals (kept
+  // alive for the asynchronous copy); `globals_dirty` after a failed write
+  // of the CLIP_COEF global back to 1 (the next step writes it again).
+  zopt_gpu_step_globals h_linked{};
+  bool globals_dirty = false;
   // Offloaded steps: the pinned host staging buffers of params and grads.
   std::vector<void *> pinned;
 };

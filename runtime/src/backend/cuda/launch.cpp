@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 using namespace zopt;
 using namespace zopt::cu;
@@ -75,6 +76,23 @@ zopt_status gpu_begin_step(zopt_optimizer *o, bool *capturing) {
     CU_TRY(cu->EventRecordWithFlags(g->hypers_ready, s, 0), "cuEventRecord");
     g->hypers_recorded = true;
     g->hypers_dirty = false;
+  }
+  if (g->globals_dirty) {
+    // Only after a linked step failed to write the CLIP_COEF global back
+    // to 1 (cuda/linked.cpp).
+    if (cap)
+      return fail(ZOPT_ERR_BAD_STATE,
+                  "zopt_optimizer_step: the device's clip coefficient is stale (a failed write of a linked step) "
+                  "and the stream is capturing a CUDA graph: step once outside the capture first");
+    for (size_t gi = 0; gi < o->groups.size(); ++gi) {
+      const CUdeviceptr p = g->d_globals + (gi * ZOPT_NUM_GLOBALS + ZOPT_GLOBAL_CLIP_COEF) * 8;
+      const double one = 1.0;
+      uint32_t w[2];
+      memcpy(w, &one, 8);
+      CU_TRY(cu->MemsetD32Async(p, w[0], 1, s), "cuMemsetD32Async(CLIP_COEF)");
+      CU_TRY(cu->MemsetD32Async(p + 4, w[1], 1, s), "cuMemsetD32Async(CLIP_COEF)");
+    }
+    g->globals_dirty = false;
   }
   if (g->max_norm_dirty) {
     // Only after a failed zopt_optimizer_set_max_norm: the device may hold
