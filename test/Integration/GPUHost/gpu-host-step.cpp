@@ -204,9 +204,24 @@ int gpu_main_check(Fake &f, zopt_step *step, const char *path) {
     }
     const zopt_gpu_chunk *ch = (const zopt_gpu_chunk *)(uintptr_t)d_chunks;
     for (unsigned long long c = 0; q8 && c < nchunks; ++c) ok &= ch[c].begin % ZOPT_Q8_BLOCK == 0;
-    if (q8)
+    if (q8) {
       check(ok, "q8 moments: each tensor's codes at a q8 block boundary of its group's buffer, its absmax entry that "
                 "block's, every chunk whole blocks of its tensor");
+      // memory_info: per group and owned state its buffer (each tensor at a
+      // whole number of q8 blocks; an absmax one f32 per block), to 64 bytes.
+      uint64_t want = 0;
+      for (int g = 0; g < 2; ++g) {
+        int64_t padded = 0;
+        for (size_t t = g; t < sizes.size(); t += 2) padded += (sizes[t] + ZOPT_Q8_BLOCK - 1) / ZOPT_Q8_BLOCK * ZOPT_Q8_BLOCK;
+        for (uint32_t k = 0; k < d->num_states; ++k)
+          if (d->states[k].kind != ZOPT_STATE_PARAM && d->states[k].kind != ZOPT_STATE_GRAD)
+            want += (state_bytes(d, k, padded) + 63) & ~(uint64_t)63;
+      }
+      zopt_memory_info mi{};
+      Z(zopt_optimizer_memory_info(o, &mi));
+      check(mi.state_bytes == want, "q8 moments: memory_info counts " + std::to_string(mi.state_bytes) +
+                                        " state bytes on the GPU (an absmax 4 bytes per block of 256)");
+    }
   }
   check(segs_ok, "segment table: n, group and tensor index of every tensor");
   check(ptrs_ok, "state table: the user's param/grad pointers, 16-byte aligned owned states");
