@@ -84,6 +84,14 @@ sed -e '/clip_by_global_norm/d' -e 's/%gc, %m, %v\(.*\) : bf16, f32, f32, f32/%g
   "$host/adamw_bf16_kahan_gpu.mlir" > "$out/steps/kahan_src.mlir"
 compile kahan "$out/steps/kahan_src.mlir"
 rm "$out/steps/kahan_src.mlir"
+# q8 moments with a remainder master (NUMERICS §10, docs/GPU.md "q8 moments
+# on the GPU"): clipped, and unclipped (the clip coefficient's rounding out
+# of the bit-for-bit comparison).
+compile q8 "$host/adamw_bf16_q8_gpu.mlir"
+sed -e '/clip_by_global_norm/d' -e 's/\(zopt.ema\(_sq\)\? %[mv]\), %gc, \(%b[12]\) : f32, f32/\1, %g, \3 : f32, bf16/' \
+  "$host/adamw_bf16_q8_gpu.mlir" > "$out/steps/q8_noclip_src.mlir"
+compile q8_noclip "$out/steps/q8_noclip_src.mlir"
+rm "$out/steps/q8_noclip_src.mlir"
 # The offload benchmarks (serial and pipelined, issue 18): the two offload
 # layouts and their all-CPU twins (bench/run_offload_bench.sh).
 "$build/bin/zopt-compile" "$root/examples/adamw_bf16_offload_6b.mlir" -o "$out/steps/offload_6b.so"

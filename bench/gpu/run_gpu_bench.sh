@@ -15,7 +15,8 @@
 #                   lr or max_norm schedule, misaligned views, chunkings, 3000 small
 #                   tensors, offload, the f32-grad layouts, grads moved to
 #                   new device memory before every step (--rebind),
-#                   remainder masters and Kahan-compensated params
+#                   remainder masters and Kahan-compensated params, q8
+#                   moments bit for bit (--exact, ZOPT_EXPERIMENTAL_GPU_Q8=1)
 #   2 gpu-python    python/tests/test_cuda.py (GPU and offload parity) from
 #                   the carried step cache, after checking it has every step
 #   3 torch2-suite  the rest of python/tests under the machine's torch (2.x):
@@ -216,12 +217,18 @@ correctness() {
     "f16_f32grad_loss_scale:--steps=6 --inf-at=4 --graph --lr-schedule"
     "bf16_f32grad_offload:--steps=4 --inf-at=2"
     "f32_clip:--steps=4 --inf-at=3 --rebind" "bf16_f32grad:--steps=3 --rebind"
-    "remainder:--steps=3" "kahan:--steps=3")
+    "remainder:--steps=3" "kahan:--steps=3"
+    "q8:--steps=4 --inf-at=4 --exact" "q8:--steps=3 --exact --chunk=256"
+    "q8_noclip:--steps=3 --exact --tensors=4 --numel=1000003")
   local ok=0 bad=0 nodev=0 failed="" run l extra r last o="$scratch/gpu-check.out"
   for run in "${runs[@]}"; do
     l="${run%%:*}"; extra="${run#*:}"
     echo "== zopt-gpu-check $l $extra"
-    env ${drv_override:+ZOPT_CUDA_DRIVER=$drv_override} timeout 60 \
+    # q8 moments on the GPU: behind their gate until these runs pass
+    # (docs/GPU.md "q8 moments on the GPU").
+    local gate=""
+    [[ "$l" == q8* ]] && gate=ZOPT_EXPERIMENTAL_GPU_Q8=1
+    env ${drv_override:+ZOPT_CUDA_DRIVER=$drv_override} $gate timeout 60 \
       "$carry/bin/zopt-gpu-check" "$carry/steps/$l.gpu.so" "$carry/steps/$l.cpu.so" $extra > "$o" 2>&1
     r=$?
     grep -aE '^(INFO|FAIL|SKIP)' "$o" | head -12

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import zopt
-from zopt._lib import StateKind, ZoptError
+from zopt._lib import StateKind, Status, ZoptError
 
 LR, WD = 1e-2, 0.01
 
@@ -164,3 +164,24 @@ def test_q8_steps_state_dict_and_refusals(q8_step, tmp_path):
     assert off.offloaded and off.state_dtype(StateKind.EXP_AVG_SQ) == zopt._lib.DType.Q8
     with pytest.raises(ZoptError, match="q8"):
         zopt.steps.sgd(param="bf16", moments="q8", momentum=0.9)
+
+
+def test_q8_on_the_gpu_behind_its_gate(monkeypatch):
+    """q8 moments placed on the GPU: refused naming ZOPT_EXPERIMENTAL_GPU_Q8
+    until a GPU has checked the kernels (docs/GPU.md "q8 moments on the
+    GPU"); with the variable set to 1 the builder writes the description
+    (every state on the GPU, the moments q8). The runtime side:
+    test/Integration/GPUHost/q8-ptx.test."""
+    kw = dict(param="bf16", master="remainder", moments="q8", placement="gpu", clip=1.0)
+    for value in (None, "0", "yes"):
+        if value is None:
+            monkeypatch.delenv("ZOPT_EXPERIMENTAL_GPU_Q8", raising=False)
+        else:
+            monkeypatch.setenv("ZOPT_EXPERIMENTAL_GPU_Q8", value)
+        with pytest.raises(ZoptError, match="ZOPT_EXPERIMENTAL_GPU_Q8=1") as e:
+            zopt.steps.adamw.text(**kw)
+        assert e.value.code == Status.INVALID_ARGUMENT and "moments" in str(e.value)
+    monkeypatch.setenv("ZOPT_EXPERIMENTAL_GPU_Q8", "1")
+    text = zopt.steps.adamw.text(**kw)
+    assert "exp_avg : f32 on gpu q8" in text and "exp_avg_sq : f32 on gpu q8" in text
+    assert "param : bf16 on gpu" in text and "on cpu" not in text

@@ -49,7 +49,8 @@ Arguments every builder takes (keyword only):
     the master's dtype, else the param's, except that f16 params without a
     master get f32 states (``exp_avg_sq`` cannot be f16). Adam also takes
     ``exp_avg=``, ``exp_avg_sq=``, ``max_exp_avg_sq=`` to set one state.
-    ``"q8"`` (Adam/AdamW on the CPU or offloaded, without amsgrad): both moments
+    ``"q8"`` (Adam/AdamW on the CPU or offloaded, on the GPU only with
+    ``ZOPT_EXPERIMENTAL_GPU_Q8=1``; without amsgrad): both moments
     block-quantized, one 8-bit code per element and one f32 absmax per 256
     (bitsandbytes' 8-bit Adam; docs/NUMERICS.md section 10).
 ``clip``
@@ -498,8 +499,9 @@ def resolve(rule, *, param="f32", grad=None, master=None, moments=None,
     if q8 and check:
         why = (f"{rule} has no Adam moments" if rule not in ("adam", "adamw")
                else "amsgrad's running max is not offered with them" if amsgrad
-               else "the runtime lays them out on the CPU only (placement 'cpu' or 'offload')"
-               if placement == "gpu"
+               else "the CUDA backend takes them only with ZOPT_EXPERIMENTAL_GPU_Q8=1 until a GPU "
+               "has checked its q8 kernels (docs/GPU.md); use placement 'cpu' or 'offload'"
+               if placement == "gpu" and os.environ.get("ZOPT_EXPERIMENTAL_GPU_Q8") != "1"
                else "set them with moments='q8' alone" if exp_avg is not None
                or exp_avg_sq is not None else None)
         if why:

@@ -343,8 +343,10 @@ static inline void zopt_kahan_store(uint16_t p, uint16_t c, float v,
  *
  * The runtime lays a step with q8 states out with align >= ZOPT_Q8_BLOCK
  * (docs/DISTRIBUTED.md "The layout"), so every chunk and ZeRO shard starts
- * at a block boundary; it runs such steps on the CPU only and refuses one
- * with a state or kernel on the GPU at load (ZOPT_ERR_UNSUPPORTED).
+ * at a block boundary (the CUDA backend: every segment and chunk). A step
+ * with a q8 state or any kernel on the GPU loads only with
+ * ZOPT_EXPERIMENTAL_GPU_Q8=1 until its kernels have been checked on a GPU
+ * (docs/GPU.md "q8 moments on the GPU"); otherwise ZOPT_ERR_UNSUPPORTED.
  */
 #define ZOPT_Q8_BLOCK 256
 #define ZOPT_Q8_SIGNED_ZERO 127  /* the code of 0 in the signed map */

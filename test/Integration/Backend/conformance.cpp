@@ -89,7 +89,12 @@ void free_all() {
   g_allocs.clear();
 }
 
-size_t dsize(uint32_t dt) { return dt == ZOPT_DTYPE_F32 ? 4 : 2; }
+size_t dsize(uint32_t dt) { return dt == ZOPT_DTYPE_F32 ? 4 : dt == ZOPT_DTYPE_Q8 ? 1 : 2; }
+// Elements of state s of an n-element tensor (a PER_BLOCK state, a q8
+// absmax: one per ZOPT_Q8_BLOCK).
+int64_t snumel(const zopt_step_descriptor *d, uint32_t s, int64_t n) {
+  return (d->states[s].flags & ZOPT_STATE_PER_BLOCK) ? (n + ZOPT_Q8_BLOCK - 1) / ZOPT_Q8_BLOCK : n;
+}
 
 // ---- an optimizer over the suite's tensors ------------------------------------
 const std::vector<int64_t> kSizes = {33, 1000, 4099, 7};  // groups 0 1 0 1
@@ -159,7 +164,7 @@ std::vector<std::vector<unsigned char>> snapshot(const Opt &x) {
   for (int t = 0; t < T; ++t)
     for (uint32_t s = 0; s < x.d->num_states; ++s) {
       const uint32_t k = x.d->states[s].kind;
-      std::vector<unsigned char> b((size_t)kSizes[t] * dsize(x.d->states[s].dtype));
+      std::vector<unsigned char> b((size_t)snumel(x.d, s, kSizes[t]) * dsize(x.d->states[s].dtype));
       Z(zopt_optimizer_read_state_raw(x.o, t, (zopt_state_kind)k, b.data(), b.size()));
       out.push_back(std::move(b));
     }
@@ -176,13 +181,14 @@ int64_t diff(const Opt &x, const std::vector<std::vector<unsigned char>> &a,
   for (int t = 0; t < T; ++t)
     for (uint32_t s = 0; s < x.d->num_states; ++s, ++i) {
       const size_t es = dsize(x.d->states[s].dtype);
-      for (int64_t e = 0; e < kSizes[t]; ++e) {
+      for (int64_t e = 0; e < snumel(x.d, s, kSizes[t]); ++e) {
         int64_t u = 0, v = 0;
         memcpy(&u, &a[i][(size_t)e * es], es);
         memcpy(&v, &b[i][(size_t)e * es], es);
         if (u == v) continue;
         ++n;
-        auto ord = [&](int64_t w) {  // sign-magnitude -> ordered integer
+        auto ord = [&](int64_t w) {  // sign-magnitude -> ordered integer (a q8 code: itself)
+          if (es == 1) return w;
           const int64_t sign = es == 4 ? 0x80000000ll : 0x8000ll;
           return (w & sign) ? -(w & (sign - 1)) : w;
         };
@@ -285,7 +291,18 @@ int main(int argc, char **argv) {
       Z(zopt_optimizer_write_state_f32(b.o, 1, (zopt_state_kind)mi, w.data(), kSizes[1]));
       Z(zopt_optimizer_read_state_f32(a.o, 1, (zopt_state_kind)mi, r1.data(), kSizes[1]));
       Z(zopt_optimizer_read_state_f32(b.o, 1, (zopt_state_kind)mi, r2.data(), kSizes[1]));
-      check(r1 == w && r2 == w, "read/write: a written moment reads back exactly");
+      // A q8 moment reads back as abi.h's encode then decode of what was
+      // written (per block the absmax max |w|), on every backend alike.
+      std::vector<float> want = w;
+      const bool q8 = a.d->states[state_of(a.d, (uint32_t)mi)].dtype == ZOPT_DTYPE_Q8;
+      for (int64_t b0 = 0; q8 && b0 < kSizes[1]; b0 += ZOPT_Q8_BLOCK) {
+        const int64_t b1 = std::min<int64_t>(kSizes[1], b0 + ZOPT_Q8_BLOCK);
+        float m = 0;
+        for (int64_t e = b0; e < b1; ++e) m = std::max(m, std::fabs(w[e]));
+        for (int64_t e = b0; e < b1; ++e) want[e] = zopt_q8_decode(zopt_q8_encode(w[e], m, 0), m, 0);
+      }
+      check(r1 == want && r2 == want, std::string("read/write: a written moment reads back ") +
+                                          (q8 ? "as its q8 encode/decode" : "exactly"));
       grads(gscale);
       step(a);
       step(b);

@@ -41,6 +41,14 @@
 //   (zopt_optimizer_set_grad_memory, as a framework's new gradient tensors
 //   read in place), and the memory it left is overwritten with NaN: a step
 //   that read it would differ from the CPU twin (issue 20).
+// --exact: every stored bit of every state must equal the CPU's (the q8
+//   kernels' contract, docs/GPU.md "q8 moments on the GPU"), after
+//   finalize, every step and the checkpoint loads; without it the
+//   tolerances above.
+// Checkpoints cross between the two: after the checkpoint check, the GPU
+// optimizer loads the CPU's checkpoint and the CPU optimizer the GPU's;
+// every state then holds the other's bits, and one more step on both
+// compares as the steps do.
 // The grad has its own dtype: the param's, or f32 for a bf16/f16 param
 // (DeepSpeed's default bf16 layout, gradients accumulated in f32); every
 // grad buffer, view and copy uses it.
@@ -109,11 +117,12 @@ int main(int argc, char **argv) {
   if (argc < 3) {
     fprintf(stderr, "usage: zopt-gpu-check GPU_STEP.so CPU_STEP.so [--steps=N] [--inf-at=K] [--seed=S] [--graph] "
                     "[--lr-schedule] [--max-norm-schedule] [--misaligned] [--chunk=N] [--tensors=T --numel=N] "
-                    "[--rebind]\n");
+                    "[--rebind] [--exact]\n");
     return 2;
   }
   int steps = 3, inf_at = 0;
-  bool graph = false, lr_schedule = false, max_norm_schedule = false, misaligned = false, rebind = false;
+  bool graph = false, lr_schedule = false, max_norm_schedule = false, misaligned = false, rebind = false,
+       exact = false;
   long long chunk = 0, ntensors = 0, numel = 0;
   unsigned seed = 1;
   for (int i = 3; i < argc; ++i) {
@@ -128,6 +137,7 @@ int main(int argc, char **argv) {
     else if (!strncmp(argv[i], "--tensors=", 10)) ntensors = atoll(argv[i] + 10);
     else if (!strncmp(argv[i], "--numel=", 8)) numel = atoll(argv[i] + 8);
     else if (!strcmp(argv[i], "--rebind")) rebind = true;
+    else if (!strcmp(argv[i], "--exact")) exact = true;
     else return fprintf(stderr, "unknown option %s\n", argv[i]), 2;
   }
   if (rebind && (graph || misaligned))
@@ -276,6 +286,38 @@ int main(int argc, char **argv) {
   Z(zopt_optimizer_finalize(oc));
   if (o2) Z(zopt_optimizer_finalize(o2));
 
+  // Every owned state (and the param) of every tensor, raw; elements of a
+  // and b that do not compare (bit for bit with --exact).
+  auto raw = [&](zopt_optimizer *o) {
+    std::vector<std::vector<unsigned char>> out;
+    for (uint32_t k = 0; k < d->num_states; ++k) {
+      const uint32_t kind = d->states[k].kind;
+      if (kind == ZOPT_STATE_GRAD) continue;
+      for (const T &t : ts) {
+        const int64_t ne = (d->states[k].flags & ZOPT_STATE_PER_BLOCK) ? (t.n + ZOPT_Q8_BLOCK - 1) / ZOPT_Q8_BLOCK : t.n;
+        out.emplace_back((size_t)ne * esize(d->states[k].dtype));
+        Z(zopt_optimizer_read_state_raw(o, t.id, (zopt_state_kind)kind, out.back().data(), out.back().size()));
+      }
+    }
+    return out;
+  };
+  auto differing = [&](const std::vector<std::vector<unsigned char>> &a,
+                       const std::vector<std::vector<unsigned char>> &b, bool bits) {
+    int64_t bad = 0;
+    size_t i = 0;
+    for (uint32_t k = 0; k < d->num_states; ++k) {
+      if (d->states[k].kind == ZOPT_STATE_GRAD) continue;
+      const size_t es = esize(d->states[k].dtype);
+      for (size_t j = 0; j < ts.size(); ++j, ++i)
+        for (size_t e = 0; e < a[i].size(); e += es)
+          bad += bits ? memcmp(&a[i][e], &b[i][e], es) != 0 : !close_enough(d->states[k].dtype, &a[i][e], &b[i][e]);
+    }
+    return bad;
+  };
+  if (exact)
+    check(differing(raw(oc), raw(og), true) == 0,
+          "after finalize: every state of every tensor bit-identical to the CPU's (INIT, zero codes)");
+
   void *cstream = nullptr, *rstream = nullptr, *exec = nullptr;
   for (int step = 1; step <= steps; ++step) {
     if (step == inf_at) {
@@ -383,7 +425,8 @@ int main(int argc, char **argv) {
         Z(zopt_optimizer_read_state_raw(oc, t.id, (zopt_state_kind)kind, a.data(), a.size()));
         Z(zopt_optimizer_read_state_raw(og, t.id, (zopt_state_kind)kind, b.data(), b.size()));
         for (int64_t i = 0; i < ne; ++i) {
-          bool ok = close_enough(dt, &a[i * esize(dt)], &b[i * esize(dt)]);
+          bool ok = exact ? !memcmp(&a[i * esize(dt)], &b[i * esize(dt)], esize(dt))
+                          : close_enough(dt, &a[i * esize(dt)], &b[i * esize(dt)]);
           if (!ok && bad++ == 0) worst = i;
         }
         if (bad && worst >= 0) {
@@ -397,9 +440,9 @@ int main(int argc, char **argv) {
             diff2 += memcmp(&b[i * esize(dt)], &c2[i * esize(dt)], esize(dt)) != 0;
         }
       }
-      snprintf(buf, sizeof buf, "step %d state %u (kind %u, %s) mismatches=%lld", step, k, kind,
+      snprintf(buf, sizeof buf, "step %d state %u (kind %u, %s)%s mismatches=%lld", step, k, kind,
                dt == ZOPT_DTYPE_F32 ? "f32" : dt == ZOPT_DTYPE_BF16 ? "bf16" : dt == ZOPT_DTYPE_I16 ? "i16" : dt == ZOPT_DTYPE_Q8 ? "q8" : "f16",
-               (long long)bad);
+               exact ? " bit for bit" : "", (long long)bad);
       check(bad == 0, buf);
       if (o2) {
         snprintf(buf, sizeof buf, "step %d state %u (kind %u): %s GPU optimizer bit-identical, differing=%lld", step,
@@ -439,10 +482,27 @@ int main(int argc, char **argv) {
       std::vector<unsigned char> a(ne * esize(dt)), b(ne * esize(dt));
       Z(zopt_optimizer_read_state_raw(oc, t.id, (zopt_state_kind)kind, a.data(), a.size()));
       Z(zopt_optimizer_read_state_raw(og, t.id, (zopt_state_kind)kind, b.data(), b.size()));
-      for (int64_t i = 0; i < ne; ++i) bad += !close_enough(dt, &a[i * esize(dt)], &b[i * esize(dt)]);
+      for (int64_t i = 0; i < ne; ++i)
+        bad += exact ? memcmp(&a[i * esize(dt)], &b[i * esize(dt)], esize(dt)) != 0
+                     : !close_enough(dt, &a[i * esize(dt)], &b[i * esize(dt)]);
     }
   }
-  check(bad == 0, "after checkpoint load: owned states match the CPU's, mismatches=" + std::to_string(bad));
+  check(bad == 0, std::string("after checkpoint load: owned states match the CPU's") + (exact ? " bit for bit" : "") +
+                      ", mismatches=" + std::to_string(bad));
+  // Across: the GPU optimizer loads the CPU's checkpoint, the CPU optimizer
+  // the GPU's: each then holds the other's bits; one more step compares.
+  {
+    const auto from_g = raw(og), from_c = raw(oc);
+    Z(zopt_optimizer_load(og, ckc.c_str()));
+    Z(zopt_optimizer_load(oc, ckg.c_str()));
+    check(differing(raw(og), from_c, true) == 0 && differing(raw(oc), from_g, true) == 0,
+          "checkpoints across: the GPU step loads the CPU's and the CPU step the GPU's, every state bit for bit");
+    Z(zopt_optimizer_step(og, nullptr));
+    Z(zopt_optimizer_step(oc, nullptr));
+    const int64_t nb = differing(raw(oc), raw(og), exact);
+    check(nb == 0, std::string("checkpoints across: a step after them: every state matches") +
+                       (exact ? " bit for bit" : "") + ", mismatches=" + std::to_string(nb));
+  }
   remove(ckg.c_str());
   remove(ckc.c_str());
   zopt_optimizer_free(og);

@@ -12,7 +12,11 @@
 //            into the step globals); PREPARE again with the clip
 //   UPDATE   the twin's UPDATE over the chunks of the active segments
 //            (stochastic rounding: abi.h's key of the tensor's t, tensor,
-//            index), nothing when the step globals say skip
+//            index), nothing when the step globals say skip; with q8
+//            moments each chunk must begin at a q8 block boundary, and the
+//            absmax (PER_BLOCK) entries point at its block (abi.h "q8
+//            moments": the CPU UPDATE's contract, so the twin's q8 kernel
+//            runs a chunk as the GPU's runs it block by block)
 //   FINISH   the twin's CONTROL on the step globals' sum and the scaler:
 //            counts of the active tensors and groups, the scaler, 1/(S*D)
 //   INIT     the master from the param (widening exactly; a remainder
@@ -77,7 +81,10 @@ Twin &twin() {
     if (k.role == ZOPT_KERNEL_SUMSQ) t.sumsq = (zopt_sumsq_fn)f;
     if (k.role == ZOPT_KERNEL_CONTROL) t.control = (zopt_control_fn)f;
   }
-  for (uint32_t s = 0; s < t.d->num_states; ++s) t.es[s] = t.d->states[s].dtype == ZOPT_DTYPE_F32 ? 4 : 2;
+  for (uint32_t s = 0; s < t.d->num_states; ++s) {
+    const uint32_t dt = t.d->states[s].dtype;
+    t.es[s] = dt == ZOPT_DTYPE_F32 ? 4 : dt == ZOPT_DTYPE_Q8 ? 1 : 2;
+  }
   t.ok = t.prepare && t.update && t.control && (t.sumsq || !(t.d->flags & ZOPT_FLAG_SUMSQ));
   if (!t.ok) {
     fprintf(stderr, "fake-cuda: twin %s lacks a CPU kernel this CPU runs\n", path);
@@ -124,13 +131,24 @@ struct Tables {
   int64_t nchunks;
 };
 
-// The pointer table of chunk c at its first element.
+// The pointer table of chunk c at its first element (a PER_BLOCK state, a
+// q8 absmax: at that element's block, the chunk starting at a block
+// boundary as abi.h "q8 moments" requires; a chunk that does not aborts).
 void chunk_ptrs(const Twin &t, const Tables &tb, int64_t c, void **ptrs) {
   const zopt_gpu_chunk &ch = tb.chunks[c];
   for (uint32_t s = 0; s < ZOPT_MAX_STATES; ++s) ptrs[s] = nullptr;
   for (uint32_t s = 0; s < t.d->num_states; ++s) {
     char *p = (char *)tb.states[(size_t)ch.segment * t.d->num_states + s];
-    ptrs[s] = p ? p + (size_t)ch.begin * t.es[s] : nullptr;
+    int64_t at = ch.begin;
+    if (t.d->states[s].flags & ZOPT_STATE_PER_BLOCK) {
+      if (ch.begin % ZOPT_Q8_BLOCK) {
+        fprintf(stderr, "fake-cuda: chunk %lld begins at element %lld, not a q8 block boundary\n", (long long)c,
+                (long long)ch.begin);
+        abort();
+      }
+      at = ch.begin / ZOPT_Q8_BLOCK;
+    }
+    ptrs[s] = p ? p + (size_t)at * t.es[s] : nullptr;
   }
 }
 

@@ -178,7 +178,49 @@ int gpu_main_check(Fake &f, zopt_step *step, const char *path) {
       uint32_t kind = d->states[k].kind;
       if (kind == ZOPT_STATE_PARAM) ptrs_ok &= p == su.dp[t];
       else if (kind == ZOPT_STATE_GRAD) ptrs_ok &= p == su.dg[t];
+      // A q8 absmax (PER_BLOCK): the f32 of the tensor's block 0.
+      else if (d->states[k].flags & ZOPT_STATE_PER_BLOCK) ptrs_ok &= p != 0 && p % 4 == 0;
       else ptrs_ok &= p != 0 && p % 16 == 0;  // owned, for 16-byte aligned params: 16-byte aligned
+    }
+  }
+  // q8 moments (abi.h "q8 moments"): each tensor's codes start at a q8
+  // block of its group's buffer (the group's first tensor at block 0) and
+  // its absmax entry is that block's f32; every chunk is whole blocks.
+  {
+    bool q8 = false, ok = true;
+    for (uint32_t k = 0; k < d->num_states; ++k) {
+      if (!(d->states[k].flags & ZOPT_STATE_PER_BLOCK)) continue;
+      q8 = true;
+      uint32_t code = 0;
+      for (uint32_t j = 0; j < d->num_states; ++j)
+        if (d->states[j].dtype == ZOPT_DTYPE_Q8 &&
+            d->states[j].kind == (d->states[k].kind == ZOPT_STATE_EXP_AVG_ABSMAX ? ZOPT_STATE_EXP_AVG : ZOPT_STATE_EXP_AVG_SQ))
+          code = j;
+      for (size_t t = 2; t < sizes.size(); ++t) {  // against the group's first tensor (t % 2)
+        const unsigned long long c0 = ptrs[(t % 2) * d->num_states + code], c = ptrs[t * d->num_states + code];
+        const unsigned long long a0 = ptrs[(t % 2) * d->num_states + k], a = ptrs[t * d->num_states + k];
+        ok &= c > c0 && (c - c0) % ZOPT_Q8_BLOCK == 0 && a - a0 == (c - c0) / ZOPT_Q8_BLOCK * 4;
+      }
+    }
+    const zopt_gpu_chunk *ch = (const zopt_gpu_chunk *)(uintptr_t)d_chunks;
+    for (unsigned long long c = 0; q8 && c < nchunks; ++c) ok &= ch[c].begin % ZOPT_Q8_BLOCK == 0;
+    if (q8) {
+      check(ok, "q8 moments: each tensor's codes at a q8 block boundary of its group's buffer, its absmax entry that "
+                "block's, every chunk whole blocks of its tensor");
+      // memory_info: per group and owned state its buffer (each tensor at a
+      // whole number of q8 blocks; an absmax one f32 per block), to 64 bytes.
+      uint64_t want = 0;
+      for (int g = 0; g < 2; ++g) {
+        int64_t padded = 0;
+        for (size_t t = g; t < sizes.size(); t += 2) padded += (sizes[t] + ZOPT_Q8_BLOCK - 1) / ZOPT_Q8_BLOCK * ZOPT_Q8_BLOCK;
+        for (uint32_t k = 0; k < d->num_states; ++k)
+          if (d->states[k].kind != ZOPT_STATE_PARAM && d->states[k].kind != ZOPT_STATE_GRAD)
+            want += (state_bytes(d, k, padded) + 63) & ~(uint64_t)63;
+      }
+      zopt_memory_info mi{};
+      Z(zopt_optimizer_memory_info(o, &mi));
+      check(mi.state_bytes == want, "q8 moments: memory_info counts " + std::to_string(mi.state_bytes) +
+                                        " state bytes on the GPU (an absmax 4 bytes per block of 256)");
     }
   }
   check(segs_ok, "segment table: n, group and tensor index of every tensor");
@@ -193,7 +235,7 @@ int gpu_main_check(Fake &f, zopt_step *step, const char *path) {
       dts += std::string(k ? ", " : "") + state_kind_name_of(d->states[k].kind) + " " + dtype_name(d->states[k].dtype);
     for (size_t t = 0; t < sizes.size(); ++t)
       for (uint32_t k = 0; k < d->num_states; ++k)
-        in &= f.in_alloc(ptrs[t * d->num_states + k], (size_t)sizes[t] * dtype_size(d->states[k].dtype)) != 0;
+        in &= f.in_alloc(ptrs[t * d->num_states + k], state_bytes(d, k, sizes[t])) != 0;
     check(in, "state table: every pointer spans its tensor's elements of its state's dtype inside one device "
               "allocation (" + dts + ")");
   }
@@ -379,12 +421,26 @@ int gpu_main_check(Fake &f, zopt_step *step, const char *path) {
 
   // ---- checkpoints of GPU steps ---------------------------------------------
   // Fill every owned state with a pattern through the API, save, scribble,
-  // load: the states, step counts and scaler come back.
+  // load: the states, step counts and scaler come back. q8 codes and their
+  // absmax (PER_BLOCK) are written and read raw.
+  auto is_raw = [&](uint32_t k) {
+    return d->states[k].dtype == ZOPT_DTYPE_Q8 || (d->states[k].flags & ZOPT_STATE_PER_BLOCK);
+  };
+  auto raw_pattern = [&](size_t t, uint32_t k, unsigned char add) {
+    std::vector<unsigned char> b(state_bytes(d, k, sizes[t]));
+    for (size_t i = 0; i < b.size(); ++i) b[i] = (unsigned char)(i * 7 + k * 13 + t * 29 + add);
+    return b;
+  };
   std::vector<std::vector<float>> want;
   for (size_t t = 0; t < sizes.size(); ++t)
     for (uint32_t k = 0; k < d->num_states; ++k) {
       uint32_t kind = d->states[k].kind;
       if (kind == ZOPT_STATE_PARAM || kind == ZOPT_STATE_GRAD) continue;
+      if (is_raw(k)) {
+        auto b = raw_pattern(t, k, 0);
+        Z(zopt_optimizer_write_state_raw(o, (int)t, (zopt_state_kind)kind, b.data(), b.size()));
+        continue;
+      }
       std::vector<float> v(sizes[t]);
       for (int64_t i = 0; i < sizes[t]; ++i) v[i] = 0.25f * (float)(i % 13) + (float)k + 0.5f * (float)t;
       Z(zopt_optimizer_write_state_f32(o, (int)t, (zopt_state_kind)kind, v.data(), sizes[t]));
@@ -396,6 +452,11 @@ int gpu_main_check(Fake &f, zopt_step *step, const char *path) {
     for (uint32_t k = 0; k < d->num_states; ++k) {
       uint32_t kind = d->states[k].kind;
       if (kind == ZOPT_STATE_PARAM || kind == ZOPT_STATE_GRAD) continue;
+      if (is_raw(k)) {
+        auto b = raw_pattern(t, k, 1);
+        Z(zopt_optimizer_write_state_raw(o, (int)t, (zopt_state_kind)kind, b.data(), b.size()));
+        continue;
+      }
       std::vector<float> z(sizes[t], -7.f);
       Z(zopt_optimizer_write_state_f32(o, (int)t, (zopt_state_kind)kind, z.data(), sizes[t]));
     }
@@ -408,6 +469,12 @@ int gpu_main_check(Fake &f, zopt_step *step, const char *path) {
     for (uint32_t k = 0; k < d->num_states; ++k) {
       uint32_t kind = d->states[k].kind;
       if (kind == ZOPT_STATE_PARAM || kind == ZOPT_STATE_GRAD) continue;
+      if (is_raw(k)) {
+        std::vector<unsigned char> b(state_bytes(d, k, sizes[t]));
+        Z(zopt_optimizer_read_state_raw(o, (int)t, (zopt_state_kind)kind, b.data(), b.size()));
+        same &= b == raw_pattern(t, k, 0);
+        continue;
+      }
       std::vector<float> v(sizes[t]);
       Z(zopt_optimizer_read_state_f32(o, (int)t, (zopt_state_kind)kind, v.data(), sizes[t]));
       same &= v == want[w++];

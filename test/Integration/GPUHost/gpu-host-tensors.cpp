@@ -146,6 +146,27 @@ void misaligned_checks(Fake &f, zopt_step *step) {
       ch = (const zopt_gpu_chunk *)(uintptr_t)l.args[2];
       nch = (int64_t)l.args[3];
     }
+  // q8 moments (abi.h "q8 moments"): the UPDATE runs an element per thread
+  // (no vectors), and each tensor's states start at a q8 block of their
+  // buffers instead of the param's phase: every owned state 16-byte aligned
+  // (a PER_BLOCK absmax: 4), every chunk whole blocks.
+  bool q8 = false;
+  for (uint32_t k = 0; k < d->num_states; ++k) q8 |= d->states[k].dtype == ZOPT_DTYPE_Q8;
+  if (q8) {
+    bool ok = nch > 0;
+    for (int64_t c = 0; c < nch; ++c) {
+      ok &= ch[c].begin % ZOPT_Q8_BLOCK == 0;
+      for (uint32_t k = 0; k < d->num_states; ++k)
+        if (d->states[k].kind != ZOPT_STATE_PARAM && d->states[k].kind != ZOPT_STATE_GRAD)
+          ok &= ptrs[ch[c].segment * d->num_states + k] % ((d->states[k].flags & ZOPT_STATE_PER_BLOCK) ? 4 : 16) == 0;
+    }
+    check(ok, "misaligned views, q8 moments: the owned states at q8 block boundaries (not the param's phase: the q8 "
+              "UPDATE is scalar), every chunk whole blocks");
+    zopt_optimizer_free(o);
+    f.mem_free(fp);
+    f.mem_free(fg);
+    return;
+  }
   // The kernels' head rule (abi.h) over every state pointer of the chunk.
   size_t emin = 4;
   for (uint32_t k = 0; k < d->num_states; ++k) emin = std::min(emin, dtype_size(d->states[k].dtype));

@@ -123,14 +123,7 @@ class CudaBackend final : public Backend {
     }
   }
 
-  void *state_ptr(const zopt_optimizer *o, int t, int si) const override {
-    const Tensor &x = o->tensors[t];
-    const uint32_t kind = o->d->states[si].kind;
-    if (kind == ZOPT_STATE_PARAM) return x.param;
-    if (kind == ZOPT_STATE_GRAD) return x.grad;
-    char *b = (char *)o->groups[x.group].buffers[si];  // the group's flat device buffers
-    return b + (size_t)x.offset * dtype_size(o->d->states[si].dtype);
-  }
+  void *state_ptr(const zopt_optimizer *o, int t, int si) const override { return gpu_state_ptr(o, t, si); }
   bool host_state(const zopt_optimizer *, int) const override { return false; }
   zopt_status read_state(const zopt_optimizer *o, int t, int si, void *out, size_t bytes) const override {
     return gpu_copy(o, t, si, out, bytes, false);
@@ -146,7 +139,7 @@ class CudaBackend final : public Backend {
     for (uint32_t s = 0; s < d->num_states; ++s)
       if (is_owned_kind(d->states[s].kind))
         for (const Group &gr : o->groups)
-          info->state_bytes += ((uint64_t)gr.padded_total * dtype_size(d->states[s].dtype) + 63) & ~(uint64_t)63;
+          info->state_bytes += ((uint64_t)gpu_state_bytes(o, gr, (int)s) + 63) & ~(uint64_t)63;
     info->state_bytes_one_rank = info->state_bytes;
     info->bytes_gpu += info->state_bytes;
   }

@@ -39,6 +39,11 @@ zopt_status gpu_check_tensor(const zopt_optimizer *o, int tensor, void *param, v
 // tables.cpp
 zopt_status gpu_set_allocator(zopt_optimizer *o, const zopt_device_allocator *a);
 zopt_status gpu_finalize(zopt_optimizer *o);
+// State si of tensor t on the device (Backend::state_ptr), and the bytes of
+// its group's flat buffer (a PER_BLOCK state, a q8 absmax: one element per
+// ZOPT_Q8_BLOCK, each segment at a block boundary).
+void *gpu_state_ptr(const zopt_optimizer *o, int t, int si);
+size_t gpu_state_bytes(const zopt_optimizer *o, const Group &gr, int si);
 zopt_status gpu_push(zopt_optimizer *o);
 zopt_status read_device_state(zopt_optimizer *o, zopt_gpu_step_globals *sg, zopt_gpu_scaler *sc, const char *what);
 zopt_status gpu_pull(zopt_optimizer *o);

@@ -68,10 +68,15 @@ int64_t gpu_align(const zopt_step_descriptor *d) { return std::max<int64_t>(d->a
 // 16-byte alignment phase of its param, so that when the param is a view
 // at an odd element offset (a flat buffer of DeepSpeed or FSDP) the kernels
 // still find one element where every pointer is 16-byte aligned (abi.h:
-// scalar head, vector middle, scalar tail). Returns the largest numel.
+// scalar head, vector middle, scalar tail). With q8 moments (abi.h "q8
+// moments") every segment starts at a multiple of ZOPT_Q8_BLOCK instead, no
+// phase: the UPDATE runs an element per thread (no vector accesses), and a
+// PER_BLOCK state's segment is then block offset / ZOPT_Q8_BLOCK of its
+// buffer (gpu_state_ptr). Returns the largest numel.
 int64_t gpu_layout(zopt_optimizer *o) {
   const zopt_step_descriptor *d = o->d;
-  const int64_t A = gpu_align(d);
+  const bool q8 = has_q8(d);
+  const int64_t A = q8 ? std::max<int64_t>(gpu_align(d), ZOPT_Q8_BLOCK) : gpu_align(d);
   const size_t ep = dtype_size(d->states[o->step->param_index].dtype);
   size_t eo = 4;  // the narrowest owned state
   for (uint32_t k = 0; k < d->num_states; ++k)
@@ -84,7 +89,7 @@ int64_t gpu_layout(zopt_optimizer *o) {
       Tensor &x = o->tensors[t];
       const uintptr_t p = (uintptr_t)x.param;
       const int64_t head = p % ep ? 0 : (int64_t)((16 - p % 16) % 16 / ep);  // param elements to 16 bytes
-      const int64_t phase = (lanes - head % lanes) % lanes;
+      const int64_t phase = q8 ? 0 : (lanes - head % lanes) % lanes;
       x.offset = (off + A - 1) / A * A + phase;
       off = x.offset + x.numel;
       max_n = std::max(max_n, x.numel);
@@ -97,13 +102,18 @@ int64_t gpu_layout(zopt_optimizer *o) {
 // Elements per chunk of the work list: a power of two (so that no chunk
 // straddles a multiple of 2^32 elements), 65536 for big models, smaller
 // until there are `target` chunks (at least 4096). ZOPT_GPU_CHUNK overrides
-// it (a power of two in [64, 2^30]: tests).
+// it (a power of two in [64, 2^30], [ZOPT_Q8_BLOCK, 2^30] with q8 moments:
+// tests). Chunks start at multiples of it within their tensor, so at q8
+// block boundaries.
 zopt_status pick_chunk(const zopt_optimizer *o, int64_t target, int64_t *out) {
   if (const char *e = getenv("ZOPT_GPU_CHUNK"); e && *e) {
     char *end = nullptr;
     long long v = strtoll(e, &end, 10);
-    if (*end || v < 64 || v > (1ll << 30) || (v & (v - 1)))
-      return fail(ZOPT_ERR_INVALID_ARGUMENT, "ZOPT_GPU_CHUNK=%s: expected a power of two in [64, 2^30]", e);
+    // q8 moments: a chunk is whole q8 blocks of its tensor (abi.h).
+    const long long lo = has_q8(o->d) ? ZOPT_Q8_BLOCK : 64;
+    if (*end || v < lo || v > (1ll << 30) || (v & (v - 1)))
+      return fail(ZOPT_ERR_INVALID_ARGUMENT, "ZOPT_GPU_CHUNK=%s: expected a power of two in [%lld, 2^30]%s", e, lo,
+                  lo > 64 ? " (a step with q8 moments: whole q8 blocks)" : "");
     *out = v;
     return ZOPT_OK;
   }
@@ -121,6 +131,24 @@ zopt_status pick_chunk(const zopt_optimizer *o, int64_t target, int64_t *out) {
 }  // namespace
 
 namespace zopt {
+
+// Bytes of state si's flat buffer in group gr (a PER_BLOCK state: one
+// element per ZOPT_Q8_BLOCK of the group's padded elements).
+size_t gpu_state_bytes(const zopt_optimizer *o, const Group &gr, int si) {
+  return (size_t)state_numel(o->d, si, gr.padded_total) * dtype_size(o->d->states[si].dtype);
+}
+
+// State si of tensor t in its group's flat buffer (a PER_BLOCK state: the
+// tensor's block 0, its segment starting at a block boundary: gpu_layout).
+void *gpu_state_ptr(const zopt_optimizer *o, int t, int si) {
+  const Tensor &x = o->tensors[t];
+  const uint32_t kind = o->d->states[si].kind;
+  if (kind == ZOPT_STATE_PARAM) return x.param;
+  if (kind == ZOPT_STATE_GRAD) return x.grad;
+  char *b = (char *)o->groups[x.group].buffers[si];
+  const int64_t at = is_per_block(o->d, si) ? x.offset / ZOPT_Q8_BLOCK : x.offset;
+  return b + (size_t)at * dtype_size(o->d->states[si].dtype);
+}
 
 zopt_status gpu_set_allocator(zopt_optimizer *o, const zopt_device_allocator *a) {
   if (o->finalized)
@@ -201,16 +229,17 @@ zopt_status gpu_finalize(zopt_optimizer *o) {
       for (void *&b : gr.buffers) b = nullptr;
     return st;
   };
-  // Flat state buffers per group, zero-filled (moments and padding).
+  // Flat state buffers per group, zero-filled (moments and padding; q8
+  // codes: the map's zero code, their absmax 0: abi.h "q8 moments").
   for (auto &gr : o->groups) {
     if (!gr.padded_total) continue;
     for (uint32_t k = 0; k < d->num_states; ++k) {
       if (!is_owned_kind(d->states[k].kind)) continue;
-      size_t bytes = (size_t)gr.padded_total * dtype_size(d->states[k].dtype);
+      size_t bytes = gpu_state_bytes(o, gr, (int)k);
       CUdeviceptr p = 0;
       if (zopt_status st = dalloc(g, bytes, &p, state_kind_name(d->states[k].kind))) return undo(st);
       gr.buffers[k] = (void *)(uintptr_t)p;
-      if (CUresult r = cu->MemsetD8Async(p, 0, bytes, s))
+      if (CUresult r = cu->MemsetD8Async(p, zero_byte(d, (int)k), bytes, s))
         return undo(fail(ZOPT_ERR_INTERNAL, "cuMemsetD8Async: %s", error_string(r)));
     }
   }
