@@ -19,7 +19,8 @@
 // and split into its two 16-bit halves here, for both devices, and a
 // Kahan-compensated param's store (zk.store with kahan) is done here. A q8 moment
 // (zk.load/zk.store with absmax, abi.h "q8 moments") is decoded and encoded
-// here (q8Decode, q8Encode, the tables as module constants); the block loop
+// here (q8Decode, q8Encode in Q8Encode.cpp, the tables as module
+// constants); the block loop
 // around the body (absmax in, the block's new absmax reduced, codes out)
 // is the lowering's: the body stores a q8 moment's new f32 value into the
 // caller's block buffer and reports it (q8Stored).

@@ -176,7 +176,6 @@ Value BodyEmitter::q8Encode(Value x, Value absmax, bool isUnsigned) {
     scale = arith::BitcastOp::create(b, loc, vec(f32), look(scaleOf));
     shift = arith::BitcastOp::create(b, loc, vec(f32), look(shiftOf));
     base = look(baseOf);
-    top = look(topOf);
   } else {
     auto fbits = [&](uint32_t u) {
       float f;
@@ -200,12 +199,19 @@ Value BodyEmitter::q8Encode(Value x, Value absmax, bool isUnsigned) {
   }
   // k = max(floor(t), 0) is max(trunc(t), 0): they differ only for t in
   // (-1, 0), where both give 0 (t is finite: r is 0 unless absmax is).
+  // With the decade d counted from the starts S_i themselves (the register
+  // path), y lies in [S_d, S_d+1) (S_0 = 0, y <= 1), so t lies in
+  // (-P_d/9, P_d] up to f32 rounding: trunc(t) is already in [0, P_d] and
+  // the clamps are left out (the whole sweep, every f32 r in [-1, 1], the
+  // encode's only input besides x != 0, checks it).
   Value k = arith::FPToSIOp::create(
       b, loc, vec(i32),
       arith::SubFOp::create(b, loc, arith::MulFOp::create(b, loc, y, scale),
                             shift));
-  k = arith::MaxSIOp::create(b, loc, k, intCst(i32, 0));
-  k = arith::MinSIOp::create(b, loc, k, top);
+  if (top) {
+    k = arith::MaxSIOp::create(b, loc, k, intCst(i32, 0));
+    k = arith::MinSIOp::create(b, loc, k, top);
+  }
   Value pos = arith::AddIOp::create(b, loc, base, k); // among the positives
   Value c0;
   if (isUnsigned) {
