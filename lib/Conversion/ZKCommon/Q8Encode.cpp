@@ -110,6 +110,27 @@ Value BodyEmitter::q8Encode(Value x, Value absmax, bool isUnsigned) {
   // Two independent lookups, T[c0] and T[c0 - 1], then give the code
   // exactly: c0 + (r > T[c0]) - (r <= T[c0 - 1]). zopt-kernel-check
   // --q8-sweep checks it value by value.
+  //
+  // On x86 vectors, with the padded table U = (-inf, T[0..254], +inf), one
+  // lookup does: y lies between two adjacent values of the map, the
+  // code is one of theirs, and u = t - 1/2 (t the position of y in units of
+  // the decade's interval, as k above) is within a rounding of the centres'
+  // positions, so floor(u) is the lower of the two up to that rounding,
+  // which moves it only where y is within a rounding of a centre, where
+  // the code is that centre either way. At a decade's start S_i, below the
+  // first centre (u in [-1/2, 0)), floor(u) = -1 names the last value of
+  // the decade below, the same as just under S_i (u near P_i-1 - 1/2).
+  // With q = floor(u) + 1 = trunc(t + 1/2) (t + 1/2 > 0) and s = base + q
+  // the lower code is c_lo = s (unsigned), 127 + s (signed, r >= 0) or
+  // 126 - s (r < 0: the magnitudes mirrored), and the code is
+  // c_lo + (r > T[c_lo]) with T[-1] = U[0] = -inf: c_lo = -1 where r lies
+  // below the most negative value, -0.99297 (the signed map has no -1),
+  // and the code is 0. The whole sweep (every f32 r in [-1, 1], the only
+  // input besides x != 0) checks this path.
+  Value pad = lanes > 1 && x86Gather
+                  ? q8Tables[int(isUnsigned ? Q8Table::UnsignedThresholdsPadded
+                                            : Q8Table::SignedThresholdsPadded)]
+                  : Value();
   Value y = isUnsigned ? Value(arith::MaxNumFOp::create(b, loc, r, fcst(0.0f)))
                        : Value(math::AbsFOp::create(b, loc, r));
   // Decade i's constants: the guess's scale and shift, its first position
@@ -120,7 +141,7 @@ Value BodyEmitter::q8Encode(Value x, Value absmax, bool isUnsigned) {
     const int64_t P = isUnsigned ? (2 << i) : (1 << i);
     const double s = std::pow(10.0, 6 - i);
     scaleOf.push_back(bitsOf(float(s * double(P) / 0.9)));
-    shiftOf.push_back(bitsOf(float(double(P) / 9.0)));
+    shiftOf.push_back(bitsOf(float(double(P) / 9.0 - (pad ? 0.5 : 0.0))));
     baseOf.push_back(uint32_t(firstPos));
     topOf.push_back(uint32_t(P));
     firstPos += P;
@@ -197,73 +218,94 @@ Value BodyEmitter::q8Encode(Value x, Value absmax, bool isUnsigned) {
       top = arith::SelectOp::create(b, loc, in, top_i, top);
     }
   }
-  // k = max(floor(t), 0) is max(trunc(t), 0): they differ only for t in
-  // (-1, 0), where both give 0 (t is finite: r is 0 unless absmax is).
-  // With the decade d counted from the starts S_i themselves (the register
-  // path), y lies in [S_d, S_d+1) (S_0 = 0, y <= 1), so t lies in
-  // (-P_d/9, P_d] up to f32 rounding: trunc(t) is already in [0, P_d] and
-  // the clamps are left out (the whole sweep, every f32 r in [-1, 1], the
-  // encode's only input besides x != 0, checks it).
-  Value k = arith::FPToSIOp::create(
-      b, loc, vec(i32),
-      arith::SubFOp::create(b, loc, arith::MulFOp::create(b, loc, y, scale),
-                            shift));
-  if (top) {
+  Value c;
+  if (pad) {
+    // q = trunc(t + 1/2), in [0, P_d] (the shift holds P_i/9 - 1/2).
+    Value q = arith::FPToSIOp::create(
+        b, loc, vec(i32),
+        arith::SubFOp::create(b, loc, arith::MulFOp::create(b, loc, y, scale),
+                              shift));
+    Value sPos = arith::AddIOp::create(b, loc, base, q);
+    Value lo = sPos;
+    if (!isUnsigned) {
+      Value neg = arith::CmpFOp::create(b, loc, arith::CmpFPredicate::OLT, r,
+                                        fcst(0.0f));
+      lo = arith::SelectOp::create(
+          b, loc, neg, arith::SubIOp::create(b, loc, intCst(i32, 126), sPos),
+          arith::AddIOp::create(b, loc, sPos, intCst(i32, 127)));
+    }
+    // T[lo] = U[lo + 1], lo in [-1, 254].
+    Value t = tableLookup(LLVM::GEPOp::create(b, loc, pad.getType(), f32, pad,
+                                              ArrayRef<LLVM::GEPArg>{1}),
+                          lo);
+    Value up = arith::CmpFOp::create(b, loc, arith::CmpFPredicate::OGT, r, t);
+    c = arith::AddIOp::create(
+        b, loc, lo,
+        arith::SelectOp::create(b, loc, up, intCst(i32, 1), intCst(i32, 0)));
+  } else {
+    // k = max(floor(t), 0) is max(trunc(t), 0): they differ only for t in
+    // (-1, 0), where both give 0 (t is finite: r is 0 unless absmax is).
+    Value k = arith::FPToSIOp::create(
+        b, loc, vec(i32),
+        arith::SubFOp::create(b, loc, arith::MulFOp::create(b, loc, y, scale),
+                              shift));
     k = arith::MaxSIOp::create(b, loc, k, intCst(i32, 0));
     k = arith::MinSIOp::create(b, loc, k, top);
+    Value pos = arith::AddIOp::create(b, loc, base, k); // among the positives
+    Value c0;
+    if (isUnsigned) {
+      c0 = arith::AddIOp::create(b, loc, pos, intCst(i32, 1));
+    } else {
+      Value up = arith::AddIOp::create(b, loc, pos, intCst(i32, 128));
+      Value down = arith::SubIOp::create(
+          b, loc, intCst(i32, 126),
+          arith::MinSIOp::create(b, loc, pos, intCst(i32, 126)));
+      Value neg = arith::CmpFOp::create(b, loc, arith::CmpFPredicate::OLT, r,
+                                        fcst(0.0f));
+      c0 = arith::SelectOp::create(b, loc, neg, down, up);
+    }
+    Value goUp, goDown;
+    if (Value padded =
+            q8Tables[int(isUnsigned ? Q8Table::UnsignedThresholdsPadded
+                                    : Q8Table::SignedThresholdsPadded)]) {
+      // The CPU's scalar tail: T[c0 - 1] = U[c0] and T[c0] = U[c0 + 1] for
+      // every c0 in [0, 255] (r is finite): one index, no range checks.
+      Value tDown = tableLookup(padded, c0);
+      Value tUp = tableLookup(
+          LLVM::GEPOp::create(b, loc, padded.getType(), f32, padded,
+                              ArrayRef<LLVM::GEPArg>{1}),
+          c0);
+      goUp = arith::CmpFOp::create(b, loc, arith::CmpFPredicate::OGT, r, tUp);
+      goDown =
+          arith::CmpFOp::create(b, loc, arith::CmpFPredicate::OLE, r, tDown);
+    } else {
+      Value table = q8Tables[int(isUnsigned ? Q8Table::UnsignedThresholds
+                                            : Q8Table::SignedThresholds)];
+      Value tUp = tableLookup(
+          table, arith::MinSIOp::create(b, loc, c0, intCst(i32, 254)));
+      Value tDown = tableLookup(
+          table, arith::SubIOp::create(
+                     b, loc, arith::MaxSIOp::create(b, loc, c0, intCst(i32, 1)),
+                     intCst(i32, 1)));
+      goUp = arith::AndIOp::create(
+          b, loc,
+          arith::CmpFOp::create(b, loc, arith::CmpFPredicate::OGT, r, tUp),
+          arith::CmpIOp::create(b, loc, arith::CmpIPredicate::slt, c0,
+                                intCst(i32, 255)));
+      goDown = arith::AndIOp::create(
+          b, loc,
+          arith::CmpFOp::create(b, loc, arith::CmpFPredicate::OLE, r, tDown),
+          arith::CmpIOp::create(b, loc, arith::CmpIPredicate::sgt, c0,
+                                intCst(i32, 0)));
+    }
+    c = arith::AddIOp::create(
+        b, loc, c0,
+        arith::SelectOp::create(b, loc, goUp, intCst(i32, 1), intCst(i32, 0)));
+    c = arith::SubIOp::create(
+        b, loc, c,
+        arith::SelectOp::create(b, loc, goDown, intCst(i32, 1),
+                                intCst(i32, 0)));
   }
-  Value pos = arith::AddIOp::create(b, loc, base, k); // among the positives
-  Value c0;
-  if (isUnsigned) {
-    c0 = arith::AddIOp::create(b, loc, pos, intCst(i32, 1));
-  } else {
-    Value up = arith::AddIOp::create(b, loc, pos, intCst(i32, 128));
-    Value down = arith::SubIOp::create(
-        b, loc, intCst(i32, 126),
-        arith::MinSIOp::create(b, loc, pos, intCst(i32, 126)));
-    Value neg = arith::CmpFOp::create(b, loc, arith::CmpFPredicate::OLT, r,
-                                      fcst(0.0f));
-    c0 = arith::SelectOp::create(b, loc, neg, down, up);
-  }
-  Value goUp, goDown;
-  if (Value padded = q8Tables[int(isUnsigned ? Q8Table::UnsignedThresholdsPadded
-                                             : Q8Table::SignedThresholdsPadded)]) {
-    // U = (-inf, T[0..254], +inf): T[c0 - 1] is U[c0] and T[c0] is U[c0 + 1]
-    // for every c0 in [0, 255], the infinities standing for the thresholds
-    // below code 0 and above 255 (r is finite): one index, no range checks.
-    Value tDown = tableLookup(padded, c0);
-    Value tUp = tableLookup(
-        LLVM::GEPOp::create(b, loc, padded.getType(), f32, padded,
-                            ArrayRef<LLVM::GEPArg>{1}),
-        c0);
-    goUp = arith::CmpFOp::create(b, loc, arith::CmpFPredicate::OGT, r, tUp);
-    goDown = arith::CmpFOp::create(b, loc, arith::CmpFPredicate::OLE, r, tDown);
-  } else {
-    Value table = q8Tables[int(isUnsigned ? Q8Table::UnsignedThresholds
-                                          : Q8Table::SignedThresholds)];
-    Value tUp = tableLookup(
-        table, arith::MinSIOp::create(b, loc, c0, intCst(i32, 254)));
-    Value tDown = tableLookup(
-        table, arith::SubIOp::create(
-                   b, loc, arith::MaxSIOp::create(b, loc, c0, intCst(i32, 1)),
-                   intCst(i32, 1)));
-    goUp = arith::AndIOp::create(
-        b, loc,
-        arith::CmpFOp::create(b, loc, arith::CmpFPredicate::OGT, r, tUp),
-        arith::CmpIOp::create(b, loc, arith::CmpIPredicate::slt, c0,
-                              intCst(i32, 255)));
-    goDown = arith::AndIOp::create(
-        b, loc,
-        arith::CmpFOp::create(b, loc, arith::CmpFPredicate::OLE, r, tDown),
-        arith::CmpIOp::create(b, loc, arith::CmpIPredicate::sgt, c0,
-                              intCst(i32, 0)));
-  }
-  Value c = arith::AddIOp::create(
-      b, loc, c0,
-      arith::SelectOp::create(b, loc, goUp, intCst(i32, 1), intCst(i32, 0)));
-  c = arith::SubIOp::create(
-      b, loc, c,
-      arith::SelectOp::create(b, loc, goDown, intCst(i32, 1), intCst(i32, 0)));
   if (isUnsigned) { // the zero point: a nonzero x takes code 1 at least
     Value zero = arith::CmpIOp::create(b, loc, arith::CmpIPredicate::eq, c,
                                        intCst(i32, 0));
