@@ -416,14 +416,13 @@ void checkQ8Sweep(const Step &st, uint32_t isa, zopt_update_fn fn, uint64_t stri
         for (auto &b : bufs) p.push_back(b.ptr());
         fn(p.data(), p.data(), int64_t(nn), co.data());
       } else {
+        void *p[ZOPT_MAX_STATES];
         for (size_t b = 0; b < nb; ++b) {
-          std::vector<void *> p;
           for (uint32_t i = 0; i < d->num_states; ++i) {
             const bool pb = d->states[i].flags & ZOPT_STATE_PER_BLOCK;
-            p.push_back(bufs[i].ptr() +
-                        (pb ? b : b * ZOPT_Q8_BLOCK) * dtype_size(d->states[i].dtype));
+            p[i] = bufs[i].ptr() + (pb ? b : b * ZOPT_Q8_BLOCK) * dtype_size(d->states[i].dtype);
           }
-          fn(p.data(), p.data(), int64_t(per + 1), co.data());
+          fn(p, p, int64_t(per + 1), co.data());
         }
       }
       for (size_t e = 0; e < nn; e += e % ZOPT_Q8_BLOCK < per ? 1 : ZOPT_Q8_BLOCK - per) {
