@@ -18,6 +18,10 @@
 // on a machine whose memory bandwidth is shared with other tenants, adjacent
 // runs see similar bandwidth, so per-repetition ratios scatter much less
 // than a ratio of separate medians. Medians of the times are reported too.
+// q8 moments (docs/NUMERICS.md §10): the codes are a 1-byte array of the
+// stream; the per-block absmax (4 bytes per 256 params) is counted in
+// bytes/param but left out of the stream, as zopt-run's roofline does;
+// slices then start at block boundaries (the kernel contract).
 //===----------------------------------------------------------------------===//
 
 #include "zopt/abi.h"
@@ -62,11 +66,17 @@ struct Team {
   std::vector<uint8_t *> base; // one per state
   const float *coeffs;
   volatile uint32_t mask = 0;
+  size_t align = 64; // slice boundaries: ZOPT_Q8_BLOCK with q8 states
 };
 
+size_t elemBytes(uint32_t dtype) {
+  return dtype == ZOPT_DTYPE_F32 ? 4 : dtype == ZOPT_DTYPE_Q8 ? 1 : 2;
+}
+bool perBlock(const zopt_state_desc &sd) { return sd.flags & ZOPT_STATE_PER_BLOCK; }
+
 size_t sliceBegin(const Team &t, int tid) {
-  // Contiguous halves, boundaries rounded to 64 elements.
-  size_t per = (t.n / t.nthreads + 63) & ~size_t(63);
+  // Contiguous halves, boundaries rounded to `align` elements.
+  size_t per = (t.n / t.nthreads + t.align - 1) / t.align * t.align;
   return std::min(t.n, per * size_t(tid));
 }
 
@@ -76,15 +86,17 @@ void doJob(Team &t, int tid, int job) {
   if (job == kKernel) {
     void *ptrs[ZOPT_MAX_STATES];
     for (uint32_t s = 0; s < t.d->num_states; ++s)
-      ptrs[s] = t.base[s] + b * (t.d->states[s].dtype == ZOPT_DTYPE_F32 ? 4 : 2);
+      ptrs[s] = perBlock(t.d->states[s]) ? t.base[s] + b / ZOPT_Q8_BLOCK * 4
+                                         : t.base[s] + b * elemBytes(t.d->states[s].dtype);
     zopt_bench::callUpdate(t.d, (void *)t.update, ptrs, int64_t(e - b), t.coeffs, b);
   } else {
     Arr arr[kMaxArr];
-    int na = int(t.d->num_states);
-    for (int s = 0; s < na; ++s) {
+    int na = 0;
+    for (uint32_t s = 0; s < t.d->num_states; ++s) {
       const zopt_state_desc &sd = t.d->states[s];
-      arr[s] = {t.base[s], sd.dtype == ZOPT_DTYPE_F32 ? 4 : 2,
-                bool(sd.access & ZOPT_ACCESS_READ), bool(sd.access & ZOPT_ACCESS_WRITE)};
+      if (perBlock(sd)) continue; // a q8 absmax: left out (see the header)
+      arr[na++] = {t.base[s], int(elemBytes(sd.dtype)),
+                   bool(sd.access & ZOPT_ACCESS_READ), bool(sd.access & ZOPT_ACCESS_WRITE)};
     }
     (job == kStream512 ? streamAvx512 : streamAvx2)(arr, na, b, e, t.mask);
   }
@@ -179,11 +191,16 @@ int main(int argc, char **argv) {
   t.update = update;
   t.coeffs = coeffs;
   double bytesPerParam = 0;
+  for (uint32_t s = 0; s < d->num_states; ++s)
+    if (perBlock(d->states[s])) t.align = ZOPT_Q8_BLOCK;
   for (uint32_t s = 0; s < d->num_states; ++s) {
-    size_t es = d->states[s].dtype == ZOPT_DTYPE_F32 ? 4 : 2;
-    if (d->states[s].access & ZOPT_ACCESS_READ) bytesPerParam += es;
-    if (d->states[s].access & ZOPT_ACCESS_WRITE) bytesPerParam += es;
-    size_t bytes = (n * es + (2u << 20) - 1) & ~size_t((2u << 20) - 1);
+    const bool pb = perBlock(d->states[s]);
+    size_t es = elemBytes(d->states[s].dtype);
+    double perParam = pb ? double(es) / ZOPT_Q8_BLOCK : double(es);
+    if (d->states[s].access & ZOPT_ACCESS_READ) bytesPerParam += perParam;
+    if (d->states[s].access & ZOPT_ACCESS_WRITE) bytesPerParam += perParam;
+    size_t count = pb ? (n + ZOPT_Q8_BLOCK - 1) / ZOPT_Q8_BLOCK : n;
+    size_t bytes = (count * es + (2u << 20) - 1) & ~size_t((2u << 20) - 1);
     void *p = std::aligned_alloc(2u << 20, bytes);
     madvise(p, bytes, MADV_HUGEPAGE);
     t.base.push_back(static_cast<uint8_t *>(p));
@@ -200,6 +217,19 @@ int main(int argc, char **argv) {
     size_t b = sliceBegin(t, tid), e = tid == threads - 1 ? n : sliceBegin(t, tid + 1);
     for (uint32_t s = 0; s < d->num_states; ++s) {
       uint32_t kind = d->states[s].kind;
+      if (perBlock(d->states[s])) { // a q8 absmax: the slice's blocks
+        float *p = reinterpret_cast<float *>(t.base[s]);
+        float a = kind == ZOPT_STATE_EXP_AVG_SQ_ABSMAX ? 1e-4f : 1e-3f;
+        for (size_t k = b / ZOPT_Q8_BLOCK; k < (e + ZOPT_Q8_BLOCK - 1) / ZOPT_Q8_BLOCK; ++k)
+          p[k] = a * (1.0f + float(k % 7) * 0.1f);
+        continue;
+      }
+      if (d->states[s].dtype == ZOPT_DTYPE_Q8) { // codes spread over the map
+        uint8_t *p = t.base[s];
+        for (size_t i = b; i < e; ++i)
+          p[i] = kind == ZOPT_STATE_EXP_AVG_SQ ? uint8_t(1 + i * 53 % 255) : uint8_t(i * 37 % 256);
+        continue;
+      }
       float val = kind == ZOPT_STATE_EXP_AVG_SQ || kind == ZOPT_STATE_MAX_EXP_AVG_SQ ? 1e-4f
                   : kind == ZOPT_STATE_GRAD ? 1e-2f : kind == ZOPT_STATE_EXP_AVG ? 1e-3f : 0.5f;
       if (d->states[s].dtype == ZOPT_DTYPE_F32) {
@@ -249,7 +279,7 @@ int main(int argc, char **argv) {
     ratios.push_back((m512 < m2 ? ts512[r] : ts2[r]) / tk[r]);
   double ratio = median(ratios);
   double gb = bytesPerParam * double(n) / 1e9;
-  std::printf("step=%s isa=%s n=%zu threads=%d reps=%d bytes/param=%.0f\n", d->name,
+  std::printf("step=%s isa=%s n=%zu threads=%d reps=%d bytes/param=%.2f\n", d->name,
               zopt_isa_name(isa), n,
               threads, reps, bytesPerParam);
   std::printf("kernel:        median %.3f ms  %.3f Gparam/s  %.2f GB/s  (min %.3f max %.3f ms)\n",

@@ -51,24 +51,27 @@ constexpr size_t kPrefetchBytes = 2048;
 inline volatile uint32_t gReadSink; // keeps the read-only loads of the stream
 
 // Class c of an array: 0 read-only, 1 read-write, 2 write-only; w: 0 = 4 bytes,
-// 1 = 2 bytes.
+// 1 = 2 bytes, 2 = 1 byte.
 struct Classes {
-  uint8_t *p[3][2][kMaxArr];
-  int n[3][2] = {};
+  uint8_t *p[3][3][kMaxArr];
+  int n[3][3] = {};
   explicit Classes(const Arr *arr, int na) {
     for (int a = 0; a < na; ++a) {
-      int c = !arr[a].wr ? 0 : arr[a].rd ? 1 : 2, w = arr[a].es == 4 ? 0 : 1;
+      int c = !arr[a].wr ? 0 : arr[a].rd ? 1 : 2,
+          w = arr[a].es == 4 ? 0 : arr[a].es == 2 ? 1 : 2;
       p[c][w][n[c][w]++] = arr[a].p;
     }
   }
 };
 
-#define ZOPT_STREAM_BODY(V32, V16, L)                                                   \
+#define ZOPT_STREAM_BODY(V32, V16, V8, L)                                               \
   const Classes k(arr, na);                                                             \
   V32 z32 = {}, acc32 = {};                                                             \
   V16 z16 = {}, acc16 = {};                                                             \
+  V8 z8 = {}, acc8 = {};                                                                \
   z32 += uint32_t(mask); /* opaque zero: the compiler cannot prove it is zero */        \
   z16 += uint16_t(mask);                                                                \
+  z8 += uint8_t(mask);                                                                  \
   size_t i = begin;                                                                     \
   for (; i + (L) <= end; i += (L)) {                                                    \
     for (int a = 0; a < na; ++a) /* every line, as the kernels do */                    \
@@ -76,19 +79,23 @@ struct Classes {
         __builtin_prefetch(arr[a].p + i * arr[a].es + o + kPrefetchBytes);              \
     for (int a = 0; a < k.n[0][0]; ++a) { V32 x; std::memcpy(&x, k.p[0][0][a] + i * 4, sizeof x); acc32 ^= x; } \
     for (int a = 0; a < k.n[0][1]; ++a) { V16 x; std::memcpy(&x, k.p[0][1][a] + i * 2, sizeof x); acc16 ^= x; } \
-    V32 x32[kMaxArr]; V16 x16[kMaxArr]; /* all loads, then all stores, as the kernel */ \
+    for (int a = 0; a < k.n[0][2]; ++a) { V8 x; std::memcpy(&x, k.p[0][2][a] + i, sizeof x); acc8 ^= x; } \
+    V32 x32[kMaxArr]; V16 x16[kMaxArr]; V8 x8[kMaxArr]; /* all loads, then all stores */ \
     for (int a = 0; a < k.n[1][0]; ++a) std::memcpy(&x32[a], k.p[1][0][a] + i * 4, sizeof(V32)); \
     for (int a = 0; a < k.n[1][1]; ++a) std::memcpy(&x16[a], k.p[1][1][a] + i * 2, sizeof(V16)); \
+    for (int a = 0; a < k.n[1][2]; ++a) std::memcpy(&x8[a], k.p[1][2][a] + i, sizeof(V8)); \
     for (int a = 0; a < k.n[1][0]; ++a) { x32[a] ^= z32; std::memcpy(k.p[1][0][a] + i * 4, &x32[a], sizeof(V32)); } \
     for (int a = 0; a < k.n[1][1]; ++a) { x16[a] ^= z16; std::memcpy(k.p[1][1][a] + i * 2, &x16[a], sizeof(V16)); } \
+    for (int a = 0; a < k.n[1][2]; ++a) { x8[a] ^= z8; std::memcpy(k.p[1][2][a] + i, &x8[a], sizeof(V8)); } \
     for (int a = 0; a < k.n[2][0]; ++a) std::memcpy(k.p[2][0][a] + i * 4, &z32, sizeof z32); \
     for (int a = 0; a < k.n[2][1]; ++a) std::memcpy(k.p[2][1][a] + i * 2, &z16, sizeof z16); \
+    for (int a = 0; a < k.n[2][2]; ++a) std::memcpy(k.p[2][2][a] + i, &z8, sizeof z8); \
   }                                                                                     \
   for (; i < end; ++i) /* tail: bytes */                                                \
     for (int a = 0; a < na; ++a)                                                        \
       if (arr[a].wr && !arr[a].rd) std::memset(arr[a].p + i * arr[a].es, int(mask), arr[a].es); \
   uint32_t s = 0;                                                                       \
-  for (int e = 0; e < (L); ++e) s ^= acc32[e] ^ acc16[e];                               \
+  for (int e = 0; e < (L); ++e) s ^= acc32[e] ^ acc16[e] ^ acc8[e];                      \
   gReadSink = s;
 
 typedef uint32_t v8u32 __attribute__((vector_size(32)));
@@ -97,15 +104,17 @@ typedef uint32_t v16u32 __attribute__((vector_size(64)));
 typedef uint16_t v16u16 __attribute__((vector_size(32)));
 typedef uint32_t v32u32 __attribute__((vector_size(128)));
 typedef uint16_t v32u16 __attribute__((vector_size(64)));
+typedef uint8_t v16u8 __attribute__((vector_size(16)));
+typedef uint8_t v32u8 __attribute__((vector_size(32)));
 
 __attribute__((target("avx2,fma,f16c"), noinline)) inline void
 streamAvx2(const Arr *arr, int na, size_t begin, size_t end, uint32_t mask) {
-  ZOPT_STREAM_BODY(v16u32, v16u16, 16)
+  ZOPT_STREAM_BODY(v16u32, v16u16, v16u8, 16)
 }
 
 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl"), noinline)) inline void
 streamAvx512(const Arr *arr, int na, size_t begin, size_t end, uint32_t mask) {
-  ZOPT_STREAM_BODY(v32u32, v32u16, 32)
+  ZOPT_STREAM_BODY(v32u32, v32u16, v32u8, 32)
 }
 
 #undef ZOPT_STREAM_BODY

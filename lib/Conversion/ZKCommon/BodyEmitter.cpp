@@ -257,12 +257,18 @@ Value mlir::zopt::q8TableAddress(OpBuilder &b, Location loc,
                                  unsigned addrSpace) {
   static const char *names[] = {"zopt_q8_signed_map", "zopt_q8_unsigned_map",
                                 "zopt_q8_signed_thresholds",
-                                "zopt_q8_unsigned_thresholds"};
+                                "zopt_q8_unsigned_thresholds",
+                                "zopt_q8_signed_thresholds_padded",
+                                "zopt_q8_unsigned_thresholds_padded"};
   const float *data[] = {zopt_q8_signed_map, zopt_q8_unsigned_map,
                          zopt_q8_signed_thresholds,
+                         zopt_q8_unsigned_thresholds,
+                         zopt_q8_signed_thresholds,
                          zopt_q8_unsigned_thresholds};
+  const bool padded = t == Q8Table::SignedThresholdsPadded ||
+                      t == Q8Table::UnsignedThresholdsPadded;
   const int64_t len = t == Q8Table::SignedMap || t == Q8Table::UnsignedMap
-                          ? 256 : 255;
+                          ? 256 : padded ? 257 : 255;
   const char *name = names[int(t)];
   MLIRContext *ctx = b.getContext();
   Type f32 = b.getF32Type();
@@ -271,8 +277,13 @@ Value mlir::zopt::q8TableAddress(OpBuilder &b, Location loc,
     OpBuilder::InsertionGuard g(b);
     b.setInsertionPointToStart(&symbolTable->getRegion(0).front());
     auto tensorTy = RankedTensorType::get({len}, f32);
-    auto vals = DenseElementsAttr::get(
-        tensorTy, ArrayRef<float>(data[int(t)], size_t(len)));
+    SmallVector<float> v;
+    if (padded)
+      v.push_back(-std::numeric_limits<float>::infinity());
+    v.append(data[int(t)], data[int(t)] + (padded ? 255 : len));
+    if (padded)
+      v.push_back(std::numeric_limits<float>::infinity());
+    auto vals = DenseElementsAttr::get(tensorTy, ArrayRef<float>(v));
     LLVM::GlobalOp::create(b, loc, arrTy, /*isConstant=*/true,
                            LLVM::Linkage::Internal, name, vals,
                            /*alignment=*/64, addrSpace);
@@ -360,119 +371,6 @@ Value BodyEmitter::q8Decode(Value codes, Value absmax, bool isUnsigned) {
   if (lanes > 1)
     absmax = vector::BroadcastOp::create(b, loc, vec(b.getF32Type()), absmax);
   return arith::MulFOp::create(b, loc, m, absmax); // one rounding, no FMA
-}
-
-Value BodyEmitter::q8Encode(Value x, Value absmax, bool isUnsigned) {
-  Type f32 = b.getF32Type(), i32 = b.getI32Type();
-  auto fcst = [&](float v) -> Value {
-    if (lanes == 1)
-      return arith::ConstantOp::create(b, loc, b.getF32FloatAttr(v));
-    return arith::ConstantOp::create(
-        b, loc, DenseElementsAttr::get(cast<ShapedType>(vec(f32)),
-                                       b.getF32FloatAttr(v)));
-  };
-  Value a = lanes > 1 ? Value(vector::BroadcastOp::create(b, loc, vec(f32),
-                                                          absmax))
-                      : absmax;
-  // absmax 0 (a block of zeros) or not finite: the zero code (below); r is
-  // then taken as 0 so that every table index stays in range.
-  Value valid = arith::AndIOp::create(
-      b, loc,
-      arith::CmpFOp::create(b, loc, arith::CmpFPredicate::OGT, a, fcst(0.0f)),
-      arith::CmpFOp::create(b, loc, arith::CmpFPredicate::OLE, a,
-                            fcst(std::numeric_limits<float>::max())));
-  Value r = arith::SelectOp::create(b, loc, valid,
-                                    arith::DivFOp::create(b, loc, x, a),
-                                    fcst(0.0f));
-  // The code is the number of the 255 ascending thresholds below r (abi.h
-  // zopt_q8_encode). Instead of searching them (8 dependent lookups), the
-  // map's structure gives a first guess c0 within one code of it: the
-  // values of decade i (i = 0..6, [10^(i-7), 10^(i-6)]) are the centres of
-  // P_i equal intervals, so y = |r| lies nearest the k-th, k =
-  // floor(y * 10^(6-i) * P_i / 0.9 - P_i / 9), up to the rounding of that
-  // f32 arithmetic and the gaps between decades (one code either way).
-  // Two independent lookups, T[c0] and T[c0 - 1], then give the code
-  // exactly: c0 + (r > T[c0]) - (r <= T[c0 - 1]). zopt-kernel-check
-  // --q8-sweep checks it value by value.
-  Value y = isUnsigned ? Value(arith::MaxNumFOp::create(b, loc, r, fcst(0.0f)))
-                       : Value(math::AbsFOp::create(b, loc, r));
-  Value scale = fcst(0), shift = fcst(0), base = intCst(i32, 0),
-        top = intCst(i32, 0);
-  int64_t firstPos = 0;
-  for (int i = 0; i < 7; ++i) {
-    const int64_t P = isUnsigned ? (2 << i) : (1 << i);
-    const double s = std::pow(10.0, 6 - i);
-    Value A = fcst(float(s * double(P) / 0.9)), B = fcst(float(double(P) / 9.0));
-    Value base_i = intCst(i32, firstPos), top_i = intCst(i32, P);
-    if (i == 0) {
-      scale = A, shift = B, base = base_i, top = top_i;
-    } else {
-      Value in = arith::CmpFOp::create(b, loc, arith::CmpFPredicate::OGE, y,
-                                       fcst(float(std::pow(10.0, i - 7))));
-      scale = arith::SelectOp::create(b, loc, in, A, scale);
-      shift = arith::SelectOp::create(b, loc, in, B, shift);
-      base = arith::SelectOp::create(b, loc, in, base_i, base);
-      top = arith::SelectOp::create(b, loc, in, top_i, top);
-    }
-    firstPos += P;
-  }
-  Value kf = math::FloorOp::create(
-      b, loc,
-      arith::SubFOp::create(b, loc, arith::MulFOp::create(b, loc, y, scale),
-                            shift));
-  Value k = arith::FPToSIOp::create(b, loc, vec(i32), kf);
-  k = arith::MaxSIOp::create(b, loc, k, intCst(i32, 0));
-  k = arith::MinSIOp::create(b, loc, k, top);
-  Value pos = arith::AddIOp::create(b, loc, base, k); // among the positives
-  Value c0;
-  if (isUnsigned) {
-    c0 = arith::AddIOp::create(b, loc, pos, intCst(i32, 1));
-  } else {
-    Value up = arith::AddIOp::create(b, loc, pos, intCst(i32, 128));
-    Value down = arith::SubIOp::create(
-        b, loc, intCst(i32, 126),
-        arith::MinSIOp::create(b, loc, pos, intCst(i32, 126)));
-    Value neg = arith::CmpFOp::create(b, loc, arith::CmpFPredicate::OLT, r,
-                                      fcst(0.0f));
-    c0 = arith::SelectOp::create(b, loc, neg, down, up);
-  }
-  Value table = q8Tables[int(isUnsigned ? Q8Table::UnsignedThresholds
-                                        : Q8Table::SignedThresholds)];
-  Value tUp = tableLookup(table,
-                          arith::MinSIOp::create(b, loc, c0, intCst(i32, 254)));
-  Value tDown = tableLookup(
-      table, arith::SubIOp::create(
-                 b, loc, arith::MaxSIOp::create(b, loc, c0, intCst(i32, 1)),
-                 intCst(i32, 1)));
-  Value goUp = arith::AndIOp::create(
-      b, loc, arith::CmpFOp::create(b, loc, arith::CmpFPredicate::OGT, r, tUp),
-      arith::CmpIOp::create(b, loc, arith::CmpIPredicate::slt, c0,
-                            intCst(i32, 255)));
-  Value goDown = arith::AndIOp::create(
-      b, loc,
-      arith::CmpFOp::create(b, loc, arith::CmpFPredicate::OLE, r, tDown),
-      arith::CmpIOp::create(b, loc, arith::CmpIPredicate::sgt, c0,
-                            intCst(i32, 0)));
-  Value c = arith::AddIOp::create(
-      b, loc, c0,
-      arith::SelectOp::create(b, loc, goUp, intCst(i32, 1), intCst(i32, 0)));
-  c = arith::SubIOp::create(
-      b, loc, c,
-      arith::SelectOp::create(b, loc, goDown, intCst(i32, 1), intCst(i32, 0)));
-  if (isUnsigned) { // the zero point: a nonzero x takes code 1 at least
-    Value zero = arith::CmpIOp::create(b, loc, arith::CmpIPredicate::eq, c,
-                                       intCst(i32, 0));
-    Value nz = arith::CmpFOp::create(b, loc, arith::CmpFPredicate::UNE, x,
-                                     fcst(0.0f));
-    c = arith::SelectOp::create(b, loc,
-                                arith::AndIOp::create(b, loc, zero, nz),
-                                intCst(i32, 1), c);
-  }
-  // absmax 0 (a block of zeros) or not finite: the zero code.
-  c = arith::SelectOp::create(
-      b, loc, valid, c,
-      intCst(i32, isUnsigned ? ZOPT_Q8_UNSIGNED_ZERO : ZOPT_Q8_SIGNED_ZERO));
-  return arith::TruncIOp::create(b, loc, vec(b.getI8Type()), c);
 }
 
 std::pair<Value, Value> BodyEmitter::kahanStore(int64_t pSlot, int64_t cSlot,

@@ -19,7 +19,8 @@
 // and split into its two 16-bit halves here, for both devices, and a
 // Kahan-compensated param's store (zk.store with kahan) is done here. A q8 moment
 // (zk.load/zk.store with absmax, abi.h "q8 moments") is decoded and encoded
-// here (q8Decode, q8Encode, the tables as module constants); the block loop
+// here (q8Decode, q8Encode in Q8Encode.cpp, the tables as module
+// constants); the block loop
 // around the body (absmax in, the block's new absmax reduced, codes out)
 // is the lowering's: the body stores a q8 moment's new f32 value into the
 // caller's block buffer and reports it (q8Stored).
@@ -46,8 +47,17 @@ namespace mlir::zopt {
 /// stochastic-rounding hash for the CPU and GPU code generators.
 Value emitFmix32(OpBuilder &b, Location loc, Value h);
 
-/// The q8 tables of zopt/q8_maps.h (abi.h "q8 moments").
-enum class Q8Table { SignedMap, UnsignedMap, SignedThresholds, UnsignedThresholds };
+/// The q8 tables of zopt/q8_maps.h (abi.h "q8 moments"); the Padded
+/// thresholds (257 entries: -inf, the 255 thresholds, +inf) let the CPU
+/// encode look up T[c - 1] and T[c] for every code c without range checks.
+enum class Q8Table {
+  SignedMap,
+  UnsignedMap,
+  SignedThresholds,
+  UnsignedThresholds,
+  SignedThresholdsPadded,
+  UnsignedThresholdsPadded
+};
 /// The address of q8 table `t`, an internal constant global of the module
 /// (or gpu.module) `symbolTable`, created on first use, in address space
 /// `addrSpace`.
@@ -92,11 +102,12 @@ struct BodyEmitter {
   /// q8 moments (zk.load/zk.store with absmax): by slot, the block's
   /// absmax (f32 scalar) its loads decode with, and the block buffer (f32,
   /// indexed by element - q8Base) its stores write (none: the value stays
-  /// in a register, GPU); q8Tables[Q8Table] the tables' addresses. Each q8
+  /// in a register, GPU); q8Tables[Q8Table] the tables' addresses (the
+  /// Padded ones null where not emitted: the GPU). Each q8
   /// store of emit() appends (slot, value) to q8Stored.
   std::map<int64_t, Value> q8Absmax, q8Buf;
   Value q8Base;
-  Value q8Tables[4];
+  Value q8Tables[6];
   SmallVector<std::pair<int64_t, Value>> q8Stored;
 
   int64_t alignFor(int elemAlign) {

@@ -61,7 +61,7 @@ void mlir::zopt::emitQ8Blocks(OpBuilder &b, Location loc, func::FuncOp fn,
     }
   });
   for (BodyEmitter *e : {&vecE, &sclE})
-    for (int t = 0; t < 4; ++t)
+    for (int t = 0; t < 6; ++t)
       e->q8Tables[t] = q8TableAddress(b, loc, fn->getParentOp(), Q8Table(t));
   const Value B = cst(ZOPT_Q8_BLOCK), W = cst(lanes), zero = cst(0),
               one = cst(1);
