@@ -130,10 +130,11 @@ int main(int argc, char **argv) {
       // exposed, the outcome. (No GPU/CPU split of the buckets is built:
       // every bucket updates on the CPU, GPU fraction 0.)
       std::printf("  %sstep %d: backward %.1f ms, CPU work overlapped %.1f ms, exposed %.1f ms (serial %.1f ms), "
-                  "%s: %d of %d buckets speculated, %d committed, %d recomputed, %d late; GPU fraction 0\n",
+                  "%s: %d of %d buckets speculated, %d committed, %d recomputed, %d late; %d copies in flight at the end "
+                  "of backward; GPU fraction 0\n",
                   k ? "" : "warm-up ", k, (t2 - t1) * 1e3, ps.overlapped_seconds * 1e3, (t3 - t2) * 1e3,
                   (t1 - t0) * 1e3, oc[ps.outcome & 3], ps.speculated, ps.buckets, ps.committed, ps.recomputed,
-                  ps.late);
+                  ps.late, ps.copies_in_flight);
       if (!k) continue;
       ser.push_back(t1 - t0);
       pip.push_back(t3 - t2);

@@ -174,7 +174,8 @@ class PipelineStats(ctypes.Structure):
                 ("committed", ctypes.c_int32), ("recomputed", ctypes.c_int32),
                 ("late", ctypes.c_int32), ("reserved", ctypes.c_int32),
                 ("steps", ctypes.c_int64), ("overlapped_seconds", ctypes.c_double),
-                ("exposed_seconds", ctypes.c_double)]
+                ("exposed_seconds", ctypes.c_double), ("copies_in_flight", ctypes.c_int32),
+                ("reserved2", ctypes.c_int32)]
 
 
 class StepStats(ctypes.Structure):

@@ -358,6 +358,6 @@ class OffloadOverlap(BucketMarks):
         s.size = ctypes.sizeof(s)
         check(c.lib.zopt_optimizer_get_pipeline_stats(c.handle(), ctypes.byref(s)),
               "zopt_optimizer_get_pipeline_stats")
-        out = {f: getattr(s, f) for f, _ in s._fields_ if f not in ("size", "reserved")}
+        out = {f: getattr(s, f) for f, _ in s._fields_ if f not in ("size", "reserved", "reserved2")}
         out["outcome"] = OUTCOMES.get(s.outcome, str(s.outcome))
         return out

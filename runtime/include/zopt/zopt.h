@@ -381,6 +381,10 @@ typedef struct zopt_pipeline_stats {
   int64_t steps;
   double overlapped_seconds;
   double exposed_seconds;
+  /* Added later (a caller's smaller size gets the fields above only): */
+  int32_t copies_in_flight; /* buckets whose copies from the GPU were still
+                               running at the last mark (end of backward) */
+  int32_t reserved2;
 } zopt_pipeline_stats;
 ZOPT_API zopt_status zopt_optimizer_get_pipeline_stats(const zopt_optimizer *opt, zopt_pipeline_stats *stats);
 

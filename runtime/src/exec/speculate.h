@@ -64,6 +64,9 @@ struct Spec {
   // The last completed pipelined step: buckets committed, recomputed,
   // updated after validation (beyond the budget), whether it was skipped.
   int committed = 0, recomputed = 0, late = 0;
+  // Buckets whose copies from the GPU were still running when the last
+  // bucket was marked ready (the end of backward).
+  int copies_in_flight = 0;
   // zopt_optimizer_get_pipeline_stats: the last pipelined step's.
   zopt_pipeline_stats stats{};
   int64_t stats_steps = 0;

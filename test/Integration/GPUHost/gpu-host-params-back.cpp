@@ -16,6 +16,9 @@
 //     work on s after wait_params(0, s) waits for it; in the default mode
 //     the optimizer's stream waits for it; in per-bucket mode the runtime's
 //     own next access (read_state of that param) waits for it;
+//   - zopt_pipeline_stats.copies_in_flight: every bucket's copies from the
+//     GPU queued behind the caller's work at the last mark are counted; a
+//     caller of the older, smaller struct gets only the fields it knows;
 //   - every state, param and result bit-identical among E, S and C;
 //   - bad input: a bucket out of range, a mode out of range, the mode
 //     changed between a first mark and the step (BAD_STATE, unchanged),
@@ -23,6 +26,8 @@
 //===----------------------------------------------------------------------===//
 #include "gpu-host-check.h"
 
+#include <atomic>
+#include <cstddef>
 #include <functional>
 #include <random>
 #include <thread>
@@ -329,6 +334,44 @@ void params_back_check(Fake &f, zopt_step *step, const char *twin_path) {
     check(a == b, "params back: per-bucket mode: read_state of a param whose copy is held waits for it (the "
                   "runtime's own work waits for every copy)");
     same_states("read after held step");
+  }
+
+  // ---- copies in flight at the end of backward (zopt_pipeline_stats) -----------
+  // The caller's work on E's stream holds it while every bucket is marked:
+  // each bucket's copies from the GPU queue behind it, so at the last mark
+  // all nb are in flight; a pipelined step without such work: none waits
+  // behind anything, so the count is at most nb (the stand-in's inline or
+  // queued copies), and the serial step reports no pipelined figures.
+  {
+    set_grads(1e-3f);
+    std::atomic<bool> go{false};
+    f.stream_enqueue(
+        E.stream,
+        [](void *a) {
+          auto *g = (std::atomic<bool> *)a;
+          while (!g->load()) usleep(1000);
+        },
+        &go);
+    for (int b = 0; b < nb; ++b) Z(zopt_optimizer_grad_bucket_ready(E.o, b));
+    go = true;
+    zopt_step_result re{}, rs{}, rc{};
+    Z(zopt_optimizer_step(E.o, &re));
+    Z(zopt_optimizer_step(S.o, &rs));
+    Z(zopt_optimizer_step(C.o, &rc));
+    zopt_pipeline_stats ps{};
+    ps.size = sizeof ps;
+    Z(zopt_optimizer_get_pipeline_stats(E.o, &ps));
+    check(ps.copies_in_flight == nb && ps.buckets == nb,
+          "params back: pipeline stats: the " + std::to_string(nb) +
+              " buckets' copies from the GPU queued behind the caller's work were in flight at the last mark "
+              "(copies_in_flight " + std::to_string(ps.copies_in_flight) + ")");
+    zopt_pipeline_stats old{};
+    old.size = offsetof(zopt_pipeline_stats, copies_in_flight);  // a caller of the older, smaller struct
+    old.copies_in_flight = -7;
+    Z(zopt_optimizer_get_pipeline_stats(E.o, &old));
+    check(old.copies_in_flight == -7 && old.buckets == nb && old.size == offsetof(zopt_pipeline_stats, copies_in_flight),
+          "params back: pipeline stats: a caller of the older struct gets the fields it knows, nothing after");
+    same_states("copies in flight");
   }
 
   // ---- bad input ----------------------------------------------------------------

@@ -86,6 +86,7 @@ constexpr int STREAM_CAPTURE_STATUS_NONE = 0, STREAM_CAPTURE_STATUS_ACTIVE = 1,
   X(EventDestroy, "cuEventDestroy_v2", CUresult (*)(CUevent))                             \
   X(EventRecordWithFlags, "cuEventRecordWithFlags", CUresult (*)(CUevent, CUstream, unsigned)) \
   X(EventSynchronize, "cuEventSynchronize", CUresult (*)(CUevent))                        \
+  X(EventQuery, "cuEventQuery", CUresult (*)(CUevent))                                    \
   X(GetErrorString, "cuGetErrorString", CUresult (*)(CUresult, const char **))            \
   X(PointerGetAttribute, "cuPointerGetAttribute", CUresult (*)(void *, int, CUdeviceptr))   \
   X(MemHostAlloc, "cuMemHostAlloc", CUresult (*)(void **, size_t, unsigned))              \

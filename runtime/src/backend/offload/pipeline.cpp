@@ -146,6 +146,11 @@ zopt_status offload_bucket_ready(GpuState *g, OffloadPipe &pp, zopt_optimizer *o
   S->ready[b] = 1;
   ++S->nready;
   S->last_ready = exec::now_seconds();
+  if ((size_t)S->nready == S->ready.size()) {  // the last mark: the copies still running
+    S->copies_in_flight = 0;
+    for (CUevent e : pp.events)
+      S->copies_in_flight += e && g->cu->EventQuery(e) == CUDA_ERROR_NOT_READY;
+  }
   return ZOPT_OK;
 }
 
@@ -245,6 +250,7 @@ void offload_pipelined_end(zopt_optimizer *o, const exec::StepState *st) {
   r.committed = S->committed;
   r.recomputed = S->recomputed;
   r.late = S->late;
+  r.copies_in_flight = S->copies_in_flight;
   r.outcome = st->skipped ? ZOPT_SPEC_DISCARD : S->recomputed ? ZOPT_SPEC_RECOMPUTE : ZOPT_SPEC_COMMIT;
   for (double x : S->job_seconds) r.overlapped_seconds += x;
   r.exposed_seconds = exec::now_seconds() - S->last_ready;
