@@ -7,9 +7,11 @@
 #   lib/       libzopt_runtime.so (+ the stand-in driver libzopt-fake-cuda.so,
 #              which test_gpu_binding.py's and test_gpu_frozen.py's subprocess
 #              tests load)
-#   bin/       zopt-gpu-check, zopt-nccl-check
+#   bin/       zopt-gpu-check, zopt-nccl-check, zopt-linked-gpu-check,
+#              zopt-bench-offload, zopt-bench-offload-pipeline
 #   steps/     <layout>.gpu.so + its CPU twin <layout>.cpu.so (gpu-check, the
-#              benchmark), nccl_zero2.gpu.so (the NCCL stage)
+#              benchmark), nccl_zero2.gpu.so (the NCCL stage),
+#              linked_bf16_offload.so (zopt-linked-gpu-check's offloaded part)
 #   stepcache/ every zopt.compile() of python/tests, recorded
 #              (python/tests/zopt_stepcache.py): the suite runs here once
 #              with ZOPT_TEST_STEP_CACHE, then test_cuda.py's GPU steps
@@ -34,11 +36,11 @@ py=/usr/bin/python3
 t0=$(date +%s)
 log() { echo "== prepare_carry [$(( $(date +%s) - t0 )) s] $*"; }
 
-ninja -C "$build" -j2 zopt-compile zopt_runtime zopt-gpu-check zopt-nccl-check zopt-fake-cuda \
+ninja -C "$build" -j2 zopt-compile zopt_runtime zopt-gpu-check zopt-nccl-check zopt-linked-gpu-check zopt-fake-cuda \
   zopt-bench-offload zopt-bench-offload-pipeline
 rm -rf "$out" && mkdir -p "$out/steps" "$out/lib" "$out/bin" "$out/stepcache" "$out/repo/python" "$out/repo/bench"
 cp -a "$build"/lib/libzopt_runtime.so* "$build/lib/libzopt-fake-cuda.so" "$out/lib/"
-cp "$build/bin/zopt-gpu-check" "$build/bin/zopt-nccl-check" "$build/bin/zopt-bench-offload" \
+cp "$build/bin/zopt-gpu-check" "$build/bin/zopt-nccl-check" "$build/bin/zopt-linked-gpu-check" "$build/bin/zopt-bench-offload" \
    "$build/bin/zopt-bench-offload-pipeline" "$out/bin/"
 # The toolkit the steps are built with (the GPU machine's driver must be at
 # least as new: the runtime checks it, the stages report both).
@@ -72,6 +74,10 @@ compile bf16_master_clip "$root/examples/adamw_bf16_gpu.mlir"
 compile bf16 "$in/adamw_bf16_gpu.mlir"
 compile f16_loss_scale "$in/adam_f16_loss_scale_gpu.mlir"
 compile bf16_offload "$host/adamw_bf16_offload.mlir"
+# zopt-linked-gpu-check (stage 1): bf16_master_clip.{gpu,cpu}.so are its GPU
+# part and twin; the offloaded partner as test/Integration/Backend/
+# linked-gpu.test builds it (no --gpu).
+"$build/bin/zopt-compile" "$host/adamw_bf16_offload.mlir" -o "$out/steps/linked_bf16_offload.so"
 compile bf16_sr "$root/test/zopt-compile/Inputs/stochastic-gpu.mlir"
 # DeepSpeed's default bf16 layout: f32 gradients of the 16-bit params.
 compile bf16_f32grad "$host/adamw_bf16_f32grad_gpu.mlir"

@@ -16,7 +16,10 @@
 #                   tensors, offload, the f32-grad layouts, grads moved to
 #                   new device memory before every step (--rebind),
 #                   remainder masters and Kahan-compensated params, q8
-#                   moments bit for bit (--exact, ZOPT_EXPERIMENTAL_GPU_Q8=1)
+#                   moments bit for bit (--exact, ZOPT_EXPERIMENTAL_GPU_Q8=1);
+#                   then zopt-linked-gpu-check: a GPU step as a part of a
+#                   linked step with a CPU part and with an offloaded part
+#                   (--ulps=8)
 #   2 gpu-python    python/tests/test_cuda.py (GPU and offload parity) from
 #                   the carried step cache, after checking it has every step
 #   3 torch2-suite  the rest of python/tests under the machine's torch (2.x):
@@ -27,13 +30,14 @@
 #   5 bench         the offloaded step serial and pipelined (issue 18:
 #                   zopt-bench-offload, zopt-bench-offload-pipeline on the
 #                   real driver, 32Mi params, both offload layouts; at most
-#                   ~60 s), then gpu_bench.py (ratios measured in the same
-#                   run) into gpu_bench.md
+#                   ~60 s), params back early (params_back_bench.py, at
+#                   most 60 s, into params_back.md), then gpu_bench.py
+#                   (ratios measured in the same run) into gpu_bench.md
 # $OUT (default ./gpu-out) gets summary.txt (versions, then one line per
 # stage as it ends), one <n>-<stage>.log per stage, written while it runs,
-# and gpu_bench.md: 7 files (the device tool returns at most 8), so a
-# timeout still returns everything before it. Exit 0 when every stage that
-# ran passed.
+# params_back.md and gpu_bench.md: 8 files (the device tool returns at most
+# 8), so a timeout still returns everything before it. Exit 0 when every
+# stage that ran passed.
 #
 # ZOPT_REHEARSAL=1 (here, after prepare_carry.sh): copies .carry/ and this
 # script alone into an empty directory outside the repo and runs there with
@@ -252,14 +256,40 @@ correctness() {
       tail -3 "$o"
     fi
   done
+  # A GPU step as a part of a linked step (one norm, one skip decision) with
+  # a CPU part and with an offloaded part: the GPU's elementwise math within
+  # 8 ulp of the CPU twin's, the exact-sum norms, skips and counts exactly.
+  # The rehearsal runs the stand-in's kernels as the twin's
+  # (ZOPT_FAKE_CUDA_TWIN): both must pass there too.
+  local lruns=("bf16_master_clip.gpu.so linked_bf16_offload.so offload"
+               "bf16_master_clip.gpu.so bf16_master_clip.cpu.so cpu") lok=0 lbad=0 lnodev=0 a
+  for run in "${lruns[@]}"; do
+    read -r -a a <<< "$run"
+    echo "== zopt-linked-gpu-check ${a[*]} --ulps=8"
+    env ${drv_override:+ZOPT_CUDA_DRIVER=$drv_override ZOPT_FAKE_CUDA_TWIN=$carry/steps/bf16_master_clip.cpu.so} \
+      timeout 60 "$carry/bin/zopt-linked-gpu-check" "$carry/steps/${a[0]}" "$carry/steps/${a[1]}" \
+      "$carry/steps/bf16_master_clip.cpu.so" "${a[2]}" --ulps=8 > "$o" 2>&1
+    r=$?
+    grep -aE '^(PASS|FAIL|UNSUPPORTED|INFO)' "$o" | head -30
+    last=$(tail -1 "$o")
+    echo "$last (exit $r)"
+    if [ $r -eq 0 ]; then lok=$((lok + 1))
+    elif [ $r -eq 77 ] && [ "$rehearsal" != 1 ]; then lnodev=$((lnodev + 1))
+    else
+      lbad=$((lbad + 1)); failed="$failed [linked ${a[2]}]"
+      [ $r -eq 124 ] && echo "TIMEOUT after 60 s"
+      grep -a '^FAIL' "$o" | head -20; tail -3 "$o"
+    fi
+  done
+  local linked="$lok of ${#lruns[@]} zopt-linked-gpu-check runs passed"
   if [ "$rehearsal" = 1 ]; then
-    [ $bad = 0 ] && echo "RESULT PASS rehearsal: $ok of ${#runs[@]} zopt-gpu-check runs completed on the stand-in (offload runs passed; GPU numbers unchecked)" ||
-      echo "RESULT FAIL rehearsal: $bad of ${#runs[@]} runs did not complete:$failed"
+    [ $bad = 0 ] && [ $lbad = 0 ] && echo "RESULT PASS rehearsal: $ok of ${#runs[@]} zopt-gpu-check runs completed on the stand-in (offload runs passed; GPU numbers unchecked); $linked (kernels as the twin's)" ||
+      echo "RESULT FAIL rehearsal: $bad of ${#runs[@]} gpu-check runs did not complete, $lbad of ${#lruns[@]} linked runs failed:$failed"
   elif [ $nodev = ${#runs[@]} ]; then
     echo "RESULT FAIL no CUDA device: zopt-gpu-check found none (exit 77), nothing was checked"
   else
-    [ $bad = 0 ] && [ $nodev = 0 ] && echo "RESULT PASS $ok of ${#runs[@]} zopt-gpu-check runs passed" ||
-      echo "RESULT FAIL $bad of ${#runs[@]} zopt-gpu-check runs failed${nodev:+, $nodev found no device}:$failed"
+    [ $bad = 0 ] && [ $nodev = 0 ] && [ $lbad = 0 ] && [ $lnodev = 0 ] && echo "RESULT PASS $ok of ${#runs[@]} zopt-gpu-check runs passed; $linked" ||
+      echo "RESULT FAIL $bad of ${#runs[@]} zopt-gpu-check runs failed${nodev:+, $nodev found no device}; $lbad of ${#lruns[@]} zopt-linked-gpu-check runs failed${lnodev:+, $lnodev found no device}:$failed"
   fi
 }
 
@@ -369,17 +399,37 @@ offload_bench() {  # serial vs pipelined offloaded step (bench/run_offload_bench
   done
 }
 
+# Params back early (issue 18): step() return -> first forward kernel, per
+# bucket vs every copy waited for, on an offloaded 256Mi-param MLP; its
+# table into $OUT/params_back.md (UNSUPPORTED there without a GPU).
+params_back() {
+  echo "== params_back_bench.py (at most 60 s)"
+  (cd "$repo" && timeout -k 5 60 "$PY" bench/gpu/params_back_bench.py --step "$carry/steps/zero_offload.so" \
+     --layers 16 --width 4096) 2>&1 | tee "$OUT/params_back.md"
+  local r=${PIPESTATUS[0]}
+  if [ $r -eq 0 ]; then
+    grep -q '^UNSUPPORTED' "$OUT/params_back.md" && pb="params_back UNSUPPORTED" || pb="params_back.md written"
+  else
+    pb="params_back_bench.py FAIL exit $r$( [ $r -eq 124 ] && echo ' (TIMEOUT after 60 s)')"
+    echo "$pb" | tee -a "$OUT/params_back.md"
+  fi
+}
+
 bench() {
-  local t0=$(date +%s)
+  local t0=$(date +%s) pb=""
   offload_bench
+  params_back
   if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-    "$PY" "$repo/bench/gpu/gpu_bench.py" --steps "$carry/steps" --check || { echo "RESULT FAIL gpu_bench.py --check"; return 1; }
-    echo "RESULT UNSUPPORTED (no GPU): gpu_bench.py --check found its steps and imports"
+    "$PY" "$repo/bench/gpu/gpu_bench.py" --steps "$carry/steps" --check || { echo "RESULT FAIL gpu_bench.py --check; $pb"; return 1; }
+    [[ "$pb" == *FAIL* ]] && { echo "RESULT FAIL $pb; gpu_bench.py --check found its steps and imports"; return 1; }
+    echo "RESULT UNSUPPORTED (no GPU): gpu_bench.py --check found its steps and imports; $pb"
     return 0
   fi
   "$PY" "$repo/bench/gpu/gpu_bench.py" --steps "$carry/steps" --toolkit "$carry/toolkit.txt" \
-    --out "$OUT/gpu_bench.md" --deadline "$(( t0 + ${BENCH_BOX:-100} - 10 ))" ${BENCH_ARGS:-} &&
-    echo "RESULT PASS gpu_bench.md written" || echo "RESULT FAIL gpu_bench.py exit $?"
+    --out "$OUT/gpu_bench.md" --deadline "$(( t0 + ${BENCH_BOX:-100} - 10 ))" ${BENCH_ARGS:-}
+  local r=$?
+  if [ $r -eq 0 ] && [[ "$pb" != *FAIL* ]]; then echo "RESULT PASS gpu_bench.md written; $pb"
+  else echo "RESULT FAIL gpu_bench.py exit $r; $pb"; fi
 }
 
 nccl_lib="$(find_nccl)"  # for the NCCL stage only (pytest sees the machine as it is)
@@ -399,7 +449,9 @@ echo "zopt._fast: $(tr '\n' ' ' < "$fast_log" | cut -c1-300)" | tee -a "$summary
 stage 2 gpu-python 100 gpu_python
 stage 3 torch2-suite 150 torch2_suite
 stage 4 nccl 40 nccl
-BENCH_BOX=$(( BUDGET - $(elapsed) - 5 )); [ $BENCH_BOX -gt 150 ] && BENCH_BOX=150
+# the offload benchmarks (~30 s), params_back_bench.py (<= 60 s), then
+# gpu_bench.py until the box's end
+BENCH_BOX=$(( BUDGET - $(elapsed) - 5 )); [ $BENCH_BOX -gt 210 ] && BENCH_BOX=210
 export BENCH_BOX BENCH_ARGS="$*"
 stage 5 bench "$BENCH_BOX" bench
 echo "# done in $(elapsed) s, exit $overall" | tee -a "$summary"
