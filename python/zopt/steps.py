@@ -1087,22 +1087,26 @@ class Builder:
                 raise _bad("gpu_fraction", "with keep32= is not implemented (a GPU twin of "
                            "each keep32 class): give one of them")
             if classes is None:  # one class: the step's own arguments
-                param = kw.pop("param", inspect.signature(self._fn).parameters["param"].default)
-                classes = {param: {a: kw.pop(a) for a in _CLASS_ARGS if a in kw}}
+                classes = self._one_class(kw)
             out = _Specs(self._class_specs(classes, kw, gpu=True))
             out.gpu_fraction = frac
             return out
         if keep32 is not None:
             policy = keep32_of(keep32)
             if classes is None:  # one class: the step's own arguments
-                param = kw.pop("param", inspect.signature(self._fn).parameters["param"].default)
-                classes = {param: {a: kw.pop(a) for a in _CLASS_ARGS if a in kw}}
+                classes = self._one_class(kw)
             out = _Specs(self._class_specs(classes, kw, keep32=True))
             out.keep32 = policy
             return out
         if classes is not None:
             return self._class_specs(classes, kw)
         return self._fn(**kw)
+
+    def _one_class(self, kw):
+        """The classes of a rule called without ``classes=``: one, its
+        param's dtype, with the step's own layout arguments (taken from kw)."""
+        param = kw.pop("param", inspect.signature(self._fn).parameters["param"].default)
+        return {param: {a: kw.pop(a) for a in _CLASS_ARGS if a in kw}}
 
     def _class_specs(self, classes, kw, keep32=False, gpu=False):
         if not isinstance(classes, collections.abc.Mapping) or not classes:

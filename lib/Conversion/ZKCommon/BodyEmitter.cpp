@@ -252,6 +252,23 @@ std::pair<Value, Value> BodyEmitter::remainderSplit(Value x) {
   return {hi, lo};
 }
 
+Value mlir::zopt::concatVectors(OpBuilder &b, Location loc,
+                                SmallVector<Value> parts) {
+  while (parts.size() > 1) {
+    SmallVector<Value> next;
+    for (size_t p = 0; p < parts.size(); p += 2) {
+      int64_t n = cast<VectorType>(parts[p].getType()).getNumElements();
+      SmallVector<int64_t> cat;
+      for (int64_t j = 0; j < 2 * n; ++j)
+        cat.push_back(j);
+      next.push_back(
+          vector::ShuffleOp::create(b, loc, parts[p], parts[p + 1], cat));
+    }
+    parts = next;
+  }
+  return parts[0];
+}
+
 Value mlir::zopt::q8TableAddress(OpBuilder &b, Location loc,
                                  Operation *symbolTable, Q8Table t,
                                  unsigned addrSpace) {
@@ -337,20 +354,7 @@ Value BodyEmitter::tableLookup(Value table, Value idx) {
       }
       parts.push_back(g);
     }
-    // Concatenate the registers.
-    while (parts.size() > 1) {
-      SmallVector<Value> next;
-      for (size_t p = 0; p < parts.size(); p += 2) {
-        int64_t n = cast<VectorType>(parts[p].getType()).getNumElements();
-        SmallVector<int64_t> cat;
-        for (int64_t j = 0; j < 2 * n; ++j)
-          cat.push_back(j);
-        next.push_back(
-            vector::ShuffleOp::create(b, loc, parts[p], parts[p + 1], cat));
-      }
-      parts = next;
-    }
-    return parts[0];
+    return concatVectors(b, loc, std::move(parts));
   }
   auto ptrVec = VectorType::get({lanes}, table.getType());
   Value ps = LLVM::GEPOp::create(b, loc, ptrVec, f32, table, ValueRange{idx});

@@ -64,6 +64,10 @@ enum class Q8Table {
 Value q8TableAddress(OpBuilder &b, Location loc, Operation *symbolTable,
                      Q8Table t, unsigned addrSpace = 0);
 
+/// The vector registers `parts` (a power of two of them, of one type)
+/// concatenated in order into one vector.
+Value concatVectors(OpBuilder &b, Location loc, SmallVector<Value> parts);
+
 /// Builds code for one kernel body at one width.
 struct BodyEmitter {
   OpBuilder &b;

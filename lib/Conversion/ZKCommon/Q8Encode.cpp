@@ -57,19 +57,7 @@ static Value registerLookup(BodyEmitter &e, ArrayRef<uint32_t> vals,
                         b, loc, wTy, StringAttr::get(ctx, name), ops)
                         .getResult(0));
   }
-  while (parts.size() > 1) {
-    SmallVector<Value> next;
-    for (size_t p = 0; p < parts.size(); p += 2) {
-      int64_t n = cast<VectorType>(parts[p].getType()).getNumElements();
-      SmallVector<int64_t> cat;
-      for (int64_t j = 0; j < 2 * n; ++j)
-        cat.push_back(j);
-      next.push_back(
-          vector::ShuffleOp::create(b, loc, parts[p], parts[p + 1], cat));
-    }
-    parts = next;
-  }
-  return parts[0];
+  return concatVectors(b, loc, std::move(parts));
 }
 
 static uint32_t bitsOf(float f) {
