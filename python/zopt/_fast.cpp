@@ -49,14 +49,13 @@ struct Slot {
   uint32_t stride_at = 0, ndim = 0;  // into State::strides
 };
 
-// A changed gradient. `g` points at p.grad inside the param's autograd
-// meta (nullptr: None): nothing runs between the two phases of sync(), so
-// it stays valid, and the first phase takes no reference (a reference
-// count's atomic update is a full barrier: it would keep the cache misses
-// of consecutive params from overlapping).
+// A changed gradient: p.grad (undefined: None), its reference taken in the
+// first loop while its TensorImpl's line is at hand (the second loop runs
+// 10,000 params later); the last gradient is released in the second loop
+// (its line fetched ahead in the first, fetch_ahead).
 struct New {
   size_t j;
-  const at::Tensor *g;
+  at::Tensor g;
   uintptr_t ptr;
   uint8_t mode, view;
 };
@@ -407,7 +406,7 @@ PyObject *sync(State *s) {
     }
     const at::Tensor &g = P.grad();
     if (!g.defined()) {
-      if (x.seen != NONE) news.push_back({j, nullptr, 0, OWN, 0});
+      if (x.seen != NONE) news.push_back({j, at::Tensor(), 0, OWN, 0});
       continue;
     }
     c10::TensorImpl *gi = g.unsafeGetTensorImpl();
@@ -423,7 +422,7 @@ PyObject *sync(State *s) {
     }
     uintptr_t ptr = ptr_of(g);
     if (gi == x.reg_impl) {
-      news.push_back({j, &g, ptr, OWN, 0});
+      news.push_back({j, g, ptr, OWN, 0});
       continue;
     }
     bool ok = s->zero_copy && ptr != x.pptr;
@@ -433,11 +432,11 @@ PyObject *sync(State *s) {
     }
     if (ok) {
       uint8_t v = g.is_view() ? 1 : 0;
-      news.push_back({j, &g, ptr, IN_PLACE, v});
+      news.push_back({j, g, ptr, IN_PLACE, v});
       cand_views |= v != 0;
       any_in_place = true;
     } else {
-      news.push_back({j, &g, ptr, COPIED, 0});
+      news.push_back({j, g, ptr, COPIED, 0});
     }
   }
   if (news.empty()) return result(nullptr, copies, false, dirty);
@@ -470,12 +469,9 @@ PyObject *sync(State *s) {
       x.view = m.view;
     }
     x.mode = m.mode;
-    char on = m.g ? 1 : 0;
+    char on = m.g.defined() ? 1 : 0;
     x.seen = on ? TENSOR : NONE;
-    if (on)
-      x.last = *m.g;
-    else
-      x.last.reset();
+    x.last = std::move(m.g);
     x.gp = m.ptr;
     if (act[x.tid] != on) {
       act[x.tid] = on;
