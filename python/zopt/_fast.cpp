@@ -109,10 +109,10 @@ PyObject *seq(PyObject *o, Py_ssize_t n, const char *what) {
 
 void clear_state(State *s) {
   for (Slot &x : s->slots) {
+    x.ptensor = at::Tensor();  // before the object's last reference may go (no resurrection)
+    x.pimpl = nullptr;
     Py_XDECREF(x.param);
     Py_XDECREF(x.reg);
-    x.ptensor = at::Tensor();
-    x.pimpl = nullptr;
     x.last = at::Tensor();
     x.seen = UNSET;
     x.param = x.reg = nullptr;
