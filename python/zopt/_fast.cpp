@@ -370,11 +370,24 @@ constexpr size_t kAhead = 4;  // params between two stages
 
 inline void fetch_ahead(const State *s, size_t j, size_t n) {
   const std::vector<Slot> &sl = s->slots;
-  if (j + 4 * kAhead < n) fetch_lines(sl[j + 4 * kAhead].pimpl, sizeof(c10::TensorImpl));
+  // The param's TensorImpl: the lines sync() reads, its head (vtable,
+  // storage, autograd meta, version) and tail (offset, numel, dtype, keys),
+  // at torch 1.13's offsets; the autograd meta's vtable and grad_. Hints
+  // only: other offsets cost speed, never a wrong result.
+  if (j + 4 * kAhead < n) {
+    const char *i = reinterpret_cast<const char *>(sl[j + 4 * kAhead].pimpl);
+    __builtin_prefetch(i);
+    __builtin_prefetch(i + 56);
+    __builtin_prefetch(i + 160);
+    __builtin_prefetch(i + sizeof(c10::TensorImpl) - 1);
+  }
   if (j + 3 * kAhead < n) {
     const c10::TensorImpl *i = sl[j + 3 * kAhead].pimpl;
     __builtin_prefetch(i->unsafe_storage().unsafeGetStorageImpl());
-    if (const void *m = i->autograd_meta()) fetch_lines(m, 128);
+    if (const char *m = reinterpret_cast<const char *>(i->autograd_meta())) {
+      __builtin_prefetch(m);
+      __builtin_prefetch(m + 48);
+    }
   }
   if (j + 2 * kAhead < n) {
     const Slot &x = sl[j + 2 * kAhead];
