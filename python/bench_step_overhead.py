@@ -5,7 +5,7 @@ the same total, on both implementations of the binding's per-step pass
 over the params (the extension zopt._fast, "ext", and Python, "py").
 
     PYTHONPATH=python /usr/bin/python3 python/bench_step_overhead.py \\
-        [--tensors N] [--numel N] [--iters N] [--steps adamw_f32,...]
+        [--tensors N] [--numel N] [--iters N] [--steps adamw_f32,...] [--cpu]
 
 For each step (an f32 AdamW step, a bf16-param step with an f32 master,
 which also checks every param for user writes) and each pass, in one run,
@@ -28,7 +28,14 @@ issue 17's measure, at most 1.1 with fresh gradients), and (``/1
 tensor``) step() of the 10,000 tensors (fresh) and of the 10,000 views
 over step() of one tensor in the same iteration (at most 1.1 each):
 medians of per-call ratios, robust to a busy machine's drift. Times:
-medians in ms. Setting up the gradients is not timed; torch runs its own
+medians in ms.
+
+``--cpu``: the runtime on one thread (zopt_optimizer_set_num_threads 1:
+the step runs on the caller's thread) and every time the thread's CPU
+time (time.thread_time), so that what the host's other jobs take (a
+shared machine's descheduling) is not counted; ``x C`` is then step()
+over the median C step of the same optimizer (issue 17's measure: the C
+step alone, not step()'s own call, which also rebinds moved gradients). Setting up the gradients is not timed; torch runs its own
 ops on one thread (its idle OpenMP threads would spin against the
 runtime's). Copied next to an older binding's package (one without
 zopt._scan), it measures that binding as "old", for comparisons.
@@ -79,6 +86,10 @@ class Path:
             _ext.scan_class, _hypers.same = self.saved
 
 
+CLOCK = time.perf_counter  # --cpu: time.thread_time
+THREADS = None  # --cpu: 1
+
+
 class Case:
     """One optimizer and its gradients: ``layout`` "tensors" (each param and
     gradient its own tensor), "views" (views of one flat param buffer and
@@ -105,7 +116,8 @@ class Case:
         for p, q in zip(self.ps, self.pool):
             p.grad = q
         with Path(path):
-            self.opt = zopt.Optimizer(step, self.ps, lr=1e-4, weight_decay=0.01)
+            self.opt = zopt.Optimizer(step, self.ps, lr=1e-4, weight_decay=0.01,
+                                      num_threads=THREADS)
         self.opt.step()
         c = self.opt._parts[0]
         self.c_args = (c.step_fn, c.h, c.res_ref)
@@ -113,9 +125,9 @@ class Case:
 
     def c_step(self):
         fn, h, res = self.c_args
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         fn(h, res)
-        return time.perf_counter() - t0
+        return CLOCK() - t0
 
     def prepare(self, how):
         """The gradients of the next step() (not timed)."""
@@ -127,9 +139,9 @@ class Case:
             torch._foreach_add_(self.pool, 1e-6) if len(self.pool) > 1 else self.pool[0].add_(1e-6)
 
     def step(self):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         self.opt.step()
-        return time.perf_counter() - t0
+        return CLOCK() - t0
 
 
 def run(name, dtype, a, paths):
@@ -154,6 +166,11 @@ def run(name, dtype, a, paths):
                 t = c.step()
                 S[(p, lay, m)].append((t, c.opt.last_metrics["step_time_s"]))
     med = statistics.median
+    if a.cpu:  # over the C step alone (step_time_s is wall time)
+        for p in paths:
+            for lay, m in runs:
+                c0 = med(C[(p, lay)])
+                S[(p, lay, m)] = [(t, c0) for t, _ in S[(p, lay, m)]]
     out = {}
     for p in paths:
         for lay in ("tensors", "views", "one"):
@@ -175,11 +192,18 @@ def main():
     ap.add_argument("--numel", type=int, default=1000)
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--steps", default="adamw_f32,adamw_bf16_master")
+    ap.add_argument("--cpu", action="store_true",
+                    help="one runtime thread, the thread's CPU time (see the docstring)")
     a = ap.parse_args()
+    global CLOCK, THREADS
+    if a.cpu:
+        CLOCK, THREADS = time.thread_time, 1
     paths = ["old"] if _ext is None else ["ext", "py"] if _ext.fast is not None else ["py"]
     torch.set_num_threads(1)  # torch's own ops (the untimed gradient set-up) spin no threads
     print(f"{a.tensors} tensors x {a.numel} elements, and 1 tensor of {a.tensors * a.numel}; "
-          f"torch {torch.__version__}, {os.cpu_count()} CPUs, median of {a.iters} (ms)")
+          f"torch {torch.__version__}, {os.cpu_count()} CPUs, median of {a.iters} (ms"
+          f"{', thread CPU time, 1 runtime thread' if a.cpu else ''}); load average "
+          f"{os.getloadavg()[0]:.1f}")
     if _ext is not None and _ext.fast is None:
         print(f"(no extension: {_ext.why})")
     print(f"{'':<24}{'-- ' + format(a.tensors, ',') + ' tensors ':-<34}  {'-- views ':-<20}  "

@@ -193,6 +193,36 @@ def test_moved_storage_and_writes_seen(steps):
 
 
 @both
+def test_storage_resized_in_place_seen(adamw):
+    """FSDP frees a param's storage and allocates it again in place
+    (``p.storage().resize_(0)``, then back to its size): the tensor and its
+    StorageImpl stay, only the data pointer moves. The pass sees it, the
+    next step registers the new memory (a rebuild) and updates it, as
+    torch.optim.AdamW does."""
+    (m1, o1), (m2, o2) = _pair(adamw)
+    for i in range(3):
+        if i == 1:
+            blockers = []
+            for m in (m1, m2):
+                p = list(m.parameters())[2]  # the second Linear's weight
+                keep, before = p.detach().clone(), p.data_ptr()
+                p.storage().resize_(0)
+                blockers.append(torch.empty(p.numel()))  # takes the freed block
+                p.storage().resize_(p.numel())
+                with torch.no_grad():
+                    p.copy_(keep)
+                assert p.data_ptr() != before
+        rb = o1.rebuilds
+        for m, o in ((m1, o1), (m2, o2)):
+            ps, new = _grads(m, i)
+            for p, g in zip(ps, new):
+                p.grad = g
+            o.step()
+        assert o1.rebuilds == rb + (i == 1)
+        _close(m1, m2)
+
+
+@both
 def test_forget_reports_the_mask_again(adamw):
     """forget(): the next pass looks at every gradient again, so a mask
     change the binding could not push (zopt._grads.push_mask puts the mask

@@ -14,10 +14,14 @@
 // span buckets and shards. Steps change the mask (per rank: counts
 // diverge, so one group has two coefficient rows), and one tensor's grad
 // moves out of the arena and back (zopt_optimizer_set_tensor_memory: the
-// work lists are rebuilt). After every step the param and grad memory, the
-// moved buffer, the result and the state image (zopt_optimizer_export_state:
-// every state, count, the scaler, the seed) must be the same bytes in both
-// runs, on every rank; the params must have moved.
+// work lists are rebuilt); at steps 5 and 6 the grads of two neighbours do
+// (zopt_optimizer_set_grad_memory: only their chunks' pointers are
+// patched, the joins made again), the arena's copy poisoned with NaN. After
+// every step the param and grad memory, the moved buffers, the result and
+// the state image (zopt_optimizer_export_state: every state, count, the
+// scaler, the seed) must be the same bytes in both runs and in a third,
+// coalesced, that moves those two grads with set_tensor_memory instead (the
+// lists rebuilt), on every rank; the params must have moved.
 //
 //   zopt-coalesce-check STEP.so|DIR ... [--world=W] [--threads=T] [--steps=N]
 #include "rank_test_util.h"
@@ -35,7 +39,7 @@
 namespace {
 
 struct Options {
-  int world = 1, threads = 1, steps = 4;
+  int world = 1, threads = 1, steps = 6;
 };
 
 std::mutex g_mu;
@@ -82,7 +86,9 @@ struct Snap {
 };
 
 // One rank's run; `snaps[k]` after step k + 1.
-void run_rank(int r, zopt_comm *comm, const zopt_step *step, const Options &opt, std::vector<Snap> *snaps) {
+// `rebuild`: steps 5 and 6 move the two grads with set_tensor_memory.
+void run_rank(int r, zopt_comm *comm, const zopt_step *step, const Options &opt, bool rebuild,
+              std::vector<Snap> *snaps) {
   const zopt_step_descriptor *d = zopt_step_get_descriptor(step);
   uint32_t pdt = 0, gdt = 0;
   for (uint32_t i = 0; i < d->num_states; ++i) {
@@ -105,7 +111,7 @@ void run_rank(int r, zopt_comm *comm, const zopt_step *step, const Options &opt,
       off[t] = total;
       total += (sp[t].n + A - 1) / A * A + (sp[t].user_gap ? A : 0);
     }
-  std::vector<unsigned char> P((size_t)total * pes), G((size_t)total * ges), moved;
+  std::vector<unsigned char> P((size_t)total * pes), G((size_t)total * ges), moved, moved2;
   for (int t = 0; t < T; ++t)
     for (int64_t i = 0; i < sp[t].n; ++i) rtu::store(P.data(), pdt, (size_t)(off[t] + i), rtu::value(1, t, i, 1.0));
   zopt_optimizer *o = nullptr;
@@ -143,6 +149,25 @@ void run_rank(int r, zopt_comm *comm, const zopt_step *step, const Options &opt,
       ok = ck(zopt_optimizer_set_tensor_memory(o, mover, P.data() + off[mover] * pes, G.data() + off[mover] * ges),
               "move back");
     }
+    // Tensors 15 and 14 (side by side in the arena, 15 first): their grads
+    // leave the arena together at step 5 (the arena's copy NaN: must not be
+    // read) and come back at step 6.
+    if (ok && (k == 5 || k == 6)) {
+      const int32_t pair[2] = {15, 14};
+      const int64_t lo = off[15], hi = off[14] + sp[14].n;
+      if (k == 5) {
+        moved2.assign(G.begin() + lo * ges, G.begin() + hi * ges);
+        memset(G.data() + lo * ges, 0xff, (size_t)(hi - lo) * ges);
+      }
+      void *to[2];
+      for (int i = 0; i < 2; ++i)
+        to[i] = k == 5 ? (void *)(moved2.data() + (off[pair[i]] - lo) * ges) : (void *)(G.data() + off[pair[i]] * ges);
+      if (rebuild)
+        for (int i = 0; ok && i < 2; ++i)
+          ok = ck(zopt_optimizer_set_tensor_memory(o, pair[i], P.data() + off[pair[i]] * pes, to[i]), "move pair");
+      else
+        ok = ck(zopt_optimizer_set_grad_memory(o, 2, pair, to), "move pair's grads");
+    }
     // Tensor 6 inactive from step 2 (every rank); tensor 2 on rank 0 only
     // at step 3; tensor 22 nowhere at step 2 (its group's counts diverge).
     std::vector<uint8_t> act(T, 1);
@@ -162,6 +187,7 @@ void run_rank(int r, zopt_comm *comm, const zopt_step *step, const Options &opt,
     put(P.data(), P.size());
     put(G.data(), G.size());
     put(moved.data(), moved.size());
+    put(moved2.data(), moved2.size());
     put(&res.grad_norm, sizeof res.grad_norm);
     put(&res.skipped, sizeof res.skipped);
     void *img = nullptr;
@@ -189,14 +215,14 @@ void run_rank(int r, zopt_comm *comm, const zopt_step *step, const Options &opt,
 }
 
 // Every rank's snapshots of one run.
-bool run(const zopt_step *step, const Options &opt, bool coalesce, std::vector<std::vector<Snap>> *out) {
+bool run(const zopt_step *step, const Options &opt, bool coalesce, bool rebuild, std::vector<std::vector<Snap>> *out) {
   if (coalesce)
     unsetenv("ZOPT_NO_COALESCE");
   else
     setenv("ZOPT_NO_COALESCE", "1", 1);  // read at finalize
   out->assign((size_t)opt.world, {});
   bool ok = rtu::on_ranks(opt.world, 20.0, true,
-                          [&](int r, zopt_comm *c) { run_rank(r, c, step, opt, &(*out)[(size_t)r]); });
+                          [&](int r, zopt_comm *c) { run_rank(r, c, step, opt, rebuild, &(*out)[(size_t)r]); });
   unsetenv("ZOPT_NO_COALESCE");
   report(ok, "cannot make %d loopback ranks: %s", opt.world, zopt_last_error());
   return ok;
@@ -235,24 +261,27 @@ int main(int argc, char **argv) {
       continue;
     }
     const int before = g_fail;
-    std::vector<std::vector<Snap>> a, b;
-    if (run(step, opt, true, &a) && run(step, opt, false, &b)) {
+    std::vector<std::vector<Snap>> a, b, c;
+    auto compare = [&](const std::vector<std::vector<Snap>> &y, const char *what) {
       for (int r = 0; r < opt.world; ++r) {
-        report(a[r].size() == (size_t)opt.steps && b[r].size() == (size_t)opt.steps,
-               "%s rank %d: %zu and %zu of %d steps ran", d->name, r, a[r].size(), b[r].size(), opt.steps);
-        for (size_t k = 0; k < std::min(a[r].size(), b[r].size()); ++k) {
-          const auto &x = a[r][k].bytes, &y = b[r][k].bytes;
+        report(a[r].size() == (size_t)opt.steps && y[r].size() == (size_t)opt.steps,
+               "%s rank %d: %zu and %zu of %d steps ran", d->name, r, a[r].size(), y[r].size(), opt.steps);
+        for (size_t k = 0; k < std::min(a[r].size(), y[r].size()); ++k) {
+          const auto &u = a[r][k].bytes, &v = y[r][k].bytes;
           size_t at = 0;
-          while (at < std::min(x.size(), y.size()) && x[at] == y[at]) ++at;
-          report(x.size() == y.size() && at == x.size(),
-                 "%s rank %d step %zu: coalesced and not differ at byte %zu of %zu (%zu)", d->name, r, k + 1, at,
-                 x.size(), y.size());
+          while (at < std::min(u.size(), v.size()) && u[at] == v[at]) ++at;
+          report(u.size() == v.size() && at == u.size(), "%s rank %d step %zu: %s differ at byte %zu of %zu (%zu)",
+                 d->name, r, k + 1, what, at, u.size(), v.size());
         }
       }
+    };
+    if (run(step, opt, true, false, &a)) {
+      if (run(step, opt, false, false, &b)) compare(b, "coalesced and not");
+      if (run(step, opt, true, true, &c)) compare(c, "grads patched and lists rebuilt");
     }
     if (g_fail == before)
-      printf("PASS %s at %d rank(s), %d thread(s), %d steps: coalesced == not, every byte\n", d->name, opt.world,
-             opt.threads, opt.steps);
+      printf("PASS %s at %d rank(s), %d thread(s), %d steps: coalesced == not == rebuilt, every byte\n", d->name,
+             opt.world, opt.threads, opt.steps);
     ++ran;
     zopt_step_free(step);
   }

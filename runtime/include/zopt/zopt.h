@@ -774,9 +774,11 @@ ZOPT_API zopt_status zopt_optimizer_set_tensor_memory(zopt_optimizer *opt, int t
  * gradient is read from grads[i] from the next step on, its param memory
  * unchanged; as n calls of zopt_optimizer_set_tensor_memory, except that
  * every entry is checked before any is applied (a refused call changes
- * nothing). Every backend (GPU steps: as set_tensor_memory). Accepted
- * between the bucket marks of a pipelined offloaded step for tensors in no
- * marked bucket (zopt_optimizer_grad_bucket_ready). */
+ * nothing). Every backend (GPU steps: as set_tensor_memory); on the host
+ * the next step patches the moved tensors' work units in place, at a cost
+ * in the number of tensors moved. Accepted between the bucket marks of a
+ * pipelined offloaded step for tensors in no marked bucket
+ * (zopt_optimizer_grad_bucket_ready). */
 ZOPT_API zopt_status zopt_optimizer_set_grad_memory(zopt_optimizer *opt, int64_t n, const int32_t *tensors,
                                                     void *const *grads);
 /* Restoring counts and the loss scaler without a checkpoint file (e.g. a

@@ -112,6 +112,17 @@ void range_of(const zopt_optimizer *o, int range, int b, int64_t *a, int64_t *e)
   }
 }
 
+// w.tensor_first / w.of_tensor: each tensor's chunks, in chunk order.
+void index_by_tensor(const zopt_optimizer *o, Work &w) {
+  const size_t T = o->tensors.size();
+  w.tensor_first.assign(T + 2, 0);
+  for (const Chunk &c : w.chunks) ++w.tensor_first[(size_t)c.tensor + 2];
+  for (size_t t = 2; t < T + 2; ++t) w.tensor_first[t] += w.tensor_first[t - 1];
+  w.of_tensor.resize(w.chunks.size());
+  for (size_t i = 0; i < w.chunks.size(); ++i) w.of_tensor[w.tensor_first[(size_t)w.chunks[i].tensor + 1]++] = (uint32_t)i;
+  w.tensor_first.pop_back();  // [t] = first of t, [T] = the end
+}
+
 void build_update_work(zopt_optimizer *o, Work &w, int range) {
   const Program &P = *o->prog;
   w.chunks.clear();
@@ -131,6 +142,7 @@ void build_update_work(zopt_optimizer *o, Work &w, int range) {
     }
   }
   partition(w, o->num_threads);
+  index_by_tensor(o, w);
   w.built = true;
 }
 
@@ -158,6 +170,7 @@ void build_blocks(zopt_optimizer *o, Blocks &B, int range) {
   B.chunk_partials.assign(B.sumsq.chunks.size(), 0.0);
   B.partials.assign(B.first.size() - 1, 0.0);
   partition(B.sumsq, o->num_threads);
+  index_by_tensor(o, B.sumsq);
   B.sumsq.built = true;
 }
 
@@ -432,6 +445,7 @@ zopt_status build(zopt_optimizer *o) {
     build_update_work(o, P->update_range == ZOPT_RANGE_OWNED ? P->update_owned : P->update_all, P->update_range);
     if (P->norm_range)
       build_blocks(o, P->norm_range == ZOPT_RANGE_OWNED ? P->norm_owned : P->norm_all, P->norm_range);
+    P->grads_moved.reserve(o->tensors.size());
   } catch (...) {
     return bail(fail(ZOPT_ERR_OUT_OF_MEMORY, "zopt_optimizer_finalize: out of memory"));
   }
@@ -509,22 +523,72 @@ void owned_ranges(const zopt_optimizer *o, int t, std::vector<OwnedRange> *out) 
   }
 }
 
-// The gradient pointers of every work unit, as make_chunk computes them,
-// for a program whose only change since its lists were built is where
-// tensors' gradients are (the lists' shape does not depend on it).
+// The gradient pointers of the work units of the tensors whose gradients
+// moved (all of them when Program::grads_moved_all), as make_chunk
+// computes them, for a program whose only change since its lists were
+// built is where tensors' gradients are (the lists' shape does not depend
+// on it). UPDATE's joined calls are made again only where they could
+// change: when some were joined, or a moved chunk now joins a neighbour.
 void patch_grads(zopt_optimizer *o) {
   Program &P = *o->prog;
   const int gi = o->step->grad_index;
-  if (P.buf[gi] && P.sharded[gi]) return;  // runtime-held shards: nothing moved
-  auto patch = [&](Work &w) {
-    if (!w.built) return;
+  const bool all = P.grads_moved_all;
+  P.grads_moved_all = false;
+  if (P.buf[gi] && P.sharded[gi]) {  // runtime-held shards: nothing moved
+    P.grads_moved.clear();
+    return;
+  }
+  // Each list patched per moved tensor where it is indexed by tensor (its
+  // chunks of the tensor), else every chunk.
+  Work *ws[4] = {&P.update_owned, &P.update_all, &P.norm_owned.sumsq, &P.norm_all.sumsq};
+  bool by_tensor[4] = {};
+  for (int i = 0; i < 4; ++i) {
+    Work &w = *ws[i];
+    if (!w.built) continue;
+    by_tensor[i] = !all && w.tensor_first.size() == o->tensors.size() + 1;
+    if (by_tensor[i]) continue;
     for (Chunk &c : w.chunks) c.ptrs[gi] = view(o, gi, c.tensor, c.start);
     w.joined_gen = 0;  // the joins follow the pointers (coalesce.cpp)
-  };
-  patch(P.update_owned);
-  patch(P.update_all);
-  patch(P.norm_owned.sumsq);
-  patch(P.norm_all.sumsq);
+  }
+  const bool pb = is_per_block(o->d, gi);
+  const size_t es = es_of(o, gi);
+  for (int32_t t : P.grads_moved) {
+    char *base = nullptr;  // view()'s, once per tensor
+    for (int i = 0; i < 4; ++i) {
+      if (!by_tensor[i]) continue;
+      Work &w = *ws[i];
+      for (uint32_t k = w.tensor_first[t]; k < w.tensor_first[t + 1]; ++k) {
+        if (!base) base = (char *)state_ptr(o, t, gi);
+        Chunk &c = w.chunks[w.of_tensor[k]];
+        c.ptrs[gi] = base + (size_t)(pb ? c.start / ZOPT_Q8_BLOCK : c.start) * es;
+      }
+    }
+  }
+  // UPDATE's joined calls hold the old pointers: made again where some
+  // were joined, or where a moved chunk now joins a neighbour.
+  for (int i = 0; i < 2; ++i) {
+    Work &w = *ws[i];
+    if (!by_tensor[i] || !P.coalesce || w.joined_gen == 0) continue;
+    bool rejoin = w.joins;
+    for (size_t m = 0; !rejoin && m < P.grads_moved.size(); ++m) {
+      const int32_t t = P.grads_moved[m];
+      for (uint32_t k = w.tensor_first[t]; !rejoin && k < w.tensor_first[t + 1]; ++k)
+        rejoin = joins_a_neighbour(o, w, w.of_tensor[k]);
+    }
+    if (rejoin) w.joined_gen = 0;
+  }
+  P.grads_moved.clear();
+}
+
+void note_grads_moved(zopt_optimizer *o, const int32_t *tensors, int64_t n) {
+  Program &P = *o->prog;
+  if (P.grads_moved_all) return;
+  if (P.grads_moved.size() + (size_t)n > P.grads_moved.capacity()) {
+    P.grads_moved_all = true;
+    P.grads_moved.clear();
+    return;
+  }
+  P.grads_moved.insert(P.grads_moved.end(), tensors, tensors + n);
 }
 
 void rebind(zopt_optimizer *o) {
@@ -535,6 +599,8 @@ void rebind(zopt_optimizer *o) {
     patch_grads(o);
     return;
   }
+  P->grads_moved.clear();
+  P->grads_moved_all = false;
   if (P->update_owned.built) build_update_work(o, P->update_owned, ZOPT_RANGE_OWNED);
   if (P->update_all.built) build_update_work(o, P->update_all, ZOPT_RANGE_ALL);
   if (P->norm_owned.sumsq.built) build_blocks(o, P->norm_owned, ZOPT_RANGE_OWNED);

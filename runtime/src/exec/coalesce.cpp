@@ -18,11 +18,13 @@
 //     (abi.h "Stochastic rounding"), so the keys and indices stay the same.
 // SUMSQ is not joined: its ordered sum is per call (lane i mod 32), so a
 // joined call would change the norm's bits. The joined list is rebuilt
-// when the work lists are (finalize, moved memory, threads) or the rows
-// change (a mask, counts that diverge), never per step otherwise.
+// when the work lists are (finalize, moved memory, threads), the rows
+// change (a mask, counts that diverge) or moved gradients (patched in
+// place) join or held joins, never per step otherwise.
 // ZOPT_NO_COALESCE=1 at finalize turns it off (docs/TESTING.md).
 #include "exec/exec_internal.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <new>
 
@@ -65,8 +67,9 @@ bool joins_onto(const zopt_optimizer *o, bool sr, const Chunk &j, const Chunk &c
 // joined call starts at its first chunk, so if no neighbouring pair joins,
 // no call does (the SR condition only gets stricter as a call grows). This
 // pass allocates nothing: steps whose chunks never join (separately
-// allocated tensors, fresh gradients every step, which rebuild the work
-// lists each step) pay no copy of the chunks.
+// allocated tensors) pay no copy of the chunks. Fresh gradients every
+// step (zopt_optimizer_set_grad_memory) only look at the moved chunks'
+// neighbours (joins_a_neighbour, from build.cpp's patch_grads).
 bool any_join(const zopt_optimizer *o, const Work &w) {
   const Program &P = *o->prog;
   const bool sr = o->d->flags & ZOPT_FLAG_STOCHASTIC;
@@ -124,6 +127,27 @@ void join(const zopt_optimizer *o, Work &w) {
 }
 
 }  // namespace
+
+bool joins_a_neighbour(const zopt_optimizer *o, const Work &w, size_t i) {
+  const Program &P = *o->prog;
+  const Chunk &c = w.chunks[i];
+  // First the gradients alone (what moved; separately allocated gradients
+  // are next to each other rarely): only then the whole check.
+  const int gi = o->step->grad_index;
+  const bool pb = is_per_block(o->d, gi);
+  const size_t es = es_of(o, gi);
+  auto grads_adjacent = [&](const Chunk &a, const Chunk &b) {
+    return pb || (a.ptrs[gi] && b.ptrs[gi] && (const char *)a.ptrs[gi] + (size_t)a.len * es == (const char *)b.ptrs[gi]);
+  };
+  const bool before = i > 0 && grads_adjacent(w.chunks[i - 1], c);
+  const bool after = i + 1 < w.chunks.size() && grads_adjacent(c, w.chunks[i + 1]);
+  if ((!before && !after) || !active(P, c.tensor)) return false;
+  const bool sr = o->d->flags & ZOPT_FLAG_STOCHASTIC;
+  const size_t tid = (size_t)(std::upper_bound(w.thread_begin.begin(), w.thread_begin.end(), i) - w.thread_begin.begin()) - 1;
+  const size_t b = w.thread_begin[tid], e = w.thread_begin[tid + 1];
+  if (before && i > b && active(P, w.chunks[i - 1].tensor) && joins_onto(o, sr, w.chunks[i - 1], c)) return true;
+  return after && i + 1 < e && active(P, w.chunks[i + 1].tensor) && joins_onto(o, sr, c, w.chunks[i + 1]);
+}
 
 bool coalesce_enabled() {
   const char *e = getenv("ZOPT_NO_COALESCE");

@@ -47,6 +47,9 @@ struct Work {
   std::vector<size_t> joined_begin;  // size T + 1
   uint64_t joined_gen = 0;
   bool joins = false;
+  // The chunks of tensor t: chunks[of_tensor[k]] for k in
+  // [tensor_first[t], tensor_first[t + 1]) (built with the chunks).
+  std::vector<uint32_t> tensor_first, of_tensor;
 };
 
 // Norm blocks of the range NORM_PARTIALS covers: block i's partial is the
@@ -118,6 +121,11 @@ struct Program {
   // e.g. fresh gradient tensors every step): rebind patches the work units'
   // gradient pointers in place instead of rebuilding the lists.
   bool rebind_grads_only = false;
+  // Which tensors those are (note_grads_moved; capacity one per tensor,
+  // reserved at build: never allocates), or all of them when more were
+  // moved than fit.
+  std::vector<int32_t> grads_moved;
+  bool grads_moved_all = false;
   // Offloaded steps with bucket readiness (speculate.h; NULL until used).
   Spec *spec = nullptr;
 };
@@ -197,9 +205,12 @@ void bucket_tensors(const zopt_optimizer *o, int b, std::vector<int> *out);
 void repartition(zopt_optimizer *o);
 // Rebuilds every work unit's pointers (after a tensor's user memory moved;
 // run_begin does it when Program::rebind_pending is set); when only
-// gradients moved (Program::rebind_grads_only), patches their pointers in
-// place. May throw std::bad_alloc.
+// gradients moved (Program::rebind_grads_only), patches the pointers of
+// those tensors' chunks in place (O(moved tensors)). May throw std::bad_alloc.
 void rebind(zopt_optimizer *o);
+// Records that the gradients of tensors[0..n) moved (the rebind patches
+// their chunks only); allocates nothing.
+void note_grads_moved(zopt_optimizer *o, const int32_t *tensors, int64_t n);
 void destroy(zopt_optimizer *o);
 
 // A run of tensor t's state si held by this rank: elements

@@ -81,6 +81,9 @@ inline const float *coeffs_of(const Program &P, int t) {
 // current and to be run instead of w.chunks / w.thread_begin (rebuilt here
 // when stale; false with coalescing off or out of memory).
 bool use_joined(zopt_optimizer *o, Work &w);
+// Whether chunk i of w joins the chunk before or after it in its thread's
+// run (as use_joined would join them: both active, adjacent, one row).
+bool joins_a_neighbour(const zopt_optimizer *o, const Work &w, size_t i);
 // Whether ZOPT_NO_COALESCE leaves coalescing on (read at finalize).
 bool coalesce_enabled();
 

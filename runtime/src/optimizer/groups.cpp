@@ -246,6 +246,7 @@ ZOPT_API zopt_status zopt_optimizer_set_grad_memory(zopt_optimizer *o, int64_t n
     }
   if (n && o->finalized && o->prog) {  // once, at the next step: the grad pointers only
     if (!o->prog->rebind_pending) o->prog->rebind_grads_only = true;
+    if (o->prog->rebind_grads_only) exec::note_grads_moved(o, tensors, n);
     o->prog->rebind_pending = true;
   }
   return ZOPT_OK;
