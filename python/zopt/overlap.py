@@ -105,14 +105,6 @@ class OffloadOverlap(BucketMarks):
         the budget, the hooks of params not hooked yet. The runtime reads
         every gradient from our own memory again (Part.after_layout)."""
         c = self._part()
-        if c.world_size > 1 and c.step.zero_stage != 2:
-            _refuse(Status.UNSUPPORTED,
-                    f"step '{c.step.name}' has zero_stage = {c.step.zero_stage} at world size "
-                    f"{c.world_size}: bucket readiness at several ranks is implemented for "
-                    "ZeRO-2 offloaded steps (each bucket's job reduces it across the ranks, "
-                    "then updates this rank's shard from its reduced shard); ZeRO-0 and ZeRO-1 "
-                    "update from the whole reduced gradient: compile the step with "
-                    "zero_stage=2, or use overlap=False")
         if not c.offload:
             _refuse(Status.UNSUPPORTED,
                     f"step '{c.step.name}' runs on the CPU here (its params are not CUDA "

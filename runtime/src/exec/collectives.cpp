@@ -81,28 +81,32 @@ zopt_status reduce_scatter_bucket(zopt_optimizer *o, const zopt_program_op &op, 
 
 // ALL_GATHER: per bucket, every rank's shard of the state to every rank.
 zopt_status all_gather(zopt_optimizer *o, const zopt_program_op &op) {
+  for (int b = 0; b < (int)o->prog->L.buckets.size(); ++b)
+    if (zopt_status st = all_gather_bucket(o, op, b)) return st;
+  return ZOPT_OK;
+}
+
+zopt_status all_gather_bucket(zopt_optimizer *o, const zopt_program_op &op, int b, bool unchanged) {
   Program &P = *o->prog;
   const int W = o->world, r = o->rank, si = (int)op.state;
   const size_t es = es_of(o, si);
-  for (int b = 0; b < (int)P.L.buckets.size(); ++b) {
-    const layout::Bucket &k = P.L.buckets[b];
-    // This rank's shard packed into its own slot of the receive buffer:
-    // the all-gather runs in place (no copy of it by the transport).
-    char *send = (char *)P.recv.data() + (size_t)r * k.shard * es;
-    const int64_t a = k.begin + (int64_t)r * k.shard;
-    pack_range(P, b, a, a + k.shard, es, send,
-               [&](const Piece &p) -> const char * { return view(o, si, p.tensor, p.start); });
-    char w[96];
-    if (zopt_status st = comm_all_gather(o->comm, send, P.recv.data(), (size_t)k.shard * es,
-                                         what(w, sizeof w, "ALL_GATHER", o, si, b)))
-      return st;
-    const char *recv = (const char *)P.recv.data();
-    for (int q = 0; q < W; ++q) {
-      if (q == r) continue;
-      int64_t qa = k.begin + (int64_t)q * k.shard;
-      for (const Piece &p : P.L.pieces(k.group, qa, std::min(qa + k.shard, k.begin + k.len)))
-        memcpy(view(o, si, p.tensor, p.start), recv + (size_t)(p.flat - k.begin) * es, (size_t)p.len * es);
-    }
+  const layout::Bucket &k = P.L.buckets[b];
+  // This rank's shard packed into its own slot of the receive buffer:
+  // the all-gather runs in place (no copy of it by the transport).
+  char *send = (char *)P.recv.data() + (size_t)r * k.shard * es;
+  const int64_t a = k.begin + (int64_t)r * k.shard;
+  pack_range(P, b, a, a + k.shard, es, send,
+             [&](const Piece &p) -> const char * { return view(o, si, p.tensor, p.start); });
+  char w[96];
+  if (zopt_status st = comm_all_gather(o->comm, send, P.recv.data(), (size_t)k.shard * es,
+                                       what(w, sizeof w, "ALL_GATHER", o, si, b), unchanged ? kSigUnchanged : 0))
+    return st;
+  const char *recv = (const char *)P.recv.data();
+  for (int q = 0; q < W; ++q) {
+    if (q == r) continue;
+    int64_t qa = k.begin + (int64_t)q * k.shard;
+    for (const Piece &p : P.L.pieces(k.group, qa, std::min(qa + k.shard, k.begin + k.len)))
+      memcpy(view(o, si, p.tensor, p.start), recv + (size_t)(p.flat - k.begin) * es, (size_t)p.len * es);
   }
   return ZOPT_OK;
 }

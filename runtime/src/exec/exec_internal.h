@@ -67,6 +67,9 @@ zopt_status reduce_scatter(zopt_optimizer *o, const zopt_program_op &op);
 // checked signature then leaves the communicator usable: kSigUnchanged).
 zopt_status reduce_scatter_bucket(zopt_optimizer *o, const zopt_program_op &op, int b, bool unchanged = false);
 zopt_status all_gather(zopt_optimizer *o, const zopt_program_op &op);
+// ALL_GATHER of bucket b alone (a pipelined offloaded step's bucket job,
+// the reduced grad of a ZeRO-0/1 program; unchanged: as above).
+zopt_status all_gather_bucket(zopt_optimizer *o, const zopt_program_op &op, int b, bool unchanged = false);
 
 // One row per (group, t) among the tensors this step updates; PREPARE
 // fills each with the clip coefficient `clip` and the gradient scale of

@@ -95,22 +95,39 @@ void spec_build(zopt_optimizer *o) {
     }
   }
   S.blk_first.assign(nb + 1, 0);
-  if (P.norm_range) {
-    const layout::Layout &L = P.norm_range == ZOPT_RANGE_OWNED ? P.L : P.L1;
+  if (P.norm_range == ZOPT_RANGE_OWNED) {
     size_t k = 0;
     for (size_t b = 0; b < nb; ++b) {
       S.blk_first[b] = k;
-      k += (size_t)(L.buckets[b].shard / L.block);
+      k += (size_t)(P.L.buckets[b].shard / P.L.block);
     }
     S.blk_first[nb] = k;
+  } else if (P.norm_range) {
+    // ALL: the blocks of the 1-rank layout (build.cpp build_blocks), in
+    // their order; each lies in one bucket of this layout (bucket and
+    // block boundaries are multiples of the block), the buckets' blocks
+    // consecutive.
+    size_t k = 0, b = 0;
+    for (const layout::Bucket &k1 : P.L1.buckets)
+      for (int64_t j = 0; j < k1.shard / P.L1.block; ++j, ++k) {
+        const size_t at = (size_t)P.L.bucket_of(k1.group, k1.begin + j * P.L1.block);
+        while (b < at) S.blk_first[++b] = k;
+      }
+    while (b < nb) S.blk_first[++b] = k;
   }
   S.cost.assign(nb, 0);
   S.first_flat.assign(nb, 0);
   S.state_off.assign(nb * NS, SIZE_MAX);
   for (size_t b = 0; b < nb; ++b) {
-    // The flat range this rank updates (its shard; the bucket at 1 rank).
+    // The flat range this rank updates (its shard; the bucket at 1 rank
+    // or where the program updates ALL).
     int64_t a = 0, e = 0;
-    P.L.shard_range((int)b, o->rank, &a, &e);
+    if (P.update_range == ZOPT_RANGE_OWNED) {
+      P.L.shard_range((int)b, o->rank, &a, &e);
+    } else {
+      a = P.L.buckets[b].begin;
+      e = a + P.L.buckets[b].len;
+    }
     S.first_flat[b] = a;
     const uint64_t elems = e > a ? (uint64_t)(e - a) : 0;
     uint64_t off = 0;
@@ -246,16 +263,20 @@ zopt_status spec_bucket_work(zopt_optimizer *o, int b) {
   Spec &S = *P.spec;
   const double t0 = now_seconds();
   // At W ranks the bucket's reduction first (a collective: every rank's
-  // jobs run in the order of its marks, which must be the same). Before it
-  // the step has written only its scratch (the reduced shards of earlier
+  // jobs run in the order of its marks, which must be the same), then, in
+  // a ZeRO-0/1 program, the ALL_GATHER of its reduced grad. Before them the
+  // step has written only its scratch (the reduced grads of earlier
   // buckets, in the grad staging, which a serial step copies again): ranks
   // that marked in different orders fail here alike (the jobs after a
   // failed one are skipped, wait_buckets closes the speculation), and the
   // communicator stays usable for the step run again.
   if (o->world > 1)
-    for (const zopt_program_op &op : P.ops)
+    for (const zopt_program_op &op : P.ops) {
       if (op.code == ZOPT_OP_REDUCE_SCATTER)
         if (zopt_status st = reduce_scatter_bucket(o, op, b, true)) return st;
+      if (op.code == ZOPT_OP_ALL_GATHER && o->d->states[op.state].kind == ZOPT_STATE_GRAD)
+        if (zopt_status st = all_gather_bucket(o, op, b, true)) return st;
+    }
   if (P.norm_range) {
     // exec.cpp run_sumsq for this bucket's blocks: each chunk's partial,
     // then each block's in-order sum (the same bits, in the same slots).

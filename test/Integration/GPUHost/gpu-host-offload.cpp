@@ -416,13 +416,14 @@ void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const 
       zopt_step_result ro{}, rc{};
       if (pipelined) {
         // Step 4: a budget of about a quarter of the model (the arena; some
-        // buckets updated after validation); otherwise every bucket.
+        // buckets updated after validation; ZeRO-0, where every rank
+        // updates every bucket whole: half); otherwise every bucket.
         double bpe = 0;  // bytes per param (a q8 absmax: 4 per block)
         uint64_t n = 0;
         for (uint32_t s = 0; s < d->num_states; ++s)
           if (d->states[s].access & ZOPT_ACCESS_WRITE) bpe += state_bytes(d, s, ZOPT_Q8_BLOCK) / double(ZOPT_Q8_BLOCK);
         for (int64_t x : sizes) n += (uint64_t)x;
-        Z(zopt_optimizer_set_speculation_budget(o, k == 4 ? (uint64_t)(n * bpe / 4) : UINT64_MAX));
+        Z(zopt_optimizer_set_speculation_budget(o, k == 4 ? (uint64_t)(n * bpe / (d->zero_stage ? 4 : 2)) : UINT64_MAX));
         int nb = 0;
         Z(zopt_optimizer_num_buckets(o, &nb));
         std::vector<int> order(nb);

@@ -68,20 +68,6 @@ zopt_status offload_bucket_ready(GpuState *g, OffloadPipe &pp, zopt_optimizer *o
   exec::Program &P = *o->prog;
   const int nb = (int)P.L.buckets.size();
   if (b < 0 || b >= nb) return fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: bucket %d out of range (have %d)", kReady, b, nb);
-  if (o->world > 1) {
-    // Per bucket: its reduction, its owned norm blocks and update; a
-    // program that needs the whole reduced gradient (ZeRO-0 and ZeRO-1
-    // gather it after the reduction) is not pipelined.
-    bool gathers_grad = false;
-    for (const zopt_program_op &op : P.ops)
-      gathers_grad |= op.code == ZOPT_OP_ALL_GATHER && o->d->states[op.state].kind == ZOPT_STATE_GRAD;
-    if (gathers_grad || P.update_range != ZOPT_RANGE_OWNED)
-      return fail(ZOPT_ERR_UNSUPPORTED,
-                  "%s: step '%s' (ZeRO stage %u) at %d ranks updates from the whole reduced gradient; bucket "
-                  "readiness at several ranks is implemented for ZeRO-2 offloaded steps (each rank updates its shard "
-                  "from its reduced shard): call zopt_optimizer_step alone",
-                  kReady, o->d->name, o->d->zero_stage, o->world);
-  }
   if (o->begun)
     return fail(ZOPT_ERR_BAD_STATE, "%s: a step was begun (zopt_optimizer_step_begin): finish it first", kReady);
   exec::Spec *S = open_spec(o);
@@ -191,6 +177,9 @@ zopt_status offload_pipelined_op(GpuState *g, ParamsBack &pb, zopt_optimizer *o,
   switch (op.code) {
     case ZOPT_OP_REDUCE_SCATTER:  // each bucket's job reduced it
       *handled = true;
+      return ZOPT_OK;
+    case ZOPT_OP_ALL_GATHER:  // the reduced grad (ZeRO-0/1): gathered by each bucket's job
+      *handled = o->d->states[op.state].kind == ZOPT_STATE_GRAD;
       return ZOPT_OK;
     case ZOPT_OP_COPY: {
       const bool to_host = op.dst == ZOPT_PLACE_CPU;
