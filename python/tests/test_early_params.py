@@ -195,7 +195,7 @@ def _worker(cpu_path, off_path, tmp):
         if e.code == Status.INVALID_ARGUMENT and "torch.nn.Module" in str(e):
             refusals.append("not_a_module")
     out["refusals"] = refusals
-    of.finish(fake, out, opt_a, opt_b, opt_c)
+    of.finish(s, out, opt_a, opt_b, opt_c)
 
 
 if __name__ == "__main__":

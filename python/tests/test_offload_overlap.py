@@ -183,7 +183,7 @@ def _worker(what, step_path, tmp):
     opt_a.step()
     out["last_outcome"] = opt_a.pipeline_stats()["outcome"]
     out["refusals"] = refusals
-    of.finish(fake, out, opt_a, opt_b)
+    of.finish(s, out, opt_a, opt_b)
 
 
 if __name__ == "__main__":
