@@ -67,6 +67,16 @@ def setup(fake, device_steps_only=False):
     return dev
 
 
+def start(shapes=SHAPES, device_steps_only=False):
+    """A worker's start: the StandIn, setup(); returns (s, fake, dev, g, init):
+    g the generator seeded 0 that drew init, the model's initial values."""
+    from gpu_fakes import StandIn
+    s = StandIn()
+    dev = setup(s.fake, device_steps_only)
+    g = torch.Generator().manual_seed(0)
+    return s, s.fake, dev, g, initial(g, shapes)
+
+
 def initial(g, shapes=SHAPES):
     """The small model's initial bf16 values, from generator g."""
     return [torch.randn(sh, generator=g).bfloat16() * 0.3 for sh in shapes]
@@ -98,6 +108,22 @@ def loss(ps, x, scale):
 
 def backward(ps, x, scale):
     loss(ps, x, scale).backward()
+
+
+def first_micro_batch(opt_a, A, B, x, scale):
+    """A's backward inside opt_a.no_sync() (nothing marked), then B's."""
+    with opt_a.no_sync():
+        backward(A, x, scale)
+    assert opt_a._overlap.nmarked == 0
+    backward(B, x, scale)
+
+
+def marking_backward(opt_a, A, B, x, scale):
+    """A's backward and B's; A's marked every bucket of opt_a by its end."""
+    backward(A, x, scale)
+    backward(B, x, scale)
+    ov = opt_a._overlap
+    assert ov.nmarked == ov.nb
 
 
 def equal(p, q):

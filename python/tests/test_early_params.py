@@ -92,13 +92,8 @@ class Net(torch.nn.Module):
 
 
 def _worker(cpu_path, off_path, tmp):
-    from gpu_fakes import StandIn
-    s = StandIn()
-    fake = s.fake
-    dev = of.setup(fake)
-    g = torch.Generator().manual_seed(0)
     shapes = of.SHAPES + [(16,)]  # the last: no module owns it
-    init = of.initial(g, shapes)
+    s, fake, dev, g, init = of.start(shapes)
     A = [dev(sh, w) for sh, w in zip(shapes, init)]           # early params
     B = [dev(sh, w) for sh, w in zip(shapes, init)]           # serial offloaded
     C = [w.clone() for w in init]                             # the CPU twin

@@ -24,7 +24,7 @@ import torch
 import zopt
 from zopt._lib import Status, ZoptError
 import overlap_fakes as of
-from gpu_fakes import REPO, StandIn, needs_fake, run_worker
+from gpu_fakes import REPO, needs_fake, run_worker
 
 STEP = "examples/adamw_bf16_offload_6b.mlir"  # bf16 everywhere, clip at 1.0
 
@@ -78,11 +78,7 @@ def test_overlap_refused_where_it_cannot_work(steps):
 # ---- the worker (run with ZOPT_CUDA_DRIVER=libzopt-fake-cuda.so) ----------------------
 
 def _worker(what, step_path, tmp):
-    s = StandIn()
-    fake = s.fake
-    dev = of.setup(fake)
-    g = torch.Generator().manual_seed(0)
-    init = of.initial(g)
+    s, fake, dev, g, init = of.start()
     A = [torch.nn.Parameter(dev(sh, w)) for sh, w in zip(of.SHAPES, init)]  # overlap
     B = [torch.nn.Parameter(dev(sh, w)) for sh, w in zip(of.SHAPES, init)]  # serial
     inject = {"inf": False}
@@ -107,18 +103,13 @@ def _worker(what, step_path, tmp):
         inject["inf"] = plan == "inf"
         if plan == "accumulate":  # two micro-batches: only the last backward marks
             x2 = torch.randn(8, 32, generator=g)
-            with opt_a.no_sync():
-                backward(A, x2, scale)
-            assert ov.nmarked == 0
-            backward(B, x2, scale)
+            of.first_micro_batch(opt_a, A, B, x2, scale)
         if plan == "no_hooks":  # gradients set by hand: step() marks every bucket
             for p, q in zip(A, B):
                 gd = torch.randn(p.shape, generator=g).bfloat16() * 1e-3
                 p.grad, q.grad = dev(tuple(p.shape), gd), dev(tuple(p.shape), gd)
         else:
-            backward(A, x, scale)
-            backward(B, x, scale)
-            assert ov.nmarked == ov.nb  # every bucket marked by the end of backward
+            of.marking_backward(opt_a, A, B, x, scale)
         inject["inf"] = False
         opt_a.step()
         opt_b.step()

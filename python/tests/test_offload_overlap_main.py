@@ -28,7 +28,7 @@ sys.path.insert(0, HERE)
 
 import zopt  # noqa: E402
 import overlap_fakes as of  # noqa: E402
-from gpu_fakes import StandIn, needs_fake, run_worker  # noqa: E402
+from gpu_fakes import needs_fake, run_worker  # noqa: E402
 
 
 @needs_fake
@@ -54,11 +54,7 @@ def test_overlap_main_grad_bit_identical(steps, tmp_path):
 
 
 def _worker(what, step_path, tmp):
-    s = StandIn()
-    fake = s.fake
-    dev = of.setup(fake)
-    g = torch.Generator().manual_seed(0)
-    init = of.initial(g)
+    s, fake, dev, g, init = of.start()
     inject = {"inf": False}
     keep = []
 
@@ -103,19 +99,14 @@ def _worker(what, step_path, tmp):
         inject["inf"] = plan == "inf"
         if plan == "accumulate":  # two micro-batches, summed in f32: the last one marks
             x2 = torch.randn(8, 32, generator=g)
-            with opt_a.no_sync():
-                backward(A, x2, scale)
-            assert ov.nmarked == 0
-            backward(B, x2, scale)
+            of.first_micro_batch(opt_a, A, B, x2, scale)
         if plan == "no_backward":  # main_grad set by hand: step() marks every bucket
             for p, q in zip(A, B):
                 gd = torch.randn(p.shape, generator=g) * 1e-3
                 p.main_grad = dev(p.shape, gd, torch.float32)
                 q.main_grad = dev(p.shape, gd, torch.float32)
         else:
-            backward(A, x, scale)
-            backward(B, x, scale)
-            assert ov.nmarked == ov.nb  # every bucket marked by the end of backward
+            of.marking_backward(opt_a, A, B, x, scale)
         inject["inf"] = False
         opt_a.step()
         opt_b.step()

@@ -91,18 +91,14 @@ def test_overlap_two_gloo_ranks_bit_identical(steps, tmp_path, zero_stage):
 
 def _rank(rank, world, port, outdir, off_path, cpu_path):
     import torch.distributed as dist
-    from gpu_fakes import StandIn
     from zopt._lib import ZoptError
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = port
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
-    s = StandIn()
-    fake = s.fake
-    dev = of.setup(fake, device_steps_only=True)  # the CPU twin's gradients in host memory
-    g = torch.Generator().manual_seed(0)
-    init = of.initial(g)
+    # the CPU twin's gradients in host memory
+    s, fake, dev, g, init = of.start(device_steps_only=True)
     A = [torch.nn.Parameter(dev(sh, w)) for sh, w in zip(of.SHAPES, init)]  # overlap
     B = [torch.nn.Parameter(dev(sh, w)) for sh, w in zip(of.SHAPES, init)]  # serial
     C = [torch.nn.Parameter(w.clone()) for w in init]                       # CPU twin
