@@ -274,6 +274,14 @@ class StandIn:
         a[:] = fill if fill is not None else 0
         return a
 
+    def close_all(self, out, *opts):
+        """Every copy done, the optimizers closed, out["bad_ranges"]: the
+        stand-in's count of bad ranges."""
+        self.fake.fake_cuda_drain_all()
+        for o in opts:
+            o.close()
+        out["bad_ranges"] = self.fake.fake_cuda_num_bad_ranges()
+
     def grads_on_device(self):
         """zopt._grads.alloc_grads makes the gradient buffers in the
         stand-in's device memory."""

@@ -17,16 +17,15 @@ waited for each bucket once per step (a param no module owns: at step());
 """
 import contextlib
 import ctypes
-import json
 import os
 import sys
 
-import numpy as np
 import pytest
 import torch
 
 import zopt
 from zopt._lib import Status, ZoptError
+import overlap_fakes as of
 from gpu_fakes import REPO, needs_fake, run_worker
 
 STEP = "examples/adamw_zero_offload.mlir"  # bf16 params/grads, f32 master and moments, clip 1.0
@@ -93,42 +92,8 @@ class Net(torch.nn.Module):
 
 
 def _worker(cpu_path, off_path, tmp):
-    from gpu_fakes import StandIn
-    s = StandIn()
-    fake = s.fake
-    make_entry = zopt._params.make_entry
-
-    def entry(step, gid, i, p):  # the stand-in's memory in CPU tensors: CUDA params
-        e = make_entry(step, gid, i, p)
-        e.cuda = e.torch and step.on_device
-        return e
-    zopt._params.make_entry = entry
-    torch.cuda.device = lambda d: contextlib.nullcontext()
-
-    def dev(shape, fill):  # a bf16 tensor over fresh stand-in device memory
-        n = int(np.prod(shape)) if shape else 1
-        p = ctypes.c_ulonglong()
-        assert fake.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(2 * max(n, 1))) == 0
-        raw = np.frombuffer((ctypes.c_char * (2 * n)).from_address(p.value), dtype=np.int16)
-        t = torch.from_numpy(raw).view(torch.bfloat16).view(shape)
-        t.copy_(fill)
-        return t
-
-    real_alloc = zopt._grads.alloc_grads
-
-    def alloc_grads(c, entries):  # our own gradient buffers in device memory
-        zeros = torch.zeros
-        torch.zeros = lambda n, dtype=None, device=None: dev((n,), torch.zeros_like(
-            torch.empty(n, dtype=dtype)))
-        try:
-            return real_alloc(c, entries)
-        finally:
-            torch.zeros = zeros
-    zopt._grads.alloc_grads = alloc_grads
-
-    g = torch.Generator().manual_seed(0)
-    shapes = [(64, 32), (64,), (16, 64), (16,), (16,)]  # the last: no module owns it
-    init = [torch.randn(sh, generator=g).bfloat16() * 0.3 for sh in shapes]
+    shapes = of.SHAPES + [(16,)]  # the last: no module owns it
+    s, fake, dev, g, init = of.start(shapes)
     A = [dev(sh, w) for sh, w in zip(shapes, init)]           # early params
     B = [dev(sh, w) for sh, w in zip(shapes, init)]           # serial offloaded
     C = [w.clone() for w in init]                             # the CPU twin
@@ -138,16 +103,7 @@ def _worker(cpu_path, off_path, tmp):
     # leaves the rest to the hooks)
     params = [[e] + list(n.parameters()) for n, e in zip(nets, extra)]
     keep = []
-
-    def to_device(p):
-        """Before zopt's hook: the new p.grad moved to fresh device memory."""
-        def hook(*_):
-            if p.grad is not None:
-                p.grad = dev(tuple(p.shape), p.grad.detach())
-        node = p.expand_as(p).grad_fn.next_functions[0][0]
-        keep.append((node, node.register_hook(hook)))
-    for p in params[0] + params[1]:
-        to_device(p)
+    of.grads_to_device(params[0] + params[1], dev, keep)
 
     kw = dict(lr=1e-2, weight_decay=0.1, bucket_elems=1024)
     off, cpu = zopt.Step(off_path), zopt.Step(cpu_path)
@@ -203,9 +159,7 @@ def _worker(cpu_path, off_path, tmp):
             with on(sb):
                 stb = opt_b.state_dict()["state"]
             sta, stc = opt_a.state_dict()["state"], opt_c.state_dict()["state"]
-            same = all(torch.equal(p.view(torch.int16), q.view(torch.int16)) and
-                       torch.equal(p.view(torch.int16), r.view(torch.int16))
-                       for p, q, r in zip(*params))
+            same = all(of.equal(p, q) and of.equal(p, r) for p, q, r in zip(*params))
             same = same and sorted(sta) == sorted(stb) == sorted(stc) and all(
                 torch.equal(sta[i][key], stb[i][key]) and torch.equal(sta[i][key], stc[i][key])
                 for i in sta for key in sta[i])
@@ -223,8 +177,7 @@ def _worker(cpu_path, off_path, tmp):
             assert fake.cuStreamSynchronize(ctypes.c_void_p(sa)) == 0
             seen = [p.detach().clone() for p in params[0]]
             fake.fake_cuda_drain_all()
-            out["wait_all_same"] = all(torch.equal(p.view(torch.int16), q.view(torch.int16))
-                                       for p, q in zip(seen, params[1]))
+            out["wait_all_same"] = all(of.equal(p, q) for p, q in zip(seen, params[1]))
     out["waits"] = [sorted(w) for w in ov.early.waits[-4:]]
     assert all(len(w) == len(set(w)) for w in ov.early.waits), ov.early.waits  # once each
     fake.fake_cuda_set_htod_delay(0)
@@ -237,11 +190,7 @@ def _worker(cpu_path, off_path, tmp):
         if e.code == Status.INVALID_ARGUMENT and "torch.nn.Module" in str(e):
             refusals.append("not_a_module")
     out["refusals"] = refusals
-    fake.fake_cuda_drain_all()
-    for o in (opt_a, opt_b, opt_c):
-        o.close()
-    out["bad_ranges"] = fake.fake_cuda_num_bad_ranges()
-    print(json.dumps(out))
+    of.finish(s, out, opt_a, opt_b, opt_c)
 
 
 if __name__ == "__main__":

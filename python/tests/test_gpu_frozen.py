@@ -605,10 +605,7 @@ def _worker(what, step_path, tmp):
         o3.load(os.path.join(tmp, "ck"))
         out["o3_counts"] = [o3.rebuilds, o3._parts[0].native_steps(),
                             [o3.tensor_step(p) for p in o3.param_groups[0]["params"]]]
-        fake.fake_cuda_drain_all()
-        for o in (opt, twin, o2, o3):
-            o.close()
-        out["bad_ranges"] = fake.fake_cuda_num_bad_ranges()
+        s.close_all(out, opt, twin, o2, o3)
     elif what == "twin":
         # ZOPT_FAKE_CUDA_TWIN: the GPU step's kernels run on its CPU twin's
         gpu_path, cpu_path = step_path.split(os.pathsep)
@@ -646,9 +643,7 @@ def _worker(what, step_path, tmp):
             out["steps"].append([[opt.tensor_step(p) for p in ps],
                                  [int(ot.state[q]["step"]) if q in ot.state else 0 for q in ts]])
         out["rebuilds"] = opt.rebuilds
-        fake.fake_cuda_drain_all()
-        opt.close()
-        out["bad_ranges"] = fake.fake_cuda_num_bad_ranges()
+        s.close_all(out, opt)
     print(json.dumps(out))
 
 

@@ -45,7 +45,7 @@ def _worker(what, step_path, tmp):
     assert what == "q8"
     s = StandIn()
     s.grads_on_device()
-    fake, dev_array = s.fake, s.dev_array
+    dev_array = s.dev_array
     zopt._params.device_grads = lambda ents: True  # the stand-in's memory is "device" memory
     gpu_path, cpu_path = step_path.split(os.pathsep)
     rng = np.random.default_rng(0)
@@ -97,9 +97,7 @@ def _worker(what, step_path, tmp):
     out["resumed_on_cpu"] = all(torch.equal(p, h) for p, h in zip(ps, hs2)) and all(
         np.array_equal(opt.read_state_raw(i, StateKind.EXP_AVG_SQ), cpu2.read_state_raw(i, StateKind.EXP_AVG_SQ))
         for i in range(len(SIZES)))
-    fake.fake_cuda_drain_all()
-    opt.close()
-    out["bad_ranges"] = fake.fake_cuda_num_bad_ranges()
+    s.close_all(out, opt)
     print(json.dumps(out))
 
 

@@ -15,18 +15,16 @@ clipping inactive (every speculation committed), clipping active
 buckets are marked during backward (pipeline_stats, the binding's
 counters). Then the refusals.
 """
-import contextlib
-import ctypes
 import os
 import sys
 
-import numpy as np
 import pytest
 import torch
 
 import zopt
 from zopt._lib import Status, ZoptError
-from gpu_fakes import REPO, StandIn, needs_fake, run_worker
+import overlap_fakes as of
+from gpu_fakes import REPO, needs_fake, run_worker
 
 STEP = "examples/adamw_bf16_offload_6b.mlir"  # bf16 everywhere, clip at 1.0
 
@@ -80,71 +78,20 @@ def test_overlap_refused_where_it_cannot_work(steps):
 # ---- the worker (run with ZOPT_CUDA_DRIVER=libzopt-fake-cuda.so) ----------------------
 
 def _worker(what, step_path, tmp):
-    s = StandIn()
-    fake = s.fake
-    make_entry = zopt._params.make_entry
-
-    def entry(step, gid, i, p):  # the stand-in's memory in CPU tensors: CUDA params
-        e = make_entry(step, gid, i, p)
-        e.cuda = e.torch and step.on_device
-        return e
-    zopt._params.make_entry = entry
-    torch.cuda.device = lambda d: contextlib.nullcontext()
-
-    def dev(shape, fill):  # a bf16 tensor over fresh stand-in device memory
-        n = int(np.prod(shape)) if shape else 1
-        p = ctypes.c_ulonglong()
-        assert fake.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(2 * max(n, 1))) == 0
-        raw = np.frombuffer((ctypes.c_char * (2 * n)).from_address(p.value), dtype=np.int16)
-        t = torch.from_numpy(raw).view(torch.bfloat16).view(shape)
-        t.copy_(fill)
-        return t
-
-    real_alloc = zopt._grads.alloc_grads
-
-    def alloc_grads(c, entries):  # our own gradient buffers in device memory
-        zeros = torch.zeros
-        torch.zeros = lambda n, dtype=None, device=None: dev((n,), torch.zeros_like(
-            torch.empty(n, dtype=dtype)))
-        try:
-            return real_alloc(c, entries)
-        finally:
-            torch.zeros = zeros
-    zopt._grads.alloc_grads = alloc_grads
-
-    g = torch.Generator().manual_seed(0)
-    shapes = [(64, 32), (64,), (16, 64), (16,)]
-    init = [torch.randn(sh, generator=g).bfloat16() * 0.3 for sh in shapes]
-    A = [torch.nn.Parameter(dev(sh, w)) for sh, w in zip(shapes, init)]  # overlap
-    B = [torch.nn.Parameter(dev(sh, w)) for sh, w in zip(shapes, init)]  # serial
+    s, fake, dev, g, init = of.start()
+    A = [torch.nn.Parameter(dev(sh, w)) for sh, w in zip(of.SHAPES, init)]  # overlap
+    B = [torch.nn.Parameter(dev(sh, w)) for sh, w in zip(of.SHAPES, init)]  # serial
     inject = {"inf": False}
     keep = []
-
-    def to_device(p):
-        """Before zopt's hook: the new p.grad moved to fresh device memory."""
-        def hook(*_):
-            if p.grad is not None:
-                gd = p.grad.detach()
-                if inject["inf"] and p.dim() == 1 and p.numel() == 64:
-                    gd = gd.clone()
-                    gd[5] = float("inf")
-                p.grad = dev(tuple(p.shape), gd)
-        node = p.expand_as(p).grad_fn.next_functions[0][0]
-        keep.append((node, node.register_hook(hook)))
-    for p in A + B:
-        to_device(p)
+    of.grads_to_device(A + B, dev, keep,  # an inf in b1's when asked
+                       lambda p: inject["inf"] and p.dim() == 1 and p.numel() == 64)
     kw = dict(lr=1e-2, weight_decay=0.1, bucket_elems=1024)
     step = zopt.Step(step_path)
     opt_a = zopt.Optimizer(step, A, overlap=True, speculation_budget=1 << 40, **kw)
     opt_b = zopt.Optimizer(step, B, **kw)
     ov = opt_a._overlap
     out = {"nb": ov.nb, "plans": [], "stats": [], "same": []}
-
-    def backward(ps, x, scale):
-        w1, b1, w2, b2 = (p.float() for p in ps)
-        y = torch.tanh(x @ w1.t() + b1) @ w2.t() + b2
-        (y.square().mean() * scale).backward()
-
+    backward = of.backward
     plans = [("small", 1e-3), ("clip", 50.0), ("inf", 1e-3), ("budget", 1e-3),
              ("accumulate", 1e-3), ("no_hooks", 1e-3), ("small", 1e-3)]
     for k, (plan, scale) in enumerate(plans):
@@ -156,18 +103,13 @@ def _worker(what, step_path, tmp):
         inject["inf"] = plan == "inf"
         if plan == "accumulate":  # two micro-batches: only the last backward marks
             x2 = torch.randn(8, 32, generator=g)
-            with opt_a.no_sync():
-                backward(A, x2, scale)
-            assert ov.nmarked == 0
-            backward(B, x2, scale)
+            of.first_micro_batch(opt_a, A, B, x2, scale)
         if plan == "no_hooks":  # gradients set by hand: step() marks every bucket
             for p, q in zip(A, B):
                 gd = torch.randn(p.shape, generator=g).bfloat16() * 1e-3
                 p.grad, q.grad = dev(tuple(p.shape), gd), dev(tuple(p.shape), gd)
         else:
-            backward(A, x, scale)
-            backward(B, x, scale)
-            assert ov.nmarked == ov.nb  # every bucket marked by the end of backward
+            of.marking_backward(opt_a, A, B, x, scale)
         inject["inf"] = False
         opt_a.step()
         opt_b.step()
@@ -177,10 +119,7 @@ def _worker(what, step_path, tmp):
         opt_b.step_count()
         fake.fake_cuda_drain_all()
         st = opt_a.pipeline_stats()
-        sa, sb = opt_a.state_dict()["state"], opt_b.state_dict()["state"]
-        same = all(torch.equal(p.view(torch.int16), q.view(torch.int16)) for p, q in zip(A, B))
-        same = same and sorted(sa) == sorted(sb) and all(
-            torch.equal(sa[i][key], sb[i][key]) for i in sa for key in sa[i])
+        same = all(of.equal(p, q) for p, q in zip(A, B)) and of.same_states(opt_a, opt_b)
         same = same and opt_a.last_skipped == opt_b.last_skipped
         out["plans"].append(plan)
         out["stats"].append(st)
@@ -235,11 +174,7 @@ def _worker(what, step_path, tmp):
     opt_a.step()
     out["last_outcome"] = opt_a.pipeline_stats()["outcome"]
     out["refusals"] = refusals
-    fake.fake_cuda_drain_all()
-    opt_a.close()
-    opt_b.close()
-    out["bad_ranges"] = fake.fake_cuda_num_bad_ranges()
-    print(__import__("json").dumps(out))
+    of.finish(s, out, opt_a, opt_b)
 
 
 if __name__ == "__main__":

@@ -17,20 +17,18 @@ set by hand with no backward (marked at ``step()``). A ``main_grad`` of
 the wrong dtype is refused before anything is marked; without it the
 next backward steps as the serial optimizer.
 """
-import contextlib
-import ctypes
 import json
 import os
 import sys
 
-import numpy as np
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import zopt  # noqa: E402
-from gpu_fakes import StandIn, needs_fake, run_worker  # noqa: E402
+import overlap_fakes as of  # noqa: E402
+from gpu_fakes import needs_fake, run_worker  # noqa: E402
 
 
 @needs_fake
@@ -56,41 +54,7 @@ def test_overlap_main_grad_bit_identical(steps, tmp_path):
 
 
 def _worker(what, step_path, tmp):
-    s = StandIn()
-    fake = s.fake
-    make_entry = zopt._params.make_entry
-
-    def entry(step, gid, i, p):  # the stand-in's memory in CPU tensors: CUDA params
-        e = make_entry(step, gid, i, p)
-        e.cuda = e.torch and step.on_device
-        return e
-    zopt._params.make_entry = entry
-    torch.cuda.device = lambda d: contextlib.nullcontext()
-
-    def dev(shape, fill, dtype=torch.bfloat16):  # a tensor over fresh stand-in memory
-        n = int(np.prod(shape)) if shape else 1
-        es = torch.empty((), dtype=dtype).element_size()
-        p = ctypes.c_ulonglong()
-        assert fake.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(es * max(n, 1))) == 0
-        raw = np.frombuffer((ctypes.c_char * (es * n)).from_address(p.value),
-                            dtype=np.int16 if es == 2 else np.float32)
-        t = torch.from_numpy(raw).view(dtype).view(shape)
-        t.copy_(fill)
-        return t
-
-    real_alloc, zeros = zopt._grads.alloc_grads, torch.zeros
-
-    def alloc_grads(c, entries):  # our own f32 gradient buffers in device memory
-        torch.zeros = lambda n, dtype=None, device=None: dev((n,), zeros(n), dtype)
-        try:
-            return real_alloc(c, entries)
-        finally:
-            torch.zeros = zeros
-    zopt._grads.alloc_grads = alloc_grads
-
-    g = torch.Generator().manual_seed(0)
-    shapes = [(64, 32), (64,), (16, 64), (16,)]
-    init = [torch.randn(sh, generator=g).bfloat16() * 0.3 for sh in shapes]
+    s, fake, dev, g, init = of.start()
     inject = {"inf": False}
     keep = []
 
@@ -103,7 +67,7 @@ def _worker(what, step_path, tmp):
         keep.append((node, node.register_hook(hook)))
 
     def model():
-        ps = [torch.nn.Parameter(dev(sh, w)) for sh, w in zip(shapes, init)]
+        ps = [torch.nn.Parameter(dev(sh, w)) for sh, w in zip(of.SHAPES, init)]
         inf_hook(ps[1])
         return ps
     A, B, M, N = model(), model(), model(), model()
@@ -114,20 +78,10 @@ def _worker(what, step_path, tmp):
     ov = opt_a._overlap
     out = {"nb": ov.nb, "plans": [], "stats": [], "same": [], "in_backward": []}
 
-    def backward(ps, x, scale):
-        w1, b1, w2, b2 = (p.float() for p in ps)
-        y = torch.tanh(x @ w1.t() + b1) @ w2.t() + b2
-        (y.square().mean() * scale).backward()
+    backward = of.backward
 
     def same_as(oa, ob, pa, pb):
-        for o in (oa, ob):
-            o.step_count()
-        fake.fake_cuda_drain_all()
-        sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
-        same = all(torch.equal(p.view(torch.int16), q.view(torch.int16)) for p, q in zip(pa, pb))
-        same = same and sorted(sa) == sorted(sb) and all(
-            torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
-        return bool(same and oa.last_skipped == ob.last_skipped)
+        return of.same_as(fake, oa, ob, pa, pb)
 
     plans = [("small", 1e-3), ("clip", 50.0), ("inf", 1e-3), ("accumulate", 1e-3),
              ("user_main", 1e-3), ("no_backward", 1e-3), ("small", 1e-3)]
@@ -145,19 +99,14 @@ def _worker(what, step_path, tmp):
         inject["inf"] = plan == "inf"
         if plan == "accumulate":  # two micro-batches, summed in f32: the last one marks
             x2 = torch.randn(8, 32, generator=g)
-            with opt_a.no_sync():
-                backward(A, x2, scale)
-            assert ov.nmarked == 0
-            backward(B, x2, scale)
+            of.first_micro_batch(opt_a, A, B, x2, scale)
         if plan == "no_backward":  # main_grad set by hand: step() marks every bucket
             for p, q in zip(A, B):
                 gd = torch.randn(p.shape, generator=g) * 1e-3
                 p.main_grad = dev(p.shape, gd, torch.float32)
                 q.main_grad = dev(p.shape, gd, torch.float32)
         else:
-            backward(A, x, scale)
-            backward(B, x, scale)
-            assert ov.nmarked == ov.nb  # every bucket marked by the end of backward
+            of.marking_backward(opt_a, A, B, x, scale)
         inject["inf"] = False
         opt_a.step()
         opt_b.step()

@@ -22,14 +22,11 @@ the step fails on both ranks naming the bucket reduction, nothing changed
 stepped); step() again runs the step serially over the same gradients,
 bit-identical. The processes have a hard timeout and are killed on failure.
 """
-import contextlib
-import ctypes
 import datetime
 import json
 import os
 import sys
 
-import numpy as np
 import pytest
 import torch
 
@@ -37,6 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import zopt  # noqa: E402
+import overlap_fakes as of  # noqa: E402
 from gpu_fakes import FAKE, needs_fake  # noqa: E402
 
 KW = dict(param="bf16", grad="bf16", master="f32", clip=1.0, comments=False)
@@ -93,69 +91,21 @@ def test_overlap_two_gloo_ranks_bit_identical(steps, tmp_path, zero_stage):
 
 def _rank(rank, world, port, outdir, off_path, cpu_path):
     import torch.distributed as dist
-    from gpu_fakes import StandIn
     from zopt._lib import ZoptError
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = port
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
-    s = StandIn()
-    fake = s.fake
-    make_entry = zopt._params.make_entry
-
-    def entry(step, gid, i, p):  # the stand-in's memory in CPU tensors: CUDA params
-        e = make_entry(step, gid, i, p)
-        e.cuda = e.torch and step.on_device
-        return e
-    zopt._params.make_entry = entry
-    torch.cuda.device = lambda d: contextlib.nullcontext()
-
-    def dev(shape, fill):  # a bf16 tensor over fresh stand-in device memory
-        n = int(np.prod(shape)) if shape else 1
-        p = ctypes.c_ulonglong()
-        assert fake.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(2 * max(n, 1))) == 0
-        raw = np.frombuffer((ctypes.c_char * (2 * n)).from_address(p.value), dtype=np.int16)
-        t = torch.from_numpy(raw).view(torch.bfloat16).view(shape)
-        t.copy_(fill)
-        return t
-
-    real_alloc = zopt._grads.alloc_grads
-
-    def alloc_grads(c, entries):  # our own gradient buffers in device memory
-        if not c.step.on_device:
-            return real_alloc(c, entries)
-        zeros = torch.zeros
-        torch.zeros = lambda n, dtype=None, device=None: dev((n,), zeros(n, dtype=dtype))
-        try:
-            return real_alloc(c, entries)
-        finally:
-            torch.zeros = zeros
-    zopt._grads.alloc_grads = alloc_grads
-
-    g = torch.Generator().manual_seed(0)
-    shapes = [(64, 32), (64,), (16, 64), (16,)]
-    init = [torch.randn(sh, generator=g).bfloat16() * 0.3 for sh in shapes]
-    A = [torch.nn.Parameter(dev(sh, w)) for sh, w in zip(shapes, init)]  # overlap
-    B = [torch.nn.Parameter(dev(sh, w)) for sh, w in zip(shapes, init)]  # serial
-    C = [torch.nn.Parameter(w.clone()) for w in init]                    # CPU twin
+    # the CPU twin's gradients in host memory
+    s, fake, dev, g, init = of.start(device_steps_only=True)
+    A = [torch.nn.Parameter(dev(sh, w)) for sh, w in zip(of.SHAPES, init)]  # overlap
+    B = [torch.nn.Parameter(dev(sh, w)) for sh, w in zip(of.SHAPES, init)]  # serial
+    C = [torch.nn.Parameter(w.clone()) for w in init]                       # CPU twin
     inject = {"inf": False}
     keep = []
-
-    def to_device(p):
-        """Before zopt's hook: the new p.grad moved to fresh device memory
-        (an inf on rank 1 when asked)."""
-        def hook(*_):
-            if p.grad is not None:
-                gd = p.grad.detach()
-                if inject["inf"] and rank == 1 and p.dim() == 1 and p.numel() == 64:
-                    gd = gd.clone()
-                    gd[5] = float("inf")
-                p.grad = dev(tuple(p.shape), gd)
-        node = p.expand_as(p).grad_fn.next_functions[0][0]
-        keep.append((node, node.register_hook(hook)))
-    for p in A + B:
-        to_device(p)
+    of.grads_to_device(A + B, dev, keep,  # an inf in b1's on rank 1 when asked
+                       lambda p: inject["inf"] and rank == 1 and p.dim() == 1 and p.numel() == 64)
     pg = dist.group.WORLD
     kw = dict(lr=1e-2, weight_decay=0.1, bucket_elems=1024, process_group=pg)
     opt_a = zopt.Optimizer(zopt.Step(off_path), A, overlap=True, **kw)
@@ -166,24 +116,13 @@ def _rank(rank, world, port, outdir, off_path, cpu_path):
     out = {"nb": ov.nb, "plans": [], "stats": [], "same_as_serial": [],
            "serial_same_as_cpu": [], "skipped": []}
 
-    def loss(ps, x, scale):
-        w1, b1, w2, b2 = (p.float() for p in ps)
-        y = torch.tanh(x @ w1.t() + b1) @ w2.t() + b2
-        return y.square().mean() * scale
+    loss, equal, same_states = of.loss, of.equal, of.same_states
 
     def first_layer_first(ps, scale):
         """A loss whose backward produces w1's gradient first and b2's last
         (independent terms: the term made last is differentiated first), so
         its buckets are final in another order than loss()'s."""
         return sum((p.float().square().sum() * scale for p in reversed(ps)), 0)
-
-    def equal(p, q):
-        return torch.equal(p.detach().view(torch.int16), q.detach().view(torch.int16))
-
-    def same_states(o1, o2):
-        s1, s2 = o1.state_dict()["state"], o2.state_dict()["state"]
-        return sorted(s1) == sorted(s2) and all(
-            torch.equal(s1[i][k], s2[i][k]) for i in s1 for k in s1[i])
 
     def compare():
         for o in (opt_a, opt_b):

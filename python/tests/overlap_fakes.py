@@ -1,0 +1,153 @@
+"""The shared worker setup of the offload-overlap tests (test_offload_overlap*.py,
+test_early_params.py), run with ZOPT_CUDA_DRIVER=libzopt-fake-cuda.so: the
+stand-in's memory as CUDA params, tensors and gradient buffers in stand-in
+device memory, the small two-layer bf16 model, the hook that moves each new
+``p.grad`` to device memory, and the bit-for-bit comparison of two
+optimizers' params and states."""
+import contextlib
+import ctypes
+import json
+
+import numpy as np
+import torch
+
+import zopt
+
+SHAPES = [(64, 32), (64,), (16, 64), (16,)]  # w1, b1, w2, b2
+
+
+def cuda_params():
+    """The stand-in's memory in CPU tensors counts as CUDA params."""
+    make_entry = zopt._params.make_entry
+
+    def entry(step, gid, i, p):
+        e = make_entry(step, gid, i, p)
+        e.cuda = e.torch and step.on_device
+        return e
+    zopt._params.make_entry = entry
+    torch.cuda.device = lambda d: contextlib.nullcontext()
+
+
+def device_tensors(fake):
+    """dev(shape, fill, dtype=bf16): a tensor over fresh stand-in device memory."""
+    def dev(shape, fill, dtype=torch.bfloat16):
+        n = int(np.prod(shape)) if shape else 1
+        es = torch.empty((), dtype=dtype).element_size()
+        p = ctypes.c_ulonglong()
+        assert fake.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(es * max(n, 1))) == 0
+        raw = np.frombuffer((ctypes.c_char * (es * n)).from_address(p.value),
+                            dtype=np.int16 if es == 2 else np.float32)
+        t = torch.from_numpy(raw).view(dtype).view(shape)
+        t.copy_(fill)
+        return t
+    return dev
+
+
+def grads_on_device(dev, device_steps_only=False):
+    """The binding's own gradient buffers in stand-in device memory (of the
+    gradient dtype); with device_steps_only, a CPU step's stay in host memory."""
+    real_alloc, zeros = zopt._grads.alloc_grads, torch.zeros
+
+    def alloc_grads(c, entries):
+        if device_steps_only and not c.step.on_device:
+            return real_alloc(c, entries)
+        torch.zeros = lambda n, dtype=None, device=None: dev((n,), zeros(n), dtype)
+        try:
+            return real_alloc(c, entries)
+        finally:
+            torch.zeros = zeros
+    zopt._grads.alloc_grads = alloc_grads
+
+
+def setup(fake, device_steps_only=False):
+    """cuda_params(), grads_on_device(); returns dev (device_tensors)."""
+    cuda_params()
+    dev = device_tensors(fake)
+    grads_on_device(dev, device_steps_only)
+    return dev
+
+
+def start(shapes=SHAPES, device_steps_only=False):
+    """A worker's start: the StandIn, setup(); returns (s, fake, dev, g, init):
+    g the generator seeded 0 that drew init, the model's initial values."""
+    from gpu_fakes import StandIn
+    s = StandIn()
+    dev = setup(s.fake, device_steps_only)
+    g = torch.Generator().manual_seed(0)
+    return s, s.fake, dev, g, initial(g, shapes)
+
+
+def initial(g, shapes=SHAPES):
+    """The small model's initial bf16 values, from generator g."""
+    return [torch.randn(sh, generator=g).bfloat16() * 0.3 for sh in shapes]
+
+
+def grads_to_device(params, dev, keep, inf_when=lambda p: False):
+    """Before zopt's hook: each new p.grad moved to fresh device memory (with
+    an inf at [5] where inf_when(p)). The hook handles go into keep."""
+    def to_device(p):
+        def hook(*_):
+            if p.grad is not None:
+                gd = p.grad.detach()
+                if inf_when(p):
+                    gd = gd.clone()
+                    gd[5] = float("inf")
+                p.grad = dev(tuple(p.shape), gd)
+        node = p.expand_as(p).grad_fn.next_functions[0][0]
+        keep.append((node, node.register_hook(hook)))
+    for p in params:
+        to_device(p)
+
+
+def loss(ps, x, scale):
+    """The two-layer model's loss over params ps = [w1, b1, w2, b2]."""
+    w1, b1, w2, b2 = (p.float() for p in ps)
+    y = torch.tanh(x @ w1.t() + b1) @ w2.t() + b2
+    return y.square().mean() * scale
+
+
+def backward(ps, x, scale):
+    loss(ps, x, scale).backward()
+
+
+def first_micro_batch(opt_a, A, B, x, scale):
+    """A's backward inside opt_a.no_sync() (nothing marked), then B's."""
+    with opt_a.no_sync():
+        backward(A, x, scale)
+    assert opt_a._overlap.nmarked == 0
+    backward(B, x, scale)
+
+
+def marking_backward(opt_a, A, B, x, scale):
+    """A's backward and B's; A's marked every bucket of opt_a by its end."""
+    backward(A, x, scale)
+    backward(B, x, scale)
+    ov = opt_a._overlap
+    assert ov.nmarked == ov.nb
+
+
+def equal(p, q):
+    """Bit for bit (bf16 through its int16 view)."""
+    return torch.equal(p.detach().view(torch.int16), q.detach().view(torch.int16))
+
+
+def same_states(o1, o2):
+    s1, s2 = o1.state_dict()["state"], o2.state_dict()["state"]
+    return sorted(s1) == sorted(s2) and all(
+        torch.equal(s1[i][k], s2[i][k]) for i in s1 for k in s1[i])
+
+
+def same_as(fake, oa, ob, pa, pb):
+    """After both optimizers' steps are done: params, states and last_skipped
+    equal bit for bit."""
+    for o in (oa, ob):
+        o.step_count()
+    fake.fake_cuda_drain_all()
+    same = all(equal(p, q) for p, q in zip(pa, pb)) and same_states(oa, ob)
+    return bool(same and oa.last_skipped == ob.last_skipped)
+
+
+def finish(s, out, *opts):
+    """s.close_all(out, *opts) (s: the StandIn), then out printed as JSON."""
+    s.close_all(out, *opts)
+    print(json.dumps(out))
