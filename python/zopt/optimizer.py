@@ -3,9 +3,8 @@
 docs/USAGE.md is the manual (what every argument, call and key means);
 this module is the torch surface. ``zopt.Optimizer`` subclasses
 ``torch.optim.Optimizer`` when torch is importable (``object`` otherwise,
-for numpy-only use) and holds what torch's base class holds
-(``defaults``, ``param_groups``, the hooks: zopt._torch_compat sets them up
-as torch's ``__init__`` would, on torch 1.13 and 2.x). The runtime holds the states,
+for numpy-only use) and holds what torch's base class holds (``defaults``,
+``param_groups``, hooks: zopt._torch_compat). The runtime holds the states,
 one native optimizer per *parameter class* (a :class:`zopt._part.Part`):
 one class for a :class:`Step`, one per key for a mapping ``{dtype: step}``,
 stepped together with one norm and one skip decision

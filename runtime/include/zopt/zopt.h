@@ -3,6 +3,9 @@
  * The stable, versioned C API of libzopt_runtime. A training job links only
  * this library (no LLVM/MLIR). Every call returns a zopt_status; on failure
  * zopt_last_error() holds a readable message for the calling thread.
+ * (Longer than ~800 lines: it is the one public header of the runtime, and
+ * each entry's contract sits beside its prototype; docs/ABI.md keeps the
+ * history.)
  *
  * Life of an optimizer:
  *   zopt_step_load("step.so")            -> zopt_step*
