@@ -290,6 +290,7 @@ class OffloadOverlap(BucketMarks):
         backward marked. False when there is nothing to step (no marks and
         no gradient, and ``others`` false: no other class of the optimizer,
         the GPU fraction's, has a gradient either)."""
+        self._error = None  # (a backward aborted by another error before its end)
         c = self._part()
         if not self.started:
             if c.world_size == 1 and not others and not any(map(self._has_grad, c.entries)):
@@ -323,6 +324,7 @@ class OffloadOverlap(BucketMarks):
             self.early.after_step(self.nb)
 
     def check_zero_grad(self):
+        self._error = None
         if self.nmarked:
             raise ZoptError(Status.BAD_STATE,
                             "overlap: zero_grad() after buckets of this step were marked ready "
