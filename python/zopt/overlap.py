@@ -151,7 +151,7 @@ class OffloadOverlap(BucketMarks):
         self.missing = None  # per bucket: tensors not final yet
         self.given = None    # per tensor: registered for this step
         self.next = 0        # W ranks: the first bucket not marked (marked in order)
-        self.zeroed = []     # W ranks: tensors marked with zeros (no gradient here)
+        self.zeroed = set()  # W ranks: tensors marked with zeros (no gradient here)
 
     def _start(self, from_hook):
         """The first hook (or step()) since the last step: the param checks,
@@ -186,7 +186,7 @@ class OffloadOverlap(BucketMarks):
         self.marked = [False] * self.nb
         self.given = [False] * T
         self.next = 0
-        self.zeroed = []
+        self.zeroed = set()
         self.started = True
         if from_hook:
             self._queue_backward_end()
@@ -230,7 +230,7 @@ class OffloadOverlap(BucketMarks):
                        and t not in self.zeroed]
             if lacking and not strict and c.world_size > 1 and \
                     all(ents[t].grad is not None for t in lacking):
-                self.zeroed += lacking  # zeros from this rank, dropped from its mask at step()
+                self.zeroed.update(lacking)  # zeros from this rank, dropped from its mask at step()
                 lacking = []
             if lacking:
                 if not strict:
@@ -337,7 +337,7 @@ class OffloadOverlap(BucketMarks):
         the ranks' masks again (zopt_optimizer_set_active waits for the
         bucket jobs first)."""
         ents = c.entries
-        late = [ents[t].name for t in self.zeroed if self._has_grad(ents[t])]
+        late = [ents[t].name for t in sorted(self.zeroed) if self._has_grad(ents[t])]
         if late:
             raise ZoptError(Status.BAD_STATE, (
                 f"overlap: {late[0]} got a gradient after the end of the backward that gave it "
