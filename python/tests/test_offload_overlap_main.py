@@ -15,10 +15,15 @@ accumulation of two micro-batches in f32 inside ``no_sync()``, a user's
 (``p.grad`` left for the binding to add at the mark), and ``main_grad``
 set by hand with no backward (marked at ``step()``). A ``main_grad`` of
 the wrong dtype is refused before anything is marked; without it the
-next backward steps as the serial optimizer.
+next backward steps as the serial optimizer. A process whose last
+backward was refused so exits at once (the hooks' error is raised at the
+end of backward, not from the hook: torch 1.13 otherwise left the graph
+in the main thread's ready queue, freed at exit after the interpreter,
+and the process hung there; zopt/_marks.py).
 """
 import json
 import os
+import subprocess
 import sys
 
 import torch
@@ -28,7 +33,7 @@ sys.path.insert(0, HERE)
 
 import zopt  # noqa: E402
 import overlap_fakes as of  # noqa: E402
-from gpu_fakes import needs_fake, run_worker  # noqa: E402
+from gpu_fakes import FAKE, REPO, needs_fake, run_worker  # noqa: E402
 
 
 @needs_fake
@@ -53,7 +58,49 @@ def test_overlap_main_grad_bit_identical(steps, tmp_path):
     assert out["bad_main_marked"] == 0 and out["after_bad_same"]
 
 
+@needs_fake
+def test_refused_backward_then_exit(steps, tmp_path):
+    """The process's last backward refused (a main_grad of the wrong dtype):
+    it raises and the process exits at once (it hung at exit before)."""
+    from zopt import steps as S
+    off = steps.text(S.adamw.text(placement="offload", param="bf16", grad="f32",
+                                  master="f32", clip=1.0, comments=False))
+    env = dict(os.environ, ZOPT_CUDA_DRIVER=FAKE, ZOPT_FAKE_CUDA_ASYNC="1",
+               PYTHONPATH=os.pathsep.join([os.path.join(REPO, "python"),
+                                           os.environ.get("PYTHONPATH", "")]))
+    try:
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), "exit", off.path,
+                            str(tmp_path)], env=env, capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired as e:  # (run() killed it)
+        raise AssertionError(f"the process hung at exit:\n{e.stdout}\n{e.stderr}") from None
+    assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["code"] == int(zopt.Status.INVALID_ARGUMENT) and "main_grad" in out["msg"]
+    assert out["marked"] == 0 and out["stepped"]
+
+
+def _refused_then_exit(step_path):
+    """One step, then a backward refused at its first hook; the process ends."""
+    s, fake, dev, g, init = of.start()
+    A = [torch.nn.Parameter(dev(sh, w)) for sh, w in zip(of.SHAPES, init)]
+    opt = zopt.Optimizer(zopt.Step(step_path), A, overlap=True, lr=1e-2, bucket_elems=1024)
+    x = torch.randn(8, 32, generator=g)
+    of.backward(A, x, 1e-3)
+    opt.step()
+    out = {"stepped": opt.step_count() == 1}
+    opt.zero_grad(set_to_none=True)
+    A[0].main_grad = torch.zeros(A[0].shape, dtype=torch.float16)
+    try:
+        of.backward(A, x, 1e-3)
+    except zopt.ZoptError as e:
+        out.update(code=int(e.code), msg=str(e))
+    out["marked"] = opt._overlap.nmarked
+    print(json.dumps(out), flush=True)
+
+
 def _worker(what, step_path, tmp):
+    if what == "exit":
+        return _refused_then_exit(step_path)
     s, fake, dev, g, init = of.start()
     inject = {"inf": False}
     keep = []
@@ -146,7 +193,8 @@ def _worker(what, step_path, tmp):
         out["bad_main"] = [int(e.code), str(e)]
     out["bad_main_marked"] = ov.nmarked
     # nothing changed: without it, the next backward marks and steps (as the
-    # serial optimizer over the same gradients)
+    # serial optimizer over the same gradients). (Not needed to exit: see
+    # test_refused_backward_then_exit.)
     A[0].main_grad = None
     for o in (opt_a, opt_b):
         o.zero_grad(set_to_none=True)

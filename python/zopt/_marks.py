@@ -18,7 +18,18 @@ cycle between two steps that they have in common:
 * at the end of that backward (an autograd engine callback) the
   subclass's :meth:`_backward_end` hands over what is left;
 * the counters of where buckets were handed over (``stats``: during
-  backward, at its end, at ``step()``).
+  backward, at its end, at ``step()``);
+* an error found in a hook (a refused ``main_grad``, a gradient for a
+  bucket already handed over) is raised by backward at its end, from an
+  engine callback, not from the hook: the rest of that backward's hooks do
+  nothing (nothing more is handed over, nor at its end). Raised from the
+  hook, it would abort backward with tasks of the graph left in the
+  calling thread's ready queue (torch 1.13's engine keeps the CPU queue in
+  a thread_local), which keeps the graph and its saved tensors alive until
+  the thread's TLS destructors run at process exit, after the interpreter
+  finalized: freeing a tensor that still holds its Python object then
+  waits for the GIL forever (the process hangs at exit; a later backward
+  on the same thread would have drained the queue).
 
 Subclasses define ``started`` (a cycle is under way), ``_start``,
 ``_grad_final`` and ``_backward_end``.
@@ -55,6 +66,7 @@ class BucketMarks:
         # buckets handed over from the hooks during backward, at the end of
         # a backward, and at step()
         self.stats = dict(in_backward=0, at_backward_end=0, at_step=0)
+        self._error = None  # an error of this backward's hooks, raised at its end
 
     def read_buckets(self, h):
         """After finalize (build and every rebuild): the buckets' tensors
@@ -93,9 +105,15 @@ class BucketMarks:
         t = self._hooked.get(key)
         if t is None or t >= len(c.entries) or id(c.entries[t].param) != key:
             return
-        if not self.started:
-            self._start(from_hook=True)
-        self._grad_final(c, t)
+        if self._error is not None:
+            return  # this backward failed: raised at its end
+        try:
+            if not self.started:
+                self._start(from_hook=True)
+            self._grad_final(c, t)
+        except BaseException as e:
+            self._error = e
+            self._queue_raise()
 
     def _queue_backward_end(self):
         """From the first hook's _start: _backward_end once this backward
@@ -104,8 +122,20 @@ class BucketMarks:
 
         def at_end():
             s = ref()
-            if s is not None:
+            if s is not None and s._error is None:
                 s._backward_end()
+        torch.autograd.Variable._execution_engine.queue_callback(at_end)
+
+    def _queue_raise(self):
+        """The hooks' error, raised by backward once it has run every node
+        (an engine callback: nothing of the graph is left queued)."""
+        ref = weakref.ref(self)
+
+        def at_end():
+            s = ref()
+            if s is not None and s._error is not None:
+                e, s._error = s._error, None
+                raise e
         torch.autograd.Variable._execution_engine.queue_callback(at_end)
 
     @contextlib.contextmanager

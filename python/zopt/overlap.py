@@ -15,10 +15,11 @@ How (the model is zopt.streaming):
 * a hook on each param's AccumulateGrad node marks the param's gradient
   final for this backward; a bucket whose every param (that requires
   grad) is final is marked at once, in the order the hooks run. At W
-  ranks (ZeRO-2 steps) each bucket's job reduces it across the ranks, so
-  the ranks must mark in the same order: the same model and backward do;
-  ranks that do not fail at step() alike, nothing changed (the runtime's
-  checked reduction names both buckets), and step() again steps serially;
+  ranks each bucket's job reduces it across the ranks, so the ranks must
+  mark in the same order: there the buckets are marked in ascending
+  order, each once it and the ones before it are final (as gradient
+  streaming reduces them), whatever order the ranks' backward produce
+  them in;
 * before a bucket is marked, its params' gradients are registered
   (``zopt_optimizer_set_grad_memory``, accepted between marks for tensors
   of buckets not marked yet): ``p.grad`` in place when the runtime can read
@@ -27,8 +28,17 @@ How (the model is zopt.streaming):
   params: ``p.main_grad`` in place (a ``p.grad`` left first added into it,
   as step() does; the accumulation hooks run before ours);
 * at the end of backward (an autograd engine callback) the buckets left
-  are marked (a param without a gradient leaves its buckets to
-  ``step()``); ``step()`` marks whatever no backward did, then steps;
+  are marked. At 1 rank a param without a gradient leaves its buckets to
+  ``step()`` (which raises, naming it, unless it got one by then). At W
+  ranks a param without a gradient on this rank is marked with zeros (the
+  optimizer's own gradient memory, zeroed) and ``step()`` drops it from
+  this rank's mask (``zopt_optimizer_set_active``, accepted between the
+  marks for dropping only): the step agrees the ranks' masks again, so the
+  param is updated with the other ranks' gradients (this rank's zeros), or
+  left alone when no rank has one: the serial step's result, bit for bit.
+  (Before, the other ranks waited for its bucket's reduction until the
+  communicator's timeout.) ``step()`` marks whatever no backward did,
+  then steps;
 * the hyperparameters and the active mask are pushed before the first
   mark of a step (the runtime refuses changes after it: change
   ``param_groups`` before backward);
@@ -86,6 +96,7 @@ class OffloadOverlap(BucketMarks):
         for e in part.entries:
             self.check_entry(e)
         super().__init__(part)
+        self.stats["zeroed"] = 0  # W ranks: params marked with zeros (none here)
         self.main = s.f32_grads  # gradients from p.main_grad (f32)
         self.budget = budget
         # params back early: per-bucket waits from the model's forward pre-hooks
@@ -139,6 +150,8 @@ class OffloadOverlap(BucketMarks):
         self.final = None    # per tensor: its gradient final for this step
         self.missing = None  # per bucket: tensors not final yet
         self.given = None    # per tensor: registered for this step
+        self.next = 0        # W ranks: the first bucket not marked (marked in order)
+        self.zeroed = set()  # W ranks: tensors marked with zeros (no gradient here)
 
     def _start(self, from_hook):
         """The first hook (or step()) since the last step: the param checks,
@@ -172,6 +185,8 @@ class OffloadOverlap(BucketMarks):
         self.missing = [sum(1 for t in ts if not self.final[t]) for ts in self.b_tensors]
         self.marked = [False] * self.nb
         self.given = [False] * T
+        self.next = 0
+        self.zeroed = set()
         self.started = True
         if from_hook:
             self._queue_backward_end()
@@ -192,10 +207,15 @@ class OffloadOverlap(BucketMarks):
         if self.final[t]:
             return
         self.final[t] = True
+        ordered = c.world_size > 1
         for b in self.t_buckets[t]:
             self.missing[b] -= 1
-            if self.missing[b] == 0 and not self.marked[b]:
+            if self.missing[b] == 0 and not self.marked[b] and not ordered:
                 self._mark(b, "in_backward")
+        while ordered and self.next < self.nb and self.missing[self.next] == 0:
+            if not self.marked[self.next]:
+                self._mark(self.next, "in_backward")
+            self.next += 1
 
     def _mark_all(self, where, strict):
         """Marks the buckets left whose active params have gradients
@@ -206,7 +226,12 @@ class OffloadOverlap(BucketMarks):
             if self.marked[b]:
                 continue
             lacking = [t for t in self.b_tensors[b]
-                       if c.active[t] and ents[t].numel and not self._has_grad(ents[t])]
+                       if c.active[t] and ents[t].numel and not self._has_grad(ents[t])
+                       and t not in self.zeroed]
+            if lacking and not strict and c.world_size > 1 and \
+                    all(ents[t].grad is not None for t in lacking):
+                self.zeroed.update(lacking)  # zeros from this rank, dropped from its mask at step()
+                lacking = []
             if lacking:
                 if not strict:
                     continue
@@ -266,7 +291,12 @@ class OffloadOverlap(BucketMarks):
         for t in self.b_tensors[b]:
             if self.given[t] or not ents[t].numel:
                 continue
-            ptr, g = self._grad_ptr(t, ents[t])
+            if t in self.zeroed:  # no gradient on this rank: zeros
+                with torch.no_grad():
+                    ents[t].grad.zero_()
+                ptr, g = ents[t].gptr, None
+            else:
+                ptr, g = self._grad_ptr(t, ents[t])
             tids.append(t)
             ptrs.append(ptr)
             held.append(g)
@@ -290,31 +320,41 @@ class OffloadOverlap(BucketMarks):
         backward marked. False when there is nothing to step (no marks and
         no gradient, and ``others`` false: no other class of the optimizer,
         the GPU fraction's, has a gradient either)."""
+        self._error = None  # (a backward aborted by another error before its end)
         c = self._part()
         if not self.started:
             if c.world_size == 1 and not others and not any(map(self._has_grad, c.entries)):
                 return False  # (at W ranks the step is collective: every rank steps)
             self._start(from_hook=False)
         self._mark_all(where="at_step", strict=True)
+        if self.zeroed:
+            self._drop_zeroed(c)
         return True
 
-    def check_step(self, st, what):
-        """A failed native step (status st) raised; at W ranks, when the
-        buckets' reductions disagree, saying what that means."""
-        try:
-            check(st, what)
-        except ZoptError as e:
-            m = e.message
-            if (self._part().world_size > 1 and e.code == Status.COMM and "REDUCE_SCATTER" in m
-                    and "in the same order" in m):
-                raise ZoptError(e.code, (
-                    "overlap=True: the ranks marked their gradient buckets ready in different "
-                    "orders (each rank marks a bucket once its backward has produced the "
-                    "bucket's gradients: the ranks' backward produced them in other orders; "
-                    "every rank must run the same model and backward), so the buckets' "
-                    "reductions disagree. Nothing changed: step() again steps serially over "
-                    f"the same gradients. {m}")) from None
-            raise
+    def _drop_zeroed(self, c):
+        """W ranks: the params marked with zeros at the end of backward
+        (no gradient on this rank) leave this rank's mask; the step agrees
+        the ranks' masks again (zopt_optimizer_set_active waits for the
+        bucket jobs first)."""
+        ents = c.entries
+        late = [ents[t].name for t in sorted(self.zeroed) if self._has_grad(ents[t])]
+        if late:
+            raise ZoptError(Status.BAD_STATE, (
+                f"overlap: {late[0]} got a gradient after the end of the backward that gave it "
+                "none; its bucket was marked ready then with zeros from this rank (rank "
+                f"{c.rank}): give every gradient in backward (or before the backward's end)"))
+        for t in self.zeroed:
+            c.active[t] = 0
+        _grads.push_mask(c)
+        c.mask_all = 0 not in c.active
+        c.active_elems = sum(e.numel for t, e in enumerate(ents) if c.active[t])
+        self.stats["zeroed"] += len(self.zeroed)
+
+    @staticmethod
+    def check_step(st, what):
+        """A failed native step (status st) raised. (At W ranks the buckets
+        are marked in ascending order, so their reductions agree.)"""
+        check(st, what)
 
     def after_step(self):
         self._idle()
@@ -323,6 +363,7 @@ class OffloadOverlap(BucketMarks):
             self.early.after_step(self.nb)
 
     def check_zero_grad(self):
+        self._error = None
         if self.nmarked:
             raise ZoptError(Status.BAD_STATE,
                             "overlap: zero_grad() after buckets of this step were marked ready "

@@ -285,6 +285,7 @@ class GradStreamer(BucketMarks):
         """In step(), instead of the gradient sync: the param checks, the
         buckets no backward reduced (in order, from p.grad), and the mask
         the binding reports (the part's active mask)."""
+        self._error = None  # (a backward aborted by another error before its end)
         o = self._part()
         self.wait()  # the exchanges in flight (a failure is raised here)
         if self.started:
@@ -326,6 +327,7 @@ class GradStreamer(BucketMarks):
         self._hook_new()
 
     def check_zero_grad(self):
+        self._error = None
         if self.reduced:
             raise ZoptError(Status.BAD_STATE,
                             "grad_streaming: zero_grad() after this step's gradients were "

@@ -754,7 +754,13 @@ ZOPT_API zopt_status zopt_optimizer_get_grad_divisor(const zopt_optimizer *opt, 
  * left alone entirely, like torch.optim skips a param whose grad is None:
  * no weight decay, no moment update, its step count does not advance, and
  * its gradient memory is not read. With several ranks a tensor active on
- * any rank is updated, the others contributing zeros. */
+ * any rank is updated, the others contributing zeros. Between the marks
+ * of a pipelined offloaded step (zopt_optimizer_grad_bucket_ready) the
+ * mask may only drop tensors (BAD_STATE otherwise): the call first waits
+ * for the bucket jobs in flight (a failed one is reported and closes the
+ * pipelined step, which then runs serially); the step agrees the ranks'
+ * masks again. A binding marks a bucket with zeros for a gradient this
+ * rank lacks, then drops it here: the result is the serial step's. */
 ZOPT_API zopt_status zopt_optimizer_set_active(zopt_optimizer *opt, const uint8_t *active, int64_t n);
 /* The steps tensor `tensor` took (torch's per-param state['step']; a
  * tensor left alone by set_active does not advance). The bias corrections

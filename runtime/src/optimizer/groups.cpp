@@ -253,7 +253,15 @@ ZOPT_API zopt_status zopt_optimizer_set_grad_memory(zopt_optimizer *o, int64_t n
 }
 
 ZOPT_API zopt_status zopt_optimizer_set_active(zopt_optimizer *o, const uint8_t *active, int64_t n) {
-  CHECK_OPT(o, "zopt_optimizer_set_active");
+  const char *fn = "zopt_optimizer_set_active";
+  CHECK_OPT_ANY(o, fn);
+  // Between the marks of a pipelined offloaded step the mask may only drop
+  // tensors (a binding that marked a bucket with zeros for a gradient this
+  // rank lacks): the bucket jobs (which read the mask) are waited for
+  // first; the step agrees every rank's mask again.
+  const bool marking = exec::spec_marking(o);
+  if (!marking)
+    if (zopt_status st = check_idle(o, fn)) return st;
   if (o->stream_grads)
     return fail(ZOPT_ERR_BAD_STATE,
                 "zopt_optimizer_set_active: with streamed gradients the gradients handed to "
@@ -280,6 +288,18 @@ ZOPT_API zopt_status zopt_optimizer_set_active(zopt_optimizer *o, const uint8_t 
       return fail(ZOPT_ERR_INVALID_ARGUMENT, "zopt_optimizer_set_active: entry %lld is %u (0 or 1)", (long long)i,
                   active[i]);
     all = all && active[i];
+  }
+  if (marking) {
+    if (o->begun) return check_idle(o, fn);
+    for (int64_t i = 0; i < n; ++i)
+      if (active[i] && !o->active.empty() && !o->active[(size_t)i])
+        return fail(ZOPT_ERR_BAD_STATE,
+                    "%s: tensor %lld made active while gradient buckets of the step under way are marked ready "
+                    "(zopt_optimizer_grad_bucket_ready): between the marks the mask may only drop tensors; "
+                    "finish the step (zopt_optimizer_step) first",
+                    fn, (long long)i);
+    // A failed job closes the pipelined step (the step then runs serially).
+    if (zopt_status st = exec::wait_buckets(o)) return st;
   }
   std::vector<uint8_t> mask;
   try {

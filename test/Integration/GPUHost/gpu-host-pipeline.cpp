@@ -307,6 +307,18 @@ void pipeline_check(Fake &f, zopt_step *step, const char *twin_path) {
   refused(zopt_optimizer_grad_bucket_ready(P.o, 1), ZOPT_ERR_BAD_STATE, "already marked ready",
           "a bucket marked ready twice is refused");
   Z(zopt_optimizer_grad_bucket_ready(P.o, 3));
+  {
+    // Between the marks the mask may drop a tensor (the bucket jobs are
+    // waited for first; the norm partials are computed again without it),
+    // not take one back: tensor 4 dropped on both sides.
+    std::vector<uint8_t> act(T, 1);
+    act[4] = 0;
+    Z(zopt_optimizer_set_active(P.o, act.data(), (int64_t)T));
+    Z(zopt_optimizer_set_active(S.o, act.data(), (int64_t)T));
+    act[4] = 1;
+    refused(zopt_optimizer_set_active(P.o, act.data(), (int64_t)T), ZOPT_ERR_BAD_STATE, "may only drop",
+            "a tensor made active between the marks is refused");
+  }
   refused(zopt_optimizer_set_hyper(P.o, 0, "lr", 0.5), ZOPT_ERR_BAD_STATE, "marked ready",
           "a hyperparameter change between the first mark and the step is refused");
   {
