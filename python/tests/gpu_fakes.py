@@ -287,17 +287,8 @@ class StandIn:
 
     def grads_on_device(self):
         """zopt._grads.alloc_grads makes the gradient buffers in the
-        stand-in's device memory."""
-        real = zopt._grads.alloc_grads
-
-        def alloc_grads(c, entries):
-            zeros = torch.zeros
-            torch.zeros = lambda n, dtype=None, device=None: torch.from_numpy(self.dev_array(n))
-            try:
-                return real(c, entries)
-            finally:
-                torch.zeros = zeros
-        zopt._grads.alloc_grads = alloc_grads
+        stand-in's device memory (f32 arrays: dev_array)."""
+        grads_on_device(lambda shape, fill, dtype: torch.from_numpy(self.dev_array(shape[0])))
 
 
 # ---- a stand-in worker's params, tensors and gradient buffers in device memory ----
