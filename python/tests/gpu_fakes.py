@@ -13,7 +13,10 @@ binding does"):
   subprocess with ZOPT_CUDA_DRIVER pointing at the stand-in driver
   (test/Integration/GPUHost/fake-cuda.cpp), and :class:`StandIn` is that
   worker's side: torch.cuda over the stand-in's streams, capture and
-  memory; :func:`same_as_twin_close_to_torch` its check after a step.
+  memory; :func:`same_as_twin_close_to_torch` its check after a step;
+  :func:`cuda_params`, :func:`device_tensors` and :func:`grads_on_device`
+  make the worker's params, tensors and gradient buffers (of any dtype)
+  those of the stand-in's device memory.
 """
 import contextlib
 import ctypes
@@ -284,14 +287,53 @@ class StandIn:
 
     def grads_on_device(self):
         """zopt._grads.alloc_grads makes the gradient buffers in the
-        stand-in's device memory."""
-        real = zopt._grads.alloc_grads
+        stand-in's device memory (f32 arrays: dev_array)."""
+        grads_on_device(lambda shape, fill, dtype: torch.from_numpy(self.dev_array(shape[0])))
 
-        def alloc_grads(c, entries):
-            zeros = torch.zeros
-            torch.zeros = lambda n, dtype=None, device=None: torch.from_numpy(self.dev_array(n))
-            try:
-                return real(c, entries)
-            finally:
-                torch.zeros = zeros
-        zopt._grads.alloc_grads = alloc_grads
+
+# ---- a stand-in worker's params, tensors and gradient buffers in device memory ----
+
+def cuda_params():
+    """The stand-in's memory in CPU tensors counts as CUDA params."""
+    make_entry = zopt._params.make_entry
+
+    def entry(step, gid, i, p):
+        e = make_entry(step, gid, i, p)
+        e.cuda = e.torch and step.on_device
+        return e
+    zopt._params.make_entry = entry
+    torch.cuda.device = lambda d: contextlib.nullcontext()
+
+
+def device_tensors(fake):
+    """dev(shape, fill=None, dtype=bf16): a tensor over fresh stand-in device
+    memory, ``fill``'s values (zeros without it)."""
+    def dev(shape, fill=None, dtype=torch.bfloat16):
+        n = int(np.prod(shape)) if shape else 1
+        es = torch.empty((), dtype=dtype).element_size()
+        p = ctypes.c_ulonglong()
+        assert fake.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(es * max(n, 1))) == 0
+        raw = np.frombuffer((ctypes.c_char * (es * n)).from_address(p.value),
+                            dtype=np.int16 if es == 2 else np.float32)
+        t = torch.from_numpy(raw).view(dtype).view(shape)
+        t.zero_() if fill is None else t.copy_(fill)
+        return t
+    return dev
+
+
+def grads_on_device(dev, device_steps_only=False):
+    """The binding's own gradient buffers in stand-in device memory (``dev``,
+    of device_tensors; in the gradient's dtype, where StandIn.grads_on_device
+    makes f32 arrays); with device_steps_only, a CPU step's stay in host
+    memory."""
+    real_alloc, zeros = zopt._grads.alloc_grads, torch.zeros
+
+    def alloc_grads(c, entries):
+        if device_steps_only and not c.step.on_device:
+            return real_alloc(c, entries)
+        torch.zeros = lambda n, dtype=None, device=None: dev((n,), zeros(n), dtype)
+        try:
+            return real_alloc(c, entries)
+        finally:
+            torch.zeros = zeros
+    zopt._grads.alloc_grads = alloc_grads

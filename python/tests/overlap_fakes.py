@@ -1,62 +1,16 @@
 """The shared worker setup of the offload-overlap tests (test_offload_overlap*.py,
 test_early_params.py), run with ZOPT_CUDA_DRIVER=libzopt-fake-cuda.so: the
 stand-in's memory as CUDA params, tensors and gradient buffers in stand-in
-device memory, the small two-layer bf16 model, the hook that moves each new
+device memory (gpu_fakes.py's), the small two-layer bf16 model, the hook that moves each new
 ``p.grad`` to device memory, and the bit-for-bit comparison of two
 optimizers' params and states."""
-import contextlib
-import ctypes
 import json
 
-import numpy as np
 import torch
 
-import zopt
+from gpu_fakes import StandIn, cuda_params, device_tensors, grads_on_device
 
 SHAPES = [(64, 32), (64,), (16, 64), (16,)]  # w1, b1, w2, b2
-
-
-def cuda_params():
-    """The stand-in's memory in CPU tensors counts as CUDA params."""
-    make_entry = zopt._params.make_entry
-
-    def entry(step, gid, i, p):
-        e = make_entry(step, gid, i, p)
-        e.cuda = e.torch and step.on_device
-        return e
-    zopt._params.make_entry = entry
-    torch.cuda.device = lambda d: contextlib.nullcontext()
-
-
-def device_tensors(fake):
-    """dev(shape, fill, dtype=bf16): a tensor over fresh stand-in device memory."""
-    def dev(shape, fill, dtype=torch.bfloat16):
-        n = int(np.prod(shape)) if shape else 1
-        es = torch.empty((), dtype=dtype).element_size()
-        p = ctypes.c_ulonglong()
-        assert fake.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(es * max(n, 1))) == 0
-        raw = np.frombuffer((ctypes.c_char * (es * n)).from_address(p.value),
-                            dtype=np.int16 if es == 2 else np.float32)
-        t = torch.from_numpy(raw).view(dtype).view(shape)
-        t.copy_(fill)
-        return t
-    return dev
-
-
-def grads_on_device(dev, device_steps_only=False):
-    """The binding's own gradient buffers in stand-in device memory (of the
-    gradient dtype); with device_steps_only, a CPU step's stay in host memory."""
-    real_alloc, zeros = zopt._grads.alloc_grads, torch.zeros
-
-    def alloc_grads(c, entries):
-        if device_steps_only and not c.step.on_device:
-            return real_alloc(c, entries)
-        torch.zeros = lambda n, dtype=None, device=None: dev((n,), zeros(n), dtype)
-        try:
-            return real_alloc(c, entries)
-        finally:
-            torch.zeros = zeros
-    zopt._grads.alloc_grads = alloc_grads
 
 
 def setup(fake, device_steps_only=False):
@@ -70,7 +24,6 @@ def setup(fake, device_steps_only=False):
 def start(shapes=SHAPES, device_steps_only=False):
     """A worker's start: the StandIn, setup(); returns (s, fake, dev, g, init):
     g the generator seeded 0 that drew init, the model's initial values."""
-    from gpu_fakes import StandIn
     s = StandIn()
     dev = setup(s.fake, device_steps_only)
     g = torch.Generator().manual_seed(0)

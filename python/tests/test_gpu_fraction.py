@@ -14,8 +14,6 @@ skip decision).
   the all-CPU twin (clip inactive and active, an inf in either class skips
   every class), a state_dict and a save/load round trip.
 """
-import contextlib
-import ctypes
 import json
 import os
 import sys
@@ -26,7 +24,8 @@ import torch
 
 import zopt
 from zopt._lib import Status, ZoptError
-from gpu_fakes import StandIn, needs_fake, needs_toolkit, run_worker
+from gpu_fakes import (StandIn, cuda_params, device_tensors, grads_on_device, needs_fake,
+                       needs_toolkit, run_worker)
 
 SIZES = [700, 1300, 3000, 33, 2967]  # f = 0.3 of 8000: the first two (2000) on the GPU
 KW = dict(clip=1.0, comments=False)
@@ -276,33 +275,12 @@ def _overlap_worker(s, dev, classes, out):
 def _worker(what, step_path, tmp):
     assert what in ("fraction", "overlap", "f16")
     s = StandIn()
-    fake = s.fake
-    make_entry = zopt._params.make_entry
-
-    def entry(step, gid, i, p):
-        e = make_entry(step, gid, i, p)
-        e.cuda = e.torch and step.on_device  # (not the CPU twin's)
-        return e
-    zopt._params.make_entry = entry
-    torch.cuda.device = lambda d: contextlib.nullcontext()  # (the stand-in has one context)
+    cuda_params()  # (not the CPU twin's; the stand-in has one context)
+    device_tensor = device_tensors(s.fake)
+    grads_on_device(device_tensor)  # our own gradient buffers in device memory
 
     def dev(n, fill=None, dtype=torch.float32):  # a tensor over stand-in device memory
-        es = 2 if dtype == torch.float16 else 4
-        p = ctypes.c_ulonglong()
-        assert fake.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(es * max(n, 1))) == 0
-        t = torch.from_numpy(np.frombuffer((ctypes.c_char * (es * n)).from_address(p.value),
-                                           dtype=np.float16 if es == 2 else np.float32))
-        t.copy_(fill) if fill is not None else t.zero_()
-        return t
-    zeros, real_alloc = torch.zeros, zopt._grads.alloc_grads
-
-    def alloc_grads(c, entries):  # our own gradient buffers in device memory
-        torch.zeros = lambda n, dtype=None, device=None: dev(n, None, dtype or torch.float32)
-        try:
-            return real_alloc(c, entries)
-        finally:
-            torch.zeros = zeros
-    zopt._grads.alloc_grads = alloc_grads
+        return device_tensor((n,), fill, dtype)
     gpu_path, off_path, cpu_path = step_path.split(os.pathsep)
     if what == "f16":
         out = {}

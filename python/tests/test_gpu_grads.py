@@ -15,8 +15,6 @@
   pointer table rewritten), give the bits of the same description's CPU
   step and torch's numbers.
 """
-import contextlib
-import ctypes
 import json
 import os
 import sys
@@ -27,7 +25,8 @@ import torch
 
 import zopt
 from zopt._lib import Status, ZoptError
-from gpu_fakes import REPO, StandIn, needs_fake, needs_toolkit, run_worker, same_as_twin_close_to_torch
+from gpu_fakes import (REPO, StandIn, cuda_params, device_tensors, grads_on_device, needs_fake,
+                       needs_toolkit, run_worker, same_as_twin_close_to_torch)
 
 LR, WD = 1e-2, 0.1
 OFFLOAD_SIZES = [33, 1000, 5000]
@@ -397,37 +396,15 @@ def _offload_worker(s, layout, off_path, cpu_path, out):
     # params CUDA params, as torch's would be (zopt._params.device_grads
     # then holds; no sampling of device memory for the write checks).
     zopt._params.device_grads = _real_device_grads
-    make_entry = zopt._params.make_entry
-
-    def entry(step, gid, i, p):
-        e = make_entry(step, gid, i, p)
-        e.cuda = e.torch and step.on_device  # (not the CPU twin's)
-        return e
-    zopt._params.make_entry = entry
-    torch.cuda.device = lambda d: contextlib.nullcontext()  # (the stand-in has one context)
+    cuda_params()  # (not the CPU twin's; the stand-in has one context)
+    device_tensor = device_tensors(fake)
 
     def dev(n, dtype, fill=None):  # a torch tensor over stand-in device memory
-        es = torch.empty((), dtype=dtype).element_size()
-        p = ctypes.c_ulonglong()
-        assert fake.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(es * max(n, 1))) == 0
-        raw = np.frombuffer((ctypes.c_char * (es * n)).from_address(p.value),
-                            dtype=np.int16 if es == 2 else np.float32)
-        t = torch.from_numpy(raw).view(dtype)
-        if fill is None:
-            t.zero_()
-        else:
-            t.copy_(fill)
-        return t
-    # Our own gradient buffers in device memory, in the step's dtype.
-    zeros, real_alloc = torch.zeros, _real_alloc_grads
-
-    def alloc_grads(c, entries):
-        torch.zeros = lambda n, dtype=None, device=None: dev(n, dtype)
-        try:
-            return real_alloc(c, entries)
-        finally:
-            torch.zeros = zeros
-    zopt._grads.alloc_grads = alloc_grads
+        return device_tensor((n,), fill, dtype)
+    # Our own gradient buffers in device memory, in the step's dtype (not
+    # the f32 ones of s.grads_on_device).
+    zopt._grads.alloc_grads = _real_alloc_grads
+    grads_on_device(device_tensor)
     main = layout == "f32grad"
     rng = np.random.default_rng(4)
     init = [torch.from_numpy(rng.standard_normal(n).astype(np.float32)).bfloat16()

@@ -3,14 +3,16 @@ and conversions of state values between them as *storage bits* (the
 runtime's raw state layout: float32, float16, and bf16 as uint16 bit
 patterns, in a param's memory order).
 
-Also torch's per-param state keys and the zopt state kinds they name.
+Also torch's per-param state keys and the zopt state kinds they name, and
+the canonical names of a step's dtype arguments (``dtype_name``: "bf16" for
+"bfloat16", torch.bfloat16, ...).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from . import _lib, bf16
-from ._lib import DType, Placement, StateKind, Status, ZoptError, STATE_BY_NAME, check
+from ._lib import DType, Placement, StateKind, Status, ZoptError, STATE_BY_NAME, arg_error, check
 
 try:  # torch is optional
     import torch
@@ -147,3 +149,29 @@ def convert_bits(a, src, dst):
         return np_bits(from_bits(a, src).to(torch_of(dst)))
     f = bf16.to_f32(a) if src == DType.BF16 else a.astype(np.float32)
     return bf16.from_f32(f) if dst == DType.BF16 else f.astype(NP_OF[dst])
+
+
+# The names a step's dtype arguments take (zopt.steps), by alias.
+DTYPE_ALIASES = {
+    "f32": "f32", "fp32": "f32", "float32": "f32", "float": "f32",
+    "bf16": "bf16", "bfloat16": "bf16",
+    "f16": "f16", "fp16": "f16", "float16": "f16", "half": "f16",
+}
+
+
+def dtype_name(x, arg="dtype"):
+    """Canonical dtype name ("f32", "bf16", "f16") of a string alias, a torch
+    dtype or a numpy dtype; ZoptError naming ``arg`` otherwise."""
+    s = x
+    if not isinstance(s, str):
+        s = getattr(x, "__name__", None) or str(x)
+        s = s.replace("torch.", "")
+        try:  # numpy dtypes and scalar types
+            s = np.dtype(x).name if not str(x).startswith("torch.") else s
+        except Exception:
+            pass
+    key = str(s).strip().lower()
+    if key in DTYPE_ALIASES:
+        return DTYPE_ALIASES[key]
+    raise arg_error(arg, f"unknown dtype {x!r}; allowed: f32, bf16, f16 (or float32, "
+                    "bfloat16, float16, fp32, fp16, torch/numpy dtypes)")

@@ -223,6 +223,12 @@ class ZoptTypeError(ZoptError, TypeError):
         super().__init__(code, message)
 
 
+def arg_error(arg, msg):
+    """ZoptError INVALID_ARGUMENT "<arg>: <msg>" (a bad argument of a
+    zopt.steps builder, named first)."""
+    return ZoptError(Status.INVALID_ARGUMENT, f"{arg}: {msg}")
+
+
 def find_runtime_library():
     env = os.environ.get("ZOPT_RUNTIME_LIB")
     if env:

@@ -3,7 +3,8 @@
 (Longer than ~800 lines: one module holds the one option set of a step,
 its checks, the text it generates and the four builders, because each
 option is checked, defaulted and written in one place; the on-disk cache
-of compiled steps is its last section.)
+of compiled steps is its last section. The parameter classes of a rule --
+``classes=``, the keep32 and gpu_fraction twins -- are ``_specs.py``'s.)
 
     import zopt
     step = zopt.steps.adamw(param="bf16", master="f32", moments="bf16", clip=1.0,
@@ -105,7 +106,6 @@ this module accepts exactly what zopt-compile accepts.
 """
 from __future__ import annotations
 
-import collections.abc
 import dataclasses
 import hashlib
 import inspect
@@ -115,12 +115,12 @@ import re
 import tempfile
 import threading
 
-import numpy as np
-
 from . import compiler as _compiler
-from ._lib import Status, ZoptError
-from ._placement import SUFFIX as _GPU, gpu_fraction_of
-from ._policy import SUFFIX as _KEEP32, Keep32, keep32_of
+from ._dtypes import dtype_name
+from ._lib import arg_error as _bad
+from ._placement import gpu_fraction_of
+from ._policy import Keep32, keep32_of
+from ._specs import Specs, class_specs, one_class
 from ._step import Step
 
 RULES = ("adam", "adamw", "sgd", "lion")
@@ -132,11 +132,6 @@ STATE_KINDS = ("param", "grad", "master", "exp_avg", "exp_avg_sq",
 DEFAULT_GPU_ARCH = "sm_90"
 
 _BITS = {"f32": 32, "bf16": 16, "f16": 16}
-_DTYPE_ALIASES = {
-    "f32": "f32", "fp32": "f32", "float32": "f32", "float": "f32",
-    "bf16": "bf16", "bfloat16": "bf16",
-    "f16": "f16", "fp16": "f16", "float16": "f16", "half": "f16",
-}
 # Hyperparameter ranges (the runtime's and the verifier's, rule 16):
 # name -> (lo, hi, hi_exclusive, lo_exclusive)
 _HYPER_RANGES = {
@@ -163,28 +158,6 @@ _STATE_SSA = {"param": "%p", "grad": "%g", "master": "%w", "exp_avg": "%m",
 _DTYPE_ARGS = ("param", "grad", "master", "moments", "exp_avg", "exp_avg_sq",
                "max_exp_avg_sq")
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_$.]*$")
-
-
-def _bad(arg, msg):
-    return ZoptError(Status.INVALID_ARGUMENT, f"{arg}: {msg}")
-
-
-def dtype_name(x, arg="dtype"):
-    """Canonical dtype name ("f32", "bf16", "f16") of a string alias, a torch
-    dtype or a numpy dtype; ZoptError naming ``arg`` otherwise."""
-    s = x
-    if not isinstance(s, str):
-        s = getattr(x, "__name__", None) or str(x)
-        s = s.replace("torch.", "")
-        try:  # numpy dtypes and scalar types
-            s = np.dtype(x).name if not str(x).startswith("torch.") else s
-        except Exception:
-            pass
-    key = str(s).strip().lower()
-    if key in _DTYPE_ALIASES:
-        return _DTYPE_ALIASES[key]
-    raise _bad(arg, f"unknown dtype {x!r}; allowed: f32, bf16, f16 (or float32, "
-               "bfloat16, float16, fp32, fp16, torch/numpy dtypes)")
 
 
 def fmt_float(x):
@@ -990,12 +963,6 @@ def load_text(text):
 # The builders
 # ---------------------------------------------------------------------------
 
-# Arguments that describe one parameter class's layout (given per class
-# with ``classes=``); every other argument is shared by all classes.
-_CLASS_ARGS = ("grad", "master", "moments", "exp_avg", "exp_avg_sq",
-               "max_exp_avg_sq", "rounding", "name")
-
-
 class StepClasses(dict):
     """``{param dtype: zopt.Step}``, one compiled step per parameter class
     (``"bf16"``, ``"f16"``, ``"f32"``), built from one rule by
@@ -1013,13 +980,6 @@ class StepClasses(dict):
     def __repr__(self):
         return "zopt.steps.StepClasses({" + ", ".join(
             f"{k!r}: {v!r}" for k, v in self.items()) + "})"
-
-
-class _Specs(dict):
-    """spec()'s dict class -> Spec, with the precision policy (.keep32) and
-    the GPU fraction (.gpu_fraction)."""
-    keep32 = None
-    gpu_fraction = None
 
 
 class Builder:
@@ -1087,110 +1047,23 @@ class Builder:
                 raise _bad("gpu_fraction", "with keep32= is not implemented (a GPU twin of "
                            "each keep32 class): give one of them")
             if classes is None:  # one class: the step's own arguments
-                classes = self._one_class(kw)
-            out = _Specs(self._class_specs(classes, kw, gpu=True))
+                classes = one_class(self._fn, kw)
+            out = Specs(self._class_specs(classes, kw, gpu=True))
             out.gpu_fraction = frac
             return out
         if keep32 is not None:
             policy = keep32_of(keep32)
             if classes is None:  # one class: the step's own arguments
-                classes = self._one_class(kw)
-            out = _Specs(self._class_specs(classes, kw, keep32=True))
+                classes = one_class(self._fn, kw)
+            out = Specs(self._class_specs(classes, kw, keep32=True))
             out.keep32 = policy
             return out
         if classes is not None:
             return self._class_specs(classes, kw)
         return self._fn(**kw)
 
-    def _one_class(self, kw):
-        """The classes of a rule called without ``classes=``: one, its
-        param's dtype, with the step's own layout arguments (taken from kw)."""
-        param = kw.pop("param", inspect.signature(self._fn).parameters["param"].default)
-        return {param: {a: kw.pop(a) for a in _CLASS_ARGS if a in kw}}
-
     def _class_specs(self, classes, kw, keep32=False, gpu=False):
-        if not isinstance(classes, collections.abc.Mapping) or not classes:
-            raise _bad("classes", "must be a non-empty dict {param dtype: {per-class "
-                       "arguments}}, e.g. {'bf16': dict(master='f32'), 'f32': {}}; "
-                       f"got {classes!r}")
-        for a in ("param",) + _CLASS_ARGS:
-            if a in kw:
-                if a == "param":
-                    raise _bad("param", "with classes=, each class's key is its param "
-                               "dtype: classes={'bf16': {...}, 'f32': {...}}")
-                raise _bad(a, f"with classes=, give {a} per class, e.g. "
-                           f"classes={{'bf16': dict({a}=...), 'f32': {{}}}}")
-        per = {}
-        for key, ckw in classes.items():
-            c = dtype_name(key, "classes")
-            if c in per:
-                raise _bad("classes", f"two keys name the class {c!r}")
-            arg = f"classes[{c!r}]"
-            if ckw is None:
-                ckw = {}
-            if not isinstance(ckw, collections.abc.Mapping):
-                raise _bad(arg, f"must be a dict of per-class arguments ("
-                           f"{', '.join(_CLASS_ARGS)}), got {ckw!r}")
-            for k in ckw:
-                if k == "param":
-                    raise _bad(f"{arg}['param']", "the class's key is its param dtype")
-                if k not in _CLASS_ARGS:
-                    if k in self._params:
-                        raise _bad(f"{arg}[{k!r}]", "is shared by every class (the "
-                                   "classes step as one: one global norm, one skip "
-                                   "decision, one loss scaler, one ZeRO layout): give "
-                                   f"{k}= once, outside classes=; per class: "
-                                   + ", ".join(_CLASS_ARGS))
-                    raise _bad(f"{arg}[{k!r}]", f"zopt.steps.{self.fname}() takes no "
-                               f"argument {k!r}; per class: " + ", ".join(_CLASS_ARGS))
-            per[c] = dict(ckw)
-        shared = dict(kw)
-        if shared.get("loss_scale") is None:
-            need = [c for c, ckw in per.items()
-                    if c == "f16" or (ckw.get("grad") is not None
-                                      and dtype_name(ckw["grad"], "grad") == "f16")]
-            if need:
-                shared["loss_scale"] = True
-        out = {}
-        for c, ckw in per.items():
-            try:
-                out[c] = self._fn(param=c, **shared, **ckw)
-            except ZoptError as e:
-                raise ZoptError(e.code, f"classes[{c!r}]: {e.message}") from None
-        if keep32:
-            narrow = [c for c, sp in out.items()
-                      if sp.q8 or any(dt != "f32" for k, dt in sp.states if k != "master")]
-            if not narrow:
-                raise _bad("keep32", "every class already has f32 moments: the precision "
-                           "policy keeps small tensors and named ones at 32-bit moments "
-                           "where the others have narrower ones (moments='bf16' or 'q8')")
-            for c in narrow:
-                ckw = {k: v for k, v in per[c].items()
-                       if k not in ("moments", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")}
-                if "name" in ckw:
-                    ckw["name"] = ckw["name"] + "_keep32"
-                try:
-                    out[c + _KEEP32] = self._fn(param=c, **shared, **ckw, moments="f32")
-                except ZoptError as e:
-                    raise ZoptError(e.code, f"keep32 (class {c + _KEEP32!r}): "
-                                    f"{e.message}") from None
-        if gpu:  # each offloaded class's twin with every state on the GPU
-            for c in list(out):
-                ckw = dict(per[c])
-                if "name" in ckw:
-                    ckw["name"] = ckw["name"] + "_gpu"
-                try:
-                    out[c + _GPU] = self._fn(param=c, **dict(shared, placement="gpu"), **ckw)
-                except ZoptError as e:
-                    raise ZoptError(e.code, f"gpu_fraction (class {c + _GPU!r}): "
-                                    f"{e.message}") from None
-        names = {}
-        for c, sp in out.items():
-            if sp.name in names:
-                raise _bad(f"classes[{c!r}]['name']", f"{sp.name!r} is also the name of "
-                           f"class {names[sp.name]!r}: each class's step needs its own name")
-            names[sp.name] = c
-        return out
+        return class_specs(self.fname, self._fn, self._params, classes, kw, keep32, gpu)
 
     def text(self, **kw):
         """The description (MLIR text) these arguments build (with

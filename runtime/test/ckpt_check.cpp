@@ -25,24 +25,21 @@
 //  3. The set rewritten in format 2 (the files an older runtime wrote)
 //     loads bit-identically.
 //  4. Ranks that pass different paths are refused alike, nothing written.
+#include "ckpt_rank_util.h"
 #include "ckpt_test_util.h"
-#include "rank_test_util.h"
 
 #include "zopt/comm.h"
 #include "zopt/zopt.h"
 
-#include <dirent.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <atomic>
-#include <cstdarg>
 #include <cstdlib>
-#include <functional>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
+
+using namespace ckr;
 
 namespace {
 
@@ -50,22 +47,6 @@ const std::vector<int64_t> kSizes = {3, 1000, 70001, 5, 33333, 0, 130000};
 const std::vector<int> kGroups = {0, 1, 0, 1, 0, 1, 1};
 
 std::string g_step;
-int g_world = 2;
-std::mutex g_mu;
-int g_fail = 0, g_pass = 0;
-
-void report(bool ok, const char *fmt, ...) {
-  char m[2048];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(m, sizeof m, fmt, ap);
-  va_end(ap);
-  std::lock_guard<std::mutex> lk(g_mu);
-  (ok ? g_pass : g_fail)++;
-  printf("%s %s\n", ok ? "PASS" : "FAIL", m);
-  fflush(stdout);
-}
-
 
 // One rank's optimizer over its own copy of the model.
 struct Rank {
@@ -140,29 +121,6 @@ struct Rank {
     return true;
   }
 };
-
-struct Outcome {
-  zopt_status st = ZOPT_OK;
-  std::string msg;
-};
-
-
-// Runs fn(rank, comm) on W fresh loopback ranks.
-void on_ranks(const std::function<void(int, zopt_comm *)> &fn) {
-  if (!rtu::on_ranks(g_world, 20, false, fn)) report(false, "loopback: %s", zopt_last_error());
-}
-
-// The file names in `dir` that start with `base`, sorted.
-std::vector<std::string> files_of(const std::string &dir, const std::string &base) {
-  std::vector<std::string> out;
-  if (DIR *d = opendir(dir.c_str())) {
-    while (struct dirent *e = readdir(d))
-      if (strncmp(e->d_name, base.c_str(), base.size()) == 0) out.push_back(e->d_name);
-    closedir(d);
-  }
-  std::sort(out.begin(), out.end());
-  return out;
-}
 
 // A fresh run loads `path` and compares the snapshot with `want`, then
 // (`resave`) saves, reloads and checks again and that exactly the set's W
@@ -342,22 +300,8 @@ void test_mixed_sets(const std::string &dir) {
 
 int main(int argc, char **argv) {
   std::string dir;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a.rfind("--world=", 0) == 0) g_world = atoi(a.c_str() + 8);
-    else if (a.rfind("--dir=", 0) == 0) dir = a.substr(6);
-    else if (a[0] != '-' && g_step.empty()) g_step = a;
-    else {
-      fprintf(stderr, "zopt-ckpt-check: unknown argument '%s'\n", a.c_str());
-      return 2;
-    }
-  }
-  if (g_step.empty() || dir.empty() || g_world < 1) {
-    fprintf(stderr, "usage: zopt-ckpt-check STEP.so --world=W --dir=DIR\n");
-    return 2;
-  }
+  if (!parse_args(argc, argv, "zopt-ckpt-check", "STEP.so", &g_step, 1, &dir)) return 2;
   test_faults(dir);
   test_mixed_sets(dir);
-  printf("%d passed, %d failed\n", g_pass, g_fail);
-  return g_fail ? 1 : 0;
+  return summary();
 }

@@ -25,44 +25,26 @@
 //     before linked saves) and part 1's file of another such save: such a
 //     part 0 cannot be checked, so load_linked loads it, but a linked part
 //     1 beside an unlinked part 0 is refused.
+#include "ckpt_rank_util.h"
 #include "ckpt_test_util.h"
-#include "rank_test_util.h"
 
 #include "zopt/comm.h"
 #include "zopt/zopt.h"
 
-#include <dirent.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <atomic>
-#include <cstdarg>
 #include <cstdlib>
-#include <functional>
-#include <mutex>
 #include <string>
 #include <vector>
+
+using namespace ckr;
 
 namespace {
 
 const std::vector<int64_t> kSizes[2] = {{3, 1000, 70001, 5}, {33333, 7, 40000}};
 
 std::string g_steps[2];
-int g_world = 2;
-std::mutex g_mu;
-int g_fail = 0, g_pass = 0;
-
-void report(bool ok, const char *fmt, ...) {
-  char m[2048];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(m, sizeof m, fmt, ap);
-  va_end(ap);
-  std::lock_guard<std::mutex> lk(g_mu);
-  (ok ? g_pass : g_fail)++;
-  printf("%s %s\n", ok ? "PASS" : "FAIL", m);
-  fflush(stdout);
-}
 
 // One part (a parameter class) of one rank's optimizer.
 struct Part {
@@ -167,26 +149,6 @@ struct Opt {
     return zopt_optimizer_load_linked(parts, 2, paths, 0);
   }
 };
-
-struct Outcome {
-  zopt_status st = ZOPT_OK;
-  std::string msg;
-};
-
-void on_ranks(const std::function<void(int, zopt_comm *)> &fn) {
-  if (!rtu::on_ranks(g_world, 20, false, fn)) report(false, "loopback: %s", zopt_last_error());
-}
-
-std::vector<std::string> files_of(const std::string &dir, const std::string &base) {
-  std::vector<std::string> out;
-  if (DIR *d = opendir(dir.c_str())) {
-    while (struct dirent *e = readdir(d))
-      if (strncmp(e->d_name, base.c_str(), base.size()) == 0) out.push_back(e->d_name);
-    closedir(d);
-  }
-  std::sort(out.begin(), out.end());
-  return out;
-}
 
 // Every file named base* in dir, with its bytes.
 std::vector<std::pair<std::string, std::vector<unsigned char>>> contents(const std::string &dir,
@@ -418,24 +380,9 @@ void test_arguments(const std::string &dir) {
 
 int main(int argc, char **argv) {
   std::string dir;
-  int nsteps = 0;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a.rfind("--world=", 0) == 0) g_world = atoi(a.c_str() + 8);
-    else if (a.rfind("--dir=", 0) == 0) dir = a.substr(6);
-    else if (a[0] != '-' && nsteps < 2) g_steps[nsteps++] = a;
-    else {
-      fprintf(stderr, "zopt-ckpt-linked-check: unknown argument '%s'\n", a.c_str());
-      return 2;
-    }
-  }
-  if (nsteps != 2 || dir.empty() || g_world < 1) {
-    fprintf(stderr, "usage: zopt-ckpt-linked-check PART0.so PART1.so --world=W --dir=DIR\n");
-    return 2;
-  }
+  if (!parse_args(argc, argv, "zopt-ckpt-linked-check", "PART0.so PART1.so", g_steps, 2, &dir)) return 2;
   test_arguments(dir);
   test_faults(dir);
   test_mixed(dir);
-  printf("%d passed, %d failed\n", g_pass, g_fail);
-  return g_fail ? 1 : 0;
+  return summary();
 }

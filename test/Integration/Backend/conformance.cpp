@@ -29,8 +29,7 @@
 // Output: PASS/FAIL lines and "N passed, M failed"; exit 1 on a failure, 77
 // when BACKEND needs a CUDA driver and there is none (lit: UNSUPPORTED).
 //===----------------------------------------------------------------------===//
-#include "../check_util.h"
-#include "../cuda_test_driver.h"
+#include "twin_util.h"
 #include "zopt_reference.h"
 #include "zopt/abi.h"
 #include "zopt/zopt.h"
@@ -45,110 +44,23 @@
 #include <string>
 #include <vector>
 
+using namespace twin;
 using zopt_check::check;
 
 namespace {
 
-// ---- memory for the params and grads: host, or the CUDA driver's ----------
-// The driver, device 0's primary context pushed on this thread.
-zopt_check::TestCuda g_cu;
-bool load_driver() {
-  int dev = 0;
-  void *ctx = nullptr;
-  return g_cu.load() > 0 && g_cu.DeviceGet && g_cu.DevicePrimaryCtxRetain && g_cu.CtxPushCurrent && g_cu.MemAlloc &&
-         g_cu.MemFree && g_cu.DeviceGet(&dev, 0) == 0 && g_cu.DevicePrimaryCtxRetain(&ctx, dev) == 0 &&
-         g_cu.CtxPushCurrent(ctx) == 0;
-}
-bool g_device = false;  // params and grads in device memory
-// Every buffer alloc() made, with where it lives: freed by free_all().
-std::vector<std::pair<void *, bool>> g_allocs;
-
-void *alloc(size_t bytes) {
-  bytes = std::max<size_t>(bytes, 16);
-  if (!g_device) {
-    void *p = calloc(1, bytes);
-    g_allocs.emplace_back(p, false);
-    return p;
-  }
-  unsigned long long p = 0;
-  if (g_cu.MemAlloc(&p, bytes) != 0) {
-    fprintf(stderr, "cuMemAlloc(%zu) failed\n", bytes);
-    exit(1);
-  }
-  g_allocs.emplace_back((void *)(uintptr_t)p, true);
-  return (void *)(uintptr_t)p;
-}
-
-// After the optimizers that used them are freed.
-void free_all() {
-  for (auto &[p, device] : g_allocs)
-    if (device)
-      g_cu.MemFree((unsigned long long)(uintptr_t)p);
-    else
-      free(p);
-  g_allocs.clear();
-}
-
-size_t dsize(uint32_t dt) { return dt == ZOPT_DTYPE_F32 ? 4 : dt == ZOPT_DTYPE_Q8 ? 1 : 2; }
 // Elements of state s of an n-element tensor (a PER_BLOCK state, a q8
 // absmax: one per ZOPT_Q8_BLOCK).
 int64_t snumel(const zopt_step_descriptor *d, uint32_t s, int64_t n) {
   return (d->states[s].flags & ZOPT_STATE_PER_BLOCK) ? (n + ZOPT_Q8_BLOCK - 1) / ZOPT_Q8_BLOCK : n;
 }
 
-// ---- an optimizer over the suite's tensors ------------------------------------
-const std::vector<int64_t> kSizes = {33, 1000, 4099, 7};  // groups 0 1 0 1
+// ---- the suite's optimizers: all four tensors (twin_util.h) -------------------
 constexpr int T = 4;
-
-struct Opt {
-  zopt_step *step = nullptr;
-  zopt_optimizer *o = nullptr;
-  const zopt_step_descriptor *d = nullptr;
-  bool device = false;
-  zopt_step_result last{};
-};
-
-int state_of(const zopt_step_descriptor *d, uint32_t kind) {
-  for (uint32_t i = 0; i < d->num_states; ++i)
-    if (d->states[i].kind == kind) return (int)i;
-  return -1;
-}
+const std::vector<int> kAll = {0, 1, 2, 3};
 
 // A value every storage dtype holds exactly: a multiple of 1/64 below 4.
 float exact(std::mt19937 &r) { return (float)((int)(r() % 512) - 256) / 64.0f; }
-
-Opt make(const char *path, bool device, const std::vector<std::vector<float>> &params) {
-  Opt x;
-  x.device = device;
-  Z(zopt_step_load(path, &x.step));
-  x.d = zopt_step_get_descriptor(x.step);
-  Z(zopt_optimizer_create(x.step, &x.o));
-  Z(zopt_optimizer_set_num_threads(x.o, 2));
-  int g[2];
-  for (int k = 0; k < 2; ++k) {
-    Z(zopt_optimizer_add_group(x.o, &g[k]));
-    double v;
-    if (zopt_optimizer_get_hyper(x.o, g[k], "lr", &v) == ZOPT_OK)
-      Z(zopt_optimizer_set_hyper(x.o, g[k], "lr", k ? 3e-3 : 1e-3));
-  }
-  const uint32_t pdt = x.d->states[state_of(x.d, ZOPT_STATE_PARAM)].dtype;
-  const uint32_t gdt = x.d->states[state_of(x.d, ZOPT_STATE_GRAD)].dtype;
-  const bool saved = g_device;
-  g_device = device;
-  for (int t = 0; t < T; ++t) {
-    int id = 0;
-    Z(zopt_optimizer_add_tensor(x.o, g[t % 2], alloc((size_t)kSizes[t] * dsize(pdt)),
-                                alloc((size_t)kSizes[t] * dsize(gdt)), kSizes[t], (zopt_dtype)pdt, &id));
-    Z(zopt_optimizer_write_state_f32(x.o, t, ZOPT_STATE_PARAM, params[t].data(), kSizes[t]));
-  }
-  g_device = saved;
-  if (x.d->flags & ZOPT_FLAG_LOSS_SCALE) {
-    zopt_loss_scaler_config c = {1024.0, 2.0, 0.5, 2, 1.0, 1};
-    Z(zopt_optimizer_configure_loss_scaler(x.o, &c));
-  }
-  Z(zopt_optimizer_finalize(x.o));
-  return x;
-}
 
 void step(Opt &x) {
   zopt_step_result r{};
@@ -187,28 +99,10 @@ int64_t diff(const Opt &x, const std::vector<std::vector<unsigned char>> &a,
         memcpy(&v, &b[i][(size_t)e * es], es);
         if (u == v) continue;
         ++n;
-        auto ord = [&](int64_t w) {  // sign-magnitude -> ordered integer (a q8 code: itself)
-          if (es == 1) return w;
-          const int64_t sign = es == 4 ? 0x80000000ll : 0x8000ll;
-          return (w & sign) ? -(w & (sign - 1)) : w;
-        };
-        *max_ulp = std::max<int64_t>(*max_ulp, std::llabs(ord(u) - ord(v)));
+        *max_ulp = std::max<int64_t>(*max_ulp, std::llabs(ordered(u, es) - ordered(v, es)));
       }
     }
   return n;
-}
-
-std::string counts(const Opt &x) {
-  std::string s;
-  for (int t = 0; t < T; ++t) {
-    int64_t c = -1;
-    Z(zopt_optimizer_get_tensor_step(x.o, t, &c));
-    s += std::to_string(c) + " ";
-  }
-  int64_t a = -1, b = -1;
-  Z(zopt_optimizer_get_step_count(x.o, 0, &a));
-  Z(zopt_optimizer_get_step_count(x.o, 1, &b));
-  return s + "| " + std::to_string(a) + " " + std::to_string(b);
 }
 
 }  // namespace
@@ -232,7 +126,7 @@ int main(int argc, char **argv) {
   std::vector<std::vector<float>> params(T);
   for (int t = 0; t < T; ++t)
     for (int64_t e = 0; e < kSizes[t]; ++e) params[t].push_back(exact(rng));
-  Opt a = make(argv[2], device, params), b = make(argv[3], false, params);
+  Opt a = make(argv[2], device, kAll, params), b = make(argv[3], false, kAll, params);
   const uint32_t flags = a.d->flags;
   const bool clip = flags & ZOPT_FLAG_CLIP, ls = flags & ZOPT_FLAG_LOSS_SCALE, norm = flags & ZOPT_FLAG_SUMSQ;
   // The same gradients into both; `scale` times the exact values, `nan_at`
@@ -447,20 +341,19 @@ int main(int argc, char **argv) {
   {
     const uint32_t pdt = a.d->states[state_of(a.d, ZOPT_STATE_PARAM)].dtype;
     const uint32_t gdt = a.d->states[state_of(a.d, ZOPT_STATE_GRAD)].dtype;
-    g_device = device;
     bool ok = true;
     for (int k = 0; k < 2; ++k) {
       int32_t ids[T];
       void *gs[T];
       for (int t = 0; t < T; ++t) {
         ids[t] = t;
-        gs[t] = alloc((size_t)kSizes[t] * dsize(gdt));
+        gs[t] = alloc((size_t)kSizes[t] * dsize(gdt), device);
       }
       ok &= zopt_optimizer_set_grad_memory(a.o, T, ids, gs) == ZOPT_OK;
       if (k == 1) {
         std::vector<float> p(kSizes[0]);
         Z(zopt_optimizer_read_state_f32(a.o, 0, ZOPT_STATE_PARAM, p.data(), kSizes[0]));
-        ok &= zopt_optimizer_set_tensor_memory(a.o, 0, alloc((size_t)kSizes[0] * dsize(pdt)), gs[0]) == ZOPT_OK;
+        ok &= zopt_optimizer_set_tensor_memory(a.o, 0, alloc((size_t)kSizes[0] * dsize(pdt), device), gs[0]) == ZOPT_OK;
         Z(zopt_optimizer_write_state_f32(a.o, 0, ZOPT_STATE_PARAM, p.data(), kSizes[0]));
       }
       grads(gscale);
@@ -474,9 +367,9 @@ int main(int argc, char **argv) {
     if (backend == "cuda") {
       // A grad the kernels cannot read is refused naming the tensor, and
       // nothing changes: the next step reads the memory registered before.
-      char *bad = (char *)alloc((size_t)kSizes[2] * dsize(gdt) + 8) + 1;
+      char *bad = (char *)alloc((size_t)kSizes[2] * dsize(gdt) + 8, device) + 1;
       int32_t ids[2] = {1, 2};
-      void *gs[2] = {alloc((size_t)kSizes[1] * dsize(gdt)), bad};
+      void *gs[2] = {alloc((size_t)kSizes[1] * dsize(gdt), device), bad};
       const zopt_status st = zopt_optimizer_set_grad_memory(a.o, 2, ids, gs);
       const std::string msg = zopt_last_error();
       grads(gscale);
@@ -495,13 +388,10 @@ int main(int argc, char **argv) {
             "rebind: a host grad refused naming the tensor: " + msg3);
       same("rebind: after the refused call, the registered memory");
     }
-    g_device = false;
   }
 
-  zopt_optimizer_free(a.o);
-  zopt_optimizer_free(b.o);
-  zopt_step_free(a.step);
-  zopt_step_free(b.step);
+  release(a);
+  release(b);
   free_all();
   printf("%d passed, %d failed\n", zopt_check::passed, zopt_check::failed);
   return zopt_check::failed ? 1 : 0;

@@ -37,8 +37,7 @@
 // Output: PASS/FAIL lines and "N passed, M failed"; exit 1 on a failure, 77
 // without a CUDA driver.
 //===----------------------------------------------------------------------===//
-#include "../check_util.h"
-#include "../cuda_test_driver.h"
+#include "twin_util.h"
 #include "zopt/abi.h"
 #include "zopt/zopt.h"
 
@@ -50,27 +49,10 @@
 #include <string>
 #include <vector>
 
+using namespace twin;
 using zopt_check::check;
 
 namespace {
-
-zopt_check::TestCuda g_cu;
-std::vector<std::pair<void *, bool>> g_allocs;
-
-void *alloc(size_t bytes, bool device) {
-  bytes = std::max<size_t>(bytes, 16);
-  if (!device) {
-    void *p = calloc(1, bytes);
-    g_allocs.emplace_back(p, false);
-    return p;
-  }
-  unsigned long long p = 0;
-  C(g_cu.MemAlloc(&p, bytes));
-  g_allocs.emplace_back((void *)(uintptr_t)p, true);
-  return (void *)(uintptr_t)p;
-}
-
-size_t dsize(uint32_t dt) { return dt == ZOPT_DTYPE_F32 ? 4 : 2; }
 
 int64_t g_ulps = 0;  // --ulps=N: states compared within N units in the last place
 
@@ -82,66 +64,9 @@ bool close_raw(const std::vector<unsigned char> &a, const std::vector<unsigned c
     memcpy(&u, &a[i], es);
     memcpy(&v, &b[i], es);
     if (u == v) continue;
-    const int64_t sign = es == 4 ? 0x80000000ll : 0x8000ll;
-    auto ord = [&](int64_t w) { return (w & sign) ? -(w & (sign - 1)) : w; };
-    if (std::llabs(ord(u) - ord(v)) > g_ulps) return false;
+    if (std::llabs(ordered(u, es) - ordered(v, es)) > g_ulps) return false;
   }
   return true;
-}
-
-const int64_t kSizes[4] = {33, 1000, 4099, 7};  // groups 0 1 0 1
-
-int state_of(const zopt_step_descriptor *d, uint32_t kind) {
-  for (uint32_t i = 0; i < d->num_states; ++i)
-    if (d->states[i].kind == kind) return (int)i;
-  return -1;
-}
-
-// An optimizer over some of the four tensors (`ids`, in order), two groups.
-struct Opt {
-  zopt_step *step = nullptr;
-  zopt_optimizer *o = nullptr;
-  const zopt_step_descriptor *d = nullptr;
-  std::vector<int> ids;
-  int local(int t) const {
-    for (size_t i = 0; i < ids.size(); ++i)
-      if (ids[i] == t) return (int)i;
-    return -1;
-  }
-};
-
-Opt make(const char *path, bool device, const std::vector<int> &ids, const std::vector<std::vector<float>> &params) {
-  Opt x;
-  x.ids = ids;
-  Z(zopt_step_load(path, &x.step));
-  x.d = zopt_step_get_descriptor(x.step);
-  Z(zopt_optimizer_create(x.step, &x.o));
-  Z(zopt_optimizer_set_num_threads(x.o, 2));
-  int g[2];
-  for (int k = 0; k < 2; ++k) {
-    Z(zopt_optimizer_add_group(x.o, &g[k]));
-    Z(zopt_optimizer_set_hyper(x.o, g[k], "lr", k ? 3e-3 : 1e-3));
-  }
-  const uint32_t pdt = x.d->states[state_of(x.d, ZOPT_STATE_PARAM)].dtype;
-  const uint32_t gdt = x.d->states[state_of(x.d, ZOPT_STATE_GRAD)].dtype;
-  for (size_t i = 0; i < ids.size(); ++i) {
-    const int t = ids[i];
-    int id = 0;
-    Z(zopt_optimizer_add_tensor(x.o, g[t % 2], alloc((size_t)kSizes[t] * dsize(pdt), device),
-                                alloc((size_t)kSizes[t] * dsize(gdt), device), kSizes[t], (zopt_dtype)pdt, &id));
-    Z(zopt_optimizer_write_state_f32(x.o, id, ZOPT_STATE_PARAM, params[t].data(), kSizes[t]));
-  }
-  if (x.d->flags & ZOPT_FLAG_LOSS_SCALE) {
-    zopt_loss_scaler_config c = {1024.0, 2.0, 0.5, 2, 1.0, 1};
-    Z(zopt_optimizer_configure_loss_scaler(x.o, &c));
-  }
-  Z(zopt_optimizer_finalize(x.o));
-  return x;
-}
-
-void release(Opt &x) {
-  zopt_optimizer_free(x.o);
-  zopt_step_free(x.step);
 }
 
 // The states of tensor t, raw, from whichever optimizer holds it.
@@ -156,20 +81,6 @@ std::vector<std::vector<unsigned char>> states(const Opt &x, int t) {
   return out;
 }
 
-// Tensor t's count and its group's.
-std::string counts(const Opt &x) {
-  std::string s;
-  for (int t : x.ids) {
-    int64_t c = -1;
-    Z(zopt_optimizer_get_tensor_step(x.o, x.local(t), &c));
-    s += std::to_string(c) + " ";
-  }
-  int64_t a = -1, b = -1;
-  Z(zopt_optimizer_get_step_count(x.o, 0, &a));
-  Z(zopt_optimizer_get_step_count(x.o, 1, &b));
-  return s + "| " + std::to_string(a) + " " + std::to_string(b);
-}
-
 }  // namespace
 
 int main(int argc, char **argv) {
@@ -180,14 +91,9 @@ int main(int argc, char **argv) {
     return 2;
   }
   const bool offload = std::string(argv[4]) == "offload";
-  {
-    int dev = 0;
-    void *ctx = nullptr;
-    if (!(g_cu.load() > 0 && g_cu.DeviceGet(&dev, 0) == 0 && g_cu.DevicePrimaryCtxRetain(&ctx, dev) == 0 &&
-          g_cu.CtxPushCurrent(ctx) == 0)) {
-      printf("UNSUPPORTED: a GPU part needs a CUDA driver and a device\n");
-      return 77;
-    }
+  if (!load_driver()) {
+    printf("UNSUPPORTED: a GPU part needs a CUDA driver and a device\n");
+    return 77;
   }
   std::mt19937 rng(11);
   // Random multiples of 1/64 in [-4, 4): exact in every storage dtype.
@@ -400,11 +306,7 @@ int main(int argc, char **argv) {
     release(cb);
   }
 
-  for (auto &[p, device] : g_allocs)
-    if (device)
-      g_cu.MemFree((unsigned long long)(uintptr_t)p);
-    else
-      free(p);
+  free_all();
   printf("%d passed, %d failed\n", zopt_check::passed, zopt_check::failed);
   return zopt_check::failed ? 1 : 0;
 }

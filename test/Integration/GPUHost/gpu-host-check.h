@@ -11,7 +11,8 @@
 // graphs replayed on another stream), gpu-host-tensors.cpp (the active
 // mask, misaligned views, tensors past 2^32 elements). This header: the
 // stand-in's introspection table (Fake), the launch records, a GPU
-// optimizer over stand-in memory, and the small helpers.
+// optimizer over stand-in memory, an offloaded step's model beside its CPU
+// twin's (Side, add_twin_tensors), and the small helpers.
 //===----------------------------------------------------------------------===//
 #ifndef ZOPT_TEST_GPU_HOST_CHECK_H
 #define ZOPT_TEST_GPU_HOST_CHECK_H
@@ -234,6 +235,77 @@ inline Setup make_optimizer(Fake &f, zopt_step *step, const StepInfo &si, const 
     Z(zopt_optimizer_configure_loss_scaler(su.o, &c));
   }
   return su;
+}
+
+// ---- offloaded steps against their CPU twin ----------------------------------
+
+// One optimizer over the model: an offloaded one's params and grads in
+// stand-in device memory (dp, dg), the CPU twin's in host memory (hp, hg).
+struct Side {
+  zopt_optimizer *o = nullptr;
+  std::vector<unsigned long long> dp, dg;          // device (offloaded)
+  std::vector<std::vector<unsigned char>> hp, hg;  // host (the twin)
+  void *stream = nullptr;
+};
+
+// The checks' random values in [-1, 1): the next of a linear congruential
+// generator whose state is `rng`.
+inline float lcg(unsigned &rng) {
+  rng = rng * 1664525u + 1013904223u;
+  return ((rng >> 8) & 0xFFFF) / 32768.0f - 1.0f;
+}
+// A vector of lcg values per tensor of `sizes`, in order.
+inline std::vector<std::vector<float>> lcg_values(const std::vector<int64_t> &sizes, unsigned &rng) {
+  std::vector<std::vector<float>> v(sizes.size());
+  for (size_t t = 0; t < sizes.size(); ++t) {
+    v[t].resize((size_t)sizes[t]);
+    for (float &x : v[t]) x = lcg(rng);
+  }
+  return v;
+}
+
+// Groups in each optimizer, group k's lr lrs[k].
+inline void add_groups(const std::vector<zopt_optimizer *> &opts, const std::vector<double> &lrs) {
+  for (zopt_optimizer *o : opts)
+    for (double lr : lrs) {
+      int id = 0;
+      Z(zopt_optimizer_add_group(o, &id));
+      Z(zopt_optimizer_set_hyper(o, id, "lr", lr));
+    }
+}
+
+// Tensors of `sizes` (tensor t in group t % G) in the offloaded optimizers
+// `dev` (params and grads in new stand-in device memory) and the twin (in
+// host memory); the params `init`, written through the twin, their bytes
+// copied to every device param.
+inline void add_twin_tensors(Fake &f, const std::vector<Side *> &dev, Side &twin, const std::vector<int64_t> &sizes,
+                             int G, uint32_t pdt, uint32_t gdt, const std::vector<std::vector<float>> &init) {
+  const size_t ep = dtype_size(pdt), eg = dtype_size(gdt);
+  for (size_t t = 0; t < sizes.size(); ++t) {
+    const int g = (int)(t % (size_t)G);
+    int id = 0;
+    for (Side *x : dev) {
+      x->dp.push_back(0);
+      x->dg.push_back(0);
+      f.mem_alloc(&x->dp[t], sizes[t] * ep);
+      f.mem_alloc(&x->dg[t], sizes[t] * eg);
+      Z(zopt_optimizer_add_tensor(x->o, g, (void *)(uintptr_t)x->dp[t], (void *)(uintptr_t)x->dg[t], sizes[t],
+                                  (zopt_dtype)pdt, &id));
+    }
+    twin.hp.emplace_back(sizes[t] * ep);
+    twin.hg.emplace_back(sizes[t] * eg);
+    Z(zopt_optimizer_add_tensor(twin.o, g, twin.hp[t].data(), twin.hg[t].data(), sizes[t], (zopt_dtype)pdt, &id));
+    Z(zopt_optimizer_write_state_f32(twin.o, (int)t, ZOPT_STATE_PARAM, init[t].data(), sizes[t]));
+    for (Side *x : dev) memcpy((void *)(uintptr_t)x->dp[t], twin.hp[t].data(), twin.hp[t].size());  // same bytes
+  }
+}
+
+// With loss scaling (`ls`): the same scaler in each optimizer, its growth
+// interval 2.
+inline void configure_scalers(bool ls, const std::vector<zopt_optimizer *> &opts) {
+  if (!ls) return;
+  zopt_loss_scaler_config cfg = {1024.0, 2.0, 0.5, 2, 1.0, 1};
+  for (zopt_optimizer *o : opts) Z(zopt_optimizer_configure_loss_scaler(o, &cfg));
 }
 
 // The chunk table of an UPDATE launch: every element of every tensor

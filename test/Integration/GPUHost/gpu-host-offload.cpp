@@ -28,44 +28,19 @@ int offload_check(Fake &f, zopt_step *step, const char *twin_path) {
   const bool reads_param = d->states[pi].access & ZOPT_ACCESS_READ;
   const size_t ep = dtype_size(pdt), eg = dtype_size(gdt);
   printf("INFO offloaded step '%s': param %s, grad %s\n", d->name, dtype_name(pdt), dtype_name(gdt));
-  zopt_optimizer *o = nullptr, *c = nullptr;
-  Z(zopt_optimizer_create(step, &o));
-  Z(zopt_optimizer_create(twin, &c));
+  Side O, C;  // the offloaded optimizer and its twin
+  Z(zopt_optimizer_create(step, &O.o));
+  Z(zopt_optimizer_create(twin, &C.o));
+  zopt_optimizer *const o = O.o, *const c = C.o;
   const std::vector<int64_t> sizes = {1, 7, 17, 100, 1000, 4097, 70001};
   const size_t T = sizes.size();
-  int go[2], gc[2];
-  for (int k = 0; k < 2; ++k) {
-    Z(zopt_optimizer_add_group(o, &go[k]));
-    Z(zopt_optimizer_add_group(c, &gc[k]));
-    Z(zopt_optimizer_set_hyper(o, go[k], "lr", k ? 3e-3 : 1e-3));
-    Z(zopt_optimizer_set_hyper(c, gc[k], "lr", k ? 3e-3 : 1e-3));
-  }
-  std::vector<unsigned long long> dp(T), dg(T);
-  std::vector<std::vector<unsigned char>> hp(T), hg(T);
+  add_groups({o, c}, {1e-3, 3e-3});
   unsigned rng = 12345;
-  auto rnd = [&]() {
-    rng = rng * 1664525u + 1013904223u;
-    return ((rng >> 8) & 0xFFFF) / 32768.0f - 1.0f;  // [-1, 1)
-  };
-  for (size_t t = 0; t < T; ++t) {
-    f.mem_alloc(&dp[t], sizes[t] * ep);
-    f.mem_alloc(&dg[t], sizes[t] * eg);
-    hp[t].resize(sizes[t] * ep);
-    hg[t].resize(sizes[t] * eg);
-    int id = 0;
-    Z(zopt_optimizer_add_tensor(o, go[t % 2], (void *)(uintptr_t)dp[t], (void *)(uintptr_t)dg[t], sizes[t],
-                                (zopt_dtype)pdt, &id));
-    Z(zopt_optimizer_add_tensor(c, gc[t % 2], hp[t].data(), hg[t].data(), sizes[t], (zopt_dtype)pdt, &id));
-    std::vector<float> v(sizes[t]);
-    for (auto &x : v) x = rnd();
-    Z(zopt_optimizer_write_state_f32(c, (int)t, ZOPT_STATE_PARAM, v.data(), sizes[t]));  // twin: host
-    memcpy((void *)(uintptr_t)dp[t], hp[t].data(), hp[t].size());                        // same bytes
-  }
-  if (ls) {
-    zopt_loss_scaler_config cfg = {1024.0, 2.0, 0.5, 2, 1.0, 1};
-    Z(zopt_optimizer_configure_loss_scaler(o, &cfg));
-    Z(zopt_optimizer_configure_loss_scaler(c, &cfg));
-  }
+  auto rnd = [&]() { return lcg(rng); };
+  add_twin_tensors(f, {&O}, C, sizes, 2, pdt, gdt, lcg_values(sizes, rng));
+  const auto &dp = O.dp, &dg = O.dg;
+  const auto &hp = C.hp, &hg = C.hg;
+  configure_scalers(ls, {o, c});
   int a0 = f.num_calls();
   Z(zopt_optimizer_finalize(o));
   int host_allocs = 0;
@@ -321,12 +296,8 @@ void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const 
                          bool pipelined) {
   const zopt_step_descriptor *d = zopt_step_get_descriptor(step);
   const bool ls = d->flags & ZOPT_FLAG_LOSS_SCALE, has_sumsq = d->flags & ZOPT_FLAG_SUMSQ;
-  uint32_t pdt = 0, gdt = 0;
-  for (uint32_t i = 0; i < d->num_states; ++i) {
-    if (d->states[i].kind == ZOPT_STATE_PARAM) pdt = d->states[i].dtype;
-    if (d->states[i].kind == ZOPT_STATE_GRAD) gdt = d->states[i].dtype;
-  }
-  const size_t ep = dtype_size(pdt), eg = dtype_size(gdt);
+  const StepInfo si = info_of(step);
+  const uint32_t pdt = si.pdt, gdt = si.gdt;
   const std::vector<int64_t> sizes = {1, 7, 17, 100, 1000, 4097, 70001};
   const size_t T = sizes.size();
   const int steps = 5, inf_at = has_sumsq ? 3 : 0;
@@ -346,15 +317,8 @@ void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const 
   };
   std::vector<RankResult> res(W);
   // The initial params: the same on every rank (finalize checks it).
-  std::vector<std::vector<float>> init(T);
   unsigned rng0 = 777;
-  for (size_t t = 0; t < T; ++t) {
-    init[t].resize(sizes[t]);
-    for (auto &x : init[t]) {
-      rng0 = rng0 * 1664525u + 1013904223u;
-      x = ((rng0 >> 8) & 0xFFFF) / 32768.0f - 1.0f;
-    }
-  }
+  const std::vector<std::vector<float>> init = lcg_values(sizes, rng0);
   auto rank = [&](int r) {
     RankResult &rr = res[r];
     zopt_step *mine = nullptr, *twin = nullptr;
@@ -369,32 +333,14 @@ void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const 
     Z(zopt_optimizer_set_bucket_elems(c, 32768));
     Z(zopt_optimizer_set_num_threads(o, 2));
     Z(zopt_optimizer_set_num_threads(c, 2));
-    int go[2], gc[2];
-    for (int k = 0; k < 2; ++k) {
-      Z(zopt_optimizer_add_group(o, &go[k]));
-      Z(zopt_optimizer_add_group(c, &gc[k]));
-      Z(zopt_optimizer_set_hyper(o, go[k], "lr", k ? 3e-3 : 1e-3));
-      Z(zopt_optimizer_set_hyper(c, gc[k], "lr", k ? 3e-3 : 1e-3));
-    }
-    std::vector<unsigned long long> dp(T), dg(T);
-    std::vector<std::vector<unsigned char>> hp(T), hg(T);
-    for (size_t t = 0; t < T; ++t) {
-      f.mem_alloc(&dp[t], sizes[t] * ep);
-      f.mem_alloc(&dg[t], sizes[t] * eg);
-      hp[t].resize(sizes[t] * ep);
-      hg[t].resize(sizes[t] * eg);
-      int id = 0;
-      Z(zopt_optimizer_add_tensor(o, go[t % 2], (void *)(uintptr_t)dp[t], (void *)(uintptr_t)dg[t], sizes[t],
-                                  (zopt_dtype)pdt, &id));
-      Z(zopt_optimizer_add_tensor(c, gc[t % 2], hp[t].data(), hg[t].data(), sizes[t], (zopt_dtype)pdt, &id));
-      Z(zopt_optimizer_write_state_f32(c, (int)t, ZOPT_STATE_PARAM, init[t].data(), sizes[t]));
-      memcpy((void *)(uintptr_t)dp[t], hp[t].data(), hp[t].size());
-    }
-    if (ls) {
-      zopt_loss_scaler_config cfg = {1024.0, 2.0, 0.5, 2, 1.0, 1};
-      Z(zopt_optimizer_configure_loss_scaler(o, &cfg));
-      Z(zopt_optimizer_configure_loss_scaler(c, &cfg));
-    }
+    add_groups({o, c}, {1e-3, 3e-3});
+    Side O, C;
+    O.o = o;
+    C.o = c;
+    add_twin_tensors(f, {&O}, C, sizes, 2, pdt, gdt, init);
+    const auto &dp = O.dp, &dg = O.dg;
+    auto &hp = C.hp, &hg = C.hg;
+    configure_scalers(ls, {o, c});
     void *stream = nullptr;
     f.stream_create(&stream, 0);
     // finalize is collective: the offloaded ranks together, then the twins.

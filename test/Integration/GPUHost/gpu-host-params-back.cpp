@@ -36,13 +36,6 @@ namespace ghc {
 
 namespace {
 
-struct Side {
-  zopt_optimizer *o = nullptr;
-  std::vector<unsigned long long> dp, dg;          // device (offloaded)
-  std::vector<std::vector<unsigned char>> hp, hg;  // host (the twin)
-  void *stream = nullptr;
-};
-
 bool ready_within(Fake &f, void *s, int ms) {
   for (int i = 0; i < ms; ++i) {
     if (f.stream_query(s) == 0) return true;
@@ -58,12 +51,9 @@ void params_back_check(Fake &f, zopt_step *step, const char *twin_path) {
   Z(zopt_step_load(twin_path, &twin));
   const zopt_step_descriptor *d = zopt_step_get_descriptor(step);
   const bool ls = d->flags & ZOPT_FLAG_LOSS_SCALE;
-  uint32_t pdt = 0, gdt = 0;
-  for (uint32_t i = 0; i < d->num_states; ++i) {
-    if (d->states[i].kind == ZOPT_STATE_PARAM) pdt = d->states[i].dtype;
-    if (d->states[i].kind == ZOPT_STATE_GRAD) gdt = d->states[i].dtype;
-  }
-  const size_t ep = dtype_size(pdt), eg = dtype_size(gdt);
+  const StepInfo si = info_of(step);
+  const uint32_t pdt = si.pdt, gdt = si.gdt;
+  const size_t ep = si.ep;
   // One group: flat order is the reverse add order, bucket nb-1 holds the
   // first-added tensors (what a forward needs first).
   const std::vector<int64_t> sizes = {3000, 20000, 513, 7, 40000, 1000, 9000};
@@ -73,39 +63,11 @@ void params_back_check(Fake &f, zopt_step *step, const char *twin_path) {
   Z(zopt_optimizer_create(step, &S.o));
   Z(zopt_optimizer_create(twin, &C.o));
   unsigned rng = 777;
-  auto rnd = [&]() {
-    rng = rng * 1664525u + 1013904223u;
-    return ((rng >> 8) & 0xFFFF) / 32768.0f - 1.0f;  // [-1, 1)
-  };
-  for (Side *x : {&E, &S, &C}) {
-    Z(zopt_optimizer_set_bucket_elems(x->o, 16384));
-    int id = 0;
-    Z(zopt_optimizer_add_group(x->o, &id));
-    Z(zopt_optimizer_set_hyper(x->o, id, "lr", 1e-2));
-  }
-  for (size_t t = 0; t < T; ++t) {
-    int id = 0;
-    for (Side *x : {&E, &S}) {
-      x->dp.push_back(0);
-      x->dg.push_back(0);
-      f.mem_alloc(&x->dp[t], sizes[t] * ep);
-      f.mem_alloc(&x->dg[t], sizes[t] * eg);
-      Z(zopt_optimizer_add_tensor(x->o, 0, (void *)(uintptr_t)x->dp[t], (void *)(uintptr_t)x->dg[t], sizes[t],
-                                  (zopt_dtype)pdt, &id));
-    }
-    C.hp.emplace_back(sizes[t] * ep);
-    C.hg.emplace_back(sizes[t] * eg);
-    Z(zopt_optimizer_add_tensor(C.o, 0, C.hp[t].data(), C.hg[t].data(), sizes[t], (zopt_dtype)pdt, &id));
-    std::vector<float> v(sizes[t]);
-    for (auto &x : v) x = rnd();
-    Z(zopt_optimizer_write_state_f32(C.o, (int)t, ZOPT_STATE_PARAM, v.data(), sizes[t]));
-    memcpy((void *)(uintptr_t)E.dp[t], C.hp[t].data(), C.hp[t].size());
-    memcpy((void *)(uintptr_t)S.dp[t], C.hp[t].data(), C.hp[t].size());
-  }
-  if (ls) {
-    zopt_loss_scaler_config cfg = {1024.0, 2.0, 0.5, 2, 1.0, 1};
-    for (Side *x : {&E, &S, &C}) Z(zopt_optimizer_configure_loss_scaler(x->o, &cfg));
-  }
+  auto rnd = [&]() { return lcg(rng); };
+  for (Side *x : {&E, &S, &C}) Z(zopt_optimizer_set_bucket_elems(x->o, 16384));
+  add_groups({E.o, S.o, C.o}, {1e-2});
+  add_twin_tensors(f, {&E, &S}, C, sizes, 1, pdt, gdt, lcg_values(sizes, rng));
+  configure_scalers(ls, {E.o, S.o, C.o});
   {
     // wait_params before finalize: the buckets are not known yet.
     zopt_status st = zopt_optimizer_wait_params(E.o, 0, nullptr);

@@ -44,12 +44,6 @@ double hyper_value(uint32_t kind, int g) {
   return 0;
 }
 
-struct Side {
-  zopt_optimizer *o = nullptr;
-  std::vector<unsigned long long> dp, dg;           // device (offloaded)
-  std::vector<std::vector<unsigned char>> hp, hg;  // host (the twin)
-};
-
 }  // namespace
 
 void pipeline_check(Fake &f, zopt_step *step, const char *twin_path) {
@@ -83,35 +77,9 @@ void pipeline_check(Fake &f, zopt_step *step, const char *twin_path) {
     }
   }
   unsigned rng = 4242;
-  auto rnd = [&]() {
-    rng = rng * 1664525u + 1013904223u;
-    return ((rng >> 8) & 0xFFFF) / 32768.0f - 1.0f;  // [-1, 1)
-  };
-  for (size_t t = 0; t < T; ++t) {
-    const int g = (int)(t % G);
-    for (Side *x : {&P, &S}) {
-      x->dp.push_back(0);
-      x->dg.push_back(0);
-      f.mem_alloc(&x->dp[t], sizes[t] * ep);
-      f.mem_alloc(&x->dg[t], sizes[t] * eg);
-      int id = 0;
-      Z(zopt_optimizer_add_tensor(x->o, g, (void *)(uintptr_t)x->dp[t], (void *)(uintptr_t)x->dg[t], sizes[t],
-                                  (zopt_dtype)pdt, &id));
-    }
-    C.hp.emplace_back(sizes[t] * ep);
-    C.hg.emplace_back(sizes[t] * eg);
-    int id = 0;
-    Z(zopt_optimizer_add_tensor(C.o, g, C.hp[t].data(), C.hg[t].data(), sizes[t], (zopt_dtype)pdt, &id));
-    std::vector<float> v(sizes[t]);
-    for (auto &x : v) x = rnd();
-    Z(zopt_optimizer_write_state_f32(C.o, (int)t, ZOPT_STATE_PARAM, v.data(), sizes[t]));
-    memcpy((void *)(uintptr_t)P.dp[t], C.hp[t].data(), C.hp[t].size());
-    memcpy((void *)(uintptr_t)S.dp[t], C.hp[t].data(), C.hp[t].size());
-  }
-  if (ls) {
-    zopt_loss_scaler_config cfg = {1024.0, 2.0, 0.5, 2, 1.0, 1};
-    for (Side *x : {&P, &S, &C}) Z(zopt_optimizer_configure_loss_scaler(x->o, &cfg));
-  }
+  auto rnd = [&]() { return lcg(rng); };
+  add_twin_tensors(f, {&P, &S}, C, sizes, G, pdt, gdt, lcg_values(sizes, rng));
+  configure_scalers(ls, {P.o, S.o, C.o});
   for (Side *x : {&P, &S, &C}) Z(zopt_optimizer_finalize(x->o));
   void *const stream = (void *)0x0FF1;
   Z(zopt_optimizer_set_stream(P.o, stream));

@@ -2,6 +2,8 @@
 // driver, contexts, events and streams of an optimizer on a device.
 #include "backend/cuda/device.h"
 
+#include <cstdarg>
+#include <cstdio>
 #include <string>
 
 using namespace zopt;
@@ -158,6 +160,18 @@ zopt_status gpu_capturing(const GpuState *g, CUstream s, bool *capturing) {
   return ZOPT_OK;
 }
 
+zopt_status refuse_if_capturing(const GpuState *g, CUstream s, zopt_status code, const char *fmt, ...) {
+  bool cap = false;
+  if (zopt_status st = gpu_capturing(g, s, &cap)) return st;
+  if (!cap) return ZOPT_OK;
+  char msg[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  return fail(code, "%s", msg);
+}
+
 zopt_status gpu_wait_own_work(GpuState *g, CUstream s) {
   const std::pair<CUevent, bool> evs[] = {
       {g->done, g->done_recorded}, {g->hypers_ready, g->hypers_recorded}, {g->staging, g->staging_recorded}};
@@ -167,13 +181,12 @@ zopt_status gpu_wait_own_work(GpuState *g, CUstream s) {
 }
 
 zopt_status gpu_begin_host_access(GpuState *g, const char *what) {
-  bool cap = false;
-  if (zopt_status st = gpu_capturing(g, g->stream, &cap)) return st;
-  if (cap)
-    return fail(ZOPT_ERR_BAD_STATE,
-                "%s: the optimizer's stream is capturing a CUDA graph, and this call copies device memory to or "
-                "from the host and waits for it: call it outside the capture (e.g. after a replay)",
-                what);
+  if (zopt_status st = refuse_if_capturing(
+          g, g->stream, ZOPT_ERR_BAD_STATE,
+          "%s: the optimizer's stream is capturing a CUDA graph, and this call copies device memory to or from the "
+          "host and waits for it: call it outside the capture (e.g. after a replay)",
+          what))
+    return st;
   return gpu_wait_own_work(g, g->stream);
 }
 

@@ -155,6 +155,12 @@ inline void gpu_forget_checked(const GpuState *g) { g->checked.clear(); }
 // Whether `s` is capturing a CUDA graph (an error when the driver cannot
 // tell, e.g. the legacy stream while another stream captures).
 zopt_status gpu_capturing(const GpuState *g, CUstream s, bool *capturing);
+// Refuses a call that cannot be captured in a CUDA graph: when `s` is
+// capturing, fails with `code` and the message `fmt` (printf) and returns
+// it; ZOPT_OK when it is not (gpu_capturing's error when the driver cannot
+// tell).
+zopt_status refuse_if_capturing(const GpuState *g, CUstream s, zopt_status code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
 // Before a host access of device memory on the optimizer's stream (a copy
 // followed by a stream synchronisation): refuses during a capture (`what`
 // names the call) and orders the stream after the optimizer's own

@@ -37,14 +37,13 @@ zopt_status gpu_begin_linked(zopt_optimizer *o, const char *fn) {
   GpuState *g = G(o);
   if (!o->finalized) return ZOPT_OK;  // check_linked refuses it
   ZOPT_CTX_SCOPE(g);
-  bool cap = false;
-  if (zopt_status st = gpu_capturing(g, g->stream, &cap)) return st;
-  if (cap)
-    return fail(ZOPT_ERR_BAD_STATE,
-                "%s: step '%s' is a GPU part of a linked step and its stream is capturing a CUDA graph: a linked "
-                "step brings the GPU part's sum of squares to the host (a copy and a wait) to decide once for every "
-                "part, which a graph cannot hold. Step it outside the capture, or capture a GPU step alone",
-                fn, o->d->name);
+  if (zopt_status st = refuse_if_capturing(
+          g, g->stream, ZOPT_ERR_BAD_STATE,
+          "%s: step '%s' is a GPU part of a linked step and its stream is capturing a CUDA graph: a linked step "
+          "brings the GPU part's sum of squares to the host (a copy and a wait) to decide once for every part, which "
+          "a graph cannot hold. Step it outside the capture, or capture a GPU step alone",
+          fn, o->d->name))
+    return st;
   return gpu_pull(o);  // its counts and scaler, compared with the other parts'
 }
 

@@ -97,15 +97,14 @@ zopt_status offload_alloc_staging(GpuState *g, size_t bytes, void **out) {
 
 zopt_status offload_copy_state(GpuState *g, ParamsBack &pb, zopt_optimizer *o, int si, bool to_device, bool sync) {
   ZOPT_CTX_SCOPE(g);
-  bool cap = false;
-  if (zopt_status st = gpu_capturing(g, g->stream, &cap)) return st;
-  if (cap)
-    return fail(ZOPT_ERR_UNSUPPORTED,
-                "step '%s' is offloaded (ZeRO-Offload: its update runs on the CPU, between copies of the grads from "
-                "the GPU and of the params back), so it needs the host in the middle of the step and cannot be "
-                "captured in a CUDA graph, but the optimizer's stream is capturing: run the offloaded step outside "
-                "the capture (e.g. after torch.cuda.graph's replay of the forward and backward)",
-                o->d->name);
+  if (zopt_status st = refuse_if_capturing(
+          g, g->stream, ZOPT_ERR_UNSUPPORTED,
+          "step '%s' is offloaded (ZeRO-Offload: its update runs on the CPU, between copies of the grads from the GPU "
+          "and of the params back), so it needs the host in the middle of the step and cannot be captured in a CUDA "
+          "graph, but the optimizer's stream is capturing: run the offloaded step outside the capture (e.g. after "
+          "torch.cuda.graph's replay of the forward and backward)",
+          o->d->name))
+    return st;
   const size_t es = dtype_size(o->d->states[si].dtype);
   const bool param = o->d->states[si].kind == ZOPT_STATE_PARAM;
   // 1 rank: the params back bucket by bucket on the copy stream.

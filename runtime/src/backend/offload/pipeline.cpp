@@ -74,14 +74,12 @@ zopt_status offload_bucket_ready(GpuState *g, OffloadPipe &pp, zopt_optimizer *o
   if (S && S->ready[b])
     return fail(ZOPT_ERR_BAD_STATE, "%s: bucket %d was already marked ready since the last step", kReady, b);
   ZOPT_CTX_SCOPE(g);
-  bool cap = false;
-  if (zopt_status st = gpu_capturing(g, g->stream, &cap)) return st;
-  if (cap)
-    return fail(ZOPT_ERR_UNSUPPORTED,
-                "%s: step '%s' is offloaded (its update runs on the CPU), so its bucket copies need the host and "
-                "cannot be captured in a CUDA graph, but the optimizer's stream is capturing: mark buckets ready "
-                "outside the capture",
-                kReady, o->d->name);
+  if (zopt_status st = refuse_if_capturing(
+          g, g->stream, ZOPT_ERR_UNSUPPORTED,
+          "%s: step '%s' is offloaded (its update runs on the CPU), so its bucket copies need the host and cannot be "
+          "captured in a CUDA graph, but the optimizer's stream is capturing: mark buckets ready outside the capture",
+          kReady, o->d->name))
+    return st;
   const bool opened = S == nullptr;
   if (opened) {
     // The previous step's param copies read the staging: the copies into
@@ -156,15 +154,12 @@ zopt_status offload_pipelined_begin(GpuState *g, zopt_optimizer *o) {
                 "all of them: bucket %s of %zu not marked since the last step; mark %s before the step",
                 exec::spec_missing(o).c_str(), nb, nb - S->nready == 1 ? "it" : "them");
   ZOPT_CTX_SCOPE(g);
-  bool cap = false;
-  if (zopt_status st = gpu_capturing(g, g->stream, &cap)) return st;
-  if (cap)
-    return fail(ZOPT_ERR_UNSUPPORTED,
-                "zopt_optimizer_step: step '%s' is offloaded (its update runs on the CPU between the copies of the "
-                "grads and of the params back), so it cannot be captured in a CUDA graph, but the optimizer's "
-                "stream is capturing: run the step outside the capture (its marked buckets stay marked)",
-                o->d->name);
-  return ZOPT_OK;
+  return refuse_if_capturing(
+      g, g->stream, ZOPT_ERR_UNSUPPORTED,
+      "zopt_optimizer_step: step '%s' is offloaded (its update runs on the CPU between the copies of the grads and "
+      "of the params back), so it cannot be captured in a CUDA graph, but the optimizer's stream is capturing: run "
+      "the step outside the capture (its marked buckets stay marked)",
+      o->d->name);
 }
 
 zopt_status offload_pipelined_op(GpuState *g, ParamsBack &pb, zopt_optimizer *o, exec::StepState *st, size_t i,
