@@ -7,8 +7,9 @@ moments", "Part of the params' step on the GPU").
 ones), the shared loss scaling decided for all classes, and the twins
 built: a ``"<dtype>:keep32"`` class with f32 moments for each narrow class
 (``_policy.py``), a ``"<dtype>:gpu"`` class with every state on the GPU for
-each offloaded one (``_placement.py``). The rule itself (its options, checks
-and text) is ``steps.py``'s: each function here takes the rule's function
+each offloaded one (``_placement.py``). The rule itself is ``steps.py``'s
+(its builders), ``_resolve.py``'s (its options and checks) and
+``_steptext.py``'s (its text): each function here takes the rule's function
 ``fn`` (keyword arguments -> Spec) and calls it once per class.
 """
 from __future__ import annotations
