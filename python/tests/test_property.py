@@ -8,6 +8,12 @@ check that every mutant is either
   (oracles/interp.py) on random data, for every element of every state and of the
   param; a GPU / offload mutant is only compiled.
 
+(Longer than ~800 lines: one test and its parts, in the order they run:
+the seed descriptions, the mutation grammar (one function per mutation),
+the diagnostic check, the C runner and its element-wise comparison, the
+oracle's own validation, the pinned findings, the mutant loop. Each part
+serves only this test; split apart they would be read together anyway.)
+
 The oracle: oracles/interp.py reads the description text and evaluates its
 per-element program in float64 (it is validated below against
 oracles/reference.py on every layout and rule of zopt.describe: bit-identical).
