@@ -47,6 +47,9 @@ zopt_status tail_queue(GpuState *g, ParamsBack &pb, OffloadTail &t, zopt_optimiz
     t.failed_bucket = -1;
     t.msg.clear();
   }
+  t.g = g;
+  t.pb = &pb;
+  t.si = si;
   int b = nb - 1;
   try {
     // FINISH advances the counts before the jobs read them: a stochastic
@@ -98,10 +101,10 @@ zopt_status tail_queue(GpuState *g, ParamsBack &pb, OffloadTail &t, zopt_optimiz
 zopt_status tail_wait_bucket(OffloadTail &t, zopt_optimizer *o, int b, const char *fn) {
   if (!t.pending || (size_t)b >= t.ticket.size()) return ZOPT_OK;
   o->pipe->wait(t.ticket[(size_t)b]);
-  bool failed;
+  bool failed;  // bucket b's job or one before it (a later bucket's failure: reported by the join)
   {
     std::lock_guard<std::mutex> l(t.mu);
-    failed = t.failed != ZOPT_OK;
+    failed = t.failed != ZOPT_OK && t.failed_bucket >= b;
   }
   return failed ? tail_join(t, o, fn) : ZOPT_OK;
 }
@@ -113,15 +116,30 @@ zopt_status tail_join(OffloadTail &t, zopt_optimizer *o, const char *fn) {
   o->tail = false;
   offload_pipelined_end(o, false, t.returned);
   if (st) return st;
-  std::lock_guard<std::mutex> l(t.mu);
-  if (!t.failed) return ZOPT_OK;
-  st = t.failed;
-  t.failed = ZOPT_OK;
+  int b;
+  std::string msg;
+  {
+    std::lock_guard<std::mutex> l(t.mu);
+    if (!t.failed) return ZOPT_OK;
+    t.failed = ZOPT_OK;
+    b = t.failed_bucket;
+    msg = std::move(t.msg);
+  }
+  // The failed bucket's copy once more (its event and `staging` after it),
+  // so that the params on the GPU are the step's where it goes through.
+  std::string again;
+  {
+    CtxScope scope(t.g);
+    zopt_status r = scope.status();
+    if (!r) r = params_back_bucket(t.g, *t.pb, o, b, t.si);
+    if (!r) r = params_back_end(t.g, *t.pb);
+    again = r ? std::string("; issued again, it failed too: ") + zopt_last_error()
+              : "; its copy was issued again and went through (the params on the GPU are the step's)";
+  }
   return fail(ZOPT_ERR_INTERNAL,
               "%s: the last step's tail failed in the background (after zopt_optimizer_step returned): bucket %d's "
-              "params back to the GPU: %s (status %d). The optimizer's states and counts are the step's; the "
-              "params of bucket %d on the GPU may be the old ones until the next step copies them back",
-              fn, t.failed_bucket, t.msg.c_str(), (int)st, t.failed_bucket);
+              "params back to the GPU: %s%s. The optimizer's states and counts are the step's",
+              fn, b, msg.c_str(), again.c_str());
 }
 
 }  // namespace zopt

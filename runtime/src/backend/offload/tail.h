@@ -12,7 +12,9 @@
 // the whole tail first (join_tail from CallHold, internal.h: tail_join),
 // which reports a job's failure, naming its bucket, once. A job never
 // fails in the pipeline's sense: a failed copy is recorded here and the
-// later buckets still update, so the states stay whole.
+// later buckets still update, so the states stay whole; the join issues
+// the failed bucket's copy once more (the params on the GPU are the step's
+// if that succeeds, whatever the step reads next) and reports both.
 #ifndef ZOPT_RUNTIME_BACKEND_OFFLOAD_TAIL_H
 #define ZOPT_RUNTIME_BACKEND_OFFLOAD_TAIL_H
 
@@ -35,6 +37,9 @@ struct OffloadTail {
   zopt_status failed = ZOPT_OK;
   int failed_bucket = -1;
   std::string msg;
+  GpuState *g = nullptr;   // for the join's retry of a failed copy
+  ParamsBack *pb = nullptr;
+  int si = -1;             // the param state
 };
 
 // Whether a pipelined step's UPDATE leaves its buckets to a tail: 1 rank,
@@ -49,7 +54,8 @@ zopt_status tail_queue(GpuState *g, ParamsBack &pb, OffloadTail &t, zopt_optimiz
 // earlier job joins the whole tail and is reported.
 zopt_status tail_wait_bucket(OffloadTail &t, zopt_optimizer *o, int b, const char *fn);
 // Waits for every job; the step's stats recorded, its speculation closed;
-// a job's failure reported (ZOPT_ERR_INTERNAL naming the bucket and `fn`).
+// a job's failure reported (ZOPT_ERR_INTERNAL naming the bucket and `fn`)
+// after its copy was issued once more.
 zopt_status tail_join(OffloadTail &t, zopt_optimizer *o, const char *fn);
 
 }  // namespace zopt
