@@ -25,7 +25,9 @@
 // Reported: per step the step()'s wall time, the forward's waits and the
 // exposed time = step() + the forward's waits (what the GPU waits for
 // after backward; the serial step's: its step() + its waits), and the old
-// figure (step() alone after backward); per case their medians and ratios
+// figure (step() alone after backward), and the part of a per-bucket
+// step's tail still running after the forward (the next call waits for
+// it: the next backward's first mark would); per case their medians and ratios
 // against the serial step, with clipping inactive (max_norm 1e9) and
 // active (max_norm 1e-3: every bucket recomputed); the pipelined step's
 // outcome and the CPU time its jobs overlapped with backward (read after
@@ -158,7 +160,7 @@ int main(int argc, char **argv) {
                 Bms, Bms / nb, Fms, Fms / nb, mname[mode]);
     for (int active = 0; active < (clip ? 2 : 1); ++active) {
       for (int i = 0; i < 2; ++i) Z(zopt_optimizer_set_max_norm(o[i], active ? 1e-3 : 1e9));
-      std::vector<double> ser, pip, over, sexp, pexp, pwait;
+      std::vector<double> ser, pip, over, sexp, pexp, pwait, left;
       zopt_pipeline_stats ps{};
       const char *oc[] = {"none", "commit", "recompute", "discard"};
       for (int k = 0; k <= K; ++k) {  // k = 0: warm-up, not counted
@@ -177,17 +179,20 @@ int main(int argc, char **argv) {
         double t3 = now();
         const double wp = forward(o[1], mode);
         ps.size = sizeof ps;
+        const double t4 = now();
         Z(zopt_optimizer_get_pipeline_stats(o[1], &ps));  // after the forward: joins a tail
+        const double jp = now() - t4;  // the tail still running after the forward
         // Every step: the backward the CPU work hid behind, what stayed
         // exposed, the outcome. (No GPU/CPU split of the buckets is built:
         // every bucket updates on the CPU, GPU fraction 0.)
         std::printf("  %sstep %d: backward %.1f ms, CPU work overlapped %.1f ms, exposed %.1f ms (serial %.1f ms), "
                     "%s: %d of %d buckets speculated, %d committed, %d recomputed, %d late; %d copies in flight at the "
                     "end of backward; GPU fraction 0; forward waited %.1f ms (serial %.1f ms): exposed with the "
-                    "forward's waits %.1f ms (serial %.1f ms)\n",
+                    "forward's waits %.1f ms (serial %.1f ms); tail left after the forward %.1f ms\n",
                     k ? "" : "warm-up ", k, (t2 - t1b) * 1e3, ps.overlapped_seconds * 1e3, (t3 - t2) * 1e3,
                     (t1 - t0) * 1e3, oc[ps.outcome & 3], ps.speculated, ps.buckets, ps.committed, ps.recomputed,
-                    ps.late, ps.copies_in_flight, wp * 1e3, ws * 1e3, (t3 - t2 + wp) * 1e3, (t1 - t0 + ws) * 1e3);
+                    ps.late, ps.copies_in_flight, wp * 1e3, ws * 1e3, (t3 - t2 + wp) * 1e3, (t1 - t0 + ws) * 1e3,
+                    jp * 1e3);
         if (!k) continue;
         ser.push_back(t1 - t0);
         pip.push_back(t3 - t2);
@@ -195,15 +200,16 @@ int main(int argc, char **argv) {
         sexp.push_back(t1 - t0 + ws);
         pexp.push_back(t3 - t2 + wp);
         pwait.push_back(wp);
+        left.push_back(jp);
       }
       const double s = median(ser), p = median(pip), se = median(sexp), pe = median(pexp);
       std::printf("clipping %s: serial step %.1f ms; pipelined step after backward %.1f ms (%.2f of serial); outcome "
                   "%s (%d of %d buckets speculated, %d recomputed); CPU work overlapped with backward %.1f ms; "
                   "with the forward's waits: serial %.1f ms, pipelined %.1f ms (step() %.1f + waits %.1f; %.2f of "
-                  "serial) [%s]\n",
+                  "serial); tail left after the forward %.1f ms [%s]\n",
                   active ? "active" : "inactive", s * 1e3, p * 1e3, p / s, oc[ps.outcome & 3], ps.speculated,
                   ps.buckets, ps.recomputed, median(over) * 1e3, se * 1e3, pe * 1e3, p * 1e3, median(pwait) * 1e3,
-                  pe / se, mode ? "per bucket" : "default mode");
+                  pe / se, median(left) * 1e3, mode ? "per bucket" : "default mode");
     }
   }
   bool same = true;
