@@ -10,8 +10,8 @@
 //     the tail's last job cannot finish), zopt_optimizer_step returns, with
 //     its result final; wait_params(nb-1, s) returns and work on s sees
 //     that bucket's new params; read_state, the step counts, save and the
-//     next mark each wait for the whole tail (they return only after the
-//     stall is released) and see the step's final state (the saved file,
+//     next mark (or a serial step) each wait for the whole tail (they
+//     return only after the stall is released) and see the step's final state (the saved file,
 //     loaded into S, leaves S the twin's);
 //   - over several steps (commit, recompute with clipping active, discard
 //     with an inf, a mark right after the step) every state and param is
@@ -252,6 +252,35 @@ void tail_check(Fake &f, zopt_step *step, const char *twin_path) {
     check(early && after && st == ZOPT_OK && ld == ZOPT_OK,
           "tail: save right after the step waits for the tail; the default-mode optimizer loads the file" + msg);
     same_states("saved step");
+  }
+  // ---- 2b: the next mark, then a serial step, right after a stalled step -------
+  for (int serial = 0; serial < 2; ++serial) {
+    set_grads(1e-3f, false);
+    mark_all();
+    f.stall_htod(E.dp[held], E.dp[held] + sizes[held] * ep);
+    zopt_step_result re{}, rs{}, rc{};
+    Releaser rel(f, 3000);
+    Z(zopt_optimizer_step(E.o, &re));
+    const bool early = !rel.released;
+    step_sc(&rs, &rc);
+    set_grads(0.5f, false);  // the next step's grads (device memory the tail does not read)
+    std::thread r([&rel] {
+      usleep(100000);
+      rel.release();
+    });
+    // The next step's first mark, or (serial) the next step without marks.
+    const zopt_status st = serial ? zopt_optimizer_step(E.o, &re) : zopt_optimizer_grad_bucket_ready(E.o, nb - 1);
+    const std::string msg = st ? zopt_last_error() : "";
+    const bool after = rel.done.load();
+    r.join();
+    if (!serial)
+      for (int b = nb - 2; b >= 0; --b) Z(zopt_optimizer_grad_bucket_ready(E.o, b));
+    if (!serial) Z(zopt_optimizer_step(E.o, &re));
+    step_sc(&rs, &rc);
+    check(early && after && st == ZOPT_OK,
+          std::string("tail: ") + (serial ? "a serial step" : "the next step's first mark") +
+              " right after the step waits for its tail" + msg);
+    same_states(serial ? "serial step after a stalled one" : "marked after a stalled step");
   }
   // ---- 3: several steps: commit, recompute, discard; the next mark at once ---
   {
