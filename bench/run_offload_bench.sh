@@ -33,6 +33,8 @@ for f in adamw_bf16_offload_6b adamw_zero_offload adamw_bf16_offload_4b; do
   "$B/bin/zopt-compile" "$T/$f.cpu.mlir" -o "$T/$f.cpu.so"
   "$B/bin/zopt-bench-offload" "$T/$f.so" "$T/$f.cpu.so" --params "$N" --steps "$K"
   # The pipelined step (bucket readiness, speculation) against the serial
-  # one behind a simulated backward as long as a serial step, 16 buckets.
+  # one behind a simulated backward as long as a serial step and before a
+  # simulated forward of half that, 16 buckets, in the default mode and in
+  # per-bucket mode (the step's tail behind the forward).
   "$B/bin/zopt-bench-offload-pipeline" "$T/$f.so" --params "$N" --steps "$K" --bucket $(( (N + 15) / 16 ))
 done

@@ -55,6 +55,23 @@ def test_early_params_bit_identical_waits_once_per_bucket(six_byte, tmp_path):
     assert out["bad_ranges"] == 0
 
 
+@needs_fake
+def test_early_params_state_dict_right_after_step_joins_the_tail(six_byte, tmp_path):
+    """Per-bucket mode: step() returns while the step's tail (commit or
+    recompute, params back per bucket) is held on the pipeline thread (every
+    param copy back stalled in its call, released by a timer); state_dict()
+    right after it waits for the tail and equals the serial offloaded step's
+    and the CPU twin's, bit for bit, every step (clipping inactive and
+    active)."""
+    off, cpu = six_byte
+    out = run_worker(__file__, cpu.path, off.path, tmp_path, ZOPT_FAKE_CUDA_ASYNC="1",
+                     ZOPT_TEST_TAIL="1")
+    assert out["returned_early"] == [True] * 3, out
+    assert out["joined"] == [True] * 3, out
+    assert out["same"] == [True] * 3, out
+    assert out["bad_ranges"] == 0
+
+
 def test_early_params_options_refused(steps):
     """model= / early_params= belong to overlap=True; early_params=True needs
     a model; a bad early_params value."""
@@ -193,5 +210,54 @@ def _worker(cpu_path, off_path, tmp):
     of.finish(s, out, opt_a, opt_b, opt_c)
 
 
+def _tail_worker(cpu_path, off_path, tmp):
+    import threading
+    s, fake, dev, g, init = of.start()
+    A = [dev(sh, w) for sh, w in zip(of.SHAPES, init)]   # per bucket (model=)
+    B = [dev(sh, w) for sh, w in zip(of.SHAPES, init)]   # serial offloaded
+    C = [w.clone() for w in init]                        # the CPU twin
+    nets = [Net(X) for X in (A, B, C)]
+    params = [list(n.parameters()) for n in nets]
+    keep = []
+    of.grads_to_device(params[0] + params[1], dev, keep)
+    kw = dict(lr=1e-2, weight_decay=0.1, bucket_elems=1024)
+    off, cpu = zopt.Step(off_path), zopt.Step(cpu_path)
+    opt_a = zopt.Optimizer(off, params[0], overlap=True, model=nets[0], **kw)
+    opt_b = zopt.Optimizer(off, params[1], **kw)
+    opt_c = zopt.Optimizer(cpu, params[2], **kw)
+    lo = min(p.data_ptr() for p in params[0])
+    hi = max(p.data_ptr() + p.numel() * p.element_size() for p in params[0])
+    fake.fake_cuda_stall_htod.argtypes = [ctypes.c_ulonglong, ctypes.c_ulonglong]
+    out = {"returned_early": [], "joined": [], "same": []}
+    for it in range(3):
+        x = torch.randn(8, 32, generator=g) * (1.0 if it != 1 else 40.0)  # step 2 clips
+        for k, o in enumerate((opt_a, opt_b, opt_c)):
+            o.zero_grad(set_to_none=True)
+            nets[k](x).square().mean().backward()
+        fake.fake_cuda_stall_htod(lo, hi)  # the tail's first copy back waits in its call
+        released = threading.Event()
+
+        def release():
+            released.set()
+            fake.fake_cuda_release_htod()
+        timer = threading.Timer(0.3, release)
+        timer.start()
+        opt_a.step()
+        out["returned_early"].append(not released.is_set())
+        sta = opt_a.state_dict()["state"]  # joins the tail: after the release
+        out["joined"].append(released.is_set())
+        timer.join()
+        opt_b.step()
+        opt_c.step()
+        stb, stc = opt_b.state_dict()["state"], opt_c.state_dict()["state"]
+        fake.fake_cuda_drain_all()
+        same = all(of.equal(p, q) and of.equal(p, r) for p, q, r in zip(*params))
+        same = same and sorted(sta) == sorted(stb) == sorted(stc) and all(
+            torch.equal(sta[i][key], stb[i][key]) and torch.equal(sta[i][key], stc[i][key])
+            for i in sta for key in sta[i])
+        out["same"].append(bool(same))
+    of.finish(s, out, opt_a, opt_b, opt_c)
+
+
 if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2], sys.argv[3])
+    (_tail_worker if os.environ.get("ZOPT_TEST_TAIL") else _worker)(sys.argv[1], sys.argv[2], sys.argv[3])

@@ -1,5 +1,6 @@
 // common.cpp - errors, dtype conversions, hashing, thread pool.
 #include "internal.h"
+#include "backend/backend.h"
 
 #include <algorithm>
 #include <cmath>
@@ -299,8 +300,13 @@ void CallGate::close() {
   idle_.wait(lk, [&] { return depth_ == 0; });
 }
 
-CallHold::CallHold(const zopt_optimizer *o, const char *fn) : fn_(fn) {
-  if (o->gate.enter(fn, &running_)) gate_ = &o->gate;
+CallHold::CallHold(const zopt_optimizer *o, const char *fn, bool join) : fn_(fn) {
+  if (!o->gate.enter(fn, &running_)) return;
+  gate_ = &o->gate;
+  // The caller's optimizer is not const; a tail left by its last step
+  // changes its states (joined before any call reads or writes them).
+  // (join_tail, through the backend: this file links alone into tests.)
+  if (join && o->tail && o->backend) joined_ = o->backend->join_tail(const_cast<zopt_optimizer *>(o), fn);
 }
 
 CallHold::~CallHold() {
@@ -308,6 +314,7 @@ CallHold::~CallHold() {
 }
 
 zopt_status CallHold::refuse() const {
+  if (joined_) return joined_;  // the join's message is set
   if (running_ && strcmp(running_, "zopt_optimizer_free") == 0)
     return fail(ZOPT_ERR_BAD_STATE, "%s: the optimizer is being freed (zopt_optimizer_free) on another thread", fn_);
   return fail(ZOPT_ERR_BAD_STATE,

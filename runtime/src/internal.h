@@ -125,28 +125,36 @@ class CallGate {
   bool closing_ = false;
 };
 
-// Holds an optimizer's gate for the scope of an API call (CHECK_OPT_ANY).
+// Holds an optimizer's gate for the scope of an API call (CHECK_OPT_ANY),
+// and (`join`, every call but zopt_optimizer_wait_params) first joins the
+// work a step left running after it returned (join_tail): the one place
+// every call waits for it.
 class CallHold {
  public:
-  CallHold(const zopt_optimizer *o, const char *fn);
+  CallHold(const zopt_optimizer *o, const char *fn, bool join = true);
   ~CallHold();
   CallHold(const CallHold &) = delete;
   CallHold &operator=(const CallHold &) = delete;
-  bool held() const { return gate_ != nullptr; }
-  // ZOPT_ERR_BAD_STATE naming this call and the running one.
+  bool held() const { return gate_ != nullptr && !joined_; }
+  // ZOPT_ERR_BAD_STATE naming this call and the running one; or the
+  // failure the join reported.
   zopt_status refuse() const;
 
  private:
   CallGate *gate_ = nullptr;
   const char *fn_, *running_ = nullptr;
+  zopt_status joined_ = ZOPT_OK;
 };
 
 // The first statements of a C API call on optimizer `o`: refuses NULL and a
-// call while another thread's runs; holds the gate to the end of the scope.
-#define ZOPT_ENTER_CALL(o, fn)                                                         \
+// call while another thread's runs; holds the gate to the end of the scope;
+// joins the last step's tail (ZOPT_ENTER_CALL_NO_JOIN: not).
+#define ZOPT_ENTER_CALL_(o, fn, join)                                                  \
   if (!(o)) return ::zopt::fail(ZOPT_ERR_INVALID_ARGUMENT, "%s: optimizer is NULL", fn); \
-  ::zopt::CallHold zopt_call_hold_(o, fn);                                             \
+  ::zopt::CallHold zopt_call_hold_(o, fn, join);                                       \
   if (!zopt_call_hold_.held()) return zopt_call_hold_.refuse()
+#define ZOPT_ENTER_CALL(o, fn) ZOPT_ENTER_CALL_(o, fn, true)
+#define ZOPT_ENTER_CALL_NO_JOIN(o, fn) ZOPT_ENTER_CALL_(o, fn, false)
 
 // Runs f(tid) for tid in [0, pool->size()) on the pool.
 template <class F>
@@ -248,6 +256,10 @@ struct zopt_optimizer {
   zopt::exec::StepState *begun = nullptr;
   int linked = 0;
   double linked_sumsq = 0;
+  // A step's tail runs on the pipeline thread after the step returned
+  // (an offloaded step in per-bucket mode, backend/offload/tail.h): every
+  // API call but zopt_optimizer_wait_params joins it first (CallHold).
+  bool tail = false;
   // The C API call running on the optimizer (zopt.h "Threading").
   mutable zopt::CallGate gate;
   // Counts the rebuilds of the layout (tensors added after finalize): a
@@ -260,6 +272,9 @@ namespace zopt {
 // queued or running (every API call but the streaming ones and the step,
 // which waits for them), or while a begun step waits for its end.
 zopt_status check_idle(const zopt_optimizer *o, const char *fn);
+// Waits for the tail a step left running (o->tail; nothing otherwise) and
+// reports its failure naming `fn` (the backend's join_tail).
+zopt_status join_tail(zopt_optimizer *o, const char *fn);
 }  // namespace zopt
 
 namespace zopt {

@@ -14,11 +14,16 @@ struct RunDevice::Fns {
   int (*MemAlloc)(unsigned long long *, size_t);
   int (*MemFree)(unsigned long long);
   int (*MemcpyHtoD)(unsigned long long, const void *, size_t);
+  int (*StreamCreate)(void **, unsigned);
+  int (*StreamDestroy)(void *);
+  int (*StreamSynchronize)(void *);
 };
 
 RunDevice::~RunDevice() {
-  if (f_)
+  if (f_) {
+    for (void *s : streams_) f_->StreamDestroy(s);
     for (unsigned long long p : allocs_) f_->MemFree(p);
+  }
   delete f_;
   // The library stays loaded: the runtime holds its own handle to it.
 }
@@ -42,7 +47,10 @@ bool RunDevice::open(std::string *why) {
               {(void **)&f_->CtxSetCurrent, "cuCtxSetCurrent"},
               {(void **)&f_->MemAlloc, "cuMemAlloc_v2"},
               {(void **)&f_->MemFree, "cuMemFree_v2"},
-              {(void **)&f_->MemcpyHtoD, "cuMemcpyHtoD_v2"}};
+              {(void **)&f_->MemcpyHtoD, "cuMemcpyHtoD_v2"},
+              {(void **)&f_->StreamCreate, "cuStreamCreate"},
+              {(void **)&f_->StreamDestroy, "cuStreamDestroy_v2"},
+              {(void **)&f_->StreamSynchronize, "cuStreamSynchronize"}};
   for (const Sym &s : syms)
     if (!(*s.slot = dlsym(lib_, s.name))) {
       *why = "CUDA driver " + name_ + " lacks " + s.name;
@@ -78,3 +86,15 @@ void *RunDevice::upload(const void *host, size_t bytes, std::string *why) {
   }
   return (void *)(uintptr_t)p;
 }
+
+void *RunDevice::new_stream(std::string *why) {
+  void *s = nullptr;
+  if (int r = f_->StreamCreate(&s, 1)) {  // CU_STREAM_NON_BLOCKING
+    *why = "cuStreamCreate: CUDA error " + std::to_string(r);
+    return nullptr;
+  }
+  streams_.push_back(s);
+  return s;
+}
+
+int RunDevice::sync(void *stream) { return f_->StreamSynchronize(stream); }

@@ -27,6 +27,12 @@ class RunDevice {
   // `bytes` of device memory holding `host`'s bytes; NULL on failure
   // (*why set). Freed by the destructor.
   void *upload(const void *host, size_t bytes, std::string *why);
+  // A new stream (cuStreamCreate; NULL on failure, *why set), destroyed by
+  // the destructor; and a host wait for a stream's work (cuStreamSynchronize,
+  // NULL: the legacy default stream; the CUDA error, 0 on success). The
+  // benchmarks' simulated forward (bench/offload_pipeline_bench.cpp).
+  void *new_stream(std::string *why);
+  int sync(void *stream);
 
  private:
   struct Fns;
@@ -34,6 +40,7 @@ class RunDevice {
   Fns *f_ = nullptr;
   std::string name_;
   std::vector<unsigned long long> allocs_;
+  std::vector<void *> streams_;
 };
 
 #endif

@@ -371,7 +371,8 @@ enum { ZOPT_SPEC_NONE = 0, ZOPT_SPEC_COMMIT = 1, ZOPT_SPEC_RECOMPUTE = 2, ZOPT_S
  * RECOMPUTE (some recomputed: clipping active), DISCARD (skipped).
  * overlapped_seconds: the buckets' CPU work on the optimizer's thread
  * (norm partials, speculative updates); exposed_seconds: from the last
- * bucket's readiness to the end of the step. */
+ * bucket's readiness to the end of the step (per-bucket mode: to the
+ * return of zopt_optimizer_step, before its tail). */
 typedef struct zopt_pipeline_stats {
   uint32_t size;
   int32_t outcome;
@@ -418,7 +419,15 @@ ZOPT_API zopt_status zopt_optimizer_get_pipeline_stats(const zopt_optimizer *opt
  * extent changed since the last copies, waits for every copy (or nothing
  * when none was made). A bucket out of range: ZOPT_ERR_INVALID_ARGUMENT.
  * get_param_wait: the mode (ZOPT_PARAM_WAIT_ALL for a step that is not
- * offloaded). */
+ * offloaded).
+ * Per-bucket mode, a pipelined step at 1 rank: zopt_optimizer_step returns
+ * once the outcome is decided (result, skip, loss scale, counts final) and
+ * leaves each bucket's commit or recompute and its copy back (its tail) to
+ * the optimizer's pipeline thread, in forward order; wait_params(o, b, s)
+ * first blocks the host until bucket b's copy is issued; every other call
+ * first waits for the whole tail, and returns ZOPT_ERR_INTERNAL naming the
+ * bucket if a part of it failed (the copy issued once more; the call after
+ * it works). */
 #define ZOPT_PARAM_WAIT_ALL 0
 #define ZOPT_PARAM_WAIT_PER_BUCKET 1
 ZOPT_API zopt_status zopt_optimizer_set_param_wait(zopt_optimizer *opt, int mode);

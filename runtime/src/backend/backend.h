@@ -158,6 +158,10 @@ class Backend {
   virtual zopt_status set_param_wait(zopt_optimizer *o, int mode);
   virtual int param_wait(const zopt_optimizer *) const { return 0; }
   virtual zopt_status wait_params(zopt_optimizer *o, int b, void *stream);
+  // Work a step left running after it returned (an offloaded step's tail,
+  // backend/offload/tail.h; o->tail set): waited for, its failure reported
+  // naming `fn`. join_tail (internal.h) calls it.
+  virtual zopt_status join_tail(zopt_optimizer *o, const char *fn) { return ZOPT_OK; }
 };
 
 // Calls Backend::checks_done when the calling C API function returns.

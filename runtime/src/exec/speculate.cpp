@@ -47,7 +47,8 @@ void update_chunk(zopt_optimizer *o, const Chunk &c, void *const *out) {
     // The key of exec.cpp run_update: (seed, step being taken, tensor,
     // high half of the chunk's first index); the bits depend on the
     // element, not on the chunking.
-    uint64_t t = (uint64_t)o->tensors[c.tensor].steps + 1;
+    const std::vector<int64_t> &ts = P.spec->tail_steps;
+    uint64_t t = (uint64_t)(ts.empty() ? o->tensors[c.tensor].steps : ts[(size_t)c.tensor]) + 1;
     uint32_t key = zopt_sr_key(o->seed, t, (uint32_t)c.tensor, (uint32_t)((uint64_t)c.start >> 32));
     ((zopt_update_sr_fn)(void *)o->step->update)(c.ptrs, out, c.len, co, key, (uint32_t)c.start);
   } else {
@@ -397,6 +398,7 @@ void spec_close(zopt_optimizer *o) {
   if (!o->prog || !o->prog->spec) return;
   Spec &S = *o->prog->spec;
   S.open = S.consumed = false;
+  S.tail_steps.clear();
   std::fill(S.ready.begin(), S.ready.end(), 0);
   std::fill(S.speculated.begin(), S.speculated.end(), 0);
   S.nready = 0;

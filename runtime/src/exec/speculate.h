@@ -67,6 +67,11 @@ struct Spec {
   // Buckets whose copies from the GPU were still running when the last
   // bucket was marked ready (the end of backward).
   int copies_in_flight = 0;
+  // Per tensor its count before the step, where the update runs after
+  // FINISH advanced it (the offload tail, backend/offload/tail.h: a
+  // stochastic rounding key uses the step being taken); empty: the
+  // tensors' counts.
+  std::vector<int64_t> tail_steps;
   // zopt_optimizer_get_pipeline_stats: the last pipelined step's.
   zopt_pipeline_stats stats{};
   int64_t stats_steps = 0;

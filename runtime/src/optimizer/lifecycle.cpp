@@ -72,6 +72,7 @@ ZOPT_API zopt_status zopt_optimizer_create(const zopt_step *step, zopt_optimizer
 ZOPT_API void zopt_optimizer_free(zopt_optimizer *o) {
   if (!o) return;
   o->gate.close();  // waits for a call running on another thread
+  (void)join_tail(o, "zopt_optimizer_free");  // its jobs use the backend's buffers (a failure has no caller)
   delete o->pipe;  // skips queued jobs, waits for a running one, joins
   delete o->pool;
   delete o->begun;

@@ -214,7 +214,7 @@ ZOPT_API zopt_status zopt_optimizer_get_param_wait(const zopt_optimizer *o, int 
 
 ZOPT_API zopt_status zopt_optimizer_wait_params(zopt_optimizer *o, int bucket, void *cu_stream) {
   const char *fn = "zopt_optimizer_wait_params";
-  CHECK_OPT_ANY(o, fn);
+  ZOPT_ENTER_CALL_NO_JOIN(o, fn);  // waits for its bucket's part of a step's tail only
   if (!o->backend->stages()) return o->backend->wait_params(o, bucket, cu_stream);  // UNSUPPORTED
   if (!o->finalized || !o->prog) return fail(ZOPT_ERR_BAD_STATE, "%s: call zopt_optimizer_finalize first", fn);
   if (zopt_status st = check_bucket(o, bucket, fn)) return st;

@@ -3,6 +3,7 @@
 //===----------------------------------------------------------------------===//
 #include "pipeline/pipeline.h"
 
+#include "backend/backend.h"
 #include "exec/exec.h"
 #include "exec/speculate.h"
 #include "internal.h"
@@ -28,6 +29,11 @@ zopt_status check_idle(const zopt_optimizer *o, const char *fn) {
                 "(or the step) first",
                 fn);
   return ZOPT_OK;
+}
+
+zopt_status join_tail(zopt_optimizer *o, const char *fn) {
+  if (!o->tail || !o->backend) return ZOPT_OK;
+  return o->backend->join_tail(o, fn);
 }
 
 }  // namespace zopt
@@ -63,6 +69,11 @@ bool Pipeline::idle() const {
 uint64_t Pipeline::completed() const {
   std::lock_guard<std::mutex> l(mu_);
   return completed_;
+}
+
+void Pipeline::wait(uint64_t ticket) {
+  std::unique_lock<std::mutex> l(mu_);
+  done_cv_.wait(l, [&] { return completed_ >= ticket; });
 }
 
 zopt_status Pipeline::drain() {

@@ -56,6 +56,9 @@ class Pipeline {
   bool idle() const;
   // Jobs run or skipped so far.
   uint64_t completed() const;
+  // Waits until the job of `ticket` (and every job before it) has run or
+  // been skipped; reports nothing (drain does).
+  void wait(uint64_t ticket);
   // Waits until idle; then reports the first failure since the last drain
   // (fail() with its status and message, naming the job) and forgets it.
   zopt_status drain();

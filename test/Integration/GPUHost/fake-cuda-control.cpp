@@ -138,10 +138,26 @@ API void fake_cuda_hold_htod(unsigned long long lo, unsigned long long hi) {
   h.lo = lo;
   h.hi = hi;
 }
+// A host-to-device copy into [lo, hi) issued from now on blocks its caller
+// (in the call) until fake_cuda_release_htod.
+API void fake_cuda_stall_htod(unsigned long long lo, unsigned long long hi) {
+  Hold &h = hold();
+  std::lock_guard<std::mutex> lk(h.mu);
+  h.stall_lo = lo;
+  h.stall_hi = hi;
+}
+// The next host-to-device copy into [lo, hi) fails (700, an illegal
+// address), once; nothing is copied.
+API void fake_cuda_fail_htod(unsigned long long lo, unsigned long long hi) {
+  Hold &h = hold();
+  std::lock_guard<std::mutex> lk(h.mu);
+  h.fail_lo = lo;
+  h.fail_hi = hi;
+}
 API void fake_cuda_release_htod(void) {
   Hold &h = hold();
   std::lock_guard<std::mutex> lk(h.mu);
-  h.lo = h.hi = 0;
+  h.lo = h.hi = h.stall_lo = h.stall_hi = 0;
   ++h.gen;
   h.cv.notify_all();
 }

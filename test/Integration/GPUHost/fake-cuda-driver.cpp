@@ -233,6 +233,18 @@ API CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, vo
     g->nodes.push_back(node);
     return kOk;
   }
+  {
+    Hold &h = hold();
+    std::unique_lock<std::mutex> lk(h.mu);
+    if (dst < h.fail_hi && dst + n > h.fail_lo) {  // fake_cuda_fail_htod
+      h.fail_lo = h.fail_hi = 0;
+      return (CUresult)700;
+    }
+    if (dst < h.stall_hi && dst + n > h.stall_lo) {  // fake_cuda_stall_htod: the caller waits
+      const uint64_t g0 = h.gen;
+      h.cv.wait(lk, [&] { return h.gen != g0; });
+    }
+  }
   touch(dst);
   {
     std::lock_guard<std::recursive_mutex> lk(g_mu);

@@ -71,6 +71,10 @@
 // hi) queues the copies into [lo, hi) issued after it and holds each at its
 // turn (with its stream's later work) until fake_cuda_release_htod: a copy
 // as slow as a test needs, to show what waits for it and what does not.
+// fake_cuda_stall_htod(lo, hi) instead blocks the caller of such a copy in
+// the call until the release (a thread slow to issue it: the offload
+// tail's job), and fake_cuda_fail_htod(lo, hi) makes the next one fail
+// (700, an illegal address), once.
 //
 // With ZOPT_FAKE_CUDA_TWIN=<the step compiled for the CPU> the emulation is
 // on from the start and runs each kernel whole on the twin's CPU kernels

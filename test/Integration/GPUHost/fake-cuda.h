@@ -129,10 +129,15 @@ struct State {
 // fake_cuda_hold_htod: host-to-device copies into [lo, hi) are queued and
 // wait at their turn until fake_cuda_release_htod (a copy that takes as
 // long as the test wants).
+// fake_cuda_stall_htod: a host-to-device copy into [stall_lo, stall_hi)
+// blocks its caller at the call until fake_cuda_release_htod (a caller
+// slow to issue it). fake_cuda_fail_htod: the next such copy into
+// [fail_lo, fail_hi) fails (CUDA_ERROR_ILLEGAL_ADDRESS), once.
 struct Hold {
   std::mutex mu;
   std::condition_variable cv;
   CUdeviceptr lo = 0, hi = 0;  // empty: none held
+  CUdeviceptr stall_lo = 0, stall_hi = 0, fail_lo = 0, fail_hi = 0;
   uint64_t gen = 0;            // releases so far
 };
 Hold &hold();

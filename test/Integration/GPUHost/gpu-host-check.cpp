@@ -2,7 +2,7 @@
 //
 //   zopt-gpu-host-check FAKE_DRIVER.so GPU_STEP.so [--big]
 //   zopt-gpu-host-check FAKE_DRIVER.so OFFLOAD_STEP.so CPU_TWIN.so [--world=W [--pipeline] | --pipeline |
-//                                                                   --params-back]
+//                                                                   --params-back | --tail]
 //
 // Runs a GPU step against libzopt-fake-cuda.so (set ZOPT_CUDA_DRIVER to the
 // same path): "device" memory is host memory and kernels are only recorded,
@@ -29,6 +29,8 @@
 // (gpu-host-pipeline.cpp) against the serial step and the twin.
 // --params-back: the params' copies back per bucket, in forward order, and
 // the per-bucket wait mode (gpu-host-params-back.cpp).
+// --tail: per-bucket mode's tail after the step returns, its joins and its
+// failures (gpu-host-tail.cpp).
 //===----------------------------------------------------------------------===//
 #include "gpu-host-check.h"
 
@@ -39,7 +41,7 @@ using namespace ghc;
 int main(int argc, char **argv) {
   if (argc < 3 || argc > 6) {
     fprintf(stderr, "usage: zopt-gpu-host-check FAKE_DRIVER.so GPU_STEP.so [--big] | OFFLOAD_STEP.so CPU_TWIN.so "
-                    "[--world=W | --pipeline | --params-back] (with ZOPT_CUDA_DRIVER=FAKE_DRIVER.so)\n");
+                    "[--world=W | --pipeline | --params-back | --tail] (with ZOPT_CUDA_DRIVER=FAKE_DRIVER.so)\n");
     return 2;
   }
   const char *env = getenv("ZOPT_CUDA_DRIVER");
@@ -85,6 +87,8 @@ int main(int argc, char **argv) {
   SYM(htod, "fake_cuda_htod");
   SYM(hold_htod, "fake_cuda_hold_htod");
   SYM(release_htod, "fake_cuda_release_htod");
+  SYM(stall_htod, "fake_cuda_stall_htod");
+  SYM(fail_htod, "fake_cuda_fail_htod");
   SYM(mem_alloc, "cuMemAlloc_v2");
   SYM(mem_free, "cuMemFree_v2");
   SYM(ctx_retain, "cuDevicePrimaryCtxRetain");
@@ -102,7 +106,7 @@ int main(int argc, char **argv) {
   SYM(graph_launch, "cuGraphLaunch");
 #undef SYM
   if (!f.num_calls || !f.launch || !f.mem_alloc || !f.set_emulation || !f.graph_launch || !f.num_bad_ranges ||
-      !f.in_alloc || !f.hold_htod) {
+      !f.in_alloc || !f.hold_htod || !f.stall_htod || !f.fail_htod) {
     fprintf(stderr, "%s is not the fake driver\n", argv[1]);
     return 2;
   }
@@ -114,6 +118,8 @@ int main(int argc, char **argv) {
     pipeline_check(f, step, argv[3]);
   } else if (argc == 5 && !strcmp(argv[4], "--params-back")) {
     params_back_check(f, step, argv[3]);
+  } else if (argc == 5 && !strcmp(argv[4], "--tail")) {
+    tail_check(f, step, argv[3]);
   } else if (argc >= 5) {
     if (strncmp(argv[4], "--world=", 8) || atoi(argv[4] + 8) < 2 || (argc == 6 && strcmp(argv[5], "--pipeline"))) {
       fprintf(stderr, "expected --world=W (W >= 2) [--pipeline], got %s\n", argv[4]);

@@ -71,6 +71,8 @@ struct Fake {
   void (*htod)(int, unsigned long long *, size_t *, void **);
   void (*hold_htod)(unsigned long long, unsigned long long);
   void (*release_htod)();
+  void (*stall_htod)(unsigned long long, unsigned long long);
+  void (*fail_htod)(unsigned long long, unsigned long long);
   // The driver API itself (the test plays the application).
   int (*mem_alloc)(unsigned long long *, size_t);
   int (*mem_free)(unsigned long long);
@@ -332,6 +334,7 @@ void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const 
                          bool pipelined = false);
 void pipeline_check(Fake &f, zopt_step *step, const char *twin_path);
 void params_back_check(Fake &f, zopt_step *step, const char *twin_path);
+void tail_check(Fake &f, zopt_step *step, const char *twin_path);
 int gpu_main_check(Fake &f, zopt_step *step, const char *path);
 void driver_checks(Fake &f, zopt_step *step);
 void device_checks(Fake &f, zopt_step *step);

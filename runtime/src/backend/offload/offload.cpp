@@ -28,6 +28,7 @@
 
 #include "backend/offload/params_back.h"
 #include "backend/offload/pipeline.h"
+#include "backend/offload/tail.h"
 
 #include "backend/cpu/cpu.h"
 #include "backend/cuda/device.h"
@@ -188,6 +189,7 @@ class OffloadBackend final : public CpuBackend {
   GpuState *g;
   OffloadPipe pipe;  // bucket readiness (pipeline.h)
   ParamsBack pb;     // the params' copies back (params_back.h)
+  OffloadTail tail;  // a step's work after it returned (tail.h)
 
   const char *name() const override { return "offload"; }
   zopt_status supports(const zopt_optimizer *o, Feature f, const char *fn) const override {
@@ -244,19 +246,24 @@ class OffloadBackend final : public CpuBackend {
   }
   zopt_status run_op(zopt_optimizer *o, exec::StepState *st, size_t i) override {
     bool handled = false;
-    if (zopt_status s = offload_pipelined_op(g, pb, o, st, i, &handled)) return s;
+    if (zopt_status s = offload_pipelined_op(g, pb, tail, o, st, i, &handled)) return s;
     return handled ? ZOPT_OK : CpuBackend::run_op(o, st, i);
   }
   void end_step(zopt_optimizer *o, exec::StepState *st, zopt_step_result *result) override {
     CpuBackend::end_step(o, st, result);
-    offload_pipelined_end(o, st);
+    if (tail.pending)
+      tail.returned = exec::now_seconds();  // the tail ends the pipelined step (tail_join)
+    else
+      offload_pipelined_end(o, st->skipped, exec::now_seconds());
   }
+  zopt_status join_tail(zopt_optimizer *o, const char *fn) override { return tail_join(tail, o, fn); }
   zopt_status set_param_wait(zopt_optimizer *, int mode) override {
     pb.mode = mode;
     return ZOPT_OK;
   }
   int param_wait(const zopt_optimizer *) const override { return pb.mode; }
   zopt_status wait_params(zopt_optimizer *o, int b, void *stream) override {
+    if (zopt_status st = tail_wait_bucket(tail, o, b, "zopt_optimizer_wait_params")) return st;
     return params_back_wait(g, pb, o, b, stream);
   }
   const void *param_on_host(const zopt_optimizer *o, int t) const override {

@@ -11,10 +11,12 @@
 // are updated in forward order (the last first) and each bucket's params go
 // back to the device as soon as it is final, on the copy stream with its
 // own event (params_back.h); the `staging` event is recorded after the
-// last, as in a serial step.
+// last, as in a serial step. In per-bucket mode that per-bucket work is
+// the step's tail, run after the step returns (tail.h).
 #include "backend/offload/pipeline.h"
 
 #include "backend/offload/params_back.h"
+#include "backend/offload/tail.h"
 
 #include "exec/exec.h"
 #include "exec/speculate.h"
@@ -162,8 +164,8 @@ zopt_status offload_pipelined_begin(GpuState *g, zopt_optimizer *o) {
       o->d->name);
 }
 
-zopt_status offload_pipelined_op(GpuState *g, ParamsBack &pb, zopt_optimizer *o, exec::StepState *st, size_t i,
-                                 bool *handled) {
+zopt_status offload_pipelined_op(GpuState *g, ParamsBack &pb, OffloadTail &tail, zopt_optimizer *o,
+                                 exec::StepState *st, size_t i, bool *handled) {
   exec::Spec *S = open_spec(o);
   *handled = false;
   if (!S) return ZOPT_OK;
@@ -184,7 +186,9 @@ zopt_status offload_pipelined_op(GpuState *g, ParamsBack &pb, zopt_optimizer *o,
       P.copy_bytes[to_host ? 0 : 1] += exec::copy_size(o, (int)op.state);
       if (to_host) return ZOPT_OK;  // at each bucket's readiness
       // The params went back bucket by bucket at the UPDATE: `staging`,
-      // and the optimizer's stream after them unless per bucket.
+      // and the optimizer's stream after them unless per bucket (the
+      // tail's last job records it).
+      if (tail.pending) return ZOPT_OK;
       ZOPT_CTX_SCOPE(g);
       return params_back_end(g, pb);
     }
@@ -210,6 +214,13 @@ zopt_status offload_pipelined_op(GpuState *g, ParamsBack &pb, zopt_optimizer *o,
       // next forward needs), each bucket's params back once it is final.
       if (back >= 0)
         if (zopt_status s = params_back_begin(g, pb, o)) return s;
+      // Per-bucket mode: the same work per bucket, in the same order, on
+      // the pipeline thread after the step returns (tail.h).
+      if (tail_wanted(o, pb.mode, back)) {
+        zopt_status s = tail_queue(g, pb, tail, o, back);
+        P.op_seconds[i] = exec::now_seconds() - t0;
+        return s;
+      }
       for (int b = (int)S->ready.size() - 1; b >= 0; --b) {
         exec::spec_update_bucket(o, b);
         if (back >= 0)
@@ -223,7 +234,7 @@ zopt_status offload_pipelined_op(GpuState *g, ParamsBack &pb, zopt_optimizer *o,
   }
 }
 
-void offload_pipelined_end(zopt_optimizer *o, const exec::StepState *st) {
+void offload_pipelined_end(zopt_optimizer *o, bool skipped, double end) {
   exec::Spec *S = open_spec(o);
   if (!S) return;
   zopt_pipeline_stats &r = S->stats;
@@ -235,9 +246,9 @@ void offload_pipelined_end(zopt_optimizer *o, const exec::StepState *st) {
   r.recomputed = S->recomputed;
   r.late = S->late;
   r.copies_in_flight = S->copies_in_flight;
-  r.outcome = st->skipped ? ZOPT_SPEC_DISCARD : S->recomputed ? ZOPT_SPEC_RECOMPUTE : ZOPT_SPEC_COMMIT;
+  r.outcome = skipped ? ZOPT_SPEC_DISCARD : S->recomputed ? ZOPT_SPEC_RECOMPUTE : ZOPT_SPEC_COMMIT;
   for (double x : S->job_seconds) r.overlapped_seconds += x;
-  r.exposed_seconds = exec::now_seconds() - S->last_ready;
+  r.exposed_seconds = end - S->last_ready;
   r.steps = S->stats_steps + 1;
   S->stats_steps = r.steps;
   exec::spec_close(o);

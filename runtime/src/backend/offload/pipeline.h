@@ -22,6 +22,7 @@ struct StepState;
 }
 
 struct ParamsBack;
+struct OffloadTail;
 
 struct OffloadPipe {
   std::vector<CUevent> events;  // per bucket (made at its first readiness)
@@ -39,11 +40,14 @@ bool offload_pipelined(const zopt_optimizer *o);
 zopt_status offload_pipelined_begin(GpuState *g, zopt_optimizer *o);
 // Program op i of a pipelined step; *handled false: the host executor's.
 // At 1 rank the params go back through `pb` (params_back.h): bucket by
-// bucket in forward order, each as soon as it is final.
-zopt_status offload_pipelined_op(GpuState *g, ParamsBack &pb, zopt_optimizer *o, exec::StepState *st, size_t i,
-                                 bool *handled);
-// After the last op: the outcome recorded, the step closed.
-void offload_pipelined_end(zopt_optimizer *o, const exec::StepState *st);
+// bucket in forward order, each as soon as it is final; in per-bucket mode
+// that work is left to `tail` (tail.h), after the step returns.
+zopt_status offload_pipelined_op(GpuState *g, ParamsBack &pb, OffloadTail &tail, zopt_optimizer *o,
+                                 exec::StepState *st, size_t i, bool *handled);
+// After the last op (after the tail, where there is one): the outcome
+// recorded (`end`: when the step returned, for the exposed time), the
+// step closed.
+void offload_pipelined_end(zopt_optimizer *o, bool skipped, double end);
 // The events (context current or not).
 void offload_pipe_free(GpuState *g, OffloadPipe &pp);
 
