@@ -59,14 +59,17 @@ def test_early_params_bit_identical_waits_once_per_bucket(six_byte, tmp_path):
 def test_early_params_state_dict_right_after_step_joins_the_tail(six_byte, tmp_path):
     """Per-bucket mode: step() returns while the step's tail (commit or
     recompute, params back per bucket) is held on the pipeline thread (every
-    param copy back stalled in its call, released by a timer); state_dict()
-    right after it waits for the tail and equals the serial offloaded step's
+    param copy back stalled in its call, released by a timer); the model's
+    state_dict() right after it waits for the tail (a checkpoint of the
+    model holds this step's params), and the optimizer's state_dict() waits
+    for it too and equals the serial offloaded step's
     and the CPU twin's, bit for bit, every step (clipping inactive and
     active)."""
     off, cpu = six_byte
     out = run_worker(__file__, cpu.path, off.path, tmp_path, ZOPT_FAKE_CUDA_ASYNC="1",
                      ZOPT_TEST_TAIL="1")
     assert out["returned_early"] == [True] * 3, out
+    assert out["model_joined"] == [True] * 3, out
     assert out["joined"] == [True] * 3, out
     assert out["same"] == [True] * 3, out
     assert out["bad_ranges"] == 0
@@ -228,7 +231,7 @@ def _tail_worker(cpu_path, off_path, tmp):
     lo = min(p.data_ptr() for p in params[0])
     hi = max(p.data_ptr() + p.numel() * p.element_size() for p in params[0])
     fake.fake_cuda_stall_htod.argtypes = [ctypes.c_ulonglong, ctypes.c_ulonglong]
-    out = {"returned_early": [], "joined": [], "same": []}
+    out = {"returned_early": [], "model_joined": [], "joined": [], "same": []}
     for it in range(3):
         x = torch.randn(8, 32, generator=g) * (1.0 if it != 1 else 40.0)  # step 2 clips
         for k, o in enumerate((opt_a, opt_b, opt_c)):
@@ -244,6 +247,8 @@ def _tail_worker(cpu_path, off_path, tmp):
         timer.start()
         opt_a.step()
         out["returned_early"].append(not released.is_set())
+        nets[0].state_dict()  # the model's: its state-dict hook joins the tail
+        out["model_joined"].append(released.is_set())
         sta = opt_a.state_dict()["state"]  # joins the tail: after the release
         out["joined"].append(released.is_set())
         timer.join()

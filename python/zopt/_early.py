@@ -14,10 +14,12 @@ being copied.
 
 Params of the optimizer that no module of ``model`` owns are waited for
 right after ``step()``, on torch's current stream (the binding cannot know
-when they are read). A param read outside its own module's forward before
-that module runs (a tied weight read by an earlier module, a metric,
-``model.state_dict()``) needs ``opt.wait_params()`` first (every bucket not
-waited for yet). Without a ``model`` (or with ``early_params=False``) the
+when they are read). ``state_dict()`` of any hooked module (``model`` or
+one of its modules owning params) waits for every bucket not waited for
+yet, by a state-dict hook. Any other read of a param outside its own
+module's forward before that module runs (a tied weight read by an
+earlier module, a metric over ``model.parameters()``) needs
+``opt.wait_params()`` first. Without a ``model`` (or with ``early_params=False``) the
 default mode stays: everything after ``step()`` sees every param.
 """
 from __future__ import annotations
@@ -93,6 +95,14 @@ class EarlyParams:
                     if s is not None and s._pending:
                         s._wait(s._hooked.get(id(module), ()))
                 c.acc_hooks.append((m, m.register_forward_pre_hook(pre_hook)))
+                # model.state_dict() (or a submodule's) holds the device
+                # params themselves: it waits for every bucket first, so a
+                # checkpoint of the model right after step() is this step's.
+                def sd_hook(module, _sd, _prefix, _meta):
+                    s = ref()
+                    if s is not None and s._pending:
+                        s.wait_all()
+                c.acc_hooks.append((m, m._register_state_dict_hook(sd_hook)))
             self._hooked[id(m)] = bs
         self._outside = sorted({b for t, e in enumerate(c.entries) if t not in owned
                                 for b in t_buckets[t]}, reverse=True)
