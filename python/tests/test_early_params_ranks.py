@@ -3,9 +3,10 @@ model=model, process_group=pg)``; docs/USAGE.md section 5, docs/GPU.md
 "Params back early").
 
 Each rank is a process with the stand-in CUDA driver (libzopt-fake-cuda.so)
-and three optimizers over the same small bf16 model (a ZeRO-2
-offloaded step; ZeRO-0/1 at W ranks: offload-tail.test): per-bucket mode with the model's hooks (A), the serial
-offloaded step (B, the default mode) and the all-CPU twin (C). Each step
+and three optimizers over the same small bf16 model (a ZeRO-2 offloaded
+step; ZeRO-0/1 and 3 ranks: offload-tail.test): per-bucket mode with the
+model's hooks (A), the serial offloaded step (B, the default mode) and the
+all-CPU twin (C). Each step
 every rank runs a backward on its own batch; A's step returns while its
 tail (per bucket in forward order: commit or recompute, the bucket's
 ALL_GATHER of the params across the ranks, its copy back) is held (every
