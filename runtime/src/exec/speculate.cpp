@@ -259,6 +259,10 @@ bool spec_reserve(zopt_optimizer *o, int b) {
   return true;
 }
 
+zopt_status spec_gather_bucket(zopt_optimizer *o, size_t i, int b) {
+  return all_gather_bucket(o, o->prog->ops[i], b);
+}
+
 zopt_status spec_bucket_work(zopt_optimizer *o, int b) {
   Program &P = *o->prog;
   Spec &S = *P.spec;

@@ -105,6 +105,10 @@ void spec_try_swap(zopt_optimizer *o);
 // speculation committed when every row it used is identical, else its
 // update run in place from the untouched states.
 void spec_update_bucket(zopt_optimizer *o, int b);
+// The program's op i (the ALL_GATHER of the params after the UPDATE, at W
+// ranks) for bucket b alone: a checked collective naming the bucket (the
+// offload tail at W ranks, backend/offload/tail.h).
+zopt_status spec_gather_bucket(zopt_optimizer *o, size_t i, int b);
 // The step is over (or abandoned): nothing ready.
 void spec_close(zopt_optimizer *o);
 void spec_free(zopt_optimizer *o);

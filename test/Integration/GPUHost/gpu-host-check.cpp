@@ -1,8 +1,8 @@
 //===- gpu-host-check.cpp - the runtime's host side of a GPU step ------------===//
 //
 //   zopt-gpu-host-check FAKE_DRIVER.so GPU_STEP.so [--big]
-//   zopt-gpu-host-check FAKE_DRIVER.so OFFLOAD_STEP.so CPU_TWIN.so [--world=W [--pipeline] | --pipeline |
-//                                                                   --params-back | --tail]
+//   zopt-gpu-host-check FAKE_DRIVER.so OFFLOAD_STEP.so CPU_TWIN.so [--world=W [--pipeline [--tail]] |
+//                                                                   --pipeline | --params-back | --tail]
 //
 // Runs a GPU step against libzopt-fake-cuda.so (set ZOPT_CUDA_DRIVER to the
 // same path): "device" memory is host memory and kernels are only recorded,
@@ -30,7 +30,8 @@
 // --params-back: the params' copies back per bucket, in forward order, and
 // the per-bucket wait mode (gpu-host-params-back.cpp).
 // --tail: per-bucket mode's tail after the step returns, its joins and its
-// failures (gpu-host-tail.cpp).
+// failures (gpu-host-tail.cpp); --world=W --pipeline --tail: the same at W
+// ranks, each bucket's ALL_GATHER in the tail (gpu-host-offload.cpp).
 //===----------------------------------------------------------------------===//
 #include "gpu-host-check.h"
 
@@ -39,9 +40,10 @@
 using namespace ghc;
 
 int main(int argc, char **argv) {
-  if (argc < 3 || argc > 6) {
+  if (argc < 3 || argc > 7) {
     fprintf(stderr, "usage: zopt-gpu-host-check FAKE_DRIVER.so GPU_STEP.so [--big] | OFFLOAD_STEP.so CPU_TWIN.so "
-                    "[--world=W | --pipeline | --params-back | --tail] (with ZOPT_CUDA_DRIVER=FAKE_DRIVER.so)\n");
+                    "[--world=W [--pipeline [--tail]] | --pipeline | --params-back | --tail] (with "
+                    "ZOPT_CUDA_DRIVER=FAKE_DRIVER.so)\n");
     return 2;
   }
   const char *env = getenv("ZOPT_CUDA_DRIVER");
@@ -121,11 +123,12 @@ int main(int argc, char **argv) {
   } else if (argc == 5 && !strcmp(argv[4], "--tail")) {
     tail_check(f, step, argv[3]);
   } else if (argc >= 5) {
-    if (strncmp(argv[4], "--world=", 8) || atoi(argv[4] + 8) < 2 || (argc == 6 && strcmp(argv[5], "--pipeline"))) {
-      fprintf(stderr, "expected --world=W (W >= 2) [--pipeline], got %s\n", argv[4]);
+    if (strncmp(argv[4], "--world=", 8) || atoi(argv[4] + 8) < 2 || argc > 7 ||
+        (argc >= 6 && strcmp(argv[5], "--pipeline")) || (argc == 7 && strcmp(argv[6], "--tail"))) {
+      fprintf(stderr, "expected --world=W (W >= 2) [--pipeline [--tail]], got %s\n", argv[4]);
       return 2;
     }
-    offload_ranks_check(f, step, argv[2], argv[3], atoi(argv[4] + 8), argc == 6);
+    offload_ranks_check(f, step, argv[2], argv[3], atoi(argv[4] + 8), argc >= 6, argc == 7);
   } else if (argc == 4 && !big) {
     offload_check(f, step, argv[3]);
   } else {

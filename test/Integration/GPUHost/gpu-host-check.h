@@ -331,7 +331,7 @@ inline bool chunks_cover(const zopt_gpu_chunk *ch, int64_t nch, const std::vecto
 // The checks, by file.
 int offload_check(Fake &f, zopt_step *step, const char *twin_path);
 void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const char *twin_path, int W,
-                         bool pipelined = false);
+                         bool pipelined = false, bool tail = false);
 void pipeline_check(Fake &f, zopt_step *step, const char *twin_path);
 void params_back_check(Fake &f, zopt_step *step, const char *twin_path);
 void tail_check(Fake &f, zopt_step *step, const char *twin_path);

@@ -7,6 +7,7 @@
 #include "gpu-host-check.h"
 
 #include <algorithm>
+#include <atomic>
 #include <random>
 #include <thread>
 
@@ -292,8 +293,21 @@ int offload_check(Fake &f, zopt_step *step, const char *twin_path) {
 // speculative update run on the optimizer's thread; every other step has
 // small grads (the speculation commits), the others clip (recompute) or
 // skip (discard); step 4 has a budget of a quarter of the model.
+//
+// `tail` (with `pipelined`): the offloaded ranks in per-bucket mode, so
+// each step leaves its tail (per bucket in forward order: commit or
+// recompute, the bucket's ALL_GATHER of the params, its copy back) on the
+// pipeline thread; every rank's params after the next call (which joins
+// it) must still be the twin's. At step 2 rank 0's copy back of tensor 0
+// stalls in its call: its step returns all the same, and read_state right
+// after it returns only after the release, with the step's param. Last, a
+// rank in the default mode (its step's serial ALL_GATHER, bucket 0 first)
+// against the others' tails (the last bucket first): the collectives
+// disagree; that rank's step fails, the others' steps return and their
+// next call reports the tail's failure, naming the bucket and the ranks;
+// the call after it works (ZeRO-1/2; ZeRO-0 gathers no params).
 void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const char *twin_path, int W,
-                         bool pipelined) {
+                         bool pipelined, bool tail) {
   const zopt_step_descriptor *d = zopt_step_get_descriptor(step);
   const bool ls = d->flags & ZOPT_FLAG_LOSS_SCALE, has_sumsq = d->flags & ZOPT_FLAG_SUMSQ;
   const StepInfo si = info_of(step);
@@ -314,6 +328,9 @@ void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const 
     bool retry_same = true;          // pipelined: after it, the step again = the twin's
     bool budget_ok = true;           // pipelined, step 4: some buckets speculated, the rest after validation
     std::string order_msg;
+    bool early = true, joined = true;  // tail: the step returned while stalled; read_state joined
+    bool tail_fail_ok = true;          // tail: a disagreeing gather reported
+    std::string tail_msg;
   };
   std::vector<RankResult> res(W);
   // The initial params: the same on every rank (finalize checks it).
@@ -347,6 +364,7 @@ void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const 
     Z(zopt_optimizer_finalize(o));
     Z(zopt_optimizer_finalize(c));
     Z(zopt_optimizer_set_stream(o, stream));
+    if (tail) Z(zopt_optimizer_set_param_wait(o, ZOPT_PARAM_WAIT_PER_BUCKET));
     unsigned rng = 1000u + 7919u * (unsigned)r;  // another grad on every rank
     for (int k = 1; k <= steps; ++k) {
       for (size_t t = 0; t < T; ++t) {
@@ -378,8 +396,35 @@ void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const 
         std::shuffle(order.begin(), order.end(), g);
         for (int b : order) Z(zopt_optimizer_grad_bucket_ready(o, b));
       }
+      // tail, step 2, rank 0: tensor 0's copy back stalls in its call (a
+      // releaser thread ends it: at once after the step, or after 5 s).
+      const bool stall = tail && k == 2 && r == 0;
+      std::atomic<bool> go{false}, released{false};
+      std::thread rel;
+      if (stall) {
+        f.stall_htod(dp[0], dp[0] + (unsigned long long)sizes[0] * dtype_size(pdt));
+        rel = std::thread([&] {
+          for (int i = 0; i < 5000 && !go; ++i) usleep(1000);
+          usleep(100000);
+          released = true;
+          f.release_htod();
+        });
+      }
       Z(zopt_optimizer_step(o, &ro));
+      std::vector<float> held((size_t)sizes[0]);
+      if (stall) {
+        rr.early = !released;
+        go = true;
+        const zopt_status st = zopt_optimizer_read_state_f32(o, 0, ZOPT_STATE_PARAM, held.data(), sizes[0]);
+        rr.joined = st == ZOPT_OK && released;
+        rel.join();
+      }
       Z(zopt_optimizer_step(c, &rc));
+      if (stall) {
+        std::vector<float> want((size_t)sizes[0]);
+        Z(zopt_optimizer_read_state_f32(c, 0, ZOPT_STATE_PARAM, want.data(), sizes[0]));
+        rr.joined &= held == want;
+      }
       if (pipelined) {
         zopt_pipeline_stats ps{};
         ps.size = sizeof ps;
@@ -437,6 +482,28 @@ void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const 
     Z(zopt_optimizer_get_step_count(o, 1, &n1));
     Z(zopt_optimizer_get_step_count(c, 1, &n2));
     rr.counts_same = n1 == n2 && n1 == steps - (inf_at ? 1 : 0) + (pipelined ? 1 : 0);
+    if (tail && d->zero_stage) {  // ZeRO-0: every rank updates whole buckets, no gather
+      // The last rank in the default mode, the others per bucket: its
+      // serial ALL_GATHER (bucket 0 first) meets their tails' (the last
+      // bucket first). Any grads (the device's last ones).
+      if (r == W - 1) Z(zopt_optimizer_set_param_wait(o, ZOPT_PARAM_WAIT_ALL));
+      int nb = 0;
+      Z(zopt_optimizer_num_buckets(o, &nb));
+      for (int b = 0; b < nb; ++b) Z(zopt_optimizer_grad_bucket_ready(o, b));
+      const zopt_status s1 = zopt_optimizer_step(o, nullptr);
+      std::string m = zopt_last_error();
+      if (r == W - 1) {
+        rr.tail_fail_ok = s1 != ZOPT_OK && m.find("ALL_GATHER") != std::string::npos;
+      } else {
+        int64_t n = 0;
+        const zopt_status s2 = zopt_optimizer_get_step_count(o, 1, &n);
+        m = zopt_last_error();
+        rr.tail_fail_ok = s1 == ZOPT_OK && s2 != ZOPT_OK && m.find("bucket " + std::to_string(nb - 1)) != std::string::npos &&
+                          m.find("ALL_GATHER") != std::string::npos && m.find("rank") != std::string::npos &&
+                          zopt_optimizer_get_step_count(o, 1, &n) == ZOPT_OK;
+      }
+      rr.tail_msg = m;
+    }
     zopt_optimizer_free(o);
     zopt_optimizer_free(c);
     zopt_step_free(mine);
@@ -458,7 +525,8 @@ void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const 
     if (diff.empty()) diff = rr.first_diff;
   }
   const std::string at = std::to_string(W) + " ranks (ZeRO-" + std::to_string(d->zero_stage) + ", grads " +
-                         dtype_name(gdt) + ", params " + dtype_name(pdt) + (pipelined ? ", pipelined" : "") + ")";
+                         dtype_name(gdt) + ", params " + dtype_name(pdt) + (pipelined ? ", pipelined" : "") +
+                         (tail ? ", per-bucket tail" : "") + ")";
   if (pipelined) {
     const int *n = res[0].outcomes;
     const bool clip = d->flags & ZOPT_FLAG_CLIP;
@@ -479,6 +547,22 @@ void offload_ranks_check(Fake &f, zopt_step *step, const char *step_path, const 
                    "rank, params unchanged: " + res[0].order_msg);
     check(again, "offload at " + at + ": after it the communicator is usable: the step again runs serially, its "
                  "params and norm = the CPU twin's" + (again ? std::string() : ": " + res[0].order_msg));
+  }
+  if (tail) {
+    bool early = true, joined = true, failed = true;
+    std::string msg;
+    for (const RankResult &rr : res) {
+      early &= rr.early;
+      joined &= rr.joined;
+      failed &= rr.tail_fail_ok;
+      if (!rr.tail_fail_ok && msg.empty()) msg = rr.tail_msg;
+    }
+    check(early, "offload at " + at + ": the step returns while rank 0's tail is stalled (a copy back)");
+    check(joined, "offload at " + at + ": read_state right after it waits for the whole tail, the step's param");
+    if (d->zero_stage)
+      check(failed, "offload at " + at + ": a rank's serial ALL_GATHER against the others' tails: its step fails, "
+                  "the others' next call reports the tail's failure naming the bucket and the ranks, the call after "
+                  "it works: " + (msg.empty() ? res[0].tail_msg : msg));
   }
   check(params, "offload at " + at + ": every rank's params on the GPU bit-identical to its CPU twin's after every "
                 "step" + (diff.empty() ? std::string() : ", first difference: " + diff));

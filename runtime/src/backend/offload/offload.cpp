@@ -12,11 +12,11 @@
 //   first: grads (and params, if the kernel reads them) device -> staging,
 //          then one stream synchronisation (the CPU needs the bytes);
 //   last:  unless the step was skipped, the written params staging ->
-//          device, asynchronously, then the `staging` event: at 1 rank
-//          bucket by bucket in forward order on the optimizer's copy
-//          stream, each bucket with its event (params_back.h: the caller's
-//          later work on the stream sees them unless the wait mode is per
-//          bucket); at W ranks per tensor on the optimizer's stream. Any
+//          device, asynchronously, then the `staging` event: bucket by
+//          bucket in forward order on the optimizer's copy stream, each
+//          bucket with its event (params_back.h: the caller's later work on
+//          the stream sees them unless the wait mode is per bucket; at W
+//          ranks after the ALL_GATHER, or per bucket in the tail). Any
 //          new stream (zopt_optimizer_set_stream) is ordered after the
 //          event, and the next step's copies wait for it before the staging
 //          is written again (whatever stream they run on).
@@ -108,8 +108,9 @@ zopt_status offload_copy_state(GpuState *g, ParamsBack &pb, zopt_optimizer *o, i
     return st;
   const size_t es = dtype_size(o->d->states[si].dtype);
   const bool param = o->d->states[si].kind == ZOPT_STATE_PARAM;
-  // 1 rank: the params back bucket by bucket on the copy stream.
-  if (to_device && param && o->world == 1) return params_back_all(g, pb, o, si);
+  // The params back bucket by bucket on the copy stream (at W ranks after
+  // the program's ALL_GATHER made the staging whole).
+  if (to_device && param) return params_back_all(g, pb, o, si);
   // The staging is read by the previous step's copies to the GPU until the
   // `staging` event; copies into it (and the CPU update after them) wait.
   if (!to_device)

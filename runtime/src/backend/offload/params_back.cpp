@@ -1,5 +1,5 @@
 // backend/offload/params_back.cpp - an offloaded step's params back on the
-// GPU at 1 rank, bucket by bucket in forward order on the optimizer's copy
+// GPU, bucket by bucket in forward order on the optimizer's copy
 // stream (params_back.h; docs/GPU.md "Params back early").
 #include "backend/offload/params_back.h"
 
@@ -112,10 +112,10 @@ zopt_status params_back_wait(GpuState *g, ParamsBack &pb, const zopt_optimizer *
   ZOPT_CTX_SCOPE(g);
   CUstream s = stream ? (CUstream)stream : g->stream;
   CUevent e = nullptr;
-  if (o->world == 1 && (size_t)b < pb.recorded.size() && pb.recorded[(size_t)b] && pb.extent == layout_key(o))
+  if ((size_t)b < pb.recorded.size() && pb.recorded[(size_t)b] && pb.extent == layout_key(o))
     e = pb.events[(size_t)b];
   else if (g->staging_recorded)
-    e = g->staging;  // every copy (W ranks, a rebuilt layout)
+    e = g->staging;  // every copy (a rebuilt layout)
   if (!e) return ZOPT_OK;  // no copies yet: the params are the caller's
   bool cap = false;
   if (zopt_status st = gpu_capturing(g, s, &cap)) return st;

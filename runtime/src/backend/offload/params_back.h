@@ -1,5 +1,5 @@
 // backend/offload/params_back.h - an offloaded step's params back on the
-// GPU at 1 rank (docs/GPU.md "Params back early").
+// GPU (docs/GPU.md "Params back early").
 //
 // This file owns the copies of the updated params from the pinned staging
 // to the user's device memory: on a copy stream of the optimizer's own
@@ -12,8 +12,8 @@
 // copies, host accesses, set_stream, free) waits for every copy. The wait
 // mode (zopt_optimizer_set_param_wait) says whether the optimizer's stream
 // itself then waits for them (ALL, the default) or the caller waits per
-// bucket (zopt_optimizer_wait_params). At W ranks the params go back after
-// the ALL_GATHER, per tensor on the optimizer's stream (offload.cpp).
+// bucket (zopt_optimizer_wait_params). At W ranks the same, after the
+// program's ALL_GATHER (serial) or each bucket's gather (the tail, tail.h).
 #ifndef ZOPT_RUNTIME_BACKEND_OFFLOAD_PARAMS_BACK_H
 #define ZOPT_RUNTIME_BACKEND_OFFLOAD_PARAMS_BACK_H
 
@@ -51,7 +51,7 @@ zopt_status params_back_end(GpuState *g, ParamsBack &pb);
 zopt_status params_back_all(GpuState *g, ParamsBack &pb, const zopt_optimizer *o, int si);
 // zopt_optimizer_wait_params (bucket checked): `stream` (NULL: the
 // optimizer's) waits for bucket b's event (for `staging` when the bucket's
-// extent changed since, or at W ranks).
+// extent changed since).
 zopt_status params_back_wait(GpuState *g, ParamsBack &pb, const zopt_optimizer *o, int b, void *stream);
 // Waits for the copies, then destroys the stream and the events.
 void params_back_free(GpuState *g, ParamsBack &pb);

@@ -11,8 +11,9 @@
 // are updated in forward order (the last first) and each bucket's params go
 // back to the device as soon as it is final, on the copy stream with its
 // own event (params_back.h); the `staging` event is recorded after the
-// last, as in a serial step. In per-bucket mode that per-bucket work is
-// the step's tail, run after the step returns (tail.h).
+// last, as in a serial step. In per-bucket mode that per-bucket work (at W
+// ranks: update, the bucket's ALL_GATHER of the params, copy) is the
+// step's tail, run after the step returns (tail.h).
 #include "backend/offload/pipeline.h"
 
 #include "backend/offload/params_back.h"
@@ -175,13 +176,16 @@ zopt_status offload_pipelined_op(GpuState *g, ParamsBack &pb, OffloadTail &tail,
     case ZOPT_OP_REDUCE_SCATTER:  // each bucket's job reduced it
       *handled = true;
       return ZOPT_OK;
-    case ZOPT_OP_ALL_GATHER:  // the reduced grad (ZeRO-0/1): gathered by each bucket's job
-      *handled = o->d->states[op.state].kind == ZOPT_STATE_GRAD;
+    case ZOPT_OP_ALL_GATHER:
+      // The reduced grad (ZeRO-0/1): gathered by each bucket's job; the
+      // params at W ranks in per-bucket mode: by each bucket's tail job.
+      *handled = o->d->states[op.state].kind == ZOPT_STATE_GRAD || tail.pending;
       return ZOPT_OK;
     case ZOPT_OP_COPY: {
       const bool to_host = op.dst == ZOPT_PLACE_CPU;
-      // At W ranks the params go back after the ALL_GATHER: the serial copy.
-      if (!to_host && o->world > 1) return ZOPT_OK;
+      // At W ranks the params go back after the ALL_GATHER: the serial
+      // copy, unless the tail gathers and copies them per bucket.
+      if (!to_host && o->world > 1 && !tail.pending) return ZOPT_OK;
       *handled = true;
       P.copy_bytes[to_host ? 0 : 1] += exec::copy_size(o, (int)op.state);
       if (to_host) return ZOPT_OK;  // at each bucket's readiness
@@ -201,9 +205,19 @@ zopt_status offload_pipelined_op(GpuState *g, ParamsBack &pb, OffloadTail &tail,
       *handled = true;
       S->consumed = true;
       const double t0 = exec::now_seconds();
-      int back = -1;  // 1 rank: each bucket's params back at once (W: after the ALL_GATHER)
-      for (size_t j = i + 1; j < P.ops.size() && o->world == 1; ++j)
-        if (P.ops[j].code == ZOPT_OP_COPY && P.ops[j].dst != ZOPT_PLACE_CPU) back = (int)P.ops[j].state;
+      // The params' copy back after the UPDATE (and at W ranks the
+      // ALL_GATHER of them before it): at 1 rank each bucket's params go
+      // back at once; at W ranks, in per-bucket mode only, each bucket's
+      // gather and copy in the tail (tail.h), else the serial ops.
+      int back = -1, gather = -1;
+      for (size_t j = i + 1; j < P.ops.size(); ++j) {
+        const zopt_program_op &q = P.ops[j];
+        if (q.code == ZOPT_OP_COPY && q.dst != ZOPT_PLACE_CPU) back = (int)q.state;
+        if (q.code == ZOPT_OP_ALL_GATHER && o->d->states[q.state].kind != ZOPT_STATE_GRAD) gather = (int)j;
+      }
+      if (o->world == 1) gather = -1;  // the ALL_GATHER is a no-op
+      else if (!tail_wanted(pb.mode, back) || (gather >= 0 && (int)P.ops[(size_t)gather].state != back))
+        back = gather = -1;  // the serial ALL_GATHER and COPY
       ZOPT_CTX_SCOPE(g);
       try {
         exec::spec_try_swap(o);
@@ -216,8 +230,8 @@ zopt_status offload_pipelined_op(GpuState *g, ParamsBack &pb, OffloadTail &tail,
         if (zopt_status s = params_back_begin(g, pb, o)) return s;
       // Per-bucket mode: the same work per bucket, in the same order, on
       // the pipeline thread after the step returns (tail.h).
-      if (tail_wanted(o, pb.mode, back)) {
-        zopt_status s = tail_queue(g, pb, tail, o, back);
+      if (tail_wanted(pb.mode, back)) {
+        zopt_status s = tail_queue(g, pb, tail, o, back, gather);
         P.op_seconds[i] = exec::now_seconds() - t0;
         return s;
       }

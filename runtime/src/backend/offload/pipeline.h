@@ -41,7 +41,8 @@ zopt_status offload_pipelined_begin(GpuState *g, zopt_optimizer *o);
 // Program op i of a pipelined step; *handled false: the host executor's.
 // At 1 rank the params go back through `pb` (params_back.h): bucket by
 // bucket in forward order, each as soon as it is final; in per-bucket mode
-// that work is left to `tail` (tail.h), after the step returns.
+// that work (at W ranks with each bucket's ALL_GATHER of the params before
+// its copy) is left to `tail` (tail.h), after the step returns.
 zopt_status offload_pipelined_op(GpuState *g, ParamsBack &pb, OffloadTail &tail, zopt_optimizer *o,
                                  exec::StepState *st, size_t i, bool *handled);
 // After the last op (after the tail, where there is one): the outcome

@@ -18,12 +18,19 @@ namespace zopt {
 
 namespace {
 
-// Bucket b's part of the tail: its update, then its params back (the last
-// bucket of the step: `staging` after them). Any thread.
-zopt_status tail_bucket(GpuState *g, ParamsBack &pb, zopt_optimizer *o, int b, int si, bool last) {
+// Bucket b's part of the tail: its update, at W ranks its params gathered
+// (`gather`: the op; *gathered false when that failed: no copy back),
+// then its params back (the last bucket of the step: `staging` after
+// them). Any thread.
+zopt_status tail_bucket(GpuState *g, ParamsBack &pb, zopt_optimizer *o, int b, int si, int gather, bool last,
+                        bool *gathered) {
   exec::spec_update_bucket(o, b);
+  *gathered = true;
+  zopt_status st = ZOPT_OK;
+  if (gather >= 0)
+    if ((st = exec::spec_gather_bucket(o, (size_t)gather, b))) *gathered = false;
   CtxScope scope(g);
-  zopt_status st = scope.status();
+  if (!st) st = scope.status();
   if (!st) st = params_back_bucket(g, pb, o, b, si);
   if (last && !scope.status()) {
     zopt_status e = params_back_end(g, pb);
@@ -34,22 +41,22 @@ zopt_status tail_bucket(GpuState *g, ParamsBack &pb, zopt_optimizer *o, int b, i
 
 }  // namespace
 
-bool tail_wanted(const zopt_optimizer *o, int mode, int back) {
-  return back >= 0 && o->world == 1 && mode == ZOPT_PARAM_WAIT_PER_BUCKET;
-}
+bool tail_wanted(int mode, int back) { return back >= 0 && mode == ZOPT_PARAM_WAIT_PER_BUCKET; }
 
-zopt_status tail_queue(GpuState *g, ParamsBack &pb, OffloadTail &t, zopt_optimizer *o, int si) {
+zopt_status tail_queue(GpuState *g, ParamsBack &pb, OffloadTail &t, zopt_optimizer *o, int si, int gather) {
   exec::Spec &S = *o->prog->spec;
   const int nb = (int)S.ready.size();
   {
     std::lock_guard<std::mutex> l(t.mu);
     t.failed = ZOPT_OK;
     t.failed_bucket = -1;
+    t.gather_failed = false;
     t.msg.clear();
   }
   t.g = g;
   t.pb = &pb;
   t.si = si;
+  t.gather = gather;
   int b = nb - 1;
   try {
     // FINISH advances the counts before the jobs read them: a stochastic
@@ -66,12 +73,14 @@ zopt_status tail_queue(GpuState *g, ParamsBack &pb, OffloadTail &t, zopt_optimiz
       const bool last = b == 0;
       t.ticket[(size_t)b] = o->pipe->submit(
           w,
-          [g, &pb, &t, o, b, si, last]() -> zopt_status {
-            if (zopt_status st = tail_bucket(g, pb, o, b, si, last)) {
+          [g, &pb, &t, o, b, si, gather, last]() -> zopt_status {
+            bool gathered = true;
+            if (zopt_status st = tail_bucket(g, pb, o, b, si, gather, last, &gathered)) {
               std::lock_guard<std::mutex> l(t.mu);
               if (!t.failed) {
                 t.failed = st;
                 t.failed_bucket = b;
+                t.gather_failed = !gathered;
                 t.msg = zopt_last_error();
               }
             }
@@ -89,12 +98,13 @@ zopt_status tail_queue(GpuState *g, ParamsBack &pb, OffloadTail &t, zopt_optimiz
   const bool queued = t.pending;
   t.pending = false;
   o->tail = false;
+  bool gathered = true;
   for (; b >= 0; --b)
-    if (zopt_status st = tail_bucket(g, pb, o, b, si, b == 0)) return st;
+    if (zopt_status st = tail_bucket(g, pb, o, b, si, gather, b == 0, &gathered)) return st;
   std::lock_guard<std::mutex> l(t.mu);
   if (queued && t.failed)
-    return fail(t.failed, "the step's tail (bucket %d's params back to the GPU): %s", t.failed_bucket,
-                t.msg.c_str());
+    return fail(t.failed, "the step's tail (bucket %d's %s): %s", t.failed_bucket,
+                t.gather_failed ? "ALL_GATHER of the params" : "params back to the GPU", t.msg.c_str());
   return ZOPT_OK;
 }
 
@@ -117,14 +127,26 @@ zopt_status tail_join(OffloadTail &t, zopt_optimizer *o, const char *fn) {
   offload_pipelined_end(o, false, t.returned);
   if (st) return st;
   int b;
+  zopt_status failed;
+  bool gather_failed;
   std::string msg;
   {
     std::lock_guard<std::mutex> l(t.mu);
     if (!t.failed) return ZOPT_OK;
+    failed = t.failed;
     t.failed = ZOPT_OK;
     b = t.failed_bucket;
+    gather_failed = t.gather_failed;
     msg = std::move(t.msg);
   }
+  // A gather failed (a rank died or disagreed; the communicator is
+  // poisoned): no copy again, the staging holds only this rank's shard.
+  if (gather_failed)
+    return fail(failed,
+                "%s: the last step's tail failed in the background (after zopt_optimizer_step returned): bucket %d's "
+                "ALL_GATHER of the params: %s. This rank's optimizer states and counts are the step's; the params "
+                "on the GPU of bucket %d and of the buckets after it in forward order are not",
+                fn, b, msg.c_str(), b);
   // The failed bucket's copy once more (its event and `staging` after it),
   // so that the params on the GPU are the step's where it goes through.
   std::string again;
