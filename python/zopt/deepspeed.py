@@ -1,8 +1,12 @@
 """DeepSpeed config import: a ``ds_config.json`` -> a zopt step description.
 
-(Longer than ~800 lines: the mapping of one config format, every DeepSpeed
-field's handling, its refusal text and its version notes beside the
-others; it imports zopt.steps and nothing imports it.)
+(This module: the top level of the config, the batch sizes, where the
+step runs, the step's assembly and the command line. Each section's
+fields, with their refusal texts and version notes, are a package-private
+module's under it: _ds_optimizer, _ds_dtypes (fp16 / bf16 / data_types),
+_ds_zero, _ds_schedule (also lr_at, torch_scheduler), all over _ds_fields
+(DeepSpeedConfigError, the field bookkeeping, the value checks). It imports
+zopt.steps; nothing in zopt imports it.)
 
     import zopt
     text, defaults = zopt.deepspeed.from_config("ds_config.json")
@@ -66,18 +70,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import sys
 
 from . import compiler as _compiler, steps as _steps
-from ._ds_fields import DeepSpeedConfigError, _bool, _no_auto, _num, _str, _Walker
+from ._ds_fields import DeepSpeedConfigError, _bool, _no_auto, _num, _Walker
 from ._ds_dtypes import _dtypes
 from ._ds_optimizer import SUPPORTED_OPTIMIZERS, _optimizer  # noqa: F401 (public)
+from ._ds_schedule import (SUPPORTED_SCHEDULERS, _scheduler, lr_at,  # noqa: F401 (public)
+                           torch_scheduler)
 from ._ds_zero import _zero
 from ._lib import Status, ZoptError
-
-SUPPORTED_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 
 
 # Fields that configure DeepSpeed's engine outside the optimizer step:
@@ -180,60 +183,6 @@ def _batch(cfg, W, world_size, st):
             f"loss by {A}. With zopt, either divide the loss by {A} too, or sum the "
             f"micro-batch gradients and set the gradient divisor to world_size x {A} "
             f"(defaults['grad_divisor'], zopt_optimizer_set_grad_divisor)")
-
-
-def _scheduler(sch, W, st):
-    path = "scheduler"
-    W.section(sch, path, {"type": "", "params": ""})
-    t = _no_auto(sch.get("type"), "scheduler.type")
-    if t in ("OneCycle", "LRRangeTest"):
-        why = ("it cycles the momentum (beta1) too, which zopt's scheduler mapping "
-               "does not carry: use torch.optim.lr_scheduler.OneCycleLR on the optimizer"
-               if t == "OneCycle" else "a learning-rate range test is a tuning run, not a "
-               "schedule: run it with torch.optim.lr_scheduler.LambdaLR")
-        raise DeepSpeedConfigError("scheduler.type", f"{t!r} is not mapped ({why}); "
-                                   "supported: " + ", ".join(SUPPORTED_SCHEDULERS))
-    if t not in SUPPORTED_SCHEDULERS:
-        raise DeepSpeedConfigError("scheduler.type", f"{t!r} is not supported; "
-                                   "supported: " + ", ".join(SUPPORTED_SCHEDULERS))
-    params = sch.get("params") or {}
-    pp = "scheduler.params"
-    common = ["warmup_num_steps", "warmup_type", "last_batch_iteration"]
-    if t == "WarmupLR":
-        known = ["warmup_min_lr", "warmup_max_lr"] + common
-    elif t == "WarmupDecayLR":
-        known = ["warmup_min_lr", "warmup_max_lr", "total_num_steps"] + common
-    else:
-        known = ["warmup_min_ratio", "cos_min_ratio", "total_num_steps"] + common
-    W.section(params, pp, dict.fromkeys(known))
-    out = {"type": t}
-    dflt = dict(warmup_min_lr=0.0, warmup_max_lr=0.001, warmup_num_steps=1000,
-                warmup_type="log", last_batch_iteration=-1, warmup_min_ratio=0.0,
-                cos_min_ratio=0.0001)
-    for k in known:
-        if k == "total_num_steps":
-            if k not in params:
-                raise DeepSpeedConfigError(f"{pp}.total_num_steps", f"{t} needs it")
-            out[k] = _num(params[k], f"{pp}.{k}", lo=1, integer=True)
-        elif k == "warmup_type":
-            out[k] = _str(params.get(k, "log"), f"{pp}.{k}", ("log", "linear"))
-        elif k in ("warmup_num_steps",):
-            out[k] = _num(params.get(k, dflt[k]), f"{pp}.{k}", lo=0, integer=True)
-        elif k == "last_batch_iteration":
-            out[k] = _num(params.get(k, -1), f"{pp}.{k}", lo=-1, integer=True)
-        else:
-            v = params.get(k, dflt[k])
-            if isinstance(v, (list, tuple)):
-                raise DeepSpeedConfigError(f"{pp}.{k}", "per-group lists are not mapped: "
-                                           "give one value")
-            out[k] = _num(v, f"{pp}.{k}", lo=0.0)
-        if k in params:
-            W.use(f"{pp}.{k}", "honoured: defaults['scheduler']")
-    W.use("scheduler.type", f"honoured: torch.optim.lr_scheduler.LambdaLR reproducing "
-          f"DeepSpeed's {t} (zopt.deepspeed.torch_scheduler / lr_at)")
-    out["torch"] = ("torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lambda i: "
-                    f"zopt.deepspeed.lr_at(scheduler, i, base_lr) / base_lr)")
-    st["scheduler"] = out
 
 
 def _cuda_present():
@@ -476,64 +425,6 @@ def load(ds_config, **kw):
     zopt.steps cache)."""
     text, defaults = from_config(ds_config, **kw)
     return _steps.load_text(text), defaults
-
-
-# ---------------------------------------------------------------------------
-# Schedulers: DeepSpeed's formulas (deepspeed/runtime/lr_schedules.py)
-# ---------------------------------------------------------------------------
-
-def lr_at(scheduler, i, base_lr):
-    """The learning rate DeepSpeed's scheduler gives the ``i``-th optimizer
-    step (0-based) of a group whose configured lr is ``base_lr``. DeepSpeed
-    sets the lr when the scheduler is built (step 0) and after each step."""
-    t = scheduler["type"]
-    it = i - 1 + (scheduler.get("last_batch_iteration", -1) + 1)
-    W = max(2, scheduler.get("warmup_num_steps", 1000))
-    log = scheduler.get("warmup_type", "log") == "log"
-
-    def warm(it):
-        return math.log(it + 1) / math.log(W) if log else it / W
-
-    if t in ("WarmupLR", "WarmupDecayLR"):
-        lo, hi = scheduler.get("warmup_min_lr", 0.0), scheduler.get("warmup_max_lr", 0.001)
-        if it < 0:
-            return lo
-        if it < W:
-            gamma = warm(it)
-        elif t == "WarmupLR":
-            gamma = 1.0
-        else:
-            T = scheduler["total_num_steps"]
-            gamma = max(0.0, float(T - it) / float(max(1.0, T - W)))
-        return lo + (hi - lo) * gamma
-    if t == "WarmupCosineLR":
-        if it < 0:
-            return 0.0
-        if it < W:
-            r0 = scheduler.get("warmup_min_ratio", 0.0)
-            ratio = r0 + warm(it) * (1.0 - r0)
-        else:
-            T = scheduler["total_num_steps"]
-            cmin = scheduler.get("cos_min_ratio", 0.0001)
-            ratio = (1 + math.cos(math.pi * (it - W + 1) / (T - W))) / 2
-            ratio = max(0.0, cmin + (1.0 - cmin) * ratio)
-        return base_lr * ratio
-    raise ZoptError(Status.INVALID_ARGUMENT, f"unknown scheduler type {t!r}")
-
-
-def torch_scheduler(optimizer, scheduler):
-    """A torch.optim.lr_scheduler.LambdaLR on ``optimizer`` (anything with
-    torch's ``param_groups``) that gives each step DeepSpeed's learning
-    rate: step the scheduler after each optimizer step, as DeepSpeed does."""
-    import torch
-    lambdas = []
-    for g in optimizer.param_groups:
-        base = g.get("initial_lr", g["lr"])
-        if base <= 0 and scheduler["type"] != "WarmupCosineLR":
-            raise ZoptError(Status.INVALID_ARGUMENT, "a LambdaLR needs a positive initial "
-                            "lr in every param group")
-        lambdas.append(lambda i, b=base: lr_at(scheduler, i, b) / b if b > 0 else 0.0)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
 
 
 # ---------------------------------------------------------------------------
