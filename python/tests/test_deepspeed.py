@@ -316,6 +316,15 @@ REFUSED = [
           gradient_accumulation_steps=2), "train_batch_size", "world size"),
     (dict(bfloat16={"enabled": True}), "bfloat16", "once"),
     (dict(gradient_accumulation_steps=0), "gradient_accumulation_steps", "out of range"),
+    # Found by a generated matrix of configs (each raised a bare TypeError,
+    # ValueError/OverflowError or, later in lr_at, ZeroDivisionError):
+    (dict(amp=1), "amp", "JSON object"),
+    (dict(amp=[{"enabled": False}]), "amp", "JSON object"),
+    (dict(zero_optimization__stage=float("nan")), "zero_optimization.stage", "finite"),
+    (dict(gradient_accumulation_steps=float("inf")), "gradient_accumulation_steps", "finite"),
+    (dict(scheduler={"type": "WarmupCosineLR",
+                     "params": {"warmup_num_steps": 10, "total_num_steps": 10}}),
+     "scheduler.params.total_num_steps", "divide by zero"),
 ]
 
 

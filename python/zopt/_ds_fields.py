@@ -70,9 +70,11 @@ def _num(v, path, lo=None, hi=None, integer=False, lo_open=False):
     _no_auto(v, path)
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise DeepSpeedConfigError(path, f"must be a number, got {v!r}")
+    if not math.isfinite(v):
+        raise DeepSpeedConfigError(path, f"must be a finite number, got {v!r}")
     if integer and float(v) != int(v):
         raise DeepSpeedConfigError(path, f"must be an integer, got {v!r}")
-    if not math.isfinite(v) or (lo is not None and (v <= lo if lo_open else v < lo)) \
+    if (lo is not None and (v <= lo if lo_open else v < lo)) \
             or (hi is not None and v > hi):
         rng = ("(" if lo_open else "[") + f"{lo}, {hi if hi is not None else 'inf'}]"
         raise DeepSpeedConfigError(path, f"{v!r} is out of range {rng}")

@@ -62,6 +62,13 @@ def _scheduler(sch, W, st):
             out[k] = _num(v, f"{pp}.{k}", lo=0.0)
         if k in params:
             W.use(f"{pp}.{k}", "honoured: defaults['scheduler']")
+    if t == "WarmupCosineLR" and out["total_num_steps"] == max(2, out["warmup_num_steps"]):
+        # DeepSpeed's cosine divides by total - warmup after the warm-up (a
+        # ZeroDivisionError at its first step there): refused here instead.
+        raise DeepSpeedConfigError(f"{pp}.total_num_steps",
+                                   f"{out['total_num_steps']} equals the warm-up's length "
+                                   f"({max(2, out['warmup_num_steps'])} steps): the cosine "
+                                   "after it would divide by zero; give more steps than the warm-up")
     W.use("scheduler.type", f"honoured: torch.optim.lr_scheduler.LambdaLR reproducing "
           f"DeepSpeed's {t} (zopt.deepspeed.torch_scheduler / lr_at)")
     out["torch"] = ("torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lambda i: "

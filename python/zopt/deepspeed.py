@@ -305,6 +305,8 @@ def from_config(ds_config, *, world_size=None, gpu_arch=None, device=None, param
             W.use(k, f"honoured: {json.dumps(dflt)} (the default)")
     if "amp" in cfg:
         amp = cfg["amp"] or {}
+        if not isinstance(amp, dict):
+            raise DeepSpeedConfigError("amp", f"must be a JSON object, got {amp!r}")
         W.section(amp, "amp", {k: "" for k in amp})  # apex arguments, if disabled
         if _bool(amp.get("enabled", False), "amp.enabled"):
             raise DeepSpeedConfigError("amp.enabled", "NVIDIA apex AMP is not supported: "
