@@ -25,8 +25,10 @@ default mode stays: everything after ``step()`` sees every param.
 from __future__ import annotations
 
 import ctypes
+import warnings
 import weakref
 
+from . import comm as _comm
 from ._lib import PARAM_WAIT_PER_BUCKET, Status, ZoptError, check
 
 try:
@@ -55,6 +57,19 @@ def model_of(overlap, model, early_params):
     return None if early_params is False else model
 
 
+# Every live EarlyParams: at interpreter exit each part's tail is joined
+# (join_at_exit) before the communicators are released.
+_LIVE = weakref.WeakSet()
+
+
+def _join_all_at_exit():
+    for e in list(_LIVE):
+        e.join_at_exit()
+
+
+_comm.before_release(_join_all_at_exit)
+
+
 class EarlyParams:
     """The forward pre-hooks of one offloaded part (``overlap.early``)."""
 
@@ -69,6 +84,7 @@ class EarlyParams:
         self._pending = set()  # buckets not waited for since the last step
         self._outside = []     # buckets with params no module owns
         self.waits = []        # per step: the buckets the hooks waited for, in order
+        _LIVE.add(self)
 
     def attach(self, h, t_buckets):
         """After every finalize (``overlap.attach``): the per-bucket mode, each
@@ -126,6 +142,23 @@ class EarlyParams:
         self.waits.append([])
         del self.waits[:-8]  # the last steps only
         self._wait(self._outside)
+
+    def join_at_exit(self):
+        """At interpreter exit (comm.before_release): waits for the last
+        step's tail, which may still run a collective on the pipeline
+        thread (at W ranks: its buckets' ALL_GATHERs, whose callbacks need
+        the interpreter); a failure of it (a peer died or stalled: within
+        the communicator's timeout) is reported as a RuntimeWarning."""
+        c = self._part()
+        if c is None or getattr(c, "h", None) is None or not self._pending:
+            return
+        self._pending = set()
+        mode = ctypes.c_int()  # a getter: every call but wait_params joins the tail first
+        try:
+            check(c.lib.zopt_optimizer_get_param_wait(c.h, ctypes.byref(mode)),
+                  "zopt_optimizer_get_param_wait")
+        except ZoptError as e:
+            warnings.warn(f"zopt: at exit, the last step's tail failed: {e}", RuntimeWarning)
 
     def wait_all(self):
         """``opt.wait_params()``: every bucket not waited for yet."""

@@ -254,12 +254,33 @@ _STORE_LOCK = threading.Lock()
 _LIVE_ENGINES = weakref.WeakSet()
 
 
+# Run at exit before the engines are released (before_release): work that
+# the runtime's own threads still do on them ends first, while the
+# interpreter can still run their callbacks.
+_BEFORE_RELEASE = []
+
+
+def before_release(fn):
+    """Runs ``fn()`` at interpreter exit before any engine is released (an
+    offloaded step's tail: zopt._early). Its exceptions are ignored."""
+    _BEFORE_RELEASE.append(fn)
+
+
 @atexit.register
 def _release_all():  # pragma: no cover - interpreter exit
     """At exit, before the interpreter tears modules down: every engine's
     gloo operations end and its private process group is destroyed here, in
     the main thread (left to the interpreter's teardown, a gloo group's
-    threads were found still joinable: std::terminate, SIGABRT)."""
+    threads were found still joinable: std::terminate, SIGABRT). First the
+    before_release callbacks: an optimizer's pipeline thread may still be
+    inside a collective of its step's tail, calling these engines from C;
+    at the teardown it could no longer take the GIL (Python ends such a
+    thread there), and the optimizer's free would wait for it forever."""
+    for fn in list(_BEFORE_RELEASE):
+        try:
+            fn()
+        except Exception:
+            pass
     for e in list(_LIVE_ENGINES):
         try:
             e.drain()

@@ -53,8 +53,15 @@ Pipeline::~Pipeline() {
 }
 
 uint64_t Pipeline::submit(std::string what, std::function<zopt_status()> run, std::function<void(bool)> finish) {
-  std::lock_guard<std::mutex> l(mu_);
+  std::unique_lock<std::mutex> l(mu_);
   uint64_t t = ++submitted_;
+  if (ended_) {  // no thread to run it: skipped at once (the first failure says why)
+    ++completed_;
+    done_cv_.notify_all();
+    l.unlock();
+    if (finish) finish(false);
+    return t;
+  }
   queue_.push_back(Job{t, std::move(what), std::move(run), std::move(finish)});
   if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
   cv_.notify_one();
@@ -88,7 +95,39 @@ zopt_status Pipeline::drain() {
   return fail(st, "%s", m.c_str());
 }
 
+void Pipeline::thread_ended(const std::string &what) {
+  std::deque<Job> left;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    ended_ = true;
+    if (error_ == ZOPT_OK) {
+      error_ = ZOPT_ERR_INTERNAL;
+      error_msg_ = "the optimizer's background thread was ended while it ran " + what +
+                   " (ended from inside the job: the Python interpreter ends a thread that asks for the GIL "
+                   "while it shuts down, e.g. in a collective's callback); that job and the ones queued after it "
+                   "did not finish";
+    }
+    left.swap(queue_);
+    completed_ = submitted_;
+    done_cv_.notify_all();
+  }
+  for (Job &j : left)
+    if (j.finish) j.finish(false);
+}
+
 void Pipeline::loop() {
+  // The thread ended inside a job (pthread_exit unwinding through it, e.g.
+  // CPython's at its teardown, from a callback that asked for the GIL):
+  // that job and every queued one count as done and failed, so drain,
+  // wait and the destructor never wait for this thread.
+  struct Ended {
+    Pipeline *p;
+    bool in_job = false;
+    std::string what;  // a copy: the job is gone when this runs
+    ~Ended() {
+      if (in_job) p->thread_ended(what);
+    }
+  } ended{this, false, {}};
   std::unique_lock<std::mutex> l(mu_);
   for (;;) {
     cv_.wait(l, [&] { return stop_ || !queue_.empty(); });
@@ -97,6 +136,8 @@ void Pipeline::loop() {
     queue_.pop_front();
     const bool skip = error_ != ZOPT_OK;
     l.unlock();
+    ended.what = j.what;
+    ended.in_job = true;
     zopt_status st = ZOPT_OK;
     std::string msg;
     if (!skip) {
@@ -104,6 +145,7 @@ void Pipeline::loop() {
       if (st) msg = j.what + " (in the background): " + zopt_last_error();
     }
     if (j.finish) j.finish(!skip && st == ZOPT_OK);
+    ended.in_job = false;
     l.lock();
     if (st && error_ == ZOPT_OK) {
       error_ = st;

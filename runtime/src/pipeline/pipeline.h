@@ -15,7 +15,11 @@
 // or skipped so far, so a job is finished when its ticket <= completed().
 // The thread starts at the first submit; the destructor skips what is still
 // queued, waits for the running job (a collective ends by the
-// communicator's timeout at the latest) and joins.
+// communicator's timeout at the latest) and joins. A thread ended from
+// inside a job (pthread_exit unwinding through it: CPython ends a thread
+// that asks for the GIL during its teardown, e.g. in a collective's
+// callback) fails that job and every queued one (ZOPT_ERR_INTERNAL, named
+// by drain) and skips later submits, so nothing waits for it forever.
 //
 // Thread safety: submit, idle, completed and drain are called by one caller
 // thread at a time (the optimizer's API takes one call at a time: its
@@ -71,12 +75,16 @@ class Pipeline {
     std::function<void(bool)> finish;
   };
   void loop();
+  // The thread was ended inside the job `what` (loop's guard): every job
+  // done and failed, later submits skipped at once.
+  void thread_ended(const std::string &what);
 
   mutable std::mutex mu_;
   std::condition_variable cv_;       // work queued, or stop
   std::condition_variable done_cv_;  // a job completed
   std::deque<Job> queue_;
   bool stop_ = false;
+  bool ended_ = false;  // the thread was ended inside a job (thread_ended)
   uint64_t submitted_ = 0, completed_ = 0;  // idle: completed_ == submitted_
   zopt_status error_ = ZOPT_OK;
   std::string error_msg_;
