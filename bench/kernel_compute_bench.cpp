@@ -1,10 +1,16 @@
 //===- kernel_compute_bench.cpp - UPDATE kernel cost with data in L1 ------===//
 //
-//   zopt-bench-compute STEP.so [ISA...]      ISA: avx2 | avx512 | avx512bf16
+//   zopt-bench-compute STEP.so [ISA...] [--n=N,N,...]
+//                                          ISA: avx2 | avx512 | avx512bf16
 //
 // Calls each UPDATE variant (all those this CPU runs, or the ones named) over
 // 4096 elements (L1/L2-resident) many times on one thread: the kernel's
-// compute cost per element, without memory. Used to tell a compute-bound
+// compute cost per element, without memory. With --n, the cost of one call
+// over each N elements instead (the minimum of 20 runs of 2000 calls, each
+// call on the next of 16 sets of buffers of the largest N, as calls over
+// separate tensors are: a call's prologue, vector loop and tail; issue
+// 17's small tensors). Run the small and the large sizes apart: the sets
+// of the largest N decide where the buffers live (L1 or L2). Used to tell a compute-bound
 // layout from a memory-bound one (docs/benchmarks/cpu.md). States hold 1.0
 // (f32 1.0f, bf16 pairs 0x3f80): finite, normal values on every path.
 //===----------------------------------------------------------------------===//
@@ -14,7 +20,9 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -29,7 +37,21 @@ int main(int argc, char **argv) {
   const zopt_step_descriptor *d = zopt_bench::loadStep(argv[1], &h);
   if (!d) return 1;
   std::vector<int> wanted;
+  std::vector<long> sizes;
   for (int i = 2; i < argc; ++i) {
+    if (!std::strncmp(argv[i], "--n=", 4)) {
+      for (const char *p = argv[i] + 4; *p;) {
+        char *end;
+        long v = std::strtol(p, &end, 10);
+        if (end == p || v < 1 || v > 4096) {
+          std::fprintf(stderr, "--n: sizes from 1 to 4096, comma-separated\n");
+          return 2;
+        }
+        sizes.push_back(v);
+        p = *end == ',' ? end + 1 : end;
+      }
+      continue;
+    }
     int isa = zopt_isa_from_name(argv[i]);
     if (isa < 0) {
       std::fprintf(stderr, "unknown ISA '%s'\n", argv[i]);
@@ -56,6 +78,17 @@ int main(int argc, char **argv) {
     std::fill(buf[s].begin(), buf[s].end(), v);
     ptrs[s] = buf[s].data();
   }
+  // --n: 16 sets of the largest N per state (the separate tensors; 16 x
+  // 4 states x 128 f32 fit in L1).
+  const int kSets = 16;
+  const long setN = sizes.empty() ? 0 : *std::max_element(sizes.begin(), sizes.end());
+  std::vector<std::vector<uint32_t>> sets(sizes.empty() ? 0 : kSets * d->num_states);
+  std::vector<std::vector<void *>> setPtrs(sizes.empty() ? 0 : kSets, std::vector<void *>(ZOPT_MAX_STATES));
+  for (size_t j = 0; j < sets.size(); ++j) {
+    const uint32_t s = j % d->num_states;
+    sets[j].assign(setN, d->states[s].dtype == ZOPT_DTYPE_F32 ? 0x3f800000u : 0x3f803f80u);
+    setPtrs[j / d->num_states][s] = sets[j].data();
+  }
   int ran = 0;
   for (uint32_t i = 0; i < d->num_kernels; ++i) {
     const zopt_kernel_desc &k = d->kernels[i];
@@ -73,6 +106,20 @@ int main(int argc, char **argv) {
     auto upd = [&](void *const *p, long m, const float *c) {
       zopt_bench::callUpdate(d, sym, p, m, c, 0);
     };
+    if (!sizes.empty()) {
+      for (long m : sizes) {
+        double best = 1e30;
+        for (int r = 0; r < 20; ++r) {
+          auto t0 = std::chrono::steady_clock::now();
+          for (int k = 0; k < 2000; ++k) upd(setPtrs[k % kSets].data(), m, co);
+          best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / 2000);
+        }
+        std::printf("%s %s: n=%ld %.1f ns/call %.3f ns/elem (L1/L2-resident, 1 thread)\n", d->name,
+                    zopt_isa_name(k.isa), m, best * 1e9, best * 1e9 / m);
+      }
+      ++ran;
+      continue;
+    }
     // Re-fill between variants: the update drifts the values a little.
     for (uint32_t s = 0; s < d->num_states; ++s)
       std::fill(buf[s].begin(), buf[s].end(),

@@ -12,12 +12,20 @@
 //   flat   the same in the runtime's flat order (reverse add order,
 //          docs/DISTRIBUTED.md), each tensor at a multiple of the step's
 //          align: where n is a multiple of it every stream of neighbours is
-//          adjacent and their calls join.
+//          adjacent and their calls join;
+//   sep    each param and each grad its own allocation (64-byte aligned,
+//          as torch's CPU allocator gives): separate torch tensors.
 // Every optimizer is built first; the iterations run them in turn (a busy
-// machine drifts). Printed per optimizer: the median ms, the median of
-// per-iteration ratios to `one` (joined) of the same iteration, and the
-// median ms of each program op (zopt_optimizer_get_op_times) and of the
-// ranks' agreement.
+// machine drifts), iteration k starting at case k (mod their number): a
+// case that follows one on the same arena finds it in cache, which at
+// 100 elements (16 MB a case) moved it by up to 20 %; rotated, every case
+// follows every other equally often. Printed per optimizer: the median ms, the median of
+// per-iteration ratios to `one` (joined) of the same iteration, the
+// process CPU time of a step (every pool thread's; the pool sleeps while
+// idle, so on a shared host this is the work, not the wait) as its
+// minimum and the ratio of minima to `one` (joined), and the median ms of
+// each program op (zopt_optimizer_get_op_times) and of the ranks'
+// agreement.
 #include "zopt/zopt.h"
 
 #include <algorithm>
@@ -25,6 +33,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <string>
 #include <vector>
 
@@ -34,9 +43,15 @@ struct Case {
   std::string name;
   bool coalesce;
   zopt_optimizer *o = nullptr;
-  std::vector<double> ms, ratio;
+  std::vector<double> ms, ratio, cpu;
   std::vector<std::vector<double>> op_ms;  // per program op (and the agreement)
 };
+
+double cpu_ms() {
+  timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
+}
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -93,8 +108,23 @@ int main(int argc, char **argv) {
   };
   std::vector<unsigned char> Pv = arena(pes, (int64_t)T * n, false), Gv = arena(ges, (int64_t)T * n, true);
   std::vector<unsigned char> Pf = arena(pes, (int64_t)T * stride, false), Gf = arena(ges, (int64_t)T * stride, true);
+  // sep: every tensor's own allocations, params first, then grads (as
+  // backward creates them), freed at the end.
+  std::vector<void *> Ps(T), Gs(T);
+  for (int pass = 0; pass < 2; ++pass)
+    for (int t = 0; t < T; ++t) {
+      const size_t es = pass ? ges : pes, bytes = ((size_t)n * es + 63) / 64 * 64;
+      void *m = aligned_alloc(64, bytes);
+      if (!m) {
+        fprintf(stderr, "out of memory\n");
+        return 1;
+      }
+      std::vector<unsigned char> v = arena(es, n, pass == 1);
+      memcpy(m, v.data(), v.size());
+      (pass ? Gs : Ps)[t] = m;
+    }
   std::vector<Case> cases;
-  for (const char *lay : {"one", "views", "flat"})
+  for (const char *lay : {"one", "views", "flat", "sep"})
     for (bool c : {true, false}) cases.push_back(Case{lay, c});
   for (Case &c : cases) {
     if (c.coalesce) unsetenv("ZOPT_NO_COALESCE");
@@ -108,6 +138,8 @@ int main(int argc, char **argv) {
       int64_t numel = n;
       if (c.name == "one") {
         p = Pv.data(), g = Gv.data(), numel = (int64_t)T * n;
+      } else if (c.name == "sep") {
+        p = Ps[t], g = Gs[t];
       } else if (c.name == "views") {
         p = &Pv[(size_t)t * n * pes], g = &Gv[(size_t)t * n * ges];
       } else {  // tensor t at slot T-1-t: the runtime's flat order
@@ -129,13 +161,16 @@ int main(int argc, char **argv) {
   }
   using clock = std::chrono::steady_clock;
   for (int k = 0; k < iters; ++k) {
-    for (Case &c : cases) {
+    for (size_t j = 0; j < cases.size(); ++j) {
+      Case &c = cases[(j + (size_t)k) % cases.size()];
+      const double c0 = cpu_ms();
       auto t0 = clock::now();
       if (zopt_optimizer_step(c.o, nullptr)) {
         fprintf(stderr, "step: %s\n", zopt_last_error());
         return 1;
       }
       c.ms.push_back(std::chrono::duration<double, std::milli>(clock::now() - t0).count());
+      c.cpu.push_back(cpu_ms() - c0);
       std::vector<double> sec(d->num_program + 1, 0.0);
       zopt_optimizer_get_op_times(c.o, sec.data(), (int)sec.size());
       c.op_ms.resize(sec.size());
@@ -146,18 +181,21 @@ int main(int argc, char **argv) {
   printf("%s: %d tensors x %lld elements (align %lld) and 1 tensor of %lld, median of %d\n", d->name, T,
          (long long)n, (long long)A, (long long)T * n, iters);
   static const char *op_names[] = {"?", "COPY", "RS", "AG", "NORMP", "NORM", "PREP", "UPDATE", "FINISH"};
-  printf("%-6s %-11s %8s %8s   ms per op:", "layout", "calls", "ms", "/1");
+  const double cpu1 = *std::min_element(cases[0].cpu.begin(), cases[0].cpu.end());
+  printf("%-6s %-11s %8s %8s %8s %8s   ms per op:", "layout", "calls", "ms", "/1", "cpu min", "/1");
   for (uint32_t i = 0; i < d->num_program; ++i)
     printf(" %7s", d->program[i].code < 9 ? op_names[d->program[i].code] : "?");
   printf(" %7s\n", "agree");
   for (Case &c : cases) {
-    printf("%-6s %-11s %8.2f %8.2f              ", c.name.c_str(), c.coalesce ? "joined" : "per chunk",
-           median(c.ms), median(c.ratio));
+    const double cmin = *std::min_element(c.cpu.begin(), c.cpu.end());
+    printf("%-6s %-11s %8.2f %8.2f %8.3f %8.2f              ", c.name.c_str(), c.coalesce ? "joined" : "per chunk",
+           median(c.ms), median(c.ratio), cmin, cmin / cpu1);
     for (auto &v : c.op_ms) printf(" %7.3f", median(v));
     printf("\n");
   }
   printf("ratio many/one     : %8.3f  (views, joined; target < 1.10)\n", median(cases[2].ratio));
   for (Case &c : cases) zopt_optimizer_free(c.o);
+  for (int t = 0; t < T; ++t) free(Ps[t]), free(Gs[t]);
   zopt_step_free(step);
   return 0;
 }

@@ -19,9 +19,11 @@ def ConvertZKToCPU : Pass<"convert-zk-to-cpu", "ModuleOp"> {
   let summary = "Generates vectorized CPU functions from zk kernels";
   let description = [{
     Each `zk.kernel` becomes one function per ISA variant with the C ABI of
-    runtime/include/zopt/abi.h: an `scf.for` over full vectors and a scalar
-    tail. Update kernels take two registers' worth per iteration (32 x f32
-    for AVX-512, 16 x f32 for AVX2), sum-of-squares kernels one. bf16 loads
+    runtime/include/zopt/abi.h: an `scf.for` over full vectors and a tail.
+    Update kernels take two registers' worth per iteration (32 x f32 for
+    AVX-512, 16 x f32 for AVX2), their tail masked steps of one register
+    on AVX-512 and a scalar loop on AVX2; sum-of-squares kernels one
+    masked iteration. bf16 loads
     widen exactly by a shuffle with zero; bf16 stores round to nearest even
     in integer arithmetic (bit-exact, NaN-preserving) and pack two registers
     with one shuffle; f16 uses the hardware conversions. The `avx512bf16`

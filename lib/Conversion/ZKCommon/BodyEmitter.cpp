@@ -68,6 +68,15 @@ Value BodyEmitter::loadAt(Type t, Value p, int64_t align) {
                                     uint32_t(align));
 }
 
+void BodyEmitter::storeAt(Value v, Value p, int64_t align) {
+  if (!storeMask || lanes == 1) {
+    LLVM::StoreOp::create(b, loc, v, p, align);
+    return;
+  }
+  LLVM::MaskedStoreOp::create(b, loc, v, p, storeMask,
+                              b.getI32IntegerAttr(int32_t(align)));
+}
+
 Value BodyEmitter::bf16SplitToF32(Value bits16) {
   int64_t h = lanes / 2;
   Type i32 = b.getI32Type();
@@ -473,23 +482,15 @@ Value BodyEmitter::emit(Block &body, Value i) {
       if (std::optional<uint64_t> cSlot = s.getKahan()) {
         auto [p, c] = kahanStore(s.getSlot(), *cSlot, i, v);
         Type i16 = b.getI16Type();
-        LLVM::StoreOp::create(b, loc, p,
-                              elemPtr(s.getSlot(), i16, i, /*store=*/true),
-                              alignFor(2));
-        LLVM::StoreOp::create(b, loc, c,
-                              elemPtr(*cSlot, i16, i, /*store=*/true),
-                              alignFor(2));
+        storeAt(p, elemPtr(s.getSlot(), i16, i, /*store=*/true), alignFor(2));
+        storeAt(c, elemPtr(*cSlot, i16, i, /*store=*/true), alignFor(2));
         continue;
       }
       if (std::optional<uint64_t> hiSlot = s.getRemainderOf()) {
         auto [hi, lo] = remainderSplit(v);
         Type i16 = b.getI16Type();
-        LLVM::StoreOp::create(b, loc, hi,
-                              elemPtr(*hiSlot, i16, i, /*store=*/true),
-                              alignFor(2));
-        LLVM::StoreOp::create(b, loc, lo,
-                              elemPtr(s.getSlot(), i16, i, /*store=*/true),
-                              alignFor(2));
+        storeAt(hi, elemPtr(*hiSlot, i16, i, /*store=*/true), alignFor(2));
+        storeAt(lo, elemPtr(s.getSlot(), i16, i, /*store=*/true), alignFor(2));
         continue;
       }
       Value toStore;
@@ -519,9 +520,8 @@ Value BodyEmitter::emit(Block &body, Value i) {
                                    .getResult();
         align = 2;
       }
-      LLVM::StoreOp::create(b, loc, toStore,
-                            elemPtr(s.getSlot(), memElem, i, /*store=*/true),
-                            alignFor(align));
+      storeAt(toStore, elemPtr(s.getSlot(), memElem, i, /*store=*/true),
+              alignFor(align));
     } else if (auto a = dyn_cast<zk::AccumulateOp>(op)) {
       Value x = get(a.getValue());
       Type f64 = vec(b.getF64Type());

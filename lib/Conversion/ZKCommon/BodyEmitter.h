@@ -103,6 +103,9 @@ struct BodyEmitter {
   /// A vector<lanes x i1>: loads read only the set lanes (the others are
   /// zero), for a tail shorter than a vector.
   Value loadMask;
+  /// The same for stores (an UPDATE's masked tail): only the set lanes are
+  /// written. Masks are in element order (memory), split order or not.
+  Value storeMask;
   /// q8 moments (zk.load/zk.store with absmax): by slot, the block's
   /// absmax (f32 scalar) its loads decode with, and the block buffer (f32,
   /// indexed by element - q8Base) its stores write (none: the value stays
@@ -128,6 +131,8 @@ struct BodyEmitter {
   Value elemPtr(int64_t slot, Type memElem, Value i, bool store = false);
   /// A load of `t` values at `p`: masked (zero-filled) under loadMask.
   Value loadAt(Type t, Value p, int64_t align);
+  /// A store of `v` at `p`: masked under storeMask.
+  void storeAt(Value v, Value p, int64_t align);
   /// For the sum of squares of values narrower than f64: contract (FMA).
   arith::FastMathFlagsAttr accumulateFastmath() {
     return arith::FastMathFlagsAttr::get(b.getContext(),

@@ -11,8 +11,9 @@
 // cloned at vector type. W = 16 lanes for AVX-512, 8 for AVX2: UPDATE
 // kernels run 2W lanes per iteration (LLVM splits them into two registers:
 // independent work for the divide/sqrt unit while loads are in flight, and
-// two 16-bit vectors pack into one register-wide store) and a scalar tail,
-// loading through `in` and storing through `out`. SUMSQ kernels run
+// two 16-bit vectors pack into one register-wide store) and a tail (AVX-512:
+// masked steps of W lanes; AVX2: scalar), loading through `in` and storing
+// through `out`. SUMSQ kernels run
 // ZOPT_SUMSQ_LANES f64 accumulators on every ISA, a masked tail and an
 // ordered lane sum: the order abi.h defines, so the result is the same bits
 // on every variant. bf16 values are carried as the f32 they exactly widen to;
@@ -289,8 +290,56 @@ static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
             srIota);
       vecE.emit(body, l1.getInductionVar());
     }
-    auto l2 = scf::ForOp::create(b, loc, nVec, n, one);
-    {
+    if (isa.lanes == 16) {
+      // AVX-512: the tail (< 2W elements) in one-register steps of W
+      // lanes, masked (element order, split or not; masked-off lanes
+      // compute on zeros and store nothing). The same operations on every
+      // element, so the same bits as the scalar tail (zopt-kernel-check
+      // compares the variants at n = 1..67). In L1, a call over 100 f32
+      // elements cost 1.3x one over 96 with the scalar tail, 1.17x masked
+      // (docs/benchmarks/cpu.md "Many small tensors"). AVX2 has no masked
+      // 16-bit loads or stores (LLVM would scalarize them): the scalar tail
+      // stays there.
+      const int w = isa.lanes;
+      SmallVector<Value> cw;
+      for (Value c : cs)
+        cw.push_back(vector::BroadcastOp::create(
+            b, loc, VectorType::get({w}, f32), c));
+      Value Wt = arith::ConstantOp::create(b, loc, b.getI64IntegerAttr(w));
+      Value tIota;
+      if (sr) {
+        SmallVector<int32_t> iota(w);
+        for (int j = 0; j < w; ++j)
+          iota[j] = splitUpdate ? int32_t(BodyEmitter::splitElement(j, w)) : j;
+        tIota = arith::ConstantOp::create(
+            b, loc, DenseIntElementsAttr::get(VectorType::get({w}, i32), iota));
+      }
+      auto l2 = scf::ForOp::create(b, loc, nVec, n, Wt);
+      OpBuilder::InsertionGuard g(b);
+      b.setInsertionPoint(l2.getBody()->getTerminator());
+      Value iv = l2.getInductionVar();
+      Value rem = arith::SubIOp::create(b, loc, n, iv);
+      Value mask = vector::CreateMaskOp::create(
+          b, loc, VectorType::get({w}, b.getI1Type()),
+          ValueRange{arith::IndexCastOp::create(b, loc, b.getIndexType(), rem)});
+      BodyEmitter tailE{b, loc, w, ptrs, cs, cw};
+      tailE.packHalves = true;
+      tailE.splitBf16 = splitUpdate;
+      tailE.nativeBf16 = isa.nativeBf16;
+      tailE.x86Gather = 512;
+      tailE.storePtrs = outPtrs;
+      tailE.loadMask = tailE.storeMask = mask;
+      if (sr) {
+        tailE.srKey = entry->getArgument(4);
+        tailE.srIndex = arith::AddIOp::create(
+            b, loc,
+            vector::BroadcastOp::create(b, loc, VectorType::get({w}, i32),
+                                        srIndexAt(iv)),
+            tIota);
+      }
+      tailE.emit(body, iv);
+    } else {
+      auto l2 = scf::ForOp::create(b, loc, nVec, n, one);
       OpBuilder::InsertionGuard g(b);
       b.setInsertionPoint(l2.getBody()->getTerminator());
       if (sr)

@@ -63,11 +63,20 @@ zk.prepare @t_prepare {
 // CHECK: vector.bitcast %{{.+}} : vector<16xi32> to vector<32xi16>
 // CHECK-NOT: vector<64xi16>
 // CHECK: llvm.store %{{.+}}, %{{.+}} {alignment = 2 : i64} : vector<32xi16>, !llvm.ptr
-// CHECK: scf.for
-// CHECK: llvm.load %{{.+}} {alignment = 2 : i64} : !llvm.ptr -> i16
-// CHECK: llvm.store %{{.+}}, %{{.+}} {alignment = 2 : i64} : i16, !llvm.ptr
+// The tail on AVX-512: masked steps of one register (16 lanes), masks in
+// element order (memory) though the lanes compute in split order.
+// CHECK: scf.for %{{.+}} step %c16_i64
+// CHECK: %[[TM:.+]] = vector.create_mask %{{.+}} : vector<16xi1>
+// CHECK: llvm.intr.masked.load %{{.+}}, %[[TM]], %{{.+}} {alignment = 2 : i32} : (!llvm.ptr, vector<16xi1>, vector<16xi16>) -> vector<16xi16>
+// CHECK: arith.subf %{{.+}}, %{{.+}} : vector<16xf32>
+// CHECK: llvm.intr.masked.store %{{.+}}, %{{.+}}, %[[TM]] {alignment = 2 : i32} : vector<16xi16>, vector<16xi1> into !llvm.ptr
+// CHECK-NOT: : i16, !llvm.ptr
 // CHECK-LABEL: func.func @t_update_avx2
 // CHECK: vector<16xi16>
+// On AVX2 (no masked 16-bit loads or stores) the tail stays scalar.
+// CHECK: scf.for %{{.+}} step %c1_i64
+// CHECK: llvm.load %{{.+}} {alignment = 2 : i64} : !llvm.ptr -> i16
+// CHECK: llvm.store %{{.+}}, %{{.+}} {alignment = 2 : i64} : i16, !llvm.ptr
 
 // By default a third variant of the bf16-storing update: subnormal lanes
 // found with VFPCLASSPS send the vector down the integer path, else one
@@ -174,10 +183,12 @@ zk.prepare @t_prepare {
 // CHECK: arith.constant dense<-1028477387> : vector<32xi32>
 // CHECK: arith.cmpf uno
 // CHECK: llvm.store %{{.+}}, %{{.+}} {alignment = 2 : i64} : vector<32xi16>, !llvm.ptr
-// The scalar tail rounds the same way.
-// CHECK: scf.for
+// The masked tail rounds the same way, lane j at its element's index (split
+// order: the even elements, then the odd ones).
+// CHECK: arith.constant dense<[0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15]> : vector<16xi32>
+// CHECK: scf.for %{{.+}} step %c16_i64
 // CHECK: arith.addi %[[FIRST]], %{{.+}} : i32
-// CHECK: llvm.store %{{.+}}, %{{.+}} {alignment = 2 : i64} : i16, !llvm.ptr
+// CHECK: llvm.intr.masked.store %{{.+}}, %{{.+}}, %{{.+}} {alignment = 2 : i32} : vector<16xi16>, vector<16xi1> into !llvm.ptr
 zk.kernel @t_update update {
   %p = zk.load 0 : bf16
   %g = zk.load 1 : bf16

@@ -390,4 +390,67 @@ void checkRne(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n) {
          first.c_str(), nanPayloadChanged);
 }
 
+// Every variant this CPU runs gives the same bits as the others at every
+// length up to two of the widest vector steps and past them (each tail: the
+// scalar one of AVX2, the masked one of AVX-512), aligned and not, in place,
+// leaving the guards untouched.
+void checkUpdateTails(const Step &st, uint64_t seed) {
+  const zopt_step_descriptor *d = st.d;
+  std::vector<std::pair<uint32_t, zopt_update_fn>> fns;
+  for (auto &u : st.updates)
+    if (cpuRuns(u.first)) fns.push_back(u);
+  if (fns.size() < 2) {
+    std::printf("SKIP update tails: this CPU runs %zu variant(s)\n", fns.size());
+    return;
+  }
+  Hypers h;
+  const Config c{3, true, st.clip ? 0.37 : 1.0, st.lossScale ? 1.0 / 1024 : 1.0, 1e-2, 0.1};
+  bool prepOk;
+  std::vector<float> co = runPrepare(st, h, c, prepOk);
+  const bool sr = d->flags & ZOPT_FLAG_STOCHASTIC;
+  const uint32_t srKey = zopt_sr_key(42, 3, 5, 0), srFirst = 77;
+  const int ip = st.idx[ZOPT_STATE_PARAM], im = st.idx[ZOPT_STATE_MASTER];
+  const int ic = st.kahan ? st.idx[ZOPT_STATE_KAHAN_COMP] : -1;
+  std::vector<size_t> diff(fns.size(), 0);
+  bool guards = true;
+  Gen gen(seed);
+  for (size_t n = 1; n <= 67; ++n)
+    for (size_t off : {size_t(0), size_t(1)}) {
+      std::vector<Buf> base;
+      for (uint32_t i = 0; i < d->num_states; ++i) base.push_back(makeBuf(d->states[i].dtype, n, off));
+      for (size_t e = 0; e < n; ++e)
+        for (uint32_t i = 0; i < d->num_states; ++i) {
+          const zopt_state_desc &s = d->states[i];
+          if (int(i) == ic) continue;  // after the param
+          if (!(s.access & ZOPT_ACCESS_READ)) base[i].setBits(e, s.dtype == ZOPT_DTYPE_F32 ? 0xFFFFFFFFu : 0xFFFFu);
+          else if (st.remainder && int(i) == im) {
+            float x = float(genFor(s.kind, gen, c));
+            base[ip].setBits(e, zopt_ref::remainder_param(x));
+            base[i].setBits(e, zopt_ref::remainder_rem(x));
+          } else if (!(st.remainder && int(i) == ip)) {
+            base[i].store(e, genFor(s.kind, gen, c));
+          }
+          if (ic >= 0 && int(i) == ip) base[ic].store(e, base[ip].value(e) * gen.uni(-1.0 / 256, 1.0 / 256));
+        }
+      std::vector<std::vector<Buf>> out;
+      for (auto &[isa, fn] : fns) {
+        std::vector<Buf> b = base;
+        std::vector<void *> ptrs;
+        for (auto &x : b) ptrs.push_back(x.ptr());
+        if (sr) ((zopt_update_sr_fn)(void *)fn)(ptrs.data(), ptrs.data(), int64_t(n), co.data(), srKey, srFirst);
+        else fn(ptrs.data(), ptrs.data(), int64_t(n), co.data());
+        for (auto &x : b) guards = guards && x.guardsIntact();
+        out.push_back(std::move(b));
+      }
+      for (size_t k = 1; k < fns.size(); ++k)
+        for (uint32_t i = 0; i < d->num_states; ++i)
+          for (size_t e = 0; e < n; ++e) diff[k] += out[k][i].bits(e) != out[0][i].bits(e);
+    }
+  for (size_t k = 1; k < fns.size(); ++k)
+    report(prepOk && diff[k] == 0 && guards,
+           "update[%s] == update[%s] bit for bit at n=1..67 (every tail), aligned and not, every state: "
+           "%zu differ, guards %s",
+           isaName(fns[k].first), isaName(fns[0].first), diff[k], guards ? "intact" : "OVERWRITTEN");
+}
+
 } // namespace kc

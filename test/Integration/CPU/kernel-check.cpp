@@ -423,6 +423,7 @@ int main(int argc, char **argv) {
         for (size_t n : {size_t(61), size_t(100003)})
           checkRne(st, u.first, u.second, n);
     }
+    if (!st.q8 && !q8Sweep) checkUpdateTails(st, seed++);
     if (st.kahan) checkKahanIsas(st, 100003, seed++);
     if (st.q8 && !q8Sweep) checkQ8Isas(st, 100003);
     if (!twinPath.empty()) {
