@@ -1,0 +1,497 @@
+"""Randomized differential test of zopt.Optimizer's lifecycle (CPU steps):
+one seeded random sequence of user actions is applied to a zopt.Optimizer
+and to torch.optim (AdamW / Adam / SGD with momentum, Nesterov or not) over
+float64 copies of the params, and every param, gradient and state element
+is compared after every action.
+
+What test_property.py does not: that one mutates step *descriptions* and
+checks the runtime against the interpreter; this one fixes a few rules and
+fuzzes what a training script does to the optimizer between steps:
+fresh / accumulated / missing gradients, zero_grad both ways,
+requires_grad toggled, hyperparameters edited and an lr scheduler,
+add_param_group after steps, p.data replaced or written in place,
+state_dict() into a new zopt optimizer, into torch and back, save()/load()
+into a new optimizer, opt.clip_grad_norm_ and the compiled clip, several
+groups, bf16 params with an f32 master beside f32 params (step classes),
+and refusals (bad lr, another rule's state_dict, a duplicate param, a param
+of another shape, zero_grad between clip_grad_norm_ and step()), which must
+raise the documented error and change nothing (bit for bit).
+
+Tolerance (f32 math against float64, <= ~40 steps): every element within
+1e-5 relative of the reference, judged against max(|r|, 0.1 * max|r| of the
+tensor) (values that cancelled are judged at the tensor's scale). An f32
+step rounds each stored value once (6e-8 relative) plus a few ulp in the
+update, so 40 steps stay below ~3e-6; a wrong formula (a bias correction off
+by one step, the decay without lr, a dropped clip, a stale hyperparameter)
+moves params by >= lr * 1e-3 ~ 1e-5 .. 1e-4 relative and moments by far more.
+bf16 params: the master as f32 above; the param must be round(master)
+exactly and within one bf16 ulp of round(reference).
+
+ZOPT_FUZZ_CASES=N (default 12, < 60 s) and ZOPT_FUZZ_SEED pick the cases;
+ZOPT_FUZZ_ACTIONS the actions per case."""
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import zopt
+from zopt import bf16
+
+CASES = int(os.environ.get("ZOPT_FUZZ_CASES", "12"))
+SEED = int(os.environ.get("ZOPT_FUZZ_SEED", "0"))
+ACTIONS = int(os.environ.get("ZOPT_FUZZ_ACTIONS", "40"))
+RTOL = 1e-5
+
+_STEPS = {}
+
+
+def build_step(rule, mixed, clip):
+    key = (rule, mixed, clip)
+    if key not in _STEPS:
+        kw = {} if clip is None else dict(clip=clip)
+        if mixed:
+            kw["classes"] = {"bf16": dict(master="f32"), "f32": {}}
+        if rule in ("adamw", "adam"):
+            _STEPS[key] = getattr(zopt.steps, rule)(**kw)
+        else:
+            _STEPS[key] = zopt.steps.sgd(nesterov=(rule == "nesterov"), **kw)
+    return _STEPS[key]
+
+
+TORCH = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam,
+         "sgd": torch.optim.SGD, "nesterov": torch.optim.SGD}
+
+
+def rand_hypers(r, rule):
+    h = dict(lr=r.choice([1e-3, 3e-3, 1e-2, 3e-2]),
+             weight_decay=r.choice([0.0, 0.01, 0.1, 0.5]))
+    if rule in ("adamw", "adam"):
+        h["betas"] = (r.choice([0.8, 0.9, 0.95]), r.choice([0.99, 0.999, 0.95]))
+        h["eps"] = r.choice([1e-8, 1e-6, 1e-3])
+    else:
+        h["momentum"] = r.choice([0.5, 0.9, 0.99])
+        if rule == "sgd":
+            h["dampening"] = r.choice([0.0, 0.1, 0.5])
+    return h
+
+
+def torch_kw(rule, h):
+    kw = dict(h)
+    if rule == "nesterov":
+        kw["nesterov"] = True
+    if rule != "nesterov" and rule != "sgd":
+        kw["foreach"] = False
+    return kw
+
+
+def bf16_ulp(x):
+    ax = np.maximum(np.abs(x), 2.0 ** -126)
+    return 2.0 ** (np.floor(np.log2(ax)) - 7)
+
+
+def close(a, r, what, rtol=RTOL, scale=0.0):
+    """|a - r| <= rtol * max(|r|, 0.1 * scale), scale at least max|r|:
+    the tensor's largest magnitude so far (an EMA that cancelled to near
+    zero carries the roundoff of the larger terms it was made of)."""
+    a = np.asarray(a, dtype=np.float64).reshape(-1)
+    r = np.asarray(r, dtype=np.float64).reshape(-1)
+    if a.shape != r.shape:
+        raise AssertionError(f"{what}: shape {a.shape} vs reference {r.shape}")
+    if not r.size:
+        return
+    scale = max(scale, float(np.max(np.abs(r))))
+    bound = rtol * np.maximum(np.abs(r), 0.1 * scale + 1e-30)
+    err = np.abs(a - r)
+    bad = ~(err <= bound)
+    if bad.any():
+        i = int(np.argmax(np.where(bad, err / bound, 0)))
+        raise AssertionError(f"{what}: {int(bad.sum())}/{a.size} elements off; worst [{i}] "
+                             f"zopt={a[i]!r} ref={r[i]!r} err={err[i]:.3g} bound={bound[i]:.3g}")
+
+
+def f64(t):
+    return t.detach().to(torch.float64).numpy().copy()
+
+
+class World:
+    """The zopt optimizer and the float64 torch reference, side by side."""
+
+    def __init__(self, seed):
+        self.r = random.Random(seed)
+        self.g = torch.Generator().manual_seed(seed)
+        r = self.r
+        self.rule = r.choice(["adamw", "adam", "sgd", "nesterov"])
+        self.mixed = r.random() < 0.5
+        self.clip = r.choice([None, None, 3.0, 1e9])
+        self.step_obj = build_step(self.rule, self.mixed, self.clip)
+        self.zp, self.rp = [], []          # zopt params, reference (f64) params
+        self.log = [f"rule={self.rule} mixed={self.mixed} clip={self.clip}"]
+        groups, rgroups = [], []
+        for _ in range(r.randint(1, 3)):
+            zs, rs = self.new_params()
+            h = rand_hypers(r, self.rule)
+            groups.append(dict(params=zs, **h))
+            rgroups.append(dict(params=rs, **h))
+        self.defaults = rand_hypers(r, self.rule)
+        self.opt = zopt.Optimizer(self.step_obj, groups, **self.defaults)
+        self.ref = TORCH[self.rule](rgroups, **torch_kw(self.rule, self.defaults))
+        self.sched = None
+        self.runmax = {}
+
+    def new_params(self):
+        zs, rs = [], []
+        for _ in range(self.r.randint(1, 3)):
+            shape = self.r.choice([(1,), (5,), (33,), (4, 7), (3, 2, 5), (70,)])
+            dt = torch.bfloat16 if self.mixed and self.r.random() < 0.5 else torch.float32
+            z = torch.nn.Parameter((torch.randn(shape, generator=self.g) + 0.5).to(dt))
+            rp = torch.nn.Parameter(z.detach().to(torch.float64).clone())
+            self.zp.append(z)
+            self.rp.append(rp)
+            zs.append(z)
+            rs.append(rp)
+        return zs, rs
+
+    # ---- the actions ------------------------------------------------------
+
+    def randn_like(self, p, scale):
+        return (torch.randn(p.shape, generator=self.g) * scale).to(p.dtype)
+
+    def a_grads(self):
+        """New gradients for a random subset: fresh, accumulated, None."""
+        scale = self.r.choice([0.01, 0.3, 1.0, 5.0])
+        for z, rp in zip(self.zp, self.rp):
+            how = self.r.choice(["fresh", "fresh", "acc", "acc", "keep", "none"])
+            if how == "fresh":
+                z.grad = self.randn_like(z, scale)
+            elif how == "acc":
+                if z.grad is None:
+                    z.grad = self.randn_like(z, scale)
+                else:
+                    z.grad += self.randn_like(z, scale)
+            elif how == "none":
+                z.grad = None
+            rp.grad = None if z.grad is None else z.grad.detach().to(torch.float64).clone()
+        return f"grads scale={scale}"
+
+    def a_step(self):
+        msg = self.a_grads()
+        clip = self.clip
+        if self.clip is not None and self.r.random() < 0.3:
+            clip = self.r.choice([0.1, 1.0, 10.0])
+            norm = self.opt.clip_grad_norm_(clip)
+            ref_norm = self.ref_norm()
+            close([float(norm)], [ref_norm], "clip_grad_norm_'s norm", rtol=1e-6)
+            msg += f"; clip_grad_norm_({clip})"
+            if self.r.random() < 0.2 and any(z.grad is not None for z in self.zp):
+                # refused in between (BAD_STATE), nothing changes; without any
+                # gradient clip_grad_norm_ begins nothing (returns 0)
+                with pytest.raises(zopt.ZoptError, match="BAD_STATE|clip_grad_norm_"):
+                    self.opt.zero_grad()
+                msg += "; zero_grad refused"
+        self.opt.step()
+        self.ref_step(clip)
+        return msg + "; step"
+
+    def ref_norm(self):
+        gs = [rp.grad for rp in self.rp if rp.grad is not None]
+        if not gs:
+            return 0.0
+        return float(torch.sqrt(sum((g * g).sum() for g in gs)))
+
+    def ref_step(self, clip):
+        saved = [None if rp.grad is None else rp.grad.clone() for rp in self.rp]
+        if clip is not None:
+            n = self.ref_norm()
+            c = clip / (n + 1e-6)
+            if c < 1:
+                for rp in self.rp:
+                    if rp.grad is not None:
+                        rp.grad.mul_(c)
+        self.ref.step()
+        for rp, s in zip(self.rp, saved):
+            rp.grad = s
+
+    def a_zero_grad(self):
+        stn = self.r.random() < 0.5
+        self.opt.zero_grad(set_to_none=stn)
+        self.ref.zero_grad(set_to_none=stn)
+        return f"zero_grad(set_to_none={stn})"
+
+    def a_requires_grad(self):
+        i = self.r.randrange(len(self.zp))
+        z = self.zp[i]
+        z.requires_grad_(not z.requires_grad)
+        self.rp[i].requires_grad_(z.requires_grad)
+        return f"param {i} requires_grad_({z.requires_grad})"
+
+    def a_hypers(self):
+        gi = self.r.randrange(len(self.opt.param_groups))
+        h = rand_hypers(self.r, self.rule)
+        k = self.r.choice(sorted(h))
+        self.opt.param_groups[gi][k] = h[k]
+        self.ref.param_groups[gi][k] = h[k]
+        return f"group {gi} {k}={h[k]}"
+
+    def a_sched(self):
+        if self.sched is None:
+            gamma = self.r.choice([0.5, 0.9])
+            self.sched = (torch.optim.lr_scheduler.ExponentialLR(self.opt, gamma),
+                          torch.optim.lr_scheduler.ExponentialLR(self.ref, gamma))
+            return f"ExponentialLR({gamma})"
+        for s in self.sched:
+            s.step()
+        return "sched.step()"
+
+    def a_add_group(self):
+        if len(self.zp) > 12:
+            return None
+        zs, rs = self.new_params()
+        h = rand_hypers(self.r, self.rule)
+        self.opt.add_param_group(dict(params=zs, **h))
+        self.ref.add_param_group(dict(params=rs, **h))
+        return f"add_param_group({len(zs)} params, {h})"
+
+    def a_write_param(self):
+        i = self.r.randrange(len(self.zp))
+        z, rp = self.zp[i], self.rp[i]
+        new = (torch.randn(z.shape, generator=self.g) + 0.5).to(z.dtype)
+        how = self.r.choice(["data=", "data.copy_", "no_grad copy_", "mul_"])
+        if how == "data=":
+            z.data = new
+        elif how == "data.copy_":
+            z.data.copy_(new)
+        elif how == "no_grad copy_":
+            with torch.no_grad():
+                z.copy_(new)
+        else:
+            with torch.no_grad():
+                z.mul_(2.0)
+        with torch.no_grad():
+            rp.copy_(z.detach().to(torch.float64))
+        return f"param {i} {how}"
+
+    def fresh_opt(self):
+        groups = [dict(params=list(g["params"])) for g in self.opt.param_groups]
+        return zopt.Optimizer(self.step_obj, groups, **self.defaults)
+
+    def replace_opt(self, new):
+        self.opt.close()
+        self.opt = new
+        if self.sched is not None:
+            gamma = self.sched[0].gamma
+            self.sched = (torch.optim.lr_scheduler.ExponentialLR(self.opt, gamma),
+                          self.sched[1])
+
+    def a_state_dict_new(self):
+        sd = self.opt.state_dict()
+        new = self.fresh_opt()
+        new.load_state_dict(sd)
+        self.replace_opt(new)
+        return "state_dict -> new zopt optimizer"
+
+    def a_zopt_into_torch(self):
+        sd = self.opt.state_dict()
+        self.ref.load_state_dict(sd)
+        for st in self.ref.state.values():  # zopt's extras: torch keeps them, unused
+            st.pop("master", None)
+            if self.rule in ("sgd", "nesterov"):
+                st.pop("step", None)
+        return "zopt state_dict -> torch reference"
+
+    def a_torch_into_zopt(self):
+        sd = self.ref.state_dict()
+        new = self.fresh_opt()
+        new.load_state_dict(sd)
+        self.replace_opt(new)
+        with torch.no_grad():   # a master is made from the params as they are
+            for z, rp in zip(self.zp, self.rp):
+                if z.dtype == torch.bfloat16:
+                    rp.copy_(z.detach().to(torch.float64))
+        return "torch reference state_dict -> new zopt optimizer"
+
+    def a_save_load(self, tmp):
+        path = os.path.join(tmp, f"ckpt{self.r.randrange(10**9)}")
+        self.opt.save(path)
+        new = self.fresh_opt()
+        new.load(path)
+        self.replace_opt(new)
+        return "save -> load into a new optimizer"
+
+    # ---- refusals: the documented error, nothing changed -------------------
+
+    def snapshot(self):
+        out = []
+        for z in self.zp:
+            st = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in self.opt.state[z].items()}
+            out.append((z.detach().clone(), st, self.opt.tensor_step(z)))
+        return out, [dict((k, v) for k, v in g.items() if k != "params")
+                     for g in self.opt.param_groups]
+
+    def same(self, a, b):
+        (pa, ga), (pb, gb) = a, b
+        assert ga == gb, "groups changed by a refused call"
+        for i, ((x, sx, tx), (y, sy, ty)) in enumerate(zip(pa, pb)):
+            assert tx == ty and torch.equal(x, y), f"param {i} changed by a refused call"
+            assert sorted(sx) == sorted(sy)
+            for k in sx:
+                assert torch.equal(torch.as_tensor(sx[k]), torch.as_tensor(sy[k])), \
+                    f"state {k} of param {i} changed by a refused call"
+
+    def a_refuse(self):
+        what = self.r.choice(["lr", "rule", "dup", "shape"])
+        before = self.snapshot()
+        if what == "lr":
+            gi = self.r.randrange(len(self.opt.param_groups))
+            old = self.opt.param_groups[gi]["lr"]
+            self.opt.param_groups[gi]["lr"] = -1.0
+            if any(z.grad is not None for z in self.zp):
+                with pytest.raises(ValueError):
+                    self.opt.step()
+            self.opt.param_groups[gi]["lr"] = old
+        elif what == "rule":
+            other = torch.optim.SGD if self.rule in ("adamw", "adam") else torch.optim.Adam
+            ps = [torch.nn.Parameter(z.detach().float().clone()) for z in self.zp]
+            kw = dict(lr=0.1, momentum=0.9) if other is torch.optim.SGD else dict(lr=0.1)
+            o = other(ps, **kw)
+            for p in ps:
+                p.grad = torch.ones_like(p)
+            o.step()
+            sd = o.state_dict()
+            sd["param_groups"] = [dict(sd["param_groups"][0], params=[])] + [
+                dict(sd["param_groups"][0], params=[]) for _ in self.opt.param_groups[1:]]
+            i = 0
+            for g, zg in zip(sd["param_groups"], self.opt.param_groups):
+                g["params"] = list(range(i, i + len(zg["params"])))
+                i += len(zg["params"])
+            with pytest.raises(zopt.ZoptError):
+                self.opt.load_state_dict(sd)
+        elif what == "dup":
+            with pytest.raises(zopt.ZoptError, match="appears twice"):
+                self.opt.add_param_group(dict(params=[self.zp[0]]))
+        else:
+            i = self.r.randrange(len(self.zp))
+            z = self.zp[i]
+            if z.grad is None:
+                return None
+            old = z.data
+            z.data = torch.randn(z.numel() + 1).to(z.dtype)
+            g = z.grad
+            z.grad = None
+            z.grad = torch.zeros_like(z.data)
+            try:
+                with pytest.raises(zopt.ZoptError):
+                    self.opt.step()
+            finally:
+                z.grad = None
+                z.data = old
+                z.grad = g
+        self.same(before, self.snapshot())
+        return f"refused {what}"
+
+    # ---- the check --------------------------------------------------------
+
+    def close(self, i, key, a, r, what):
+        k = (id(self.zp[i]), key)
+        self.runmax[k] = max(self.runmax.get(k, 0.0), float(np.max(np.abs(r), initial=0.0)))
+        close(a, r, what, scale=self.runmax[k])
+
+    def check(self, where):
+        for i, (z, rp) in enumerate(zip(self.zp, self.rp)):
+            w = f"{where}: param {i} {tuple(z.shape)} {z.dtype}"
+            st = self.opt.state[z]
+            rst = self.ref.state.get(rp, {})
+            if z.dtype == torch.bfloat16:
+                zb, rv = f64(z), f64(rp)
+                if "master" in st:
+                    m = st["master"].to(torch.float32)
+                    self.close(i, "master", f64(m), rv, w + " master")
+                    mb = f64(m.to(torch.bfloat16))
+                    assert np.array_equal(zb, mb), f"{w}: param is not round(master)"
+                rr = f64(rp.detach().to(torch.bfloat16))
+                err = np.abs(zb - rr)
+                assert (err <= bf16_ulp(rr) + 1e-30).all(), f"{w}: param off by > 1 bf16 ulp"
+            else:
+                self.close(i, "param", f64(z), f64(rp), w)
+            if (z.grad is None) != (rp.grad is None):
+                raise AssertionError(f"{w}: grad None {z.grad is None} vs ref {rp.grad is None}")
+            if z.grad is not None:
+                assert np.array_equal(f64(z.grad), f64(rp.grad)), f"{w}: p.grad changed"
+            rstep = int(rst["step"]) if "step" in rst else None
+            if rstep is not None:
+                assert self.opt.tensor_step(z) == rstep, \
+                    f"{w}: step count {self.opt.tensor_step(z)} vs torch {rstep}"
+            for k in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
+                if k in rst and rst[k] is not None:
+                    if k not in st:
+                        raise AssertionError(f"{w}: no {k} in zopt's state {sorted(st)}")
+                    self.close(i, k, f64(st[k]), f64(rst[k]), f"{w} {k}")
+                elif not rst and st and self.opt.tensor_step(z):
+                    raise AssertionError(f"{w}: zopt has state {sorted(st)}, torch none")
+
+
+ACTION_WEIGHTS = [("a_step", 10), ("a_zero_grad", 2), ("a_requires_grad", 1),
+                  ("a_hypers", 2), ("a_sched", 1), ("a_add_group", 1), ("a_write_param", 2),
+                  ("a_state_dict_new", 1), ("a_zopt_into_torch", 1), ("a_torch_into_zopt", 1),
+                  ("a_save_load", 1), ("a_refuse", 1)]
+
+
+def run_case(seed, tmp, actions=ACTIONS):
+    w = World(seed)
+    names = [n for n, k in ACTION_WEIGHTS for _ in range(k)]
+    try:
+        w.check("built")
+        for n in range(actions):
+            name = w.r.choice(names)
+            fn = getattr(w, name)
+            msg = fn(tmp) if name == "a_save_load" else fn()
+            if msg is None:
+                continue
+            w.log.append(msg)
+            w.check(f"action {n} ({msg})")
+    except BaseException as e:
+        raise AssertionError(f"case seed {seed}:\n  " + "\n  ".join(w.log) + f"\n{e}") from e
+    finally:
+        w.opt.close()
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")
+@pytest.mark.parametrize("case", range(CASES))
+def test_lifecycle_fuzz(case, tmp_path):
+    run_case(SEED * 100003 + case, str(tmp_path))
+
+
+# ---- what the fuzzer found, minimized --------------------------------------
+
+@pytest.mark.parametrize("shape", [(2, 4, 7), (1, 7)])
+def test_refused_replaced_param_leaves_the_mask(steps, scan_impl, shape):
+    """p.data replaced by a tensor of another shape, and p.grad with it: the
+    step is refused with the documented ZoptError (not torch's RuntimeError
+    from copying the gradient), nothing changes, and a param whose gradient
+    went None at that refused step is left alone at the next one (it was
+    updated without a gradient: the pass had taken the new mask as pushed)."""
+    torch.manual_seed(0)
+    p, q = torch.nn.Parameter(torch.randn(4, 7)), torch.nn.Parameter(torch.randn(5))
+    opt = zopt.Optimizer(steps(rule="adamw", layout="f32"), [p, q], lr=1e-2)
+    p.grad, q.grad = torch.randn(4, 7), torch.randn(5)
+    opt.step()
+    q0, m0 = q.detach().clone(), opt.state[q]["exp_avg"].clone()
+    q.grad = None
+    old = p.data
+    p.data = torch.randn(shape)
+    p.grad = torch.randn(shape)
+    with pytest.raises(Exception) as refused:
+        opt.step()
+    assert torch.equal(q, q0) and opt.tensor_step(q) == 1 and opt.tensor_step(p) == 1
+    p.grad = None
+    p.data = old
+    p.grad = torch.randn(4, 7)
+    opt.step()
+    assert opt.tensor_step(p) == 2
+    assert opt.tensor_step(q) == 1, "a param without a gradient was stepped"
+    assert torch.equal(q, q0) and torch.equal(opt.state[q]["exp_avg"], m0)
+    assert refused.type is zopt.ZoptError and "replaced" in str(refused.value) \
+        and "another shape" in str(refused.value), refused.value
+    opt.close()
+
