@@ -368,7 +368,7 @@ class World:
             with pytest.raises(zopt.ZoptError):
                 self.opt.load_state_dict(sd)
         elif what == "dup":
-            with pytest.raises(zopt.ZoptError, match="appears twice"):
+            with pytest.raises(ValueError, match="appears twice"):
                 self.opt.add_param_group(dict(params=[self.zp[0]]))
         else:
             i = self.r.randrange(len(self.zp))
@@ -495,3 +495,15 @@ def test_refused_replaced_param_leaves_the_mask(steps, scan_impl, shape):
         and "another shape" in str(refused.value), refused.value
     opt.close()
 
+
+def test_duplicate_param_is_torchs_value_error(steps):
+    """add_param_group with a param already in the optimizer: ValueError, as
+    torch.optim raises (zopt.ZoptValueError, also a ZoptError)."""
+    p = torch.nn.Parameter(torch.randn(5))
+    opt = zopt.Optimizer(steps(rule="adamw", layout="f32"), [p], lr=1e-2)
+    with pytest.raises(ValueError, match="appears twice"):
+        opt.add_param_group(dict(params=[p]))
+    with pytest.raises(ValueError):
+        torch.optim.AdamW([p]).add_param_group(dict(params=[p]))
+    assert len(opt.param_groups) == 1
+    opt.close()
