@@ -29,6 +29,7 @@ exactly and within one bf16 ulp of round(reference).
 
 ZOPT_FUZZ_CASES=N (default 12, < 60 s) and ZOPT_FUZZ_SEED pick the cases;
 ZOPT_FUZZ_ACTIONS the actions per case."""
+import copy
 import os
 import random
 
@@ -47,10 +48,12 @@ RTOL = 1e-5
 _STEPS = {}
 
 
-def build_step(rule, mixed, clip):
-    key = (rule, mixed, clip)
+def build_step(rule, mixed, clip, amsgrad=False):
+    key = (rule, mixed, clip, amsgrad)
     if key not in _STEPS:
         kw = {} if clip is None else dict(clip=clip)
+        if amsgrad:
+            kw["amsgrad"] = True
         if mixed:
             kw["classes"] = {"bf16": dict(master="f32"), "f32": {}}
         if rule in ("adamw", "adam"):
@@ -125,9 +128,12 @@ class World:
         self.rule = r.choice(["adamw", "adam", "sgd", "nesterov"])
         self.mixed = r.random() < 0.5
         self.clip = r.choice([None, None, 3.0, 1e9])
-        self.step_obj = build_step(self.rule, self.mixed, self.clip)
+        self.amsgrad = self.rule in ("adamw", "adam") and r.random() < 0.25
+        self.step_obj = build_step(self.rule, self.mixed, self.clip, self.amsgrad)
         self.zp, self.rp = [], []          # zopt params, reference (f64) params
-        self.log = [f"rule={self.rule} mixed={self.mixed} clip={self.clip}"]
+        self.log = [f"rule={self.rule} amsgrad={self.amsgrad} mixed={self.mixed} "
+                    f"clip={self.clip}"]
+        self.saved = None                  # an earlier state_dict of both, to go back to
         groups, rgroups = [], []
         for _ in range(r.randint(1, 3)):
             zs, rs = self.new_params()
@@ -136,9 +142,12 @@ class World:
             rgroups.append(dict(params=rs, **h))
         self.defaults = rand_hypers(r, self.rule)
         self.opt = zopt.Optimizer(self.step_obj, groups, **self.defaults)
-        self.ref = TORCH[self.rule](rgroups, **torch_kw(self.rule, self.defaults))
+        self.ref = TORCH[self.rule](rgroups, **torch_kw(self.rule, self.defaults),
+                                    **(dict(amsgrad=True) if self.amsgrad else {}))
         self.sched = None
         self.runmax = {}
+        self.loose = {}   # param index -> its count when a load kept it as the other
+        # neighbour of its master (USAGE.md section 4), until it steps again
 
     def new_params(self):
         zs, rs = [], []
@@ -172,8 +181,33 @@ class World:
                     z.grad += self.randn_like(z, scale)
             elif how == "none":
                 z.grad = None
+        layout = self.r.choice(["own"] * 6 + ["flat", "alias", "transposed"])
+        if layout == "flat":  # one flat buffer, every gradient a view of it (DeepSpeed's)
+            have = [z for z in self.zp if z.grad is not None]
+            by_dt = {}
+            for z in have:
+                by_dt.setdefault(z.dtype, []).append(z)
+            for dt, zs in by_dt.items():
+                flat = torch.empty(sum(z.numel() for z in zs) + 3, dtype=dt)
+                off = 3
+                for z in zs:
+                    g = flat[off:off + z.numel()].view(z.shape)
+                    g.copy_(z.grad)
+                    z.grad = g
+                    off += z.numel()
+        elif layout == "alias":  # two params, one gradient tensor
+            pairs = [(a, b) for a in self.zp for b in self.zp if a is not b and a.grad is not None
+                     and a.shape == b.shape and a.dtype == b.dtype]
+            if pairs:
+                a, b = self.r.choice(pairs)
+                b.grad = a.grad
+        elif layout == "transposed":
+            for z in self.zp:
+                if z.grad is not None and z.dim() == 2:
+                    z.grad = z.grad.t().contiguous().t()
+        for z, rp in zip(self.zp, self.rp):
             rp.grad = None if z.grad is None else z.grad.detach().to(torch.float64).clone()
-        return f"grads scale={scale}"
+        return f"grads scale={scale} {layout}"
 
     def a_step(self):
         msg = self.a_grads()
@@ -190,9 +224,20 @@ class World:
                 with pytest.raises(zopt.ZoptError, match="BAD_STATE|clip_grad_norm_"):
                     self.opt.zero_grad()
                 msg += "; zero_grad refused"
-        self.opt.step()
+        if clip != self.clip and self.r.random() < 0.3 and \
+                any(z.grad is not None for z in self.zp):   # after clip_grad_norm_
+            with pytest.raises(zopt.ZoptError, match="BAD_STATE"):
+                self.opt.step(lambda: torch.tensor(3.5))
+            msg += "; step(closure) refused"
+        if clip == self.clip and self.r.random() < 0.2:
+            loss = self.opt.step(lambda: torch.tensor(3.5))
+            assert float(loss) == 3.5
+            msg += "; step(closure)"
+        else:
+            self.opt.step()
+            msg += "; step"
         self.ref_step(clip)
-        return msg + "; step"
+        return msg
 
     def ref_norm(self):
         gs = [rp.grad for rp in self.rp if rp.grad is not None]
@@ -229,7 +274,22 @@ class World:
     def a_hypers(self):
         gi = self.r.randrange(len(self.opt.param_groups))
         h = rand_hypers(self.r, self.rule)
+        h["maximize"] = self.r.random() < 0.5
         k = self.r.choice(sorted(h))
+        if k != "maximize" and self.r.random() < 0.3:   # zopt's own setter, mirrored
+            if k == "betas":
+                j = self.r.randrange(2)
+                v = h[k][j]
+                self.opt.set_hyper(gi, f"beta{j + 1}", v)
+                b = list(self.ref.param_groups[gi]["betas"])
+                b[j] = v
+                self.ref.param_groups[gi]["betas"] = tuple(b)
+                assert tuple(self.opt.param_groups[gi]["betas"]) == tuple(b)
+                return f"set_hyper({gi}, beta{j + 1}, {v})"
+            self.opt.set_hyper(gi, k, h[k])
+            self.ref.param_groups[gi][k] = h[k]
+            assert self.opt.param_groups[gi][k] == h[k]
+            return f"set_hyper({gi}, {k}, {h[k]})"
         self.opt.param_groups[gi][k] = h[k]
         self.ref.param_groups[gi][k] = h[k]
         return f"group {gi} {k}={h[k]}"
@@ -257,7 +317,22 @@ class World:
         i = self.r.randrange(len(self.zp))
         z, rp = self.zp[i], self.rp[i]
         new = (torch.randn(z.shape, generator=self.g) + 0.5).to(z.dtype)
-        how = self.r.choice(["data=", "data.copy_", "no_grad copy_", "mul_"])
+        how = self.r.choice(["data=", "data.copy_", "no_grad copy_", "mul_", "swap"])
+        if how == "swap":  # two params trade storage (the state stays with the param)
+            js = [j for j, q in enumerate(self.zp)
+                  if j != i and q.shape == z.shape and q.dtype == z.dtype]
+            if not js:
+                return None
+            j = self.r.choice(js)
+            q, rq = self.zp[j], self.rp[j]
+            z.data, q.data = q.data, z.data
+            with torch.no_grad():
+                a, b = rp.detach().clone(), rq.detach().clone()
+                if z.dtype == torch.bfloat16:  # the masters made from the params
+                    a, b = a.to(torch.bfloat16).double(), b.to(torch.bfloat16).double()
+                rp.copy_(b)
+                rq.copy_(a)
+            return f"params {i} and {j} swap storage"
         if how == "data=":
             z.data = new
         elif how == "data.copy_":
@@ -319,6 +394,75 @@ class World:
         self.replace_opt(new)
         return "save -> load into a new optimizer"
 
+    def a_state(self):
+        """What torch code does to optimizer.state, on both."""
+        i = self.r.randrange(len(self.zp))
+        z, rp = self.zp[i], self.rp[i]
+        rst = self.ref.state.get(rp)
+        if not rst or not self.opt.state[z]:
+            return None
+        keys = [k for k in ("exp_avg", "exp_avg_sq", "momentum_buffer", "max_exp_avg_sq")
+                if k in rst and rst[k] is not None]
+        how = self.r.choice(["set", "inplace", "reset", "del", "step"])
+        k = self.r.choice(keys)
+        if how == "set":
+            t = torch.rand(z.shape, generator=self.g) + 0.1   # positive: exp_avg_sq too
+            self.opt.state[z][k] = t
+            rst[k] = t.to(torch.float64).clone()
+        elif how == "inplace":
+            self.opt.state[z][k].mul_(0.5)
+            rst[k].mul_(0.5)
+        elif how in ("reset", "del"):
+            if how == "reset":
+                self.opt.state[z] = {}
+            else:
+                del self.opt.state[z]
+            del self.ref.state[rp]
+            if self.mixed and z.dtype == torch.bfloat16:   # the master made from the param
+                with torch.no_grad():
+                    rp.copy_(z.detach().to(torch.float64))
+            return f"param {i} state {how}"
+        else:
+            if "step" not in rst:
+                return None
+            n = self.r.randint(1, 30)
+            self.opt.state[z]["step"] = n
+            rst["step"] = torch.tensor(float(n))
+            return f"param {i} state['step'] = {n}"
+        return f"param {i} state {k} {how}"
+
+    def a_keep(self):
+        """An earlier state_dict of both, to load back later (a rollback)."""
+        # (torch's state_dict holds its live state tensors: a copy)
+        self.saved = (self.opt.state_dict(), copy.deepcopy(self.ref.state_dict()))
+        return "keep state_dicts"
+
+    def a_rollback(self):
+        if self.saved is None:
+            return None
+        zsd, rsd = self.saved
+        n = len(zsd["param_groups"])
+        if n != len(self.opt.param_groups):  # groups added since: refused, nothing changes
+            before = self.snapshot()
+            with pytest.raises((ValueError, zopt.ZoptError)):
+                self.opt.load_state_dict(zsd)
+            self.same(before, self.snapshot())
+            return "rollback refused (groups added since)"
+        self.opt.load_state_dict(zsd)
+        self.ref.load_state_dict(rsd)
+        with torch.no_grad():
+            for i, (z, rp) in enumerate(zip(self.zp, self.rp)):
+                if z.dtype != torch.bfloat16:
+                    continue
+                st = zsd["state"].get(i)
+                if st is not None and "master" in st:
+                    # a master loaded is the weight: the param is a rounding of it
+                    rp.copy_(st["master"].to(torch.float64))
+                    self.loose[i] = self.opt.tensor_step(z)
+                else:  # no state: reset, the master made from the param
+                    rp.copy_(z.detach().to(torch.float64))
+        return "rollback: load an earlier state_dict"
+
     # ---- refusals: the documented error, nothing changed -------------------
 
     def snapshot(self):
@@ -340,7 +484,7 @@ class World:
                     f"state {k} of param {i} changed by a refused call"
 
     def a_refuse(self):
-        what = self.r.choice(["lr", "rule", "dup", "shape"])
+        what = self.r.choice(["lr", "rule", "dup", "shape", "overlap"])
         before = self.snapshot()
         if what == "lr":
             gi = self.r.randrange(len(self.opt.param_groups))
@@ -367,6 +511,19 @@ class World:
                 i += len(zg["params"])
             with pytest.raises(zopt.ZoptError):
                 self.opt.load_state_dict(sd)
+        elif what == "overlap":  # two params on one storage: refused naming both
+            js = [(i, j) for i, a in enumerate(self.zp) for j, b in enumerate(self.zp)
+                  if i != j and a.shape == b.shape and a.dtype == b.dtype]
+            if not js or all(z.grad is None for z in self.zp):
+                return None
+            i, j = self.r.choice(js)
+            old = self.zp[i].data
+            self.zp[i].data = self.zp[j].data
+            try:
+                with pytest.raises(zopt.ZoptError, match="overlap|share|same"):
+                    self.opt.step()
+            finally:
+                self.zp[i].data = old
         elif what == "dup":
             with pytest.raises(ValueError, match="appears twice"):
                 self.opt.add_param_group(dict(params=[self.zp[0]]))
@@ -408,7 +565,11 @@ class World:
                     m = st["master"].to(torch.float32)
                     self.close(i, "master", f64(m), rv, w + " master")
                     mb = f64(m.to(torch.bfloat16))
-                    assert np.array_equal(zb, mb), f"{w}: param is not round(master)"
+                    if self.loose.get(i) == self.opt.tensor_step(z):
+                        assert (np.abs(zb - f64(m)) < bf16_ulp(f64(m))).all(), \
+                            f"{w}: param is not a rounding of its master"
+                    else:
+                        assert np.array_equal(zb, mb), f"{w}: param is not round(master)"
                 rr = f64(rp.detach().to(torch.bfloat16))
                 err = np.abs(zb - rr)
                 assert (err <= bf16_ulp(rr) + 1e-30).all(), f"{w}: param off by > 1 bf16 ulp"
@@ -422,7 +583,7 @@ class World:
             if rstep is not None:
                 assert self.opt.tensor_step(z) == rstep, \
                     f"{w}: step count {self.opt.tensor_step(z)} vs torch {rstep}"
-            for k in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
+            for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"):
                 if k in rst and rst[k] is not None:
                     if k not in st:
                         raise AssertionError(f"{w}: no {k} in zopt's state {sorted(st)}")
@@ -434,7 +595,8 @@ class World:
 ACTION_WEIGHTS = [("a_step", 10), ("a_zero_grad", 2), ("a_requires_grad", 1),
                   ("a_hypers", 2), ("a_sched", 1), ("a_add_group", 1), ("a_write_param", 2),
                   ("a_state_dict_new", 1), ("a_zopt_into_torch", 1), ("a_torch_into_zopt", 1),
-                  ("a_save_load", 1), ("a_refuse", 1)]
+                  ("a_save_load", 1), ("a_refuse", 1), ("a_state", 2), ("a_keep", 1),
+                  ("a_rollback", 1)]
 
 
 def run_case(seed, tmp, actions=ACTIONS):
@@ -457,6 +619,7 @@ def run_case(seed, tmp, actions=ACTIONS):
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")
+@pytest.mark.filterwarnings("ignore::zopt.optimizer.MasterWeightsWarning")
 @pytest.mark.parametrize("case", range(CASES))
 def test_lifecycle_fuzz(case, tmp_path):
     run_case(SEED * 100003 + case, str(tmp_path))
@@ -506,4 +669,33 @@ def test_duplicate_param_is_torchs_value_error(steps):
     with pytest.raises(ValueError):
         torch.optim.AdamW([p]).add_param_group(dict(params=[p]))
     assert len(opt.param_groups) == 1
+    opt.close()
+
+
+def test_set_hyper_keeps_the_groups_other_edits(steps):
+    """param_groups edited (maximize, lr) and then opt.set_hyper of another
+    slot before the step: the edits are kept and stepped, as torch steps
+    what param_groups says (set_hyper read the whole group back from the
+    runtime, silently undoing them)."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(5))
+    rp = torch.nn.Parameter(p.detach().double().clone())
+    opt = zopt.Optimizer(steps(rule="sgd", nesterov=True), [p], lr=1e-2, momentum=0.5)
+    ref = torch.optim.SGD([rp], lr=1e-2, momentum=0.5, nesterov=True)
+    for k in range(3):
+        g = torch.randn(5)
+        p.grad, rp.grad = g.clone(), g.double()
+        if k == 1:
+            for o in (opt, ref):
+                o.param_groups[0]["maximize"] = True
+                o.param_groups[0]["lr"] = 0.1
+            opt.set_hyper(0, "momentum", 0.9)
+            ref.param_groups[0]["momentum"] = 0.9
+            assert opt.param_groups[0]["maximize"] is True and opt.param_groups[0]["lr"] == 0.1
+            assert opt.param_groups[0]["momentum"] == 0.9
+        opt.step()
+        ref.step()
+        close(f64(p), f64(rp), f"step {k}")
+        close(f64(opt.state[p]["momentum_buffer"]), f64(ref.state[rp]["momentum_buffer"]),
+              f"step {k} momentum_buffer")
     opt.close()

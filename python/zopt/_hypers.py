@@ -325,6 +325,19 @@ class Pushed:
             self.max[gid] = on
         self.raw[gid] = raw
 
+    def read_one(self, gid, group, c, name):
+        """group <- slot ``name`` as part c's runtime holds it (set_hyper):
+        that slot is then the pushed one; the group's other edits not
+        pushed yet stay in the group, pushed at the next step."""
+        v = c.get_hyper(gid, name)
+        if name in ("beta1", "beta2"):
+            b = list(group.get("betas") or (c.get_hyper(gid, "beta1"), c.get_hyper(gid, "beta2")))
+            b[name == "beta2"] = v
+            group["betas"] = tuple(b)
+        else:
+            group[name] = bool(v) if name == "bias_correction" else v
+        self.slots[gid][name] = v
+
     def read_back(self, gid, group, c):
         """group <- the values part c's runtime holds (hyperparameters and
         the maximize flag), which are then the pushed ones."""
