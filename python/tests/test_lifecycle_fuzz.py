@@ -699,3 +699,27 @@ def test_set_hyper_keeps_the_groups_other_edits(steps):
         close(f64(opt.state[p]["momentum_buffer"]), f64(ref.state[rp]["momentum_buffer"]),
               f"step {k} momentum_buffer")
     opt.close()
+
+
+def test_refused_overlap_keeps_the_master(steps, scan_impl):
+    """p.data = q.data (two params on one storage) is refused at step();
+    once p gets its own storage back, nothing has changed: its f32 master
+    is kept (the refusal had taken q's storage as p's, so giving p its
+    storage back looked like p.data = new and remade the master from the
+    bf16 param, silently dropping its low bits)."""
+    torch.manual_seed(0)
+    p, q = (torch.nn.Parameter(torch.randn(6).bfloat16()) for _ in range(2))
+    opt = zopt.Optimizer(steps(rule="adamw", layout="bf16_master"), [p, q], lr=1e-3)
+    for _ in range(2):
+        p.grad, q.grad = torch.randn(6).bfloat16(), torch.randn(6).bfloat16()
+        opt.step()
+    m0 = opt.state[p]["master"].clone()
+    assert not torch.equal(m0, p.detach().float())  # the master holds more than the param
+    old = p.data
+    p.data = q.data
+    with pytest.raises(zopt.ZoptError, match="overlap in memory"):
+        opt.step()
+    p.data = old
+    assert torch.equal(opt.state[p]["master"], m0)
+    assert opt.tensor_step(p) == 2 and opt.refreshes == 0
+    opt.close()

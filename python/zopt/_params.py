@@ -345,10 +345,10 @@ def moved_params(c, ptrs):
                             f"{what}: the optimizer's states no longer fit it; build a "
                             "new optimizer for the changed model")
         moved.append(t)
+    if moved:  # before the baselines: a refused move changes nothing (the storage
+        check_overlaps(c)  # given back later is not a move, its master kept)
     c.tp_ptrs = ptrs
     baselines_changed(c)
-    if moved:
-        check_overlaps(c)
     return moved
 
 
