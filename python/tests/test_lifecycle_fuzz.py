@@ -152,15 +152,29 @@ class World:
     def new_params(self):
         zs, rs = [], []
         for _ in range(self.r.randint(1, 3)):
-            shape = self.r.choice([(1,), (5,), (33,), (4, 7), (3, 2, 5), (70,)])
+            shape = self.r.choice([(1,), (5,), (33,), (4, 7), (3, 2, 5), (70,), (0,)])
             dt = torch.bfloat16 if self.mixed and self.r.random() < 0.5 else torch.float32
-            z = torch.nn.Parameter((torch.randn(shape, generator=self.g) + 0.5).to(dt))
+            x = (torch.randn(shape, generator=self.g) + 0.5).to(dt)
+            layout = self.r.choice(["dense"] * 4 + ["transposed", "strided"])
+            if layout == "transposed" and len(shape) == 2:   # fills one block
+                x = x.t().contiguous().t()
+            elif layout == "strided" and len(shape) == 2:    # a view: stepped via a copy
+                base = torch.zeros(shape[0], 2 * shape[1], dtype=dt)
+                base[:, ::2] = x
+                x = base[:, ::2]
+            z = torch.nn.Parameter(x)
             rp = torch.nn.Parameter(z.detach().to(torch.float64).clone())
             self.zp.append(z)
             self.rp.append(rp)
             zs.append(z)
             rs.append(rp)
         return zs, rs
+
+    def new_like(self, z):
+        """Random values in z's layout (a replaced param keeps its strides)."""
+        x = torch.empty_strided(z.shape, z.stride(), dtype=z.dtype)
+        x.copy_((torch.randn(z.shape, generator=self.g) + 0.5).to(z.dtype))
+        return x
 
     # ---- the actions ------------------------------------------------------
 
@@ -316,11 +330,12 @@ class World:
     def a_write_param(self):
         i = self.r.randrange(len(self.zp))
         z, rp = self.zp[i], self.rp[i]
-        new = (torch.randn(z.shape, generator=self.g) + 0.5).to(z.dtype)
+        new = self.new_like(z)
         how = self.r.choice(["data=", "data.copy_", "no_grad copy_", "mul_", "swap"])
         if how == "swap":  # two params trade storage (the state stays with the param)
             js = [j for j, q in enumerate(self.zp)
-                  if j != i and q.shape == z.shape and q.dtype == z.dtype]
+                  if j != i and q.shape == z.shape and q.dtype == z.dtype
+                  and q.stride() == z.stride()]
             if not js:
                 return None
             j = self.r.choice(js)
@@ -513,7 +528,8 @@ class World:
                 self.opt.load_state_dict(sd)
         elif what == "overlap":  # two params on one storage: refused naming both
             js = [(i, j) for i, a in enumerate(self.zp) for j, b in enumerate(self.zp)
-                  if i != j and a.shape == b.shape and a.dtype == b.dtype]
+                  if i != j and a.shape == b.shape and a.dtype == b.dtype and a.numel()
+                  and a.stride() == b.stride() and a.is_contiguous()]
             if not js or all(z.grad is None for z in self.zp):
                 return None
             i, j = self.r.choice(js)
@@ -722,4 +738,21 @@ def test_refused_overlap_keeps_the_master(steps, scan_impl):
     p.data = old
     assert torch.equal(opt.state[p]["master"], m0)
     assert opt.tensor_step(p) == 2 and opt.refreshes == 0
+    opt.close()
+
+
+def test_empty_param_replaced_by_another_shape_refused(steps):
+    """An empty param (numel 0) given a tensor of another shape (p.data =
+    ...) is refused as any param is (it was accepted and never stepped:
+    the optimizer had registered no element for it)."""
+    p, q = torch.nn.Parameter(torch.zeros(0)), torch.nn.Parameter(torch.randn(5))
+    opt = zopt.Optimizer(steps(rule="adamw", layout="f32"), [p, q], lr=1e-2)
+    p.grad, q.grad = torch.zeros(0), torch.randn(5)
+    opt.step()
+    q0 = q.detach().clone()
+    p.data = torch.randn(3)
+    p.grad = torch.randn(3)
+    with pytest.raises(zopt.ZoptError, match=r"another shape \(3,\) \(was \(0,\)\)"):
+        opt.step()
+    assert torch.equal(q, q0) and opt.tensor_step(q) == 1
     opt.close()
