@@ -357,7 +357,8 @@ class Optimizer(_Base):
 
     @_exclusive("set_hyper")
     def set_hyper(self, gid, name, value):
-        """Sets one slot now in every class (and mirrors it into param_groups)."""
+        """Sets one slot now in every class (and mirrors it into param_groups;
+        the group's other edits stay, pushed at the next step)."""
         self._check_open()
         if name == "bias_correction":
             value = _hypers.bool_hyper(name, value)

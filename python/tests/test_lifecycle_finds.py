@@ -1,0 +1,123 @@
+"""What python/tests/test_lifecycle_fuzz.py found, minimized: each test
+failed before its fix (a silently wrong result first, then refusals that
+were not the documented error or changed state)."""
+import pytest
+import torch
+
+import zopt
+from test_lifecycle_fuzz import close, f64
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 7), (1, 7)])
+def test_refused_replaced_param_leaves_the_mask(steps, scan_impl, shape):
+    """p.data replaced by a tensor of another shape, and p.grad with it: the
+    step is refused with the documented ZoptError (not torch's RuntimeError
+    from copying the gradient), nothing changes, and a param whose gradient
+    went None at that refused step is left alone at the next one (it was
+    updated without a gradient: the pass had taken the new mask as pushed)."""
+    torch.manual_seed(0)
+    p, q = torch.nn.Parameter(torch.randn(4, 7)), torch.nn.Parameter(torch.randn(5))
+    opt = zopt.Optimizer(steps(rule="adamw", layout="f32"), [p, q], lr=1e-2)
+    p.grad, q.grad = torch.randn(4, 7), torch.randn(5)
+    opt.step()
+    q0, m0 = q.detach().clone(), opt.state[q]["exp_avg"].clone()
+    q.grad = None
+    old = p.data
+    p.data = torch.randn(shape)
+    p.grad = torch.randn(shape)
+    with pytest.raises(Exception) as refused:
+        opt.step()
+    assert torch.equal(q, q0) and opt.tensor_step(q) == 1 and opt.tensor_step(p) == 1
+    p.grad = None
+    p.data = old
+    p.grad = torch.randn(4, 7)
+    opt.step()
+    assert opt.tensor_step(p) == 2
+    assert opt.tensor_step(q) == 1, "a param without a gradient was stepped"
+    assert torch.equal(q, q0) and torch.equal(opt.state[q]["exp_avg"], m0)
+    assert refused.type is zopt.ZoptError and "replaced" in str(refused.value) \
+        and "another shape" in str(refused.value), refused.value
+    opt.close()
+
+
+def test_duplicate_param_is_torchs_value_error(steps):
+    """add_param_group with a param already in the optimizer: ValueError, as
+    torch.optim raises (zopt.ZoptValueError, also a ZoptError)."""
+    p = torch.nn.Parameter(torch.randn(5))
+    opt = zopt.Optimizer(steps(rule="adamw", layout="f32"), [p], lr=1e-2)
+    with pytest.raises(ValueError, match="appears twice"):
+        opt.add_param_group(dict(params=[p]))
+    with pytest.raises(ValueError):
+        torch.optim.AdamW([p]).add_param_group(dict(params=[p]))
+    assert len(opt.param_groups) == 1
+    opt.close()
+
+
+def test_set_hyper_keeps_the_groups_other_edits(steps):
+    """param_groups edited (maximize, lr) and then opt.set_hyper of another
+    slot before the step: the edits are kept and stepped, as torch steps
+    what param_groups says (set_hyper read the whole group back from the
+    runtime, silently undoing them)."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(5))
+    rp = torch.nn.Parameter(p.detach().double().clone())
+    opt = zopt.Optimizer(steps(rule="sgd", nesterov=True), [p], lr=1e-2, momentum=0.5)
+    ref = torch.optim.SGD([rp], lr=1e-2, momentum=0.5, nesterov=True)
+    for k in range(3):
+        g = torch.randn(5)
+        p.grad, rp.grad = g.clone(), g.double()
+        if k == 1:
+            for o in (opt, ref):
+                o.param_groups[0]["maximize"] = True
+                o.param_groups[0]["lr"] = 0.1
+            opt.set_hyper(0, "momentum", 0.9)
+            ref.param_groups[0]["momentum"] = 0.9
+            assert opt.param_groups[0]["maximize"] is True and opt.param_groups[0]["lr"] == 0.1
+            assert opt.param_groups[0]["momentum"] == 0.9
+        opt.step()
+        ref.step()
+        close(f64(p), f64(rp), f"step {k}")
+        close(f64(opt.state[p]["momentum_buffer"]), f64(ref.state[rp]["momentum_buffer"]),
+              f"step {k} momentum_buffer")
+    opt.close()
+
+
+def test_refused_overlap_keeps_the_master(steps, scan_impl):
+    """p.data = q.data (two params on one storage) is refused at step();
+    once p gets its own storage back, nothing has changed: its f32 master
+    is kept (the refusal had taken q's storage as p's, so giving p its
+    storage back looked like p.data = new and remade the master from the
+    bf16 param, silently dropping its low bits)."""
+    torch.manual_seed(0)
+    p, q = (torch.nn.Parameter(torch.randn(6).bfloat16()) for _ in range(2))
+    opt = zopt.Optimizer(steps(rule="adamw", layout="bf16_master"), [p, q], lr=1e-3)
+    for _ in range(2):
+        p.grad, q.grad = torch.randn(6).bfloat16(), torch.randn(6).bfloat16()
+        opt.step()
+    m0 = opt.state[p]["master"].clone()
+    assert not torch.equal(m0, p.detach().float())  # the master holds more than the param
+    old = p.data
+    p.data = q.data
+    with pytest.raises(zopt.ZoptError, match="overlap in memory"):
+        opt.step()
+    p.data = old
+    assert torch.equal(opt.state[p]["master"], m0)
+    assert opt.tensor_step(p) == 2 and opt.refreshes == 0
+    opt.close()
+
+
+def test_empty_param_replaced_by_another_shape_refused(steps):
+    """An empty param (numel 0) given a tensor of another shape (p.data =
+    ...) is refused as any param is (it was accepted and never stepped:
+    the optimizer had registered no element for it)."""
+    p, q = torch.nn.Parameter(torch.zeros(0)), torch.nn.Parameter(torch.randn(5))
+    opt = zopt.Optimizer(steps(rule="adamw", layout="f32"), [p, q], lr=1e-2)
+    p.grad, q.grad = torch.zeros(0), torch.randn(5)
+    opt.step()
+    q0 = q.detach().clone()
+    p.data = torch.randn(3)
+    p.grad = torch.randn(3)
+    with pytest.raises(zopt.ZoptError, match=r"another shape \(3,\) \(was \(0,\)\)"):
+        opt.step()
+    assert torch.equal(q, q0) and opt.tensor_step(q) == 1
+    opt.close()
