@@ -57,15 +57,19 @@ def test_set_hyper_keeps_the_groups_other_edits(steps):
     """param_groups edited (maximize, lr) and then opt.set_hyper of another
     slot before the step: the edits are kept and stepped, as torch steps
     what param_groups says (set_hyper read the whole group back from the
-    runtime, silently undoing them)."""
+    runtime, silently undoing them); an edit back to the value pushed before
+    the set_hyper is pushed too."""
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(5))
     rp = torch.nn.Parameter(p.detach().double().clone())
     opt = zopt.Optimizer(steps(rule="sgd", nesterov=True), [p], lr=1e-2, momentum=0.5)
     ref = torch.optim.SGD([rp], lr=1e-2, momentum=0.5, nesterov=True)
-    for k in range(3):
+    for k in range(4):
         g = torch.randn(5)
         p.grad, rp.grad = g.clone(), g.double()
+        if k == 2:  # set_hyper, then param_groups back to the value pushed before it
+            opt.set_hyper(0, "lr", 0.003)
+            opt.param_groups[0]["lr"] = 0.1
         if k == 1:
             for o in (opt, ref):
                 o.param_groups[0]["maximize"] = True

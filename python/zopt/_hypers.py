@@ -337,6 +337,7 @@ class Pushed:
         else:
             group[name] = bool(v) if name == "bias_correction" else v
         self.slots[gid][name] = v
+        self.raw[gid] = None  # the next step compares slot by slot (any edit pushed)
 
     def read_back(self, gid, group, c):
         """group <- the values part c's runtime holds (hyperparameters and
