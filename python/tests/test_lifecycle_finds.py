@@ -125,3 +125,40 @@ def test_empty_param_replaced_by_another_shape_refused(steps):
         opt.step()
     assert torch.equal(q, q0) and opt.tensor_step(q) == 1
     opt.close()
+
+def test_state_dict_of_a_momentum_zero_group_is_torchs(steps):
+    """SGD with a buffer stepped at momentum 0 only: torch holds no buffer
+    (momentum_buffer None) and starts one, buf = g, once the momentum is
+    not 0. zopt's state_dict said the same (it exported the runtime's
+    buffer, the last gradient: torch.optim.SGD loading it continued that
+    buffer, silently off; a new zopt optimizer refused it as held buffers
+    at momentum 0)."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(5))
+    r = torch.nn.Parameter(p.detach().double().clone())
+    opt = zopt.Optimizer(steps(rule="sgd"), [p], lr=0.1, momentum=0.0)
+    ref = torch.optim.SGD([r], lr=0.1, momentum=0.0)
+    grads = [torch.randn(5) for _ in range(4)]
+    for g in grads[:2]:
+        p.grad, r.grad = g.clone(), g.double()
+        opt.step()
+        ref.step()
+    sd = opt.state_dict()
+    assert sd["state"][0]["momentum_buffer"] is None
+    t = torch.nn.Parameter(p.detach().double().clone())   # torch loads zopt's
+    tor = torch.optim.SGD([t], lr=0.1, momentum=0.0)
+    tor.load_state_dict(sd)
+    q = torch.nn.Parameter(p.detach().clone())             # and zopt loads it
+    opt2 = zopt.Optimizer(steps(rule="sgd"), [q], lr=0.1, momentum=0.0)
+    opt2.load_state_dict(sd)
+    for o in (opt, ref, tor, opt2):
+        o.param_groups[0]["momentum"] = 0.9
+    for g in grads[2:]:
+        for x in (p, r, t, q):
+            x.grad = g.clone().to(x.dtype)
+        for o in (opt, ref, tor, opt2):
+            o.step()
+        for x, what in ((p, "zopt"), (t, "torch loading zopt's"), (q, "zopt loading zopt's")):
+            close(f64(x), f64(r), what)
+    opt.close()
+    opt2.close()

@@ -99,7 +99,14 @@ def state_dict(opt):
             state[glob[lt]] = d
     s = opt.step_obj
     groups, start = [], 0
-    for g in opt.param_groups:
+    for gid, g in enumerate(opt.param_groups):
+        if _hypers.momentum_buffered(s) and opt._pushed.fresh[gid] \
+                and _hypers.as_number(g.get("momentum")) == 0:
+            # stepped at momentum 0 only: torch's SGD holds no buffer (the
+            # runtime's is the last gradient); loaded, it starts afresh
+            for pid in range(start, start + len(g["params"])):
+                if pid in state:
+                    state[pid]["momentum_buffer"] = None
         packed = {k: (tuple(v) if isinstance(v, tuple) else v)
                   for k, v in g.items() if k != "params"}
         if s.adam_like:
