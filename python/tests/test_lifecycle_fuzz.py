@@ -85,7 +85,7 @@ def rand_hypers(r, rule):
         h["betas"] = (r.choice([0.8, 0.9, 0.95]), r.choice([0.99, 0.999, 0.95]))
         h["eps"] = r.choice([1e-8, 1e-6, 1e-3])
     else:
-        h["momentum"] = r.choice([0.5, 0.9, 0.99])
+        h["momentum"] = r.choice([0.5, 0.9, 0.99] + ([0.0] if rule == "sgd" else []))
         if rule == "sgd":
             h["dampening"] = r.choice([0.0, 0.1, 0.5])
     return h
@@ -346,7 +346,11 @@ class World:
             return None
         zs, rs = self.new_params() if self.r.random() < 0.9 else ([], [])  # (an empty group)
         h = rand_hypers(self.r, self.rule)
-        self.opt.add_param_group(dict(params=zs, **h))
+        try:
+            self.opt.add_param_group(dict(params=zs, **h))
+        except zopt.ZoptError:  # (refused: not added)
+            del self.zp[len(self.zp) - len(zs):], self.rp[len(self.rp) - len(rs):]
+            raise
         self.ref.add_param_group(dict(params=rs, **h))
         return f"add_param_group({len(zs)} params, {h})"
 
@@ -370,6 +374,7 @@ class World:
                     a, b = a.to(torch.bfloat16).double(), b.to(torch.bfloat16).double()
                 rp.copy_(b)
                 rq.copy_(a)
+            self.opt.state[z]  # (seen now: a swap back unseen is no change at all)
             return f"params {i} and {j} swap storage"
         if how == "data=":
             z.data = new
@@ -441,6 +446,8 @@ class World:
             return None
         keys = [k for k in ("exp_avg", "exp_avg_sq", "momentum_buffer", "max_exp_avg_sq")
                 if k in rst and rst[k] is not None]
+        if not keys:
+            return None
         how = self.r.choice(["set", "inplace", "reset", "del", "step"])
         k = self.r.choice(keys)
         if how == "set":
@@ -595,6 +602,13 @@ class World:
         self.same(before, self.snapshot())
         return f"refused {what}"
 
+    def held(self):
+        """The groups at momentum 0 whose params hold buffers torch keeps."""
+        return [gi for gi, (g, rg) in enumerate(zip(self.opt.param_groups, self.ref.param_groups))
+                if g.get("momentum", 1) == 0 and any(
+                    self.ref.state.get(rp, {}).get("momentum_buffer") is not None
+                    for rp in rg["params"])]
+
     # ---- the check --------------------------------------------------------
 
     def close(self, i, key, a, r, what):
@@ -663,7 +677,17 @@ def run_case(seed, tmp, actions=ACTIONS):
         for n in range(actions):
             name = w.r.choice(names)
             fn = getattr(w, name)
-            msg = fn(tmp) if name == "a_save_load" else fn()
+            held = w.held()
+            before = w.snapshot() if held else None
+            try:
+                msg = fn(tmp) if name == "a_save_load" else fn()
+            except zopt.ZoptError as e:  # SGD: momentum 0 while torch would keep buffers:
+                if not held or "hold momentum buffers" not in str(e):  # refused by every
+                    raise  # call that pushes or loads it, nothing changed
+                w.same(before, w.snapshot())
+                for gi in held:
+                    w.opt.param_groups[gi]["momentum"] = w.ref.param_groups[gi]["momentum"] = 0.9
+                msg = f"{name} refused (momentum 0, buffers held: groups {held}); momentum 0.9"
             if msg is None:
                 continue
             w.log.append(msg)

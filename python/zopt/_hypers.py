@@ -248,6 +248,14 @@ class Pushed:
         self.max = [maximize(g) for g in groups]
         self.raw = [self.raw_of(g) for g in groups]
 
+    def loaded(self, groups):
+        """After a load (state_dict or file): a group at momentum 0 holds no
+        buffer torch would keep (a state holding such buffers at momentum
+        0 is refused by every save and load; torch's SGD stores None), so
+        its buffers start afresh (buf = g) at its first step with momentum."""
+        if momentum_buffered(self.step):
+            self.fresh = [True if as_number(g.get("momentum")) == 0 else None for g in groups]
+
     def raw_of(self, group):
         return tuple(frozen(group.get(k)) for k in self.keys)
 
