@@ -290,6 +290,13 @@ class World:
                         if bad.any():
                             k = id(z)
                             self.illcond[k] = self.illcond.get(k, False) | bad.numpy()
+        for g, rg in zip(self.opt.param_groups, self.ref.param_groups):
+            for z, rp in zip(g["params"], rg["params"]):  # the scale of the terms an EMA
+                if rp.grad is not None and rp.numel():     # of g (+ wd*p) is made of
+                    sc = float(rp.grad.abs().max()) + rg["weight_decay"] * float(rp.abs().max())
+                    for key in ("exp_avg", "momentum_buffer"):
+                        k = (id(z), key)
+                        self.runmax[k] = max(self.runmax.get(k, 0.0), sc)
         self.ref.step()
         for rp, s in zip(self.rp, saved):
             rp.grad = s
@@ -544,10 +551,12 @@ class World:
             gi = self.r.randrange(len(self.opt.param_groups))
             old = self.opt.param_groups[gi]["lr"]
             self.opt.param_groups[gi]["lr"] = -1.0
-            if any(z.grad is not None for z in self.zp):
-                with pytest.raises(ValueError):
-                    self.opt.step()
-            self.opt.param_groups[gi]["lr"] = old
+            try:
+                if any(z.grad is not None for z in self.zp):
+                    with pytest.raises(ValueError):
+                        self.opt.step()
+            finally:
+                self.opt.param_groups[gi]["lr"] = old
         elif what == "rule":
             other = torch.optim.SGD if self.rule in ("adamw", "adam") else torch.optim.Adam
             ps = [torch.nn.Parameter(z.detach().float().clone()) for z in self.zp]
