@@ -60,6 +60,9 @@ def part_states(c):
     state = {}
     for t, e in enumerate(c.entries):
         if snap["steps"][t] == 0:
+            m = _restarted_master(c, t, snap)
+            if m is not None:
+                state[t] = m
             continue
         d = {"step": torch.tensor(float(snap["steps"][t])) if torch is not None
              else snap["steps"][t]}
@@ -83,6 +86,24 @@ def part_states(c):
                                                  s.state_dtype(k), share=True)
         state[t] = d
     return state, snap
+
+
+def _restarted_master(c, t, snap):
+    """SGD's momentum restart (zopt._hypers: counts 0, so that the buffer
+    starts as buf = g) leaves a param that stepped with its count 0 but its
+    f32 master: exported as torch's SGD state of a param without a buffer
+    ({'momentum_buffer': None}), with the master, when the master holds
+    more than the param (else nothing is lost: the master is made from it)."""
+    s = c.step
+    if not s.has_master or not _hypers.momentum_buffered(s) \
+            or (StateKind.MASTER, t) not in snap["data"] or s.remainder_master:
+        return None
+    e = c.entries[t]
+    m = f32_of_bits(snap["data"][(StateKind.MASTER, t)], DType.F32)
+    if np.array_equal(m, f32_of_bits(_params.current_bits(c, t, snap["data"]), s.param_dtype)):
+        return None
+    z = torch.tensor(0.0) if torch is not None else 0
+    return {"step": z, "master": _state.user_tensor(e, m, DType.F32), "momentum_buffer": None}
 
 
 def state_dict(opt):
