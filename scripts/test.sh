@@ -20,7 +20,7 @@ ZOPT_BUILD_DIR="$build" PYTHONPATH="$root/python" \
 echo "== pytest, pure-Python per-step pass (ZOPT_NO_EXTENSION=1)"
 ZOPT_NO_EXTENSION=1 ZOPT_BUILD_DIR="$build" PYTHONPATH="$root/python" \
   /usr/bin/python3 -m pytest -q -p no:cacheprovider \
-  "$root"/python/tests/test_{torch_optim,api,state,mixed,main_grad,gpu_binding,gpu_frozen}.py
+  "$root"/python/tests/test_{torch_optim,api,state,mixed,main_grad,gpu_binding,gpu_frozen,lifecycle_fuzz}.py
 echo "== regular suite passed in $(( $(date +%s) - start )) s"
 # The sanitizer stage (docs/TESTING.md): ASan+UBSan of everything, TSan of
 # the runtime. ZOPT_QUICK=1 skips it (and the fuzzing) for a local run; CI

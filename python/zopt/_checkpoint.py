@@ -60,6 +60,9 @@ def part_states(c):
     state = {}
     for t, e in enumerate(c.entries):
         if snap["steps"][t] == 0:
+            m = _restarted_master(c, t, snap)
+            if m is not None:
+                state[t] = m
             continue
         d = {"step": torch.tensor(float(snap["steps"][t])) if torch is not None
              else snap["steps"][t]}
@@ -85,6 +88,24 @@ def part_states(c):
     return state, snap
 
 
+def _restarted_master(c, t, snap):
+    """SGD's momentum restart (zopt._hypers: counts 0, so that the buffer
+    starts as buf = g) leaves a param that stepped with its count 0 but its
+    f32 master: exported as torch's SGD state of a param without a buffer
+    ({'momentum_buffer': None}), with the master, when the master holds
+    more than the param (else nothing is lost: the master is made from it)."""
+    s = c.step
+    if not s.has_master or not _hypers.momentum_buffered(s) \
+            or (StateKind.MASTER, t) not in snap["data"] or s.remainder_master:
+        return None
+    e = c.entries[t]
+    m = f32_of_bits(snap["data"][(StateKind.MASTER, t)], DType.F32)
+    if np.array_equal(m, f32_of_bits(_params.current_bits(c, t, snap["data"]), s.param_dtype)):
+        return None
+    z = torch.tensor(0.0) if torch is not None else 0
+    return {"step": z, "master": _state.user_tensor(e, m, DType.F32), "momentum_buffer": None}
+
+
 def state_dict(opt):
     """torch's layout over every class (global indices in param_groups
     order); collective at world size > 1."""
@@ -99,7 +120,14 @@ def state_dict(opt):
             state[glob[lt]] = d
     s = opt.step_obj
     groups, start = [], 0
-    for g in opt.param_groups:
+    for gid, g in enumerate(opt.param_groups):
+        if _hypers.momentum_buffered(s) and opt._pushed.fresh[gid] \
+                and _hypers.as_number(g.get("momentum")) == 0:
+            # stepped at momentum 0 only: torch's SGD holds no buffer (the
+            # runtime's is the last gradient); loaded, it starts afresh
+            for pid in range(start, start + len(g["params"])):
+                if pid in state:
+                    state[pid]["momentum_buffer"] = None
         packed = {k: (tuple(v) if isinstance(v, tuple) else v)
                   for k, v in g.items() if k != "params"}
         if s.adam_like:
@@ -180,6 +208,7 @@ def load_state_dict(opt, sd, allow_rule_change):
                  for c, sub in zip(opt._parts, subs)]
         _apply_to_parts(opt, part_apply_plan, plans)
         opt._set_groups(plans[0]["groups"])
+        opt._pushed.loaded(opt.param_groups)
         finish_master_loads([(c, p["pending"]) for c, p in zip(opt._parts, plans)],
                             "load_state_dict")
 
@@ -612,6 +641,7 @@ def _after_file_loads(opt):
     """param_groups <- the hyperparameters the runtime loaded."""
     for gid in range(len(opt.param_groups)):
         opt._sync_group_from_c(gid)
+    opt._pushed.loaded(opt.param_groups)
 
 
 def _load_legacy(c, sd):

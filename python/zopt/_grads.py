@@ -112,16 +112,35 @@ def sync_grads(c):
     if type(r) is int:
         refuse(c, r)
     moved, copies, mask, dirty = r
-    if copies:
-        ps, regs = c.a_params, c.a_regs
-        with torch.no_grad():
-            for j in copies:
-                regs[j].copy_(ps[j].grad)
-    if moved is not None:
-        c.set_grad_memory_packed(*moved)
+    try:
+        if moved is not None:
+            c.set_grad_memory_packed(*moved)
+        if copies:
+            _copy_grads(c, copies)
+    except BaseException:  # refused before the mask was pushed: it stays as the
+        c.active[:] = c.pushed  # runtime has it, and the next step looks at every
+        c.scan.forget()  # gradient again (it would take this mask as pushed)
+        raise
     if mask:
         push_mask(c)
     return dirty
+
+
+def _copy_grads(c, copies):
+    """The copied gradients into the optimizer's own memory. A gradient of
+    another shape than the param's registration (p.data = a tensor of
+    another shape, and p.grad with it) is refused as the param is."""
+    ps, regs = c.a_params, c.a_regs
+    for j in copies:
+        if ps[j].grad.shape != regs[j].shape:
+            c.check_params()  # raises, naming the param and both shapes
+            e = c.entries[c.a_tids[j]]
+            raise ZoptError(Status.INVALID_ARGUMENT,
+                            f"{e.name} has a gradient of shape {tuple(ps[j].grad.shape)}; "
+                            f"the optimizer's is {tuple(regs[j].shape)}")
+    with torch.no_grad():
+        for j in copies:
+            regs[j].copy_(ps[j].grad)
 
 
 def refuse(c, j):

@@ -18,7 +18,7 @@ from . import (_classes, _frozen, _gpu, _grads, _hypers, _params, _placement, _r
                _torch_compat)
 from . import _warnings
 from ._dtypes import is_torch
-from ._lib import Status, ZoptError
+from ._lib import Status, ZoptError, ZoptValueError
 from ._part import Part
 from ._policy import name_matches
 
@@ -135,8 +135,9 @@ def new_group(opt, g):
     for i, (p, cls) in enumerate(zip(ps, classes)):
         e = _params.make_entry(opt._steps[cls], gid, i, p)
         if id(e.param) in seen:
-            raise ZoptError(Status.INVALID_ARGUMENT,
-                            f"{e.name} appears twice in the optimizer's params")
+            raise ZoptValueError(f"{e.name} appears twice in the optimizer's params "
+                                 "(as torch.optim: some parameters appear in more than "
+                                 "one parameter group)")
         seen.add(id(e.param))
         new.setdefault(cls, []).append(e)
         params.append(e.param)

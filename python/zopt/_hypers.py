@@ -248,6 +248,14 @@ class Pushed:
         self.max = [maximize(g) for g in groups]
         self.raw = [self.raw_of(g) for g in groups]
 
+    def loaded(self, groups):
+        """After a load (state_dict or file): a group at momentum 0 holds no
+        buffer torch would keep (a state holding such buffers at momentum
+        0 is refused by every save and load; torch's SGD stores None), so
+        its buffers start afresh (buf = g) at its first step with momentum."""
+        if momentum_buffered(self.step):
+            self.fresh = [True if as_number(g.get("momentum")) == 0 else None for g in groups]
+
     def raw_of(self, group):
         return tuple(frozen(group.get(k)) for k in self.keys)
 
@@ -324,6 +332,20 @@ class Pushed:
                 c.set_maximize(gid, on)
             self.max[gid] = on
         self.raw[gid] = raw
+
+    def read_one(self, gid, group, c, name):
+        """group <- slot ``name`` as part c's runtime holds it (set_hyper):
+        that slot is then the pushed one; the group's other edits not
+        pushed yet stay in the group, pushed at the next step."""
+        v = c.get_hyper(gid, name)
+        if name in ("beta1", "beta2"):
+            b = list(group.get("betas") or (c.get_hyper(gid, "beta1"), c.get_hyper(gid, "beta2")))
+            b[name == "beta2"] = v
+            group["betas"] = tuple(b)
+        else:
+            group[name] = bool(v) if name == "bias_correction" else v
+        self.slots[gid][name] = v
+        self.raw[gid] = None  # the next step compares slot by slot (any edit pushed)
 
     def read_back(self, gid, group, c):
         """group <- the values part c's runtime holds (hyperparameters and

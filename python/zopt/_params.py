@@ -319,9 +319,11 @@ def moved_params(c, ptrs):
     moved = []
     for t, a, b in zip(c.tp_tids, ptrs, c.tp_ptrs):
         e = c.entries[t]
-        if a == b or not e.numel or t in c.excluded:
+        if a == b or t in c.excluded:
             continue  # (a param left out is checked when it joins)
         p = e.param
+        if not e.numel and tuple(p.shape) == e.shape:
+            continue  # (an empty param: no memory registered; another shape is refused)
         if t in c.released:
             raise ZoptError(Status.BAD_STATE,
                             f"{e.name} was released (ZeRO-3) and then given new "
@@ -345,10 +347,10 @@ def moved_params(c, ptrs):
                             f"{what}: the optimizer's states no longer fit it; build a "
                             "new optimizer for the changed model")
         moved.append(t)
+    if moved:  # before the baselines: a refused move changes nothing (the storage
+        check_overlaps(c)  # given back later is not a move, its master kept)
     c.tp_ptrs = ptrs
     baselines_changed(c)
-    if moved:
-        check_overlaps(c)
     return moved
 
 

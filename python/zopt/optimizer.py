@@ -357,7 +357,8 @@ class Optimizer(_Base):
 
     @_exclusive("set_hyper")
     def set_hyper(self, gid, name, value):
-        """Sets one slot now in every class (and mirrors it into param_groups)."""
+        """Sets one slot now in every class (and mirrors it into param_groups;
+        the group's other edits stay, pushed at the next step)."""
         self._check_open()
         if name == "bias_correction":
             value = _hypers.bool_hyper(name, value)
@@ -367,13 +368,17 @@ class Optimizer(_Base):
                 _hypers.check_rule_flags(st, trial, f"set_hyper: param group {gid}")
         for c in self._parts:
             c.set_hyper(gid, name, value)
-        self._sync_group_from_c(gid)
+        self._sync_group_from_c(gid, name)  # the group's other edits stay, pushed at step()
 
-    def _sync_group_from_c(self, gid):
-        """param_groups[gid] and the pushed cache <- the runtime's values."""
+    def _sync_group_from_c(self, gid, name=None):
+        """param_groups[gid] (or its slot name) and the pushed cache <- the
+        runtime's values."""
         self._mute_groups = True  # the runtime's own values: nothing to push
         try:
-            self._pushed.read_back(gid, self.param_groups[gid], self._parts[0])
+            if name is not None:
+                self._pushed.read_one(gid, self.param_groups[gid], self._parts[0], name)
+            else:
+                self._pushed.read_back(gid, self.param_groups[gid], self._parts[0])
         finally:
             self._mute_groups = False
 
