@@ -108,11 +108,14 @@ void Pipeline::thread_ended(const std::string &what) {
                    "did not finish";
     }
     left.swap(queue_);
-    completed_ = submitted_;
-    done_cv_.notify_all();
   }
+  // Their owners told before any wait returns (a waiter reads what the
+  // finish callbacks wrote), then every job counts as done.
   for (Job &j : left)
     if (j.finish) j.finish(false);
+  std::lock_guard<std::mutex> l(mu_);
+  completed_ = submitted_;
+  done_cv_.notify_all();
 }
 
 void Pipeline::loop() {
