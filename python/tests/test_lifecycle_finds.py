@@ -228,3 +228,101 @@ def test_momentum_restart_keeps_the_master_through_state_dict(steps):
     assert torch.equal(opt.state[p]["master"], opt2.state[p2]["master"])
     opt.close()
     opt2.close()
+
+
+def test_refused_add_param_group_pushes_nothing(steps):
+    """L9: add_param_group pushed the groups' pending edits before it
+    refused a duplicate param, the SGD momentum restart's count reset
+    included (counts 0 after a refused call). A refusal changes nothing:
+    counts, states and the pushed values stay; the edits are pushed by the
+    next step, stepped as torch steps them."""
+    torch.manual_seed(0)
+    p, q = torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(3))
+    r = torch.nn.Parameter(p.detach().double().clone())
+    opt = zopt.Optimizer(steps(rule="sgd"), [p], lr=0.1, momentum=0.0)
+    ref = torch.optim.SGD([r], lr=0.1, momentum=0.0)
+    grads = [torch.randn(5) for _ in range(4)]
+    for g in grads[:2]:
+        p.grad, r.grad = g.clone(), g.double()
+        opt.step()
+        ref.step()
+    buf = opt.state[p]["momentum_buffer"].clone()
+    for o in (opt, ref):
+        o.param_groups[0].update(momentum=0.9, lr=0.05)
+    with pytest.raises(ValueError, match="appears twice"):
+        opt.add_param_group(dict(params=[q, p]))
+    assert len(opt.param_groups) == 1 and opt.tensor_step(p) == 2
+    assert opt.get_hyper(0, "lr") == pytest.approx(0.1)
+    assert torch.equal(opt.state[p]["momentum_buffer"], buf)
+    opt.add_param_group(dict(params=[q]))  # accepted: the edits pushed then
+    ref.add_param_group(dict(params=[torch.nn.Parameter(q.detach().double())]))
+    assert opt.get_hyper(0, "lr") == pytest.approx(0.05) and opt.tensor_step(p) == 0
+    for k, g in enumerate(grads[2:]):
+        p.grad, r.grad = g.clone(), g.double()
+        opt.step()
+        ref.step()
+        close(f64(p), f64(r), f"step {k}")
+    assert opt.tensor_step(p) == 2  # (restarted: buf = g at the first step with momentum)
+    opt.close()
+
+
+@pytest.mark.parametrize("layout", ["f32", "bf16_master"])
+def test_state_view_after_a_momentum_restart_is_torchs(steps, layout):
+    """L8's leftover: a param without a gradient at SGD's momentum restart
+    (its count reset to 0) showed opt.state[p] == {} (and was not in
+    opt.state), where torch.optim.SGD holds {'momentum_buffer': None}
+    (zopt's master layouts: with its master, as state_dict exports it)."""
+    torch.manual_seed(0)
+    bf = layout == "bf16_master"
+    dt = torch.bfloat16 if bf else torch.float32
+    zs = [torch.nn.Parameter(torch.randn(4).to(dt)) for _ in range(2)]
+    rs = [torch.nn.Parameter(z.detach().double().clone()) for z in zs]
+    opt = zopt.Optimizer(steps(rule="sgd", layout=layout), zs, lr=0.01, momentum=0.0)
+    ref = torch.optim.SGD(rs, lr=0.01, momentum=0.0)
+    for k in range(3):
+        grads = [torch.randn(4) for _ in zs] if k < 2 else [None, torch.randn(4)]
+        if k == 2:
+            for o in (opt, ref):
+                o.param_groups[0]["momentum"] = 0.9
+        for z, r, g in zip(zs, rs, grads):
+            z.grad = None if g is None else g.to(dt)
+            r.grad = None if g is None else g.to(dt).double()
+        opt.step()
+        ref.step()
+    p, rp = zs[0], rs[0]
+    assert ref.state[rp] == {"momentum_buffer": None}
+    assert sorted(opt.state[p]) == (["master", "momentum_buffer"] if bf else ["momentum_buffer"])
+    assert opt.state[p]["momentum_buffer"] is None and p in opt.state and len(opt.state) == 2
+    if bf:
+        assert torch.equal(opt.state[p]["master"], opt.state_dict()["state"][0]["master"])
+    close(f64(opt.state[zs[1]]["momentum_buffer"]), ref.state[rs[1]]["momentum_buffer"], "q")
+    opt.state[p] = {}  # reset: torch's {} too
+    assert dict(opt.state[p]) == {} and p not in opt.state
+    opt.close()
+
+
+def test_refused_add_param_group_after_a_rebuild_keeps_the_pushed_values(steps, monkeypatch):
+    """L9, the rebuild path (GPU steps; CPU where the runtime refuses the
+    in-place add): undoing the add rebuilt the native optimizer with the
+    groups' values not pushed yet; it holds the pushed ones again."""
+    from zopt import _groups, _native
+    p, q = torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(3))
+    opt = zopt.Optimizer(steps(rule="adamw", layout="f32"), [p], lr=1e-2)
+    p.grad = torch.randn(5)
+    opt.step()
+    m = opt.state[p]["exp_avg"].clone()
+    opt.param_groups[0]["lr"] = 0.5
+
+    def no_in_place(*a, **k):
+        raise zopt.ZoptError(zopt.Status.UNSUPPORTED, "no in-place add (test)")
+
+    def fail(*a, **k):
+        raise RuntimeError("refused (test)")
+    monkeypatch.setattr(_native.Native, "add_tensors", no_in_place)
+    monkeypatch.setattr(_groups._grads, "add_acc_hooks", fail)
+    with pytest.raises(RuntimeError, match="test"):
+        opt.add_param_group(dict(params=[q]))
+    monkeypatch.undo()
+    assert opt.get_hyper(0, "lr") == pytest.approx(1e-2) and opt.rebuilds == 2
+    assert torch.equal(opt.state[p]["exp_avg"], m) and opt.tensor_step(p) == 1
+    opt.close()

@@ -208,7 +208,7 @@ def load_state_dict(opt, sd, allow_rule_change):
                  for c, sub in zip(opt._parts, subs)]
         _apply_to_parts(opt, part_apply_plan, plans)
         opt._set_groups(plans[0]["groups"])
-        opt._pushed.loaded(opt.param_groups)
+        opt._pushed.loaded(opt.param_groups, opt._parts)
         finish_master_loads([(c, p["pending"]) for c, p in zip(opt._parts, plans)],
                             "load_state_dict")
 
@@ -641,7 +641,7 @@ def _after_file_loads(opt):
     """param_groups <- the hyperparameters the runtime loaded."""
     for gid in range(len(opt.param_groups)):
         opt._sync_group_from_c(gid)
-    opt._pushed.loaded(opt.param_groups)
+    opt._pushed.loaded(opt.param_groups, opt._parts)
 
 
 def _load_legacy(c, sd):

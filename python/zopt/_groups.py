@@ -214,7 +214,10 @@ def add_group(opt, param_group):
     """``add_param_group`` after construction: the group and its tensors
     added to every class's native optimizer, keeping every state (the new
     group's params start fresh); a new class gets its part, with the
-    others' seed and loss scaler state; all of it undone if one fails."""
+    others' seed and loss scaler state; all of it undone if one fails.
+    The other groups' edits not pushed yet are checked first and pushed
+    once it has succeeded: a refusal changes nothing."""
+    opt._pushed.check_all(opt.param_groups, opt._parts, opt._steps.values(), dry=True)
     group, new = new_group(opt, param_group)
     n_groups, old_parts = len(opt.param_groups), list(opt._parts)
     sizes = {id(c): (len(c.entries), len(c.grad_flats), len(c.acc_hooks),
@@ -255,11 +258,13 @@ def add_group(opt, param_group):
             del c.entries[n_ent:]
             del c.grad_flats[n_fl:]
             c.excluded = ex
-        for c in grown:
+        for c in grown:  # (the rebuild imports the groups' edits not pushed yet)
             _rebuild.rebuild(c, snaps[id(c)])
+            opt._pushed.repush(c)
         for es in new.values():
             for e in es:
                 opt._class_of.pop(id(e.param), None)
         route(opt)
         raise
-    opt._pushed.reset(opt.param_groups, keep_fresh=True)
+    opt._pushed.added(opt.param_groups)
+    opt._push_hypers()  # the other groups' edits since the last step

@@ -248,11 +248,34 @@ class Pushed:
         self.max = [maximize(g) for g in groups]
         self.raw = [self.raw_of(g) for g in groups]
 
-    def loaded(self, groups):
+    def added(self, groups):
+        """add_param_group's new groups (the last ones), pushed by it with
+        their params; the others' pending edits stay pending (pushed next)."""
+        n = len(self.raw)
+        self.fresh += [None] * (len(groups) - n)
+        for g in groups[n:]:
+            self.params.append(tuple(g["params"]))
+            self.slots.append(slots(g, self.step.hypers))
+            self.max.append(maximize(g))
+            self.raw.append(self.raw_of(g))
+
+    def repush(self, c):
+        """Part c's runtime <- the values last pushed (every group's slots
+        and maximize flag): a rebuilt native optimizer took the groups'
+        edits not pushed yet."""
+        for gid, vals in enumerate(self.slots):
+            for name, val in vals.items():
+                if name in self.step.hypers:
+                    c.set_hyper(gid, name, val)
+            c.set_maximize(gid, self.max[gid])
+
+    def loaded(self, groups, parts):
         """After a load (state_dict or file): a group at momentum 0 holds no
         buffer torch would keep (a state holding such buffers at momentum
         0 is refused by every save and load; torch's SGD stores None), so
         its buffers start afresh (buf = g) at its first step with momentum."""
+        for c in parts:
+            c.restarted.clear()
         if momentum_buffered(self.step):
             self.fresh = [True if as_number(g.get("momentum")) == 0 else None for g in groups]
 
@@ -262,6 +285,22 @@ class Pushed:
     def push_all(self, groups, parts, steps):
         """Every group's changes -> every part (checked first: the groups'
         length and params, torch's rule flags)."""
+        restart = self.check_all(groups, parts, steps)
+        for gid, group in enumerate(groups):
+            self.push_group(gid, group, parts)
+        for gid in restart:
+            for c in parts:
+                for lt, e in enumerate(c.entries):
+                    if e.group == gid and c.tensor_step(lt):
+                        c.set_tensor_step(lt, 0)
+                        c.restarted.add(lt)  # (state[p]: torch's {'momentum_buffer': None})
+            self.fresh[gid] = False
+
+    def check_all(self, groups, parts, steps, dry=False):
+        """What push_all refuses, checked before anything is pushed: the
+        groups whose counts restart. ``dry``: changes nothing (what
+        add_param_group checks before it adds: a refused call pushes no
+        pending edit)."""
         if len(groups) != len(self.raw):
             raise ZoptError(Status.BAD_STATE,
                             "param_groups changed length: add groups with add_param_group()")
@@ -271,44 +310,40 @@ class Pushed:
                 raise ZoptError(Status.BAD_STATE,
                                 f"param_groups[{gid}]['params'] was edited: the optimizer's "
                                 "tensors are fixed; add params with add_param_group()")
-            if any(k in group for k in RULE_KEYS + ("momentum",)) \
-                    or self.raw_of(group) != self.raw[gid]:  # (plain SGD: no momentum slot)
-                for st in steps:
+            changed = self.raw_of(group) != self.raw[gid]
+            if changed or any(k in group for k in RULE_KEYS + ("momentum",)):
+                for st in steps:  # (plain SGD: no momentum slot)
                     check_rule_flags(st, group, f"param_groups[{gid}]")
-        restart = self.momentum_zero(groups, parts) if momentum_buffered(self.step) else ()
-        for gid, group in enumerate(groups):
-            self.push_group(gid, group, parts)
-        for gid in restart:
-            for c in parts:
-                for lt, e in enumerate(c.entries):
-                    if e.group == gid and c.tensor_step(lt):
-                        c.set_tensor_step(lt, 0)
-            self.fresh[gid] = False
+            if changed:
+                slots(group, self.step.hypers)  # validates (betas, bias_correction)
+        return self.momentum_zero(groups, parts, dry) if momentum_buffered(self.step) else ()
 
-    def momentum_zero(self, groups, parts):
+    def momentum_zero(self, groups, parts, dry=False):
         """torch.optim.SGD's momentum 0 on a step with a buffer: torch keeps
         no buffer while the momentum is 0 (the step's rule does plain SGD
         then: buf = g when mu == 0, docs/NUMERICS.md) and starts one, buf =
         g, at the first step with momentum != 0: the groups whose step
         counts must restart (t = 1: buf = g) now. Refused (nothing changed):
         momentum 0 while buffers torch would keep unchanged are held."""
-        restart = []
+        restart, fresh = [], list(self.fresh)
         for gid, group in enumerate(groups):
             mu = as_number(group.get("momentum"))
             if mu is None:
                 continue
             if mu == 0:
-                if not self.fresh[gid]:
-                    self.fresh[gid] = not any(c.tensor_step(lt) for c in parts
-                                              for lt, e in enumerate(c.entries)
-                                              if e.group == gid)
-                if not self.fresh[gid]:
+                if not fresh[gid]:
+                    fresh[gid] = not any(c.tensor_step(lt) for c in parts
+                                         for lt, e in enumerate(c.entries)
+                                         if e.group == gid)
+                if not fresh[gid]:
                     raise ZoptError(Status.INVALID_ARGUMENT,
                                     held_buffers_text(f"param_groups[{gid}]", self.step))
-            elif self.fresh[gid]:
+            elif fresh[gid]:
                 restart.append(gid)
             else:
-                self.fresh[gid] = False
+                fresh[gid] = False
+        if not dry:
+            self.fresh = fresh
         return restart
 
     def push_group(self, gid, group, parts):

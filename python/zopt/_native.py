@@ -147,6 +147,7 @@ class Native:
         self.overlap = None       # overlap=True: a zopt.overlap.OffloadOverlap
         self.entries = []
         self.excluded = set()
+        self.restarted = set()    # SGD's momentum restart reset their counts (zopt._state)
         self.native_G = 0
         self.device = None
         self.on_cuda = self.streams = self.offload = False

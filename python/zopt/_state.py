@@ -163,11 +163,10 @@ class StateView(collections.abc.MutableMapping):
         t = opt._tid_map.get(id(p))
         if t is None:
             return False
-        c, lt = opt._where[t]
-        return c.tensor_step(lt) > 0
+        return has_state(*opt._where[t])
 
     def _with_state(self):
-        return [e.param for c, lt, e in self._opt._iter_entries() if c.tensor_step(lt) > 0]
+        return [e.param for c, lt, e in self._opt._iter_entries() if has_state(c, lt)]
 
     def __iter__(self):
         return iter(self._with_state())
@@ -201,7 +200,7 @@ class StateView(collections.abc.MutableMapping):
         for t in given:  # refused before anything is written
             state_values(*opt._where[t], given[t])
         for t, (c, lt, e) in enumerate(opt._iter_entries()):
-            if t in given or c.tensor_step(lt) > 0:
+            if t in given or has_state(c, lt):
                 state_assign(c, lt, given.get(t, {}))
 
     def __repr__(self):
@@ -332,10 +331,20 @@ def shown_dtype(s, k):
 
 
 def state_keys(c, t):
-    """The keys of state[p] of tensor t: none before its first step."""
+    """The keys of state[p] of tensor t: none before its first step; after
+    SGD's momentum restart reset its count (zopt._hypers; it had no
+    gradient since), torch's {'momentum_buffer': None} (and its master)."""
     if c.tensor_step(t) == 0:
-        return []
+        if t not in c.restarted:
+            return []
+        return ["momentum_buffer"] + ["master" for k in shown_states(c.step)
+                                      if k == StateKind.MASTER]
     return ["step"] + [TORCH_KEY[k] for k in shown_states(c.step)]
+
+
+def has_state(c, t):
+    """``p in opt.state`` of tensor t (as torch: stepped once)."""
+    return c.tensor_step(t) > 0 or t in c.restarted
 
 
 def state_get(c, t, key):
@@ -344,8 +353,11 @@ def state_get(c, t, key):
     c.prepare()  # (writes back what was changed in place so far)
     s = c.step
     k = KIND_OF_KEY.get(key) if isinstance(key, str) and key != "step" else None
-    if c.tensor_step(t) == 0 or (key != "step" and k not in shown_states(s)):
+    if c.tensor_step(t) == 0 and key not in state_keys(c, t) \
+            or (key != "step" and k not in shown_states(s)):
         raise KeyError(key)
+    if c.tensor_step(t) == 0 and key == "momentum_buffer":
+        return None  # (restarted: torch's SGD holds no buffer)
     if key == "step":
         steps = c.tensor_step(t)
         v = torch.tensor(float(steps)) if torch is not None else steps
@@ -360,6 +372,7 @@ def state_set(c, t, values):
     """state[p][key] = value (for each entry; all checked first)."""
     c.prepare()
     vals = state_values(c, t, values)
+    c.restarted.discard(t)
     write_values(c, t, vals)
     outdate(c, [t], set(vals))
     for key, v in values.items():
@@ -373,6 +386,7 @@ def state_assign(c, t, values):
         return
     c.prepare()
     vals = state_values(c, t, values)
+    c.restarted.discard(t)
     s = c.step
     e = c.entries[t]
     fresh = {} if "step" in vals else {"step": 0}

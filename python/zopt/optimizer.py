@@ -270,10 +270,9 @@ class Optimizer(_Base):
         """Adds a group like torch. Every class's native optimizer (whose
         groups are fixed at finalize) is rebuilt with it, keeping every
         state, step count, the loss scaler and the seed; a class seen for
-        the first time gets its part. If a class fails, the classes already
-        extended are put back (at world size > 1 every rank must call it)."""
+        the first time gets its part. A refusal changes nothing (the other
+        groups' edits are pushed after it; every rank must call it)."""
         self._check_open()
-        self._push_hypers()  # edits made since the last step reach the runtime first
         _groups.add_group(self, param_group)
 
     @property
