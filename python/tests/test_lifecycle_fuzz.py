@@ -297,6 +297,11 @@ class World:
                     for key in ("exp_avg", "momentum_buffer"):
                         k = (id(z), key)
                         self.runmax[k] = max(self.runmax.get(k, 0.0), sc)
+                    if "betas" in rg:  # v's term ((1-b2)*(g + wd*p))*(g + wd*p): the f32
+                        for key in ("exp_avg_sq", "max_exp_avg_sq"):  # sum's roundoff is
+                            k = (id(z), key)  # relative to the terms (Adam's L2 nearly
+                            self.runmax[k] = max(self.runmax.get(k, 0.0),  # cancelled)
+                                                 (1 - rg["betas"][1]) * sc * sc)
         self.ref.step()
         for rp, s in zip(self.rp, saved):
             rp.grad = s
