@@ -313,6 +313,33 @@ inline void configure_scalers(bool ls, const std::vector<zopt_optimizer *> &opts
 // The chunk table of an UPDATE launch: every element of every tensor
 // exactly once, in order, chunks of at most `chunk` elements at multiples of
 // it (so none straddles a multiple of 2^32 elements).
+// Where an optimizer's T tensors sit in its buckets, as the params-back
+// and tail checks use it: `buckets_of` per tensor its buckets,
+// `only_last` the tensors in bucket nb-1 alone,
+// `held` a tensor in bucket 0 alone (-1: none; bucket 0 is the last copied
+// back).
+struct BucketMap {
+  int nb = 0;
+  std::vector<std::vector<int>> buckets_of;
+  std::vector<int> only_last;
+  int held = -1;
+};
+inline BucketMap bucket_map(zopt_optimizer *o, size_t T) {
+  BucketMap m;
+  Z(zopt_optimizer_num_buckets(o, &m.nb));
+  m.buckets_of.assign(T, {});
+  for (int b = 0; b < m.nb; ++b) {
+    int ids[64], n = 0;
+    Z(zopt_optimizer_bucket_tensors(o, b, ids, 64, &n));
+    for (int i = 0; i < n; ++i) m.buckets_of[ids[i]].push_back(b);
+  }
+  for (size_t t = 0; t < T; ++t) {
+    if (m.buckets_of[t] == std::vector<int>{m.nb - 1}) m.only_last.push_back((int)t);
+    if (m.buckets_of[t] == std::vector<int>{0}) m.held = (int)t;
+  }
+  return m;
+}
+
 inline bool chunks_cover(const zopt_gpu_chunk *ch, int64_t nch, const std::vector<int64_t> &sizes, int64_t *chunk) {
   int64_t c = 0, max_n = 0;
   for (int64_t i = 0; i < nch; ++i) max_n = std::max<int64_t>(max_n, ch[i].n);

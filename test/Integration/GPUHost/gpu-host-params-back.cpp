@@ -83,22 +83,9 @@ void params_back_check(Fake &f, zopt_step *step, const char *twin_path) {
   }
   void *us = nullptr;  // the caller's stream (its forward)
   f.stream_create(&us, 0);
-  int nb = 0;
-  Z(zopt_optimizer_num_buckets(E.o, &nb));
-  // Per tensor its buckets; `only_last`: tensors in bucket nb-1 alone;
-  // `held`: a tensor in bucket 0 alone (the last bucket copied back).
-  std::vector<std::vector<int>> buckets_of(T);
-  for (int b = 0; b < nb; ++b) {
-    int ids[64], n = 0;
-    Z(zopt_optimizer_bucket_tensors(E.o, b, ids, 64, &n));
-    for (int i = 0; i < n; ++i) buckets_of[ids[i]].push_back(b);
-  }
-  std::vector<int> only_last;
-  int held = -1;
-  for (size_t t = 0; t < T; ++t) {
-    if (buckets_of[t] == std::vector<int>{nb - 1}) only_last.push_back((int)t);
-    if (buckets_of[t] == std::vector<int>{0}) held = (int)t;
-  }
+  const BucketMap bm = bucket_map(E.o, T);
+  const int nb = bm.nb, held = bm.held;
+  const std::vector<int> &only_last = bm.only_last;
   check(nb >= 3 && !only_last.empty() && held >= 0,
         "params back: " + std::to_string(nb) + " buckets, " + std::to_string(only_last.size()) +
             " tensors in the last bucket alone, tensor " + std::to_string(held) + " in bucket 0 alone");
@@ -146,7 +133,7 @@ void params_back_check(Fake &f, zopt_step *step, const char *twin_path) {
       if (!cs) cs = s;
       ok &= s == cs && s != E.stream;
       int pick = -1;
-      for (int b : buckets_of[t])
+      for (int b : bm.buckets_of[t])
         if (b <= cur) pick = std::max(pick, b);
       ok &= pick >= 0;
       if (pick >= 0) cur = pick;

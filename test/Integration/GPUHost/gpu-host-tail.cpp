@@ -128,20 +128,9 @@ void tail_check(Fake &f, zopt_step *step, const char *twin_path) {
   }
   void *us = nullptr;
   f.stream_create(&us, 0);
-  int nb = 0;
-  Z(zopt_optimizer_num_buckets(E.o, &nb));
-  std::vector<std::vector<int>> buckets_of(T);
-  for (int b = 0; b < nb; ++b) {
-    int ids[64], n = 0;
-    Z(zopt_optimizer_bucket_tensors(E.o, b, ids, 64, &n));
-    for (int i = 0; i < n; ++i) buckets_of[ids[i]].push_back(b);
-  }
-  std::vector<int> only_last;
-  int held = -1;
-  for (size_t t = 0; t < T; ++t) {
-    if (buckets_of[t] == std::vector<int>{nb - 1}) only_last.push_back((int)t);
-    if (buckets_of[t] == std::vector<int>{0}) held = (int)t;
-  }
+  const BucketMap bm = bucket_map(E.o, T);
+  const int nb = bm.nb, held = bm.held;
+  const std::vector<int> &only_last = bm.only_last;
   check(nb >= 3 && !only_last.empty() && held >= 0, "tail: " + std::to_string(nb) + " buckets");
   if (held < 0 || only_last.empty()) return;
   std::vector<void *> pin(T);
