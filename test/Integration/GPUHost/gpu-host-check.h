@@ -340,6 +340,26 @@ inline BucketMap bucket_map(zopt_optimizer *o, size_t T) {
   return m;
 }
 
+// Every state of the tensors (GRAD left out; PARAM too unless
+// `with_param`) bit-identical in the three optimizers, read through
+// zopt_optimizer_read_state_raw (which joins an offloaded step's tail).
+inline bool states_identical(const zopt_step_descriptor *d, const std::vector<int64_t> &sizes, zopt_optimizer *a,
+                             zopt_optimizer *b, zopt_optimizer *c, bool with_param = true) {
+  bool same = true;
+  for (size_t t = 0; t < sizes.size(); ++t)
+    for (uint32_t s = 0; s < d->num_states; ++s) {
+      uint32_t kind = d->states[s].kind;
+      if (kind == ZOPT_STATE_GRAD || (kind == ZOPT_STATE_PARAM && !with_param)) continue;
+      size_t n = state_bytes(d, s, sizes[t]);
+      std::vector<unsigned char> x(n), y(n), z(n);
+      Z(zopt_optimizer_read_state_raw(a, (int)t, (zopt_state_kind)kind, x.data(), n));
+      Z(zopt_optimizer_read_state_raw(b, (int)t, (zopt_state_kind)kind, y.data(), n));
+      Z(zopt_optimizer_read_state_raw(c, (int)t, (zopt_state_kind)kind, z.data(), n));
+      same &= x == y && x == z;
+    }
+  return same;
+}
+
 inline bool chunks_cover(const zopt_gpu_chunk *ch, int64_t nch, const std::vector<int64_t> &sizes, int64_t *chunk) {
   int64_t c = 0, max_n = 0;
   for (int64_t i = 0; i < nch; ++i) max_n = std::max<int64_t>(max_n, ch[i].n);

@@ -146,18 +146,7 @@ void params_back_check(Fake &f, zopt_step *step, const char *twin_path) {
               " first, bucket 0 last, every param once");
   };
   auto same_states = [&](const std::string &tag) {
-    bool same = true;
-    for (size_t t = 0; t < T; ++t)
-      for (uint32_t s = 0; s < d->num_states; ++s) {
-        uint32_t kind = d->states[s].kind;
-        if (kind == ZOPT_STATE_GRAD) continue;
-        size_t b = state_bytes(d, s, sizes[t]);
-        std::vector<unsigned char> x(b), y(b), z(b);
-        Z(zopt_optimizer_read_state_raw(E.o, (int)t, (zopt_state_kind)kind, x.data(), b));
-        Z(zopt_optimizer_read_state_raw(S.o, (int)t, (zopt_state_kind)kind, y.data(), b));
-        Z(zopt_optimizer_read_state_raw(C.o, (int)t, (zopt_state_kind)kind, z.data(), b));
-        same &= x == y && x == z;
-      }
+    bool same = states_identical(d, sizes, E.o, S.o, C.o);
     check(same, "params back: " + tag + ": every state and param bit-identical among per-bucket, default, CPU twin");
   };
   auto step_all = [&](bool pipelined, const std::string &tag, const std::function<void()> &before_step = {}) {

@@ -205,18 +205,7 @@ void pipeline_check(Fake &f, zopt_step *step, const char *twin_path) {
       params &= memcmp((void *)(uintptr_t)P.dp[t], C.hp[t].data(), C.hp[t].size()) == 0 &&
                 memcmp((void *)(uintptr_t)S.dp[t], C.hp[t].data(), C.hp[t].size()) == 0;
     check(params, tag + ": params on the GPU bit-identical to the serial step's and the CPU twin's");
-    bool states = true;
-    for (size_t t = 0; t < T; ++t)
-      for (uint32_t s = 0; s < d->num_states; ++s) {
-        uint32_t kind = d->states[s].kind;
-        if (kind == ZOPT_STATE_PARAM || kind == ZOPT_STATE_GRAD) continue;
-        size_t b = state_bytes(d, s, sizes[t]);
-        std::vector<unsigned char> x(b), y(b), z(b);
-        Z(zopt_optimizer_read_state_raw(P.o, (int)t, (zopt_state_kind)kind, x.data(), b));
-        Z(zopt_optimizer_read_state_raw(S.o, (int)t, (zopt_state_kind)kind, y.data(), b));
-        Z(zopt_optimizer_read_state_raw(C.o, (int)t, (zopt_state_kind)kind, z.data(), b));
-        states &= x == y && x == z;
-      }
+    const bool states = states_identical(d, sizes, P.o, S.o, C.o, false);
     check(states, tag + ": every optimizer state bit-identical to the serial step's and the CPU twin's");
   }
   {

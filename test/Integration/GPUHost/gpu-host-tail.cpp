@@ -160,18 +160,7 @@ void tail_check(Fake &f, zopt_step *step, const char *twin_path) {
   // Every state and param of E, S and C bit for bit (E's params read from
   // the device: read_state joins the tail, then waits for its copies).
   auto same_states = [&](const std::string &tag) {
-    bool same = true;
-    for (size_t t = 0; t < T; ++t)
-      for (uint32_t s = 0; s < d->num_states; ++s) {
-        uint32_t kind = d->states[s].kind;
-        if (kind == ZOPT_STATE_GRAD) continue;
-        size_t b = state_bytes(d, s, sizes[t]);
-        std::vector<unsigned char> x(b), y(b), z(b);
-        Z(zopt_optimizer_read_state_raw(E.o, (int)t, (zopt_state_kind)kind, x.data(), b));
-        Z(zopt_optimizer_read_state_raw(S.o, (int)t, (zopt_state_kind)kind, y.data(), b));
-        Z(zopt_optimizer_read_state_raw(C.o, (int)t, (zopt_state_kind)kind, z.data(), b));
-        same &= x == y && x == z;
-      }
+    bool same = states_identical(d, sizes, E.o, S.o, C.o);
     int64_t ce = -1, cc = -2;
     Z(zopt_optimizer_get_step_count(E.o, 0, &ce));
     Z(zopt_optimizer_get_step_count(C.o, 0, &cc));
