@@ -83,6 +83,15 @@ static bool storesBf16(zk::KernelOp k) {
 
 /// How far ahead of its loads every CPU kernel prefetches each array
 /// (runtime/tools/stream_roofline.h's kPrefetchBytes is the same distance).
+// The lanes of a masked tail step over elements [from, n) (n - from <
+// lanes): the UPDATE's and SUMSQ's last step on AVX-512.
+static Value tailMask(OpBuilder &b, Location loc, int lanes, Value n, Value from) {
+  Value rem = arith::SubIOp::create(b, loc, n, from);
+  return vector::CreateMaskOp::create(
+      b, loc, VectorType::get({lanes}, b.getI1Type()),
+      ValueRange{arith::IndexCastOp::create(b, loc, b.getIndexType(), rem)});
+}
+
 static constexpr int64_t kPrefetchBytes = 2048;
 
 static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
@@ -318,10 +327,7 @@ static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
       OpBuilder::InsertionGuard g(b);
       b.setInsertionPoint(l2.getBody()->getTerminator());
       Value iv = l2.getInductionVar();
-      Value rem = arith::SubIOp::create(b, loc, n, iv);
-      Value mask = vector::CreateMaskOp::create(
-          b, loc, VectorType::get({w}, b.getI1Type()),
-          ValueRange{arith::IndexCastOp::create(b, loc, b.getIndexType(), rem)});
+      Value mask = tailMask(b, loc, w, n, iv);
       BodyEmitter tailE{b, loc, w, ptrs, cs, cw};
       tailE.packHalves = true;
       tailE.splitBf16 = splitUpdate;
@@ -398,10 +404,7 @@ static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
   {
     OpBuilder::InsertionGuard g(b);
     b.setInsertionPointToStart(&tail.getThenRegion().front());
-    Value rem = arith::SubIOp::create(b, loc, n, nVec);
-    Value mask = vector::CreateMaskOp::create(
-        b, loc, VectorType::get({lanes}, b.getI1Type()),
-        ValueRange{arith::IndexCastOp::create(b, loc, b.getIndexType(), rem)});
+    Value mask = tailMask(b, loc, lanes, n, nVec);
     BodyEmitter e{b, loc, lanes, ptrs, cs, cv};
     e.packHalves = true;
     e.splitBf16 = split;
