@@ -5,8 +5,10 @@ device memory (gpu_fakes.py's), the small two-layer bf16 model, the hook that mo
 ``p.grad`` to device memory, and the bit-for-bit comparison of two
 optimizers' params and states."""
 import json
+import os
 
 import torch
+import torch.distributed as dist
 
 from gpu_fakes import StandIn, cuda_params, device_tensors, grads_on_device
 
@@ -98,6 +100,16 @@ def same_as(fake, oa, ob, pa, pb):
     fake.fake_cuda_drain_all()
     same = all(equal(p, q) for p, q in zip(pa, pb)) and same_states(oa, ob)
     return bool(same and oa.last_skipped == ob.last_skipped)
+
+
+def finish_rank(out, outdir, rank):
+    """A gloo rank worker's end: out written to outdir/rank{rank}.json (the
+    launcher reads it), a barrier, "DONE rank r", the group destroyed."""
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as fh:
+        json.dump(out, fh)
+    dist.barrier()
+    print(f"DONE rank {rank}", flush=True)
+    dist.destroy_process_group()
 
 
 def finish(s, out, *opts):

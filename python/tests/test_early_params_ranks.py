@@ -132,11 +132,7 @@ def _rank(rank, world, port, outdir, off_path, cpu_path):
         o.close()
     fake.fake_cuda_drain_all()
     out["bad_ranges"] = fake.fake_cuda_num_bad_ranges()
-    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as fh:
-        json.dump(out, fh)
-    dist.barrier()
-    print(f"DONE rank {rank}", flush=True)
-    dist.destroy_process_group()
+    of.finish_rank(out, outdir, rank)
 
 
 if __name__ == "__main__":

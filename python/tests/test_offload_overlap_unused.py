@@ -113,11 +113,7 @@ def _rank(rank, world, port, outdir, off_path):
     out["zeroed"] = ov.stats["zeroed"]
     out["params"] = [p.detach().float().tolist() for p in A]
     s.close_all(out, opt_a, opt_b)
-    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as fh:
-        json.dump(out, fh)
-    dist.barrier()
-    print(f"DONE rank {rank}", flush=True)
-    dist.destroy_process_group()
+    of.finish_rank(out, outdir, rank)
 
 
 if __name__ == "__main__":
