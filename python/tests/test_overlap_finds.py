@@ -13,7 +13,7 @@ sys.path.insert(0, HERE)
 
 import zopt  # noqa: E402
 import overlap_fakes as of  # noqa: E402
-from gpu_fakes import needs_fake, run_worker  # noqa: E402
+from gpu_fakes import StandIn, needs_fake, needs_toolkit, run_worker  # noqa: E402
 
 
 @needs_fake
@@ -34,7 +34,71 @@ def test_o2_param_unfrozen_after_build_steps_at_once(steps, tmp_path):
     assert out["bad_ranges"] == 0
 
 
+@needs_fake
+@needs_toolkit
+def test_o1_gpu_load_of_other_left_out_params_refused_naming_them(steps, tmp_path):
+    """O1 (an unclear refusal): a GPU step's file saved with a param left out
+    (frozen when that optimizer was built) loaded into an optimizer that
+    holds it, and the reverse, were refused by the runtime as "tensor 1 has
+    0 elements, the optimizer's has 24" (load_state_dict() of the same
+    states loads; the CPU step's file loads). Now refused naming the param,
+    why and what loads instead; nothing changes."""
+    st = steps(rule="adamw", layout="f32", placement="gpu")
+    out = run_worker(__file__, "slots", st.path, tmp_path)
+    for key in ("held_loads_left_out", "left_out_loads_held"):
+        code, msg, unchanged = out[key]
+        assert code == int(zopt.Status.CHECKPOINT), out
+        assert "['params'][1]" in msg and "left out" in msg and "load_state_dict" in msg, msg
+        assert unchanged, out
+    assert out["same_frozen_loads"] and out["bad_ranges"] == 0
+
+
 # ---- the workers (run with ZOPT_CUDA_DRIVER=libzopt-fake-cuda.so) ----------------------
+
+def _slots(step_path, tmp):
+    s = StandIn()
+    s.grads_on_device()
+    s.fake.fake_cuda_set_emulation(1, 0)
+    st = zopt.Step(step_path)
+    g = torch.Generator().manual_seed(0)
+    init = [torch.randn(n, generator=g) for n in (33, 24)]
+
+    def opt(frozen):
+        ps = [torch.nn.Parameter(torch.from_numpy(s.dev_array(w.numel(), w.numpy())))
+              for w in init]
+        ps[1].requires_grad_(not frozen)
+        o = zopt.Optimizer(st, ps, lr=1e-2)
+        for p in ps:
+            if p.requires_grad:
+                p.grad = torch.from_numpy(s.dev_array(p.numel(), 0.1))
+        o.step()
+        o.step_count()
+        return o
+
+    def refused(saved_frozen, loading_frozen):
+        path = os.path.join(tmp, f"ck{saved_frozen}")
+        opt(saved_frozen).save(path)
+        o = opt(loading_frozen)
+        before = o.state_dict()
+        try:
+            o.load(path)
+        except zopt.ZoptError as e:
+            after = o.state_dict()
+            same = sorted(before["state"]) == sorted(after["state"]) and all(
+                torch.equal(before["state"][i][k], after["state"][i][k])
+                for i in before["state"] for k in before["state"][i])
+            return [int(e.code), str(e), bool(same)]
+        return [0, "loaded", False]
+    out = {"held_loads_left_out": refused(True, False),
+           "left_out_loads_held": refused(False, True)}
+    o = opt(True)
+    o.load(os.path.join(tmp, "ckTrue"))  # the same params left out: loads
+    out["same_frozen_loads"] = o.step_count() == 1
+    s.close_all(out)
+    print(json.dumps(out))
+
+
+
 
 def _unfrozen(step_path):
     s, fake, dev, g, init = of.start()
@@ -66,4 +130,7 @@ def _unfrozen(step_path):
 
 
 if __name__ == "__main__":
-    {"unfrozen": _unfrozen}[sys.argv[1]](sys.argv[2])
+    if sys.argv[1] == "slots":
+        _slots(sys.argv[2], sys.argv[3])
+    else:
+        {"unfrozen": _unfrozen}[sys.argv[1]](sys.argv[2])

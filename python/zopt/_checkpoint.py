@@ -620,6 +620,7 @@ def part_load_file(c, path, allow_rule_change=False, image=None):
         c.handle()
         _frozen.load_legacy(c, path, flags, legacy)
     elif image is None:
+        _frozen.check_file_slots(c, path)
         check(c.lib.zopt_optimizer_load_ex(c.handle(), os.fspath(path).encode(), flags),
               f"load({path})")
     else:
