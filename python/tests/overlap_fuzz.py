@@ -152,6 +152,13 @@ class World:
         self.with_extra = r.random() < 0.5  # else added later by add_param_group
         self.hyp = [self.rand_hypers(), self.rand_hypers()]
         self.split = r.choice([1, 2, 3])  # params [0:split) in group 0, the rest in group 1
+        # a param frozen when the optimizers are built (GPU steps leave it out,
+        # the overlap hooks it once it requires grad)
+        self.frozen0 = r.randrange(4) if r.random() < 0.25 else None
+        if self.frozen0 is not None:
+            for net in self.nets:
+                plist(net)[self.frozen0].requires_grad_(False)
+            self.log[0] += f" frozen_at_build={self.frozen0}"
         self.opts = [self.make(k) for k in range(len(names))]
         self.sync_handles = []
         self._sync_hooks()
@@ -191,20 +198,24 @@ class World:
     def make(self, k, groups=None):
         name = self.names[k]
         if name == "G" and groups is not None:
-            # a new GPU optimizer that loads states: built with every param
-            # requiring grad (one frozen at build is left out, its states not
-            # loaded: docs/GPU.md; load() refuses the file, finding O1)
+            # a new GPU optimizer that loads G's states: built with the params
+            # G left out (frozen when it was built, not trained since) frozen,
+            # the others requiring grad (a param frozen at build is left out:
+            # load_state_dict() drops its states, docs/GPU.md; load() refuses
+            # a file whose left-out params differ, finding O1)
+            left = {id(p) for t, p in enumerate(self.params_in(k))
+                    if t in self.opts[k]._parts[0].excluded}
             ps = [p for g in groups for p in g["params"]]
-            frozen = [p for p in ps if not p.requires_grad]
-            for p in frozen:
-                p.requires_grad_(True)
+            was = [p.requires_grad for p in ps]
+            for p in ps:
+                p.requires_grad_(id(p) not in left)
             try:
                 return zopt.Optimizer(self.step_of(k), groups, bucket_elems=self.bucket_elems,
                                       **(dict(loss_scaler=dict(init_scale=1024.0, growth_interval=3))
                                          if self.scaled else {}))
             finally:
-                for p in frozen:
-                    p.requires_grad_(False)
+                for p, w in zip(ps, was):
+                    p.requires_grad_(w)
         kw = dict(bucket_elems=self.bucket_elems)
         if self.scaled:
             kw["loss_scaler"] = dict(init_scale=1024.0, growth_interval=3)
@@ -451,9 +462,10 @@ class World:
             self.backward_all(self.x(scale), first_micro=True)
             msg += " +micro"
         inf = None
-        if r.random() < 0.12:
-            inf = r.choice([i for i, p in enumerate(plist(self.nets[0]))
-                            if p.requires_grad and (i < 4 or self.with_extra)])
+        cand = [i for i, p in enumerate(plist(self.nets[0]))
+                if p.requires_grad and (i < 4 or self.with_extra)]
+        if r.random() < 0.12 and cand:
+            inf = r.choice(cand)
             msg += f" inf@{inf}"
         self.inject["inf"] = inf
         try:
