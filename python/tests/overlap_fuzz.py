@@ -327,6 +327,16 @@ class World:
                 for key in sa[i]:
                     a, c = sa[i][key], sc[i][key]
                     ok = same_t(a, c) if torch.is_tensor(a) else a == c
+                    if not ok and torch.is_tensor(a) and a.shape == c.shape:
+                        bad = (bits(a) != bits(c)).view(-1).nonzero().view(-1)
+                        j = int(bad[0]) if bad.numel() else 0
+                        pk = self.params_in(k)[i].detach().view(-1)[j:j + 1].float().item()
+                        pc_ = self.params_in(len(self.opts) - 1)[i].detach().view(-1)[j:j + 1]
+                        raise Fail(f"{where}: {n} state[{i}][{key}] differs from {ref}'s at "
+                                   f"{bad.numel()}/{a.numel()} elements, [{j}]: "
+                                   f"{a.view(-1)[j].item()!r} vs {c.view(-1)[j].item()!r} "
+                                   f"(params {pk!r}, {pc_.float().item()!r}); "
+                                   + self.outcomes(k))
                     expect(ok, f"{where}: {n} state[{i}][{key}] differs from {ref}'s")
             ga = [{kk: v for kk, v in g.items() if kk != "params"} for g in sds[k]["param_groups"]]
             gc = [{kk: v for kk, v in g.items() if kk != "params"} for g in sds[-1]["param_groups"]]
