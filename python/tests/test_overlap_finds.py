@@ -13,7 +13,8 @@ sys.path.insert(0, HERE)
 
 import zopt  # noqa: E402
 import overlap_fakes as of  # noqa: E402
-from gpu_fakes import StandIn, needs_fake, needs_toolkit, run_worker  # noqa: E402
+from gpu_fakes import StandIn, cuda_params, device_tensors, grads_on_device, needs_fake, \
+    needs_toolkit, run_worker  # noqa: E402
 
 
 @needs_fake
@@ -53,7 +54,69 @@ def test_o1_gpu_load_of_other_left_out_params_refused_naming_them(steps, tmp_pat
     assert out["same_frozen_loads"] and out["bad_ranges"] == 0
 
 
+@needs_fake
+@needs_toolkit
+def test_o3_gpu_fraction_load_with_a_left_out_param(steps, tmp_path):
+    """O3 (a wrong refusal): with gpu_fraction, a GPU-class param frozen when
+    the optimizer was built is left out (an empty slot in the class's
+    file); save() and load() into an optimizer built the same way was
+    refused as "not this class's checkpoint (another model, or another
+    split into classes)": the check of the files counted the left-out
+    param's elements. Now it loads (every count carried); a file whose
+    left-out params differ is refused naming them (O1's message)."""
+    from zopt import steps as S
+    off = steps.text(S.adamw.text(placement="offload", param="f32", clip=1.0))
+    gpu = steps.text(S.adamw.text(placement="gpu", param="f32", clip=1.0))
+    out = run_worker(__file__, "fraction_slots", off.path + os.pathsep + gpu.path, tmp_path)
+    assert out["classes"] == ["f32:gpu", "f32:gpu", "f32"], out
+    assert out["same_built_loads"] == [0, 1, 1], out
+    code, msg = out["other_left_out"]
+    assert code == int(zopt.Status.CHECKPOINT) and "left out" in msg and "['params'][0]" in msg, out
+    assert out["bad_ranges"] == 0
+
+
 # ---- the workers (run with ZOPT_CUDA_DRIVER=libzopt-fake-cuda.so) ----------------------
+
+def _fraction_slots(paths, tmp):
+    off_path, gpu_path = paths.split(os.pathsep)
+    s = StandIn()
+    cuda_params()
+    grads_on_device(device_tensors(s.fake))
+    s.fake.fake_cuda_set_emulation(1, 0)
+    g = torch.Generator().manual_seed(0)
+    init = [torch.randn(n, generator=g) for n in (40, 24, 100)]
+
+    def opt(frozen0):
+        ps = [torch.nn.Parameter(torch.from_numpy(s.dev_array(w.numel(), w.numpy())))
+              for w in init]
+        ps[0].requires_grad_(not frozen0)
+        cl = zopt.steps.StepClasses({"f32": zopt.Step(off_path), "f32:gpu": zopt.Step(gpu_path)})
+        cl.gpu_fraction = 0.4
+        o = zopt.Optimizer(cl, ps, lr=1e-2)
+        for p in ps:
+            if p.requires_grad:
+                p.grad = torch.from_numpy(s.dev_array(p.numel(), 0.1))
+        o.step()
+        o.step_count()
+        return o, ps
+    out = {}
+    o, ps = opt(True)
+    out["classes"] = [o._class_of[id(p)] for p in ps]
+    path = os.path.join(tmp, "ck")
+    o.save(path)
+    o2, ps2 = opt(True)  # built the same way: param 0 left out
+    o2.load(path)
+    out["same_built_loads"] = [o2.tensor_step(p) for p in ps2]
+    o3, _ = opt(False)  # param 0 held: the file's left-out param differs
+    try:
+        o3.load(path)
+        out["other_left_out"] = [0, "loaded"]
+    except zopt.ZoptError as e:
+        out["other_left_out"] = [int(e.code), str(e)]
+    s.close_all(out, o, o2, o3)
+    print(json.dumps(out))
+
+
 
 def _slots(step_path, tmp):
     s = StandIn()
@@ -132,5 +195,7 @@ def _unfrozen(step_path):
 if __name__ == "__main__":
     if sys.argv[1] == "slots":
         _slots(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "fraction_slots":
+        _fraction_slots(sys.argv[2], sys.argv[3])
     else:
         {"unfrozen": _unfrozen}[sys.argv[1]](sys.argv[2])

@@ -598,7 +598,10 @@ def _check_files(opt, path, files, linked=False):
         if head is None:
             continue  # another format: the runtime's loader judges it
         name, _, numels = head
-        mine = [e.numel for e in c.entries]
+        # (a GPU class's param left out, frozen when it was built: an empty
+        # slot, as in its file; one left out on one side only: O1's refusal)
+        mine = [0 if t in c.excluded else e.numel for t, e in enumerate(c.entries)]
+        _frozen.check_file_slots(c, f)
         if numels != mine:
             raise ZoptError(
                 Status.CHECKPOINT,
