@@ -118,6 +118,7 @@ class World:
 
     def __init__(self, mode, variants, seed, tmp, s, dev):
         self.mode, self.tmp, self.s, self.dev = mode, tmp, s, dev
+        self.ov = mode in ("overlap", "fraction")  # the copy under test overlapped
         self.fake = s.fake
         r = self.r = random.Random(seed)
         self.g = torch.Generator().manual_seed(seed)
@@ -126,18 +127,20 @@ class World:
         self.dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[v["param"]]
         self.main = v.get("grad") == "f32" and v["param"] != "f32"
         self.scaled = v["param"] == "f16"
-        self.per_bucket = mode == "overlap" and r.random() < 0.5
+        self.per_bucket = self.ov and r.random() < 0.5
         # slow copies back (2 ms each): the per-bucket tail still running at the reads
         self.htod_us = 2000 if self.per_bucket and r.random() < 0.5 else 0
         self.fake.fake_cuda_set_htod_delay(self.htod_us)
         self.bucket_elems = r.choice([64, 128, 256, 1024])
+        self.fraction = r.choice([0.2, 0.5, 0.8]) if mode == "fraction" else None
         # None: every bucket speculated; 0: none; else about one bucket's buffers
         self.budget = r.choice([None, None, 0, 16 * self.bucket_elems])
         self.log = [f"mode={mode} variant={v['name']} per_bucket={self.per_bucket} "
+                    f"gpu_fraction={self.fraction} "
                     f"htod_us={self.htod_us} "
                     f"bucket_elems={self.bucket_elems} budget={self.budget}"]
         init = [(torch.randn(sh, generator=self.g) * 0.5 + 0.1).to(self.dtype) for sh in SHAPES]
-        names = ["A", "B", "C"] if mode == "overlap" else ["G", "C"]
+        names = {"overlap": ["A", "B", "C"], "gpu": ["G", "C"], "fraction": ["A", "B"]}[mode]
         self.nets = []
         for name in names:
             on_dev = name != "C"
@@ -151,7 +154,8 @@ class World:
         self.sb = s.stream()  # B's torch stream (A's: the StandIn's first)
         self.with_extra = r.random() < 0.5  # else added later by add_param_group
         self.hyp = [self.rand_hypers(), self.rand_hypers()]
-        self.split = r.choice([1, 2, 3])  # params [0:split) in group 0, the rest in group 1
+        self.split = r.choice([1, 2, 3])
+        self.ngroups0 = 2  # the constructor's groups  # params [0:split) in group 0, the rest in group 1
         # a param frozen when the optimizers are built (GPU steps leave it out,
         # the overlap hooks it once it requires grad)
         self.frozen0 = r.randrange(4) if r.random() < 0.25 else None
@@ -186,36 +190,28 @@ class World:
         hyp = hyp or self.hyp
         return [dict(params=ps[:self.split], **hyp[0]), dict(params=ps[self.split:], **hyp[1])]
 
+    def left_out(self, k):
+        """ids of the params copy k's GPU step (or class) left out (frozen
+        when it was built, not trained since)."""
+        return {id(c.entries[t].param) for c in self.opts[k]._parts for t in c.excluded}
+
     def current_groups(self, k):
-        """Copy k's groups as they are now (params added since included)."""
+        """Copy k's groups as they are now (params added since included: the
+        first ``self.ngroups0`` go to the constructor, make() adds the rest)."""
         keys = ("lr", "weight_decay", "betas", "eps", "momentum")
         return [dict(params=list(g["params"]), **{key: g[key] for key in keys if key in g})
                 for g in self.opts[k].param_groups]
 
     def step_of(self, k):
+        if self.mode == "fraction":  # the offloaded step and its GPU twin class, linked
+            v = self.variant
+            cl = zopt.steps.StepClasses({v["param"]: v["dev"], v["param"] + ":gpu": v["gpu"]})
+            cl.gpu_fraction = self.fraction
+            return cl
         return self.variant["cpu" if self.names[k] == "C" else "dev"]
 
     def make(self, k, groups=None):
         name = self.names[k]
-        if name == "G" and groups is not None:
-            # a new GPU optimizer that loads G's states: built with the params
-            # G left out (frozen when it was built, not trained since) frozen,
-            # the others requiring grad (a param frozen at build is left out:
-            # load_state_dict() drops its states, docs/GPU.md; load() refuses
-            # a file whose left-out params differ, finding O1)
-            left = {id(p) for t, p in enumerate(self.params_in(k))
-                    if t in self.opts[k]._parts[0].excluded}
-            ps = [p for g in groups for p in g["params"]]
-            was = [p.requires_grad for p in ps]
-            for p in ps:
-                p.requires_grad_(id(p) not in left)
-            try:
-                return zopt.Optimizer(self.step_of(k), groups, bucket_elems=self.bucket_elems,
-                                      **(dict(loss_scaler=dict(init_scale=1024.0, growth_interval=3))
-                                         if self.scaled else {}))
-            finally:
-                for p, w in zip(ps, was):
-                    p.requires_grad_(w)
         kw = dict(bucket_elems=self.bucket_elems)
         if self.scaled:
             kw["loss_scaler"] = dict(init_scale=1024.0, growth_interval=3)
@@ -223,9 +219,31 @@ class World:
             kw.update(overlap=True, speculation_budget=self.budget)
             if self.per_bucket:
                 kw["model"] = self.nets[k]
+        frozen = None
+        if groups is not None and (name == "G" or self.mode == "fraction"):
+            # a new optimizer with a GPU step (or class) that loads the old
+            # one's states: built with the params the old one left out
+            # (frozen when it was built, not trained since) frozen, the
+            # others requiring grad (a param frozen at build is left out:
+            # load_state_dict() drops its states, docs/GPU.md; load() refuses
+            # a file whose left-out params differ, finding O1)
+            left = self.left_out(k)
+            ps = [p for g in groups for p in g["params"]]
+            frozen = [(p, p.requires_grad) for p in ps]
+            for p in ps:
+                p.requires_grad_(id(p) not in left)
         groups = groups or self.groups_of(k)
-        with self.on(k):
-            return zopt.Optimizer(self.step_of(k), groups, **kw)
+        later = groups[self.ngroups0:]  # added by add_param_group (gpu_fraction routes
+        groups = groups[:self.ngroups0]  # them to the offloaded class, as it did)
+        try:
+            with self.on(k):
+                o = zopt.Optimizer(self.step_of(k), groups, **kw)
+                for g in later:
+                    o.add_param_group(g)
+                return o
+        finally:
+            for p, w in frozen or ():
+                p.requires_grad_(w)
 
     @contextlib.contextmanager
     def on(self, k):
@@ -269,7 +287,7 @@ class World:
         for h in self.sync_handles:
             h.remove()
         self.sync_handles = []
-        if self.mode != "overlap":
+        if not self.ov:
             return
         fake, s = self.fake, self.s
 
@@ -401,7 +419,7 @@ class World:
     def x(self, scale):
         return torch.randn(8, D, generator=self.g) * scale
 
-    def ready(self, k):
+    def ready(self, k, forward=False):
         """Before the host reads or writes copy k's device memory (a forward,
         zero_grad, a backward's accumulation): its stream synchronized (on
         a GPU those are kernels on that stream, after the step's; on the
@@ -412,9 +430,11 @@ class World:
         if n in ("B", "G"):
             st = self.sb if n == "B" else self.s.cur["s"]
             assert self.fake.cuStreamSynchronize(ctypes.c_void_p(st)) == 0
+        elif n == "A" and self.mode == "fraction" and not forward:  # its GPU class's
+            assert self.fake.cuStreamSynchronize(ctypes.c_void_p(self.s.cur["s"])) == 0
 
     def loss(self, k, x):
-        self.ready(k)
+        self.ready(k, forward=True)
         y = self.nets[k](x)
         loss = y.square().mean()
         if self.scaled:
@@ -483,7 +503,7 @@ class World:
         finally:
             self.inject["inf"] = None
         self.unused_grads()
-        if self.mode == "overlap" and r.random() < 0.3:
+        if self.ov and r.random() < 0.3:
             msg += self.refusals_after_marks()
         elif self.mode == "gpu" and r.random() < 0.3:  # the step's clip, begun by hand
             mx = r.choice([0.1, 1.0, 10.0])
@@ -495,7 +515,7 @@ class World:
                    f"clip_grad_norm_: {norms}")
             msg += f"; clip_grad_norm_({mx})"
         self.step_all()
-        if self.mode == "overlap" and r.random() < 0.5:
+        if self.ov and r.random() < 0.5:
             msg += self.read_right_after_step()
         return msg
 
@@ -563,8 +583,8 @@ class World:
             with self.on(1):
                 self.opts[1].step_count()
             self.fake.fake_cuda_drain_all()
-            yb, yc = self.nets[1](x), self.nets[2](x)
-            expect(torch.equal(ya, yb) and torch.equal(ya, yc),
+            ys = [net(x) for net in self.nets[1:]]
+            expect(all(torch.equal(ya, y) for y in ys),
                    "a forward right after step() saw other params than B's / C's")
         else:
             if how == "state_dict":
@@ -575,7 +595,7 @@ class World:
             assert self.fake.cuStreamSynchronize(ctypes.c_void_p(self.s.cur["s"])) == 0
             got = {k: v.detach().clone() for k, v in sd.items()}
             self.settle()
-            for k, v in self.nets[2].named_parameters():
+            for k, v in self.nets[-1].named_parameters():
                 expect(same_t(got[k], v), f"model {how} right after step(): {k} is not "
                        "this step's")
         return f"; {how} right after step"
@@ -697,7 +717,10 @@ class World:
         lacking = [i for i, p in enumerate(plist(self.nets[0]))
                    if p.requires_grad and p.grad is None and (i < 4 or self.with_extra)
                    and not (self.main and getattr(p, "main_grad", None) is not None)]
-        if self.mode == "overlap" and lacking and self.opts[0]._overlap.started:
+        cls = self.opts[0]._class_of  # (gpu_fraction: the GPU class takes its gradients
+        off = [i for i in lacking  # at step(), a param without one left alone)
+               if not str(cls.get(id(plist(self.nets[0])[i]), "")).endswith(":gpu")]
+        if self.ov and off and self.opts[0]._overlap.started:
             try:
                 self.opts[0].step()
             except ZoptError as e:
@@ -760,7 +783,7 @@ class World:
             except (ValueError, ZoptError):  # a GPU step pushes it at once: refused there
                 expect(o.param_groups[0]["lr"] == old, "a refused lr was kept in param_groups")
                 raise
-            if self.mode == "overlap":
+            if self.ov:
                 self.loss(0, x).backward()
             else:
                 self.hand_grads_only()
@@ -771,10 +794,10 @@ class World:
             raise Fail("a negative lr was not refused")
         finally:
             o.param_groups[0]["lr"] = old
-        if self.mode == "overlap":
+        if self.ov:
             expect(o._overlap.nmarked == 0, "a refused backward marked buckets")
         self.same_snapshot(before, self.snapshot(0), "refused bad lr")
-        if self.mode == "overlap":
+        if self.ov:
             self.zero_grad("none")
             self.backward_all(x)
             self.unused_grads()
@@ -826,15 +849,16 @@ def run_case(mode, variants, seed, tmp, s, dev, actions):
 
 
 def variants_of(mode, paths):
-    """paths: name=dev_path=cpu_path entries, ";"-separated; the
+    """paths: name=dev_path=cpu_path[=gpu_path] entries, ";"-separated; the
     name is rule:param[:f32grad][:clip]."""
     out = []
     for item in paths.split(";"):
-        name, dp, cp = item.split("=")
+        name, dp, cp, *gp = item.split("=")
         parts = name.split(":")
         out.append(dict(name=name, rule=parts[0], param=parts[1],
                         grad="f32" if "f32grad" in parts else None,
-                        dev=zopt.Step(dp), cpu=zopt.Step(cp)))
+                        dev=zopt.Step(dp), cpu=zopt.Step(cp),
+                        gpu=zopt.Step(gp[0]) if gp else None))
     return out
 
 

@@ -26,9 +26,10 @@ OVERLAP = {
 }
 # one per worker: ZOPT_FAKE_CUDA_TWIN names the one CPU twin the stand-in runs
 GPU = {"adamw:f32": dict(param="f32"), "adamw:bf16": dict(param="bf16", master="f32")}
+FRACTION = {"adamw:f32": dict(param="f32")}
 
 
-def _paths(steps, table, placement):
+def _paths(steps, table, placement, with_gpu=False):
     from zopt import steps as S
     out = []
     for name, kw in table.items():
@@ -36,6 +37,8 @@ def _paths(steps, table, placement):
         dev = steps.text(rule.text(placement=placement, clip=1.0, **kw))
         cpu = steps.text(rule.text(clip=1.0, **kw))
         out.append(f"{name}={dev.path}={cpu.path}")
+        if with_gpu:  # the GPU twin class of gpu_fraction
+            out[-1] += "=" + steps.text(rule.text(placement="gpu", clip=1.0, **kw)).path
     return ";".join(out), cpu.path
 
 
@@ -59,6 +62,17 @@ def test_overlap_fuzz(steps, tmp_path):
 def test_gpu_twin_fuzz(steps, tmp_path, name):
     paths, cpu = _paths(steps, {name: GPU[name]}, "gpu")
     out = run_worker(WORKER, "gpu", paths, tmp_path, ZOPT_FAKE_CUDA_TWIN=cpu)
+    _check(out)
+
+
+@needs_fake
+@needs_toolkit
+def test_gpu_fraction_overlap_fuzz(steps, tmp_path):
+    """gpu_fraction's two classes (offloaded + its GPU twin, one linked step):
+    with overlap=True (and model=) against the same classes without."""
+    paths, cpu = _paths(steps, FRACTION, "offload", with_gpu=True)
+    out = run_worker(WORKER, "fraction", paths, tmp_path, ZOPT_FAKE_CUDA_TWIN=cpu,
+                     ZOPT_FAKE_CUDA_ASYNC="1")
     _check(out)
 
 
