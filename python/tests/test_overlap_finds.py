@@ -75,7 +75,87 @@ def test_o3_gpu_fraction_load_with_a_left_out_param(steps, tmp_path):
     assert out["bad_ranges"] == 0
 
 
+@needs_fake
+@needs_toolkit
+def test_o4_refused_lr_edit_not_kept_by_a_joining_gpu_class(steps, tmp_path):
+    """O4 (silently wrong): gpu_fraction with overlap=True, a GPU-class param
+    frozen when the optimizer was built and unfrozen since, an lr edit
+    between the marks and step(): step() first rebuilt the GPU class for
+    the joining param, restoring every group's hyperparameters from
+    param_groups (the edit included), then refused the edit (BAD_STATE).
+    With the lr put back the next step() pushed nothing (nothing pending),
+    and the GPU class stepped with the refused lr. Now the rebuild keeps
+    the hyperparameters its native optimizer had: every step equals the
+    same classes without overlap, bit for bit."""
+    from zopt import steps as S
+    paths = [steps.text(S.adamw.text(placement=pl, param="f32", clip=1.0)).path
+             for pl in ("offload", "gpu", "cpu")]
+    out = run_worker(__file__, "fraction_refuse", os.pathsep.join(paths[:2]), tmp_path,
+                     ZOPT_FAKE_CUDA_TWIN=paths[2], ZOPT_FAKE_CUDA_ASYNC="1")
+    assert out["refused"] and out["joined"], out
+    assert out["same"] == [True] * 3, out
+    assert out["bad_ranges"] == 0
+
+
 # ---- the workers (run with ZOPT_CUDA_DRIVER=libzopt-fake-cuda.so) ----------------------
+
+def _fraction_refuse(paths, tmp):
+    import ctypes
+    import overlap_fuzz as F
+    off_path, gpu_path = paths.split(os.pathsep)
+    s = StandIn()
+    cuda_params()
+    dev = device_tensors(s.fake)
+    grads_on_device(dev)
+    g = torch.Generator().manual_seed(0)
+    init = [torch.randn(sh, generator=g) * 0.5 + 0.1 for sh in F.SHAPES]
+    nets = [F.Net([dev(sh, w, torch.float32) for sh, w in zip(F.SHAPES, init)])
+            for _ in range(2)]
+    keep = []
+    for net in nets:  # each new p.grad in fresh device memory
+        of.grads_to_device(F.plist(net), lambda shape, gd: dev(shape, gd, torch.float32), keep)
+        F.plist(net)[0].requires_grad_(False)  # frozen at build: the GPU class leaves it out
+    opts = []
+    for k, net in enumerate(nets):
+        cl = zopt.steps.StepClasses({"f32": zopt.Step(off_path), "f32:gpu": zopt.Step(gpu_path)})
+        cl.gpu_fraction = 0.5
+        opts.append(zopt.Optimizer(cl, F.plist(net), lr=1e-2, bucket_elems=128,
+                                   **(dict(overlap=True) if k == 0 else {})))
+
+    def settle():
+        assert s.fake.cuStreamSynchronize(ctypes.c_void_p(s.cur["s"])) == 0
+        s.fake.fake_cuda_drain_all()
+    out = {"same": [], "refused": False}
+    for it in range(3):
+        if it == 1:
+            for net in nets:
+                F.plist(net)[0].requires_grad_(True)
+        x = torch.randn(8, F.D, generator=g)
+        for o, net in zip(opts, nets):
+            settle()
+            o.zero_grad(set_to_none=True)
+            net(x).square().mean().backward()
+        if it == 1:  # an lr edit between the marks and step(): refused, then put back
+            a = opts[0]
+            a.param_groups[0]["lr"] = 2e-2
+            try:
+                a.step()
+            except zopt.ZoptError as e:
+                out["refused"] = e.code == zopt.Status.BAD_STATE
+            a.param_groups[0]["lr"] = 1e-2
+        for o in opts:
+            o.step()
+        out["joined"] = opts[0].tensor_step(F.plist(nets[0])[0]) == it
+        for o in opts:
+            o.step_count()
+        settle()
+        out["same"].append(all(of.equal(p, q) for p, q in zip(F.plist(nets[0]),
+                                                               F.plist(nets[1])))
+                           and of.same_states(*opts))
+    s.close_all(out, *opts)
+    print(json.dumps(out))
+
+
 
 def _fraction_slots(paths, tmp):
     off_path, gpu_path = paths.split(os.pathsep)
@@ -195,6 +275,8 @@ def _unfrozen(step_path):
 if __name__ == "__main__":
     if sys.argv[1] == "slots":
         _slots(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "fraction_refuse":
+        _fraction_refuse(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "fraction_slots":
         _fraction_slots(sys.argv[2], sys.argv[3])
     else:

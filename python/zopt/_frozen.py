@@ -93,7 +93,12 @@ def include_unfrozen(c):
         _params.check_overlaps(c)
         _grads.alloc_grads(c, [ents[t] for t in new])
         c.build()
-        _rebuild.restore(c, snap)  # the new ones: not in snap, so fresh
+        # the new ones: not in snap, so fresh. The hyperparameters the old
+        # native optimizer had, not param_groups': an edit not pushed yet is
+        # pushed (or refused: overlap=True between the marks and step())
+        # after this, in step(); restored from param_groups, a refused edit
+        # stayed in this class's new native optimizer (finding O4)
+        _rebuild.restore(c, snap, groups=snapshot_groups(c, snap))
     except BaseException:
         c.excluded = old_ex
         del c.grad_flats[n_flats:]
@@ -106,6 +111,22 @@ def include_unfrozen(c):
     _grads.add_acc_hooks(c, [ents[t] for t in new])
     c.rebuilds += 1
     return True
+
+
+def snapshot_groups(c, snap):
+    """The param groups' hyperparameters and flags as the snapshot's native
+    optimizer had them (the pushed values); a group it lacks: param_groups'."""
+    s, img = c.step, snap["image"]
+    out = []
+    for gid, g in enumerate(c.groups):
+        if gid >= len(img.groups) or gid >= snap["native_G"]:
+            out.append(g)
+            continue
+        _, hyp, fl = img.groups[gid]
+        d = {HYPER_NAMES[k]: v for k, v in hyp.items() if HYPER_NAMES.get(k) in s.hypers}
+        d["maximize"] = bool(fl & GROUP_MAXIMIZE)
+        out.append(d)
+    return out
 
 
 def check_held(c, t, what):
