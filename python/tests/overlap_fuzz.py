@@ -872,7 +872,8 @@ def main(mode, paths, tmp):
     actions = int(os.environ.get("ZOPT_FUZZ_ACTIONS", "25"))
     variants = variants_of(mode, paths)
     out = dict(cases=0, failures=[])
-    for c in range(cases):
+    only = [int(x) for x in os.environ.get("ZOPT_FUZZ_LIST", "").split(",") if x]
+    for c in (only or range(cases)):  # (ZOPT_FUZZ_LIST: these case numbers only)
         f = run_case(mode, variants, seed0 * 100003 + c + int(os.environ.get("ZOPT_FUZZ_FIRST", "0")), tmp, s, dev, actions)
         out["cases"] += 1
         if f is not None:
