@@ -770,13 +770,16 @@ class World:
     def a_bad_lr(self):
         """A negative lr: refused (ValueError or ZoptError), nothing changes:
         with overlap at the first hook (the hyperparameters are pushed
-        there; raised at the end of that backward, nothing marked), else at
-        step(). Then the lr back and a step of every copy."""
+        there; raised at the end of that backward, nothing marked) or, where
+        no hook pushed it, at step(); else at the assignment (GPU steps push
+        it at once) or at step(). Then the lr back and a step of every copy
+        (a step refused after the marks goes on with them)."""
         self.zero_grad("none")
         before = self.snapshot(0)
         o = self.opts[0]
         old = o.param_groups[0]["lr"]
         x = self.x(0.3)
+        stage = "assign"
         try:
             try:
                 o.param_groups[0]["lr"] = -1.0
@@ -784,16 +787,28 @@ class World:
                 expect(o.param_groups[0]["lr"] == old, "a refused lr was kept in param_groups")
                 raise
             if self.ov:
+                stage = "backward"
                 self.loss(0, x).backward()
+                stage = "step"
+                o.step()
             else:
                 self.hand_grads_only()
+                stage = "step"
                 o.step()
         except (ValueError, ZoptError):
             pass
-        else:
-            raise Fail("a negative lr was not refused")
+        else:  # (a group whose every param is frozen is not pushed: its lr unused)
+            if self.mode == "gpu" or any(p.requires_grad for p in o.param_groups[0]["params"]):
+                raise Fail(f"a negative lr was not refused (stage {stage})")
         finally:
             o.param_groups[0]["lr"] = old
+        if self.ov and stage == "step" and o._overlap.nmarked:
+            for k in range(1, len(self.opts)):  # the other copies' same backward
+                with self.on(k):
+                    self.loss(k, x).backward()
+            self.unused_grads()
+            self.step_all()
+            return "bad lr refused at step() after the marks, then step"
         if self.ov:
             expect(o._overlap.nmarked == 0, "a refused backward marked buckets")
         self.same_snapshot(before, self.snapshot(0), "refused bad lr")
@@ -802,7 +817,7 @@ class World:
             self.backward_all(x)
             self.unused_grads()
         self.step_all()
-        return "bad lr refused, then step"
+        return f"bad lr refused ({stage}), then step"
 
     def hand_grads_only(self):
         self.zero_grad("none")
