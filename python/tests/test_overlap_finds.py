@@ -97,6 +97,42 @@ def test_o4_refused_lr_edit_not_kept_by_a_joining_gpu_class(steps, tmp_path):
     assert out["bad_ranges"] == 0
 
 
+def test_o5_streaming_param_unfrozen_after_build_steps_at_once(steps):
+    """O5 (silently wrong, grad_streaming=True; O2's pattern in the other
+    user of zopt._marks): a param frozen when the optimizer was built and
+    unfrozen later had no hook in the next backward and counted as ready at
+    once: its bucket was reduced before backward gave it a gradient, and
+    the step left it alone (one update lost, its count one behind). Now it
+    is ready at the end of backward: every step equals the optimizer
+    without streaming, bit for bit (ZeRO-2 step, one rank)."""
+    import overlap_fuzz as F
+    from zopt import steps as S
+    st = steps.text(S.adamw.text(param="f32", clip=1.0, zero_stage=2))
+    g = torch.Generator().manual_seed(0)
+    init = [torch.randn(sh, generator=g) * 0.5 for sh in F.SHAPES]
+    nets = [F.Net([w.clone() for w in init]) for _ in range(2)]
+    for net in nets:
+        F.plist(net)[0].requires_grad_(False)
+    kw = dict(lr=1e-2, bucket_elems=64)
+    oa = zopt.Optimizer(st, F.plist(nets[0]), grad_streaming=True, **kw)
+    ob = zopt.Optimizer(st, F.plist(nets[1]), **kw)
+    for it in range(3):
+        if it == 1:
+            for net in nets:
+                F.plist(net)[0].requires_grad_(True)
+        x = torch.randn(8, F.D, generator=g)
+        for o, net in ((oa, nets[0]), (ob, nets[1])):
+            o.zero_grad(set_to_none=True)
+            net(x).square().mean().backward()
+            o.step()
+        assert [oa.tensor_step(p) for p in F.plist(nets[0])] == \
+            [ob.tensor_step(p) for p in F.plist(nets[1])], it
+        for p, q in zip(F.plist(nets[0]), F.plist(nets[1])):
+            assert torch.equal(p, q), it
+    for o in (oa, ob):
+        o.close()
+
+
 # ---- the workers (run with ZOPT_CUDA_DRIVER=libzopt-fake-cuda.so) ----------------------
 
 def _fraction_refuse(paths, tmp):
