@@ -212,6 +212,10 @@ class World:
 
     def make(self, k, groups=None):
         name = self.names[k]
+        if name != "C":  # a new optimizer reads the params on the host (the stand-in's
+            # device memory) where a GPU's reads queue behind the stream's waits
+            st = self.sb if name == "B" else self.s.cur["s"]
+            assert self.fake.cuStreamSynchronize(ctypes.c_void_p(st)) == 0
         kw = dict(bucket_elems=self.bucket_elems)
         if self.scaled:
             kw["loss_scaler"] = dict(init_scale=1024.0, growth_interval=3)
@@ -595,9 +599,15 @@ class World:
             assert self.fake.cuStreamSynchronize(ctypes.c_void_p(self.s.cur["s"])) == 0
             got = {k: v.detach().clone() for k, v in sd.items()}
             self.settle()
+            late = dict(self.nets[0].named_parameters())
             for k, v in self.nets[-1].named_parameters():
                 expect(same_t(got[k], v), f"model {how} right after step(): {k} is not "
-                       "this step's")
+                       f"this step's: {got[k].float().view(-1)[:3].tolist()}, then "
+                       f"{late[k].detach().float().view(-1)[:3].tolist()}; "
+                       f"{self.names[-1]}'s {v.detach().float().view(-1)[:3].tolist()}"
+                       + "".join(f"; {self.names[j]}'s "
+                                 f"{dict(self.nets[j].named_parameters())[k].detach().float().view(-1)[:3].tolist()}"
+                                 for j in range(1, len(self.nets) - 1)))
         return f"; {how} right after step"
 
     def a_frozen(self):
