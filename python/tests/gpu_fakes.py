@@ -294,14 +294,25 @@ class StandIn:
 # ---- a stand-in worker's params, tensors and gradient buffers in device memory ----
 
 def cuda_params():
-    """The stand-in's memory in CPU tensors counts as CUDA params."""
-    make_entry = zopt._params.make_entry
+    """The stand-in's memory in CPU tensors counts as CUDA params (also
+    for a param left out at build that joins later: zopt._frozen lays it
+    out again, which read ``e.cuda`` from the CPU tensor's device; the
+    host's write sampler then watched the stand-in's device memory, read
+    before the queued step wrote it, and remade the master from the param:
+    a harness artifact the overlap fuzzer found)."""
+    make_entry, layout = zopt._params.make_entry, zopt._params.layout
 
     def entry(step, gid, i, p):
         e = make_entry(step, gid, i, p)
         e.cuda = e.torch and step.on_device
         return e
+
+    def lay(step, e):
+        r = layout(step, e)
+        e.cuda = e.torch and step.on_device
+        return r
     zopt._params.make_entry = entry
+    zopt._params.layout = lay
     torch.cuda.device = lambda d: contextlib.nullcontext()
 
 

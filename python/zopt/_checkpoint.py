@@ -598,7 +598,10 @@ def _check_files(opt, path, files, linked=False):
         if head is None:
             continue  # another format: the runtime's loader judges it
         name, _, numels = head
-        mine = [e.numel for e in c.entries]
+        # (a GPU class's param left out, frozen when it was built: an empty
+        # slot, as in its file; one left out on one side only: O1's refusal)
+        mine = [0 if t in c.excluded else e.numel for t, e in enumerate(c.entries)]
+        _frozen.check_file_slots(c, f)
         if numels != mine:
             raise ZoptError(
                 Status.CHECKPOINT,
@@ -620,6 +623,7 @@ def part_load_file(c, path, allow_rule_change=False, image=None):
         c.handle()
         _frozen.load_legacy(c, path, flags, legacy)
     elif image is None:
+        _frozen.check_file_slots(c, path)
         check(c.lib.zopt_optimizer_load_ex(c.handle(), os.fspath(path).encode(), flags),
               f"load({path})")
     else:

@@ -93,7 +93,12 @@ def include_unfrozen(c):
         _params.check_overlaps(c)
         _grads.alloc_grads(c, [ents[t] for t in new])
         c.build()
-        _rebuild.restore(c, snap)  # the new ones: not in snap, so fresh
+        # the new ones: not in snap, so fresh. The hyperparameters the old
+        # native optimizer had, not param_groups': an edit not pushed yet is
+        # pushed (or refused: overlap=True between the marks and step())
+        # after this, in step(); restored from param_groups, a refused edit
+        # stayed in this class's new native optimizer (finding O4)
+        _rebuild.restore(c, snap, groups=snapshot_groups(c, snap))
     except BaseException:
         c.excluded = old_ex
         del c.grad_flats[n_flats:]
@@ -108,6 +113,22 @@ def include_unfrozen(c):
     return True
 
 
+def snapshot_groups(c, snap):
+    """The param groups' hyperparameters and flags as the snapshot's native
+    optimizer had them (the pushed values); a group it lacks: param_groups'."""
+    s, img = c.step, snap["image"]
+    out = []
+    for gid, g in enumerate(c.groups):
+        if gid >= len(img.groups) or gid >= snap["native_G"]:
+            out.append(g)
+            continue
+        _, hyp, fl = img.groups[gid]
+        d = {HYPER_NAMES[k]: v for k, v in hyp.items() if HYPER_NAMES.get(k) in s.hypers}
+        d["maximize"] = bool(fl & GROUP_MAXIMIZE)
+        out.append(d)
+    return out
+
+
 def check_held(c, t, what):
     """A param left out (GPU steps) has no states to read or write."""
     if t in c.excluded:
@@ -118,6 +139,44 @@ def check_held(c, t, what):
             "require grad when the optimizer was built, so it has no states (as torch's "
             "opt.state[p] is empty for a param never stepped). It gets fresh states when "
             "it is trained: requires_grad_(True) and a gradient at a step")
+
+
+def check_file_slots(c, path):
+    """load() of a GPU step's file whose tensors differ from c's only in
+    which params are left out (frozen when either optimizer was built: an
+    empty slot on one side, the param's elements on the other) is refused
+    naming them and what loads instead (the runtime's own message, "tensor
+    t has 0 elements", said neither; finding O1 of the overlap fuzzer).
+    Any other difference is the runtime's to judge."""
+    if not c.step.gpu:
+        return
+    try:
+        head = _ckpt.read_tensors(path)
+    except (OSError, ValueError, struct.error):
+        return
+    if head is None or head[1] != 1 or len(head[2]) != len(c.entries):
+        return
+    saved = head[2]
+    mine = [0 if t in c.excluded else e.numel for t, e in enumerate(c.entries)]
+    diff = [t for t, (a, b) in enumerate(zip(saved, mine)) if a != b]
+    if not diff or any({saved[t], mine[t]} != {0, c.entries[t].numel} for t in diff):
+        return
+    ours = [c.entries[t].name for t in diff if t in c.excluded]
+    theirs = [c.entries[t].name for t in diff if t not in c.excluded]
+    what = []
+    if ours:
+        what.append(f"this optimizer left out {', '.join(ours)} (it did not require grad "
+                    "when the optimizer was built) but the file holds its states")
+    if theirs:
+        what.append(f"the file was saved with {', '.join(theirs)} left out (it did not "
+                    "require grad when that optimizer was built) but this optimizer holds it")
+    raise ZoptError(
+        Status.CHECKPOINT,
+        f"load({path}): step '{c.step.name}' updates on the GPU, where a param frozen when "
+        f"the optimizer is built has no states (an empty slot): {'; '.join(what)}. "
+        "Nothing was loaded. Build the optimizer with the same params frozen as the one "
+        "that saved it, or load opt.state_dict() with load_state_dict() instead (a param "
+        "left out there drops its states, one the state_dict lacks starts afresh)")
 
 
 # ---- files saved with extra native groups (before the GPU mask) ----------------------

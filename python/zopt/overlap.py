@@ -170,8 +170,7 @@ class OffloadOverlap(BucketMarks):
         T = len(ents)
         has = self._has_grad
         if from_hook:  # every param that requires grad gets one in this backward
-            act = [1 if (e.param.requires_grad and id(e.param) in self._hooked) or
-                   has(e) else 0 for e in ents]
+            act = [1 if e.param.requires_grad or has(e) else 0 for e in ents]
         else:
             act = [1 if has(e) else 0 for e in ents]
         act = bytes(a if ents[t].numel else 1 for t, a in enumerate(act))
@@ -180,8 +179,13 @@ class OffloadOverlap(BucketMarks):
             _grads.push_mask(c)
         c.mask_all = 0 not in c.active
         c.active_elems = sum(e.numel for t, e in enumerate(ents) if c.active[t])
-        self.final = [not (c.active[t] and ents[t].numel) or id(ents[t].param) not in self._hooked
-                      for t in range(T)]
+        # a param that requires grad but has no hook yet (frozen when the hooks
+        # were last added, unfrozen since: hooked after this step) is final at
+        # the end of backward only (its bucket marked there, with the
+        # gradient backward accumulated); before, it was left inactive and
+        # its gradient silently dropped for this step (finding O2)
+        self.final = [not (c.active[t] and ents[t].numel) or not (
+            from_hook and ents[t].param.requires_grad) for t in range(T)]
         self.missing = [sum(1 for t in ts if not self.final[t]) for ts in self.b_tensors]
         self.marked = [False] * self.nb
         self.given = [False] * T

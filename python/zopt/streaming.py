@@ -157,15 +157,19 @@ class GradStreamer(BucketMarks):
         the param checks (a collective rebuild for params given new memory:
         every rank does it before its first reduction), then the readiness
         of every tensor. Params that do not require grad (frozen) have
-        nothing to wait for."""
+        nothing to wait for; one without a hook yet, until backward ends."""
         o = self._part()
         o.check_params()
         T = len(o.entries)
         self.given = [None] * T
         self.held = [None] * T
         ents = o.entries
-        hooked = self._hooked
-        self.ready = [not (e.param.requires_grad and id(e.param) in hooked) for e in ents]
+        # a param that requires grad but has no hook yet (frozen when the hooks
+        # were last added, unfrozen since: hooked after this step) is ready at
+        # the end of backward only; taken as ready at once, its bucket was
+        # reduced before backward gave it a gradient and the step left it
+        # alone without a word (finding O5, as O2 of zopt.overlap)
+        self.ready = [not e.param.requires_grad for e in ents]
         self.missing = [sum(1 for t in ts if not self.ready[t]) for ts in self.b_tensors]
         self.started = True
         if from_hook:
