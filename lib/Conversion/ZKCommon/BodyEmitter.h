@@ -156,6 +156,14 @@ struct BodyEmitter {
   Value f32ToBf16BitsInt(Value x);
   /// The same before the narrowing: i32 lanes whose high half is the bf16.
   Value f32ToBf16RoundedInt(Value x);
+  /// f32ToBf16RoundedInt without its NaN select: right for every value
+  /// but a NaN (whose payload the rounding's carry may change).
+  Value f32ToBf16RoundedFinite(Value x);
+  /// f32 in split order -> bf16 bits in element order, rounded to nearest
+  /// even (splitBf16 stores): f32ToBf16RoundedFinite, and the NaN-exact
+  /// f32ToBf16RoundedInt behind a branch taken only where the vector holds
+  /// a NaN. The same bits either way.
+  Value splitRoundedRne(Value x);
   /// i32 lanes in split order, the bf16 in each high half -> the bf16
   /// bits in element order (splitBf16).
   Value splitToBf16Bits(Value rounded32);
