@@ -83,6 +83,9 @@ struct BodyEmitter {
   bool packHalves = false;
   /// bf16 stores through the hardware conversion (needs +avx512bf16).
   bool nativeBf16 = false;
+  /// AVX-512 (mask registers, VPTERNLOG): split-order bf16 stores round
+  /// and pack with them (f32ToBf16RoundedFinite, splitToBf16Bits).
+  bool avx512 = false;
   /// Table lookups (q8) through VGATHERDPS: 512 (AVX-512, 16 lanes a
   /// register) or 256 (AVX2, 8 lanes); 0: LLVM's generic gather.
   int x86Gather = 0;
