@@ -7,6 +7,9 @@
 // zk.kernel at `lanes` lanes (1: scalar). bf16 is carried as the f32 it
 // exactly widens to; narrowing to bf16 rounds to nearest even in integer
 // arithmetic (bit-exact, NaN-preserving), so both devices round identically.
+// In split order (splitBf16) a store checks its vector for a NaN once and
+// branches to that form only then; otherwise it rounds without the NaN
+// select (on AVX-512: add 0x8000, clear the lsb on a tie; VPTERNLOGD packs).
 // Two CPU refinements, both bit-identical to that:
 //  - packHalves: 16-bit vectors are widened and narrowed by shuffles (one
 //    interleave with zero in, one pick of the high halves out: VPERMI2W on
