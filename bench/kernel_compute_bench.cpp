@@ -3,15 +3,17 @@
 //   zopt-bench-compute STEP.so [ISA...] [--n=N,N,...]
 //                                          ISA: avx2 | avx512 | avx512bf16
 //
-// Calls each UPDATE variant (all those this CPU runs, or the ones named) over
-// 4096 elements (L1/L2-resident) many times on one thread: the kernel's
-// compute cost per element, without memory. With --n, the cost of one call
+// Calls each UPDATE variant (all those this CPU runs, or the ones named), then
+// each SUMSQ variant (a clipping step's norm pass), over 4096 elements
+// (L1/L2-resident) many times on one thread: the kernel's compute cost per
+// element, without memory. With --n, the cost of one call
 // over each N elements instead (the minimum of 20 runs of 2000 calls, each
 // call on the next of 16 sets of buffers of the largest N, as calls over
 // separate tensors are: a call's prologue, vector loop and tail; issue
 // 17's small tensors). Run the small and the large sizes apart: the sets
 // of the largest N decide where the buffers live (L1 or L2). Used to tell a compute-bound
-// layout from a memory-bound one (docs/benchmarks/cpu.md). States hold 1.0
+// layout from a memory-bound one (docs/benchmarks/cpu.md). Prints the
+// wall-clock figure and the thread's CPU time (steadier on a shared host). States hold 1.0
 // (f32 1.0f, bf16 pairs 0x3f80): finite, normal values on every path.
 //===----------------------------------------------------------------------===//
 #include "zopt/abi.h"
@@ -19,6 +21,7 @@
 #include "bench_step.h"
 
 #include <dlfcn.h>
+#include <time.h>
 
 #include <algorithm>
 #include <chrono>
@@ -27,6 +30,14 @@
 #include <cstdio>
 #include <cstring>
 #include <vector>
+
+// This thread's CPU time: on a shared host, the time it ran, not the time
+// it waited for a core (docs/benchmarks/cpu.md).
+static double threadCpuSeconds() {
+  timespec t;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return double(t.tv_sec) + 1e-9 * double(t.tv_nsec);
+}
 
 int main(int argc, char **argv) {
   if (argc < 2) {
@@ -126,16 +137,40 @@ int main(int argc, char **argv) {
                 d->states[s].dtype == ZOPT_DTYPE_F32 ? 0x3f800000u : 0x3f803f80u);
     for (int r = 0; r < 1000; ++r) upd(ptrs, n, co);
     const int R = 20000;
+    const double c0 = threadCpuSeconds();
     auto t0 = std::chrono::steady_clock::now();
     for (int r = 0; r < R; ++r) upd(ptrs, n, co);
     auto t1 = std::chrono::steady_clock::now();
-    std::printf("%s %s: %.3f ns/elem (L1-resident, 1 thread)\n", d->name, zopt_isa_name(k.isa),
-                std::chrono::duration<double>(t1 - t0).count() / R / n * 1e9);
+    const double c1 = threadCpuSeconds();
+    std::printf("%s %s: %.3f ns/elem (L1-resident, 1 thread; %.3f in thread CPU time)\n", d->name,
+                zopt_isa_name(k.isa), std::chrono::duration<double>(t1 - t0).count() / R / n * 1e9,
+                (c1 - c0) / R / n * 1e9);
     ++ran;
   }
   if (!ran) {
     std::fprintf(stderr, "no UPDATE variant ran\n");
     return 1;
+  }
+  // The norm pass (SUMSQ) of a clipping step, likewise (without --n).
+  for (uint32_t i = 0; i < d->num_kernels && sizes.empty(); ++i) {
+    const zopt_kernel_desc &k = d->kernels[i];
+    if (k.role != ZOPT_KERNEL_SUMSQ || k.device != ZOPT_PLACE_CPU) continue;
+    bool named = wanted.empty();
+    for (int w : wanted) named |= w == int(k.isa);
+    if (!named || !zopt_cpu_runs_isa(k.isa)) continue;
+    auto fn = (zopt_sumsq_fn)dlsym(h, k.symbol);
+    if (!fn) continue;
+    volatile double sink = 0;
+    for (int r = 0; r < 1000; ++r) sink = sink + fn(ptrs, n, co);
+    const int R = 100000;
+    const double c0 = threadCpuSeconds();
+    auto t0 = std::chrono::steady_clock::now();
+    for (int r = 0; r < R; ++r) sink = sink + fn(ptrs, n, co);
+    auto t1 = std::chrono::steady_clock::now();
+    const double c1 = threadCpuSeconds();
+    std::printf("%s %s sumsq: %.3f ns/elem (L1-resident, 1 thread; %.3f in thread CPU time)\n", d->name,
+                zopt_isa_name(k.isa), std::chrono::duration<double>(t1 - t0).count() / R / n * 1e9,
+                (c1 - c0) / R / n * 1e9);
   }
   return 0;
 }

@@ -7,6 +7,9 @@
 // zk.kernel at `lanes` lanes (1: scalar). bf16 is carried as the f32 it
 // exactly widens to; narrowing to bf16 rounds to nearest even in integer
 // arithmetic (bit-exact, NaN-preserving), so both devices round identically.
+// In split order (splitBf16) a store checks its vector for a NaN once and
+// branches to that form only then; otherwise it rounds without the NaN
+// select (on AVX-512: add 0x8000, clear the lsb on a tie; VPTERNLOGD packs).
 // Two CPU refinements, both bit-identical to that:
 //  - packHalves: 16-bit vectors are widened and narrowed by shuffles (one
 //    interleave with zero in, one pick of the high halves out: VPERMI2W on
@@ -83,6 +86,9 @@ struct BodyEmitter {
   bool packHalves = false;
   /// bf16 stores through the hardware conversion (needs +avx512bf16).
   bool nativeBf16 = false;
+  /// AVX-512 (mask registers, VPTERNLOG): split-order bf16 stores round
+  /// and pack with them (f32ToBf16RoundedFinite, splitToBf16Bits).
+  bool avx512 = false;
   /// Table lookups (q8) through VGATHERDPS: 512 (AVX-512, 16 lanes a
   /// register) or 256 (AVX2, 8 lanes); 0: LLVM's generic gather.
   int x86Gather = 0;
@@ -156,6 +162,14 @@ struct BodyEmitter {
   Value f32ToBf16BitsInt(Value x);
   /// The same before the narrowing: i32 lanes whose high half is the bf16.
   Value f32ToBf16RoundedInt(Value x);
+  /// f32ToBf16RoundedInt without its NaN select: right for every value
+  /// but a NaN (whose payload the rounding's carry may change).
+  Value f32ToBf16RoundedFinite(Value x);
+  /// f32 in split order -> bf16 bits in element order, rounded to nearest
+  /// even (splitBf16 stores): f32ToBf16RoundedFinite, and the NaN-exact
+  /// f32ToBf16RoundedInt behind a branch taken only where the vector holds
+  /// a NaN. The same bits either way.
+  Value splitRoundedRne(Value x);
   /// i32 lanes in split order, the bf16 in each high half -> the bf16
   /// bits in element order (splitBf16).
   Value splitToBf16Bits(Value rounded32);

@@ -199,6 +199,7 @@ static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
   vecE.splitBf16 = splitUpdate;
   vecE.nativeBf16 = isa.nativeBf16;
   vecE.x86Gather = isa.lanes == 16 ? 512 : 256;
+  vecE.avx512 = isa.lanes == 16;
   vecE.storePtrs = outPtrs;
   BodyEmitter sclE{b, loc, 1, ptrs, cs, {}};
   sclE.storePtrs = outPtrs;
@@ -333,6 +334,7 @@ static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
       tailE.splitBf16 = splitUpdate;
       tailE.nativeBf16 = isa.nativeBf16;
       tailE.x86Gather = 512;
+      tailE.avx512 = true;
       tailE.storePtrs = outPtrs;
       tailE.loadMask = tailE.storeMask = mask;
       if (sr) {

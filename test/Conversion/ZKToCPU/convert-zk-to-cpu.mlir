@@ -9,7 +9,8 @@
 // the quiet bit). An update whose every load and store is bf16 runs in
 // split order: each 32-bit word widens to its even element (shift) and odd
 // one (mask), and a store puts the rounded words back (even >> 16 | odd &
-// 0xFFFF0000) - no 16-bit shuffle; other bf16 loads widen by interleaving
+// 0xFFFF0000) - no 16-bit shuffle; there the NaN case is a branch taken
+// only by a vector holding a NaN; other bf16 loads widen by interleaving
 // with zero and keep the high halves with one shuffle (the last case of
 // this file). The functions'
 // kernel-table entries ([role, isa, symbol], abi.h codes) are recorded on
@@ -50,19 +51,38 @@ zk.prepare @t_prepare {
 // CHECK: %[[OD:.+]] = arith.andi %[[W]], %{{.+}} : vector<16xi32>
 // CHECK: vector.shuffle %[[EV]], %[[OD]] [0, 1, 2, {{.+}}, 30, 31] : vector<16xi32>, vector<16xi32>
 // CHECK-NOT: vector<64xi16>
-// CHECK: arith.subf %{{.+}}, %{{.+}} : vector<32xf32>
+// CHECK: %[[X:.+]] = arith.subf %{{.+}}, %{{.+}} : vector<32xf32>
 // CHECK-NOT: call_intrinsic
+// One unordered compare of the two halves: a NaN anywhere takes the
+// NaN-exact rounding (the select), else the finite one; on AVX-512 that is
+// add 0x8000, and a tie (low half 0) clears the bf16's lowest bit. Either
+// packs with one VPTERNLOGD after the shift.
+// CHECK: %[[X0:.+]] = vector.extract_strided_slice %[[X]] {offsets = [0], sizes = [16]
+// CHECK: %[[X1:.+]] = vector.extract_strided_slice %[[X]] {offsets = [16], sizes = [16]
+// CHECK: %[[U:.+]] = arith.cmpf uno, %[[X0]], %[[X1]] : vector<16xf32>
+// CHECK: %[[ANY:.+]] = vector.reduction <or>, %[[U]] : vector<16xi1> into i1
+// CHECK: %[[ST:.+]] = scf.if %[[ANY]] -> (vector<32xi16>) {
 // CHECK: arith.constant dense<32767> : vector<32xi32>
 // CHECK: arith.constant dense<4194304> : vector<32xi32>
 // CHECK: %[[R:.+]] = arith.select
 // CHECK: %[[LO:.+]] = vector.shuffle %[[R]], %[[R]] [0, 1, {{.+}}, 14, 15] : vector<32xi32>, vector<32xi32>
 // CHECK: %[[HI:.+]] = vector.shuffle %[[R]], %[[R]] [16, 17, {{.+}}, 30, 31] : vector<32xi32>, vector<32xi32>
-// CHECK: arith.shrui %[[LO]], %{{.+}} : vector<16xi32>
-// CHECK: arith.andi %[[HI]], %{{.+}} : vector<16xi32>
-// CHECK: arith.ori
+// CHECK: %[[SH:.+]] = arith.shrui %[[LO]], %{{.+}} : vector<16xi32>
+// CHECK: llvm.call_intrinsic "llvm.x86.avx512.pternlog.d.512"(%[[SH]], %[[HI]], %{{.+}}, %{{.+}})
 // CHECK: vector.bitcast %{{.+}} : vector<16xi32> to vector<32xi16>
+// CHECK: } else {
+// CHECK: %[[T:.+]] = arith.addi %{{.+}}, %{{.+}} : vector<32xi32>
+// CHECK: arith.constant dense<65535> : vector<32xi32>
+// CHECK: %[[TIE:.+]] = arith.cmpi eq
+// CHECK: arith.constant dense<-65537> : vector<32xi32>
+// CHECK: %[[E:.+]] = arith.andi %[[T]], %{{.+}} : vector<32xi32>
+// CHECK: %[[R2:.+]] = arith.select %[[TIE]], %[[E]], %[[T]]
+// CHECK-NOT: arith.cmpf
+// CHECK: vector.shuffle %[[R2]], %[[R2]] [0, 1,
+// CHECK: llvm.call_intrinsic "llvm.x86.avx512.pternlog.d.512"
+// CHECK: }
 // CHECK-NOT: vector<64xi16>
-// CHECK: llvm.store %{{.+}}, %{{.+}} {alignment = 2 : i64} : vector<32xi16>, !llvm.ptr
+// CHECK: llvm.store %[[ST]], %{{.+}} {alignment = 2 : i64} : vector<32xi16>, !llvm.ptr
 // The tail on AVX-512: masked steps of one register (16 lanes), masks in
 // element order (memory) though the lanes compute in split order.
 // CHECK: scf.for %{{.+}} step %c16_i64
@@ -73,6 +93,15 @@ zk.prepare @t_prepare {
 // CHECK-NOT: : i16, !llvm.ptr
 // CHECK-LABEL: func.func @t_update_avx2
 // CHECK: vector<16xi16>
+// On AVX2 the finite rounding adds 0x7FFF + lsb and the pack is generic.
+// CHECK: arith.cmpf uno, %{{.+}}, %{{.+}} : vector<8xf32>
+// CHECK: scf.if %{{.+}} -> (vector<16xi16>) {
+// CHECK: arith.select
+// CHECK: } else {
+// CHECK: arith.constant dense<32767> : vector<16xi32>
+// CHECK-NOT: arith.select
+// CHECK: arith.ori %{{.+}}, %{{.+}} : vector<8xi32>
+// CHECK: }
 // On AVX2 (no masked 16-bit loads or stores) the tail stays scalar.
 // CHECK: scf.for %{{.+}} step %c1_i64
 // CHECK: llvm.load %{{.+}} {alignment = 2 : i64} : !llvm.ptr -> i16

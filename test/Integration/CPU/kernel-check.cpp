@@ -38,7 +38,10 @@
 //   --rne         additionally: bit-exact check of the narrowing store
 //                 (f32 master -> bf16/f16 param) on chosen values (ties, NaN,
 //                 inf, overflow, denormals) through the master->param copy-out
-//                 with lr = 0, wd = 0 (the master is then unchanged).
+//                 with lr = 0, wd = 0 (the master is then unchanged). An
+//                 Adam(W) step with bf16 moments and no master instead has
+//                 its new moments' narrowing checked on such values
+//                 (kernel-check-narrow.cpp).
 //
 // Tolerances:
 //  * f32 results: the reference carries, next to each f64 value v, a
@@ -419,6 +422,8 @@ int main(int argc, char **argv) {
       else if (rne && st.kahan)
         for (size_t n : {size_t(61), size_t(100003)})
           checkKahanSpecial(st, u.first, u.second, n);
+      else if (rne && narrowCheckApplies(st))
+        checkNarrowMoments(st, u.first, u.second);
       else if (rne)
         for (size_t n : {size_t(61), size_t(100003)})
           checkRne(st, u.first, u.second, n);

@@ -263,6 +263,10 @@ const char *configTag(const Config &c, char *buf, size_t len);
 void checkUpdate(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n, const Config &c, uint64_t seed);
 std::vector<uint32_t> specialValues(uint32_t pdt);
 void checkRne(const Step &st, uint32_t isa, zopt_update_fn fn, size_t n);
+// kernel-check-narrow.cpp: --rne on an Adam(W) step with bf16 moments and no
+// master (the narrowing of m' and v' on special values).
+bool narrowCheckApplies(const Step &st);
+void checkNarrowMoments(const Step &st, uint32_t isa, zopt_update_fn fn);
 // Every variant this CPU runs against the others at n = 1..67 (the tails).
 void checkUpdateTails(const Step &st, uint64_t seed);
 // A remainder master (abi.h "Remainder masters"): the f32 master bits that
