@@ -214,8 +214,10 @@ typedef struct zopt_step_result {
 } zopt_step_result;
 
 /* One optimizer step over every tensor of every group. On a skipped step no
- * state changes (bit-identical), the group step counts do not advance.
- * `result` may be NULL. */
+ * state changes (bit-identical), the group step counts do not advance. A
+ * CPU or offloaded step where no tensor is active on any rank changes no
+ * state either (the loss scaler's good steps do not advance; a linked step:
+ * on no part). `result` may be NULL. */
 ZOPT_API zopt_status zopt_optimizer_step(zopt_optimizer *opt, zopt_step_result *result);
 
 /* Several optimizers stepped as one (one optimizer per parameter class, e.g.

@@ -256,7 +256,7 @@ zopt_status run_host_op(zopt_optimizer *o, StepState *st, size_t i) {
           }
         for (size_t g = 0; g < o->groups.size(); ++g) o->groups[g].step_count += touched[g];
       }
-      if (d->flags & ZOPT_FLAG_LOSS_SCALE) {
+      if ((d->flags & ZOPT_FLAG_LOSS_SCALE) && st->any_active) {
         o->scaler.scale = st->ctl.new_scale;
         o->scaler.good_steps = st->ctl.new_good_steps;
       }
@@ -315,7 +315,6 @@ zopt_status run(zopt_optimizer *o, zopt_step_result *result) {
 // ---- the host executor's step (backend/cpu) ------------------------------
 
 zopt_status host_begin(zopt_optimizer *o, StepState *st, bool first) {
-  (void)st;
   Program &P = *o->prog;
   if (P.rebind_pending) {
     try {
@@ -343,6 +342,8 @@ zopt_status host_begin(zopt_optimizer *o, StepState *st, bool first) {
   using clock = std::chrono::steady_clock;
   auto t0 = clock::now();
   if (zopt_status s = agree_step(o, first)) return s;
+  st->any_active = false;
+  for (size_t t = 0; t < o->tensors.size() && !st->any_active; ++t) st->any_active = active(P, (int)t);
   P.agree_seconds = std::chrono::duration<double>(clock::now() - t0).count();
   P.op_seconds.assign(P.ops.size(), 0.0);
   return ZOPT_OK;

@@ -1,0 +1,90 @@
+"""What the ranks fuzzer (test_ranks_fuzz.py) found, each minimized to a
+deterministic test that failed before its fix (docs/TESTING.md "The ranks
+fuzzer"). Ranks are loopback threads of this process (zopt.comm.Comm:
+the runtime's own collectives, no process start)."""
+import threading
+
+import torch
+
+import zopt
+from zopt.comm import Comm
+
+
+def on_ranks(world, fn, timeout=60):
+    """fn(rank, comm) on `world` loopback ranks (threads); their results."""
+    comms = Comm.loopback(world, timeout=20)
+    out, errors = [None] * world, []
+
+    def rank(r):
+        try:
+            out[r] = fn(r, comms[r])
+        except BaseException as e:  # reported below
+            errors.append(e)
+    ts = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=timeout)
+    hung = any(t.is_alive() for t in ts)
+    if not hung:
+        for c in comms:
+            c.close()
+    assert not hung, "loopback ranks hung"
+    if errors:
+        raise errors[0]
+    return out
+
+
+def _grads(step, p):
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(p.shape, generator=g)
+    return (torch.sign(x) * (x.abs() + 0.1) * 1024).to(p.dtype)
+
+
+def test_r1_a_step_without_gradients_is_no_good_step_for_the_loss_scaler(steps):
+    """R1: at W = 2 a step() where no rank had a gradient ran the runtime
+    (collective: it cannot know the others have none), whose FINISH counted
+    a good step for the dynamic loss scaler; at one rank the binding does
+    not call the runtime, nothing changes. The scale then grew a step
+    earlier than one rank's and every later update differed. With two
+    classes (a linked step) the scaler counts when any class has a
+    gradient, alike in both (a part without one would otherwise fall
+    behind the other, and the next linked step be refused)."""
+    one = zopt.steps.adamw(loss_scale=True, zero_stage=1)
+    mixed = zopt.steps.adamw(loss_scale=True, zero_stage=2,
+                             classes={"bf16": dict(master="f32"), "f32": {}})
+
+    def train(step, comm, world):
+        g = torch.Generator().manual_seed(0)   # (threads: not the global generator)
+        ps = [torch.nn.Parameter(torch.randn(40, generator=g)),
+              torch.nn.Parameter(torch.randn(70, generator=g).to(torch.bfloat16))]
+        if not isinstance(step, dict):
+            ps = ps[:1]
+        kw = dict(comm=comm) if comm is not None else dict(grad_divisor=world)
+        opt = zopt.Optimizer(step, ps, lr=1e-2, loss_scaler=dict(growth_interval=3), **kw)
+        scales = []
+        # grads: both / none (no rank) / f32 class only / both ...
+        for s, which in enumerate([(0, 1), (), (0,), (0, 1), (), (), (0, 1), (0, 1)]):
+            for i, p in enumerate(ps):
+                g = _grads(s, p) if i in which else None
+                # every rank the same gradient: the one-rank run gets their sum
+                p.grad = None if g is None else (g if comm is not None else
+                                                 (g.float() * world).to(p.dtype))
+            opt.step()
+            sd = opt.state_dict()["zopt"]["loss_scaler"]
+            # (the outcome of a step without gradients: at one rank none is
+            # run; at W = 2 the runtime's, norm 0: docs/USAGE.md section 3)
+            scales.append((opt.last_loss_scale if which else None, sd["scale"],
+                           sd["good_steps"]))
+        out = scales, [p.detach().clone() for p in ps]
+        opt.close()
+        return out
+
+    for step in (one, mixed):
+        ref_scales, ref_ps = train(step, None, 2)
+        assert ref_scales[-1][1] == 2 * 65536.0   # it grew once (4 good steps of 3)
+        for r, (scales, ps) in enumerate(on_ranks(2, lambda r, c: train(step, c, 2))):
+            assert scales == ref_scales, f"rank {r}: loss scaler {scales} vs one rank {ref_scales}"
+            for a, b in zip(ps, ref_ps):
+                assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
+                                   b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
