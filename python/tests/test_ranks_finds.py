@@ -88,3 +88,46 @@ def test_r1_a_step_without_gradients_is_no_good_step_for_the_loss_scaler(steps):
             for a, b in zip(ps, ref_ps):
                 assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
                                    b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
+
+
+def test_r2_a_sharded_model_of_empty_params_exports_and_grows(tmp_path):
+    """R2: at W = 2 a ZeRO-1/2/3 optimizer whose params are all empty
+    (numel 0: no bucket, so no collective scratch) failed state_dict() /
+    save() with INTERNAL "gather_state: no collective scratch". Now the
+    export gathers nothing; add_param_group then adds real params, and
+    training, state_dict() and a save loaded at one rank equal one rank's,
+    bit for bit."""
+    def run(stage, comm, r):
+        g = torch.Generator().manual_seed(3)
+        empty = torch.nn.Parameter(torch.randn(0))
+        kw = dict(comm=comm) if comm is not None else dict(grad_divisor=2)
+        opt = zopt.Optimizer(zopt.steps.adamw(zero_stage=stage, clip=1.0), [empty],
+                             lr=1e-2, **kw)
+        sd0 = opt.state_dict()
+        path = str(tmp_path / f"z{stage}_{'w2' if comm is not None else 'w1'}")
+        opt.save(path)
+        ps = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in (33, 70)]
+        opt.add_param_group(dict(params=ps, lr=3e-2))
+        for s in range(3):
+            for p in ps:
+                x = _grads(s, p)
+                p.grad = x if comm is not None else x * 2
+            opt.step()
+        sd = opt.state_dict()
+        opt.close()
+        return sd0["state"], sd["state"], [p.detach().clone() for p in ps], path
+
+    for stage in (1, 2, 3):
+        ref = run(stage, None, 0)
+        got = on_ranks(2, lambda r, c: run(stage, c, r))
+        for r, (sd0, sd, ps, path) in enumerate(got):
+            assert sd0 == {} and sorted(sd) == sorted(ref[1]), (stage, r)
+            for i in sd:
+                for k, v in sd[i].items():
+                    assert torch.equal(v, ref[1][i][k]), (stage, r, i, k)
+            for a, b in zip(ps, ref[2]):
+                assert torch.equal(a, b), (stage, r)
+        one = zopt.Optimizer(zopt.steps.adamw(zero_stage=stage, clip=1.0),
+                             [torch.nn.Parameter(torch.randn(0))])
+        one.load(got[0][3])   # the W = 2 save of the empty model, at one rank
+        one.close()
