@@ -131,3 +131,50 @@ def test_r2_a_sharded_model_of_empty_params_exports_and_grows(tmp_path):
                              [torch.nn.Parameter(torch.randn(0))])
         one.load(got[0][3])   # the W = 2 save of the empty model, at one rank
         one.close()
+
+
+def test_r3_a_refused_streamed_step_reduces_nothing():
+    """R3: with grad_streaming=True, step() reduced the gradients set by
+    hand (and freed p.grad) before it pushed the groups' edits; an lr out
+    of range then raised ValueError with the reduction done: p.grad was
+    gone, zero_grad() refused, and the gradients set again for the retried
+    step were silently ignored (it stepped on the first ones). Now the
+    edits are pushed first: the refusal changes nothing, and the retried
+    step equals one rank's on the new gradients."""
+    step = zopt.steps.adamw(zero_stage=2)
+
+    def grad(s, i, p):
+        return torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * s + i))
+
+    def run(comm):
+        g = torch.Generator().manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in (30, 50)]
+        kw = dict(comm=comm, grad_streaming=True) if comm is not None else dict(grad_divisor=2)
+        opt = zopt.Optimizer(step, ps, lr=1e-2, **kw)
+        k = 1 if comm is not None else 2   # one rank: the two ranks' sum
+        for s in range(3):
+            if s == 1 and comm is not None:
+                for i, p in enumerate(ps):
+                    p.grad = grad(99, i, p)
+                held = [p.grad for p in ps]
+                opt.param_groups[0]["lr"] = -1.0
+                try:
+                    opt.step()
+                except ValueError:
+                    pass
+                else:
+                    raise AssertionError("a step at lr -1 was not refused")
+                assert all(p.grad is h for p, h in zip(ps, held)), "p.grad changed by a refusal"
+                opt.param_groups[0]["lr"] = 1e-2
+                opt.zero_grad(set_to_none=True)
+            for i, p in enumerate(ps):
+                p.grad = grad(s, i, p) * k
+            opt.step()
+        out = [p.detach().clone() for p in ps]
+        opt.close()
+        return out
+
+    ref = run(None)
+    for r, ps in enumerate(on_ranks(2, lambda r, c: run(c))):
+        for a, b in zip(ps, ref):
+            assert torch.equal(a, b), f"rank {r}: differs from one rank"
