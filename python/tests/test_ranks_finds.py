@@ -178,3 +178,33 @@ def test_r3_a_refused_streamed_step_reduces_nothing():
     for r, ps in enumerate(on_ranks(2, lambda r, c: run(c))):
         for a, b in zip(ps, ref):
             assert torch.equal(a, b), f"rank {r}: differs from one rank"
+
+
+def test_r4_a_streamed_empty_param_without_gradient_is_left_alone():
+    """R4: with grad_streaming=True the runtime took every empty param (in no
+    bucket, so never handed over) as having a gradient: its step count
+    advanced at every step, also with p.grad None (torch and one rank leave
+    it alone), and its state showed steps it never took. Now the binding
+    tells the runtime through the mask (read for empty tensors only)."""
+    step = zopt.steps.adamw(zero_stage=2)
+
+    def run(comm):
+        g = torch.Generator().manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(0)), torch.nn.Parameter(torch.randn(40, generator=g))]
+        kw = dict(comm=comm, grad_streaming=True) if comm is not None else dict(grad_divisor=2)
+        opt = zopt.Optimizer(step, ps, lr=1e-2, **kw)
+        counts = []
+        for s, empty_grad in enumerate([True, False, False, True, False]):
+            ps[0].grad = torch.zeros(0) if empty_grad else None
+            ps[1].grad = _grads(s, ps[1]) * (1 if comm is not None else 2)
+            opt.step()
+            counts.append([opt.tensor_step(p) for p in ps])
+        sd = opt.state_dict()
+        opt.close()
+        return counts, sd["state"][0]["step"].item(), ps[1].detach().clone()
+
+    ref = run(None)
+    assert ref[0][-1] == [2, 5]
+    for r, got in enumerate(on_ranks(2, lambda r, c: run(c))):
+        assert got[0] == ref[0] and got[1] == ref[1], f"rank {r}: step counts {got[0]} vs {ref[0]}"
+        assert torch.equal(got[2], ref[2])

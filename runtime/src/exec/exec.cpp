@@ -112,11 +112,12 @@ zopt_status agree_step(zopt_optimizer *o, bool first) {
   const size_t T = o->tensors.size();
   if (o->stream_grads) {
     // The local mask is what the caller handed to reduce_bucket (empty
-    // tensors, in no bucket, have a gradient); there is no grad memory.
+    // tensors, in no bucket: what zopt_optimizer_set_active said, all by
+    // default); there is no grad memory.
     std::vector<uint8_t> local(T);
     bool all = true;
     for (size_t t = 0; t < T; ++t) {
-      local[t] = o->tensors[t].numel == 0 || P.stream_given[t] == 1;
+      local[t] = o->tensors[t].numel == 0 ? (o->active.empty() || o->active[t]) : P.stream_given[t] == 1;
       all = all && local[t];
     }
     if (all) local.clear();
