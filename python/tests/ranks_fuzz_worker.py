@@ -10,9 +10,9 @@ outcome must equal the twin's, bit for bit.
 
     ranks_fuzz_worker.py RANK WORLD PORT OUTDIR MODE SEED CASES ACTIONS
 
-MODE: "fuzz" (CASES cases from SEED), "selftest" (one case whose twin
-gets one state bit flipped after its first step: the harness must report
-it) or "inject:KIND" (disagreement_worker.py's cases). Writes
+MODE: "fuzz" (CASES cases from SEED), "selftest" / "selftest-grad" (one
+case whose twin gets one state bit flipped after its first step, or one
+gradient bit at it: the harness must report it). Writes
 OUTDIR/rank{R}.json: {"cases": n, "actions": n, "failure": None or text}.
 """
 import datetime
@@ -33,6 +33,7 @@ import zopt  # noqa: E402
 from overlap_fakes import finish_rank  # noqa: E402
 
 TIMEOUT = 10  # zopt's collectives (only a failure waits for it)
+CHECK_ALL = os.environ.get("ZOPT_FUZZ_CHECK_ALL") == "1"  # (minimizing: after every action)
 RULES = ["adamw", "adam", "sgd", "nesterov", "lion"]
 
 
@@ -46,6 +47,10 @@ def step_of(rule, stage, klass, clip, loss_scale, amsgrad):
         kw["amsgrad"] = True
     if klass == "bf16m":
         kw.update(param="bf16", master="f32")
+    elif klass == "bf16sr":   # pure bf16, every state rounded stochastically
+        kw.update(param="bf16", moments="bf16", rounding="stochastic")
+    elif klass == "bf16rem":  # the f32 master as the int16 remainder
+        kw.update(param="bf16", master="remainder")
     elif klass == "mixed":
         kw["classes"] = {"bf16": dict(master="f32"), "f32": {}}
     if rule in ("adamw", "adam"):
@@ -114,14 +119,20 @@ class RankWorld:
         r = self.r
         self.rule = r.choice(RULES)
         self.stage = r.choice([0, 1, 2, 3])
-        self.klass = r.choice(["f32", "f32", "bf16m", "mixed"])
+        self.klass = r.choice(["f32", "f32", "bf16m", "mixed", "bf16sr", "bf16rem"])
         self.clip = r.choice([None, None, 3.0, 1e9])
         self.loss_scale = r.random() < 0.25
         self.amsgrad = self.rule in ("adamw", "adam") and r.random() < 0.25
         self.step_obj = step_of(self.rule, self.stage, self.klass, self.clip,
                                 self.loss_scale, self.amsgrad)
+        # settings that must not change a bit: each side its own
+        self.opts = [dict(bucket_elems=r.choice([None, None, 1, 64, 300]),
+                          num_threads=r.choice([None, 1, 2])) for _ in range(2)]
+        if self.stage >= 2 and self.klass != "mixed" and r.random() < 0.3:
+            self.opts[0]["grad_streaming"] = True
         self.log = [f"seed={seed} rule={self.rule} zero_stage={self.stage} class={self.klass} "
-                    f"clip={self.clip} loss_scale={self.loss_scale} amsgrad={self.amsgrad}"]
+                    f"clip={self.clip} loss_scale={self.loss_scale} amsgrad={self.amsgrad} "
+                    f"W=2 {self.opts[0]} twin {self.opts[1]}"]
         self.W, self.T = Side("W=2"), Side("twin")
         self.grads = []        # [param][rank] the ranks' gradients (None: none)
         self.consumed = []     # the param's p.grad was read by a step (undefined after it)
@@ -141,8 +152,9 @@ class RankWorld:
     def build(self, side, groups):
         if side is self.W:
             return zopt.Optimizer(self.step_obj, groups, process_group=dist.group.WORLD,
-                                  timeout=TIMEOUT, **self.defaults)
-        return zopt.Optimizer(self.step_obj, groups, grad_divisor=self.world, **self.defaults)
+                                  timeout=TIMEOUT, **self.opts[0], **self.defaults)
+        return zopt.Optimizer(self.step_obj, groups, grad_divisor=self.world, **self.opts[1],
+                              **self.defaults)
 
     def sides(self):
         return (self.W, self.T)
@@ -151,7 +163,7 @@ class RankWorld:
         zs, ts = [], []
         for _ in range(self.r.randint(1, 3)):
             shape = self.r.choice([(1,), (5,), (33,), (4, 7), (3, 2, 5), (70,), (130,), (0,)])
-            dt = torch.bfloat16 if (self.klass == "bf16m" or (
+            dt = torch.bfloat16 if (self.klass.startswith("bf16") or (
                 self.klass == "mixed" and self.r.random() < 0.5)) else torch.float32
             x = (torch.randn(shape, generator=self.g) + 0.5).to(dt)
             if len(shape) == 2 and self.r.random() < 0.3:
@@ -268,6 +280,14 @@ class RankWorld:
         err = self.both(lambda s: s.opt.step())
         for i in range(len(self.W.ps)):
             self.consumed[i] = True
+        if err is None and self.opts[0].get("grad_streaming"):
+            # p.grad is None after a streamed step (docs/USAGE.md section 8);
+            # the twin's too, so that a kept zero_grad(False) means the same
+            for i, z in enumerate(self.W.ps):
+                if z.grad is not None and z.numel():
+                    raise Failed(f"grad_streaming: param {i}'s p.grad is not None after step()")
+                self.grads[i] = [None] * self.world
+                self.set_grads(i)
         if err is not None:
             return msg + f"; step refused: {type(err).__name__}: {str(err)[:120]}"
         # (a step without a gradient, but for empty params: one rank runs
@@ -375,13 +395,16 @@ class RankWorld:
             side.sched = torch.optim.lr_scheduler.ExponentialLR(new, side.sched.gamma)
 
     def a_state_dict_new(self):
+        cross = self.r.random() < 0.5
+        sds = {s.name: s.opt.state_dict() for s in self.sides()}
+        other = {"W=2": "twin", "twin": "W=2"}
+
         def fn(s):
-            sd = s.opt.state_dict()
             new = self.fresh_opt(s)
-            new.load_state_dict(sd)
+            new.load_state_dict(sds[other[s.name]] if cross else sds[s.name])
             self.replace_opt(s, new)
         self.both(fn)
-        return "state_dict -> new optimizer"
+        return "state_dict -> new optimizer" + (" (each the other's)" if cross else "")
 
     def path(self, what):
         self.nfile += 1
@@ -583,8 +606,10 @@ def run_case(seed, rank, world, tmp, actions, perturb=False):
             msg = getattr(w, name)()
             if msg is not None:
                 w.log.append(msg)
-                if w.r.random() < 0.7 or n == actions - 1:
+                if w.r.random() < 0.7 or n == actions - 1 or CHECK_ALL:
                     w.check(f"action {n} ({msg})")
+                else:
+                    w.log[-1] += " (not checked)"
             done += 1
         except BaseException as e:
             if "hold momentum buffers" in str(e):   # SGD at momentum 0 over held

@@ -313,11 +313,9 @@ class GradStreamer(BucketMarks):
         act = bytes(1 if (g or (not ents[t].numel and ents[t].param.grad is not None)) else 0
                     for t, g in enumerate(self.given))
         empty = [t for t, e in enumerate(ents) if not e.numel]
-        if empty and any(act[t] != o.pushed[t] for t in empty) if len(o.pushed) == len(act) \
-                else empty:
-            o.active[:] = act
-            o.push_mask()
         o.active[:] = act
+        if empty and (len(o.pushed) != len(act) or any(act[t] != o.pushed[t] for t in empty)):
+            o.push_mask()
         o.mask_all = 0 not in o.active
         o.active_elems = int(np.dot(np.frombuffer(act, dtype=np.uint8).astype(np.int64),
                                      self.numels)) if act else 0
