@@ -506,9 +506,8 @@ class RankWorld:
         what = self.r.choice(["lr", "dup"])
         if what == "lr":
             gi = self.r.randrange(len(self.W.opt.param_groups))
-            if not any(z.grad is not None for z in self.W.ps) or \
-                    not any(t.grad is not None for t in self.T.ps):
-                return None
+            if not any(t.grad is not None for t in self.T.ps):  # (on no rank: the
+                return None   # same decision on every rank, never a rank's own p.grad)
             old = {}
             for s in self.sides():
                 old[s.name] = s.opt.param_groups[gi]["lr"]
