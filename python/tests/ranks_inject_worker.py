@@ -5,7 +5,8 @@ call:
 
     ranks_inject_worker.py RANK WORLD PORT OUTDIR KIND [KIND ...]
 
-KIND: "lr" (rank 1 another lr), "add_group" (rank 1 an add_param_group
+KIND: "lr" (rank 1 another lr), "maximize", "divisor" (another
+grad_divisor), "max_norm" (clip_grad_norm_ at another max_norm), "add_group" (rank 1 an add_param_group
 rank 0 does not make: rank 0 steps), "skip_step" (rank 1 skips a step()
 and calls state_dict()), "exit" (rank 1 exits before the step; last).
 Every rank's call must raise ZoptError within a bounded time; each rank
@@ -58,12 +59,18 @@ def run_kind(kind, rank, before_exit):
             os._exit(0)   # dies without a word
         if rank == 1 and kind == "lr":
             opt.param_groups[0]["lr"] = 0.5
+        if rank == 1 and kind == "maximize":
+            opt.param_groups[0]["maximize"] = True
+        if rank == 1 and kind == "divisor":
+            opt.grad_divisor = 4
         if rank == 1 and kind == "add_group":
             extra = torch.nn.Parameter(torch.randn(9, generator=torch.Generator().manual_seed(1)))
             opt.add_param_group(dict(params=[extra]))
         elif rank == 1 and kind == "skip_step":
             opt.state_dict()
-
+        elif kind == "max_norm":   # clip_grad_norm_ at another threshold on each rank
+            opt.clip_grad_norm_(1.0 if rank == 0 else 0.5)
+            opt.step()
         else:
             opt.step()
         err = None

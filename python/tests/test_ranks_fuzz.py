@@ -78,11 +78,11 @@ def test_the_harness_reports_a_perturbed_twin(tmp_path, zopt_bins, mode):
 
 def test_a_rank_that_disagrees_or_dies_is_named(tmp_path, zopt_bins):
     """Rank 1 does something else at one call (ranks_inject_worker.py):
-    another lr, an add_param_group rank 0 does not make, a skipped step()
+    another lr, maximize, grad_divisor or clip_grad_norm_ threshold, an add_param_group rank 0 does not make, a skipped step()
     (state_dict() instead), an exit. Every live rank's call raises
     ZoptError naming the other rank (or its call) within the zopt group's
     timeout (3 s) plus the liveness window, never hangs."""
-    kinds = ["lr", "add_group", "skip_step", "exit"]
+    kinds = ["lr", "maximize", "divisor", "max_norm", "add_group", "skip_step", "exit"]
     port = _free_port()
     cmds = [[sys.executable, os.path.join(HERE, "ranks_inject_worker.py"), str(r), "2",
              str(port), str(tmp_path), *kinds] for r in range(2)]
@@ -94,6 +94,9 @@ def test_a_rank_that_disagrees_or_dies_is_named(tmp_path, zopt_bins):
             res.append(json.load(fh))
     want = {  # kind: (rank 0's error names, rank 1's)
         "lr": (["group 0 lr: rank 0 has 0.01, rank 1 has 0.5"],) * 2,
+        "maximize": (["group 0 flags (bit 0: maximize): rank 0 has 0, rank 1 has 1"],) * 2,
+        "divisor": (["gradient divisor: rank 0 has 2, rank 1 has 4"],) * 2,
+        "max_norm": (["clip max_norm: rank 0 has 1, rank 1 has 0.5"],) * 2,
         "add_group": (["rank 1 called", "ADD_TENSORS"], ["rank 0 called", "STEP"]),
         "skip_step": (["rank 1 called", "EXPORT"], ["rank 0 called", "STEP", "state_dict()"]),
         "exit": (["rank 1 did not answer"], None),
