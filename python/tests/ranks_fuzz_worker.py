@@ -200,10 +200,14 @@ class RankWorld:
             t.grad = acc.to(t.dtype)
         self.consumed[i] = False
 
-    def a_grads(self):
+    def a_grads(self, for_step=False):
         """New gradients: per param fresh (the same on every rank, or each
         its own), accumulated into the last ones, None on every rank or on
-        one rank only, kept (unless a step consumed them)."""
+        one rank only, kept (unless a step consumed them). New ones only:
+        sometimes from a backward on the W side (loss sum(p * g): p.grad is
+        g exactly; under grad_streaming its hooks reduce the buckets, so
+        only right before a step)."""
+        self.bw_done = False
         scale = self.r.choice([0.01, 0.3, 1.0, 5.0])
         if self.loss_scale:
             scale *= float(self.T.opt.loss_scale)
@@ -230,6 +234,16 @@ class RankWorld:
                 k = self.r.randrange(self.world)
                 gs[:] = [None if q == k else self.randn(z, scale) for q in range(self.world)]
             self.set_grads(i)
+        if (for_step or not self.opts[0].get("grad_streaming")) and self.r.random() < 0.3 \
+                and all(h in ("fresh", "same", "one", "none") for h in hows):
+            for z in self.W.ps:
+                z.grad = None
+            terms = [(z * self.grads[i][self.rank]).sum() for i, z in enumerate(self.W.ps)
+                     if self.grads[i][self.rank] is not None]
+            if terms:
+                sum(terms).backward()
+            self.bw_done = True
+            return f"grads scale={scale:g} {hows} by backward"
         return f"grads scale={scale:g} {hows}"
 
     # ---- the actions ------------------------------------------------------------
@@ -249,8 +263,8 @@ class RankWorld:
         return a
 
     def a_step(self):
-        msg = self.a_grads()
-        if self.loss_scale and self.r.random() < 0.2:
+        msg = self.a_grads(for_step=True)
+        if self.loss_scale and self.r.random() < 0.2 and not self.bw_done:
             i = self.r.randrange(len(self.W.ps))
             if self.W.ps[i].numel():
                 k = self.r.randrange(self.world)
