@@ -242,3 +242,39 @@ def test_r5_zero3_remainder_master_state_reset():
         for a, b in zip(got[1] + got[2], ref[1] + ref[2]):
             assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
                                b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
+
+
+def test_r6_zero3_add_param_group_at_memory_a_param_had():
+    """R6: under ZeRO-3 the runtime kept each param's memory as registered
+    at build, though the binding moves params to other storage without
+    telling it (release_params and zero3_hooks free it and gather into new
+    storage; p.data = new): add_param_group of a new param at such an
+    address (the allocator hands freed memory out again; here the old
+    storage itself, kept) was refused ("param pointer ... is already
+    registered"). Now the moved params are registered first; the training
+    equals one where the new param has other memory, bit for bit."""
+    def run(same_memory):
+        step = zopt.steps.adamw(zero_stage=3)
+        g = torch.Generator().manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(100, generator=g))
+        opt = zopt.Optimizer(step, [p], lr=1e-2)
+        p.grad = _grads(0, p)
+        opt.step()
+        old = p.data
+        p.data = old.clone()   # p moves; its old memory becomes q's
+        x = old if same_memory else torch.empty(100)
+        x.copy_(torch.randn(100, generator=g))
+        q = torch.nn.Parameter(x)
+        opt.add_param_group(dict(params=[q], lr=3e-2))
+        opt.release_params()
+        opt.gather_params()
+        for s in range(1, 3):
+            p.grad, q.grad = _grads(s, p), _grads(10 + s, q)
+            opt.step()
+        out = [p.detach().clone(), q.detach().clone()]
+        opt.close()
+        return out
+
+    ref = run(False)
+    for a, b in zip(run(True), ref):
+        assert torch.equal(a, b)

@@ -133,6 +133,8 @@ def grow(c, new_groups, tids, undo):
     registrations), or None: its old states stay in the grown native
     optimizer (snapshot it before its registrations go back)."""
     if not c.step.gpu:
+        if c.step.zero3:
+            registered_current(c, set(tids))
         try:
             c.add_tensors(new_groups, tids)
         except ZoptError as e:
@@ -148,6 +150,27 @@ def grow(c, new_groups, tids, undo):
             return
     undo[id(c)] = snap = snapshot(c)
     rebuild(c, snap)
+
+
+def registered_current(c, tids):
+    """ZeRO-3, before tensors are added: the runtime refuses a new param at
+    memory registered for another one, and the registered memory of a
+    released param (freed) or of one gathered into new storage may be
+    handed out again (R6): the released params gathered (as for a
+    rebuild; collective, as add_param_group), the moved ones registered."""
+    old = [t for t in range(len(c.entries)) if t not in tids]
+    released = sorted(t for t in c.released if t in old)
+    if released:
+        c.gather_params(released)
+    L, h = c.lib, c.handle()
+    for t in old:  # (the binding's tables: made anew once the tensors are added)
+        e = c.entries[t]
+        if e.dense is None and _params.moved_from_registered(c, t):
+            p = e.param.data_ptr()
+            check(L.zopt_optimizer_set_tensor_memory(h, int(t), ctypes.c_void_p(p),
+                                                     ctypes.c_void_p(e.gptr or None)),
+                  f"zopt_optimizer_set_tensor_memory({e.name})")
+            e.pptr = p
 
 
 def register_moved(c, tids):
