@@ -291,7 +291,18 @@ class RankWorld:
                 raise Failed(f"clip_grad_norm_({c}): W=2 {float(norms[0])!r}, "
                              f"twin {float(norms[1])!r}")
             msg += f"; clip_grad_norm_({c})"
-        err = self.both(lambda s: s.opt.step())
+        if self.r.random() < 0.2 and "clip_grad_norm_" not in msg:  # (refused after it)
+            err = self.both(lambda s: s.opt.step(lambda: torch.tensor(2.5)))
+            msg += "; step(closure)"
+        else:
+            err = self.both(lambda s: s.opt.step())
+        if err is not None and self.bw_done and self.opts[0].get("grad_streaming"):
+            # a streamed backward's gradients are reduced: they cannot be
+            # taken back nor replaced (USAGE.md section 8); fixed, step again
+            if "hold momentum buffers" in str(err):
+                self.momentum_back()
+            err = self.both(lambda s: s.opt.step())
+            msg += "; step again"
         for i in range(len(self.W.ps)):
             self.consumed[i] = True
         if err is None and self.opts[0].get("grad_streaming"):
@@ -322,6 +333,14 @@ class RankWorld:
                     msg += f"; (self-test) one bit of the twin's {ks[0]} flipped"
                     break
         return msg + ("; step (skipped)" if self.W.opt.last_skipped else "; step")
+
+    def momentum_back(self):
+        """SGD's momentum 0 over held buffers was refused (on both sides):
+        momentum 0.9 again."""
+        for s in self.sides():
+            for g in s.opt.param_groups:
+                if g.get("momentum", 1) == 0:
+                    g["momentum"] = 0.9
 
     def a_zero_grad(self):
         stn = self.r.random() < 0.5
@@ -381,7 +400,17 @@ class RankWorld:
         i = self.r.randrange(len(self.W.ps))
         z = self.W.ps[i]
         new = (torch.randn(z.shape, generator=self.g) + 0.5).to(z.dtype)
-        how = self.r.choice(["data=", "data.copy_", "no_grad copy_", "mul_"])
+        how = self.r.choice(["data=", "data.copy_", "no_grad copy_", "mul_", "swap"])
+        if how == "swap":  # two params trade storage (the states stay with the param)
+            js = [j for j, q in enumerate(self.W.ps) if j != i and q.shape == z.shape
+                  and q.dtype == z.dtype and q.stride() == z.stride()]
+            if not js:
+                return None
+            j = self.r.choice(js)
+            for s in self.sides():
+                a, b = s.ps[i], s.ps[j]
+                a.data, b.data = b.data, a.data
+            return f"params {i} and {j} swap storage"
         for s in self.sides():
             p = s.ps[i]
             if how == "data=":
@@ -397,6 +426,34 @@ class RankWorld:
                 with torch.no_grad():
                     p.mul_(2.0)
         return f"param {i} {how}"
+
+    def a_settings(self):
+        """Settings changed alike on both sides (the twin's divisor stays W
+        times the ranks' over the one-rank sum)."""
+        how = self.r.choice(["divisor", "seed", "scaler", "zero3"])
+        if how == "divisor":
+            a = self.r.choice([1, 2, 3])
+            self.both(lambda s: setattr(s.opt, "grad_divisor", self.world * a))
+            return f"grad_divisor = {self.world * a}"
+        if how == "seed":
+            n = self.r.randrange(1000)
+            self.both(lambda s: s.opt.set_seed(n))
+            return f"set_seed({n})"
+        if how == "scaler":
+            if not self.loss_scale:
+                return None
+            kw = dict(init_scale=self.r.choice([256.0, 65536.0]),
+                      growth_interval=self.r.choice([1, 2, 5]))
+            self.both(lambda s: s.opt.configure_loss_scaler(**kw))
+            return f"configure_loss_scaler({kw})"
+        if self.stage != 3:
+            return None
+
+        def fn(s):   # every param released, then gathered again
+            s.opt.release_params()
+            s.opt.gather_params()
+        self.both(fn)
+        return "release_params(); gather_params()"
 
     def fresh_opt(self, side):
         groups = [dict(params=list(g["params"])) for g in side.opt.param_groups]
@@ -432,11 +489,12 @@ class RankWorld:
         if self.rank == 0:
             try:
                 self.T.opt.save(path)
-            except zopt.ZoptError as e:
-                err = e
-        dist.barrier()
-        if err is not None:
-            raise Failed(f"the twin's save failed: {err}")
+            except zopt.ZoptError as e:   # (SGD's momentum 0 over held buffers)
+                err = str(e)
+        errs = [None] * self.world      # every rank learns it: the same next action
+        dist.all_gather_object(errs, err)
+        if errs[0] is not None:
+            raise RuntimeError(f"the twin's save was refused: {errs[0]}")
         return path
 
     def a_save_load(self):
@@ -468,14 +526,13 @@ class RankWorld:
         i = self.r.randrange(len(self.W.ps))
         z, t = self.W.ps[i], self.T.ps[i]
         st = self.W.opt.state[z]
-        ks = [k for k, v in st.items() if torch.is_tensor(v) and k not in ("step", "master")
-              and v is not None]
+        ks = [k for k, v in st.items() if torch.is_tensor(v) and k != "step" and v is not None]
         if not ks:
             return None
         how = self.r.choice(["set", "inplace", "reset", "step"])
         k = self.r.choice(ks)
         if how == "set":
-            v = torch.rand(z.shape, generator=self.g) + 0.1
+            v = torch.rand(z.shape, generator=self.g) + 0.1   # (a master: the param too)
             self.both(lambda s: s.opt.state[s.ps[i]].__setitem__(k, v.clone()))
         elif how == "inplace":
             def fn(s):
@@ -584,7 +641,7 @@ class RankWorld:
 ACTION_WEIGHTS = [("a_step", 10), ("a_grads", 2), ("a_zero_grad", 2), ("a_hypers", 2),
                   ("a_sched", 1), ("a_add_group", 1), ("a_write_param", 2),
                   ("a_state_dict_new", 1), ("a_save_load", 2), ("a_state", 2), ("a_keep", 1),
-                  ("a_rollback", 1), ("a_refuse", 1)]
+                  ("a_rollback", 1), ("a_refuse", 1), ("a_settings", 1)]
 
 
 def agree(status):
@@ -626,10 +683,7 @@ def run_case(seed, rank, world, tmp, actions, perturb=False):
             done += 1
         except BaseException as e:
             if "hold momentum buffers" in str(e):   # SGD at momentum 0 over held
-                for s in w.sides():                  # buffers: refused on both sides
-                    for g in s.opt.param_groups:
-                        if g.get("momentum", 1) == 0:
-                            g["momentum"] = 0.9
+                w.momentum_back()                    # buffers: refused on both sides
                 w.log.append(f"{name} refused (momentum 0, buffers held); momentum 0.9")
             else:
                 status = f"{type(e).__name__}: {e}\n" + traceback.format_exc()

@@ -48,7 +48,8 @@ def launch(outdir, mode, seed, cases, actions, timeout):
         for r, (p, out) in enumerate(zip(procs, outs)):
             path = os.path.join(outdir, f"rank{r}.json")
             assert p.returncode == 0 and f"DONE rank {r}" in out and os.path.exists(path), \
-                f"rank {r} (exit {p.returncode}):\n{out}"
+                "\n".join(f"rank {q} (exit {pq.returncode}):\n{oq[-6000:]}"
+                          for q, (pq, oq) in enumerate(zip(procs, outs)))
             with open(path) as fh:
                 res.append(json.load(fh))
         return res, outs
