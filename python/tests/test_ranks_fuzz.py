@@ -8,18 +8,24 @@ actions every param, state_dict() element (gathered), step count and step
 outcome must equal the twin's BIT FOR BIT (docs/DISTRIBUTED.md).
 
 Actions: steps with never-zero gradients (the same on both ranks or each
-its own, accumulated, None on every rank or on one rank only), an inf
-gradient on one rank under loss scaling (a skipped step), zero_grad both
-ways, hyperparameter edits and set_hyper, an lr scheduler,
-add_param_group after steps, opt.clip_grad_norm_ (compiled clip),
-state_dict() -> a new optimizer, save() -> load() into a new optimizer at
-W = 2 -> 2, 2 -> 1 and 1 -> 2, a rollback to an earlier state_dict or file
-(also the other world size's file), state[p] written, p.data written in
-place or replaced, refusals (a bad lr, a duplicate param) on both sides.
+its own, accumulated, None on every rank or on one rank only; set by hand
+or by a backward), an inf gradient on one rank under loss scaling (a
+skipped step), step(closure), zero_grad both ways, hyperparameter edits
+and set_hyper, an lr scheduler, add_param_group after steps,
+opt.clip_grad_norm_ (compiled clip), state_dict() -> a new optimizer
+(also the other side's), save() -> load() into a new optimizer at W = 2
+-> 2, 2 -> 1 and 1 -> 2, a rollback to an earlier state_dict or file (also
+the other world size's file), state[p] written (masters too), p.data
+written in place, replaced or swapped, grad_divisor, set_seed,
+configure_loss_scaler, ZeRO-3 release/gather, refusals (a bad lr, a
+duplicate param) on both sides. Per case: the rule, ZeRO stage, parameter
+class, clip, loss scaling, grad_streaming and each side's bucket_elems and
+num_threads (which must not change a bit).
 
 ZOPT_FUZZ_CASES (default 8), ZOPT_FUZZ_SEED (0), ZOPT_FUZZ_ACTIONS (25)
-pick the run; docs/TESTING.md "The ranks fuzzer" has the long runs and
-what they found (python/tests/test_ranks_finds.py)."""
+pick the run, ZOPT_FUZZ_CHECK_ALL=1 checks after every action (to
+minimize); docs/TESTING.md "The ranks fuzzer" has the long runs and what
+they found (python/tests/test_ranks_finds.py)."""
 import os
 import shutil
 import sys
