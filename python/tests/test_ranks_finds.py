@@ -251,17 +251,21 @@ def test_r6_zero3_add_param_group_at_memory_a_param_had():
     storage; p.data = new): add_param_group of a new param at such an
     address (the allocator hands freed memory out again; here the old
     storage itself, kept) was refused ("param pointer ... is already
-    registered"). Now the moved params are registered first; the training
-    equals one where the new param has other memory, bit for bit."""
+    registered"). Now the moved params are registered first, in two passes
+    (two params that swapped storage are each where the other was); the
+    training equals one where the new param has other memory, bit for
+    bit."""
     def run(same_memory):
         step = zopt.steps.adamw(zero_stage=3)
         g = torch.Generator().manual_seed(0)
         p = torch.nn.Parameter(torch.randn(100, generator=g))
-        opt = zopt.Optimizer(step, [p], lr=1e-2)
-        p.grad = _grads(0, p)
+        r1, r2 = (torch.nn.Parameter(torch.randn(50, generator=g)) for _ in range(2))
+        opt = zopt.Optimizer(step, [p, r1, r2], lr=1e-2)
+        p.grad, r1.grad, r2.grad = _grads(0, p), _grads(1, r1), _grads(2, r2)
         opt.step()
         old = p.data
         p.data = old.clone()   # p moves; its old memory becomes q's
+        r1.data, r2.data = r2.data, r1.data   # each where the other is registered
         x = old if same_memory else torch.empty(100)
         x.copy_(torch.randn(100, generator=g))
         q = torch.nn.Parameter(x)
@@ -269,9 +273,9 @@ def test_r6_zero3_add_param_group_at_memory_a_param_had():
         opt.release_params()
         opt.gather_params()
         for s in range(1, 3):
-            p.grad, q.grad = _grads(s, p), _grads(10 + s, q)
+            p.grad, q.grad, r1.grad = _grads(s, p), _grads(10 + s, q), _grads(20 + s, r1)
             opt.step()
-        out = [p.detach().clone(), q.detach().clone()]
+        out = [x.detach().clone() for x in (p, q, r1, r2)]
         opt.close()
         return out
 

@@ -162,15 +162,27 @@ def registered_current(c, tids):
     released = sorted(t for t in c.released if t in old)
     if released:
         c.gather_params(released)
+    moved = [t for t in old if c.entries[t].dense is None
+             and _params.moved_from_registered(c, t)]
+    if not moved:
+        return
     L, h = c.lib, c.handle()
-    for t in old:  # (the binding's tables: made anew once the tensors are added)
+
+    def register(t, ptr):  # (the binding's tables: made anew once the tensors are added)
         e = c.entries[t]
-        if e.dense is None and _params.moved_from_registered(c, t):
-            p = e.param.data_ptr()
-            check(L.zopt_optimizer_set_tensor_memory(h, int(t), ctypes.c_void_p(p),
-                                                     ctypes.c_void_p(e.gptr or None)),
-                  f"zopt_optimizer_set_tensor_memory({e.name})")
-            e.pptr = p
+        check(L.zopt_optimizer_set_tensor_memory(h, int(t), ctypes.c_void_p(ptr),
+                                                 ctypes.c_void_p(e.gptr or None)),
+              f"zopt_optimizer_set_tensor_memory({e.name})")
+        e.pptr = ptr
+    # Two passes: a moved param's storage may be where another moved one
+    # was registered (two params swapped), so each goes to memory of its
+    # own first, never registered (the runtime does not read it), then to
+    # its storage.
+    scratch = [c.entries[t].param.detach().new_empty(c.entries[t].param.shape) for t in moved]
+    for t, x in zip(moved, scratch):
+        register(t, x.data_ptr())
+    for t in moved:
+        register(t, c.entries[t].param.data_ptr())
 
 
 def register_moved(c, tids):
