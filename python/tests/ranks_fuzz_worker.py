@@ -649,10 +649,8 @@ def agree(status):
     group): the first rank's failure, or None."""
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, status)
-    for r, s in enumerate(out):
-        if s is not None:
-            return f"rank {r}: {s}"
-    return None
+    fails = [f"rank {r}: {s}" for r, s in enumerate(out) if s is not None]
+    return "\n".join(fails) if fails else None
 
 
 def run_case(seed, rank, world, tmp, actions, perturb=False):
