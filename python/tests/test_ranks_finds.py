@@ -282,3 +282,43 @@ def test_r6_zero3_add_param_group_at_memory_a_param_had():
     ref = run(False)
     for a, b in zip(run(True), ref):
         assert torch.equal(a, b)
+
+
+def test_r7_zero3_write_after_storage_moved_on_one_rank():
+    """R7: under ZeRO-3 a write into a param (detected at the next call:
+    the master and the held param made again from it) took one of two
+    paths by whether the param's storage was still the one registered at
+    build: a runtime refresh, or a write that reads the gathered master
+    (collective). Whether storage moves is the allocator's doing (a release
+    and gather: zero3_hooks at every step, or p.data = a copy), so ranks
+    writing the same values took different paths and failed with COMM
+    ("read_state_raw ... rank 1 called ... EXPORT"). Here rank 1's param
+    moves (the same values); both ranks then write it and train on: the
+    one-rank result, bit for bit."""
+    step = zopt.steps.sgd(param="bf16", master="f32", zero_stage=3)
+
+    def run(comm, r):
+        g = torch.Generator().manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(n, generator=g).bfloat16()) for n in (40, 70)]
+        kw = dict(comm=comm) if comm is not None else dict(grad_divisor=2)
+        opt = zopt.Optimizer(step, ps, lr=1e-2, momentum=0.9, **kw)
+        for s in range(3):
+            for p in ps:
+                x = _grads(s, p)
+                p.grad = x if comm is not None else (x.float() * 2).bfloat16()
+            opt.step()
+            if s == 0:
+                if r == 1:
+                    ps[0].data = ps[0].data.clone()   # moved on one rank only
+                with torch.no_grad():
+                    ps[0].mul_(2.0)                   # a write on every rank
+        sd = opt.state_dict()["state"]
+        out = [p.detach().clone() for p in ps], [sd[i]["master"] for i in range(2)]
+        opt.close()
+        return out
+
+    ref = run(None, 0)
+    for r, (ps, ms) in enumerate(on_ranks(2, lambda r, c: run(c, r))):
+        for a, b in zip(ps + ms, ref[0] + ref[1]):
+            assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
+                               b.view(torch.int16) if b.dtype == torch.bfloat16 else b), f"rank {r}"
