@@ -322,3 +322,42 @@ def test_r7_zero3_write_after_storage_moved_on_one_rank():
         for a, b in zip(ps + ms, ref[0] + ref[1]):
             assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
                                b.view(torch.int16) if b.dtype == torch.bfloat16 else b), f"rank {r}"
+
+
+def test_r8_params_moved_onto_memory_registered_for_another_on_one_rank():
+    """R8: a param given storage still registered for another param (the
+    allocator hands a moved param's freed memory out again, which differs
+    between ranks; here done by hand on rank 1 with the same values as
+    rank 0's) made set_tensor_memory refuse it, and the binding rebuilt the
+    native optimizer (a collective export) on that rank only: COMM at the
+    next step. Now such params go to scratch memory first, then to their
+    storage, in place on every rank: the one-rank result, bit for bit."""
+    step = zopt.steps.adamw(param="bf16", master="f32", zero_stage=2)
+
+    def run(comm, r):
+        g = torch.Generator().manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(50, generator=g).bfloat16()) for _ in range(2)]
+        kw = dict(comm=comm) if comm is not None else dict(grad_divisor=2)
+        opt = zopt.Optimizer(step, ps, lr=1e-2, **kw)
+        for s in range(3):
+            for p in ps:
+                x = _grads(s, p)
+                p.grad = x if comm is not None else (x.float() * 2).bfloat16()
+            opt.step()
+            if s == 0:
+                v0, v1 = ps[0].detach() * 2, ps[1].detach() * 3
+                if r == 1:   # param 0 takes the memory param 1 is registered at
+                    old1 = ps[1].data
+                    ps[1].data = v1.clone()
+                    old1.copy_(v0)
+                    ps[0].data = old1
+                else:
+                    ps[0].data, ps[1].data = v0.clone(), v1.clone()
+        out = [p.detach().clone() for p in ps]
+        opt.close()
+        return out
+
+    ref = run(None, 0)
+    for r, ps in enumerate(on_ranks(2, lambda r, c: run(c, r))):
+        for a, b in zip(ps, ref):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"rank {r}"

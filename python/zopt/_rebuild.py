@@ -164,25 +164,38 @@ def registered_current(c, tids):
         c.gather_params(released)
     moved = [t for t in old if c.entries[t].dense is None
              and _params.moved_from_registered(c, t)]
-    if not moved:
-        return
-    L, h = c.lib, c.handle()
+    if moved:  # (the binding's tables: made anew once the tensors are added)
+        _set_memory(c, moved)
 
-    def register(t, ptr):  # (the binding's tables: made anew once the tensors are added)
-        e = c.entries[t]
+
+def _set_memory(c, tids):
+    """zopt_optimizer_set_tensor_memory of tids to their current storage
+    (with our own gradient memory). Where one's storage is memory still
+    registered for another (two params that swapped storage; memory the
+    allocator handed out again, which differs between ranks: R6, R8),
+    each goes to scratch memory of its own first (never read), so that no
+    call is refused: a refusal's rebuild on one rank only would leave the
+    ranks' collectives apart."""
+    L, h = c.lib, c.handle()
+    ents = c.entries
+
+    def register(t, ptr):
+        e = ents[t]
         check(L.zopt_optimizer_set_tensor_memory(h, int(t), ctypes.c_void_p(ptr),
                                                  ctypes.c_void_p(e.gptr or None)),
               f"zopt_optimizer_set_tensor_memory({e.name})")
         e.pptr = ptr
-    # Two passes: a moved param's storage may be where another moved one
-    # was registered (two params swapped), so each goes to memory of its
-    # own first, never registered (the runtime does not read it), then to
-    # its storage.
-    scratch = [c.entries[t].param.detach().new_empty(c.entries[t].param.shape) for t in moved]
-    for t, x in zip(moved, scratch):
-        register(t, x.data_ptr())
-    for t in moved:
-        register(t, c.entries[t].param.data_ptr())
+    new = {t: ents[t].param.data_ptr() for t in tids}
+    held = {}
+    for u, e in enumerate(ents):
+        if e.numel and e.pptr:
+            held.setdefault(e.pptr, set()).add(u)
+    if any(held.get(p, set()) - {t} for t, p in new.items()):
+        scratch = [ents[t].param.detach().new_empty(ents[t].param.shape) for t in tids]
+        for t, x in zip(tids, scratch):
+            register(t, x.data_ptr())
+    for t in tids:
+        register(t, new[t])
 
 
 def register_moved(c, tids):
@@ -217,17 +230,7 @@ def _move_in_place(c, tids):
     then the per-step tables made anew (Part.after_layout: every gradient
     read in place, moved or not, is ours again until the next step hands
     it over, checked against the params' new memory)."""
-    L, h = c.lib, c.handle()
-    done = False
     try:
-        for t in tids:
-            e = c.entries[t]
-            p = e.param.data_ptr()
-            check(L.zopt_optimizer_set_tensor_memory(h, int(t), ctypes.c_void_p(p),
-                                                     ctypes.c_void_p(e.gptr or None)),
-                  f"zopt_optimizer_set_tensor_memory({e.name})")
-            e.pptr = p
-            done = True
-    finally:
-        if done:  # (also before a refusal's rebuild: the tables match the runtime)
-            c.after_layout(same_tensors=True)
+        _set_memory(c, tids)
+    finally:  # (also before a refusal's rebuild: the tables match the runtime)
+        c.after_layout(same_tensors=True)
