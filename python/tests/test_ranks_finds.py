@@ -361,3 +361,44 @@ def test_r8_params_moved_onto_memory_registered_for_another_on_one_rank():
     for r, ps in enumerate(on_ranks(2, lambda r, c: run(c, r))):
         for a, b in zip(ps, ref):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"rank {r}"
+
+
+def test_r9_ranks_loading_different_checkpoints_are_refused(tmp_path):
+    """R9: opt.load(path) at W = 2 with another checkpoint on each rank was
+    accepted: each rank kept its shards from its own file (here two saves
+    at the same step, the moments changed between them): the gathered
+    state a mix of both, silently. Now the ranks agree on the save's
+    identity and settings before anything is applied: refused on every
+    rank, naming rank 1, nothing changed; the same checkpoint on both
+    loads."""
+    step = zopt.steps.adamw(zero_stage=2)
+
+    def run(comm, r):
+        g = torch.Generator().manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in (50, 70)]
+        opt = zopt.Optimizer(step, ps, lr=1e-2, comm=comm)
+        for s in range(2):
+            for p in ps:
+                p.grad = _grads(s, p)
+            opt.step()
+        opt.save(str(tmp_path / "a"))
+        opt.state[ps[0]]["exp_avg"] = torch.full((50,), 0.5)   # (every rank alike)
+        opt.save(str(tmp_path / "b"))
+        before = opt.state_dict()["state"]
+        try:
+            opt.load(str(tmp_path / ("a" if r == 0 else "b")))
+            err = None
+        except zopt.ZoptError as e:
+            err = str(e)
+        after = opt.state_dict()["state"]
+        opt.load(str(tmp_path / "a"))
+        again = opt.state_dict()["state"][0]["exp_avg"]
+        opt.close()
+        return err, before, after, again
+
+    for r, (err, before, after, again) in enumerate(on_ranks(2, lambda r, c: run(c, r))):
+        assert err is not None and "rank 1 has another save" in err, f"rank {r}: {err}"
+        for i in before:
+            for k in before[i]:
+                assert torch.equal(before[i][k], after[i][k]), f"rank {r}: {k} of {i} changed"
+        assert not torch.equal(again, torch.full((50,), 0.5))   # a's moments, whole
