@@ -551,9 +551,9 @@ class RankWorld:
         return f"param {i} state {k} {how}"
 
     def a_keep(self):
-        pw, pt = self.path("keepw"), self.path(f"keept{self.rank}_")
+        pw = self.path("keepw")
         self.W.opt.save(pw)
-        self.T.opt.save(pt)
+        pt = self.twin_file()   # (rank 0's twin: a path every rank can load)
         self.kept = dict(W=self.W.opt.state_dict(), T=self.T.opt.state_dict(), pw=pw, pt=pt,
                          ngroups=len(self.W.opt.param_groups))
         return "keep state_dicts and saves"
@@ -566,8 +566,6 @@ class RankWorld:
         src = {"state_dict": (lambda s: s.opt.load_state_dict(k["W"] if s is self.W else k["T"])),
                "own file": (lambda s: s.opt.load(k["pw"] if s is self.W else k["pt"])),
                "the other's file": (lambda s: s.opt.load(k["pt"] if s is self.W else k["pw"]))}
-        if how == "the other's file" and self.rank != 0:   # twin files are per rank
-            how = "own file"
         err = self.both(src[how])
         if err is not None and len(self.W.opt.param_groups) == k["ngroups"]:
             raise Failed(f"rollback ({how}) refused: {err}")
