@@ -402,3 +402,33 @@ def test_r9_ranks_loading_different_checkpoints_are_refused(tmp_path):
             for k in before[i]:
                 assert torch.equal(before[i][k], after[i][k]), f"rank {r}: {k} of {i} changed"
         assert not torch.equal(again, torch.full((50,), 0.5))   # a's moments, whole
+
+
+def test_r10_scratch_registration_avoids_registered_freed_memory(monkeypatch):
+    """R10 (R8's fix, seed 30 case 142): the scratch memory a moved param's
+    registration is parked at could be memory the allocator freed while a
+    param (moved, under ZeRO-3 not re-registered) is still registered there:
+    that registration was refused ("already registered") on one rank,
+    and the other waited at add_param_group's collective. Scratch at a
+    registered address is now set aside and drawn again. Here the first
+    scratch is made to land there (the old storage of c, kept)."""
+    import zopt._rebuild as rb
+    step = zopt.steps.adamw(zero_stage=3)
+    g = torch.Generator().manual_seed(0)
+    a, b, c = (torch.nn.Parameter(torch.randn(64, generator=g)) for _ in range(3))
+    opt = zopt.Optimizer(step, [a, b, c], lr=1e-2)
+    for p in (a, b, c):
+        p.grad = torch.randn(64, generator=g)
+    opt.step()
+    old_c = c.data
+    c.data = old_c.clone()           # c moved; still registered at old_c
+    a.data, b.data = b.data, a.data  # a and b each where the other is registered
+    real, first = rb._scratch_like, [old_c]
+    monkeypatch.setattr(rb, "_scratch_like", lambda p: first.pop() if first else real(p))
+    q = torch.nn.Parameter(torch.randn(64, generator=g))
+    opt.add_param_group(dict(params=[q]))
+    assert not first
+    for p in (a, b, c, q):
+        p.grad = torch.randn(64, generator=g)
+    opt.step()
+    opt.close()

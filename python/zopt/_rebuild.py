@@ -191,11 +191,22 @@ def _set_memory(c, tids):
         if e.numel and e.pptr:
             held.setdefault(e.pptr, set()).add(u)
     if any(held.get(p, set()) - {t} for t, p in new.items()):
-        scratch = [ents[t].param.detach().new_empty(ents[t].param.shape) for t in tids]
-        for t, x in zip(tids, scratch):
+        keep = []  # (scratch the allocator put where a freed param is registered: kept, not used)
+        for t in tids:
+            x = _scratch_like(ents[t].param)
+            while x.data_ptr() in held:
+                keep.append(x)
+                x = _scratch_like(ents[t].param)
+            keep.append(x)
             register(t, x.data_ptr())
     for t in tids:
         register(t, new[t])
+
+
+def _scratch_like(p):
+    """Memory of p's size and dtype on its device (where _set_memory parks
+    a registration)."""
+    return p.detach().new_empty(p.shape)
 
 
 def register_moved(c, tids):
