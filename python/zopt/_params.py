@@ -373,8 +373,12 @@ def refresh(c, tids):
     if not c.watch or not tids:
         return
     runs = []
+    # ZeRO-3 at several ranks: always by write (collective where it reads
+    # the gathered master), never by whether the storage is the registered
+    # one, which is the allocator's doing and differs between ranks (R7)
+    by_write = c.step.zero3 and c.world_size > 1
     for t in sorted(set(tids)):
-        if c.step.zero3 and moved_from_registered(c, t):
+        if c.step.zero3 and (by_write or moved_from_registered(c, t)):
             refresh_by_write(c, t)
         else:
             runs.append(t)

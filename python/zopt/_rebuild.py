@@ -133,6 +133,8 @@ def grow(c, new_groups, tids, undo):
     registrations), or None: its old states stay in the grown native
     optimizer (snapshot it before its registrations go back)."""
     if not c.step.gpu:
+        if c.step.zero3:
+            registered_current(c, set(tids))
         try:
             c.add_tensors(new_groups, tids)
         except ZoptError as e:
@@ -148,6 +150,63 @@ def grow(c, new_groups, tids, undo):
             return
     undo[id(c)] = snap = snapshot(c)
     rebuild(c, snap)
+
+
+def registered_current(c, tids):
+    """ZeRO-3, before tensors are added: the runtime refuses a new param at
+    memory registered for another one, and the registered memory of a
+    released param (freed) or of one gathered into new storage may be
+    handed out again (R6): the released params gathered (as for a
+    rebuild; collective, as add_param_group), the moved ones registered."""
+    old = [t for t in range(len(c.entries)) if t not in tids]
+    released = sorted(t for t in c.released if t in old)
+    if released:
+        c.gather_params(released)
+    moved = [t for t in old if c.entries[t].dense is None
+             and _params.moved_from_registered(c, t)]
+    if moved:  # (the binding's tables: made anew once the tensors are added)
+        _set_memory(c, moved)
+
+
+def _set_memory(c, tids):
+    """zopt_optimizer_set_tensor_memory of tids to their current storage
+    (with our own gradient memory). Where one's storage is memory still
+    registered for another (two params that swapped storage; memory the
+    allocator handed out again, which differs between ranks: R6, R8),
+    each goes to scratch memory of its own first (never read), so that no
+    call is refused: a refusal's rebuild on one rank only would leave the
+    ranks' collectives apart."""
+    L, h = c.lib, c.handle()
+    ents = c.entries
+
+    def register(t, ptr):
+        e = ents[t]
+        check(L.zopt_optimizer_set_tensor_memory(h, int(t), ctypes.c_void_p(ptr),
+                                                 ctypes.c_void_p(e.gptr or None)),
+              f"zopt_optimizer_set_tensor_memory({e.name})")
+        e.pptr = ptr
+    new = {t: ents[t].param.data_ptr() for t in tids}
+    held = {}
+    for u, e in enumerate(ents):
+        if e.numel and e.pptr:
+            held.setdefault(e.pptr, set()).add(u)
+    if any(held.get(p, set()) - {t} for t, p in new.items()):
+        keep = []  # (scratch the allocator put where a freed param is registered: kept, not used)
+        for t in tids:
+            x = _scratch_like(ents[t].param)
+            while x.data_ptr() in held:
+                keep.append(x)
+                x = _scratch_like(ents[t].param)
+            keep.append(x)
+            register(t, x.data_ptr())
+    for t in tids:
+        register(t, new[t])
+
+
+def _scratch_like(p):
+    """Memory of p's size and dtype on its device (where _set_memory parks
+    a registration)."""
+    return p.detach().new_empty(p.shape)
 
 
 def register_moved(c, tids):
@@ -182,17 +241,7 @@ def _move_in_place(c, tids):
     then the per-step tables made anew (Part.after_layout: every gradient
     read in place, moved or not, is ours again until the next step hands
     it over, checked against the params' new memory)."""
-    L, h = c.lib, c.handle()
-    done = False
     try:
-        for t in tids:
-            e = c.entries[t]
-            p = e.param.data_ptr()
-            check(L.zopt_optimizer_set_tensor_memory(h, int(t), ctypes.c_void_p(p),
-                                                     ctypes.c_void_p(e.gptr or None)),
-                  f"zopt_optimizer_set_tensor_memory({e.name})")
-            e.pptr = p
-            done = True
-    finally:
-        if done:  # (also before a refusal's rebuild: the tables match the runtime)
-            c.after_layout(same_tensors=True)
+        _set_memory(c, tids)
+    finally:  # (also before a refusal's rebuild: the tables match the runtime)
+        c.after_layout(same_tensors=True)

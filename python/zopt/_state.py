@@ -395,7 +395,11 @@ def state_assign(c, t, values):
             fresh[TORCH_KEY[k]] = np.zeros(e.numel, dtype=NP_OF[shown_dtype(s, k)])
     write_values(c, t, fresh)
     if s.has_master and "master" not in vals and e.numel:
-        if s.zero3:  # from the held param (the model's may be released)
+        if s.zero3 and s.state_dtype(StateKind.MASTER) == DType.I16:
+            # a remainder master (the param's low half): made from the
+            # param, it is zero (R5: convert_bits has no int16)
+            c.write_raw(t, StateKind.MASTER, np.zeros(e.numel, dtype=np.int16))
+        elif s.zero3:  # from the held param (the model's may be released)
             held = c.read_raw(t, StateKind.PARAM)
             c.write_raw(t, StateKind.MASTER, convert_bits(
                 held, s.param_dtype, s.state_dtype(StateKind.MASTER)))

@@ -459,8 +459,13 @@ class Optimizer(_Base):
             for c in parts:
                 c.pre_step()  # may rebuild a part's native optimizer
         else:
+            # The hyperparameters first: a value refused (ValueError) must
+            # come before the reduction of gradients set by hand, which
+            # cannot be undone (R3, docs/TESTING.md "The ranks fuzzer").
+            self._push_hypers()
             self._streamer.before_step()  # the buckets no backward reduced
-        self._push_hypers()
+        if self._streamer is None or self._overlap is not None:
+            self._push_hypers()
         return self.world_size > 1 or any(1 in c.active for c in parts) or (
             self._streamer is not None and self._streamer.reduced)
 

@@ -311,8 +311,15 @@ class GradStreamer(BucketMarks):
             self._start(from_hook=False)
         self._advance(final=True, where="at_step")
         self.wait()
-        act = bytes(1 if (g or not ents[t].numel) else 0 for t, g in enumerate(self.given))
+        # An empty param is in no bucket: whether it has a gradient (torch
+        # steps it then, its count advances) goes to the runtime in the
+        # mask, which is read for empty tensors only (R4)
+        act = bytes(1 if (g or (not ents[t].numel and ents[t].param.grad is not None)) else 0
+                    for t, g in enumerate(self.given))
+        empty = [t for t, e in enumerate(ents) if not e.numel]
         o.active[:] = act
+        if empty and (len(o.pushed) != len(act) or any(act[t] != o.pushed[t] for t in empty)):
+            o.push_mask()
         o.mask_all = 0 not in o.active
         o.active_elems = int(np.dot(np.frombuffer(act, dtype=np.uint8).astype(np.int64),
                                      self.numels)) if act else 0

@@ -214,8 +214,10 @@ typedef struct zopt_step_result {
 } zopt_step_result;
 
 /* One optimizer step over every tensor of every group. On a skipped step no
- * state changes (bit-identical), the group step counts do not advance.
- * `result` may be NULL. */
+ * state changes (bit-identical), the group step counts do not advance. A
+ * CPU or offloaded step where no tensor is active on any rank changes no
+ * state either (the loss scaler's good steps do not advance; a linked step:
+ * on no part). `result` may be NULL. */
 ZOPT_API zopt_status zopt_optimizer_step(zopt_optimizer *opt, zopt_step_result *result);
 
 /* Several optimizers stepped as one (one optimizer per parameter class, e.g.
@@ -290,7 +292,8 @@ ZOPT_API zopt_status zopt_optimizer_get_max_norm(const zopt_optimizer *opt, doub
  * bucket; step fails with ZOPT_ERR_BAD_STATE, changing nothing, naming a
  * bucket that was not reduced; a second reduce of one bucket is an error).
  * The tensors given a gradient (non-NULL) on any rank are the ones the step
- * updates (zopt_optimizer_set_active is refused: the gradients say it); a
+ * updates (the gradients say it: zopt_optimizer_set_active is read only for
+ * the tensors without elements, in no bucket, active unless it says so); a
  * tensor spanning buckets is given in all of them or in none. The result
  * is bit-identical to the non-streamed step (the same rank-order f32 fold).
  * Gradient accumulation stays the caller's (accumulate micro-batches into

@@ -640,6 +640,8 @@ static zopt_status stage_files(zopt_optimizer *o, const Files &files, const char
   out.scaler = f0.scaler;
   out.seed = f0.seed;
   out.has_seed = f0.has_seed;
+  out.id = f0.id;
+  out.has_id = f0.version >= 3;
   return ZOPT_OK;
 }
 
@@ -693,6 +695,7 @@ ZOPT_API zopt_status zopt_optimizer_load_ex(zopt_optimizer *o, const char *path,
   // Nothing applied yet (kSigUnchanged): a rank at another call fails this
   // load cleanly.
   if (zopt_status ag = ckpt::agree_status(o, st, "LOAD status", kSigUnchanged)) return ag;
+  if (zopt_status ag = ckpt::agree_staged(o, sg, "zopt_optimizer_load", "LOAD save and settings")) return ag;
   if (flags & ZOPT_LOAD_VALIDATE_ONLY) return ZOPT_OK;  // every check passed; nothing applied
   return ckpt::apply(o, sg);
 }

@@ -80,7 +80,19 @@ struct Staged {
   LossScaler scaler;
   uint64_t seed = 0;
   bool has_seed = false;
+  SaveId id;            // the save's identity (a format 3 file or image)
+  bool has_id = false;
 };
+
+// With several ranks (a collective; nothing applied yet): every rank staged
+// the same save (identity, where the files have one), step counts, group
+// hyperparameters and flags, loss scaler and seed; otherwise
+// ZOPT_ERR_INVALID_ARGUMENT naming the ranks that differ from rank 0 (a load
+// of another checkpoint on some ranks would mix their shards). `fn` names
+// the call, `what` the collective.
+zopt_status agree_staged(zopt_optimizer *o, const Staged &sg, const char *fn, const char *what);
+// The hash of what agree_staged compares (the staged import's agreement).
+uint64_t staged_hash(const Staged &sg);
 
 // The states a checkpoint holds: the optimizer's states, and the params
 // where the runtime holds them (ZeRO-3).

@@ -133,6 +133,8 @@ ZOPT_API zopt_status zopt_optimizer_load_linked(zopt_optimizer *const *parts, in
   // Nothing applied yet (kSigUnchanged): a rank at another call fails this
   // load cleanly; a part refused on one rank changes nothing on any.
   if (zopt_status ag = ckpt::agree_status(parts[0], st, "LOAD status", kSigUnchanged)) return ag;
+  for (int i = 0; i < n; ++i)
+    if (zopt_status ag = ckpt::agree_staged(parts[i], sg[(size_t)i], fn, "LOAD save and settings")) return ag;
   if (flags & ZOPT_LOAD_VALIDATE_ONLY) return ZOPT_OK;
   for (int i = 0; i < n; ++i)
     if (zopt_status e = ckpt::apply(parts[i], sg[(size_t)i])) return e;

@@ -151,20 +151,7 @@ zopt_status agree_import(zopt_state_import *imp, zopt_status st, const char *fn)
   zopt_optimizer *o = imp->o;
   if (zopt_status ag = ckpt::agree_status(o, st, "IMPORT status", kSigUnchanged)) return ag;
   if (o->world == 1) return ZOPT_OK;
-  const ckpt::Staged &sg = imp->sg;
-  uint64_t h = fnv1a64(sg.tensor_steps.data(), sg.tensor_steps.size() * sizeof(int64_t));
-  for (const ckpt::GroupRec &g : sg.groups) {
-    h = fnv1a64(&g.step_count, sizeof g.step_count, h);
-    h = fnv1a64(&g.flags, sizeof g.flags, h);
-    for (auto &kv : g.hypers) h = fnv1a64(&kv.second, sizeof kv.second, h);
-  }
-  const LossScaler &ls = sg.scaler;
-  const double sc[6] = {ls.scale, ls.cfg.init_scale, ls.cfg.growth_factor, ls.cfg.backoff_factor, ls.cfg.min_scale,
-                        (double)ls.cfg.dynamic};
-  const int64_t ic[2] = {ls.good_steps, ls.cfg.growth_interval};
-  h = fnv1a64(sc, sizeof sc, h);
-  h = fnv1a64(ic, sizeof ic, h);
-  h = fnv1a64(&sg.seed, sizeof sg.seed, h);
+  const uint64_t h = ckpt::staged_hash(imp->sg);
   std::vector<uint64_t> all((size_t)o->world);
   if (zopt_status cs = comm_all_gather(o->comm, &h, all.data(), sizeof h, "IMPORT counts and settings", kSigUnchanged))
     return cs;
@@ -318,6 +305,7 @@ ZOPT_API zopt_status zopt_optimizer_import_state_set(zopt_optimizer *o, int n, c
   // Nothing applied yet (kSigUnchanged): a rank at another call fails this
   // import cleanly.
   if (zopt_status ag = ckpt::agree_status(o, st, "IMPORT status", kSigUnchanged)) return ag;
+  if (zopt_status ag = ckpt::agree_staged(o, sg, fn, "IMPORT counts and settings")) return ag;
   if (flags & ZOPT_LOAD_VALIDATE_ONLY) return ZOPT_OK;
   return ckpt::apply(o, sg);
 }
@@ -498,3 +486,43 @@ ZOPT_API zopt_status zopt_state_import_commit(zopt_state_import *imp) {
 ZOPT_API void zopt_state_import_abort(zopt_state_import *imp) { delete imp; }
 
 }  // extern "C"
+
+namespace zopt {
+namespace ckpt {
+
+uint64_t staged_hash(const Staged &sg) {
+  uint64_t h = fnv1a64(sg.tensor_steps.data(), sg.tensor_steps.size() * sizeof(int64_t));
+  for (const GroupRec &g : sg.groups) {
+    h = fnv1a64(&g.step_count, sizeof g.step_count, h);
+    h = fnv1a64(&g.flags, sizeof g.flags, h);
+    for (auto &kv : g.hypers) h = fnv1a64(&kv.second, sizeof kv.second, h);
+  }
+  const LossScaler &ls = sg.scaler;
+  const double sc[6] = {ls.scale, ls.cfg.init_scale, ls.cfg.growth_factor, ls.cfg.backoff_factor, ls.cfg.min_scale,
+                        (double)ls.cfg.dynamic};
+  const int64_t ic[2] = {ls.good_steps, ls.cfg.growth_interval};
+  h = fnv1a64(sc, sizeof sc, h);
+  h = fnv1a64(ic, sizeof ic, h);
+  h = fnv1a64(&sg.seed, sizeof sg.seed, h);
+  if (sg.has_id) h = fnv1a64(sg.id.b, kSaveIdBytes, h);
+  return h;
+}
+
+zopt_status agree_staged(zopt_optimizer *o, const Staged &sg, const char *fn, const char *what) {
+  if (o->world == 1) return ZOPT_OK;
+  const uint64_t h = staged_hash(sg);
+  std::vector<uint64_t> all((size_t)o->world);
+  if (zopt_status cs = comm_all_gather(o->comm, &h, all.data(), sizeof h, what, kSigUnchanged)) return cs;
+  std::vector<int> bad;
+  for (int q = 1; q < o->world; ++q)
+    if (all[(size_t)q] != all[0]) bad.push_back(q);
+  if (!bad.empty())
+    return fail(ZOPT_ERR_INVALID_ARGUMENT,
+                "%s: %s %s another save, or other step counts, hyperparameters, group flags, loss scaler or seed, "
+                "than rank 0: every rank must load the same checkpoint (nothing changed)",
+                fn, comm_rank_list(bad).c_str(), bad.size() > 1 ? "have" : "has");
+  return ZOPT_OK;
+}
+
+}  // namespace ckpt
+}  // namespace zopt

@@ -143,6 +143,7 @@ zopt_status gather_state(zopt_optimizer *o, int si, int first, int count, void *
   buckets.erase(std::unique(buckets.begin(), buckets.end()), buckets.end());
   // The scratch holds one bucket of the collectives' dtype: a wider state
   // (an f32 master of bf16 params) goes in pieces of `cap` elements per rank.
+  if (buckets.empty()) return ZOPT_OK;  // only empty tensors (a model of them has no scratch)
   const int W = o->world;
   const size_t cap = P.recv.size() / (es * (size_t)W);
   if (cap == 0) return fail(ZOPT_ERR_INTERNAL, "gather_state: no collective scratch");

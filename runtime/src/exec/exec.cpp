@@ -112,11 +112,12 @@ zopt_status agree_step(zopt_optimizer *o, bool first) {
   const size_t T = o->tensors.size();
   if (o->stream_grads) {
     // The local mask is what the caller handed to reduce_bucket (empty
-    // tensors, in no bucket, have a gradient); there is no grad memory.
+    // tensors, in no bucket: what zopt_optimizer_set_active said, all by
+    // default); there is no grad memory.
     std::vector<uint8_t> local(T);
     bool all = true;
     for (size_t t = 0; t < T; ++t) {
-      local[t] = o->tensors[t].numel == 0 || P.stream_given[t] == 1;
+      local[t] = o->tensors[t].numel == 0 ? (o->active.empty() || o->active[t]) : P.stream_given[t] == 1;
       all = all && local[t];
     }
     if (all) local.clear();
@@ -256,7 +257,7 @@ zopt_status run_host_op(zopt_optimizer *o, StepState *st, size_t i) {
           }
         for (size_t g = 0; g < o->groups.size(); ++g) o->groups[g].step_count += touched[g];
       }
-      if (d->flags & ZOPT_FLAG_LOSS_SCALE) {
+      if ((d->flags & ZOPT_FLAG_LOSS_SCALE) && st->any_active) {
         o->scaler.scale = st->ctl.new_scale;
         o->scaler.good_steps = st->ctl.new_good_steps;
       }
@@ -315,7 +316,6 @@ zopt_status run(zopt_optimizer *o, zopt_step_result *result) {
 // ---- the host executor's step (backend/cpu) ------------------------------
 
 zopt_status host_begin(zopt_optimizer *o, StepState *st, bool first) {
-  (void)st;
   Program &P = *o->prog;
   if (P.rebind_pending) {
     try {
@@ -343,6 +343,8 @@ zopt_status host_begin(zopt_optimizer *o, StepState *st, bool first) {
   using clock = std::chrono::steady_clock;
   auto t0 = clock::now();
   if (zopt_status s = agree_step(o, first)) return s;
+  st->any_active = false;
+  for (size_t t = 0; t < o->tensors.size() && !st->any_active; ++t) st->any_active = active(P, (int)t);
   P.agree_seconds = std::chrono::duration<double>(clock::now() - t0).count();
   P.op_seconds.assign(P.ops.size(), 0.0);
   return ZOPT_OK;

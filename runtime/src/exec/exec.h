@@ -155,6 +155,11 @@ struct StepState {
   double sumsq = 0;
   double norm = NAN, clip = 1.0;
   bool skipped = false;
+  // Some tensor has a gradient on some rank (the host executor's agreement;
+  // a linked step: in some part). A step without any changes nothing: FINISH
+  // leaves the loss scaler as it is, as a step at world size 1 the Python
+  // binding never calls (docs/USAGE.md section 3).
+  bool any_active = true;
   zopt_control ctl{};        // run_end's decision (FINISH applies it)
 };
 // The step's CONTROL (abi.h; docs/NUMERICS.md) for the sum of squares

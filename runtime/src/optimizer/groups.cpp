@@ -262,10 +262,9 @@ ZOPT_API zopt_status zopt_optimizer_set_active(zopt_optimizer *o, const uint8_t 
   const bool marking = exec::spec_marking(o);
   if (!marking)
     if (zopt_status st = check_idle(o, fn)) return st;
-  if (o->stream_grads)
-    return fail(ZOPT_ERR_BAD_STATE,
-                "zopt_optimizer_set_active: with streamed gradients the gradients handed to "
-                "zopt_optimizer_reduce_bucket (NULL: none) say which tensors have one");
+  // With streamed gradients the gradients handed to zopt_optimizer_reduce_bucket
+  // (NULL: none) say which tensors have one; the mask is read for the
+  // tensors without elements only (in no bucket; exec agree_step).
   // The mask may live where the backend runs (the device): the counts are
   // refreshed first, the new mask pushed with them; a failed push puts the
   // old mask back.

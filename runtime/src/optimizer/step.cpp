@@ -241,6 +241,11 @@ ZOPT_API zopt_status zopt_optimizer_step_linked(zopt_optimizer *const *parts, in
     if (zopt_status s = exec::run_begin(parts[i], &st[i], i == 0)) return s;
     if (st[i].has_norm) sumsq += st[i].sumsq;
   }
+  // The loss scaler changes when some part has a gradient (the parts'
+  // scalers stay alike): every part's any_active is the parts' OR.
+  bool any = false;
+  for (int i = 0; i < n; ++i) any = any || st[i].any_active;
+  for (int i = 0; i < n; ++i) st[i].any_active = any;
   for (int i = 0; i < n; ++i)
     if (zopt_status s = exec::run_end(parts[i], &st[i], sumsq, i == 0 ? result : nullptr)) return s;
   return ZOPT_OK;
@@ -258,6 +263,9 @@ ZOPT_API zopt_status zopt_optimizer_step_linked_begin(zopt_optimizer *const *par
     if (zopt_status s = exec::run_begin(parts[i], st[i].get(), i == 0)) return s;
     if (st[i]->has_norm) sumsq += st[i]->sumsq;
   }
+  bool any = false;  // (as zopt_optimizer_step_linked)
+  for (int i = 0; i < n; ++i) any = any || st[i]->any_active;
+  for (int i = 0; i < n; ++i) st[i]->any_active = any;
   begun_result(parts[0], *st[0], sumsq, result);
   for (int i = 0; i < n; ++i) {
     parts[i]->begun = st[i].release();

@@ -100,7 +100,7 @@ zopt_status carry_states(zopt_optimizer *o, exec::Program *old, size_t T0) {
     for (size_t t = 0; t < T0; ++t) exec::runs(o, (int)t, (int)s, &fresh[t]);
     const layout::Layout &L = old->layout_of(d, (int)s, true);  // a q8 absmax: its blocks
     const size_t cap = old->recv.size() / (es * (size_t)W);
-    if (cap == 0) return fail(ZOPT_ERR_INTERNAL, "%s: no collective scratch", kFn);
+    if (cap == 0 && !L.buckets.empty()) return fail(ZOPT_ERR_INTERNAL, "%s: no collective scratch", kFn);
     for (int b = 0; b < (int)L.buckets.size(); ++b) {
       const layout::Bucket &k = L.buckets[b];
       for (int64_t off = 0; off < k.shard;) {
