@@ -1,0 +1,92 @@
+"""What the overlap fuzzer's streaming world (python/tests/stream_fuzz.py;
+docs/TESTING.md "The overlap fuzzer", findings S1, ...) found in
+``grad_streaming=True``, minimized: each test failed before its fix."""
+import os
+import sys
+
+import pytest
+import torch
+
+import zopt
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from overlap_fuzz_model import SHAPES, Net, plist, same_t  # noqa: E402
+
+
+def _pair(steps, stage):
+    """Two copies of the fuzzer's model (bf16): (net, the step without
+    streaming), (net, the same step with grad_streaming=True)."""
+    step = steps.text(zopt.steps.adamw.text(param="bf16", master="f32", clip=1.0,
+                                            zero_stage=stage))
+    g = torch.Generator().manual_seed(5)
+    init = [(torch.randn(sh, generator=g) * 0.5 + 0.1).to(torch.bfloat16) for sh in SHAPES]
+    out = []
+    for streamed in (False, True):
+        net = Net([t.clone() for t in init])
+        out.append((net, zopt.Optimizer(step, plist(net)[:4], lr=1e-2, weight_decay=0.1,
+                                         bucket_elems=64, grad_streaming=streamed)))
+    return out
+
+
+def _backward(net, seed, extra=False):
+    g = torch.Generator().manual_seed(seed)
+    net(torch.randn(8, 16, generator=g)).square().mean().backward()
+    if not extra:
+        net.extra.grad = None  # (not in the optimizer)
+
+
+def _same(a, b):
+    (na, oa), (nb, ob) = a, b
+    for p, q in zip(plist(na), plist(nb)):
+        assert same_t(p, q)
+    sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
+    assert sorted(sa) == sorted(sb)
+    for i in sa:
+        for k in sa[i]:
+            x, y = sa[i][k], sb[i][k]
+            assert same_t(x, y) if torch.is_tensor(x) else x == y, (i, k)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_s1_params_given_new_memory_after_a_streamed_backward(steps, stage):
+    """S1: every param given new memory (``p.data = p.data.clone()``) between
+    a streamed backward and ``step()``. ZeRO-2 registers the new memory in
+    place (the native optimizer and the shards it reduced stay), but
+    ``step()`` took any re-registration for a new native optimizer: it
+    refused "the native optimizer was rebuilt ... run the backward again",
+    and from then on every backward and step failed ("bucket 0 was already
+    reduced since the last step"): the optimizer was stuck for good. Now
+    the reduced shards are kept (as ZeRO-3 did): the step and the ones after
+    it equal the non-streamed optimizer's."""
+    a, b = _pair(steps, stage)
+    for s in range(3):
+        for net, o in (a, b):
+            o.zero_grad(set_to_none=True)
+            _backward(net, s)
+            if s == 1:
+                with torch.no_grad():
+                    for p in plist(net):
+                        p.data = p.data.clone()
+            o.step()
+        assert all(p.grad is None for p in plist(b[0]))
+        _same(a, b)
+
+
+def test_s1_a_group_added_after_a_streamed_backward_refuses_then_recovers(steps):
+    """The refusal S1 kept for what does lose the reduced shards (a param
+    group added: the native optimizer grown): BAD_STATE naming it, then the
+    backward run again steps as the non-streamed optimizer."""
+    a, b = _pair(steps, 2)
+    for net, o in (a, b):
+        _backward(net, 0)
+        o.add_param_group(dict(params=[net.extra], lr=3e-2))
+    with pytest.raises(zopt.ZoptError, match="rebuilt .*run the backward again"):
+        b[1].step()
+    for s in range(2):  # the backward again (the extra param's gradient in the step now)
+        for net, o in (a, b):
+            o.zero_grad(set_to_none=True)
+            _backward(net, s, extra=True)
+            o.step()
+        _same(a, b)
