@@ -27,6 +27,10 @@ OVERLAP = {
 # one per worker: ZOPT_FAKE_CUDA_TWIN names the one CPU twin the stand-in runs
 GPU = {"adamw:f32": dict(param="f32"), "adamw:bf16": dict(param="bf16", master="f32")}
 FRACTION = {"adamw:f32": dict(param="f32")}
+# grad_streaming=True (CPU-updated ZeRO-2 / ZeRO-3 steps, gradients in the
+# param's dtype) against the same step without: every stage of each
+STREAM = {"adamw:bf16": dict(param="bf16", master="f32"), "sgd:f32": dict(param="f32"),
+          "adamw:f16": dict(param="f16", master="f32")}
 
 
 def _paths(steps, table, placement, with_gpu=False):
@@ -40,6 +44,17 @@ def _paths(steps, table, placement, with_gpu=False):
         if with_gpu:  # the GPU twin class of gpu_fraction
             out[-1] += "=" + steps.text(rule.text(placement="gpu", clip=1.0, **kw)).path
     return ";".join(out), cpu.path
+
+
+def _stream_paths(steps):
+    from zopt import steps as S
+    out = []
+    for name, kw in STREAM.items():
+        rule = getattr(S, name.split(":")[0])
+        for stage in (2, 3):
+            path = steps.text(rule.text(clip=1.0, zero_stage=stage, **kw)).path
+            out.append(f"{name}:z{stage}={path}={path}")
+    return ";".join(out)
 
 
 def _check(out):
@@ -76,6 +91,13 @@ def test_gpu_fraction_overlap_fuzz(steps, tmp_path):
     _check(out)
 
 
+def test_stream_fuzz(steps, tmp_path):
+    """grad_streaming=True at one rank (ZeRO-2 and ZeRO-3) against the same
+    step without streaming (stream_fuzz.py; no stand-in driver)."""
+    out = run_worker(WORKER, "stream", _stream_paths(steps), tmp_path)
+    _check(out)
+
+
 @needs_fake
 def test_the_harness_can_fail(steps, tmp_path):
     """The copy under test given a gradient 1% off (l2.bias, from the
@@ -86,3 +108,13 @@ def test_the_harness_can_fail(steps, tmp_path):
                      ZOPT_FUZZ_BREAK="1", ZOPT_FUZZ_CASES="3", ZOPT_FUZZ_MAX_FAIL="3")
     assert len(out["failures"]) == 3, out
     assert all("differs from C's" in f["error"] for f in out["failures"]), out["failures"]
+
+
+def test_the_stream_harness_can_fail(steps, tmp_path):
+    """The same for the streaming world: S's l2.bias gradient 1% off (a
+    param, a state element or the norm clip_grad_norm_ returns differs)."""
+    out = run_worker(WORKER, "stream", _stream_paths(steps), tmp_path, ZOPT_FUZZ_BREAK="1",
+                     ZOPT_FUZZ_CASES="3", ZOPT_FUZZ_MAX_FAIL="3")
+    assert len(out["failures"]) == 3, out
+    assert all("differs from C's" in f["error"] or "Fail: clip_grad_norm_: [" in f["error"]
+               for f in out["failures"]), out["failures"]

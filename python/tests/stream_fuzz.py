@@ -1,0 +1,190 @@
+"""The overlap fuzzer's streaming world (python/tests/overlap_fuzz.py runs
+it as mode ``stream``; docs/TESTING.md "The overlap fuzzer"): at one rank,
+(S) a CPU-updated ZeRO-2 / ZeRO-3 step with ``grad_streaming=True``
+(gradients reduced into the runtime's shards from backward hooks, each
+``p.grad`` freed once its buckets are reduced) against (C) the same step
+without streaming, over copies of the overlap fuzzer's model, bit for bit
+after the actions (params, states, counts, skip, scale: World.check).
+
+The overlap world's actions, and where streaming differs:
+
+* the first of two micro-batches in ``no_sync()``; after every ``step()``
+  each of S's ``p.grad`` must be None (docs/USAGE.md), and C's are set to
+  None as well (the copies go on from the same gradients);
+* between the backward and ``step()``: a second backward and
+  ``zero_grad`` (refused, BAD_STATE, nothing reduced changes), the step's
+  clip begun by hand (``clip_grad_norm_``: the same norm), an lr / weight
+  decay edit (taken by the step), a negative lr (refused at ``step()``,
+  then the step with the lr back), the state read (``state_dict()``),
+  params given new memory (``p.data = p.data.clone()``: registered in
+  place, S's reduced gradients kept) and ``add_param_group`` (S's
+  ``step()`` refuses, its reduced gradients lost; then S gets C's
+  gradients by hand and both step);
+* a param written in place or replaced (``p.data = new``) after a step;
+* after a backward aborted by an exception (S's buckets partly reduced):
+  ``zero_grad`` refused (BAD_STATE), then ``step()`` (the rest reduced).
+
+No stand-in driver: :class:`NoDevice` answers the World's stream calls."""
+import torch
+
+from zopt._lib import Status, ZoptError
+from overlap_fuzz import World
+from overlap_fuzz_model import SHAPES, Fail, expect, plist
+
+
+class _NoFake:
+    """The stand-in driver's calls the World makes, for CPU copies only."""
+
+    def fake_cuda_set_htod_delay(self, _us):
+        return 0
+
+    def fake_cuda_drain_all(self):
+        return 0
+
+    def fake_cuda_num_bad_ranges(self):
+        return 0
+
+    def cuStreamSynchronize(self, _s):  # noqa: N802 (the driver's name)
+        return 0
+
+
+class NoDevice:
+    """StandIn's place in the streaming world (no device memory)."""
+
+    def __init__(self):
+        self.fake = _NoFake()
+        self.cur = {"s": 0}
+
+    def stream(self):
+        return 0
+
+
+def _refused(fn, code, words, what):
+    try:
+        fn()
+    except ZoptError as e:
+        expect(e.code == code and words in str(e), f"{what}: {e}")
+    else:
+        raise Fail(f"{what} was not refused")
+
+
+class StreamWorld(World):
+    """S (streamed) and C (the same step, not streamed): World's copies."""
+
+    def on_device(self, name):
+        return False
+
+    @property
+    def streamer(self):
+        return self.opts[0]._streamer
+
+    def step_all(self):
+        super().step_all()
+        S = self.params_in(0)
+        held = [i for i, p in enumerate(S) if p.grad is not None]
+        expect(not held, f"S's p.grad not None after step() for params {held}")
+        for p in self.params_in(1):  # C from the same (no) gradients on
+            p.grad = None
+
+    def between_backward_and_step(self):
+        r = self.r
+        if r.random() >= 0.4:
+            return ""
+        what = r.choice(["second_backward", "zero_grad", "clip", "hyper", "bad_lr",
+                         "state_dict", "new_memory", "add_group"])
+        S, st = self.opts[0], self.streamer
+        self.note = f"{what} after backward"
+        if what in ("second_backward", "zero_grad") and not st.reduced:
+            return f" ({what}: nothing reduced)"
+        if what == "second_backward":
+            before = self.snapshot(0)
+            _refused(lambda: self.loss(0, self.x(0.3)).backward(), Status.BAD_STATE,
+                     "second backward", "a second backward after the reductions")
+            self.same_snapshot(before, self.snapshot(0), "refused second backward")
+            for p in plist(self.nets[0]):  # what the refused backward left in p.grad
+                p.grad = None
+        elif what == "zero_grad":
+            before = self.snapshot(0)
+            _refused(lambda: S.zero_grad(set_to_none=r.random() < 0.5), Status.BAD_STATE,
+                     "zero_grad", "zero_grad after the reductions")
+            self.same_snapshot(before, self.snapshot(0), "refused zero_grad")
+        elif what == "clip":
+            return self.clip_by_hand()
+        elif what == "hyper":
+            gi, key = r.randrange(2), r.choice(["lr", "weight_decay"])
+            v = r.choice([1e-3, 5e-3, 2e-2]) if key == "lr" else r.choice([0.0, 0.05, 0.2])
+            for o in self.opts:
+                o.param_groups[gi][key] = v
+            return f"; group {gi} {key} = {v} after backward"
+        elif what == "bad_lr":
+            g = S.param_groups[0]
+            old = g["lr"]
+            before = self.snapshot(0)
+            try:
+                try:
+                    g["lr"] = -1.0
+                except (ValueError, ZoptError):
+                    return "; bad lr refused at the assignment"
+                try:
+                    S.step()
+                except (ValueError, ZoptError):
+                    pass
+                else:
+                    if any(p.requires_grad for p in g["params"]):
+                        raise Fail("a negative lr after backward was not refused at step()")
+                    return "; bad lr not pushed (its group frozen), S stepped"  # (checked next)
+            finally:
+                g["lr"] = old
+            self.same_snapshot(before, self.snapshot(0), "refused bad lr after backward")
+        elif what == "state_dict":
+            self.check("between backward and step()")
+        elif what == "new_memory":  # registered in place: the reduced shards kept (S1)
+            with torch.no_grad():
+                for net in self.nets:
+                    for p in plist(net):
+                        p.data = p.data.clone()
+        elif what == "add_group":  # a grown native optimizer: S's reduced shards lost
+            if self.with_extra:
+                return " (add_group: none to add)"
+            was = st.reduced
+            msg = self.a_add_group()
+            if was:
+                _refused(S.step, Status.BAD_STATE, "rebuilt", "step() after add_param_group")
+            for p, q in zip(plist(self.nets[0]), plist(self.nets[1])):
+                p.grad = None if q.grad is None else q.grad.clone()
+            return f"; {msg} after backward, S's step refused, C's grads by hand"
+        return f"; {what} after backward"
+
+    def a_write(self):
+        i = self.r.randrange(5)
+        how = self.r.choice(["inplace", "replace"])
+        val = (torch.randn(SHAPES[i], generator=self.g) * 0.5).to(self.dtype)
+        for net in self.nets:
+            p = plist(net)[i]
+            with torch.no_grad():
+                if how == "inplace":
+                    p.copy_(val)
+                else:
+                    p.data = val.clone()
+        return f"param {i} written {how}"
+
+    def a_abort(self):
+        self._abort_probe = self.r.random() < 0.5
+        try:
+            msg = super().a_abort()
+        finally:
+            probed, self._abort_probe = self._abort_probe, False
+        return msg and msg + ("; zero_grad refused" if probed == "done" else "")
+
+    def unused_grads(self):
+        """(World.a_abort calls it right after the aborted backward: there,
+        S's zero_grad is refused if a bucket was reduced, changing nothing.)"""
+        super().unused_grads()
+        if self._abort_probe is True and self.streamer.reduced:
+            self._abort_probe = "done"
+            before = self.snapshot(0)
+            _refused(lambda: self.opts[0].zero_grad(set_to_none=self.r.random() < 0.5),
+                     Status.BAD_STATE, "zero_grad", "zero_grad after an aborted backward")
+            self.same_snapshot(before, self.snapshot(0), "refused zero_grad after an abort")
+
+    _abort_probe = False
