@@ -90,3 +90,39 @@ def test_s1_a_group_added_after_a_streamed_backward_refuses_then_recovers(steps)
             _backward(net, s, extra=True)
             o.step()
         _same(a, b)
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_s2_zero3_a_param_added_in_the_memory_a_moved_param_left(steps, streamed):
+    """S2 (ZeRO-3, streamed or not): a param given new memory (``p.data =
+    new``) stayed registered in the runtime at its old storage (ZeRO-3
+    never reads it after finalize, so the move was not recorded); a param
+    added later in that storage (the old tensor reused, or the allocator
+    handing its memory out again, as the fuzzer hit at random) was refused
+    by ``add_param_group``: "param pointer ... is already registered".
+    Now the move is recorded: it is added and every step equals the
+    same steps of ZeRO-0 over the same params."""
+    z3 = steps.text(zopt.steps.sgd.text(param="f32", clip=1.0, zero_stage=3))
+    z0 = steps.text(zopt.steps.sgd.text(param="f32", clip=1.0))
+    g = torch.Generator().manual_seed(3)
+    init = [torch.randn(8, generator=g) for _ in range(3)]
+    grads = [[torch.randn(8, generator=g) for _ in range(3)] for _ in range(3)]
+    runs = []
+    for step, st in ((z0, False), (z3, streamed)):
+        ps = [torch.nn.Parameter(t.clone()) for t in init[:2]]
+        o = zopt.Optimizer(step, ps, lr=1e-2, momentum=0.9, grad_streaming=st)
+        for s in range(3):
+            if s == 1:
+                old = ps[0].data
+                ps[0].data = old.clone()   # ps[0] moves; its old storage ...
+                x = torch.nn.Parameter(old)  # ... becomes the added param's
+                with torch.no_grad():
+                    x.copy_(init[2])
+                o.add_param_group(dict(params=[x], lr=3e-2))
+                ps.append(x)
+            for p, gr in zip(ps, grads[s]):
+                p.grad = gr.clone()
+            o.step()
+        runs.append(ps)
+    for p, q in zip(*runs):
+        assert same_t(p, q)
