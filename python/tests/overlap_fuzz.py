@@ -586,9 +586,9 @@ class World(Refusals):
     def a_hand_grads(self):
         """Gradients set by hand, no backward: step() marks every bucket (A);
         a param that requires grad without one: (A) refused... so every one
-        gets one here; the GPU world leaves a random one without."""
+        gets one here; the GPU and streaming worlds leave a random one without."""
         self.zero_grad("none")
-        skip = self.r.randrange(5) if self.mode == "gpu" else -1
+        skip = self.r.randrange(5) if self.mode in ("gpu", "stream") else -1
         n = 0
         for i in range(5 if self.with_extra else 4):
             if i == skip:
@@ -642,6 +642,8 @@ def run_case(mode, variants, seed, tmp, s, dev, actions, world=World):
         return dict(seed=seed, log=w.log, error=f"{type(e).__name__}: {e}",
                     trace=traceback.format_exc()[-3000:])
     finally:
+        if os.environ.get("ZOPT_FUZZ_LOG") == "1":  # every case's actions, on stderr
+            print("\n  ".join([f"seed {seed}:"] + w.log), file=sys.stderr, flush=True)
         try:
             w.close()
         except BaseException:

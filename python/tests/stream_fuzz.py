@@ -86,12 +86,38 @@ class StreamWorld(World):
         for p in self.params_in(1):  # C from the same (no) gradients on
             p.grad = None
 
+    def backward_all(self, x, first_micro=False):
+        """A streamed backward returns with every bucket reduced and each
+        of S's p.grad freed (docs/USAGE.md); inside no_sync() they stay."""
+        r = self.r
+        unused = r.random() < 0.15 and any(  # extra left out of the forward: no gradient
+            p.requires_grad for p in plist(self.nets[0])[:4])  # (a loss to backward)
+        held_back = not first_micro and r.random() < 0.1  # S's in no_sync() too: reduced at step()
+        self.note += " extra unused;" * unused + " S's backward in no_sync();" * held_back
+        for net in self.nets:
+            net.use_extra = not unused
+        try:
+            if held_back:
+                with self.opts[0].no_sync():
+                    self.loss(0, x).backward()
+                self.loss(1, x).backward()
+            else:
+                super().backward_all(x, first_micro)
+        finally:
+            for net in self.nets:
+                net.use_extra = True
+        if first_micro or held_back:
+            return
+        held = [i for i, p in enumerate(self.params_in(0)) if p.grad is not None]
+        expect(not held, f"S's p.grad not None after a streamed backward for params {held}")
+
     def between_backward_and_step(self):
         r = self.r
         if r.random() >= 0.4:
             return ""
         what = r.choice(["second_backward", "zero_grad", "clip", "hyper", "bad_lr",
-                         "state_dict", "new_memory", "add_group"])
+                         "state_dict", "new_memory", "add_group", "freeze", "write",
+                         "load_state_dict"])
         S, st = self.opts[0], self.streamer
         self.note = f"{what} after backward"
         if what in ("second_backward", "zero_grad") and not st.reduced:
@@ -143,6 +169,21 @@ class StreamWorld(World):
                 for net in self.nets:
                     for p in plist(net):
                         p.data = p.data.clone()
+        elif what == "freeze":  # requires_grad toggled, the gradients kept: stepped (torch)
+            i = r.randrange(5)
+            for net in self.nets:
+                plist(net)[i].requires_grad_(not plist(net)[i].requires_grad)
+            return f"; param {i} requires_grad toggled after backward"
+        elif what == "write":  # in place (a version bump): the master made again
+            i = r.randrange(5)
+            val = (torch.randn(SHAPES[i], generator=self.g) * 0.5).to(self.dtype)
+            with torch.no_grad():
+                for net in self.nets:
+                    plist(net)[i].copy_(val)
+            return f"; param {i} written in place after backward"
+        elif what == "load_state_dict":
+            for o in self.opts:
+                o.load_state_dict(o.state_dict())
         elif what == "add_group":  # a grown native optimizer: S's reduced shards lost
             if self.with_extra:
                 return " (add_group: none to add)"
@@ -156,16 +197,25 @@ class StreamWorld(World):
         return f"; {what} after backward"
 
     def a_write(self):
+        """A param written in place or given new memory; or (``handed``)
+        l2.bias given new memory and its old storage the loose param's
+        (their shapes are the same: a registered storage handed on)."""
         i = self.r.randrange(5)
-        how = self.r.choice(["inplace", "replace"])
+        how = self.r.choice(["inplace", "replace", "handed"])
+        if how == "handed":
+            i = 3
         val = (torch.randn(SHAPES[i], generator=self.g) * 0.5).to(self.dtype)
         for net in self.nets:
             p = plist(net)[i]
             with torch.no_grad():
                 if how == "inplace":
                     p.copy_(val)
-                else:
-                    p.data = val.clone()
+                    continue
+                old = p.data
+                p.data = val.clone()
+                if how == "handed":
+                    old.copy_(net.extra.data)
+                    net.extra.data = old
         return f"param {i} written {how}"
 
     def a_abort(self):
