@@ -126,3 +126,67 @@ def test_s2_zero3_a_param_added_in_the_memory_a_moved_param_left(steps, streamed
         runs.append(ps)
     for p, q in zip(*runs):
         assert same_t(p, q)
+
+
+def test_s3_zero3_two_ranks_a_param_back_in_its_registered_storage_on_one_rank(steps):
+    """S3 (ZeRO-3, several ranks; the streaming fuzzer at 2 gloo ranks): a
+    param given new memory on every rank is written into the runtime's
+    held shard and master from its current storage (a collective read of
+    the master) unless its storage is the registered one (then the
+    runtime refreshes from there, locally). On one rank the new storage
+    was, by the allocator's chance, the registered one again: that rank
+    refreshed otherwise than the other, a collective mismatch (ZoptError
+    COMM) in the next call. Now a param once moved is refreshed from its
+    current storage on every rank until a rebuild registers it again.
+    Rank 1 puts the param back into its registered storage on purpose;
+    both ranks' params equal the same steps' over params moved plainly."""
+    from test_comm import _free_port, _run_all, _runtime_env
+    so = steps.text(zopt.steps.adamw.text(param="bf16", master="f32", clip=1.0,
+                                          zero_stage=3)).path
+    port = _free_port()
+    cmds = [[sys.executable, os.path.abspath(__file__), "s3", str(r), str(port), so]
+            for r in range(2)]
+    procs, outs = _run_all(cmds, timeout=90, env=_runtime_env())
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and f"DONE rank {r}" in out, f"rank {r}:\n{out}"
+
+
+def _s3_rank(rank, port, so):
+    import datetime
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=datetime.timedelta(seconds=20))
+    g = torch.Generator().manual_seed(7)
+    init = [torch.randn(8, generator=g).to(torch.bfloat16) for _ in range(2)]
+    grads = [[torch.randn(8, generator=g).to(torch.bfloat16) for _ in range(2)]
+             for _ in range(3)]
+    step = zopt.Step(so)
+    ps, qs = ([torch.nn.Parameter(t.clone()) for t in init] for _ in range(2))
+    o, oq = (zopt.Optimizer(step, x, lr=1e-2, weight_decay=0.1, process_group=dist.group.WORLD)
+             for x in (ps, qs))
+    keep = None
+    for s in range(3):
+        with torch.no_grad():
+            if s == 1:
+                keep = ps[0].data  # the registered storage (rank 1 keeps it)
+                ps[0].data = keep.clone()
+                qs[0].data = qs[0].data.clone()
+            if s == 2:
+                if rank == 1:  # back into the registered storage
+                    keep.copy_(ps[0].data)
+                    ps[0].data = keep
+                else:
+                    ps[0].data = ps[0].data.clone()
+                qs[0].data = qs[0].data.clone()
+        for x, opt in ((ps, o), (qs, oq)):
+            for p, gr in zip(x, grads[s]):
+                p.grad = gr.clone()
+            opt.step()
+    for p, q in zip(ps, qs):
+        assert same_t(p, q), (p, q)
+    print(f"DONE rank {rank}", flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "s3":
+        _s3_rank(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

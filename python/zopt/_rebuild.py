@@ -179,6 +179,7 @@ def register_moved(c, tids):
     rewrites the device's pointer table; a refusal: the native optimizer
     rebuilt around it), every state kept."""
     if c.step.zero3:
+        c.moved3.update(tids)
         return
     tids = [t for t in tids if c.entries[t].dense is None]
     if not tids:  # strided params: their registered copies did not move
