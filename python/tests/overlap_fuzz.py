@@ -122,6 +122,10 @@ class World(Refusals):
         """Copy ``name``'s params and gradients in (stand-in) device memory."""
         return name != "C"
 
+    def make_kw(self, name):
+        """Copy ``name``'s own options of zopt.Optimizer (the streaming world's)."""
+        return {}
+
     def rand_hypers(self):
         r = self.r
         h = dict(lr=r.choice([1e-3, 1e-2, 3e-2]), weight_decay=r.choice([0.0, 0.01, 0.1]))
@@ -175,8 +179,7 @@ class World(Refusals):
             kw.update(overlap=True, speculation_budget=self.budget)
             if self.per_bucket:
                 kw["model"] = self.nets[k]
-        if name == "S":
-            kw["grad_streaming"] = True
+        kw.update(self.make_kw(name))
         frozen = None
         if groups is not None and (name == "G" or self.mode == "fraction"):
             # a new optimizer with a GPU step (or class) that loads the old
@@ -667,9 +670,10 @@ def variants_of(mode, paths):
 
 def main(mode, paths, tmp):
     world = World
-    if mode == "stream":  # CPU params only: no stand-in driver (stream_fuzz.py)
-        from stream_fuzz import NoDevice, StreamWorld
+    if mode == "stream":  # CPU params only: no stand-in driver (stream_fuzz.py;
+        from stream_fuzz import NoDevice, StreamWorld, join_ranks  # ZOPT_FUZZ_RANK: gloo ranks)
         s, dev, world = NoDevice(), None, StreamWorld
+        join_ranks()
     else:
         s = StandIn()
         cuda_params()

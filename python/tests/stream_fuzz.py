@@ -1,6 +1,7 @@
 """The overlap fuzzer's streaming world (python/tests/overlap_fuzz.py runs
-it as mode ``stream``; docs/TESTING.md "The overlap fuzzer"): at one rank,
-(S) a CPU-updated ZeRO-2 / ZeRO-3 step with ``grad_streaming=True``
+it as mode ``stream``; docs/TESTING.md "The overlap fuzzer"): at one rank
+or (ZOPT_FUZZ_RANK / _WORLD / _PORT: :func:`join_ranks`) at several gloo
+ranks, (S) a CPU-updated ZeRO-2 / ZeRO-3 step with ``grad_streaming=True``
 (gradients reduced into the runtime's shards from backward hooks, each
 ``p.grad`` freed once its buckets are reduced) against (C) the same step
 without streaming, over copies of the overlap fuzzer's model, bit for bit
@@ -24,12 +25,20 @@ The overlap world's actions, and where streaming differs:
 * after a backward aborted by an exception (S's buckets partly reduced):
   ``zero_grad`` refused (BAD_STATE), then ``step()`` (the rest reduced).
 
+* a backward with the loose param left out of the forward (at several
+  ranks on rank 1 only), S's last backward inside ``no_sync()`` too (its
+  buckets reduced at ``step()``), gradients by hand leaving one param out;
+  l2.bias's storage handed on to the loose param (ZeRO-3: S2).
+
 No stand-in driver: :class:`NoDevice` answers the World's stream calls."""
+import datetime
+import os
+
 import torch
 
 from zopt._lib import Status, ZoptError
 from overlap_fuzz import World
-from overlap_fuzz_model import SHAPES, Fail, expect, plist
+from overlap_fuzz_model import D, SHAPES, Fail, expect, plist
 
 
 class _NoFake:
@@ -68,11 +77,45 @@ def _refused(fn, code, words, what):
         raise Fail(f"{what} was not refused")
 
 
+RANKS = {"pg": None, "rank": 0}
+
+
+def join_ranks():
+    """ZOPT_FUZZ_RANK / _WORLD / _PORT set (test_overlap_fuzz.py runs two):
+    this process one gloo rank; every copy's optimizer over the world."""
+    if "ZOPT_FUZZ_RANK" not in os.environ:
+        return
+    import torch.distributed as dist
+    r, w = int(os.environ["ZOPT_FUZZ_RANK"]), int(os.environ["ZOPT_FUZZ_WORLD"])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['ZOPT_FUZZ_PORT']}",
+                            rank=r, world_size=w, timeout=datetime.timedelta(seconds=30))
+    RANKS.update(pg=dist.group.WORLD, rank=r)
+
+
 class StreamWorld(World):
-    """S (streamed) and C (the same step, not streamed): World's copies."""
+    """S (streamed) and C (the same step, not streamed): World's copies.
+    At several ranks every rank draws the same actions and params (the
+    World's generators) and its own batches (:meth:`x`); the loose param
+    is left out of a backward on rank 1 only."""
+
+    def __init__(self, *a):
+        self.gx = None
+        super().__init__(*a)
+        self.gx = torch.Generator().manual_seed(1000003 * a[2] + RANKS["rank"])
 
     def on_device(self, name):
         return False
+
+    def make_kw(self, name):
+        kw = dict(grad_streaming=True) if name == "S" else {}
+        if RANKS["pg"] is not None:
+            kw["process_group"] = RANKS["pg"]
+        return kw
+
+    def x(self, scale):
+        if RANKS["pg"] is None or self.gx is None:
+            return super().x(scale)
+        return torch.randn(8, D, generator=self.gx) * scale
 
     @property
     def streamer(self):
@@ -94,8 +137,14 @@ class StreamWorld(World):
             p.requires_grad for p in plist(self.nets[0])[:4])  # (a loss to backward)
         held_back = not first_micro and r.random() < 0.1  # S's in no_sync() too: reduced at step()
         self.note += " extra unused;" * unused + " S's backward in no_sync();" * held_back
-        for net in self.nets:
-            net.use_extra = not unused
+        for net in self.nets:  # (at several ranks: on rank 1 only)
+            net.use_extra = not unused or (RANKS["pg"] is not None and RANKS["rank"] != 1)
+        ps = plist(self.nets[0])
+        if not any(p.requires_grad for p in ps[:4] + ps[4:] * self.nets[0].use_extra):
+            for net in self.nets:  # (every param frozen: no loss to backward)
+                net.use_extra = True
+            self.note += " every param frozen: no backward;"
+            return
         try:
             if held_back:
                 with self.opts[0].no_sync():

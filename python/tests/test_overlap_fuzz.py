@@ -5,7 +5,7 @@ applied to an offloaded optimizer with ``overlap=True`` (with and without
 GPU step on the stand-in driver (ZOPT_FAKE_CUDA_TWIN) and its CPU twin;
 every param and state element compared bit for bit after the actions.
 
-ZOPT_FUZZ_CASES (default 8 per world), ZOPT_FUZZ_SEED and
+ZOPT_FUZZ_CASES (default 8 per world; 2 at 2 gloo ranks), ZOPT_FUZZ_SEED and
 ZOPT_FUZZ_ACTIONS (default 25) pick the cases; ZOPT_FUZZ_MAX_FAIL how many
 failing cases a worker reports before it stops (default 1)."""
 import os
@@ -96,6 +96,24 @@ def test_stream_fuzz(steps, tmp_path):
     step without streaming (stream_fuzz.py; no stand-in driver)."""
     out = run_worker(WORKER, "stream", _stream_paths(steps), tmp_path)
     _check(out)
+
+
+def test_stream_fuzz_two_gloo_ranks(steps, tmp_path):
+    """The streaming world at 2 gloo ranks (every rank the same actions,
+    its own batches; the loose param left out of a backward on rank 1
+    only): each rank's S against its C. Hard timeout, killed on failure."""
+    import json
+    import sys
+    from test_comm import _free_port, _run_all, _runtime_env
+    env = dict(_runtime_env(), ZOPT_FUZZ_WORLD="2", ZOPT_FUZZ_PORT=str(_free_port()),
+               ZOPT_FUZZ_CASES=os.environ.get("ZOPT_FUZZ_CASES", "2"))
+    paths = _stream_paths(steps)
+    cmds = [["env", f"ZOPT_FUZZ_RANK={r}", sys.executable, WORKER, "stream", paths,
+             str(tmp_path)] for r in range(2)]
+    procs, outs = _run_all(cmds, timeout=240, env=env)
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"rank {r}:\n{out}"
+        _check(json.loads(out.strip().splitlines()[-1]))
 
 
 @needs_fake
