@@ -133,8 +133,6 @@ def grow(c, new_groups, tids, undo):
     registrations), or None: its old states stay in the grown native
     optimizer (snapshot it before its registrations go back)."""
     if not c.step.gpu:
-        if c.step.zero3:
-            _record_zero3(c, [t for t in range(len(c.entries)) if t not in tids])
         try:
             c.add_tensors(new_groups, tids)
         except ZoptError as e:
@@ -150,24 +148,6 @@ def grow(c, new_groups, tids, undo):
             return
     undo[id(c)] = snap = snapshot(c)
     rebuild(c, snap)
-
-
-def _record_zero3(c, tids):
-    """ZeRO-3, before params are added: the runtime never reads a param's
-    registered memory after finalize, so a param given new memory stays
-    registered at its old storage (:func:`register_moved`), which may be
-    an added param's by now (the allocator hands it out again): each moved
-    param's current storage recorded (``zopt_optimizer_set_tensor_memory``)
-    so that the added one is not refused as "already registered" (finding
-    S2). ``e.pptr`` stays (the held shard is written from the current
-    storage: zopt._params.refresh_by_write). A refusal (params that
-    swapped storage) leaves that record: nothing reads it."""
-    L, h = c.lib, c.handle()
-    for t in tids:
-        e = c.entries[t]
-        if e.torch and e.numel and e.dense is None and e.param.data_ptr() != e.pptr:
-            L.zopt_optimizer_set_tensor_memory(h, int(t), ctypes.c_void_p(e.param.data_ptr()),
-                                               ctypes.c_void_p(e.gptr or None))
 
 
 def register_moved(c, tids):
