@@ -28,8 +28,7 @@ The overlap world's actions, and where streaming differs:
 * a backward with the loose param left out of the forward (at several
   ranks on rank 1 only), S's last backward inside ``no_sync()`` too (its
   buckets reduced at ``step()``), gradients by hand leaving one param out;
-  l2.bias's storage handed on to the loose param (not under ZeRO-3: S2,
-  open).
+  l2.bias's storage handed on to the loose param (ZeRO-3: S2).
 
 No stand-in driver: :class:`NoDevice` answers the World's stream calls."""
 import datetime
@@ -252,8 +251,6 @@ class StreamWorld(World):
         (their shapes are the same: a registered storage handed on)."""
         i = self.r.randrange(5)
         how = self.r.choice(["inplace", "replace", "handed"])
-        if how == "handed" and self.opts[0]._parts[0].step.zero3:
-            how = "replace"  # (ZeRO-3: S2, open, docs/TESTING.md)
         if how == "handed":
             i = 3
         val = (torch.randn(SHAPES[i], generator=self.g) * 0.5).to(self.dtype)

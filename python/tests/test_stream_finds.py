@@ -92,19 +92,16 @@ def test_s1_a_group_added_after_a_streamed_backward_refuses_then_recovers(steps)
         _same(a, b)
 
 
-@pytest.mark.xfail(strict=True, raises=zopt.ZoptError,
-                   reason="S2, open: ZeRO-3 keeps a moved param registered at its old storage")
 @pytest.mark.parametrize("streamed", [False, True])
 def test_s2_zero3_a_param_added_in_the_memory_a_moved_param_left(steps, streamed):
-    """S2 (ZeRO-3, streamed or not; OPEN): a param given new memory (``p.data
-    = new``) stays registered in the runtime at its old storage (ZeRO-3
-    never reads it after finalize, so the move is not recorded); a param
+    """S2 (ZeRO-3, streamed or not): a param given new memory (``p.data =
+    new``) stayed registered in the runtime at its old storage (ZeRO-3
+    never reads it after finalize, so the move was not registered); a param
     added later in that storage (the old tensor reused, or the allocator
-    handing its memory out again, as the fuzzer hit at random) is refused
-    by ``add_param_group``: "param pointer ... is already registered".
-    Recording the move (``zopt_optimizer_set_tensor_memory``) is no fix:
-    a ZeRO-3 step after it differs from ZeRO-0's (docs/TESTING.md S2).
-    Fixed, it is added and every step equals the same steps of ZeRO-0."""
+    handing its memory out again, as the fuzzer hit at random) was refused
+    by ``add_param_group``: "param pointer ... is already registered". Now
+    the move is registered in place as at the other stages: it is added
+    and every step equals the same steps of ZeRO-0."""
     z3 = steps.text(zopt.steps.sgd.text(param="f32", clip=1.0, zero_stage=3))
     z0 = steps.text(zopt.steps.sgd.text(param="f32", clip=1.0))
     g = torch.Generator().manual_seed(3)
