@@ -114,7 +114,7 @@ def test_s2_zero3_a_param_added_in_the_memory_a_moved_param_left(steps, streamed
         for s in range(3):
             if s == 1:
                 old = ps[0].data
-                ps[0].data = old.clone()   # ps[0] moves; its old storage ...
+                ps[0].data = old.clone().mul_(0.5)  # ps[0] moves (new values); its old storage ...
                 x = torch.nn.Parameter(old)  # ... becomes the added param's
                 with torch.no_grad():
                     x.copy_(init[2])

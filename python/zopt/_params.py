@@ -363,7 +363,6 @@ def pre_rebuild(c):
     for e in c.entries:
         if e.torch and e.numel and e.dense is None:
             e.pptr = e.param.data_ptr()
-    c.moved3.clear()
 
 
 # ---- the master made again from the params ---------------------------------------
@@ -386,15 +385,10 @@ def refresh(c, tids):
 
 
 def moved_from_registered(c, t):
-    """ZeRO-3: param t's registered memory may not hold its values (the
-    runtime never reads it after finalize). Once moved, always (until a
-    rebuild registers it again): a storage that is, by the allocator's
-    chance, the registered one again on one rank only must not make that
-    rank refresh otherwise (another collective) than the others (S3)."""
     e = c.entries[t]
     if not e.torch or not e.numel:
         return False
-    return t in c.moved3 or e.param.data_ptr() != e.pptr
+    return e.param.data_ptr() != e.pptr
 
 
 def refresh_by_write(c, t):

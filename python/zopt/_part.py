@@ -48,7 +48,6 @@ class Part(Native):
         self.steps_taken = 0
         self.refreshes = 0
         self.rebuilds = 0
-        self.moved3 = set()    # ZeRO-3: params moved since registered (zopt._params.moved_from_registered)
         self.a_params = []
 
     @property

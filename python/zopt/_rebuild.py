@@ -158,9 +158,9 @@ def register_moved(c, tids):
     runtime never reads the registered param memory after finalize (the
     binding passes the current storage everywhere): left registered, the
     old storage, once another param's or gradient's, was refused as
-    registered (finding S2); ``c.moved3`` marks them moved (S3)."""
-    if c.step.zero3:
-        c.moved3.update(tids)
+    registered (finding S2), and a rank whose param the allocator put
+    back into its registered storage refreshed it otherwise (another
+    collective) than the others (S3)."""
     tids = [t for t in tids if c.entries[t].dense is None]
     if not tids:  # strided params: their registered copies did not move
         return
