@@ -136,8 +136,8 @@ def test_s3_zero3_two_ranks_a_param_back_in_its_registered_storage_on_one_rank(s
     runtime refreshes from there, locally). On one rank the new storage
     was, by the allocator's chance, the registered one again: that rank
     refreshed otherwise than the other, a collective mismatch (ZoptError
-    COMM) in the next call. Now a param once moved is refreshed from its
-    current storage on every rank until a rebuild registers it again.
+    COMM) in the next call. Fixed with S2: the new storage is registered
+    on every rank, so every rank's record follows its storage.
     Rank 1 puts the param back into its registered storage on purpose;
     both ranks' params equal the same steps' over params moved plainly."""
     from test_comm import _free_port, _run_all, _runtime_env
