@@ -87,7 +87,7 @@ class World(Refusals):
                     f"bucket_elems={self.bucket_elems} budget={self.budget}"]
         init = [(torch.randn(sh, generator=self.g) * 0.5 + 0.1).to(self.dtype) for sh in SHAPES]
         names = {"overlap": ["A", "B", "C"], "gpu": ["G", "C"], "fraction": ["A", "B"],
-                 "stream": ["S", "C"]}[mode]
+                 "stream": ["S", "N", "C"]}[mode]
         self.nets = []
         for name in names:
             on_dev = self.on_device(name)

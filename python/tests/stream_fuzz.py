@@ -3,15 +3,17 @@ it as mode ``stream``; docs/TESTING.md "The overlap fuzzer"): at one rank
 or (ZOPT_FUZZ_RANK / _WORLD / _PORT: :func:`join_ranks`) at several gloo
 ranks, (S) a CPU-updated ZeRO-2 / ZeRO-3 step with ``grad_streaming=True``
 (gradients reduced into the runtime's shards from backward hooks, each
-``p.grad`` freed once its buckets are reduced) against (C) the same step
-without streaming, over copies of the overlap fuzzer's model, bit for bit
-after the actions (params, states, counts, skip, scale: World.check).
+``p.grad`` freed once its buckets are reduced) against (N) the same step
+without streaming and (C) the same rule at ZeRO-0 (the reference: a
+ZeRO-2/3 fault that streaming shares is seen too), over copies of the
+overlap fuzzer's model, bit for bit after the actions (params, states,
+counts, skip, scale: World.check).
 
 The overlap world's actions, and where streaming differs:
 
 * the first of two micro-batches in ``no_sync()``; after every ``step()``
-  each of S's ``p.grad`` must be None (docs/USAGE.md), and C's are set to
-  None as well (the copies go on from the same gradients);
+  each of S's ``p.grad`` must be None (docs/USAGE.md), and the others' are
+  set to None as well (the copies go on from the same gradients);
 * between the backward and ``step()``: a second backward and
   ``zero_grad`` (refused, BAD_STATE, nothing reduced changes), the step's
   clip begun by hand (``clip_grad_norm_``: the same norm), an lr / weight
@@ -19,7 +21,7 @@ The overlap world's actions, and where streaming differs:
   then the step with the lr back), the state read (``state_dict()``),
   params given new memory (``p.data = p.data.clone()``: registered in
   place, S's reduced gradients kept) and ``add_param_group`` (S's
-  ``step()`` refuses, its reduced gradients lost; then S gets C's
+  ``step()`` refuses, its reduced gradients lost; then S gets N's
   gradients by hand and both step);
 * a param written in place or replaced (``p.data = new``) after a step;
 * after a backward aborted by an exception (S's buckets partly reduced):
@@ -93,7 +95,7 @@ def join_ranks():
 
 
 class StreamWorld(World):
-    """S (streamed) and C (the same step, not streamed): World's copies.
+    """S (streamed), N (not streamed), C (ZeRO-0): World's copies.
     At several ranks every rank draws the same actions and params (the
     World's generators) and its own batches (:meth:`x`); the loose param
     is left out of a backward on rank 1 only."""
@@ -126,8 +128,9 @@ class StreamWorld(World):
         S = self.params_in(0)
         held = [i for i, p in enumerate(S) if p.grad is not None]
         expect(not held, f"S's p.grad not None after step() for params {held}")
-        for p in self.params_in(1):  # C from the same (no) gradients on
-            p.grad = None
+        for k in range(1, len(self.opts)):  # the others from the same (no) gradients on
+            for p in self.params_in(k):
+                p.grad = None
 
     def backward_all(self, x, first_micro=False):
         """A streamed backward returns with every bucket reduced and each
@@ -149,7 +152,8 @@ class StreamWorld(World):
             if held_back:
                 with self.opts[0].no_sync():
                     self.loss(0, x).backward()
-                self.loss(1, x).backward()
+                for k in range(1, len(self.opts)):
+                    self.loss(k, x).backward()
             else:
                 super().backward_all(x, first_micro)
         finally:
@@ -242,7 +246,7 @@ class StreamWorld(World):
                 _refused(S.step, Status.BAD_STATE, "rebuilt", "step() after add_param_group")
             for p, q in zip(plist(self.nets[0]), plist(self.nets[1])):
                 p.grad = None if q.grad is None else q.grad.clone()
-            return f"; {msg} after backward, S's step refused, C's grads by hand"
+            return f"; {msg} after backward, S's step refused, N's grads by hand"
         return f"; {what} after backward"
 
     def a_write(self):

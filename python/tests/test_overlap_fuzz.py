@@ -51,9 +51,10 @@ def _stream_paths(steps):
     out = []
     for name, kw in STREAM.items():
         rule = getattr(S, name.split(":")[0])
+        z0 = steps.text(rule.text(clip=1.0, **kw)).path  # the ZeRO-0 copy's
         for stage in (2, 3):
             path = steps.text(rule.text(clip=1.0, zero_stage=stage, **kw)).path
-            out.append(f"{name}:z{stage}={path}={path}")
+            out.append(f"{name}:z{stage}={path}={z0}")
     return ";".join(out)
 
 
