@@ -216,11 +216,14 @@ def same_as_twin_close_to_torch(opt, cpu, ps, hs, ts):
 
 
 def run_worker(script, what, step_path, tmp_path, **env_extra):
-    """Runs ``script``'s worker (its ``__main__``) against the stand-in driver:
-    the JSON it prints last."""
-    env = dict(os.environ, ZOPT_CUDA_DRIVER=FAKE, **env_extra,
+    """Runs ``script``'s worker (its ``__main__``) against the stand-in driver
+    (where it is built; a worker of CPU copies only runs without): the JSON
+    it prints last."""
+    env = dict(os.environ, **env_extra,
                PYTHONPATH=os.pathsep.join([os.path.join(REPO, "python"),
                                            os.environ.get("PYTHONPATH", "")]))
+    if FAKE is not None:
+        env["ZOPT_CUDA_DRIVER"] = FAKE
     r = subprocess.run([sys.executable, os.path.abspath(script), what, step_path,
                         str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"worker failed:\n{r.stdout}\n{r.stderr}"

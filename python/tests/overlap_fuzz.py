@@ -86,17 +86,18 @@ class World(Refusals):
                     f"htod_us={self.htod_us} "
                     f"bucket_elems={self.bucket_elems} budget={self.budget}"]
         init = [(torch.randn(sh, generator=self.g) * 0.5 + 0.1).to(self.dtype) for sh in SHAPES]
-        names = {"overlap": ["A", "B", "C"], "gpu": ["G", "C"], "fraction": ["A", "B"]}[mode]
+        names = {"overlap": ["A", "B", "C"], "gpu": ["G", "C"], "fraction": ["A", "B"],
+                 "stream": ["S", "N", "C"]}[mode]
         self.nets = []
         for name in names:
-            on_dev = name != "C"
+            on_dev = self.on_device(name)
             ts = [dev(sh, w, self.dtype) if on_dev else w.clone() for sh, w in zip(SHAPES, init)]
             self.nets.append(Net(ts))
         self.names = names
         self.inject = {"inf": None}  # the param index whose gradient gets an inf
         self.keep = []
         for name, net in zip(names, self.nets):
-            self._grad_hooks(net, name != "C" and not self.main, name in ("A", "G"))
+            self._grad_hooks(net, self.on_device(name) and not self.main, name in ("A", "G", "S"))
         self.sb = s.stream()  # B's torch stream (A's: the StandIn's first)
         self.with_extra = r.random() < 0.5  # else added later by add_param_group
         self.hyp = [self.rand_hypers(), self.rand_hypers()]
@@ -114,8 +115,17 @@ class World(Refusals):
         self._sync_hooks()
         self.sched = None
         self.ran = False
+        self.note = ""  # what the action running did so far (a failure's log)
 
     # ---- construction -----------------------------------------------------------
+    def on_device(self, name):
+        """Copy ``name``'s params and gradients in (stand-in) device memory."""
+        return name != "C"
+
+    def make_kw(self, name):
+        """Copy ``name``'s own options of zopt.Optimizer (the streaming world's)."""
+        return {}
+
     def rand_hypers(self):
         r = self.r
         h = dict(lr=r.choice([1e-3, 1e-2, 3e-2]), weight_decay=r.choice([0.0, 0.01, 0.1]))
@@ -158,7 +168,7 @@ class World(Refusals):
 
     def make(self, k, groups=None):
         name = self.names[k]
-        if name != "C":  # a new optimizer reads the params on the host (the stand-in's
+        if self.on_device(name):  # a new optimizer reads the params on the host (the stand-in's
             # device memory) where a GPU's reads queue behind the stream's waits
             st = self.sb if name == "B" else self.s.cur["s"]
             assert self.fake.cuStreamSynchronize(ctypes.c_void_p(st)) == 0
@@ -169,6 +179,7 @@ class World(Refusals):
             kw.update(overlap=True, speculation_budget=self.budget)
             if self.per_bucket:
                 kw["model"] = self.nets[k]
+        kw.update(self.make_kw(name))
         frozen = None
         if groups is not None and (name == "G" or self.mode == "fraction"):
             # a new optimizer with a GPU step (or class) that loads the old
@@ -395,7 +406,7 @@ class World(Refusals):
     def backward_all(self, x, first_micro=False):
         """One backward on every copy (A's first micro-batch in no_sync())."""
         for k in range(len(self.opts)):
-            if first_micro and self.names[k] == "A":
+            if first_micro and self.names[k] in ("A", "S"):
                 with self.opts[k].no_sync():
                     self.loss(k, x).backward()
             else:
@@ -450,21 +461,32 @@ class World(Refusals):
         finally:
             self.inject["inf"] = None
         self.unused_grads()
-        if self.ov and r.random() < 0.3:
-            msg += self.refusals_after_marks()
-        elif self.mode == "gpu" and r.random() < 0.3:  # the step's clip, begun by hand
-            mx = r.choice([0.1, 1.0, 10.0])
-            norms = []
-            for k, o in enumerate(self.opts):
-                self.ready(k)
-                norms.append(float(o.clip_grad_norm_(mx)))
-            expect(norms[0] == norms[-1] or (np.isnan(norms[0]) and np.isnan(norms[-1])),
-                   f"clip_grad_norm_: {norms}")
-            msg += f"; clip_grad_norm_({mx})"
+        msg += self.between_backward_and_step()
         self.step_all()
         if self.ov and r.random() < 0.5:
             msg += self.read_right_after_step()
         return msg
+
+    def between_backward_and_step(self):
+        """a_train's calls between the backward and step(): the refusals
+        after the marks (overlap) or the step's clip begun by hand (GPU)."""
+        r = self.r
+        if self.ov and r.random() < 0.3:
+            return self.refusals_after_marks()
+        if self.mode == "gpu" and r.random() < 0.3:
+            return self.clip_by_hand()
+        return ""
+
+    def clip_by_hand(self):
+        """The step's clip, begun by hand: every copy's norm the same."""
+        mx = self.r.choice([0.1, 1.0, 10.0])
+        norms = []
+        for k, o in enumerate(self.opts):
+            self.ready(k)
+            norms.append(float(o.clip_grad_norm_(mx)))
+        expect(norms[0] == norms[-1] or (np.isnan(norms[0]) and np.isnan(norms[-1])),
+               f"clip_grad_norm_: {norms}")
+        return f"; clip_grad_norm_({mx})"
 
     def a_frozen(self):
         ps = [plist(n) for n in self.nets]
@@ -557,7 +579,7 @@ class World(Refusals):
         return torch.float32 if self.main else self.dtype
 
     def give(self, k, p, gd):
-        on_dev = self.names[k] != "C"
+        on_dev = self.on_device(self.names[k])
         t = self.dev(tuple(gd.shape), gd, gd.dtype) if on_dev else gd.clone()
         if self.main:
             p.main_grad = t
@@ -567,9 +589,9 @@ class World(Refusals):
     def a_hand_grads(self):
         """Gradients set by hand, no backward: step() marks every bucket (A);
         a param that requires grad without one: (A) refused... so every one
-        gets one here; the GPU world leaves a random one without."""
+        gets one here; the GPU and streaming worlds leave a random one without."""
         self.zero_grad("none")
-        skip = self.r.randrange(5) if self.mode == "gpu" else -1
+        skip = self.r.randrange(5) if self.mode in ("gpu", "stream") else -1
         n = 0
         for i in range(5 if self.with_extra else 4):
             if i == skip:
@@ -598,16 +620,18 @@ ACTIONS_W = [("a_train", 10), ("a_frozen", 1), ("a_hypers", 2), ("a_sched", 1),
              ("a_abort", 1), ("a_hand_grads", 1), ("a_bad_lr", 1)]
 
 
-def run_case(mode, variants, seed, tmp, s, dev, actions):
+def run_case(mode, variants, seed, tmp, s, dev, actions, world=World):
     names = [n for n, k in ACTIONS_W for _ in range(k)]
     try:
-        w = World(mode, variants, seed, tmp, s, dev)
+        w = world(mode, variants, seed, tmp, s, dev)
     except BaseException as e:
         return dict(seed=seed, log=["(built)"], error=f"{type(e).__name__}: {e}",
                     trace=traceback.format_exc()[-3000:])
+    n, name = "-", "check"
     try:
         w.check("built")
         for n in range(actions):
+            w.note = ""
             name = w.r.choice(names)
             msg = getattr(w, name)()
             if msg is None:
@@ -617,9 +641,12 @@ def run_case(mode, variants, seed, tmp, s, dev, actions):
                 w.check(f"action {n} ({msg})")
                 w.log[-1] += " [checked]"
     except BaseException as e:
+        w.log.append(f"{n}: {name} raised (then: {w.note})")
         return dict(seed=seed, log=w.log, error=f"{type(e).__name__}: {e}",
                     trace=traceback.format_exc()[-3000:])
     finally:
+        if os.environ.get("ZOPT_FUZZ_LOG") == "1":  # every case's actions, on stderr
+            print("\n  ".join([f"seed {seed}:"] + w.log), file=sys.stderr, flush=True)
         try:
             w.close()
         except BaseException:
@@ -642,10 +669,16 @@ def variants_of(mode, paths):
 
 
 def main(mode, paths, tmp):
-    s = StandIn()
-    cuda_params()
-    dev = device_tensors(s.fake)
-    grads_on_device(dev)
+    world = World
+    if mode == "stream":  # CPU params only: no stand-in driver (stream_fuzz.py;
+        from stream_fuzz import NoDevice, StreamWorld, join_ranks  # ZOPT_FUZZ_RANK: gloo ranks)
+        s, dev, world = NoDevice(), None, StreamWorld
+        join_ranks()
+    else:
+        s = StandIn()
+        cuda_params()
+        dev = device_tensors(s.fake)
+        grads_on_device(dev)
     cases = int(os.environ.get("ZOPT_FUZZ_CASES", "8"))
     seed0 = int(os.environ.get("ZOPT_FUZZ_SEED", "0"))
     actions = int(os.environ.get("ZOPT_FUZZ_ACTIONS", "25"))
@@ -653,7 +686,8 @@ def main(mode, paths, tmp):
     out = dict(cases=0, failures=[])
     only = [int(x) for x in os.environ.get("ZOPT_FUZZ_LIST", "").split(",") if x]
     for c in (only or range(cases)):  # (ZOPT_FUZZ_LIST: these case numbers only)
-        f = run_case(mode, variants, seed0 * 100003 + c + int(os.environ.get("ZOPT_FUZZ_FIRST", "0")), tmp, s, dev, actions)
+        f = run_case(mode, variants, seed0 * 100003 + c + int(os.environ.get("ZOPT_FUZZ_FIRST", "0")), tmp, s, dev, actions,
+                     world)
         out["cases"] += 1
         if f is not None:
             out["failures"].append(f)

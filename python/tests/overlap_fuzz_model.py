@@ -18,7 +18,8 @@ class Layer(torch.nn.Module):
 
 class Net(torch.nn.Module):
     """l2(tanh(l1(x))) * extra; ``abort`` raises in backward between l2 and
-    l1 (after l2's gradients were accumulated)."""
+    l1 (after l2's gradients were accumulated); ``use_extra`` False: extra
+    left out of the forward (no gradient)."""
 
     def __init__(self, ts):
         super().__init__()
@@ -26,6 +27,7 @@ class Net(torch.nn.Module):
         self.l2 = Layer(ts[2], ts[3])
         self.extra = torch.nn.Parameter(ts[4])
         self.abort = False
+        self.use_extra = True
 
     def forward(self, x):
         h = torch.tanh(self.l1(x))
@@ -33,7 +35,8 @@ class Net(torch.nn.Module):
             def boom(_g):
                 raise RuntimeError("fuzz: backward aborted")
             h.register_hook(boom)
-        return self.l2(h) * self.extra.float()
+        y = self.l2(h)
+        return y * self.extra.float() if self.use_extra else y
 
 
 SHAPES = [(H, D), (H,), (O, H), (O,), (O,)]

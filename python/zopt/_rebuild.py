@@ -210,15 +210,16 @@ def _scratch_like(p):
 
 
 def register_moved(c, tids):
-    """Moved params: under ZeRO-3 nothing to register (the runtime never
-    reads the registered param memory after finalize; the binding passes
-    the current storage everywhere). Otherwise the runtime writes params
-    in place: their new storage is registered
+    """Moved params: their new storage registered
     (``zopt_optimizer_set_tensor_memory``, GPU steps too: the runtime
     rewrites the device's pointer table; a refusal: the native optimizer
-    rebuilt around it), every state kept."""
-    if c.step.zero3:
-        return
+    rebuilt around it), every state kept. Under ZeRO-3 too, although the
+    runtime never reads the registered param memory after finalize (the
+    binding passes the current storage everywhere): left registered, the
+    old storage, once another param's or gradient's, was refused as
+    registered (finding S2), and a rank whose param the allocator put
+    back into its registered storage refreshed it otherwise (another
+    collective) than the others (S3)."""
     tids = [t for t in tids if c.entries[t].dense is None]
     if not tids:  # strided params: their registered copies did not move
         return

@@ -293,15 +293,15 @@ class GradStreamer(BucketMarks):
         o = self._part()
         self.wait()  # the exchanges in flight (a failure is raised here)
         if self.started:
-            rb = o.rebuilds
-            o.check_params()  # in-place writes since: the master refreshed
-            if o.rebuilds != rb:
-                self.lost = True
+            # in-place writes since: the master refreshed; params given new
+            # memory: registered in place, the reduced shards kept (a new
+            # native optimizer or one grown by a group loses them: attach)
+            o.check_params()
         if self.lost:
             self._idle()
             raise ZoptError(Status.BAD_STATE,
-                            "grad_streaming: the native optimizer was rebuilt (params given new "
-                            "memory, p.data = ..., or a param group added) after this step's "
+                            "grad_streaming: the native optimizer was rebuilt (a param group "
+                            "added, or params that swapped storage) after this step's "
                             "gradients were reduced; they are lost: run the backward again")
         ents = o.entries
         if not self.started:
