@@ -13,7 +13,15 @@
 // Every read is an AVX-512 load XOR-accumulated (or AVX2), prefetched
 // 2 KiB ahead, every 64-byte line, as the kernels and the roofline do.
 // Prints each variant's median ms and GB/s (bytes moved / time).
+// With --step STEP.so (--sumsq SYMBOL, an AVX-512 SUMSQ variant), two more
+// rows: the step's SUMSQ kernel one block per call (kernel1) and its pair
+// entry SYMBOL_x2 on two adjacent blocks (kernel2, abi.h "SUMSQ pairs"),
+// every state pointer on the buffer, every coefficient 0.5.
 //   zopt-bench-read-streams [--elems N] [--es 2|4] [--block B] [--threads T] [--reps R] [--avx2]
+//                           [--step STEP.so --sumsq SYMBOL]
+#include "zopt/abi.h"
+
+#include <dlfcn.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -173,8 +181,11 @@ int main(int argc, char **argv) {
   size_t elems = size_t(64) << 20, es = 2, block = 32768;
   int T = 2, reps = 15;
   bool avx2 = false;
+  const char *stepPath = nullptr, *sumsqSym = nullptr;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
+    if (a == "--step" && i + 1 < argc) { stepPath = argv[++i]; continue; }
+    if (a == "--sumsq" && i + 1 < argc) { sumsqSym = argv[++i]; continue; }
     auto val = [&] { return i + 1 < argc ? std::strtoull(argv[++i], nullptr, 10) : 0ull; };
     if (a == "--elems") elems = val();
     else if (a == "--es") es = val();
@@ -241,6 +252,28 @@ int main(int argc, char **argv) {
       else { if (es == 2) sumsqK512<1, true>(s, bb, 0.5f, d); else sumsqK512<1, false>(s, bb, 0.5f, d); }
     }
   };
+  zopt_sumsq_fn k1 = nullptr;
+  zopt_sumsq2_fn k2 = nullptr;
+  if (stepPath) {
+    void *h = dlopen(stepPath, RTLD_NOW | RTLD_LOCAL);
+    std::string x2 = std::string(sumsqSym ? sumsqSym : "") + "_x2";
+    if (!h || !sumsqSym || !(k1 = (zopt_sumsq_fn)dlsym(h, sumsqSym)) || !(k2 = (zopt_sumsq2_fn)dlsym(h, x2.c_str()))) {
+      std::fprintf(stderr, "--step needs a step.so and --sumsq SYMBOL with SYMBOL_x2 exported\n");
+      return 2;
+    }
+  }
+  std::vector<float> kco(ZOPT_MAX_COEFFS, 0.5f);
+  std::vector<double> kp1(nblk), kp2(nblk);
+  auto kernel = [&](int K, int t) {
+    size_t b, e;
+    part(t, b, e);
+    void *tab0[ZOPT_MAX_STATES], *tab1[ZOPT_MAX_STATES];
+    for (size_t o = b; o < e; o += K * bb) {
+      for (int j = 0; j < ZOPT_MAX_STATES; ++j) tab0[j] = buf + o, tab1[j] = buf + o + bb;
+      if (K == 2 && o + 2 * bb <= e) k2(tab0, (int64_t)block, kco.data(), tab1, (int64_t)block, kco.data(), &kp2[o / bb]);
+      else (K == 2 ? kp2 : kp1)[o / bb] = k1(tab0, (int64_t)block, kco.data()), o -= (K - 1) * bb;
+    }
+  };
   auto inplace = [&](int t) {
     size_t b, e;
     part(t, b, e);
@@ -259,6 +292,10 @@ int main(int argc, char **argv) {
       {"inplace", inplace, 2, {}},
   };
   if (avx2) vs.erase(vs.end() - 3, vs.end() - 1);  // the SUMSQ rows are AVX-512 only
+  if (k1) {
+    vs.insert(vs.end() - 1, V{"kernel1", [&](int t) { kernel(1, t); }, 1, {}});
+    vs.insert(vs.end() - 1, V{"kernel2", [&](int t) { kernel(2, t); }, 1, {}});
+  }
   Pool pool(T);
   for (int r = -2; r < reps; ++r)
     for (V &v : vs) {
@@ -271,6 +308,10 @@ int main(int argc, char **argv) {
     for (size_t i = 0; i < nblk; ++i)
       if (part1[i] != partK[i]) { std::fprintf(stderr, "block %zu: %a vs %a\n", i, part1[i], partK[i]); break; }
     std::fprintf(stderr, "sumsq2b's partials differ from sumsq1's\n");
+    return 1;
+  }
+  if (k1 && std::memcmp(kp1.data(), kp2.data(), nblk * sizeof(double))) {
+    std::fprintf(stderr, "the pair entry's partials differ from the kernel's\n");
     return 1;
   }
   std::printf("%zu elems x %zu B, block %zu, %d threads, %d reps, %s\n", elems, es, block, T, reps, avx2 ? "avx2" : "avx512");
