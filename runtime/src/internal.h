@@ -172,6 +172,7 @@ struct zopt_step {
   zopt_prepare_fn prepare = nullptr;
   zopt_update_fn update = nullptr;
   zopt_sumsq_fn sumsq = nullptr;
+  zopt_sumsq2_fn sumsq2 = nullptr;    // sumsq's pair entry, if exported (abi.h "SUMSQ pairs")
   zopt_control_fn control = nullptr;  // every step: the host CONTROL (abi.h)
   zopt_isa update_isa = ZOPT_ISA_NONE;
   bool has_cpu_kernels = false;

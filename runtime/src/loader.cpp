@@ -376,6 +376,12 @@ ZOPT_API zopt_status zopt_step_load(const char *path, zopt_step **out) {
     if ((int)k.isa <= max_isa && (int)k.isa > best[k.role]) {
       best[k.role] = (int)k.isa;
       fn[k.role] = f;
+      if (k.role == ZOPT_KERNEL_SUMSQ) {
+        // abi.h "SUMSQ pairs": the chosen variant's pair entry, if exported.
+        std::string x2 = std::string(k.symbol) + "_x2";
+        s->sumsq2 = (zopt_sumsq2_fn)dlsym(h, x2.c_str());
+        dlerror();
+      }
     }
   }
   if (any_cpu) {

@@ -430,6 +430,173 @@ static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
   return fn;
 }
 
+// SUMSQ on two chunks in one loop (abi.h "SUMSQ pairs"), AVX-512 variants:
+//   void name_<isa>_x2(void *const *s0, int64_t n0, const float *c0,
+//                      void *const *s1, int64_t n1, const float *c1,
+//                      double *out)
+// out[j] = the SUMSQ of chunk j, the same bits as the single kernel: each
+// chunk has its own ZOPT_SUMSQ_LANES accumulators and sees its elements in
+// the same order; the loop over both chunks' common full vectors keeps two
+// read streams in flight per thread (one stream gets about half of the
+// in-place stream's rate per byte: docs/benchmarks/cpu.md), then each
+// chunk's rest, its masked tail and its ordered lane sum as in lowerKernel.
+static func::FuncOp lowerSumsqPair(OpBuilder &mb, zk::KernelOp k,
+                                   const IsaInfo &isa, int64_t numStates) {
+  MLIRContext *ctx = k.getContext();
+  Location loc = k.getLoc();
+  auto ptrTy = LLVM::LLVMPointerType::get(ctx);
+  Type i64 = IntegerType::get(ctx, 64), f64 = Float64Type::get(ctx),
+       f32 = Float32Type::get(ctx);
+  auto fnTy = FunctionType::get(
+      ctx, {ptrTy, i64, ptrTy, ptrTy, i64, ptrTy, ptrTy}, TypeRange{});
+  auto fn = func::FuncOp::create(
+      mb, loc, (k.getSymName() + "_" + isa.name + "_x2").str(), fnTy);
+  fn->setAttr("zopt.isa", StringAttr::get(ctx, isa.name));
+  fn->setAttr("llvm.linkage",
+              LLVM::LinkageAttr::get(ctx, LLVM::Linkage::External));
+  Block *entry = fn.addEntryBlock();
+  OpBuilder b = OpBuilder::atBlockEnd(entry);
+  Block &body = k.getBody().front();
+  const int lanes = ZOPT_SUMSQ_LANES;
+  bool sumsqOfNarrow = false;
+  body.walk([&](zk::AccumulateOp a) {
+    sumsqOfNarrow = !a.getValue().getType().isF64();
+  });
+  bool split = true;
+  body.walk([&](zk::LoadOp l) { split &= l.getType().isBF16(); });
+  int64_t maxCoeff = -1;
+  body.walk([&](zk::CoeffOp c) {
+    maxCoeff = std::max<int64_t>(maxCoeff, c.getIndex());
+  });
+  Value W = arith::ConstantOp::create(b, loc, b.getI64IntegerAttr(lanes));
+  Value zero = arith::ConstantOp::create(b, loc, b.getI64IntegerAttr(0));
+  struct Side {
+    SmallVector<Value> ptrs, cs, cv;
+    SmallVector<std::pair<Value, int64_t>> streams;
+    Value n, nVec;
+  } side[2];
+  for (int j = 0; j < 2; ++j) {
+    Side &S = side[j];
+    Value table = entry->getArgument(3 * j), coeffs = entry->getArgument(3 * j + 2);
+    S.n = entry->getArgument(3 * j + 1);
+    S.ptrs.assign(numStates, Value());
+    auto in = [&](int64_t slot, int64_t bytes) {
+      if (!S.ptrs[slot]) {
+        S.ptrs[slot] = loadPtrAt(b, loc, table, slot, ptrTy, ptrTy);
+        S.streams.push_back({S.ptrs[slot], bytes});
+      }
+    };
+    body.walk([&](zk::LoadOp l) {
+      Type t = l.getType();
+      int64_t bytes = t.isF64() ? 8 : t.isF32() ? 4 : 2;
+      if (auto h = l.getRemainderOf()) {
+        in(*h, 2);
+        bytes = 2;
+      }
+      in(l.getSlot(), bytes);
+    });
+    for (int64_t c = 0; c <= maxCoeff; ++c) {
+      S.cs.push_back(loadPtrAt(b, loc, coeffs, c, f32, f32));
+      S.cv.push_back(vector::BroadcastOp::create(
+          b, loc, VectorType::get({lanes}, f32), S.cs.back()));
+    }
+    S.nVec = arith::SubIOp::create(b, loc, S.n,
+                                   arith::RemSIOp::create(b, loc, S.n, W));
+  }
+  auto prefetchAhead = [&](OpBuilder &pb, Location l, const Side &S, Value iv) {
+    Type i8 = pb.getI8Type();
+    for (auto [base, bytes] : S.streams) {
+      Value off = arith::MulIOp::create(
+          pb, l, iv,
+          arith::ConstantOp::create(pb, l, pb.getI64IntegerAttr(bytes)));
+      for (int64_t o = 0; o < lanes * bytes; o += 64) {
+        Value at = arith::AddIOp::create(
+            pb, l, off,
+            arith::ConstantOp::create(pb, l,
+                                      pb.getI64IntegerAttr(kPrefetchBytes + o)));
+        Value addr = LLVM::GEPOp::create(pb, l, base.getType(), i8, base,
+                                         ValueRange{at});
+        LLVM::Prefetch::create(pb, l, addr, /*rw=*/0, /*hint=*/3,
+                               /*cache=*/1);
+      }
+    }
+  };
+  auto accTy = VectorType::get({lanes}, f64);
+  Value accInit = arith::ConstantOp::create(
+      b, loc, DenseElementsAttr::get(accTy, b.getF64FloatAttr(0.0)));
+  auto accumulate = [&](OpBuilder &eb, Location l, const Side &S, Value iv,
+                        Value acc, Value mask) -> Value {
+    BodyEmitter e{eb, l, lanes, S.ptrs, S.cs, S.cv};
+    e.packHalves = true;
+    e.splitBf16 = split;
+    e.loadMask = mask;
+    Value sq = e.emit(body, iv);
+    if (mask && split) {
+      SmallVector<int64_t> perm;
+      for (int j = 0; j < lanes; ++j)
+        perm.push_back(BodyEmitter::splitElement(j, lanes));
+      mask = vector::ShuffleOp::create(eb, l, mask, mask, perm);
+    }
+    if (mask)
+      sq = arith::SelectOp::create(
+          eb, l, mask, sq,
+          arith::ConstantOp::create(
+              eb, l, DenseElementsAttr::get(accTy, eb.getF64FloatAttr(0.0))));
+    auto fm = sumsqOfNarrow ? e.accumulateFastmath() : arith::FastMathFlagsAttr();
+    return arith::AddFOp::create(eb, l, acc, sq, fm);
+  };
+  // Both chunks' common full vectors, then each chunk's rest.
+  Value common = arith::MinSIOp::create(b, loc, side[0].nVec, side[1].nVec);
+  auto both = scf::ForOp::create(
+      b, loc, zero, common, W, ValueRange{accInit, accInit},
+      [&](OpBuilder &lb, Location l, Value iv, ValueRange iter) {
+        prefetchAhead(lb, l, side[0], iv);
+        prefetchAhead(lb, l, side[1], iv);
+        Value a0 = accumulate(lb, l, side[0], iv, iter[0], Value());
+        Value a1 = accumulate(lb, l, side[1], iv, iter[1], Value());
+        scf::YieldOp::create(lb, l, ValueRange{a0, a1});
+      });
+  Value out = entry->getArgument(6);
+  for (int j = 0; j < 2; ++j) {
+    const Side &S = side[j];
+    auto rest = scf::ForOp::create(
+        b, loc, common, S.nVec, W, ValueRange{both.getResult(j)},
+        [&](OpBuilder &lb, Location l, Value iv, ValueRange iter) {
+          prefetchAhead(lb, l, S, iv);
+          scf::YieldOp::create(
+              lb, l, ValueRange{accumulate(lb, l, S, iv, iter[0], Value())});
+        });
+    Value acc = rest.getResult(0);
+    Value hasTail =
+        arith::CmpIOp::create(b, loc, arith::CmpIPredicate::slt, S.nVec, S.n);
+    auto tail = scf::IfOp::create(b, loc, TypeRange{accTy}, hasTail, true);
+    {
+      OpBuilder::InsertionGuard g(b);
+      b.setInsertionPointToStart(&tail.getThenRegion().front());
+      Value mask = tailMask(b, loc, lanes, S.n, S.nVec);
+      scf::YieldOp::create(b, loc,
+                           ValueRange{accumulate(b, loc, S, S.nVec, acc, mask)});
+      b.setInsertionPointToStart(&tail.getElseRegion().front());
+      scf::YieldOp::create(b, loc, ValueRange{acc});
+    }
+    Value lanesSum = tail.getResult(0);
+    if (split) {
+      SmallVector<int64_t> inv(lanes);
+      for (int l = 0; l < lanes; ++l)
+        inv[BodyEmitter::splitElement(l, lanes)] = l;
+      lanesSum = vector::ShuffleOp::create(b, loc, lanesSum, lanesSum, inv);
+    }
+    Value total = vector::ReductionOp::create(
+        b, loc, vector::CombiningKind::ADD, lanesSum);
+    Value at = LLVM::GEPOp::create(
+        b, loc, ptrTy, f64, out,
+        ValueRange{arith::ConstantOp::create(b, loc, b.getI64IntegerAttr(j))});
+    LLVM::StoreOp::create(b, loc, total, at);
+  }
+  func::ReturnOp::create(b, loc);
+  return fn;
+}
+
 static func::FuncOp lowerPrepare(OpBuilder &mb, zk::PrepareOp p) {
   MLIRContext *ctx = p.getContext();
   Location loc = p.getLoc();
@@ -583,6 +750,11 @@ struct ConvertZKToCPU
         addKernel(k.getRole() == zk::KernelRole::update ? ZOPT_KERNEL_UPDATE
                                                         : ZOPT_KERNEL_SUMSQ,
                   isa.code, f.getSymName());
+        // Its pair entry (abi.h "SUMSQ pairs"): not in the kernel table;
+        // the runtime finds it by name. AVX-512 only: on AVX2 two chunks'
+        // 16 ymm accumulators would fill the register file.
+        if (k.getRole() == zk::KernelRole::sumsq && isa.lanes == 16)
+          lowerSumsqPair(mb, k, isa, numStates);
       }
       k.erase();
     }

@@ -2,8 +2,9 @@
 //
 // lib/Target/CPU/ owns zopt-set-target-attrs (include/zopt/Target/Passes.td):
 // each CPU kernel function's ISA variant (the `_<isa>` suffix of its name,
-// convert-zk-to-cpu's) becomes its target-cpu, target-features and vector
-// width, so that one object holds the x86-64-v3, v4 and avx512bf16 variants.
+// convert-zk-to-cpu's; a SUMSQ pair entry's `_<isa>_x2`) becomes its
+// target-cpu, target-features and vector width, so that one object holds the
+// x86-64-v3, v4 and avx512bf16 variants.
 //===----------------------------------------------------------------------===//
 #include "zopt/Target/Passes.h"
 
@@ -21,6 +22,7 @@ struct ZoptSetTargetAttrs
     MLIRContext *ctx = &getContext();
     getOperation().walk([&](LLVM::LLVMFuncOp f) {
       StringRef name = f.getSymName();
+      name.consume_back("_x2"); // abi.h "SUMSQ pairs": sym_x2 is sym's ISA
       const char *cpu = nullptr, *width = nullptr;
       if (name.ends_with("_avx512bf16")) {
         cpu = "x86-64-v4";

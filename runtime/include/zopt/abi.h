@@ -218,6 +218,15 @@ typedef void (*zopt_update_fn)(void *const *in, void *const *out,
                                int64_t n, const float *coeffs);
 typedef double (*zopt_sumsq_fn)(void *const *states, int64_t n,
                                 const float *coeffs);
+/* SUMSQ pairs: a SUMSQ kernel `sym` may come with an exported companion
+ * `sym_x2` (not in the kernel table; the runtime looks it up by name, and
+ * a step.so without it runs with `sym` alone):
+ *   out[j] = sym(s_j, n_j, c_j) for j = 0, 1, the same bits,
+ * computed in one loop so that two read streams are in flight per thread.
+ * zopt-compile emits it for the AVX-512 variants. */
+typedef void (*zopt_sumsq2_fn)(void *const *s0, int64_t n0, const float *c0,
+                               void *const *s1, int64_t n1, const float *c1,
+                               double *out);
 typedef void (*zopt_update_sr_fn)(void *const *in, void *const *out,
                                   int64_t n, const float *coeffs,
                                   uint32_t key, uint32_t first);

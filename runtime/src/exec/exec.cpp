@@ -23,11 +23,26 @@ namespace {
 void run_sumsq(zopt_optimizer *o, Blocks &B) {
   Program &P = *o->prog;
   zopt_sumsq_fn f = o->step->sumsq;
+  zopt_sumsq2_fn f2 = o->step->sumsq2;
   parallel(o->pool, [&](int tid) {
-    for (size_t i = B.sumsq.thread_begin[tid]; i < B.sumsq.thread_begin[tid + 1]; ++i) {
+    const size_t end = B.sumsq.thread_begin[tid + 1];
+    for (size_t i = B.sumsq.thread_begin[tid]; i < end; ++i) {
       const Chunk &c = B.sumsq.chunks[i];
       // A tensor without a gradient contributes +0.0: no sum changes.
-      B.chunk_partials[i] = active(P, c.tensor) ? f(c.ptrs, c.len, coeffs_of(P, c.tensor)) : 0.0;
+      if (!active(P, c.tensor)) {
+        B.chunk_partials[i] = 0.0;
+        continue;
+      }
+      // Two chunks in one loop where the step has the pair entry (abi.h
+      // "SUMSQ pairs"): each chunk's partial is the same bits, with two
+      // read streams in flight (docs/benchmarks/cpu.md).
+      if (f2 && i + 1 < end && active(P, B.sumsq.chunks[i + 1].tensor)) {
+        const Chunk &d = B.sumsq.chunks[i + 1];
+        f2(c.ptrs, c.len, coeffs_of(P, c.tensor), d.ptrs, d.len, coeffs_of(P, d.tensor), &B.chunk_partials[i]);
+        ++i;
+        continue;
+      }
+      B.chunk_partials[i] = f(c.ptrs, c.len, coeffs_of(P, c.tensor));
     }
   });
   for (size_t k = 0; k + 1 < B.first.size(); ++k) {

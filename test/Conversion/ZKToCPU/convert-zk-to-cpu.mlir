@@ -167,8 +167,20 @@ zk.kernel @t_update update {
 // CHECK: %[[LANES:.+]] = vector.shuffle %[[ACC:.+]], %[[ACC]] [0, 16, 1, 17, 2, 18, {{.+}}, 14, 30, 15, 31] : vector<32xf64>, vector<32xf64>
 // CHECK: vector.reduction <add>, %[[LANES]] : vector<32xf64> into f64
 // CHECK-NOT: fastmath<reassoc
+// The pair entry (abi.h "SUMSQ pairs", AVX-512 only): both chunks' common
+// vectors in one loop, each with its own accumulators, then each chunk's
+// rest, tail and ordered sum, stored to out[0] and out[1].
+// CHECK-LABEL: func.func @t_sumsq_avx512_x2(%{{.+}}: !llvm.ptr, %{{.+}}: i64, %{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr, %{{.+}}: i64, %{{.+}}: !llvm.ptr, %{{.+}}: !llvm.ptr) attributes
+// CHECK: arith.minsi
+// CHECK: scf.for {{.+}} iter_args(%{{.+}} = %{{.+}}, %{{.+}} = %{{.+}}) -> (vector<32xf64>, vector<32xf64>)
+// CHECK: vector.reduction <add>, %{{.+}} : vector<32xf64> into f64
+// CHECK: llvm.store
+// CHECK: vector.reduction <add>, %{{.+}} : vector<32xf64> into f64
+// CHECK: llvm.store
+// CHECK-NOT: fastmath<reassoc
 // CHECK-LABEL: func.func @t_sumsq_avx2(
 // CHECK: -> (vector<32xf64>)
+// CHECK-NOT: @t_sumsq_avx2_x2
 zk.kernel @t_sumsq sumsq {
   %g = zk.load 1 : bf16
   %gf = arith.extf %g : bf16 to f32

@@ -82,6 +82,8 @@
 //===----------------------------------------------------------------------===//
 #include "kernel-check.h"
 
+#include <string>
+
 #include "control-check.h"
 
 using namespace kc;
@@ -206,6 +208,9 @@ bool loadStep(const char *path, Step &st) {
     } else if (k.role == ZOPT_KERNEL_SUMSQ) {
       for (auto &u : st.sumsqs) if (u.first == k.isa) kernOk = false;
       st.sumsqs.push_back({k.isa, (zopt_sumsq_fn)fn});
+      std::string x2 = std::string(k.symbol) + "_x2";
+      st.sumsq2s.push_back((zopt_sumsq2_fn)dlsym(st.lib, x2.c_str()));
+      if (st.sumsq2s.back()) std::printf("INFO kernel %u: pair entry %s\n", i, x2.c_str());
     } else if (k.role == ZOPT_KERNEL_CONTROL && k.isa == ZOPT_ISA_NONE) {
       ++st.nControl;
       st.control = (zopt_control_fn)fn;
@@ -464,6 +469,7 @@ int main(int argc, char **argv) {
         continue;
       }
       for (size_t n : sizes) checkSumsq(st, s.first, s.second, n, seed++);
+      if (zopt_sumsq2_fn f2 = st.sumsq2s[&s - st.sumsqs.data()]) checkSumsqPair(st, s.first, s.second, f2, seed++);
     }
   }
   std::printf("%d passed, %d failed\n", gPassed, gFailed);

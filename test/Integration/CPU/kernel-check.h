@@ -151,6 +151,7 @@ struct Step {
   int nControl = 0;
   std::vector<std::pair<uint32_t, zopt_update_fn>> updates; // isa, fn
   std::vector<std::pair<uint32_t, zopt_sumsq_fn>> sumsqs;
+  std::vector<zopt_sumsq2_fn> sumsq2s; // sumsqs[i]'s pair entry or null (abi.h "SUMSQ pairs")
 };
 
 inline const char *isaName(uint32_t isa) { return zopt_isa_name(isa); }
@@ -305,6 +306,8 @@ void checkQ8Sweep(const Step &st, uint32_t isa, zopt_update_fn fn, uint64_t stri
 // kernel-check-sumsq.cpp: a SUMSQ variant: abi.h's order bit for bit, the
 // error bound, non-finite inputs.
 void checkSumsq(const Step &st, uint32_t isa, zopt_sumsq_fn fn, size_t n, uint64_t seed);
+// The pair entry against two calls of the single kernel, bit for bit.
+void checkSumsqPair(const Step &st, uint32_t isa, zopt_sumsq_fn fn, zopt_sumsq2_fn fn2, uint64_t seed);
 
 } // namespace kc
 
