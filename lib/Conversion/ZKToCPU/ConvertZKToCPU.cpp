@@ -92,6 +92,34 @@ static Value tailMask(OpBuilder &b, Location loc, int lanes, Value n, Value from
       ValueRange{arith::IndexCastOp::create(b, loc, b.getIndexType(), rem)});
 }
 
+// A SUMSQ's end, after its full vectors summed into `acc`: the tail's
+// elements [nVec, n) through `tailAcc(acc, mask)` where there are any, then
+// the lanes summed in element order (split order: each lane back at its
+// element first), the f64 total. The one pass (lowerKernel) and the pair
+// entry (lowerSumsqPair) end alike: the same bits for a chunk either way.
+static Value sumsqTailAndTotal(OpBuilder &b, Location loc, int lanes, bool split, Type accTy, Value acc,
+                               Value n, Value nVec, llvm::function_ref<Value(Value, Value)> tailAcc) {
+  Value hasTail = arith::CmpIOp::create(b, loc, arith::CmpIPredicate::slt, nVec, n);
+  auto tail = scf::IfOp::create(b, loc, TypeRange{accTy}, hasTail, true);
+  {
+    OpBuilder::InsertionGuard g(b);
+    b.setInsertionPointToStart(&tail.getThenRegion().front());
+    Value mask = tailMask(b, loc, lanes, n, nVec);
+    scf::YieldOp::create(b, loc, ValueRange{tailAcc(acc, mask)});
+    b.setInsertionPointToStart(&tail.getElseRegion().front());
+    scf::YieldOp::create(b, loc, ValueRange{acc});
+  }
+  Value lanesSum = tail.getResult(0);
+  if (split) {
+    // a[l] sits in the lane j with splitElement(j) == l.
+    SmallVector<int64_t> inv(lanes);
+    for (int j = 0; j < lanes; ++j)
+      inv[BodyEmitter::splitElement(j, lanes)] = j;
+    lanesSum = vector::ShuffleOp::create(b, loc, lanesSum, lanesSum, inv);
+  }
+  return vector::ReductionOp::create(b, loc, vector::CombiningKind::ADD, lanesSum);
+}
+
 static constexpr int64_t kPrefetchBytes = 2048;
 
 static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
@@ -400,31 +428,15 @@ static func::FuncOp lowerKernel(OpBuilder &mb, zk::KernelOp k,
         scf::YieldOp::create(lb, l,
                              ValueRange{accumulate(e, iv, iter[0], Value())});
       });
-  Value acc = l1.getResult(0);
-  Value hasTail = arith::CmpIOp::create(b, loc, arith::CmpIPredicate::slt, nVec, n);
-  auto tail = scf::IfOp::create(b, loc, TypeRange{accTy}, hasTail, true);
-  {
-    OpBuilder::InsertionGuard g(b);
-    b.setInsertionPointToStart(&tail.getThenRegion().front());
-    Value mask = tailMask(b, loc, lanes, n, nVec);
-    BodyEmitter e{b, loc, lanes, ptrs, cs, cv};
-    e.packHalves = true;
-    e.splitBf16 = split;
-    e.loadMask = mask;
-    scf::YieldOp::create(b, loc, ValueRange{accumulate(e, nVec, acc, mask)});
-    b.setInsertionPointToStart(&tail.getElseRegion().front());
-    scf::YieldOp::create(b, loc, ValueRange{acc});
-  }
-  Value lanesSum = tail.getResult(0);
-  if (split) {
-    // a[l] sits in the lane j with splitElement(j) == l.
-    SmallVector<int64_t> inv(lanes);
-    for (int j = 0; j < lanes; ++j)
-      inv[BodyEmitter::splitElement(j, lanes)] = j;
-    lanesSum = vector::ShuffleOp::create(b, loc, lanesSum, lanesSum, inv);
-  }
-  Value total = vector::ReductionOp::create(
-      b, loc, vector::CombiningKind::ADD, lanesSum);
+  Value total = sumsqTailAndTotal(
+      b, loc, lanes, split, accTy, l1.getResult(0), n, nVec,
+      [&](Value acc, Value mask) {
+        BodyEmitter e{b, loc, lanes, ptrs, cs, cv};
+        e.packHalves = true;
+        e.splitBf16 = split;
+        e.loadMask = mask;
+        return accumulate(e, nVec, acc, mask);
+      });
   func::ReturnOp::create(b, loc, total);
   (void)one;
   return fn;
@@ -566,28 +578,11 @@ static func::FuncOp lowerSumsqPair(OpBuilder &mb, zk::KernelOp k,
           scf::YieldOp::create(
               lb, l, ValueRange{accumulate(lb, l, S, iv, iter[0], Value())});
         });
-    Value acc = rest.getResult(0);
-    Value hasTail =
-        arith::CmpIOp::create(b, loc, arith::CmpIPredicate::slt, S.nVec, S.n);
-    auto tail = scf::IfOp::create(b, loc, TypeRange{accTy}, hasTail, true);
-    {
-      OpBuilder::InsertionGuard g(b);
-      b.setInsertionPointToStart(&tail.getThenRegion().front());
-      Value mask = tailMask(b, loc, lanes, S.n, S.nVec);
-      scf::YieldOp::create(b, loc,
-                           ValueRange{accumulate(b, loc, S, S.nVec, acc, mask)});
-      b.setInsertionPointToStart(&tail.getElseRegion().front());
-      scf::YieldOp::create(b, loc, ValueRange{acc});
-    }
-    Value lanesSum = tail.getResult(0);
-    if (split) {
-      SmallVector<int64_t> inv(lanes);
-      for (int l = 0; l < lanes; ++l)
-        inv[BodyEmitter::splitElement(l, lanes)] = l;
-      lanesSum = vector::ShuffleOp::create(b, loc, lanesSum, lanesSum, inv);
-    }
-    Value total = vector::ReductionOp::create(
-        b, loc, vector::CombiningKind::ADD, lanesSum);
+    Value total = sumsqTailAndTotal(
+        b, loc, lanes, split, accTy, rest.getResult(0), S.n, S.nVec,
+        [&](Value acc, Value mask) {
+          return accumulate(b, loc, S, S.nVec, acc, mask);
+        });
     Value at = LLVM::GEPOp::create(
         b, loc, ptrTy, f64, out,
         ValueRange{arith::ConstantOp::create(b, loc, b.getI64IntegerAttr(j))});
